@@ -1,0 +1,127 @@
+"""KV caching for block diffusion: a static K/V store and the three cache policies of Fast-dLLM.
+
+Masked-diffusion models attend bidirectionally, so no K/V is ever exact once any token changes. Fast-dLLM
+(arXiv:2505.22618, Sec. 3.2) observes that K/V of positions outside the block being denoised barely change within
+a block, and reuses them:
+
+- `NoCache`: every step is a full forward over the whole sequence (LLaDA's original sampler).
+- `PrefixCache`: the block's first step is a full forward that also stores every position's K/V; later steps
+  recompute the block and everything after it, and reuse the stored K/V before the block.
+- `DualCache`: as prefix, but later steps recompute only the block and reuse stored K/V on both sides.
+
+All three only differ in which positions a step feeds to the model (`query_range`), so the denoising loop is
+written once. The store itself, `DiffusionKVCache`, is pre-allocated for the whole call (gpt-fast style) and
+written in place at explicit positions, so a step never concatenates tensors or changes shapes.
+
+This file is exported verbatim as Hub remote code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DiffusionKVCache:
+    """Per-layer K/V buffers `(batch, kv_heads, max_length, head_dim)`, written in place at `cache_position`.
+
+    Attention of every forward covers the whole buffer (positions `[0, max_length)`), which is what the prefix
+    and dual caches need: the full forward at a block start fills all positions, later steps overwrite the
+    positions they recompute. A forward with fewer rows than the buffer uses its first rows (finished rows are
+    dropped between blocks; the next full forward rewrites everything).
+
+    Buffers are allocated at the first write of each layer, on that layer's device and dtype, so models split
+    over several devices (`device_map="auto"`) keep each layer's cache next to its weights.
+    """
+
+    is_compileable = True
+
+    def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
+        self.num_layers = num_layers
+        self.max_batch_size = max_batch_size
+        self.max_length = max_length
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def _allocate(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, kv_heads, _, k_dim = key_states.shape
+        shape = (self.max_batch_size, kv_heads, self.max_length)
+        self.keys[layer_idx] = key_states.new_zeros(*shape, k_dim)
+        self.values[layer_idx] = value_states.new_zeros(*shape, value_states.shape[-1])
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `key_states`/`value_states` `(batch, kv_heads, q_len, head_dim)` at `cache_kwargs["cache_position"]`
+        `(q_len,)` and return this layer's K/V over the whole sequence `(batch, kv_heads, max_length, head_dim)`."""
+        if self.keys[layer_idx] is None:
+            self._allocate(layer_idx, key_states, value_states)
+        batch, q_len = key_states.shape[0], key_states.shape[2]
+        if batch > self.max_batch_size:
+            raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
+        keys = self.keys[layer_idx][:batch]
+        values = self.values[layer_idx][:batch]
+        if q_len == self.max_length:
+            keys.copy_(key_states)
+            values.copy_(value_states)
+        else:
+            position = cache_kwargs["cache_position"]
+            keys.index_copy_(2, position, key_states)
+            values.index_copy_(2, position, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.max_length if self.keys[layer_idx] is not None else 0
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+
+class CachePolicy:
+    """Which positions a denoising step recomputes. `uses_cache` says whether a `DiffusionKVCache` is needed."""
+
+    name = "none"
+    uses_cache = False
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        """Columns `[start, end)` of the sequence fed to the model at this step."""
+        raise NotImplementedError
+
+
+class NoCache(CachePolicy):
+    """Every step recomputes the whole sequence (LLaDA's sampler)."""
+
+    name = "none"
+    uses_cache = False
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        return 0, seq_len
+
+
+class PrefixCache(CachePolicy):
+    """Fast-dLLM prefix cache: full forward at the block start, then the block and the suffix."""
+
+    name = "prefix"
+    uses_cache = True
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        return (0, seq_len) if first_step else (block_start, seq_len)
+
+
+class DualCache(CachePolicy):
+    """Fast-dLLM dual cache: full forward at the block start, then only the block."""
+
+    name = "dual"
+    uses_cache = True
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        return (0, seq_len) if first_step else (block_start, block_end)
+
+
+def make_cache_policy(use_cache: bool, dual_cache: bool) -> CachePolicy:
+    if not use_cache:
+        return NoCache()
+    return DualCache() if dual_cache else PrefixCache()

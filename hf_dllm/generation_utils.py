@@ -1,0 +1,592 @@
+"""Diffusion `generate()` for masked-diffusion language models: one semi-autoregressive block-denoising loop.
+
+The loop (LLaDA arXiv:2502.09992, Sec. 2.4 "semi-autoregressive remasking"; Fast-dLLM arXiv:2505.22618) fills
+`max_new_tokens` masked positions after the prompt, `block_length` at a time, left to right. Within a block, each
+step runs the model, proposes a token for every masked position and commits some of them. Two independent,
+pluggable pieces decide the rest:
+
+- a cache policy (`cache.py`): which positions a step recomputes (no cache / prefix cache / dual cache);
+- an unmasking policy (`decoding.py`): how many positions a step commits (fixed schedule / threshold / factor).
+
+The model is reached through a small interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`,
+`diffusion_logits_shift`, `_diffusion_forward` and `_diffusion_new_cache`. LLaDA implements it in
+`modeling_llada.py`; a Dream-style model (logits shifted by one) only sets `diffusion_logits_shift = 1`.
+
+This file is exported verbatim as Hub remote code.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import GenerationConfig
+from transformers.utils import ModelOutput, logging
+
+from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
+from .decoding import UnmaskingPolicy, denoise_block_step, make_unmasking_policy
+
+
+logger = logging.get_logger(__name__)
+
+REMASKING_STRATEGIES = ("low_confidence", "random")
+
+# Every field of DiffusionGenerationConfig with its default. Nothing else is accepted, by the config or by
+# `generate()`: an unknown name is an error, never a silent no-op.
+_GENERATION_DEFAULTS = {
+    "max_new_tokens": 128,
+    "steps": None,
+    "block_length": 32,
+    "temperature": 0.0,
+    "do_sample": False,
+    "remasking": "low_confidence",
+    "threshold": None,
+    "factor": None,
+    "use_cache": True,
+    "dual_cache": True,
+    "cfg_scale": 0.0,
+    "eos_early_stop": True,
+    "logits_eos_inf": False,
+    "confidence_eos_eot_inf": False,
+    "mask_token_id": None,
+    "eos_token_id": None,
+    "eot_token_id": None,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "return_dict_in_generate": False,
+    "disable_compile": False,
+}
+_METADATA_FIELDS = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class DiffusionGenerationConfig(GenerationConfig):
+    r"""
+    Generation parameters of `DiffusionGenerationMixin.generate`. Saved as and loaded from `generation_config.json`.
+
+    Length and schedule:
+        max_new_tokens (`int`, 128): generated positions (all decoded unless `eos_early_stop` ends a row).
+        block_length (`int`, 32): positions per block; blocks are decoded left to right. When `max_new_tokens`
+            is not a multiple of it, the last block is shorter.
+        steps (`int`, *optional*): total denoising steps over all blocks, spread over blocks in proportion to their
+            length (`floor(steps * end_b / max_new_tokens)` minus the same at the block's start, at least 1 per
+            block). `None` = one token per step (`steps = max_new_tokens`). Must be `None` with
+            `threshold`/`factor`, whose steps are decided by confidence.
+
+    Unmasking (which masked positions a step commits):
+        remasking (`str`, `"low_confidence"`): `"low_confidence"` commits the most confident candidates,
+            `"random"` random ones (LLaDA Sec. 2.4).
+        threshold (`float`, *optional*): Fast-dLLM threshold decoding, 0 < tau <= 1.
+        factor (`float`, *optional*): Fast-dLLM factor decoding, > 0.
+        temperature (`float`, 0.0): 0 = greedy; > 0 samples with float64 Gumbel-max as LLaDA does.
+        do_sample (`bool`, False): must agree with `temperature` (True iff temperature > 0); passing only
+            `temperature` to `generate()` sets it.
+        cfg_scale (`float`, 0.0): unsupervised classifier-free guidance (LLaDA App. B.3); the unconditional
+            branch masks the prompt.
+        logits_eos_inf (`bool`): EOS logits set to -inf, so EOS is never proposed (LLaDA App. B.4).
+        confidence_eos_eot_inf (`bool`): EOS/EOT candidates get the lowest confidence, so they are committed last
+            (LLaDA App. B.4). EOS ids come from `eos_token_id`, EOT from `eot_token_id`.
+
+    Caching (Fast-dLLM Sec. 3.2):
+        use_cache (`bool`, True): reuse K/V of positions outside the block within a block.
+        dual_cache (`bool`, True): with `use_cache`, also reuse the suffix (only the block is recomputed).
+
+    Stopping and output:
+        eos_early_stop (`bool`, True): once a row's committed blocks hold an EOS, the row stops, its remaining
+            positions are filled with EOS, and it costs no more forwards.
+        return_dict_in_generate (`bool`, False): return a `DiffusionGenerateOutput` (`sequences`, `nfe`).
+        disable_compile (`bool`, False): turn off CUDA-graph capture of the denoising step (debugging).
+
+    Special tokens: `mask_token_id`, `eos_token_id` (int or list), `eot_token_id`, `pad_token_id`, `bos_token_id`.
+    """
+
+    def __init__(self, **kwargs):
+        # GenerationConfig.__init__ is not called on purpose: its autoregressive fields (beams, top-k, ...) would
+        # be accepted and silently ignored by the diffusion loop.
+        for name, default in _GENERATION_DEFAULTS.items():
+            setattr(self, name, kwargs.pop(name, copy.deepcopy(default)))
+        self._from_model_config = kwargs.pop("_from_model_config", False)
+        self._commit_hash = kwargs.pop("_commit_hash", None)
+        self.transformers_version = kwargs.pop("transformers_version", transformers.__version__)
+        if kwargs:
+            raise ValueError(
+                f"DiffusionGenerationConfig got unknown fields {sorted(kwargs)}; "
+                f"the fields are {sorted(_GENERATION_DEFAULTS)}."
+            )
+        self.validate()
+
+    @classmethod
+    def from_model_config(cls, model_config) -> "DiffusionGenerationConfig":
+        """Default generation config of a model: special token ids from its config, other fields default."""
+        config_dict = model_config if isinstance(model_config, dict) else model_config.to_dict()
+        ids = {
+            name: config_dict.get(name)
+            for name in ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
+        }
+        return cls(**{name: value for name, value in ids.items() if value is not None}, _from_model_config=True)
+
+    @classmethod
+    def from_generation_config(cls, generation_config: GenerationConfig) -> "DiffusionGenerationConfig":
+        """Convert a plain `GenerationConfig`: its set fields must all be diffusion fields."""
+        if isinstance(generation_config, cls):
+            return copy.deepcopy(generation_config)
+        fields = {
+            key: value
+            for key, value in generation_config.to_dict().items()
+            if value is not None and key not in _METADATA_FIELDS
+        }
+        return cls(**fields)
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        return tuple(_GENERATION_DEFAULTS)
+
+    def to_diff_dict(self) -> dict:
+        # Every diffusion field counts as set: `pipeline()` adds its own defaults (do_sample=True,
+        # temperature=0.7, max_new_tokens=256) for fields missing here, which would silently switch to sampling.
+        return {key: value for key, value in self.to_dict().items() if value is not None}
+
+    def get_generation_mode(self, *args, **kwargs):
+        raise NotImplementedError("DiffusionGenerationConfig has a single mode: block diffusion.")
+
+    def validate(self, strict: bool = False, **kwargs) -> None:
+        """Raise a `ValueError` naming the field and its allowed values for any invalid value or contradiction."""
+        for name in ("max_new_tokens", "block_length"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.steps is not None and (not _is_int(self.steps) or self.steps <= 0):
+            raise ValueError(f"`steps` must be None or a positive integer, got {self.steps!r}.")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"`temperature` must be a number >= 0 (0 = greedy), got {self.temperature!r}.")
+        if not _is_number(self.cfg_scale) or self.cfg_scale < 0:
+            raise ValueError(f"`cfg_scale` must be a number >= 0 (0 = off), got {self.cfg_scale!r}.")
+        if self.remasking not in REMASKING_STRATEGIES:
+            raise ValueError(f"`remasking` must be one of {REMASKING_STRATEGIES}, got {self.remasking!r}.")
+        if self.threshold is not None and (not _is_number(self.threshold) or not 0 < self.threshold <= 1):
+            raise ValueError(f"`threshold` must be None or a number in (0, 1], got {self.threshold!r}.")
+        if self.factor is not None and (not _is_number(self.factor) or self.factor <= 0):
+            raise ValueError(f"`factor` must be None or a number > 0, got {self.factor!r}.")
+        if self.threshold is not None and self.factor is not None:
+            raise ValueError("`threshold` and `factor` are alternative unmasking rules: set at most one of them.")
+        adaptive = "threshold" if self.threshold is not None else "factor" if self.factor is not None else None
+        if adaptive and self.steps is not None:
+            raise ValueError(
+                f"`steps` must be None with `{adaptive}`: confidence decides how many steps a block takes."
+            )
+        if adaptive and self.remasking != "low_confidence":
+            raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
+        for name in (
+            "do_sample",
+            "use_cache",
+            "dual_cache",
+            "eos_early_stop",
+            "logits_eos_inf",
+            "confidence_eos_eot_inf",
+            "return_dict_in_generate",
+            "disable_compile",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.do_sample != (self.temperature > 0):
+            raise ValueError(
+                f"`do_sample={self.do_sample}` contradicts `temperature={self.temperature}`: sampling happens iff "
+                "temperature > 0 (set temperature > 0 to sample, or 0 with do_sample=False for greedy)."
+            )
+        for name in ("mask_token_id", "eot_token_id", "pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"`{name}` must be None or an integer >= 0, got {value!r}.")
+        eos = self.eos_token_id
+        if eos is not None and not (
+            (_is_int(eos) and eos >= 0) or (isinstance(eos, list) and eos and all(_is_int(i) and i >= 0 for i in eos))
+        ):
+            raise ValueError(f"`eos_token_id` must be None, an integer >= 0 or a list of them, got {eos!r}.")
+        if self.mask_token_id is not None and self.mask_token_id == self.pad_token_id:
+            raise ValueError(
+                f"`pad_token_id` ({self.pad_token_id}) must differ from `mask_token_id`: padding would be "
+                "mistaken for positions to denoise."
+            )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if _is_int(self.eos_token_id) else list(self.eos_token_id)
+
+
+@dataclass
+class DiffusionGenerateOutput(ModelOutput):
+    """Output of `generate(..., return_dict_in_generate=True)`.
+
+    Args:
+        sequences (`torch.LongTensor` of shape `(batch, prompt_len + max_new_tokens)`): prompts and generated
+            tokens (rows stopped at EOS are filled with EOS).
+        nfe (`int`): number of model forwards the call made (one batched forward counts once).
+    """
+
+    sequences: torch.LongTensor | None = None
+    nfe: int | None = None
+
+
+def plan_blocks(max_new_tokens: int, block_length: int, steps: int | None) -> list[tuple[int, int, int]]:
+    """Split the generated region into blocks: `[(offset, length, steps), ...]`.
+
+    Blocks have `block_length` positions except a shorter last one. `steps` (total) is spread in proportion to
+    block lengths: block b gets `floor(steps * end_b / N) - floor(steps * start_b / N)` (N = `max_new_tokens`),
+    which is `steps / num_blocks` for equal blocks as in LLaDA; any block left with 0 borrows one from the
+    block with the most. `None` gives each block one step per position.
+    """
+    lengths = [block_length] * (max_new_tokens // block_length)
+    if max_new_tokens % block_length:
+        lengths.append(max_new_tokens % block_length)
+    offsets = [sum(lengths[:b]) for b in range(len(lengths))]
+    if steps is None:
+        block_steps = list(lengths)
+    else:
+        if steps < len(lengths):
+            raise ValueError(
+                f"`steps` ({steps}) must be >= the number of blocks ({len(lengths)} = "
+                f"ceil(max_new_tokens={max_new_tokens} / block_length={block_length})): each block needs a step."
+            )
+        block_steps = [
+            steps * (off + length) // max_new_tokens - steps * off // max_new_tokens
+            for off, length in zip(offsets, lengths)
+        ]
+        for b, count in enumerate(block_steps):
+            if count == 0:
+                donor = max(range(len(block_steps)), key=block_steps.__getitem__)
+                block_steps[donor] -= 1
+                block_steps[b] = 1
+    return list(zip(offsets, lengths, block_steps))
+
+
+class DiffusionGenerationMixin:
+    """`generate()` for masked-diffusion LMs. A model using it provides:
+
+    - `generation_config` (a `DiffusionGenerationConfig`) with `mask_token_id`;
+    - `diffusion_logits_shift`: 0 if logits at position i predict token i (LLaDA), 1 if they predict i + 1 (Dream);
+    - `_diffusion_forward(input_ids, attention_mask, position_ids, cache, cache_position, logits_slice)` returning
+      logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with transformers'
+      arguments (`past_key_values`, `cache_position`, `logits_to_keep`);
+    - `_diffusion_new_cache(batch_size, max_length)` returning a `DiffusionKVCache` (default: one per layer of
+      `config.num_hidden_layers`).
+    """
+
+    diffusion_logits_shift = 0
+
+    def _diffusion_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        cache: DiffusionKVCache | None,
+        cache_position: torch.Tensor,
+        logits_slice: slice,
+    ) -> torch.Tensor:
+        return self(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            cache_position=cache_position,
+            logits_to_keep=logits_slice,
+        ).logits
+
+    def _diffusion_new_cache(self, batch_size: int, max_length: int) -> DiffusionKVCache:
+        return DiffusionKVCache(self.config.num_hidden_layers, batch_size, max_length)
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             *args, **kwargs):
+        """Called by `from_pretrained`: read `generation_config.json` as a `DiffusionGenerationConfig`."""
+        if generation_config is not None:
+            self.generation_config = DiffusionGenerationConfig.from_generation_config(generation_config)
+            return
+        if pretrained_model_name_or_path is None:
+            return
+        loading = {
+            key: kwargs[key]
+            for key in ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+            if key in kwargs
+        }
+        try:
+            loaded = DiffusionGenerationConfig.from_pretrained(pretrained_model_name_or_path, **loading)
+        except OSError:
+            logger.info("No generation_config.json found: using the defaults derived from the model config.")
+            return
+        # Special token ids a foreign generation_config.json leaves unset still come from the model config.
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
+            if getattr(loaded, name) is None:
+                setattr(loaded, name, getattr(self.generation_config, name))
+        loaded.validate()
+        self.generation_config = loaded
+
+    def _prepare_diffusion_config(
+        self, generation_config: GenerationConfig | None, kwargs: dict
+    ) -> tuple[DiffusionGenerationConfig, dict]:
+        """Merge `kwargs` > `generation_config` > `self.generation_config`; split off model inputs."""
+        base = generation_config if generation_config is not None else self.generation_config
+        if not isinstance(base, GenerationConfig):
+            raise TypeError(f"`generation_config` must be a GenerationConfig, got {type(base).__name__}.")
+        config = DiffusionGenerationConfig.from_generation_config(base)
+        model_inputs = {key: kwargs.pop(key) for key in ("input_ids", "attention_mask") if key in kwargs}
+        unknown = sorted(set(kwargs) - set(DiffusionGenerationConfig.field_names()))
+        if unknown:
+            raise ValueError(
+                f"generate() got unknown keyword arguments {unknown}. It accepts `input_ids`, `attention_mask`, "
+                f"`generation_config`, `streamer` and the fields of DiffusionGenerationConfig: "
+                f"{sorted(DiffusionGenerationConfig.field_names())}."
+            )
+        if "temperature" in kwargs and "do_sample" not in kwargs:
+            kwargs["do_sample"] = kwargs["temperature"] > 0 if _is_number(kwargs["temperature"]) else False
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        config.validate()
+        return config, model_inputs
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.LongTensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        streamer=None,
+        **kwargs,
+    ) -> torch.LongTensor | DiffusionGenerateOutput:
+        r"""
+        Fill `max_new_tokens` masked positions after each prompt by block diffusion.
+
+        Args:
+            inputs / input_ids (`torch.LongTensor` `(batch, prompt_len)`): prompts, left-padded when their lengths
+                differ (any padding works: the attention mask decides).
+            attention_mask (`torch.Tensor` `(batch, prompt_len)`, *optional*): 1 for real tokens, 0 for padding.
+            generation_config (`GenerationConfig`, *optional*): base parameters (default: the model's).
+            streamer (`BaseStreamer`, *optional*): gets the prompt, then each block's tokens as soon as the block
+                is committed, then `end()`; a streamer with `put_draft` also gets the block being denoised
+                (committed tokens and current candidates) after every step.
+            kwargs: any `DiffusionGenerationConfig` field (`threshold=0.9`, `block_length=32`, ...).
+
+        Returns:
+            `torch.LongTensor` `(batch, prompt_len + max_new_tokens)`, or a `DiffusionGenerateOutput` with
+            `sequences` and `nfe` when `return_dict_in_generate=True`.
+        """
+        config, model_inputs = self._prepare_diffusion_config(generation_config, kwargs)
+        if inputs is not None and "input_ids" in model_inputs:
+            raise ValueError("Pass the prompts once: as `inputs` or as `input_ids`, not both.")
+        input_ids = inputs if inputs is not None else model_inputs.get("input_ids")
+        attention_mask = model_inputs.get("attention_mask")
+        input_ids, attention_mask = self._validate_diffusion_inputs(input_ids, attention_mask, config)
+
+        run = BlockDiffusionRun(self, config, input_ids, attention_mask, streamer)
+        sequences = run.run()
+        if config.return_dict_in_generate:
+            return DiffusionGenerateOutput(sequences=sequences, nfe=run.nfe)
+        return sequences
+
+    def _validate_diffusion_inputs(
+        self, input_ids, attention_mask, config: DiffusionGenerationConfig
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Check prompts and special tokens before any forward; raises `ValueError`/`TypeError`."""
+        vocab_size = self.get_input_embeddings().weight.shape[0]
+        device = self.get_input_embeddings().weight.device
+        if config.mask_token_id is None:
+            raise ValueError(
+                "`mask_token_id` is not set: pass it to generate() or set it in the generation config "
+                f"(an integer in [0, {vocab_size}))."
+            )
+        special = {"mask_token_id": config.mask_token_id, "eot_token_id": config.eot_token_id}
+        special.update({f"eos_token_id[{i}]": token for i, token in enumerate(config.eos_token_ids)})
+        for name, token in special.items():
+            if token is not None and not 0 <= token < vocab_size:
+                raise ValueError(f"`{name}` must be in [0, {vocab_size}) (the model's vocabulary), got {token}.")
+        needs_eos = [
+            name for name in ("eos_early_stop", "logits_eos_inf", "confidence_eos_eot_inf") if getattr(config, name)
+        ]
+        if needs_eos and not config.eos_token_ids:
+            raise ValueError(f"{needs_eos} need `eos_token_id` to be set (or set them to False).")
+        if config.cfg_scale > 0 and self.diffusion_logits_shift:
+            raise ValueError("`cfg_scale` > 0 is only supported for models with unshifted logits.")
+
+        if input_ids is None:
+            start = [] if config.bos_token_id is None else [config.bos_token_id]
+            input_ids = torch.tensor([start], dtype=torch.long, device=device)
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"`input_ids` must be a torch.LongTensor, got {type(input_ids).__name__}.")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.int8):
+            raise ValueError(
+                f"`input_ids` must be an integer tensor of shape (batch, prompt_len), got {tuple(input_ids.shape)} "
+                f"{input_ids.dtype}."
+            )
+        if input_ids.shape[0] == 0:
+            raise ValueError("`input_ids` is an empty batch: it must hold at least one prompt (batch >= 1).")
+        input_ids = input_ids.to(device=device, dtype=torch.long)
+        if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab_size)).all()):
+            raise ValueError(f"`input_ids` must hold token ids in [0, {vocab_size}).")
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"`attention_mask` must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                    f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}."
+                )
+            attention_mask = attention_mask.to(device)
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (real token).")
+            if bool(attention_mask.all()):
+                attention_mask = None
+        shift = self.diffusion_logits_shift
+        if shift and input_ids.shape[1] < shift:
+            raise ValueError(f"This model predicts token i from position i - {shift}: the prompt needs {shift} token(s).")
+        max_len = getattr(self.config, "max_sequence_length", None)
+        if max_len is not None and input_ids.shape[1] + config.max_new_tokens > max_len:
+            logger.warning_once(
+                f"Prompt + max_new_tokens exceeds the model's max_sequence_length ({max_len}); quality may degrade."
+            )
+        return input_ids, attention_mask
+
+
+class BlockDiffusionRun:
+    """State of one `generate()` call: the canvas of the rows still decoding and the loop over blocks and steps.
+
+    Rows (prompts) stay in lockstep: every block starts for all rows at the same step, so a row's tokens never
+    depend on the other rows. Rows whose committed blocks hold an EOS (with `eos_early_stop`) are dropped between
+    blocks, so they cost no more forwards.
+    """
+
+    def __init__(self, model, config: DiffusionGenerationConfig, input_ids, attention_mask, streamer):
+        self.model = model
+        self.config = config
+        self.streamer = streamer
+        self.mask_id = config.mask_token_id
+        self.shift = model.diffusion_logits_shift
+        self.cfg = config.cfg_scale > 0
+        batch, self.prompt_len = input_ids.shape
+        self.seq_len = self.prompt_len + config.max_new_tokens
+        device = input_ids.device
+
+        self.sequences = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
+        self.sequences[:, : self.prompt_len] = input_ids
+        self.x = self.sequences.clone()
+        self.rows = torch.arange(batch, device=device)
+        if attention_mask is None:
+            self.key_mask = None
+            self.position_ids = torch.arange(self.seq_len, device=device).expand(batch, -1)
+        else:
+            generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
+            self.key_mask = torch.cat([attention_mask, generated], dim=1)
+            self.position_ids = (self.key_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+        eos = config.eos_token_ids
+        self.eos_ids = torch.tensor(eos, device=device) if eos else None
+        self.suppressed_ids = self.eos_ids if config.logits_eos_inf else None
+        deferred = eos + ([config.eot_token_id] if config.eot_token_id is not None else [])
+        self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
+
+        self.cache_policy: CachePolicy = make_cache_policy(config.use_cache, config.dual_cache)
+        self.unmasking: UnmaskingPolicy = make_unmasking_policy(config.threshold, config.factor)
+        rows_per_forward = batch * (2 if self.cfg else 1)
+        self.cache = (
+            model._diffusion_new_cache(rows_per_forward, self.seq_len) if self.cache_policy.uses_cache else None
+        )
+        self.nfe = 0
+
+    def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Duplicate per-row tensors for the unconditional branch of classifier-free guidance."""
+        if tensor is None or not self.cfg:
+            return tensor
+        return torch.cat([tensor, tensor], dim=0)
+
+    def block_logits(self, block_start: int, block_end: int, first_step: bool) -> torch.Tensor:
+        """One model forward; logits `(active_rows, block_len, vocab)` of the block's positions."""
+        q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step)
+        q_start = min(q_start, block_start - self.shift)
+        tokens = self.x[:, q_start:q_end]
+        if self.cfg:
+            unconditional = tokens.clone()
+            unconditional[:, : max(0, self.prompt_len - q_start)] = self.mask_id
+            tokens = torch.cat([tokens, unconditional], dim=0)
+        keep = slice(block_start - self.shift - q_start, block_end - self.shift - q_start)
+        logits = self.model._diffusion_forward(
+            tokens,
+            self._model_rows(self.key_mask),
+            self._model_rows(self.position_ids)[:, q_start:q_end],
+            self.cache,
+            torch.arange(q_start, q_end, device=tokens.device),
+            keep,
+        )
+        self.nfe += 1
+        if self.cfg:
+            conditional, unconditional = logits.float().chunk(2, dim=0)
+            # LLaDA App. B.3: p_uncond + (w + 1) * (p_cond - p_uncond) in logit space.
+            logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
+        return logits
+
+    def denoise_block(self, block_start: int, block_end: int, num_steps: int) -> None:
+        self.unmasking.start_block(block_end - block_start, num_steps)
+        known_steps = self.unmasking.steps_for_block()
+        step = 0
+        while True:
+            logits = self.block_logits(block_start, block_end, first_step=step == 0)
+            block, draft = denoise_block_step(
+                self.x[:, block_start:block_end],
+                logits,
+                self.unmasking,
+                step,
+                self.mask_id,
+                self.config.temperature,
+                self.config.remasking,
+                self.suppressed_ids,
+                self.deferred_ids,
+            )
+            self.x[:, block_start:block_end] = block
+            if self.streamer is not None and hasattr(self.streamer, "put_draft"):
+                self.streamer.put_draft(draft.cpu())
+            step += 1
+            if known_steps is not None:
+                if step == known_steps:
+                    return
+            elif not bool((block == self.mask_id).any()):
+                return
+
+    def finish_rows(self, block_end: int) -> None:
+        """Stop rows whose generated tokens so far hold an EOS: fill the rest with EOS and drop them."""
+        generated = self.x[:, self.prompt_len : block_end]
+        finished = torch.isin(generated, self.eos_ids).any(dim=-1)
+        if not bool(finished.any()):
+            return
+        self.x[finished, block_end:] = self.eos_ids[0]
+        self.sequences[self.rows[finished]] = self.x[finished]
+        keep = ~finished
+        self.x, self.rows, self.position_ids = self.x[keep], self.rows[keep], self.position_ids[keep]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask[keep]
+
+    def run(self) -> torch.LongTensor:
+        if self.streamer is not None:
+            self.streamer.put(self.sequences[:, : self.prompt_len].cpu())
+        for offset, length, num_steps in plan_blocks(
+            self.config.max_new_tokens, self.config.block_length, self.config.steps
+        ):
+            block_start = self.prompt_len + offset
+            block_end = block_start + length
+            self.denoise_block(block_start, block_end, num_steps)
+            self.sequences[self.rows] = self.x
+            if self.config.eos_early_stop:
+                self.finish_rows(block_end)
+            if self.streamer is not None:
+                self.streamer.put(self.sequences[:, block_start:block_end].cpu())
+            if self.x.shape[0] == 0:
+                break
+        if self.streamer is not None:
+            self.streamer.end()
+        return self.sequences

@@ -1,0 +1,403 @@
+"""LLaDA masked-diffusion language model for transformers 5.
+
+The module tree reproduces the Hub checkpoints' parameter names (`model.transformer.wte.weight`,
+`model.transformer.blocks.{i}.q_proj.weight`, ..., `model.transformer.ff_out.weight`), so `from_pretrained` reads
+`GSAI-ML/LLaDA-8B-*` safetensors unchanged. The math follows LLaDA's `LLaDALlamaBlock` (arXiv:2502.09992): RMS
+norms computed in float32, RoPE in full precision, a SiLU-gated MLP, and **bidirectional** attention (a mask
+predictor sees the whole sequence). Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS`, so
+`attn_implementation="eager" | "sdpa" | "flex_attention" | "flash_attention_2"` and the backends registered by
+`attention.py` all run the same model.
+
+Padding: a 2D `attention_mask` masks padded keys, and RoPE positions are counted from each row's first real
+token, so a left-padded row computes what it computes alone.
+
+This file is exported verbatim as Hub remote code: relative imports only.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache import DiffusionKVCache
+from .configuration_llada import LLaDAConfig
+from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "relu": nn.functional.relu,
+}
+
+
+class LLaDARMSNorm(nn.Module):
+    """RMS norm as in LLaDA: normalise in float32, cast back, then scale (and shift) in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, affine: bool = True, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine and bias else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x.to(input_dtype)
+        if self.weight is not None:
+            x = self.weight * x
+            if self.bias is not None:
+                x = x + self.bias
+        return x
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for `position_ids` `(batch, q_len)`: cos, sin of shape `(batch, q_len, head_dim)`, float32.
+
+    Same formula and precision as LLaDA's `RotaryEmbedding` (inverse frequencies and angles in float32).
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    )
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_precision: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `q` `(batch, heads, q_len, head_dim)` and `k` `(batch, kv_heads, q_len, head_dim)`."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    compute_dtype = torch.float32 if full_precision else q.dtype
+    q_, k_ = q.to(compute_dtype), k.to(compute_dtype)
+    cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
+    q_out = q_ * cos + rotate_half(q_) * sin
+    k_out = k_ * cos + rotate_half(k_) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`(batch, kv_heads, len, dim)` -> `(batch, kv_heads * n_rep, len, dim)` for grouped-query attention."""
+    if n_rep == 1:
+        return hidden_states
+    batch, kv_heads, length, dim = hidden_states.shape
+    hidden_states = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, length, dim)
+    return hidden_states.reshape(batch, kv_heads * n_rep, length, dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention. query `(b, h, q, d)`, key/value `(b, h_kv, k, d)`, additive mask `(b, 1, q, k)`.
+
+    Returns the output `(b, q, h, d)` and the weights `(b, h, q, k)`. No causal mask: LLaDA is bidirectional.
+    """
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+class LLaDALlamaBlock(nn.Module):
+    """One LLaDA block: `x + Attn(norm(x))`, then `x + W_out(act(W_gate norm(x)) * W_up norm(x))`.
+
+    It is also the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`,
+    `layer_idx` and `scaling` on it.
+    """
+
+    def __init__(self, config: LLaDAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = False
+        self.head_dim = config.head_dim
+        self.num_heads = config.n_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        eps, affine, norm_bias = config.rms_norm_eps, config.layer_norm_with_affine, config.layer_norm_bias
+
+        self.attn_norm = LLaDARMSNorm(config.d_model, eps, affine, norm_bias)
+        self.ff_norm = LLaDARMSNorm(config.d_model, eps, affine, norm_bias)
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.qkv_bias)
+        self.attn_out = nn.Linear(config.d_model, config.d_model, bias=config.include_bias)
+        self.ff_proj = nn.Linear(config.d_model, config.intermediate_size, bias=config.include_bias)
+        self.up_proj = nn.Linear(config.d_model, config.intermediate_size, bias=config.include_bias)
+        self.ff_out = nn.Linear(config.intermediate_size, config.d_model, bias=config.include_bias)
+        self.act = _ACTIVATIONS[config.activation_type]
+        self.dropout = nn.Dropout(config.residual_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        batch, q_len, _ = hidden_states.shape
+        x = self.attn_norm(hidden_states)
+        query = self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(x).view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(x).view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin, self.config.rope_full_precision)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn, _ = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(self.attn_out(attn.reshape(batch, q_len, -1)))
+        x = self.ff_norm(hidden_states)
+        x = self.act(self.ff_proj(x)) * self.up_proj(x)
+        return hidden_states + self.dropout(self.ff_out(x))
+
+
+class LLaDAPreTrainedModel(PreTrainedModel):
+    config_class = LLaDAConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["LLaDALlamaBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
+def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class LLaDAModel(LLaDAPreTrainedModel):
+    """The transformer: `transformer.wte`, `transformer.blocks`, `transformer.ln_f` and, unless
+    `weight_tying`, the output head `transformer.ff_out` (owned here because the Hub checkpoints put it here)."""
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__(config)
+        modules = {
+            "wte": nn.Embedding(config.padded_vocab_size, config.d_model),
+            "emb_drop": nn.Dropout(config.embedding_dropout),
+            "blocks": nn.ModuleList([LLaDALlamaBlock(config, i) for i in range(config.n_layers)]),
+            "ln_f": LLaDARMSNorm(
+                config.d_model, config.rms_norm_eps, config.layer_norm_with_affine, config.layer_norm_bias
+            ),
+        }
+        if not config.weight_tying:
+            modules["ff_out"] = nn.Linear(config.d_model, config.padded_vocab_size, bias=config.include_bias)
+        self.transformer = nn.ModuleDict(modules)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.transformer.wte = value
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final hidden states `(..., d_model)` -> logits `(..., embedding_size)`."""
+        if self.config.weight_tying:
+            logits = nn.functional.linear(hidden_states, self.transformer.wte.weight)
+        else:
+            logits = self.transformer.ff_out(hidden_states)
+        if self.config.scale_logits:
+            logits = logits * (self.config.d_model**-0.5)
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | DiffusionKVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        Args:
+            input_ids: `(batch, q_len)` token ids of the positions computed in this call.
+            attention_mask: `(batch, kv_len)` with 1 for real tokens and 0 for padding, where `kv_len` counts
+                every key this call attends to (cached ones included); or a prepared 4D mask.
+            position_ids: `(batch, q_len)` RoPE positions; by default counted from each row's first real token.
+            past_key_values: a `DynamicCache` (new keys are appended, as in transformers) or a
+                `DiffusionKVCache` (new keys are written in place at `cache_position`, and attention covers the
+                whole pre-allocated sequence, as the prefix/dual caches of Fast-dLLM need).
+            cache_position: `(q_len,)` columns of the full sequence the inputs sit at.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("LLaDAModel.forward needs exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.transformer.wte(input_ids)
+        batch, q_len, _ = inputs_embeds.shape
+        if use_cache is None:
+            use_cache = past_key_values is not None
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+
+        if cache_position is None:
+            if isinstance(past_key_values, DiffusionKVCache):
+                if q_len != past_key_values.max_length:
+                    raise ValueError(
+                        "`cache_position` is required when `past_key_values` is a DiffusionKVCache and the input "
+                        f"({q_len} positions) does not cover the whole cache ({past_key_values.max_length})."
+                    )
+                past_seen = 0
+            else:
+                past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache_position = torch.arange(past_seen, past_seen + q_len, device=inputs_embeds.device)
+
+        mask_2d = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if position_ids is None:
+            if mask_2d is not None:
+                position_ids = padding_aware_position_ids(mask_2d.to(inputs_embeds.device))[:, cache_position]
+            else:
+                position_ids = cache_position.unsqueeze(0).expand(batch, -1)
+        position_embeddings = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+
+        if mask_2d is not None:
+            attention_mask = create_bidirectional_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=mask_2d
+            )
+
+        hidden_states = inputs_embeds
+        if self.config.input_emb_norm:
+            hidden_states = hidden_states * (self.config.d_model**0.5)
+        hidden_states = self.transformer.emb_drop(hidden_states)
+        all_hidden_states = () if output_hidden_states else None
+        for block in self.transformer.blocks:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states = block(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                cache_position=cache_position,
+                **kwargs,
+            )
+        hidden_states = self.transformer.ln_f(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+        )
+
+
+class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
+    """LLaDA with its output head and the diffusion `generate()` (see `DiffusionGenerationMixin`).
+
+    `forward` returns logits for every position (or those selected by `logits_to_keep`): LLaDA's logits at
+    position i predict the token at position i itself (no shift), as a mask predictor does.
+    """
+
+    generation_config_class = DiffusionGenerationConfig
+    # Interface of DiffusionGenerationMixin: LLaDA predicts position i from position i (Dream predicts i + 1).
+    diffusion_logits_shift = 0
+
+    def __init__(self, config: LLaDAConfig):
+        super().__init__(config)
+        self.model = LLaDAModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.transformer.wte = value
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None if self.config.weight_tying else self.model.transformer.ff_out
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | DiffusionKVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        logits_to_keep: int | slice | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        r"""
+        Same arguments as `LLaDAModel.forward`, plus `logits_to_keep`: an `int` keeps the last n positions
+        (0 keeps all), a `slice` or a 1D index tensor selects positions, so the `(…, embedding_size)` head runs
+        only where logits are needed. Returns `CausalLMOutputWithPast` with `logits` `(batch, kept, vocab)`.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cache_position=cache_position,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            keep = slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
+        else:
+            keep = logits_to_keep
+        logits = self.model.compute_logits(hidden_states[:, keep])
+        output = CausalLMOutputWithPast(
+            logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+        )
+        use_return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if use_return_dict else output.to_tuple()
+
+
+__all__ = ["LLaDAModel", "LLaDAModelLM", "LLaDAPreTrainedModel"]
