@@ -232,10 +232,13 @@ class DiffusionGenerateOutput(ModelOutput):
         sequences (`torch.LongTensor` of shape `(batch, prompt_len + max_new_tokens)`): prompts and generated
             tokens (rows stopped at EOS are filled with EOS).
         nfe (`int`): number of model forwards the call made (one batched forward counts once).
+        nfe_per_row (`torch.LongTensor` of shape `(batch,)`): forwards each row took part in (a row stopped at
+            EOS takes part in no more forwards).
     """
 
     sequences: torch.LongTensor | None = None
     nfe: int | None = None
+    nfe_per_row: torch.LongTensor | None = None
 
 
 def plan_blocks(max_new_tokens: int, block_length: int, steps: int | None) -> list[tuple[int, int, int]]:
@@ -360,6 +363,7 @@ class DiffusionGenerationMixin:
         inputs: torch.LongTensor | None = None,
         generation_config: GenerationConfig | None = None,
         streamer=None,
+        stopping_criteria=None,
         **kwargs,
     ) -> torch.LongTensor | DiffusionGenerateOutput:
         r"""
@@ -370,9 +374,15 @@ class DiffusionGenerationMixin:
                 differ (any padding works: the attention mask decides).
             attention_mask (`torch.Tensor` `(batch, prompt_len)`, *optional*): 1 for real tokens, 0 for padding.
             generation_config (`GenerationConfig`, *optional*): base parameters (default: the model's).
-            streamer (`BaseStreamer`, *optional*): gets the prompt, then each block's tokens as soon as the block
-                is committed, then `end()`; a streamer with `put_draft` also gets the block being denoised
-                (committed tokens and current candidates) after every step.
+            streamer (`BaseStreamer`, *optional*): gets the prompt, then each block's tokens `(batch, block_len)`
+                as soon as the block is committed (rows already stopped show EOS), then `end()`; a streamer with
+                `put_draft` also gets the block being denoised (committed tokens and current candidates) after
+                every step.
+            stopping_criteria (list of callables, *optional*): each is called after every block as
+                `criterion(sequences, None)` with `sequences` `(batch, prompt_len + max_new_tokens)` (undecoded
+                positions hold the mask token) and returns a `(batch,)` bool tensor; rows marked True stop like
+                an EOS stop (remaining positions filled with EOS, no more forwards). transformers'
+                `StoppingCriteriaList` fits.
             kwargs: any `DiffusionGenerationConfig` field (`threshold=0.9`, `block_length=32`, ...).
 
         Returns:
@@ -386,10 +396,12 @@ class DiffusionGenerationMixin:
         attention_mask = model_inputs.get("attention_mask")
         input_ids, attention_mask = self._validate_diffusion_inputs(input_ids, attention_mask, config)
 
-        run = BlockDiffusionRun(self, config, input_ids, attention_mask, streamer)
+        if stopping_criteria is not None and not all(callable(criterion) for criterion in stopping_criteria):
+            raise TypeError("`stopping_criteria` must be a list of callables (sequences, scores) -> (batch,) bool.")
+        run = BlockDiffusionRun(self, config, input_ids, attention_mask, streamer, stopping_criteria)
         sequences = run.run()
         if config.return_dict_in_generate:
-            return DiffusionGenerateOutput(sequences=sequences, nfe=run.nfe)
+            return DiffusionGenerateOutput(sequences=sequences, nfe=run.nfe, nfe_per_row=run.nfe_per_row)
         return sequences
 
     def _validate_diffusion_inputs(
@@ -463,10 +475,13 @@ class BlockDiffusionRun:
     blocks, so they cost no more forwards.
     """
 
-    def __init__(self, model, config: DiffusionGenerationConfig, input_ids, attention_mask, streamer):
+    def __init__(
+        self, model, config: DiffusionGenerationConfig, input_ids, attention_mask, streamer, stopping_criteria=None
+    ):
         self.model = model
         self.config = config
         self.streamer = streamer
+        self.stopping_criteria = list(stopping_criteria or [])
         self.mask_id = config.mask_token_id
         self.shift = model.diffusion_logits_shift
         self.cfg = config.cfg_scale > 0
@@ -498,7 +513,9 @@ class BlockDiffusionRun:
         self.cache = (
             model._diffusion_new_cache(rows_per_forward, self.seq_len) if self.cache_policy.uses_cache else None
         )
+        self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
         self.nfe = 0
+        self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Duplicate per-row tensors for the unconditional branch of classifier-free guidance."""
@@ -532,6 +549,16 @@ class BlockDiffusionRun:
         return logits
 
     def denoise_block(self, block_start: int, block_end: int, num_steps: int) -> None:
+        nfe_before = self.nfe
+        self._denoise_steps(block_start, block_end, num_steps)
+        self.nfe_per_row[self.rows] += self.nfe - nfe_before
+
+    def _put_draft(self, block_start: int, block_end: int, draft: torch.Tensor) -> None:
+        full = self.sequences[:, block_start:block_end].clone()
+        full[self.rows] = draft
+        self.streamer.put_draft(full.cpu())
+
+    def _denoise_steps(self, block_start: int, block_end: int, num_steps: int) -> None:
         self.unmasking.start_block(block_end - block_start, num_steps)
         known_steps = self.unmasking.steps_for_block()
         step = 0
@@ -550,7 +577,7 @@ class BlockDiffusionRun:
             )
             self.x[:, block_start:block_end] = block
             if self.streamer is not None and hasattr(self.streamer, "put_draft"):
-                self.streamer.put_draft(draft.cpu())
+                self._put_draft(block_start, block_end, draft)
             step += 1
             if known_steps is not None:
                 if step == known_steps:
@@ -558,13 +585,21 @@ class BlockDiffusionRun:
             elif not bool((block == self.mask_id).any()):
                 return
 
+    def finished_rows(self, block_end: int) -> torch.Tensor:
+        """`(active_rows,)` bool: rows that hold an EOS (with `eos_early_stop`) or that a stopping criterion ends."""
+        finished = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.x.device)
+        if self.config.eos_early_stop:
+            finished |= torch.isin(self.x[:, self.prompt_len : block_end], self.eos_ids).any(dim=-1)
+        for criterion in self.stopping_criteria:
+            finished |= criterion(self.sequences, None).to(finished.device)[self.rows].bool()
+        return finished
+
     def finish_rows(self, block_end: int) -> None:
-        """Stop rows whose generated tokens so far hold an EOS: fill the rest with EOS and drop them."""
-        generated = self.x[:, self.prompt_len : block_end]
-        finished = torch.isin(generated, self.eos_ids).any(dim=-1)
+        """Stop finished rows: fill their remaining positions with EOS and drop them from later forwards."""
+        finished = self.finished_rows(block_end)
         if not bool(finished.any()):
             return
-        self.x[finished, block_end:] = self.eos_ids[0]
+        self.x[finished, block_end:] = self.fill_id
         self.sequences[self.rows[finished]] = self.x[finished]
         keep = ~finished
         self.x, self.rows, self.position_ids = self.x[keep], self.rows[keep], self.position_ids[keep]
@@ -581,7 +616,7 @@ class BlockDiffusionRun:
             block_end = block_start + length
             self.denoise_block(block_start, block_end, num_steps)
             self.sequences[self.rows] = self.x
-            if self.config.eos_early_stop:
+            if self.config.eos_early_stop or self.stopping_criteria:
                 self.finish_rows(block_end)
             if self.streamer is not None:
                 self.streamer.put(self.sequences[:, block_start:block_end].cpu())
