@@ -92,14 +92,16 @@ def commit_most_confident(ranks: torch.Tensor, masked: torch.Tensor, counts: tor
 class UnmaskingPolicy:
     """Decides how many masked positions a step commits. Subclasses implement `num_to_commit`."""
 
-    #: True when the number of steps a block takes is known before decoding it (no host sync needed to stop).
-    fixed_step_count = False
-
     def start_block(self, block_length: int, num_steps: int) -> None:
         """Called before each block with its length and its share of `steps`."""
 
-    def num_to_commit(self, sorted_confidence: torch.Tensor, step: int) -> torch.Tensor:
-        """`sorted_confidence` `(batch, L)` descending (non-masked = -inf); `step` = index within the block.
+    def scheduled_count(self, step: int) -> int:
+        """Tokens the fixed schedule assigns to `step` of the current block (0 for confidence-driven policies)."""
+        return 0
+
+    def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
+        """`sorted_confidence` `(batch, L)` descending (non-masked = -inf); `scheduled` `(batch,)` the step's
+        `scheduled_count` as a tensor, so that one captured CUDA graph serves every step.
 
         Returns `(batch,)` long counts (>= 1; positions beyond the masked ones are never committed)."""
         raise NotImplementedError
@@ -114,8 +116,6 @@ class FixedSchedule(UnmaskingPolicy):
     the first `L % s` steps (LLaDA Sec. 2.4, `get_num_transfer_tokens`). Steps beyond L commit nothing and are
     skipped."""
 
-    fixed_step_count = True
-
     def __init__(self) -> None:
         self.schedule: list[int] = []
 
@@ -127,10 +127,11 @@ class FixedSchedule(UnmaskingPolicy):
     def steps_for_block(self) -> int:
         return len(self.schedule)
 
-    def num_to_commit(self, sorted_confidence: torch.Tensor, step: int) -> torch.Tensor:
-        return torch.full(
-            sorted_confidence.shape[:1], self.schedule[step], dtype=torch.long, device=sorted_confidence.device
-        )
+    def scheduled_count(self, step: int) -> int:
+        return self.schedule[step]
+
+    def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
+        return scheduled
 
 
 class ConfidenceThreshold(UnmaskingPolicy):
@@ -140,7 +141,7 @@ class ConfidenceThreshold(UnmaskingPolicy):
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
-    def num_to_commit(self, sorted_confidence: torch.Tensor, step: int) -> torch.Tensor:
+    def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return (sorted_confidence >= self.threshold).sum(-1).clamp(min=1)
 
 
@@ -152,7 +153,7 @@ class ConfidenceFactor(UnmaskingPolicy):
     def __init__(self, factor: float) -> None:
         self.factor = factor
 
-    def num_to_commit(self, sorted_confidence: torch.Tensor, step: int) -> torch.Tensor:
+    def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         n = torch.arange(1, sorted_confidence.shape[-1] + 1, device=sorted_confidence.device)
         passes = (n + 1) * (1.0 - sorted_confidence.double()) < self.factor
         return (passes * n).amax(-1).clamp(min=1)
@@ -170,14 +171,15 @@ def denoise_block_step(
     block: torch.Tensor,
     logits: torch.Tensor,
     policy: UnmaskingPolicy,
-    step: int,
+    scheduled: torch.Tensor,
     mask_token_id: int,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
     suppressed_token_ids: torch.Tensor | None = None,
     deferred_token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One denoising step on a block: `block` `(batch, L)` tokens, `logits` `(batch, L, vocab)`.
+    """One denoising step on a block: `block` `(batch, L)` tokens, `logits` `(batch, L, vocab)`, `scheduled`
+    `(batch,)` the fixed schedule's count for this step (see `UnmaskingPolicy.num_to_commit`).
 
     Returns the new block (committed positions filled in) and a draft `(batch, L)` in which still-masked
     positions show their current candidate (for streamers' `put_draft`).
@@ -187,7 +189,7 @@ def denoise_block_step(
         logits, masked, temperature, remasking, suppressed_token_ids, deferred_token_ids
     )
     sorted_confidence, ranks = rank_by_confidence(confidence)
-    counts = policy.num_to_commit(sorted_confidence, step)
+    counts = policy.num_to_commit(sorted_confidence, scheduled)
     commit = commit_most_confident(ranks, masked, counts)
     new_block = torch.where(commit, x0, block)
     draft = torch.where(new_block == mask_token_id, x0, new_block)

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import torch
 import transformers
 from transformers import GenerationConfig
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
 from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
 from .decoding import UnmaskingPolicy, denoise_block_step, make_unmasking_policy
+from .graphs import StepGraphs
 
 
 logger = logging.get_logger(__name__)
@@ -282,7 +284,10 @@ class DiffusionGenerationMixin:
       logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with transformers'
       arguments (`past_key_values`, `cache_position`, `logits_to_keep`);
     - `_diffusion_new_cache(batch_size, max_length)` returning a `DiffusionKVCache` (default: one per layer of
-      `config.num_hidden_layers`).
+      `config.num_hidden_layers`);
+    - `_diffusion_attention_mask(key_mask, q_len)` turning the `(rows, seq_len)` padding mask into what the
+      forward's attention backend takes, once per query length (default: transformers'
+      `create_bidirectional_mask`), so that no step builds masks (or synchronises with the host).
     """
 
     diffusion_logits_shift = 0
@@ -308,6 +313,10 @@ class DiffusionGenerationMixin:
 
     def _diffusion_new_cache(self, batch_size: int, max_length: int) -> DiffusionKVCache:
         return DiffusionKVCache(self.config.num_hidden_layers, batch_size, max_length)
+
+    def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
+        shape_probe = torch.empty(key_mask.shape[0], q_len, 1, dtype=self.dtype, device=key_mask.device)
+        return create_bidirectional_mask(config=self.config, inputs_embeds=shape_probe, attention_mask=key_mask)
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              *args, **kwargs):
@@ -473,6 +482,10 @@ class BlockDiffusionRun:
     Rows (prompts) stay in lockstep: every block starts for all rows at the same step, so a row's tokens never
     depend on the other rows. Rows whose committed blocks hold an EOS (with `eos_early_stop`) are dropped between
     blocks, so they cost no more forwards.
+
+    A step is one tensor function (`step`: model forward on the positions the cache policy asks for, then the
+    unmasking rule on the block) with no host synchronisation, so on CUDA it is captured once per shape as a CUDA
+    graph and replayed (`graphs.py`); everywhere else, or with `disable_compile=True`, it runs eagerly.
     """
 
     def __init__(
@@ -487,7 +500,7 @@ class BlockDiffusionRun:
         self.cfg = config.cfg_scale > 0
         batch, self.prompt_len = input_ids.shape
         self.seq_len = self.prompt_len + config.max_new_tokens
-        device = input_ids.device
+        self.device = device = input_ids.device
 
         self.sequences = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
         self.sequences[:, : self.prompt_len] = input_ids
@@ -500,22 +513,60 @@ class BlockDiffusionRun:
             generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
             self.key_mask = torch.cat([attention_mask, generated], dim=1)
             self.position_ids = (self.key_mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.attention_masks: dict[tuple[int, int], object] = {}
 
         eos = config.eos_token_ids
         self.eos_ids = torch.tensor(eos, device=device) if eos else None
         self.suppressed_ids = self.eos_ids if config.logits_eos_inf else None
         deferred = eos + ([config.eot_token_id] if config.eot_token_id is not None else [])
         self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
+        self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
 
         self.cache_policy: CachePolicy = make_cache_policy(config.use_cache, config.dual_cache)
         self.unmasking: UnmaskingPolicy = make_unmasking_policy(config.threshold, config.factor)
-        rows_per_forward = batch * (2 if self.cfg else 1)
-        self.cache = (
-            model._diffusion_new_cache(rows_per_forward, self.seq_len) if self.cache_policy.uses_cache else None
-        )
-        self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
+        self.rows_per_forward = batch * (2 if self.cfg else 1)
+        self.graphs = self._step_graphs()
+        if self.graphs is not None:
+            self.cache = self.graphs.cache
+        elif self.cache_policy.uses_cache:
+            self.cache = model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
+        else:
+            self.cache = None
         self.nfe = 0
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """The CUDA-graph runner when the fast path applies: CUDA, greedy, no guidance (their random draws and
+        doubled rows stay eager), and not turned off with `disable_compile`."""
+        config = self.config
+        if (
+            self.device.type != "cuda"
+            or config.disable_compile
+            or config.temperature > 0
+            or config.remasking != "low_confidence"
+            or self.cfg
+        ):
+            return None
+        signature = (
+            self.rows_per_forward,
+            self.seq_len,
+            self.cache_policy.name,
+            type(self.unmasking).__name__,
+            config.threshold,
+            config.factor,
+            self.mask_id,
+            self.key_mask is None,
+            None if self.suppressed_ids is None else tuple(self.suppressed_ids.tolist()),
+            None if self.deferred_ids is None else tuple(self.deferred_ids.tolist()),
+            self.model.config._attn_implementation,
+            self.model.dtype,
+            self.device,
+        )
+
+        def make_cache():
+            return self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len) if self.cache_policy.uses_cache else None
+
+        return StepGraphs.for_model(self.model, signature, make_cache)
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Duplicate per-row tensors for the unconditional branch of classifier-free guidance."""
@@ -523,67 +574,100 @@ class BlockDiffusionRun:
             return tensor
         return torch.cat([tensor, tensor], dim=0)
 
-    def block_logits(self, block_start: int, block_end: int, first_step: bool) -> torch.Tensor:
-        """One model forward; logits `(active_rows, block_len, vocab)` of the block's positions."""
-        q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step)
-        q_start = min(q_start, block_start - self.shift)
-        tokens = self.x[:, q_start:q_end]
+    def _attention_mask(self, q_len: int):
+        """The key padding mask prepared once per query length in the attention backend's format."""
+        rows = self.x.shape[0]
+        if self.key_mask is None:
+            return None
+        if (rows, q_len) not in self.attention_masks:
+            self.attention_masks[(rows, q_len)] = self.model._diffusion_attention_mask(
+                self._model_rows(self.key_mask), q_len
+            )
+        return self.attention_masks[(rows, q_len)]
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        logits_index: torch.Tensor,
+        block_index: torch.Tensor,
+        scheduled: torch.Tensor,
+        attention_mask=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One denoising step, a pure tensor function (graph-capturable).
+
+        tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
+        logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
+        are among them; scheduled `(rows,)`: the fixed schedule's count. Returns the new block and the draft
+        `(rows, L)`.
+        """
+        model_tokens, model_positions = tokens, position_ids
         if self.cfg:
-            unconditional = tokens.clone()
-            unconditional[:, : max(0, self.prompt_len - q_start)] = self.mask_id
-            tokens = torch.cat([tokens, unconditional], dim=0)
-        keep = slice(block_start - self.shift - q_start, block_end - self.shift - q_start)
+            # LLaDA App. B.3: the unconditional branch sees the prompt masked.
+            in_prompt = cache_position < self.prompt_len
+            unconditional = torch.where(in_prompt, self.mask_id, tokens)
+            model_tokens = torch.cat([tokens, unconditional], dim=0)
+            model_positions = self._model_rows(position_ids)
         logits = self.model._diffusion_forward(
-            tokens,
-            self._model_rows(self.key_mask),
-            self._model_rows(self.position_ids)[:, q_start:q_end],
-            self.cache,
-            torch.arange(q_start, q_end, device=tokens.device),
-            keep,
+            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index
         )
-        self.nfe += 1
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
-            # LLaDA App. B.3: p_uncond + (w + 1) * (p_cond - p_uncond) in logit space.
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
-        return logits
+        return denoise_block_step(
+            tokens.index_select(1, block_index),
+            logits,
+            self.unmasking,
+            scheduled,
+            self.mask_id,
+            self.config.temperature,
+            self.config.remasking,
+            self.suppressed_ids,
+            self.deferred_ids,
+        )
+
+    def run_step(self, block_start: int, block_end: int, step: int) -> torch.Tensor:
+        """Run step `step` of the block `[block_start, block_end)`; returns the new block `(rows, L)`."""
+        q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=step == 0)
+        q_start = min(q_start, block_start - self.shift)
+        rows, device = self.x.shape[0], self.device
+        inputs = dict(
+            tokens=self.x[:, q_start:q_end],
+            position_ids=self.position_ids[:, q_start:q_end],
+            cache_position=torch.arange(q_start, q_end, device=device),
+            logits_index=torch.arange(block_start - self.shift, block_end - self.shift, device=device) - q_start,
+            block_index=torch.arange(block_start, block_end, device=device) - q_start,
+            scheduled=torch.full((rows,), self.unmasking.scheduled_count(step), dtype=torch.long, device=device),
+            attention_mask=self._attention_mask(q_end - q_start),
+        )
+        if self.graphs is None:
+            new_block, draft = self.step(**inputs)
+        else:
+            key = (rows, q_end - q_start, block_end - block_start)
+            new_block, draft = self.graphs.run(key, self.step, inputs)
+        self.nfe += 1
+        self.x[:, block_start:block_end] = new_block
+        if self.streamer is not None and hasattr(self.streamer, "put_draft"):
+            full = self.sequences[:, block_start:block_end].clone()
+            full[self.rows] = draft
+            self.streamer.put_draft(full.cpu())
+        return new_block
 
     def denoise_block(self, block_start: int, block_end: int, num_steps: int) -> None:
         nfe_before = self.nfe
-        self._denoise_steps(block_start, block_end, num_steps)
-        self.nfe_per_row[self.rows] += self.nfe - nfe_before
-
-    def _put_draft(self, block_start: int, block_end: int, draft: torch.Tensor) -> None:
-        full = self.sequences[:, block_start:block_end].clone()
-        full[self.rows] = draft
-        self.streamer.put_draft(full.cpu())
-
-    def _denoise_steps(self, block_start: int, block_end: int, num_steps: int) -> None:
         self.unmasking.start_block(block_end - block_start, num_steps)
         known_steps = self.unmasking.steps_for_block()
         step = 0
         while True:
-            logits = self.block_logits(block_start, block_end, first_step=step == 0)
-            block, draft = denoise_block_step(
-                self.x[:, block_start:block_end],
-                logits,
-                self.unmasking,
-                step,
-                self.mask_id,
-                self.config.temperature,
-                self.config.remasking,
-                self.suppressed_ids,
-                self.deferred_ids,
-            )
-            self.x[:, block_start:block_end] = block
-            if self.streamer is not None and hasattr(self.streamer, "put_draft"):
-                self._put_draft(block_start, block_end, draft)
+            block = self.run_step(block_start, block_end, step)
             step += 1
             if known_steps is not None:
                 if step == known_steps:
-                    return
+                    break
             elif not bool((block == self.mask_id).any()):
-                return
+                break
+        self.nfe_per_row[self.rows] += self.nfe - nfe_before
 
     def finished_rows(self, block_end: int) -> torch.Tensor:
         """`(active_rows,)` bool: rows that hold an EOS (with `eos_early_stop`) or that a stopping criterion ends."""

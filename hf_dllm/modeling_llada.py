@@ -24,9 +24,15 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import triton_ops
+from .attention import register_attention_backends
 from .cache import DiffusionKVCache
 from .configuration_llada import LLaDAConfig
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin
+from .kernels import use_fused_kernels
+
+
+register_attention_backends()
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -45,7 +51,12 @@ class LLaDARMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size)) if affine else None
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if affine and bias else None
 
+    def _fused(self, hidden_states: torch.Tensor) -> bool:
+        return self.bias is None and use_fused_kernels(hidden_states)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self._fused(hidden_states):
+            return triton_ops.rms_norm(hidden_states, self.weight, self.eps)[0]
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -55,6 +66,13 @@ class LLaDARMSNorm(nn.Module):
             if self.bias is not None:
                 x = x + self.bias
         return x
+
+    def add_and_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(hidden_states + residual), hidden_states + residual)`, in one kernel where fused kernels run."""
+        if self._fused(hidden_states):
+            return triton_ops.rms_norm(hidden_states, self.weight, self.eps, residual=residual)
+        total = hidden_states + residual
+        return self(total), total
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,11 +187,17 @@ class LLaDALlamaBlock(nn.Module):
     ) -> torch.Tensor:
         batch, q_len, _ = hidden_states.shape
         x = self.attn_norm(hidden_states)
-        query = self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key = self.k_proj(x).view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        query = self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)
+        key = self.k_proj(x).view(batch, q_len, self.num_kv_heads, self.head_dim)
         value = self.v_proj(x).view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin, self.config.rope_full_precision)
+        if self._fused_rotary(query):
+            query, key = triton_ops.rotary(query, key, cos, sin)
+            query, key = query.transpose(1, 2), key.transpose(1, 2)
+        else:
+            query, key = apply_rotary_pos_emb(
+                query.transpose(1, 2), key.transpose(1, 2), cos, sin, self.config.rope_full_precision
+            )
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
 
@@ -190,10 +214,19 @@ class LLaDALlamaBlock(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        hidden_states = hidden_states + self.dropout(self.attn_out(attn.reshape(batch, q_len, -1)))
-        x = self.ff_norm(hidden_states)
-        x = self.act(self.ff_proj(x)) * self.up_proj(x)
+        x, hidden_states = self.ff_norm.add_and_norm(
+            self.dropout(self.attn_out(attn.reshape(batch, q_len, -1))), hidden_states
+        )
+        gate, up = self.ff_proj(x), self.up_proj(x)
+        if self.config.activation_type == "silu" and use_fused_kernels(gate):
+            x = triton_ops.silu_mul(gate, up)
+        else:
+            x = self.act(gate) * up
         return hidden_states + self.dropout(self.ff_out(x))
+
+    def _fused_rotary(self, query: torch.Tensor) -> bool:
+        half = self.head_dim // 2
+        return self.config.rope_full_precision and half & (half - 1) == 0 and use_fused_kernels(query)
 
 
 class LLaDAPreTrainedModel(PreTrainedModel):

@@ -1,0 +1,103 @@
+"""Where a dual-cache block step's time goes: a per-kernel breakdown (torch.profiler) and GEMM bandwidth.
+
+For the LLaDA-8B shape in bf16 on a GPU: runs a few eager block steps under the profiler (kernel durations are the
+same as in a CUDA-graph replay; only launch gaps differ), groups CUDA kernels by name, and prints the top ones with
+their share. Then times the block's matrix products alone (separate q/k/v and gate/up products vs. concatenated
+weights) to show how close cuBLAS gets to the memory-bandwidth floor at small M. Ends with one JSON line.
+
+    python benchmarks/profile_step.py [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_generate import LLADA_8B, build_model  # noqa: E402
+
+from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
+
+
+def gemm_bandwidth(m: int, k: int, n: int, dtype=torch.bfloat16, repeats: int = 50) -> tuple[float, float]:
+    """(ms, TB/s of weight bytes) of x (m, k) @ W^T (n, k), rotating over weight copies to defeat L2."""
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(4)]
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    for w in weights:
+        torch.nn.functional.linear(x, w)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(repeats):
+        torch.nn.functional.linear(x, weights[i % 4])
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / repeats
+    return ms, n * k * weights[0].element_size() / (ms / 1000) / 1e12
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
+    prompts = torch.randint(0, 120000, (args.batch, args.prompt_len), device=device)
+    config, _ = model._prepare_diffusion_config(
+        None, dict(max_new_tokens=args.new_tokens, block_length=32, eos_early_stop=False, disable_compile=True)
+    )
+    run = BlockDiffusionRun(model, config, prompts, None, None)
+    start, end = run.prompt_len, run.prompt_len + 32
+    run.unmasking.start_block(32, 32)
+    run.run_step(start, end, 0)
+    for _ in range(3):
+        run.run_step(start, end, 1)
+    torch.cuda.synchronize()
+    steps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run.run_step(start, end, 1)
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name[:90]]
+            entry[0] += event.device_time_total / 1000 / steps
+            entry[1] += 1
+    total = sum(ms for ms, _ in per_kernel.values())
+    print(f"GPU kernel time per step: {total:.2f} ms over {sum(c for _, c in per_kernel.values()) // steps} kernels")
+    print(f"{'ms/step':>8} {'share':>6} {'count':>6}  kernel")
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    for name, (ms, count) in top:
+        print(f"{ms:8.3f} {100 * ms / total:5.1f}% {count // steps:6d}  {name}")
+
+    m = args.batch * 32
+    gemms = {
+        "q (4096x4096)": (4096, 4096),
+        "qkv fused (12288x4096)": (4096, 12288),
+        "gate (12288x4096)": (4096, 12288),
+        "gate+up fused (24576x4096)": (4096, 24576),
+        "down (4096x12288)": (12288, 4096),
+        "lm head (126464x4096)": (4096, 126464),
+    }
+    print(f"\nGEMM, M = {m} rows, bf16 (weight bytes / time)")
+    results = {}
+    for name, (k, n) in gemms.items():
+        ms, tbs = gemm_bandwidth(m, k, n)
+        results[name] = {"ms": ms, "tb_s": tbs}
+        print(f"  {name:<28} {ms:7.3f} ms  {tbs:5.2f} TB/s")
+    print(json.dumps({"batch": args.batch, "kernel_ms_per_step": total, "top": top[:10], "gemm": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""hf_dllm's attention backend, registered with transformers' `AttentionInterface` and `AttentionMaskInterface`.
+
+`attn_implementation="llada_triton"` runs `triton_attention.block_attention` (split-KV attention for few
+queries against a long cached sequence, with a key padding mask). transformers asks each backend for a mask in
+its own format through the mask interface; this backend takes the key padding mask `(B, 1, 1, T)` bool, so no
+`(q, T)` mask is ever materialised. Where the kernel cannot run (no CUDA/Triton, dropout, a head size that is not a
+power of two >= 16), the call falls back to transformers' `sdpa` with the same mask.
+
+This file is exported as Hub remote code.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from .kernels import kernel_mode
+from .triton_attention import TRITON_AVAILABLE, block_attention
+
+
+TRITON_ATTENTION = "llada_triton"
+
+
+def _kernel_applies(query: torch.Tensor, dropout: float) -> bool:
+    dim = query.shape[-1]
+    mode = kernel_mode()
+    return (
+        TRITON_AVAILABLE
+        and mode != "torch"
+        and (query.is_cuda or mode == "triton")
+        and dropout == 0.0
+        and dim >= 16
+        and dim & (dim - 1) == 0
+        and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    )
+
+
+def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
+    """`(B, T)` bool (True = attend) from a 4D key-padding mask: bool, or additive float (0 = attend)."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, 0, 0, :kv_len]
+    if mask.dtype != torch.bool:
+        mask = mask == 0
+    return mask.expand(batch, kv_len)
+
+
+def triton_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface signature: query `(B, Hq, Lq, D)`, key/value `(B, Hkv, T, D)` -> `(B, Lq, Hq, D)`."""
+    if not _kernel_applies(query, dropout):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
+        )
+    padding = key_padding_from_mask(attention_mask, query.shape[0], key.shape[2])
+    return block_attention(query, key, value, padding, scaling), None
+
+
+def key_padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """AttentionMaskInterface function: the 2D padding mask as `(B, 1, 1, kv_length)` bool, or None.
+
+    Bidirectional only (LLaDA never asks for a causal mask); no host synchronisation, so it can be captured in a
+    CUDA graph."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, None, None, kv_offset : kv_offset + kv_length].to(torch.bool)
+
+
+def register_attention_backends() -> None:
+    """Make `attn_implementation="llada_triton"` known to transformers (idempotent)."""
+    AttentionInterface.register(TRITON_ATTENTION, triton_attention_forward)
+    AttentionMaskInterface.register(TRITON_ATTENTION, key_padding_mask)

@@ -1,0 +1,87 @@
+"""CUDA-graph replay of denoising steps (the fast path of `generate()` on CUDA).
+
+A denoising step of an 8B model at batch 1 is ~10 ms of GPU work spread over ~500 kernels; launched from Python
+one by one, the launches alone take longer than the work. A step has fixed shapes within a call (the block, the
+cached sequence, the batch), so it is captured once as a CUDA graph and replayed: inputs are copied into the
+graph's static buffers, one replay runs every kernel, outputs land in static buffers (gpt-fast's recipe).
+
+Replays run exactly the kernels of the eager step, so outputs are identical with and without graphs. The first
+use of a shape runs the step eagerly (the warm-up: cuBLAS handles, Triton compilation and the K/V cache's
+allocation happen there, outside any capture); the second use captures it and replays; later uses replay. Steps that read the K/V cache keep its
+address, so a runner is tied to one `DiffusionKVCache`; `StepGraphs.for_model` reuses the runner (and its cache)
+across `generate()` calls with the same shapes, so repeated calls neither re-capture nor grow memory.
+
+This file is exported as Hub remote code.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+
+class _CapturedStep:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, outputs: tuple[torch.Tensor, ...]):
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+
+
+class StepGraphs:
+    """Captured steps of one model, keyed by shape, sharing one memory pool and one K/V cache.
+
+    `run(key, step_fn, inputs)` calls `step_fn(**inputs)` (tensors, or None) through a graph captured for `key`;
+    `key` must determine every input's shape and every Python value baked into `step_fn`.
+    """
+
+    def __init__(self, signature: tuple, cache, max_graphs: int = 32):
+        self.signature = signature
+        self.cache = cache
+        self.max_graphs = max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.steps: OrderedDict[tuple, _CapturedStep] = OrderedDict()
+        self.warmed_up: set[tuple] = set()
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object]) -> "StepGraphs":
+        """The model's runner for `signature` (shapes, dtype, device, decoding rule), replacing any other."""
+        runner = getattr(model, "_hf_dllm_step_graphs", None)
+        if runner is None or runner.signature != signature:
+            if runner is not None:
+                runner.release()
+            runner = cls(signature, make_cache())
+            model._hf_dllm_step_graphs = runner
+        return runner
+
+    def release(self) -> None:
+        self.steps.clear()
+        self.warmed_up.clear()
+        self.cache = None
+
+    def run(self, key: tuple, step_fn: Callable[..., tuple], inputs: dict) -> tuple[torch.Tensor, ...]:
+        """Outputs of `step_fn(**inputs)`; they live in static buffers that the next run of `key` overwrites."""
+        captured = self.steps.get(key)
+        if captured is None:
+            if key not in self.warmed_up:
+                self.warmed_up.add(key)
+                return step_fn(**inputs)
+            captured = self._capture(key, step_fn, inputs)
+        self.steps.move_to_end(key)
+        for name, value in inputs.items():
+            if value is not None:
+                captured.inputs[name].copy_(value)
+        captured.graph.replay()
+        return captured.outputs
+
+    def _capture(self, key: tuple, step_fn: Callable[..., tuple], inputs: dict) -> _CapturedStep:
+        static = {name: (value.clone() if value is not None else None) for name, value in inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = step_fn(**static)
+        if len(self.steps) >= self.max_graphs:
+            self.steps.popitem(last=False)
+        captured = _CapturedStep(graph, static, tuple(outputs))
+        self.steps[key] = captured
+        return captured

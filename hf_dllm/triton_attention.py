@@ -1,0 +1,270 @@
+"""Triton attention for the cached block step: a few queries (the block) against the whole cached sequence.
+
+A dual-cache step (Fast-dLLM arXiv:2505.22618, Sec. 3.2) asks for attention of `L` (e.g. 32) query positions per
+head against `T` (prompt + generated, e.g. 768) cached keys, bidirectional, with a key padding mask for left-padded
+rows. With one program per (row, head), a batch-1 step keeps only `heads` programs busy on a 132-SM GPU, each
+streaming the whole K/V of its head. This kernel splits the keys into chunks (flash-decoding): each program
+computes a partial softmax over one chunk for all queries of a key/value head (grouped-query heads share the
+K/V load), and a second kernel merges the chunks with their log-sum-exp. With enough programs, one split is used
+and the first kernel writes the output directly.
+
+Shapes: q `(B, Hq, Lq, D)`, k/v `(B, Hkv, T, D)`, key padding `(B, T)` bool (True = attend), output
+`(B, Lq, Hq, D)`. Scores, softmax statistics and accumulation in float32; the probabilities are cast to the value
+dtype for the second product, as FlashAttention does.
+
+This file is exported as Hub remote code: Triton is imported inside `try:`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _block_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        mask_ptr,
+        out_ptr,
+        part_ptr,
+        lse_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_mb,
+        stride_ob,
+        stride_om,
+        stride_oh,
+        n_kv_heads,
+        n_rep,
+        q_len,
+        kv_len,
+        n_splits,
+        scale,
+        TILES_PER_SPLIT: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        SINGLE_SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        split = tl.program_id(0)
+        batch_head = tl.program_id(1)
+        m_tile = tl.program_id(2)
+        b = (batch_head // n_kv_heads).to(tl.int64)
+        kv_head = (batch_head % n_kv_heads).to(tl.int64)
+
+        # Rows of this tile: the (query head in the group, query position) pairs of one key/value head.
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_valid = rows < n_rep * q_len
+        head = kv_head * n_rep + rows // q_len
+        q_pos = rows % q_len
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(
+            q_ptr + b * stride_qb + head[:, None] * stride_qh + q_pos[:, None] * stride_qm + dims[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+        )
+
+        # A chunk is TILES_PER_SPLIT key tiles (a power of two, so few variants get compiled).
+        start = split * (TILES_PER_SPLIT * BLOCK_N)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+        for tile in range(TILES_PER_SPLIT):
+            cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_valid = cols < kv_len
+            k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_valid[:, None], other=0.0)
+            if HAS_MASK:
+                attend = tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0
+                col_valid = col_valid & attend
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(col_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A chunk whose keys are all padding keeps m at -inf: shift by 0 there to avoid inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if SINGLE_SPLIT:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_ptrs = out_ptr + b * stride_ob + q_pos[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        else:
+            # Partial results, layout (B, Hq, Lq, n_splits, D) and (B, Hq, Lq, n_splits), contiguous.
+            row_index = (b * (n_kv_heads * n_rep) + head) * q_len + q_pos
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            part = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(lse_ptr + row_index * n_splits + split, lse, mask=row_valid)
+            part_ptrs = part_ptr + (row_index[:, None] * n_splits + split) * HEAD_DIM + dims[None, :]
+            tl.store(part_ptrs, part, mask=row_valid[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        n_heads,
+        q_len,
+        n_splits,
+        stride_ob,
+        stride_om,
+        stride_oh,
+        BLOCK_S: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # (b * n_heads + head) * q_len + q_pos
+        q_pos = row % q_len
+        head = (row // q_len) % n_heads
+        b = row // (q_len * n_heads)
+        splits = tl.arange(0, BLOCK_S)
+        split_valid = splits < n_splits
+        lse = tl.load(lse_ptr + row * n_splits + splits, mask=split_valid, other=float("-inf"))
+        lse_max = tl.max(lse, axis=0)
+        weights = tl.where(split_valid, tl.exp(lse - lse_max), 0.0)
+        weights = weights / tl.sum(weights, axis=0)
+        dims = tl.arange(0, HEAD_DIM)
+        parts = tl.load(
+            part_ptr + (row * n_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
+            mask=split_valid[:, None],
+            other=0.0,
+        )
+        out = tl.sum(parts * weights[:, None], axis=0)
+        tl.store(out_ptr + b * stride_ob + q_pos * stride_om + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def plan_splits(batch: int, n_kv_heads: int, m_tiles: int, kv_len: int, block_n: int, n_sms: int) -> int:
+    """Number of key chunks: enough programs for ~2 waves of the GPU, each chunk at least two key tiles."""
+    programs = batch * n_kv_heads * m_tiles
+    max_splits = max(1, kv_len // (2 * block_n))
+    return max(1, min(max_splits, math.ceil(2 * n_sms / programs)))
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    n_splits: int | None = None,
+) -> torch.Tensor:
+    """Bidirectional attention of `q` `(B, Hq, Lq, D)` over `k`, `v` `(B, Hkv, T, D)`.
+
+    `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys. Returns `(B, Lq, Hq, D)` in q's dtype.
+    """
+    batch, n_heads, q_len, dim = q.shape
+    n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    n_rep = n_heads // n_kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    rows = n_rep * q_len
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 64
+    m_tiles = triton.cdiv(rows, block_m)
+    if n_splits is None:
+        n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, _num_sms(q.device))
+    tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))
+    n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
+
+    out = torch.empty(batch, q_len, n_heads, dim, dtype=q.dtype, device=q.device)
+    if key_padding_mask is not None:
+        mask = key_padding_mask.to(torch.int8)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+    else:
+        mask = out  # never read
+    single = n_splits == 1
+    if single:
+        part = lse = out  # never written
+    else:
+        part = torch.empty(batch, n_heads, q_len, n_splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, n_heads, q_len, n_splits, dtype=torch.float32, device=q.device)
+    _block_attention_kernel[(n_splits, batch * n_kv_heads, m_tiles)](
+        q,
+        k,
+        v,
+        mask,
+        out,
+        part,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        mask.stride(0) if key_padding_mask is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        n_kv_heads,
+        n_rep,
+        q_len,
+        kv_len,
+        n_splits,
+        scale,
+        TILES_PER_SPLIT=tiles_per_split,
+        HAS_MASK=key_padding_mask is not None,
+        SINGLE_SPLIT=single,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=dim,
+        num_warps=4,
+        num_stages=2,
+    )
+    if not single:
+        _combine_splits_kernel[(batch * n_heads * q_len,)](
+            part,
+            lse,
+            out,
+            n_heads,
+            q_len,
+            n_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
+            HEAD_DIM=dim,
+            num_warps=1 if dim <= 64 else 2,
+        )
+    return out

@@ -1,0 +1,193 @@
+"""Fused Triton kernels for the elementwise parts of a LLaDA block: RMSNorm (with the residual add fused in), RoPE
+and the SiLU gate.
+
+Why: a denoising step at batch 1 feeds 32 tokens through 32 layers; in plain PyTorch each layer launches ~30 tiny
+elementwise kernels (casts, pow, mean, rsqrt, cat, ...) that cost more than the matrix products around them even
+inside a CUDA graph. Each kernel here replaces one such chain with one launch and keeps the same rounding points
+as the PyTorch code in `modeling_llada.py` (float32 math, casts to the activation dtype where PyTorch casts).
+
+`kernels.py` decides when these run (CUDA tensors and Triton available, unless overridden); the PyTorch code stays
+the reference and the CPU path. This file is exported as Hub remote code: Triton is imported inside `try:`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:  # CPU-only installs: the PyTorch path is used
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        sum_ptr,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per row of a contiguous (rows, n_cols) tensor.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        offsets = row * n_cols + cols
+        x = tl.load(x_ptr + offsets, mask=in_row, other=0.0)
+        if HAS_RESIDUAL:
+            # PyTorch adds two activations in float32 and rounds the sum to the activation dtype.
+            r = tl.load(residual_ptr + offsets, mask=in_row, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + offsets, x, mask=in_row)
+        x = x.to(tl.float32)
+        variance = tl.sum(x * x, axis=0) / n_cols
+        normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+            normed = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, normed, mask=in_row)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr,
+        k_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_out_ptr,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        HALF: tl.constexpr,
+    ):
+        # One program per (batch, position, head) over the q heads followed by the k heads. Inputs are (B, L, H, D)
+        # with any strides (views of the projections); outputs are contiguous (B, L, H, D).
+        pid = tl.program_id(0).to(tl.int64)
+        n_heads = n_q_heads + n_k_heads
+        head = pid % n_heads
+        token = pid // n_heads  # b * seq_len + l
+        b = token // seq_len
+        pos = token % seq_len
+        offs = tl.arange(0, HALF)
+        table = token * (2 * HALF)
+        cos1 = tl.load(cos_ptr + table + offs)
+        cos2 = tl.load(cos_ptr + table + HALF + offs)
+        sin1 = tl.load(sin_ptr + table + offs)
+        sin2 = tl.load(sin_ptr + table + HALF + offs)
+        if head < n_q_heads:
+            src = q_ptr + b * stride_qb + pos * stride_ql + head * stride_qh
+            dst = q_out_ptr + (token * n_q_heads + head) * (2 * HALF)
+        else:
+            kh = head - n_q_heads
+            src = k_ptr + b * stride_kb + pos * stride_kl + kh * stride_kh
+            dst = k_out_ptr + (token * n_k_heads + kh) * (2 * HALF)
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), as in modeling_llada.apply_rotary_pos_emb.
+        y1 = x1 * cos1 + (-x2) * sin1
+        y2 = x2 * cos2 + x1 * sin2
+        tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offs < n
+        g = tl.load(gate_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
+        # PyTorch rounds silu's output to the activation dtype before the product.
+        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + offs, (s * u).to(out_ptr.dtype.element_ty), mask=in_range)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm(x + residual)` over the last dim. x, residual `(..., d)`; weight `(d,)` or None.
+
+    Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None)."""
+    d = x.shape[-1]
+    x2 = x.contiguous().view(-1, d)
+    out = torch.empty_like(x2)
+    total = torch.empty_like(x2) if residual is not None else x2
+    r2 = residual.contiguous().view(-1, d) if residual is not None else x2
+    block = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
+        r2,
+        weight if weight is not None else x2,
+        out,
+        total,
+        d,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    return out.view(x.shape), total.view(x.shape)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in float32. q `(B, L, Hq, D)`, k `(B, L, Hk, D)` (any strides, last dim contiguous), cos/sin
+    `(B, L, D)` float32. Returns contiguous `(B, L, Hq, D)` and `(B, L, Hk, D)` in the input dtype."""
+    batch, seq_len, n_q, dim = q.shape
+    n_k = k.shape[2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        q, k = q.contiguous(), k.contiguous()
+    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(batch, seq_len, n_k, dim, dtype=k.dtype, device=k.device)
+    grid = (batch * seq_len * (n_q + n_k),)
+    _rotary_kernel[grid](
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        seq_len,
+        n_q,
+        n_k,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        HALF=dim // 2,
+        num_warps=1 if dim <= 128 else 2,
+    )
+    return q_out, k_out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, elementwise, same shape and dtype."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    return out
