@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_dllm  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
-
+from hf_dllm.graphs import StepGraphs  # noqa: E402
 
 LLADA_8B = dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288, vocab_size=126464)
 SMALL = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_hidden_size=768, vocab_size=1024)
@@ -73,10 +72,18 @@ def timed_generate(model, prompts, kwargs, device, repeats):
     return statistics.median(times), out, peak
 
 
+@torch.no_grad()
 def dual_step_ms(model, prompts, kwargs, device, repeats: int = 30) -> float:
     """Median time of one dual-cache block step (a replay on CUDA), after the block's full forward."""
     config, _ = model._prepare_diffusion_config(None, dict(kwargs, use_cache=True, dual_cache=True))
     run = BlockDiffusionRun(model, config, prompts, None, None)
+    try:
+        return _time_block_steps(run, config, device, repeats)
+    finally:
+        StepGraphs.release_to(model)
+
+
+def _time_block_steps(run, config, device, repeats: int) -> float:
     block_start, block_end = run.prompt_len, run.prompt_len + config.block_length
     run.unmasking.start_block(block_end - block_start, config.block_length)
     run.run_step(block_start, block_end, 0)

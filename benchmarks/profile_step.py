@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_generate import LLADA_8B, build_model  # noqa: E402
@@ -42,6 +41,38 @@ def gemm_bandwidth(m: int, k: int, n: int, dtype=torch.bfloat16, repeats: int = 
     return ms, n * k * weights[0].element_size() / (ms / 1000) / 1e12
 
 
+def attention_ms(batch: int, padded: bool, impl: str, repeats: int = 100) -> float:
+    """One block-step attention at the 8B shape: 32 queries x 32 heads x 128 dims against 768 cached keys."""
+    from hf_dllm.triton_attention import block_attention
+
+    q = torch.randn(batch, 32, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, 32, 768, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    mask = torch.ones(batch, 768, dtype=torch.bool, device="cuda")
+    if padded:
+        mask[:, :100] = False
+
+    def call():
+        if impl == "triton":
+            return block_attention(q, k, v, mask if padded else None)
+        attn_mask = mask[:, None, None, :] if padded else None
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+    for _ in range(3):
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats * 1000
+
+
+@torch.no_grad()
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=1)
@@ -55,6 +86,7 @@ def main(argv=None) -> int:
     config, _ = model._prepare_diffusion_config(
         None, dict(max_new_tokens=args.new_tokens, block_length=32, eos_early_stop=False, disable_compile=True)
     )
+    # Kernels per step counted without graphs: the eager step runs exactly the kernels a replay runs.
     run = BlockDiffusionRun(model, config, prompts, None, None)
     start, end = run.prompt_len, run.prompt_len + 32
     run.unmasking.start_block(32, 32)
@@ -95,7 +127,26 @@ def main(argv=None) -> int:
         ms, tbs = gemm_bandwidth(m, k, n)
         results[name] = {"ms": ms, "tb_s": tbs}
         print(f"  {name:<28} {ms:7.3f} ms  {tbs:5.2f} TB/s")
-    print(json.dumps({"batch": args.batch, "kernel_ms_per_step": total, "top": top[:10], "gemm": results}))
+    print("\nBlock-step attention (one layer), microseconds, CUDA-graph replays")
+    attention = {}
+    for batch in (1, 8, 32):
+        for padded in (False, True):
+            row = {impl: attention_ms(batch, padded, impl) for impl in ("triton", "sdpa")}
+            attention[f"b{batch}{'-padded' if padded else ''}"] = row
+            print(
+                f"  batch {batch:>2} {'padded' if padded else 'no pad':<7} triton {row['triton']:7.1f}  sdpa {row['sdpa']:7.1f}"
+            )
+    print(
+        json.dumps(
+            {
+                "batch": args.batch,
+                "kernel_ms_per_step": total,
+                "top": top[:10],
+                "gemm": results,
+                "attention_us": attention,
+            }
+        )
+    )
     return 0
 
 

@@ -18,7 +18,6 @@ from .generation_utils import (
 )
 from .modeling_llada import LLaDAModel, LLaDAModelLM, LLaDAPreTrainedModel
 
-
 __version__ = "0.1.0"
 
 AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)

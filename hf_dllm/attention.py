@@ -1,10 +1,14 @@
 """hf_dllm's attention backend, registered with transformers' `AttentionInterface` and `AttentionMaskInterface`.
 
-`attn_implementation="llada_triton"` runs `triton_attention.block_attention` (split-KV attention for few
-queries against a long cached sequence, with a key padding mask). transformers asks each backend for a mask in
-its own format through the mask interface; this backend takes the key padding mask `(B, 1, 1, T)` bool, so no
-`(q, T)` mask is ever materialised. Where the kernel cannot run (no CUDA/Triton, dropout, a head size that is not a
-power of two >= 16), the call falls back to transformers' `sdpa` with the same mask.
+`attn_implementation="llada_triton"` (LLaDA's default in hf_dllm) runs `triton_attention.block_attention`, a
+split-KV kernel for few queries against a long cached sequence with a key padding mask, where it pays: a block
+step (at most 64 query rows per key/value head) whose (row, head) pairs alone would leave SMs idle, or that has
+padding (PyTorch's fast flash kernels take no mask). Everything else (full-sequence forwards, big unpadded
+batches, CPU, no Triton, dropout, a head size that is not a power of two >= 16) goes to transformers' `sdpa` with
+the same mask. The rule depends on shapes only, so a CUDA-graph replay runs what the eager step ran.
+
+transformers asks each backend for a mask in its own format through the mask interface; this backend takes the
+key padding mask as `(B, 1, 1, T)` bool, so no `(q, T)` mask is ever materialised.
 
 This file is exported as Hub remote code.
 """
@@ -17,16 +21,20 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from .kernels import kernel_mode
-from .triton_attention import TRITON_AVAILABLE, block_attention
-
+from .triton_attention import TRITON_AVAILABLE, _num_sms, block_attention
 
 TRITON_ATTENTION = "llada_triton"
 
 
-def _kernel_applies(query: torch.Tensor, dropout: float) -> bool:
-    dim = query.shape[-1]
+# Query rows per key/value head up to which the split-KV kernel is used (a block of 32 with up to 2 heads per group).
+MAX_QUERY_ROWS = 64
+
+
+def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float) -> bool:
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
     mode = kernel_mode()
-    return (
+    if not (
         TRITON_AVAILABLE
         and mode != "torch"
         and (query.is_cuda or mode == "triton")
@@ -34,7 +42,10 @@ def _kernel_applies(query: torch.Tensor, dropout: float) -> bool:
         and dim >= 16
         and dim & (dim - 1) == 0
         and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    )
+        and (heads // kv_heads) * q_len <= MAX_QUERY_ROWS
+    ):
+        return False
+    return mode == "triton" or attention_mask is not None or batch * kv_heads < _num_sms(query.device)
 
 
 def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
@@ -58,7 +69,7 @@ def triton_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface signature: query `(B, Hq, Lq, D)`, key/value `(B, Hkv, T, D)` -> `(B, Lq, Hq, D)`."""
-    if not _kernel_applies(query, dropout):
+    if not _kernel_applies(query, key, attention_mask, dropout):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
         )

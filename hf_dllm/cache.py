@@ -42,11 +42,16 @@ class DiffusionKVCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
-    def _allocate(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _, kv_heads, _, k_dim = key_states.shape
-        shape = (self.max_batch_size, kv_heads, self.max_length)
-        self.keys[layer_idx] = key_states.new_zeros(*shape, k_dim)
-        self.values[layer_idx] = value_states.new_zeros(*shape, value_states.shape[-1])
+    def layer(self, layer_idx: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor):
+        """This layer's K/V buffers for the first `batch` rows `(batch, kv_heads, max_length, head_dim)`, allocated
+        at first use with the dtype and device of `like`."""
+        if self.keys[layer_idx] is None:
+            shape = (self.max_batch_size, kv_heads, self.max_length, head_dim)
+            self.keys[layer_idx] = like.new_zeros(shape)
+            self.values[layer_idx] = like.new_zeros(shape)
+        if batch > self.max_batch_size:
+            raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
+        return self.keys[layer_idx][:batch], self.values[layer_idx][:batch]
 
     def update(
         self,
@@ -57,13 +62,8 @@ class DiffusionKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` `(batch, kv_heads, q_len, head_dim)` at `cache_kwargs["cache_position"]`
         `(q_len,)` and return this layer's K/V over the whole sequence `(batch, kv_heads, max_length, head_dim)`."""
-        if self.keys[layer_idx] is None:
-            self._allocate(layer_idx, key_states, value_states)
-        batch, q_len = key_states.shape[0], key_states.shape[2]
-        if batch > self.max_batch_size:
-            raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
-        keys = self.keys[layer_idx][:batch]
-        values = self.values[layer_idx][:batch]
+        batch, kv_heads, q_len, head_dim = key_states.shape
+        keys, values = self.layer(layer_idx, batch, kv_heads, head_dim, key_states)
         if q_len == self.max_length:
             keys.copy_(key_states)
             values.copy_(value_states)

@@ -14,7 +14,6 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-
 BOS, EOS, EOT, MASK = "<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"
 HEADER_START, HEADER_END = "<|start_header_id|>", "<|end_header_id|>"
 UNK = "<|unk|>"

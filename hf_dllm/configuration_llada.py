@@ -11,7 +11,6 @@ This file is exported verbatim as Hub remote code: it imports only transformers 
 
 from transformers import PretrainedConfig
 
-
 # Architecture switches of the OLMo-style config that LLaDA checkpoints never turn on. Each is rejected with a
 # clear error rather than silently computing something else than the checkpoint was trained with.
 _SUPPORTED_CHOICES = {
@@ -188,9 +187,7 @@ class LLaDAConfig(PretrainedConfig):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LLaDAConfig.{name} must be a positive integer, got {value!r}.")
         if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"LLaDAConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})."
-            )
+            raise ValueError(f"LLaDAConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}).")
         if self.head_dim % 2 != 0:
             raise ValueError(f"LLaDAConfig head dimension d_model / n_heads = {self.head_dim} must be even for RoPE.")
         kv = self.num_key_value_heads

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-
 # Confidence of positions that are not masked: they can never be chosen.
 NOT_MASKED = float("-inf")
 # Confidence given to positions whose candidate is EOS/EOT under `confidence_eos_eot_inf` (LLaDA App. B.4): below
@@ -185,9 +184,7 @@ def denoise_block_step(
     positions show their current candidate (for streamers' `put_draft`).
     """
     masked = block == mask_token_id
-    x0, confidence = propose_tokens(
-        logits, masked, temperature, remasking, suppressed_token_ids, deferred_token_ids
-    )
+    x0, confidence = propose_tokens(logits, masked, temperature, remasking, suppressed_token_ids, deferred_token_ids)
     sorted_confidence, ranks = rank_by_confidence(confidence)
     counts = policy.num_to_commit(sorted_confidence, scheduled)
     commit = commit_most_confident(ranks, masked, counts)

@@ -30,7 +30,6 @@ from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
 from .decoding import UnmaskingPolicy, denoise_block_step, make_unmasking_policy
 from .graphs import StepGraphs
 
-
 logger = logging.get_logger(__name__)
 
 REMASKING_STRATEGIES = ("low_confidence", "random")
@@ -265,14 +264,14 @@ def plan_blocks(max_new_tokens: int, block_length: int, steps: int | None) -> li
             )
         block_steps = [
             steps * (off + length) // max_new_tokens - steps * off // max_new_tokens
-            for off, length in zip(offsets, lengths)
+            for off, length in zip(offsets, lengths, strict=True)
         ]
         for b, count in enumerate(block_steps):
             if count == 0:
                 donor = max(range(len(block_steps)), key=block_steps.__getitem__)
                 block_steps[donor] -= 1
                 block_steps[b] = 1
-    return list(zip(offsets, lengths, block_steps))
+    return list(zip(offsets, lengths, block_steps, strict=True))
 
 
 class DiffusionGenerationMixin:
@@ -318,8 +317,9 @@ class DiffusionGenerationMixin:
         shape_probe = torch.empty(key_mask.shape[0], q_len, 1, dtype=self.dtype, device=key_mask.device)
         return create_bidirectional_mask(config=self.config, inputs_embeds=shape_probe, attention_mask=key_mask)
 
-    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
-                             *args, **kwargs):
+    def adjust_generation_fn(
+        self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+    ):
         """Called by `from_pretrained`: read `generation_config.json` as a `DiffusionGenerationConfig`."""
         if generation_config is not None:
             self.generation_config = DiffusionGenerationConfig.from_generation_config(generation_config)
@@ -467,7 +467,9 @@ class DiffusionGenerationMixin:
                 attention_mask = None
         shift = self.diffusion_logits_shift
         if shift and input_ids.shape[1] < shift:
-            raise ValueError(f"This model predicts token i from position i - {shift}: the prompt needs {shift} token(s).")
+            raise ValueError(
+                f"This model predicts token i from position i - {shift}: the prompt needs {shift} token(s)."
+            )
         max_len = getattr(self.config, "max_sequence_length", None)
         if max_len is not None and input_ids.shape[1] + config.max_new_tokens > max_len:
             logger.warning_once(
@@ -545,6 +547,7 @@ class BlockDiffusionRun:
             or config.temperature > 0
             or config.remasking != "low_confidence"
             or self.cfg
+            or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
         ):
             return None
         signature = (
@@ -564,9 +567,13 @@ class BlockDiffusionRun:
         )
 
         def make_cache():
-            return self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len) if self.cache_policy.uses_cache else None
+            return (
+                self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
+                if self.cache_policy.uses_cache
+                else None
+            )
 
-        return StepGraphs.for_model(self.model, signature, make_cache)
+        return StepGraphs.acquire(self.model, signature, make_cache)
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Duplicate per-row tensors for the unconditional branch of classifier-free guidance."""
@@ -691,6 +698,13 @@ class BlockDiffusionRun:
             self.key_mask = self.key_mask[keep]
 
     def run(self) -> torch.LongTensor:
+        try:
+            return self._run()
+        finally:
+            if self.graphs is not None:
+                StepGraphs.release_to(self.model)
+
+    def _run(self) -> torch.LongTensor:
         if self.streamer is not None:
             self.streamer.put(self.sequences[:, : self.prompt_len].cpu())
         for offset, length, num_steps in plan_blocks(

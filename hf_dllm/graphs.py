@@ -8,18 +8,22 @@ graph's static buffers, one replay runs every kernel, outputs land in static buf
 Replays run exactly the kernels of the eager step, so outputs are identical with and without graphs. The first
 use of a shape runs the step eagerly (the warm-up: cuBLAS handles, Triton compilation and the K/V cache's
 allocation happen there, outside any capture); the second use captures it and replays; later uses replay. Steps that read the K/V cache keep its
-address, so a runner is tied to one `DiffusionKVCache`; `StepGraphs.for_model` reuses the runner (and its cache)
-across `generate()` calls with the same shapes, so repeated calls neither re-capture nor grow memory.
+address, so a runner is tied to one `DiffusionKVCache`; `StepGraphs.acquire` reuses the runner (and its cache)
+across `generate()` calls with the same shapes, so repeated calls neither re-capture nor grow memory. One call at
+a time holds a model's runner; concurrent calls (e.g. from server threads) run eagerly with their own cache.
 
 This file is exported as Hub remote code.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+
+_RUNNER_LOCK = threading.Lock()
 
 
 class _CapturedStep:
@@ -45,15 +49,31 @@ class StepGraphs:
         self.warmed_up: set[tuple] = set()
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object]) -> "StepGraphs":
-        """The model's runner for `signature` (shapes, dtype, device, decoding rule), replacing any other."""
-        runner = getattr(model, "_hf_dllm_step_graphs", None)
-        if runner is None or runner.signature != signature:
-            if runner is not None:
-                runner.release()
-            runner = cls(signature, make_cache())
-            model._hf_dllm_step_graphs = runner
+    def acquire(cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object]) -> "StepGraphs | None":
+        """The model's runner for `signature` (shapes, dtype, device, decoding rule), replacing any other; or None
+        while another `generate()` call on this model holds it (that call's graphs and cache are in use, so this
+        one runs eagerly). Give it back with `release_to(model)`."""
+        with _RUNNER_LOCK:
+            if getattr(model, "_hf_dllm_step_graphs_busy", False):
+                return None
+            model._hf_dllm_step_graphs_busy = True
+        try:
+            runner = getattr(model, "_hf_dllm_step_graphs", None)
+            if runner is None or runner.signature != signature:
+                if runner is not None:
+                    runner.release()
+                    model._hf_dllm_step_graphs = None
+                runner = cls(signature, make_cache())
+                model._hf_dllm_step_graphs = runner
+        except BaseException:
+            cls.release_to(model)
+            raise
         return runner
+
+    @staticmethod
+    def release_to(model: torch.nn.Module) -> None:
+        with _RUNNER_LOCK:
+            model._hf_dllm_step_graphs_busy = False
 
     def release(self) -> None:
         self.steps.clear()

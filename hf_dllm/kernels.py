@@ -19,7 +19,6 @@ from transformers.utils import logging
 
 from .triton_ops import TRITON_AVAILABLE
 
-
 logger = logging.get_logger(__name__)
 
 KERNEL_MODES = ("auto", "torch", "triton")
@@ -56,5 +55,7 @@ def use_fused_kernels(tensor: torch.Tensor) -> bool:
     key = f"{tensor.device.type}:{chosen}"
     if key not in _logged:
         _logged.add(key)
-        logger.info(f"hf_dllm: {'Triton' if chosen else 'PyTorch'} kernels for RMSNorm/RoPE/SiLU on {tensor.device.type}")
+        logger.info(
+            f"hf_dllm: {'Triton' if chosen else 'PyTorch'} kernels for RMSNorm/RoPE/SiLU on {tensor.device.type}"
+        )
     return chosen

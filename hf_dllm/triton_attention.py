@@ -21,7 +21,6 @@ import math
 
 import torch
 
-
 try:
     import triton
     import triton.language as tl
@@ -158,7 +157,9 @@ if TRITON_AVAILABLE:
             other=0.0,
         )
         out = tl.sum(parts * weights[:, None], axis=0)
-        tl.store(out_ptr + b * stride_ob + q_pos * stride_om + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+        tl.store(
+            out_ptr + b * stride_ob + q_pos * stride_om + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty)
+        )
 
 
 def _num_sms(device: torch.device) -> int:

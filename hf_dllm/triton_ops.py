@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-
 try:
     import triton
     import triton.language as tl
@@ -109,11 +108,74 @@ if TRITON_AVAILABLE:
         tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _rotary_to_cache_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        cache_k_ptr,
+        cache_v_ptr,
+        position_ptr,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        stride_vb,
+        stride_vl,
+        stride_vh,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        HALF: tl.constexpr,
+    ):
+        # As _rotary_kernel, but rotated keys and the values go straight into the K/V cache `(B, Hk, T, D)` at
+        # column `position[l]`: one launch instead of RoPE plus two index copies.
+        pid = tl.program_id(0).to(tl.int64)
+        n_heads = n_q_heads + n_k_heads
+        head = pid % n_heads
+        token = pid // n_heads
+        b = token // seq_len
+        pos = token % seq_len
+        offs = tl.arange(0, HALF)
+        table = token * (2 * HALF)
+        cos1 = tl.load(cos_ptr + table + offs)
+        cos2 = tl.load(cos_ptr + table + HALF + offs)
+        sin1 = tl.load(sin_ptr + table + offs)
+        sin2 = tl.load(sin_ptr + table + HALF + offs)
+        if head < n_q_heads:
+            src = q_ptr + b * stride_qb + pos * stride_ql + head * stride_qh
+            dst = q_out_ptr + (token * n_q_heads + head) * (2 * HALF)
+        else:
+            kh = head - n_q_heads
+            column = tl.load(position_ptr + pos).to(tl.int64)
+            src = k_ptr + b * stride_kb + pos * stride_kl + kh * stride_kh
+            dst = cache_k_ptr + b * stride_cb + kh * stride_ch + column * stride_cn
+            v_src = v_ptr + b * stride_vb + pos * stride_vl + kh * stride_vh
+            v_dst = cache_v_ptr + b * stride_cb + kh * stride_ch + column * stride_cn
+            tl.store(v_dst + offs, tl.load(v_src + offs))
+            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        y1 = x1 * cos1 + (-x2) * sin1
+        y2 = x2 * cos2 + x1 * sin2
+        tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, stride_row, BLOCK: tl.constexpr):
+        # gate/up are (rows, width) with a row stride (views of one fused projection); out is contiguous.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < n
-        g = tl.load(gate_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
+        src = (offs // width) * stride_row + offs % width
+        g = tl.load(gate_ptr + src, mask=in_range, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + src, mask=in_range, other=0.0).to(tl.float32)
         # PyTorch rounds silu's output to the activation dtype before the product.
         s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + offs, (s * u).to(out_ptr.dtype.element_ty), mask=in_range)
@@ -147,9 +209,7 @@ def rms_norm(
     return out.view(x.shape), total.view(x.shape)
 
 
-def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE in float32. q `(B, L, Hq, D)`, k `(B, L, Hk, D)` (any strides, last dim contiguous), cos/sin
     `(B, L, D)` float32. Returns contiguous `(B, L, Hq, D)` and `(B, L, Hk, D)` in the input dtype."""
     batch, seq_len, n_q, dim = q.shape
@@ -183,11 +243,64 @@ def rotary(
     return q_out, k_out
 
 
+def rotary_to_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_keys: torch.Tensor,
+    cache_values: torch.Tensor,
+    cache_position: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on q and k, with k (rotated) and v written into the cache. q `(B, L, Hq, D)`, k/v `(B, L, Hk, D)` (any
+    strides, last dim contiguous), cache_keys/values `(B, Hk, T, D)` contiguous in the last dim with equal strides,
+    cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`."""
+    batch, seq_len, n_q, dim = q.shape
+    n_k = k.shape[2]
+    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
+    _rotary_to_cache_kernel[(batch * seq_len * (n_q + n_k),)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        q_out,
+        cache_keys,
+        cache_values,
+        cache_position,
+        seq_len,
+        n_q,
+        n_k,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        cache_keys.stride(0),
+        cache_keys.stride(1),
+        cache_keys.stride(2),
+        HALF=dim // 2,
+        num_warps=1 if dim <= 128 else 2,
+    )
+    return q_out
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up`, elementwise, same shape and dtype."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
+    """`silu(gate) * up`, elementwise. gate/up `(..., I)` of equal strides whose rows may be strided (e.g. the two
+    halves of one fused gate/up projection); returns a contiguous `(..., I)` tensor."""
+    width = gate.shape[-1]
+    gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
+    if gate2.stride(-1) != 1 or up2.stride(-1) != 1 or gate2.stride(0) != up2.stride(0):
+        gate2, up2 = gate2.contiguous(), up2.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n = out.numel()
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate2, up2, out, n, width, gate2.stride(0), BLOCK=block, num_warps=4)
     return out

@@ -20,7 +20,6 @@ from hf_dllm import triton_ops
 from hf_dllm.modeling_llada import LLaDARMSNorm, apply_rotary_pos_emb, rotary_cos_sin
 from hf_dllm.triton_attention import block_attention
 
-
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -37,7 +36,13 @@ def reference_attention(q, k, v, key_padding):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,q_len,kv_len,dim",
-    [(1, 32, 32, 32, 768, 128), (8, 32, 32, 32, 800, 128), (2, 8, 2, 17, 300, 64), (3, 4, 1, 5, 1000, 128), (32, 32, 32, 32, 768, 128)],
+    [
+        (1, 32, 32, 32, 768, 128),
+        (8, 32, 32, 32, 800, 128),
+        (2, 8, 2, 17, 300, 64),
+        (3, 4, 1, 5, 1000, 128),
+        (32, 32, 32, 32, 768, 128),
+    ],
 )
 def test_block_attention_error_within_twice_torch(dtype, batch, heads, kv_heads, q_len, kv_len, dim):
     torch.manual_seed(batch * 1000 + kv_len)
@@ -65,7 +70,7 @@ def test_fused_rms_norm_error_within_twice_torch(dtype, rows, width):
     residual = torch.randn(rows, width, device="cuda", dtype=dtype)
     norm = LLaDARMSNorm(width, 1e-5).cuda().to(dtype)
     norm.weight.data.normal_(1.0, 0.1)
-    total = (x.double() + residual.double())
+    total = x.double() + residual.double()
     reference = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
     ours, our_total = triton_ops.rms_norm(x, norm.weight, 1e-5, residual=residual)
     hf_dllm.kernels.set_kernel_mode("torch")
@@ -88,7 +93,9 @@ def test_fused_rotary_and_silu_error_within_twice_torch(dtype):
     cos, sin = rotary_cos_sin(positions, 128, 500000.0)
     ours_q, ours_k = triton_ops.rotary(q, k, cos, sin)
     theirs_q, theirs_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    ref_q, ref_k = apply_rotary_pos_emb(q.double().transpose(1, 2), k.double().transpose(1, 2), cos.double(), sin.double())
+    ref_q, ref_k = apply_rotary_pos_emb(
+        q.double().transpose(1, 2), k.double().transpose(1, 2), cos.double(), sin.double()
+    )
     for ours, theirs, ref in ((ours_q, theirs_q, ref_q), (ours_k, theirs_k, ref_k)):
         ours = ours.transpose(1, 2)
         assert (ours.double() - ref).abs().max() <= 2 * (theirs.double() - ref).abs().max() + 1e-6
@@ -102,8 +109,17 @@ def test_fused_rotary_and_silu_error_within_twice_torch(dtype):
 
 def gpu_model(attn: str = "sdpa", dtype=torch.bfloat16) -> hf_dllm.LLaDAModelLM:
     config = hf_dllm.LLaDAConfig(
-        d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, mlp_hidden_size=1024, vocab_size=1000,
-        embedding_size=1024, mask_token_id=999, eos_token_id=998, pad_token_id=997, max_sequence_length=1024,
+        d_model=512,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        mlp_hidden_size=1024,
+        vocab_size=1000,
+        embedding_size=1024,
+        mask_token_id=999,
+        eos_token_id=998,
+        pad_token_id=997,
+        max_sequence_length=1024,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -131,8 +147,13 @@ def test_graph_path_tokens_equal_eager(attn, cache, rule):
     model = gpu_model(attn)
     ids, mask = padded_prompts([5, 19, 12])
     kwargs = dict(
-        max_new_tokens=48, block_length=16, use_cache=cache[0], dual_cache=cache[1], eos_early_stop=False,
-        return_dict_in_generate=True, **rule,
+        max_new_tokens=48,
+        block_length=16,
+        use_cache=cache[0],
+        dual_cache=cache[1],
+        eos_early_stop=False,
+        return_dict_in_generate=True,
+        **rule,
     )
     fast = model.generate(ids, attention_mask=mask, **kwargs)
     again = model.generate(ids, attention_mask=mask, **kwargs)  # replays graphs captured by the first call
@@ -146,7 +167,9 @@ def test_graph_path_tokens_equal_eager(attn, cache, rule):
 def test_graph_path_with_eos_stop_equals_eager():
     model = gpu_model()
     ids, mask = padded_prompts([4, 9, 7, 11])
-    kwargs = dict(max_new_tokens=64, block_length=8, threshold=0.8, eos_token_id=[5, 6, 7], return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=64, block_length=8, threshold=0.8, eos_token_id=[5, 6, 7], return_dict_in_generate=True
+    )
     fast = model.generate(ids, attention_mask=mask, **kwargs)
     eager = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
     assert torch.equal(fast.sequences, eager.sequences)
@@ -173,3 +196,37 @@ def test_triton_backend_logits_close_to_sdpa():
         b = triton_model(ids, attention_mask=mask).logits.float()
     real = mask.bool()
     assert (a - b)[real].abs().max() <= 0.05 * a[real].abs().max()
+
+
+def test_concurrent_calls_give_the_tokens_of_sequential_calls():
+    """Only one call holds the model's graph runner; others run eagerly with their own cache."""
+    import threading
+
+    model = gpu_model()
+    ids, mask = padded_prompts([5, 9])
+    kwargs = dict(max_new_tokens=32, block_length=16, threshold=0.7, eos_early_stop=False)
+    expected = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
+    results = [None] * 4
+
+    def work(i):
+        results[i] = model.generate(ids, attention_mask=mask, **kwargs)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(result, expected) for result in results)
+
+
+def test_fused_projections_save_and_reload_exactly(tmp_path):
+    model = gpu_model()
+    ids, mask = padded_prompts([6])
+    model.generate(ids, attention_mask=mask, max_new_tokens=16, block_length=16)
+    block = model.model.transformer.blocks[0]
+    fused = block._fused_weights[("q_proj", "k_proj", "v_proj")]
+    assert block.q_proj.weight.data_ptr() == fused.data_ptr()  # the parameters are views of the fused buffer
+    model.save_pretrained(tmp_path)
+    reloaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

@@ -10,9 +10,7 @@ import json
 
 import pytest
 import torch
-
 from conftest import REFERENCE_DIR
-
 
 CASES = json.loads((REFERENCE_DIR / "cases.json").read_text())["cases"]
 

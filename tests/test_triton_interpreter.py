@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
