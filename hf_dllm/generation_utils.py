@@ -548,6 +548,7 @@ class BlockDiffusionRun:
             or config.remasking != "low_confidence"
             or self.cfg
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
+            or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
         ):
             return None
         signature = (
@@ -618,7 +619,7 @@ class BlockDiffusionRun:
             model_positions = self._model_rows(position_ids)
         logits = self.model._diffusion_forward(
             model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index
-        )
+        ).to(tokens.device)  # a model split over GPUs returns logits on its last device
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)

@@ -495,6 +495,9 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
         hidden_states = outputs.last_hidden_state
         if isinstance(logits_to_keep, int):
             keep = slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
+        elif isinstance(logits_to_keep, torch.Tensor):
+            # With the model split over devices (device_map), the last block's output is not on the input's device.
+            keep = logits_to_keep.to(hidden_states.device)
         else:
             keep = logits_to_keep
         logits = self.model.compute_logits(hidden_states[:, keep])

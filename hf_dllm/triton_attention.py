@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .triton_ops import on_tensor_device
+
 try:
     import triton
     import triton.language as tl
@@ -175,6 +177,7 @@ def plan_splits(batch: int, n_kv_heads: int, m_tiles: int, kv_len: int, block_n:
     return max(1, min(max_splits, math.ceil(2 * n_sms / programs)))
 
 
+@on_tensor_device
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,

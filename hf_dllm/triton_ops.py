@@ -12,6 +12,9 @@ the reference and the CPU path. This file is exported as Hub remote code: Triton
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 try:
@@ -23,6 +26,19 @@ except ImportError:  # CPU-only installs: the PyTorch path is used
     triton = None
     tl = None
     TRITON_AVAILABLE = False
+
+
+def on_tensor_device(launcher):
+    """Run a kernel launcher with its first argument's CUDA device as the current device: Triton launches on the
+    current device, which is not the tensors' for a model on cuda:1 or split over GPUs (`device_map`)."""
+
+    @functools.wraps(launcher)
+    def wrapper(tensor: torch.Tensor, *args, **kwargs):
+        context = torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+        with context:
+            return launcher(tensor, *args, **kwargs)
+
+    return wrapper
 
 
 if TRITON_AVAILABLE:
@@ -181,6 +197,7 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + offs, (s * u).to(out_ptr.dtype.element_ty), mask=in_range)
 
 
+@on_tensor_device
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +226,7 @@ def rms_norm(
     return out.view(x.shape), total.view(x.shape)
 
 
+@on_tensor_device
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE in float32. q `(B, L, Hq, D)`, k `(B, L, Hk, D)` (any strides, last dim contiguous), cos/sin
     `(B, L, D)` float32. Returns contiguous `(B, L, Hq, D)` and `(B, L, Hk, D)` in the input dtype."""
@@ -243,6 +261,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q_out, k_out
 
 
+@on_tensor_device
 def rotary_to_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -292,6 +311,7 @@ def rotary_to_cache(
     return q_out
 
 
+@on_tensor_device
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up`, elementwise. gate/up `(..., I)` of equal strides whose rows may be strided (e.g. the two
     halves of one fused gate/up projection); returns a contiguous `(..., I)` tensor."""
