@@ -149,8 +149,9 @@ class LLaDAConfig(PretrainedConfig):
         self.use_cache = use_cache
         # LLaDA ties through `weight_tying` and has no `ff_out` when tied: transformers' own tying must stay off.
         kwargs["tie_word_embeddings"] = False
-        super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
+        # Before the base class's own checks, which read derived sizes such as `head_dim`.
         self.validate_llada()
+        super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
 
     # Standard transformers names for the OLMo-style fields.
     @property

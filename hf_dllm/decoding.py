@@ -38,6 +38,7 @@ def propose_tokens(
     remasking: str = "low_confidence",
     suppressed_token_ids: torch.Tensor | None = None,
     deferred_token_ids: torch.Tensor | None = None,
+    mask_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and confidences for one block.
 
@@ -50,6 +51,9 @@ def propose_tokens(
             (confidence = uniform draw), LLaDA Sec. 2.4.
         suppressed_token_ids: ids whose logits are set to -inf before anything else (`logits_eos_inf`).
         deferred_token_ids: candidates with these ids get confidence `DEFERRED` (`confidence_eos_eot_inf`).
+        mask_token_id: never proposed: a committed [MASK] would stay masked and, staying the most confident
+            position, stall the block forever. The confidence is still the probability under the full softmax,
+            as in LLaDA's sampler, so decisions match the reference whenever its candidate is not [MASK].
 
     Returns:
         `x0` `(batch, L)` long and `confidence` `(batch, L)` float32, `NOT_MASKED` where `masked` is False.
@@ -57,12 +61,16 @@ def propose_tokens(
     logits = logits.float()
     if suppressed_token_ids is not None:
         logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
+    candidates = logits
+    if mask_token_id is not None:
+        candidates = logits.clone()
+        candidates[..., mask_token_id] = float("-inf")  # an int index: no host-to-device copy, graph-safe
     if temperature > 0:
-        logits64 = logits.double()
+        logits64 = candidates.double()
         gumbel = (-torch.log(torch.rand_like(logits64))) ** temperature
         x0 = torch.argmax(logits64.exp() / gumbel, dim=-1)
     else:
-        x0 = torch.argmax(logits, dim=-1)
+        x0 = torch.argmax(candidates, dim=-1)
     if remasking == "low_confidence":
         chosen = torch.gather(logits, -1, x0.unsqueeze(-1)).squeeze(-1)
         confidence = torch.exp(chosen - torch.logsumexp(logits, dim=-1))
@@ -184,7 +192,9 @@ def denoise_block_step(
     positions show their current candidate (for streamers' `put_draft`).
     """
     masked = block == mask_token_id
-    x0, confidence = propose_tokens(logits, masked, temperature, remasking, suppressed_token_ids, deferred_token_ids)
+    x0, confidence = propose_tokens(
+        logits, masked, temperature, remasking, suppressed_token_ids, deferred_token_ids, mask_token_id
+    )
     sorted_confidence, ranks = rank_by_confidence(confidence)
     counts = policy.num_to_commit(sorted_confidence, scheduled)
     commit = commit_most_confident(ranks, masked, counts)

@@ -351,6 +351,11 @@ class DiffusionGenerationMixin:
         if not isinstance(base, GenerationConfig):
             raise TypeError(f"`generation_config` must be a GenerationConfig, got {type(base).__name__}.")
         config = DiffusionGenerationConfig.from_generation_config(base)
+        if base is not self.generation_config:
+            # As in transformers: what a passed config leaves unset comes from the model's (its special tokens).
+            for name in ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id"):
+                if getattr(config, name) is None:
+                    setattr(config, name, getattr(self.generation_config, name, None))
         model_inputs = {key: kwargs.pop(key) for key in ("input_ids", "attention_mask") if key in kwargs}
         unknown = sorted(set(kwargs) - set(DiffusionGenerationConfig.field_names()))
         if unknown:
