@@ -1,0 +1,172 @@
+"""Bad input to generate(): a clear error naming the argument and its allowed values, before any forward pass."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import GenerationConfig
+
+VOCAB = 103  # tiny model: mask 3, eos 0, pad 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def forwards(model):
+    """Counts forward passes of the model (and of its inner transformer) during the test."""
+    count = {"n": 0}
+
+    def hook(module, args, kwargs=None):
+        count["n"] += 1
+
+    handles = [model.register_forward_pre_hook(hook), model.model.register_forward_pre_hook(hook)]
+    yield count
+    for handle in handles:
+        handle.remove()
+
+
+PROMPT = torch.randint(4, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+GEN = dict(max_new_tokens=8, block_length=4)
+
+# (id, kwargs for generate, exception, regex naming the argument and its allowed values)
+BAD_INPUTS = [
+    ("max_new_tokens=0", dict(max_new_tokens=0), ValueError, r"max_new_tokens.*positive integer"),
+    ("max_new_tokens=-5", dict(max_new_tokens=-5), ValueError, r"max_new_tokens.*positive integer"),
+    ("max_new_tokens=float", dict(max_new_tokens=8.0), (ValueError, TypeError), r"max_new_tokens.*integer"),
+    ("block_length=0", dict(block_length=0), ValueError, r"block_length.*positive integer"),
+    ("block_length=-4", dict(block_length=-4), ValueError, r"block_length.*positive integer"),
+    ("steps=0", dict(steps=0), ValueError, r"steps.*positive integer"),
+    ("steps=-1", dict(steps=-1), ValueError, r"steps.*positive integer"),
+    ("steps<blocks", dict(max_new_tokens=16, block_length=4, steps=3), ValueError, r"steps.*number of blocks"),
+    ("threshold=0", dict(threshold=0.0), ValueError, r"threshold.*\(0, 1\]"),
+    ("threshold=1.5", dict(threshold=1.5), ValueError, r"threshold.*\(0, 1\]"),
+    ("threshold=-0.1", dict(threshold=-0.1), ValueError, r"threshold.*\(0, 1\]"),
+    ("threshold=str", dict(threshold="0.9"), (ValueError, TypeError), r"threshold"),
+    ("factor=0", dict(factor=0.0), ValueError, r"factor.*> 0"),
+    ("threshold+factor", dict(threshold=0.9, factor=1.0), ValueError, r"threshold.*factor|factor.*threshold"),
+    ("steps+threshold", dict(steps=8, threshold=0.9), ValueError, r"steps.*threshold"),
+    ("remasking", dict(remasking="entropy"), ValueError, r"remasking.*low_confidence.*random"),
+    ("temperature<0", dict(temperature=-1.0), ValueError, r"temperature.*>= 0"),
+    ("do_sample_vs_temperature", dict(do_sample=True), ValueError, r"do_sample.*temperature"),
+    ("cfg_scale<0", dict(cfg_scale=-2.0), ValueError, r"cfg_scale.*>= 0"),
+    ("use_cache=str", dict(use_cache="yes"), (ValueError, TypeError), r"use_cache.*True or False"),
+    ("mask_token_id=None", dict(mask_token_id=None), ValueError, rf"mask_token_id.*\[0, {VOCAB}\)"),
+    ("mask_token_id=vocab", dict(mask_token_id=VOCAB), ValueError, rf"mask_token_id.*\[0, {VOCAB}\)"),
+    ("mask_token_id<0", dict(mask_token_id=-3), ValueError, r"mask_token_id"),
+    ("eos_token_id=vocab", dict(eos_token_id=VOCAB + 7), ValueError, rf"eos_token_id.*\[0, {VOCAB}\)"),
+    ("pad==mask", dict(pad_token_id=3), ValueError, r"pad_token_id.*mask_token_id"),
+    (
+        "eos_early_stop_without_eos",
+        dict(eos_token_id=None, eos_early_stop=True),
+        ValueError,
+        r"eos_early_stop.*eos_token_id",
+    ),
+    (
+        "logits_eos_inf_without_eos",
+        dict(eos_token_id=None, eos_early_stop=False, logits_eos_inf=True),
+        ValueError,
+        r"logits_eos_inf.*eos_token_id",
+    ),
+    ("unknown_kwarg", dict(top_k=5), ValueError, r"top_k.*threshold"),
+    ("typo_kwarg", dict(max_new_token=8), ValueError, r"max_new_token\b"),
+    ("input_ids+inputs", dict(input_ids=PROMPT), ValueError, r"input_ids"),
+    (
+        "attention_mask_shape",
+        dict(attention_mask=torch.ones(2, 4, dtype=torch.long)),
+        ValueError,
+        r"attention_mask.*\(2, 5\)",
+    ),
+    ("attention_mask_1d", dict(attention_mask=torch.ones(5, dtype=torch.long)), ValueError, r"attention_mask"),
+    ("attention_mask_values", dict(attention_mask=torch.full((2, 5), 2)), ValueError, r"attention_mask.*0.*1"),
+    ("attention_mask_float", dict(attention_mask=torch.full((2, 5), 0.5)), ValueError, r"attention_mask.*0.*1"),
+    ("generation_config_type", dict(generation_config={"threshold": 0.9}), TypeError, r"generation_config"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_generate_argument_fails_before_any_forward(model, forwards, kwargs, error, pattern):
+    call = {**GEN, **kwargs}
+    with pytest.raises(error, match=pattern):
+        model.generate(PROMPT, **call)
+    assert forwards["n"] == 0
+
+
+BAD_PROMPTS = [
+    ("empty_batch", torch.zeros(0, 5, dtype=torch.long), ValueError, r"input_ids.*batch"),
+    ("3d", torch.randint(4, VOCAB, (1, 2, 5)), ValueError, r"input_ids.*\(batch, prompt_len\)"),
+    ("float", torch.rand(2, 5) * 50, ValueError, r"input_ids.*integer"),
+    ("bool", torch.ones(2, 5, dtype=torch.bool), ValueError, r"input_ids.*integer"),
+    ("list", [[5, 6, 7]], TypeError, r"input_ids.*LongTensor"),
+    ("id=vocab", torch.tensor([[5, 6, VOCAB]]), ValueError, rf"input_ids.*\[0, {VOCAB}\)"),
+    ("id<0", torch.tensor([[5, -1, 6]]), ValueError, rf"input_ids.*\[0, {VOCAB}\)"),
+]
+
+
+@pytest.mark.parametrize("prompt, error, pattern", [case[1:] for case in BAD_PROMPTS], ids=[c[0] for c in BAD_PROMPTS])
+def test_bad_prompt_fails_before_any_forward(model, forwards, prompt, error, pattern):
+    with pytest.raises(error, match=pattern):
+        model.generate(prompt, **GEN)
+    with pytest.raises(error, match=pattern):
+        model.generate(input_ids=prompt, **GEN)
+    assert forwards["n"] == 0
+
+
+def test_bad_generation_config_object_fails_before_any_forward(model, forwards):
+    config = GenerationConfig(max_new_tokens=8, block_length=4, mask_token_id=3, eos_token_id=0, threshold=2.0)
+    with pytest.raises(ValueError, match=r"threshold.*\(0, 1\]"):
+        model.generate(PROMPT, generation_config=config)
+    assert forwards["n"] == 0
+
+
+def test_valid_call_does_run_forwards(model, forwards):
+    """The counter works: a valid call is counted (so the zero counts above mean something)."""
+    model.generate(PROMPT, **GEN)
+    assert forwards["n"] > 0
+
+
+def test_model_state_is_unchanged_by_rejected_calls(model):
+    before = model.generation_config.to_dict()
+    with pytest.raises(ValueError):
+        model.generate(PROMPT, threshold=3.0, **GEN)
+    assert model.generation_config.to_dict() == before
+
+
+def _length_warnings(records) -> list[logging.LogRecord]:
+    return [r for r in records if r.levelno == logging.WARNING and "max_sequence_length" in r.getMessage()]
+
+
+def test_exceeding_max_sequence_length_warns_once(caplog):
+    model = tiny_model(max_sequence_length=17)
+    prompt = torch.randint(4, VOCAB, (1, 6))
+    with caplog.at_level(logging.WARNING):
+        short = model.generate(prompt, max_new_tokens=8, block_length=4)  # 14 <= 17: no warning
+        assert not _length_warnings(caplog.records)
+        long = model.generate(prompt, max_new_tokens=12, block_length=4)  # 18 > 17
+        assert len(_length_warnings(caplog.records)) == 1
+        assert "17" in _length_warnings(caplog.records)[0].getMessage()
+        model.generate(prompt, max_new_tokens=16, block_length=4)  # the same call site again: no new warning
+        assert len(_length_warnings(caplog.records)) == 1
+    assert short.shape == (1, 14) and long.shape == (1, 18)  # generation still happens
+
+
+def test_other_length_limit_warns_again(caplog):
+    model = tiny_model(max_sequence_length=19)
+    with caplog.at_level(logging.WARNING):
+        model.generate(torch.randint(4, VOCAB, (1, 6)), max_new_tokens=16, block_length=4)
+    warnings = _length_warnings(caplog.records)
+    assert len(warnings) == 1 and "19" in warnings[0].getMessage()
