@@ -1,0 +1,691 @@
+"""`hf-dllm export SRC DST`: turn a local LLaDA checkpoint into a Hub repo that runs hf_dllm's code as remote code.
+
+A user who has never installed hf_dllm then loads the repo with
+`AutoModel.from_pretrained(repo, trust_remote_code=True)` and gets hf_dllm's model and diffusion `generate()`.
+
+What DST receives (every rule is implemented here, once, and is what `tests/test_export.py` checks):
+
+- the weights: `model.safetensors`, or `model.safetensors.index.json` and every shard it names (likewise
+  `pytorch_model.bin[.index.json]` when SRC has no safetensors); copied, or hard-linked with `--link`;
+- the tokenizer files of SRC that exist (`TOKENIZER_FILES`), copied unchanged;
+- `config.json`: SRC's `config.json` with every field kept, except `auto_map` = `AUTO_MAP` and
+  `architectures` = `["LLaDAModelLM"]`; written with sorted keys and an indent of 2;
+- the remote code: the package's files named in `REMOTE_CODE_FILES`, copied byte for byte (never edited, never
+  generated), after `check_remote_code` verified that transformers' dynamic-module loader accepts them;
+- `generation_config.json`: a `DiffusionGenerationConfig` with the fast defaults `FAST_GENERATION_DEFAULTS`
+  (dual cache, threshold decoding, greedy) unless overridden, and the special token ids of SRC
+  (`special_token_ids`), serialised by transformers (`to_json_string`);
+- `README.md`: the model card `model_cards/template.md` rendered with a preset of `CARD_PRESETS`.
+
+Nothing is half-written: every input is checked first, the repo is assembled in a temporary folder next to DST
+and moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# The remote code, in this order. Exported verbatim from the package folder; the first two are the modules the
+# `auto_map` points at, the others are reached from them through relative imports (`check_remote_code` verifies
+# that this list is closed: no exported file imports a package file missing from it).
+REMOTE_CODE_FILES = (
+    "configuration_llada.py",
+    "modeling_llada.py",
+    "generation_utils.py",
+    "decoding.py",
+    "cache.py",
+    "attention.py",
+    "triton_attention.py",
+    "kernels.py",
+    "triton_ops.py",
+    "graphs.py",
+)
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_llada.LLaDAConfig",
+    "AutoModel": "modeling_llada.LLaDAModelLM",
+    "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+}
+ARCHITECTURES = ["LLaDAModelLM"]
+
+# Packages the remote code may import outside a `try:` block: those every transformers user has. Anything else
+# (triton, flash_attn, ...) must sit in `try:` (or under an `if is_..._available():` check), or transformers'
+# `check_imports` refuses to load the model without it.
+REMOTE_CODE_DEPENDENCIES = ("torch", "transformers")
+
+# Weight layouts, in order of preference: (index file, single file). Shards are the files the index names.
+WEIGHT_LAYOUTS = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+# generation_config.json of an exported repo: Fast-dLLM's parallel decoding (threshold 0.9) with the dual cache,
+# greedy, in blocks of 32. `max_new_tokens`, `block_length` and `threshold` can be changed by the exporter's options.
+FAST_GENERATION_DEFAULTS = {
+    "max_new_tokens": 256,
+    "block_length": 32,
+    "threshold": 0.9,
+    "steps": None,
+    "use_cache": True,
+    "dual_cache": True,
+    "do_sample": False,
+    "temperature": 0.0,
+    "remasking": "low_confidence",
+    "eos_early_stop": True,
+}
+
+EOT_TOKEN = "<|eot_id|>"
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+MODEL_CARDS_DIR = PACKAGE_DIR.parent / "model_cards"
+CARD_TEMPLATE = "template.md"
+
+_LLADA_CITATION = """@article{nie2025large,
+  title={Large Language Diffusion Models},
+  author={Nie, Shen and Zhu, Fengqi and You, Zebin and Zhang, Xiaolu and Ou, Jingyang and Hu, Jun and Zhou, Jun and Lin, Yankai and Wen, Ji-Rong and Li, Chongxuan},
+  journal={arXiv preprint arXiv:2502.09992},
+  year={2025}
+}"""
+_LLADA_15_CITATION = """@article{zhu2025llada,
+  title={LLaDA 1.5: Variance-Reduced Preference Optimization for Large Language Diffusion Models},
+  author={Zhu, Fengqi and Wang, Rongzhen and Nie, Shen and Zhang, Xiaolu and Wu, Chunwei and Hu, Jun and Zhou, Jun and Chen, Jianfei and Lin, Yankai and Wen, Ji-Rong and others},
+  journal={arXiv preprint arXiv:2505.19223},
+  year={2025}
+}"""
+_FAST_DLLM_CITATION = """@article{wu2025fast,
+  title={Fast-dLLM: Training-free Acceleration of Diffusion LLM by Enabling KV Cache and Parallel Decoding},
+  author={Wu, Chengyue and Zhang, Hao and Xue, Shuchen and Liu, Zhijian and Diao, Shizhe and Zhu, Ligeng and Luo, Ping and Han, Song and Xie, Enze},
+  journal={arXiv preprint arXiv:2505.22618},
+  year={2025}
+}"""
+
+_CHAT_PROMPT = """messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+input_ids = tokenizer.apply_chat_template(
+    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+)["input_ids"].to(model.device)"""
+_PLAIN_PROMPT = """prompt = "The three primary colors are"
+input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)"""
+_CHAT_PIPELINE = """messages = [{"role": "user", "content": "Write a haiku about diffusion."}]
+print(generator(messages, max_new_tokens=64, threshold=0.9)[0]["generated_text"])"""
+_PLAIN_PIPELINE = (
+    """print(generator("The three primary colors are", max_new_tokens=64, threshold=0.9)[0]["generated_text"])"""
+)
+
+# Model-card presets: the values `model_cards/template.md` is rendered with (plus the generation defaults, the repo
+# id and hf_dllm's version, filled in by `card_variables`). `model_cards/<file>` is the preset rendered with the
+# default options; a test keeps those files equal to the rendering.
+CARD_PRESETS: dict[str, dict[str, str]] = {
+    "llada-8b-instruct": {
+        "file": "LLaDA-8B-Instruct.md",
+        "model_name": "LLaDA-8B-Instruct",
+        "base_model": "GSAI-ML/LLaDA-8B-Instruct",
+        "license": "mit",
+        "license_text": "The weights are those of [GSAI-ML/LLaDA-8B-Instruct](https://huggingface.co/GSAI-ML/LLaDA-8B-Instruct), "
+        "released by their authors under the **MIT license**; this repo only adds hf_dllm's code (Apache-2.0) "
+        "next to them and keeps the original license.",
+        "description": "LLaDA-8B-Instruct is the supervised fine-tuned (SFT) version of LLaDA-8B-Base, an 8B-parameter "
+        "masked diffusion language model trained from scratch (Nie et al., 2025, arXiv:2502.09992). Instead of "
+        "predicting the next token, it fills masked positions anywhere in the sequence with bidirectional "
+        "attention; text is generated by starting from a fully masked answer and unmasking it over several "
+        "denoising steps. It is a chat model: use the chat template.",
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": _CHAT_PIPELINE,
+        "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
+    },
+    "llada-8b-base": {
+        "file": "LLaDA-8B-Base.md",
+        "model_name": "LLaDA-8B-Base",
+        "base_model": "GSAI-ML/LLaDA-8B-Base",
+        "license": "mit",
+        "license_text": "The weights are those of [GSAI-ML/LLaDA-8B-Base](https://huggingface.co/GSAI-ML/LLaDA-8B-Base), "
+        "released by their authors under the **MIT license**; this repo only adds hf_dllm's code (Apache-2.0) "
+        "next to them and keeps the original license.",
+        "description": "LLaDA-8B-Base is an 8B-parameter masked diffusion language model pre-trained from scratch "
+        "(Nie et al., 2025, arXiv:2502.09992). Instead of predicting the next token, it fills masked positions "
+        "anywhere in the sequence with bidirectional attention; text is generated by starting from a fully "
+        "masked continuation and unmasking it over several denoising steps. It is a pre-trained (base) model: "
+        "give it text to continue or few-shot prompts, not chat messages.",
+        "prompt_code": _PLAIN_PROMPT,
+        "pipeline_code": _PLAIN_PIPELINE,
+        "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
+    },
+    "llada-1.5": {
+        "file": "LLaDA-1.5.md",
+        "model_name": "LLaDA-1.5",
+        "base_model": "GSAI-ML/LLaDA-1.5",
+        "license": "mit",
+        "license_text": "The weights are those of [GSAI-ML/LLaDA-1.5](https://huggingface.co/GSAI-ML/LLaDA-1.5), "
+        "released by their authors under the **MIT license**; this repo only adds hf_dllm's code (Apache-2.0) "
+        "next to them and keeps the original license.",
+        "description": "LLaDA 1.5 is LLaDA-8B-Instruct further aligned with Variance-Reduced Preference Optimization "
+        "(VRPO; Zhu et al., 2025, arXiv:2505.19223), a preference-optimization method for masked diffusion models "
+        "that reduces the variance of the ELBO-based likelihood estimates preference optimization needs. The "
+        "architecture, tokenizer and chat template are those of LLaDA-8B-Instruct (Nie et al., 2025, "
+        "arXiv:2502.09992), so everything below applies unchanged. It is a chat model: use the chat template.",
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": _CHAT_PIPELINE,
+        "citations": "\n\n".join([_LLADA_15_CITATION, _LLADA_CITATION, _FAST_DLLM_CITATION]),
+    },
+    "generic": {
+        "file": "",
+        "model_name": "",  # filled with DST's folder name
+        "base_model": "",
+        "license": "other",
+        "license_text": "These weights keep the license of the checkpoint they were exported from: check it before "
+        "using or publishing them (the LLaDA-8B models of GSAI-ML are released under the MIT license). "
+        "hf_dllm's code next to them is Apache-2.0.",
+        "description": "A LLaDA masked diffusion language model (Nie et al., 2025, arXiv:2502.09992). Instead of "
+        "predicting the next token, it fills masked positions anywhere in the sequence with bidirectional "
+        "attention; text is generated by starting from a fully masked continuation and unmasking it over several "
+        "denoising steps.",
+        "prompt_code": _PLAIN_PROMPT,
+        "pipeline_code": _PLAIN_PIPELINE,
+        "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
+    },
+}
+DEFAULT_REPO_ORG = "your-org"
+
+
+class ExportError(ValueError):
+    """Bad input to the exporter (SRC, DST, options) or package files that cannot run as remote code."""
+
+
+# --- remote code ---------------------------------------------------------------------------------------------------
+
+
+def _module_names() -> set[str]:
+    return {name.removesuffix(".py") for name in REMOTE_CODE_FILES}
+
+
+def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR) -> list[Path]:
+    """Check the package files that are exported as remote code; return their paths in `REMOTE_CODE_FILES` order.
+
+    transformers copies a Hub repo's code into its module cache and imports it as a package, so each file must:
+    exist; import only exported files relatively (`from .<module> import ...`, the form transformers follows to
+    fetch them; `from . import <module>` is tolerated but invisible to transformers); never import `hf_dllm`;
+    import nothing outside a `try:` block but the standard library and `REMOTE_CODE_DEPENDENCIES` (transformers'
+    `check_imports` demands every such import); mention no other `from .x import` at the start of a line, even
+    in a docstring (transformers finds relative imports with a regular expression); and be reachable from the
+    `auto_map` modules through `from .<module> import` (transformers fetches only those). Raises `ExportError`
+    listing every violation.
+    """
+    from transformers.dynamic_module_utils import get_imports, get_relative_imports
+
+    package_dir = Path(package_dir)
+    missing = [name for name in REMOTE_CODE_FILES if not (package_dir / name).is_file()]
+    if missing:
+        raise ExportError(
+            f"remote-code file(s) missing from the package ({package_dir}): {', '.join(missing)}. "
+            f"The exported remote code is {', '.join(REMOTE_CODE_FILES)} (hf_dllm.export.REMOTE_CODE_FILES)."
+        )
+    modules = _module_names()
+    allowed = set(sys.stdlib_module_names) | set(REMOTE_CODE_DEPENDENCIES)
+    problems: list[str] = []
+    graph: dict[str, set[str]] = {}
+    for name in REMOTE_CODE_FILES:
+        path = package_dir / name
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except SyntaxError as error:
+            problems.append(f"{name}: does not parse: {error}")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                # `from .x import y` (what transformers follows), or `from . import x, y` of exported modules
+                # (transformers does not see those: they must also be reached some other way, checked below).
+                targets = [node.module] if node.module else [alias.name for alias in node.names]
+                bad = [target for target in targets if "." in target or target not in modules]
+                if node.level != 1 or bad:
+                    written = "." * node.level + (node.module or "")
+                    problems.append(
+                        f"{name}:{node.lineno}: `from {written} import "
+                        f"{', '.join(alias.name for alias in node.names)}`: remote code may only import exported "
+                        f"files, as `from .<module> import ...`, <module> one of {sorted(modules)}."
+                    )
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                for imported in names:
+                    if imported.split(".")[0] == "hf_dllm":
+                        problems.append(
+                            f"{name}:{node.lineno}: imports `{imported}`: remote code runs where hf_dllm is not "
+                            "installed; use a relative import of an exported file."
+                        )
+        unguarded = sorted(set(get_imports(path)) - allowed - {"hf_dllm"})
+        if unguarded:
+            problems.append(
+                f"{name}: imports {unguarded} outside a `try:` block: transformers' check_imports would refuse "
+                f"to load the model without them. Only the standard library and {list(REMOTE_CODE_DEPENDENCIES)} "
+                "may be imported unguarded; put optional imports in `try: ... except ImportError:`."
+            )
+        relative = set(get_relative_imports(path))
+        unknown = sorted(relative - modules)
+        if unknown:
+            problems.append(
+                f"{name}: transformers sees relative imports of {unknown} (it scans the text, docstrings "
+                f"included), which are not exported files {sorted(modules)}; if they belong to the remote code, "
+                "add them to hf_dllm.export.REMOTE_CODE_FILES."
+            )
+        graph[name.removesuffix(".py")] = relative & modules
+    if not problems:
+        reachable = {entry.split(".")[0] for entry in AUTO_MAP.values()}
+        todo = list(reachable)
+        while todo:
+            for module in graph.get(todo.pop(), ()):
+                if module not in reachable:
+                    reachable.add(module)
+                    todo.append(module)
+        unreachable = [name for name in REMOTE_CODE_FILES if name.removesuffix(".py") not in reachable]
+        if unreachable:
+            problems.append(
+                f"{', '.join(unreachable)} not reached by relative imports from the auto_map modules "
+                f"({', '.join(sorted({entry.split('.')[0] + '.py' for entry in AUTO_MAP.values()}))}): "
+                "transformers would never download them from the Hub."
+            )
+    if problems:
+        raise ExportError(
+            "the package's remote-code files cannot be exported as they are (fix the package files; exported "
+            "files are never edited):\n  - " + "\n  - ".join(problems)
+        )
+    return [package_dir / name for name in REMOTE_CODE_FILES]
+
+
+# --- SRC ----------------------------------------------------------------------------------------------------------
+
+
+def read_llada_config(src: Path) -> dict:
+    """SRC's `config.json` as a dict, after checking that it is a LLaDA config hf_dllm can run."""
+    from .configuration_llada import LLaDAConfig
+
+    path = src / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{src} has no config.json: SRC must be a LLaDA checkpoint folder.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{path} is not readable JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ExportError(f"{path} must hold a JSON object.")
+    model_type = config.get("model_type")
+    if model_type != LLaDAConfig.model_type:
+        raise ExportError(
+            f"{path} has model_type {model_type!r}: not a LLaDA checkpoint (expected {LLaDAConfig.model_type!r})."
+        )
+    try:
+        LLaDAConfig.from_dict(config)
+    except (TypeError, ValueError) as error:
+        raise ExportError(f"{path} is not a LLaDA config hf_dllm can run: {error}") from error
+    return config
+
+
+def find_weights(src: Path) -> list[str]:
+    """Names of SRC's weight files (index first, then shards), per `WEIGHT_LAYOUTS`."""
+    for index_name, single_name in WEIGHT_LAYOUTS:
+        index = src / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+                raise ExportError(f"{index} is not a valid weight index (JSON with a `weight_map`): {error}") from error
+            bad = [shard for shard in shards if not isinstance(shard, str) or "/" in shard or "\\" in shard]
+            if bad or not shards:
+                raise ExportError(f"{index} must name at least one shard file in SRC, got {bad or shards}.")
+            missing = [shard for shard in shards if not (src / shard).is_file()]
+            if missing:
+                raise ExportError(f"{index} names shard(s) missing from {src}: {', '.join(missing)}.")
+            return [index_name, *shards]
+        if (src / single_name).is_file():
+            return [single_name]
+    layouts = " or ".join(f"{single} (or {index} with its shards)" for index, single in WEIGHT_LAYOUTS)
+    raise ExportError(f"{src} has no weights: expected {layouts}.")
+
+
+def _added_token_id(src: Path, content: str) -> int | None:
+    """Id of `content` among the added tokens of SRC's `tokenizer.json`, if it has one."""
+    path = src / "tokenizer.json"
+    if not path.is_file() or not content:
+        return None
+    try:
+        added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    for token in added:
+        if isinstance(token, dict) and token.get("content") == content and isinstance(token.get("id"), int):
+            return token["id"]
+    return None
+
+
+def _tokenizer_bos(src: Path) -> int | None:
+    path = src / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        bos = json.loads(path.read_text(encoding="utf-8")).get("bos_token")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(bos, dict):
+        bos = bos.get("content")
+    return _added_token_id(src, bos) if isinstance(bos, str) else None
+
+
+def special_token_ids(src: Path, config: dict) -> dict:
+    """Special token ids for generation_config.json.
+
+    `mask_token_id`, `eos_token_id`, `pad_token_id` and `bos_token_id` come from SRC's config.json where set;
+    a missing `bos_token_id` comes from SRC's tokenizer (its `bos_token`), and `eot_token_id` is the id of
+    `<|eot_id|>` in SRC's `tokenizer.json` when it has that token (LLaDA's end of turn).
+    """
+    ids = {
+        name: config[name]
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
+        if config.get(name) is not None
+    }
+    if "bos_token_id" not in ids:
+        bos = _tokenizer_bos(src)
+        if bos is not None:
+            ids["bos_token_id"] = bos
+    eot = _added_token_id(src, EOT_TOKEN)
+    if eot is not None:
+        ids["eot_token_id"] = eot
+    return ids
+
+
+# --- what DST receives ----------------------------------------------------------------------------------------------
+
+
+def export_config(config: dict) -> str:
+    """config.json of the exported repo: SRC's fields, with `auto_map` and `architectures` set to ours."""
+    exported = dict(config)
+    exported["auto_map"] = dict(AUTO_MAP)
+    exported["architectures"] = list(ARCHITECTURES)
+    return json.dumps(exported, indent=2, sort_keys=True) + "\n"
+
+
+def generation_defaults(
+    max_new_tokens: int = FAST_GENERATION_DEFAULTS["max_new_tokens"],
+    block_length: int = FAST_GENERATION_DEFAULTS["block_length"],
+    threshold: float | None = FAST_GENERATION_DEFAULTS["threshold"],
+) -> dict:
+    """The fields of generation_config.json besides special tokens: `FAST_GENERATION_DEFAULTS` with the three
+    exporter options (`threshold=None` turns threshold decoding off: LLaDA's fixed schedule)."""
+    return {
+        **FAST_GENERATION_DEFAULTS,
+        "max_new_tokens": max_new_tokens,
+        "block_length": block_length,
+        "threshold": threshold,
+    }
+
+
+def export_generation_config(special_ids: dict, fields: dict) -> str:
+    """generation_config.json of the exported repo, validated by `DiffusionGenerationConfig`."""
+    from .generation_utils import DiffusionGenerationConfig
+
+    try:
+        config = DiffusionGenerationConfig(**fields, **special_ids)
+    except ValueError as error:
+        raise ExportError(f"invalid generation defaults: {error}") from error
+    return config.to_json_string()
+
+
+def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict[str, str]:
+    """Everything `model_cards/template.md` is rendered with."""
+    from . import __version__
+
+    if card not in CARD_PRESETS:
+        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
+    variables = {key: value for key, value in CARD_PRESETS[card].items() if key != "file"}
+    variables["model_name"] = variables["model_name"] or dst_name
+    variables["base_model_line"] = f"base_model: {variables['base_model']}\n" if variables["base_model"] else ""
+    variables["original_line"] = (
+        f"Original weights: [{variables['base_model']}](https://huggingface.co/{variables['base_model']}).\n\n"
+        if variables["base_model"]
+        else ""
+    )
+    variables["repo_id"] = repo_id
+    variables["hf_dllm_version"] = __version__
+    threshold = fields["threshold"]
+    variables["max_new_tokens"] = str(fields["max_new_tokens"])
+    variables["block_length"] = str(fields["block_length"])
+    variables["threshold"] = "None" if threshold is None else str(threshold)
+    variables["decoding_default"] = (
+        f"threshold decoding (`threshold={threshold}`)"
+        if threshold is not None
+        else "LLaDA's fixed schedule (one token per step; `threshold=None`)"
+    )
+    return variables
+
+
+_PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def render_card(template: str, variables: dict[str, str]) -> str:
+    """Replace every `{{ name }}` of `template`; an unknown name is an error."""
+    unknown = sorted({name for name in _PLACEHOLDER.findall(template) if name not in variables})
+    if unknown:
+        raise ExportError(f"model card template uses unknown placeholder(s) {unknown}.")
+    return _PLACEHOLDER.sub(lambda match: variables[match.group(1)], template)
+
+
+def read_card_template() -> str:
+    path = MODEL_CARDS_DIR / CARD_TEMPLATE
+    if not path.is_file():
+        raise ExportError(
+            f"model card template {path} not found: the exporter renders model_cards/{CARD_TEMPLATE} of the "
+            "hf_dllm source tree (install hf_dllm from its repository, e.g. `pip install -e .`)."
+        )
+    return path.read_text(encoding="utf-8")
+
+
+def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "") -> str:
+    """The model card of preset `card` with the default generation settings (what `model_cards/<file>` holds)."""
+    name = CARD_PRESETS.get(card, {}).get("model_name") or dst_name
+    repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
+    return render_card(read_card_template(), card_variables(card, repo_id, dst_name, generation_defaults()))
+
+
+def write_preset_cards() -> list[Path]:
+    """Regenerate `model_cards/<file>` of every preset that has one (after editing the template or a preset)."""
+    written = []
+    for card, preset in CARD_PRESETS.items():
+        if preset["file"]:
+            path = MODEL_CARDS_DIR / preset["file"]
+            path.write_text(render_preset_card(card), encoding="utf-8")
+            written.append(path)
+    return written
+
+
+# --- the export -----------------------------------------------------------------------------------------------------
+
+
+def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
+    if dst.resolve() == src.resolve():
+        raise ExportError(f"DST ({dst}) is SRC: export into a new folder.")
+    if src.resolve().is_relative_to(dst.resolve()):
+        raise ExportError(f"DST ({dst}) contains SRC ({src}): export into a folder outside SRC's parents.")
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise ExportError(f"DST ({dst}) exists and is not a folder.")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise ExportError(f"DST ({dst}) exists and is not empty: pass --overwrite (overwrite=True) to replace it.")
+
+
+def _place(source: Path, target: Path, link: bool) -> None:
+    if link:
+        try:
+            os.link(source, target)
+        except OSError as error:
+            raise ExportError(
+                f"cannot hard-link {source} to {target} ({error.strerror}): --link needs SRC and DST on the same "
+                "file system; export without --link to copy."
+            ) from error
+    else:
+        shutil.copyfile(source, target)
+
+
+def export_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    link: bool = False,
+    overwrite: bool = False,
+    card: str = "generic",
+    repo_id: str | None = None,
+    max_new_tokens: int = FAST_GENERATION_DEFAULTS["max_new_tokens"],
+    block_length: int = FAST_GENERATION_DEFAULTS["block_length"],
+    threshold: float | None = FAST_GENERATION_DEFAULTS["threshold"],
+) -> list[str]:
+    """Export the LLaDA checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's remote code.
+
+    Args:
+        src: a local LLaDA checkpoint (the Hub's format: `config.json` with `model_type: "llada"`, weights).
+        dst: the folder to create. It may exist if empty; a non-empty one is replaced only with `overwrite`.
+        link: hard-link the weights instead of copying them (same file system only).
+        overwrite: replace a non-empty `dst`.
+        card: model-card preset (`CARD_PRESETS`): "llada-8b-instruct", "llada-8b-base", "llada-1.5", "generic".
+        repo_id: the Hub repo id the card's usage examples load (default `your-org/<name>-hf-dllm`).
+        max_new_tokens, block_length, threshold: the generation defaults written to generation_config.json
+            (`threshold=None`: LLaDA's fixed schedule instead of threshold decoding).
+
+    Returns the sorted names of the files written to `dst`. Raises `ExportError` on bad input; `dst` is then left
+    as it was.
+    """
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA checkpoint folder.")
+    _check_dst(src, dst, overwrite)
+    if card not in CARD_PRESETS:
+        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
+    config = read_llada_config(src)
+    weights = find_weights(src)
+    code = check_remote_code()
+    tokenizer_files = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    fields = generation_defaults(max_new_tokens, block_length, threshold)
+    generated = {
+        "config.json": export_config(config),
+        "generation_config.json": export_generation_config(special_token_ids(src, config), fields),
+    }
+    name = CARD_PRESETS[card]["model_name"] or dst.resolve().name
+    repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
+    generated["README.md"] = render_card(
+        read_card_template(), card_variables(card, repo_id, dst.resolve().name, fields)
+    )
+
+    dst.resolve().parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.resolve().name}.export-", dir=dst.resolve().parent))
+    try:
+        for file_name in weights:
+            _place(src / file_name, staging / file_name, link)
+        for file_name in tokenizer_files:
+            shutil.copyfile(src / file_name, staging / file_name)
+        for path in code:
+            shutil.copyfile(path, staging / path.name)
+        for file_name, text in generated.items():
+            (staging / file_name).write_text(text, encoding="utf-8")
+        staging.chmod(0o755)
+        if dst.is_dir():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.resolve().name}.old-", dir=dst.resolve().parent))
+            old.rmdir()
+            dst.rename(old)
+            try:
+                staging.rename(dst)
+            except OSError:
+                old.rename(dst)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return sorted(path.name for path in dst.iterdir())
+
+
+# --- command line ----------------------------------------------------------------------------------------------
+
+
+def _threshold(value: str) -> float | None:
+    if value.lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] or 'none', got {value!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-dllm export",
+        description="Turn a local LLaDA checkpoint folder into a Hub repo folder that runs hf_dllm's code as remote "
+        "code: AutoModel.from_pretrained(repo, trust_remote_code=True) then works without hf_dllm installed.",
+    )
+    parser.add_argument("src", metavar="SRC", help="LLaDA checkpoint folder (config.json + weights [+ tokenizer])")
+    parser.add_argument("dst", metavar="DST", help="folder to create (must not exist or be empty, unless --overwrite)")
+    parser.add_argument("--link", action="store_true", help="hard-link the weights instead of copying them")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
+    parser.add_argument(
+        "--card", choices=sorted(CARD_PRESETS), default="generic", help="model card preset for README.md"
+    )
+    parser.add_argument("--repo-id", help="Hub repo id used in the card's examples (default your-org/<name>-hf-dllm)")
+    defaults = FAST_GENERATION_DEFAULTS
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="generation default (%(default)s)"
+    )
+    parser.add_argument(
+        "--block-length", type=int, default=defaults["block_length"], help="generation default (%(default)s)"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=_threshold,
+        default=defaults["threshold"],
+        help="generation default (%(default)s); 'none' = LLaDA's fixed schedule, one token per step",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error argparse already reported
+        return int(exit_.code or 0)
+    try:
+        files = export_checkpoint(
+            args.src,
+            args.dst,
+            link=args.link,
+            overwrite=args.overwrite,
+            card=args.card,
+            repo_id=args.repo_id,
+            max_new_tokens=args.max_new_tokens,
+            block_length=args.block_length,
+            threshold=args.threshold,
+        )
+    except ExportError as error:
+        print(f"hf-dllm export: error: {error}", file=sys.stderr)
+        return 1
+    print(f"Exported {args.src} to {args.dst}: {', '.join(files)}")
+    print(f"Upload it with: hf upload {args.repo_id or '<your-org>/<repo-name>'} {args.dst} .")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

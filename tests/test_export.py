@@ -1,0 +1,626 @@
+"""`hf-dllm export`: the exported Hub repo, its remote code, and loading it where hf_dllm is not installed.
+
+No drift: nothing generated is committed except the model cards. Instead the tests check that (1) every exported
+`.py` file is byte-identical to the package's file and the set of them is exactly `REMOTE_CODE_FILES`,
+(2) `config.json` and `generation_config.json` are exactly what the exporter's documented rules give, recomputed
+here independently, (3) exporting twice gives identical folders, (4) `model_cards/<card>.md` equals the template
+rendered with its preset, and (5) in a fresh process where `import hf_dllm` fails, the export loads through
+transformers' remote-code loader (local folder and Hub cache), generates the same tokens as hf_dllm, and each
+exported module imports on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REFERENCE_DIR, tiny_model
+
+import hf_dllm
+from hf_dllm import export
+from hf_dllm.char_tokenizer import build_char_tokenizer
+from hf_dllm.export import (
+    AUTO_MAP,
+    CARD_PRESETS,
+    FAST_GENERATION_DEFAULTS,
+    REMOTE_CODE_FILES,
+    ExportError,
+    check_remote_code,
+    export_checkpoint,
+)
+
+PACKAGE_DIR = Path(hf_dllm.__file__).parent
+MODEL_CARDS_DIR = Path(__file__).parent.parent / "model_cards"
+TOKENIZER_SAVED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+HUB_REPO = "hf-dllm-test/llada-tiny"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+# --- the export ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """The reference fixture (Hub format, no tokenizer) exported with the default options."""
+    dst = tmp_path_factory.mktemp("export") / "exported"
+    export_checkpoint(REFERENCE_DIR, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random LLaDA (vocabulary 103) saved with the character tokenizer, as a Hub checkpoint would be."""
+    src = tmp_path_factory.mktemp("chat-src") / "llada-chat"
+    tiny_model(seed=1).save_pretrained(src)
+    build_char_tokenizer().save_pretrained(src)
+    (src / "generation_config.json").unlink(missing_ok=True)  # not part of the LLaDA Hub format
+    return src
+
+
+@pytest.fixture(scope="module")
+def exported_chat(tmp_path_factory, chat_checkpoint) -> Path:
+    dst = tmp_path_factory.mktemp("export-chat") / "exported_chat"
+    export_checkpoint(chat_checkpoint, dst, card="llada-8b-instruct", max_new_tokens=24, block_length=8)
+    return dst
+
+
+def test_remote_code_files_are_the_package_files():
+    assert REMOTE_CODE_FILES[:7] == (
+        "configuration_llada.py",
+        "modeling_llada.py",
+        "generation_utils.py",
+        "decoding.py",
+        "cache.py",
+        "attention.py",
+        "triton_attention.py",
+    )
+    assert len(set(REMOTE_CODE_FILES)) == len(REMOTE_CODE_FILES)
+    assert check_remote_code() == [PACKAGE_DIR / name for name in REMOTE_CODE_FILES]
+    assert {entry.split(".")[0] + ".py" for entry in AUTO_MAP.values()} <= set(REMOTE_CODE_FILES)
+
+
+def test_export_contents(exported):
+    names = {path.name for path in exported.iterdir()}
+    assert names == {"model.safetensors", "config.json", "generation_config.json", "README.md", *REMOTE_CODE_FILES}
+    for name in REMOTE_CODE_FILES:  # verbatim copies, never edited
+        assert (exported / name).read_bytes() == (PACKAGE_DIR / name).read_bytes(), name
+    assert (exported / "model.safetensors").read_bytes() == (REFERENCE_DIR / "model.safetensors").read_bytes()
+    assert (exported / "model.safetensors").stat().st_ino != (REFERENCE_DIR / "model.safetensors").stat().st_ino
+
+
+def test_exported_config_is_the_source_config_with_our_auto_map(exported):
+    source = json.loads((REFERENCE_DIR / "config.json").read_text())
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_llada.LLaDAConfig",
+        "AutoModel": "modeling_llada.LLaDAModelLM",
+        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+    }
+    assert config["architectures"] == ["LLaDAModelLM"]
+    assert {k: v for k, v in config.items() if k not in ("auto_map", "architectures")} == {
+        k: v for k, v in source.items() if k not in ("auto_map", "architectures")
+    }
+    assert (exported / "config.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def test_exported_generation_config_follows_the_rules(exported, exported_chat, char_tokenizer):
+    assert FAST_GENERATION_DEFAULTS["use_cache"] and FAST_GENERATION_DEFAULTS["dual_cache"]
+    assert FAST_GENERATION_DEFAULTS["do_sample"] is False and FAST_GENERATION_DEFAULTS["threshold"] == 0.9
+    defaults = hf_dllm.DiffusionGenerationConfig().to_dict()
+    common = {key: defaults[key] for key in hf_dllm.DiffusionGenerationConfig.field_names()}
+    expected = {
+        **common,
+        "max_new_tokens": 256,
+        "block_length": 32,
+        "threshold": 0.9,
+        "use_cache": True,
+        "dual_cache": True,
+        "do_sample": False,
+        "mask_token_id": 310,  # special tokens from the source config.json
+        "eos_token_id": 301,
+        "pad_token_id": 301,
+    }
+    written = json.loads((exported / "generation_config.json").read_text())
+    metadata = {"transformers_version", "_from_model_config"}
+    assert {k: v for k, v in written.items() if k not in metadata} == {
+        k: v for k, v in expected.items() if v is not None
+    }
+    # bos from the config, eot = the tokenizer's <|eot_id|>; exporter options override the fast defaults.
+    written = json.loads((exported_chat / "generation_config.json").read_text())
+    assert written["eot_token_id"] == char_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert (written["bos_token_id"], written["mask_token_id"], written["eos_token_id"]) == (1, 3, 0)
+    assert (written["max_new_tokens"], written["block_length"], written["threshold"]) == (24, 8, 0.9)
+    loaded = hf_dllm.DiffusionGenerationConfig.from_pretrained(exported_chat)
+    assert isinstance(loaded, hf_dllm.DiffusionGenerationConfig) and loaded.dual_cache and not loaded.do_sample
+
+
+def test_exported_tokenizer_and_card(exported_chat, chat_checkpoint):
+    for name in TOKENIZER_SAVED:
+        assert (exported_chat / name).read_bytes() == (chat_checkpoint / name).read_bytes()
+    card = (exported_chat / "README.md").read_text()
+    assert card.startswith("---\n") and "base_model: GSAI-ML/LLaDA-8B-Instruct" in card
+    assert "your-org/LLaDA-8B-Instruct-hf-dllm" in card and "{{" not in card
+    assert "max_new_tokens` | 24" in card  # the card documents the defaults this export wrote
+
+
+def test_export_is_deterministic_and_link_shares_weights(exported, tmp_path):
+    again = tmp_path / "again" / exported.name  # the generic card is named after DST's folder
+    linked = tmp_path / "linked" / exported.name
+    export_checkpoint(REFERENCE_DIR, again)
+    assert tree_bytes(again) == tree_bytes(exported)
+    src = copy_source(tmp_path)  # hard links need SRC and DST on one file system
+    export_checkpoint(src, linked, link=True)
+    assert tree_bytes(linked) == tree_bytes(exported)
+    assert (linked / "model.safetensors").stat().st_ino == (src / "model.safetensors").stat().st_ino
+
+
+def test_sharded_weights_are_exported_with_their_index(tmp_path):
+    src = tmp_path / "sharded"
+    tiny_model().save_pretrained(src, max_shard_size="100KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    export_checkpoint(src, tmp_path / "out")
+    shards = set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"].values())
+    weights = {p.name for p in (tmp_path / "out").iterdir() if "safetensors" in p.name}
+    assert weights == shards | {"model.safetensors.index.json"} and len(shards) > 1
+
+
+@pytest.mark.parametrize("card", [name for name, preset in CARD_PRESETS.items() if preset["file"]])
+def test_committed_model_cards_are_the_rendered_template(card):
+    path = MODEL_CARDS_DIR / CARD_PRESETS[card]["file"]
+    assert path.read_text() == export.render_preset_card(card), (
+        f"{path} is out of date: regenerate the cards with "
+        '`python -c "from hf_dllm.export import write_preset_cards; write_preset_cards()"`'
+    )
+
+
+def test_cli_export_and_console_dispatch(tmp_path, exported, capsys):
+    from hf_dllm.cli import main as cli_main
+
+    assert cli_main(["export", str(REFERENCE_DIR), str(tmp_path / exported.name)]) == 0
+    assert tree_bytes(tmp_path / exported.name) == tree_bytes(exported)
+    assert "Exported" in capsys.readouterr().out
+    assert export.main(["--help"]) == 0
+    assert "--link" in capsys.readouterr().out
+
+
+# --- bad input: a clear error, DST untouched ----------------------------------------------------------------------
+
+
+def no_staging_left(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if ".export-" in p.name or ".old-" in p.name]
+
+
+def copy_source(tmp_path: Path, name: str = "src") -> Path:
+    src = tmp_path / name
+    shutil.copytree(REFERENCE_DIR, src)
+    return src
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("no-config", "has no config.json"),
+        ("no-weights", "has no weights"),
+        ("not-llada", "model_type 'llama': not a LLaDA checkpoint"),
+        ("unsupported", "alibi"),
+        ("bad-json", "not readable JSON"),
+        ("missing-shard", "names shard(s) missing"),
+    ],
+)
+def test_bad_source_is_rejected(tmp_path, breakage, message):
+    src = copy_source(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    if breakage == "no-config":
+        (src / "config.json").unlink()
+    elif breakage == "no-weights":
+        (src / "model.safetensors").unlink()
+    elif breakage == "not-llada":
+        (src / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    elif breakage == "unsupported":
+        (src / "config.json").write_text(json.dumps({**config, "alibi": True}))
+    elif breakage == "bad-json":
+        (src / "config.json").write_text("{")
+    elif breakage == "missing-shard":
+        index = {"metadata": {}, "weight_map": {"model.transformer.wte.weight": "model-00001-of-00002.safetensors"}}
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    dst = tmp_path / "out"
+    with pytest.raises(ExportError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        export_checkpoint(src, dst)
+    assert not dst.exists() and no_staging_left(tmp_path)
+
+
+def test_non_empty_destination_needs_overwrite(tmp_path, exported):
+    dst = tmp_path / exported.name
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists and is not empty"):
+        export_checkpoint(REFERENCE_DIR, dst)
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    export_checkpoint(REFERENCE_DIR, dst, overwrite=True)
+    assert tree_bytes(dst) == tree_bytes(exported) and no_staging_left(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_checkpoint(REFERENCE_DIR, empty)  # an existing empty folder is fine
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="not a folder"):
+        export_checkpoint(REFERENCE_DIR, tmp_path / "file", overwrite=True)
+    src = copy_source(tmp_path, "self")
+    with pytest.raises(ExportError, match="is SRC"):
+        export_checkpoint(src, src, overwrite=True)
+    with pytest.raises(ExportError, match="contains SRC"):
+        export_checkpoint(src, tmp_path, overwrite=True)
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    def fail(source, target, link):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "_place", fail)
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    with pytest.raises(OSError, match="disk full"):
+        export_checkpoint(REFERENCE_DIR, dst, overwrite=True)
+    assert [p.name for p in dst.iterdir()] == ["old.txt"] and no_staging_left(tmp_path)
+
+
+def test_cli_errors(tmp_path, capsys):
+    dst = tmp_path / "out"
+    assert export.main([str(REFERENCE_DIR), str(dst), "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert export.main([str(tmp_path / "nowhere"), str(dst)]) == 1
+    assert "is not a folder" in capsys.readouterr().err
+    assert export.main([str(REFERENCE_DIR), str(dst), "--threshold", "2"]) == 1
+    assert "threshold" in capsys.readouterr().err
+    assert not dst.exists() and no_staging_left(tmp_path)
+
+
+# --- the remote-code checks ---------------------------------------------------------------------------------------
+
+
+def patched_package(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    package = tmp_path / "package"
+    package.mkdir(exist_ok=True)
+    for file_name in REMOTE_CODE_FILES:
+        shutil.copyfile(PACKAGE_DIR / file_name, package / file_name)
+    text = (package / name).read_text()
+    assert old in text
+    (package / name).write_text(text.replace(old, new, 1))
+    return package
+
+
+ANCHOR = "from .configuration_llada import LLaDAConfig\n"
+
+
+@pytest.mark.parametrize(
+    "new, message",
+    [
+        (ANCHOR + "import triton\n", r"imports \['triton'\] outside a `try:` block"),
+        (ANCHOR + "from hf_dllm.cache import DiffusionKVCache\n", "imports `hf_dllm.cache`"),
+        (ANCHOR + "from .char_tokenizer import build_char_tokenizer\n", r"`from \.char_tokenizer import"),
+        (ANCHOR + "from ..cache import DiffusionKVCache\n", r"`from \.\.cache import"),
+        (ANCHOR + '"""Example:\n    from .serve import app\n"""\n', r"relative imports of \['serve'\]"),
+        (ANCHOR + "try:\n    import triton\nexcept ImportError:\n    triton = None\n", None),
+    ],
+)
+def test_remote_code_violations_are_reported(tmp_path, new, message):
+    package = patched_package(tmp_path, "modeling_llada.py", ANCHOR, new)
+    if message is None:
+        check_remote_code(package)  # a guarded optional import is fine
+    else:
+        with pytest.raises(ExportError, match=message):
+            check_remote_code(package)
+
+
+def test_missing_or_unreachable_remote_code_file(tmp_path, monkeypatch):
+    package = patched_package(tmp_path, "configuration_llada.py", "", "")
+    (package / "attention.py").unlink()
+    with pytest.raises(ExportError, match="missing from the package.*attention.py"):
+        check_remote_code(package)
+    monkeypatch.setattr(export, "REMOTE_CODE_FILES", (*REMOTE_CODE_FILES, "orphan.py"))
+    shutil.copyfile(PACKAGE_DIR / "attention.py", package / "attention.py")
+    (package / "orphan.py").write_text("X = 1\n")
+    with pytest.raises(ExportError, match="orphan.py not reached by relative imports"):
+        check_remote_code(package)
+    dst = tmp_path / "out"
+    monkeypatch.setattr(export, "REMOTE_CODE_FILES", (*REMOTE_CODE_FILES, "not_written_yet.py"))
+    with pytest.raises(ExportError, match="not_written_yet.py"):
+        export_checkpoint(REFERENCE_DIR, dst)
+    assert not dst.exists()
+
+
+# --- a fresh process without hf_dllm ------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    r"""
+    import sys
+
+    for blocked in ("hf_dllm", "triton", "flash_attn"):  # not installed, as far as this process can tell
+        sys.modules[blocked] = None
+
+    import importlib
+    import json
+    import shutil
+    import traceback
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
+    from transformers.dynamic_module_utils import check_imports
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    torch.set_num_threads(spec["threads"])  # as in the parent process, so float reductions round alike
+    out = {"errors": []}
+
+    def record(name, fn):
+        try:
+            out[name] = fn()
+        except Exception:
+            out["errors"].append(f"{name}: {traceback.format_exc()}")
+
+    def no_hf_dllm():
+        try:
+            import hf_dllm  # noqa: F401
+        except ImportError:
+            return True
+        return False
+
+    def generate_all(model, names=None):
+        results = {}
+        for case in spec["cases"]:
+            if names is not None and case["name"] not in names:
+                continue
+            torch.manual_seed(0)
+            kwargs = dict(case["kwargs"])
+            if case.get("attention_mask") is not None:
+                kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
+            out_ = model.generate(torch.tensor(case["input_ids"]), **kwargs)
+            if isinstance(out_, torch.Tensor):
+                results[case["name"]] = {"sequences": out_.tolist()}
+            else:
+                results[case["name"]] = {"sequences": out_.sequences.tolist(), "nfe": out_.nfe}
+        return results
+
+    def describe(model):
+        config = model.generation_config
+        return {
+            "class_module": type(model).__module__,
+            "config_module": type(model.config).__module__,
+            "has_generate": hasattr(model, "generate"),
+            "generation_config_class": type(config).__name__,
+            "generation_config_module": type(config).__module__,
+            "generation_config": {name: getattr(config, name) for name in type(config).field_names()},
+        }
+
+    def expect_error(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    local, hub, chat = spec["local"], spec["hub_repo"], spec["chat"]
+    out["no_hf_dllm"] = no_hf_dllm()
+    record("auto_config_module", lambda: type(AutoConfig.from_pretrained(local, trust_remote_code=True)).__module__)
+    model = AutoModel.from_pretrained(local, trust_remote_code=True).eval()
+    out["auto_model"] = describe(model)
+    record("tokens", lambda: generate_all(model))
+    out["errors_validation"] = {
+        "threshold": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=1.5)),
+        "unknown": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), num_beams=2)),
+        "contradiction": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=0.9, steps=8)),
+        "unknown_field": expect_error(lambda: type(model.generation_config)(top_k=5)),
+    }
+    causal = AutoModelForCausalLM.from_pretrained(local, trust_remote_code=True).eval()
+    out["auto_causal"] = describe(causal)
+    record("tokens_causal", lambda: generate_all(causal, spec["subset"]))
+    again = AutoModel.from_pretrained(local, trust_remote_code=True).eval()  # loading twice in one process
+    out["again"] = describe(again)
+    record("tokens_again", lambda: generate_all(again, spec["subset"]))
+    from_hub = AutoModelForCausalLM.from_pretrained(hub, trust_remote_code=True).eval()  # the Hub code path
+    out["hub"] = describe(from_hub)
+    record("tokens_hub", lambda: generate_all(from_hub, spec["subset"]))
+    record("roundtrip", lambda: type(model.generation_config).from_pretrained(local).to_dict() == model.generation_config.to_dict())
+
+    bad = Path(spec["scratch"]) / "bad_generation_config"
+    shutil.copytree(local, bad)
+    config = json.loads((bad / "generation_config.json").read_text())
+    (bad / "generation_config.json").write_text(json.dumps({**config, "steps": 8}))
+    out["errors_validation"]["bad_file"] = expect_error(
+        lambda: AutoModel.from_pretrained(bad, trust_remote_code=True)
+    )
+
+    def run_pipeline():
+        generator = pipeline("text-generation", model=chat, trust_remote_code=True)
+        return {
+            "text": generator("Hello", max_new_tokens=16, threshold=0.9)[0]["generated_text"],
+            "chat": generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1],
+            "generation_config_class": type(generator.model.generation_config).__name__,
+        }
+
+    record("pipeline", run_pipeline)
+
+    def import_each_module():
+        for name in spec["modules"]:
+            check_imports(str(Path(local) / f"{name}.py"))
+        sys.path.insert(0, str(Path(local).parent))
+        package = Path(local).name
+        return [importlib.import_module(f"{package}.{name}").__name__ for name in spec["modules"]]
+
+    record("imported", import_each_module)
+    out["no_hf_dllm_after"] = no_hf_dllm()
+    Path(spec["result"]).write_text(json.dumps(out))
+    """
+)
+
+
+# Cases the models loaded after the first one run (the first runs them all): enough to show they are the same model.
+SUBSET = ["threshold", "factor_prefix", "padded"]
+
+
+def generation_cases(reference_expected) -> list[dict]:
+    p7, p12, b2 = (reference_expected[f"prompt.{name}"] for name in ("p7", "p12", "b2"))
+    pad = torch.full((1, 5), 301, dtype=torch.long)
+    padded = torch.cat([torch.cat([pad, p7], dim=1), p12])
+    mask = torch.cat([torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], dim=1), torch.ones(1, 12)]).long()
+    short = {"max_new_tokens": 32, "block_length": 8}
+    return [
+        # generation_config.json decides everything else: threshold 0.9, dual cache, blocks of 32.
+        {"name": "defaults", "input_ids": p12.tolist(), "kwargs": {"max_new_tokens": 64}},
+        {"name": "threshold", "input_ids": p12.tolist(), "kwargs": {"threshold": 0.9, **short}},
+        {
+            "name": "fixed_nocache",
+            "input_ids": p7.tolist(),
+            "kwargs": {"threshold": None, "steps": 16, "use_cache": False, "eos_early_stop": False, **short},
+        },
+        {
+            "name": "factor_prefix",
+            "input_ids": b2.tolist(),
+            "kwargs": {"threshold": None, "factor": 1.0, "dual_cache": False, "return_dict_in_generate": True, **short},
+        },
+        {
+            "name": "cfg",
+            "input_ids": p7.tolist(),
+            "kwargs": {"threshold": None, "steps": 32, "cfg_scale": 1.5, "use_cache": False, **short},
+        },
+        {"name": "sampling", "input_ids": p12.tolist(), "kwargs": {"temperature": 0.7, **short}},
+        {
+            "name": "padded",
+            "input_ids": padded.tolist(),
+            "attention_mask": mask.tolist(),
+            "kwargs": {"threshold": 0.7, "return_dict_in_generate": True, "confidence_eos_eot_inf": True, **short},
+        },
+    ]
+
+
+def hf_dllm_tokens(model, cases) -> dict:
+    results = {}
+    for case in cases:
+        torch.manual_seed(0)
+        kwargs = dict(case["kwargs"])
+        if case.get("attention_mask") is not None:
+            kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
+        out = model.generate(torch.tensor(case["input_ids"]), **kwargs)
+        if isinstance(out, torch.Tensor):
+            results[case["name"]] = {"sequences": out.tolist()}
+        else:
+            results[case["name"]] = {"sequences": out.sequences.tolist(), "nfe": out.nfe}
+    return results
+
+
+def fake_hub_cache(root: Path, repo: Path) -> Path:
+    """An offline Hub cache holding `repo` as `HUB_REPO` at `HUB_COMMIT`, laid out as huggingface_hub does."""
+    org, name = HUB_REPO.split("/")
+    cache = root / f"models--{org}--{name}"
+    shutil.copytree(repo, cache / "snapshots" / HUB_COMMIT)
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text(HUB_COMMIT)
+    return root
+
+
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory, exported, exported_chat, reference_expected) -> dict:
+    """Run CHILD once in a process where hf_dllm cannot be imported; return what it recorded."""
+    root = tmp_path_factory.mktemp("fresh")
+    cases = generation_cases(reference_expected)
+    spec = {
+        "local": str(exported),
+        "hub_repo": HUB_REPO,
+        "chat": str(exported_chat),
+        "cases": cases,
+        "subset": SUBSET,
+        "threads": torch.get_num_threads(),
+        "modules": [name.removesuffix(".py") for name in REMOTE_CODE_FILES],
+        "scratch": str(root),
+        "result": str(root / "result.json"),
+    }
+    (root / "spec.json").write_text(json.dumps(spec))
+    (root / "child.py").write_text(CHILD)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "PYTHON", "TRANSFORMERS_"))}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(root / "hf_home"),
+        HF_HUB_CACHE=str(fake_hub_cache(root / "hub", exported)),
+        HF_MODULES_CACHE=str(root / "modules"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(root / "child.py"), str(root / "spec.json")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((root / "result.json").read_text())
+    result["cases"] = cases
+    result["stderr"] = proc.stderr
+    return result
+
+
+def test_fresh_process_cannot_import_hf_dllm(fresh_process):
+    assert fresh_process["no_hf_dllm"] and fresh_process["no_hf_dllm_after"]
+    assert not fresh_process["errors"], "\n".join(fresh_process["errors"])
+
+
+def test_every_exported_module_imports_without_hf_dllm(fresh_process):
+    modules = [name.removesuffix(".py") for name in REMOTE_CODE_FILES]
+    assert fresh_process["imported"] == [f"exported.{name}" for name in modules]
+
+
+@pytest.mark.parametrize("loaded", ["auto_model", "auto_causal", "again", "hub"])
+def test_remote_classes_have_diffusion_generate(fresh_process, loaded):
+    info = fresh_process[loaded]
+    assert info["class_module"].startswith("transformers_modules.") and info["class_module"].endswith(".modeling_llada")
+    assert info["config_module"].startswith("transformers_modules.")
+    assert info["has_generate"]
+    assert info["generation_config_class"] == "DiffusionGenerationConfig"
+    assert info["generation_config_module"].startswith("transformers_modules.")
+    assert info["generation_config_module"].endswith(".generation_utils")
+    expected = dict(FAST_GENERATION_DEFAULTS, mask_token_id=310, eos_token_id=301, pad_token_id=301)
+    assert {key: info["generation_config"][key] for key in expected} == expected
+    assert fresh_process["auto_config_module"].endswith(".configuration_llada")
+    assert fresh_process["roundtrip"] is True
+
+
+def test_remote_generate_matches_hf_dllm(fresh_process, exported):
+    model = hf_dllm.LLaDAModelLM.from_pretrained(exported).eval()
+    expected = hf_dllm_tokens(model, fresh_process["cases"])
+    assert expected["factor_prefix"]["nfe"] > 0
+    assert fresh_process["tokens"] == expected
+    for key in ("tokens_causal", "tokens_again", "tokens_hub"):
+        assert fresh_process[key] == {name: expected[name] for name in SUBSET}, key
+
+
+def test_remote_generation_config_validates(fresh_process):
+    errors = fresh_process["errors_validation"]
+    assert errors["threshold"].startswith("ValueError") and "`threshold`" in errors["threshold"]
+    assert errors["unknown"].startswith("ValueError") and "num_beams" in errors["unknown"]
+    assert errors["contradiction"].startswith("ValueError") and "`steps` must be None" in errors["contradiction"]
+    assert errors["unknown_field"].startswith("ValueError") and "top_k" in errors["unknown_field"]
+    assert errors["bad_file"] is not None and "`steps` must be None" in errors["bad_file"]
+
+
+def test_remote_pipeline_matches_hf_dllm(fresh_process, exported_chat):
+    from transformers import pipeline
+
+    generator = pipeline("text-generation", model=str(exported_chat))
+    assert type(generator.model) is hf_dllm.LLaDAModelLM
+    remote = fresh_process["pipeline"]
+    assert remote["generation_config_class"] == "DiffusionGenerationConfig"
+    assert remote["text"] == generator("Hello", max_new_tokens=16, threshold=0.9)[0]["generated_text"]
+    assert remote["text"].startswith("Hello")
+    chat = generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1]
+    assert remote["chat"] == chat and chat["role"] == "assistant"
