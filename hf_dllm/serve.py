@@ -1,0 +1,478 @@
+"""`hf-dllm serve MODEL`: an OpenAI-compatible HTTP server for masked-diffusion LMs, batched and streaming.
+
+    pip install "hf-dllm[serve]"
+    hf-dllm serve path/to/checkpoint --port 8000 --max-batch-size 16 --batch-window-ms 10
+
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat
+template), `GET /health` (status and batching counters).
+
+Request fields: OpenAI's `model`, `prompt` / `messages`, `max_tokens` (chat: also `max_completion_tokens`),
+`temperature`, `stream`, `stream_options.include_usage`, `stop` (strings; the text is cut before the first one
+and the row stops decoding), `n` (1 only), `user` (ignored). dLLM fields, e.g. through the openai client's
+`extra_body`: `steps`, `block_length`, `threshold`, `factor`, `use_cache`, `dual_cache` (alias
+`use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`. They are validated with `generate()`'s own rules
+(`DiffusionGenerationConfig.validate`); an invalid value is an HTTP 400 naming the field.
+
+Defaults: temperature 0 (greedy), max_tokens 128, steps = one token per step, block_length 32, prefix and dual
+cache on, eos_early_stop on. The model decodes max_tokens rounded up to whole blocks; the completion is the
+decoded text cut at the first EOS/EOT token, at a stop string, or after max_tokens tokens, whichever comes first.
+`usage.completion_tokens` counts the returned tokens; `usage.nfe` (and `choices[i].nfe`) counts the model
+forwards each prompt took part in.
+
+Batching (`serve_batching.py`): prompts that arrive within `--batch-window-ms` and share all generation
+parameters are decoded together in one left-padded `generate()` call of up to `--max-batch-size` rows. Groups
+are served in arrival order of their first request, so none starves; with `--max-concurrent-batches 2` a long
+batch also no longer holds back the short ones behind it (calls then run side by side, without CUDA graphs). On a
+small CPU, `--num-threads 1` keeps OpenMP threads from spinning against each other.
+
+Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason` and `usage`, then
+`data: [DONE]`. A client that disconnects stops its row at the next block boundary.
+
+fastapi and uvicorn are imported only here (the `serve` extra), so `import hf_dllm` never needs them.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from .serve_batching import Batcher, RowRequest
+from .serve_protocol import APIError, encode_chat, encode_prompts, parse_generation_params
+
+logger = logging.getLogger("hf_dllm.serve")
+
+
+def load_model(path: str, dtype: str = "auto", device: str = "auto"):
+    """Load a local checkpoint folder (model + tokenizer) with the Auto classes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_dllm  # noqa: F401  (registers LLaDA with the Auto classes)
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"MODEL must be a local checkpoint folder, got {path!r}.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _stop_token_ids(model, tokenizer) -> set[int]:
+    """Token ids that end a completion: the model's EOS ids and EOT, the tokenizer's EOS and `<|eot_id|>`."""
+    config = model.generation_config
+    ids = set(config.eos_token_ids)
+    if config.eot_token_id is not None:
+        ids.add(config.eot_token_id)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    eot = tokenizer.get_vocab().get("<|eot_id|>")
+    if eot is not None:
+        ids.add(eot)
+    return ids
+
+
+class Server:
+    """The model, its tokenizer and batcher, and the request handling behind the routes."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_name: str,
+        max_batch_size: int = 16,
+        batch_window_ms: float = 10.0,
+        max_concurrent_batches: int = 1,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.base_config = model.generation_config
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
+        self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
+            model.config, "max_position_embeddings", None
+        )
+        config = self.base_config
+        pad = config.pad_token_id if config.pad_token_id not in (None, config.mask_token_id) else None
+        pad = pad if pad is not None else (config.eos_token_ids or [0])[0]
+        self.batcher = Batcher(
+            model,
+            tokenizer,
+            stop_token_ids=_stop_token_ids(model, tokenizer),
+            pad_token_id=pad,
+            max_batch_size=max_batch_size,
+            batch_window_s=batch_window_ms / 1000,
+            max_concurrent_batches=max_concurrent_batches,
+        )
+
+    # -- request handling -------------------------------------------------------------------------------------
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _rows(self, prompts: list[list[int]], params, sink, param: str) -> list[RowRequest]:
+        bos = self.base_config.bos_token_id
+        rows = []
+        for index, ids in enumerate(prompts):
+            if not ids:
+                if bos is None:
+                    raise APIError(400, "The prompt is empty.", param=param)
+                ids = [bos]
+            total = len(ids) + params.generate_kwargs["max_new_tokens"]
+            if self.max_length is not None and total > self.max_length:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_length} tokens. The prompt has {len(ids)} "
+                    f"tokens and decoding max_tokens={params.max_tokens} takes "
+                    f"{params.generate_kwargs['max_new_tokens']} positions (whole blocks): {total} in all.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            rows.append(
+                RowRequest(
+                    ids,
+                    params.generate_kwargs,
+                    params.max_tokens,
+                    sink,
+                    stop=params.stop,
+                    stream=params.stream,
+                    index=index,
+                )
+            )
+        return rows
+
+    def prepare(self, body: dict, chat: bool, sink) -> tuple[list[RowRequest], object]:
+        self._check_model(body)
+        params = parse_generation_params(body, self.base_config, chat)
+        if chat:
+            prompts, param = [encode_chat(body.get("messages"), self.tokenizer)], "messages"
+        else:
+            if body.get("prompt") is None:
+                raise APIError(400, "`prompt` is required.", param="prompt")
+            prompts, param = encode_prompts(body["prompt"], self.tokenizer, self.vocab_size), "prompt"
+        return self._rows(prompts, params, sink, param), params
+
+    async def collect(self, rows: list[RowRequest], queue: asyncio.Queue, request) -> dict | None:
+        """Wait for every row's result; None if the client went away (its rows are cancelled)."""
+        results = {}
+        self.batcher.submit(rows)
+        try:
+            while len(results) < len(rows):
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return None
+                    continue
+                if event[0] == "done":
+                    results[event[1]] = event[2]
+                elif event[0] == "error":
+                    raise APIError(event[2], event[3])
+            return results
+        finally:
+            if len(results) < len(rows):
+                self._cancel(rows)
+
+    def _cancel(self, rows: list[RowRequest]) -> None:
+        for row in rows:
+            row.cancelled.set()
+        self.batcher.notify()
+
+    @staticmethod
+    def usage(results) -> dict:
+        prompt = sum(r.prompt_tokens for r in results)
+        completion = sum(r.completion_tokens for r in results)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "nfe": sum(r.nfe for r in results),
+        }
+
+    def response(self, results: dict, chat: bool, response_id: str) -> dict:
+        ordered = [results[i] for i in sorted(results)]
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": None,
+                    "finish_reason": r.finish_reason,
+                    "nfe": r.nfe,
+                }
+                for i, r in enumerate(ordered)
+            ]
+        else:
+            choices = [
+                {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason, "nfe": r.nfe}
+                for i, r in enumerate(ordered)
+            ]
+        return {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": self.usage(ordered),
+        }
+
+    async def stream(
+        self, rows: list[RowRequest], queue: asyncio.Queue, chat: bool, response_id: str, include_usage: bool
+    ):
+        """Server-Sent Events: one chunk per committed block per prompt, a finish chunk per prompt, [DONE]."""
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(index: int, text: str | None, finish_reason: str | None, first: bool, usage=None) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                if first:
+                    delta = {"role": "assistant", **delta}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "system_fingerprint": None,
+                "choices": [choice],
+            }
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        results = {}
+        started: set[int] = set()
+        completed = False
+        try:
+            self.batcher.submit(rows)
+            while len(results) < len(rows):
+                event = await queue.get()
+                index = event[1]
+                if event[0] == "delta":
+                    yield chunk(index, event[2], None, index not in started)
+                    started.add(index)
+                elif event[0] == "done":
+                    results[index] = event[2]
+                    usage = self.usage(results.values()) if len(results) == len(rows) else None
+                    if index not in started:  # chat: the role comes first
+                        yield chunk(index, "", None, True)
+                        started.add(index)
+                    yield chunk(index, None, event[2].finish_reason, False, usage)
+                else:
+                    error = APIError(event[2], event[3])
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    break
+            if include_usage and len(results) == len(rows):
+                body = {
+                    "id": response_id,
+                    "object": kind,
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": self.usage(results.values()),
+                }
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+            completed = len(results) == len(rows)
+        finally:
+            if not completed:
+                self._cancel(rows)
+
+
+def create_app(
+    model,
+    tokenizer,
+    model_name: str = "model",
+    max_batch_size: int = 16,
+    batch_window_ms: float = 10.0,
+    max_concurrent_batches: int = 1,
+):
+    """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    server = Server(model, tokenizer, model_name, max_batch_size, batch_window_ms, max_concurrent_batches)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.batcher.start()
+        try:
+            yield
+        finally:
+            server.batcher.stop()
+
+    app = FastAPI(title="hf-dllm", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, error: RequestValidationError):
+        return JSONResponse(APIError(400, str(error)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request, error: Exception):
+        logger.exception("request failed")
+        return JSONResponse(APIError(500, f"Internal server error: {error}").body(), status_code=500)
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(
+                400, f"We could not parse the JSON body of your request: {error}.", code="invalid_json"
+            ) from None
+        if not isinstance(body, dict):
+            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+        return body
+
+    async def generate(request: Request, chat: bool):
+        body = await read_body(request)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is closed (shutdown)
+                pass
+
+        rows, params = server.prepare(body, chat, sink)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if params.stream:
+            return StreamingResponse(
+                server.stream(rows, queue, chat, response_id, params.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        results = await server.collect(rows, queue, request)
+        if results is None:
+            return Response(status_code=499)
+        return server.response(results, chat, response_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "hf-dllm"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server._check_model({"model": model_id})
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        return {
+            "status": "ok",
+            "model": server.model_name,
+            "max_batch_size": server.batcher.max_batch_size,
+            "batch_window_ms": server.batcher.batch_window_s * 1000,
+            "batching": server.batcher.stats.snapshot(),
+        }
+
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-dllm serve", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("model", metavar="MODEL", help="local checkpoint folder (model + tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype (auto: the checkpoint's)",
+    )
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="rows per generate() call")
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=10.0,
+        help="how long the oldest waiting request waits for compatible ones",
+    )
+    parser.add_argument(
+        "--max-concurrent-batches",
+        type=int,
+        default=1,
+        help="generate() calls running at once (>1 lets short batches pass a long one)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("hf-dllm serve needs fastapi and uvicorn: pip install 'hf-dllm[serve]'", file=sys.stderr)
+        return 2
+    if args.max_batch_size < 1 or args.max_concurrent_batches < 1 or args.batch_window_ms < 0:
+        print(
+            "hf-dllm serve: --max-batch-size and --max-concurrent-batches must be >= 1, --batch-window-ms >= 0.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        model, tokenizer = load_model(args.model, args.dtype, args.device)
+    except (FileNotFoundError, OSError, ValueError) as error:
+        print(f"hf-dllm serve: cannot load {args.model!r}: {error}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    app = create_app(
+        model,
+        tokenizer,
+        model_name=name,
+        max_batch_size=args.max_batch_size,
+        batch_window_ms=args.batch_window_ms,
+        max_concurrent_batches=args.max_concurrent_batches,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

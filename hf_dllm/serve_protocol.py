@@ -1,0 +1,275 @@
+"""Request parsing and validation for `hf-dllm serve` (OpenAI's request fields plus the dLLM fields).
+
+Everything here is plain Python (no web framework), so it is tested and reused without a server. Invalid input
+raises `APIError`, which the server turns into OpenAI's error object
+`{"error": {"message", "type", "param", "code"}}` with the HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from .generation_utils import DiffusionGenerationConfig, plan_blocks
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# Server defaults of the generation fields (the model's generation_config.json supplies the special tokens).
+DEFAULT_MAX_TOKENS = 128
+SERVER_DEFAULTS = {
+    "temperature": 0.0,
+    "steps": None,
+    "block_length": 32,
+    "threshold": None,
+    "factor": None,
+    "use_cache": True,
+    "dual_cache": True,
+    "remasking": "low_confidence",
+    "cfg_scale": 0.0,
+    "eos_early_stop": True,
+}
+# Request field -> DiffusionGenerationConfig field. `use_dual_cache` is the name hand-written LLaDA servers use.
+DLLM_FIELDS = {
+    "steps": "steps",
+    "block_length": "block_length",
+    "threshold": "threshold",
+    "factor": "factor",
+    "use_cache": "use_cache",
+    "dual_cache": "dual_cache",
+    "use_dual_cache": "dual_cache",
+    "remasking": "remasking",
+    "cfg_scale": "cfg_scale",
+    "eos_early_stop": "eos_early_stop",
+}
+# OpenAI fields accepted only with their neutral value (anything else: 400 naming the field).
+NEUTRAL = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "suffix": (None,),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "top_p": (None, 1),
+    "seed": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+}
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "stream",
+    "stream_options",
+    "stop",
+    "user",
+    "logit_bias",
+    *NEUTRAL,
+    *DLLM_FIELDS,
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "metadata", "store"}
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64
+
+
+@dataclass
+class GenerationParams:
+    generate_kwargs: dict  # generate() fields; the batching key
+    max_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _same(value, expected) -> bool:
+    """Equality that keeps JSON's booleans apart from numbers (`true` is not `1`)."""
+    if isinstance(expected, bool) or isinstance(value, bool) or expected is None or value is None:
+        return value is expected
+    return value == expected
+
+
+def _error_param(message: str, aliases: dict[str, str]) -> str | None:
+    """The first `field` named in a DiffusionGenerationConfig error, as the request called it."""
+    match = re.search(r"`(\w+)", message)
+    if match is None:
+        return None
+    return aliases.get(match.group(1), match.group(1))
+
+
+def parse_generation_params(body: dict, base_config: DiffusionGenerationConfig, chat: bool) -> GenerationParams:
+    """Validate the generation fields of a request body with `generate()`'s own rules.
+
+    `max_tokens` (default 128) caps the returned tokens. The model decodes `max_tokens` rounded up to whole
+    blocks (`block_length`), and the completion is cut back to `max_tokens` tokens; `steps` (default: one token
+    per step) counts the steps of that rounded length.
+    """
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
+    for name, neutral in NEUTRAL.items():
+        if name in body and not any(_same(body[name], allowed_value) for allowed_value in neutral):
+            raise APIError(
+                400,
+                f"`{name}`={body[name]!r} is not supported by this server (allowed: "
+                f"{', '.join(json.dumps(v) for v in neutral)}).",
+                param=name,
+            )
+    if body.get("logit_bias") not in (None, {}):
+        raise APIError(400, "`logit_bias` is not supported by this server.", param="logit_bias")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise APIError(400, "Only response_format {'type': 'text'} is supported.", param="response_format")
+
+    max_tokens = body.get("max_tokens")
+    max_name = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        if max_tokens is not None and max_tokens != body["max_completion_tokens"]:
+            raise APIError(400, "Give `max_tokens` or `max_completion_tokens`, not both.", param="max_tokens")
+        max_tokens, max_name = body["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+
+    fields = dict(SERVER_DEFAULTS)
+    aliases = {"max_new_tokens": max_name}
+    if body.get("dual_cache") is not None and body.get("use_dual_cache") is not None:
+        if body["dual_cache"] != body["use_dual_cache"]:
+            raise APIError(400, "`dual_cache` and its alias `use_dual_cache` disagree: give one.", param="dual_cache")
+    for name, target in DLLM_FIELDS.items():
+        if body.get(name) is not None:
+            fields[target] = body[name]
+            aliases[target] = name
+    if body.get("temperature") is not None:
+        fields["temperature"] = body["temperature"]
+    temperature = fields["temperature"]
+    fields["do_sample"] = (
+        isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+    )
+
+    config = DiffusionGenerationConfig.from_generation_config(base_config)
+    try:
+        for name, value in fields.items():
+            setattr(config, name, value)
+        config.max_new_tokens = max_tokens
+        config.validate()
+        blocks = math.ceil(max_tokens / config.block_length)
+        config.max_new_tokens = blocks * config.block_length
+        config.validate()
+        plan_blocks(config.max_new_tokens, config.block_length, config.steps)
+    except ValueError as error:
+        message = str(error).replace("max_new_tokens", max_name)
+        raise APIError(400, message, param=_error_param(str(error), aliases)) from None
+    if config.eos_early_stop and not config.eos_token_ids:
+        raise APIError(
+            400, "`eos_early_stop` needs an EOS token, and the model has none: set it to false.", param="eos_early_stop"
+        )
+
+    generate_kwargs = {name: getattr(config, name) for name in (*SERVER_DEFAULTS, "do_sample", "max_new_tokens")}
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+        stop = tuple(stop)
+    else:
+        raise APIError(400, f"`stop` must be a string or a list of at most {MAX_STOP_STRINGS} strings.", param="stop")
+    if any(s == "" for s in stop):
+        raise APIError(400, "`stop` strings must not be empty.", param="stop")
+
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise APIError(400, f"`stream` must be true or false, got {stream!r}.", param="stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise APIError(400, "`stream_options` must be an object with `include_usage` only.", param="stream_options")
+        if not stream:
+            raise APIError(400, "`stream_options` is only allowed with stream=true.", param="stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    return GenerationParams(generate_kwargs, max_tokens, stop, stream, include_usage)
+
+
+def _token_ids(value, vocab_size: int) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not all(0 <= t < vocab_size for t in value):
+            raise APIError(400, f"Prompt token ids must be in [0, {vocab_size}).", param="prompt")
+        return list(value)
+    return None
+
+
+def encode_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
+    """`prompt` of /v1/completions: a string, a list of strings, a list of token ids, or a list of those."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _token_ids(prompt, vocab_size) is not None:
+        return [_token_ids(prompt, vocab_size)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p, vocab_size) for p in prompt):
+        prompts = prompt
+    else:
+        raise APIError(
+            400,
+            "`prompt` must be a string, a list of strings, a list of token ids or a list of such lists (non-empty).",
+            param="prompt",
+        )
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+    return [p if isinstance(p, list) else list(tokenizer(p)["input_ids"]) for p in prompts]
+
+
+def encode_chat(messages, tokenizer) -> list[int]:
+    """Apply the tokenizer's chat template to OpenAI `messages` (string content or text parts)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "`messages` must be a non-empty list of {role, content} objects.", param="messages")
+    converted = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string `role`.", param=f"messages[{i}]")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        400, f"messages[{i}].content: only text parts are supported.", param=f"messages[{i}].content"
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise APIError(
+                400, f"messages[{i}].content must be a string or a list of text parts.", param=f"messages[{i}].content"
+            )
+        converted.append({"role": message["role"], "content": content})
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "This model's tokenizer has no chat template: use /v1/completions.", param="messages")
+    encoded = tokenizer.apply_chat_template(converted, add_generation_prompt=True, tokenize=True)
+    if hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    return list(encoded)

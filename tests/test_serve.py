@@ -1,0 +1,602 @@
+"""`hf-dllm serve`: the OpenAI-compatible server, through the official `openai` client on 127.0.0.1.
+
+"Correct" means: the text, usage and NFE a request gets are exactly those of a direct `model.generate()` on the
+same prompt and parameters (rows of a padded batch never influence each other). The server here runs in this
+process (uvicorn in a thread, free loopback port); one test starts the real `hf-dllm serve` command.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES, tiny_model
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
+from hf_dllm.serve import create_app, load_model  # noqa: E402
+from hf_dllm.serve_batching import Batcher, RowRequest  # noqa: E402
+from hf_dllm.serve_protocol import APIError, parse_generation_params  # noqa: E402
+
+MODEL_NAME = "tiny"
+TRAINED_DIR = FIXTURES / "llada-tiny-trained"
+EOS, EOT = 0, 2  # character tokenizer ids
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and OpenMP threads spinning against the 32 client
+    threads of this process (on 2 cores) slow the load test down tenfold: one thread while this module runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaDA with the character tokenizer, saved as a checkpoint folder."""
+    path = tmp_path_factory.mktemp("llada-tiny-random")
+    tiny_model(seed=0).save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+class RunningServer:
+    def __init__(self, model_dir: Path, **app_kwargs):
+        self.model, self.tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
+        self.app = create_app(self.model, self.tokenizer, model_name=MODEL_NAME, **app_kwargs)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start within 30 s"
+            time.sleep(0.02)
+
+    @property
+    def stats(self) -> dict:
+        return httpx.get(f"{self.base_url}/health", timeout=10).json()["batching"]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    running = RunningServer(model_dir, max_batch_size=8, batch_window_ms=50)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def load_server(server):
+    """The load test's server: the tiny trained checkpoint when it exists, else the tiny random one."""
+    if not (TRAINED_DIR / "config.json").exists():
+        yield server
+        return
+    running = RunningServer(TRAINED_DIR, max_batch_size=8, batch_window_ms=50)
+    yield running
+    running.stop()
+
+
+def generate_kwargs(max_tokens: int = 128, **extra) -> dict:
+    """What the server passes to generate() for these request fields (documented defaults, whole blocks)."""
+    kwargs = dict(block_length=32, temperature=0.0, use_cache=True, dual_cache=True)
+    kwargs.update(extra)
+    kwargs["max_new_tokens"] = math.ceil(max_tokens / kwargs["block_length"]) * kwargs["block_length"]
+    return kwargs
+
+
+def direct(server, prompt_ids: list[int], max_tokens: int = 128, **extra) -> tuple[str, int, int, str]:
+    """(text, completion_tokens, nfe, finish_reason) of a direct model.generate() on one prompt."""
+    stops = sorted(server.app.state.server.batcher.stop_token_ids)  # EOS and EOT
+    out = server.model.generate(
+        torch.tensor([prompt_ids]),
+        eos_token_id=stops,  # generate() stops a row at EOT as well, as the server does
+        return_dict_in_generate=True,
+        **generate_kwargs(max_tokens, **extra),
+    )
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    ends = [i for i, t in enumerate(tokens) if t in stops]
+    end = min([max_tokens] + ends[:1])
+    finish = "stop" if ends and ends[0] < max_tokens else "length"
+    return server.tokenizer.decode(tokens[:end], skip_special_tokens=True), end, int(out.nfe_per_row[0]), finish
+
+
+def prompt_ids(server, prompt: str) -> list[int]:
+    return list(server.tokenizer(prompt)["input_ids"])
+
+
+def chat_ids(server, messages) -> list[int]:
+    encoded = server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+# -- endpoints ---------------------------------------------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    assert [model.id for model in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    health = httpx.get(f"{server.base_url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_equals_generate(server, client):
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="The cat sat", max_tokens=40, extra_body={"block_length": 16}
+    )
+    text, tokens, nfe, finish = direct(server, prompt_ids(server, "The cat sat"), 40, block_length=16)
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason) == (text, finish)
+    assert out.usage.prompt_tokens == len(prompt_ids(server, "The cat sat"))
+    assert out.usage.completion_tokens == tokens <= 40
+    assert out.usage.total_tokens == out.usage.prompt_tokens + tokens
+    assert out.usage.model_extra["nfe"] == nfe > 0
+
+
+def test_default_parameters(server, client):
+    """No dLLM field: temperature 0, max_tokens 128, one token per step, block 32, both caches."""
+    out = client.completions.create(model=MODEL_NAME, prompt="abc")
+    text, tokens, nfe, _ = direct(server, prompt_ids(server, "abc"))
+    assert out.choices[0].text == text and out.usage.completion_tokens == tokens
+    assert out.usage.model_extra["nfe"] == nfe
+
+
+def test_chat_equals_generate(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32)
+    text, tokens, nfe, finish = direct(server, chat_ids(server, messages), 32)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, finish)
+    assert out.usage.prompt_tokens == len(chat_ids(server, messages))
+    assert (out.usage.completion_tokens, out.usage.model_extra["nfe"]) == (tokens, nfe)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"threshold": 0.5},
+        {"factor": 1.0},
+        {"use_cache": False},
+        {"use_dual_cache": False},
+        {"steps": 8, "block_length": 8},
+        {"remasking": "random", "steps": 16},
+        {"cfg_scale": 1.0, "use_cache": False},
+        {"eos_early_stop": False},
+    ],
+    ids=lambda extra: ",".join(f"{k}={v}" for k, v in extra.items()),
+)
+def test_dllm_parameters_through_extra_body(server, client, extra):
+    out = client.completions.create(model=MODEL_NAME, prompt="x = 1 + ", max_tokens=16, extra_body=extra)
+    reference = dict(extra)
+    if "use_dual_cache" in reference:
+        reference["dual_cache"] = reference.pop("use_dual_cache")
+    if extra.get("remasking") == "random":  # random remasking draws from torch's RNG: compare lengths only
+        assert out.usage.completion_tokens <= 16 and out.usage.model_extra["nfe"] > 0
+        return
+    text, tokens, nfe, _ = direct(server, prompt_ids(server, "x = 1 + "), 16, **reference)
+    assert out.choices[0].text == text
+    assert (out.usage.completion_tokens, out.usage.model_extra["nfe"]) == (tokens, nfe)
+
+
+def test_several_prompts_in_one_request(server, client):
+    prompts = ["one", "two two", "three three three"]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=16)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    expected = [direct(server, prompt_ids(server, p), 16) for p in prompts]
+    assert [c.text for c in out.choices] == [e[0] for e in expected]
+    assert out.usage.model_extra["nfe"] == sum(e[2] for e in expected)
+
+
+def test_stop_strings(server, client):
+    full, _, _, _ = direct(server, prompt_ids(server, "Hello"), 32)
+    assert len(full) > 4
+    stop = full[3:5]
+    cut = full[: full.index(stop)]
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=32, stop=[stop, "never-there"])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    assert out.usage.completion_tokens == len(cut)  # character tokenizer: one token per character
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=32, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+
+
+# -- streaming ---------------------------------------------------------------------------------------------------
+
+
+def test_streaming_completion_one_chunk_per_block(server, client):
+    full = client.completions.create(
+        model=MODEL_NAME, prompt="Once", max_tokens=40, extra_body={"block_length": 8, "eos_early_stop": False}
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="Once",
+            max_tokens=40,
+            stream=True,
+            extra_body={"block_length": 8, "eos_early_stop": False},
+        )
+    )
+    content = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert len(final) == 1 and final[0].choices[0].finish_reason == full.choices[0].finish_reason
+    text = full.choices[0].text
+    # Blocks of 8 tokens up to the end of the text (an EOS ends the stream after its block).
+    assert len(content) == min(5, full.usage.completion_tokens // 8 + 1)
+    assert all(len(c.choices[0].text) <= 8 for c in content)
+    assert "".join(c.choices[0].text for c in content) == text
+    assert final[0].usage.completion_tokens == full.usage.completion_tokens
+    assert final[0].usage.model_extra["nfe"] == full.usage.model_extra["nfe"]
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
+
+
+def test_streaming_chat(server, client):
+    messages = [{"role": "user", "content": "Tell me"}]
+    text, tokens, nfe, finish = direct(server, chat_ids(server, messages), 48, block_length=16)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=48,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"block_length": 16},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == tokens
+    assert chunks[-1].usage.model_extra["nfe"] == nfe
+
+
+def test_raw_sse_ends_with_done(server):
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, "stream": True},
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] <= 8
+
+
+# -- errors --------------------------------------------------------------------------------------------------------
+
+
+def assert_error(response, status: int, param=None, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] == code
+
+
+def test_malformed_json(server):
+    url = f"{server.base_url}/v1/completions"
+    response = httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    assert_error(response, 400, code="invalid_json")
+    assert_error(httpx.post(url, content=b"[1, 2]"), 400, code="invalid_json")
+
+
+def test_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4", prompt="a", max_tokens=4)
+    assert error.value.status_code == 404 and error.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"threshold": 1.5}, "threshold"),
+        ({"threshold": 0.9, "factor": 1.0}, "threshold"),
+        ({"threshold": 0.9, "steps": 32}, "steps"),
+        ({"factor": -1}, "factor"),
+        ({"block_length": 0}, "block_length"),
+        ({"steps": 1, "max_tokens": 64}, "steps"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"remasking": "sideways"}, "remasking"),
+        ({"use_cache": "yes"}, "use_cache"),
+        ({"use_dual_cache": 1}, "use_dual_cache"),
+        ({"cfg_scale": -0.5}, "cfg_scale"),
+        ({"n": 2}, "n"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"stop": 3}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1, 2, 999]]}, "prompt"),
+        ({"frobnicate": True}, "frobnicate"),
+    ],
+    ids=lambda value: json.dumps(value) if isinstance(value, dict) else str(value),
+)
+def test_invalid_parameters(server, fields, param):
+    body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, **fields}
+    assert_error(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30), 400, param=param)
+
+
+def test_invalid_parameters_through_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "a"}], extra_body={"threshold": 0}
+        )
+    assert error.value.status_code == 400 and "threshold" in error.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[])
+
+
+def test_prompt_too_long(server, client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL_NAME, prompt="a" * 500, max_tokens=64)
+    assert error.value.code == "context_length_exceeded"
+    body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 1000}
+    assert_error(
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
+
+
+def test_unknown_route_is_an_openai_error(server):
+    response = httpx.get(f"{server.base_url}/v1/engines", timeout=10)
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_server_keeps_serving_after_errors(server, client):
+    for _ in range(3):
+        httpx.post(f"{server.base_url}/v1/completions", content=b"{", timeout=10)
+        httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "a", "block_length": -1}, timeout=10)
+    out = client.completions.create(model=MODEL_NAME, prompt="still here", max_tokens=8)
+    assert out.choices[0].text == direct(server, prompt_ids(server, "still here"), 8)[0]
+
+
+# -- disconnects, batching -----------------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_stops_the_row(server, client):
+    """A streaming client that goes away after one block: its row stops costing forwards at the next block."""
+    before = server.stats
+    fields = {"max_tokens": 256, "block_length": 16, "eos_early_stop": False}
+    full_nfe = 256  # one token per step, 16 blocks
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL_NAME, "prompt": "long story", "stream": True, **fields},
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # first committed block received; close the connection
+    deadline = time.monotonic() + 60
+    while server.stats["cancelled_rows"] == before["cancelled_rows"]:
+        assert time.monotonic() < deadline, "the disconnected row was never stopped"
+        time.sleep(0.05)
+    records = [r for r in server.app.state.server.batcher.stats.records if r["cancelled"]]
+    assert records[-1]["nfe"] < full_nfe
+    # The slot is free: later requests are served, and correctly.
+    out = client.completions.create(model=MODEL_NAME, prompt="after", max_tokens=16)
+    assert out.choices[0].text == direct(server, prompt_ids(server, "after"), 16)[0]
+
+
+def test_groups_are_served_in_fifo_order(model_dir):
+    """The batch is formed from the oldest row's group; a later group waits only for earlier groups."""
+    model, tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
+    batcher = Batcher(model, tokenizer, stop_token_ids={EOS, EOT}, pad_token_id=0, max_batch_size=2, batch_window_s=0)
+    config_a, config_b = generate_kwargs(8), generate_kwargs(8, threshold=0.9)
+    rows = [
+        RowRequest([5, 6], config, 8, sink=lambda event: None, index=i)
+        for i, config in enumerate([config_a, config_b, config_a, config_a, config_b])
+    ]
+    batcher._pending.extend(rows)
+    order = [[row.index for row in batcher._next_batch()] for _ in range(3)]
+    assert order == [[0, 2], [1, 4], [3]]
+
+
+def test_concurrent_batches_let_short_requests_pass_a_long_one(model_dir):
+    model, tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
+    batcher = Batcher(
+        model,
+        tokenizer,
+        stop_token_ids={EOS, EOT},
+        pad_token_id=0,
+        max_batch_size=4,
+        batch_window_s=0,
+        max_concurrent_batches=2,
+    )
+    finished = []
+    done = threading.Event()
+
+    def sink(name):
+        def receive(event):
+            if event[0] in ("done", "error"):
+                finished.append((name, event[0]))
+                if len(finished) == 2:
+                    done.set()
+
+        return receive
+
+    batcher.start()
+    try:
+        long_row = RowRequest([5, 6, 7], generate_kwargs(384, block_length=32, eos_early_stop=False), 384, sink("long"))
+        short_row = RowRequest([8, 9], generate_kwargs(8, block_length=8), 8, sink("short"))
+        batcher.submit([long_row])
+        time.sleep(0.05)
+        batcher.submit([short_row])
+        assert done.wait(120)
+    finally:
+        batcher.stop()
+    assert finished == [("short", "done"), ("long", "done")]
+
+
+def test_load_32_concurrent_clients(load_server):
+    """32 clients at once (half streaming, two parameter groups): every answer exact and complete, none lost."""
+    server = load_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [f"question {i}: " + "xyz"[: i % 3 + 1] * (i % 4 + 1) for i in range(8)]
+    groups = [{"block_length": 16}, {"block_length": 16, "threshold": 0.7}]
+    expected = {
+        (p, g): direct(server, prompt_ids(server, prompts[p]), 32, **groups[g]) for p in range(8) for g in range(2)
+    }
+    before = server.stats
+
+    def one_client(i: int):
+        p, g, stream = i % 8, (i // 8) % 2, i % 2 == 1
+        kwargs = dict(model=MODEL_NAME, prompt=prompts[p], max_tokens=32, extra_body=groups[g])
+        if stream:
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+            return i, text, final[0].choices[0].finish_reason, final[0].usage
+        out = client.completions.create(**kwargs)
+        return i, out.choices[0].text, out.choices[0].finish_reason, out.usage
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one_client, range(32), timeout=120))
+    elapsed = time.monotonic() - start
+    assert sorted(r[0] for r in results) == list(range(32))  # none lost
+    for i, text, finish, usage in results:
+        want_text, want_tokens, want_nfe, want_finish = expected[(i % 8, (i // 8) % 2)]
+        assert (text, finish) == (want_text, want_finish), f"client {i}"
+        assert (usage.completion_tokens, usage.model_extra["nfe"]) == (want_tokens, want_nfe), f"client {i}"
+    after = server.stats
+    batches, rows = after["batches"] - before["batches"], after["rows"] - before["rows"]
+    assert rows == 32 and after["nfe_mismatches"] == 0 and after["errors"] == 0
+    assert batches < 32, "no request was batched with another"
+    print(f"\n32 clients: {32 / elapsed:.1f} requests/s, {rows / batches:.2f} rows per generate() call")
+
+
+# -- protocol and packaging -----------------------------------------------------------------------------------------
+
+
+def test_parse_defaults_and_rounding(server):
+    base = server.model.generation_config
+    params = parse_generation_params({"prompt": "a"}, base, chat=False)
+    assert params.max_tokens == 128 and params.stop == () and not params.stream
+    assert params.generate_kwargs == dict(
+        temperature=0.0,
+        do_sample=False,
+        steps=None,
+        block_length=32,
+        threshold=None,
+        factor=None,
+        use_cache=True,
+        dual_cache=True,
+        remasking="low_confidence",
+        cfg_scale=0.0,
+        eos_early_stop=True,
+        max_new_tokens=128,
+    )
+    params = parse_generation_params({"max_tokens": 40, "temperature": 0.5, "use_dual_cache": False}, base, False)
+    assert params.max_tokens == 40 and params.generate_kwargs["max_new_tokens"] == 64
+    assert params.generate_kwargs["do_sample"] and not params.generate_kwargs["dual_cache"]
+    with pytest.raises(APIError) as error:
+        parse_generation_params({"dual_cache": True, "use_dual_cache": False}, base, False)
+    assert error.value.param == "dual_cache"
+
+
+def test_web_framework_imported_only_inside_serve():
+    """`import hf_dllm` never needs fastapi/uvicorn: no module imports them at module level (serve.py does it
+    inside its functions), so the `serve` extra stays optional."""
+    web = {"fastapi", "uvicorn", "starlette"}
+    for path in sorted((REPO / "hf_dllm").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not {name.split(".")[0] for name in names} & web, f"{path.name} imports {names} at module level"
+
+
+def test_cli_serve_command(model_dir):
+    """`python -m hf_dllm serve MODEL --port P` answers on 127.0.0.1 and stops on SIGTERM."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hf_dllm",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "cli-model",
+            "--max-batch-size",
+            "4",
+            "--batch-window-ms",
+            "5",
+            "--num-threads",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "hf-dllm serve did not come up within 90 s"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        cli_client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert cli_client.models.list().data[0].id == "cli-model"
+        out = cli_client.completions.create(model="cli-model", prompt="hi", max_tokens=8)
+        assert out.usage.completion_tokens <= 8 and out.usage.model_extra["nfe"] > 0
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
