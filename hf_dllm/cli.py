@@ -11,6 +11,7 @@ COMMANDS = {
     "export": ("hf_dllm.export", "turn a local LLaDA checkpoint into a Hub repo with hf_dllm's remote code"),
     "serve": ("hf_dllm.serve", "OpenAI-compatible HTTP server with dLLM generation parameters"),
     "eval": ("hf_dllm.evaluate", "evaluate a model on a dataset (datasets + accelerate data parallelism)"),
+    "lm-eval": ("hf_dllm.lm_eval_model", "lm-evaluation-harness with the `hf_dllm` model registered"),
 }
 
 

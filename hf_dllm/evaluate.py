@@ -1,0 +1,380 @@
+"""`hf-dllm eval MODEL --dataset PATH_OR_NAME ...`: generate on a dataset, score, report speed and NFE.
+
+    hf-dllm eval GSAI-ML/LLaDA-8B-Instruct --dataset openai/gsm8k --dataset-config main --scorer number \\
+        --threshold 0.9 --block-length 32 --max-new-tokens 256 --batch-size 16 --output-dir gsm8k-run
+
+Data parallel: the same command under `accelerate launch` runs one model replica per process (one GPU each, or CPU
+processes with `--cpu`), shards the examples and gathers the results on the main process, which writes the same
+files as a single process would:
+
+    accelerate launch --num_processes 8 -m hf_dllm.cli eval MODEL --dataset ... [options]
+
+`--device-map auto` instead splits one model over every visible GPU (one process).
+
+Outputs (main process), in `--output-dir`:
+- `predictions.jsonl`: one line per example, in dataset order: `index`, `prompt`, `prediction`, `answer`,
+  `correct`, `nfe` (forwards the row took part in), `new_tokens` (generated tokens up to and including the first
+  EOS/EOT).
+- `summary.json`: `accuracy`, `n`, `correct`, `tokens_per_second` (generated tokens / wall time of the generation
+  phase, the slowest process counting), `mean_nfe`, `tokens_per_forward` (generated tokens / per-row forwards),
+  `forward_calls` (batched forwards), the resolved generation config, the evaluation settings, versions and
+  per-process timings.
+
+Sharding: prompts are sorted by length and dealt round-robin to the processes; each process batches its share by
+length and left-pads. Greedy decoding is batch invariant per row, so predictions (and, with a fixed step schedule,
+NFE) do not depend on the number of processes. With `--threshold`/`--factor` the rows of a batch move through a
+block in lockstep, so a row's NFE counts the forwards of its batch's slowest row: NFE then depends on batching
+(tokens do not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from .eval_data import (
+    SCORERS,
+    StopStringCriterion,
+    build_prompt,
+    decode_generated,
+    format_prompt,
+    length_batches,
+    load_examples,
+    process_state,
+    score,
+    shard_by_length,
+    stop_token_ids,
+    until_first,
+)
+
+# Generation-config fields exposed as options (`--max-new-tokens`, `--no-use-cache`, ...).
+GENERATION_OPTIONS: dict[str, type] = {
+    "max_new_tokens": int,
+    "block_length": int,
+    "steps": int,
+    "threshold": float,
+    "factor": float,
+    "temperature": float,
+    "remasking": str,
+    "cfg_scale": float,
+    "use_cache": bool,
+    "dual_cache": bool,
+    "eos_early_stop": bool,
+    "logits_eos_inf": bool,
+    "confidence_eos_eot_inf": bool,
+    "disable_compile": bool,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-dllm eval",
+        description="Evaluate a masked-diffusion LM on a dataset (run under `accelerate launch` for data parallelism).",
+    )
+    parser.add_argument("model", help="local checkpoint directory or Hub id")
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", required=True, help="local .json/.jsonl/.parquet/.csv file, directory, or Hub name")
+    data.add_argument("--dataset-config", default=None, help="Hub dataset configuration (e.g. `main` for gsm8k)")
+    data.add_argument("--split", default=None, help="split (default: `train` for local files, `test` for the Hub)")
+    data.add_argument("--prompt-field", default="question", help="field holding the prompt (default: question)")
+    data.add_argument("--answer-field", default="answer", help="field holding the reference answer (default: answer)")
+    data.add_argument(
+        "--prompt-template", default=None, help="Python format string over the row's fields, e.g. '{question}\\nA:'"
+    )
+    data.add_argument("--system-prompt", default=None, help="system message (chat template) or preamble")
+    data.add_argument(
+        "--no-chat-template", action="store_true", help="do not apply the tokenizer's chat template to prompts"
+    )
+    data.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
+    data.add_argument(
+        "--scorer",
+        choices=SCORERS,
+        default="exact",
+        help="exact: stripped strings equal; number: last number equals the answer's (GSM8K style)",
+    )
+    data.add_argument("--stop", action="append", default=[], help="stop sequence cutting predictions (repeatable)")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call and process")
+    run.add_argument("--output-dir", default="eval_results", help="where predictions.jsonl and summary.json go")
+    run.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: the model's)")
+    run.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    run.add_argument("--device", default=None, help="device of a single process (default: accelerate's choice)")
+    run.add_argument("--device-map", default=None, help="split one model over GPUs, e.g. `auto` (single process)")
+    run.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
+    run.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
+    run.add_argument("--seed", type=int, default=0, help="torch seed (matters only when sampling)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    gen = parser.add_argument_group("generation (DiffusionGenerationConfig fields; unset = the model's default)")
+    for name, kind in GENERATION_OPTIONS.items():
+        flag = "--" + name.replace("_", "-")
+        aliases = [flag, "--gen-length"] if name == "max_new_tokens" else [flag]
+        if kind is bool:
+            gen.add_argument(*aliases, dest=name, action=argparse.BooleanOptionalAction, default=None)
+        elif name == "remasking":
+            gen.add_argument(flag, dest=name, choices=("low_confidence", "random"), default=None)
+        else:
+            gen.add_argument(*aliases, dest=name, type=kind, default=None)
+    return parser
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    """The generation fields given on the command line."""
+    kwargs = {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name) is not None}
+    if "temperature" in kwargs:
+        kwargs["do_sample"] = kwargs["temperature"] > 0
+    return kwargs
+
+
+def resolve_generation_config(model, kwargs: dict):
+    """The model's generation config updated with `kwargs`, validated (a bad value fails before any work)."""
+    import copy
+
+    from .generation_utils import DiffusionGenerationConfig
+
+    config = copy.deepcopy(model.generation_config)
+    if not isinstance(config, DiffusionGenerationConfig):
+        config = DiffusionGenerationConfig.from_generation_config(config)
+    for key, value in kwargs.items():
+        setattr(config, key, value)
+    config.validate()
+    return config
+
+
+def load_model(args: argparse.Namespace, state):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_dllm  # noqa: F401  (registers LLaDA with the Auto classes)
+
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype.replace("torch.", ""), None)
+    if dtype is None:
+        raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}.")
+    kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
+    if args.attn_implementation:
+        kwargs["attn_implementation"] = args.attn_implementation
+    if args.device_map:
+        if state.num_processes > 1:
+            raise ValueError(
+                "--device-map splits one model over several GPUs, but under `accelerate launch` every process "
+                "holds its own replica: use one or the other."
+            )
+        kwargs["device_map"] = args.device_map
+        return AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
+    device = state.device if state.num_processes > 1 or args.device is None else torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # kernels launch on the current device
+    return AutoModelForCausalLM.from_pretrained(args.model, **kwargs).to(device).eval()
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    import hf_dllm
+
+    found = {"hf_dllm": hf_dllm.__version__, "python": platform.python_version()}
+    for name in ("transformers", "torch", "accelerate", "datasets"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _left_pad(rows: list[list[int]], pad_id: int):
+    import torch
+
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answers, args, progress) -> tuple[list, int]:
+    """Generate and score this process's batches. Returns the per-example records and the batched forwards."""
+    import torch
+
+    stop_ids = stop_token_ids(config, tokenizer)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or [0])[0]
+    device = model.get_input_embeddings().weight.device
+    records, forward_calls, tokens = [], 0, 0
+    started = time.perf_counter()
+    for batch in batches:
+        input_ids, attention_mask = _left_pad([prompt_ids[i] for i in batch], pad_id)
+        width = input_ids.shape[1]
+        criteria = None
+        if args.stop:
+            criteria = [StopStringCriterion(tokenizer, width, [args.stop] * len(batch), config.mask_token_id, stop_ids)]
+        with torch.no_grad():
+            out = model.generate(
+                input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                stopping_criteria=criteria,
+                return_dict_in_generate=True,
+            )
+        forward_calls += int(out.nfe)
+        generated = out.sequences[:, width:].cpu().tolist()
+        nfe = out.nfe_per_row.cpu().tolist()
+        for row, index in enumerate(batch):
+            kept, terminated = until_first(generated[row], stop_ids)
+            new_tokens = len(kept) + int(terminated)
+            prediction = decode_generated(tokenizer, generated[row], stop_ids, args.stop)
+            tokens += new_tokens
+            records.append(
+                {
+                    "index": index,
+                    "prompt": prompts[index],
+                    "prediction": prediction,
+                    "answer": answers[index],
+                    "correct": score(prediction, answers[index], args.scorer),
+                    "nfe": int(nfe[row]),
+                    "new_tokens": new_tokens,
+                }
+            )
+        if progress is not None:
+            progress.update(len(batch))
+            progress.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started, 1e-9):.1f}")
+    return records, forward_calls
+
+
+def summarize(records: list[dict], stats: list[dict], config, args, state, total_seconds: float) -> dict:
+    n = len(records)
+    correct = sum(int(r["correct"]) for r in records)
+    new_tokens = sum(r["new_tokens"] for r in records)
+    row_forwards = sum(r["nfe"] for r in records)
+    wall = max((s["seconds"] for s in stats), default=0.0)
+    fields = type(config).field_names()
+    return {
+        "model": args.model,
+        "dataset": args.dataset,
+        "n": n,
+        "correct": correct,
+        "accuracy": correct / n if n else None,
+        "scorer": args.scorer,
+        "generated_tokens": new_tokens,
+        "generation_seconds": wall,
+        "tokens_per_second": new_tokens / wall if wall > 0 else None,
+        "mean_nfe": row_forwards / n if n else None,
+        "tokens_per_forward": new_tokens / row_forwards if row_forwards else None,
+        "forward_calls": sum(s["forward_calls"] for s in stats),
+        "num_processes": state.num_processes,
+        "total_seconds": total_seconds,
+        "generation_config": {name: getattr(config, name) for name in fields},
+        "settings": {
+            "dataset": args.dataset,
+            "dataset_config": args.dataset_config,
+            "split": args.split,
+            "prompt_field": args.prompt_field,
+            "answer_field": args.answer_field,
+            "prompt_template": args.prompt_template,
+            "system_prompt": args.system_prompt,
+            "chat_template": not args.no_chat_template,
+            "limit": args.limit,
+            "stop": args.stop,
+            "batch_size": args.batch_size,
+            "dtype": args.dtype,
+            "device_map": args.device_map,
+            "attn_implementation": args.attn_implementation,
+            "seed": args.seed,
+        },
+        "versions": versions(),
+        "per_process": sorted(stats, key=lambda s: s["rank"]),
+    }
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Evaluate; returns the summary on the main process (None elsewhere)."""
+    import torch
+    from accelerate.utils import gather_object
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
+    state = process_state(args.device)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    torch.manual_seed(args.seed)
+
+    examples = load_examples(args.dataset, args.split, args.dataset_config, args.limit)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    prompts = [format_prompt(example, args.prompt_field, args.prompt_template) for example in examples]
+    missing = [i for i, example in enumerate(examples) if args.answer_field not in example]
+    if missing:
+        raise ValueError(
+            f"example {missing[0]} has no field {args.answer_field!r} (fields: "
+            f"{sorted(examples[missing[0]])}); choose one with --answer-field."
+        )
+    answers = [example[args.answer_field] for example in examples]
+    prompt_ids = [build_prompt(tokenizer, text, not args.no_chat_template, args.system_prompt) for text in prompts]
+    lengths = [len(ids) for ids in prompt_ids]
+
+    model = load_model(args, state)
+    config = resolve_generation_config(model, generation_kwargs(args))
+    local = shard_by_length(lengths, state.process_index, state.num_processes)
+    batches = length_batches(local, lengths, args.batch_size)
+
+    progress = tqdm(
+        total=len(local),
+        desc=f"hf-dllm eval (process 1 of {state.num_processes})" if state.num_processes > 1 else "hf-dllm eval",
+        disable=args.quiet or not state.is_main_process,
+        file=sys.stderr,
+    )
+    state.wait_for_everyone()
+    generation_started = time.perf_counter()
+    records, forward_calls = evaluate_shard(
+        model, tokenizer, config, batches, prompt_ids, prompts, answers, args, progress
+    )
+    seconds = time.perf_counter() - generation_started
+    progress.close()
+    stats = {
+        "rank": state.process_index,
+        "device": str(model.get_input_embeddings().weight.device),
+        "examples": len(records),
+        "generated_tokens": sum(r["new_tokens"] for r in records),
+        "forward_calls": forward_calls,
+        "seconds": seconds,
+    }
+    all_records = gather_object(records)
+    all_stats = gather_object([stats])
+    summary = None
+    if state.is_main_process:
+        all_records = sorted(all_records, key=lambda r: r["index"])
+        summary = summarize(all_records, all_stats, config, args, state, time.perf_counter() - started)
+        output = Path(args.output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        with open(output / "predictions.jsonl", "w") as f:
+            for record in all_records:
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        accuracy = summary["accuracy"]
+        print(
+            f"accuracy {accuracy if accuracy is None else round(accuracy, 4)} on {summary['n']} examples | "
+            f"{(summary['tokens_per_second'] or 0):.1f} tokens/s | mean NFE {(summary['mean_nfe'] or 0):.1f} | "
+            f"{(summary['tokens_per_forward'] or 0):.2f} tokens/forward | {state.num_processes} process(es) | "
+            f"{output / 'summary.json'}"
+        )
+    state.wait_for_everyone()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"hf-dllm eval: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""lm-evaluation-harness model `hf_dllm`: masked-diffusion LMs through hf_dllm's `generate()`.
+
+    lm_eval --model hf_dllm --model_args pretrained=DIR,threshold=0.9,block_length=32,gen_length=256 --tasks gsm8k
+
+- `generate_until`: batched `generate()` (prompts sorted by length, left-padded); stop sequences (`until`) end a
+  row as soon as they appear in its committed blocks and cut the returned text; `max_gen_toks` becomes
+  `max_new_tokens` unless `gen_length` is given in `model_args`.
+- `loglikelihood`: LLaDA's Monte-Carlo estimate (`hf_dllm.eval_likelihood`), `mc_num` samples per request,
+  `mc_batch_size` (default `batch_size`) rows per forward; `is_check_greedy=True` also runs LLaDA's greedy check.
+- `loglikelihood_rolling`: the same estimate over disjoint windows of `max_length` tokens (a lower bound).
+- Data parallel: `accelerate launch -m hf_dllm.lm_eval_model --model hf_dllm ...` (one model replica per process;
+  lm-eval shards the requests by rank). `device_map=auto` instead splits one model over the visible GPUs.
+
+`model_args`: `pretrained` (or LLaDA's `model_path`), `tokenizer`, `dtype` (`auto`, `bfloat16`, ...), `device`,
+`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `batch_size`, `mc_num` (128),
+`mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
+`gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
+`block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...).
+
+Registration: importing this module registers `hf_dllm` in lm-eval's model registry. lm-eval releases up to
+0.4.13 import nothing of ours before resolving `--model`, so there use `python -m hf_dllm.lm_eval_model ARGS`
+(the same arguments as `lm_eval`; `accelerate launch -m hf_dllm.lm_eval_model ARGS` for several processes) or
+`simple_evaluate(model="hf_dllm", ...)` after `import hf_dllm.lm_eval_model`. lm-eval versions with entry-point
+plugins (group `lm_eval.models`, EleutherAI/lm-evaluation-harness#4013) find it through hf-dllm's entry point
+`hf_dllm = "hf_dllm.lm_eval_model:DiffusionEvalLM"`, and the plain `lm_eval --model hf_dllm` works.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from .eval_data import StopStringCriterion, decode_generated, process_state, stop_token_ids
+from .eval_likelihood import greedy_matches, mc_loglikelihood
+from .generation_utils import DiffusionGenerationConfig
+
+MODEL_NAME = "hf_dllm"
+logger = logging.getLogger(__name__)
+
+# Generation-config fields a user may set in model_args or in a task's generation_kwargs.
+_GENERATION_FIELDS = tuple(
+    name
+    for name in DiffusionGenerationConfig.field_names()
+    if not name.endswith("_token_id") and name not in ("return_dict_in_generate", "do_sample", "max_new_tokens")
+)
+# Autoregressive sampling options lm-eval tasks may carry; meaningless for block diffusion, ignored with a warning.
+_IGNORED_REQUEST_KWARGS = ("top_p", "top_k", "min_p", "num_beams", "repetition_penalty", "typical_p", "seed")
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+def _dtype(value):
+    if value in (None, "auto") or isinstance(value, torch.dtype):
+        return value if value is not None else "auto"
+    name = str(value).replace("torch.", "")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    dtype = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be 'auto' or a torch dtype name (bfloat16, float16, float32), got {value!r}.")
+    return dtype
+
+
+def _positive_int(name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, str) and value.startswith("auto"):
+        logger.warning("%s=%s: automatic batch sizes are not supported by hf_dllm; using %d.", name, value, default)
+        return default
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
+    return value
+
+
+class DiffusionEvalLM(LM):
+    """lm-eval `LM` for hf_dllm masked-diffusion models (LLaDA, ...). See the module docstring for `model_args`."""
+
+    def __init__(
+        self,
+        pretrained=None,
+        model_path=None,
+        tokenizer=None,
+        dtype="auto",
+        device=None,
+        device_map=None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        attn_implementation: str | None = None,
+        batch_size=1,
+        max_batch_size=None,
+        mc_num: int = 128,
+        mc_batch_size=None,
+        is_check_greedy: bool = False,
+        cfg=None,
+        add_bos_token: bool = True,
+        max_length: int | None = None,
+        seed: int = 1234,
+        gen_length: int | None = None,
+        max_new_tokens: int | None = None,
+        **generation_kwargs,
+    ):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+        import hf_dllm  # noqa: F401  (registers LLaDA with the Auto classes)
+
+        unknown = sorted(set(generation_kwargs) - set(_GENERATION_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"hf_dllm: unknown model_args {unknown}. Accepted: pretrained, model_path, tokenizer, dtype, device, "
+                "device_map, trust_remote_code, revision, attn_implementation, batch_size, mc_num, mc_batch_size, "
+                "is_check_greedy, cfg, add_bos_token, max_length, seed, gen_length, max_new_tokens and the "
+                f"generation fields {sorted(_GENERATION_FIELDS)}."
+            )
+        pretrained = pretrained if pretrained is not None else model_path
+        if pretrained is None:
+            raise ValueError("hf_dllm needs `pretrained=PATH_OR_HUB_ID` in model_args.")
+
+        state = process_state(device)
+        if state.num_processes > 1:
+            if device_map is not None:
+                raise ValueError(
+                    "device_map splits one model over several GPUs; under `accelerate launch` every process holds "
+                    "its own replica. Use one or the other."
+                )
+            self._device = state.device
+            self._rank, self._world_size = state.process_index, state.num_processes
+        elif device is not None:
+            if str(device).startswith("cuda") and not torch.cuda.is_available():
+                logger.warning("device=%s requested but CUDA is not available: using the CPU.", device)
+                device = "cpu"
+            self._device = torch.device(device)
+        else:
+            self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._state = state
+        if self._device.type == "cuda" and self._device.index is not None:
+            torch.cuda.set_device(self._device)  # kernels launch on the current device
+
+        if isinstance(pretrained, PreTrainedModel):
+            self.model = pretrained
+            if device_map is None:
+                self.model.to(self._device)
+            name_or_path = getattr(pretrained, "name_or_path", None) or "model"
+        else:
+            load_kwargs = {"dtype": _dtype(dtype), "trust_remote_code": trust_remote_code}
+            if revision is not None:
+                load_kwargs["revision"] = revision
+            if attn_implementation is not None:
+                load_kwargs["attn_implementation"] = attn_implementation
+            if device_map is not None:
+                load_kwargs["device_map"] = device_map
+            self.model = AutoModelForCausalLM.from_pretrained(pretrained, **load_kwargs)
+            if device_map is None:
+                self.model.to(self._device)
+            name_or_path = str(pretrained)
+        self.model.eval()
+        if device_map is not None:
+            self._device = self.model.get_input_embeddings().weight.device
+
+        if tokenizer is None or isinstance(tokenizer, str):
+            tokenizer = AutoTokenizer.from_pretrained(
+                tokenizer or name_or_path, trust_remote_code=trust_remote_code, revision=revision
+            )
+        self.tokenizer = tokenizer
+
+        # Generation settings: model defaults < model_args < a request's generation_kwargs.
+        self.base_config = copy.deepcopy(self.model.generation_config)
+        if not isinstance(self.base_config, DiffusionGenerationConfig):
+            self.base_config = DiffusionGenerationConfig.from_generation_config(self.base_config)
+        if cfg is not None:
+            generation_kwargs.setdefault("cfg_scale", float(cfg))
+        if "temperature" in generation_kwargs:
+            generation_kwargs["do_sample"] = float(generation_kwargs["temperature"]) > 0
+        for key, value in generation_kwargs.items():
+            setattr(self.base_config, key, value)
+        self.base_config.validate()
+        self.gen_length = gen_length if gen_length is not None else max_new_tokens
+
+        self.batch_size = _positive_int("batch_size", batch_size, 1)
+        self.mc_num = int(mc_num)
+        self.mc_batch_size = _positive_int("mc_batch_size", mc_batch_size, self.batch_size)
+        self.is_check_greedy = bool(is_check_greedy)
+        self.cfg_scale = float(self.base_config.cfg_scale)
+        self.add_bos_token = bool(add_bos_token)
+        self.seed = int(seed)
+        self.max_length = int(max_length or getattr(self.model.config, "max_sequence_length", None) or 4096)
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ lm-eval plumbing
+
+    @property
+    def device(self):
+        return self._device
+
+    def all_gather(self, tensor):
+        if self.world_size <= 1:
+            return tensor
+        from accelerate.utils import gather
+
+        return gather(tensor)
+
+    def gather_object(self, obj, dst=0):
+        if self.world_size <= 1:
+            return [obj]
+        result = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj=obj, object_gather_list=result, dst=dst)
+        return result
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self._state.wait_for_everyone()
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str):
+            return chat_template
+        return self.tokenizer.chat_template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def _bos(self) -> int | None:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.base_config.bos_token_id
+
+    def tok_encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`, with the BOS token in front (once) when `add_bos_token`."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        add_bos = self.add_bos_token if add_bos is None else add_bos
+        if add_bos and self._bos is not None and (not ids or ids[0] != self._bos):
+            ids = [self._bos] + ids
+        return ids
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        # Trailing spaces of the context belong to the continuation (lm-eval's convention).
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tok_encode(context + continuation)
+        context_ids = self.tok_encode(context)
+        return context_ids, whole[len(context_ids) :]
+
+    def _stop_ids(self) -> set[int]:
+        return stop_token_ids(self.base_config, self.tokenizer)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ generate_until
+
+    def _request_settings(self, gen_kwargs: dict) -> tuple[list[str], dict]:
+        gen_kwargs = dict(gen_kwargs or {})
+        until = gen_kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_gen_toks = gen_kwargs.pop("max_gen_toks", None)
+        # gen_length from model_args (the user's explicit choice) > the task's max_gen_toks > lm-eval's default.
+        length = self.gen_length if self.gen_length is not None else max_gen_toks
+        settings = {"max_new_tokens": int(length if length is not None else DEFAULT_MAX_GEN_TOKS)}
+        do_sample = gen_kwargs.pop("do_sample", None)
+        temperature = gen_kwargs.pop("temperature", None)
+        if do_sample is False:
+            temperature = 0.0
+        if temperature is not None:
+            settings["temperature"] = float(temperature)
+            settings["do_sample"] = float(temperature) > 0
+        for key in list(gen_kwargs):
+            if key in _GENERATION_FIELDS:
+                settings[key] = gen_kwargs.pop(key)
+            elif key in _IGNORED_REQUEST_KWARGS:
+                gen_kwargs.pop(key)
+                self._warn_once(f"hf_dllm: generation option {key!r} has no meaning for block diffusion; ignored.")
+        if gen_kwargs:
+            raise ValueError(
+                f"hf_dllm: unknown generation_kwargs {sorted(gen_kwargs)}; accepted: until, max_gen_toks, do_sample, "
+                f"temperature and {sorted(_GENERATION_FIELDS)}."
+            )
+        return until, settings
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if not requests:
+            return []
+        jobs = []  # (index, prompt ids, until, settings)
+        for index, request in enumerate(requests):
+            context, gen_kwargs = request.args
+            until, settings = self._request_settings(gen_kwargs)
+            jobs.append((index, self.tok_encode(context), until, settings))
+        groups: dict[tuple, list] = {}
+        for job in jobs:
+            groups.setdefault(tuple(sorted(job[3].items())), []).append(job)
+
+        results: list[str | None] = [None] * len(requests)
+        progress = tqdm(total=len(requests), desc="hf_dllm generate_until", disable=disable_tqdm or self.rank != 0)
+        for settings_key, group in groups.items():
+            settings = dict(settings_key)
+            config = copy.deepcopy(self.base_config)
+            for key, value in settings.items():
+                setattr(config, key, value)
+            config.validate()
+            room = self.max_length - config.max_new_tokens
+            if room < 1:
+                raise ValueError(
+                    f"max_new_tokens ({config.max_new_tokens}) leaves no room for the prompt within "
+                    f"max_length ({self.max_length})."
+                )
+            group.sort(key=lambda job: (-len(job[1]), job[0]))
+            for start in range(0, len(group), self.batch_size):
+                batch = group[start : start + self.batch_size]
+                prompts = [job[1][-room:] for job in batch]
+                texts = self._generate_batch(prompts, [job[2] for job in batch], config)
+                for job, text in zip(batch, texts, strict=True):
+                    results[job[0]] = text
+                    self.cache_hook.add_partial("generate_until", requests[job[0]].args, text)
+                progress.update(len(batch))
+        progress.close()
+        return results
+
+    def _generate_batch(self, prompts: list[list[int]], untils: list[list[str]], config) -> list[str]:
+        pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or [0])[0]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        criteria = []
+        if any(untils):
+            criteria.append(StopStringCriterion(self.tokenizer, width, untils, config.mask_token_id, self._stop_ids()))
+        sequences = self.model.generate(
+            input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=config,
+            stopping_criteria=criteria or None,
+        )
+        generated = sequences[:, width:].cpu().tolist()
+        stop_ids = self._stop_ids()
+        return [
+            decode_generated(self.tokenizer, ids, stop_ids, until) for ids, until in zip(generated, untils, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ loglikelihood
+
+    def _loglikelihood_pairs(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[float]:
+        scored = [i for i, (_, continuation) in enumerate(pairs) if continuation]
+        trimmed = []
+        for i in scored:
+            context, continuation = pairs[i]
+            continuation = continuation[-self.max_length :]
+            context = context[-(self.max_length - len(continuation)) :] if len(continuation) < self.max_length else []
+            trimmed.append((context, continuation))
+        progress = tqdm(
+            total=len(trimmed) * self.mc_num, desc="hf_dllm loglikelihood", disable=disable_tqdm or self.rank != 0
+        )
+        estimates = mc_loglikelihood(
+            self.model,
+            trimmed,
+            num_samples=self.mc_num,
+            batch_size=self.mc_batch_size,
+            mask_token_id=self.base_config.mask_token_id,
+            pad_token_id=self.base_config.pad_token_id,
+            cfg_scale=self.cfg_scale,
+            seed=self.seed,
+            progress=progress.update,
+        )
+        progress.close()
+        values = [0.0] * len(pairs)
+        for i, estimate in zip(scored, estimates, strict=True):
+            values[i] = estimate
+        return values
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        if not requests:
+            return []
+        pairs = [self._encode_pair(*request.args) for request in requests]
+        values = self._loglikelihood_pairs(pairs, disable_tqdm)
+        if self.is_check_greedy:
+            scored = [i for i, (_, c) in enumerate(pairs) if c]
+            matches = greedy_matches(
+                self.model, [pairs[i] for i in scored], batch_size=self.batch_size, cfg_scale=self.cfg_scale
+            )
+            greedy = [True] * len(pairs)
+            for i, match in zip(scored, matches, strict=True):
+                greedy[i] = match
+        else:
+            greedy = [False] * len(pairs)
+        results = []
+        for request, value, is_greedy in zip(requests, values, greedy, strict=True):
+            results.append((value, bool(is_greedy)))
+            self.cache_hook.add_partial("loglikelihood", request.args, (value, bool(is_greedy)))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Sum of Monte-Carlo estimates over disjoint windows of at most `max_length` tokens, each conditioned on
+        the tokens before it (a lower bound of the document's log-likelihood, as every estimate here is)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        prefix = self._bos if self._bos is not None else (self.base_config.eos_token_ids or [0])[0]
+        windows, owners = [], []
+        for index, request in enumerate(requests):
+            (text,) = request.args[:1]
+            tokens = self.tok_encode(text, add_bos=False)
+            for window in get_rolling_token_windows(tokens, prefix, self.max_length, 1):
+                windows.append(make_disjoint_window(window))
+                owners.append(index)
+        values = self._loglikelihood_pairs(windows, disable_tqdm)
+        totals = [0.0] * len(requests)
+        for owner, value in zip(owners, values, strict=True):
+            totals[owner] += value
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm-eval's command line with the `hf_dllm` model registered: takes exactly `lm_eval`'s arguments."""
+    import importlib
+
+    importlib.import_module("hf_dllm.lm_eval_model")  # registers the model even when this file runs as __main__
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+    return 0
+
+
+if __name__ != "__main__":
+    try:
+        register_model(MODEL_NAME)(DiffusionEvalLM)
+    except (ValueError, AttributeError) as error:  # already registered (entry-point placeholder, reloaded module)
+        logger.debug("hf_dllm: lm-eval registration skipped: %s", error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""`hf-dllm eval`: datasets loading, scoring, sharding, the end-to-end command, and its 2-process accelerate run.
+
+Expected accuracies are known by construction: the dataset's answers are the model's own greedy outputs (computed
+here with a direct `generate()` per prompt) for some rows and wrong for the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from hf_dllm import evaluate
+from hf_dllm.char_tokenizer import build_char_tokenizer
+from hf_dllm.eval_data import (
+    answer_number,
+    cut_at_stops,
+    format_prompt,
+    last_number,
+    length_batches,
+    load_examples,
+    score,
+    shard_by_length,
+)
+from hf_dllm.generation_utils import DiffusionGenerationConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+TRAINED = Path(__file__).resolve().parent / "fixtures" / "llada-tiny-trained"
+GENERATION = ["--max-new-tokens", "16", "--block-length", "8", "--steps", "8"]  # fixed schedule: NFE batch-invariant
+# Keys of the summary that must not depend on the number of processes or on batching.
+INVARIANT_KEYS = ("n", "correct", "accuracy", "generated_tokens", "mean_nfe", "tokens_per_forward", "generation_config")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; two threads on a busy 2-core machine wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """The tiny trained checkpoint when it exists (with a tokenizer added if it lacks one), else a tiny random
+    LLaDA saved with the character tokenizer, its digit logits scaled up so that its outputs mix digits and other
+    characters (the `number` scorer then has numbers to find)."""
+    tokenizer = build_char_tokenizer()
+    if (TRAINED / "config.json").exists():
+        if (TRAINED / "tokenizer.json").exists() or (TRAINED / "tokenizer_config.json").exists():
+            return TRAINED
+        path = tmp_path_factory.mktemp("trained") / "model"
+        shutil.copytree(TRAINED, path)
+    else:
+        path = tmp_path_factory.mktemp("tiny") / "model"
+        model = tiny_model(seed=0)
+        digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+        with torch.no_grad():
+            model.get_output_embeddings().weight[digits] *= 1.5
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def direct_predictions(checkpoint) -> list[dict]:
+    """For each question of tests/data/tiny_tasks.jsonl: the prediction and NFE of a direct generate() call on the
+    chat-formatted prompt alone (batch 1, no padding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    config = model.generation_config
+    stop = set(config.eos_token_ids) | {config.eot_token_id, tokenizer.eos_token_id}
+    stop.add(tokenizer.convert_tokens_to_ids("<|eot_id|>"))
+    rows = []
+    for line in (DATA / "tiny_tasks.jsonl").read_text().splitlines()[:8]:
+        question = json.loads(line)["question"]
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        out = model.generate(ids, max_new_tokens=16, block_length=8, steps=8, return_dict_in_generate=True)
+        generated = out.sequences[0, ids.shape[1] :].tolist()
+        cut = next((i for i, token in enumerate(generated) if token in stop), len(generated))
+        prediction = tokenizer.decode(generated[:cut], skip_special_tokens=True)
+        rows.append({"question": question, "prediction": prediction, "nfe": int(out.nfe_per_row[0])})
+    return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _run(args: list[str]) -> dict:
+    assert evaluate.main(args) == 0
+    output = Path(args[args.index("--output-dir") + 1])
+    predictions = [json.loads(line) for line in (output / "predictions.jsonl").read_text().splitlines()]
+    return {"summary": json.loads((output / "summary.json").read_text()), "predictions": predictions}
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def test_scorers():
+    assert score("  hello \n", "hello", "exact") and not score("hello!", "hello", "exact")
+    assert last_number("so 3 apples, then 1,234.50 left") == "1234.50"
+    assert last_number("no digits") is None
+    assert answer_number("She has 5 + 7 = 12 apples.\n#### 12") == "12"
+    assert score("The answer is 12.", "#### 12", "number")
+    assert score("total: 1,234", "1234.0", "number")
+    assert score("it is -3", "#### -3", "number")
+    assert not score("12 or 13", "#### 12", "number")  # the last number counts
+    assert not score("none", "#### 12", "number")
+    with pytest.raises(ValueError, match="unknown scorer"):
+        score("a", "a", "fuzzy")
+
+
+def test_sharding_partitions_and_balances():
+    lengths = [5, 1, 9, 3, 3, 7, 2, 8, 6]
+    shards = [shard_by_length(lengths, rank, 2) for rank in range(2)]
+    assert sorted(shards[0] + shards[1]) == list(range(9))
+    assert abs(sum(lengths[i] for i in shards[0]) - sum(lengths[i] for i in shards[1])) <= max(lengths)
+    batches = length_batches(shards[0], lengths, 2)
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat) == sorted(shards[0]) and all(len(b) <= 2 for b in batches)
+    assert [lengths[i] for i in flat] == sorted(lengths[i] for i in flat)
+    assert cut_at_stops("abc\n\ndef.", ["\n\n", "."]) == "abc"
+
+
+def test_load_examples_local_formats(tmp_path):
+    rows = load_examples(str(DATA / "tiny_tasks.jsonl"), limit=3)
+    assert len(rows) == 3 and set(rows[0]) == {"question", "answer", "task"}
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "tiny.parquet"))
+    assert load_examples(str(tmp_path / "tiny.parquet")) == rows
+    assert (
+        format_prompt(rows[0], "question", "Q: {question} ({task})") == f"Q: {rows[0]['question']} ({rows[0]['task']})"
+    )
+    with pytest.raises(ValueError, match="no field 'prompt'"):
+        format_prompt(rows[0], "prompt")
+    (tmp_path / "data.txt").write_text("x")
+    with pytest.raises(ValueError, match="unknown file type"):
+        load_examples(str(tmp_path / "data.txt"))
+
+
+def test_cli_reports_bad_arguments(checkpoint, tmp_path, capsys):
+    dataset = str(DATA / "tiny_tasks.jsonl")
+    assert (
+        evaluate.main(
+            [
+                str(checkpoint),
+                "--dataset",
+                dataset,
+                "--answer-field",
+                "solution",
+                "--limit",
+                "2",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
+    assert "no field 'solution'" in capsys.readouterr().err
+    assert (
+        evaluate.main(
+            [str(checkpoint), "--dataset", dataset, "--threshold", "1.5", "--limit", "2", "--output-dir", str(tmp_path)]
+        )
+        == 2
+    )
+    assert "threshold" in capsys.readouterr().err
+    assert set(evaluate.GENERATION_OPTIONS) <= set(DiffusionGenerationConfig.field_names())
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_eval_exact_scorer_matches_generate(checkpoint, direct_predictions, tmp_path):
+    rows = [
+        {"question": row["question"], "answer": row["prediction"] if i % 2 == 0 else row["prediction"] + "#"}
+        for i, row in enumerate(direct_predictions)
+    ]
+    dataset = _write_jsonl(tmp_path / "exact.jsonl", rows)
+    result = _run(
+        [
+            str(checkpoint),
+            "--dataset",
+            str(dataset),
+            "--scorer",
+            "exact",
+            "--batch-size",
+            "3",
+            "--dtype",
+            "float32",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--quiet",
+            *GENERATION,
+        ]
+    )
+    predictions, summary = result["predictions"], result["summary"]
+    assert [p["index"] for p in predictions] == list(range(len(rows)))
+    assert [p["prediction"] for p in predictions] == [row["prediction"] for row in direct_predictions]
+    assert [p["correct"] for p in predictions] == [i % 2 == 0 for i in range(len(rows))]
+    assert [p["nfe"] for p in predictions] == [row["nfe"] for row in direct_predictions]
+    assert summary["n"] == len(rows) and summary["correct"] == (len(rows) + 1) // 2
+    assert summary["accuracy"] == pytest.approx(((len(rows) + 1) // 2) / len(rows))
+    assert summary["mean_nfe"] == pytest.approx(sum(row["nfe"] for row in direct_predictions) / len(rows))
+    assert summary["tokens_per_forward"] == pytest.approx(
+        summary["generated_tokens"] / sum(row["nfe"] for row in direct_predictions)
+    )
+    assert summary["tokens_per_second"] > 0 and summary["num_processes"] == 1
+    assert summary["generation_config"]["steps"] == 8 and summary["generation_config"]["block_length"] == 8
+    assert {"hf_dllm", "transformers", "torch"} <= set(summary["versions"])
+    assert summary["settings"]["batch_size"] == 3 and summary["settings"]["chat_template"] is True
+
+
+def test_eval_number_scorer(checkpoint, direct_predictions, tmp_path):
+    rows, expected = [], []
+    for i, row in enumerate(direct_predictions):
+        number = last_number(row["prediction"])
+        if number is not None and i % 3 != 0:
+            rows.append({"question": row["question"], "answer": f"work...\n#### {number}"})
+            expected.append(True)
+        else:  # a 17-digit number cannot appear in 16 generated characters
+            rows.append({"question": row["question"], "answer": "#### 12345678901234567"})
+            expected.append(False)
+    assert any(expected) and not all(expected)  # both outcomes are exercised
+    dataset = _write_jsonl(tmp_path / "number.jsonl", rows)
+    result = _run(
+        [
+            str(checkpoint),
+            "--dataset",
+            str(dataset),
+            "--scorer",
+            "number",
+            "--batch-size",
+            "4",
+            "--dtype",
+            "float32",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--quiet",
+            *GENERATION,
+        ]
+    )
+    assert [p["correct"] for p in result["predictions"]] == expected
+    assert result["summary"]["accuracy"] == pytest.approx(sum(expected) / len(expected))
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_summary(checkpoint, direct_predictions, tmp_path):
+    """`accelerate launch --num_processes 2` (CPU processes, gloo) shards the data and gathers the same results."""
+    rows = [
+        {"question": r["question"], "answer": r["prediction"] if i % 3 else "x"}
+        for i, r in enumerate(direct_predictions)
+    ]
+    dataset = _write_jsonl(tmp_path / "data.jsonl", rows)
+    common = [
+        str(checkpoint),
+        "--dataset",
+        str(dataset),
+        "--batch-size",
+        "2",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--quiet",
+        *GENERATION,
+    ]
+    single = _run([*common, "--output-dir", str(tmp_path / "one")])
+    # `--multi_gpu` is accelerate's torchrun launcher; with `--device cpu` the processes form a CPU (gloo) group.
+    # (`accelerate launch --cpu` starts a single process unless it is given an MPI hostfile.)
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "hf_dllm.cli",
+        "eval",
+        *common,
+        "--output-dir",
+        str(tmp_path / "two"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = {
+        "summary": json.loads((tmp_path / "two" / "summary.json").read_text()),
+        "predictions": [json.loads(x) for x in (tmp_path / "two" / "predictions.jsonl").read_text().splitlines()],
+    }
+    assert two["summary"]["num_processes"] == 2
+    assert [p["examples"] for p in two["summary"]["per_process"]] == [4, 4]
+    assert two["predictions"] == single["predictions"]
+    for key in INVARIANT_KEYS:
+        assert two["summary"][key] == single["summary"][key], key
+
+
+# ---------------------------------------------------------------------------------------------- model parallel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("decoding", [dict(threshold=0.9), dict(steps=8)], ids=["threshold", "steps"])
+def test_model_split_over_two_gpus_generates_the_same_tokens(decoding):
+    """A model whose blocks sit on two GPUs (accelerate's dispatch, as `device_map="auto"` does) generates the
+    tokens of the single-GPU model, with every cache mode and left padding."""
+    from accelerate import dispatch_model
+
+    model = tiny_model(seed=1, n_layers=4).to(device="cuda:0", dtype=torch.bfloat16)
+    prompts = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(prompts)
+    attention_mask[1, :5] = 0
+    modes = {"none": dict(use_cache=False), "prefix": dict(use_cache=True, dual_cache=False), "dual": {}}
+    settings = dict(max_new_tokens=16, block_length=8, eos_early_stop=False, **decoding)
+
+    def generate_all(m):
+        device = m.get_input_embeddings().weight.device
+        return {
+            name: m.generate(prompts.to(device), attention_mask=attention_mask.to(device), **settings, **kwargs).cpu()
+            for name, kwargs in modes.items()
+        }
+
+    single = generate_all(model)
+    device_map = {"model.transformer.wte": 0, "model.transformer.emb_drop": 0}
+    device_map.update({f"model.transformer.blocks.{i}": 0 if i < 2 else 1 for i in range(4)})
+    device_map.update({"model.transformer.ln_f": 1, "model.transformer.ff_out": 1})
+    split = dispatch_model(model, device_map, skip_keys=model._skip_keys_device_placement)
+    assert split.model.transformer.blocks[3].q_proj.weight.device == torch.device("cuda:1")
+    results = generate_all(split)
+    for name in modes:
+        assert torch.equal(results[name], single[name]), name
