@@ -40,6 +40,7 @@ REMOTE_CODE_FILES = (
     "configuration_llada.py",
     "modeling_llada.py",
     "generation_utils.py",
+    "generation_config.py",
     "decoding.py",
     "cache.py",
     "attention.py",

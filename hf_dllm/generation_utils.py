@@ -8,7 +8,8 @@ pluggable pieces decide the rest:
 - a cache policy (`cache.py`): which positions a step recomputes (no cache / prefix cache / dual cache);
 - an unmasking policy (`decoding.py`): how many positions a step commits (fixed schedule / threshold / factor).
 
-The model is reached through a small interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`,
+The generation parameters are `DiffusionGenerationConfig` (`generation_config.py`, re-exported here). The model is
+reached through a small interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`,
 `diffusion_logits_shift`, `_diffusion_forward` and `_diffusion_new_cache`. LLaDA implements it in
 `modeling_llada.py`; a Dream-style model (logits shifted by one) only sets `diffusion_logits_shift = 1`.
 
@@ -17,212 +18,19 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
-import transformers
 from transformers import GenerationConfig
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
 from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
 from .decoding import UnmaskingPolicy, denoise_block_step, make_unmasking_policy
+from .generation_config import DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
 
 logger = logging.get_logger(__name__)
-
-REMASKING_STRATEGIES = ("low_confidence", "random")
-
-# Every field of DiffusionGenerationConfig with its default. Nothing else is accepted, by the config or by
-# `generate()`: an unknown name is an error, never a silent no-op.
-_GENERATION_DEFAULTS = {
-    "max_new_tokens": 128,
-    "steps": None,
-    "block_length": 32,
-    "temperature": 0.0,
-    "do_sample": False,
-    "remasking": "low_confidence",
-    "threshold": None,
-    "factor": None,
-    "use_cache": True,
-    "dual_cache": True,
-    "cfg_scale": 0.0,
-    "eos_early_stop": True,
-    "logits_eos_inf": False,
-    "confidence_eos_eot_inf": False,
-    "mask_token_id": None,
-    "eos_token_id": None,
-    "eot_token_id": None,
-    "pad_token_id": None,
-    "bos_token_id": None,
-    "return_dict_in_generate": False,
-    "disable_compile": False,
-}
-_METADATA_FIELDS = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-class DiffusionGenerationConfig(GenerationConfig):
-    r"""
-    Generation parameters of `DiffusionGenerationMixin.generate`. Saved as and loaded from `generation_config.json`.
-
-    Length and schedule:
-        max_new_tokens (`int`, 128): generated positions (all decoded unless `eos_early_stop` ends a row).
-        block_length (`int`, 32): positions per block; blocks are decoded left to right. When `max_new_tokens`
-            is not a multiple of it, the last block is shorter.
-        steps (`int`, *optional*): total denoising steps over all blocks, spread over blocks in proportion to their
-            length (`floor(steps * end_b / max_new_tokens)` minus the same at the block's start, at least 1 per
-            block). `None` = one token per step (`steps = max_new_tokens`). Must be `None` with
-            `threshold`/`factor`, whose steps are decided by confidence.
-
-    Unmasking (which masked positions a step commits):
-        remasking (`str`, `"low_confidence"`): `"low_confidence"` commits the most confident candidates,
-            `"random"` random ones (LLaDA Sec. 2.4).
-        threshold (`float`, *optional*): Fast-dLLM threshold decoding, 0 < tau <= 1.
-        factor (`float`, *optional*): Fast-dLLM factor decoding, > 0.
-        temperature (`float`, 0.0): 0 = greedy; > 0 samples with float64 Gumbel-max as LLaDA does.
-        do_sample (`bool`, False): must agree with `temperature` (True iff temperature > 0); passing only
-            `temperature` to `generate()` sets it.
-        cfg_scale (`float`, 0.0): unsupervised classifier-free guidance (LLaDA App. B.3); the unconditional
-            branch masks the prompt.
-        logits_eos_inf (`bool`): EOS logits set to -inf, so EOS is never proposed (LLaDA App. B.4).
-        confidence_eos_eot_inf (`bool`): EOS/EOT candidates get the lowest confidence, so they are committed last
-            (LLaDA App. B.4). EOS ids come from `eos_token_id`, EOT from `eot_token_id`.
-
-    Caching (Fast-dLLM Sec. 3.2):
-        use_cache (`bool`, True): reuse K/V of positions outside the block within a block.
-        dual_cache (`bool`, True): with `use_cache`, also reuse the suffix (only the block is recomputed).
-
-    Stopping and output:
-        eos_early_stop (`bool`, True): once a row's committed blocks hold an EOS, the row stops, its remaining
-            positions are filled with EOS, and it costs no more forwards.
-        return_dict_in_generate (`bool`, False): return a `DiffusionGenerateOutput` (`sequences`, `nfe`).
-        disable_compile (`bool`, False): turn off CUDA-graph capture of the denoising step (debugging).
-
-    Special tokens: `mask_token_id`, `eos_token_id` (int or list), `eot_token_id`, `pad_token_id`, `bos_token_id`.
-    """
-
-    def __init__(self, **kwargs):
-        # GenerationConfig.__init__ is not called on purpose: its autoregressive fields (beams, top-k, ...) would
-        # be accepted and silently ignored by the diffusion loop.
-        for name, default in _GENERATION_DEFAULTS.items():
-            setattr(self, name, kwargs.pop(name, copy.deepcopy(default)))
-        self._from_model_config = kwargs.pop("_from_model_config", False)
-        self._commit_hash = kwargs.pop("_commit_hash", None)
-        self.transformers_version = kwargs.pop("transformers_version", transformers.__version__)
-        if kwargs:
-            raise ValueError(
-                f"DiffusionGenerationConfig got unknown fields {sorted(kwargs)}; "
-                f"the fields are {sorted(_GENERATION_DEFAULTS)}."
-            )
-        self.validate()
-
-    @classmethod
-    def from_model_config(cls, model_config) -> "DiffusionGenerationConfig":
-        """Default generation config of a model: special token ids from its config, other fields default."""
-        config_dict = model_config if isinstance(model_config, dict) else model_config.to_dict()
-        ids = {
-            name: config_dict.get(name)
-            for name in ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
-        }
-        return cls(**{name: value for name, value in ids.items() if value is not None}, _from_model_config=True)
-
-    @classmethod
-    def from_generation_config(cls, generation_config: GenerationConfig) -> "DiffusionGenerationConfig":
-        """Convert a plain `GenerationConfig`: its set fields must all be diffusion fields."""
-        if isinstance(generation_config, cls):
-            return copy.deepcopy(generation_config)
-        fields = {
-            key: value
-            for key, value in generation_config.to_dict().items()
-            if value is not None and key not in _METADATA_FIELDS
-        }
-        return cls(**fields)
-
-    @staticmethod
-    def field_names() -> tuple[str, ...]:
-        return tuple(_GENERATION_DEFAULTS)
-
-    def to_diff_dict(self) -> dict:
-        # Every diffusion field counts as set: `pipeline()` adds its own defaults (do_sample=True,
-        # temperature=0.7, max_new_tokens=256) for fields missing here, which would silently switch to sampling.
-        return {key: value for key, value in self.to_dict().items() if value is not None}
-
-    def get_generation_mode(self, *args, **kwargs):
-        raise NotImplementedError("DiffusionGenerationConfig has a single mode: block diffusion.")
-
-    def validate(self, strict: bool = False, **kwargs) -> None:
-        """Raise a `ValueError` naming the field and its allowed values for any invalid value or contradiction."""
-        for name in ("max_new_tokens", "block_length"):
-            value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        if self.steps is not None and (not _is_int(self.steps) or self.steps <= 0):
-            raise ValueError(f"`steps` must be None or a positive integer, got {self.steps!r}.")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"`temperature` must be a number >= 0 (0 = greedy), got {self.temperature!r}.")
-        if not _is_number(self.cfg_scale) or self.cfg_scale < 0:
-            raise ValueError(f"`cfg_scale` must be a number >= 0 (0 = off), got {self.cfg_scale!r}.")
-        if self.remasking not in REMASKING_STRATEGIES:
-            raise ValueError(f"`remasking` must be one of {REMASKING_STRATEGIES}, got {self.remasking!r}.")
-        if self.threshold is not None and (not _is_number(self.threshold) or not 0 < self.threshold <= 1):
-            raise ValueError(f"`threshold` must be None or a number in (0, 1], got {self.threshold!r}.")
-        if self.factor is not None and (not _is_number(self.factor) or self.factor <= 0):
-            raise ValueError(f"`factor` must be None or a number > 0, got {self.factor!r}.")
-        if self.threshold is not None and self.factor is not None:
-            raise ValueError("`threshold` and `factor` are alternative unmasking rules: set at most one of them.")
-        adaptive = "threshold" if self.threshold is not None else "factor" if self.factor is not None else None
-        if adaptive and self.steps is not None:
-            raise ValueError(
-                f"`steps` must be None with `{adaptive}`: confidence decides how many steps a block takes."
-            )
-        if adaptive and self.remasking != "low_confidence":
-            raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
-        for name in (
-            "do_sample",
-            "use_cache",
-            "dual_cache",
-            "eos_early_stop",
-            "logits_eos_inf",
-            "confidence_eos_eot_inf",
-            "return_dict_in_generate",
-            "disable_compile",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
-        if self.do_sample != (self.temperature > 0):
-            raise ValueError(
-                f"`do_sample={self.do_sample}` contradicts `temperature={self.temperature}`: sampling happens iff "
-                "temperature > 0 (set temperature > 0 to sample, or 0 with do_sample=False for greedy)."
-            )
-        for name in ("mask_token_id", "eot_token_id", "pad_token_id", "bos_token_id"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"`{name}` must be None or an integer >= 0, got {value!r}.")
-        eos = self.eos_token_id
-        if eos is not None and not (
-            (_is_int(eos) and eos >= 0) or (isinstance(eos, list) and eos and all(_is_int(i) and i >= 0 for i in eos))
-        ):
-            raise ValueError(f"`eos_token_id` must be None, an integer >= 0 or a list of them, got {eos!r}.")
-        if self.mask_token_id is not None and self.mask_token_id == self.pad_token_id:
-            raise ValueError(
-                f"`pad_token_id` ({self.pad_token_id}) must differ from `mask_token_id`: padding would be "
-                "mistaken for positions to denoise."
-            )
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        return [self.eos_token_id] if _is_int(self.eos_token_id) else list(self.eos_token_id)
 
 
 @dataclass
@@ -365,7 +173,7 @@ class DiffusionGenerationMixin:
                 f"{sorted(DiffusionGenerationConfig.field_names())}."
             )
         if "temperature" in kwargs and "do_sample" not in kwargs:
-            kwargs["do_sample"] = kwargs["temperature"] > 0 if _is_number(kwargs["temperature"]) else False
+            kwargs["do_sample"] = kwargs["temperature"] > 0 if is_number(kwargs["temperature"]) else False
         for key, value in kwargs.items():
             setattr(config, key, value)
         config.validate()

@@ -76,15 +76,15 @@ def exported_chat(tmp_path_factory, chat_checkpoint) -> Path:
 
 
 def test_remote_code_files_are_the_package_files():
-    assert REMOTE_CODE_FILES[:7] == (
-        "configuration_llada.py",
-        "modeling_llada.py",
+    assert REMOTE_CODE_FILES[:2] == ("configuration_llada.py", "modeling_llada.py")
+    assert {
         "generation_utils.py",
+        "generation_config.py",
         "decoding.py",
         "cache.py",
         "attention.py",
         "triton_attention.py",
-    )
+    } <= set(REMOTE_CODE_FILES)
     assert len(set(REMOTE_CODE_FILES)) == len(REMOTE_CODE_FILES)
     assert check_remote_code() == [PACKAGE_DIR / name for name in REMOTE_CODE_FILES]
     assert {entry.split(".")[0] + ".py" for entry in AUTO_MAP.values()} <= set(REMOTE_CODE_FILES)
@@ -588,7 +588,7 @@ def test_remote_classes_have_diffusion_generate(fresh_process, loaded):
     assert info["has_generate"]
     assert info["generation_config_class"] == "DiffusionGenerationConfig"
     assert info["generation_config_module"].startswith("transformers_modules.")
-    assert info["generation_config_module"].endswith(".generation_utils")
+    assert info["generation_config_module"].endswith(".generation_config")
     expected = dict(FAST_GENERATION_DEFAULTS, mask_token_id=310, eos_token_id=301, pad_token_id=301)
     assert {key: info["generation_config"][key] for key in expected} == expected
     assert fresh_process["auto_config_module"].endswith(".configuration_llada")
