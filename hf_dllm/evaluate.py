@@ -132,17 +132,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
 
 
 def resolve_generation_config(model, kwargs: dict):
-    """The model's generation config updated with `kwargs`, validated (a bad value fails before any work)."""
-    import copy
-
-    from .generation_utils import DiffusionGenerationConfig
-
-    config = copy.deepcopy(model.generation_config)
-    if not isinstance(config, DiffusionGenerationConfig):
-        config = DiffusionGenerationConfig.from_generation_config(config)
-    for key, value in kwargs.items():
-        setattr(config, key, value)
-    config.validate()
+    """The model's generation config updated with `kwargs` exactly as `generate()` would merge them, validated (a
+    bad value fails before any work)."""
+    config, _ = model._prepare_diffusion_config(None, dict(kwargs))
     return config
 
 

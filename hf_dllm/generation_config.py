@@ -63,7 +63,8 @@ class DiffusionGenerationConfig(GenerationConfig):
         steps (`int`, *optional*): total denoising steps over all blocks, spread over blocks in proportion to their
             length (`floor(steps * end_b / max_new_tokens)` minus the same at the block's start, at least 1 per
             block). `None` = one token per step (`steps = max_new_tokens`). Must be `None` with
-            `threshold`/`factor`, whose steps are decided by confidence.
+            `threshold`/`factor`, whose steps are decided by confidence. `steps`, `threshold` and `factor` are one
+            choice: passing one of them to `generate()` replaces the rule of the base config.
 
     Unmasking (which masked positions a step commits):
         remasking (`str`, `"low_confidence"`): `"low_confidence"` commits the most confident candidates,

@@ -32,6 +32,8 @@ from .graphs import StepGraphs
 
 logger = logging.get_logger(__name__)
 
+DECODING_RULE_FIELDS = frozenset({"steps", "threshold", "factor"})
+
 
 @dataclass
 class DiffusionGenerateOutput(ModelOutput):
@@ -172,6 +174,12 @@ class DiffusionGenerationMixin:
                 f"`generation_config`, `streamer` and the fields of DiffusionGenerationConfig: "
                 f"{sorted(DiffusionGenerationConfig.field_names())}."
             )
+        # The decoding rule is one choice among `steps` (fixed schedule), `threshold` and `factor`: naming one in
+        # the call replaces the rule of the base config (e.g. an exported repo's default threshold); naming two in
+        # the same call is still a contradiction that `validate()` reports.
+        if DECODING_RULE_FIELDS & kwargs.keys():
+            for name in DECODING_RULE_FIELDS - kwargs.keys():
+                setattr(config, name, None)
         if "temperature" in kwargs and "do_sample" not in kwargs:
             kwargs["do_sample"] = kwargs["temperature"] > 0 if is_number(kwargs["temperature"]) else False
         for key, value in kwargs.items():

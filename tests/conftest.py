@@ -16,6 +16,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE_DIR = FIXTURES / "llada-tiny-ref"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread():
+    """The tests run tiny models: one intra-op thread is faster than two, which wait on each other on a busy
+    2-core machine (a tiny forward measured 100x slower). Subprocesses the tests start set OMP_NUM_THREADS=1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -25,15 +25,6 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", 
 NORM_NAMES = ("attn_norm", "ff_norm")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Packaging / registration
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,15 +24,6 @@ CACHE_MODES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Brute-force rules
 # ----------------------------------------------------------------------------------------------------------------

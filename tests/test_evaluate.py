@@ -39,15 +39,6 @@ GENERATION = ["--max-new-tokens", "16", "--block-length", "8", "--steps", "8"]  
 INVARIANT_KEYS = ("n", "correct", "accuracy", "generated_tokens", "mean_nfe", "tokens_per_forward", "generation_config")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two threads on a busy 2-core machine wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     """The tiny trained checkpoint when it exists (with a tokenizer added if it lacks one), else a tiny random

@@ -25,15 +25,6 @@ POLICIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def random_prompt(length: int, seed: int, high: int = 300) -> torch.Tensor:
     return torch.randint(0, high, (1, length), generator=torch.Generator().manual_seed(seed))
 

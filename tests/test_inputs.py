@@ -12,15 +12,6 @@ from transformers import GenerationConfig
 VOCAB = 103  # tiny model: mask 3, eos 0, pad 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()

@@ -10,15 +10,6 @@ from transformers import pipeline
 GEN = dict(max_new_tokens=8, block_length=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(seed=3)

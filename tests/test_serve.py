@@ -45,16 +45,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model gains nothing from intra-op threads, and OpenMP threads spinning against the 32 client
-    threads of this process (on 2 cores) slow the load test down tenfold: one thread while this module runs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random LLaDA with the character tokenizer, saved as a checkpoint folder."""

@@ -15,15 +15,6 @@ from hf_dllm import plan_blocks
 MASK, EOS = 310, 301  # reference fixture
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one intra-op thread is much faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class ForwardCounter:
     def __init__(self, model):
         self.count = 0

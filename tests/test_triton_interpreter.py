@@ -71,6 +71,14 @@ SCRIPT = textwrap.dedent(
         model.set_attn_implementation("sdpa")
         ref = model(ids, attention_mask=mask).logits
     assert (ours - ref)[mask.bool()].abs().max() < 1e-4, "model logits"
+
+    # A recorded reference case through the fused path with the dual cache (RoPE writing K/V into the cache).
+    from safetensors.torch import load_file
+    expected = load_file("tests/fixtures/llada-tiny-ref/expected.safetensors")
+    hf_dllm.kernels.set_kernel_mode("triton")
+    model.set_attn_implementation("llada_triton")
+    out = model.generate(expected["prompt.p7"], max_new_tokens=32, block_length=8, threshold=0.5, eos_early_stop=False)
+    assert torch.equal(out, expected["case.p7.dual.threshold0.5"]), "dual-cache generation"
     print("interpreter checks passed")
     """
 )
