@@ -351,6 +351,8 @@ class BlockDiffusionRun:
         self.graphs = self._step_graphs()
         if self.graphs is not None:
             self.cache = self.graphs.cache
+            self.suppressed_ids = self.graphs.constant("suppressed_ids", self.suppressed_ids)
+            self.deferred_ids = self.graphs.constant("deferred_ids", self.deferred_ids)
         elif self.cache_policy.uses_cache:
             self.cache = model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
         else:

@@ -47,6 +47,7 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.steps: OrderedDict[tuple, _CapturedStep] = OrderedDict()
         self.warmed_up: set[tuple] = set()
+        self.constants: dict[str, torch.Tensor] = {}
 
     @classmethod
     def acquire(cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object]) -> "StepGraphs | None":
@@ -78,7 +79,16 @@ class StepGraphs:
     def release(self) -> None:
         self.steps.clear()
         self.warmed_up.clear()
+        self.constants.clear()
         self.cache = None
+
+    def constant(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """The runner's copy of a constant tensor a step reads (e.g. token ids to suppress). Graphs read it by
+        address in every later call that replays them, so it must live as long as the runner, not the call; the
+        runner's signature fixes its value."""
+        if tensor is None:
+            return None
+        return self.constants.setdefault(name, tensor)
 
     def run(self, key: tuple, step_fn: Callable[..., tuple], inputs: dict) -> tuple[torch.Tensor, ...]:
         """Outputs of `step_fn(**inputs)`; they live in static buffers that the next run of `key` overwrites."""

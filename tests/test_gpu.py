@@ -230,3 +230,31 @@ def test_fused_projections_save_and_reload_exactly(tmp_path):
     reloaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
     for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_graphs_replayed_by_a_later_call_keep_their_constants():
+    """A graph captured in one call and replayed in the next reads the token ids it suppresses/defers by address:
+    they must outlive the call that captured it."""
+    import gc
+
+    model = gpu_model()
+    ids, mask = padded_prompts([5, 11])
+    kwargs = dict(
+        max_new_tokens=48,
+        block_length=16,
+        threshold=0.7,
+        eos_token_id=[5, 6],
+        eot_token_id=7,
+        logits_eos_inf=True,
+        confidence_eos_eot_inf=True,
+        eos_early_stop=False,
+    )
+    first = model.generate(ids, attention_mask=mask, **kwargs)
+    gc.collect()
+    torch.cuda.empty_cache()
+    clutter = [torch.full((4096,), 3, device="cuda") for _ in range(64)]  # reuse freed blocks
+    second = model.generate(ids, attention_mask=mask, **kwargs)
+    eager = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
+    del clutter
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+    assert not torch.isin(second[:, ids.shape[1] :], torch.tensor([5, 6], device="cuda")).any()
