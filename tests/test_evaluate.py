@@ -39,30 +39,49 @@ GENERATION = ["--max-new-tokens", "16", "--block-length", "8", "--steps", "8"]  
 INVARIANT_KEYS = ("n", "correct", "accuracy", "generated_tokens", "mean_nfe", "tokens_per_forward", "generation_config")
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> Path:
-    """The tiny trained checkpoint when it exists (with a tokenizer added if it lacks one), else a tiny random
-    LLaDA saved with the character tokenizer, its digit logits scaled up so that its outputs mix digits and other
-    characters (the `number` scorer then has numbers to find)."""
+def _random_digit_checkpoint(path: Path) -> Path:
+    """A tiny random LLaDA saved with the character tokenizer, its digit logits scaled up so that its outputs mix
+    digits and other characters (the `number` scorer then has numbers to find)."""
     tokenizer = build_char_tokenizer()
-    if (TRAINED / "config.json").exists():
-        if (TRAINED / "tokenizer.json").exists() or (TRAINED / "tokenizer_config.json").exists():
-            return TRAINED
-        path = tmp_path_factory.mktemp("trained") / "model"
-        shutil.copytree(TRAINED, path)
-    else:
-        path = tmp_path_factory.mktemp("tiny") / "model"
-        model = tiny_model(seed=0)
-        digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
-        with torch.no_grad():
-            model.get_output_embeddings().weight[digits] *= 1.5
-        model.save_pretrained(path)
+    model = tiny_model(seed=0)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    with torch.no_grad():
+        model.get_output_embeddings().weight[digits] *= 1.5
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """The tiny trained checkpoint when it exists (with a tokenizer added if it lacks one), else the random one."""
+    if (TRAINED / "config.json").exists():
+        if (TRAINED / "tokenizer.json").exists() or (TRAINED / "tokenizer_config.json").exists():
+            return TRAINED
+        path = tmp_path_factory.mktemp("trained") / "model"
+        shutil.copytree(TRAINED, path)
+        build_char_tokenizer().save_pretrained(path)
+        return path
+    return _random_digit_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def digit_checkpoint(tmp_path_factory) -> Path:
+    """Always the random digit-heavy model: the trained one answers letter tasks and never writes a number."""
+    return _random_digit_checkpoint(tmp_path_factory.mktemp("digits") / "model")
+
+
+@pytest.fixture(scope="session")
 def direct_predictions(checkpoint) -> list[dict]:
+    return _direct_predictions(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def digit_predictions(digit_checkpoint) -> list[dict]:
+    return _direct_predictions(digit_checkpoint)
+
+
+def _direct_predictions(checkpoint: Path) -> list[dict]:
     """For each question of tests/data/tiny_tasks.jsonl: the prediction and NFE of a direct generate() call on the
     chat-formatted prompt alone (batch 1, no padding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -217,9 +236,9 @@ def test_eval_exact_scorer_matches_generate(checkpoint, direct_predictions, tmp_
     assert summary["settings"]["batch_size"] == 3 and summary["settings"]["chat_template"] is True
 
 
-def test_eval_number_scorer(checkpoint, direct_predictions, tmp_path):
+def test_eval_number_scorer(digit_checkpoint, digit_predictions, tmp_path):
     rows, expected = [], []
-    for i, row in enumerate(direct_predictions):
+    for i, row in enumerate(digit_predictions):
         number = last_number(row["prediction"])
         if number is not None and i % 3 != 0:
             rows.append({"question": row["question"], "answer": f"work...\n#### {number}"})
@@ -231,7 +250,7 @@ def test_eval_number_scorer(checkpoint, direct_predictions, tmp_path):
     dataset = _write_jsonl(tmp_path / "number.jsonl", rows)
     result = _run(
         [
-            str(checkpoint),
+            str(digit_checkpoint),
             "--dataset",
             str(dataset),
             "--scorer",
