@@ -79,13 +79,10 @@ if TRITON_AVAILABLE:
     def _rotary_kernel(
         q_ptr,
         k_ptr,
-        v_ptr,
         cos_ptr,
         sin_ptr,
         q_out_ptr,
         k_out_ptr,
-        v_out_ptr,
-        position_ptr,
         seq_len,
         n_q_heads,
         n_k_heads,
@@ -95,20 +92,10 @@ if TRITON_AVAILABLE:
         stride_kb,
         stride_kl,
         stride_kh,
-        stride_vb,
-        stride_vl,
-        stride_vh,
-        stride_ob,
-        stride_oh,
-        stride_on,
         HALF: tl.constexpr,
-        TO_CACHE: tl.constexpr,
     ):
         # One program per (batch, position, head) over the q heads followed by the k heads. Inputs are (B, L, H, D)
-        # with any strides (views of the projections). Rotated q goes to a contiguous (B, L, Hq, D) tensor; rotated
-        # k goes to a (B, Hk, N, D) destination with strides `stride_o*`: a contiguous (B, L, Hk, D) tensor at
-        # column l, or, with TO_CACHE, the K/V cache at column `position[l]`, v copied next to it (one launch
-        # instead of RoPE plus two index copies).
+        # with any strides (views of the projections); outputs are contiguous (B, L, H, D).
         pid = tl.program_id(0).to(tl.int64)
         n_heads = n_q_heads + n_k_heads
         head = pid % n_heads
@@ -126,20 +113,72 @@ if TRITON_AVAILABLE:
             dst = q_out_ptr + (token * n_q_heads + head) * (2 * HALF)
         else:
             kh = head - n_q_heads
-            if TO_CACHE:
-                column = tl.load(position_ptr + pos).to(tl.int64)
-            else:
-                column = pos
             src = k_ptr + b * stride_kb + pos * stride_kl + kh * stride_kh
-            dst = k_out_ptr + b * stride_ob + kh * stride_oh + column * stride_on
-            if TO_CACHE:
-                v_src = v_ptr + b * stride_vb + pos * stride_vl + kh * stride_vh
-                v_dst = v_out_ptr + b * stride_ob + kh * stride_oh + column * stride_on
-                tl.store(v_dst + offs, tl.load(v_src + offs))
-                tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
+            dst = k_out_ptr + (token * n_k_heads + kh) * (2 * HALF)
         x1 = tl.load(src + offs).to(tl.float32)
         x2 = tl.load(src + HALF + offs).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), as in modeling_llada.apply_rotary_pos_emb.
+        y1 = x1 * cos1 + (-x2) * sin1
+        y2 = x2 * cos2 + x1 * sin2
+        tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _rotary_to_cache_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        cache_k_ptr,
+        cache_v_ptr,
+        position_ptr,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        stride_vb,
+        stride_vl,
+        stride_vh,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        HALF: tl.constexpr,
+    ):
+        # As _rotary_kernel, but rotated keys and the values go straight into the K/V cache `(B, Hk, T, D)` at
+        # column `position[l]`: one launch instead of RoPE plus two index copies.
+        pid = tl.program_id(0).to(tl.int64)
+        n_heads = n_q_heads + n_k_heads
+        head = pid % n_heads
+        token = pid // n_heads
+        b = token // seq_len
+        pos = token % seq_len
+        offs = tl.arange(0, HALF)
+        table = token * (2 * HALF)
+        cos1 = tl.load(cos_ptr + table + offs)
+        cos2 = tl.load(cos_ptr + table + HALF + offs)
+        sin1 = tl.load(sin_ptr + table + offs)
+        sin2 = tl.load(sin_ptr + table + HALF + offs)
+        if head < n_q_heads:
+            src = q_ptr + b * stride_qb + pos * stride_ql + head * stride_qh
+            dst = q_out_ptr + (token * n_q_heads + head) * (2 * HALF)
+        else:
+            kh = head - n_q_heads
+            column = tl.load(position_ptr + pos).to(tl.int64)
+            src = k_ptr + b * stride_kb + pos * stride_kl + kh * stride_kh
+            dst = cache_k_ptr + b * stride_cb + kh * stride_ch + column * stride_cn
+            v_src = v_ptr + b * stride_vb + pos * stride_vl + kh * stride_vh
+            v_dst = cache_v_ptr + b * stride_cb + kh * stride_ch + column * stride_cn
+            tl.store(v_dst + offs, tl.load(v_src + offs))
+            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
         y1 = x1 * cos1 + (-x2) * sin1
         y2 = x2 * cos2 + x1 * sin2
         tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
@@ -187,48 +226,38 @@ def rms_norm(
     return out.view(x.shape), total.view(x.shape)
 
 
-def _launch_rotary(q, k, v, cos, sin, k_out, v_out, positions, out_strides) -> torch.Tensor:
-    batch, seq_len, n_q, dim = q.shape
-    n_k = k.shape[2]
-    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
-    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
-    q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
-    to_cache = positions is not None
-    v_strides = v.stride()[:3] if to_cache else (0, 0, 0)
-    _rotary_kernel[(batch * seq_len * (n_q + n_k),)](
-        q,
-        k,
-        v if to_cache else k,
-        cos,
-        sin,
-        q_out,
-        k_out,
-        v_out if to_cache else k_out,
-        positions if to_cache else cos,
-        seq_len,
-        n_q,
-        n_k,
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v_strides,
-        *out_strides,
-        HALF=dim // 2,
-        TO_CACHE=to_cache,
-        num_warps=1 if dim <= 128 else 2,
-    )
-    return q_out
-
-
 @on_tensor_device
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE in float32. q `(B, L, Hq, D)`, k `(B, L, Hk, D)` (any strides, last dim contiguous), cos/sin
     `(B, L, D)` float32. Returns contiguous `(B, L, Hq, D)` and `(B, L, Hk, D)` in the input dtype."""
+    batch, seq_len, n_q, dim = q.shape
+    n_k = k.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         q, k = q.contiguous(), k.contiguous()
-    batch, seq_len, n_k, dim = k.shape
+    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(batch, seq_len, n_k, dim, dtype=k.dtype, device=k.device)
-    # k_out seen as (B, Hk, L, D): strides of batch, head and position.
-    q_out = _launch_rotary(q, k, None, cos, sin, k_out, None, None, (seq_len * n_k * dim, dim, n_k * dim))
+    grid = (batch * seq_len * (n_q + n_k),)
+    _rotary_kernel[grid](
+        q,
+        k,
+        cos,
+        sin,
+        q_out,
+        k_out,
+        seq_len,
+        n_q,
+        n_k,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        HALF=dim // 2,
+        num_warps=1 if dim <= 128 else 2,
+    )
     return q_out, k_out
 
 
@@ -246,7 +275,40 @@ def rotary_to_cache(
     """RoPE on q and k, with k (rotated) and v written into the cache. q `(B, L, Hq, D)`, k/v `(B, L, Hk, D)` (any
     strides, last dim contiguous), cache_keys/values `(B, Hk, T, D)` contiguous in the last dim with equal strides,
     cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`."""
-    return _launch_rotary(q, k, v, cos, sin, cache_keys, cache_values, cache_position, cache_keys.stride()[:3])
+    batch, seq_len, n_q, dim = q.shape
+    n_k = k.shape[2]
+    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
+    _rotary_to_cache_kernel[(batch * seq_len * (n_q + n_k),)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        q_out,
+        cache_keys,
+        cache_values,
+        cache_position,
+        seq_len,
+        n_q,
+        n_k,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        cache_keys.stride(0),
+        cache_keys.stride(1),
+        cache_keys.stride(2),
+        HALF=dim // 2,
+        num_warps=1 if dim <= 128 else 2,
+    )
+    return q_out
 
 
 @on_tensor_device
