@@ -102,8 +102,10 @@ def load_server(server):
 
 
 def generate_kwargs(max_tokens: int = 128, **extra) -> dict:
-    """What the server passes to generate() for these request fields (documented defaults, whole blocks)."""
-    kwargs = dict(block_length=32, temperature=0.0, use_cache=True, dual_cache=True)
+    """What the server passes to generate() for these request fields (documented defaults, whole blocks). The
+    decoding rule is the server's (one token per step unless the request names one), never the checkpoint's
+    default (the tiny trained checkpoint's generation_config says threshold 0.9)."""
+    kwargs = dict(block_length=32, temperature=0.0, use_cache=True, dual_cache=True, steps=None, threshold=None)
     kwargs.update(extra)
     kwargs["max_new_tokens"] = math.ceil(max_tokens / kwargs["block_length"]) * kwargs["block_length"]
     return kwargs
@@ -486,9 +488,16 @@ def test_load_32_concurrent_clients(load_server):
     elapsed = time.monotonic() - start
     assert sorted(r[0] for r in results) == list(range(32))  # none lost
     for i, text, finish, usage in results:
-        want_text, want_tokens, want_nfe, want_finish = expected[(i % 8, (i // 8) % 2)]
+        group = (i // 8) % 2
+        want_text, want_tokens, want_nfe, want_finish = expected[(i % 8, group)]
         assert (text, finish) == (want_text, want_finish), f"client {i}"
-        assert (usage.completion_tokens, usage.model_extra["nfe"]) == (want_tokens, want_nfe), f"client {i}"
+        assert usage.completion_tokens == want_tokens, f"client {i}"
+        if "threshold" in groups[group]:
+            # Rows of a batch stay in lockstep: under a confidence rule a row takes part in the forwards its
+            # partners still need, never fewer than it needs alone.
+            assert want_nfe <= usage.model_extra["nfe"] <= 32, f"client {i}"
+        else:
+            assert usage.model_extra["nfe"] == want_nfe, f"client {i}"
     after = server.stats
     batches, rows = after["batches"] - before["batches"], after["rows"] - before["rows"]
     assert rows == 32 and after["nfe_mismatches"] == 0 and after["errors"] == 0
