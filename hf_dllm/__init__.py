@@ -14,6 +14,7 @@ from .generation_utils import (
     DiffusionGenerateOutput,
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
+    left_pad,
     plan_blocks,
 )
 from .modeling_llada import LLaDAModel, LLaDAModelLM, LLaDAPreTrainedModel
@@ -41,5 +42,6 @@ __all__ = [
     "NoCache",
     "PrefixCache",
     "UnmaskingPolicy",
+    "left_pad",
     "plan_blocks",
 ]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .generation_utils import left_pad
+
 
 @dataclass
 class _Sample:
@@ -90,12 +92,8 @@ def draw_samples(
 def _forward_logits(model, rows: list[_Sample], keep: int, pad_token_id: int, mask_token_id: int, cfg_scale: float):
     """Logits `(rows, keep, vocab)` of the last `keep` positions of each left-padded row."""
     device = model.get_input_embeddings().weight.device
-    width = max(len(row.tokens) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, width - len(row.tokens) :] = torch.tensor(row.tokens)
-        attention_mask[i, width - len(row.tokens) :] = 1
+    input_ids, attention_mask = left_pad([row.tokens for row in rows], pad_token_id)
+    width = input_ids.shape[1]
     if cfg_scale > 0:
         # LLaDA App. B.3: the unconditional branch sees the prompt masked.
         unconditional = input_ids.clone()
@@ -210,13 +208,7 @@ def greedy_matches(
     for length, indices in by_length.items():
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
-            width = max(len(requests[i][0]) for i in chunk)
-            input_ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, i in enumerate(chunk):
-                prompt = requests[i][0]
-                input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
-                attention_mask[row, width - len(prompt) :] = 1
+            input_ids, attention_mask = left_pad([list(requests[i][0]) for i in chunk], pad_token_id)
             out = model.generate(
                 input_ids.to(device),
                 attention_mask=attention_mask.to(device),
@@ -233,7 +225,7 @@ def greedy_matches(
                 logits_eos_inf=False,
                 confidence_eos_eot_inf=False,
             )
-            generated = out[:, width:].cpu()
+            generated = out[:, input_ids.shape[1] :].cpu()
             for row, i in enumerate(chunk):
                 results[i] = generated[row].tolist() == list(requests[i][1])
     return results

@@ -50,6 +50,7 @@ from .eval_data import (
     stop_token_ids,
     until_first,
 )
+from .generation_utils import left_pad
 
 # Generation-config fields exposed as options (`--max-new-tokens`, `--no-use-cache`, ...).
 GENERATION_OPTIONS: dict[str, type] = {
@@ -178,18 +179,6 @@ def versions() -> dict:
     return found
 
 
-def _left_pad(rows: list[list[int]], pad_id: int):
-    import torch
-
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, width - len(row) :] = 1
-    return input_ids, attention_mask
-
-
 def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answers, args, progress) -> tuple[list, int]:
     """Generate and score this process's batches. Returns the per-example records and the batched forwards."""
     import torch
@@ -200,7 +189,7 @@ def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answe
     records, forward_calls, tokens = [], 0, 0
     started = time.perf_counter()
     for batch in batches:
-        input_ids, attention_mask = _left_pad([prompt_ids[i] for i in batch], pad_id)
+        input_ids, attention_mask = left_pad([prompt_ids[i] for i in batch], pad_id)
         width = input_ids.shape[1]
         criteria = None
         if args.stop:

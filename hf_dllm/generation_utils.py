@@ -52,6 +52,19 @@ class DiffusionGenerateOutput(ModelOutput):
     nfe_per_row: torch.LongTensor | None = None
 
 
+def left_pad(token_ids: list[list[int]], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Batch prompts of different lengths for `generate()`: `input_ids` and `attention_mask` `(batch, longest)`,
+    each prompt right-aligned after `pad_token_id`s (left padding), 1 in the mask for its real tokens."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    input_ids = torch.full((len(token_ids), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(token_ids), width), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        if len(ids):
+            input_ids[row, width - len(ids) :] = torch.as_tensor(list(ids), dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
 def plan_blocks(max_new_tokens: int, block_length: int, steps: int | None) -> list[tuple[int, int, int]]:
     """Split the generated region into blocks: `[(offset, length, steps), ...]`.
 

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from .eval_data import StopStringCriterion, decode_generated, process_state, stop_token_ids
 from .eval_likelihood import greedy_matches, mc_loglikelihood
-from .generation_utils import DiffusionGenerationConfig
+from .generation_utils import DiffusionGenerationConfig, left_pad
 
 MODEL_NAME = "hf_dllm"
 logger = logging.getLogger(__name__)
@@ -336,12 +336,8 @@ class DiffusionEvalLM(LM):
 
     def _generate_batch(self, prompts: list[list[int]], untils: list[list[str]], config) -> list[str]:
         pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or [0])[0]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
+        input_ids, attention_mask = left_pad(prompts, pad)
+        width = input_ids.shape[1]
         criteria = []
         if any(untils):
             criteria.append(StopStringCriterion(self.tokenizer, width, untils, config.mask_token_id, self._stop_ids()))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .generation_utils import plan_blocks
+from .generation_utils import left_pad, plan_blocks
 
 logger = logging.getLogger("hf_dllm.serve")
 
@@ -399,14 +399,8 @@ class Batcher:
         with self.stats._lock:
             self.stats.running_rows += len(batch)
         try:
-            prompt_len = max(len(row.prompt_ids) for row in batch)
-            input_ids = torch.full((len(batch), prompt_len), self.pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(batch), prompt_len), dtype=torch.long)
-            for i, row in enumerate(batch):
-                n = len(row.prompt_ids)
-                if n:
-                    input_ids[i, prompt_len - n :] = torch.tensor(row.prompt_ids, dtype=torch.long)
-                attention_mask[i, prompt_len - n :] = 1
+            input_ids, attention_mask = left_pad([row.prompt_ids for row in batch], self.pad_token_id)
+            prompt_len = input_ids.shape[1]
             device = self.model.get_input_embeddings().weight.device
             tracker = BatchTracker(batch, self.tokenizer, self.stop_token_ids, prompt_len)
             out = self.model.generate(
