@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from .kernels import kernel_mode
-from .triton_attention import TRITON_AVAILABLE, _num_sms, block_attention
+from .triton_attention import TRITON_AVAILABLE, block_attention, num_sms
 
 TRITON_ATTENTION = "llada_triton"
 
@@ -46,7 +46,7 @@ def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, drop
         and (heads // kv_heads) * q_len <= MAX_QUERY_ROWS
     ):
         return False
-    return mode == "triton" or batch * kv_heads < _num_sms(query.device)
+    return mode == "triton" or batch * kv_heads < num_sms(query.device)
 
 
 def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:

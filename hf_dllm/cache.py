@@ -33,8 +33,6 @@ class DiffusionKVCache:
     over several devices (`device_map="auto"`) keep each layer's cache next to its weights.
     """
 
-    is_compileable = True
-
     def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
         self.num_layers = num_layers
         self.max_batch_size = max_batch_size
@@ -74,6 +72,7 @@ class DiffusionKVCache:
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """transformers' Cache interface: positions held (the whole sequence once the layer was written)."""
         return self.max_length if self.keys[layer_idx] is not None else 0
 
     def __len__(self) -> int:

@@ -41,6 +41,7 @@ _GENERATION_DEFAULTS = {
     "return_dict_in_generate": False,
     "disable_compile": False,
 }
+SPECIAL_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
 _METADATA_FIELDS = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
 
 
@@ -112,10 +113,7 @@ class DiffusionGenerationConfig(GenerationConfig):
     def from_model_config(cls, model_config) -> "DiffusionGenerationConfig":
         """Default generation config of a model: special token ids from its config, other fields default."""
         config_dict = model_config if isinstance(model_config, dict) else model_config.to_dict()
-        ids = {
-            name: config_dict.get(name)
-            for name in ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
-        }
+        ids = {name: config_dict.get(name) for name in SPECIAL_TOKEN_FIELDS}
         return cls(**{name: value for name, value in ids.items() if value is not None}, _from_model_config=True)
 
     @classmethod
@@ -129,6 +127,13 @@ class DiffusionGenerationConfig(GenerationConfig):
             if value is not None and key not in _METADATA_FIELDS
         }
         return cls(**fields)
+
+    def inherit_special_tokens(self, source: GenerationConfig) -> None:
+        """Take the special token ids this config leaves unset from `source` (the model's generation config), as
+        transformers does for a passed or foreign config."""
+        for name in SPECIAL_TOKEN_FIELDS:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(source, name, None))
 
     @staticmethod
     def field_names() -> tuple[str, ...]:

@@ -52,6 +52,12 @@ class DiffusionGenerateOutput(ModelOutput):
     nfe_per_row: torch.LongTensor | None = None
 
 
+def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0), so a left-padded row
+    sees the positions it has alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def left_pad(token_ids: list[list[int]], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Batch prompts of different lengths for `generate()`: `input_ids` and `attention_mask` `(batch, longest)`,
     each prompt right-aligned after `pad_token_id`s (left padding), 1 in the mask for its real tokens."""
@@ -160,9 +166,7 @@ class DiffusionGenerationMixin:
             logger.info("No generation_config.json found: using the defaults derived from the model config.")
             return
         # Special token ids a foreign generation_config.json leaves unset still come from the model config.
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
-            if getattr(loaded, name) is None:
-                setattr(loaded, name, getattr(self.generation_config, name))
+        loaded.inherit_special_tokens(self.generation_config)
         loaded.validate()
         self.generation_config = loaded
 
@@ -175,10 +179,7 @@ class DiffusionGenerationMixin:
             raise TypeError(f"`generation_config` must be a GenerationConfig, got {type(base).__name__}.")
         config = DiffusionGenerationConfig.from_generation_config(base)
         if base is not self.generation_config:
-            # As in transformers: what a passed config leaves unset comes from the model's (its special tokens).
-            for name in ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id"):
-                if getattr(config, name) is None:
-                    setattr(config, name, getattr(self.generation_config, name, None))
+            config.inherit_special_tokens(self.generation_config)
         model_inputs = {key: kwargs.pop(key) for key in ("input_ids", "attention_mask") if key in kwargs}
         unknown = sorted(set(kwargs) - set(DiffusionGenerationConfig.field_names()))
         if unknown:
@@ -348,7 +349,7 @@ class BlockDiffusionRun:
         else:
             generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
             self.key_mask = torch.cat([attention_mask, generated], dim=1)
-            self.position_ids = (self.key_mask.long().cumsum(-1) - 1).clamp(min=0)
+            self.position_ids = padding_aware_position_ids(self.key_mask)
         self.attention_masks: dict[tuple[int, int], object] = {}
 
         eos = config.eos_token_ids

@@ -28,7 +28,7 @@ from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache
 from .configuration_llada import LLaDAConfig
-from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin
+from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, padding_aware_position_ids
 from .kernels import use_fused_kernels
 
 register_attention_backends()
@@ -311,11 +311,6 @@ class LLaDAPreTrainedModel(PreTrainedModel):
         if attn_implementation is None:
             attn_implementation = TRITON_ATTENTION
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
-
-
-def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class LLaDAModel(LLaDAPreTrainedModel):

@@ -17,6 +17,7 @@ This file is exported as Hub remote code: Triton is imported inside `try:`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -164,7 +165,9 @@ if TRITON_AVAILABLE:
         )
 
 
-def _num_sms(device: torch.device) -> int:
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device` (asked once: the attention dispatch reads it every layer of every forward)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
@@ -203,7 +206,7 @@ def block_attention(
     block_n = 64
     m_tiles = triton.cdiv(rows, block_m)
     if n_splits is None:
-        n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, _num_sms(q.device))
+        n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device))
     tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))
     n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
 
