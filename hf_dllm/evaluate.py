@@ -126,10 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
     """The generation fields given on the command line."""
-    kwargs = {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name) is not None}
-    if "temperature" in kwargs:
-        kwargs["do_sample"] = kwargs["temperature"] > 0
-    return kwargs
+    return {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name) is not None}
 
 
 def resolve_generation_config(model, kwargs: dict):

@@ -169,16 +169,10 @@ class DiffusionEvalLM(LM):
         self.tokenizer = tokenizer
 
         # Generation settings: model defaults < model_args < a request's generation_kwargs.
-        self.base_config = copy.deepcopy(self.model.generation_config)
-        if not isinstance(self.base_config, DiffusionGenerationConfig):
-            self.base_config = DiffusionGenerationConfig.from_generation_config(self.base_config)
         if cfg is not None:
             generation_kwargs.setdefault("cfg_scale", float(cfg))
-        if "temperature" in generation_kwargs:
-            generation_kwargs["do_sample"] = float(generation_kwargs["temperature"]) > 0
-        for key, value in generation_kwargs.items():
-            setattr(self.base_config, key, value)
-        self.base_config.validate()
+        # Merged exactly as generate() merges a call's kwargs (validated, a named decoding rule replaces the default).
+        self.base_config, _ = self.model._prepare_diffusion_config(None, dict(generation_kwargs))
         self.gen_length = gen_length if gen_length is not None else max_new_tokens
 
         self.batch_size = _positive_int("batch_size", batch_size, 1)

@@ -198,6 +198,17 @@ def test_adapter_methods(lm_eval_module, checkpoint):
         lm.generate_until([_Request("x", {"beam_width": 2})])
 
 
+@pytest.mark.skipif(not (TRAINED / "config.json").exists(), reason="needs the tiny trained checkpoint")
+def test_model_args_decoding_rule_replaces_the_checkpoint_default(lm_eval_module):
+    """model_args are merged as generate() merges kwargs: `steps` replaces the checkpoint's default threshold 0.9
+    instead of contradicting it, and naming two rules at once is still an error."""
+    lm = lm_eval_module.DiffusionEvalLM(pretrained=str(TRAINED), device="cpu", steps=8)
+    assert lm.model.generation_config.threshold == 0.9
+    assert (lm.base_config.steps, lm.base_config.threshold, lm.base_config.factor) == (8, None, None)
+    with pytest.raises(ValueError, match="steps"):
+        lm_eval_module.DiffusionEvalLM(pretrained=str(TRAINED), device="cpu", steps=8, threshold=0.5)
+
+
 def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
     """`simple_evaluate(model="hf_dllm")` runs both request types; generations equal direct generate() output
     cut at the task's stop sequences."""
