@@ -66,14 +66,15 @@ def model_config(cpu: bool, small: bool = False) -> hf_dllm.LLaDAConfig:
     return hf_dllm.LLaDAConfig(**shapes, max_sequence_length=4096, **special)
 
 
-def build_model(config, device: str, seed: int):
-    """Random bf16 (GPU) / float32 (CPU) model, initialised directly on `device`."""
+def build_model(config, device: str, seed: int, attn_implementation: str | None):
+    """Random bf16 (GPU) / float32 (CPU) model, initialised directly on `device`. `attn_implementation`: None = the
+    model's default; the reloaded model of `--from-pretrained` gets the same one, so both runs use the same kernels."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
 
 
@@ -96,10 +97,9 @@ def run_modes(model, prompt: torch.Tensor, args) -> dict:
     results = {}
     for mode in args.modes:
         kwargs = {**settings, **MODES[mode]}
-        warm = {**kwargs, "max_new_tokens": args.block_length}
-        if "steps" in warm:
-            warm["steps"] = max(1, warm["steps"] * args.block_length // args.gen_length)
-        model.generate(prompt, **warm)  # warm-up (kernels, allocator, cache buffers)
+        # Warm-up: one full run, so every block's shapes (prefix mode: the query shrinks block by block) have their
+        # CUDA graphs captured and Triton kernels compiled before the timed runs.
+        model.generate(prompt, **kwargs)
         best, out = float("inf"), None
         for _ in range(args.repeats):
             sync()
@@ -285,6 +285,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="none,prefix,dual")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--disable-compile", action="store_true", help="eager steps (no CUDA graphs) everywhere")
+    parser.add_argument(
+        "--attn-implementation", default=None, help="attention backend of every model here (default: the model's)"
+    )
     parser.add_argument("--checkpoint-dir", default=None, help="where the random checkpoint is saved / read")
     parser.add_argument(
         "--from-pretrained",
@@ -323,7 +326,7 @@ def main(argv=None) -> int:
 
     config = model_config(args.cpu, args.small)
     start = time.perf_counter()
-    model = build_model(config, "cpu" if args.cpu else "cuda:0", args.seed)
+    model = build_model(config, "cpu" if args.cpu else "cuda:0", args.seed, args.attn_implementation)
     report["parameters"] = sum(p.numel() for p in model.parameters())
     print(f"model: {report['parameters'] / 1e9:.2f}B parameters, built in {time.perf_counter() - start:.1f}s")
     generator = torch.Generator().manual_seed(args.seed)
@@ -353,7 +356,8 @@ def main(argv=None) -> int:
     if args.from_pretrained:
         from transformers import AutoModelForCausalLM
 
-        kwargs = {"dtype": torch.float32 if args.cpu else torch.bfloat16, "device_map": "auto"}
+        kwargs = {"dtype": torch.float32 if args.cpu else torch.bfloat16, "device_map": "auto",
+                  "attn_implementation": args.attn_implementation}  # fmt: skip
         if not args.cpu:
             kwargs["max_memory"] = max_memory
         loaded = AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs).eval()

@@ -222,11 +222,12 @@ def process_state(device: str | None = None):
     return PartialState(cpu=use_cpu)
 
 
-def shard_by_length(lengths: Sequence[int], rank: int, world_size: int) -> list[int]:
-    """Indices this process evaluates: all examples sorted by prompt length (ties by index), dealt round-robin, so
-    every process gets the same mix of short and long prompts. Deterministic; the shards partition the data."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return order[rank::world_size]
+def shard_batches(lengths: Sequence[int], batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """The batches this process evaluates: the batches of one process (`length_batches` over all examples) dealt
+    round-robin, so every process gets the same mix of short and long prompts. A batch holds the same rows whatever
+    the number of processes, so padding, rounding (bf16 kernels pick by shape) and lockstep NFE are those of the
+    one-process run. Deterministic; the shards partition the data."""
+    return length_batches(range(len(lengths)), lengths, batch_size)[rank::world_size]
 
 
 def length_batches(indices: Sequence[int], lengths: Sequence[int], batch_size: int) -> list[list[int]]:

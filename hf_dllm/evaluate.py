@@ -20,11 +20,11 @@ Outputs (main process), in `--output-dir`:
   `forward_calls` (batched forwards), the resolved generation config, the evaluation settings, versions and
   per-process timings.
 
-Sharding: prompts are sorted by length and dealt round-robin to the processes; each process batches its share by
-length and left-pads. Greedy decoding is batch invariant per row, so predictions (and, with a fixed step schedule,
-NFE) do not depend on the number of processes. With `--threshold`/`--factor` the rows of a batch move through a
-block in lockstep, so a row's NFE counts the forwards of its batch's slowest row: NFE then depends on batching
-(tokens do not).
+Sharding: prompts are sorted by length and cut into batches (left-padded) as one process would; the batches are
+dealt round-robin to the processes. A batch holds the same rows whatever the number of processes, so predictions and
+NFE (also with `--threshold`/`--factor`, where the rows of a batch move through a block in lockstep and a row's NFE
+counts its batch's slowest row) equal the one-process run's, in bf16 on GPUs too, where kernels round differently
+by shape.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ from .eval_data import (
     build_prompt,
     decode_generated,
     format_prompt,
-    length_batches,
     load_examples,
     process_state,
     score,
-    shard_by_length,
+    shard_batches,
     stop_token_ids,
     until_first,
 )
@@ -297,8 +296,8 @@ def run(args: argparse.Namespace) -> dict | None:
 
     model = load_model(args, state)
     config = resolve_generation_config(model, generation_kwargs(args))
-    local = shard_by_length(lengths, state.process_index, state.num_processes)
-    batches = length_batches(local, lengths, args.batch_size)
+    batches = shard_batches(lengths, args.batch_size, state.process_index, state.num_processes)
+    local = [index for batch in batches for index in batch]
 
     progress = tqdm(
         total=len(local),

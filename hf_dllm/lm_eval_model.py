@@ -17,12 +17,14 @@
 `gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
 `block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...).
 
-Registration: importing this module registers `hf_dllm` in lm-eval's model registry. lm-eval releases up to
-0.4.13 import nothing of ours before resolving `--model`, so there use `python -m hf_dllm.lm_eval_model ARGS`
-(the same arguments as `lm_eval`; `accelerate launch -m hf_dllm.lm_eval_model ARGS` for several processes) or
-`simple_evaluate(model="hf_dllm", ...)` after `import hf_dllm.lm_eval_model`. lm-eval versions with entry-point
-plugins (group `lm_eval.models`, EleutherAI/lm-evaluation-harness#4013) find it through hf-dllm's entry point
-`hf_dllm = "hf_dllm.lm_eval_model:DiffusionEvalLM"`, and the plain `lm_eval --model hf_dllm` works.
+Registration: lm-eval resolves `--model` from a fixed table and discovers no plugins (0.4.13, and its main branch
+as of 2026-08; EleutherAI/lm-evaluation-harness#3282 asks for plugins). `pip install hf-dllm` therefore installs
+`hf_dllm_lm_eval.pth`, which loads the tiny `_hf_dllm_lm_eval` hook at interpreter start: when lm-eval imports its
+model table, the hook adds `hf_dllm` as a lazy placeholder for `DiffusionEvalLM`, so the plain
+`lm_eval --model hf_dllm ...` works (`HF_DLLM_LM_EVAL_HOOK=0` turns the hook off). Importing this module also
+registers the model, for `simple_evaluate(model="hf_dllm", ...)` in a process started without the hook.
+`python -m hf_dllm.lm_eval_model ARGS` and `hf-dllm lm-eval ARGS` take `lm_eval`'s arguments without relying on the
+hook (`accelerate launch -m hf_dllm.lm_eval_model ARGS` for several processes).
 """
 
 from __future__ import annotations
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ != "__main__":
     try:
         register_model(MODEL_NAME)(DiffusionEvalLM)
-    except (ValueError, AttributeError) as error:  # already registered (entry-point placeholder, reloaded module)
+    except (ValueError, AttributeError) as error:  # already registered (the startup hook's placeholder, reloaded module)
         logger.debug("hf_dllm: lm-eval registration skipped: %s", error)
 
 

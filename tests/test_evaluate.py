@@ -27,7 +27,7 @@ from hf_dllm.eval_data import (
     length_batches,
     load_examples,
     score,
-    shard_by_length,
+    shard_batches,
 )
 from hf_dllm.generation_utils import DiffusionGenerationConfig
 
@@ -135,15 +135,18 @@ def test_scorers():
         score("a", "a", "fuzzy")
 
 
-def test_sharding_partitions_and_balances():
-    lengths = [5, 1, 9, 3, 3, 7, 2, 8, 6]
-    shards = [shard_by_length(lengths, rank, 2) for rank in range(2)]
-    assert sorted(shards[0] + shards[1]) == list(range(9))
-    assert abs(sum(lengths[i] for i in shards[0]) - sum(lengths[i] for i in shards[1])) <= max(lengths)
-    batches = length_batches(shards[0], lengths, 2)
-    flat = [i for batch in batches for i in batch]
-    assert sorted(flat) == sorted(shards[0]) and all(len(b) <= 2 for b in batches)
-    assert [lengths[i] for i in flat] == sorted(lengths[i] for i in flat)
+def test_sharding_partitions_balances_and_keeps_batches_whole():
+    lengths = [5, 1, 9, 3, 3, 7, 2, 8, 6, 4, 4]
+    one_process = shard_batches(lengths, 2, rank=0, world_size=1)
+    assert one_process == length_batches(range(len(lengths)), lengths, 2)
+    flat = [i for batch in one_process for i in batch]
+    assert [lengths[i] for i in flat] == sorted(lengths) and all(len(b) <= 2 for b in one_process)
+    for world_size in (2, 3):
+        shards = [shard_batches(lengths, 2, rank, world_size) for rank in range(world_size)]
+        # Every batch of the one-process run goes, whole and unchanged, to exactly one process.
+        assert sorted(b for shard in shards for b in shard) == sorted(one_process)
+        sizes = [sum(lengths[i] for b in shard for i in b) for shard in shards]
+        assert max(sizes) - min(sizes) <= 2 * max(lengths)
     assert cut_at_stops("abc\n\ndef.", ["\n\n", "."]) == "abc"
 
 

@@ -25,7 +25,6 @@ from hf_dllm.eval_likelihood import draw_samples, greedy_matches, mc_loglikeliho
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
 TRAINED = Path(__file__).resolve().parent / "fixtures" / "llada-tiny-trained"
-ENTRY_POINT = "hf_dllm.lm_eval_model:DiffusionEvalLM"
 
 
 @pytest.fixture(scope="session")
@@ -131,19 +130,45 @@ def lm_eval_module():
     return module
 
 
-def test_registered_and_entry_point_resolves(lm_eval_module):
-    from importlib import metadata
-
-    from lm_eval.api.registry import Registry, get_model
+def test_registered(lm_eval_module):
+    from lm_eval.api.registry import get_model
 
     assert get_model("hf_dllm") is lm_eval_module.DiffusionEvalLM
-    # What lm-eval's entry-point discovery (group `lm_eval.models`) records and later loads.
-    registry = Registry("model")
-    registry.register("hf_dllm", target=metadata.EntryPoint("hf_dllm", ENTRY_POINT, "lm_eval.models"))
-    assert registry.get("hf_dllm") is lm_eval_module.DiffusionEvalLM
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    if '"lm_eval.models"' in pyproject:
-        assert ENTRY_POINT in pyproject
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120
+    )
+
+
+def test_startup_hook_is_installed_and_imports_nothing_heavy(lm_eval_module):
+    """`hf_dllm_lm_eval.pth` (installed by `pip install`) loads the hook in every interpreter, which imports neither
+    lm-eval, torch nor hf_dllm by itself."""
+    done = _python("import sys; print(sorted(m for m in ('_hf_dllm_lm_eval', 'lm_eval', 'torch', 'hf_dllm') if m in sys.modules))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['_hf_dllm_lm_eval']"], "hf_dllm_lm_eval.pth is not active: reinstall with pip"
+    off = _python("import sys; print('_hf_dllm_lm_eval' in sys.modules)", HF_DLLM_LM_EVAL_HOOK="0")
+    assert off.stdout.strip() == "True"  # the module loads, but installs no finder
+    assert _python("import sys, _hf_dllm_lm_eval as h; print(any(isinstance(f, h._LmEvalModelsFinder) for f in sys.meta_path))", HF_DLLM_LM_EVAL_HOOK="0").stdout.strip() == "False"
+
+
+def test_startup_hook_registers_lazily_beside_lm_evals_own_models(lm_eval_module):
+    code = """
+import sys
+import _hf_dllm_lm_eval as hook
+hook.install()  # idempotent: the .pth file already did it
+from lm_eval.api.registry import get_model, model_registry
+hf = get_model('hf')  # lm-eval's own table is still loaded (registry not left non-empty without it)
+assert 'hf_dllm.lm_eval_model' not in sys.modules and 'hf_dllm' in model_registry
+cls = get_model('hf_dllm')
+print(hf.__name__, cls.__module__ + ':' + cls.__name__)
+"""
+    done = _python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["HFLM", "hf_dllm.lm_eval_model:DiffusionEvalLM"]
+    off = _python("from lm_eval.api.registry import get_model; get_model('hf_dllm')", HF_DLLM_LM_EVAL_HOOK="0")
+    assert off.returncode != 0 and "hf_dllm" in off.stderr
 
 
 class _Request:
@@ -251,10 +276,18 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
 
 
 @pytest.mark.slow
-def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path):
-    """`python -m hf_dllm.lm_eval_model` takes lm_eval's arguments, with `--model hf_dllm` registered."""
+@pytest.mark.parametrize("launcher", ["lm_eval", "python -m hf_dllm.lm_eval_model"])
+def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path, launcher):
+    """lm-eval's own `lm_eval` command (the startup hook registers `--model hf_dllm`) and hf_dllm's wrapper of it
+    (also `hf-dllm lm-eval`), offline on a local task."""
+    if launcher == "lm_eval":
+        executable = shutil.which("lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        assert executable, "lm-eval's `lm_eval` command is not installed"
+        head = [executable]
+    else:
+        head = [sys.executable, "-m", "hf_dllm.lm_eval_model"]
     command = [
-        sys.executable, "-m", "hf_dllm.lm_eval_model",
+        *head,
         "--model", "hf_dllm",
         "--model_args", f"pretrained={checkpoint},dtype=float32,block_length=8,gen_length=8",
         "--device", "cpu",
@@ -264,7 +297,7 @@ def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path):
         "--output_path", str(tmp_path / "out"),
     ]  # fmt: skip
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (result_file,) = list((tmp_path / "out").rglob("results_*.json"))
     results = json.loads(result_file.read_text())["results"]
