@@ -3,7 +3,7 @@
     python examples/demo.py
     python examples/demo.py --prompt "reverse masked" --threshold 0.7
 
-The checkpoint (`tests/fixtures/llada-tiny-trained`, 0.5M parameters, made by `examples/train_tiny.py`) knows
+The checkpoint (`tests/fixtures/llada-tiny-trained`, 0.74M parameters, made by `examples/train_tiny.py`) knows
 three tasks: `copy <letters>`, `reverse <letters>` and `sort <letters>` (lowercase letters, 3 to 8 of them). Each
 answer is checked exactly. The demo decodes through `model.generate()` (showing the number of forwards, NFE,
 and tokens/s) and through a transformers `pipeline` with the chat template.

@@ -437,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ != "__main__":
     try:
         register_model(MODEL_NAME)(DiffusionEvalLM)
-    except (ValueError, AttributeError) as error:  # already registered (the startup hook's placeholder, reloaded module)
+    except (
+        ValueError,
+        AttributeError,
+    ) as error:  # already registered (the startup hook's placeholder, reloaded module)
         logger.debug("hf_dllm: lm-eval registration skipped: %s", error)
 
 

@@ -145,12 +145,20 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 def test_startup_hook_is_installed_and_imports_nothing_heavy(lm_eval_module):
     """`hf_dllm_lm_eval.pth` (installed by `pip install`) loads the hook in every interpreter, which imports neither
     lm-eval, torch nor hf_dllm by itself."""
-    done = _python("import sys; print(sorted(m for m in ('_hf_dllm_lm_eval', 'lm_eval', 'torch', 'hf_dllm') if m in sys.modules))")
+    done = _python(
+        "import sys; print(sorted(m for m in ('_hf_dllm_lm_eval', 'lm_eval', 'torch', 'hf_dllm') if m in sys.modules))"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["['_hf_dllm_lm_eval']"], "hf_dllm_lm_eval.pth is not active: reinstall with pip"
     off = _python("import sys; print('_hf_dllm_lm_eval' in sys.modules)", HF_DLLM_LM_EVAL_HOOK="0")
     assert off.stdout.strip() == "True"  # the module loads, but installs no finder
-    assert _python("import sys, _hf_dllm_lm_eval as h; print(any(isinstance(f, h._LmEvalModelsFinder) for f in sys.meta_path))", HF_DLLM_LM_EVAL_HOOK="0").stdout.strip() == "False"
+    assert (
+        _python(
+            "import sys, _hf_dllm_lm_eval as h; print(any(isinstance(f, h._LmEvalModelsFinder) for f in sys.meta_path))",
+            HF_DLLM_LM_EVAL_HOOK="0",
+        ).stdout.strip()
+        == "False"
+    )
 
 
 def test_startup_hook_registers_lazily_beside_lm_evals_own_models(lm_eval_module):
@@ -281,7 +289,9 @@ def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path, launcher):
     """lm-eval's own `lm_eval` command (the startup hook registers `--model hf_dllm`) and hf_dllm's wrapper of it
     (also `hf-dllm lm-eval`), offline on a local task."""
     if launcher == "lm_eval":
-        executable = shutil.which("lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        executable = shutil.which(
+            "lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        )
         assert executable, "lm-eval's `lm_eval` command is not installed"
         head = [executable]
     else:

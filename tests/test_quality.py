@@ -5,10 +5,9 @@ prompts here are the first 48 of its held-out set (16 per task, never seen in tr
 alone (batch size 1), so NFE is that prompt's own number of forwards. Greedy decoding, max_new_tokens 32,
 block length 8. The full grid of settings is `benchmarks/bench_quality.py`.
 
-What this model shows (see benchmarks/results_quality.md): parallel unmasking at threshold 0.9 costs no accuracy
-by itself, while the KV caches (prefix or dual) cost a few points on `sort`, so Fast-dLLM's threshold claim is
-checked against one token per step *with the same dual cache*, and threshold 0.9 without cache against one token
-per step without cache.
+What this model shows (see benchmarks/results_quality.md): threshold 0.9 with the dual cache stays within 2 points
+of one token per step, whether the baseline decodes without a cache (Fast-dLLM's baseline, LLaDA's own sampler) or
+with the same dual cache, with at most 40% of its forwards.
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def trained():
     tokenizer = AutoTokenizer.from_pretrained(TRAINED_DIR)
     examples = st.heldout_examples(N_PROMPTS)
     encoded = [st.encode_prompts(tokenizer, [e.prompt]) for e in examples]
-    # Batch-1 decoding of a 0.5M-parameter model is dominated by per-op overhead: one thread is several times
+    # Batch-1 decoding of a 0.7M-parameter model is dominated by per-op overhead: one thread is several times
     # faster than two on a busy 2-core machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -102,9 +101,9 @@ def trained():
 _RUNS: dict = {}
 
 
-def decode_all(trained, **kwargs) -> dict:
+def decode_all(trained, block_length: int = 8, **kwargs) -> dict:
     """Answers, correctness and per-prompt NFE of one setting over the test prompts (memoized)."""
-    key = tuple(sorted(kwargs.items()))
+    key = (block_length, *sorted(kwargs.items()))
     if key in _RUNS:
         return _RUNS[key]
     model, tokenizer, examples, encoded = trained
@@ -112,7 +111,11 @@ def decode_all(trained, **kwargs) -> dict:
     with torch.no_grad():
         for example, batch in zip(examples, encoded, strict=True):
             out = model.generate(
-                **batch, max_new_tokens=MAX_NEW_TOKENS, block_length=8, return_dict_in_generate=True, **kwargs
+                **batch,
+                max_new_tokens=MAX_NEW_TOKENS,
+                block_length=block_length,
+                return_dict_in_generate=True,
+                **kwargs,
             )
             response = st.decode_responses(tokenizer, out.sequences, batch["input_ids"].shape[1])[0]
             answers.append(st.extract_answer(response))
@@ -128,7 +131,6 @@ def decode_all(trained, **kwargs) -> dict:
     return result
 
 
-FACTOR = 0.5  # factor 1 and 2 need fewer forwards than threshold 0.9 on this model (benchmarks/results_quality.md)
 ONE_TOKEN_DUAL = dict(threshold=None, factor=None, use_cache=True, dual_cache=True)
 ONE_TOKEN_NO_CACHE = dict(threshold=None, factor=None, use_cache=False)
 THRESHOLD_09_DUAL = dict(threshold=0.9, factor=None, use_cache=True, dual_cache=True)
@@ -150,18 +152,19 @@ def test_checkpoint_format_and_generation_config(trained):
 
 def test_one_token_per_step_is_accurate(trained):
     """The model really solves the held-out tasks: sequential decoding is (nearly) always right."""
-    assert decode_all(trained, eos_early_stop=True, **ONE_TOKEN_NO_CACHE)["accuracy"] >= 0.9
-    assert decode_all(trained, eos_early_stop=True, **ONE_TOKEN_DUAL)["accuracy"] >= 0.85
+    assert decode_all(trained, eos_early_stop=True, **ONE_TOKEN_NO_CACHE)["accuracy"] >= 0.95
+    assert decode_all(trained, eos_early_stop=True, **ONE_TOKEN_DUAL)["accuracy"] >= 0.95
 
 
-def test_threshold_09_dual_cache_keeps_accuracy_with_few_forwards(trained):
-    """Fast-dLLM's claim: threshold 0.9 within 2 points of one token per step with at most 40% of its forwards,
-    both with the dual cache, with and without eos_early_stop."""
-    for eos_early_stop in (False, True):
-        base = decode_all(trained, eos_early_stop=eos_early_stop, **ONE_TOKEN_DUAL)
-        fast = decode_all(trained, eos_early_stop=eos_early_stop, **THRESHOLD_09_DUAL)
-        assert fast["accuracy"] >= base["accuracy"] - 0.02, (eos_early_stop, fast["accuracy"], base["accuracy"])
-        assert fast["mean_nfe"] <= 0.4 * base["mean_nfe"], (eos_early_stop, fast["mean_nfe"], base["mean_nfe"])
+@pytest.mark.parametrize("eos_early_stop", [False, True], ids=["full", "eos-early-stop"])
+@pytest.mark.parametrize("baseline", [ONE_TOKEN_NO_CACHE, ONE_TOKEN_DUAL], ids=["vs-no-cache", "vs-dual-cache"])
+def test_threshold_09_dual_cache_keeps_accuracy_with_few_forwards(trained, baseline, eos_early_stop):
+    """Fast-dLLM's claim (arXiv:2505.22618, Sec. 4): threshold 0.9 with the dual cache within 2 points of one token
+    per step, with at most 40% of its forwards."""
+    base = decode_all(trained, eos_early_stop=eos_early_stop, **baseline)
+    fast = decode_all(trained, eos_early_stop=eos_early_stop, **THRESHOLD_09_DUAL)
+    assert fast["accuracy"] >= base["accuracy"] - 0.02, (fast["accuracy"], base["accuracy"])
+    assert fast["mean_nfe"] <= 0.4 * base["mean_nfe"], (fast["mean_nfe"], base["mean_nfe"])
 
 
 def test_threshold_09_without_cache_matches_one_token_per_step(trained):
@@ -181,16 +184,20 @@ def test_eos_early_stop_lowers_nfe_and_changes_no_answer(trained, setting):
     assert all(e <= f for e, f in zip(early["nfe"], full["nfe"], strict=True))
 
 
-def test_factor_decoding_nfe_between_threshold_and_one_token_per_step(trained):
-    base = decode_all(trained, eos_early_stop=True, **ONE_TOKEN_DUAL)
-    threshold = decode_all(trained, eos_early_stop=True, **THRESHOLD_09_DUAL)
-    factor = decode_all(trained, eos_early_stop=True, threshold=None, factor=FACTOR, use_cache=True, dual_cache=True)
-    assert threshold["mean_nfe"] <= factor["mean_nfe"] <= base["mean_nfe"], (
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_factor_decoding_nfe_between_threshold_and_one_token_per_step(trained, factor):
+    """Fast-dLLM's factor rule (commit the n most confident tokens while (n + 1)(1 - c_n) < f) lies between
+    threshold 0.9 and one token per step in forwards, in one block of 32 (Fast-dLLM's block length). In blocks of 8
+    this model is so confident that every rule takes about one forward per block (results_quality.md)."""
+    base = decode_all(trained, block_length=32, **ONE_TOKEN_DUAL)
+    threshold = decode_all(trained, block_length=32, **THRESHOLD_09_DUAL)
+    fast = decode_all(trained, block_length=32, threshold=None, factor=factor, use_cache=True, dual_cache=True)
+    assert threshold["mean_nfe"] <= fast["mean_nfe"] <= base["mean_nfe"], (
         threshold["mean_nfe"],
-        factor["mean_nfe"],
+        fast["mean_nfe"],
         base["mean_nfe"],
     )
-    assert factor["accuracy"] >= base["accuracy"] - 0.02
+    assert fast["accuracy"] >= base["accuracy"] - 0.02
 
 
 # --- the training script ----------------------------------------------------------------------------------------
