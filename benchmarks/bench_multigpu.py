@@ -11,8 +11,9 @@ about in half), the path users take. If the default `generate()` path (CUDA grap
 split model, that is reported and the eager path (`disable_compile=True`) is measured.
 
 Part 2 (`--eval-dp`, data parallel): `hf-dllm eval` on a synthetic dataset through `accelerate launch` with 1 and
-then 2 processes (one GPU each), from the checkpoint in `--checkpoint-dir` (saved there if missing). Reports
-tokens/s and wall time of both runs, the speed-up, and whether the predictions are identical.
+then 2 processes (one GPU each), from the checkpoint in `--checkpoint-dir` (saved there if missing), after an
+untimed 1-process run that compiles the Triton kernels. Reports tokens/s and wall time of both runs, the speed-up,
+and whether the predictions are identical.
 
     # the 2-GPU machine (about 16 GB of GPU memory per copy of the model, ~16 GB of disk for the checkpoint):
     python benchmarks/bench_multigpu.py --from-pretrained --eval-dp --checkpoint-dir /tmp/llada8b-random
@@ -228,18 +229,22 @@ def eval_dp(args, checkpoint: Path, workdir: Path) -> dict:
     if args.cpu:
         env["OMP_NUM_THREADS"] = "1"
     runs = {}
-    for processes in (1, 2):
+    # Warm-up (untimed): the first process on a machine JIT-compiles the Triton kernels and fills Triton's on-disk
+    # cache; without this run the 1-process figure would include that one-time compilation and the 2-process one not.
+    for timed, processes in ((False, 1), (True, 1), (True, 2)):
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
         if processes > 1:
             launch.append("--multi_gpu")  # torchrun launcher; with --device cpu the processes form a gloo group
-        output = workdir / f"dp_{processes}"
+        output = workdir / (f"dp_{processes}" if timed else "dp_warmup")
         command = [*launch, "-m", "hf_dllm.cli", "eval", *common, "--output-dir", str(output)]
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
         wall = time.perf_counter() - start
         if done.returncode != 0:
             raise RuntimeError(f"eval with {processes} process(es) failed:\n{done.stderr[-4000:]}")
+        if not timed:
+            continue
         summary = json.loads((output / "summary.json").read_text())
         runs[processes] = {
             "tokens_per_second": summary["tokens_per_second"],
