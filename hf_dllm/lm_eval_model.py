@@ -437,10 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ != "__main__":
     try:
         register_model(MODEL_NAME)(DiffusionEvalLM)
-    except (
-        ValueError,
-        AttributeError,
-    ) as error:  # already registered (the startup hook's placeholder, reloaded module)
+    # Already registered with another class object (a reloaded module); a placeholder is upgraded, not an error.
+    except (ValueError, AttributeError) as error:
         logger.debug("hf_dllm: lm-eval registration skipped: %s", error)
 
 
