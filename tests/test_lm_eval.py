@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,8 +138,14 @@ def test_registered(lm_eval_module):
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """A fresh interpreter outside the source tree: what it imports of ours comes from the installation."""
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+        env={**os.environ, **env},
+        timeout=120,
     )
 
 
