@@ -18,7 +18,7 @@ cross-entropy on masked tokens weighted by 1/t, summed, divided by the response 
 Reproducible: the same arguments give the same checkpoint on the same CPU build (fixed seeds, fixed data order,
 fixed thread count, deterministic algorithms). On the project's 2-core CPU the default run (0.74M parameters,
 6 layers, 4600 steps of 32, two threads) takes about 16 minutes (15.5 minutes of training); with `--device cuda`
-a few minutes (6.5 minutes of training on an H100 shared by 16 such runs).
+131 s of training on an H100 (held-out accuracy as on CPU: 100% one token per step, 99.2% threshold 0.9).
 
 Defaults chosen by a GPU sweep of sizes, learning rates, warm-ups and seeds (`benchmarks/results_quality.md`,
 "Notes on training"): learning is a phase transition whose timing varies by seed, and only runs trained well past
