@@ -145,10 +145,7 @@ def mc_loglikelihood(
     if mask_token_id is None:
         raise ValueError("mask_token_id is not set (pass it or set it in the model's generation config).")
     if pad_token_id is None:
-        pad_token_id = getattr(generation_config, "pad_token_id", None)
-        if pad_token_id is None:
-            eos = getattr(generation_config, "eos_token_ids", None) or [0]
-            pad_token_id = eos[0]
+        pad_token_id = generation_config.prompt_pad_token_id if generation_config is not None else 0
     shift = getattr(model, "diffusion_logits_shift", 0)
 
     samples: list[_Sample] = []
@@ -197,9 +194,7 @@ def greedy_matches(
 ) -> list[bool]:
     """Whether greedy low-confidence decoding of `len(continuation)` masks after the prompt, one token per step
     (LLaDA's `suffix_greedy_prediction`), reproduces the continuation. Runs through `generate()`."""
-    pad_token_id = model.generation_config.pad_token_id
-    if pad_token_id is None:
-        pad_token_id = (model.generation_config.eos_token_ids or [0])[0]
+    pad_token_id = model.generation_config.prompt_pad_token_id
     device = model.get_input_embeddings().weight.device
     results = [False] * len(requests)
     by_length: dict[int, list[int]] = {}

@@ -180,7 +180,7 @@ def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answe
     import torch
 
     stop_ids = stop_token_ids(config, tokenizer)
-    pad_id = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or [0])[0]
+    pad_id = config.prompt_pad_token_id
     device = model.get_input_embeddings().weight.device
     records, forward_calls, tokens = [], 0, 0
     started = time.perf_counter()

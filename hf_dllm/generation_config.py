@@ -212,5 +212,13 @@ class DiffusionGenerationConfig(GenerationConfig):
             return []
         return [self.eos_token_id] if is_int(self.eos_token_id) else list(self.eos_token_id)
 
+    @property
+    def prompt_pad_token_id(self) -> int:
+        """The id that left-pads a batch of prompts: `pad_token_id`, else the first EOS id, else 0 (padded positions
+        are masked out of attention, so any id other than the mask token does; `validate` rejects pad == mask)."""
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return (self.eos_token_ids or [0])[0]
+
 
 __all__ = ["DiffusionGenerationConfig", "REMASKING_STRATEGIES"]

@@ -331,8 +331,7 @@ class DiffusionEvalLM(LM):
         return results
 
     def _generate_batch(self, prompts: list[list[int]], untils: list[list[str]], config) -> list[str]:
-        pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or [0])[0]
-        input_ids, attention_mask = left_pad(prompts, pad)
+        input_ids, attention_mask = left_pad(prompts, config.prompt_pad_token_id)
         width = input_ids.shape[1]
         criteria = []
         if any(untils):

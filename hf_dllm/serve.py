@@ -99,14 +99,11 @@ class Server:
         self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
             model.config, "max_position_embeddings", None
         )
-        config = self.base_config
-        pad = config.pad_token_id if config.pad_token_id not in (None, config.mask_token_id) else None
-        pad = pad if pad is not None else (config.eos_token_ids or [0])[0]
         self.batcher = Batcher(
             model,
             tokenizer,
             stop_token_ids=_stop_token_ids(model, tokenizer),
-            pad_token_id=pad,
+            pad_token_id=self.base_config.prompt_pad_token_id,
             max_batch_size=max_batch_size,
             batch_window_s=batch_window_ms / 1000,
             max_concurrent_batches=max_concurrent_batches,

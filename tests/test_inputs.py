@@ -161,3 +161,11 @@ def test_other_length_limit_warns_again(caplog):
         model.generate(torch.randint(4, VOCAB, (1, 6)), max_new_tokens=16, block_length=4)
     warnings = _length_warnings(caplog.records)
     assert len(warnings) == 1 and "19" in warnings[0].getMessage()
+
+
+def test_prompt_pad_token_id_falls_back_to_the_first_eos_then_zero():
+    from hf_dllm import DiffusionGenerationConfig
+
+    assert DiffusionGenerationConfig(pad_token_id=7, eos_token_id=[3, 4]).prompt_pad_token_id == 7
+    assert DiffusionGenerationConfig(pad_token_id=None, eos_token_id=[3, 4]).prompt_pad_token_id == 3
+    assert DiffusionGenerationConfig(pad_token_id=None, eos_token_id=None).prompt_pad_token_id == 0
