@@ -20,8 +20,7 @@ def pipe(model, char_tokenizer):
     return pipeline("text-generation", model=model, tokenizer=char_tokenizer)
 
 
-@pytest.fixture
-def generate_calls(model, monkeypatch):
+def record_generate_calls(model, monkeypatch) -> list[dict]:
     """Records the kwargs of every model.generate() call (the pipeline calls it with the prompts' tensors)."""
     calls = []
     original = model.generate
@@ -32,6 +31,11 @@ def generate_calls(model, monkeypatch):
 
     monkeypatch.setattr(model, "generate", recording)
     return calls
+
+
+@pytest.fixture
+def generate_calls(model, monkeypatch):
+    return record_generate_calls(model, monkeypatch)
 
 
 def new_text(model, tokenizer, text: str, **kwargs) -> str:
@@ -91,19 +95,13 @@ def test_pipeline_defaults_do_not_switch_to_sampling(char_tokenizer, monkeypatch
     diff = model.generation_config.to_diff_dict()
     assert diff["do_sample"] is False and diff["temperature"] == 0.0 and diff["max_new_tokens"] == 12
     pipe = pipeline("text-generation", model=model, tokenizer=char_tokenizer)
-    calls = []
-    original = model.generate
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(model, "generate", recording)
+    calls = record_generate_calls(model, monkeypatch)
     torch.manual_seed(0)
     first = pipe("Hello", return_full_text=False)
     torch.manual_seed(1)
     second = pipe("Hello", return_full_text=False)
     assert first == second
+    assert len(calls) == 2
     for call in calls:
         assert not call.get("do_sample", False)
         assert call.get("temperature", 0.0) == 0.0
