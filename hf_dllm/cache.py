@@ -9,7 +9,13 @@ a block, and reuses them:
   recompute the block and everything after it, and reuse the stored K/V before the block.
 - `DualCache`: as prefix, but later steps recompute only the block and reuse stored K/V on both sides.
 
-All three only differ in which positions a step feeds to the model (`query_range`), so the denoising loop is
+Block-causal models (LLaDA2: each block attends to itself and earlier blocks) need no approximation:
+- `ExactBlockCache`: committed blocks' K/V never change, so each is written once. The first step of a block also
+  recomputes the previous block with its committed tokens (writing its exact K/V; the first block's first step
+  prefills the prompt), later steps compute the block alone. Same forwards as recomputing everything, exact.
+- `BlockCausalNoCache`: every step recomputes everything up to the end of the block (the reference `generate()`).
+
+All of them only differ in which positions a step feeds to the model (`query_range`), so the denoising loop is
 written once. The store itself, `DiffusionKVCache`, is pre-allocated for the whole call (gpt-fast style) and
 written in place at explicit positions, so a step never concatenates tensors or changes shapes.
 
@@ -71,6 +77,14 @@ class DiffusionKVCache:
             values.index_copy_(2, position, value_states)
         return keys, values
 
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Compact the rows in place: row i becomes old row `index[i]` (`index` `(n,)` long), so the buffers keep
+        their addresses (captured CUDA graphs read them) while finished rows leave the batch."""
+        for buffers in (self.keys, self.values):
+            for layer, buffer in enumerate(buffers):
+                if buffer is not None:
+                    buffer[: index.numel()].copy_(buffer.index_select(0, index.to(buffer.device)))
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """transformers' Cache interface: positions held (the whole sequence once the layer was written)."""
         return self.max_length if self.keys[layer_idx] is not None else 0
@@ -84,6 +98,13 @@ class CachePolicy:
 
     name = "none"
     uses_cache = False
+
+    def start_block(self, block_start: int) -> None:
+        """Called before each block (with its first column)."""
+
+    def keep_rows(self, cache: DiffusionKVCache | None, index: torch.Tensor) -> None:
+        """Rows `index` stay in the batch after a block (finished rows leave). Policies that refresh every
+        position at the next block's first step need do nothing."""
 
     def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
         """Columns `[start, end)` of the sequence fed to the model at this step."""
@@ -120,7 +141,42 @@ class DualCache(CachePolicy):
         return (0, seq_len) if first_step else (block_start, block_end)
 
 
-def make_cache_policy(use_cache: bool, dual_cache: bool) -> CachePolicy:
+class BlockCausalNoCache(CachePolicy):
+    """Block-causal models without a cache: every step recomputes the sequence up to the end of the block (later
+    positions cannot influence it), as the reference `generate()` does."""
+
+    name = "none"
+    uses_cache = False
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        return 0, block_end
+
+
+class ExactBlockCache(CachePolicy):
+    """Block-causal models: committed blocks' K/V are exact and written once (see the module docstring)."""
+
+    name = "exact"
+    uses_cache = True
+
+    def __init__(self) -> None:
+        self.exact_until = 0  # K/V of columns before this hold committed tokens
+        self.refresh_from = 0
+
+    def start_block(self, block_start: int) -> None:
+        self.refresh_from, self.exact_until = self.exact_until, block_start
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        return (self.refresh_from, block_end) if first_step else (block_start, block_end)
+
+    def keep_rows(self, cache: DiffusionKVCache | None, index: torch.Tensor) -> None:
+        cache.keep_rows(index)
+
+
+def make_cache_policy(use_cache: bool, dual_cache: bool, block_causal: bool = False) -> CachePolicy:
+    """The cache a config names. For block-causal models the prefix and dual caches are the same exact cache
+    (the suffix is never attended), so `dual_cache` does not matter for them."""
+    if block_causal:
+        return ExactBlockCache() if use_cache else BlockCausalNoCache()
     if not use_cache:
         return NoCache()
     return DualCache() if dual_cache else PrefixCache()

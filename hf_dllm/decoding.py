@@ -14,12 +14,18 @@ Policies:
   confidence >= tau, and always at least the most confident one.
 - `ConfidenceFactor`: Fast-dLLM's factor rule: the n most confident positions for the largest n with
   `(n + 1) * (1 - c_n) < factor`, at least one (c_n = n-th largest confidence).
+- `ScheduledThreshold`: LLaDA2.0's rule (block-causal models): the schedule's quota, or every position strictly
+  above the threshold when there are more of them.
+- `TokenEditing`: LLaDA2.1's rule: `ScheduledThreshold` with a fixed quota, plus re-decoding committed tokens whose
+  new prediction is confident enough.
 
 Everything here is a tensor function of fixed shapes with no host synchronisation, so a step can be captured in a
 CUDA graph.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -97,14 +103,36 @@ def commit_most_confident(ranks: torch.Tensor, masked: torch.Tensor, counts: tor
 
 
 class UnmaskingPolicy:
-    """Decides how many masked positions a step commits. Subclasses implement `num_to_commit`."""
+    """Decides how many masked positions a step commits. Subclasses implement `num_to_commit`.
 
-    def start_block(self, block_length: int, num_steps: int) -> None:
-        """Called before each block with its length and its share of `steps`."""
+    Per block, the loop calls `start_block` (host side), then for every step `scheduled_counts` (a `(rows,)`
+    tensor, input of the captured step), runs `commit` inside the step, and after it `still_active` to know which
+    rows need another forward (a row that stops is frozen: later steps of the block leave it unchanged).
+    """
+
+    # Whether `commit` may change committed tokens (token editing); the loop then tracks edits.
+    edits = False
+
+    def start_block(self, block_length: int, num_steps: int | torch.Tensor) -> None:
+        """Called before each block with its length and its share of `steps`: an int, or `(rows,)` long (rows
+        may have different shares, e.g. block-causal rows with different numbers of blocks)."""
+        self.block_length = block_length
+        self.num_steps = torch.as_tensor(num_steps, dtype=torch.long)
+        self._device_steps: torch.Tensor | None = None
+
+    def steps_on(self, device: torch.device) -> torch.Tensor:
+        """`num_steps` on `device`, copied once per block (not once per step)."""
+        if self._device_steps is None or self._device_steps.device != device:
+            self._device_steps = self.num_steps.to(device)
+        return self._device_steps
 
     def scheduled_count(self, step: int) -> int:
         """Tokens the fixed schedule assigns to `step` of the current block (0 for confidence-driven policies)."""
         return 0
+
+    def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
+        """`(rows,)` long: the count of `scheduled_count` for every row."""
+        return torch.full((rows,), self.scheduled_count(step), dtype=torch.long, device=device)
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         """`sorted_confidence` `(batch, L)` descending (non-masked = -inf); `scheduled` `(batch,)` the step's
@@ -113,9 +141,37 @@ class UnmaskingPolicy:
         Returns `(batch,)` long counts (>= 1; positions beyond the masked ones are never committed)."""
         raise NotImplementedError
 
+    def commit(self, proposal: "BlockProposal", scheduled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block after this step `(rows, L)` and `(rows,)` bool: whether a committed token was edited."""
+        sorted_confidence, ranks = rank_by_confidence(proposal.confidence)
+        counts = self.num_to_commit(sorted_confidence, scheduled)
+        commit = commit_most_confident(ranks, proposal.masked, counts)
+        new_block = torch.where(commit, proposal.x0, proposal.block)
+        return new_block, torch.zeros(new_block.shape[0], dtype=torch.bool, device=new_block.device)
+
     def steps_for_block(self) -> int | None:
-        """Number of forwards the current block takes, when known in advance."""
+        """Number of forwards the current block takes, when known in advance (no host synchronisation)."""
         return None
+
+    def still_active(
+        self,
+        active: torch.Tensor,
+        masked_before: torch.Tensor,
+        masked_after: torch.Tensor,
+        edited: torch.Tensor,
+        step: int,
+    ) -> torch.Tensor:
+        """`(rows,)` bool: rows that need another forward after `step` (1-based count of steps made) forwards.
+        By default a row is done once its block holds no mask."""
+        return active & masked_after & (step < self.steps_on(active.device))
+
+
+def schedule_counts(block_length: int, num_steps: torch.Tensor, step: int) -> torch.Tensor:
+    """LLaDA's linear schedule for every row (`get_num_transfer_tokens`): `block_length // s` tokens per step, one
+    more for the first `block_length % s` steps; `num_steps` `(rows,)` -> `(rows,)` long. Arithmetic per step,
+    so no list of `steps` entries is ever built."""
+    base, extra = block_length // num_steps, block_length % num_steps
+    return base + (step < extra).long()
 
 
 class FixedSchedule(UnmaskingPolicy):
@@ -123,22 +179,23 @@ class FixedSchedule(UnmaskingPolicy):
     the first `L % s` steps (LLaDA Sec. 2.4, `get_num_transfer_tokens`). Steps beyond L commit nothing and are
     skipped."""
 
-    def __init__(self) -> None:
-        self.schedule: list[int] = []
-
-    def start_block(self, block_length: int, num_steps: int) -> None:
-        base, extra = divmod(block_length, num_steps)
-        schedule = [base + (1 if i < extra else 0) for i in range(num_steps)]
-        self.schedule = [count for count in schedule if count > 0]
+    def start_block(self, block_length: int, num_steps: int | torch.Tensor) -> None:
+        super().start_block(block_length, num_steps)
+        if self.num_steps.dim() and bool((self.num_steps != self.num_steps.max()).any()):
+            raise ValueError("FixedSchedule takes one step count for all rows of a block.")
+        self.steps = int(self.num_steps.max())
 
     def steps_for_block(self) -> int:
-        return len(self.schedule)
+        return min(self.steps, self.block_length)
 
     def scheduled_count(self, step: int) -> int:
-        return self.schedule[step]
+        return int(schedule_counts(self.block_length, torch.tensor(self.steps), step))
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return scheduled
+
+    def still_active(self, active, masked_before, masked_after, edited, step):
+        return active & (step < self.steps_for_block())
 
 
 class ConfidenceThreshold(UnmaskingPolicy):
@@ -150,6 +207,9 @@ class ConfidenceThreshold(UnmaskingPolicy):
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return (sorted_confidence >= self.threshold).sum(-1).clamp(min=1)
+
+    def still_active(self, active, masked_before, masked_after, edited, step):
+        return active & masked_after
 
 
 class ConfidenceFactor(UnmaskingPolicy):
@@ -165,13 +225,159 @@ class ConfidenceFactor(UnmaskingPolicy):
         passes = (n + 1) * (1.0 - sorted_confidence.double()) < self.factor
         return (passes * n).amax(-1).clamp(min=1)
 
+    def still_active(self, active, masked_before, masked_after, edited, step):
+        return active & masked_after
 
-def make_unmasking_policy(threshold: float | None, factor: float | None) -> UnmaskingPolicy:
-    if threshold is not None:
-        return ConfidenceThreshold(threshold)
+
+class ScheduledThreshold(UnmaskingPolicy):
+    """LLaDA2.0's rule (its `generate()`): step s of a block has the linear schedule's quota over the whole
+    `block_length` (also for a first block that starts inside the prompt); if more masked positions than the
+    quota have confidence strictly above `threshold`, all of them are committed, otherwise the quota's most
+    confident ones. `threshold=None` is the schedule alone (the reference's `threshold=1.0`). A row's block
+    ends when it holds no mask, or after its `s` steps."""
+
+    def __init__(self, threshold: float | None) -> None:
+        self.threshold = threshold
+
+    def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
+        return schedule_counts(self.block_length, self.steps_on(device), step)
+
+    def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
+        if self.threshold is None:
+            return scheduled
+        above = (sorted_confidence > self.threshold).sum(-1)
+        return torch.where(above >= scheduled, above, scheduled)
+
+
+class TokenEditing(ScheduledThreshold):
+    """LLaDA2.1's rule (its `generate()`): each forward commits masked positions as `ScheduledThreshold` with the
+    quota fixed at `num_to_transfer`, and also re-decodes committed, non-prompt positions of the block whose
+    greedy token differs from the current one with probability > `editing_threshold`. A row's block goes on
+    while it has masks or its last forward edited, with at most `max_post_steps` forwards after its last mask
+    was committed (the reference's loop, counted per row)."""
+
+    edits = True
+
+    def __init__(self, threshold: float | None, editing_threshold: float, num_to_transfer: int, max_post_steps: int):
+        super().__init__(threshold)
+        self.editing_threshold = editing_threshold
+        self.num_to_transfer = num_to_transfer
+        self.max_post_steps = max_post_steps
+
+    def start_block(self, block_length: int, num_steps) -> None:
+        super().start_block(block_length, num_steps)
+        self.post_steps: torch.Tensor | None = None
+
+    def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.full((rows,), self.num_to_transfer, dtype=torch.long, device=device)
+
+    def commit(self, proposal: "BlockProposal", scheduled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        new_block, _ = super().commit(proposal, scheduled)
+        editable = ~proposal.masked & proposal.generated
+        edit = editable & (proposal.x0 != proposal.block) & (proposal.probability > self.editing_threshold)
+        return torch.where(edit, proposal.x0, new_block), edit.any(-1)
+
+    def still_active(self, active, masked_before, masked_after, edited, step):
+        if self.post_steps is None:
+            self.post_steps = torch.zeros_like(active, dtype=torch.long)
+        # A forward that found no mask is a post step; another forward follows only if this one found masks or
+        # edited, and (once no mask is left) while the post steps stay within `max_post_steps`.
+        self.post_steps = self.post_steps + (active & ~masked_before).long()
+        within = masked_after | (self.post_steps + 1 <= self.max_post_steps)
+        return active & (masked_before | edited) & within
+
+
+def make_unmasking_policy(
+    threshold: float | None,
+    factor: float | None,
+    block_causal: bool = False,
+    editing_threshold: float | None = None,
+    num_to_transfer: int = 1,
+    max_post_steps: int = 16,
+) -> UnmaskingPolicy:
+    """The rule a config names. Block-causal models (LLaDA2) use their reference's scheduled threshold (and
+    LLaDA2.1's token editing); bidirectional models (LLaDA) use LLaDA's schedule or Fast-dLLM's rules."""
     if factor is not None:
         return ConfidenceFactor(factor)
+    if block_causal:
+        if editing_threshold is not None:
+            return TokenEditing(threshold, editing_threshold, num_to_transfer, max_post_steps)
+        return ScheduledThreshold(threshold)
+    if threshold is not None:
+        return ConfidenceThreshold(threshold)
     return FixedSchedule()
+
+
+@dataclass
+class BlockProposal:
+    """What one forward proposes for the current block (all `(rows, L)`): the block's tokens before the step,
+    which of them are masked, which are generated positions (not prompt), the candidate token and its
+    probability everywhere, and the ranking confidence (`NOT_MASKED` outside masked positions)."""
+
+    block: torch.Tensor
+    masked: torch.Tensor
+    generated: torch.Tensor
+    x0: torch.Tensor
+    probability: torch.Tensor
+    confidence: torch.Tensor
+
+
+@dataclass
+class StepRules:
+    """The fixed, per-call parameters of a denoising step (one object instead of loose arguments)."""
+
+    policy: UnmaskingPolicy
+    mask_token_id: int
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    suppressed_token_ids: torch.Tensor | None = None
+    deferred_token_ids: torch.Tensor | None = None
+
+
+def denoise_step(
+    block: torch.Tensor,
+    logits: torch.Tensor,
+    rules: StepRules,
+    scheduled: torch.Tensor,
+    generated: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One denoising step on a block, a pure tensor function (graph-capturable).
+
+    Args:
+        block: `(rows, L)` tokens of the block before the step.
+        logits: `(rows, L, vocab)` logits of the block's positions.
+        scheduled: `(rows,)` the schedule's count for this step (see `UnmaskingPolicy.num_to_commit`).
+        generated: `(rows, L)` bool, positions after the prompt (only they may be edited); default all.
+        active: `(rows,)` bool, rows still denoising this block; the others are returned unchanged.
+
+    Returns the new block, a draft `(rows, L)` in which still-masked positions show their current candidate (for
+    streamers' `put_draft`), and `(rows,)` bool: whether the step edited a committed token.
+    """
+    masked = block == rules.mask_token_id
+    x0, probability = propose_tokens(
+        logits,
+        torch.ones_like(masked),
+        rules.temperature,
+        rules.remasking,
+        rules.suppressed_token_ids,
+        rules.deferred_token_ids,
+        rules.mask_token_id,
+    )
+    proposal = BlockProposal(
+        block=block,
+        masked=masked,
+        generated=generated if generated is not None else torch.ones_like(masked),
+        x0=x0,
+        probability=probability,
+        confidence=torch.where(masked, probability, NOT_MASKED),
+    )
+    new_block, edited = rules.policy.commit(proposal, scheduled)
+    if active is not None:
+        new_block = torch.where(active.unsqueeze(-1), new_block, block)
+        edited = edited & active
+    draft = torch.where(new_block == rules.mask_token_id, x0, new_block)
+    return new_block, draft, edited
 
 
 def denoise_block_step(
@@ -185,19 +391,7 @@ def denoise_block_step(
     suppressed_token_ids: torch.Tensor | None = None,
     deferred_token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One denoising step on a block: `block` `(batch, L)` tokens, `logits` `(batch, L, vocab)`, `scheduled`
-    `(batch,)` the fixed schedule's count for this step (see `UnmaskingPolicy.num_to_commit`).
-
-    Returns the new block (committed positions filled in) and a draft `(batch, L)` in which still-masked
-    positions show their current candidate (for streamers' `put_draft`).
-    """
-    masked = block == mask_token_id
-    x0, confidence = propose_tokens(
-        logits, masked, temperature, remasking, suppressed_token_ids, deferred_token_ids, mask_token_id
-    )
-    sorted_confidence, ranks = rank_by_confidence(confidence)
-    counts = policy.num_to_commit(sorted_confidence, scheduled)
-    commit = commit_most_confident(ranks, masked, counts)
-    new_block = torch.where(commit, x0, block)
-    draft = torch.where(new_block == mask_token_id, x0, new_block)
+    """`denoise_step` with loose arguments and no editing: returns the new block and the draft."""
+    rules = StepRules(policy, mask_token_id, temperature, remasking, suppressed_token_ids, deferred_token_ids)
+    new_block, draft, _ = denoise_step(block, logits, rules, scheduled)
     return new_block, draft

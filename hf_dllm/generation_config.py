@@ -30,6 +30,10 @@ _GENERATION_DEFAULTS = {
     "use_cache": True,
     "dual_cache": True,
     "cfg_scale": 0.0,
+    "minimal_topk": 1,
+    "editing_threshold": None,
+    "max_post_steps": 16,
+    "num_to_transfer": 1,
     "eos_early_stop": True,
     "logits_eos_inf": False,
     "confidence_eos_eot_inf": False,
@@ -41,6 +45,8 @@ _GENERATION_DEFAULTS = {
     "return_dict_in_generate": False,
     "disable_compile": False,
 }
+# LLaDA2.1 token editing (block-causal models only); non-default values need `editing_threshold`.
+EDITING_FIELDS = ("editing_threshold", "max_post_steps", "num_to_transfer")
 SPECIAL_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
 _METADATA_FIELDS = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
 
@@ -63,9 +69,14 @@ class DiffusionGenerationConfig(GenerationConfig):
             is not a multiple of it, the last block is shorter.
         steps (`int`, *optional*): total denoising steps over all blocks, spread over blocks in proportion to their
             length (`floor(steps * end_b / max_new_tokens)` minus the same at the block's start, at least 1 per
-            block). `None` = one token per step (`steps = max_new_tokens`). Must be `None` with
-            `threshold`/`factor`, whose steps are decided by confidence. `steps`, `threshold` and `factor` are one
-            choice: passing one of them to `generate()` replaces the rule of the base config.
+            block). `None` = one token per step (`steps = max_new_tokens`). For bidirectional models (LLaDA) it
+            must be `None` with `threshold`/`factor`, whose steps are decided by confidence; for block-causal
+            models (LLaDA2) `steps` and `threshold` combine as in their reference `generate()` (each step commits
+            every position above the threshold if that is at least the step's scheduled count, else the scheduled
+            count). `steps`, `threshold` and `factor` are one choice: passing one of them to `generate()` replaces
+            the rule of the base config.
+        minimal_topk (`int`, 1): block-causal models: the steps of a block are capped at
+            `max_new_tokens // minimal_topk` (LLaDA2's `minimal_topk`).
 
     Unmasking (which masked positions a step commits):
         remasking (`str`, `"low_confidence"`): `"low_confidence"` commits the most confident candidates,
@@ -81,9 +92,20 @@ class DiffusionGenerationConfig(GenerationConfig):
         confidence_eos_eot_inf (`bool`): EOS/EOT candidates get the lowest confidence, so they are committed last
             (LLaDA App. B.4). EOS ids come from `eos_token_id`, EOT from `eot_token_id`.
 
+    Token editing (LLaDA2.1, block-causal models only):
+        editing_threshold (`float`, *optional*): turns editing on: a committed (non-prompt) position of the current
+            block whose new prediction differs and has probability > `editing_threshold` is re-decoded. Each step
+            then commits `num_to_transfer` masked positions (or every one above `threshold`, if more), and `steps`
+            must be None.
+        max_post_steps (`int`, 16): editing forwards a block may make after its last mask is committed.
+        num_to_transfer (`int`, 1): masked positions each step commits at least (with editing).
+
     Caching (Fast-dLLM Sec. 3.2):
-        use_cache (`bool`, True): reuse K/V of positions outside the block within a block.
+        use_cache (`bool`, True): reuse K/V of positions outside the block within a block. For block-causal
+            models (LLaDA2) the cache is exact: committed blocks' K/V are written once and never change.
         dual_cache (`bool`, True): with `use_cache`, also reuse the suffix (only the block is recomputed).
+            Block-causal models never attend to the suffix, so for them the prefix and dual caches are the same
+            exact cache and this flag changes nothing.
 
     Stopping and output:
         eos_early_stop (`bool`, True): once a row's committed blocks hold an EOS, the row stops, its remaining
@@ -147,8 +169,12 @@ class DiffusionGenerationConfig(GenerationConfig):
     def get_generation_mode(self, *args, **kwargs):
         raise NotImplementedError("DiffusionGenerationConfig has a single mode: block diffusion.")
 
-    def validate(self, strict: bool = False, **kwargs) -> None:
-        """Raise a `ValueError` naming the field and its allowed values for any invalid value or contradiction."""
+    def validate(self, strict: bool = False, block_causal: bool | None = None, **kwargs) -> None:
+        """Raise a `ValueError` naming the field and its allowed values for any invalid value or contradiction.
+
+        `block_causal` is the model's attention (`DiffusionGenerationMixin.diffusion_block_causal`); the rules that
+        depend on it (whether `steps` combines with `threshold`, token editing) are checked only when it is known
+        (not None): a config file is model-agnostic, the model checks it before generating."""
         for name in ("max_new_tokens", "block_length"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
@@ -167,11 +193,42 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError(f"`factor` must be None or a number > 0, got {self.factor!r}.")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("`threshold` and `factor` are alternative unmasking rules: set at most one of them.")
+        if not is_int(self.minimal_topk) or self.minimal_topk <= 0:
+            raise ValueError(f"`minimal_topk` must be a positive integer, got {self.minimal_topk!r}.")
+        if self.editing_threshold is not None and (
+            not is_number(self.editing_threshold) or not 0 < self.editing_threshold <= 1
+        ):
+            raise ValueError(f"`editing_threshold` must be None or a number in (0, 1], got {self.editing_threshold!r}.")
+        for name in ("max_post_steps", "num_to_transfer"):
+            value = getattr(self, name)
+            if not is_int(value) or value < (0 if name == "max_post_steps" else 1):
+                bound = ">= 0" if name == "max_post_steps" else ">= 1"
+                raise ValueError(f"`{name}` must be an integer {bound}, got {value!r}.")
+        if self.editing_threshold is None:
+            for name in EDITING_FIELDS[1:]:
+                if getattr(self, name) != _GENERATION_DEFAULTS[name]:
+                    raise ValueError(f"`{name}` only applies to token editing: set `editing_threshold` too.")
         adaptive = "threshold" if self.threshold is not None else "factor" if self.factor is not None else None
-        if adaptive and self.steps is not None:
+        steps_combine = block_causal and adaptive == "threshold" and self.editing_threshold is None
+        model_known = block_causal is not None
+        if adaptive and self.steps is not None and (adaptive == "factor" or (model_known and not steps_combine)):
             raise ValueError(
                 f"`steps` must be None with `{adaptive}`: confidence decides how many steps a block takes."
             )
+        if self.editing_threshold is not None and block_causal is not None:
+            if not block_causal:
+                raise ValueError(
+                    "`editing_threshold` (token editing, LLaDA2.1) is only supported by block-causal models "
+                    "(LLaDA2); this model attends bidirectionally."
+                )
+            if self.steps is not None:
+                raise ValueError("`steps` must be None with `editing_threshold`: `num_to_transfer` sets the pace.")
+            if self.factor is not None:
+                raise ValueError("`factor` cannot be combined with `editing_threshold`; use `threshold`.")
+        if block_causal is False and self.minimal_topk != _GENERATION_DEFAULTS["minimal_topk"]:
+            raise ValueError("`minimal_topk` only applies to block-causal models (LLaDA2).")
+        if self.editing_threshold is not None and self.remasking != "low_confidence":
+            raise ValueError("`editing_threshold` needs remasking='low_confidence' (it compares model confidences).")
         if adaptive and self.remasking != "low_confidence":
             raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
         for name in (

@@ -26,7 +26,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
 from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
-from .decoding import UnmaskingPolicy, denoise_block_step, make_unmasking_policy
+from .decoding import StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
 
@@ -108,9 +108,14 @@ class DiffusionGenerationMixin:
 
     - `generation_config` (a `DiffusionGenerationConfig`) with `mask_token_id`;
     - `diffusion_logits_shift`: 0 if logits at position i predict token i (LLaDA), 1 if they predict i + 1 (Dream);
-    - `_diffusion_forward(input_ids, attention_mask, position_ids, cache, cache_position, logits_slice)` returning
-      logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with transformers'
-      arguments (`past_key_values`, `cache_position`, `logits_to_keep`);
+    - `diffusion_block_causal`: False if every position attends to every other (LLaDA), True if each block
+      attends to itself and earlier blocks (LLaDA2): blocks are then aligned to absolute positions, the KV cache
+      is exact, and `steps` combines with `threshold` (see `plan_block_causal`, `ExactBlockCache`,
+      `ScheduledThreshold`);
+    - `_diffusion_forward(input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **kw)`
+      returning logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with
+      transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and, for block-causal
+      models, `block_length`;
     - `_diffusion_new_cache(batch_size, max_length)` returning a `DiffusionKVCache` (default: one per layer of
       `config.num_hidden_layers`);
     - `_diffusion_attention_mask(key_mask, q_len)` turning the `(rows, seq_len)` padding mask into what the
@@ -119,6 +124,9 @@ class DiffusionGenerationMixin:
     """
 
     diffusion_logits_shift = 0
+    # True for block-causal models (LLaDA2): blocks aligned to absolute positions, an exact KV cache, and the
+    # forward takes `block_length` (see `BlockDiffusionRun`).
+    diffusion_block_causal = False
 
     def _diffusion_forward(
         self,
@@ -128,6 +136,7 @@ class DiffusionGenerationMixin:
         cache: DiffusionKVCache | None,
         cache_position: torch.Tensor,
         logits_slice: slice,
+        **forward_kwargs,
     ) -> torch.Tensor:
         return self(
             input_ids=input_ids,
@@ -137,6 +146,7 @@ class DiffusionGenerationMixin:
             use_cache=cache is not None,
             cache_position=cache_position,
             logits_to_keep=logits_slice,
+            **forward_kwargs,
         ).logits
 
     def _diffusion_new_cache(self, batch_size: int, max_length: int) -> DiffusionKVCache:
@@ -167,7 +177,7 @@ class DiffusionGenerationMixin:
             return
         # Special token ids a foreign generation_config.json leaves unset still come from the model config.
         loaded.inherit_special_tokens(self.generation_config)
-        loaded.validate()
+        loaded.validate(block_causal=self.diffusion_block_causal)
         self.generation_config = loaded
 
     def _prepare_diffusion_config(
@@ -198,7 +208,7 @@ class DiffusionGenerationMixin:
             kwargs["do_sample"] = kwargs["temperature"] > 0 if is_number(kwargs["temperature"]) else False
         for key, value in kwargs.items():
             setattr(config, key, value)
-        config.validate()
+        config.validate(block_causal=self.diffusion_block_causal)
         return config, model_inputs
 
     @torch.no_grad()
@@ -271,6 +281,8 @@ class DiffusionGenerationMixin:
             raise ValueError(f"{needs_eos} need `eos_token_id` to be set (or set them to False).")
         if config.cfg_scale > 0 and self.diffusion_logits_shift:
             raise ValueError("`cfg_scale` > 0 is only supported for models with unshifted logits.")
+        if config.cfg_scale > 0 and self.diffusion_block_causal:
+            raise ValueError("`cfg_scale` > 0 is not supported for block-causal models (LLaDA2): set it to 0.")
 
         if input_ids is None:
             start = [] if config.bos_token_id is None else [config.bos_token_id]
@@ -313,12 +325,104 @@ class DiffusionGenerationMixin:
         return input_ids, attention_mask
 
 
+@dataclass
+class BlockPlan:
+    """Where one `generate()` call puts everything on its canvas (the `(batch, canvas_width)` token matrix the
+    loop denoises), and which blocks it decodes. Built once per call, before any forward.
+
+    Args:
+        canvas_width: columns of the canvas.
+        prompt_start, prompt_end: `(batch,)` long, each row's prompt occupies columns `[prompt_start, prompt_end)`
+            and its generated positions start at `prompt_end`; columns before `prompt_start` are padding.
+        blocks: `[(start, end), ...]` columns of the blocks, shared by all rows, decoded left to right.
+        block_steps: `(batch, num_blocks)` long (host), each row's share of `steps` per block.
+        last_block: `(batch,)` long (host), the last block each row decodes (rows may need fewer blocks).
+        prompt_width: the width of the caller's (left-padded) prompts; output rows are the caller's prompt
+            followed by the generated positions `[prompt_end, prompt_end + max_new_tokens)`.
+    """
+
+    canvas_width: int
+    prompt_start: torch.Tensor
+    prompt_end: torch.Tensor
+    blocks: list[tuple[int, int]]
+    block_steps: torch.Tensor
+    last_block: torch.Tensor
+    prompt_width: int
+
+
+def plan_bidirectional(
+    prompt_width: int, batch: int, config: DiffusionGenerationConfig, device: torch.device
+) -> BlockPlan:
+    """LLaDA-style plan: the canvas is the caller's prompts followed by `max_new_tokens` masks, blocks start right
+    after the prompts (`plan_blocks`), every row decodes every block with the same steps."""
+    blocks = plan_blocks(config.max_new_tokens, config.block_length, config.steps)
+    return BlockPlan(
+        canvas_width=prompt_width + config.max_new_tokens,
+        prompt_start=torch.zeros(batch, dtype=torch.long, device=device),
+        prompt_end=torch.full((batch,), prompt_width, dtype=torch.long, device=device),
+        blocks=[(prompt_width + offset, prompt_width + offset + length) for offset, length, _ in blocks],
+        block_steps=torch.tensor([[steps for _, _, steps in blocks]] * batch, dtype=torch.long),
+        last_block=torch.full((batch,), len(blocks) - 1, dtype=torch.long),
+        prompt_width=prompt_width,
+    )
+
+
+def plan_block_causal(
+    prompt_lengths: list[int], prompt_width: int, config: DiffusionGenerationConfig, device: torch.device
+) -> BlockPlan:
+    """LLaDA2-style plan (block-causal models, LLaDA2.0 tech report; its reference `generate()`): blocks are
+    aligned to each row's absolute positions (position p is in block p // block_length), the first decoded block
+    is the one holding position `len(prompt)` (so it can hold the prompt's tail), and the last block is decoded
+    whole (positions past `max_new_tokens` are decoded and dropped).
+
+    Rows of different prompt lengths are left-padded by whole blocks so that every row's first decoded block
+    starts at the same column: block boundaries then coincide for all rows, and a row's block-causal attention
+    is the one it has alone. Row r decodes `ceil((P_r + N) / B) - P_r // B` blocks, N = `max_new_tokens`; a row
+    with one block fewer ends one block earlier. `steps` (total, per row) is split over a row's blocks in
+    proportion (`steps / blocks` each when it divides), each capped at `max_new_tokens // minimal_topk`; `None`
+    means `block_length` steps per block (one token per step)."""
+    block, new = config.block_length, config.max_new_tokens
+    first_blocks = [length // block for length in prompt_lengths]
+    num_blocks = [-(-(length + new) // block) - first for length, first in zip(prompt_lengths, first_blocks)]
+    start_block = max(first_blocks)
+    cap = new // config.minimal_topk
+    if cap < 1:
+        raise ValueError(
+            f"`minimal_topk` ({config.minimal_topk}) must be <= max_new_tokens ({new}): it caps a block's steps at "
+            "max_new_tokens // minimal_topk."
+        )
+    steps = torch.zeros(len(prompt_lengths), max(num_blocks), dtype=torch.long)
+    for row, count in enumerate(num_blocks):
+        if config.steps is None:
+            steps[row, :count] = min(block, cap)
+            continue
+        if config.steps < count:
+            raise ValueError(
+                f"`steps` ({config.steps}) must be >= the number of blocks a prompt of {prompt_lengths[row]} tokens "
+                f"decodes ({count} = ceil((prompt + max_new_tokens) / block_length) - prompt // block_length)."
+            )
+        shares = torch.arange(count + 1) * config.steps // count
+        steps[row, :count] = (shares[1:] - shares[:-1]).clamp(max=cap)
+    shift = torch.tensor([(start_block - first) * block for first in first_blocks], dtype=torch.long)
+    lengths = torch.tensor(prompt_lengths, dtype=torch.long)
+    return BlockPlan(
+        canvas_width=(start_block + max(num_blocks)) * block,
+        prompt_start=shift.to(device),
+        prompt_end=(shift + lengths).to(device),
+        blocks=[((start_block + k) * block, (start_block + k + 1) * block) for k in range(max(num_blocks))],
+        block_steps=steps,
+        last_block=torch.tensor(num_blocks, dtype=torch.long) - 1,
+        prompt_width=prompt_width,
+    )
+
+
 class BlockDiffusionRun:
     """State of one `generate()` call: the canvas of the rows still decoding and the loop over blocks and steps.
 
     Rows (prompts) stay in lockstep: every block starts for all rows at the same step, so a row's tokens never
-    depend on the other rows. Rows whose committed blocks hold an EOS (with `eos_early_stop`) are dropped between
-    blocks, so they cost no more forwards.
+    depend on the other rows; within a block, a row whose rule says it is done is frozen (and counts no more
+    forwards) while the others go on. Rows that finish (EOS with `eos_early_stop`, a stopping criterion, their
+    last block) are dropped between blocks, so they cost no more forwards.
 
     A step is one tensor function (`step`: model forward on the positions the cache policy asks for, then the
     unmasking rule on the block) with no host synchronisation, so on CUDA it is captured once per shape as a CUDA
@@ -334,23 +438,54 @@ class BlockDiffusionRun:
         self.stopping_criteria = list(stopping_criteria or [])
         self.mask_id = config.mask_token_id
         self.shift = model.diffusion_logits_shift
+        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.cfg = config.cfg_scale > 0
         batch, self.prompt_len = input_ids.shape
-        self.seq_len = self.prompt_len + config.max_new_tokens
         self.device = device = input_ids.device
+        self.input_ids = input_ids
 
-        self.sequences = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
-        self.sequences[:, : self.prompt_len] = input_ids
-        self.x = self.sequences.clone()
-        self.rows = torch.arange(batch, device=device)
-        if attention_mask is None:
-            self.key_mask = None
-            self.position_ids = torch.arange(self.seq_len, device=device).expand(batch, -1)
+        pad_id = config.prompt_pad_token_id
+        if self.block_causal:
+            if attention_mask is None:
+                prompts = list(input_ids)
+            else:
+                prompts = [row[keep.bool()] for row, keep in zip(input_ids, attention_mask, strict=True)]
+            self.plan = plan_block_causal([len(p) for p in prompts], self.prompt_len, config, device)
+            self.seq_len = self.plan.canvas_width
+            self.x = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
+            columns = torch.arange(self.seq_len, device=device)
+            self.x[columns < self.plan.prompt_start.unsqueeze(-1)] = pad_id
+            for row, prompt in enumerate(prompts):
+                start = int(self.plan.prompt_start[row])
+                self.x[row, start : start + len(prompt)] = prompt
+            padded = bool((self.plan.prompt_start > 0).any())
+            self.key_mask = (columns >= self.plan.prompt_start.unsqueeze(-1)).long() if padded else None
+            self.position_ids = (columns - self.plan.prompt_start.unsqueeze(-1)).clamp(min=0)
+            self.forward_kwargs = {"block_length": config.block_length}
         else:
-            generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
-            self.key_mask = torch.cat([attention_mask, generated], dim=1)
-            self.position_ids = padding_aware_position_ids(self.key_mask)
-        self.attention_masks: dict[tuple[int, int], object] = {}
+            self.plan = plan_bidirectional(self.prompt_len, batch, config, device)
+            self.seq_len = self.plan.canvas_width
+            self.x = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
+            self.x[:, : self.prompt_len] = input_ids
+            if attention_mask is None:
+                self.key_mask = None
+                self.position_ids = torch.arange(self.seq_len, device=device).expand(batch, -1)
+            else:
+                generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
+                self.key_mask = torch.cat([attention_mask, generated], dim=1)
+                self.position_ids = padding_aware_position_ids(self.key_mask)
+            self.forward_kwargs = {}
+        self.canvas = self.x.clone()
+        self.sequences = torch.full(
+            (batch, self.prompt_len + config.max_new_tokens), self.mask_id, dtype=torch.long, device=device
+        )
+        self.sequences[:, : self.prompt_len] = input_ids
+        self.generated_columns = self.plan.prompt_end.unsqueeze(-1) + torch.arange(config.max_new_tokens, device=device)
+        self.prompt_end = self.plan.prompt_end
+        self.rows = torch.arange(batch, device=device)
+        self.host_rows = torch.arange(batch)
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.attention_masks: dict[tuple[int, int, int], object] = {}
 
         eos = config.eos_token_ids
         self.eos_ids = torch.tensor(eos, device=device) if eos else None
@@ -359,8 +494,19 @@ class BlockDiffusionRun:
         self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
         self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
 
-        self.cache_policy: CachePolicy = make_cache_policy(config.use_cache, config.dual_cache)
-        self.unmasking: UnmaskingPolicy = make_unmasking_policy(config.threshold, config.factor)
+        self.cache_policy: CachePolicy = make_cache_policy(config.use_cache, config.dual_cache, self.block_causal)
+        self.unmasking: UnmaskingPolicy = make_unmasking_policy(
+            config.threshold,
+            config.factor,
+            self.block_causal,
+            config.editing_threshold,
+            config.num_to_transfer,
+            config.max_post_steps,
+        )
+        # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
+        self.eos_stop_in_block = (
+            self.block_causal and config.eos_early_stop and not self.unmasking.edits and self.eos_ids is not None
+        )
         self.rows_per_forward = batch * (2 if self.cfg else 1)
         self.graphs = self._step_graphs()
         if self.graphs is not None:
@@ -371,6 +517,14 @@ class BlockDiffusionRun:
             self.cache = model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
         else:
             self.cache = None
+        self.rules = StepRules(
+            self.unmasking,
+            self.mask_id,
+            config.temperature,
+            config.remasking,
+            self.suppressed_ids,
+            self.deferred_ids,
+        )
         self.nfe = 0
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
 
@@ -395,6 +549,8 @@ class BlockDiffusionRun:
             type(self.unmasking).__name__,
             config.threshold,
             config.factor,
+            config.editing_threshold,
+            tuple(sorted(self.forward_kwargs.items())),
             self.mask_id,
             self.key_mask is None,
             None if self.suppressed_ids is None else tuple(self.suppressed_ids.tolist()),
@@ -419,16 +575,16 @@ class BlockDiffusionRun:
             return tensor
         return torch.cat([tensor, tensor], dim=0)
 
-    def _attention_mask(self, q_len: int):
-        """The key padding mask prepared once per query length in the attention backend's format."""
+    def _attention_mask(self, q_len: int, kv_len: int):
+        """The key padding mask of the first `kv_len` columns, prepared once per shape in the model's format."""
         rows = self.x.shape[0]
         if self.key_mask is None:
             return None
-        if (rows, q_len) not in self.attention_masks:
-            self.attention_masks[(rows, q_len)] = self.model._diffusion_attention_mask(
-                self._model_rows(self.key_mask), q_len
+        if (rows, q_len, kv_len) not in self.attention_masks:
+            self.attention_masks[(rows, q_len, kv_len)] = self.model._diffusion_attention_mask(
+                self._model_rows(self.key_mask[:, :kv_len]), q_len
             )
-        return self.attention_masks[(rows, q_len)]
+        return self.attention_masks[(rows, q_len, kv_len)]
 
     def step(
         self,
@@ -438,14 +594,17 @@ class BlockDiffusionRun:
         logits_index: torch.Tensor,
         block_index: torch.Tensor,
         scheduled: torch.Tensor,
+        active: torch.Tensor,
+        generated: torch.Tensor,
         attention_mask=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One denoising step, a pure tensor function (graph-capturable).
 
         tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
         logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
-        are among them; scheduled `(rows,)`: the fixed schedule's count. Returns the new block and the draft
-        `(rows, L)`.
+        are among them; scheduled `(rows,)`: the schedule's count; active `(rows,)`: rows still denoising;
+        generated `(rows, L)`: the block's positions after each prompt. Returns the new block, the draft `(rows, L)`
+        and whether each row edited a committed token `(rows,)` (see `decoding.denoise_step`).
         """
         model_tokens, model_positions = tokens, position_ids
         if self.cfg:
@@ -455,85 +614,149 @@ class BlockDiffusionRun:
             model_tokens = torch.cat([tokens, unconditional], dim=0)
             model_positions = self._model_rows(position_ids)
         logits = self.model._diffusion_forward(
-            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index
+            model_tokens,
+            attention_mask,
+            model_positions,
+            self.cache,
+            cache_position,
+            logits_index,
+            **self.forward_kwargs,
         ).to(tokens.device)  # a model split over GPUs returns logits on its last device
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
-        return denoise_block_step(
-            tokens.index_select(1, block_index),
-            logits,
-            self.unmasking,
-            scheduled,
-            self.mask_id,
-            self.config.temperature,
-            self.config.remasking,
-            self.suppressed_ids,
-            self.deferred_ids,
-        )
+        return denoise_step(tokens.index_select(1, block_index), logits, self.rules, scheduled, generated, active)
 
-    def run_step(self, block_start: int, block_end: int, step: int) -> torch.Tensor:
-        """Run step `step` of the block `[block_start, block_end)`; returns the new block `(rows, L)`."""
+    def run_step(
+        self,
+        block_start: int,
+        block_end: int,
+        step: int,
+        active: torch.Tensor | None = None,
+        generated: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run step `step` of the block `[block_start, block_end)` for the rows `active` (default all); returns the
+        new block `(rows, L)` and whether each row edited a committed token `(rows,)`."""
         q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=step == 0)
         q_start = min(q_start, block_start - self.shift)
         rows, device = self.x.shape[0], self.device
+        if active is None:
+            active = torch.ones(rows, dtype=torch.bool, device=device)
+        if generated is None:
+            generated = self._generated(block_start, block_end)
+        kv_len = self.seq_len if self.cache is not None else q_end
         inputs = dict(
             tokens=self.x[:, q_start:q_end],
             position_ids=self.position_ids[:, q_start:q_end],
             cache_position=torch.arange(q_start, q_end, device=device),
             logits_index=torch.arange(block_start - self.shift, block_end - self.shift, device=device) - q_start,
             block_index=torch.arange(block_start, block_end, device=device) - q_start,
-            scheduled=torch.full((rows,), self.unmasking.scheduled_count(step), dtype=torch.long, device=device),
-            attention_mask=self._attention_mask(q_end - q_start),
+            scheduled=self.unmasking.scheduled_counts(step, rows, device),
+            active=active,
+            generated=generated,
+            attention_mask=self._attention_mask(q_end - q_start, kv_len),
         )
         if self.graphs is None:
-            new_block, draft = self.step(**inputs)
+            new_block, draft, edited = self.step(**inputs)
         else:
-            key = (rows, q_end - q_start, block_end - block_start)
-            new_block, draft = self.graphs.run(key, self.step, inputs)
+            key = (rows, q_start - block_start, q_end - q_start, block_end - block_start)
+            new_block, draft, edited = self.graphs.run(key, self.step, inputs)
         self.nfe += 1
         self.x[:, block_start:block_end] = new_block
         if self.streamer is not None and hasattr(self.streamer, "put_draft"):
-            full = self.sequences[:, block_start:block_end].clone()
+            full = self.canvas[:, block_start:block_end].clone()
             full[self.rows] = draft
             self.streamer.put_draft(full.cpu())
-        return new_block
+        return new_block, edited
 
-    def denoise_block(self, block_start: int, block_end: int, num_steps: int) -> None:
-        nfe_before = self.nfe
-        self.unmasking.start_block(block_end - block_start, num_steps)
+    def _generated(self, block_start: int, block_end: int) -> torch.Tensor:
+        """`(rows, L)` bool: the block's columns at or after each row's first generated position."""
+        columns = torch.arange(block_start, block_end, device=self.device)
+        return columns.unsqueeze(0) >= self.prompt_end.unsqueeze(-1)
+
+    def denoise_block(self, block: int, block_start: int, block_end: int) -> None:
+        """Denoise block number `block` (columns `[block_start, block_end)`) until every row's rule says done."""
+        rows = self.x.shape[0]
+        self.unmasking.start_block(block_end - block_start, self.plan.block_steps[self.host_rows, block])
+        self.cache_policy.start_block(block_start)
+        generated = self._generated(block_start, block_end)
+        active = torch.ones(rows, dtype=torch.bool, device=self.device)
         known_steps = self.unmasking.steps_for_block()
         step = 0
         while True:
-            block = self.run_step(block_start, block_end, step)
+            before = self.x[:, block_start:block_end].clone()
+            masked_before = (before == self.mask_id).any(-1)
+            block, edited = self.run_step(block_start, block_end, step, active, generated)
+            self.nfe_per_row.index_add_(0, self.rows, active.long())
             step += 1
+            active = self.unmasking.still_active(active, masked_before, (block == self.mask_id).any(-1), edited, step)
+            if self.eos_stop_in_block:
+                stop = self._eos_committed_after_all_masks(before, block, generated)
+                self.stopped[self.rows] |= stop
+                active = active & ~stop
             if known_steps is not None:
-                if step == known_steps:
+                if step >= known_steps:
                     break
-            elif not bool((block == self.mask_id).any()):
+            elif not bool(active.any()):
                 break
-        self.nfe_per_row[self.rows] += self.nfe - nfe_before
 
-    def finished_rows(self, block_end: int) -> torch.Tensor:
-        """`(active_rows,)` bool: rows that hold an EOS (with `eos_early_stop`) or that a stopping criterion ends."""
-        finished = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.x.device)
-        if self.config.eos_early_stop:
-            finished |= torch.isin(self.x[:, self.prompt_len : block_end], self.eos_ids).any(dim=-1)
+    def _eos_committed_after_all_masks(
+        self, before: torch.Tensor, block: torch.Tensor, generated: torch.Tensor
+    ) -> torch.Tensor:
+        """`(rows,)` bool, LLaDA2.0's in-block EOS stop: the step committed an EOS, and no mask lies between the
+        prompt and the row's first EOS (earlier blocks hold neither: a row stops after a block with an EOS)."""
+        committed = (before == self.mask_id) & (block != self.mask_id)
+        is_eos = torch.isin(block, self.eos_ids) & generated
+        committed_eos = (committed & is_eos).any(-1)
+        length = block.shape[-1]
+        first_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), length)
+        before_eos = torch.arange(length, device=block.device) < first_eos.unsqueeze(-1)
+        return committed_eos & ~((block == self.mask_id) & before_eos).any(-1)
+
+    def finished_rows(self, block: int, block_end: int) -> torch.Tensor:
+        """`(active_rows,)` bool: rows that hold an EOS (with `eos_early_stop`; always for block-causal models,
+        whose later blocks cannot change what comes before), that a stopping criterion ends, that stopped inside
+        the block, or that decoded their last block."""
+        finished = self.stopped[self.rows].clone()
+        if self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal):
+            finished |= (torch.isin(self.x, self.eos_ids) & self._generated_part(block_end)).any(dim=-1)
         for criterion in self.stopping_criteria:
             finished |= criterion(self.sequences, None).to(finished.device)[self.rows].bool()
+        finished |= (self.plan.last_block[self.host_rows] == block).to(finished.device)
         return finished
 
-    def finish_rows(self, block_end: int) -> None:
-        """Stop finished rows: fill their remaining positions with EOS and drop them from later forwards."""
-        finished = self.finished_rows(block_end)
+    def _generated_part(self, block_end: int) -> torch.Tensor:
+        """`(rows, canvas)` bool: generated columns decoded so far."""
+        columns = torch.arange(self.seq_len, device=self.device).unsqueeze(0)
+        return (columns >= self.prompt_end.unsqueeze(-1)) & (columns < block_end)
+
+    def finish_rows(self, block: int, block_end: int) -> None:
+        """Stop finished rows: fill their undecoded positions (and, for block-causal models, everything after the
+        first generated EOS, where the reference cuts its output) with EOS, and drop them from later forwards."""
+        finished = self.finished_rows(block, block_end)
         if not bool(finished.any()):
             return
-        self.x[finished, block_end:] = self.fill_id
-        self.sequences[self.rows[finished]] = self.x[finished]
+        rows = self.x[finished]
+        rows[:, block_end:] = self.fill_id
+        if self.block_causal and self.eos_ids is not None:
+            is_eos = torch.isin(rows, self.eos_ids) & self._generated_part(block_end)[finished]
+            after_first = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+            rows[after_first] = self.fill_id
+        self.x[finished] = rows
+        self._write_rows()
         keep = ~finished
+        kept = keep.nonzero().squeeze(-1)
+        self.cache_policy.keep_rows(self.cache, kept)
         self.x, self.rows, self.position_ids = self.x[keep], self.rows[keep], self.position_ids[keep]
+        self.host_rows = self.host_rows[keep.cpu()]
+        self.prompt_end = self.prompt_end[keep]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[keep]
+
+    def _write_rows(self) -> None:
+        """Copy the active rows' canvas into the batch canvas and their generated positions into `sequences`."""
+        self.canvas[self.rows] = self.x
+        self.sequences[self.rows, self.prompt_len :] = self.x.gather(1, self.generated_columns[self.rows])
 
     def run(self) -> torch.LongTensor:
         try:
@@ -545,17 +768,21 @@ class BlockDiffusionRun:
     def _run(self) -> torch.LongTensor:
         if self.streamer is not None:
             self.streamer.put(self.sequences[:, : self.prompt_len].cpu())
-        for offset, length, num_steps in plan_blocks(
-            self.config.max_new_tokens, self.config.block_length, self.config.steps
-        ):
-            block_start = self.prompt_len + offset
-            block_end = block_start + length
-            self.denoise_block(block_start, block_end, num_steps)
-            self.sequences[self.rows] = self.x
-            if self.config.eos_early_stop or self.stopping_criteria:
-                self.finish_rows(block_end)
+        streamed = 0  # generated positions already sent to the streamer (final in every row)
+        decodes_rows = torch.ones(self.sequences.shape[0], dtype=torch.bool, device=self.device)
+        for block, (block_start, block_end) in enumerate(self.plan.blocks):
+            self.denoise_block(block, block_start, block_end)
+            self._write_rows()
+            self.finish_rows(block, block_end)
             if self.streamer is not None:
-                self.streamer.put(self.sequences[:, block_start:block_end].cpu())
+                decodes_rows.fill_(False)
+                decodes_rows[self.rows] = True
+                final = torch.where(decodes_rows, block_end - self.plan.prompt_end, self.config.max_new_tokens)
+                final = int(final.clamp(0, self.config.max_new_tokens).min())
+                if final > streamed:
+                    columns = slice(self.prompt_len + streamed, self.prompt_len + final)
+                    self.streamer.put(self.sequences[:, columns].cpu())
+                    streamed = final
             if self.x.shape[0] == 0:
                 break
         if self.streamer is not None:

@@ -153,7 +153,9 @@ class Server:
 
     def prepare(self, body: dict, chat: bool, sink) -> tuple[list[RowRequest], object]:
         self._check_model(body)
-        params = parse_generation_params(body, self.base_config, chat)
+        params = parse_generation_params(
+            body, self.base_config, chat, block_causal=getattr(self.model, "diffusion_block_causal", False)
+        )
         if chat:
             prompts, param = [encode_chat(body.get("messages"), self.tokenizer)], "messages"
         else:

@@ -119,7 +119,9 @@ def _error_param(message: str, aliases: dict[str, str]) -> str | None:
     return aliases.get(match.group(1), match.group(1))
 
 
-def parse_generation_params(body: dict, base_config: DiffusionGenerationConfig, chat: bool) -> GenerationParams:
+def parse_generation_params(
+    body: dict, base_config: DiffusionGenerationConfig, chat: bool, block_causal: bool = False
+) -> GenerationParams:
     """Validate the generation fields of a request body with `generate()`'s own rules.
 
     `max_tokens` (default 128) caps the returned tokens. The model decodes `max_tokens` rounded up to whole
@@ -174,10 +176,10 @@ def parse_generation_params(body: dict, base_config: DiffusionGenerationConfig, 
         for name, value in fields.items():
             setattr(config, name, value)
         config.max_new_tokens = max_tokens
-        config.validate()
+        config.validate(block_causal=block_causal)
         blocks = math.ceil(max_tokens / config.block_length)
         config.max_new_tokens = blocks * config.block_length
-        config.validate()
+        config.validate(block_causal=block_causal)
         plan_blocks(config.max_new_tokens, config.block_length, config.steps)
     except ValueError as error:
         message = str(error).replace("max_new_tokens", max_name)

@@ -108,8 +108,15 @@ INVALID_GENERATION_CONFIGS = [
     ("factor", dict(factor=0.0)),
     ("factor", dict(factor=-1.0)),
     ("remasking", dict(remasking="top_k")),
-    ("steps", dict(steps=8, threshold=0.9)),
     ("steps", dict(steps=8, factor=1.0)),
+    ("minimal_topk", dict(minimal_topk=0)),
+    ("editing_threshold", dict(editing_threshold=0.0)),
+    ("editing_threshold", dict(editing_threshold=1.5)),
+    ("max_post_steps", dict(max_post_steps=-1, editing_threshold=0.9)),
+    ("num_to_transfer", dict(num_to_transfer=0, editing_threshold=0.9)),
+    ("max_post_steps", dict(max_post_steps=4)),
+    ("num_to_transfer", dict(num_to_transfer=2)),
+    ("editing_threshold", dict(editing_threshold=0.9, remasking="random")),
     ("do_sample", dict(do_sample=True, temperature=0.0)),
     ("temperature", dict(do_sample=False, temperature=0.7)),
     ("temperature", dict(temperature=-0.5, do_sample=False)),
@@ -131,6 +138,23 @@ INVALID_GENERATION_CONFIGS = [
 def test_generation_config_rejects_invalid_values(field, fields):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         DiffusionGenerationConfig(**fields)
+
+
+def test_steps_with_threshold_depends_on_the_model():
+    """A config file is model-agnostic: `steps` with `threshold` is LLaDA2's rule (they combine) and a contradiction
+    for bidirectional models, so the model's `validate(block_causal=...)` decides."""
+    config = DiffusionGenerationConfig(steps=8, threshold=0.9)
+    config.validate(block_causal=True)
+    with pytest.raises(ValueError, match=r"\bsteps\b.*threshold"):
+        config.validate(block_causal=False)
+    editing = DiffusionGenerationConfig(editing_threshold=0.9, threshold=0.9)
+    editing.validate(block_causal=True)
+    with pytest.raises(ValueError, match=r"editing_threshold.*block-causal"):
+        editing.validate(block_causal=False)
+    with pytest.raises(ValueError, match=r"\bsteps\b.*editing_threshold"):
+        DiffusionGenerationConfig(editing_threshold=0.9, steps=8).validate(block_causal=True)
+    with pytest.raises(ValueError, match=r"minimal_topk"):
+        DiffusionGenerationConfig(minimal_topk=2).validate(block_causal=False)
 
 
 @pytest.mark.parametrize(
@@ -320,10 +344,10 @@ def test_left_padded_batch_rows_equal_rows_alone(reference_model, cache, policy,
     for i, prompt in enumerate(prompts):
         alone = reference_model.generate(prompt, **kwargs)
         assert torch.equal(batched.sequences[i, width - prompt.shape[1] :], alone.sequences[0]), f"row {i}"
-        if policy == "fixed":
-            assert int(batched.nfe_per_row[i]) == alone.nfe
+        # A row counts the forwards it needed: those it makes alone, whatever its partners need.
+        assert int(batched.nfe_per_row[i]) == alone.nfe
         stopped_early += int(alone.nfe < batched.nfe)
-    assert batched.nfe == int(batched.nfe_per_row.max())
+    assert batched.nfe >= int(batched.nfe_per_row.max())
     if eos_early_stop:
         assert stopped_early >= 1, "no row stopped early: the EOS case is not exercised"
 
