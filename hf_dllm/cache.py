@@ -81,7 +81,7 @@ class DiffusionKVCache:
         """Compact the rows in place: row i becomes old row `index[i]` (`index` `(n,)` long), so the buffers keep
         their addresses (captured CUDA graphs read them) while finished rows leave the batch."""
         for buffers in (self.keys, self.values):
-            for layer, buffer in enumerate(buffers):
+            for buffer in buffers:
                 if buffer is not None:
                     buffer[: index.numel()].copy_(buffer.index_select(0, index.to(buffer.device)))
 

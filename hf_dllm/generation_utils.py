@@ -383,7 +383,7 @@ def plan_block_causal(
     means `block_length` steps per block (one token per step)."""
     block, new = config.block_length, config.max_new_tokens
     first_blocks = [length // block for length in prompt_lengths]
-    num_blocks = [-(-(length + new) // block) - first for length, first in zip(prompt_lengths, first_blocks)]
+    num_blocks = [-(-(length + new) // block) - length // block for length in prompt_lengths]
     start_block = max(first_blocks)
     cap = new // config.minimal_topk
     if cap < 1:
