@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .kernels import kernel_mode
@@ -40,6 +40,9 @@ def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, drop
         and mode != "torch"
         and (query.is_cuda or mode == "triton")
         and dropout == 0.0
+        # The kernel reads a key padding mask (B, 1, 1, T); a mask with a query dimension (LLaDA2's block-causal
+        # mask) would be read from its first row only: sdpa honours every row.
+        and (attention_mask is None or attention_mask.shape[-2] == 1)
         and dim >= 16
         and dim & (dim - 1) == 0
         and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -88,10 +91,23 @@ def key_padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
-    """AttentionMaskInterface function: the 2D padding mask as `(B, 1, 1, kv_length)` bool, or None.
-
-    Bidirectional only (LLaDA never asks for a causal mask); no host synchronisation, so it can be captured in a
-    CUDA graph."""
+    """AttentionMaskInterface function: the 2D padding mask as `(B, 1, 1, kv_length)` bool, or None, for
+    bidirectional attention; for a mask with structure along the queries (block-causal, causal) the full
+    `(B, 1, q, kv)` bool mask, which the attention hands to sdpa. No host synchronisation, so it can be captured
+    in a CUDA graph."""
+    if mask_function is not None and mask_function is not bidirectional_mask_function:
+        return sdpa_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            device=kwargs.get("device", "cpu"),
+        )
     if attention_mask is None:
         return None
     return attention_mask[:, None, None, kv_offset : kv_offset + kv_length].to(torch.bool)
