@@ -238,6 +238,27 @@ class ScheduledThreshold(UnmaskingPolicy):
 
     def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
+        self.masked_counts: torch.Tensor | None = None
+
+    def start_block(self, block_length: int, num_steps, masked_counts: torch.Tensor | None = None) -> None:
+        """`masked_counts` `(rows,)` (host): masked positions of each row's block at its start, which fixes the
+        number of forwards in advance when no threshold can end a block early."""
+        super().start_block(block_length, num_steps)
+        self.masked_counts = masked_counts
+
+    def steps_for_block(self) -> int | None:
+        """Without a threshold, a row with M masks needs the fewest steps whose quotas add up to M (at most its
+        `s`): known on the host, so the loop runs them without asking the GPU whether masks are left."""
+        if self.threshold is not None or self.masked_counts is None:
+            return None
+        steps = self.num_steps.broadcast_to(self.masked_counts.shape)
+        base, extra = self.block_length // steps, self.block_length % steps
+        masked = self.masked_counts
+        # Steps 1..extra commit base + 1 each, later ones base.
+        within_extra = -(-masked // (base + 1))
+        after_extra = extra + -(-(masked - extra * (base + 1)) // base.clamp(min=1))
+        needed = torch.where(masked <= extra * (base + 1), within_extra, after_extra)
+        return int(torch.minimum(needed, steps).max()) if needed.numel() else 0
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         return schedule_counts(self.block_length, self.steps_on(device), step)
@@ -264,9 +285,12 @@ class TokenEditing(ScheduledThreshold):
         self.num_to_transfer = num_to_transfer
         self.max_post_steps = max_post_steps
 
-    def start_block(self, block_length: int, num_steps) -> None:
-        super().start_block(block_length, num_steps)
+    def start_block(self, block_length: int, num_steps, masked_counts: torch.Tensor | None = None) -> None:
+        super().start_block(block_length, num_steps, masked_counts)
         self.post_steps: torch.Tensor | None = None
+
+    def steps_for_block(self) -> None:
+        return None  # edits decide when a block ends
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         return torch.full((rows,), self.num_to_transfer, dtype=torch.long, device=device)

@@ -26,7 +26,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
 from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
-from .decoding import StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
+from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
 
@@ -482,6 +482,7 @@ class BlockDiffusionRun:
         self.sequences[:, : self.prompt_len] = input_ids
         self.generated_columns = self.plan.prompt_end.unsqueeze(-1) + torch.arange(config.max_new_tokens, device=device)
         self.prompt_end = self.plan.prompt_end
+        self.host_prompt_end = self.plan.prompt_end.cpu()
         self.rows = torch.arange(batch, device=device)
         self.host_rows = torch.arange(batch)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -677,11 +678,17 @@ class BlockDiffusionRun:
     def denoise_block(self, block: int, block_start: int, block_end: int) -> None:
         """Denoise block number `block` (columns `[block_start, block_end)`) until every row's rule says done."""
         rows = self.x.shape[0]
-        self.unmasking.start_block(block_end - block_start, self.plan.block_steps[self.host_rows, block])
+        steps = self.plan.block_steps[self.host_rows, block]
+        if isinstance(self.unmasking, ScheduledThreshold):
+            generated_columns = (block_end - self.host_prompt_end[self.host_rows]).clamp(0, block_end - block_start)
+            self.unmasking.start_block(block_end - block_start, steps, generated_columns)
+        else:
+            self.unmasking.start_block(block_end - block_start, steps)
         self.cache_policy.start_block(block_start)
         generated = self._generated(block_start, block_end)
         active = torch.ones(rows, dtype=torch.bool, device=self.device)
-        known_steps = self.unmasking.steps_for_block()
+        # LLaDA2.0's in-block EOS stop can end a block early: then ask after every step whether rows are left.
+        known_steps = None if self.eos_stop_in_block else self.unmasking.steps_for_block()
         step = 0
         while True:
             before = self.x[:, block_start:block_end].clone()
