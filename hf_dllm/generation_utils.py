@@ -116,6 +116,7 @@ class DiffusionGenerationMixin:
       returning logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with
       transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and, for block-causal
       models, `block_length`;
+    - `_diffusion_step_capturable()`: whether a step can be captured in a CUDA graph (default True);
     - `_diffusion_new_cache(batch_size, max_length)` returning a `DiffusionKVCache` (default: one per layer of
       `config.num_hidden_layers`);
     - `_diffusion_attention_mask(key_mask, q_len)` turning the `(rows, seq_len)` padding mask into what the
@@ -148,6 +149,10 @@ class DiffusionGenerationMixin:
             logits_to_keep=logits_slice,
             **forward_kwargs,
         ).logits
+
+    def _diffusion_step_capturable(self) -> bool:
+        """Whether a denoising step can be captured in a CUDA graph (no host synchronisation in the forward)."""
+        return True
 
     def _diffusion_new_cache(self, batch_size: int, max_length: int) -> DiffusionKVCache:
         return DiffusionKVCache(self.config.num_hidden_layers, batch_size, max_length)
@@ -541,6 +546,7 @@ class BlockDiffusionRun:
             or self.cfg
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
             or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
+            or not self.model._diffusion_step_capturable()
         ):
             return None
         signature = (

@@ -802,6 +802,17 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         return output if use_return_dict else output.to_tuple()
 
     # DiffusionGenerationMixin hooks.
+    def _diffusion_step_capturable(self) -> bool:
+        """Whether a denoising step can be captured in a CUDA graph: only if the MoE never synchronises with the
+        host, i.e. runs torch's grouped GEMM in bfloat16 (the per-expert loop reads counts on the host, and torch's
+        float16/float32 grouped GEMMs copy through the host)."""
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, LLaDA2MoeSparseMoeBlock)]
+        if not blocks:
+            return True
+        weight = blocks[0].experts[0].gate_proj.weight
+        probe = weight.new_empty(0, weight.shape[1])
+        return weight.dtype == torch.bfloat16 and blocks[0].use_grouped_mm(probe)
+
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int) -> torch.Tensor:
         """The `(rows, seq_len)` key padding mask unchanged: the block-causal mask depends on each step's
         `cache_position`, so the forward builds it (without host synchronisation)."""

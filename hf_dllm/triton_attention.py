@@ -71,6 +71,7 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         split = tl.program_id(0)
         batch_head = tl.program_id(1)
@@ -105,7 +106,12 @@ if TRITON_AVAILABLE:
             if HAS_MASK:
                 attend = tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0
                 col_valid = col_valid & attend
-            scores = tl.dot(q, tl.trans(k)) * scale
+            # float32 inputs are multiplied in full float32 (tl.dot would use TF32 tensor cores: ~1e-3 relative error,
+            # enough to flip near-tied tokens against an fp32 reference); bf16/fp16 use the tensor cores as usual.
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
             scores = tl.where(col_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             # A chunk whose keys are all padding keeps m at -inf: shift by 0 there to avoid inf - inf.
@@ -113,7 +119,10 @@ if TRITON_AVAILABLE:
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         if SINGLE_SPLIT:
@@ -256,6 +265,7 @@ def block_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM=dim,
+        IEEE=q.dtype == torch.float32,
         num_warps=4,
         num_stages=2,
     )

@@ -1,0 +1,381 @@
+"""Speed of `generate()` for LLaDA2.x MoE models (issue "The LLaDA 2.x family"), against the reference `generate()`.
+
+GPU setting: a LLaDA2.0-mini-shaped model (the Hub config's fields: 20 layers, hidden 2048, 16 heads / 4 KV heads of
+128, dense first layer of 5120, 256 experts of 512 top-8 in 8 groups (top 4 groups), 1 shared expert, vocab 157184)
+with random bf16 weights built on the GPU; prompt 512, 256 new tokens, block 32, batch 1 / 8 / 32, one token per
+step (`steps=256`) and 4 tokens per step (`steps=64`), `eos_early_stop=False`, the exact block cache, CUDA graphs.
+
+Also measured:
+- the latency of one block step (CUDA events around single replays after warm-up) and its **weight-read floor**:
+  the bytes of every weight the step reads (attention, dense layer, shared experts, final norm, LM head, and the
+  distinct routed experts the step actually selected, counted by hooks on the routers during one eager step of the
+  same block) over the measured copy bandwidth (read + write of a 4 GiB buffer);
+- the reference `generate()` (the Hub's `modeling_llada2_moe.py`, batch 1, same weights shared in place), when
+  `--reference-code DIR` names a folder holding the Hub's `modeling_llada2_moe.py` and `configuration_llada2_moe.py`
+  (not shipped with hf_dllm). It is transformers-4 code: `patch_transformers_for_reference` adds the two names it
+  needs from transformers 4. It recomputes the whole sequence every step, so it runs `--reference-new-tokens`
+  (default 64: two blocks, shorter sequences than ours, which favours the reference).
+
+Without a GPU: a small float32 model on the CPU (no reference unless asked).
+
+Prints a table and ends with one JSON line.
+
+    python benchmarks/bench_llada2.py --reference-code path/to/LLaDA2.0-mini-code
+    python benchmarks/bench_llada2.py --cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_dllm  # noqa: E402
+from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
+from hf_dllm.graphs import StepGraphs  # noqa: E402
+
+MASK_ID, EOS_ID = 156895, 156892  # the Hub tokenizer's <|mask|> and <|endoftext|>
+LLADA2_MINI = dict(
+    vocab_size=157184,
+    hidden_size=2048,
+    intermediate_size=5120,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=256,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    moe_intermediate_size=512,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    partial_rotary_factor=0.5,
+    rope_theta=600000.0,
+    routed_scaling_factor=2.5,
+    score_function="sigmoid",
+    use_qk_norm=True,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+SMALL = dict(
+    LLADA2_MINI,
+    vocab_size=157184,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=16,
+    n_group=4,
+    topk_group=2,
+    moe_intermediate_size=64,
+)
+
+
+def build_model(shape: dict, dtype: torch.dtype, device: torch.device) -> hf_dllm.LLaDA2MoeModelLM:
+    config = hf_dllm.LLaDA2MoeConfig(**shape, mask_token_id=MASK_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats: int):
+    """(median seconds, last result, peak bytes of the last call) of `fn()` after one untimed call (warm-up)."""
+    fn()
+    times, peak, result = [], 0, None
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        start = time.perf_counter()
+        result = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+    return statistics.median(times), result, peak
+
+
+def copy_bandwidth(device: torch.device, gib: float = 4.0) -> float:
+    """Bytes/s of a device-to-device copy (each byte read once and written once)."""
+    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    seconds, _, _ = timed(lambda: target.copy_(source), device, 10)
+    return 2 * gib * 2**30 / seconds
+
+
+@torch.no_grad()
+def block_step(model, prompts, config, device, repeats: int = 30):
+    """(median ms of one block step after the block's first step, distinct routed experts per MoE layer in one
+    step of that block). The first step prefills the prompt; the timed steps run on the block only."""
+    run = BlockDiffusionRun(model, config, prompts, None, None)
+    try:
+        start, end = run.plan.blocks[0]
+        steps = run.plan.block_steps[:, 0]
+        run.unmasking.start_block(end - start, steps)
+        run.cache_policy.start_block(start)
+        run.run_step(start, end, 0)
+        experts: list[torch.Tensor] = []
+        hooks = [
+            layer.mlp.gate.register_forward_hook(lambda module, args, out: experts.append(out[0].flatten()))
+            for layer in model.model.layers
+            if hasattr(layer.mlp, "gate")
+        ]
+        graphs, run.graphs = run.graphs, None  # one eager step, so the hooks see the routing
+        run.run_step(start, end, 1)
+        run.graphs = graphs
+        for hook in hooks:
+            hook.remove()
+        distinct = [int(chosen.unique().numel()) for chosen in experts]
+        for _ in range(3):  # warm-up and capture
+            run.run_step(start, end, 1)
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                run.run_step(start, end, 1)
+                finish.record()
+                finish.synchronize()
+                times.append(begin.elapsed_time(finish))
+            else:
+                t0 = time.perf_counter()
+                run.run_step(start, end, 1)
+                times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times), distinct
+    finally:
+        StepGraphs.release_to(model)
+
+
+def step_weight_bytes(model, distinct_experts: list[int]) -> int:
+    """Bytes of the weights one block step reads: every weight but the routed experts and the input embedding (a
+    step gathers a few of its rows), plus one expert's bytes for each routed expert the step selected."""
+    shared = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if ".mlp.experts." not in name and "word_embeddings" not in name
+    )
+    first_moe = model.config.first_k_dense_replace
+    expert = sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if name.startswith(f"model.layers.{first_moe}.mlp.experts.0.")
+    )
+    return shared + expert * sum(distinct_experts)
+
+
+def patch_transformers_for_reference() -> None:
+    """Names the Hub's transformers-4 `modeling_llada2_moe.py` imports that transformers 5 dropped: the default
+    RoPE initialiser (transformers 4's `_compute_default_rope_parameters`) and `is_torch_fx_available`."""
+    import transformers.modeling_rope_utils as rope_utils
+    import transformers.utils.import_utils as import_utils
+
+    import_utils.is_torch_fx_available = lambda: False
+
+    def default_rope(config, device=None, seq_len=None, **kwargs):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+        return 1.0 / (config.rope_theta**exponents), 1.0
+
+    rope_utils.ROPE_INIT_FUNCTIONS["default"] = default_rope
+
+
+def load_reference(code_dir: Path, model) -> torch.nn.Module:
+    """The reference model class from `code_dir`, sharing `model`'s weights (no copy)."""
+    patch_transformers_for_reference()
+    package = types.ModuleType("llada2_reference")  # the files import each other relatively
+    package.__path__ = [str(code_dir)]
+    sys.modules[package.__name__] = package
+    configuration = importlib.import_module(f"{package.__name__}.configuration_llada2_moe")
+    modeling = importlib.import_module(f"{package.__name__}.modeling_llada2_moe")
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("auto_map", "architectures", "model_type")}
+    config = configuration.LLaDA2MoeConfig(**fields)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        reference = modeling.LLaDA2MoeModelLM(config)
+    missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False, assign=True)
+    if unexpected or missing:
+        raise RuntimeError(f"reference weights do not line up: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    device = next(model.parameters()).device
+    # The rotary table is a non-persistent buffer (not in any checkpoint): rebuild that module on the device.
+    reference.model.rotary_emb = type(reference.model.rotary_emb)(config=config, device=device)
+    meta = [name for name, tensor in [*reference.named_parameters(), *reference.named_buffers()] if tensor.is_meta]
+    if meta:
+        raise RuntimeError(f"reference tensors left on the meta device: {meta[:5]}")
+    return reference.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="small CPU setting (default when no GPU)")
+    parser.add_argument("--batch-sizes", default=None, help="comma list (default GPU: 1,8,32; CPU: 1,4)")
+    parser.add_argument("--tokens-per-step", default="1,4", help="comma list of tokens committed per step")
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reference-code", type=Path, default=None, help="folder with the Hub's modeling files")
+    parser.add_argument("--reference-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
+    args = parser.parse_args(argv)
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if gpu else "cpu")
+    shape, dtype = (LLADA2_MINI, torch.bfloat16) if gpu else (SMALL, torch.float32)
+    if args.dtype is not None:
+        dtype = getattr(torch, args.dtype)  # the reference's generate() builds a bf16 mask: it needs bf16
+    prompt_len = args.prompt_len or (512 if gpu else 64)
+    new_tokens = args.new_tokens or (256 if gpu else 64)
+    block = args.block_length
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8,32" if gpu else "1,4")).split(",")]
+    device_name = torch.cuda.get_device_name(device) if gpu else "CPU"
+
+    started = time.perf_counter()
+    model = build_model(shape, dtype, device)
+    summary = {"device": device_name, "torch": torch.__version__, "dtype": str(dtype), "shape": "LLaDA2.0-mini"}
+    summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block)
+    summary["build_s"] = round(time.perf_counter() - started, 1)
+    summary["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    print(json.dumps(summary), flush=True)
+
+    rows = []
+    for batch in batch_sizes:
+        torch.manual_seed(batch)
+        prompts = torch.randint(0, shape["vocab_size"] - 512, (batch, prompt_len), device=device)
+        for per_step in [int(t) for t in args.tokens_per_step.split(",")]:
+            kwargs = dict(
+                max_new_tokens=new_tokens,
+                block_length=block,
+                steps=new_tokens // per_step,
+                threshold=None,
+                mask_token_id=MASK_ID,
+                eos_token_id=EOS_ID,
+                eos_early_stop=False,
+                return_dict_in_generate=True,
+            )
+            try:
+                seconds, out, peak = timed(lambda p=prompts, k=kwargs: model.generate(p, **k), device, args.repeats)
+            except torch.OutOfMemoryError as error:
+                rows.append(dict(batch=batch, tokens_per_step=per_step, error=f"OOM: {error}"[:120]))
+                torch.cuda.empty_cache()
+                continue
+            row = dict(
+                batch=batch,
+                tokens_per_step=per_step,
+                nfe=out.nfe,
+                ms_per_forward=1000 * seconds / out.nfe,
+                tokens_per_s=batch * new_tokens / seconds,
+                seconds=seconds,
+                peak_gb=peak / 1e9,
+            )
+            if args.check_eager and batch <= 8:
+                eager = model.generate(prompts, **dict(kwargs, disable_compile=True))
+                row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
+            if per_step == 1:
+                config, _ = model._prepare_diffusion_config(None, dict(kwargs))
+                row["step_ms"], distinct = block_step(model, prompts, config, device)
+                row["distinct_experts_per_layer"] = round(statistics.mean(distinct), 1)
+                if gpu:
+                    bandwidth = summary.setdefault("copy_bandwidth_tb_s", copy_bandwidth(device) / 1e12)
+                    row["step_weight_gb"] = step_weight_bytes(model, distinct) / 1e9
+                    row["floor_ms"] = row["step_weight_gb"] / bandwidth
+                    row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+            if batch == 1 and per_step == 1:
+                summary["ours_batch1_output"] = out.sequences[0, prompt_len:].tolist()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    if args.reference_code is not None:
+        reference = load_reference(args.reference_code, model)
+        prompt = torch.randint(0, shape["vocab_size"] - 512, (1, prompt_len), device=device)
+        ref_kwargs = dict(
+            gen_length=args.reference_new_tokens, block_length=block, steps=block, threshold=1.0,
+            eos_early_stop=False, temperature=0.0, eos_id=EOS_ID, mask_id=MASK_ID,
+        )  # fmt: skip
+        forwards = [0]
+        forward = reference.forward  # its generate() calls self.forward directly: count there
+
+        def counted_forward(*a, **k):
+            forwards[0] += 1
+            return forward(*a, **k)
+
+        reference.forward = counted_forward
+        with torch.no_grad():
+            reference.generate(prompt, **dict(ref_kwargs, gen_length=block))  # warm-up
+            forwards[0] = 0
+            sync(device)
+            t0 = time.perf_counter()
+            ref_out = reference.generate(prompt, **ref_kwargs)
+            sync(device)
+            ref_seconds = time.perf_counter() - t0
+        ours_kwargs = dict(
+            max_new_tokens=args.reference_new_tokens, block_length=block, steps=args.reference_new_tokens,
+            threshold=None, mask_token_id=MASK_ID, eos_token_id=EOS_ID, eos_early_stop=False,
+        )  # fmt: skip
+        ours_seconds, ours_out, _ = timed(lambda: model.generate(prompt, **ours_kwargs), device, args.repeats)
+        generated = ours_out[0, prompt_len:]
+        compared = min(ref_out.shape[1], generated.shape[0])
+        summary["reference"] = dict(
+            new_tokens=args.reference_new_tokens,
+            nfe=forwards[0],
+            seconds=ref_seconds,
+            tokens_per_s=args.reference_new_tokens / ref_seconds,
+            ms_per_forward=1000 * ref_seconds / max(forwards[0], 1),
+            ours_same_setting_tokens_per_s=args.reference_new_tokens / ours_seconds,
+            same_setting_speedup=ref_seconds / ours_seconds,
+            tokens_equal_fraction=float((ref_out[0, :compared] == generated[:compared]).float().mean()),
+        )
+        batch1 = next((r for r in rows if r.get("batch") == 1 and r.get("tokens_per_step") == 1), None)
+        if batch1 is not None:
+            summary["reference"]["batch1_speedup_at_full_length"] = batch1["tokens_per_s"] / (
+                args.reference_new_tokens / ref_seconds
+            )
+        print(json.dumps(summary["reference"]), flush=True)
+
+    print()
+    print(f"{device_name}, {dtype}, LLaDA2.0-mini shape, prompt {prompt_len}, {new_tokens} new tokens, block {block}")
+    print(f"{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}{'step ms':>9}{'floor ms':>9}{'peak GB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['batch']:>6}{r['tokens_per_step']:>9}  {r['error']}")
+            continue
+        step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
+        floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else "-"
+        print(
+            f"{r['batch']:>6}{r['tokens_per_step']:>9}{r['nfe']:>6}{r['ms_per_forward']:>9.2f}"
+            f"{r['tokens_per_s']:>10.1f}{step:>9}{floor:>9}{r['peak_gb']:>9.2f}"
+        )
+    if "reference" in summary:
+        ref = summary["reference"]
+        print(
+            f"reference generate(), batch 1, {ref['new_tokens']} new tokens: {ref['tokens_per_s']:.2f} tok/s, "
+            f"{ref['ms_per_forward']:.1f} ms/forward; hf_dllm same setting {ref['ours_same_setting_tokens_per_s']:.1f} "
+            f"tok/s ({ref['same_setting_speedup']:.1f}x)"
+        )
+    summary.pop("ours_batch1_output", None)
+    summary["rows"] = rows
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
