@@ -123,19 +123,24 @@ class FixedSchedule(UnmaskingPolicy):
     the first `L % s` steps (LLaDA Sec. 2.4, `get_num_transfer_tokens`). Steps beyond L commit nothing and are
     skipped."""
 
+    # Counts are computed per step, not listed: a list of `num_steps` entries cost memory and time in proportion
+    # to `steps` (10**9 steps: 77 s and 4.4 GB) although at most `block_length` steps commit anything.
+
     def __init__(self) -> None:
-        self.schedule: list[int] = []
+        self.base, self.extra, self.num_steps = 0, 0, 0
 
     def start_block(self, block_length: int, num_steps: int) -> None:
-        base, extra = divmod(block_length, num_steps)
-        schedule = [base + (1 if i < extra else 0) for i in range(num_steps)]
-        self.schedule = [count for count in schedule if count > 0]
+        self.base, self.extra = divmod(block_length, num_steps)
+        # With more steps than positions (base 0) only the first `extra` steps commit a token; the rest are skipped.
+        self.num_steps = num_steps if self.base > 0 else self.extra
 
     def steps_for_block(self) -> int:
-        return len(self.schedule)
+        return self.num_steps
 
     def scheduled_count(self, step: int) -> int:
-        return self.schedule[step]
+        if not 0 <= step < self.num_steps:
+            raise IndexError(f"step {step} is outside this block's {self.num_steps} steps.")
+        return self.base + (1 if step < self.extra else 0)
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return scheduled
