@@ -25,6 +25,10 @@ class APIError(Exception):
     ):
         if len(message) > MAX_ERROR_MESSAGE:  # messages quote the offending value, which can be megabytes long
             message = message[:MAX_ERROR_MESSAGE] + "... (truncated)"
+        # A quoted lone surrogate would make the JSON response unencodable (a 500): write it as its escape.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        if param is not None:
+            param = param.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -136,7 +140,7 @@ def parse_json_body(raw: bytes) -> dict:
             )
         if isinstance(value, dict):
             for key, item in value.items():
-                _check_text(key, field or key)
+                _check_text(key, field)
                 stack.append((item, depth + 1, field or key))
         elif isinstance(value, list):
             stack.extend((item, depth + 1, field) for item in value)
