@@ -193,9 +193,15 @@ class Server:
     async def off_loop(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, function, *args)
 
-    async def prepare(self, body: dict, chat: bool, sink) -> tuple[list[RowRequest], object]:
-        """Validate a request and tokenize its prompts. Every check that needs no tokens (fields, lengths against
-        the context, prompt characters) runs first, on the event loop; tokenizing runs in `pool`."""
+    async def prepare(self, raw: bytes, chat: bool, sink) -> tuple[list[RowRequest], object]:
+        """Parse, validate and tokenize a request body, in `pool`: nothing proportional to the body's size runs on
+        the event loop, so a large request delays only itself (and the requests queued behind it in the pool)."""
+        return await self.off_loop(self.prepare_now, raw, chat, sink)
+
+    def prepare_now(self, raw: bytes, chat: bool, sink) -> tuple[list[RowRequest], object]:
+        """`prepare` in the calling thread. Every check that needs no tokens (fields, lengths against the context,
+        the prompt's characters) runs before anything is tokenized."""
+        body = parse_json_body(raw)
         self._check_model(body)
         params = parse_generation_params(body, self.base_config, chat, self.max_length)
         budget = None if self.max_length is None else self.max_length - params.generate_kwargs["max_new_tokens"]
@@ -205,22 +211,19 @@ class Server:
             # The template only adds text: the messages alone must already fit (checked again once rendered).
             chars = sum(len(message["role"]) + len(message["content"]) for message in messages)
             check_prompt_chars(chars, budget, self.max_chars_per_token, param, self.max_length)
-            prompts = [await self.off_loop(self._encode_chat, messages, budget)]
+            text = render_chat(messages, self.tokenizer)
+            check_prompt_chars(len(text), budget, self.max_chars_per_token, param, self.max_length)
+            prompts = [list(self.tokenizer(text, add_special_tokens=False)["input_ids"])]
         else:
             param = "prompt"
             if body.get("prompt") is None:
                 raise APIError(400, "`prompt` is required.", param="prompt")
             items = split_prompts(body["prompt"], self.vocab_size)
-            texts = [item for item in items if isinstance(item, str)]
-            for text in texts:
-                check_prompt_chars(len(text), budget, self.max_chars_per_token, param, self.max_length)
-            prompts = await self.off_loop(encode_prompts, items, self.tokenizer) if texts else items
+            for item in items:
+                if isinstance(item, str):
+                    check_prompt_chars(len(item), budget, self.max_chars_per_token, param, self.max_length)
+            prompts = encode_prompts(items, self.tokenizer)
         return self._rows(prompts, params, sink, param), params
-
-    def _encode_chat(self, messages: list[dict], budget: int | None) -> list[int]:
-        text = render_chat(messages, self.tokenizer)
-        check_prompt_chars(len(text), budget, self.max_chars_per_token, "messages", self.max_length)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def collect(self, rows: list[RowRequest], queue: asyncio.Queue, request) -> dict | None:
         """Wait for every row's result; None if the client went away (its rows are cancelled)."""
@@ -467,10 +470,10 @@ def create_app(
         logger.exception("request failed")
         return JSONResponse(APIError(500, f"Internal server error: {error}").body(), status_code=500)
 
-    async def read_body(request: Request) -> dict:
-        """The JSON object of a request: 415 unless it says it is JSON (a browser sends `text/plain` or no type
+    async def read_body(request: Request) -> bytes:
+        """The raw body of a JSON request: 415 unless it says it is JSON (a browser sends `text/plain` or no type
         cross-origin without asking first), 413 past `max_body_bytes` (before reading it, when Content-Length
-        says so; else as soon as the bytes read pass it), 400 if it is not a JSON object."""
+        says so; else as soon as the bytes read pass it). `Server.prepare` parses it."""
         content_type = request.headers.get("content-type", "")
         if content_type.split(";")[0].strip().lower() != "application/json":
             raise APIError(
@@ -491,7 +494,7 @@ def create_app(
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-        return await server.off_loop(parse_json_body, b"".join(chunks))
+        return b"".join(chunks)
 
     async def generate(request: Request, chat: bool):
         try:
@@ -504,7 +507,7 @@ def create_app(
             raise APIError(500, f"Internal server error: {type(error).__name__}.") from error
 
     async def handle_generate(request: Request, chat: bool):
-        body = await read_body(request)
+        raw = await read_body(request)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -514,7 +517,7 @@ def create_app(
             except RuntimeError:  # the event loop is closed (shutdown)
                 pass
 
-        rows, params = await server.prepare(body, chat, sink)
+        rows, params = await server.prepare(raw, chat, sink)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if params.stream:
             return StreamingResponse(
