@@ -28,6 +28,15 @@ small CPU, `--num-threads 1` keeps OpenMP threads from spinning against each oth
 Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason` and `usage`, then
 `data: [DONE]`. A client that disconnects stops its row at the next block boundary.
 
+Hostile input (issue #15): `--api-key KEY` (or `$HF_DLLM_API_KEY`) makes every route but /health need
+`Authorization: Bearer KEY` (401). JSON endpoints need `Content-Type: application/json` (415), so that a web page
+cannot post to a local server without a CORS preflight; CORS is off unless `--allowed-origins` names origins.
+Bodies over `--max-body-bytes` (default 64 bytes per context token, at least 4 MiB) get 413 unread. Parsing,
+validation and tokenizing run in a small worker pool, never on the event loop; `max_tokens`, `block_length` and
+`steps` are checked against the context before anything is planned, and a prompt longer in characters than the
+context's tokens can cover is refused before it is tokenized. Every malformed request gets an OpenAI-style 4xx on
+a connection that stays open; only a fault of the server is a 5xx.
+
 fastapi and uvicorn are imported only here (the `serve` extra), so `import hf_dllm` never needs them.
 """
 
