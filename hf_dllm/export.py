@@ -551,9 +551,12 @@ def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     import torch
 
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as error:  # torch.load raises many kinds on a corrupt file (pickle, zip, runtime)
-        raise ExportError(f"{path.name} is not a readable PyTorch weights file: {error}") from error
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped: nothing read yet
+    except Exception:  # torch.load raises many kinds on a corrupt file (pickle, zip, runtime)
+        try:  # files of torch < 1.6 (not zip) cannot be mapped: read them
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ExportError(f"{path.name} is not a readable PyTorch weights file: {error}") from error
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise ExportError(f"{path.name} must hold a state dict (tensor names to tensors).")
     return {name: tuple(tensor.shape) for name, tensor in state.items()}

@@ -602,8 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require `Authorization: Bearer KEY` on every route but /health (default: ${API_KEY_ENV}; none: open)",
+        default=None,  # not the environment's key here: --help prints defaults
+        help=f"require `Authorization: Bearer KEY` on every route but /health (default: ${API_KEY_ENV}, which keeps "
+        "the key out of the process list; unset: no key)",
     )
     parser.add_argument(
         "--allowed-origins",
@@ -640,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         print("hf-dllm serve: --max-body-bytes must be >= 1.", file=sys.stderr)
         return 2
     origins = [origin.strip() for origin in (args.allowed_origins or "").split(",") if origin.strip()]
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.num_threads:
         import torch
 
@@ -658,11 +660,11 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,
         max_concurrent_batches=args.max_concurrent_batches,
-        api_key=args.api_key,
+        api_key=api_key,
         allowed_origins=origins,
         max_body_bytes=args.max_body_bytes,
     )
-    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
             "Serving on %s without an API key: anyone who reaches this port can use the model. Pass --api-key "
             "(or set %s), and put a TLS proxy in front.",

@@ -333,6 +333,22 @@ def test_export_verifies_what_it_writes(tmp_path, breakage, message, capsys):
     assert not dst.exists() and no_staging_left(tmp_path)
 
 
+def test_pytorch_bin_weights_are_verified(tmp_path):
+    """`pytorch_model.bin` (no safetensors): shapes read from the mapped file; a truncated file is refused."""
+    from safetensors.torch import load_file
+
+    src = copy_source(tmp_path)
+    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    export_checkpoint(src, tmp_path / "out")
+    assert (tmp_path / "out" / "pytorch_model.bin").read_bytes() == (src / "pytorch_model.bin").read_bytes()
+    data = (src / "pytorch_model.bin").read_bytes()
+    (src / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExportError, match="pytorch_model.bin is not a readable PyTorch weights file"):
+        export_checkpoint(src, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists() and no_staging_left(tmp_path)
+
+
 def dead_pid() -> int:
     """The id of a process that has exited (ids are reused only after the counter wraps)."""
     process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
