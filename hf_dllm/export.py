@@ -18,7 +18,9 @@ What DST receives (every rule is implemented here, once, and is what `tests/test
 - `README.md`: the model card `model_cards/template.md` rendered with a preset of `CARD_PRESETS`.
 
 Nothing is half-written: every input is checked first, the repo is assembled in a temporary folder next to DST
-and moved into place only when complete.
+(`.DST.export-PID-*`) and moved into place only when complete and verified (`verify_export`: every safetensors
+header readable, every tensor's shape the config's, the tokenizer loads). Staging folders that a killed export left
+behind are removed by the next export into the same DST (`clean_stale_staging`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import logging
 import os
 import re
 import shutil
@@ -205,6 +208,9 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
     },
 }
 DEFAULT_REPO_ORG = "your-org"
+
+
+logger = logging.getLogger("hf_dllm.export")
 
 
 class ExportError(ValueError):
@@ -515,6 +521,153 @@ def write_preset_cards() -> list[Path]:
     return written
 
 
+# --- verifying what was written --------------------------------------------------------------------------------------
+
+
+def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor names and shapes that `config` implies: the state dict of the model built on the
+    meta device (no memory; the Hub's names are the model's)."""
+    import torch
+
+    from .configuration_llada import LLaDAConfig
+    from .modeling_llada import LLaDAModelLM
+
+    with torch.device("meta"):
+        model = LLaDAModelLM(LLaDAConfig.from_dict(config))
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors of one weight file, from its header (safetensors: nothing else is read;
+    a truncated or garbage file fails here)."""
+    if path.name.endswith(".safetensors"):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path, framework="pt") as weights:
+                return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+        except (SafetensorError, OSError, ValueError) as error:
+            raise ExportError(f"{path.name} is not a readable safetensors file: {error}") from error
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped: nothing read yet
+    except Exception:  # torch.load raises many kinds on a corrupt file (pickle, zip, runtime)
+        try:  # files of torch < 1.6 (not zip) cannot be mapped: read them
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ExportError(f"{path.name} is not a readable PyTorch weights file: {error}") from error
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ExportError(f"{path.name} must hold a state dict (tensor names to tensors).")
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+def _listing(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def verify_export(folder: Path, config: dict, weights: list[str], tokenizer_files: list[str]) -> None:
+    """Check the assembled repo `folder` before it is moved into place; raises `ExportError` naming the problem.
+
+    Every weight file's header must be readable, the tensors together must be exactly those the config implies
+    (`expected_tensor_shapes`), each with the config's shape and, for an index, in the shard it names; and when
+    tokenizer files were exported, `AutoTokenizer` must load them.
+    """
+    found: dict[str, tuple[int, ...]] = {}
+    shard_of: dict[str, str] = {}
+    for name in weights:
+        if name.endswith(".index.json"):
+            continue
+        for tensor, shape in _tensor_shapes(folder / name).items():
+            if tensor in found:
+                raise ExportError(f"tensor {tensor} is stored twice ({shard_of[tensor]} and {name}).")
+            found[tensor], shard_of[tensor] = shape, name
+    index = [name for name in weights if name.endswith(".index.json")]
+    if index:
+        weight_map = json.loads((folder / index[0]).read_text(encoding="utf-8"))["weight_map"]
+        wrong = [tensor for tensor, shard in weight_map.items() if shard_of.get(tensor) != shard]
+        unlisted = set(found) - set(weight_map)
+        if wrong or unlisted:
+            raise ExportError(
+                f"{index[0]} does not match its shards: {_listing(wrong)} not in the shard it names"
+                + (f"; {_listing(unlisted)} in no entry" if unlisted else "")
+                + "."
+            )
+    expected = expected_tensor_shapes(config)
+    problems = []
+    missing = set(expected) - set(found)
+    if missing:
+        problems.append(f"missing from the weights: {_listing(missing)}")
+    unexpected = set(found) - set(expected)
+    if unexpected:
+        problems.append(f"in the weights but not in a model of this config: {_listing(unexpected)}")
+    mismatched = [
+        f"{name} is {list(found[name])}, the config gives {list(shape)}"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]
+    if mismatched:
+        problems.append("shapes differ from config.json: " + "; ".join(mismatched[:5]))
+    if problems:
+        raise ExportError("the weights do not match config.json: " + "; ".join(problems) + ".")
+    if tokenizer_files:
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(folder)
+        except Exception as error:  # tokenizers, json, sentencepiece and transformers each raise their own kinds
+            raise ExportError(
+                f"the tokenizer files ({', '.join(tokenizer_files)}) do not load: {type(error).__name__}: {error}"
+            ) from error
+
+
+# --- staging folders of killed exports ------------------------------------------------------------------------------
+
+# `.DST.export-PID-xxxx` (the repo being assembled) and `.DST.old-PID-xxxx` (the previous DST while the new one moves
+# in): PID is the exporting process, so a later export can tell a killed run's leftovers from a running one.
+_STAGING = re.compile(r"\.(export|old)-(?:(\d+)-)?[^/]*$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, run by another user
+        return True
+    return True
+
+
+def clean_stale_staging(dst: Path) -> list[str]:
+    """Remove the staging folders of earlier exports into `dst` whose process is gone; return what was done.
+
+    A killed run leaves `.DST.export-*` (removed) and, if it died while swapping folders, `.DST.old-*` holding the
+    previous DST: it is moved back to DST when DST is missing, removed otherwise. Folders of a process still running
+    (another export) and folders without a process id (older hf_dllm) are left and reported.
+    """
+    dst = dst.resolve()
+    notes = []
+    if not dst.parent.is_dir():
+        return notes
+    prefix = f".{dst.name}."
+    for path in sorted(dst.parent.iterdir()):
+        match = _STAGING.match(path.name[len(prefix) - 1 :]) if path.name.startswith(prefix) else None
+        if match is None or not path.is_dir() or path.is_symlink():
+            continue
+        kind, pid = match.group(1), match.group(2)
+        if pid is None or _process_alive(int(pid)):
+            who = "an export that may still be running" if pid else "an earlier hf_dllm export"
+            notes.append(f"left {path} (made by {who}); remove it if no export into {dst} is running.")
+        elif kind == "old" and not dst.exists():
+            path.rename(dst)
+            notes.append(f"restored {dst} from {path}, which an export killed while replacing it left behind.")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            notes.append(f"removed {path}, left by an export (process {pid}) that was killed.")
+    return notes
+
+
 # --- the export -----------------------------------------------------------------------------------------------------
 
 
@@ -572,6 +725,9 @@ def export_checkpoint(
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA checkpoint folder.")
+    # Before DST is checked: a killed run may have moved DST aside (restored here).
+    for note in clean_stale_staging(dst):
+        logger.warning(note)
     _check_dst(src, dst, overwrite)
     if card not in CARD_PRESETS:
         raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
@@ -591,7 +747,8 @@ def export_checkpoint(
     )
 
     dst.resolve().parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.resolve().name}.export-", dir=dst.resolve().parent))
+    pid_prefix = f".{dst.resolve().name}.%s-{os.getpid()}-"
+    staging = Path(tempfile.mkdtemp(prefix=pid_prefix % "export", dir=dst.resolve().parent))
     try:
         for file_name in weights:
             _place(src / file_name, staging / file_name, link)
@@ -601,9 +758,10 @@ def export_checkpoint(
             shutil.copyfile(path, staging / path.name)
         for file_name, text in generated.items():
             (staging / file_name).write_text(text, encoding="utf-8")
+        verify_export(staging, config, weights, tokenizer_files)
         staging.chmod(0o755)
         if dst.is_dir():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.resolve().name}.old-", dir=dst.resolve().parent))
+            old = Path(tempfile.mkdtemp(prefix=pid_prefix % "old", dir=dst.resolve().parent))
             old.rmdir()
             dst.rename(old)
             try:
@@ -668,6 +826,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help, or a usage error argparse already reported
         return int(exit_.code or 0)
+    if not logger.handlers:  # the notes of `clean_stale_staging`, on stderr
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("hf-dllm export: %(message)s"))
+        logger.addHandler(handler)
     try:
         files = export_checkpoint(
             args.src,

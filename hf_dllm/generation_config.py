@@ -10,11 +10,15 @@ This file is exported verbatim as Hub remote code.
 from __future__ import annotations
 
 import copy
+import math
 
 import transformers
 from transformers import GenerationConfig
 
 REMASKING_STRATEGIES = ("low_confidence", "random")
+# Upper bound of `max_new_tokens` and `steps`: far beyond any model's context (LLaDA: 4096 positions), yet small
+# enough that a typo such as 10**9 is an error naming the field instead of a multi-gigabyte allocation.
+MAX_GENERATION_LENGTH = 1 << 20
 
 # Every field of DiffusionGenerationConfig with its default. Nothing else is accepted, by the config or by
 # `generate()`: an unknown name is an error, never a silent no-op.
@@ -181,16 +185,29 @@ class DiffusionGenerationConfig(GenerationConfig):
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if self.steps is not None and (not is_int(self.steps) or self.steps <= 0):
             raise ValueError(f"`steps` must be None or a positive integer, got {self.steps!r}.")
-        if not is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"`temperature` must be a number >= 0 (0 = greedy), got {self.temperature!r}.")
-        if not is_number(self.cfg_scale) or self.cfg_scale < 0:
-            raise ValueError(f"`cfg_scale` must be a number >= 0 (0 = off), got {self.cfg_scale!r}.")
+        for name in ("max_new_tokens", "steps"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_GENERATION_LENGTH:
+                raise ValueError(f"`{name}` must be at most {MAX_GENERATION_LENGTH} (2**20), got {value!r}.")
+
+        def finite(value) -> bool:
+            # NaN passes every comparison below unnoticed (`nan < 0` is False) and inf turns logits into NaN; an int
+            # beyond float range makes math.isfinite raise OverflowError.
+            try:
+                return is_number(value) and math.isfinite(value)
+            except OverflowError:
+                return False
+
+        if not finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"`temperature` must be a finite number >= 0 (0 = greedy), got {self.temperature!r}.")
+        if not finite(self.cfg_scale) or self.cfg_scale < 0:
+            raise ValueError(f"`cfg_scale` must be a finite number >= 0 (0 = off), got {self.cfg_scale!r}.")
         if self.remasking not in REMASKING_STRATEGIES:
             raise ValueError(f"`remasking` must be one of {REMASKING_STRATEGIES}, got {self.remasking!r}.")
-        if self.threshold is not None and (not is_number(self.threshold) or not 0 < self.threshold <= 1):
+        if self.threshold is not None and (not finite(self.threshold) or not 0 < self.threshold <= 1):
             raise ValueError(f"`threshold` must be None or a number in (0, 1], got {self.threshold!r}.")
-        if self.factor is not None and (not is_number(self.factor) or self.factor <= 0):
-            raise ValueError(f"`factor` must be None or a number > 0, got {self.factor!r}.")
+        if self.factor is not None and (not finite(self.factor) or self.factor <= 0):
+            raise ValueError(f"`factor` must be None or a finite number > 0, got {self.factor!r}.")
         if self.threshold is not None and self.factor is not None:
             raise ValueError("`threshold` and `factor` are alternative unmasking rules: set at most one of them.")
         if not is_int(self.minimal_topk) or self.minimal_topk <= 0:

@@ -79,10 +79,12 @@ def plan_blocks(max_new_tokens: int, block_length: int, steps: int | None) -> li
     which is `steps / num_blocks` for equal blocks as in LLaDA; any block left with 0 borrows one from the
     block with the most. `None` gives each block one step per position.
     """
+    # Offsets are arithmetic (block b starts at b * block_length): summing the lengths before each block was
+    # quadratic in the number of blocks (100k blocks took a minute).
     lengths = [block_length] * (max_new_tokens // block_length)
     if max_new_tokens % block_length:
         lengths.append(max_new_tokens % block_length)
-    offsets = [sum(lengths[:b]) for b in range(len(lengths))]
+    offsets = [b * block_length for b in range(len(lengths))]
     if steps is None:
         block_steps = list(lengths)
     else:
@@ -95,6 +97,8 @@ def plan_blocks(max_new_tokens: int, block_length: int, steps: int | None) -> li
             steps * (off + length) // max_new_tokens - steps * off // max_new_tokens
             for off, length in zip(offsets, lengths, strict=True)
         ]
+        # Only the short last block can get 0 (a full block's share, steps * block_length / N, is >= 1 once
+        # steps >= the number of blocks), so at most one donor search runs: linear in the number of blocks.
         for b, count in enumerate(block_steps):
             if count == 0:
                 donor = max(range(len(block_steps)), key=block_steps.__getitem__)
@@ -257,6 +261,8 @@ class DiffusionGenerationMixin:
 
         if stopping_criteria is not None and not all(callable(criterion) for criterion in stopping_criteria):
             raise TypeError("`stopping_criteria` must be a list of callables (sequences, scores) -> (batch,) bool.")
+        if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+            raise TypeError(f"`streamer` must have put() and end() (a BaseStreamer), got {type(streamer).__name__}.")
         run = BlockDiffusionRun(self, config, input_ids, attention_mask, streamer, stopping_criteria)
         sequences = run.run()
         if config.return_dict_in_generate:
@@ -269,6 +275,8 @@ class DiffusionGenerationMixin:
         """Check prompts and special tokens before any forward; raises `ValueError`/`TypeError`."""
         vocab_size = self.get_input_embeddings().weight.shape[0]
         device = self.get_input_embeddings().weight.device
+        if device.type == "meta":
+            raise ValueError("The model's weights are on the meta device (shapes without data): load real weights.")
         if config.mask_token_id is None:
             raise ValueError(
                 "`mask_token_id` is not set: pass it to generate() or set it in the generation config "
@@ -284,6 +292,12 @@ class DiffusionGenerationMixin:
         ]
         if needs_eos and not config.eos_token_ids:
             raise ValueError(f"{needs_eos} need `eos_token_id` to be set (or set them to False).")
+        for name, token in special.items():
+            if name != "mask_token_id" and token == config.mask_token_id:
+                raise ValueError(
+                    f"`{name}` ({token}) must differ from `mask_token_id`: every undecoded position would read as "
+                    "the end of the text."
+                )
         if config.cfg_scale > 0 and self.diffusion_logits_shift:
             raise ValueError("`cfg_scale` > 0 is only supported for models with unshifted logits.")
         if config.cfg_scale > 0 and self.diffusion_block_causal:
@@ -303,9 +317,18 @@ class DiffusionGenerationMixin:
             )
         if input_ids.shape[0] == 0:
             raise ValueError("`input_ids` is an empty batch: it must hold at least one prompt (batch >= 1).")
+        for name, tensor in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                raise ValueError(f"`{name}` is on the meta device (a shape without data): pass real token ids.")
         input_ids = input_ids.to(device=device, dtype=torch.long)
         if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab_size)).all()):
             raise ValueError(f"`input_ids` must hold token ids in [0, {vocab_size}).")
+        if bool((input_ids == config.mask_token_id).any()):
+            row, column = (input_ids == config.mask_token_id).nonzero()[0].tolist()
+            raise ValueError(
+                f"`input_ids` holds the mask token ({config.mask_token_id}) at row {row}, position {column}: a prompt "
+                "must not contain it (only the positions after the prompt are denoised; pad with another id)."
+            )
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
                 raise ValueError(
@@ -315,6 +338,12 @@ class DiffusionGenerationMixin:
             attention_mask = attention_mask.to(device)
             if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
                 raise ValueError("`attention_mask` must hold only 0 (padding) and 1 (real token).")
+            empty_rows = (attention_mask.shape[1] > 0) & (attention_mask == 0).all(dim=1)
+            if bool(empty_rows.any()):
+                raise ValueError(
+                    f"`attention_mask` row {int(empty_rows.nonzero()[0])} is all padding: every prompt needs at "
+                    "least one real token (1 in the mask)."
+                )
             if bool(attention_mask.all()):
                 attention_mask = None
         shift = self.diffusion_logits_shift
@@ -326,6 +355,34 @@ class DiffusionGenerationMixin:
         if max_len is not None and input_ids.shape[1] + config.max_new_tokens > max_len:
             logger.warning_once(
                 f"Prompt + max_new_tokens exceeds the model's max_sequence_length ({max_len}); quality may degrade."
+            )
+        # A call whose token canvas and K/V cache alone exceed the device's total memory is refused here, instead
+        # of failing in an allocation deep inside the loop (or swapping the machine to a halt).
+        total_memory = None
+        if device.type == "cuda":
+            total_memory = torch.cuda.get_device_properties(device).total_memory
+        elif device.type == "cpu":
+            import os
+
+            if hasattr(os, "sysconf"):
+                try:
+                    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                except (ValueError, OSError):
+                    pass
+        positions = input_ids.shape[0] * (input_ids.shape[1] + config.max_new_tokens)
+        needed = positions * 8 * 3  # int64 canvas: the sequences, their working copy, the position ids
+        layers, kv_heads, head_dim = (
+            getattr(self.config, name, None) for name in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+        )
+        if config.use_cache and layers and kv_heads and head_dim:
+            rows = 2 if config.cfg_scale > 0 else 1
+            needed += rows * positions * layers * 2 * kv_heads * head_dim * self.dtype.itemsize
+        if total_memory is not None and needed > total_memory:
+            raise ValueError(
+                f"`max_new_tokens`={config.max_new_tokens} with {input_ids.shape[0]} prompt(s) of "
+                f"{input_ids.shape[1]} tokens needs at least {needed / 2**30:.1f} GiB (token canvas and K/V cache), "
+                f"more than the {total_memory / 2**30:.1f} GiB of the model's device ({device}): lower "
+                "max_new_tokens or the batch size."
             )
         return input_ids, attention_mask
 

@@ -28,23 +28,56 @@ small CPU, `--num-threads 1` keeps OpenMP threads from spinning against each oth
 Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason` and `usage`, then
 `data: [DONE]`. A client that disconnects stops its row at the next block boundary.
 
+Hostile input (issue #15): `--api-key KEY` (or `$HF_DLLM_API_KEY`) makes every route but /health need
+`Authorization: Bearer KEY` (401). JSON endpoints need `Content-Type: application/json` (415), so that a web page
+cannot post to a local server without a CORS preflight; CORS is off unless `--allowed-origins` names origins.
+Bodies over `--max-body-bytes` (default 64 bytes per context token, at least 4 MiB) get 413 unread. Parsing,
+validation and tokenizing run in a small worker pool, never on the event loop; `max_tokens`, `block_length` and
+`steps` are checked against the context before anything is planned, and a prompt longer in characters than the
+context's tokens can cover is refused before it is tokenized. Every malformed request gets an OpenAI-style 4xx on
+a connection that stays open; only a fault of the server is a 5xx.
+
 fastapi and uvicorn are imported only here (the `serve` extra), so `import hf_dllm` never needs them.
 """
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from .serve_batching import Batcher, RowRequest
-from .serve_protocol import APIError, encode_chat, encode_prompts, parse_generation_params
+from .serve_protocol import (
+    APIError,
+    check_prompt_chars,
+    convert_messages,
+    encode_prompts,
+    longest_token_chars,
+    parse_generation_params,
+    parse_json_body,
+    render_chat,
+    split_prompts,
+)
 
 logger = logging.getLogger("hf_dllm.serve")
+
+API_KEY_ENV = "HF_DLLM_API_KEY"
+# Default request-body limit: 64 bytes per token of the model's context (a full-context prompt as JSON text or token
+# ids), at least 4 MiB. Larger bodies get 413 before they are read.
+BODY_BYTES_PER_CONTEXT_TOKEN = 64
+MIN_MAX_BODY_BYTES = 4 << 20
+# Paths served without the API key (load balancers' health checks).
+OPEN_PATHS = frozenset({"/health"})
+
+
+def default_max_body_bytes(max_length: int | None) -> int:
+    return max(MIN_MAX_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * (max_length or 0))
 
 
 def load_model(path: str, dtype: str = "auto", device: str = "auto"):
@@ -89,6 +122,7 @@ class Server:
         max_batch_size: int = 16,
         batch_window_ms: float = 10.0,
         max_concurrent_batches: int = 1,
+        max_body_bytes: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -99,6 +133,11 @@ class Server:
         self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
             model.config, "max_position_embeddings", None
         )
+        self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_length)
+        self.max_chars_per_token = longest_token_chars(tokenizer)
+        # JSON parsing, chat templates and tokenization run here, off the event loop: a large request then delays
+        # only itself, never /health or the other clients' streams.
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf-dllm-tokenize")
         self.batcher = Batcher(
             model,
             tokenizer,
@@ -122,12 +161,21 @@ class Server:
 
     def _rows(self, prompts: list[list[int]], params, sink, param: str) -> list[RowRequest]:
         bos = self.base_config.bos_token_id
+        mask = self.base_config.mask_token_id
         rows = []
         for index, ids in enumerate(prompts):
             if not ids:
                 if bos is None:
                     raise APIError(400, "The prompt is empty.", param=param)
                 ids = [bos]
+            if mask is not None and mask in ids:
+                # generate() would refuse it, failing every other request batched with this one.
+                raise APIError(
+                    400,
+                    f"The prompt holds the model's mask token (id {mask}, {self.tokenizer.convert_ids_to_tokens(mask)!r}), "
+                    "which only the server may place.",
+                    param=param,
+                )
             total = len(ids) + params.generate_kwargs["max_new_tokens"]
             if self.max_length is not None and total > self.max_length:
                 raise APIError(
@@ -151,17 +199,45 @@ class Server:
             )
         return rows
 
-    def prepare(self, body: dict, chat: bool, sink) -> tuple[list[RowRequest], object]:
+    async def off_loop(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, function, *args)
+
+    async def prepare(self, raw: bytes, chat: bool, sink) -> tuple[list[RowRequest], object]:
+        """Parse, validate and tokenize a request body, in `pool`: nothing proportional to the body's size runs on
+        the event loop, so a large request delays only itself (and the requests queued behind it in the pool)."""
+        return await self.off_loop(self.prepare_now, raw, chat, sink)
+
+    def prepare_now(self, raw: bytes, chat: bool, sink) -> tuple[list[RowRequest], object]:
+        """`prepare` in the calling thread. Every check that needs no tokens (fields, lengths against the context,
+        the prompt's characters) runs before anything is tokenized."""
+        body = parse_json_body(raw)
         self._check_model(body)
         params = parse_generation_params(
-            body, self.base_config, chat, block_causal=getattr(self.model, "diffusion_block_causal", False)
+            body,
+            self.base_config,
+            chat,
+            self.max_length,
+            block_causal=getattr(self.model, "diffusion_block_causal", False),
         )
+        budget = None if self.max_length is None else self.max_length - params.generate_kwargs["max_new_tokens"]
         if chat:
-            prompts, param = [encode_chat(body.get("messages"), self.tokenizer)], "messages"
+            param = "messages"
+            messages = convert_messages(body.get("messages"))
+            # The template only adds text: the messages alone must already fit (checked again once rendered).
+            chars = sum(len(message["role"]) + len(message["content"]) for message in messages)
+            check_prompt_chars(chars, budget, self.max_chars_per_token, param, self.max_length)
+            text = render_chat(messages, self.tokenizer)
+            check_prompt_chars(len(text), budget, self.max_chars_per_token, param, self.max_length)
+            prompts = [list(self.tokenizer(text, add_special_tokens=False)["input_ids"])]
         else:
+            param = "prompt"
             if body.get("prompt") is None:
                 raise APIError(400, "`prompt` is required.", param="prompt")
-            prompts, param = encode_prompts(body["prompt"], self.tokenizer, self.vocab_size), "prompt"
+            items = split_prompts(body["prompt"], self.vocab_size)
+            for item in items:
+                if isinstance(item, str):
+                    check_prompt_chars(len(item), budget, self.max_chars_per_token, param, self.max_length)
+            prompts = encode_prompts(items, self.tokenizer)
         return self._rows(prompts, params, sink, param), params
 
     async def collect(self, rows: list[RowRequest], queue: asyncio.Queue, request) -> dict | None:
@@ -295,6 +371,54 @@ class Server:
                 self._cancel(rows)
 
 
+class AccessGuard:
+    """ASGI middleware: with an API key, every route but `OPEN_PATHS` needs `Authorization: Bearer KEY` (401
+    otherwise), checked before anything of the request is read."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            given = any(name == b"authorization" for name, _ in scope["headers"])
+            error = APIError(
+                401,
+                "Incorrect API key provided."
+                if given
+                else "You didn't provide an API key: send it in an "
+                "Authorization header using Bearer auth (Authorization: Bearer YOUR_KEY).",
+                code="invalid_api_key",
+            )
+            await send_json(send, error.status, error.body(), [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                # compare_digest: the time taken does not tell an attacker how much of the key was right.
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+
+async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    payload = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
 def create_app(
     model,
     tokenizer,
@@ -302,14 +426,25 @@ def create_app(
     max_batch_size: int = 16,
     batch_window_ms: float = 10.0,
     max_concurrent_batches: int = 1,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    max_body_bytes: int | None = None,
 ):
-    """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan)."""
+    """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan).
+
+    `api_key`: every route but /health needs `Authorization: Bearer API_KEY`. `allowed_origins`: the browser
+    origins CORS lets call the API (`["*"]` for any); none by default, so a web page cannot read the answers.
+    `max_body_bytes`: larger request bodies get 413 unread (default `default_max_body_bytes`).
+    """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.middleware.cors import CORSMiddleware
 
-    server = Server(model, tokenizer, model_name, max_batch_size, batch_window_ms, max_concurrent_batches)
+    server = Server(
+        model, tokenizer, model_name, max_batch_size, batch_window_ms, max_concurrent_batches, max_body_bytes
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -318,9 +453,20 @@ def create_app(
             yield
         finally:
             server.batcher.stop()
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hf-dllm", lifespan=lifespan)
     app.state.server = server
+    # Added last = outermost: CORS answers browsers' preflights, then the key is checked.
+    if api_key:
+        app.add_middleware(AccessGuard, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):
@@ -339,20 +485,44 @@ def create_app(
         logger.exception("request failed")
         return JSONResponse(APIError(500, f"Internal server error: {error}").body(), status_code=500)
 
-    async def read_body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    async def read_body(request: Request) -> bytes:
+        """The raw body of a JSON request: 415 unless it says it is JSON (a browser sends `text/plain` or no type
+        cross-origin without asking first), 413 past `max_body_bytes` (before reading it, when Content-Length
+        says so; else as soon as the bytes read pass it). `Server.prepare` parses it."""
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
             raise APIError(
-                400, f"We could not parse the JSON body of your request: {error}.", code="invalid_json"
-            ) from None
-        if not isinstance(body, dict):
-            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-        return body
+                415,
+                f"Content-Type must be application/json, got {content_type or 'none'}.",
+                code="unsupported_media_type",
+            )
+        limit = server.max_body_bytes
+        too_large = APIError(
+            413, f"The request body is larger than this server's limit of {limit} bytes.", code="request_too_large"
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def generate(request: Request, chat: bool):
-        body = await read_body(request)
+        try:
+            return await handle_generate(request, chat)
+        except APIError:
+            raise
+        except Exception as error:
+            # Answered here rather than by the last-resort handler, which closes the client's connection.
+            logger.exception("request failed")
+            raise APIError(500, f"Internal server error: {type(error).__name__}.") from error
+
+    async def handle_generate(request: Request, chat: bool):
+        raw = await read_body(request)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -362,7 +532,7 @@ def create_app(
             except RuntimeError:  # the event loop is closed (shutdown)
                 pass
 
-        rows, params = server.prepare(body, chat, sink)
+        rows, params = await server.prepare(raw, chat, sink)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if params.stream:
             return StreamingResponse(
@@ -436,6 +606,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate() calls running at once (>1 lets short batches pass a long one)",
     )
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
+    parser.add_argument(
+        "--api-key",
+        default=None,  # not the environment's key here: --help prints defaults
+        help=f"require `Authorization: Bearer KEY` on every route but /health (default: ${API_KEY_ENV}, which keeps "
+        "the key out of the process list; unset: no key)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="comma-separated browser origins CORS lets call the API, e.g. https://app.example.com, or '*' "
+        "(default: none, CORS off)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help=f"larger request bodies get 413 unread (default: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token of the "
+        f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -454,6 +643,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        print("hf-dllm serve: --max-body-bytes must be >= 1.", file=sys.stderr)
+        return 2
+    origins = [origin.strip() for origin in (args.allowed_origins or "").split(",") if origin.strip()]
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.num_threads:
         import torch
 
@@ -472,6 +666,16 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,
         max_concurrent_batches=args.max_concurrent_batches,
+        api_key=api_key,
+        allowed_origins=origins,
+        max_body_bytes=args.max_body_bytes,
     )
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "Serving on %s without an API key: anyone who reaches this port can use the model. Pass --api-key "
+            "(or set %s), and put a TLS proxy in front.",
+            args.host,
+            API_KEY_ENV,
+        )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

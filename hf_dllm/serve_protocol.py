@@ -8,11 +8,13 @@ raises `APIError`, which the server turns into OpenAI's error object
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 
+from .generation_config import is_int
 from .generation_utils import DiffusionGenerationConfig, plan_blocks
+
+MAX_ERROR_MESSAGE = 2000
 
 
 class APIError(Exception):
@@ -21,6 +23,12 @@ class APIError(Exception):
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
     ):
+        if len(message) > MAX_ERROR_MESSAGE:  # messages quote the offending value, which can be megabytes long
+            message = message[:MAX_ERROR_MESSAGE] + "... (truncated)"
+        # A quoted lone surrogate would make the JSON response unencodable (a 500): write it as its escape.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        if param is not None:
+            param = param.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -93,6 +101,66 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "metadata", "store"}
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
+# Deepest JSON nesting a request may have: OpenAI's schema needs 4 (messages -> message -> content -> part); deeper
+# bodies are refused before they are walked (100k-deep JSON used to exhaust the parser's recursion, a 500).
+MAX_JSON_DEPTH = 32
+# A prompt longer than (tokens left in the context) x (the tokenizer's longest token, in characters) x this slack
+# cannot fit, and is refused without tokenizing it (issue #15 measured tokenizing at ~400 bytes of memory per byte of
+# prompt). The slack covers normalizers that merge characters (NFC: "e" + U+0301 -> "é").
+NORMALIZER_SLACK = 2
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or `APIError` 400 `invalid_json`: malformed or too deeply nested JSON,
+    numbers Python cannot hold, lone UTF-16 surrogates (which no tokenizer can encode). `NaN` and `Infinity` are
+    parsed (Python's json accepts them, as JavaScript clients send them) and left to the field's validation, which
+    rejects every non-finite number naming the field."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(
+            400, f"The JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels).", code="invalid_json"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, bad UTF-8, ints over 4300 digits
+        raise APIError(
+            400, f"We could not parse the JSON body of your request: {error}.", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    # Walk the whole body once, iteratively (no recursion to exhaust): depth and encodable strings.
+    stack: list[tuple[object, int, str | None]] = [(body, 1, None)]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(
+                400,
+                f"The JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels).",
+                param=field,
+                code="invalid_json",
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, field)
+                stack.append((item, depth + 1, field or key))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, field) for item in value)
+        elif isinstance(value, str):
+            _check_text(value, field)
+    return body
+
+
+def _check_text(text: str, field: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        where = f"`{field}`" if field else "A field name"
+        raise APIError(
+            400,
+            f"{where} holds a lone UTF-16 surrogate ({text[error.start]!r} at character {error.start}), which is not "
+            "valid Unicode text.",
+            param=field,
+            code="invalid_json",
+        ) from None
 
 
 @dataclass
@@ -119,14 +187,29 @@ def _error_param(message: str, aliases: dict[str, str]) -> str | None:
     return aliases.get(match.group(1), match.group(1))
 
 
+def context_error(max_length: int, detail: str, param: str) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_length} tokens. {detail}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def parse_generation_params(
-    body: dict, base_config: DiffusionGenerationConfig, chat: bool, block_causal: bool = False
+    body: dict,
+    base_config: DiffusionGenerationConfig,
+    chat: bool,
+    max_length: int | None = None,
+    block_causal: bool = False,
 ) -> GenerationParams:
     """Validate the generation fields of a request body with `generate()`'s own rules.
 
     `max_tokens` (default 128) caps the returned tokens. The model decodes `max_tokens` rounded up to whole
     blocks (`block_length`), and the completion is cut back to `max_tokens` tokens; `steps` (default: one token
-    per step) counts the steps of that rounded length.
+    per step) counts the steps of that rounded length, and may not exceed it. With `max_length` (the model's
+    context), the rounded length is checked against it before anything is planned, so that no request makes the
+    server plan (or allocate) more than the context holds.
     """
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
@@ -171,16 +254,35 @@ def parse_generation_params(
         isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
     )
 
+    prompt_param = "messages" if chat else "prompt"
+    if max_length is not None and is_int(max_tokens) and max_tokens > max_length:
+        # Before validate(): its bound on max_new_tokens (2**20) would hide that the context is what is exceeded.
+        raise context_error(max_length, f"You requested {max_tokens} tokens (`{max_name}`).", prompt_param)
     config = DiffusionGenerationConfig.from_generation_config(base_config)
     try:
         for name, value in fields.items():
             setattr(config, name, value)
         config.max_new_tokens = max_tokens
         config.validate(block_causal=block_causal)
-        blocks = math.ceil(max_tokens / config.block_length)
-        config.max_new_tokens = blocks * config.block_length
+        # Integer arithmetic: a float division loses exactness past 2**53 (block_length can be any JSON integer).
+        rounded = -(-max_tokens // config.block_length) * config.block_length
+        if max_length is not None and rounded > max_length:
+            raise context_error(
+                max_length,
+                f"Decoding `{max_name}`={max_tokens} in whole blocks of `block_length`={config.block_length} takes "
+                f"{rounded} positions.",
+                "block_length" if config.block_length > max_tokens else prompt_param,
+            )
+        if config.steps is not None and config.steps > rounded:
+            raise APIError(
+                400,
+                f"`steps` ({config.steps}) must be at most the decoded length ({rounded}: `{max_name}` rounded up to "
+                "whole blocks): a step beyond one token per position commits nothing.",
+                param=aliases.get("steps", "steps"),
+            )
+        config.max_new_tokens = rounded
         config.validate(block_causal=block_causal)
-        plan_blocks(config.max_new_tokens, config.block_length, config.steps)
+        plan_blocks(config.max_new_tokens, config.block_length, config.steps)  # linear, bounded by the checks above
     except ValueError as error:
         message = str(error).replace("max_new_tokens", max_name)
         raise APIError(400, message, param=_error_param(str(error), aliases)) from None
@@ -218,34 +320,40 @@ def parse_generation_params(
 
 
 def _token_ids(value, vocab_size: int) -> list[int] | None:
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and value and all(is_int(t) for t in value):
         if not all(0 <= t < vocab_size for t in value):
             raise APIError(400, f"Prompt token ids must be in [0, {vocab_size}).", param="prompt")
         return list(value)
     return None
 
 
-def encode_prompts(prompt, tokenizer, vocab_size: int) -> list[list[int]]:
-    """`prompt` of /v1/completions: a string, a list of strings, a list of token ids, or a list of those."""
+def split_prompts(prompt, vocab_size: int) -> list[str | list[int]]:
+    """`prompt` of /v1/completions (a string, a list of strings, a list of token ids, or a list of those) as a
+    list of texts and token-id lists, validated but not tokenized (cheap: runs on the event loop)."""
     if isinstance(prompt, str):
-        prompts = [prompt]
-    elif _token_ids(prompt, vocab_size) is not None:
-        return [_token_ids(prompt, vocab_size)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p, vocab_size) for p in prompt):
-        prompts = prompt
-    else:
-        raise APIError(
-            400,
-            "`prompt` must be a string, a list of strings, a list of token ids or a list of such lists (non-empty).",
-            param="prompt",
-        )
-    if len(prompts) > MAX_PROMPTS:
-        raise APIError(400, f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        return [prompt]
+    ids = _token_ids(prompt, vocab_size)
+    if ids is not None:
+        return [ids]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p, vocab_size) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        return list(prompt)
+    raise APIError(
+        400,
+        "`prompt` must be a string, a list of strings, a list of token ids or a list of such lists (non-empty).",
+        param="prompt",
+    )
+
+
+def encode_prompts(prompts: list[str | list[int]], tokenizer) -> list[list[int]]:
+    """Token ids of `split_prompts`' items (tokenizes the texts: run it off the event loop)."""
     return [p if isinstance(p, list) else list(tokenizer(p)["input_ids"]) for p in prompts]
 
 
-def encode_chat(messages, tokenizer) -> list[int]:
-    """Apply the tokenizer's chat template to OpenAI `messages` (string content or text parts)."""
+def convert_messages(messages) -> list[dict]:
+    """OpenAI `messages` (string content or text parts) as `{role, content}` dicts for the chat template, validated
+    (cheap: runs on the event loop)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "`messages` must be a non-empty list of {role, content} objects.", param="messages")
     converted = []
@@ -269,9 +377,36 @@ def encode_chat(messages, tokenizer) -> list[int]:
                 400, f"messages[{i}].content must be a string or a list of text parts.", param=f"messages[{i}].content"
             )
         converted.append({"role": message["role"], "content": content})
+    return converted
+
+
+def render_chat(messages: list[dict], tokenizer) -> str:
+    """The tokenizer's chat template applied to `convert_messages`' output, as text (run it off the event loop).
+    Its tokens are `tokenizer(text, add_special_tokens=False)`, what `apply_chat_template(tokenize=True)` gives;
+    rendering first lets the text's length be checked before it is tokenized."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "This model's tokenizer has no chat template: use /v1/completions.", param="messages")
-    encoded = tokenizer.apply_chat_template(converted, add_generation_prompt=True, tokenize=True)
-    if hasattr(encoded, "keys"):
-        encoded = encoded["input_ids"]
-    return list(encoded)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the tokenizer's longest token (vocabulary and added tokens): no token covers more characters
+    of a text (a byte-level token string has a character per byte, at least one per decoded character)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_prompt_chars(chars: int, budget: int | None, max_chars_per_token: int, param: str, max_length) -> None:
+    """Refuse, without tokenizing it, a prompt of `chars` characters that cannot fit the `budget` tokens left in
+    the context (see `NORMALIZER_SLACK`)."""
+    if budget is None:
+        return
+    budget = max(budget, 0)
+    limit = budget * max_chars_per_token * NORMALIZER_SLACK
+    if chars > limit:
+        raise context_error(
+            max_length,
+            f"The prompt has {chars} characters, and the {budget} tokens left for it after max_tokens cover at most "
+            f"{limit} (the longest token has {max_chars_per_token} characters; x{NORMALIZER_SLACK} for "
+            "normalization).",
+            param,
+        )

@@ -275,6 +275,136 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     assert [p.name for p in dst.iterdir()] == ["old.txt"] and no_staging_left(tmp_path)
 
 
+# --- verification of what is written, leftovers of killed runs ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("truncated-weights", "model.safetensors is not a readable safetensors file.*not fully covered"),
+        ("garbage-weights", "model.safetensors is not a readable safetensors file"),
+        ("empty-weights", "model.safetensors is not a readable safetensors file"),
+        (
+            "wider-mlp",
+            r"shapes differ from config.json: model.transformer.blocks.0.ff_proj.weight is \[192, 64\], "
+            r"the config gives \[256, 64\]",
+        ),
+        ("more-layers", r"missing from the weights: model.transformer.blocks.2"),
+        ("tied-weights", r"in the weights but not in a model of this config: model.transformer.ff_out.weight"),
+        ("bad-tokenizer", r"tokenizer files \(tokenizer.json\) do not load"),
+        ("index-lies", r"model.safetensors.index.json does not match its shards"),
+    ],
+)
+def test_export_verifies_what_it_writes(tmp_path, breakage, message, capsys):
+    """Weights and config that disagree, unreadable files: exit 1 with the reason, DST untouched, no staging left."""
+    src = copy_source(tmp_path)
+    weights = src / "model.safetensors"
+    config = json.loads((src / "config.json").read_text())
+    if breakage == "truncated-weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif breakage == "garbage-weights":
+        weights.write_bytes(os.urandom(4096))
+    elif breakage == "empty-weights":
+        weights.write_bytes(b"")
+    elif breakage == "wider-mlp":
+        (src / "config.json").write_text(json.dumps({**config, "mlp_hidden_size": 256}))
+    elif breakage == "more-layers":
+        (src / "config.json").write_text(json.dumps({**config, "n_layers": 3}))
+    elif breakage == "tied-weights":
+        (src / "config.json").write_text(json.dumps({**config, "weight_tying": True}))
+    elif breakage == "bad-tokenizer":
+        (src / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    elif breakage == "index-lies":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        names = sorted(tensors)
+        save_file({n: tensors[n] for n in names[:10]}, src / "model-00001-of-00002.safetensors")
+        save_file({n: tensors[n] for n in names[10:]}, src / "model-00002-of-00002.safetensors")
+        weight_map = {n: "model-00001-of-00002.safetensors" for n in names}  # every tensor in shard 1: wrong
+        (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        weights.unlink()
+    dst = tmp_path / "out"
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(src, dst)
+    assert not dst.exists() and no_staging_left(tmp_path)
+    assert export.main([str(src), str(dst)]) == 1
+    assert "hf-dllm export: error:" in capsys.readouterr().err
+    assert not dst.exists() and no_staging_left(tmp_path)
+
+
+def test_pytorch_bin_weights_are_verified(tmp_path):
+    """`pytorch_model.bin` (no safetensors): shapes read from the mapped file; a truncated file is refused."""
+    from safetensors.torch import load_file
+
+    src = copy_source(tmp_path)
+    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    export_checkpoint(src, tmp_path / "out")
+    assert (tmp_path / "out" / "pytorch_model.bin").read_bytes() == (src / "pytorch_model.bin").read_bytes()
+    data = (src / "pytorch_model.bin").read_bytes()
+    (src / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExportError, match="pytorch_model.bin is not a readable PyTorch weights file"):
+        export_checkpoint(src, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists() and no_staging_left(tmp_path)
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (ids are reused only after the counter wraps)."""
+    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(process.stdout)
+
+
+def test_killed_export_leaves_nothing_a_later_export_does_not_remove(tmp_path, exported, caplog):
+    """An export killed (SIGKILL) while assembling leaves `.DST.export-PID-*`; the next export into DST removes
+    it, and says so."""
+    child = textwrap.dedent(
+        """
+        import os, signal, sys
+        from hf_dllm import export
+        export.verify_export = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # die with the repo half-made
+        export.export_checkpoint(sys.argv[1], sys.argv[2])
+        """
+    )
+    dst = tmp_path / exported.name
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE_DIR.parent))
+    killed = subprocess.run([sys.executable, "-c", child, str(REFERENCE_DIR), str(dst)], env=env, timeout=120)
+    assert killed.returncode == -9
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.export-")]
+    assert len(leftovers) == 1 and not dst.exists()
+    # A running export's folder (this process) and a pre-PID folder name are left alone and reported.
+    live = tmp_path / f".{dst.name}.export-{os.getpid()}-live"
+    unnamed = tmp_path / f".{dst.name}.export-abcd1234"
+    live.mkdir()
+    unnamed.mkdir()
+    with caplog.at_level("WARNING", logger="hf_dllm.export"):
+        export_checkpoint(REFERENCE_DIR, dst)
+    assert tree_bytes(dst) == tree_bytes(exported)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted([live.name, unnamed.name])
+    notes = caplog.text
+    assert f"removed {tmp_path / leftovers[0]}" in notes and "was killed" in notes
+    assert f"left {live}" in notes and f"left {unnamed}" in notes
+
+
+def test_export_killed_while_swapping_folders_is_repaired(tmp_path, exported, caplog):
+    """Killed between moving the old DST aside and moving the new one in: DST is missing and `.DST.old-PID-*`
+    holds it. The next export puts it back first (then refuses to overwrite it without --overwrite)."""
+    dst = tmp_path / exported.name
+    pid = dead_pid()
+    old = tmp_path / f".{dst.name}.old-{pid}-x1y2"
+    shutil.copytree(exported, old)
+    staging = tmp_path / f".{dst.name}.export-{pid}-z3w4"
+    staging.mkdir()
+    with caplog.at_level("WARNING", logger="hf_dllm.export"), pytest.raises(ExportError, match="not empty"):
+        export_checkpoint(REFERENCE_DIR, dst)
+    assert tree_bytes(dst) == tree_bytes(exported) and no_staging_left(tmp_path)
+    assert f"restored {dst} from {old}" in caplog.text
+    # With DST present, a stale `.old-` copy is simply removed.
+    shutil.copytree(exported, old)
+    export_checkpoint(REFERENCE_DIR, dst, overwrite=True)
+    assert no_staging_left(tmp_path) and tree_bytes(dst) == tree_bytes(exported)
+
+
 def test_cli_errors(tmp_path, capsys):
     dst = tmp_path / "out"
     assert export.main([str(REFERENCE_DIR), str(dst), "--bogus"]) == 2

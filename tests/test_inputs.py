@@ -86,14 +86,50 @@ BAD_INPUTS = [
     ("attention_mask_values", dict(attention_mask=torch.full((2, 5), 2)), ValueError, r"attention_mask.*0.*1"),
     ("attention_mask_float", dict(attention_mask=torch.full((2, 5), 0.5)), ValueError, r"attention_mask.*0.*1"),
     ("generation_config_type", dict(generation_config={"threshold": 0.9}), TypeError, r"generation_config"),
+    # Non-finite and out-of-range numbers (NaN passes `< 0` checks unnoticed; inf turns logits into NaN).
+    ("temperature=nan", dict(temperature=float("nan")), ValueError, r"temperature.*finite number >= 0"),
+    ("temperature=inf", dict(temperature=float("inf")), ValueError, r"temperature.*finite number >= 0"),
+    ("temperature=10**400", dict(temperature=10**400), ValueError, r"temperature.*finite number >= 0"),
+    ("cfg_scale=nan", dict(cfg_scale=float("nan")), ValueError, r"cfg_scale.*finite number >= 0"),
+    ("cfg_scale=inf", dict(cfg_scale=float("inf")), ValueError, r"cfg_scale.*finite number >= 0"),
+    ("factor=nan", dict(factor=float("nan")), ValueError, r"factor.*finite number > 0"),
+    ("factor=inf", dict(factor=float("inf")), ValueError, r"factor.*finite number > 0"),
+    ("threshold=nan", dict(threshold=float("nan")), ValueError, r"threshold.*\(0, 1\]"),
+    ("max_new_tokens=10**9", dict(max_new_tokens=10**9), ValueError, r"max_new_tokens.*at most 1048576"),
+    ("steps=10**9", dict(steps=10**9), ValueError, r"steps.*at most 1048576"),
+    # Lengths no machine could allocate: 65536 rows x 2**20 positions of K/V cache.
+    (
+        "beyond_memory",
+        dict(inputs=torch.full((65536, 5), 7), max_new_tokens=2**20, block_length=2**20),
+        ValueError,
+        r"max_new_tokens.*GiB",
+    ),
+    # Special tokens that collide with the mask token.
+    ("eos==mask", dict(eos_token_id=3), ValueError, r"eos_token_id\[0\].*mask_token_id"),
+    ("eos_list_has_mask", dict(eos_token_id=[0, 3]), ValueError, r"eos_token_id\[1\].*mask_token_id"),
+    ("eot==mask", dict(eot_token_id=3), ValueError, r"eot_token_id.*mask_token_id"),
+    (
+        "all_padding_row",
+        dict(attention_mask=torch.tensor([[1] * 5, [0] * 5])),
+        ValueError,
+        r"attention_mask.*row 1.*all padding",
+    ),
+    (
+        "attention_mask_meta",
+        dict(attention_mask=torch.ones(2, 5, dtype=torch.long, device="meta")),
+        ValueError,
+        r"attention_mask.*meta",
+    ),
+    ("streamer_without_put", dict(streamer=object()), TypeError, r"streamer.*put\(\)"),
 ]
 
 
 @pytest.mark.parametrize("kwargs, error, pattern", [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
 def test_bad_generate_argument_fails_before_any_forward(model, forwards, kwargs, error, pattern):
     call = {**GEN, **kwargs}
+    prompt = call.pop("inputs", PROMPT)
     with pytest.raises(error, match=pattern):
-        model.generate(PROMPT, **call)
+        model.generate(prompt, **call)
     assert forwards["n"] == 0
 
 
@@ -105,6 +141,13 @@ BAD_PROMPTS = [
     ("list", [[5, 6, 7]], TypeError, r"input_ids.*LongTensor"),
     ("id=vocab", torch.tensor([[5, 6, VOCAB]]), ValueError, rf"input_ids.*\[0, {VOCAB}\)"),
     ("id<0", torch.tensor([[5, -1, 6]]), ValueError, rf"input_ids.*\[0, {VOCAB}\)"),
+    (
+        "mask_token",
+        torch.tensor([[5, 6, 7], [8, 3, 9]]),
+        ValueError,
+        r"input_ids.*mask token \(3\) at row 1, position 1",
+    ),
+    ("meta", torch.ones(2, 5, dtype=torch.long, device="meta"), ValueError, r"input_ids.*meta device"),
 ]
 
 
@@ -115,6 +158,13 @@ def test_bad_prompt_fails_before_any_forward(model, forwards, prompt, error, pat
     with pytest.raises(error, match=pattern):
         model.generate(input_ids=prompt, **GEN)
     assert forwards["n"] == 0
+
+
+def test_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = tiny_model()
+    with pytest.raises(ValueError, match="meta device"):
+        model.generate(PROMPT, **GEN)
 
 
 def test_bad_generation_config_object_fails_before_any_forward(model, forwards):
