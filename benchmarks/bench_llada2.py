@@ -164,6 +164,28 @@ def block_step(model, prompts, config, device, repeats: int = 30):
         StepGraphs.release_to(model)
 
 
+@torch.no_grad()
+def profile_block_step(model, prompts, config, top: int = 25) -> str:
+    """torch.profiler table of one eager block step (the kernels a graph replay runs), by CUDA time."""
+    run = BlockDiffusionRun(model, config, prompts, None, None)
+    try:
+        run.graphs = None
+        start, end = run.plan.blocks[0]
+        run.unmasking.start_block(end - start, run.plan.block_steps[:, 0])
+        run.cache_policy.start_block(start)
+        run.run_step(start, end, 0)
+        run.run_step(start, end, 1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            run.run_step(start, end, 1)
+            torch.cuda.synchronize()
+        events = profiler.key_averages()
+        kernels = sum(event.count for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+        table = events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+        return f"{kernels} kernel launches in one block step\n{table}"
+    finally:
+        StepGraphs.release_to(model)
+
+
 def step_weight_bytes(model, distinct_experts: list[int]) -> int:
     """Bytes of the weights one block step reads: every weight but the routed experts and the input embedding (a
     step gathers a few of its rows), plus one expert's bytes for each routed expert the step selected."""
@@ -235,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-code", type=Path, default=None, help="folder with the Hub's modeling files")
     parser.add_argument("--reference-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    parser.add_argument("--profile", default=None, help="comma list of batch sizes: profile one block step each")
     parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
     args = parser.parse_args(argv)
 
@@ -256,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     summary["build_s"] = round(time.perf_counter() - started, 1)
     summary["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(json.dumps(summary), flush=True)
+
+    if args.profile:
+        for batch in [int(b) for b in args.profile.split(",")]:
+            prompts = torch.randint(0, shape["vocab_size"] - 512, (batch, prompt_len), device=device)
+            kwargs = dict(max_new_tokens=new_tokens, block_length=block, steps=new_tokens, mask_token_id=MASK_ID)
+            config, _ = model._prepare_diffusion_config(None, kwargs)
+            print(f"batch {batch}:\n{profile_block_step(model, prompts, config)}", flush=True)
+        return 0
 
     rows = []
     for batch in batch_sizes:

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_ops
+from .kernels import use_fused_kernels
+
 # Confidence of positions that are not masked: they can never be chosen.
 NOT_MASKED = float("-inf")
 # Confidence given to positions whose candidate is EOS/EOT under `confidence_eos_eot_inf` (LLaDA App. B.4): below
@@ -64,6 +67,17 @@ def propose_tokens(
     Returns:
         `x0` `(batch, L)` long and `confidence` `(batch, L)` float32, `NOT_MASKED` where `masked` is False.
     """
+    if (
+        temperature == 0
+        and remasking == "low_confidence"
+        and suppressed_token_ids is None
+        and use_fused_kernels(logits)
+    ):
+        # The same greedy choice and probability in one pass over the vocabulary (`triton_ops.greedy_propose`).
+        x0, confidence = triton_ops.greedy_propose(logits, mask_token_id)
+        if deferred_token_ids is not None:
+            confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)
+        return x0, torch.where(masked, confidence, NOT_MASKED)
     logits = logits.float()
     if suppressed_token_ids is not None:
         logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))

@@ -42,10 +42,12 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
+from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, padding_aware_position_ids
+from .kernels import use_fused_kernels
 
 register_attention_backends()
 
@@ -64,6 +66,9 @@ class LLaDA2MoeRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(hidden_states):
+            # The same arithmetic in one kernel (LLaDA's, `kernels.py`): eight PyTorch kernels per norm otherwise.
+            return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)[0]
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -185,9 +190,17 @@ class LLaDA2MoeMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_activation(self.act_fn, self.gate_proj(x), self.up_proj(x), self.silu))
+
+
+def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, silu: bool) -> torch.Tensor:
+    """`act(gate) * up`; with `silu` (the activation is SiLU) one fused kernel where the fused kernels apply."""
+    if silu and use_fused_kernels(gate):
+        return triton_ops.silu_mul(gate, up)
+    return act_fn(gate) * up
 
 
 class LLaDA2MoeGate(nn.Module):
@@ -276,6 +289,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         else:
             self.shared_experts = None
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act in ("silu", "swish")
         # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stack_check: list[tuple[torch.Tensor, int]] = []
@@ -389,7 +403,9 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         offsets = counts.cumsum(0).to(torch.int32)
         projected = grouped_mm(sorted_tokens, gate_up.transpose(1, 2), offs=offsets)
         gate, up = projected.split(self.intermediate_size, dim=-1)
-        return grouped_mm((self.act_fn(gate) * up).contiguous(), down.transpose(1, 2), offs=offsets)
+        return grouped_mm(
+            gated_activation(self.act_fn, gate, up, self.silu).contiguous(), down.transpose(1, 2), offs=offsets
+        )
 
 
 class LLaDA2MoeAttention(nn.Module):

@@ -258,3 +258,22 @@ def test_graphs_replayed_by_a_later_call_keep_their_constants():
     del clutter
     assert torch.equal(first, eager) and torch.equal(second, eager)
     assert not torch.isin(second[:, ids.shape[1] :], torch.tensor([5, 6], device="cuda")).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", [(32, 126464), (1024, 157184), (7, 1000)])
+def test_greedy_propose_matches_torch(dtype, rows, vocab):
+    """Same argmax as torch (first index on ties, the excluded id never chosen); the probability's error against
+    a float64 softmax within 2x of torch's float32 error (plus float32 rounding of the result)."""
+    torch.manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda") * 6).to(dtype)
+    logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
+    logits[1, :] = 0.5  # all tied: the first index
+    tokens, probability = triton_ops.greedy_propose(logits, 5)
+    candidates = logits.float().clone()
+    candidates[:, 5] = float("-inf")
+    expected = candidates.argmax(-1)
+    assert torch.equal(tokens, expected)
+    exact = torch.softmax(logits.double(), -1).gather(-1, expected[:, None])[:, 0]
+    theirs = torch.exp(logits.float().gather(-1, expected[:, None])[:, 0] - torch.logsumexp(logits.float(), -1))
+    assert (probability.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-7
