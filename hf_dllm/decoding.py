@@ -38,6 +38,10 @@ NOT_MASKED = float("-inf")
 # every real probability, so they are committed last, yet above NOT_MASKED, so a scheduled commit still lands on a
 # masked position.
 DEFERRED = -1.0
+# Rows (block positions x batch) from which the one-pass Triton proposal beats PyTorch's: on an H100 with LLaDA-8B's
+# 126k vocabulary it was 0.2-0.3 ms slower per step at 32 rows (one program per row leaves most SMs idle) and faster
+# at 256 rows (batch 8: +2.4% tokens/s) and at 1024 (LLaDA2, batch 32); between them it is not measured.
+MIN_FUSED_PROPOSE_ROWS = 128
 
 
 def propose_tokens(
@@ -71,6 +75,7 @@ def propose_tokens(
         temperature == 0
         and remasking == "low_confidence"
         and suppressed_token_ids is None
+        and logits[..., 0].numel() >= MIN_FUSED_PROPOSE_ROWS
         and use_fused_kernels(logits)
     ):
         # The same greedy choice and probability in one pass over the vocabulary (`triton_ops.greedy_propose`).
@@ -167,6 +172,11 @@ class UnmaskingPolicy:
         """Number of forwards the current block takes, when known in advance (no host synchronisation)."""
         return None
 
+    def steps_per_row(self) -> torch.Tensor | None:
+        """`(rows,)` long (host): the forwards each row needs in this block, when known in advance."""
+        steps = self.steps_for_block()
+        return None if steps is None else torch.full(self.num_steps.shape or (1,), steps, dtype=torch.long)
+
     def still_active(
         self,
         active: torch.Tensor,
@@ -203,7 +213,8 @@ class FixedSchedule(UnmaskingPolicy):
         return min(self.steps, self.block_length)
 
     def scheduled_count(self, step: int) -> int:
-        return int(schedule_counts(self.block_length, torch.tensor(self.steps), step))
+        base, extra = divmod(self.block_length, self.steps)  # host arithmetic: called before every step
+        return base + (1 if step < extra else 0)
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return scheduled
@@ -263,6 +274,11 @@ class ScheduledThreshold(UnmaskingPolicy):
     def steps_for_block(self) -> int | None:
         """Without a threshold, a row with M masks needs the fewest steps whose quotas add up to M (at most its
         `s`): known on the host, so the loop runs them without asking the GPU whether masks are left."""
+        steps = self.steps_per_row()
+        return None if steps is None else int(steps.max()) if steps.numel() else 0
+
+    def steps_per_row(self) -> torch.Tensor | None:
+        """`(rows,)` long (host): the forwards each row needs in this block, when known in advance."""
         if self.threshold is not None or self.masked_counts is None:
             return None
         steps = self.num_steps.broadcast_to(self.masked_counts.shape)
@@ -272,7 +288,7 @@ class ScheduledThreshold(UnmaskingPolicy):
         within_extra = -(-masked // (base + 1))
         after_extra = extra + -(-(masked - extra * (base + 1)) // base.clamp(min=1))
         needed = torch.where(masked <= extra * (base + 1), within_extra, after_extra)
-        return int(torch.minimum(needed, steps).max()) if needed.numel() else 0
+        return torch.minimum(needed, steps)
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         return schedule_counts(self.block_length, self.steps_on(device), step)
@@ -305,6 +321,9 @@ class TokenEditing(ScheduledThreshold):
 
     def steps_for_block(self) -> None:
         return None  # edits decide when a block ends
+
+    def steps_per_row(self) -> None:
+        return None
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         return torch.full((rows,), self.num_to_transfer, dtype=torch.long, device=device)

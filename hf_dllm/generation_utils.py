@@ -614,6 +614,7 @@ class BlockDiffusionRun:
             config.threshold,
             config.factor,
             config.editing_threshold,
+            self.eos_stop_in_block,  # whether steps take the `active` mask (a graph's inputs are fixed)
             tuple(sorted(self.forward_kwargs.items())),
             self.mask_id,
             self.key_mask is None,
@@ -658,16 +659,16 @@ class BlockDiffusionRun:
         logits_index: torch.Tensor,
         block_index: torch.Tensor,
         scheduled: torch.Tensor,
-        active: torch.Tensor,
-        generated: torch.Tensor,
+        active: torch.Tensor | None = None,
+        generated: torch.Tensor | None = None,
         attention_mask=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One denoising step, a pure tensor function (graph-capturable).
 
         tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
         logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
-        are among them; scheduled `(rows,)`: the schedule's count; active `(rows,)`: rows still denoising;
-        generated `(rows, L)`: the block's positions after each prompt. Returns the new block, the draft `(rows, L)`
+        are among them; scheduled `(rows,)`: the schedule's count; active `(rows,)`: rows still denoising (None: all);
+        generated `(rows, L)`: the block's positions after each prompt (None: all; only editing reads it). Returns the new block, the draft `(rows, L)`
         and whether each row edited a committed token `(rows,)` (see `decoding.denoise_step`).
         """
         model_tokens, model_positions = tokens, position_ids
@@ -699,15 +700,11 @@ class BlockDiffusionRun:
         active: torch.Tensor | None = None,
         generated: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run step `step` of the block `[block_start, block_end)` for the rows `active` (default all); returns the
-        new block `(rows, L)` and whether each row edited a committed token `(rows,)`."""
+        """Run step `step` of the block `[block_start, block_end)` for the rows `active` (default all; `generated`
+        as in `step`); returns the new block `(rows, L)` and whether each row edited a committed token `(rows,)`."""
         q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=step == 0)
         q_start = min(q_start, block_start - self.shift)
         rows, device = self.x.shape[0], self.device
-        if active is None:
-            active = torch.ones(rows, dtype=torch.bool, device=device)
-        if generated is None:
-            generated = self._generated(block_start, block_end)
         kv_len = self.seq_len if self.cache is not None else q_end
         inputs = dict(
             tokens=self.x[:, q_start:q_end],
@@ -748,15 +745,26 @@ class BlockDiffusionRun:
         else:
             self.unmasking.start_block(block_end - block_start, steps)
         self.cache_policy.start_block(block_start)
-        generated = self._generated(block_start, block_end)
+        # Rows that stop while their block still holds masks (in-block EOS stop) or that may edit committed tokens
+        # are frozen by an `active` mask inside the step; otherwise a row that is done has nothing left to commit,
+        # and the step needs neither mask (two fewer inputs to copy per replay).
+        freeze = self.unmasking.edits or self.eos_stop_in_block
+        generated = self._generated(block_start, block_end) if freeze else None
         active = torch.ones(rows, dtype=torch.bool, device=self.device)
         # LLaDA2.0's in-block EOS stop can end a block early: then ask after every step whether rows are left.
         known_steps = None if self.eos_stop_in_block else self.unmasking.steps_for_block()
+        if known_steps is not None and not freeze:
+            # Every row makes every step: no per-step bookkeeping, and no host synchronisation.
+            for step in range(known_steps):
+                self.run_step(block_start, block_end, step)
+            # A row that needed fewer steps (LLaDA2's first block, partly prompt) had no mask left: unchanged.
+            self.nfe_per_row[self.rows] += self.unmasking.steps_per_row().to(self.device)
+            return
         step = 0
         while True:
-            before = self.x[:, block_start:block_end].clone()
-            masked_before = (before == self.mask_id).any(-1)
-            block, edited = self.run_step(block_start, block_end, step, active, generated)
+            before = self.x[:, block_start:block_end].clone() if freeze else None
+            masked_before = (before == self.mask_id).any(-1) if freeze else None
+            block, edited = self.run_step(block_start, block_end, step, active if freeze else None, generated)
             self.nfe_per_row.index_add_(0, self.rows, active.long())
             step += 1
             active = self.unmasking.still_active(active, masked_before, (block == self.mask_id).any(-1), edited, step)
@@ -794,6 +802,13 @@ class BlockDiffusionRun:
             finished |= criterion(self.sequences, None).to(finished.device)[self.rows].bool()
         finished |= (self.plan.last_block[self.host_rows] == block).to(finished.device)
         return finished
+
+    def _rows_can_finish(self, block: int) -> bool:
+        """Whether any row may finish after `block` (host-side facts only): checking on the GPU costs a host
+        synchronisation, which stalls the next block's first step."""
+        eos_stop = self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal)
+        last = bool((self.plan.last_block[self.host_rows] == block).any())
+        return eos_stop or bool(self.stopping_criteria) or self.eos_stop_in_block or last
 
     def _generated_part(self, block_end: int) -> torch.Tensor:
         """`(rows, canvas)` bool: generated columns decoded so far."""
@@ -843,7 +858,8 @@ class BlockDiffusionRun:
         for block, (block_start, block_end) in enumerate(self.plan.blocks):
             self.denoise_block(block, block_start, block_end)
             self._write_rows()
-            self.finish_rows(block, block_end)
+            if self._rows_can_finish(block):
+                self.finish_rows(block, block_end)
             if self.streamer is not None:
                 decodes_rows.fill_(False)
                 decodes_rows[self.rows] = True
