@@ -58,6 +58,17 @@ def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def select_positions(hidden_states: torch.Tensor, logits_to_keep: int | slice | torch.Tensor) -> torch.Tensor:
+    """transformers' `logits_to_keep` on `(batch, L, hidden)` states: an `int` keeps the last n positions (0 keeps
+    all), a `slice` or a 1D index tensor selects positions, so an LM head runs only where logits are needed."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)]
+    if isinstance(logits_to_keep, torch.Tensor):
+        # With the model split over devices (device_map), the last layer's output is not on the input's device.
+        return hidden_states[:, logits_to_keep.to(hidden_states.device)]
+    return hidden_states[:, logits_to_keep]
+
+
 def left_pad(token_ids: list[list[int]], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Batch prompts of different lengths for `generate()`: `input_ids` and `attention_mask` `(batch, longest)`,
     each prompt right-aligned after `pad_token_id`s (left padding), 1 in the mask for its real tokens."""

@@ -28,7 +28,12 @@ from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache
 from .configuration_llada import LLaDAConfig
-from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, padding_aware_position_ids
+from .generation_utils import (
+    DiffusionGenerationConfig,
+    DiffusionGenerationMixin,
+    padding_aware_position_ids,
+    select_positions,
+)
 from .kernels import use_fused_kernels
 
 register_attention_backends()
@@ -488,14 +493,7 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            keep = slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
-        elif isinstance(logits_to_keep, torch.Tensor):
-            # With the model split over devices (device_map), the last block's output is not on the input's device.
-            keep = logits_to_keep.to(hidden_states.device)
-        else:
-            keep = logits_to_keep
-        logits = self.model.compute_logits(hidden_states[:, keep])
+        logits = self.model.compute_logits(select_positions(hidden_states, logits_to_keep))
         output = CausalLMOutputWithPast(
             logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )

@@ -46,7 +46,12 @@ from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
-from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, padding_aware_position_ids
+from .generation_utils import (
+    DiffusionGenerationConfig,
+    DiffusionGenerationMixin,
+    padding_aware_position_ids,
+    select_positions,
+)
 from .kernels import use_fused_kernels
 
 register_attention_backends()
@@ -800,14 +805,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            keep = slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)
-        elif isinstance(logits_to_keep, torch.Tensor):
-            # With the model split over devices (device_map), the last layer's output is not on the input's device.
-            keep = logits_to_keep.to(hidden_states.device)
-        else:
-            keep = logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep]).float()
+        logits = self.lm_head(select_positions(hidden_states, logits_to_keep)).float()
         output = MoeCausalLMOutputWithPast(
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -833,27 +831,6 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         """The `(rows, seq_len)` key padding mask unchanged: the block-causal mask depends on each step's
         `cache_position`, so the forward builds it (without host synchronisation)."""
         return key_mask
-
-    def _diffusion_forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor,
-        cache: DiffusionKVCache | None,
-        cache_position: torch.Tensor,
-        logits_slice,
-        block_length: int | None = None,
-    ) -> torch.Tensor:
-        return self(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=cache is not None,
-            cache_position=cache_position,
-            logits_to_keep=logits_slice,
-            block_length=block_length,
-        ).logits
 
 
 __all__ = ["LLaDA2MoeModel", "LLaDA2MoeModelLM", "LLaDA2MoePreTrainedModel"]
