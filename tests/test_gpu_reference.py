@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import REFERENCE_DIR
 from safetensors.torch import load_file
+from test_gpu import padded_prompts
 from test_llada2_generation import CASES2, CASES21, LLADA2, LLADA21, assert_reference_tokens
 from test_llada2_generation import generate_kwargs as llada2_kwargs
 from test_reference_parity import CASES as LLADA_CASES
@@ -84,17 +85,6 @@ def gpu_llada2(attn: str = "sdpa", dtype=torch.bfloat16, device: str = "cuda") -
     # A sharper head than random init so that confidences spread over (0, 1) and thresholds commit in parallel.
     model.lm_head.weight.data *= 40
     return model.eval()
-
-
-def padded_prompts(lengths, vocab=990):
-    torch.manual_seed(sum(lengths))
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), 997, device="cuda")
-    mask = torch.zeros(len(lengths), width, dtype=torch.long, device="cuda")
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(0, vocab, (length,), device="cuda")
-        mask[row, width - length :] = 1
-    return ids, mask
 
 
 RULES = {

@@ -89,31 +89,20 @@ def assert_reference_tokens(sequences: torch.Tensor, prompt_length: int, expecte
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["exact_cache", "no_cache"])
-def test_llada2_reference_cases(llada2, expected2, use_cache):
+@pytest.mark.parametrize("fixture", ["llada2", "llada21"], ids=["llada2.0", "llada2.1_editing"])
+def test_reference_cases(fixture, use_cache, request):
+    model, expected = request.getfixturevalue(fixture), request.getfixturevalue(f"expected{fixture[5:]}")
+    cases = CASES2 if fixture == "llada2" else CASES21
     failures = []
-    for case in CASES2:
-        prompt = expected2[f"prompt.{case['prompt']}"]
-        out = llada2.generate(prompt, use_cache=use_cache, **generate_kwargs(case, prompt.shape[1]))
+    for case in cases:
+        prompt = expected[f"prompt.{case['prompt']}"]
+        out = model.generate(prompt, use_cache=use_cache, **generate_kwargs(case, prompt.shape[1]))
         try:
-            assert_reference_tokens(out.sequences, prompt.shape[1], expected2[f"case.{case['name']}"])
+            assert_reference_tokens(out.sequences, prompt.shape[1], expected[f"case.{case['name']}"])
             assert out.nfe <= case["nfe"], f"nfe {out.nfe} > reference {case['nfe']}"
         except AssertionError as error:
             failures.append(f"{case['name']}: {error}")
-    assert not failures, f"{len(failures)}/{len(CASES2)} cases differ:\n" + "\n".join(failures[:20])
-
-
-@pytest.mark.parametrize("use_cache", [True, False], ids=["exact_cache", "no_cache"])
-def test_llada21_editing_reference_cases(llada21, expected21, use_cache):
-    failures = []
-    for case in CASES21:
-        prompt = expected21[f"prompt.{case['prompt']}"]
-        out = llada21.generate(prompt, use_cache=use_cache, **generate_kwargs(case, prompt.shape[1]))
-        try:
-            assert_reference_tokens(out.sequences, prompt.shape[1], expected21[f"case.{case['name']}"])
-            assert out.nfe <= case["nfe"], f"nfe {out.nfe} > reference {case['nfe']}"
-        except AssertionError as error:
-            failures.append(f"{case['name']}: {error}")
-    assert not failures, f"{len(failures)}/{len(CASES21)} cases differ:\n" + "\n".join(failures[:20])
+    assert not failures, f"{len(failures)}/{len(cases)} cases differ:\n" + "\n".join(failures[:20])
 
 
 def test_reference_nfe_is_matched_exactly(llada2, expected2, llada21, expected21):
