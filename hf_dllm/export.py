@@ -1,21 +1,27 @@
-"""`hf-dllm export SRC DST`: turn a local LLaDA checkpoint into a Hub repo that runs hf_dllm's code as remote code.
+"""`hf-dllm export SRC DST`: turn a local LLaDA or LLaDA2.x checkpoint into a Hub repo that runs hf_dllm's code as
+remote code.
 
 A user who has never installed hf_dllm then loads the repo with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and gets hf_dllm's model and diffusion `generate()`.
 
-What DST receives (every rule is implemented here, once, and is what `tests/test_export.py` checks):
+What is exported depends on SRC's `model_type`, through one table, `MODEL_FAMILIES` (`"llada"`: LLaDA-8B and its
+family; `"llada2_moe"`: LLaDA2.0-mini / -flash, LLaDA2.1). What DST receives (every rule is implemented here,
+once, and is what `tests/test_export.py` and `tests/test_llada2_export.py` check):
 
 - the weights: `model.safetensors`, or `model.safetensors.index.json` and every shard it names (likewise
   `pytorch_model.bin[.index.json]` when SRC has no safetensors); copied, or hard-linked with `--link`;
 - the tokenizer files of SRC that exist (`TOKENIZER_FILES`), copied unchanged;
-- `config.json`: SRC's `config.json` with every field kept, except `auto_map` = `AUTO_MAP` and
-  `architectures` = `["LLaDAModelLM"]`; written with sorted keys and an indent of 2;
-- the remote code: the package's files named in `REMOTE_CODE_FILES`, copied byte for byte (never edited, never
-  generated), after `check_remote_code` verified that transformers' dynamic-module loader accepts them;
-- `generation_config.json`: a `DiffusionGenerationConfig` with the fast defaults `FAST_GENERATION_DEFAULTS`
-  (dual cache, threshold decoding, greedy) unless overridden, and the special token ids of SRC
-  (`special_token_ids`), serialised by transformers (`to_json_string`);
-- `README.md`: the model card `model_cards/template.md` rendered with a preset of `CARD_PRESETS`.
+- `config.json`: SRC's `config.json` with every field kept, except `auto_map` and `architectures`, which are the
+  family's (`ModelFamily.auto_map`, `ModelFamily.architectures`); written with sorted keys and an indent of 2;
+- the remote code: the package's files named in the family's `remote_code_files`, copied byte for byte (never
+  edited, never generated), after `check_remote_code` verified that transformers' dynamic-module loader accepts
+  them and that the list is closed under their imports;
+- `generation_config.json`: a `DiffusionGenerationConfig` with the family's defaults (`generation_defaults`:
+  Fast-dLLM's threshold 0.9 with the dual cache for LLaDA, LLaDA2's threshold 0.95 for LLaDA2.x) unless
+  overridden, and the special token ids of SRC (`special_token_ids`), serialised by transformers
+  (`to_json_string`);
+- `README.md`: the family's model card template (`model_cards/template.md`, `model_cards/template-llada2.md`)
+  rendered with a preset of `CARD_PRESETS`.
 
 Nothing is half-written: every input is checked first, the repo is assembled in a temporary folder next to DST
 (`.DST.export-PID-*`) and moved into place only when complete and verified (`verify_export`: every safetensors
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -36,12 +44,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The remote code, in this order. Exported verbatim from the package folder; the first two are the modules the
-# `auto_map` points at, the others are reached from them through relative imports (`check_remote_code` verifies
-# that this list is closed: no exported file imports a package file missing from it).
-REMOTE_CODE_FILES = (
-    "configuration_llada.py",
-    "modeling_llada.py",
+# Remote code every model family shares: the generation loop, its config, policies, caches, attention backends and
+# kernels, reached from the model files through relative imports.
+SHARED_REMOTE_CODE_FILES = (
     "generation_utils.py",
     "generation_config.py",
     "decoding.py",
@@ -53,12 +58,127 @@ REMOTE_CODE_FILES = (
     "graphs.py",
 )
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_llada.LLaDAConfig",
-    "AutoModel": "modeling_llada.LLaDAModelLM",
-    "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+# generation_config.json of an exported LLaDA repo: Fast-dLLM's parallel decoding (threshold 0.9) with the dual
+# cache, greedy, in blocks of 32. `max_new_tokens`, `block_length` and `threshold` can be changed by the exporter's
+# options.
+FAST_GENERATION_DEFAULTS = {
+    "max_new_tokens": 256,
+    "block_length": 32,
+    "threshold": 0.9,
+    "steps": None,
+    "use_cache": True,
+    "dual_cache": True,
+    "do_sample": False,
+    "temperature": 0.0,
+    "remasking": "low_confidence",
+    "eos_early_stop": True,
 }
-ARCHITECTURES = ["LLaDAModelLM"]
+# generation_config.json of an exported LLaDA2.x repo: the decoding of LLaDA2's reference `generate()` and model
+# cards (threshold 0.95, one token per step at least, blocks of 32, in-block EOS stop), greedy, with the exact KV
+# cache (`dual_cache` changes nothing for block-causal models).
+LLADA2_GENERATION_DEFAULTS = {
+    "max_new_tokens": 256,
+    "block_length": 32,
+    "threshold": 0.95,
+    "steps": None,
+    "use_cache": True,
+    "dual_cache": True,
+    "do_sample": False,
+    "temperature": 0.0,
+    "remasking": "low_confidence",
+    "eos_early_stop": True,
+}
+
+EOT_TOKEN = "<|eot_id|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """What `hf-dllm export` writes for the checkpoints of one `model_type` (an entry of `MODEL_FAMILIES`).
+
+    `remote_code_files` starts with the two modules `auto_map` points at (configuration, model); the others are
+    reached from them through relative imports (`check_remote_code` verifies that the list is closed and that
+    every file is reached). `AutoModel` and `AutoModelForCausalLM` both map to the model with the LM head and the
+    diffusion `generate()`, as `import hf_dllm` registers them.
+    """
+
+    name: str  # in messages and model cards: "LLaDA", "LLaDA2.x"
+    checkpoints: str  # the published checkpoints of the family, for messages
+    config_module: str
+    config_class: str
+    model_module: str
+    model_class: str
+    remote_code_files: tuple[str, ...]
+    generation_defaults: dict
+    card_template: str  # in model_cards/
+    generic_card: str  # the CARD_PRESETS entry `--card generic` means for this family
+    eot_token: str | None  # end-of-turn token looked up in SRC's tokenizer.json (`eot_token_id`)
+
+    @property
+    def auto_map(self) -> dict[str, str]:
+        model = f"{self.model_module}.{self.model_class}"
+        return {
+            "AutoConfig": f"{self.config_module}.{self.config_class}",
+            "AutoModel": model,
+            "AutoModelForCausalLM": model,
+        }
+
+    @property
+    def architectures(self) -> list[str]:
+        return [self.model_class]
+
+    def classes(self) -> tuple[type, type]:
+        """hf_dllm's config and model classes of this family (the exported files' classes, imported here)."""
+        config = getattr(importlib.import_module(f".{self.config_module}", __package__), self.config_class)
+        model = getattr(importlib.import_module(f".{self.model_module}", __package__), self.model_class)
+        return config, model
+
+
+# The exported families, keyed by SRC's `model_type`.
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "llada": ModelFamily(
+        name="LLaDA",
+        checkpoints="GSAI-ML/LLaDA-8B-Base, LLaDA-8B-Instruct, LLaDA-1.5",
+        config_module="configuration_llada",
+        config_class="LLaDAConfig",
+        model_module="modeling_llada",
+        model_class="LLaDAModelLM",
+        remote_code_files=("configuration_llada.py", "modeling_llada.py", *SHARED_REMOTE_CODE_FILES),
+        generation_defaults=FAST_GENERATION_DEFAULTS,
+        card_template="template.md",
+        generic_card="generic",
+        eot_token=EOT_TOKEN,
+    ),
+    "llada2_moe": ModelFamily(
+        name="LLaDA2.x",
+        checkpoints="inclusionAI/LLaDA2.0-mini, LLaDA2.0-flash, LLaDA2.1-mini, LLaDA2.1-flash",
+        config_module="configuration_llada2_moe",
+        config_class="LLaDA2MoeConfig",
+        model_module="modeling_llada2_moe",
+        model_class="LLaDA2MoeModelLM",
+        remote_code_files=("configuration_llada2_moe.py", "modeling_llada2_moe.py", *SHARED_REMOTE_CODE_FILES),
+        generation_defaults=LLADA2_GENERATION_DEFAULTS,
+        card_template="template-llada2.md",
+        generic_card="generic-llada2",
+        eot_token=None,
+    ),
+}
+DEFAULT_MODEL_TYPE = "llada"
+
+# LLaDA's entries, under their historical names.
+REMOTE_CODE_FILES = MODEL_FAMILIES["llada"].remote_code_files
+AUTO_MAP = MODEL_FAMILIES["llada"].auto_map
+ARCHITECTURES = MODEL_FAMILIES["llada"].architectures
+
+
+class _FamilyDefault:
+    """Marks an exporter option left to the model family's default (`threshold=None` means "no threshold")."""
+
+    def __repr__(self) -> str:
+        return "<the model family's default>"
+
+
+FAMILY_DEFAULT = _FamilyDefault()
 
 # Packages the remote code may import outside a `try:` block: those every transformers user has. Anything else
 # (triton, flash_attn, ...) must sit in `try:` (or under an `if is_..._available():` check), or transformers'
@@ -82,23 +202,6 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-
-# generation_config.json of an exported repo: Fast-dLLM's parallel decoding (threshold 0.9) with the dual cache,
-# greedy, in blocks of 32. `max_new_tokens`, `block_length` and `threshold` can be changed by the exporter's options.
-FAST_GENERATION_DEFAULTS = {
-    "max_new_tokens": 256,
-    "block_length": 32,
-    "threshold": 0.9,
-    "steps": None,
-    "use_cache": True,
-    "dual_cache": True,
-    "do_sample": False,
-    "temperature": 0.0,
-    "remasking": "low_confidence",
-    "eos_early_stop": True,
-}
-
-EOT_TOKEN = "<|eot_id|>"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 MODEL_CARDS_DIR = PACKAGE_DIR.parent / "model_cards"
@@ -135,11 +238,44 @@ _PLAIN_PIPELINE = (
     """print(generator("The three primary colors are", max_new_tokens=64, threshold=0.9)[0]["generated_text"])"""
 )
 
-# Model-card presets: the values `model_cards/template.md` is rendered with (plus the generation defaults, the repo
-# id and hf_dllm's version, filled in by `card_variables`). `model_cards/<file>` is the preset rendered with the
-# default options; a test keeps those files equal to the rendering.
+_LLADA2_CITATION = """@techreport{llada2,
+  title={LLaDA2.0: Scaling Up Diffusion Language Models to 100B},
+  author={{inclusionAI}},
+  institution={inclusionAI},
+  year={2025}
+}"""
+
+_LLADA2_STEPS_USAGE = """# Cap the forwards: `steps` is the total for the call, split evenly over the blocks it decodes. A step commits
+# every masked position whose confidence is above `threshold`, or its scheduled count if fewer are.
+output = model.generate(input_ids, max_new_tokens=256, block_length=32, threshold=0.95, steps=128)"""
+_LLADA2_EDITING_USAGE = """# LLaDA2.1 token editing: draft with a lower threshold, and let the model rewrite committed tokens of the
+# current block it now predicts otherwise with probability > editing_threshold.
+output = model.generate(
+    input_ids, max_new_tokens=256, block_length=32, threshold=0.7, editing_threshold=0.5, max_post_steps=16
+)"""
+
+
+def _llada2_license(repo: str) -> str:
+    return (
+        f"The weights are those of [{repo}](https://huggingface.co/{repo}), released by inclusionAI under the "
+        "**Apache-2.0 license**; this repo only adds hf_dllm's code (Apache-2.0) next to them and keeps the "
+        "original license."
+    )
+
+
+_LLADA2_BLOCK_DIFFUSION = (
+    "It generates by block diffusion: the answer is decoded block by block, left to right, each block starting "
+    "fully masked and unmasked over a few denoising steps, with block-causal attention (a block sees itself and "
+    "the blocks before it)."
+)
+
+# Model-card presets: the values the card template of the preset's family (`model_type`: `ModelFamily.card_template`)
+# is rendered with (plus the generation defaults, the repo id and hf_dllm's version, filled in by `card_variables`).
+# `model_cards/<file>` is the preset rendered with the family's default options; a test keeps those files equal to
+# the rendering. `--card generic` means the generic preset of SRC's family (`ModelFamily.generic_card`).
 CARD_PRESETS: dict[str, dict[str, str]] = {
     "llada-8b-instruct": {
+        "model_type": "llada",
         "file": "LLaDA-8B-Instruct.md",
         "model_name": "LLaDA-8B-Instruct",
         "base_model": "GSAI-ML/LLaDA-8B-Instruct",
@@ -157,6 +293,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "llada-8b-base": {
+        "model_type": "llada",
         "file": "LLaDA-8B-Base.md",
         "model_name": "LLaDA-8B-Base",
         "base_model": "GSAI-ML/LLaDA-8B-Base",
@@ -174,6 +311,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "llada-1.5": {
+        "model_type": "llada",
         "file": "LLaDA-1.5.md",
         "model_name": "LLaDA-1.5",
         "base_model": "GSAI-ML/LLaDA-1.5",
@@ -191,6 +329,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_15_CITATION, _LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "generic": {
+        "model_type": "llada",
         "file": "",
         "model_name": "",  # filled with DST's folder name
         "base_model": "",
@@ -206,6 +345,81 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "pipeline_code": _PLAIN_PIPELINE,
         "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
+    "llada2.0-mini": {
+        "model_type": "llada2_moe",
+        "file": "LLaDA2.0-mini.md",
+        "model_name": "LLaDA2.0-mini",
+        "base_model": "inclusionAI/LLaDA2.0-mini",
+        "license": "apache-2.0",
+        "license_text": _llada2_license("inclusionAI/LLaDA2.0-mini"),
+        "description": "LLaDA2.0-mini is inclusionAI's instruction-tuned diffusion language model with a "
+        "Mixture-of-Experts body (about 16B parameters in all, about 1.4B active per token), converted from an "
+        "autoregressive model and trained as described in the LLaDA2.0 tech report (inclusionAI, 2025). "
+        + _LLADA2_BLOCK_DIFFUSION
+        + " It is a chat model: use the chat template.",
+        "size_note": "about 32 GB of weights in bfloat16",
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": _CHAT_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
+        "more_usage": _LLADA2_STEPS_USAGE,
+        "citations": _LLADA2_CITATION,
+    },
+    "llada2.0-flash": {
+        "model_type": "llada2_moe",
+        "file": "LLaDA2.0-flash.md",
+        "model_name": "LLaDA2.0-flash",
+        "base_model": "inclusionAI/LLaDA2.0-flash",
+        "license": "apache-2.0",
+        "license_text": _llada2_license("inclusionAI/LLaDA2.0-flash"),
+        "description": "LLaDA2.0-flash is inclusionAI's large instruction-tuned diffusion language model with a "
+        "Mixture-of-Experts body (about 100B parameters in all, about 6B active per token), converted from an "
+        "autoregressive model and trained as described in the LLaDA2.0 tech report (inclusionAI, 2025). "
+        + _LLADA2_BLOCK_DIFFUSION
+        + " It is a chat model: use the chat template.",
+        "size_note": 'about 200 GB of weights in bfloat16: several GPUs, with `device_map="auto"`',
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": _CHAT_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
+        "more_usage": _LLADA2_STEPS_USAGE,
+        "citations": _LLADA2_CITATION,
+    },
+    "llada2.1-mini": {
+        "model_type": "llada2_moe",
+        "file": "LLaDA2.1-mini.md",
+        "model_name": "LLaDA2.1-mini",
+        "base_model": "inclusionAI/LLaDA2.1-mini",
+        "license": "apache-2.0",
+        "license_text": _llada2_license("inclusionAI/LLaDA2.1-mini"),
+        "description": "LLaDA2.1-mini is inclusionAI's successor of LLaDA2.0-mini (the same Mixture-of-Experts "
+        "architecture, about 16B parameters in all) trained to edit its own drafts: besides unmasking positions, "
+        "a decoding step may replace tokens it committed earlier in the current block (token editing, "
+        "`editing_threshold`), so that a block can be drafted quickly with a low threshold and corrected. "
+        + _LLADA2_BLOCK_DIFFUSION
+        + " The architecture is that of the LLaDA2.0 tech report (inclusionAI, 2025). It is a chat model: use "
+        "the chat template.",
+        "size_note": "about 32 GB of weights in bfloat16",
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": _CHAT_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
+        "more_usage": _LLADA2_STEPS_USAGE + "\n\n" + _LLADA2_EDITING_USAGE,
+        "citations": _LLADA2_CITATION,
+    },
+    "generic-llada2": {
+        "model_type": "llada2_moe",
+        "file": "",
+        "model_name": "",  # filled with DST's folder name
+        "base_model": "",
+        "license": "other",
+        "license_text": "These weights keep the license of the checkpoint they were exported from: check it before "
+        "using or publishing them (inclusionAI's LLaDA2.x models are released under the Apache-2.0 license). "
+        "hf_dllm's code next to them is Apache-2.0.",
+        "description": "A LLaDA2.x diffusion language model (the Mixture-of-Experts architecture of the LLaDA2.0 "
+        "tech report, inclusionAI, 2025). " + _LLADA2_BLOCK_DIFFUSION,
+        "size_note": "2 bytes per parameter in bfloat16",
+        "prompt_code": _PLAIN_PROMPT,
+        "pipeline_code": _PLAIN_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
+        "more_usage": _LLADA2_STEPS_USAGE
+        + "\n\n"
+        + _LLADA2_EDITING_USAGE.replace("# LLaDA2.1 token editing", "# Token editing (LLaDA2.1 checkpoints)"),
+        "citations": _LLADA2_CITATION,
+    },
 }
 DEFAULT_REPO_ORG = "your-org"
 
@@ -220,12 +434,23 @@ class ExportError(ValueError):
 # --- remote code ---------------------------------------------------------------------------------------------------
 
 
-def _module_names() -> set[str]:
-    return {name.removesuffix(".py") for name in REMOTE_CODE_FILES}
+def model_family(model_type: str) -> ModelFamily:
+    """The `MODEL_FAMILIES` entry of `model_type`; an `ExportError` naming the supported types otherwise."""
+    family = MODEL_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ExportError(f"model_type {model_type!r} is not one hf-dllm export supports; {_supported_types()}.")
+    return family
 
 
-def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR) -> list[Path]:
-    """Check the package files that are exported as remote code; return their paths in `REMOTE_CODE_FILES` order.
+def _supported_types() -> str:
+    return "supported model_type values: " + ", ".join(
+        f"{model_type!r} ({family.name}: {family.checkpoints})" for model_type, family in MODEL_FAMILIES.items()
+    )
+
+
+def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: str = DEFAULT_MODEL_TYPE) -> list[Path]:
+    """Check the package files exported as remote code for `model_type` (its `ModelFamily.remote_code_files`);
+    return their paths in that order.
 
     transformers copies a Hub repo's code into its module cache and imports it as a package, so each file must:
     exist; import only exported files relatively (`from .<module> import ...`, the form transformers follows to
@@ -233,23 +458,26 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR) -> list[Path
     import nothing outside a `try:` block but the standard library and `REMOTE_CODE_DEPENDENCIES` (transformers'
     `check_imports` demands every such import); mention no other `from .x import` at the start of a line, even
     in a docstring (transformers finds relative imports with a regular expression); and be reachable from the
-    `auto_map` modules through `from .<module> import` (transformers fetches only those). Raises `ExportError`
-    listing every violation.
+    `auto_map` modules through `from .<module> import` (transformers fetches only those). The list is thereby
+    closed: no exported file imports a package file missing from it. Raises `ExportError` listing every violation.
     """
     from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
     package_dir = Path(package_dir)
-    missing = [name for name in REMOTE_CODE_FILES if not (package_dir / name).is_file()]
+    family = model_family(model_type)
+    files = family.remote_code_files
+    missing = [name for name in files if not (package_dir / name).is_file()]
     if missing:
         raise ExportError(
             f"remote-code file(s) missing from the package ({package_dir}): {', '.join(missing)}. "
-            f"The exported remote code is {', '.join(REMOTE_CODE_FILES)} (hf_dllm.export.REMOTE_CODE_FILES)."
+            f"The exported remote code of {family.name} is {', '.join(files)} "
+            f"(hf_dllm.export.MODEL_FAMILIES[{model_type!r}].remote_code_files)."
         )
-    modules = _module_names()
+    modules = {name.removesuffix(".py") for name in files}
     allowed = set(sys.stdlib_module_names) | set(REMOTE_CODE_DEPENDENCIES)
     problems: list[str] = []
     graph: dict[str, set[str]] = {}
-    for name in REMOTE_CODE_FILES:
+    for name in files:
         path = package_dir / name
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -290,42 +518,42 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR) -> list[Path
             problems.append(
                 f"{name}: transformers sees relative imports of {unknown} (it scans the text, docstrings "
                 f"included), which are not exported files {sorted(modules)}; if they belong to the remote code, "
-                "add them to hf_dllm.export.REMOTE_CODE_FILES."
+                f"add them to hf_dllm.export.MODEL_FAMILIES[{model_type!r}].remote_code_files."
             )
         graph[name.removesuffix(".py")] = relative & modules
     if not problems:
-        reachable = {entry.split(".")[0] for entry in AUTO_MAP.values()}
+        roots = {entry.split(".")[0] for entry in family.auto_map.values()}
+        reachable = set(roots)
         todo = list(reachable)
         while todo:
             for module in graph.get(todo.pop(), ()):
                 if module not in reachable:
                     reachable.add(module)
                     todo.append(module)
-        unreachable = [name for name in REMOTE_CODE_FILES if name.removesuffix(".py") not in reachable]
+        unreachable = [name for name in files if name.removesuffix(".py") not in reachable]
         if unreachable:
             problems.append(
                 f"{', '.join(unreachable)} not reached by relative imports from the auto_map modules "
-                f"({', '.join(sorted({entry.split('.')[0] + '.py' for entry in AUTO_MAP.values()}))}): "
-                "transformers would never download them from the Hub."
+                f"({', '.join(sorted(root + '.py' for root in roots))}): transformers would never download them "
+                "from the Hub."
             )
     if problems:
         raise ExportError(
             "the package's remote-code files cannot be exported as they are (fix the package files; exported "
             "files are never edited):\n  - " + "\n  - ".join(problems)
         )
-    return [package_dir / name for name in REMOTE_CODE_FILES]
+    return [package_dir / name for name in files]
 
 
 # --- SRC ----------------------------------------------------------------------------------------------------------
 
 
-def read_llada_config(src: Path) -> dict:
-    """SRC's `config.json` as a dict, after checking that it is a LLaDA config hf_dllm can run."""
-    from .configuration_llada import LLaDAConfig
-
+def read_source_config(src: Path) -> dict:
+    """SRC's `config.json` as a dict, after checking that its `model_type` is one of `MODEL_FAMILIES` and that
+    hf_dllm's config class of that family accepts it (a config the model cannot run is refused here)."""
     path = src / "config.json"
     if not path.is_file():
-        raise ExportError(f"{src} has no config.json: SRC must be a LLaDA checkpoint folder.")
+        raise ExportError(f"{src} has no config.json: SRC must be a LLaDA or LLaDA2.x checkpoint folder.")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -333,14 +561,17 @@ def read_llada_config(src: Path) -> dict:
     if not isinstance(config, dict):
         raise ExportError(f"{path} must hold a JSON object.")
     model_type = config.get("model_type")
-    if model_type != LLaDAConfig.model_type:
+    if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ExportError(
-            f"{path} has model_type {model_type!r}: not a LLaDA checkpoint (expected {LLaDAConfig.model_type!r})."
+            f"{path} has model_type {model_type!r}: not a LLaDA checkpoint hf-dllm export supports "
+            f"({_supported_types()})."
         )
+    family = MODEL_FAMILIES[model_type]
+    config_class, _ = family.classes()
     try:
-        LLaDAConfig.from_dict(config)
+        config_class.from_dict(config)
     except (TypeError, ValueError) as error:
-        raise ExportError(f"{path} is not a LLaDA config hf_dllm can run: {error}") from error
+        raise ExportError(f"{path} is not a {family.name} config hf_dllm can run: {error}") from error
     return config
 
 
@@ -398,20 +629,28 @@ def _tokenizer_bos(src: Path) -> int | None:
 def special_token_ids(src: Path, config: dict) -> dict:
     """Special token ids for generation_config.json.
 
-    `mask_token_id`, `eos_token_id`, `pad_token_id` and `bos_token_id` come from SRC's config.json where set;
-    a missing `bos_token_id` comes from SRC's tokenizer (its `bos_token`), and `eot_token_id` is the id of
-    `<|eot_id|>` in SRC's `tokenizer.json` when it has that token (LLaDA's end of turn).
+    `mask_token_id`, `eos_token_id`, `pad_token_id` and `bos_token_id` come from SRC's config.json where set; a
+    missing `mask_token_id` is the family's config class default, which the model uses (the Hub's LLaDA2.x configs
+    have none: 156895, `<|mask|>`); a missing `bos_token_id` comes from SRC's tokenizer (its `bos_token`), and
+    `eot_token_id` is the id of the family's end-of-turn token (LLaDA's `<|eot_id|>`) in SRC's `tokenizer.json` when
+    it has that token.
     """
+    family = model_family(config.get("model_type"))
     ids = {
         name: config[name]
         for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
         if config.get(name) is not None
     }
+    if "mask_token_id" not in ids:
+        config_class, _ = family.classes()
+        mask = config_class.from_dict(config).mask_token_id
+        if mask is not None:
+            ids["mask_token_id"] = mask
     if "bos_token_id" not in ids:
         bos = _tokenizer_bos(src)
         if bos is not None:
             ids["bos_token_id"] = bos
-    eot = _added_token_id(src, EOT_TOKEN)
+    eot = _added_token_id(src, family.eot_token) if family.eot_token else None
     if eot is not None:
         ids["eot_token_id"] = eot
     return ids
@@ -421,25 +660,32 @@ def special_token_ids(src: Path, config: dict) -> dict:
 
 
 def export_config(config: dict) -> str:
-    """config.json of the exported repo: SRC's fields, with `auto_map` and `architectures` set to ours."""
+    """config.json of the exported repo: SRC's fields, with `auto_map` and `architectures` set to those of its
+    family (`MODEL_FAMILIES[config["model_type"]]`)."""
+    family = model_family(config.get("model_type"))
     exported = dict(config)
-    exported["auto_map"] = dict(AUTO_MAP)
-    exported["architectures"] = list(ARCHITECTURES)
+    exported["auto_map"] = family.auto_map
+    exported["architectures"] = family.architectures
     return json.dumps(exported, indent=2, sort_keys=True) + "\n"
 
 
 def generation_defaults(
-    max_new_tokens: int = FAST_GENERATION_DEFAULTS["max_new_tokens"],
-    block_length: int = FAST_GENERATION_DEFAULTS["block_length"],
-    threshold: float | None = FAST_GENERATION_DEFAULTS["threshold"],
+    model_type: str = DEFAULT_MODEL_TYPE,
+    max_new_tokens: int | None = None,
+    block_length: int | None = None,
+    threshold: float | None | _FamilyDefault = FAMILY_DEFAULT,
 ) -> dict:
-    """The fields of generation_config.json besides special tokens: `FAST_GENERATION_DEFAULTS` with the three
-    exporter options (`threshold=None` turns threshold decoding off: LLaDA's fixed schedule)."""
+    """The fields of generation_config.json besides special tokens: the family's `generation_defaults`
+    (`FAST_GENERATION_DEFAULTS`, `LLADA2_GENERATION_DEFAULTS`) with the three exporter options. `max_new_tokens`
+    and `block_length` None, and `threshold=FAMILY_DEFAULT`, keep the family's value; `threshold=None` turns
+    threshold decoding off (LLaDA's fixed schedule; for LLaDA2.x the reference's threshold 1.0, one token per
+    step)."""
+    defaults = model_family(model_type).generation_defaults
     return {
-        **FAST_GENERATION_DEFAULTS,
-        "max_new_tokens": max_new_tokens,
-        "block_length": block_length,
-        "threshold": threshold,
+        **defaults,
+        "max_new_tokens": defaults["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
+        "block_length": defaults["block_length"] if block_length is None else block_length,
+        "threshold": defaults["threshold"] if threshold is FAMILY_DEFAULT else threshold,
     }
 
 
@@ -454,13 +700,37 @@ def export_generation_config(special_ids: dict, fields: dict) -> str:
     return config.to_json_string()
 
 
+def resolve_card(card: str, model_type: str) -> str:
+    """The `CARD_PRESETS` entry for `--card card` and a SRC of `model_type`: `generic` is the family's generic
+    preset; a preset of another family is an error (its card would describe another model)."""
+    family = model_family(model_type)
+    if card == "generic":
+        return family.generic_card
+    if card not in CARD_PRESETS:
+        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
+    preset_type = CARD_PRESETS[card]["model_type"]
+    if preset_type != model_type:
+        fitting = sorted(name for name, preset in CARD_PRESETS.items() if preset["model_type"] == model_type)
+        raise ExportError(
+            f"model card {card!r} describes a {MODEL_FAMILIES[preset_type].name} model (model_type "
+            f"{preset_type!r}), but SRC is a {family.name} checkpoint ({model_type!r}); choose one of "
+            f"{', '.join(['generic', *fitting])}."
+        )
+    return card
+
+
+# Keys of a preset that are not template variables.
+_PRESET_KEYS = ("file", "model_type")
+
+
 def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict[str, str]:
-    """Everything `model_cards/template.md` is rendered with."""
+    """Everything the card template of the preset's family is rendered with."""
     from . import __version__
 
     if card not in CARD_PRESETS:
         raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
-    variables = {key: value for key, value in CARD_PRESETS[card].items() if key != "file"}
+    model_type = CARD_PRESETS[card]["model_type"]
+    variables = {key: value for key, value in CARD_PRESETS[card].items() if key not in _PRESET_KEYS}
     variables["model_name"] = variables["model_name"] or dst_name
     variables["base_model_line"] = f"base_model: {variables['base_model']}\n" if variables["base_model"] else ""
     variables["original_line"] = (
@@ -474,11 +744,18 @@ def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict
     variables["max_new_tokens"] = str(fields["max_new_tokens"])
     variables["block_length"] = str(fields["block_length"])
     variables["threshold"] = "None" if threshold is None else str(threshold)
-    variables["decoding_default"] = (
-        f"threshold decoding (`threshold={threshold}`)"
-        if threshold is not None
-        else "LLaDA's fixed schedule (one token per step; `threshold=None`)"
-    )
+    if model_type == "llada2_moe":
+        variables["decoding_default"] = (
+            f"LLaDA2's threshold decoding (`threshold={threshold}`, `steps=None`: at least one token per step)"
+            if threshold is not None
+            else "one token per step (`threshold=None`, the reference's threshold 1.0)"
+        )
+    else:
+        variables["decoding_default"] = (
+            f"threshold decoding (`threshold={threshold}`)"
+            if threshold is not None
+            else "LLaDA's fixed schedule (one token per step; `threshold=None`)"
+        )
     return variables
 
 
@@ -493,25 +770,32 @@ def render_card(template: str, variables: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda match: variables[match.group(1)], template)
 
 
-def read_card_template() -> str:
-    path = MODEL_CARDS_DIR / CARD_TEMPLATE
+def read_card_template(name: str = CARD_TEMPLATE) -> str:
+    """`model_cards/<name>` (a family's `card_template`) of the hf_dllm source tree."""
+    path = MODEL_CARDS_DIR / name
     if not path.is_file():
         raise ExportError(
-            f"model card template {path} not found: the exporter renders model_cards/{CARD_TEMPLATE} of the "
+            f"model card template {path} not found: the exporter renders model_cards/{name} of the "
             "hf_dllm source tree (install hf_dllm from its repository, e.g. `pip install -e .`)."
         )
     return path.read_text(encoding="utf-8")
 
 
 def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "") -> str:
-    """The model card of preset `card` with the default generation settings (what `model_cards/<file>` holds)."""
-    name = CARD_PRESETS.get(card, {}).get("model_name") or dst_name
+    """The model card of preset `card` with its family's default generation settings (what `model_cards/<file>`
+    holds)."""
+    if card not in CARD_PRESETS:
+        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
+    preset = CARD_PRESETS[card]
+    family = model_family(preset["model_type"])
+    name = preset["model_name"] or dst_name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
-    return render_card(read_card_template(), card_variables(card, repo_id, dst_name, generation_defaults()))
+    variables = card_variables(card, repo_id, dst_name, generation_defaults(preset["model_type"]))
+    return render_card(read_card_template(family.card_template), variables)
 
 
 def write_preset_cards() -> list[Path]:
-    """Regenerate `model_cards/<file>` of every preset that has one (after editing the template or a preset)."""
+    """Regenerate `model_cards/<file>` of every preset that has one (after editing a template or a preset)."""
     written = []
     for card, preset in CARD_PRESETS.items():
         if preset["file"]:
@@ -524,17 +808,21 @@ def write_preset_cards() -> list[Path]:
 # --- verifying what was written --------------------------------------------------------------------------------------
 
 
-def expected_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor names and shapes that `config` implies: the state dict of the model built on the
-    meta device (no memory; the Hub's names are the model's)."""
+def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """The checkpoint's tensor names and shapes that `config` implies, from the state dict of the family's model
+    built on the meta device (no memory; the Hub's names are the model's): `(required, tied)`, where `tied` are the
+    weights the model ties to another one (LLaDA2.x's `lm_head.weight` with `tie_word_embeddings`), which a
+    checkpoint may store or leave out (`save_pretrained` leaves them out; transformers ties them on loading)."""
     import torch
 
-    from .configuration_llada import LLaDAConfig
-    from .modeling_llada import LLaDAModelLM
-
+    config_class, model_class = model_family(config.get("model_type")).classes()
     with torch.device("meta"):
-        model = LLaDAModelLM(LLaDAConfig.from_dict(config))
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        model = model_class(config_class.from_dict(config))
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    tied_names = set(getattr(model, "all_tied_weights_keys", None) or {})
+    required = {name: shape for name, shape in shapes.items() if name not in tied_names}
+    tied = {name: shape for name, shape in shapes.items() if name in tied_names}
+    return required, tied
 
 
 def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -571,8 +859,8 @@ def verify_export(folder: Path, config: dict, weights: list[str], tokenizer_file
     """Check the assembled repo `folder` before it is moved into place; raises `ExportError` naming the problem.
 
     Every weight file's header must be readable, the tensors together must be exactly those the config implies
-    (`expected_tensor_shapes`), each with the config's shape and, for an index, in the shard it names; and when
-    tokenizer files were exported, `AutoTokenizer` must load them.
+    (`expected_tensor_shapes`: tied weights may be stored or not), each with the config's shape and, for an index,
+    in the shard it names; and when tokenizer files were exported, `AutoTokenizer` must load them.
     """
     found: dict[str, tuple[int, ...]] = {}
     shard_of: dict[str, str] = {}
@@ -594,9 +882,10 @@ def verify_export(folder: Path, config: dict, weights: list[str], tokenizer_file
                 + (f"; {_listing(unlisted)} in no entry" if unlisted else "")
                 + "."
             )
-    expected = expected_tensor_shapes(config)
+    required, tied = expected_tensor_shapes(config)
+    expected = {**required, **tied}
     problems = []
-    missing = set(expected) - set(found)
+    missing = set(required) - set(found)
     if missing:
         problems.append(f"missing from the weights: {_listing(missing)}")
     unexpected = set(found) - set(expected)
@@ -703,39 +992,45 @@ def export_checkpoint(
     overwrite: bool = False,
     card: str = "generic",
     repo_id: str | None = None,
-    max_new_tokens: int = FAST_GENERATION_DEFAULTS["max_new_tokens"],
-    block_length: int = FAST_GENERATION_DEFAULTS["block_length"],
-    threshold: float | None = FAST_GENERATION_DEFAULTS["threshold"],
+    max_new_tokens: int | None = None,
+    block_length: int | None = None,
+    threshold: float | None | _FamilyDefault = FAMILY_DEFAULT,
 ) -> list[str]:
-    """Export the LLaDA checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's remote code.
+    """Export the LLaDA or LLaDA2.x checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's remote code.
 
     Args:
-        src: a local LLaDA checkpoint (the Hub's format: `config.json` with `model_type: "llada"`, weights).
+        src: a local checkpoint in the Hub's format: `config.json` with a `model_type` of `MODEL_FAMILIES`
+            (`"llada"`, `"llada2_moe"`), the weights, and usually the tokenizer.
         dst: the folder to create. It may exist if empty; a non-empty one is replaced only with `overwrite`.
         link: hard-link the weights instead of copying them (same file system only).
         overwrite: replace a non-empty `dst`.
-        card: model-card preset (`CARD_PRESETS`): "llada-8b-instruct", "llada-8b-base", "llada-1.5", "generic".
+        card: model-card preset (`CARD_PRESETS`) of SRC's family: "llada-8b-instruct", "llada-8b-base",
+            "llada-1.5"; "llada2.0-mini", "llada2.0-flash", "llada2.1-mini"; "generic" (the family's generic card).
         repo_id: the Hub repo id the card's usage examples load (default `your-org/<name>-hf-dllm`).
-        max_new_tokens, block_length, threshold: the generation defaults written to generation_config.json
-            (`threshold=None`: LLaDA's fixed schedule instead of threshold decoding).
+        max_new_tokens, block_length, threshold: the generation defaults written to generation_config.json; left
+            out, the family's (`generation_defaults`). `threshold=None` writes no threshold (LLaDA's fixed
+            schedule; for LLaDA2.x one token per step).
 
     Returns the sorted names of the files written to `dst`. Raises `ExportError` on bad input; `dst` is then left
     as it was.
     """
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
-        raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA checkpoint folder.")
+        raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA or LLaDA2.x checkpoint folder.")
     # Before DST is checked: a killed run may have moved DST aside (restored here).
     for note in clean_stale_staging(dst):
         logger.warning(note)
     _check_dst(src, dst, overwrite)
     if card not in CARD_PRESETS:
         raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
-    config = read_llada_config(src)
+    config = read_source_config(src)
+    model_type = config["model_type"]
+    family = MODEL_FAMILIES[model_type]
+    card = resolve_card(card, model_type)
     weights = find_weights(src)
-    code = check_remote_code()
+    code = check_remote_code(model_type=model_type)
     tokenizer_files = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    fields = generation_defaults(max_new_tokens, block_length, threshold)
+    fields = generation_defaults(model_type, max_new_tokens, block_length, threshold)
     generated = {
         "config.json": export_config(config),
         "generation_config.json": export_generation_config(special_token_ids(src, config), fields),
@@ -743,7 +1038,7 @@ def export_checkpoint(
     name = CARD_PRESETS[card]["model_name"] or dst.resolve().name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
     generated["README.md"] = render_card(
-        read_card_template(), card_variables(card, repo_id, dst.resolve().name, fields)
+        read_card_template(family.card_template), card_variables(card, repo_id, dst.resolve().name, fields)
     )
 
     dst.resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -793,29 +1088,38 @@ def _threshold(value: str) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-dllm export",
-        description="Turn a local LLaDA checkpoint folder into a Hub repo folder that runs hf_dllm's code as remote "
-        "code: AutoModel.from_pretrained(repo, trust_remote_code=True) then works without hf_dllm installed.",
+        description="Turn a local LLaDA or LLaDA2.x checkpoint folder into a Hub repo folder that runs hf_dllm's code "
+        "as remote code: AutoModel.from_pretrained(repo, trust_remote_code=True) then works without hf_dllm "
+        "installed.",
     )
-    parser.add_argument("src", metavar="SRC", help="LLaDA checkpoint folder (config.json + weights [+ tokenizer])")
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        help="checkpoint folder (config.json with model_type llada or llada2_moe + weights [+ tokenizer])",
+    )
     parser.add_argument("dst", metavar="DST", help="folder to create (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--link", action="store_true", help="hard-link the weights instead of copying them")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
     parser.add_argument(
-        "--card", choices=sorted(CARD_PRESETS), default="generic", help="model card preset for README.md"
+        "--card",
+        choices=sorted(CARD_PRESETS),
+        default="generic",
+        help="model card preset for README.md, of SRC's family (generic: the family's generic card)",
     )
     parser.add_argument("--repo-id", help="Hub repo id used in the card's examples (default your-org/<name>-hf-dllm)")
-    defaults = FAST_GENERATION_DEFAULTS
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=defaults["max_new_tokens"], help="generation default (%(default)s)"
-    )
-    parser.add_argument(
-        "--block-length", type=int, default=defaults["block_length"], help="generation default (%(default)s)"
-    )
+    llada, llada2 = FAST_GENERATION_DEFAULTS, LLADA2_GENERATION_DEFAULTS
+
+    def family_default(name: str) -> str:
+        return f"generation default (LLaDA {llada[name]}, LLaDA2.x {llada2[name]})"
+
+    parser.add_argument("--max-new-tokens", type=int, default=None, help=family_default("max_new_tokens"))
+    parser.add_argument("--block-length", type=int, default=None, help=family_default("block_length"))
     parser.add_argument(
         "--threshold",
         type=_threshold,
-        default=defaults["threshold"],
-        help="generation default (%(default)s); 'none' = LLaDA's fixed schedule, one token per step",
+        default=FAMILY_DEFAULT,
+        help=family_default("threshold") + "; 'none' = no threshold: LLaDA's fixed schedule, for LLaDA2.x one "
+        "token per step",
     )
     return parser
 

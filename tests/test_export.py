@@ -11,6 +11,7 @@ exported module imports on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -453,18 +454,23 @@ def test_remote_code_violations_are_reported(tmp_path, new, message):
             check_remote_code(package)
 
 
+def with_remote_code_files(monkeypatch, files: tuple[str, ...], model_type: str = "llada") -> None:
+    family = export.MODEL_FAMILIES[model_type]
+    monkeypatch.setitem(export.MODEL_FAMILIES, model_type, dataclasses.replace(family, remote_code_files=files))
+
+
 def test_missing_or_unreachable_remote_code_file(tmp_path, monkeypatch):
     package = patched_package(tmp_path, "configuration_llada.py", "", "")
     (package / "attention.py").unlink()
     with pytest.raises(ExportError, match="missing from the package.*attention.py"):
         check_remote_code(package)
-    monkeypatch.setattr(export, "REMOTE_CODE_FILES", (*REMOTE_CODE_FILES, "orphan.py"))
+    with_remote_code_files(monkeypatch, (*REMOTE_CODE_FILES, "orphan.py"))
     shutil.copyfile(PACKAGE_DIR / "attention.py", package / "attention.py")
     (package / "orphan.py").write_text("X = 1\n")
     with pytest.raises(ExportError, match="orphan.py not reached by relative imports"):
         check_remote_code(package)
     dst = tmp_path / "out"
-    monkeypatch.setattr(export, "REMOTE_CODE_FILES", (*REMOTE_CODE_FILES, "not_written_yet.py"))
+    with_remote_code_files(monkeypatch, (*REMOTE_CODE_FILES, "not_written_yet.py"))
     with pytest.raises(ExportError, match="not_written_yet.py"):
         export_checkpoint(REFERENCE_DIR, dst)
     assert not dst.exists()
