@@ -240,7 +240,7 @@ _PLAIN_PIPELINE = (
 
 _LLADA2_CITATION = """@techreport{llada2,
   title={LLaDA2.0: Scaling Up Diffusion Language Models to 100B},
-  author={{inclusionAI}},
+  author={inclusionAI},
   institution={inclusionAI},
   year={2025}
 }"""
