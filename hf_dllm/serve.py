@@ -10,12 +10,16 @@ Request fields: OpenAI's `model`, `prompt` / `messages`, `max_tokens` (chat: als
 `temperature`, `stream`, `stream_options.include_usage`, `stop` (strings; the text is cut before the first one
 and the row stops decoding), `n` (1 only), `user` (ignored). dLLM fields, e.g. through the openai client's
 `extra_body`: `steps`, `block_length`, `threshold`, `factor`, `use_cache`, `dual_cache` (alias
-`use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`. They are validated with `generate()`'s own rules
-(`DiffusionGenerationConfig.validate`); an invalid value is an HTTP 400 naming the field.
+`use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`, and for LLaDA2.x (block-causal) models
+`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`. They are validated with `generate()`'s
+own rules for the served model (`DiffusionGenerationConfig.validate(block_causal=...)`: LLaDA2 combines `steps`
+with `threshold`, LLaDA refuses it); an invalid value is an HTTP 400 naming the field.
 
 Defaults: temperature 0 (greedy), max_tokens 128, steps = one token per step, block_length 32, prefix and dual
-cache on, eos_early_stop on. The model decodes max_tokens rounded up to whole blocks; the completion is the
-decoded text cut at the first EOS/EOT token, at a stop string, or after max_tokens tokens, whichever comes first.
+cache on, eos_early_stop on. A LLaDA model decodes max_tokens rounded up to whole blocks; a LLaDA2.x model decodes
+max_tokens as it is (its blocks are aligned to absolute positions, the last one decoded whole), with the stop
+tokens (EOS and EOT) as its EOS. The completion is the decoded text cut at the first EOS/EOT token, at a stop
+string, or after max_tokens tokens, whichever comes first.
 `usage.completion_tokens` counts the returned tokens; `usage.nfe` (and `choices[i].nfe`) counts the model
 forwards each prompt took part in.
 
@@ -55,6 +59,7 @@ from contextlib import asynccontextmanager
 from .serve_batching import Batcher, RowRequest
 from .serve_protocol import (
     APIError,
+    check_block_causal_steps,
     check_prompt_chars,
     convert_messages,
     encode_prompts,
@@ -129,6 +134,9 @@ class Server:
         self.model_name = model_name
         self.created = int(time.time())
         self.base_config = model.generation_config
+        # Block-causal models (LLaDA2.x) combine `steps` with `threshold`, take the LLaDA2-only fields and decode
+        # `max_tokens` without rounding it up to whole blocks (`parse_generation_params`).
+        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
             model.config, "max_position_embeddings", None
@@ -176,13 +184,16 @@ class Server:
                     "which only the server may place.",
                     param=param,
                 )
+            if self.block_causal:
+                check_block_causal_steps(len(ids), params.generate_kwargs, param)
             total = len(ids) + params.generate_kwargs["max_new_tokens"]
             if self.max_length is not None and total > self.max_length:
                 raise APIError(
                     400,
                     f"This model's maximum context length is {self.max_length} tokens. The prompt has {len(ids)} "
                     f"tokens and decoding max_tokens={params.max_tokens} takes "
-                    f"{params.generate_kwargs['max_new_tokens']} positions (whole blocks): {total} in all.",
+                    f"{params.generate_kwargs['max_new_tokens']} positions"
+                    f"{'' if self.block_causal else ' (whole blocks)'}: {total} in all.",
                     param=param,
                     code="context_length_exceeded",
                 )
@@ -217,7 +228,7 @@ class Server:
             self.base_config,
             chat,
             self.max_length,
-            block_causal=getattr(self.model, "diffusion_block_causal", False),
+            block_causal=self.block_causal,
         )
         budget = None if self.max_length is None else self.max_length - params.generate_kwargs["max_new_tokens"]
         if chat:

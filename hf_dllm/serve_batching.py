@@ -79,10 +79,11 @@ class RowRequest:
 
 
 class _RowState:
-    __slots__ = ("tokens", "text", "sent", "finish_reason", "completion_tokens", "stopped", "delivered", "nfe")
+    __slots__ = ("tokens", "read", "text", "sent", "finish_reason", "completion_tokens", "stopped", "delivered", "nfe")
 
     def __init__(self):
         self.tokens: list[int] = []
+        self.read = 0  # generated positions of the row already consumed
         self.text = ""
         self.sent = 0  # characters of `text` already streamed
         self.finish_reason: str | None = None  # set once the row's text is final
@@ -107,18 +108,29 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 
 class BatchTracker(BaseStreamer):
-    """Per-call bookkeeping of the rows of one `generate()` call (criterion + streamer, see module doc)."""
+    """Per-call bookkeeping of the rows of one `generate()` call (criterion + streamer, see module doc).
 
-    def __init__(self, rows: list[RowRequest], tokenizer, stop_token_ids: set[int], prompt_len: int):
+    Which generated positions are final after the call's k-th block depends on the model: a bidirectional model
+    (LLaDA) decodes the same blocks, right after the (padded) prompts, for every row; a block-causal one (LLaDA2.x,
+    `block_causal=True`) aligns blocks to each row's absolute positions, so the first block holds the prompt's
+    tail and rows of other prompt lengths have committed other numbers of positions (`committed`).
+    """
+
+    def __init__(
+        self, rows: list[RowRequest], tokenizer, stop_token_ids: set[int], prompt_len: int, block_causal: bool = False
+    ):
         self.rows = rows
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.prompt_len = prompt_len
+        self.block_causal = block_causal
         kwargs = rows[0].generate_kwargs
-        self.blocks = plan_blocks(kwargs["max_new_tokens"], kwargs["block_length"], kwargs.get("steps"))
+        self.max_new_tokens, self.block_length = kwargs["max_new_tokens"], kwargs["block_length"]
+        self.blocks = None if block_causal else plan_blocks(self.max_new_tokens, self.block_length, kwargs.get("steps"))
         # With a fixed schedule every block takes a known number of forwards, so a row stopped after block k
-        # has taken part in exactly the steps of blocks 0..k and can be answered at once.
-        self.fixed_schedule = kwargs.get("threshold") is None and kwargs.get("factor") is None
+        # has taken part in exactly the steps of blocks 0..k and can be answered at once. (A block-causal model's
+        # first block, partly prompt, and its in-block EOS stop make a row's forwards known only to generate().)
+        self.fixed_schedule = not block_causal and kwargs.get("threshold") is None and kwargs.get("factor") is None
         self.eos_early_stop = kwargs.get("eos_early_stop", True)
         self.states = [_RowState() for _ in rows]
         self.block_index = 0
@@ -185,13 +197,22 @@ class BatchTracker(BaseStreamer):
         )
         return ("done", row.index, result)
 
+    def committed(self, row: RowRequest, block: int) -> int:
+        """Generated positions of `row` that are final once the call's `block`-th block (0-based) is decoded."""
+        if self.block_causal:
+            prompt = len(row.prompt_ids)
+            end = (prompt // self.block_length + block + 1) * self.block_length
+            return min(self.max_new_tokens, end - prompt)
+        offset, length, _ = self.blocks[block]
+        return offset + length
+
     # -- stopping criterion: called by generate() after every committed block ---------------------------------
     def __call__(self, sequences: torch.Tensor, scores=None) -> torch.Tensor:
-        offset, length, steps = self.blocks[self.block_index]
+        block = self.block_index
         self.block_index += 1
-        self.forwards += steps
-        start = self.prompt_len + offset
-        block = sequences[:, start : start + length].cpu().tolist()
+        if self.fixed_schedule:
+            self.forwards += self.blocks[block][2]
+        generated = sequences[:, self.prompt_len :].cpu()
         stop = [False] * len(self.rows)
         for i, (row, state) in enumerate(zip(self.rows, self.states, strict=True)):
             if state.stopped or state.delivered:
@@ -201,7 +222,9 @@ class BatchTracker(BaseStreamer):
                 stop[i] = state.stopped = True
                 continue
             if state.finish_reason is None:
-                self._consume(row, state, block[i])
+                end = self.committed(row, block)
+                tokens, state.read = generated[i, state.read : end].tolist(), max(state.read, end)
+                self._consume(row, state, tokens)
             stop[i] = state.stopped
             if state.stopped and self.fixed_schedule:
                 self.pending.append((row, self._result(row, state, self.forwards)))
@@ -402,13 +425,19 @@ class Batcher:
             input_ids, attention_mask = left_pad([row.prompt_ids for row in batch], self.pad_token_id)
             prompt_len = input_ids.shape[1]
             device = self.model.get_input_embeddings().weight.device
-            tracker = BatchTracker(batch, self.tokenizer, self.stop_token_ids, prompt_len)
+            block_causal = bool(getattr(self.model, "diffusion_block_causal", False))
+            tracker = BatchTracker(batch, self.tokenizer, self.stop_token_ids, prompt_len, block_causal)
+            # A block-causal model stops a row inside a block at its EOS and fills the row with it after the first
+            # one: with every stop token as EOS, an EOT ends the row there too, and costs no more forwards. (For a
+            # bidirectional model this changes nothing: the tracker already stops such rows after the block.)
+            eos = {"eos_token_id": sorted(self.stop_token_ids)} if block_causal and self.stop_token_ids else {}
             out = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 streamer=tracker,
                 stopping_criteria=[tracker],
                 return_dict_in_generate=True,
+                **eos,
                 **batch[0].generate_kwargs,
             )
             records = tracker.finish(out.nfe_per_row.tolist())

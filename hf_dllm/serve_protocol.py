@@ -53,6 +53,11 @@ SERVER_DEFAULTS = {
     "remasking": "low_confidence",
     "cfg_scale": 0.0,
     "eos_early_stop": True,
+    # LLaDA2.x (block-causal models) only; other values than these are a 400 for LLaDA.
+    "minimal_topk": 1,
+    "editing_threshold": None,
+    "max_post_steps": 16,
+    "num_to_transfer": 1,
 }
 # Request field -> DiffusionGenerationConfig field. `use_dual_cache` is the name hand-written LLaDA servers use.
 DLLM_FIELDS = {
@@ -66,6 +71,10 @@ DLLM_FIELDS = {
     "remasking": "remasking",
     "cfg_scale": "cfg_scale",
     "eos_early_stop": "eos_early_stop",
+    "minimal_topk": "minimal_topk",
+    "editing_threshold": "editing_threshold",
+    "max_post_steps": "max_post_steps",
+    "num_to_transfer": "num_to_transfer",
 }
 # OpenAI fields accepted only with their neutral value (anything else: 400 naming the field).
 NEUTRAL = {
@@ -203,13 +212,16 @@ def parse_generation_params(
     max_length: int | None = None,
     block_causal: bool = False,
 ) -> GenerationParams:
-    """Validate the generation fields of a request body with `generate()`'s own rules.
+    """Validate the generation fields of a request body with `generate()`'s own rules (`block_causal`: the model's
+    `diffusion_block_causal`, which decides the rules of `steps` with `threshold` and of the LLaDA2-only fields).
 
-    `max_tokens` (default 128) caps the returned tokens. The model decodes `max_tokens` rounded up to whole
-    blocks (`block_length`), and the completion is cut back to `max_tokens` tokens; `steps` (default: one token
-    per step) counts the steps of that rounded length, and may not exceed it. With `max_length` (the model's
-    context), the rounded length is checked against it before anything is planned, so that no request makes the
-    server plan (or allocate) more than the context holds.
+    `max_tokens` (default 128) caps the returned tokens. A bidirectional model (LLaDA) decodes `max_tokens`
+    rounded up to whole blocks (`block_length`), and the completion is cut back to `max_tokens` tokens; `steps`
+    (default: one token per step) counts the steps of that rounded length, and may not exceed it. A block-causal
+    model (LLaDA2.x) decodes `max_tokens` as it is (its blocks are aligned to absolute positions and the last one
+    is decoded whole anyway), so a completion is what `generate(max_new_tokens=max_tokens)` gives. With
+    `max_length` (the model's context), the decoded length is checked against it before anything is planned, so
+    that no request makes the server plan (or allocate) more than the context holds.
     """
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
@@ -265,7 +277,7 @@ def parse_generation_params(
         config.max_new_tokens = max_tokens
         config.validate(block_causal=block_causal)
         # Integer arithmetic: a float division loses exactness past 2**53 (block_length can be any JSON integer).
-        rounded = -(-max_tokens // config.block_length) * config.block_length
+        rounded = max_tokens if block_causal else -(-max_tokens // config.block_length) * config.block_length
         if max_length is not None and rounded > max_length:
             raise context_error(
                 max_length,
@@ -274,11 +286,19 @@ def parse_generation_params(
                 "block_length" if config.block_length > max_tokens else prompt_param,
             )
         if config.steps is not None and config.steps > rounded:
+            how = "" if block_causal else " rounded up to whole blocks"
             raise APIError(
                 400,
-                f"`steps` ({config.steps}) must be at most the decoded length ({rounded}: `{max_name}` rounded up to "
-                "whole blocks): a step beyond one token per position commits nothing.",
+                f"`steps` ({config.steps}) must be at most the decoded length ({rounded}: `{max_name}`{how}): a step "
+                "beyond one token per position commits nothing.",
                 param=aliases.get("steps", "steps"),
+            )
+        if block_causal and config.minimal_topk > rounded:
+            raise APIError(
+                400,
+                f"`minimal_topk` ({config.minimal_topk}) must be at most `{max_name}` ({rounded}): it caps a block's "
+                f"steps at {max_name} // minimal_topk.",
+                param=aliases.get("minimal_topk", "minimal_topk"),
             )
         config.max_new_tokens = rounded
         config.validate(block_causal=block_causal)
@@ -317,6 +337,30 @@ def parse_generation_params(
             raise APIError(400, "`stream_options` is only allowed with stream=true.", param="stream_options")
         include_usage = bool(options.get("include_usage", False))
     return GenerationParams(generate_kwargs, max_tokens, stop, stream, include_usage)
+
+
+def block_causal_blocks(prompt_length: int, max_new_tokens: int, block_length: int) -> int:
+    """Blocks a block-causal model (LLaDA2.x) decodes for a prompt: its blocks are aligned to absolute positions,
+    from the one holding the prompt's last token to the one holding the last generated position."""
+    return -(-(prompt_length + max_new_tokens) // block_length) - prompt_length // block_length
+
+
+def check_block_causal_steps(prompt_length: int, generate_kwargs: dict, param: str) -> None:
+    """A block-causal model splits `steps` over the blocks a prompt decodes, which depends on the prompt's length
+    (one more block when the prompt ends inside one): fewer steps than blocks is a 400 naming `steps`, before the
+    row could fail the `generate()` call of its whole batch."""
+    steps = generate_kwargs.get("steps")
+    if steps is None:
+        return
+    blocks = block_causal_blocks(prompt_length, generate_kwargs["max_new_tokens"], generate_kwargs["block_length"])
+    if steps < blocks:
+        raise APIError(
+            400,
+            f"`steps` ({steps}) must be at least the number of blocks this {prompt_length}-token {param} decodes "
+            f"({blocks}: blocks of {generate_kwargs['block_length']} are aligned to absolute positions, from the "
+            "one holding the prompt's last token): each block needs a step.",
+            param="steps",
+        )
 
 
 def _token_ids(value, vocab_size: int) -> list[int] | None:

@@ -527,6 +527,10 @@ def test_parse_defaults_and_rounding(server):
         remasking="low_confidence",
         cfg_scale=0.0,
         eos_early_stop=True,
+        minimal_topk=1,
+        editing_threshold=None,
+        max_post_steps=16,
+        num_to_transfer=1,
         max_new_tokens=128,
     )
     params = parse_generation_params({"max_tokens": 40, "temperature": 0.5, "use_dual_cache": False}, base, False)

@@ -1,0 +1,210 @@
+"""`hf-dllm serve` with a LLaDA2.x model (block-causal): completions and chat, streaming and usage equal a direct
+`generate()` with the same parameters; LLaDA2's fields (`steps` with `threshold`, `minimal_topk`, LLaDA2.1's
+`editing_threshold`, `max_post_steps`, `num_to_transfer`) are accepted where the protocol passes dLLM fields, and
+refused for LLaDA; concurrent requests of different prompt lengths share one padded `generate()` and each gets
+what it gets alone. The server runs in this process on 127.0.0.1 (see tests/test_serve.py).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from test_llada2_integration import tiny_llada2  # noqa: E402
+from test_serve import MODEL_NAME, RunningServer, assert_error, chat_ids, prompt_ids  # noqa: E402
+
+from hf_dllm import DiffusionGenerationConfig  # noqa: E402
+from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
+from hf_dllm.serve_protocol import APIError, parse_generation_params  # noqa: E402
+
+SERVER_FIELDS = dict(temperature=0.0, use_cache=True, dual_cache=True, steps=None, threshold=None, block_length=32)
+
+
+@pytest.fixture(scope="module")
+def llada2_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaDA2 with the character tokenizer, saved as a checkpoint folder."""
+    path = tmp_path_factory.mktemp("llada2-tiny-random")
+    tiny_llada2(seed=2).save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(llada2_dir):
+    # A long batching window: the concurrent requests of the batching test are decoded in one generate() call.
+    running = RunningServer(llada2_dir, max_batch_size=8, batch_window_ms=300)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def direct(server, ids: list[int], max_tokens: int, **extra) -> tuple[str, int, int, str]:
+    """(text, completion_tokens, nfe, finish_reason) of a direct generate() on one prompt with the server's
+    defaults: for a block-causal model, `max_new_tokens=max_tokens` (no rounding to whole blocks), and every stop
+    token (EOS, EOT) as EOS, as the server passes them."""
+    stops = sorted(server.app.state.server.batcher.stop_token_ids)
+    out = server.model.generate(
+        torch.tensor([ids]),
+        eos_token_id=stops,
+        return_dict_in_generate=True,
+        **{**SERVER_FIELDS, **extra, "max_new_tokens": max_tokens},
+    )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    end = next((i for i, token in enumerate(tokens) if token in stops), max_tokens)
+    finish = "stop" if end < max_tokens else "length"
+    return server.tokenizer.decode(tokens[:end], skip_special_tokens=True), end, int(out.nfe_per_row[0]), finish
+
+
+LLADA2_FIELDS = [
+    {"block_length": 4, "threshold": 0.6, "steps": 8},  # LLaDA2's rule: steps with threshold
+    {"block_length": 4},  # threshold None: the schedule alone, one token per step
+    {"block_length": 8, "threshold": 0.5, "editing_threshold": 0.5, "max_post_steps": 2, "num_to_transfer": 2},
+    {"block_length": 4, "minimal_topk": 5, "use_cache": False},  # at most 14 // 5 = 2 steps a block
+    {"block_length": 4, "threshold": 0.7, "eos_early_stop": False},
+]
+
+
+@pytest.mark.parametrize("extra", LLADA2_FIELDS, ids=lambda extra: ",".join(f"{k}={v}" for k, v in extra.items()))
+def test_completion_equals_generate(server, client, extra):
+    prompt = "The cat sat"  # 11 tokens: the first block holds the prompt's tail
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=14, extra_body=extra)
+    text, tokens, nfe, finish = direct(server, prompt_ids(server, prompt), 14, **extra)
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason) == (text, finish)
+    assert out.usage.prompt_tokens == len(prompt_ids(server, prompt))
+    assert out.usage.completion_tokens == tokens <= 14
+    assert out.usage.model_extra["nfe"] == nfe > 0
+
+
+def test_chat_and_streaming_equal_generate(server, client):
+    messages = [{"role": "user", "content": "Tell me"}]
+    extra = {"block_length": 4, "threshold": 0.6, "steps": 12}
+    text, tokens, nfe, finish = direct(server, chat_ids(server, messages), 16, **extra)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, extra_body=extra)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, finish)
+    assert (out.usage.completion_tokens, out.usage.model_extra["nfe"]) == (tokens, nfe)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(content) == text and all(len(piece) <= 4 for piece in content)  # one chunk per block
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == tokens
+    assert chunks[-1].usage.model_extra["nfe"] == nfe
+
+
+def test_streamed_completion_equals_the_whole_one(server, client):
+    fields = {"block_length": 4, "eos_early_stop": False, "threshold": 0.7}
+    prompt = "Once upon a time"
+    text, tokens, nfe, finish = direct(server, prompt_ids(server, prompt), 20, **fields)
+    chunks = list(
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, stream=True, extra_body=fields)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].choices[0].finish_reason == finish
+    assert (final[0].usage.completion_tokens, final[0].usage.model_extra["nfe"]) == (tokens, nfe)
+
+
+def test_concurrent_requests_of_different_lengths_share_one_generate(server, client):
+    """Two clients at once, prompts of 2 and 11 tokens (other offsets inside a block of 4): one padded generate()
+    call, and each gets exactly what it gets alone."""
+    prompts = ["Hi", "The cat sat"]
+    fields = {"block_length": 4, "threshold": 0.6}
+    expected = [direct(server, prompt_ids(server, prompt), 12, **fields) for prompt in prompts]
+    before = server.stats
+
+    def ask(prompt):
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, extra_body=fields)
+
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(ask, prompts, timeout=120))
+    after = server.stats
+    for out, (text, tokens, nfe, finish) in zip(outs, expected, strict=True):
+        assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == (
+            text,
+            finish,
+            tokens,
+        )
+        # Rows of a batch move through a block in lockstep: a row takes part in the forwards its partner needs.
+        assert nfe <= out.usage.model_extra["nfe"]
+    assert (after["rows"] - before["rows"], after["batches"] - before["batches"]) == (2, 1)
+    assert after["errors"] == before["errors"] and after["nfe_mismatches"] == 0
+    # One request with both prompts is the same padded call: the same texts.
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, extra_body=fields)
+    assert [choice.text for choice in out.choices] == [e[0] for e in expected]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"editing_threshold": 0.5, "steps": 8}, "steps"),  # editing sets the pace
+        ({"factor": 1.0, "steps": 8}, "steps"),  # only threshold combines with steps
+        ({"editing_threshold": 1.5}, "editing_threshold"),
+        ({"max_post_steps": 4}, "max_post_steps"),  # editing fields without editing
+        ({"num_to_transfer": 0, "editing_threshold": 0.5}, "num_to_transfer"),
+        ({"minimal_topk": 9}, "minimal_topk"),  # caps a block's steps at max_tokens // minimal_topk = 0
+        ({"minimal_topk": 0}, "minimal_topk"),
+        ({"steps": 2, "block_length": 4}, "steps"),  # fewer steps than the prompt's blocks (it ends inside one)
+    ],
+    ids=lambda value: json.dumps(value) if isinstance(value, dict) else str(value),
+)
+def test_invalid_llada2_parameters(server, fields, param):
+    body = {"model": MODEL_NAME, "prompt": "abcde", "max_tokens": 8, **fields}
+    assert_error(httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30), 400, param=param)
+
+
+def test_server_keeps_serving_after_refused_steps(server, client):
+    """`steps` is checked against each prompt's blocks before the row joins a batch: 2 steps for 8 tokens in
+    blocks of 4 suit a block-aligned prompt, not one ending inside a block."""
+    fields = {"steps": 2, "block_length": 4, "threshold": 0.6}
+    out = client.completions.create(model=MODEL_NAME, prompt="abcd", max_tokens=8, extra_body=fields)
+    assert out.choices[0].text == direct(server, prompt_ids(server, "abcd"), 8, **fields)[0]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL_NAME, prompt=["abcd", "abcde"], max_tokens=8, extra_body=fields)
+    assert error.value.status_code == 400 and "5-token prompt decodes (3" in error.value.message
+    assert server.stats["errors"] == 0
+
+
+def test_steps_with_threshold_accepted_for_llada2_refused_for_llada():
+    """The protocol's rules follow the model's attention: LLaDA2 (block-causal) combines `steps` with `threshold`
+    and takes the LLaDA2-only fields; for LLaDA (bidirectional) they are a 400 naming the field."""
+    base = DiffusionGenerationConfig(mask_token_id=3, eos_token_id=0)
+    body = {"prompt": "a", "max_tokens": 10, "block_length": 4, "steps": 8, "threshold": 0.9}
+    params = parse_generation_params(body, base, chat=False, block_causal=True)
+    assert params.generate_kwargs["steps"] == 8 and params.generate_kwargs["threshold"] == 0.9
+    assert params.generate_kwargs["max_new_tokens"] == 10  # decoded as is: no rounding to whole blocks
+    editing = {"prompt": "a", "max_tokens": 10, "editing_threshold": 0.5, "max_post_steps": 4, "num_to_transfer": 2}
+    params = parse_generation_params(editing, base, chat=False, block_causal=True)
+    assert (params.generate_kwargs["editing_threshold"], params.generate_kwargs["num_to_transfer"]) == (0.5, 2)
+    assert parse_generation_params({"max_tokens": 10}, base, False).generate_kwargs["max_new_tokens"] == 32
+    for fields, param in [
+        (body, "steps"),
+        (editing, "editing_threshold"),
+        ({"minimal_topk": 2}, "minimal_topk"),
+        ({"max_post_steps": 4}, "max_post_steps"),
+    ]:
+        with pytest.raises(APIError) as error:
+            parse_generation_params(fields, base, chat=False, block_causal=False)
+        assert error.value.status == 400 and error.value.param == param, fields
