@@ -137,6 +137,15 @@ def mc_loglikelihood(
     Returns:
         One float per request (the estimate of the log-likelihood, <= 0 in expectation).
     """
+    if getattr(model, "diffusion_block_causal", False):
+        # The bound needs every masked position to see the whole (partly masked) continuation; a block-causal
+        # model (LLaDA2.x) attends only to its own and earlier blocks (causally, without a block length), so this
+        # estimate would be a different, unvalidated quantity.
+        raise NotImplementedError(
+            f"{type(model).__name__} is a block-causal (block-diffusion) model: LLaDA's Monte-Carlo log-likelihood "
+            "assumes bidirectional attention and is not implemented for it. Evaluate it on generation tasks "
+            "(lm-eval `generate_until`, `hf-dllm eval`)."
+        )
     if num_samples < 1 or batch_size < 1:
         raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}.")
     generation_config = getattr(model, "generation_config", None)

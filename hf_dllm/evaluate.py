@@ -67,6 +67,11 @@ GENERATION_OPTIONS: dict[str, type] = {
     "logits_eos_inf": bool,
     "confidence_eos_eot_inf": bool,
     "disable_compile": bool,
+    # LLaDA2.x (block-causal models): `--steps` combines with `--threshold` there; token editing (LLaDA2.1).
+    "minimal_topk": int,
+    "editing_threshold": float,
+    "max_post_steps": int,
+    "num_to_transfer": int,
 }
 
 

@@ -15,7 +15,10 @@
 `device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `batch_size`, `mc_num` (128),
 `mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
 `gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
-`block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...).
+`block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
+`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`, and `steps` with `threshold`).
+LLaDA2.x (block-causal) models run `generate_until` tasks; the log-likelihood estimator is LLaDA's, for
+bidirectional models only (a block-causal model raises `NotImplementedError` naming the alternative).
 
 Registration: lm-eval resolves `--model` from a fixed table and discovers no plugins (0.4.13, and its main branch
 as of 2026-08; EleutherAI/lm-evaluation-harness#3282 asks for plugins). `pip install hf-dllm` therefore installs
@@ -311,7 +314,7 @@ class DiffusionEvalLM(LM):
             config = copy.deepcopy(self.base_config)
             for key, value in settings.items():
                 setattr(config, key, value)
-            config.validate()
+            config.validate(block_causal=bool(getattr(self.model, "diffusion_block_causal", False)))
             room = self.max_length - config.max_new_tokens
             if room < 1:
                 raise ValueError(
