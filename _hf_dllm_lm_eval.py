@@ -4,7 +4,7 @@ lm-eval resolves `--model` names from a fixed table (`lm_eval/models/__init__.py
 package cannot add a model name by declaring an entry point. `hf_dllm_lm_eval.pth`, installed beside this module,
 imports it at interpreter start. It then waits: once `lm_eval.models` has been imported (lm-eval imports it before
 resolving a model name), `hf_dllm` is added to lm-eval's model registry as a lazy placeholder
-(`hf_dllm.lm_eval_model:DiffusionEvalLM`), so torch and hf_dllm load only when that model is asked for.
+(`hf_dllm.evaluation.lm_eval_model:DiffusionEvalLM`), so torch and hf_dllm load only when that model is asked for.
 
 Cost for every other Python process: one string comparison per module import that reaches the import system, no
 import of lm-eval, torch or hf_dllm. Set `HF_DLLM_LM_EVAL_HOOK=0` to turn the hook off; `hf-dllm lm-eval ...` takes
@@ -19,7 +19,7 @@ import os
 import sys
 
 MODEL_NAME = "hf_dllm"
-MODEL_TARGET = "hf_dllm.lm_eval_model:DiffusionEvalLM"
+MODEL_TARGET = "hf_dllm.evaluation.lm_eval_model:DiffusionEvalLM"
 WATCHED_MODULE = "lm_eval.models"
 
 

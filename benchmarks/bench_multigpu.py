@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hf_dllm  # noqa: E402
-from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 MODES = {"none": dict(use_cache=False), "prefix": dict(use_cache=True, dual_cache=False),
          "dual": dict(use_cache=True, dual_cache=True)}  # fmt: skip
@@ -207,7 +207,7 @@ def save_checkpoint(model, directory: Path) -> None:
 
 
 def write_dataset(path: Path, n: int) -> None:
-    from hf_dllm.synthetic_tasks import heldout_examples
+    from hf_dllm.tiny_model.tasks import heldout_examples
 
     with open(path, "w") as f:
         for example in heldout_examples(n):

@@ -4,7 +4,7 @@
     python benchmarks/bench_quality.py --n 48 --no-plot     # quicker
 
 Model: `tests/fixtures/llada-tiny-trained` (trained by `examples/train_tiny.py`). Prompts: the first `--n`
-prompts of the fixed held-out set of `hf_dllm.synthetic_tasks` (copy / reverse / sort in turn; never seen in
+prompts of the fixed held-out set of `hf_dllm.tiny_model.tasks` (copy / reverse / sort in turn; never seen in
 training), chat-formatted. An answer is correct when the text before the first `<|eot_id|>`/EOS equals the
 expected answer exactly.
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hf_dllm  # noqa: E402,F401  (registers the LLaDA classes with the Auto classes)
-from hf_dllm import synthetic_tasks as st  # noqa: E402
+from hf_dllm.tiny_model import tasks as st  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "llada-tiny-trained"
 

@@ -43,7 +43,7 @@ def tiny_random_checkpoint(folder: str) -> str:
     import torch
 
     import hf_dllm
-    from hf_dllm.char_tokenizer import build_char_tokenizer
+    from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
     torch.manual_seed(0)
     config = hf_dllm.LLaDAConfig(

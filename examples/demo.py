@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hf_dllm  # noqa: E402,F401  (registers LLaDA with the Auto classes)
-from hf_dllm import synthetic_tasks as st  # noqa: E402
+from hf_dllm.tiny_model import tasks as st  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "llada-tiny-trained"
 DEFAULT_PROMPTS = ["reverse decoding", "sort language", "copy parallel"]

@@ -3,10 +3,10 @@
     python examples/train_tiny.py --output tests/fixtures/llada-tiny-trained
 
 Model: `hf_dllm.LLaDAModelLM` (the Hub's LLaDA checkpoint format, saved with `save_pretrained`), vocabulary of
-the character tokenizer `hf_dllm.char_tokenizer.build_char_tokenizer()` (103 tokens, LLaDA's special tokens and
+the character tokenizer `hf_dllm.tiny_model.char_tokenizer.build_char_tokenizer()` (103 tokens, LLaDA's special tokens and
 chat template).
 
-Data (`hf_dllm.synthetic_tasks`): add / reverse / sort / copy prompts with exact answers, built into a
+Data (`hf_dllm.tiny_model.tasks`): add / reverse / sort / copy prompts with exact answers, built into a
 `datasets.Dataset` from a fixed seed; prompts of the held-out evaluation set are excluded. Each example is the
 chat-formatted prompt followed by a response of `R` tokens: the answer, `<|eot_id|>`, then EOS padding, as in
 LLaDA's SFT data. Prompts of a batch are left-padded (attention mask), as `generate()` pads them.
@@ -42,8 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_dllm  # noqa: E402
-from hf_dllm import synthetic_tasks as st  # noqa: E402
-from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
+from hf_dllm.tiny_model import tasks as st  # noqa: E402
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dllm
-from hf_dllm.char_tokenizer import build_char_tokenizer
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE_DIR = FIXTURES / "llada-tiny-ref"

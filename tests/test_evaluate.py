@@ -17,9 +17,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from hf_dllm import evaluate
-from hf_dllm.char_tokenizer import build_char_tokenizer
-from hf_dllm.eval_data import (
+from hf_dllm.evaluation import evaluate
+from hf_dllm.evaluation.data import (
     answer_number,
     cut_at_stops,
     format_prompt,
@@ -30,6 +29,7 @@ from hf_dllm.eval_data import (
     shard_batches,
 )
 from hf_dllm.generation_utils import DiffusionGenerationConfig
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

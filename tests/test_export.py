@@ -25,9 +25,8 @@ import torch
 from conftest import REFERENCE_DIR, tiny_model
 
 import hf_dllm
-from hf_dllm import export
-from hf_dllm.char_tokenizer import build_char_tokenizer
-from hf_dllm.export import (
+from hf_dllm.hub import export
+from hf_dllm.hub.export import (
     AUTO_MAP,
     CARD_PRESETS,
     FAST_GENERATION_DEFAULTS,
@@ -36,6 +35,7 @@ from hf_dllm.export import (
     check_remote_code,
     export_checkpoint,
 )
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
 MODEL_CARDS_DIR = Path(__file__).parent.parent / "model_cards"
@@ -181,7 +181,7 @@ def test_committed_model_cards_are_the_rendered_template(card):
     path = MODEL_CARDS_DIR / CARD_PRESETS[card]["file"]
     assert path.read_text() == export.render_preset_card(card), (
         f"{path} is out of date: regenerate the cards with "
-        '`python -c "from hf_dllm.export import write_preset_cards; write_preset_cards()"`'
+        '`python -c "from hf_dllm.hub.export import write_preset_cards; write_preset_cards()"`'
     )
 
 
@@ -362,7 +362,7 @@ def test_killed_export_leaves_nothing_a_later_export_does_not_remove(tmp_path, e
     child = textwrap.dedent(
         """
         import os, signal, sys
-        from hf_dllm import export
+        from hf_dllm.hub import export
         export.verify_export = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # die with the repo half-made
         export.export_checkpoint(sys.argv[1], sys.argv[2])
         """
@@ -378,7 +378,7 @@ def test_killed_export_leaves_nothing_a_later_export_does_not_remove(tmp_path, e
     unnamed = tmp_path / f".{dst.name}.export-abcd1234"
     live.mkdir()
     unnamed.mkdir()
-    with caplog.at_level("WARNING", logger="hf_dllm.export"):
+    with caplog.at_level("WARNING", logger="hf_dllm.hub.export"):
         export_checkpoint(REFERENCE_DIR, dst)
     assert tree_bytes(dst) == tree_bytes(exported)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted([live.name, unnamed.name])
@@ -396,7 +396,7 @@ def test_export_killed_while_swapping_folders_is_repaired(tmp_path, exported, ca
     shutil.copytree(exported, old)
     staging = tmp_path / f".{dst.name}.export-{pid}-z3w4"
     staging.mkdir()
-    with caplog.at_level("WARNING", logger="hf_dllm.export"), pytest.raises(ExportError, match="not empty"):
+    with caplog.at_level("WARNING", logger="hf_dllm.hub.export"), pytest.raises(ExportError, match="not empty"):
         export_checkpoint(REFERENCE_DIR, dst)
     assert tree_bytes(dst) == tree_bytes(exported) and no_staging_left(tmp_path)
     assert f"restored {dst} from {old}" in caplog.text

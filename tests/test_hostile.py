@@ -33,7 +33,7 @@ from hypothesis import strategies as st  # noqa: E402
 from test_serve import MODEL_NAME, RunningServer, free_port  # noqa: E402
 
 from hf_dllm import FixedSchedule, plan_blocks  # noqa: E402
-from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "sk-test-0123456789"
@@ -362,7 +362,7 @@ def test_malformed_request_gets_an_openai_4xx_and_the_connection_stays_usable(se
 
 def test_long_prompts_are_refused_without_tokenizing(server, monkeypatch):
     """A prompt that cannot fit is refused from its length in characters: the tokenizer never sees it."""
-    from hf_dllm import serve
+    from hf_dllm.serving import server as serve
 
     calls = []
     monkeypatch.setattr(serve, "encode_prompts", lambda *args: calls.append("encode_prompts"))

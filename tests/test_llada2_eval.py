@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_llada2_integration import tiny_llada2
 
-from hf_dllm import evaluate
-from hf_dllm.char_tokenizer import build_char_tokenizer
-from hf_dllm.eval_data import decode_generated, stop_token_ids
-from hf_dllm.eval_likelihood import mc_loglikelihood
+from hf_dllm.evaluation import evaluate
+from hf_dllm.evaluation.data import decode_generated, stop_token_ids
+from hf_dllm.evaluation.likelihood import mc_loglikelihood
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 DATA = Path(__file__).resolve().parent / "data"
 TASKS_DIR = DATA / "lm_eval_tasks"
@@ -86,7 +86,7 @@ def test_lm_eval_runs_llada2(llada2_checkpoint, loaded):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from hf_dllm.lm_eval_model import DiffusionEvalLM
+    from hf_dllm.evaluation.lm_eval_model import DiffusionEvalLM
 
     model, tokenizer = loaded
     settings = "dtype=float32,block_length=4,threshold=0.6,steps=8,gen_length=8"

@@ -21,9 +21,8 @@ from safetensors.torch import load_file, save_file
 from test_llada2_integration import tiny_llada2
 
 import hf_dllm
-from hf_dllm import export
-from hf_dllm.char_tokenizer import build_char_tokenizer
-from hf_dllm.export import (
+from hf_dllm.hub import export
+from hf_dllm.hub.export import (
     LLADA2_GENERATION_DEFAULTS,
     MODEL_FAMILIES,
     SHARED_REMOTE_CODE_FILES,
@@ -31,6 +30,7 @@ from hf_dllm.export import (
     check_remote_code,
     export_checkpoint,
 )
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
 FIXTURES = Path(__file__).parent / "fixtures"

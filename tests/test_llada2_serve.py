@@ -23,8 +23,8 @@ from test_llada2_integration import tiny_llada2  # noqa: E402
 from test_serve import MODEL_NAME, RunningServer, assert_error, chat_ids, prompt_ids  # noqa: E402
 
 from hf_dllm import DiffusionGenerationConfig  # noqa: E402
-from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
-from hf_dllm.serve_protocol import APIError, parse_generation_params  # noqa: E402
+from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 SERVER_FIELDS = dict(temperature=0.0, use_cache=True, dual_cache=True, steps=None, threshold=None, block_length=32)
 

@@ -1,4 +1,4 @@
-"""lm-eval adapter (`hf_dllm.lm_eval_model`) and LLaDA's Monte-Carlo log-likelihood (`hf_dllm.eval_likelihood`).
+"""lm-eval adapter (`hf_dllm.evaluation.lm_eval_model`) and LLaDA's Monte-Carlo log-likelihood (`hf_dllm.evaluation.likelihood`).
 
 The estimator is checked against a direct, sample-by-sample computation and for its properties; the adapter runs
 lm-eval's own `simple_evaluate` on the tiny local tasks of `tests/data/lm_eval_tasks`, offline.
@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from hf_dllm.char_tokenizer import build_char_tokenizer
-from hf_dllm.eval_data import decode_generated, stop_token_ids
-from hf_dllm.eval_likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
+from hf_dllm.evaluation.data import decode_generated, stop_token_ids
+from hf_dllm.evaluation.likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
@@ -126,7 +126,7 @@ def test_greedy_continuation_scores_higher_than_random(reference_model):
 @pytest.fixture(scope="module")
 def lm_eval_module():
     pytest.importorskip("lm_eval")
-    import hf_dllm.lm_eval_model as module
+    import hf_dllm.evaluation.lm_eval_model as module
 
     return module
 
@@ -175,13 +175,13 @@ import _hf_dllm_lm_eval as hook
 hook.install()  # idempotent: the .pth file already did it
 from lm_eval.api.registry import get_model, model_registry
 hf = get_model('hf')  # lm-eval's own table is still loaded (registry not left non-empty without it)
-assert 'hf_dllm.lm_eval_model' not in sys.modules and 'hf_dllm' in model_registry
+assert 'hf_dllm.evaluation.lm_eval_model' not in sys.modules and 'hf_dllm' in model_registry
 cls = get_model('hf_dllm')
 print(hf.__name__, cls.__module__ + ':' + cls.__name__)
 """
     done = _python(code)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["HFLM", "hf_dllm.lm_eval_model:DiffusionEvalLM"]
+    assert done.stdout.split() == ["HFLM", "hf_dllm.evaluation.lm_eval_model:DiffusionEvalLM"]
     off = _python("from lm_eval.api.registry import get_model; get_model('hf_dllm')", HF_DLLM_LM_EVAL_HOOK="0")
     assert off.returncode != 0 and "hf_dllm" in off.stderr
 
@@ -291,7 +291,7 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["lm_eval", "python -m hf_dllm.lm_eval_model"])
+@pytest.mark.parametrize("launcher", ["lm_eval", "python -m hf_dllm.evaluation.lm_eval_model"])
 def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path, launcher):
     """lm-eval's own `lm_eval` command (the startup hook registers `--model hf_dllm`) and hf_dllm's wrapper of it
     (also `hf-dllm lm-eval`), offline on a local task."""
@@ -302,7 +302,7 @@ def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path, launcher):
         assert executable, "lm-eval's `lm_eval` command is not installed"
         head = [executable]
     else:
-        head = [sys.executable, "-m", "hf_dllm.lm_eval_model"]
+        head = [sys.executable, "-m", "hf_dllm.evaluation.lm_eval_model"]
     command = [
         *head,
         "--model", "hf_dllm",

@@ -1,6 +1,6 @@
 """Decoding quality on the tiny trained LLaDA (tests/fixtures/llada-tiny-trained): real confidences, real answers.
 
-The checkpoint is trained by `examples/train_tiny.py` on the synthetic tasks of `hf_dllm.synthetic_tasks`; the
+The checkpoint is trained by `examples/train_tiny.py` on the synthetic tasks of `hf_dllm.tiny_model.tasks`; the
 prompts here are the first 48 of its held-out set (16 per task, never seen in training). Each prompt is decoded
 alone (batch size 1), so NFE is that prompt's own number of forwards. Greedy decoding, max_new_tokens 32,
 block length 8. The full grid of settings is `benchmarks/bench_quality.py`.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dllm import synthetic_tasks as st
+from hf_dllm.tiny_model import tasks as st
 
 TRAINED_DIR = Path(__file__).parent / "fixtures" / "llada-tiny-trained"
 N_PROMPTS = 48

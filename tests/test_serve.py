@@ -28,10 +28,10 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from hf_dllm.char_tokenizer import build_char_tokenizer  # noqa: E402
-from hf_dllm.serve import create_app, load_model  # noqa: E402
-from hf_dllm.serve_batching import Batcher, RowRequest  # noqa: E402
-from hf_dllm.serve_protocol import APIError, parse_generation_params  # noqa: E402
+from hf_dllm.serving.batching import Batcher, RowRequest  # noqa: E402
+from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
+from hf_dllm.serving.server import create_app, load_model  # noqa: E402
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 MODEL_NAME = "tiny"
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"

@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-from .eval_data import (
+from ..generation_utils import left_pad
+from .data import (
     SCORERS,
     StopStringCriterion,
     build_prompt,
@@ -49,7 +50,6 @@ from .eval_data import (
     stop_token_ids,
     until_first,
 )
-from .generation_utils import left_pad
 
 # Generation-config fields exposed as options (`--max-new-tokens`, `--no-use-cache`, ...).
 GENERATION_OPTIONS: dict[str, type] = {

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .generation_utils import left_pad, plan_blocks
+from ..generation_utils import left_pad, plan_blocks
 
 logger = logging.getLogger("hf_dllm.serve")
 

@@ -8,10 +8,10 @@ import sys
 # subcommand -> (module, one-line help). Modules are imported only when their command runs, so optional
 # dependencies (fastapi, datasets, lm-eval) are needed only by the command that uses them.
 COMMANDS = {
-    "export": ("hf_dllm.export", "turn a local LLaDA checkpoint into a Hub repo with hf_dllm's remote code"),
-    "serve": ("hf_dllm.serve", "OpenAI-compatible HTTP server with dLLM generation parameters"),
-    "eval": ("hf_dllm.evaluate", "evaluate a model on a dataset (datasets + accelerate data parallelism)"),
-    "lm-eval": ("hf_dllm.lm_eval_model", "lm-evaluation-harness with the `hf_dllm` model registered"),
+    "export": ("hf_dllm.hub.export", "turn a local LLaDA checkpoint into a Hub repo with hf_dllm's remote code"),
+    "serve": ("hf_dllm.serving.server", "OpenAI-compatible HTTP server with dLLM generation parameters"),
+    "eval": ("hf_dllm.evaluation.evaluate", "evaluate a model on a dataset (datasets + accelerate data parallelism)"),
+    "lm-eval": ("hf_dllm.evaluation.lm_eval_model", "lm-evaluation-harness with the `hf_dllm` model registered"),
 }
 
 

@@ -129,8 +129,8 @@ class ModelFamily:
 
     def classes(self) -> tuple[type, type]:
         """hf_dllm's config and model classes of this family (the exported files' classes, imported here)."""
-        config = getattr(importlib.import_module(f".{self.config_module}", __package__), self.config_class)
-        model = getattr(importlib.import_module(f".{self.model_module}", __package__), self.model_class)
+        config = getattr(importlib.import_module(f"..{self.config_module}", __package__), self.config_class)
+        model = getattr(importlib.import_module(f"..{self.model_module}", __package__), self.model_class)
         return config, model
 
 
@@ -203,7 +203,7 @@ TOKENIZER_FILES = (
     "merges.txt",
 )
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the flat package: the files exported as remote code
 MODEL_CARDS_DIR = PACKAGE_DIR.parent / "model_cards"
 CARD_TEMPLATE = "template.md"
 
@@ -691,7 +691,7 @@ def generation_defaults(
 
 def export_generation_config(special_ids: dict, fields: dict) -> str:
     """generation_config.json of the exported repo, validated by `DiffusionGenerationConfig`."""
-    from .generation_utils import DiffusionGenerationConfig
+    from ..generation_utils import DiffusionGenerationConfig
 
     try:
         config = DiffusionGenerationConfig(**fields, **special_ids)
@@ -725,7 +725,7 @@ _PRESET_KEYS = ("file", "model_type")
 
 def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict[str, str]:
     """Everything the card template of the preset's family is rendered with."""
-    from . import __version__
+    from .. import __version__
 
     if card not in CARD_PRESETS:
         raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")

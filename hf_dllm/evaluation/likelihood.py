@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .generation_utils import left_pad
+from ..generation_utils import left_pad
 
 
 @dataclass

@@ -41,9 +41,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from .eval_data import StopStringCriterion, decode_generated, process_state, stop_token_ids
-from .eval_likelihood import greedy_matches, mc_loglikelihood
-from .generation_utils import DiffusionGenerationConfig, left_pad
+from ..generation_utils import DiffusionGenerationConfig, left_pad
+from .data import StopStringCriterion, decode_generated, process_state, stop_token_ids
+from .likelihood import greedy_matches, mc_loglikelihood
 
 MODEL_NAME = "hf_dllm"
 logger = logging.getLogger(__name__)
@@ -428,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line with the `hf_dllm` model registered: takes exactly `lm_eval`'s arguments."""
     import importlib
 
-    importlib.import_module("hf_dllm.lm_eval_model")  # registers the model even when this file runs as __main__
+    importlib.import_module(
+        "hf_dllm.evaluation.lm_eval_model"
+    )  # registers the model even when this file runs as __main__
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]

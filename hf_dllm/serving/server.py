@@ -56,8 +56,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from .serve_batching import Batcher, RowRequest
-from .serve_protocol import (
+from .batching import Batcher, RowRequest
+from .protocol import (
     APIError,
     check_block_causal_steps,
     check_prompt_chars,
