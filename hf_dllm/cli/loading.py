@@ -1,0 +1,143 @@
+"""One way to load a model for every command (`hf-dllm serve`, `hf-dllm eval`, `hf-dllm lm-eval`): the same flags,
+the same defaults and the same errors.
+
+`add_model_arguments(parser)` adds the flags; `load_model(...)` takes their values (the lm-eval model passes its
+`model_args` under the same names) and returns the model in eval mode with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def parse_dtype(value, flag: str = "--dtype"):
+    """`"auto"` or a `torch.dtype` from a name (`bfloat16`, `bf16`, `torch.float32`, ...); ValueError otherwise."""
+    import torch
+
+    if value is None or value == "auto":
+        return "auto"
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).replace("torch.", "")
+    dtype = getattr(torch, DTYPE_ALIASES.get(name, name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{flag} must be one of {', '.join(DTYPE_CHOICES)} (or bf16, fp16, fp32), got {value!r}.")
+    return dtype
+
+
+def resolve_device(device=None):
+    """`None` / `"auto"`: the GPU when there is one, else the CPU; otherwise the named device (ValueError when it
+    does not exist here)."""
+    import torch
+
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}.") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} was asked for, but CUDA is not available on this machine.")
+    return device
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The loading flags every command takes (the positional MODEL is the command's own)."""
+    group = parser.add_argument_group("model loading")
+    group.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: the model's)")
+    group.add_argument("--dtype", default="auto", help=f"{', '.join(DTYPE_CHOICES)} (default: the checkpoint's)")
+    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the GPU when there is one)")
+    group.add_argument("--device-map", default=None, help="split one model over GPUs, e.g. `auto`")
+    group.add_argument("--attn-implementation", default=None, help="sdpa, eager, flex_attention, llada_triton, ...")
+    group.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
+    group.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of torch (default: torch's, one per core); matters only on the CPU",
+    )
+    return group
+
+
+def model_arguments(args: argparse.Namespace) -> dict:
+    """The keyword arguments of `load_model` from parsed `add_model_arguments` flags."""
+    names = ("tokenizer", "dtype", "device", "device_map", "attn_implementation", "revision", "trust_remote_code")
+    return {name: getattr(args, name) for name in names} | {"threads": args.threads}
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU thread count (`None`: leave torch's default)."""
+    import torch
+
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"--threads must be a positive integer, got {threads!r}.")
+    torch.set_num_threads(threads)
+
+
+def load_model(
+    model: str | os.PathLike,
+    *,
+    tokenizer=None,
+    dtype="auto",
+    device=None,
+    device_map=None,
+    attn_implementation: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    threads: int | None = None,
+    num_processes: int = 1,
+):
+    """Load `model` (a local checkpoint folder or a Hub id) and its tokenizer with transformers' Auto classes.
+
+    Args:
+        tokenizer: a tokenizer object, its path or Hub id, or `None` for the model's own.
+        dtype: `"auto"` (the checkpoint's) or a dtype name / `torch.dtype`.
+        device: where the model goes (`resolve_device`); ignored with `device_map`.
+        device_map: transformers' `device_map` (e.g. `"auto"`) to split one model over GPUs.
+        num_processes: processes of a data-parallel launch (`accelerate launch`); each holds a replica, so
+            `device_map` is refused there.
+
+    Returns `(model, tokenizer)`, the model in eval mode. Raises `ValueError` for a bad flag value and
+    `FileNotFoundError` for a local path that does not exist, before anything is loaded.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_dllm  # noqa: F401  (registers hf_dllm's model families with the Auto classes)
+
+    set_threads(threads)
+    dtype = parse_dtype(dtype)
+    path = os.path.expanduser(os.fspath(model))
+    # A Hub id is `name` or `namespace/name`; anything else names a local folder, which must exist.
+    looks_local = path.startswith((".", "/")) or path.count("/") > 1 or os.path.exists(path)
+    if looks_local and not os.path.isdir(path):
+        raise FileNotFoundError(f"MODEL {os.fspath(model)!r}: no such checkpoint folder.")
+    if device_map is not None and num_processes > 1:
+        raise ValueError(
+            "--device-map splits one model over several GPUs, but a data-parallel launch gives every process its "
+            "own replica: use one or the other."
+        )
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if revision is not None:
+        kwargs["revision"] = revision
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    else:
+        target = resolve_device(device)
+        if target.type == "cuda" and target.index is not None:
+            torch.cuda.set_device(target)  # kernels launch on the current device
+        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(target).eval()
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        source = os.path.expanduser(os.fspath(tokenizer)) if tokenizer is not None else path
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
+    return loaded, tokenizer
