@@ -351,9 +351,16 @@ def make_unmasking_policy(
     editing_threshold: float | None = None,
     num_to_transfer: int = 1,
     max_post_steps: int = 16,
+    policy: UnmaskingPolicy | None = None,
 ) -> UnmaskingPolicy:
-    """The rule a config names. Block-causal models (LLaDA2) use their reference's scheduled threshold (and
-    LLaDA2.1's token editing); bidirectional models (LLaDA) use LLaDA's schedule or Fast-dLLM's rules."""
+    """The rule a config names, or `policy` when one is given (a new rule is one `UnmaskingPolicy` subclass, passed
+    as `generate(..., unmasking_policy=...)` or returned by a model's `_diffusion_unmasking_policy`). Block-causal
+    models (LLaDA2) use their reference's scheduled threshold (and LLaDA2.1's token editing); bidirectional models
+    (LLaDA) use LLaDA's schedule or Fast-dLLM's rules."""
+    if policy is not None:
+        if not isinstance(policy, UnmaskingPolicy):
+            raise TypeError(f"`unmasking_policy` must be an UnmaskingPolicy, got {type(policy).__name__}.")
+        return policy
     if factor is not None:
         return ConfidenceFactor(factor)
     if block_causal:
@@ -448,7 +455,16 @@ def denoise_block_step(
     suppressed_token_ids: torch.Tensor | None = None,
     deferred_token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`denoise_step` with loose arguments and no editing: returns the new block and the draft."""
+    """Deprecated: `denoise_step(block, logits, StepRules(...), scheduled)` (one rules object instead of loose
+    arguments). Returns the new block and the draft."""
+    import warnings
+
+    warnings.warn(
+        "denoise_block_step() is deprecated: use denoise_step(block, logits, StepRules(policy, mask_token_id, ...), "
+        "scheduled), which also returns whether the step edited a committed token.",
+        FutureWarning,
+        stacklevel=2,
+    )
     rules = StepRules(policy, mask_token_id, temperature, remasking, suppressed_token_ids, deferred_token_ids)
     new_block, draft, _ = denoise_step(block, logits, rules, scheduled)
     return new_block, draft

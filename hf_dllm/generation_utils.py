@@ -52,6 +52,90 @@ class DiffusionGenerateOutput(ModelOutput):
     nfe_per_row: torch.LongTensor | None = None
 
 
+class BlockEvent:
+    """One committed block of a run: what `BlockDiffusionRun` yields (iterate `model.generate_blocks(...)`) once
+    a block is committed and the rows that ended with it are dropped from later forwards.
+
+    The host-side facts are plain attributes (no device synchronisation); what lives on the device is read on
+    demand (`ended`, `nfe_per_row`, `new_tokens`, `prefix`), so a consumer that does not ask costs nothing.
+
+    Attributes:
+        block (`int`): index of the block in the run (0-based).
+        rows (`torch.LongTensor` `(n,)`, host): the batch rows decoded in this block.
+        previously_committed, committed (`torch.LongTensor` `(n,)`, host): how many generated positions of each
+            row were final before / are final after this block; `[previously_committed, committed)` of
+            `sequences[row, prompt_width:]` is what the block added (`new_tokens`).
+        forwards (`int`): model forwards the run made so far (one batched forward counts once).
+    """
+
+    def __init__(self, run: "BlockDiffusionRun", block: int, rows, device_rows, previously_committed, committed, ended):
+        self._run = run
+        self.block = block
+        self.rows = rows
+        self._device_rows = device_rows
+        self.previously_committed = previously_committed
+        self.committed = committed
+        self.forwards = run.nfe
+        self._ended = ended  # `(n,)` bool on the device, or None when no row could end with this block
+        self._host_ended: torch.Tensor | None = None
+        self._nfe_per_row = run.nfe_per_row[device_rows].clone()
+        self._stopped = torch.zeros(len(rows), dtype=torch.bool)
+
+    @property
+    def ended(self) -> torch.Tensor:
+        """`(n,)` bool (host): rows that left the run with this block, by the run's own rules (EOS with
+        `eos_early_stop`, in-block EOS stop, their last block) or by `stop()`."""
+        if self._host_ended is None:
+            ended = torch.zeros(len(self.rows), dtype=torch.bool)
+            self._host_ended = ended if self._ended is None else self._ended.cpu()
+        return self._host_ended | self._stopped
+
+    @property
+    def nfe_per_row(self) -> torch.Tensor:
+        """`(n,)` long (host): forwards each row took part in so far (final for rows that ended)."""
+        return self._nfe_per_row.cpu()
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """The run's output `(batch, prompt_width + max_new_tokens)` as it stands (undecoded positions masked)."""
+        return self._run.sequences
+
+    def new_tokens(self) -> list[list[int]]:
+        """For each row, the generated tokens this block committed (`[previously_committed, committed)`)."""
+        start = self._run.prompt_len
+        generated = self._run.sequences[self._device_rows, start:].cpu()
+        return [
+            row[begin:end].tolist()
+            for row, begin, end in zip(
+                generated, self.previously_committed.tolist(), self.committed.tolist(), strict=True
+            )
+        ]
+
+    def prefix(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`(k, prompt_width + c)` committed prefix of the event rows selected by `rows` (a `(n,)` bool mask; all
+        by default), which must have equal `committed` c: prompts and committed tokens, never a mask token."""
+        selected = torch.ones(len(self.rows), dtype=torch.bool) if rows is None else rows
+        lengths = self.committed[selected].unique()
+        if len(lengths) > 1:
+            raise ValueError("prefix(): the selected rows have committed different numbers of positions.")
+        width = self._run.prompt_len + (int(lengths[0]) if len(lengths) else 0)
+        return self._run.sequences[self._device_rows[selected.to(self._device_rows.device)], :width]
+
+    def stop(self, rows: torch.Tensor) -> None:
+        """Stop the event rows marked in `rows` (`(n,)` bool): they take part in no more forwards and their
+        positions after this block are filled with EOS, as for an EOS stop. Rows that already ended are left as
+        they are."""
+        rows = torch.as_tensor(rows, dtype=torch.bool).cpu().reshape(-1)
+        if rows.shape != (len(self.rows),):
+            raise ValueError(
+                f"stop(): expected a ({len(self.rows)},) bool mask over the event's rows, got {tuple(rows.shape)}."
+            )
+        new = rows & ~self.ended
+        if bool(new.any()):
+            self._run.stop_rows(self.rows[new])
+            self._stopped |= new
+
+
 def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0), so a left-padded row
     sees the positions it has alone."""
@@ -165,6 +249,11 @@ class DiffusionGenerationMixin:
             **forward_kwargs,
         ).logits
 
+    def _diffusion_unmasking_policy(self, config: DiffusionGenerationConfig) -> UnmaskingPolicy | None:
+        """The model family's own unmasking rule for `config`, or None for the rule the config names
+        (`make_unmasking_policy`). A family with rules of its own (e.g. Dream's `alg`) overrides this."""
+        return None
+
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph (no host synchronisation in the forward)."""
         return True
@@ -200,36 +289,98 @@ class DiffusionGenerationMixin:
         loaded.validate(block_causal=self.diffusion_block_causal)
         self.generation_config = loaded
 
-    def _prepare_diffusion_config(
-        self, generation_config: GenerationConfig | None, kwargs: dict
-    ) -> tuple[DiffusionGenerationConfig, dict]:
-        """Merge `kwargs` > `generation_config` > `self.generation_config`; split off model inputs."""
+    def resolve_generation_config(
+        self, generation_config: GenerationConfig | None = None, **fields
+    ) -> DiffusionGenerationConfig:
+        """The settings of one call, validated for this model: `fields` (what the call, request or command line
+        named) > `generation_config` (default: the model's, i.e. the checkpoint's `generation_config.json`) > the
+        defaults of `DiffusionGenerationConfig`. Every entry point (generate(), the server, eval, lm-eval, export)
+        resolves its settings here, so the same fields give the same run everywhere.
+
+        Rules: naming one decoding rule (`steps`, `threshold` or `factor`) replaces the base config's rule (naming
+        two in one call is the contradiction `validate()` reports); `temperature` without `do_sample` sets
+        `do_sample = temperature > 0`. Raises `ValueError` for an unknown field or a bad value.
+        """
         base = generation_config if generation_config is not None else self.generation_config
         if not isinstance(base, GenerationConfig):
             raise TypeError(f"`generation_config` must be a GenerationConfig, got {type(base).__name__}.")
         config = DiffusionGenerationConfig.from_generation_config(base)
         if base is not self.generation_config:
             config.inherit_special_tokens(self.generation_config)
+        unknown = sorted(set(fields) - set(DiffusionGenerationConfig.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown generation settings {unknown}: the settings are the fields of DiffusionGenerationConfig: "
+                f"{sorted(DiffusionGenerationConfig.field_names())}."
+            )
+        if DECODING_RULE_FIELDS & fields.keys():
+            for name in DECODING_RULE_FIELDS - fields.keys():
+                setattr(config, name, None)
+        if "temperature" in fields and "do_sample" not in fields:
+            fields["do_sample"] = fields["temperature"] > 0 if is_number(fields["temperature"]) else False
+        for key, value in fields.items():
+            setattr(config, key, value)
+        config.validate(block_causal=self.diffusion_block_causal)
+        return config
+
+    def _prepare_diffusion_config(
+        self, generation_config: GenerationConfig | None, kwargs: dict
+    ) -> tuple[DiffusionGenerationConfig, dict]:
+        """Split `generate()`'s kwargs into model inputs and settings; resolve the settings."""
         model_inputs = {key: kwargs.pop(key) for key in ("input_ids", "attention_mask") if key in kwargs}
         unknown = sorted(set(kwargs) - set(DiffusionGenerationConfig.field_names()))
         if unknown:
             raise ValueError(
                 f"generate() got unknown keyword arguments {unknown}. It accepts `input_ids`, `attention_mask`, "
-                f"`generation_config`, `streamer` and the fields of DiffusionGenerationConfig: "
-                f"{sorted(DiffusionGenerationConfig.field_names())}."
+                "`generation_config`, `streamer`, `stopping_criteria`, `unmasking_policy`, `cache_policy` and the "
+                f"fields of DiffusionGenerationConfig: {sorted(DiffusionGenerationConfig.field_names())}."
             )
-        # The decoding rule is one choice among `steps` (fixed schedule), `threshold` and `factor`: naming one in
-        # the call replaces the rule of the base config (e.g. an exported repo's default threshold); naming two in
-        # the same call is still a contradiction that `validate()` reports.
-        if DECODING_RULE_FIELDS & kwargs.keys():
-            for name in DECODING_RULE_FIELDS - kwargs.keys():
-                setattr(config, name, None)
-        if "temperature" in kwargs and "do_sample" not in kwargs:
-            kwargs["do_sample"] = kwargs["temperature"] > 0 if is_number(kwargs["temperature"]) else False
-        for key, value in kwargs.items():
-            setattr(config, key, value)
-        config.validate(block_causal=self.diffusion_block_causal)
-        return config, model_inputs
+        return self.resolve_generation_config(generation_config, **kwargs), model_inputs
+
+    def generate_blocks(
+        self,
+        inputs: torch.LongTensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        streamer=None,
+        stopping_criteria=None,
+        unmasking_policy: UnmaskingPolicy | None = None,
+        cache_policy: CachePolicy | None = None,
+        **kwargs,
+    ) -> BlockDiffusionRun:
+        r"""The run `generate()` would make, not started: iterate it for one `BlockEvent` per committed block
+        (which rows, which positions, their tokens, forwards per row so far), stop rows with `event.stop(mask)`,
+        and read `sequences`, `nfe` and `nfe_per_row` from it afterwards. Arguments as for `generate()`; every
+        check runs here, before any forward.
+
+        ```python
+        run = model.generate_blocks(input_ids, max_new_tokens=64, threshold=0.9)
+        for event in run:
+            for row, tokens in zip(event.rows.tolist(), event.new_tokens()):
+                ...
+        print(run.sequences, run.nfe_per_row)
+        ```
+        """
+        config, model_inputs = self._prepare_diffusion_config(generation_config, kwargs)
+        if inputs is not None and "input_ids" in model_inputs:
+            raise ValueError("Pass the prompts once: as `inputs` or as `input_ids`, not both.")
+        input_ids = inputs if inputs is not None else model_inputs.get("input_ids")
+        input_ids, attention_mask = self._validate_diffusion_inputs(
+            input_ids, model_inputs.get("attention_mask"), config
+        )
+        if stopping_criteria is not None and not all(callable(criterion) for criterion in stopping_criteria):
+            raise TypeError("`stopping_criteria` must be a list of callables (input_ids, scores) -> (batch,) bool.")
+        if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+            raise TypeError(f"`streamer` must have put() and end() (a BaseStreamer), got {type(streamer).__name__}.")
+        return BlockDiffusionRun(
+            self,
+            config,
+            input_ids,
+            attention_mask,
+            streamer,
+            stopping_criteria,
+            unmasking_policy=unmasking_policy,
+            cache_policy=cache_policy,
+        )
 
     @torch.no_grad()
     def generate(
@@ -238,6 +389,8 @@ class DiffusionGenerationMixin:
         generation_config: GenerationConfig | None = None,
         streamer=None,
         stopping_criteria=None,
+        unmasking_policy: UnmaskingPolicy | None = None,
+        cache_policy: CachePolicy | None = None,
         **kwargs,
     ) -> torch.LongTensor | DiffusionGenerateOutput:
         r"""
@@ -252,31 +405,32 @@ class DiffusionGenerationMixin:
                 as soon as the block is committed (rows already stopped show EOS), then `end()`; a streamer with
                 `put_draft` also gets the block being denoised (committed tokens and current candidates) after
                 every step.
-            stopping_criteria (list of callables, *optional*): each is called after every block as
-                `criterion(sequences, None)` with `sequences` `(batch, prompt_len + max_new_tokens)` (undecoded
-                positions hold the mask token) and returns a `(batch,)` bool tensor; rows marked True stop like
-                an EOS stop (remaining positions filled with EOS, no more forwards). transformers'
-                `StoppingCriteriaList` fits.
+            stopping_criteria (`StoppingCriteriaList` or list of callables, *optional*): transformers' stopping
+                criteria, called after every block with each row's committed prefix `(rows, prompt_len +
+                committed)` (prompt and committed blocks, never a mask token) and `scores=None`; rows marked True
+                stop like an EOS stop (later positions filled with EOS, no more forwards). Stock
+                `MaxLengthCriteria`, `StopStringCriteria`, `EosTokenCriteria` work unchanged.
+            unmasking_policy (`UnmaskingPolicy`, *optional*): a decoding rule object that replaces the one the
+                settings name (`steps` / `threshold` / `factor`); its steps run eagerly (no CUDA graph).
+            cache_policy (`CachePolicy`, *optional*): a cache object that replaces the one the settings name.
             kwargs: any `DiffusionGenerationConfig` field (`threshold=0.9`, `block_length=32`, ...).
 
         Returns:
             `torch.LongTensor` `(batch, prompt_len + max_new_tokens)`, or a `DiffusionGenerateOutput` with
-            `sequences` and `nfe` when `return_dict_in_generate=True`.
+            `sequences` and `nfe` when `return_dict_in_generate=True`. `generate_blocks()` gives the same run
+            block by block.
         """
-        config, model_inputs = self._prepare_diffusion_config(generation_config, kwargs)
-        if inputs is not None and "input_ids" in model_inputs:
-            raise ValueError("Pass the prompts once: as `inputs` or as `input_ids`, not both.")
-        input_ids = inputs if inputs is not None else model_inputs.get("input_ids")
-        attention_mask = model_inputs.get("attention_mask")
-        input_ids, attention_mask = self._validate_diffusion_inputs(input_ids, attention_mask, config)
-
-        if stopping_criteria is not None and not all(callable(criterion) for criterion in stopping_criteria):
-            raise TypeError("`stopping_criteria` must be a list of callables (sequences, scores) -> (batch,) bool.")
-        if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
-            raise TypeError(f"`streamer` must have put() and end() (a BaseStreamer), got {type(streamer).__name__}.")
-        run = BlockDiffusionRun(self, config, input_ids, attention_mask, streamer, stopping_criteria)
+        run = self.generate_blocks(
+            inputs,
+            generation_config,
+            streamer,
+            stopping_criteria,
+            unmasking_policy=unmasking_policy,
+            cache_policy=cache_policy,
+            **kwargs,
+        )
         sequences = run.run()
-        if config.return_dict_in_generate:
+        if run.config.return_dict_in_generate:
             return DiffusionGenerateOutput(sequences=sequences, nfe=run.nfe, nfe_per_row=run.nfe_per_row)
         return sequences
 
@@ -503,7 +657,16 @@ class BlockDiffusionRun:
     """
 
     def __init__(
-        self, model, config: DiffusionGenerationConfig, input_ids, attention_mask, streamer, stopping_criteria=None
+        self,
+        model,
+        config: DiffusionGenerationConfig,
+        input_ids,
+        attention_mask,
+        streamer=None,
+        stopping_criteria=None,
+        *,
+        unmasking_policy: UnmaskingPolicy | None = None,
+        cache_policy: CachePolicy | None = None,
     ):
         self.model = model
         self.config = config
@@ -568,7 +731,13 @@ class BlockDiffusionRun:
         self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
         self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
 
-        self.cache_policy: CachePolicy = make_cache_policy(config.use_cache, config.dual_cache, self.block_causal)
+        self.cache_policy: CachePolicy = make_cache_policy(
+            config.use_cache, config.dual_cache, self.block_causal, policy=cache_policy
+        )
+        # A policy object (the call's, or the model's own `_diffusion_unmasking_policy`) replaces the config's rule.
+        self.custom_policies = unmasking_policy is not None or cache_policy is not None
+        model_policy = model._diffusion_unmasking_policy(config) if unmasking_policy is None else None
+        self.custom_policies |= model_policy is not None
         self.unmasking: UnmaskingPolicy = make_unmasking_policy(
             config.threshold,
             config.factor,
@@ -576,6 +745,7 @@ class BlockDiffusionRun:
             config.editing_threshold,
             config.num_to_transfer,
             config.max_post_steps,
+            policy=unmasking_policy if unmasking_policy is not None else model_policy,
         )
         # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
         self.eos_stop_in_block = (
@@ -601,6 +771,7 @@ class BlockDiffusionRun:
         )
         self.nfe = 0
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+        self.block_end = self.plan.blocks[0][0] if self.plan.blocks else self.seq_len
 
     def _step_graphs(self) -> StepGraphs | None:
         """The CUDA-graph runner when the fast path applies: CUDA, greedy, no guidance (their random draws and
@@ -615,6 +786,8 @@ class BlockDiffusionRun:
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
             or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
             or not self.model._diffusion_step_capturable()
+            # A policy object the config does not describe has no graph signature: its steps run eagerly.
+            or self.custom_policies
         ):
             return None
         signature = (
@@ -804,13 +977,11 @@ class BlockDiffusionRun:
 
     def finished_rows(self, block: int, block_end: int) -> torch.Tensor:
         """`(active_rows,)` bool: rows that hold an EOS (with `eos_early_stop`; always for block-causal models,
-        whose later blocks cannot change what comes before), that a stopping criterion ends, that stopped inside
-        the block, or that decoded their last block."""
+        whose later blocks cannot change what comes before), that stopped inside the block, or that decoded their
+        last block."""
         finished = self.stopped[self.rows].clone()
         if self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal):
             finished |= (torch.isin(self.x, self.eos_ids) & self._generated_part(block_end)).any(dim=-1)
-        for criterion in self.stopping_criteria:
-            finished |= criterion(self.sequences, None).to(finished.device)[self.rows].bool()
         finished |= (self.plan.last_block[self.host_rows] == block).to(finished.device)
         return finished
 
@@ -819,19 +990,23 @@ class BlockDiffusionRun:
         synchronisation, which stalls the next block's first step."""
         eos_stop = self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal)
         last = bool((self.plan.last_block[self.host_rows] == block).any())
-        return eos_stop or bool(self.stopping_criteria) or self.eos_stop_in_block or last
+        return eos_stop or self.eos_stop_in_block or last
 
     def _generated_part(self, block_end: int) -> torch.Tensor:
         """`(rows, canvas)` bool: generated columns decoded so far."""
         columns = torch.arange(self.seq_len, device=self.device).unsqueeze(0)
         return (columns >= self.prompt_end.unsqueeze(-1)) & (columns < block_end)
 
-    def finish_rows(self, block: int, block_end: int) -> None:
-        """Stop finished rows: fill their undecoded positions (and, for block-causal models, everything after the
-        first generated EOS, where the reference cuts its output) with EOS, and drop them from later forwards."""
-        finished = self.finished_rows(block, block_end)
-        if not bool(finished.any()):
-            return
+    def committed_positions(self, host_rows: torch.Tensor, block_end: int) -> torch.Tensor:
+        """`(n,)` long (host): generated positions of the batch rows `host_rows` that are final once the block
+        ending at column `block_end` is committed."""
+        committed = block_end - self.host_prompt_end[host_rows]
+        return committed.clamp(0, self.config.max_new_tokens)
+
+    def finish_rows(self, finished: torch.Tensor, block_end: int) -> None:
+        """Drop the active rows marked in `finished` (`(active_rows,)` bool): fill their positions after
+        `block_end` (and, for block-causal models, everything after the first generated EOS, where the reference
+        cuts its output) with EOS, write them out, and remove them from later forwards."""
         rows = self.x[finished]
         rows[:, block_end:] = self.fill_id
         if self.block_causal and self.eos_ids is not None:
@@ -849,39 +1024,89 @@ class BlockDiffusionRun:
         if self.key_mask is not None:
             self.key_mask = self.key_mask[keep]
 
+    def stop_rows(self, rows: torch.Tensor) -> None:
+        """Stop the batch rows `rows` (`(k,)` long, host) after the block just committed (`BlockEvent.stop`)."""
+        finished = torch.isin(self.host_rows, rows)
+        if bool(finished.any()):
+            self.finish_rows(finished.to(self.device), self.block_end)
+
     def _write_rows(self) -> None:
         """Copy the active rows' canvas into the batch canvas and their generated positions into `sequences`."""
         self.canvas[self.rows] = self.x
         self.sequences[self.rows, self.prompt_len :] = self.x.gather(1, self.generated_columns[self.rows])
 
-    def run(self) -> torch.LongTensor:
+    def committed_for_all_rows(self) -> int:
+        """Generated positions final in every row of the batch (rows that ended are final everywhere)."""
+        if len(self.host_rows) == 0:
+            return self.config.max_new_tokens
+        return int(self.committed_positions(self.host_rows, self.block_end).min())
+
+    def __iter__(self):
+        """Decode block by block; yield a `BlockEvent` after each committed block (see `BlockEvent`)."""
         try:
-            return self._run()
+            for block, (block_start, block_end) in enumerate(self.plan.blocks):
+                host_rows, device_rows = self.host_rows, self.rows
+                previously = self.committed_positions(host_rows, block_start)
+                self.denoise_block(block, block_start, block_end)
+                self._write_rows()
+                self.block_end = block_end
+                ended = None
+                if self._rows_can_finish(block):
+                    ended = self.finished_rows(block, block_end)
+                    if bool(ended.any()):
+                        self.finish_rows(ended, block_end)
+                committed = self.committed_positions(host_rows, block_end)
+                yield BlockEvent(self, block, host_rows, device_rows, previously, committed, ended)
+                if self.x.shape[0] == 0:
+                    break
         finally:
             if self.graphs is not None:
                 StepGraphs.release_to(self.model)
 
-    def _run(self) -> torch.LongTensor:
-        if self.streamer is not None:
-            self.streamer.put(self.sequences[:, : self.prompt_len].cpu())
+    def run(self) -> torch.LongTensor:
+        """Decode every block, feeding the run's streamer and stopping criteria (what `generate()` does); returns
+        `sequences`.
+
+        The streamer gets the prompts, then after every block the generated positions that became final in every
+        row (rows that ended are final everywhere), then `end()`. Stopping criteria see each row's committed
+        prefix, as in transformers (`apply_stopping_criteria`)."""
+        streamer = self.streamer
+        if streamer is not None:
+            streamer.put(self.sequences[:, : self.prompt_len].cpu())
         streamed = 0  # generated positions already sent to the streamer (final in every row)
-        decodes_rows = torch.ones(self.sequences.shape[0], dtype=torch.bool, device=self.device)
-        for block, (block_start, block_end) in enumerate(self.plan.blocks):
-            self.denoise_block(block, block_start, block_end)
-            self._write_rows()
-            if self._rows_can_finish(block):
-                self.finish_rows(block, block_end)
-            if self.streamer is not None:
-                decodes_rows.fill_(False)
-                decodes_rows[self.rows] = True
-                final = torch.where(decodes_rows, block_end - self.plan.prompt_end, self.config.max_new_tokens)
-                final = int(final.clamp(0, self.config.max_new_tokens).min())
+        for event in self:
+            if self.stopping_criteria:
+                event.stop(apply_stopping_criteria(self.stopping_criteria, event))
+            if streamer is not None:
+                final = self.committed_for_all_rows()
                 if final > streamed:
-                    columns = slice(self.prompt_len + streamed, self.prompt_len + final)
-                    self.streamer.put(self.sequences[:, columns].cpu())
+                    streamer.put(self.sequences[:, self.prompt_len + streamed : self.prompt_len + final].cpu())
                     streamed = final
-            if self.x.shape[0] == 0:
-                break
-        if self.streamer is not None:
-            self.streamer.end()
+        if streamer is not None:
+            streamer.end()
         return self.sequences
+
+
+def apply_stopping_criteria(stopping_criteria, event: BlockEvent) -> torch.Tensor:
+    """`(n,)` bool over the event's rows: transformers' stopping criteria (`StoppingCriteriaList`,
+    `MaxLengthCriteria`, `StopStringCriteria`, `EosTokenCriteria`, or any `criterion(input_ids, scores)`) on each
+    row's committed prefix `(rows, prompt_width + committed)`: the prompt and the committed blocks, never a mask
+    token. Rows that committed different numbers of positions (block-causal models align blocks to each row's
+    own positions) are asked in groups of equal length. `scores` is None: a diffusion step has no single next-token
+    distribution."""
+    stop = torch.zeros(len(event.rows), dtype=torch.bool)
+    for length in event.committed.unique().tolist():
+        group = event.committed == length
+        prefix = event.prefix(group)
+        for criterion in stopping_criteria:
+            result = criterion(prefix, None)
+            result = torch.as_tensor(result, dtype=torch.bool).cpu().reshape(-1)
+            if result.numel() == 1:
+                result = result.expand(int(group.sum()))
+            if result.shape != (int(group.sum()),):
+                raise ValueError(
+                    f"a stopping criterion returned shape {tuple(result.shape)} for input_ids of shape "
+                    f"{tuple(prefix.shape)}: it must return a (batch,) bool tensor (or one bool)."
+                )
+            stop[group] |= result
+    return stop

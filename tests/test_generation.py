@@ -405,20 +405,23 @@ def test_eos_early_stop_batch(reference_model):
     assert out.nfe == 8 < full.nfe
 
 
-class StopRows(StoppingCriteria):
-    def __init__(self, rows: list[bool]):
-        self.rows = torch.tensor(rows)
+class StopRowsStartingWith(StoppingCriteria):
+    """Stops the rows whose prompt starts with `token`; records every `input_ids` it is shown."""
+
+    def __init__(self, token: int):
+        self.token = token
         self.seen: list[torch.Tensor] = []
 
     def __call__(self, input_ids, scores, **kwargs):
         self.seen.append(input_ids.clone())
-        return self.rows.clone()
+        return input_ids[:, 0] == self.token
 
 
-def test_stopping_criteria_stops_a_row(reference_model):
+def test_stopping_criteria_see_the_committed_prefix_and_stop_a_row(reference_model):
     ids = torch.cat([random_prompt(7, seed=23), random_prompt(7, seed=24)])
+    assert ids[0, 0] != ids[1, 0]
     full = reference_model.generate(ids, eos_early_stop=False, **STOP_KWARGS)
-    criterion = StopRows([True, False])
+    criterion = StopRowsStartingWith(int(ids[0, 0]))
     out = reference_model.generate(
         ids, eos_early_stop=False, stopping_criteria=StoppingCriteriaList([criterion]), **STOP_KWARGS
     )
@@ -426,10 +429,58 @@ def test_stopping_criteria_stops_a_row(reference_model):
     assert (out.sequences[0, 7 + 8 :] == EOS).all()
     assert torch.equal(out.sequences[1], full.sequences[1])
     assert out.nfe_per_row.tolist() == [4, 16]
-    first = criterion.seen[0]
-    assert first.shape == (2, 7 + 32)
-    assert torch.equal(first[:, : 7 + 8], full.sequences[:, : 7 + 8])
-    assert (first[:, 7 + 8 :] == MASK).all()  # undecoded positions hold the mask token
+    # transformers' semantics: the prompt and the committed blocks, never a mask token; a stopped row is not
+    # asked again.
+    assert [tuple(seen.shape) for seen in criterion.seen] == [(2, 7 + 8), (1, 7 + 16), (1, 7 + 24), (1, 7 + 32)]
+    assert torch.equal(criterion.seen[0], full.sequences[:, : 7 + 8])
+    assert torch.equal(criterion.seen[-1], full.sequences[1:, :])
+    assert not any((seen == MASK).any() for seen in criterion.seen)
+
+
+def test_stock_max_length_criteria_stops_after_the_block_reaching_it(reference_model):
+    """`MaxLengthCriteria(30)` on a prompt of 7 and 32 new tokens in blocks of 8: the committed prefix reaches 30
+    tokens with the third block (7 + 24 = 31), so the fourth block is not decoded (the whole-canvas criterion of
+    before stopped after the first block)."""
+    from transformers import MaxLengthCriteria
+
+    ids = random_prompt(7, seed=23)
+    full = reference_model.generate(ids, eos_early_stop=False, **STOP_KWARGS)
+    out = reference_model.generate(
+        ids, eos_early_stop=False, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(30)]), **STOP_KWARGS
+    )
+    assert torch.equal(out.sequences[0, : 7 + 24], full.sequences[0, : 7 + 24])
+    assert (out.sequences[0, 7 + 24 :] == EOS).all()
+    assert out.nfe == 12  # three blocks of 4 steps
+    untouched = reference_model.generate(
+        ids, eos_early_stop=False, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(7 + 32)]), **STOP_KWARGS
+    )
+    assert torch.equal(untouched.sequences, full.sequences) and untouched.nfe == full.nfe
+
+
+def test_stock_eos_token_criteria_stops_at_a_committed_token(reference_model):
+    """`EosTokenCriteria(t)` looks at the last committed token only (transformers' semantics): a row stops after
+    the block whose last committed token is t."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    ids = random_prompt(7, seed=23)
+    full = reference_model.generate(ids, eos_early_stop=False, **STOP_KWARGS)
+    last_of_second_block = int(full.sequences[0, 7 + 16 - 1])
+    criteria = StoppingCriteriaList([EosTokenCriteria(last_of_second_block)])
+    out = reference_model.generate(ids, eos_early_stop=False, stopping_criteria=criteria, **STOP_KWARGS)
+    stop_block = 1 if int(full.sequences[0, 7 + 8 - 1]) == last_of_second_block else 2
+    assert torch.equal(out.sequences[0, : 7 + 8 * stop_block], full.sequences[0, : 7 + 8 * stop_block])
+    assert (out.sequences[0, 7 + 8 * stop_block :] == EOS).all()
+    assert out.nfe == 4 * stop_block
+
+
+def test_a_criterion_returning_a_wrong_shape_is_an_error(reference_model):
+    ids = torch.cat([random_prompt(7, seed=23), random_prompt(7, seed=24)])
+
+    def three_rows(input_ids, scores):
+        return torch.zeros(3, dtype=torch.bool)
+
+    with pytest.raises(ValueError, match=r"stopping criterion returned shape \(3,\)"):
+        reference_model.generate(ids, stopping_criteria=[three_rows], **STOP_KWARGS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
