@@ -111,14 +111,19 @@ class BlockEvent:
             )
         ]
 
-    def prefix(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`(k, prompt_width + c)` committed prefix of the event rows selected by `rows` (a `(n,)` bool mask; all
-        by default), which must have equal `committed` c: prompts and committed tokens, never a mask token."""
+    def prefix(self, rows: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+        """`(k, prompt_width + length)`: the prompts and first `length` generated tokens of the event rows selected
+        by `rows` (a `(n,)` bool mask; all by default). `length` defaults to their `committed` count, which must
+        then be equal; it may not exceed any selected row's `committed` (never a mask token)."""
         selected = torch.ones(len(self.rows), dtype=torch.bool) if rows is None else rows
-        lengths = self.committed[selected].unique()
-        if len(lengths) > 1:
-            raise ValueError("prefix(): the selected rows have committed different numbers of positions.")
-        width = self._run.prompt_len + (int(lengths[0]) if len(lengths) else 0)
+        if length is None:
+            lengths = self.committed[selected].unique()
+            if len(lengths) > 1:
+                raise ValueError("prefix(): the selected rows committed different numbers of positions: pass length.")
+            length = int(lengths[0]) if len(lengths) else 0
+        elif bool((self.committed[selected] < length).any()):
+            raise ValueError(f"prefix(): length {length} exceeds what a selected row committed.")
+        width = self._run.prompt_len + length
         return self._run.sequences[self._device_rows[selected.to(self._device_rows.device)], :width]
 
     def stop(self, rows: torch.Tensor) -> None:
@@ -1089,24 +1094,30 @@ class BlockDiffusionRun:
 
 def apply_stopping_criteria(stopping_criteria, event: BlockEvent) -> torch.Tensor:
     """`(n,)` bool over the event's rows: transformers' stopping criteria (`StoppingCriteriaList`,
-    `MaxLengthCriteria`, `StopStringCriteria`, `EosTokenCriteria`, or any `criterion(input_ids, scores)`) on each
-    row's committed prefix `(rows, prompt_width + committed)`: the prompt and the committed blocks, never a mask
-    token. Rows that committed different numbers of positions (block-causal models align blocks to each row's
-    own positions) are asked in groups of equal length. `scores` is None: a diffusion step has no single next-token
-    distribution."""
+    `MaxLengthCriteria`, `StopStringCriteria`, `EosTokenCriteria`, or any `criterion(input_ids, scores)`) asked as an
+    autoregressive `generate()` asks them: once per new token, on each row's committed prefix `(rows, prompt_width
+    + k)` (the prompt and committed tokens, never a mask token), for every k the block committed. A block commits
+    several tokens at once, so asking only at its end would miss what a criterion looks for at the end of the
+    sequence (a stop string, an EOS) when it lies inside the block. `scores` is None: a diffusion step has no single
+    next-token distribution."""
     stop = torch.zeros(len(event.rows), dtype=torch.bool)
-    for length in event.committed.unique().tolist():
-        group = event.committed == length
-        prefix = event.prefix(group)
+    if not len(event.rows):
+        return stop
+    first, last = int(event.previously_committed.min()) + 1, int(event.committed.max())
+    for length in range(first, last + 1):
+        asked = (event.previously_committed < length) & (length <= event.committed) & ~stop
+        if not bool(asked.any()):
+            continue
+        prefix = event.prefix(asked, length)
+        count = int(asked.sum())
         for criterion in stopping_criteria:
-            result = criterion(prefix, None)
-            result = torch.as_tensor(result, dtype=torch.bool).cpu().reshape(-1)
+            result = torch.as_tensor(criterion(prefix, None), dtype=torch.bool).cpu().reshape(-1)
             if result.numel() == 1:
-                result = result.expand(int(group.sum()))
-            if result.shape != (int(group.sum()),):
+                result = result.expand(count)
+            if result.shape != (count,):
                 raise ValueError(
                     f"a stopping criterion returned shape {tuple(result.shape)} for input_ids of shape "
                     f"{tuple(prefix.shape)}: it must return a (batch,) bool tensor (or one bool)."
                 )
-            stop[group] |= result
+            stop[asked] |= result
     return stop

@@ -429,10 +429,11 @@ def test_stopping_criteria_see_the_committed_prefix_and_stop_a_row(reference_mod
     assert (out.sequences[0, 7 + 8 :] == EOS).all()
     assert torch.equal(out.sequences[1], full.sequences[1])
     assert out.nfe_per_row.tolist() == [4, 16]
-    # transformers' semantics: the prompt and the committed blocks, never a mask token; a stopped row is not
-    # asked again.
-    assert [tuple(seen.shape) for seen in criterion.seen] == [(2, 7 + 8), (1, 7 + 16), (1, 7 + 24), (1, 7 + 32)]
-    assert torch.equal(criterion.seen[0], full.sequences[:, : 7 + 8])
+    # transformers' semantics: asked once per committed token with the prompt and the committed tokens, never a
+    # mask token; a row that a criterion stopped is not asked again (it still ends with its block).
+    shapes = [(2, 7 + 1)] + [(1, 7 + k) for k in range(2, 33)]
+    assert [tuple(seen.shape) for seen in criterion.seen] == shapes
+    assert torch.equal(criterion.seen[0], full.sequences[:, : 7 + 1])
     assert torch.equal(criterion.seen[-1], full.sequences[1:, :])
     assert not any((seen == MASK).any() for seen in criterion.seen)
 
@@ -457,20 +458,20 @@ def test_stock_max_length_criteria_stops_after_the_block_reaching_it(reference_m
     assert torch.equal(untouched.sequences, full.sequences) and untouched.nfe == full.nfe
 
 
-def test_stock_eos_token_criteria_stops_at_a_committed_token(reference_model):
-    """`EosTokenCriteria(t)` looks at the last committed token only (transformers' semantics): a row stops after
-    the block whose last committed token is t."""
+def test_stock_eos_token_criteria_stops_at_a_token_inside_a_block(reference_model):
+    """`EosTokenCriteria(t)` looks at the last token of the sequence; it is asked for every committed position
+    (as an autoregressive generate() asks it after every token), so a row stops after the first block holding t."""
     from transformers.generation.stopping_criteria import EosTokenCriteria
 
     ids = random_prompt(7, seed=23)
     full = reference_model.generate(ids, eos_early_stop=False, **STOP_KWARGS)
-    last_of_second_block = int(full.sequences[0, 7 + 16 - 1])
-    criteria = StoppingCriteriaList([EosTokenCriteria(last_of_second_block)])
+    token = int(full.sequences[0, 7 + 8 + 3])  # inside the second block
+    stop_block = (full.sequences[0, 7:] == token).long().argmax().item() // 8 + 1
+    criteria = StoppingCriteriaList([EosTokenCriteria(token)])
     out = reference_model.generate(ids, eos_early_stop=False, stopping_criteria=criteria, **STOP_KWARGS)
-    stop_block = 1 if int(full.sequences[0, 7 + 8 - 1]) == last_of_second_block else 2
     assert torch.equal(out.sequences[0, : 7 + 8 * stop_block], full.sequences[0, : 7 + 8 * stop_block])
     assert (out.sequences[0, 7 + 8 * stop_block :] == EOS).all()
-    assert out.nfe == 4 * stop_block
+    assert out.nfe == 4 * stop_block < full.nfe
 
 
 def test_a_criterion_returning_a_wrong_shape_is_an_error(reference_model):
