@@ -19,7 +19,7 @@ import warnings
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .cache import DiffusionKVCache, DualCache, NoCache, PrefixCache
+from .cache import CachePolicy, DiffusionKVCache, DualCache, ExactBlockCache, NoCache, PrefixCache
 from .configuration_llada import LLaDAConfig
 from .configuration_llada2_moe import LLaDA2MoeConfig
 from .decoding import (
@@ -32,6 +32,7 @@ from .decoding import (
 )
 from .generation_utils import (
     BlockDiffusionRun,
+    BlockEvent,
     DiffusionGenerateOutput,
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
@@ -102,6 +103,8 @@ AutoModelForCausalLM.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
 
 __all__ = [
     "BlockDiffusionRun",
+    "BlockEvent",
+    "CachePolicy",
     "ConfidenceFactor",
     "ConfidenceThreshold",
     "DiffusionGenerateOutput",
@@ -109,6 +112,7 @@ __all__ = [
     "DiffusionGenerationMixin",
     "DiffusionKVCache",
     "DualCache",
+    "ExactBlockCache",
     "FixedSchedule",
     "LLaDA2MoeConfig",
     "LLaDA2MoeModel",
