@@ -21,7 +21,15 @@ httpx = pytest.importorskip("httpx")
 
 from conftest import tiny_model  # noqa: E402
 from test_llada2_integration import tiny_llada2  # noqa: E402
-from test_serve import MODEL_NAME, RunningServer, assert_error, chat_ids, prompt_ids  # noqa: E402
+from test_serve import (  # noqa: E402
+    MODEL_NAME,
+    RunningServer,
+    StopStringCriterion,
+    assert_error,
+    chat_ids,
+    early_stop_string,
+    prompt_ids,
+)
 
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -86,6 +94,40 @@ def test_completion_equals_generate(server, client, extra):
     assert out.usage.prompt_tokens == len(prompt_ids(server, prompt))
     assert out.usage.completion_tokens == tokens <= 14
     assert out.usage.model_extra["nfe"] == nfe > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"block_length": 4}, {"block_length": 4, "threshold": 0.6, "steps": 8}, {"block_length": 4, "steps": 40}],
+    ids=lambda extra: ",".join(f"{k}={v}" for k, v in extra.items()),
+)
+def test_usage_nfe_with_an_early_stop_string_equals_generate_alone(server, extra):
+    """A stop string ends each row of a two-prompt request early (prompts of other lengths: other block offsets);
+    each choice's `nfe` is what generate() gives the prompt alone, stopped by an equivalent criterion."""
+    stops = sorted(server.app.state.server.batcher.stop_token_ids)
+    prompts = [prompt_ids(server, "The cat sat"), prompt_ids(server, "Tell me a story")]
+
+    def alone(ids, stop=None):
+        criteria = [StopStringCriterion(server.tokenizer, len(ids), stop, stops)] if stop else None
+        out = server.model.generate(
+            torch.tensor([ids]),
+            eos_token_id=stops,
+            stopping_criteria=criteria,
+            return_dict_in_generate=True,
+            **{**extra, "max_new_tokens": 16},
+        )
+        tokens = out.sequences[0, len(ids) :].tolist()
+        end = next((i for i, token in enumerate(tokens) if token in stops), 16)
+        text = server.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return (text[: text.index(stop)] if stop and stop in text else text), int(out.nfe_per_row[0])
+
+    full_text, full_nfe = alone(prompts[0])
+    stop = early_stop_string(full_text)
+    assert alone(prompts[0], stop)[1] < full_nfe  # the stop string really ends the row early
+    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 16, "stop": stop, **extra}
+    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120).json()
+    for ids, choice in zip(prompts, out["choices"], strict=True):
+        assert (choice["text"], choice["nfe"]) == alone(ids, stop)
 
 
 def test_chat_and_streaming_equal_generate(server, client):

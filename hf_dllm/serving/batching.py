@@ -124,7 +124,9 @@ class BatchTracker:
                 end = max(completion.streamable(), state.sent)
                 self._send(row, ("delta", row.index, completion.text[state.sent : end]))
                 state.sent = end
-            if state.finished:
+            if row.cancelled.is_set():  # the client went away while its text was sent
+                state.cancelled = stop[i] = True
+            elif state.finished:
                 stop_token_only = completion.finish_reason == "stop" and not completion.stop_string_found
                 stop[i] = self.eos_early_stop or not stop_token_only
         if any(stop):
