@@ -185,7 +185,8 @@ def test_completion_equals_generate(server, client):
 
 
 def test_default_parameters(server, client):
-    """No dLLM field: temperature 0, max_tokens 128, one token per step, block 32, both caches."""
+    """No dLLM field: the model's generation config (this checkpoint has no generation_config.json: the library's
+    defaults, 128 tokens in blocks of 32, one token per step)."""
     out = client.completions.create(model=MODEL_NAME, prompt="abc")
     text, tokens, nfe, _ = direct(server, prompt_ids(server, "abc"))
     assert out.choices[0].text == text and out.usage.completion_tokens == tokens
@@ -853,8 +854,12 @@ def test_cli_serve_command(model_dir):
             "4",
             "--batch-window-ms",
             "5",
-            "--num-threads",
+            "--threads",  # the shared loading flags (tests/test_hostile.py uses the old --num-threads)
             "1",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
             "--log-level",
             "warning",
         ],
