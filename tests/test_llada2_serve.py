@@ -19,14 +19,20 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import tiny_model  # noqa: E402
 from test_llada2_integration import tiny_llada2  # noqa: E402
-from test_serve import MODEL_NAME, RunningServer, assert_error, chat_ids, prompt_ids  # noqa: E402
+from test_serve import (  # noqa: E402
+    MODEL_NAME,
+    RunningServer,
+    StopStringCriterion,
+    assert_error,
+    chat_ids,
+    early_stop_string,
+    prompt_ids,
+)
 
-from hf_dllm import DiffusionGenerationConfig  # noqa: E402
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
-
-SERVER_FIELDS = dict(temperature=0.0, use_cache=True, dual_cache=True, steps=None, threshold=None, block_length=32)
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +58,16 @@ def client(server):
 
 
 def direct(server, ids: list[int], max_tokens: int, **extra) -> tuple[str, int, int, str]:
-    """(text, completion_tokens, nfe, finish_reason) of a direct generate() on one prompt with the server's
-    defaults: for a block-causal model, `max_new_tokens=max_tokens` (no rounding to whole blocks), and every stop
-    token (EOS, EOT) as EOS, as the server passes them."""
+    """(text, completion_tokens, nfe, finish_reason) of a direct generate() on one prompt with the request's fields
+    (the model's generation config supplies the rest, as for the server): for a block-causal model,
+    `max_new_tokens=max_tokens` (no rounding to whole blocks), and every stop token (EOS, EOT) as EOS, as the server
+    passes them."""
     stops = sorted(server.app.state.server.batcher.stop_token_ids)
     out = server.model.generate(
         torch.tensor([ids]),
         eos_token_id=stops,
         return_dict_in_generate=True,
-        **{**SERVER_FIELDS, **extra, "max_new_tokens": max_tokens},
+        **{**extra, "max_new_tokens": max_tokens},
     )
     tokens = out.sequences[0, len(ids) :].tolist()
     end = next((i for i, token in enumerate(tokens) if token in stops), max_tokens)
@@ -87,6 +94,40 @@ def test_completion_equals_generate(server, client, extra):
     assert out.usage.prompt_tokens == len(prompt_ids(server, prompt))
     assert out.usage.completion_tokens == tokens <= 14
     assert out.usage.model_extra["nfe"] == nfe > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"block_length": 4}, {"block_length": 4, "threshold": 0.6, "steps": 8}, {"block_length": 4, "steps": 40}],
+    ids=lambda extra: ",".join(f"{k}={v}" for k, v in extra.items()),
+)
+def test_usage_nfe_with_an_early_stop_string_equals_generate_alone(server, extra):
+    """A stop string ends each row of a two-prompt request early (prompts of other lengths: other block offsets);
+    each choice's `nfe` is what generate() gives the prompt alone, stopped by an equivalent criterion."""
+    stops = sorted(server.app.state.server.batcher.stop_token_ids)
+    prompts = [prompt_ids(server, "The cat sat"), prompt_ids(server, "Tell me a story")]
+
+    def alone(ids, stop=None):
+        criteria = [StopStringCriterion(server.tokenizer, len(ids), stop, stops)] if stop else None
+        out = server.model.generate(
+            torch.tensor([ids]),
+            eos_token_id=stops,
+            stopping_criteria=criteria,
+            return_dict_in_generate=True,
+            **{**extra, "max_new_tokens": 16},
+        )
+        tokens = out.sequences[0, len(ids) :].tolist()
+        end = next((i for i, token in enumerate(tokens) if token in stops), 16)
+        text = server.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return (text[: text.index(stop)] if stop and stop in text else text), int(out.nfe_per_row[0])
+
+    full_text, full_nfe = alone(prompts[0])
+    stop = early_stop_string(full_text)
+    assert alone(prompts[0], stop)[1] < full_nfe  # the stop string really ends the row early
+    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 16, "stop": stop, **extra}
+    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120).json()
+    for ids, choice in zip(prompts, out["choices"], strict=True):
+        assert (choice["text"], choice["nfe"]) == alone(ids, stop)
 
 
 def test_chat_and_streaming_equal_generate(server, client):
@@ -147,10 +188,10 @@ def test_concurrent_requests_of_different_lengths_share_one_generate(server, cli
             finish,
             tokens,
         )
-        # Rows of a batch move through a block in lockstep: a row takes part in the forwards its partner needs.
-        assert nfe <= out.usage.model_extra["nfe"]
+        # The run counts a row's forwards only while the row still decodes: the NFE it has alone.
+        assert out.usage.model_extra["nfe"] == nfe
     assert (after["rows"] - before["rows"], after["batches"] - before["batches"]) == (2, 1)
-    assert after["errors"] == before["errors"] and after["nfe_mismatches"] == 0
+    assert after["errors"] == before["errors"]
     # One request with both prompts is the same padded call: the same texts.
     out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, extra_body=fields)
     assert [choice.text for choice in out.choices] == [e[0] for e in expected]
@@ -187,18 +228,18 @@ def test_server_keeps_serving_after_refused_steps(server, client):
     assert server.stats["errors"] == 0
 
 
-def test_steps_with_threshold_accepted_for_llada2_refused_for_llada():
-    """The protocol's rules follow the model's attention: LLaDA2 (block-causal) combines `steps` with `threshold`
-    and takes the LLaDA2-only fields; for LLaDA (bidirectional) they are a 400 naming the field."""
-    base = DiffusionGenerationConfig(mask_token_id=3, eos_token_id=0)
+def test_steps_with_threshold_accepted_for_llada2_refused_for_llada(server):
+    """The protocol's rules are the resolver's for the model's attention: LLaDA2 (block-causal) combines `steps` with
+    `threshold` and takes the LLaDA2-only fields; for LLaDA (bidirectional) they are a 400 naming the field."""
+    llada2, llada = server.model, tiny_model(seed=0)
     body = {"prompt": "a", "max_tokens": 10, "block_length": 4, "steps": 8, "threshold": 0.9}
-    params = parse_generation_params(body, base, chat=False, block_causal=True)
-    assert params.generate_kwargs["steps"] == 8 and params.generate_kwargs["threshold"] == 0.9
-    assert params.generate_kwargs["max_new_tokens"] == 10  # decoded as is: no rounding to whole blocks
+    params = parse_generation_params(body, llada2, chat=False)
+    assert params.config.steps == 8 and params.config.threshold == 0.9
+    assert params.config.max_new_tokens == 10  # decoded as is: no rounding to whole blocks
     editing = {"prompt": "a", "max_tokens": 10, "editing_threshold": 0.5, "max_post_steps": 4, "num_to_transfer": 2}
-    params = parse_generation_params(editing, base, chat=False, block_causal=True)
-    assert (params.generate_kwargs["editing_threshold"], params.generate_kwargs["num_to_transfer"]) == (0.5, 2)
-    assert parse_generation_params({"max_tokens": 10}, base, False).generate_kwargs["max_new_tokens"] == 32
+    params = parse_generation_params(editing, llada2, chat=False)
+    assert (params.config.editing_threshold, params.config.num_to_transfer) == (0.5, 2)
+    assert parse_generation_params({"max_tokens": 10}, llada, False).config.max_new_tokens == 32
     for fields, param in [
         (body, "steps"),
         (editing, "editing_threshold"),
@@ -206,5 +247,5 @@ def test_steps_with_threshold_accepted_for_llada2_refused_for_llada():
         ({"max_post_steps": 4}, "max_post_steps"),
     ]:
         with pytest.raises(APIError) as error:
-            parse_generation_params(fields, base, chat=False, block_causal=False)
+            parse_generation_params(fields, llada, chat=False)
         assert error.value.status == 400 and error.value.param == param, fields

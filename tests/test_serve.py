@@ -54,6 +54,23 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+# A generation_config.json whose settings differ from DiffusionGenerationConfig's defaults (block 32, 128 tokens, one
+# token per step); its EOS ids are the tokenizer's stop tokens (EOS and EOT), as the tiny trained checkpoint's.
+CHECKPOINT_SETTINGS = dict(block_length=8, max_new_tokens=24, threshold=0.9, eos_token_id=[EOS, EOT])
+
+
+@pytest.fixture(scope="module")
+def model_dir_with_settings(tmp_path_factory) -> Path:
+    """The tiny random LLaDA with a generation_config.json of its own (`CHECKPOINT_SETTINGS`)."""
+    path = tmp_path_factory.mktemp("llada-tiny-settings")
+    model = tiny_model(seed=0)
+    for name, value in CHECKPOINT_SETTINGS.items():
+        setattr(model.generation_config, name, value)
+    model.save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
 class RunningServer:
     def __init__(self, model_dir: Path, **app_kwargs):
         self.model, self.tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
@@ -101,26 +118,34 @@ def load_server(server):
     running.stop()
 
 
-def generate_kwargs(max_tokens: int = 128, **extra) -> dict:
-    """What the server passes to generate() for these request fields (documented defaults, whole blocks). The
-    decoding rule is the server's (one token per step unless the request names one), never the checkpoint's
-    default (the tiny trained checkpoint's generation_config says threshold 0.9)."""
-    kwargs = dict(block_length=32, temperature=0.0, use_cache=True, dual_cache=True, steps=None, threshold=None)
-    kwargs.update(extra)
-    kwargs["max_new_tokens"] = math.ceil(max_tokens / kwargs["block_length"]) * kwargs["block_length"]
+def generate_kwargs(model, max_tokens: int | None = None, **extra) -> dict:
+    """The generate() fields a request with these fields names: the request's own fields only (the checkpoint's
+    generation_config.json supplies the rest), and with `max_tokens` the decoded length, rounded up to whole
+    blocks of the resolved `block_length`."""
+    kwargs = dict(extra)
+    if max_tokens is not None:
+        block = model.resolve_generation_config(**extra).block_length
+        kwargs["max_new_tokens"] = math.ceil(max_tokens / block) * block
     return kwargs
 
 
-def direct(server, prompt_ids: list[int], max_tokens: int = 128, **extra) -> tuple[str, int, int, str]:
+def settings(model, max_tokens: int | None = None, **extra):
+    """The resolved settings the server decodes such a request with (a `RowRequest`'s `generation_config`)."""
+    return model.resolve_generation_config(**generate_kwargs(model, max_tokens, **extra))
+
+
+def direct(server, prompt_ids: list[int], max_tokens: int | None = None, **extra) -> tuple[str, int, int, str]:
     """(text, completion_tokens, nfe, finish_reason) of a direct model.generate() on one prompt."""
     stops = sorted(server.app.state.server.batcher.stop_token_ids)  # EOS and EOT
     out = server.model.generate(
         torch.tensor([prompt_ids]),
         eos_token_id=stops,  # generate() stops a row at EOT as well, as the server does
         return_dict_in_generate=True,
-        **generate_kwargs(max_tokens, **extra),
+        **generate_kwargs(server.model, max_tokens, **extra),
     )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    if max_tokens is None:
+        max_tokens = len(tokens)
     ends = [i for i, t in enumerate(tokens) if t in stops]
     end = min([max_tokens] + ends[:1])
     finish = "stop" if ends and ends[0] < max_tokens else "length"
@@ -160,7 +185,8 @@ def test_completion_equals_generate(server, client):
 
 
 def test_default_parameters(server, client):
-    """No dLLM field: temperature 0, max_tokens 128, one token per step, block 32, both caches."""
+    """No dLLM field: the model's generation config (this checkpoint has no generation_config.json: the library's
+    defaults, 128 tokens in blocks of 32, one token per step)."""
     out = client.completions.create(model=MODEL_NAME, prompt="abc")
     text, tokens, nfe, _ = direct(server, prompt_ids(server, "abc"))
     assert out.choices[0].text == text and out.usage.completion_tokens == tokens
@@ -226,6 +252,160 @@ def test_stop_strings(server, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
 
 
+# -- usage.nfe: what the run made for the row, equal to generate() on the prompt alone ----------------------------
+
+
+class StopStringCriterion:
+    """A stopping criterion that ends a row once its text (cut at the first stop token) holds `stop`: what the
+    server's stop strings do, for a direct generate()."""
+
+    def __init__(self, tokenizer, prompt_len: int, stop: str, stop_ids):
+        self.tokenizer, self.prompt_len, self.stop, self.stop_ids = tokenizer, prompt_len, stop, set(stop_ids)
+
+    def __call__(self, input_ids, scores=None):
+        found = []
+        for row in input_ids[:, self.prompt_len :].tolist():
+            end = next((i for i, token in enumerate(row) if token in self.stop_ids), len(row))
+            found.append(self.stop in self.tokenizer.decode(row[:end], skip_special_tokens=True))
+        return torch.tensor(found)
+
+
+def alone(server, ids: list[int], max_tokens: int | None, stop: str | None = None, **fields):
+    """(text, completion_tokens, nfe, finish_reason) of generate() on one prompt with the request's fields, stopped at
+    the stop tokens (as EOS) and, with `stop`, once the text holds it."""
+    model, tokenizer = server.model, server.tokenizer
+    stops = sorted(server.app.state.server.batcher.stop_token_ids)
+    criteria = [StopStringCriterion(tokenizer, len(ids), stop, stops)] if stop else None
+    out = model.generate(
+        torch.tensor([ids]),
+        eos_token_id=stops,
+        stopping_criteria=criteria,
+        return_dict_in_generate=True,
+        **generate_kwargs(model, max_tokens, **fields),
+    )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    cap = len(tokens) if max_tokens is None else max_tokens
+    end = min([cap] + [i for i, token in enumerate(tokens) if token in stops][:1])
+    text = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+    finish = "stop" if end < cap else "length"
+    if stop and stop in text:
+        text, finish = text[: text.index(stop)], "stop"
+        end = len(text)  # character tokenizer: one token per character
+    return text, end, int(out.nfe_per_row[0]), finish
+
+
+def early_stop_string(text: str) -> str:
+    """A one-character stop string first found past the first third of `text` (so that it stops the row after a
+    later block than the first, and before the last)."""
+    for i in range(len(text) // 3, len(text)):
+        if text[i] not in text[:i]:
+            return text[i]
+    raise AssertionError(f"no character of {text!r} appears first past its first third")
+
+
+NFE_SETTINGS = [
+    {"block_length": 8, "steps": 8},  # a fixed schedule, 2 steps a block
+    {"block_length": 8, "steps": 96},  # more steps than positions: the run skips those that commit nothing
+    {"block_length": 8, "threshold": 0.5},
+    {"block_length": 8, "factor": 1.0},
+    {"block_length": 8, "eos_early_stop": False},
+]
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["to-the-end", "stop-string"])
+@pytest.mark.parametrize("fields", NFE_SETTINGS, ids=lambda fields: ",".join(f"{k}={v}" for k, v in fields.items()))
+def test_usage_nfe_equals_generate_alone(server, client, fields, stop):
+    """Two prompts in one request (one batched run): each choice's `nfe` and text are what generate() gives the
+    prompt alone, also when a stop string ends a row early (the server stops it; generate() with an equivalent
+    stopping criterion does too). Before the run owned these facts, the server counted a fixed schedule's planned
+    steps: `steps=96` reported 24 forwards a block for blocks that took 8."""
+    prompts = [prompt_ids(server, "Tell me a story"), prompt_ids(server, "The cat sat")]
+    stop_string = None
+    if stop:
+        full_text, _, full_nfe, _ = alone(server, prompts[0], 32, **fields)
+        stop_string = early_stop_string(full_text)
+        stopped_nfe = alone(server, prompts[0], 32, stop_string, **fields)[2]
+        assert stopped_nfe < full_nfe  # the stop string really ends the row early
+    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 32, **fields}
+    if stop_string:
+        body["stop"] = stop_string
+    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120).json()
+    for ids, choice in zip(prompts, out["choices"], strict=True):
+        text, tokens, nfe, finish = alone(server, ids, 32, stop_string, **fields)
+        assert (choice["text"], choice["finish_reason"], choice["nfe"]) == (text, finish, nfe)
+    assert out["usage"]["nfe"] == sum(alone(server, ids, 32, stop_string, **fields)[2] for ids in prompts)
+
+
+@pytest.mark.parametrize("fields", [{}, {"block_length": 8, "steps": 96}, {"block_length": 8, "steps": 32}])
+def test_usage_nfe_when_eos_ends_the_row(load_server, fields):
+    """The tiny trained model writes EOS in its first block: the row ends there (eos_early_stop), and `nfe` is the
+    forwards of that block only (8 with `steps=96`, which the server used to report as 24)."""
+    server = load_server
+    ids = prompt_ids(server, "The cat sat")
+    text, tokens, nfe, finish = alone(server, ids, 32, **fields)
+    assert finish == "stop" and nfe <= 8
+    body = {"model": MODEL_NAME, "prompt": "The cat sat", "max_tokens": 32, **fields}
+    out = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120).json()
+    choice = out["choices"][0]
+    assert (choice["text"], choice["finish_reason"], out["usage"]["completion_tokens"]) == (text, finish, tokens)
+    assert choice["nfe"] == out["usage"]["nfe"] == nfe
+
+
+# -- a request with no dLLM field is generate() with no keyword -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def settings_server(model_dir_with_settings):
+    running = RunningServer(model_dir_with_settings, max_batch_size=8, batch_window_ms=50)
+    yield running
+    running.stop()
+
+
+def test_default_request_equals_generate_without_kwargs(settings_server):
+    """No dLLM field and no max_tokens: the checkpoint's generation_config.json decides (block 8, 24 tokens,
+    threshold 0.9, not the library's block 32, 128 tokens, one token per step), and the completion and NFE are
+    those of `model.generate(prompt)` with no keyword, for completions, several prompts and chat."""
+    server = settings_server
+    model, tokenizer = server.model, server.tokenizer
+    assert {name: getattr(model.generation_config, name) for name in CHECKPOINT_SETTINGS} == CHECKPOINT_SETTINGS
+    stops = set(server.app.state.server.batcher.stop_token_ids)
+    assert stops == set(model.generation_config.eos_token_ids)
+
+    def expected(ids):
+        out = model.generate(torch.tensor([ids]), return_dict_in_generate=True)
+        tokens = out.sequences[0, len(ids) :].tolist()
+        assert len(tokens) == 24
+        end = next((i for i, token in enumerate(tokens) if token in stops), len(tokens))
+        text = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return text, end, int(out.nfe_per_row[0]), "stop" if end < len(tokens) else "length"
+
+    prompts = ["Tell me a story", "x = 1 + ", "abc"]
+    out = httpx.post(
+        f"{server.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": prompts}, timeout=120
+    ).json()
+    for prompt, choice in zip(prompts, out["choices"], strict=True):
+        text, tokens, nfe, finish = expected(prompt_ids(server, prompt))
+        assert (choice["text"], choice["finish_reason"], choice["nfe"]) == (text, finish, nfe)
+        assert nfe <= 24  # the checkpoint's 24 tokens, not the library's 128 (one token per step: 128 forwards)
+    assert out["usage"]["completion_tokens"] == sum(expected(prompt_ids(server, p))[1] for p in prompts)
+    messages = [{"role": "user", "content": "Hi there"}]
+    out = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"model": MODEL_NAME, "messages": messages}, timeout=120
+    ).json()
+    text, tokens, nfe, finish = expected(chat_ids(server, messages))
+    assert (out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]) == (text, tokens)
+    assert out["usage"]["nfe"] == nfe
+    # Naming a field changes only that field: block 4 over the checkpoint's 24 tokens and threshold 0.9.
+    ids = prompt_ids(server, "abc")
+    out = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "abc", "block_length": 4},
+        timeout=120,
+    ).json()
+    direct_out = model.generate(torch.tensor([ids]), block_length=4, return_dict_in_generate=True)
+    assert out["usage"]["nfe"] == int(direct_out.nfe_per_row[0])
+
+
 # -- streaming ---------------------------------------------------------------------------------------------------
 
 
@@ -287,6 +467,33 @@ def test_raw_sse_ends_with_done(server):
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] <= 8
+
+
+def sse_events(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60, json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_usage_is_sent_once_per_stream(server, include_usage):
+    """With `stream_options.include_usage` usage comes once, in OpenAI's last chunk with no choices (it used to
+    come in the last finish chunk as well); without it, once, in the last finish chunk."""
+    body = {"model": MODEL_NAME, "prompt": ["one", "two two"], "max_tokens": 16, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    events = sse_events(server, body)
+    with_usage = [event for event in events if event.get("usage")]
+    assert len(with_usage) == 1 and with_usage[0] is events[-1]
+    if include_usage:
+        assert events[-1]["choices"] == []
+    else:
+        assert events[-1]["choices"][0]["finish_reason"] is not None
+    expected = [direct(server, prompt_ids(server, p), 16) for p in ["one", "two two"]]
+    usage = with_usage[0]["usage"]
+    assert usage["completion_tokens"] == sum(e[1] for e in expected)
+    assert usage["nfe"] == sum(e[2] for e in expected)
 
 
 # -- errors --------------------------------------------------------------------------------------------------------
@@ -385,6 +592,82 @@ def test_server_keeps_serving_after_errors(server, client):
     assert out.choices[0].text == direct(server, prompt_ids(server, "still here"), 8)[0]
 
 
+def test_bad_requests_get_a_4xx_while_the_server_serves_others(server):
+    """Bad requests sent at the same time as good ones (same batching window): each bad one gets its 400 naming
+    the field before it is batched, and no good request is failed with it or lost."""
+    good = [("one", 16), ("two two", 16), ("three", 8), ("four", 16)]
+    bad = [
+        ({"threshold": 1.5}, "threshold"),
+        ({"steps": 1, "max_tokens": 64}, "steps"),
+        ({"minimal_topk": 2}, "minimal_topk"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"block_length": -1}, "block_length"),
+        ({"temperature": "hot"}, "temperature"),
+    ]
+    before = server.stats
+
+    def ask(job):
+        kind, payload = job
+        if kind == "good":
+            prompt, max_tokens = payload
+            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
+        else:
+            body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, **payload[0]}
+        return kind, payload, httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+
+    jobs = [("bad", b) for b in bad[:3]] + [("good", g) for g in good] + [("bad", b) for b in bad[3:]]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        replies = list(pool.map(ask, jobs, timeout=120))
+    for kind, payload, response in replies:
+        if kind == "bad":
+            assert_error(response, 400, param=payload[1])
+        else:
+            prompt, max_tokens = payload
+            text, tokens, nfe, finish = direct(server, prompt_ids(server, prompt), max_tokens)
+            choice = response.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"], choice["nfe"]) == (text, finish, nfe)
+    after = server.stats
+    assert after["errors"] == before["errors"] and after["rows"] - before["rows"] == len(good)
+
+
+def test_cancelled_row_is_stopped_and_its_partner_is_served(model_dir):
+    """Two rows in one run; the first one's client goes away after its first block: that row is stopped through
+    the run (no more forwards, no result), and its partner gets exactly what generate() gives it alone."""
+    model, tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
+    batcher = Batcher(model, tokenizer, stop_token_ids={EOS, EOT}, pad_token_id=0, max_batch_size=2, batch_window_s=0)
+    config = settings(model, 32, block_length=8, eos_early_stop=False)
+    events: dict[str, list] = {"gone": [], "kept": []}
+    rows = {}
+
+    def sink(name):
+        def receive(event):
+            events[name].append(event)
+            if name == "gone" and event[0] == "delta":
+                rows["gone"].cancelled.set()  # the client disconnects after its first block
+
+        return receive
+
+    rows["gone"] = RowRequest([5, 6, 7], config, 32, sink("gone"), stream=True, index=0)
+    rows["kept"] = RowRequest([8, 9], config, 32, sink("kept"), stream=True, index=1)
+    batcher.run_batch([rows["gone"], rows["kept"]])
+    assert [event[0] for event in events["gone"]] == ["delta"]  # nothing after it left
+    kept = [event for event in events["kept"] if event[0] == "done"]
+    assert len(kept) == 1 and [event[0] for event in events["kept"]].count("delta") == 4
+    alone_out = model.generate(
+        torch.tensor([[8, 9]]),
+        return_dict_in_generate=True,
+        **generate_kwargs(model, 32, block_length=8, eos_early_stop=False),
+    )
+    tokens = alone_out.sequences[0, 2:].tolist()
+    end = next((i for i, token in enumerate(tokens) if token in (EOS, EOT)), 32)
+    assert kept[0][2].text == tokenizer.decode(tokens[:end], skip_special_tokens=True)
+    assert kept[0][2].nfe == int(alone_out.nfe_per_row[0]) == 32
+    records = {record["index"]: record for record in batcher.stats.records}
+    assert records[0]["cancelled"] and records[0]["nfe"] == 8  # stopped after its first block of 8 steps
+    assert not records[1]["cancelled"] and records[1]["nfe"] == 32
+    assert batcher.stats.snapshot()["forwards"] == 32 and batcher.stats.cancelled_rows == 1
+
+
 # -- disconnects, batching -----------------------------------------------------------------------------------------
 
 
@@ -417,7 +700,7 @@ def test_groups_are_served_in_fifo_order(model_dir):
     """The batch is formed from the oldest row's group; a later group waits only for earlier groups."""
     model, tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
     batcher = Batcher(model, tokenizer, stop_token_ids={EOS, EOT}, pad_token_id=0, max_batch_size=2, batch_window_s=0)
-    config_a, config_b = generate_kwargs(8), generate_kwargs(8, threshold=0.9)
+    config_a, config_b = settings(model, 8), settings(model, 8, threshold=0.9)
     rows = [
         RowRequest([5, 6], config, 8, sink=lambda event: None, index=i)
         for i, config in enumerate([config_a, config_b, config_a, config_a, config_b])
@@ -452,8 +735,9 @@ def test_concurrent_batches_let_short_requests_pass_a_long_one(model_dir):
 
     batcher.start()
     try:
-        long_row = RowRequest([5, 6, 7], generate_kwargs(384, block_length=32, eos_early_stop=False), 384, sink("long"))
-        short_row = RowRequest([8, 9], generate_kwargs(8, block_length=8), 8, sink("short"))
+        long_config = settings(model, 384, block_length=32, eos_early_stop=False)
+        long_row = RowRequest([5, 6, 7], long_config, 384, sink("long"))
+        short_row = RowRequest([8, 9], settings(model, 8, block_length=8), 8, sink("short"))
         batcher.submit([long_row])
         time.sleep(0.05)
         batcher.submit([short_row])
@@ -495,15 +779,12 @@ def test_load_32_concurrent_clients(load_server):
         want_text, want_tokens, want_nfe, want_finish = expected[(i % 8, group)]
         assert (text, finish) == (want_text, want_finish), f"client {i}"
         assert usage.completion_tokens == want_tokens, f"client {i}"
-        if "threshold" in groups[group]:
-            # Rows of a batch stay in lockstep: under a confidence rule a row takes part in the forwards its
-            # partners still need, never fewer than it needs alone.
-            assert want_nfe <= usage.model_extra["nfe"] <= 32, f"client {i}"
-        else:
-            assert usage.model_extra["nfe"] == want_nfe, f"client {i}"
+        # The run counts a row's forwards only while its rule still has work in the block (a row done early
+        # under a confidence rule is computed with its partners but not counted): the NFE it has alone.
+        assert usage.model_extra["nfe"] == want_nfe, f"client {i}"
     after = server.stats
     batches, rows = after["batches"] - before["batches"], after["rows"] - before["rows"]
-    assert rows == 32 and after["nfe_mismatches"] == 0 and after["errors"] == 0
+    assert rows == 32 and after["errors"] == 0
     assert batches < 32, "no request was batched with another"
     print(f"\n32 clients: {32 / elapsed:.1f} requests/s, {rows / batches:.2f} rows per generate() call")
 
@@ -511,34 +792,32 @@ def test_load_32_concurrent_clients(load_server):
 # -- protocol and packaging -----------------------------------------------------------------------------------------
 
 
-def test_parse_defaults_and_rounding(server):
-    base = server.model.generation_config
-    params = parse_generation_params({"prompt": "a"}, base, chat=False)
-    assert params.max_tokens == 128 and params.stop == () and not params.stream
-    assert params.generate_kwargs == dict(
-        temperature=0.0,
-        do_sample=False,
-        steps=None,
-        block_length=32,
-        threshold=None,
-        factor=None,
-        use_cache=True,
-        dual_cache=True,
-        remasking="low_confidence",
-        cfg_scale=0.0,
-        eos_early_stop=True,
-        minimal_topk=1,
-        editing_threshold=None,
-        max_post_steps=16,
-        num_to_transfer=1,
-        max_new_tokens=128,
-    )
-    params = parse_generation_params({"max_tokens": 40, "temperature": 0.5, "use_dual_cache": False}, base, False)
-    assert params.max_tokens == 40 and params.generate_kwargs["max_new_tokens"] == 64
-    assert params.generate_kwargs["do_sample"] and not params.generate_kwargs["dual_cache"]
+def test_parse_resolves_only_the_named_fields(server, model_dir_with_settings):
+    """The protocol applies no defaults of its own: a request's settings are `resolve_generation_config` of the
+    fields it named, over the checkpoint's generation_config.json; `max_tokens` rounds up to whole blocks."""
+    model = server.model
+    params = parse_generation_params({"prompt": "a"}, model, chat=False)
+    assert params.fields == {} and params.stop == () and not params.stream
+    assert params.config.to_dict() == model.resolve_generation_config().to_dict()
+    assert params.max_tokens == params.config.max_new_tokens == 128
+    params = parse_generation_params({"max_tokens": 40, "temperature": 0.5, "use_dual_cache": False}, model, False)
+    assert params.max_tokens == 40 and params.config.max_new_tokens == 64
+    assert params.config.do_sample and not params.config.dual_cache  # the resolver's temperature -> do_sample
     with pytest.raises(APIError) as error:
-        parse_generation_params({"dual_cache": True, "use_dual_cache": False}, base, False)
+        parse_generation_params({"dual_cache": True, "use_dual_cache": False}, model, False)
     assert error.value.param == "dual_cache"
+    # A checkpoint whose generation_config.json differs from the library's defaults.
+    custom, _ = load_model(str(model_dir_with_settings), dtype="float32", device="cpu")
+    params = parse_generation_params({"prompt": "a"}, custom, chat=False)
+    config = params.config
+    assert (config.block_length, config.max_new_tokens, config.threshold, config.steps) == (8, 24, 0.9, None)
+    assert params.max_tokens == 24
+    params = parse_generation_params({"max_tokens": 10, "steps": 16}, custom, chat=False)
+    # Naming one decoding rule replaces the checkpoint's; the block length is still the checkpoint's.
+    assert (params.config.threshold, params.config.steps, params.config.max_new_tokens) == (None, 16, 16)
+    with pytest.raises(APIError) as error:
+        parse_generation_params({"max_tokens": 10, "steps": 16, "threshold": 0.5}, custom, chat=False)
+    assert error.value.param == "steps"
 
 
 def test_web_framework_imported_only_inside_serve():
@@ -575,8 +854,12 @@ def test_cli_serve_command(model_dir):
             "4",
             "--batch-window-ms",
             "5",
-            "--num-threads",
+            "--threads",  # the shared loading flags (tests/test_hostile.py uses the old --num-threads)
             "1",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
             "--log-level",
             "warning",
         ],

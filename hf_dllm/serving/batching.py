@@ -1,32 +1,30 @@
-"""Dynamic batching for `hf-dllm serve`: one model, many concurrent requests, padded `generate()` calls.
+"""Dynamic batching for `hf-dllm serve`: one model, many concurrent requests, padded block-diffusion runs.
 
-Every prompt of a request becomes a `RowRequest`. A scheduler thread collects rows into batches:
+Every prompt of a request becomes a `RowRequest` carrying its resolved settings (`model.resolve_generation_config`
+of the fields the request named: the checkpoint's `generation_config.json` supplies the rest). A scheduler thread
+collects rows into batches:
 
-- A batch holds rows whose generation parameters are equal (`RowRequest.key`: every `generate()` field except
-  the prompt), so one `generate()` call decodes them all, and each row gets exactly what `generate()` gives it
-  alone (rows of a call never influence each other; left padding is masked).
+- A batch holds rows whose resolved settings are equal (`RowRequest.key`), so one run decodes them all, and each
+  row gets exactly what `generate()` gives it alone (rows of a run never influence each other; left padding is
+  masked).
 - The batch is formed from the group of the *oldest* waiting row: groups are served in FIFO order of their
   first row, so a request whose parameters differ from the crowd's still gets its turn (no starvation).
 - After the oldest row arrives, the scheduler waits up to `batch_window_s` for more compatible rows, and stops
   waiting once `max_batch_size` of them are there.
-- Up to `max_concurrent_batches` `generate()` calls run at once, each in its own thread (torch releases the GIL,
-  so the event loop stays responsive). With 2 or more, a long batch does not hold back the rows behind it (one
-  call at a time holds the model's CUDA-graph runner; `generate()` runs the others eagerly, with equal outputs).
+- Up to `max_concurrent_batches` runs go at once, each in its own thread (torch releases the GIL, so the event
+  loop stays responsive). With 2 or more, a long batch does not hold back the rows behind it (one run at a time
+  holds the model's CUDA-graph runner; the others run eagerly, with equal outputs).
 
-One `BatchTracker` follows each call. It is both the call's `stopping_criteria` entry (called after every
-committed block with the whole canvas) and its `streamer` (`put()` after every committed block):
-
-- as a criterion it reads each row's newly committed block, cuts the text at the first EOS/EOT, at `max_tokens`
-  or at a `stop` string, and returns True for rows that are done or whose client went away, so that they cost
-  no more forwards;
-- as a streamer it then hands each row's new text to the row's sink (one event per committed block), and the
-  final result of rows that stopped early, whose NFE is already known for fixed-step schedules.
-
-Rows still running when `generate()` returns get their result with `nfe_per_row` of the call.
+A batch is one `model.generate_blocks(...)` run; `BatchTracker` consumes its `BlockEvent`s. After every committed
+block it appends each row's new tokens to the row's `CompletionText` (cut at a stop token, a stop string or
+`max_tokens`), streams the row's new text, stops (`event.stop`) rows whose completion is over or whose client went
+away, so that they cost no more forwards, and delivers the result of every row that ended with the block (by the
+run's own rules or by that stop) with `nfe` = the run's `nfe_per_row` for the row, which is final once it ended.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -36,9 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
-from ..generation_utils import left_pad, plan_blocks
+from ..cli.completion_text import CompletionText
+from ..generation_config import DiffusionGenerationConfig
+from ..generation_utils import BlockEvent, left_pad
 
 logger = logging.getLogger("hf_dllm.serve")
 
@@ -58,13 +57,19 @@ class RowResult:
     nfe: int  # model forwards this row took part in
 
 
+def settings_key(config: DiffusionGenerationConfig) -> str:
+    """The batching key of resolved settings: every field, so rows share a run only when it is the same run."""
+    return json.dumps({name: getattr(config, name) for name in config.field_names()}, sort_keys=True)
+
+
 @dataclass(eq=False)
 class RowRequest:
-    """One prompt to decode. `generate_kwargs` are `generate()` fields; equal kwargs can share a call."""
+    """One prompt to decode with `generation_config` (resolved settings); rows with equal settings share a run.
+    `max_tokens` caps the returned tokens (None: the decoded length)."""
 
     prompt_ids: list[int]
-    generate_kwargs: dict
-    max_tokens: int
+    generation_config: DiffusionGenerationConfig
+    max_tokens: int | None
     sink: Sink
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -72,197 +77,107 @@ class RowRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    key: str = field(init=False)
 
-    @property
-    def key(self) -> tuple:
-        return tuple(sorted(self.generate_kwargs.items()))
+    def __post_init__(self):
+        self.key = settings_key(self.generation_config)
 
 
 class _RowState:
-    __slots__ = ("tokens", "read", "text", "sent", "finish_reason", "completion_tokens", "stopped", "delivered", "nfe")
+    __slots__ = ("completion", "sent", "finished", "ended", "cancelled", "nfe")
 
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.read = 0  # generated positions of the row already consumed
-        self.text = ""
-        self.sent = 0  # characters of `text` already streamed
-        self.finish_reason: str | None = None  # set once the row's text is final
-        self.completion_tokens = 0
-        self.stopped = False  # the criterion stopped the row (no more forwards)
-        self.delivered = False
+    def __init__(self, completion: CompletionText):
+        self.completion = completion
+        self.sent = 0  # characters of the text already streamed
+        self.finished = False  # the completion's text is final
+        self.ended = False  # the row left the run (result delivered, or cancelled)
+        self.cancelled = False
         self.nfe: int | None = None
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of `text` that must wait: a possible start of a stop string, or a partial
-    multi-byte character (decoded as U+FFFD)."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    while hold < len(text) and text[len(text) - hold - 1] == "\ufffd":
-        hold += 1
-    return hold
+class BatchTracker:
+    """Consumes the `BlockEvent`s of one run (see module doc): `consume(event)` after every committed block, then
+    `finish(nfe_per_row)` once the run is over."""
 
-
-class BatchTracker(BaseStreamer):
-    """Per-call bookkeeping of the rows of one `generate()` call (criterion + streamer, see module doc).
-
-    Which generated positions are final after the call's k-th block depends on the model: a bidirectional model
-    (LLaDA) decodes the same blocks, right after the (padded) prompts, for every row; a block-causal one (LLaDA2.x,
-    `block_causal=True`) aligns blocks to each row's absolute positions, so the first block holds the prompt's
-    tail and rows of other prompt lengths have committed other numbers of positions (`committed`).
-    """
-
-    def __init__(
-        self, rows: list[RowRequest], tokenizer, stop_token_ids: set[int], prompt_len: int, block_causal: bool = False
-    ):
+    def __init__(self, rows: list[RowRequest], tokenizer, stop_token_ids: set[int]):
         self.rows = rows
-        self.tokenizer = tokenizer
-        self.stop_token_ids = stop_token_ids
-        self.prompt_len = prompt_len
-        self.block_causal = block_causal
-        kwargs = rows[0].generate_kwargs
-        self.max_new_tokens, self.block_length = kwargs["max_new_tokens"], kwargs["block_length"]
-        self.blocks = None if block_causal else plan_blocks(self.max_new_tokens, self.block_length, kwargs.get("steps"))
-        # With a fixed schedule every block takes a known number of forwards, so a row stopped after block k
-        # has taken part in exactly the steps of blocks 0..k and can be answered at once. (A block-causal model's
-        # first block, partly prompt, and its in-block EOS stop make a row's forwards known only to generate().)
-        self.fixed_schedule = not block_causal and kwargs.get("threshold") is None and kwargs.get("factor") is None
-        self.eos_early_stop = kwargs.get("eos_early_stop", True)
-        self.states = [_RowState() for _ in rows]
-        self.block_index = 0
-        self.forwards = 0
-        self.pending: list[tuple[RowRequest, tuple]] = []
+        # An EOS/EOT ends the row's decoding only with `eos_early_stop` (else the run decodes on, as asked, and the
+        # row ends with its last block); a stop string or max_tokens always do.
+        self.eos_early_stop = rows[0].generation_config.eos_early_stop
+        self.states = [_RowState(CompletionText(tokenizer, stop_token_ids, row.stop, row.max_tokens)) for row in rows]
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def consume(self, event: BlockEvent) -> None:
+        """One committed block: extend, stream and stop the rows it decoded; deliver the rows that ended."""
+        batch_rows = event.rows.tolist()
+        stop = [False] * len(batch_rows)
+        new_tokens = event.new_tokens()
+        for i, batch_row in enumerate(batch_rows):
+            row, state = self.rows[batch_row], self.states[batch_row]
+            if row.cancelled.is_set():
+                state.cancelled = stop[i] = True
+                continue
+            if state.finished:
+                continue
+            completion = state.completion
+            state.finished = completion.extend(new_tokens[i])
+            if row.stream:
+                end = max(completion.streamable(), state.sent)
+                self._send(row, ("delta", row.index, completion.text[state.sent : end]))
+                state.sent = end
+            if row.cancelled.is_set():  # the client went away while its text was sent
+                state.cancelled = stop[i] = True
+            elif state.finished:
+                stop_token_only = completion.finish_reason == "stop" and not completion.stop_string_found
+                stop[i] = self.eos_early_stop or not stop_token_only
+        if any(stop):
+            event.stop(stop)
+        ended, nfe = event.ended.tolist(), event.nfe_per_row.tolist()
+        for i, batch_row in enumerate(batch_rows):
+            if ended[i]:
+                self._end(batch_row, nfe[i])
 
-    def _count_tokens_of(self, tokens: list[int], text: str) -> int:
-        """Largest k such that the first k tokens decode to no more than `text` (tokens before a stop string)."""
-        low, high = 0, len(tokens)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if len(self._decode(tokens[:mid])) <= len(text):
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
-    def _consume(self, row: RowRequest, state: _RowState, block: list[int]) -> None:
-        """Append a committed block to the row's text; set `finish_reason` once the text is final."""
-        for token in block:
-            if len(state.tokens) >= row.max_tokens:
-                state.finish_reason = "length"
-                break
-            if token in self.stop_token_ids:
-                state.finish_reason = "stop"
-                break
-            state.tokens.append(token)
-        if state.finish_reason is None and len(state.tokens) >= row.max_tokens:
-            state.finish_reason = "length"
-        text = self._decode(state.tokens)
-        state.completion_tokens = len(state.tokens)
-        cut = min((i for i in (text.find(s) for s in row.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-            state.finish_reason = "stop"
-            state.completion_tokens = self._count_tokens_of(state.tokens, text)
-        state.text = text
-        if row.stream:
-            end = len(text) if state.finish_reason else len(text) - _held_back(text, row.stop)
-            end = max(end, state.sent)
-            self.pending.append((row, ("delta", row.index, text[state.sent : end])))
-            state.sent = end
-        if state.finish_reason is not None:
-            # EOS/EOT end the row only with eos_early_stop (else generate() decodes on, as asked); a stop string
-            # or max_tokens always do.
-            hit_eos = state.finish_reason == "stop" and cut < 0
-            state.stopped = self.eos_early_stop or not hit_eos
-
-    def _result(self, row: RowRequest, state: _RowState, nfe: int) -> tuple:
-        if row.stream and state.sent < len(state.text):
-            self.pending.append((row, ("delta", row.index, state.text[state.sent :])))
-            state.sent = len(state.text)
-        state.delivered = True
-        state.nfe = nfe
+    def _end(self, batch_row: int, nfe: int) -> None:
+        row, state = self.rows[batch_row], self.states[batch_row]
+        if state.ended:
+            return
+        state.ended, state.nfe = True, nfe
+        if row.cancelled.is_set():
+            state.cancelled = True
+            return
+        completion = state.completion
+        if row.stream and state.sent < len(completion.text):
+            self._send(row, ("delta", row.index, completion.text[state.sent :]))
+            state.sent = len(completion.text)
         result = RowResult(
-            text=state.text,
-            finish_reason=state.finish_reason or "length",
+            text=completion.text,
+            finish_reason=completion.finish_reason or "length",
             prompt_tokens=len(row.prompt_ids),
-            completion_tokens=state.completion_tokens,
+            completion_tokens=completion.completion_tokens,
             nfe=nfe,
         )
-        return ("done", row.index, result)
+        self._send(row, ("done", row.index, result))
 
-    def committed(self, row: RowRequest, block: int) -> int:
-        """Generated positions of `row` that are final once the call's `block`-th block (0-based) is decoded."""
-        if self.block_causal:
-            prompt = len(row.prompt_ids)
-            end = (prompt // self.block_length + block + 1) * self.block_length
-            return min(self.max_new_tokens, end - prompt)
-        offset, length, _ = self.blocks[block]
-        return offset + length
-
-    # -- stopping criterion: called by generate() after every committed block ---------------------------------
-    def __call__(self, sequences: torch.Tensor, scores=None) -> torch.Tensor:
-        block = self.block_index
-        self.block_index += 1
-        if self.fixed_schedule:
-            self.forwards += self.blocks[block][2]
-        generated = sequences[:, self.prompt_len :].cpu()
-        stop = [False] * len(self.rows)
-        for i, (row, state) in enumerate(zip(self.rows, self.states, strict=True)):
-            if state.stopped or state.delivered:
-                stop[i] = True
-                continue
-            if row.cancelled.is_set():
-                stop[i] = state.stopped = True
-                continue
-            if state.finish_reason is None:
-                end = self.committed(row, block)
-                tokens, state.read = generated[i, state.read : end].tolist(), max(state.read, end)
-                self._consume(row, state, tokens)
-            stop[i] = state.stopped
-            if state.stopped and self.fixed_schedule:
-                self.pending.append((row, self._result(row, state, self.forwards)))
-        return torch.tensor(stop, dtype=torch.bool)
-
-    # -- streamer: put(prompt), put(block) after every committed block, end() ---------------------------------
-    def put(self, value) -> None:
-        self.flush()
-
-    def end(self) -> None:
-        self.flush()
-
-    def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        for row, event in pending:
-            if not row.cancelled.is_set():
-                row.sink(event)
+    @staticmethod
+    def _send(row: RowRequest, event: tuple) -> None:
+        if not row.cancelled.is_set():
+            row.sink(event)
 
     def finish(self, nfe_per_row: list[int]) -> list[dict]:
-        """After generate(): answer the rows not answered yet; return one record per row for the stats."""
-        records = []
-        for row, state, nfe in zip(self.rows, self.states, nfe_per_row, strict=True):
-            cancelled = row.cancelled.is_set() and not state.delivered
-            if not state.delivered and not cancelled:
-                self.pending.append((row, self._result(row, state, nfe)))
-            records.append(
-                dict(
-                    request_id=row.request_id,
-                    index=row.index,
-                    nfe=nfe,
-                    reported_nfe=state.nfe,
-                    cancelled=cancelled,
-                    finish_reason="cancelled" if cancelled else state.finish_reason,
-                    completion_tokens=state.completion_tokens,
-                )
+        """After the run: end the rows not ended yet (none, when the run yielded every block); return one record
+        per row for the stats."""
+        for batch_row, nfe in enumerate(nfe_per_row):
+            self._end(batch_row, nfe)
+        return [
+            dict(
+                request_id=row.request_id,
+                index=row.index,
+                nfe=state.nfe,
+                cancelled=state.cancelled,
+                finish_reason="cancelled" if state.cancelled else state.completion.finish_reason,
+                completion_tokens=state.completion.completion_tokens,
             )
-        self.flush()
-        return records
+            for row, state in zip(self.rows, self.states, strict=True)
+        ]
 
 
 class BatchStats:
@@ -274,7 +189,6 @@ class BatchStats:
         self.rows = 0
         self.cancelled_rows = 0
         self.forwards = 0
-        self.nfe_mismatches = 0
         self.errors = 0
         self.batch_sizes: dict[int, int] = {}
         self.pending = 0
@@ -289,8 +203,6 @@ class BatchStats:
             self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
             for record in records:
                 self.cancelled_rows += record["cancelled"]
-                reported = record["reported_nfe"]
-                self.nfe_mismatches += reported is not None and reported != record["nfe"]
                 self.records.append(record)
 
     def snapshot(self) -> dict:
@@ -302,7 +214,6 @@ class BatchStats:
                 batch_sizes={str(k): v for k, v in sorted(self.batch_sizes.items())},
                 cancelled_rows=self.cancelled_rows,
                 forwards=self.forwards,
-                nfe_mismatches=self.nfe_mismatches,
                 errors=self.errors,
                 pending_rows=self.pending,
                 running_rows=self.running_rows,
@@ -314,7 +225,7 @@ class BatchStats:
 
 
 class Batcher:
-    """Owns the model: queues `RowRequest`s and decodes them in batched `generate()` calls (see module doc)."""
+    """Owns the model: queues `RowRequest`s and decodes them in batched runs (see module doc)."""
 
     def __init__(
         self,
@@ -418,37 +329,39 @@ class Batcher:
             self._slots.release()
 
     def run_batch(self, batch: list[RowRequest]) -> None:
-        """Decode `batch` (rows with equal `generate_kwargs`) in one left-padded `generate()` call."""
+        """Decode `batch` (rows with equal settings) in one left-padded `model.generate_blocks()` run, consuming
+        its block events (`BatchTracker`)."""
         with self.stats._lock:
             self.stats.running_rows += len(batch)
+        tracker = None
         try:
             input_ids, attention_mask = left_pad([row.prompt_ids for row in batch], self.pad_token_id)
-            prompt_len = input_ids.shape[1]
             device = self.model.get_input_embeddings().weight.device
             block_causal = bool(getattr(self.model, "diffusion_block_causal", False))
-            tracker = BatchTracker(batch, self.tokenizer, self.stop_token_ids, prompt_len, block_causal)
+            tracker = BatchTracker(batch, self.tokenizer, self.stop_token_ids)
             # A block-causal model stops a row inside a block at its EOS and fills the row with it after the first
             # one: with every stop token as EOS, an EOT ends the row there too, and costs no more forwards. (For a
             # bidirectional model this changes nothing: the tracker already stops such rows after the block.)
             eos = {"eos_token_id": sorted(self.stop_token_ids)} if block_causal and self.stop_token_ids else {}
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
+            run = self.model.generate_blocks(
+                input_ids.to(device),
                 attention_mask=attention_mask.to(device),
-                streamer=tracker,
-                stopping_criteria=[tracker],
-                return_dict_in_generate=True,
+                generation_config=batch[0].generation_config,
                 **eos,
-                **batch[0].generate_kwargs,
             )
-            records = tracker.finish(out.nfe_per_row.tolist())
-            self.stats.record_batch(len(batch), int(out.nfe), records)
-        except Exception as error:  # the server keeps serving: the rows of this call get the error
-            logger.exception("generate() failed for a batch of %d rows", len(batch))
+            with torch.no_grad():
+                for event in run:
+                    tracker.consume(event)
+            records = tracker.finish(run.nfe_per_row.tolist())
+            self.stats.record_batch(len(batch), int(run.nfe), records)
+        except Exception as error:  # the server keeps serving: the rows of this run still waiting get the error
+            logger.exception("generation failed for a batch of %d rows", len(batch))
             with self.stats._lock:
                 self.stats.errors += 1
             status = 400 if isinstance(error, (ValueError, TypeError)) else 500
-            for row in batch:
-                row.sink(("error", row.index, status, f"Generation failed: {error}"))
+            for i, row in enumerate(batch):
+                if tracker is None or not tracker.states[i].ended:
+                    row.sink(("error", row.index, status, f"Generation failed: {error}"))
         finally:
             with self.stats._lock:
                 self.stats.running_rows -= len(batch)

@@ -40,25 +40,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# Server defaults of the generation fields (the model's generation_config.json supplies the special tokens).
-DEFAULT_MAX_TOKENS = 128
-SERVER_DEFAULTS = {
-    "temperature": 0.0,
-    "steps": None,
-    "block_length": 32,
-    "threshold": None,
-    "factor": None,
-    "use_cache": True,
-    "dual_cache": True,
-    "remasking": "low_confidence",
-    "cfg_scale": 0.0,
-    "eos_early_stop": True,
-    # LLaDA2.x (block-causal models) only; other values than these are a 400 for LLaDA.
-    "minimal_topk": 1,
-    "editing_threshold": None,
-    "max_post_steps": 16,
-    "num_to_transfer": 1,
-}
 # Request field -> DiffusionGenerationConfig field. `use_dual_cache` is the name hand-written LLaDA servers use.
 DLLM_FIELDS = {
     "steps": "steps",
@@ -174,8 +155,9 @@ def _check_text(text: str, field: str | None) -> None:
 
 @dataclass
 class GenerationParams:
-    generate_kwargs: dict  # generate() fields; the batching key
-    max_tokens: int
+    config: DiffusionGenerationConfig  # the resolved settings of the run; equal configs share a run (batching key)
+    fields: dict  # the DiffusionGenerationConfig fields the request named (what `config` was resolved from)
+    max_tokens: int  # cap of the returned tokens
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -205,23 +187,33 @@ def context_error(max_length: int, detail: str, param: str) -> APIError:
     )
 
 
-def parse_generation_params(
-    body: dict,
-    base_config: DiffusionGenerationConfig,
-    chat: bool,
-    max_length: int | None = None,
-    block_causal: bool = False,
-) -> GenerationParams:
-    """Validate the generation fields of a request body with `generate()`'s own rules (`block_causal`: the model's
-    `diffusion_block_causal`, which decides the rules of `steps` with `threshold` and of the LLaDA2-only fields).
+def _resolve(model, fields: dict, aliases: dict[str, str]) -> DiffusionGenerationConfig:
+    """`model.resolve_generation_config(**fields)`, its ValueError as a 400 naming the field as the request did."""
+    try:
+        return model.resolve_generation_config(**fields)
+    except ValueError as error:
+        message = str(error).replace("max_new_tokens", aliases["max_new_tokens"])
+        for field_name, param in aliases.items():
+            if field_name not in (param, "max_new_tokens"):
+                message = message.replace(f"`{field_name}`", f"`{param}`")
+        raise APIError(400, message, param=_error_param(str(error), aliases)) from None
 
-    `max_tokens` (default 128) caps the returned tokens. A bidirectional model (LLaDA) decodes `max_tokens`
-    rounded up to whole blocks (`block_length`), and the completion is cut back to `max_tokens` tokens; `steps`
-    (default: one token per step) counts the steps of that rounded length, and may not exceed it. A block-causal
-    model (LLaDA2.x) decodes `max_tokens` as it is (its blocks are aligned to absolute positions and the last one
-    is decoded whole anyway), so a completion is what `generate(max_new_tokens=max_tokens)` gives. With
-    `max_length` (the model's context), the decoded length is checked against it before anything is planned, so
-    that no request makes the server plan (or allocate) more than the context holds.
+
+def parse_generation_params(body: dict, model, chat: bool, max_length: int | None = None) -> GenerationParams:
+    """Validate the generation fields of a request body and resolve the run's settings with the model's own resolver:
+    `model.resolve_generation_config(**fields the request named)`, so a field the request leaves out comes from the
+    checkpoint's `generation_config.json` (then `DiffusionGenerationConfig`'s defaults), exactly as for
+    `model.generate()` without that keyword; the resolver's rules (`temperature` sets `do_sample`, naming one
+    decoding rule replaces the checkpoint's) and its checks for the model's attention (`diffusion_block_causal`:
+    LLaDA2 combines `steps` with `threshold` and takes the LLaDA2-only fields) apply. A bad value is a 400 naming
+    the request's field.
+
+    `max_tokens` (chat: or `max_completion_tokens`) caps the returned tokens; absent, it is the resolved
+    `max_new_tokens` and the run is that of `generate()`. Given, a bidirectional model (LLaDA) decodes it rounded
+    up to whole blocks (`block_length`) and the completion is cut back to `max_tokens` tokens (`steps` counts the
+    steps of the rounded length); a block-causal model (LLaDA2.x) decodes `max_tokens` as it is (its blocks are
+    aligned to absolute positions and the last one is decoded whole anyway). With `max_length` (the model's
+    context), the decoded length is checked against it before anything is planned.
     """
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(set(body) - allowed)
@@ -240,6 +232,7 @@ def parse_generation_params(
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise APIError(400, "Only response_format {'type': 'text'} is supported.", param="response_format")
+    block_causal = bool(getattr(model, "diffusion_block_causal", False))
 
     max_tokens = body.get("max_tokens")
     max_name = "max_tokens"
@@ -247,10 +240,9 @@ def parse_generation_params(
         if max_tokens is not None and max_tokens != body["max_completion_tokens"]:
             raise APIError(400, "Give `max_tokens` or `max_completion_tokens`, not both.", param="max_tokens")
         max_tokens, max_name = body["max_completion_tokens"], "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
 
-    fields = dict(SERVER_DEFAULTS)
+    # Only what the request named: the resolver fills the rest from the checkpoint's generation_config.json.
+    fields: dict = {}
     aliases = {"max_new_tokens": max_name}
     if body.get("dual_cache") is not None and body.get("use_dual_cache") is not None:
         if body["dual_cache"] != body["use_dual_cache"]:
@@ -261,57 +253,60 @@ def parse_generation_params(
             aliases[target] = name
     if body.get("temperature") is not None:
         fields["temperature"] = body["temperature"]
-    temperature = fields["temperature"]
-    fields["do_sample"] = (
-        isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
-    )
 
     prompt_param = "messages" if chat else "prompt"
-    if max_length is not None and is_int(max_tokens) and max_tokens > max_length:
-        # Before validate(): its bound on max_new_tokens (2**20) would hide that the context is what is exceeded.
-        raise context_error(max_length, f"You requested {max_tokens} tokens (`{max_name}`).", prompt_param)
-    config = DiffusionGenerationConfig.from_generation_config(base_config)
-    try:
-        for name, value in fields.items():
-            setattr(config, name, value)
-        config.max_new_tokens = max_tokens
-        config.validate(block_causal=block_causal)
-        # Integer arithmetic: a float division loses exactness past 2**53 (block_length can be any JSON integer).
-        rounded = max_tokens if block_causal else -(-max_tokens // config.block_length) * config.block_length
-        if max_length is not None and rounded > max_length:
+    if max_tokens is not None:
+        if max_length is not None and is_int(max_tokens) and max_tokens > max_length:
+            # Before validate(): its bound on max_new_tokens (2**20) would hide that the context is what is exceeded.
+            raise context_error(max_length, f"You requested {max_tokens} tokens (`{max_name}`).", prompt_param)
+        config = _resolve(model, {**fields, "max_new_tokens": max_tokens}, aliases)
+        if not block_causal:
+            # Integer arithmetic: a float division loses exactness past 2**53 (block_length can be any JSON integer).
+            rounded = -(-max_tokens // config.block_length) * config.block_length
+            if max_length is not None and rounded > max_length:
+                raise context_error(
+                    max_length,
+                    f"Decoding `{max_name}`={max_tokens} in whole blocks of `block_length`={config.block_length} "
+                    f"takes {rounded} positions.",
+                    "block_length" if config.block_length > max_tokens else prompt_param,
+                )
+            config = _resolve(model, {**fields, "max_new_tokens": rounded}, aliases)
+        fields["max_new_tokens"] = config.max_new_tokens
+    else:
+        config = _resolve(model, fields, aliases)
+        max_tokens = config.max_new_tokens
+        if max_length is not None and max_tokens > max_length:
             raise context_error(
                 max_length,
-                f"Decoding `{max_name}`={max_tokens} in whole blocks of `block_length`={config.block_length} takes "
-                f"{rounded} positions.",
-                "block_length" if config.block_length > max_tokens else prompt_param,
+                f"The model's generation config decodes {max_tokens} tokens (`max_new_tokens`).",
+                prompt_param,
             )
-        if config.steps is not None and config.steps > rounded:
-            how = "" if block_causal else " rounded up to whole blocks"
-            raise APIError(
-                400,
-                f"`steps` ({config.steps}) must be at most the decoded length ({rounded}: `{max_name}`{how}): a step "
-                "beyond one token per position commits nothing.",
-                param=aliases.get("steps", "steps"),
-            )
-        if block_causal and config.minimal_topk > rounded:
-            raise APIError(
-                400,
-                f"`minimal_topk` ({config.minimal_topk}) must be at most `{max_name}` ({rounded}): it caps a block's "
-                f"steps at {max_name} // minimal_topk.",
-                param=aliases.get("minimal_topk", "minimal_topk"),
-            )
-        config.max_new_tokens = rounded
-        config.validate(block_causal=block_causal)
-        plan_blocks(config.max_new_tokens, config.block_length, config.steps)  # linear, bounded by the checks above
-    except ValueError as error:
-        message = str(error).replace("max_new_tokens", max_name)
-        raise APIError(400, message, param=_error_param(str(error), aliases)) from None
-    if config.eos_early_stop and not config.eos_token_ids:
+    decoded = config.max_new_tokens
+    # What the run itself would refuse (failing every row batched with this one) is refused here, per request.
+    if block_causal and config.minimal_topk > decoded:
         raise APIError(
-            400, "`eos_early_stop` needs an EOS token, and the model has none: set it to false.", param="eos_early_stop"
+            400,
+            f"`minimal_topk` ({config.minimal_topk}) must be at most `{max_name}` ({decoded}): it caps a block's "
+            f"steps at {max_name} // minimal_topk.",
+            param=aliases.get("minimal_topk", "minimal_topk"),
         )
-
-    generate_kwargs = {name: getattr(config, name) for name in (*SERVER_DEFAULTS, "do_sample", "max_new_tokens")}
+    if not block_causal:
+        try:  # steps >= the number of blocks; linear, bounded by the checks above
+            plan_blocks(decoded, config.block_length, config.steps)
+        except ValueError as error:
+            message = str(error).replace("max_new_tokens", max_name)
+            raise APIError(400, message, param=aliases.get("steps", "steps")) from None
+    needs_eos = [
+        name for name in ("eos_early_stop", "logits_eos_inf", "confidence_eos_eot_inf") if getattr(config, name)
+    ]
+    if needs_eos and not config.eos_token_ids:
+        raise APIError(
+            400,
+            f"`{needs_eos[0]}` needs an EOS token, and the model has none: set it to false.",
+            param=aliases.get(needs_eos[0], needs_eos[0]),
+        )
+    if config.cfg_scale > 0 and (block_causal or getattr(model, "diffusion_logits_shift", 0)):
+        raise APIError(400, "`cfg_scale` > 0 is not supported by this model: set it to 0.", param="cfg_scale")
 
     stop = body.get("stop")
     if stop is None:
@@ -336,7 +331,7 @@ def parse_generation_params(
         if not stream:
             raise APIError(400, "`stream_options` is only allowed with stream=true.", param="stream_options")
         include_usage = bool(options.get("include_usage", False))
-    return GenerationParams(generate_kwargs, max_tokens, stop, stream, include_usage)
+    return GenerationParams(config, fields, max_tokens, stop, stream, include_usage)
 
 
 def block_causal_blocks(prompt_length: int, max_new_tokens: int, block_length: int) -> int:
@@ -345,19 +340,19 @@ def block_causal_blocks(prompt_length: int, max_new_tokens: int, block_length: i
     return -(-(prompt_length + max_new_tokens) // block_length) - prompt_length // block_length
 
 
-def check_block_causal_steps(prompt_length: int, generate_kwargs: dict, param: str) -> None:
+def check_block_causal_steps(prompt_length: int, config: DiffusionGenerationConfig, param: str) -> None:
     """A block-causal model splits `steps` over the blocks a prompt decodes, which depends on the prompt's length
     (one more block when the prompt ends inside one): fewer steps than blocks is a 400 naming `steps`, before the
-    row could fail the `generate()` call of its whole batch."""
-    steps = generate_kwargs.get("steps")
+    row could fail the run of its whole batch."""
+    steps = config.steps
     if steps is None:
         return
-    blocks = block_causal_blocks(prompt_length, generate_kwargs["max_new_tokens"], generate_kwargs["block_length"])
+    blocks = block_causal_blocks(prompt_length, config.max_new_tokens, config.block_length)
     if steps < blocks:
         raise APIError(
             400,
             f"`steps` ({steps}) must be at least the number of blocks this {prompt_length}-token {param} decodes "
-            f"({blocks}: blocks of {generate_kwargs['block_length']} are aligned to absolute positions, from the "
+            f"({blocks}: blocks of {config.block_length} are aligned to absolute positions, from the "
             "one holding the prompt's last token): each block needs a step.",
             param="steps",
         )

@@ -11,26 +11,36 @@ Request fields: OpenAI's `model`, `prompt` / `messages`, `max_tokens` (chat: als
 and the row stops decoding), `n` (1 only), `user` (ignored). dLLM fields, e.g. through the openai client's
 `extra_body`: `steps`, `block_length`, `threshold`, `factor`, `use_cache`, `dual_cache` (alias
 `use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`, and for LLaDA2.x (block-causal) models
-`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`. They are validated with `generate()`'s
-own rules for the served model (`DiffusionGenerationConfig.validate(block_causal=...)`: LLaDA2 combines `steps`
-with `threshold`, LLaDA refuses it); an invalid value is an HTTP 400 naming the field.
+`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`.
 
-Defaults: temperature 0 (greedy), max_tokens 128, steps = one token per step, block_length 32, prefix and dual
-cache on, eos_early_stop on. A LLaDA model decodes max_tokens rounded up to whole blocks; a LLaDA2.x model decodes
-max_tokens as it is (its blocks are aligned to absolute positions, the last one decoded whole), with the stop
-tokens (EOS and EOT) as its EOS. The completion is the decoded text cut at the first EOS/EOT token, at a stop
-string, or after max_tokens tokens, whichever comes first.
+Defaults: the server has none of its own. A request's settings are `model.resolve_generation_config(**the fields
+it named)`: what it leaves out comes from the checkpoint's `generation_config.json`, then from
+`DiffusionGenerationConfig`'s defaults, exactly as for `model.generate()` without that keyword (`temperature` sets
+`do_sample`; naming `steps`, `threshold` or `factor` replaces the checkpoint's decoding rule). The resolver
+validates them for the served model (LLaDA2 combines `steps` with `threshold`, LLaDA refuses it); an invalid value
+is an HTTP 400 naming the request's field. Without `max_tokens` a prompt decodes the resolved `max_new_tokens`, so
+a request with no dLLM field gets the tokens and NFE of `model.generate(prompt)`. With `max_tokens`, a LLaDA model
+decodes it rounded up to whole blocks and cuts the completion back to it; a LLaDA2.x model decodes it as it is (its
+blocks are aligned to absolute positions, the last one decoded whole), with the stop tokens (EOS and EOT) as its
+EOS. The completion is the decoded text cut at the first EOS/EOT token, at a stop string, or after max_tokens
+tokens, whichever comes first; the row then stops decoding (after its block).
 `usage.completion_tokens` counts the returned tokens; `usage.nfe` (and `choices[i].nfe`) counts the model
-forwards each prompt took part in.
+forwards each prompt took part in: the run's `nfe_per_row` for the row when it ended, which is what
+`generate(...).nfe_per_row` gives for the prompt alone (for a row stopped early by a stop string: up to that stop).
 
-Batching (`serve_batching.py`): prompts that arrive within `--batch-window-ms` and share all generation
-parameters are decoded together in one left-padded `generate()` call of up to `--max-batch-size` rows. Groups
-are served in arrival order of their first request, so none starves; with `--max-concurrent-batches 2` a long
-batch also no longer holds back the short ones behind it (calls then run side by side, without CUDA graphs). On a
-small CPU, `--num-threads 1` keeps OpenMP threads from spinning against each other.
+Batching (`batching.py`): prompts that arrive within `--batch-window-ms` and resolve to the same settings are
+decoded together in one left-padded `model.generate_blocks()` run of up to `--max-batch-size` rows, whose block
+events the server consumes. Groups are served in arrival order of their first request, so none starves; with
+`--max-concurrent-batches 2` a long batch also no longer holds back the short ones behind it (runs then go side by
+side, without CUDA graphs). On a small CPU, `--threads 1` keeps OpenMP threads from spinning against each other.
+Model loading takes the flags every command shares (`--dtype`, `--device`, `--device-map`,
+`--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`; `--num-threads` is
+the old name of `--threads`).
 
-Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason` and `usage`, then
-`data: [DONE]`. A client that disconnects stops its row at the next block boundary.
+Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason`, then `data: [DONE]`.
+Usage comes once: in the last `finish_reason` chunk, or, with `stream_options.include_usage`, only in a final chunk
+with no choices (OpenAI's format). A client that disconnects stops its row at the next block boundary; its
+batch partners decode on.
 
 Hostile input (issue #15): `--api-key KEY` (or `$HF_DLLM_API_KEY`) makes every route but /health need
 `Authorization: Bearer KEY` (401). JSON endpoints need `Content-Type: application/json` (415), so that a web page
@@ -56,6 +66,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+from ..cli.completion_text import stop_token_ids
+from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
 from .protocol import (
     APIError,
@@ -85,37 +97,6 @@ def default_max_body_bytes(max_length: int | None) -> int:
     return max(MIN_MAX_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * (max_length or 0))
 
 
-def load_model(path: str, dtype: str = "auto", device: str = "auto"):
-    """Load a local checkpoint folder (model + tokenizer) with the Auto classes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_dllm  # noqa: F401  (registers LLaDA with the Auto classes)
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"MODEL must be a local checkpoint folder, got {path!r}.")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
-
-
-def _stop_token_ids(model, tokenizer) -> set[int]:
-    """Token ids that end a completion: the model's EOS ids and EOT, the tokenizer's EOS and `<|eot_id|>`."""
-    config = model.generation_config
-    ids = set(config.eos_token_ids)
-    if config.eot_token_id is not None:
-        ids.add(config.eot_token_id)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    eot = tokenizer.get_vocab().get("<|eot_id|>")
-    if eot is not None:
-        ids.add(eot)
-    return ids
-
-
 class Server:
     """The model, its tokenizer and batcher, and the request handling behind the routes."""
 
@@ -134,8 +115,8 @@ class Server:
         self.model_name = model_name
         self.created = int(time.time())
         self.base_config = model.generation_config
-        # Block-causal models (LLaDA2.x) combine `steps` with `threshold`, take the LLaDA2-only fields and decode
-        # `max_tokens` without rounding it up to whole blocks (`parse_generation_params`).
+        # Block-causal models (LLaDA2.x) split `steps` over the blocks of each prompt (`check_block_causal_steps`)
+        # and decode `max_tokens` without rounding it up to whole blocks (`parse_generation_params`).
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
@@ -149,7 +130,7 @@ class Server:
         self.batcher = Batcher(
             model,
             tokenizer,
-            stop_token_ids=_stop_token_ids(model, tokenizer),
+            stop_token_ids=stop_token_ids(model.generation_config, tokenizer),
             pad_token_id=self.base_config.prompt_pad_token_id,
             max_batch_size=max_batch_size,
             batch_window_s=batch_window_ms / 1000,
@@ -185,14 +166,14 @@ class Server:
                     param=param,
                 )
             if self.block_causal:
-                check_block_causal_steps(len(ids), params.generate_kwargs, param)
-            total = len(ids) + params.generate_kwargs["max_new_tokens"]
+                check_block_causal_steps(len(ids), params.config, param)
+            total = len(ids) + params.config.max_new_tokens
             if self.max_length is not None and total > self.max_length:
                 raise APIError(
                     400,
                     f"This model's maximum context length is {self.max_length} tokens. The prompt has {len(ids)} "
                     f"tokens and decoding max_tokens={params.max_tokens} takes "
-                    f"{params.generate_kwargs['max_new_tokens']} positions"
+                    f"{params.config.max_new_tokens} positions"
                     f"{'' if self.block_causal else ' (whole blocks)'}: {total} in all.",
                     param=param,
                     code="context_length_exceeded",
@@ -200,7 +181,7 @@ class Server:
             rows.append(
                 RowRequest(
                     ids,
-                    params.generate_kwargs,
+                    params.config,
                     params.max_tokens,
                     sink,
                     stop=params.stop,
@@ -223,14 +204,8 @@ class Server:
         the prompt's characters) runs before anything is tokenized."""
         body = parse_json_body(raw)
         self._check_model(body)
-        params = parse_generation_params(
-            body,
-            self.base_config,
-            chat,
-            self.max_length,
-            block_causal=self.block_causal,
-        )
-        budget = None if self.max_length is None else self.max_length - params.generate_kwargs["max_new_tokens"]
+        params = parse_generation_params(body, self.model, chat, self.max_length)
+        budget = None if self.max_length is None else self.max_length - params.config.max_new_tokens
         if chat:
             param = "messages"
             messages = convert_messages(body.get("messages"))
@@ -319,7 +294,9 @@ class Server:
     async def stream(
         self, rows: list[RowRequest], queue: asyncio.Queue, chat: bool, response_id: str, include_usage: bool
     ):
-        """Server-Sent Events: one chunk per committed block per prompt, a finish chunk per prompt, [DONE]."""
+        """Server-Sent Events: one chunk per committed block per prompt, a finish chunk per prompt, [DONE]. Usage is
+        sent once: in the last finish chunk, or with `include_usage` (OpenAI's) in a chunk of its own with no
+        choices, after every finish chunk."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -356,7 +333,8 @@ class Server:
                     started.add(index)
                 elif event[0] == "done":
                     results[index] = event[2]
-                    usage = self.usage(results.values()) if len(results) == len(rows) else None
+                    last = len(results) == len(rows)
+                    usage = self.usage(results.values()) if last and not include_usage else None
                     if index not in started:  # chat: the role comes first
                         yield chunk(index, "", None, True)
                         started.add(index)
@@ -593,16 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-dllm serve", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("model", metavar="MODEL", help="local checkpoint folder (model + tokenizer)")
+    parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights dtype (auto: the checkpoint's)",
-    )
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--max-batch-size", type=int, default=16, help="rows per generate() call")
     parser.add_argument(
         "--batch-window-ms",
@@ -636,7 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"larger request bodies get 413 unread (default: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token of the "
         f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
     )
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    loading = add_model_arguments(parser)
+    # The flag's old name (before the commands shared their loading flags).
+    loading.add_argument("--num-threads", dest="threads", type=int, help="the old name of --threads")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -659,13 +632,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     origins = [origin.strip() for origin in (args.allowed_origins or "").split(",") if origin.strip()]
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.num_threads:
-        import torch
-
-        torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        model, tokenizer = load_model(args.model, args.dtype, args.device)
+        model, tokenizer = load_model(args.model, **model_arguments(args))
     except (FileNotFoundError, OSError, ValueError) as error:
         print(f"hf-dllm serve: cannot load {args.model!r}: {error}", file=sys.stderr)
         return 2
