@@ -16,10 +16,13 @@ once, and is what `tests/test_export.py` and `tests/test_llada2_export.py` check
 - the remote code: the package's files named in the family's `remote_code_files`, copied byte for byte (never
   edited, never generated), after `check_remote_code` verified that transformers' dynamic-module loader accepts
   them and that the list is closed under their imports;
-- `generation_config.json`: a `DiffusionGenerationConfig` with the family's defaults (`generation_defaults`:
-  Fast-dLLM's threshold 0.9 with the dual cache for LLaDA, LLaDA2's threshold 0.95 for LLaDA2.x) unless
-  overridden, and the special token ids of SRC (`special_token_ids`), serialised by transformers
-  (`to_json_string`);
+- `generation_config.json`: a `DiffusionGenerationConfig` decided by `resolve_generation_settings`, field by field:
+  an exporter option (`--max-new-tokens`, `--block-length`, `--threshold`) > SRC's `generation_config.json`
+  (validated for the family, as the model would read it) > the family's defaults (`generation_defaults`: Fast-dLLM's
+  threshold 0.9 with the dual cache for LLaDA, LLaDA2's threshold 0.95 for LLaDA2.x; used when SRC has no
+  generation_config.json, or with `--generation-defaults fast`); special token ids from SRC's generation_config.json,
+  else SRC's config.json and tokenizer (`special_token_ids`); serialised by transformers (`to_json_string`). The
+  export prints the settings written and the origin of each (`GenerationSettings.summary`);
 - `README.md`: the family's model card template (`model_cards/template.md`, `model_cards/template-llada2.md`)
   rendered with a preset of `CARD_PRESETS`.
 
@@ -42,6 +45,7 @@ import re
 import shutil
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 # Remote code every model family shares: the generation loop, its config, policies, caches, attention backends and
@@ -58,9 +62,9 @@ SHARED_REMOTE_CODE_FILES = (
     "graphs.py",
 )
 
-# generation_config.json of an exported LLaDA repo: Fast-dLLM's parallel decoding (threshold 0.9) with the dual
-# cache, greedy, in blocks of 32. `max_new_tokens`, `block_length` and `threshold` can be changed by the exporter's
-# options.
+# The family defaults of generation_config.json, written when SRC has no generation_config.json or with
+# `--generation-defaults fast`. LLaDA: Fast-dLLM's parallel decoding (threshold 0.9) with the dual cache, greedy, in
+# blocks of 32.
 FAST_GENERATION_DEFAULTS = {
     "max_new_tokens": 256,
     "block_length": 32,
@@ -73,21 +77,10 @@ FAST_GENERATION_DEFAULTS = {
     "remasking": "low_confidence",
     "eos_early_stop": True,
 }
-# generation_config.json of an exported LLaDA2.x repo: the decoding of LLaDA2's reference `generate()` and model
-# cards (threshold 0.95, one token per step at least, blocks of 32, in-block EOS stop), greedy, with the exact KV
-# cache (`dual_cache` changes nothing for block-causal models).
-LLADA2_GENERATION_DEFAULTS = {
-    "max_new_tokens": 256,
-    "block_length": 32,
-    "threshold": 0.95,
-    "steps": None,
-    "use_cache": True,
-    "dual_cache": True,
-    "do_sample": False,
-    "temperature": 0.0,
-    "remasking": "low_confidence",
-    "eos_early_stop": True,
-}
+# LLaDA2.x: the decoding of LLaDA2's reference `generate()` and model cards (threshold 0.95, one token per step at
+# least, blocks of 32, in-block EOS stop), greedy, with the exact KV cache (`dual_cache` changes nothing for
+# block-causal models); the rest as LLaDA's.
+LLADA2_GENERATION_DEFAULTS = {**FAST_GENERATION_DEFAULTS, "threshold": 0.95}
 
 EOT_TOKEN = "<|eot_id|>"
 
@@ -171,14 +164,26 @@ AUTO_MAP = MODEL_FAMILIES["llada"].auto_map
 ARCHITECTURES = MODEL_FAMILIES["llada"].architectures
 
 
-class _FamilyDefault:
-    """Marks an exporter option left to the model family's default (`threshold=None` means "no threshold")."""
+class _Unset:
+    """Marks an exporter option that was not given (`threshold=None` means "no threshold")."""
 
     def __repr__(self) -> str:
-        return "<the model family's default>"
+        return "<not given>"
 
 
-FAMILY_DEFAULT = _FamilyDefault()
+UNSET = _Unset()
+
+# `--generation-defaults`: where generation_config.json's settings come from (the options override single fields on
+# top of either). "source": SRC's generation_config.json, or the family's defaults when SRC has none; "fast": the
+# family's defaults (`ModelFamily.generation_defaults`), whatever SRC has.
+GENERATION_DEFAULTS_CHOICES = ("source", "fast")
+DEFAULT_GENERATION_DEFAULTS = "source"
+# The exporter's options that set one field of generation_config.json: field -> command-line option.
+GENERATION_OPTIONS = {
+    "max_new_tokens": "--max-new-tokens",
+    "block_length": "--block-length",
+    "threshold": "--threshold",
+}
 
 # Packages the remote code may import outside a `try:` block: those every transformers user has. Anything else
 # (triton, flash_attn, ...) must sit in `try:` (or under an `if is_..._available():` check), or transformers'
@@ -669,35 +674,187 @@ def export_config(config: dict) -> str:
     return json.dumps(exported, indent=2, sort_keys=True) + "\n"
 
 
-def generation_defaults(
-    model_type: str = DEFAULT_MODEL_TYPE,
-    max_new_tokens: int | None = None,
-    block_length: int | None = None,
-    threshold: float | None | _FamilyDefault = FAMILY_DEFAULT,
-) -> dict:
-    """The fields of generation_config.json besides special tokens: the family's `generation_defaults`
-    (`FAST_GENERATION_DEFAULTS`, `LLADA2_GENERATION_DEFAULTS`) with the three exporter options. `max_new_tokens`
-    and `block_length` None, and `threshold=FAMILY_DEFAULT`, keep the family's value; `threshold=None` turns
-    threshold decoding off (LLaDA's fixed schedule; for LLaDA2.x the reference's threshold 1.0, one token per
-    step)."""
-    defaults = model_family(model_type).generation_defaults
-    return {
-        **defaults,
-        "max_new_tokens": defaults["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
-        "block_length": defaults["block_length"] if block_length is None else block_length,
-        "threshold": defaults["threshold"] if threshold is FAMILY_DEFAULT else threshold,
-    }
+# Where a field of the exported generation_config.json came from (`GenerationSettings.origins`), besides
+# "option --<name>" (an exporter option, `GENERATION_OPTIONS`).
+ORIGIN_TEXT = {
+    "source": "SRC's generation_config.json",
+    "family default": "the family's default",
+    "default": "DiffusionGenerationConfig's default",
+    "checkpoint": "SRC's config.json / tokenizer",
+}
 
 
-def export_generation_config(special_ids: dict, fields: dict) -> str:
-    """generation_config.json of the exported repo, validated by `DiffusionGenerationConfig`."""
-    from ..generation_utils import DiffusionGenerationConfig
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """What the exported generation_config.json holds (`config`, a `DiffusionGenerationConfig`) and where each of
+    its fields came from (`origins`: field -> "option --<name>", "source", "family default", "default" or
+    "checkpoint"; see `ORIGIN_TEXT`)."""
 
+    config: object
+    origins: dict[str, str]
+    family: str  # `ModelFamily.name`, for messages
+    headline: tuple[str, ...]  # the fields `summary` always lists (those of `ModelFamily.generation_defaults`)
+
+    @property
+    def fields(self) -> dict:
+        """Every field but the special token ids (what the model card documents)."""
+        from ..generation_config import SPECIAL_TOKEN_FIELDS
+
+        return {
+            name: getattr(self.config, name) for name in self.config.field_names() if name not in SPECIAL_TOKEN_FIELDS
+        }
+
+    def to_json_string(self) -> str:
+        return self.config.to_json_string()
+
+    def summary(self) -> str:
+        """The fields written, one a line with its origin: the family's generation fields, the options, the special
+        token ids and every other field that differs from DiffusionGenerationConfig's default."""
+        from ..generation_config import SPECIAL_TOKEN_FIELDS, DiffusionGenerationConfig
+
+        plain = DiffusionGenerationConfig()
+        listed = [
+            name
+            for name, origin in self.origins.items()
+            if name in self.headline
+            or origin in ("checkpoint", "source")
+            and name in SPECIAL_TOKEN_FIELDS
+            or origin.startswith("option")
+            or getattr(self.config, name) != getattr(plain, name)
+        ]
+        width = max(len(f"{name} = {getattr(self.config, name)!r}") for name in listed)
+        lines = [f"generation_config.json ({self.family}):"]
+        for name in listed:
+            setting = f"{name} = {getattr(self.config, name)!r}"
+            origin = self.origins[name]
+            lines.append(f"  {setting:<{width}}  <- {ORIGIN_TEXT.get(origin, origin)}")
+        lines.append("  (every other field: DiffusionGenerationConfig's default)")
+        return "\n".join(lines)
+
+
+def _read_source_generation_config(src: Path, family: ModelFamily, block_causal: bool):
+    """SRC's generation_config.json read as hf_dllm's model reads it (`DiffusionGenerationConfig.from_pretrained`),
+    validated for the family's attention; returns `(config, the field names the file sets)`."""
+    from ..generation_config import DiffusionGenerationConfig
+
+    path = src / "generation_config.json"
+    hint = (
+        "fix or remove it, or pass --generation-defaults fast (generation_defaults='fast') to write the family's "
+        "defaults instead"
+    )
     try:
-        config = DiffusionGenerationConfig(**fields, **special_ids)
+        written = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{path} is not readable JSON ({error}): {hint}.") from error
+    if not isinstance(written, dict):
+        raise ExportError(f"{path} must hold a JSON object: {hint}.")
+    try:
+        config = DiffusionGenerationConfig.from_pretrained(src)
+        config.validate(block_causal=block_causal)
+    except (OSError, TypeError, ValueError) as error:
+        raise ExportError(
+            f"{path} is not a generation config a {family.name} model can use: {error} ({hint})."
+        ) from error
+    return config, set(written)
+
+
+def resolve_generation_settings(
+    model_type: str = DEFAULT_MODEL_TYPE,
+    src: str | os.PathLike | None = None,
+    *,
+    special_ids: dict | None = None,
+    generation_defaults: str = DEFAULT_GENERATION_DEFAULTS,
+    max_new_tokens: int | None | _Unset = UNSET,
+    block_length: int | None | _Unset = UNSET,
+    threshold: float | None | _Unset = UNSET,
+) -> GenerationSettings:
+    """The generation_config.json of an export of the `model_type` checkpoint `src`, and where each field came from:
+    the one place its settings are decided.
+
+    Per field: an export option (`max_new_tokens`, `block_length`, `threshold`; None or `UNSET` = not given, except
+    `threshold=None`, which means no threshold) > SRC's generation_config.json (`generation_defaults="source"`, the
+    default; read as the model reads it, a field it leaves unset being DiffusionGenerationConfig's default) > the
+    family's defaults (`ModelFamily.generation_defaults`: when SRC has no generation_config.json, or with
+    `generation_defaults="fast"`). The options are merged by the model's own resolver
+    (`resolve_generation_config`), as `generate()` merges its arguments: naming `threshold` replaces the base's
+    decoding rule (`steps`, `factor`). Special token ids: those SRC's generation_config.json sets (when it is the
+    base), else `special_ids` (from SRC's config.json and tokenizer, `special_token_ids`).
+
+    Raises `ExportError` naming the option or the file for an invalid value, before anything is written.
+    """
+    from ..generation_config import SPECIAL_TOKEN_FIELDS, DiffusionGenerationConfig
+
+    if generation_defaults not in GENERATION_DEFAULTS_CHOICES:
+        raise ExportError(
+            f"--generation-defaults (generation_defaults) must be one of {', '.join(GENERATION_DEFAULTS_CHOICES)}, "
+            f"got {generation_defaults!r}."
+        )
+    given = {"max_new_tokens": max_new_tokens, "block_length": block_length, "threshold": threshold}
+    options = {
+        name: value
+        for name, value in given.items()
+        if value is not UNSET and (value is not None or name == "threshold")
+    }
+    for name, value in options.items():
+        try:
+            DiffusionGenerationConfig(**{name: value})
+        except ValueError as error:
+            raise ExportError(f"{GENERATION_OPTIONS[name]} ({name}={value!r}): {error}") from error
+
+    family = model_family(model_type)
+    _, model_class = family.classes()
+    block_causal = model_class.diffusion_block_causal
+    source = None
+    if src is not None and generation_defaults == "source" and (Path(src) / "generation_config.json").is_file():
+        source, set_by_source = _read_source_generation_config(Path(src), family, block_causal)
+        base = source
+        base_text = f"{Path(src) / 'generation_config.json'}"
+
+        def base_origin(name: str) -> str:
+            return "source" if name in set_by_source else "default"
+
+    else:
+        base = DiffusionGenerationConfig(**family.generation_defaults)
+        base_text = f"the {family.name} family's defaults"
+
+        def base_origin(name: str) -> str:
+            return "family default" if name in family.generation_defaults else "default"
+
+    # The model's resolver reads only these two attributes of the model: run it on the base config alone.
+    holder = types.SimpleNamespace(generation_config=base, diffusion_block_causal=block_causal)
+    flags = " ".join(f"{GENERATION_OPTIONS[name]} {value}" for name, value in options.items())
+    try:
+        resolved = model_class.resolve_generation_config(holder, **options)
     except ValueError as error:
-        raise ExportError(f"invalid generation defaults: {error}") from error
-    return config.to_json_string()
+        raise ExportError(f"{flags} on top of {base_text} give invalid generation settings: {error}") from error
+
+    origins: dict[str, str] = {}
+    fields = {}
+    for name in DiffusionGenerationConfig.field_names():
+        if name in SPECIAL_TOKEN_FIELDS:
+            continue
+        fields[name] = getattr(resolved, name)
+        if name in options:
+            origins[name] = f"option {GENERATION_OPTIONS[name]}"
+        elif fields[name] != getattr(base, name):  # a decoding rule the options replaced
+            origins[name] = "option " + " ".join(GENERATION_OPTIONS[option] for option in options)
+        else:
+            origins[name] = base_origin(name)
+    ids = {}
+    for name in SPECIAL_TOKEN_FIELDS:
+        from_source = getattr(source, name, None)
+        if from_source is not None:
+            ids[name], origins[name] = from_source, "source"
+        elif (special_ids or {}).get(name) is not None:
+            ids[name], origins[name] = special_ids[name], "checkpoint"
+    try:
+        config = DiffusionGenerationConfig(**fields, **ids)
+        config.validate(block_causal=block_causal)
+    except ValueError as error:
+        raise ExportError(f"invalid generation settings for {base_text}: {error}") from error
+    return GenerationSettings(
+        config=config, origins=origins, family=family.name, headline=tuple(family.generation_defaults)
+    )
 
 
 def resolve_card(card: str, model_type: str) -> str:
@@ -724,7 +881,8 @@ _PRESET_KEYS = ("file", "model_type")
 
 
 def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict[str, str]:
-    """Everything the card template of the preset's family is rendered with."""
+    """Everything the card template of the preset's family is rendered with; `fields` are the generation settings
+    written (`GenerationSettings.fields`: every field of generation_config.json but the special token ids)."""
     from .. import __version__
 
     if card not in CARD_PRESETS:
@@ -740,23 +898,44 @@ def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict
     )
     variables["repo_id"] = repo_id
     variables["hf_dllm_version"] = __version__
-    threshold = fields["threshold"]
-    variables["max_new_tokens"] = str(fields["max_new_tokens"])
-    variables["block_length"] = str(fields["block_length"])
-    variables["threshold"] = "None" if threshold is None else str(threshold)
-    if model_type == "llada2_moe":
-        variables["decoding_default"] = (
-            f"LLaDA2's threshold decoding (`threshold={threshold}`, `steps=None`: at least one token per step)"
-            if threshold is not None
-            else "one token per step (`threshold=None`, the reference's threshold 1.0)"
-        )
-    else:
-        variables["decoding_default"] = (
-            f"threshold decoding (`threshold={threshold}`)"
-            if threshold is not None
-            else "LLaDA's fixed schedule (one token per step; `threshold=None`)"
-        )
+    for name, value in fields.items():  # the table of settings: every field as generation_config.json holds it
+        variables[name] = json.dumps(value) if isinstance(value, str) else str(value)
+    variables["decoding_default"] = describe_decoding(fields, model_type)
     return variables
+
+
+def describe_decoding(fields: dict, model_type: str) -> str:
+    """The decoding `fields` (generation_config.json's, besides special tokens) give, in words, for the card's
+    sentence "This repository's default is ..."."""
+    threshold, factor, steps = fields["threshold"], fields["factor"], fields["steps"]
+    sampling = "greedy" if not fields["do_sample"] else f"sampling at temperature {fields['temperature']}"
+    blocks = f"in blocks of {fields['block_length']}"
+    if model_type == "llada2_moe":
+        if fields["editing_threshold"] is not None:
+            rule = (
+                f"LLaDA2.1 token editing (`editing_threshold={fields['editing_threshold']}`, `threshold={threshold}`, "
+                f"at least `num_to_transfer={fields['num_to_transfer']}` tokens per step)"
+            )
+        elif threshold is not None:
+            schedule = "`steps=None`: at least one token per step" if steps is None else f"`steps={steps}`"
+            rule = f"LLaDA2's threshold decoding (`threshold={threshold}`, {schedule})"
+        elif steps is not None:
+            rule = f"the schedule alone (`threshold=None`, the reference's threshold 1.0, `steps={steps}`)"
+        else:
+            rule = "one token per step (`threshold=None`, the reference's threshold 1.0)"
+        cache = "" if fields["use_cache"] else ", without a cache"
+        return f"{rule}{cache}, {sampling}, {blocks}"
+    if threshold is not None:
+        rule = f"threshold decoding (`threshold={threshold}`)"
+    elif factor is not None:
+        rule = f"factor decoding (`factor={factor}`)"
+    elif steps is not None:
+        rule = f"LLaDA's fixed schedule (`steps={steps}` in all; `threshold=None`)"
+    else:
+        rule = "LLaDA's fixed schedule (one token per step; `threshold=None`)"
+    cache = ("the dual cache" if fields["dual_cache"] else "the prefix cache") if fields["use_cache"] else "no cache"
+    fast = threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]
+    return f"{rule} with {cache}, {sampling}, {blocks}" + (": the fast setting of Fast-dLLM" if fast else "")
 
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
@@ -783,14 +962,14 @@ def read_card_template(name: str = CARD_TEMPLATE) -> str:
 
 def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "") -> str:
     """The model card of preset `card` with its family's default generation settings (what `model_cards/<file>`
-    holds)."""
+    holds; an export renders the settings it writes)."""
     if card not in CARD_PRESETS:
         raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
     preset = CARD_PRESETS[card]
     family = model_family(preset["model_type"])
     name = preset["model_name"] or dst_name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
-    variables = card_variables(card, repo_id, dst_name, generation_defaults(preset["model_type"]))
+    variables = card_variables(card, repo_id, dst_name, resolve_generation_settings(preset["model_type"]).fields)
     return render_card(read_card_template(family.card_template), variables)
 
 
@@ -960,6 +1139,15 @@ def clean_stale_staging(dst: Path) -> list[str]:
 # --- the export -----------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What `export_checkpoint` wrote: the sorted file names of DST and the generation settings of its
+    generation_config.json, with their origins (`generation.summary()` says it in words)."""
+
+    files: list[str]
+    generation: GenerationSettings
+
+
 def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
     if dst.resolve() == src.resolve():
         raise ExportError(f"DST ({dst}) is SRC: export into a new folder.")
@@ -992,10 +1180,11 @@ def export_checkpoint(
     overwrite: bool = False,
     card: str = "generic",
     repo_id: str | None = None,
-    max_new_tokens: int | None = None,
-    block_length: int | None = None,
-    threshold: float | None | _FamilyDefault = FAMILY_DEFAULT,
-) -> list[str]:
+    generation_defaults: str = DEFAULT_GENERATION_DEFAULTS,
+    max_new_tokens: int | None | _Unset = UNSET,
+    block_length: int | None | _Unset = UNSET,
+    threshold: float | None | _Unset = UNSET,
+) -> ExportResult:
     """Export the LLaDA or LLaDA2.x checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's remote code.
 
     Args:
@@ -1007,12 +1196,17 @@ def export_checkpoint(
         card: model-card preset (`CARD_PRESETS`) of SRC's family: "llada-8b-instruct", "llada-8b-base",
             "llada-1.5"; "llada2.0-mini", "llada2.0-flash", "llada2.1-mini"; "generic" (the family's generic card).
         repo_id: the Hub repo id the card's usage examples load (default `your-org/<name>-hf-dllm`).
-        max_new_tokens, block_length, threshold: the generation defaults written to generation_config.json; left
-            out, the family's (`generation_defaults`). `threshold=None` writes no threshold (LLaDA's fixed
-            schedule; for LLaDA2.x one token per step).
+        generation_defaults: where generation_config.json's settings come from: "source" (SRC's
+            generation_config.json, the family's defaults when SRC has none) or "fast" (the family's defaults,
+            `ModelFamily.generation_defaults`, whatever SRC has).
+        max_new_tokens, block_length, threshold: override that one field of generation_config.json (not given: the
+            value of SRC's generation_config.json or the family's). `threshold=None` writes no threshold (LLaDA's
+            fixed schedule; for LLaDA2.x one token per step); naming `threshold` replaces the base's decoding rule
+            (`steps`, `factor`), as in `generate()`. `resolve_generation_settings` decides the settings.
 
-    Returns the sorted names of the files written to `dst`. Raises `ExportError` on bad input; `dst` is then left
-    as it was.
+    Returns an `ExportResult`: the sorted names of the files written to `dst` and the generation settings written,
+    with the origin of each (also logged, at INFO, by the `hf_dllm.hub.export` logger). Raises `ExportError` on bad
+    input; `dst` is then left as it was.
     """
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
@@ -1030,15 +1224,20 @@ def export_checkpoint(
     weights = find_weights(src)
     code = check_remote_code(model_type=model_type)
     tokenizer_files = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    fields = generation_defaults(model_type, max_new_tokens, block_length, threshold)
-    generated = {
-        "config.json": export_config(config),
-        "generation_config.json": export_generation_config(special_token_ids(src, config), fields),
-    }
+    generation = resolve_generation_settings(
+        model_type,
+        src,
+        special_ids=special_token_ids(src, config),
+        generation_defaults=generation_defaults,
+        max_new_tokens=max_new_tokens,
+        block_length=block_length,
+        threshold=threshold,
+    )
+    generated = {"config.json": export_config(config), "generation_config.json": generation.to_json_string()}
     name = CARD_PRESETS[card]["model_name"] or dst.resolve().name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
     generated["README.md"] = render_card(
-        read_card_template(family.card_template), card_variables(card, repo_id, dst.resolve().name, fields)
+        read_card_template(family.card_template), card_variables(card, repo_id, dst.resolve().name, generation.fields)
     )
 
     dst.resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -1070,7 +1269,8 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return sorted(path.name for path in dst.iterdir())
+    logger.info(generation.summary())
+    return ExportResult(files=sorted(path.name for path in dst.iterdir()), generation=generation)
 
 
 # --- command line ----------------------------------------------------------------------------------------------
@@ -1108,18 +1308,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repo-id", help="Hub repo id used in the card's examples (default your-org/<name>-hf-dllm)")
     llada, llada2 = FAST_GENERATION_DEFAULTS, LLADA2_GENERATION_DEFAULTS
+    fast = ", ".join(f"{name}={value}" for name, value in llada.items() if name != "threshold")
+    parser.add_argument(
+        "--generation-defaults",
+        choices=GENERATION_DEFAULTS_CHOICES,
+        default=DEFAULT_GENERATION_DEFAULTS,
+        help="where generation_config.json's settings come from: 'source' (default) keeps SRC's "
+        "generation_config.json (the family's fast defaults when SRC has none); 'fast' writes the family's fast "
+        f"defaults whatever SRC has (threshold LLaDA {llada['threshold']}, LLaDA2.x {llada2['threshold']}; {fast}). "
+        "--max-new-tokens, --block-length and --threshold override single fields on top of either",
+    )
 
-    def family_default(name: str) -> str:
-        return f"generation default (LLaDA {llada[name]}, LLaDA2.x {llada2[name]})"
+    def option_help(name: str) -> str:
+        return (
+            f"{name} written to generation_config.json (default: SRC's, else the family's: LLaDA {llada[name]}, "
+            f"LLaDA2.x {llada2[name]})"
+        )
 
-    parser.add_argument("--max-new-tokens", type=int, default=None, help=family_default("max_new_tokens"))
-    parser.add_argument("--block-length", type=int, default=None, help=family_default("block_length"))
+    parser.add_argument("--max-new-tokens", type=int, default=UNSET, help=option_help("max_new_tokens"))
+    parser.add_argument("--block-length", type=int, default=UNSET, help=option_help("block_length"))
     parser.add_argument(
         "--threshold",
         type=_threshold,
-        default=FAMILY_DEFAULT,
-        help=family_default("threshold") + "; 'none' = no threshold: LLaDA's fixed schedule, for LLaDA2.x one "
-        "token per step",
+        default=UNSET,
+        help=option_help("threshold") + "; 'none' = no threshold: LLaDA's fixed schedule, for LLaDA2.x one token per "
+        "step. It replaces SRC's decoding rule (steps, factor), as generate(threshold=...) does",
     )
     return parser
 
@@ -1135,13 +1348,14 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("hf-dllm export: %(message)s"))
         logger.addHandler(handler)
     try:
-        files = export_checkpoint(
+        result = export_checkpoint(
             args.src,
             args.dst,
             link=args.link,
             overwrite=args.overwrite,
             card=args.card,
             repo_id=args.repo_id,
+            generation_defaults=args.generation_defaults,
             max_new_tokens=args.max_new_tokens,
             block_length=args.block_length,
             threshold=args.threshold,
@@ -1149,7 +1363,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as error:
         print(f"hf-dllm export: error: {error}", file=sys.stderr)
         return 1
-    print(f"Exported {args.src} to {args.dst}: {', '.join(files)}")
+    print(f"Exported {args.src} to {args.dst}: {', '.join(result.files)}")
+    print(result.generation.summary())
     print(f"Upload it with: hf upload {args.repo_id or '<your-org>/<repo-name>'} {args.dst} .")
     return 0
 
