@@ -20,7 +20,6 @@ from conftest import tiny_model
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.data import (
     answer_number,
-    cut_at_stops,
     format_prompt,
     last_number,
     length_batches,
@@ -147,7 +146,6 @@ def test_sharding_partitions_balances_and_keeps_batches_whole():
         assert sorted(b for shard in shards for b in shard) == sorted(one_process)
         sizes = [sum(lengths[i] for b in shard for i in b) for shard in shards]
         assert max(sizes) - min(sizes) <= 2 * max(lengths)
-    assert cut_at_stops("abc\n\ndef.", ["\n\n", "."]) == "abc"
 
 
 def test_load_examples_local_formats(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from hf_dllm.evaluation.data import decode_generated, stop_token_ids
+from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation.likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
@@ -286,7 +286,7 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
         out = model.generate(
             torch.tensor([ids]), max_new_tokens=gen_kwargs["max_gen_toks"], block_length=8, threshold=0.9
         )
-        expected = decode_generated(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
+        expected = completion_text(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
         assert sample["resps"][0][0] == expected
 
 
