@@ -7,14 +7,21 @@ Data parallel: the same command under `accelerate launch` runs one model replica
 processes with `--cpu`), shards the examples and gathers the results on the main process, which writes the same
 files as a single process would:
 
-    accelerate launch --num_processes 8 -m hf_dllm.cli eval MODEL --dataset ... [options]
+    accelerate launch --num_processes 8 -m hf_dllm eval MODEL --dataset ... [options]
 
-`--device-map auto` instead splits one model over every visible GPU (one process).
+On a machine without a GPU, accelerate's plain launcher starts a single process whatever `--num_processes` says;
+`accelerate launch --multi_gpu --num_processes N -m hf_dllm eval MODEL ... --device cpu` starts N (torchrun; they
+form a CPU gloo group). `--device-map auto` instead splits one model over every visible GPU (one process).
+
+Settings: the generation options given > the checkpoint's generation_config.json > the library's defaults
+(`model.resolve_generation_config`). Stop tokens and `--stop` strings: the run's committed blocks feed each row's
+`CompletionText` (`hf_dllm.cli.completion_text`, shared with the server); a row whose completion is over is
+stopped (no more forwards), and its prediction is that completion's text.
 
 Outputs (main process), in `--output-dir`:
 - `predictions.jsonl`: one line per example, in dataset order: `index`, `prompt`, `prediction`, `answer`,
-  `correct`, `nfe` (forwards the row took part in), `new_tokens` (generated tokens up to and including the first
-  EOS/EOT).
+  `correct`, `nfe` (forwards the row took part in, from the run's `nfe_per_row`), `new_tokens` (the completion's
+  tokens, and the EOS/EOT that ended it; a stop string's tokens are not counted).
 - `summary.json`: `accuracy`, `n`, `correct`, `tokens_per_second` (generated tokens / wall time of the generation
   phase, the slowest process counting), `mean_nfe`, `tokens_per_forward` (generated tokens / per-row forwards),
   `forward_calls` (batched forwards), the resolved generation config, the evaluation settings, versions and

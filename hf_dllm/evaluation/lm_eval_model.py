@@ -2,9 +2,14 @@
 
     lm_eval --model hf_dllm --model_args pretrained=DIR,threshold=0.9,block_length=32,gen_length=256 --tasks gsm8k
 
-- `generate_until`: batched `generate()` (prompts sorted by length, left-padded); stop sequences (`until`) end a
-  row as soon as they appear in its committed blocks and cut the returned text; `max_gen_toks` becomes
-  `max_new_tokens` unless `gen_length` is given in `model_args`.
+- `generate_until`: batched runs (prompts sorted by length, left-padded) consumed block by block: each row's
+  committed tokens feed the shared `CompletionText` (`hf_dllm.cli.completion_text`), which cuts the text at the
+  first stop token or `until` string; a row whose completion is over is stopped (no more forwards).
+- Settings: a request's generation_kwargs > `model_args` > the checkpoint's generation_config.json > the library's
+  defaults, each layer resolved by `model.resolve_generation_config` (a request's decoding rule replaces the
+  model_args' one; `do_sample: false` means temperature 0). `max_gen_toks` becomes `max_new_tokens` unless
+  `gen_length` / `max_new_tokens` is given in `model_args` (the canvas, as in LLaDA's evaluation); with neither,
+  the checkpoint's `max_new_tokens` holds.
 - `loglikelihood`: LLaDA's Monte-Carlo estimate (`hf_dllm.eval_likelihood`), `mc_num` samples per request,
   `mc_batch_size` (default `batch_size`) rows per forward; `is_check_greedy=True` also runs LLaDA's greedy check.
 - `loglikelihood_rolling`: the same estimate over disjoint windows of `max_length` tokens (a lower bound).
@@ -12,7 +17,8 @@
   lm-eval shards the requests by rank). `device_map=auto` instead splits one model over the visible GPUs.
 
 `model_args`: `pretrained` (or LLaDA's `model_path`), `tokenizer`, `dtype` (`auto`, `bfloat16`, ...), `device`,
-`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `batch_size`, `mc_num` (128),
+`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `threads` (the loading flags of `hf-dllm
+eval`, through the same `hf_dllm.cli.loading.load_model`), `batch_size`, `mc_num` (128),
 `mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
 `gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
 `block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
@@ -41,7 +47,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from ..cli.completion_text import CompletionText, stop_token_ids
-from ..cli.loading import load_model, parse_dtype
+from ..cli.loading import DEFAULT_THREADS, load_model, parse_dtype
 from ..generation_utils import DiffusionGenerationConfig, left_pad
 from .data import process_state
 from .likelihood import greedy_matches, mc_loglikelihood
@@ -85,7 +91,7 @@ class DiffusionEvalLM(LM):
         trust_remote_code: bool = False,
         revision: str | None = None,
         attn_implementation: str | None = None,
-        threads: int | None = None,
+        threads: int | None = DEFAULT_THREADS,
         batch_size=1,
         max_batch_size=None,
         mc_num: int = 128,
