@@ -299,6 +299,8 @@ def test_generation_options_threshold_none():
     }
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--threshold", "high"])
+    # The CPU thread count is a loading flag, default 1 (benchmarks/bench_threads.py: 1 thread was faster here).
+    assert parser.parse_args(base).threads == 1 and parser.parse_args([*base, "--threads", "2"]).threads == 2
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -400,10 +402,15 @@ def test_eval_threshold_none_runs_the_fixed_schedule(settings_checkpoint, tmp_pa
     expected = direct_generation(settings_checkpoint, _chat_ids(settings_checkpoint, question), **settings)
     assert expected[1] == 16  # one token per step over 16 tokens (the checkpoint's threshold would need fewer)
     dataset = _write_jsonl(tmp_path / "data.jsonl", [{"question": question, "answer": "?"}])
-    result = _run(
-        [str(settings_checkpoint), "--dataset", str(dataset), "--dtype", "float32", "--threshold", "none"]
-        + ["--max-new-tokens", "16", "--no-eos-early-stop", "--output-dir", str(tmp_path / "out"), "--quiet"]
-    )
+    try:
+        result = _run(
+            [str(settings_checkpoint), "--dataset", str(dataset), "--dtype", "float32", "--threshold", "none"]
+            + ["--max-new-tokens", "16", "--no-eos-early-stop", "--output-dir", str(tmp_path / "out"), "--quiet"]
+            + ["--threads", "2"]
+        )
+        assert torch.get_num_threads() == 2 and result["summary"]["settings"]["threads"] == 2
+    finally:
+        torch.set_num_threads(1)
     (prediction,) = result["predictions"]
     assert prediction["prediction"] == expected[0]
     # The row is stopped once its completion is over (its stop token committed): no forwards after that block.
