@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from hf_dllm.cli.completion_text import CompletionText, completion_text, stop_token_ids
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.data import (
     answer_number,
-    cut_at_stops,
     format_prompt,
     last_number,
     length_batches,
@@ -106,6 +106,52 @@ def _direct_predictions(checkpoint: Path) -> list[dict]:
     return rows
 
 
+# A checkpoint whose generation_config.json differs from the library's defaults (128 tokens, blocks of 32, one
+# token per step): what `hf-dllm eval` / lm-eval use when no generation setting is given.
+CHECKPOINT_SETTINGS = {"max_new_tokens": 24, "block_length": 8, "threshold": 0.9}
+
+
+def checkpoint_with_settings(source: Path, destination: Path) -> Path:
+    """A copy of `source` whose generation_config.json holds `CHECKPOINT_SETTINGS` (and a tokenizer)."""
+    shutil.copytree(source, destination)
+    if not (destination / "tokenizer_config.json").exists():
+        build_char_tokenizer().save_pretrained(destination)
+    config = json.loads((destination / "generation_config.json").read_text())
+    config.update(CHECKPOINT_SETTINGS, steps=None, factor=None)
+    (destination / "generation_config.json").write_text(json.dumps(config, indent=2))
+    defaults = DiffusionGenerationConfig()
+    assert all(getattr(defaults, name) != value for name, value in CHECKPOINT_SETTINGS.items())
+    return destination
+
+
+@pytest.fixture(scope="session")
+def settings_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    return checkpoint_with_settings(checkpoint, tmp_path_factory.mktemp("settings") / "model")
+
+
+def direct_generation(checkpoint: Path, ids: list[int], stops=(), **settings) -> tuple[str, int]:
+    """(text, forwards of the row) of a plain `model.generate(prompt)`, cut by the shared completion text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
+    stop_ids = stop_token_ids(model.generation_config, tokenizer)
+    return completion_text(tokenizer, out.sequences[0, len(ids) :].tolist(), stop_ids, list(stops)), int(
+        out.nfe_per_row[0]
+    )
+
+
+def _chat_ids(checkpoint: Path, question: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -147,7 +193,36 @@ def test_sharding_partitions_balances_and_keeps_batches_whole():
         assert sorted(b for shard in shards for b in shard) == sorted(one_process)
         sizes = [sum(lengths[i] for b in shard for i in b) for shard in shards]
         assert max(sizes) - min(sizes) <= 2 * max(lengths)
-    assert cut_at_stops("abc\n\ndef.", ["\n\n", "."]) == "abc"
+
+
+def test_shared_completion_text_cuts_at_stop_tokens_and_strings(char_tokenizer):
+    """What the removed `cut_at_stops` / `decode_generated` did, now the shared `CompletionText`'s job: the text
+    ends at the first stop token and at the first stop string, whichever comes first; a stop found in one block
+    ends the completion (its later blocks are ignored)."""
+    ids = char_tokenizer("abc\n\ndef.", add_special_tokens=False)["input_ids"]
+    eos = char_tokenizer.eos_token_id
+    assert completion_text(char_tokenizer, ids, {eos}, ["\n\n", "."]) == "abc"
+    assert completion_text(char_tokenizer, ids, {eos}, ["."]) == "abc\n\ndef"
+    assert completion_text(char_tokenizer, ids[:2] + [eos] + ids[2:], {eos}, ["."]) == "ab"
+    completion = CompletionText(char_tokenizer, {eos}, ["d"])
+    assert completion.extend(ids[:3]) is False and completion.text == "abc"
+    assert completion.extend(ids[3:7]) is True and completion.text == "abc\n\n"
+    assert completion.finish_reason == "stop" and completion.stop_string_found and completion.completion_tokens == 5
+    assert completion.extend(ids[7:]) is True and completion.text == "abc\n\n"
+
+
+def test_missing_local_dataset_is_file_not_found(checkpoint, tmp_path, capsys):
+    """A local path that does not exist is reported as such, never sent to the Hub (a connection error)."""
+    missing = tmp_path / "no" / "such.jsonl"
+    for name in (str(missing), "./data.jsonl", "data/sub/tasks", "tasks.parquet"):
+        with pytest.raises(FileNotFoundError, match="file not found") as error:
+            load_examples(name)
+        assert repr(name) in str(error.value)
+    args = [str(checkpoint), "--dataset", str(missing), "--output-dir", str(tmp_path / "out")]
+    assert evaluate.main(args) == 2
+    err = capsys.readouterr().err
+    assert "file not found" in err and str(missing) in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_load_examples_local_formats(tmp_path):
@@ -194,6 +269,38 @@ def test_cli_reports_bad_arguments(checkpoint, tmp_path, capsys):
     )
     assert "threshold" in capsys.readouterr().err
     assert set(evaluate.GENERATION_OPTIONS) <= set(DiffusionGenerationConfig.field_names())
+    # Loading flags are the shared ones (`hf_dllm.cli.loading`): same names, same errors.
+    common = [str(checkpoint), "--dataset", dataset, "--limit", "2", "--output-dir", str(tmp_path)]
+    assert evaluate.main([*common, "--dtype", "int8"]) == 2
+    assert "--dtype must be one of auto, bfloat16, float16, float32" in capsys.readouterr().err
+    assert evaluate.main([*common, "--threads", "0"]) == 2
+    assert "--threads must be a positive integer" in capsys.readouterr().err
+    common[0] = str(tmp_path / "no-model")
+    assert evaluate.main(common) == 2
+    assert "no such checkpoint folder" in capsys.readouterr().err
+    for flag in ("--revision", "--threads", "--device-map", "--attn-implementation", "--tokenizer"):
+        assert flag in evaluate.build_parser().format_help()
+
+
+def test_generation_options_threshold_none():
+    """`--threshold none` names the field with the value None (no threshold rule), as `hf-dllm export` accepts it;
+    a left-out option is absent (the checkpoint's value stays); a non-number is refused by the parser."""
+    parser = evaluate.build_parser()
+    base = ["MODEL", "--dataset", "d.jsonl"]
+    assert evaluate.generation_kwargs(parser.parse_args(base)) == {}
+    assert evaluate.generation_kwargs(parser.parse_args([*base, "--threshold", "none"])) == {"threshold": None}
+    assert evaluate.generation_kwargs(parser.parse_args([*base, "--threshold", "0.7", "--steps", "None"])) == {
+        "threshold": 0.7,
+        "steps": None,
+    }
+    assert evaluate.generation_kwargs(parser.parse_args([*base, "--no-use-cache", "--gen-length", "8"])) == {
+        "use_cache": False,
+        "max_new_tokens": 8,
+    }
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--threshold", "high"])
+    # The CPU thread count is a loading flag, default 1 (benchmarks/bench_threads.py: 1 thread was faster here).
+    assert parser.parse_args(base).threads == 1 and parser.parse_args([*base, "--threads", "2"]).threads == 2
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -270,6 +377,72 @@ def test_eval_number_scorer(digit_checkpoint, digit_predictions, tmp_path):
     )
     assert [p["correct"] for p in result["predictions"]] == expected
     assert result["summary"]["accuracy"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_eval_without_generation_flags_uses_the_checkpoint_settings(settings_checkpoint, tmp_path):
+    """No generation flag: predictions and forwards are exactly those of `model.generate(prompt)` with the
+    checkpoint's generation_config.json (24 tokens, blocks of 8, threshold 0.9), not the library's defaults."""
+    questions = [json.loads(line)["question"] for line in (DATA / "tiny_tasks.jsonl").read_text().splitlines()[:5]]
+    expected = [direct_generation(settings_checkpoint, _chat_ids(settings_checkpoint, q)) for q in questions]
+    dataset = _write_jsonl(tmp_path / "data.jsonl", [{"question": q, "answer": "?"} for q in questions])
+    result = _run(
+        [str(settings_checkpoint), "--dataset", str(dataset), "--batch-size", "2", "--dtype", "float32"]
+        + ["--output-dir", str(tmp_path / "out"), "--quiet"]
+    )
+    assert [(p["prediction"], p["nfe"]) for p in result["predictions"]] == expected
+    config = result["summary"]["generation_config"]
+    assert {name: config[name] for name in CHECKPOINT_SETTINGS} == CHECKPOINT_SETTINGS
+    assert config["steps"] is None and config["factor"] is None
+
+
+def test_eval_threshold_none_runs_the_fixed_schedule(settings_checkpoint, tmp_path):
+    """`--threshold none` on a checkpoint with threshold 0.9: one token per step, as generate(threshold=None)."""
+    question = json.loads((DATA / "tiny_tasks.jsonl").read_text().splitlines()[0])["question"]
+    settings = dict(threshold=None, max_new_tokens=16, eos_early_stop=False)
+    expected = direct_generation(settings_checkpoint, _chat_ids(settings_checkpoint, question), **settings)
+    assert expected[1] == 16  # one token per step over 16 tokens (the checkpoint's threshold would need fewer)
+    dataset = _write_jsonl(tmp_path / "data.jsonl", [{"question": question, "answer": "?"}])
+    try:
+        result = _run(
+            [str(settings_checkpoint), "--dataset", str(dataset), "--dtype", "float32", "--threshold", "none"]
+            + ["--max-new-tokens", "16", "--no-eos-early-stop", "--output-dir", str(tmp_path / "out"), "--quiet"]
+            + ["--threads", "2"]
+        )
+        assert torch.get_num_threads() == 2 and result["summary"]["settings"]["threads"] == 2
+    finally:
+        torch.set_num_threads(1)
+    (prediction,) = result["predictions"]
+    assert prediction["prediction"] == expected[0]
+    # The row is stopped once its completion is over (its stop token committed): no forwards after that block.
+    assert prediction["nfe"] <= expected[1]
+    config = result["summary"]["generation_config"]
+    assert config["threshold"] is None and config["steps"] is None and config["block_length"] == 8
+
+
+def test_eval_stop_strings_stop_rows_and_save_forwards(digit_checkpoint, digit_predictions, tmp_path):
+    """`--stop`: each prediction is the direct generate() text cut at the first stop string; a row whose stop string
+    appears in its first block is stopped there (fewer forwards than generate() spends), the others spend the
+    same; the generated-token count ends at the cut."""
+    longest = max(digit_predictions, key=lambda row: len(row["prediction"]))["prediction"]
+    stop = longest[2]  # a character some prediction holds early
+    rows = [{"question": row["question"], "answer": "?"} for row in digit_predictions]
+    dataset = _write_jsonl(tmp_path / "data.jsonl", rows)
+    result = _run(
+        [str(digit_checkpoint), "--dataset", str(dataset), "--batch-size", "3", "--dtype", "float32", "--stop", stop]
+        + ["--output-dir", str(tmp_path / "out"), "--quiet", *GENERATION]
+    )
+    saved = 0
+    for record, direct in zip(result["predictions"], digit_predictions, strict=True):
+        cut = direct["prediction"].find(stop)
+        assert record["prediction"] == (direct["prediction"][:cut] if cut >= 0 else direct["prediction"])
+        if 0 <= cut < 8 and direct["nfe"] > 4:  # found in the first block (8 tokens, 4 steps) of a longer row
+            assert record["nfe"] == 4
+            saved += 1
+        else:
+            assert record["nfe"] == direct["nfe"]
+        if cut >= 0:
+            assert record["new_tokens"] == cut
+    assert saved >= 1
 
 
 @pytest.mark.slow

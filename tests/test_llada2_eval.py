@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_llada2_integration import tiny_llada2
 
+from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation import evaluate
-from hf_dllm.evaluation.data import decode_generated, stop_token_ids
 from hf_dllm.evaluation.likelihood import mc_loglikelihood
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
@@ -44,7 +44,7 @@ def direct(model, tokenizer, ids: list[int], until=(), **settings) -> tuple[str,
     """(prediction, nfe) of a direct generate() on one prompt, cut as the evaluators cut it."""
     out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
     stops = stop_token_ids(model.generation_config, tokenizer)
-    return decode_generated(tokenizer, out.sequences[0, len(ids) :].tolist(), stops, list(until)), int(
+    return completion_text(tokenizer, out.sequences[0, len(ids) :].tolist(), stops, list(until)), int(
         out.nfe_per_row[0]
     )
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
+from test_evaluate import CHECKPOINT_SETTINGS, checkpoint_with_settings, direct_generation
 
-from hf_dllm.evaluation.data import decode_generated, stop_token_ids
+from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation.likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
@@ -238,6 +239,88 @@ def test_adapter_methods(lm_eval_module, checkpoint):
         lm.generate_until([_Request("x", {"beam_width": 2})])
 
 
+@pytest.fixture(scope="module")
+def settings_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    return checkpoint_with_settings(checkpoint, tmp_path_factory.mktemp("lm-settings") / "model")
+
+
+def test_settings_resolution_order(lm_eval_module, settings_checkpoint, monkeypatch):
+    """A request's generation_kwargs > model_args > the checkpoint's generation_config.json > the library's
+    defaults, resolved by the model's one resolver (lm-eval adds no length or rule of its own)."""
+    lm = lm_eval_module.DiffusionEvalLM(pretrained=str(settings_checkpoint), device="cpu", dtype="float32")
+    assert {name: getattr(lm.base_config, name) for name in CHECKPOINT_SETTINGS} == CHECKPOINT_SETTINGS
+
+    def config(gen_kwargs, model=lm):
+        return model.request_config(model._request_settings(gen_kwargs)[1])
+
+    greedy = config({"until": ["\n"], "do_sample": False})  # lm-eval's greedy request: the checkpoint's settings
+    assert (greedy.max_new_tokens, greedy.block_length, greedy.threshold, greedy.do_sample) == (24, 8, 0.9, False)
+    assert config({"max_gen_toks": 8}).max_new_tokens == 8
+    sampled = config({"temperature": 0.5})  # the resolver's temperature -> do_sample rule
+    assert sampled.do_sample is True and sampled.temperature == 0.5
+    assert config({"do_sample": False, "temperature": 0.0}).do_sample is False
+
+    # model_args over the checkpoint; the request over model_args (its decoding rule replaces theirs); gen_length
+    # in model_args is the user's canvas and beats a task's max_gen_toks.
+    lm2 = lm_eval_module.DiffusionEvalLM(pretrained=lm.model, tokenizer=lm.tokenizer, block_length=4, gen_length=16)
+    assert (lm2.base_config.block_length, lm2.base_config.max_new_tokens, lm2.base_config.threshold) == (4, 16, 0.9)
+    request = config({"max_gen_toks": 8, "block_length": 8, "steps": 16}, lm2)
+    assert (request.block_length, request.max_new_tokens, request.steps, request.threshold) == (8, 16, 16, None)
+    assert config({"threshold": None}, lm2).threshold is None
+
+    # Bad values: a ValueError naming the setting, before any forward.
+    monkeypatch.setattr(lm.model, "generate_blocks", lambda *a, **k: pytest.fail("generated before validating"))
+    with pytest.raises(ValueError, match="threshold"):
+        lm.generate_until([_Request("x", {"until": []}), _Request("y", {"threshold": 2.0})])
+    with pytest.raises(ValueError, match="until"):
+        lm.generate_until([_Request("x", {"until": [3]})])
+    with pytest.raises(ValueError, match="gen_length"):
+        lm_eval_module.DiffusionEvalLM(pretrained=lm.model, tokenizer=lm.tokenizer, gen_length=8, max_new_tokens=16)
+
+
+def test_loading_model_args_are_the_shared_loader(lm_eval_module, settings_checkpoint, tmp_path):
+    """model_args map onto `hf_dllm.cli.loading.load_model`: same names, same errors as `hf-dllm eval`'s flags."""
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        lm_eval_module.DiffusionEvalLM(pretrained=str(tmp_path / "missing"), device="cpu")
+    with pytest.raises(ValueError, match="dtype must be one of auto, bfloat16, float16, float32"):
+        lm_eval_module.DiffusionEvalLM(pretrained=str(settings_checkpoint), device="cpu", dtype="int8")
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        lm_eval_module.DiffusionEvalLM(pretrained=str(settings_checkpoint), device="cpu", threads=0)
+    try:
+        lm = lm_eval_module.DiffusionEvalLM(pretrained=str(settings_checkpoint), device="cpu", threads=2)
+        assert torch.get_num_threads() == 2 and lm.model.dtype == torch.float32
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_lm_eval_without_settings_generates_as_the_checkpoint(lm_eval_module, settings_checkpoint):
+    """No generation setting anywhere (a task without max_gen_toks, no model_args): each response is exactly the
+    text of `model.generate(prompt)` with the checkpoint's generation_config.json, cut at the task's `until`."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    results = lm_eval.simple_evaluate(
+        model="hf_dllm",
+        model_args=f"pretrained={settings_checkpoint},dtype=float32",
+        tasks=["hf_dllm_tiny_gen_defaults"],
+        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
+        batch_size=2,
+        device="cpu",
+        limit=4,
+        apply_chat_template=True,
+        log_samples=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(settings_checkpoint)
+    samples = results["samples"]["hf_dllm_tiny_gen_defaults"]
+    assert len(samples) == 4
+    for sample in samples:
+        context, gen_kwargs = sample["arguments"][0]
+        assert "max_gen_toks" not in gen_kwargs
+        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        assert sample["resps"][0][0] == direct_generation(settings_checkpoint, ids, gen_kwargs["until"])[0]
+
+
 @pytest.mark.skipif(not (TRAINED / "config.json").exists(), reason="needs the tiny trained checkpoint")
 def test_model_args_decoding_rule_replaces_the_checkpoint_default(lm_eval_module):
     """model_args are merged as generate() merges kwargs: `steps` replaces the checkpoint's default threshold 0.9
@@ -286,7 +369,7 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
         out = model.generate(
             torch.tensor([ids]), max_new_tokens=gen_kwargs["max_gen_toks"], block_length=8, threshold=0.9
         )
-        expected = decode_generated(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
+        expected = completion_text(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
         assert sample["resps"][0][0] == expected
 
 

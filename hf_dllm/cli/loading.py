@@ -12,6 +12,10 @@ import os
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+# torch's CPU threads unless a command is told otherwise (`--threads`, lm-eval's `threads`): one thread measured
+# 10x faster than torch's default (one per core) for the tiny model on the 2-core development machine
+# (benchmarks/bench_threads.py).
+DEFAULT_THREADS = 1
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -58,8 +62,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument(
         "--threads",
         type=int,
-        default=None,
-        help="CPU threads of torch (default: torch's, one per core); matters only on the CPU",
+        default=DEFAULT_THREADS,
+        help=f"CPU threads of torch per process (default {DEFAULT_THREADS}; matters only on the CPU). Measured with "
+        "the tiny LLaDA on the 2-core development machine (benchmarks/bench_threads.py, benchmarks/RESULTS.md): "
+        "`hf-dllm eval` generated 10x faster with 1 thread than with torch's default 2 (batch 1: 0.92 s against "
+        "9.2 s, batch 8: 0.39 s against 3.1 s, medians of 5); a large model on many cores wants more",
     )
     return group
 

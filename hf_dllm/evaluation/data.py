@@ -29,6 +29,11 @@ def load_examples(
     files are still read (with the standard library).
     """
     path = Path(dataset).expanduser()
+    if not path.exists() and _looks_local(dataset):
+        raise FileNotFoundError(
+            f"--dataset {dataset!r}: file not found (no such local file or folder; a Hub dataset is named "
+            "`name` or `owner/name`)."
+        )
     try:
         import datasets
     except ImportError:
@@ -50,6 +55,17 @@ def load_examples(
     if limit is not None:
         data = data.select(range(min(limit, len(data))))
     return [dict(row) for row in data]
+
+
+def _looks_local(dataset: str) -> bool:
+    """Whether `dataset` names a local path rather than a Hub dataset (`name` or `owner/name`): a path with a
+    file extension `load_examples` reads, a path starting with `.`, `/` or `~`, or one with more than one `/`."""
+    return (
+        Path(dataset).suffix.lower() in LOCAL_FORMATS
+        or dataset.startswith((".", "/", "~"))
+        or dataset.count("/") > 1
+        or "\\" in dataset
+    )
 
 
 def _read_json_rows(path: Path, limit: int | None) -> list[dict]:
@@ -125,81 +141,6 @@ def score(prediction: str, answer, scorer: str) -> bool:
 
 
 SCORERS = ("exact", "number")
-
-
-# ---------------------------------------------------------------------------------------------------- decoding
-
-
-def stop_token_ids(config, tokenizer=None) -> set[int]:
-    """Ids that end an answer: the generation config's EOS ids and EOT id, the tokenizer's EOS and LLaDA's
-    `<|eot_id|>` when the tokenizer has them."""
-    ids = set(config.eos_token_ids)
-    if config.eot_token_id is not None:
-        ids.add(config.eot_token_id)
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        eot = tokenizer.convert_tokens_to_ids("<|eot_id|>") if "<|eot_id|>" in tokenizer.get_vocab() else None
-        if eot is not None:
-            ids.add(eot)
-    return ids
-
-
-def cut_at_stops(text: str, stops: Sequence[str]) -> str:
-    """`text` up to the first occurrence of any stop sequence."""
-    cut = len(text)
-    for stop in stops:
-        if stop:
-            position = text.find(stop)
-            if position != -1:
-                cut = min(cut, position)
-    return text[:cut]
-
-
-def until_first(ids: Sequence[int], stop_ids: set[int]) -> tuple[list[int], bool]:
-    """The ids before the first one in `stop_ids`, and whether there was one."""
-    for position, token in enumerate(ids):
-        if token in stop_ids:
-            return list(ids[:position]), True
-    return list(ids), False
-
-
-def decode_generated(tokenizer, ids: Sequence[int], stop_ids: set[int], stops: Sequence[str] = ()) -> str:
-    """Text of generated ids: cut at the first EOS/EOT id and at the first stop sequence, special tokens removed."""
-    ids, _ = until_first(ids, stop_ids)
-    text = cut_at_stops(tokenizer.decode(ids, skip_special_tokens=False), stops)
-    for special in tokenizer.all_special_tokens:
-        text = text.replace(special, "")
-    return text
-
-
-class StopStringCriterion:
-    """`generate()` stopping criterion: a row stops once its committed text holds one of its stop sequences.
-
-    Called after each block; undecoded positions hold the mask token, so only the committed prefix is decoded.
-    A stop sequence found entirely inside committed blocks is final (later blocks only append text), so stopping
-    there changes nothing in the returned (cut) text; it only saves the forwards of the remaining blocks.
-    """
-
-    def __init__(
-        self, tokenizer, prompt_width: int, stops: Sequence[Sequence[str]], mask_token_id: int, stop_ids: set[int]
-    ):
-        self.tokenizer = tokenizer
-        self.prompt_width = prompt_width
-        self.stops = [list(row) for row in stops]
-        self.stop_ids = set(stop_ids) | {mask_token_id}
-
-    def __call__(self, sequences, scores=None):
-        import torch
-
-        done = torch.zeros(sequences.shape[0], dtype=torch.bool)
-        generated = sequences[:, self.prompt_width :].cpu().tolist()
-        for row, (ids, stops) in enumerate(zip(generated, self.stops, strict=True)):
-            if stops:
-                committed, _ = until_first(ids, self.stop_ids)
-                text = self.tokenizer.decode(committed, skip_special_tokens=False)
-                done[row] = any(stop and stop in text for stop in stops)
-        return done
 
 
 # ---------------------------------------------------------------------------------------------------- sharding

@@ -7,14 +7,21 @@ Data parallel: the same command under `accelerate launch` runs one model replica
 processes with `--cpu`), shards the examples and gathers the results on the main process, which writes the same
 files as a single process would:
 
-    accelerate launch --num_processes 8 -m hf_dllm.cli eval MODEL --dataset ... [options]
+    accelerate launch --num_processes 8 -m hf_dllm eval MODEL --dataset ... [options]
 
-`--device-map auto` instead splits one model over every visible GPU (one process).
+On a machine without a GPU, accelerate's plain launcher starts a single process whatever `--num_processes` says;
+`accelerate launch --multi_gpu --num_processes N -m hf_dllm eval MODEL ... --device cpu` starts N (torchrun; they
+form a CPU gloo group). `--device-map auto` instead splits one model over every visible GPU (one process).
+
+Settings: the generation options given > the checkpoint's generation_config.json > the library's defaults
+(`model.resolve_generation_config`). Stop tokens and `--stop` strings: the run's committed blocks feed each row's
+`CompletionText` (`hf_dllm.cli.completion_text`, shared with the server); a row whose completion is over is
+stopped (no more forwards), and its prediction is that completion's text.
 
 Outputs (main process), in `--output-dir`:
 - `predictions.jsonl`: one line per example, in dataset order: `index`, `prompt`, `prediction`, `answer`,
-  `correct`, `nfe` (forwards the row took part in), `new_tokens` (generated tokens up to and including the first
-  EOS/EOT).
+  `correct`, `nfe` (forwards the row took part in, from the run's `nfe_per_row`), `new_tokens` (the completion's
+  tokens, and the EOS/EOT that ended it; a stop string's tokens are not counted).
 - `summary.json`: `accuracy`, `n`, `correct`, `tokens_per_second` (generated tokens / wall time of the generation
   phase, the slowest process counting), `mean_nfe`, `tokens_per_forward` (generated tokens / per-row forwards),
   `forward_calls` (batched forwards), the resolved generation config, the evaluation settings, versions and
@@ -36,20 +43,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli.completion_text import CompletionText, stop_token_ids
+from ..cli.loading import add_model_arguments, load_model, model_arguments
 from ..generation_utils import left_pad
-from .data import (
-    SCORERS,
-    StopStringCriterion,
-    build_prompt,
-    decode_generated,
-    format_prompt,
-    load_examples,
-    process_state,
-    score,
-    shard_batches,
-    stop_token_ids,
-    until_first,
-)
+from .data import SCORERS, build_prompt, format_prompt, load_examples, process_state, score, shard_batches
 
 # Generation-config fields exposed as options (`--max-new-tokens`, `--no-use-cache`, ...).
 GENERATION_OPTIONS: dict[str, type] = {
@@ -73,6 +70,21 @@ GENERATION_OPTIONS: dict[str, type] = {
     "max_post_steps": int,
     "num_to_transfer": int,
 }
+# Decoding-rule options that also take `none` (the field set to None: no such rule), as `hf-dllm export` does.
+NONE_OPTIONS = ("steps", "threshold", "factor")
+
+
+def _number_or_none(kind: type):
+    def parse(value: str):
+        if value.lower() == "none":
+            return None
+        try:
+            return kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a {kind.__name__} or 'none', got {value!r}") from None
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,64 +118,38 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("run")
     run.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call and process")
     run.add_argument("--output-dir", default="eval_results", help="where predictions.jsonl and summary.json go")
-    run.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: the model's)")
-    run.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    run.add_argument("--device", default=None, help="device of a single process (default: accelerate's choice)")
-    run.add_argument("--device-map", default=None, help="split one model over GPUs, e.g. `auto` (single process)")
-    run.add_argument("--attn-implementation", default=None, help="sdpa, eager, flash_attention_2, ...")
-    run.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
     run.add_argument("--seed", type=int, default=0, help="torch seed (matters only when sampling)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_arguments(parser)
 
-    gen = parser.add_argument_group("generation (DiffusionGenerationConfig fields; unset = the model's default)")
+    gen = parser.add_argument_group(
+        "generation (DiffusionGenerationConfig fields; unset = the checkpoint's generation_config.json, then the "
+        "library's defaults)"
+    )
     for name, kind in GENERATION_OPTIONS.items():
         flag = "--" + name.replace("_", "-")
         aliases = [flag, "--gen-length"] if name == "max_new_tokens" else [flag]
+        # SUPPRESS: an option left out is absent from the namespace, so `--threshold none` (None) stays distinct.
         if kind is bool:
-            gen.add_argument(*aliases, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            gen.add_argument(*aliases, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         elif name == "remasking":
-            gen.add_argument(flag, dest=name, choices=("low_confidence", "random"), default=None)
+            gen.add_argument(flag, dest=name, choices=("low_confidence", "random"), default=argparse.SUPPRESS)
+        elif name in NONE_OPTIONS:
+            gen.add_argument(
+                flag,
+                dest=name,
+                type=_number_or_none(kind),
+                default=argparse.SUPPRESS,
+                help="a number, or 'none' for no such rule (e.g. `--threshold none`: LLaDA's fixed schedule)",
+            )
         else:
-            gen.add_argument(*aliases, dest=name, type=kind, default=None)
+            gen.add_argument(*aliases, dest=name, type=kind, default=argparse.SUPPRESS)
     return parser
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
-    """The generation fields given on the command line."""
-    return {name: getattr(args, name) for name in GENERATION_OPTIONS if getattr(args, name) is not None}
-
-
-def resolve_generation_config(model, kwargs: dict):
-    """The model's generation config updated with `kwargs` exactly as `generate()` would merge them, validated (a
-    bad value fails before any work)."""
-    config, _ = model._prepare_diffusion_config(None, dict(kwargs))
-    return config
-
-
-def load_model(args: argparse.Namespace, state):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import hf_dllm  # noqa: F401  (registers LLaDA with the Auto classes)
-
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype.replace("torch.", ""), None)
-    if dtype is None:
-        raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {args.dtype!r}.")
-    kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
-    if args.attn_implementation:
-        kwargs["attn_implementation"] = args.attn_implementation
-    if args.device_map:
-        if state.num_processes > 1:
-            raise ValueError(
-                "--device-map splits one model over several GPUs, but under `accelerate launch` every process "
-                "holds its own replica: use one or the other."
-            )
-        kwargs["device_map"] = args.device_map
-        return AutoModelForCausalLM.from_pretrained(args.model, **kwargs).eval()
-    device = state.device if state.num_processes > 1 or args.device is None else torch.device(args.device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # kernels launch on the current device
-    return AutoModelForCausalLM.from_pretrained(args.model, **kwargs).to(device).eval()
+    """The generation fields given on the command line (`--threshold none` gives `threshold=None`)."""
+    return {name: getattr(args, name) for name in GENERATION_OPTIONS if hasattr(args, name)}
 
 
 def versions() -> dict:
@@ -180,10 +166,24 @@ def versions() -> dict:
     return found
 
 
-def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answers, args, progress) -> tuple[list, int]:
-    """Generate and score this process's batches. Returns the per-example records and the batched forwards."""
+def generate_completions(model, input_ids, attention_mask, config, completions: list[CompletionText]):
+    """Run one batch block by block, feeding each row's committed tokens to its `CompletionText` and stopping the
+    rows whose completion is over (a stop token or stop string: no more forwards for them). Returns the finished
+    run (`sequences`, `nfe`, `nfe_per_row`)."""
     import torch
 
+    run = model.generate_blocks(input_ids, attention_mask=attention_mask, generation_config=config)
+    with torch.no_grad():
+        for event in run:
+            rows = event.rows.tolist()
+            over = [completions[row].extend(tokens) for row, tokens in zip(rows, event.new_tokens(), strict=True)]
+            if any(over):
+                event.stop(torch.tensor(over, dtype=torch.bool))
+    return run
+
+
+def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answers, args, progress) -> tuple[list, int]:
+    """Generate and score this process's batches. Returns the per-example records and the batched forwards."""
     stop_ids = stop_token_ids(config, tokenizer)
     pad_id = config.prompt_pad_token_id
     device = model.get_input_embeddings().weight.device
@@ -191,33 +191,24 @@ def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answe
     started = time.perf_counter()
     for batch in batches:
         input_ids, attention_mask = left_pad([prompt_ids[i] for i in batch], pad_id)
-        width = input_ids.shape[1]
-        criteria = None
-        if args.stop:
-            criteria = [StopStringCriterion(tokenizer, width, [args.stop] * len(batch), config.mask_token_id, stop_ids)]
-        with torch.no_grad():
-            out = model.generate(
-                input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=config,
-                stopping_criteria=criteria,
-                return_dict_in_generate=True,
-            )
-        forward_calls += int(out.nfe)
-        generated = out.sequences[:, width:].cpu().tolist()
-        nfe = out.nfe_per_row.cpu().tolist()
+        completions = [CompletionText(tokenizer, stop_ids, args.stop) for _ in batch]
+        run = generate_completions(model, input_ids.to(device), attention_mask.to(device), config, completions)
+        forward_calls += int(run.nfe)
+        nfe = run.nfe_per_row.cpu().tolist()
         for row, index in enumerate(batch):
-            kept, terminated = until_first(generated[row], stop_ids)
-            new_tokens = len(kept) + int(terminated)
-            prediction = decode_generated(tokenizer, generated[row], stop_ids, args.stop)
+            completion = completions[row]
+            # The completion's tokens, and the stop token that ended it (a stop string's tokens are cut off).
+            new_tokens = completion.completion_tokens + int(
+                completion.finish_reason == "stop" and not completion.stop_string_found
+            )
             tokens += new_tokens
             records.append(
                 {
                     "index": index,
                     "prompt": prompts[index],
-                    "prediction": prediction,
+                    "prediction": completion.text,
                     "answer": answers[index],
-                    "correct": score(prediction, answers[index], args.scorer),
+                    "correct": score(completion.text, answers[index], args.scorer),
                     "nfe": int(nfe[row]),
                     "new_tokens": new_tokens,
                 }
@@ -229,6 +220,8 @@ def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answe
 
 
 def summarize(records: list[dict], stats: list[dict], config, args, state, total_seconds: float) -> dict:
+    import torch
+
     n = len(records)
     correct = sum(int(r["correct"]) for r in records)
     new_tokens = sum(r["new_tokens"] for r in records)
@@ -266,6 +259,8 @@ def summarize(records: list[dict], stats: list[dict], config, args, state, total
             "dtype": args.dtype,
             "device_map": args.device_map,
             "attn_implementation": args.attn_implementation,
+            "revision": args.revision,
+            "threads": torch.get_num_threads(),
             "seed": args.seed,
         },
         "versions": versions(),
@@ -278,16 +273,16 @@ def run(args: argparse.Namespace) -> dict | None:
     import torch
     from accelerate.utils import gather_object
     from tqdm import tqdm
-    from transformers import AutoTokenizer
 
     started = time.perf_counter()
     state = process_state(args.device)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}.")
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}.")
     torch.manual_seed(args.seed)
 
     examples = load_examples(args.dataset, args.split, args.dataset_config, args.limit)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
     prompts = [format_prompt(example, args.prompt_field, args.prompt_template) for example in examples]
     missing = [i for i, example in enumerate(examples) if args.answer_field not in example]
     if missing:
@@ -296,11 +291,15 @@ def run(args: argparse.Namespace) -> dict | None:
             f"{sorted(examples[missing[0]])}); choose one with --answer-field."
         )
     answers = [example[args.answer_field] for example in examples]
+
+    loading = model_arguments(args)
+    if state.num_processes > 1:
+        loading["device"] = str(state.device)  # one replica per process, on the device accelerate assigned
+    model, tokenizer = load_model(args.model, **loading, num_processes=state.num_processes)
+    # One resolver: the command line's fields > the checkpoint's generation_config.json > the library's defaults.
+    config = model.resolve_generation_config(**generation_kwargs(args))
     prompt_ids = [build_prompt(tokenizer, text, not args.no_chat_template, args.system_prompt) for text in prompts]
     lengths = [len(ids) for ids in prompt_ids]
-
-    model = load_model(args, state)
-    config = resolve_generation_config(model, generation_kwargs(args))
     batches = shard_batches(lengths, args.batch_size, state.process_index, state.num_processes)
     local = [index for batch in batches for index in batch]
 

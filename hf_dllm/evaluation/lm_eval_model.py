@@ -2,9 +2,14 @@
 
     lm_eval --model hf_dllm --model_args pretrained=DIR,threshold=0.9,block_length=32,gen_length=256 --tasks gsm8k
 
-- `generate_until`: batched `generate()` (prompts sorted by length, left-padded); stop sequences (`until`) end a
-  row as soon as they appear in its committed blocks and cut the returned text; `max_gen_toks` becomes
-  `max_new_tokens` unless `gen_length` is given in `model_args`.
+- `generate_until`: batched runs (prompts sorted by length, left-padded) consumed block by block: each row's
+  committed tokens feed the shared `CompletionText` (`hf_dllm.cli.completion_text`), which cuts the text at the
+  first stop token or `until` string; a row whose completion is over is stopped (no more forwards).
+- Settings: a request's generation_kwargs > `model_args` > the checkpoint's generation_config.json > the library's
+  defaults, each layer resolved by `model.resolve_generation_config` (a request's decoding rule replaces the
+  model_args' one; `do_sample: false` means temperature 0). `max_gen_toks` becomes `max_new_tokens` unless
+  `gen_length` / `max_new_tokens` is given in `model_args` (the canvas, as in LLaDA's evaluation); with neither,
+  the checkpoint's `max_new_tokens` holds.
 - `loglikelihood`: LLaDA's Monte-Carlo estimate (`hf_dllm.eval_likelihood`), `mc_num` samples per request,
   `mc_batch_size` (default `batch_size`) rows per forward; `is_check_greedy=True` also runs LLaDA's greedy check.
 - `loglikelihood_rolling`: the same estimate over disjoint windows of `max_length` tokens (a lower bound).
@@ -12,7 +17,8 @@
   lm-eval shards the requests by rank). `device_map=auto` instead splits one model over the visible GPUs.
 
 `model_args`: `pretrained` (or LLaDA's `model_path`), `tokenizer`, `dtype` (`auto`, `bfloat16`, ...), `device`,
-`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `batch_size`, `mc_num` (128),
+`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `threads` (the loading flags of `hf-dllm
+eval`, through the same `hf_dllm.cli.loading.load_model`), `batch_size`, `mc_num` (128),
 `mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
 `gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
 `block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
@@ -32,7 +38,6 @@ hook (`accelerate launch -m hf_dllm.lm_eval_model ARGS` for several processes).
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 
@@ -41,8 +46,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from ..cli.completion_text import CompletionText, stop_token_ids
+from ..cli.loading import DEFAULT_THREADS, load_model, parse_dtype
 from ..generation_utils import DiffusionGenerationConfig, left_pad
-from .data import StopStringCriterion, decode_generated, process_state, stop_token_ids
+from .data import process_state
 from .likelihood import greedy_matches, mc_loglikelihood
 
 MODEL_NAME = "hf_dllm"
@@ -56,18 +63,6 @@ _GENERATION_FIELDS = tuple(
 )
 # Autoregressive sampling options lm-eval tasks may carry; meaningless for block diffusion, ignored with a warning.
 _IGNORED_REQUEST_KWARGS = ("top_p", "top_k", "min_p", "num_beams", "repetition_penalty", "typical_p", "seed")
-DEFAULT_MAX_GEN_TOKS = 256
-
-
-def _dtype(value):
-    if value in (None, "auto") or isinstance(value, torch.dtype):
-        return value if value is not None else "auto"
-    name = str(value).replace("torch.", "")
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-    dtype = getattr(torch, aliases.get(name, name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be 'auto' or a torch dtype name (bfloat16, float16, float32), got {value!r}.")
-    return dtype
 
 
 def _positive_int(name: str, value, default: int) -> int:
@@ -96,6 +91,7 @@ class DiffusionEvalLM(LM):
         trust_remote_code: bool = False,
         revision: str | None = None,
         attn_implementation: str | None = None,
+        threads: int | None = DEFAULT_THREADS,
         batch_size=1,
         max_batch_size=None,
         mc_num: int = 128,
@@ -110,78 +106,79 @@ class DiffusionEvalLM(LM):
         **generation_kwargs,
     ):
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
-        import hf_dllm  # noqa: F401  (registers LLaDA with the Auto classes)
+        from transformers import PreTrainedModel
 
         unknown = sorted(set(generation_kwargs) - set(_GENERATION_FIELDS))
         if unknown:
             raise ValueError(
                 f"hf_dllm: unknown model_args {unknown}. Accepted: pretrained, model_path, tokenizer, dtype, device, "
-                "device_map, trust_remote_code, revision, attn_implementation, batch_size, mc_num, mc_batch_size, "
-                "is_check_greedy, cfg, add_bos_token, max_length, seed, gen_length, max_new_tokens and the "
-                f"generation fields {sorted(_GENERATION_FIELDS)}."
+                "device_map, trust_remote_code, revision, attn_implementation, threads, batch_size, mc_num, "
+                "mc_batch_size, is_check_greedy, cfg, add_bos_token, max_length, seed, gen_length, max_new_tokens "
+                f"and the generation fields {sorted(_GENERATION_FIELDS)}."
+            )
+        if gen_length is not None and max_new_tokens is not None and int(gen_length) != int(max_new_tokens):
+            raise ValueError(
+                f"hf_dllm: gen_length ({gen_length}) and max_new_tokens ({max_new_tokens}) are the same setting; "
+                "give one."
             )
         pretrained = pretrained if pretrained is not None else model_path
         if pretrained is None:
             raise ValueError("hf_dllm needs `pretrained=PATH_OR_HUB_ID` in model_args.")
 
         state = process_state(device)
-        if state.num_processes > 1:
-            if device_map is not None:
-                raise ValueError(
-                    "device_map splits one model over several GPUs; under `accelerate launch` every process holds "
-                    "its own replica. Use one or the other."
-                )
-            self._device = state.device
-            self._rank, self._world_size = state.process_index, state.num_processes
-        elif device is not None:
-            if str(device).startswith("cuda") and not torch.cuda.is_available():
-                logger.warning("device=%s requested but CUDA is not available: using the CPU.", device)
-                device = "cpu"
-            self._device = torch.device(device)
-        else:
-            self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._state = state
-        if self._device.type == "cuda" and self._device.index is not None:
-            torch.cuda.set_device(self._device)  # kernels launch on the current device
+        self._rank, self._world_size = state.process_index, state.num_processes
+        if state.num_processes > 1:
+            device = str(state.device)  # one replica per process, on the device accelerate assigned
+        elif device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval passes its own default (`cuda:0`) when the user names no device.
+            logger.warning("device=%s requested but CUDA is not available: using the CPU.", device)
+            device = "cpu"
 
+        # The loading model_args are `hf-dllm eval`'s loading flags, under the same names, with the same errors.
         if isinstance(pretrained, PreTrainedModel):
-            self.model = pretrained
-            if device_map is None:
-                self.model.to(self._device)
-            name_or_path = getattr(pretrained, "name_or_path", None) or "model"
-        else:
-            load_kwargs = {"dtype": _dtype(dtype), "trust_remote_code": trust_remote_code}
-            if revision is not None:
-                load_kwargs["revision"] = revision
-            if attn_implementation is not None:
-                load_kwargs["attn_implementation"] = attn_implementation
-            if device_map is not None:
-                load_kwargs["device_map"] = device_map
-            self.model = AutoModelForCausalLM.from_pretrained(pretrained, **load_kwargs)
-            if device_map is None:
-                self.model.to(self._device)
-            name_or_path = str(pretrained)
-        self.model.eval()
-        if device_map is not None:
-            self._device = self.model.get_input_embeddings().weight.device
+            from transformers import AutoTokenizer
 
-        if tokenizer is None or isinstance(tokenizer, str):
-            tokenizer = AutoTokenizer.from_pretrained(
-                tokenizer or name_or_path, trust_remote_code=trust_remote_code, revision=revision
+            from ..cli.loading import resolve_device, set_threads
+
+            set_threads(threads)
+            parse_dtype(dtype, flag="dtype")
+            self.model = pretrained.eval()
+            if device_map is None:
+                self.model.to(resolve_device(device))
+            if tokenizer is None or isinstance(tokenizer, str):
+                tokenizer = AutoTokenizer.from_pretrained(
+                    tokenizer or pretrained.name_or_path, trust_remote_code=trust_remote_code, revision=revision
+                )
+        else:
+            self.model, tokenizer = load_model(
+                pretrained,
+                tokenizer=tokenizer,
+                dtype=parse_dtype(dtype, flag="dtype"),
+                device=device,
+                device_map=device_map,
+                attn_implementation=attn_implementation,
+                revision=revision,
+                trust_remote_code=trust_remote_code,
+                threads=threads,
+                num_processes=state.num_processes,
             )
         self.tokenizer = tokenizer
+        self._device = self.model.get_input_embeddings().weight.device
 
-        # Generation settings: model defaults < model_args < a request's generation_kwargs.
+        # Settings: a request's generation_kwargs > model_args > the checkpoint's generation_config.json > the
+        # library's defaults, each layer resolved by the model's one resolver (validated before any request).
         if cfg is not None:
             generation_kwargs.setdefault("cfg_scale", float(cfg))
-        # Merged exactly as generate() merges a call's kwargs (validated, a named decoding rule replaces the default).
-        self.base_config, _ = self.model._prepare_diffusion_config(None, dict(generation_kwargs))
-        self.gen_length = gen_length if gen_length is not None else max_new_tokens
+        length = gen_length if gen_length is not None else max_new_tokens
+        self.gen_length = int(length) if length is not None else None
+        if self.gen_length is not None:
+            generation_kwargs["max_new_tokens"] = self.gen_length
+        self.model_args_fields = dict(generation_kwargs)
+        self.base_config = self.model.resolve_generation_config(**generation_kwargs)
 
         self.batch_size = _positive_int("batch_size", batch_size, 1)
-        self.mc_num = int(mc_num)
+        self.mc_num = _positive_int("mc_num", mc_num, 128)
         self.mc_batch_size = _positive_int("mc_batch_size", mc_batch_size, self.batch_size)
         self.is_check_greedy = bool(is_check_greedy)
         self.cfg_scale = float(self.base_config.cfg_scale)
@@ -268,23 +265,25 @@ class DiffusionEvalLM(LM):
     # ------------------------------------------------------------------ generate_until
 
     def _request_settings(self, gen_kwargs: dict) -> tuple[list[str], dict]:
+        """A request's stop sequences and the generation fields it names (laid over `base_config`)."""
         gen_kwargs = dict(gen_kwargs or {})
         until = gen_kwargs.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
+        if not all(isinstance(stop, str) for stop in until):
+            raise ValueError(f"hf_dllm: `until` must be a string or a list of strings, got {until!r}.")
+        fields = {}
         max_gen_toks = gen_kwargs.pop("max_gen_toks", None)
-        # gen_length from model_args (the user's explicit choice) > the task's max_gen_toks > lm-eval's default.
-        length = self.gen_length if self.gen_length is not None else max_gen_toks
-        settings = {"max_new_tokens": int(length if length is not None else DEFAULT_MAX_GEN_TOKS)}
-        do_sample = gen_kwargs.pop("do_sample", None)
-        temperature = gen_kwargs.pop("temperature", None)
-        if do_sample is False:
-            temperature = 0.0
-        if temperature is not None:
-            settings["temperature"] = float(temperature)
-            settings["do_sample"] = float(temperature) > 0
+        # gen_length / max_new_tokens in model_args (the user's choice of the canvas, as in LLaDA's evaluation) >
+        # the task's max_gen_toks > the checkpoint's max_new_tokens.
+        if max_gen_toks is not None and self.gen_length is None:
+            fields["max_new_tokens"] = max_gen_toks
+        # lm-eval's `do_sample: false` means greedy decoding, i.e. temperature 0 here; the resolver derives
+        # do_sample from a temperature.
+        if gen_kwargs.get("do_sample") is False:
+            gen_kwargs.setdefault("temperature", 0.0)
         for key in list(gen_kwargs):
-            if key in _GENERATION_FIELDS:
-                settings[key] = gen_kwargs.pop(key)
+            if key in _GENERATION_FIELDS or key == "do_sample":
+                fields[key] = gen_kwargs.pop(key)
             elif key in _IGNORED_REQUEST_KWARGS:
                 gen_kwargs.pop(key)
                 self._warn_once(f"hf_dllm: generation option {key!r} has no meaning for block diffusion; ignored.")
@@ -293,34 +292,39 @@ class DiffusionEvalLM(LM):
                 f"hf_dllm: unknown generation_kwargs {sorted(gen_kwargs)}; accepted: until, max_gen_toks, do_sample, "
                 f"temperature and {sorted(_GENERATION_FIELDS)}."
             )
-        return until, settings
+        return until, fields
+
+    def request_config(self, fields: dict) -> DiffusionGenerationConfig:
+        """The settings of a request naming `fields`: the model's resolver over `base_config` (model_args >
+        checkpoint > defaults), so a request's decoding rule replaces the model_args' one; validated."""
+        return self.model.resolve_generation_config(self.base_config, **fields)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         if not requests:
             return []
-        jobs = []  # (index, prompt ids, until, settings)
+        jobs = []  # (index, prompt ids, until, fields key)
+        configs: dict[tuple, DiffusionGenerationConfig] = {}
         for index, request in enumerate(requests):
             context, gen_kwargs = request.args
-            until, settings = self._request_settings(gen_kwargs)
-            jobs.append((index, self.tok_encode(context), until, settings))
+            until, fields = self._request_settings(gen_kwargs)
+            key = tuple(sorted(fields.items()))
+            if key not in configs:  # every request's settings are checked before the first forward
+                config = configs[key] = self.request_config(fields)
+                if self.max_length - config.max_new_tokens < 1:
+                    raise ValueError(
+                        f"max_new_tokens ({config.max_new_tokens}) leaves no room for the prompt within "
+                        f"max_length ({self.max_length})."
+                    )
+            jobs.append((index, self.tok_encode(context), until, key))
         groups: dict[tuple, list] = {}
         for job in jobs:
-            groups.setdefault(tuple(sorted(job[3].items())), []).append(job)
+            groups.setdefault(job[3], []).append(job)
 
         results: list[str | None] = [None] * len(requests)
         progress = tqdm(total=len(requests), desc="hf_dllm generate_until", disable=disable_tqdm or self.rank != 0)
-        for settings_key, group in groups.items():
-            settings = dict(settings_key)
-            config = copy.deepcopy(self.base_config)
-            for key, value in settings.items():
-                setattr(config, key, value)
-            config.validate(block_causal=bool(getattr(self.model, "diffusion_block_causal", False)))
+        for key, group in groups.items():
+            config = configs[key]
             room = self.max_length - config.max_new_tokens
-            if room < 1:
-                raise ValueError(
-                    f"max_new_tokens ({config.max_new_tokens}) leaves no room for the prompt within "
-                    f"max_length ({self.max_length})."
-                )
             group.sort(key=lambda job: (-len(job[1]), job[0]))
             for start in range(0, len(group), self.batch_size):
                 batch = group[start : start + self.batch_size]
@@ -334,22 +338,15 @@ class DiffusionEvalLM(LM):
         return results
 
     def _generate_batch(self, prompts: list[list[int]], untils: list[list[str]], config) -> list[str]:
+        """The texts of one batch: the run's committed blocks feed each row's `CompletionText` (cut at the first
+        stop token or `until` string); rows whose completion is over are stopped (no more forwards)."""
+        from .evaluate import generate_completions
+
         input_ids, attention_mask = left_pad(prompts, config.prompt_pad_token_id)
-        width = input_ids.shape[1]
-        criteria = []
-        if any(untils):
-            criteria.append(StopStringCriterion(self.tokenizer, width, untils, config.mask_token_id, self._stop_ids()))
-        sequences = self.model.generate(
-            input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=config,
-            stopping_criteria=criteria or None,
-        )
-        generated = sequences[:, width:].cpu().tolist()
         stop_ids = self._stop_ids()
-        return [
-            decode_generated(self.tokenizer, ids, stop_ids, until) for ids, until in zip(generated, untils, strict=True)
-        ]
+        completions = [CompletionText(self.tokenizer, stop_ids, until) for until in untils]
+        generate_completions(self.model, input_ids.to(self.device), attention_mask.to(self.device), config, completions)
+        return [completion.text for completion in completions]
 
     # ------------------------------------------------------------------ loglikelihood
 
