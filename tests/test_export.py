@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,41 @@ def chat_checkpoint(tmp_path_factory) -> Path:
 def exported_chat(tmp_path_factory, chat_checkpoint) -> Path:
     dst = tmp_path_factory.mktemp("export-chat") / "exported_chat"
     export_checkpoint(chat_checkpoint, dst, card="llada-8b-instruct", max_new_tokens=24, block_length=8)
+    return dst
+
+
+# The source's own generation_config.json: blocks of 8, 16 tokens, LLaDA's fixed schedule (8 steps) with the prefix
+# cache, two EOS ids. Every one of these differs from the family's defaults.
+SOURCE_GENERATION = dict(max_new_tokens=16, block_length=8, threshold=None, steps=8, dual_cache=False)
+SOURCE_IDS = dict(mask_token_id=3, eos_token_id=[0, 2], pad_token_id=0, bos_token_id=1)
+
+
+def save_with_generation_config(path: Path, model, **fields) -> Path:
+    """`model` saved with the character tokenizer and a generation_config.json holding `fields`."""
+    model.generation_config = hf_dllm.DiffusionGenerationConfig(**fields)
+    model.save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
+def written_fields(folder: Path) -> dict:
+    """generation_config.json of `folder`, as the model reads it, without transformers' metadata."""
+    config = hf_dllm.DiffusionGenerationConfig.from_pretrained(folder)
+    return {name: getattr(config, name) for name in config.field_names()}
+
+
+@pytest.fixture(scope="module")
+def kept_source(tmp_path_factory) -> Path:
+    return save_with_generation_config(
+        tmp_path_factory.mktemp("kept-src") / "llada-kept", tiny_model(seed=2), **SOURCE_GENERATION, **SOURCE_IDS
+    )
+
+
+@pytest.fixture(scope="module")
+def exported_kept(tmp_path_factory, kept_source) -> Path:
+    """`kept_source` exported with the default options: its generation_config.json is kept."""
+    dst = tmp_path_factory.mktemp("export-kept") / "exported_kept"
+    export_checkpoint(kept_source, dst)
     return dst
 
 
@@ -192,7 +228,137 @@ def test_cli_export_and_console_dispatch(tmp_path, exported, capsys):
     assert tree_bytes(tmp_path / exported.name) == tree_bytes(exported)
     assert "Exported" in capsys.readouterr().out
     assert export.main(["--help"]) == 0
-    assert "--link" in capsys.readouterr().out
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--link" in usage and "--generation-defaults {source,fast}" in usage
+    assert "'source' (default) keeps SRC's generation_config.json" in usage and "'fast' writes the family's" in usage
+
+
+# --- generation_config.json: option > SRC's generation_config.json > the family's defaults --------------------------
+
+
+def test_source_generation_config_is_kept(exported_kept, kept_source, tmp_path):
+    # Every field kept; a special token id the source leaves unset comes from the checkpoint as without one (here
+    # the tokenizer's <|eot_id|>).
+    eot = build_char_tokenizer().convert_tokens_to_ids("<|eot_id|>")
+    assert written_fields(kept_source)["eot_token_id"] is None
+    assert written_fields(exported_kept) == {**written_fields(kept_source), "eot_token_id": eot}
+    written = written_fields(exported_kept)
+    assert (written["max_new_tokens"], written["block_length"], written["steps"]) == (16, 8, 8)
+    assert (written["threshold"], written["dual_cache"], written["eos_token_id"]) == (None, False, [0, 2])
+    card = (exported_kept / "README.md").read_text()  # the card documents what was written
+    assert "| `max_new_tokens` | 16 |" in card and "| `block_length` | 8 |" in card and "| `steps` | 8 |" in card
+    assert "| `dual_cache` | False |" in card and "| `threshold` | None |" in card
+    assert (
+        "LLaDA's fixed schedule (`steps=8` in all; `threshold=None`) with the prefix cache, greedy, in blocks of 8"
+        in card
+    )
+    # The project's tiny trained model (256 positions) keeps its 32 tokens in blocks of 8.
+    trained = Path(__file__).parent / "fixtures" / "llada-tiny-trained"
+    result = export_checkpoint(trained, tmp_path / "trained")
+    assert written_fields(tmp_path / "trained") == written_fields(trained)
+    assert result.generation.origins["max_new_tokens"] == "source"
+    assert "generation_config.json" in result.files
+
+
+def test_option_overrides_one_field_and_keeps_the_rest(kept_source, tmp_path):
+    source = written_fields(kept_source)
+    result = export_checkpoint(kept_source, tmp_path / "block4", block_length=4)
+    assert written_fields(tmp_path / "block4") == {**source, "block_length": 4, "eot_token_id": 2}
+    origins = result.generation.origins
+    assert origins["block_length"] == "option --block-length"
+    assert origins["max_new_tokens"] == origins["steps"] == origins["eos_token_id"] == "source"
+    assert origins["eot_token_id"] == "checkpoint" and origins["factor"] == "default"
+    # --threshold replaces the source's decoding rule (steps), as generate(threshold=...) does.
+    result = export_checkpoint(kept_source, tmp_path / "threshold", threshold=0.8, max_new_tokens=24)
+    written = written_fields(tmp_path / "threshold")
+    assert written == {**source, "threshold": 0.8, "steps": None, "max_new_tokens": 24, "eot_token_id": 2}
+    assert result.generation.origins["steps"] == result.generation.origins["threshold"] == "option --threshold"
+
+
+def test_fast_defaults_option_writes_the_family_defaults(kept_source, tmp_path, capsys):
+    dst = tmp_path / "fast"
+    assert export.main([str(kept_source), str(dst), "--generation-defaults", "fast", "--block-length", "16"]) == 0
+    written = written_fields(dst)
+    assert {key: written[key] for key in FAST_GENERATION_DEFAULTS} == {**FAST_GENERATION_DEFAULTS, "block_length": 16}
+    # special token ids as without a source generation_config.json: config.json's, the tokenizer's <|eot_id|>
+    eot = build_char_tokenizer().convert_tokens_to_ids("<|eot_id|>")
+    assert (written["eos_token_id"], written["eot_token_id"], written["mask_token_id"]) == (0, eot, 3)
+    out = capsys.readouterr().out
+    assert re.search(r"^  threshold = 0\.9 +<- the family's default$", out, re.M), out
+    assert re.search(r"^  block_length = 16 +<- option --block-length$", out, re.M), out
+    assert re.search(r"^  eos_token_id = 0 +<- SRC's config.json / tokenizer$", out, re.M), out
+
+
+def test_no_source_generation_config_gives_the_family_defaults(exported_chat, chat_checkpoint, tmp_path):
+    assert not (chat_checkpoint / "generation_config.json").exists()
+    result = export_checkpoint(chat_checkpoint, tmp_path / "out", max_new_tokens=24)
+    written = written_fields(tmp_path / "out")
+    assert {key: written[key] for key in FAST_GENERATION_DEFAULTS} == {**FAST_GENERATION_DEFAULTS, "max_new_tokens": 24}
+    origins = result.generation.origins
+    assert origins["threshold"] == origins["block_length"] == "family default"
+    assert origins["max_new_tokens"] == "option --max-new-tokens" and origins["mask_token_id"] == "checkpoint"
+
+
+def test_export_says_what_it_wrote(kept_source, tmp_path, capsys, caplog):
+    dst = tmp_path / "said"
+    assert export.main([str(kept_source), str(dst), "--threshold", "none", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "generation_config.json (LLaDA):" in out
+    for line in (
+        r"max_new_tokens = 24 +<- option --max-new-tokens",
+        r"block_length = 8 +<- SRC's generation_config.json",
+        r"threshold = None +<- option --threshold",
+        r"steps = None +<- option --threshold",  # --threshold replaced the source's rule
+        r"dual_cache = False +<- SRC's generation_config.json",
+        r"eos_token_id = \[0, 2\] +<- SRC's generation_config.json",
+    ):
+        assert re.search(rf"^  {line}$", out, re.M), f"{line!r} not in:\n{out}"
+    assert written_fields(dst)["max_new_tokens"] == 24 and written_fields(dst)["threshold"] is None
+    with caplog.at_level("INFO", logger="hf_dllm.hub.export"):
+        result = export_checkpoint(kept_source, dst, overwrite=True)
+    assert result.generation.summary() in caplog.text
+    assert re.search(r"block_length = 8 +<- SRC's generation_config.json", caplog.text)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"threshold": 1.5}, r"`threshold` must be None or a number in \(0, 1\]"),
+        ({"threshold": 0.9, "steps": 8}, "`steps` must be None with `threshold`"),  # LLaDA: no steps with threshold
+        ({"editing_threshold": 0.5}, "only supported by block-causal models"),  # LLaDA2.1 token editing
+        ({"num_beams": 4}, "unknown fields.*num_beams"),
+        ("{", "is not readable JSON"),
+    ],
+    ids=["range", "contradiction", "editing", "unknown", "json"],
+)
+def test_invalid_source_generation_config_is_refused(kept_source, tmp_path, fields, message):
+    src = tmp_path / "src"
+    shutil.copytree(kept_source, src)
+    path = src / "generation_config.json"
+    text = fields if isinstance(fields, str) else json.dumps({**json.loads(path.read_text()), **fields})
+    path.write_text(text)
+    dst = tmp_path / "out"
+    with pytest.raises(ExportError, match=message) as error:
+        export_checkpoint(src, dst)
+    assert str(path) in str(error.value) and "--generation-defaults fast" in str(error.value)
+    assert not dst.exists() and no_staging_left(tmp_path)
+    export_checkpoint(src, dst, generation_defaults="fast")  # the way out the message names
+    assert written_fields(dst)["threshold"] == FAST_GENERATION_DEFAULTS["threshold"]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"generation_defaults": "slow"}, "--generation-defaults .*must be one of source, fast, got 'slow'"),
+        ({"block_length": 0}, r"--block-length \(block_length=0\).*positive integer"),
+        ({"max_new_tokens": 2**21}, r"--max-new-tokens \(max_new_tokens=2097152\).*at most"),
+        ({"threshold": 0.0}, r"--threshold \(threshold=0.0\).*\(0, 1\]"),
+    ],
+)
+def test_bad_generation_options_are_refused(kept_source, tmp_path, options, message):
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(kept_source, tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
 
 
 # --- bad input: a clear error, DST untouched ----------------------------------------------------------------------
@@ -413,7 +579,9 @@ def test_cli_errors(tmp_path, capsys):
     assert export.main([str(tmp_path / "nowhere"), str(dst)]) == 1
     assert "is not a folder" in capsys.readouterr().err
     assert export.main([str(REFERENCE_DIR), str(dst), "--threshold", "2"]) == 1
-    assert "threshold" in capsys.readouterr().err
+    assert "--threshold (threshold=2.0)" in capsys.readouterr().err
+    assert export.main([str(REFERENCE_DIR), str(dst), "--generation-defaults", "slow"]) == 2
+    assert "invalid choice: 'slow'" in capsys.readouterr().err
     assert not dst.exists() and no_staging_left(tmp_path)
 
 
@@ -568,6 +736,8 @@ CHILD = textwrap.dedent(
     out["hub"] = describe(from_hub)
     record("tokens_hub", lambda: generate_all(from_hub, spec["subset"]))
     record("roundtrip", lambda: type(model.generation_config).from_pretrained(local).to_dict() == model.generation_config.to_dict())
+    kept = AutoModel.from_pretrained(spec["kept"], trust_remote_code=True).eval()  # no kwargs: its generation_config.json
+    record("tokens_kept", lambda: kept.generate(torch.tensor(spec["kept_prompt"])).tolist())
 
     bad = Path(spec["scratch"]) / "bad_generation_config"
     shutil.copytree(local, bad)
@@ -601,6 +771,7 @@ CHILD = textwrap.dedent(
 )
 
 
+KEPT_PROMPT = [[1, 40, 41, 42, 43, 44]]
 # Cases the models loaded after the first one run (the first runs them all): enough to show they are the same model.
 SUBSET = ["threshold", "factor_prefix", "padded"]
 
@@ -666,7 +837,7 @@ def fake_hub_cache(root: Path, repo: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fresh_process(tmp_path_factory, exported, exported_chat, reference_expected) -> dict:
+def fresh_process(tmp_path_factory, exported, exported_chat, exported_kept, reference_expected) -> dict:
     """Run CHILD once in a process where hf_dllm cannot be imported; return what it recorded."""
     root = tmp_path_factory.mktemp("fresh")
     cases = generation_cases(reference_expected)
@@ -674,6 +845,8 @@ def fresh_process(tmp_path_factory, exported, exported_chat, reference_expected)
         "local": str(exported),
         "hub_repo": HUB_REPO,
         "chat": str(exported_chat),
+        "kept": str(exported_kept),
+        "kept_prompt": KEPT_PROMPT,
         "cases": cases,
         "subset": SUBSET,
         "threads": torch.get_num_threads(),
@@ -738,6 +911,15 @@ def test_remote_generate_matches_hf_dllm(fresh_process, exported):
     assert fresh_process["tokens"] == expected
     for key in ("tokens_causal", "tokens_again", "tokens_hub"):
         assert fresh_process[key] == {name: expected[name] for name in SUBSET}, key
+
+
+def test_kept_generation_config_generates_the_source_tokens(fresh_process, kept_source):
+    """The export of a checkpoint with its own generation_config.json, loaded where hf_dllm is not installed, generates
+    with no arguments what the source model's generate() does with none: 16 tokens in blocks of 8, 8 fixed steps."""
+    source = hf_dllm.LLaDAModelLM.from_pretrained(kept_source).eval()
+    expected = source.generate(torch.tensor(KEPT_PROMPT))
+    assert expected.shape[1] == len(KEPT_PROMPT[0]) + SOURCE_GENERATION["max_new_tokens"]
+    assert fresh_process["tokens_kept"] == expected.tolist()
 
 
 def test_remote_generation_config_validates(fresh_process):

@@ -169,6 +169,49 @@ def test_llada2_export_options(tmp_path, llada2_checkpoint, capsys):
     assert json.loads((tmp_path / "t" / "generation_config.json").read_text())["threshold"] == 0.8
 
 
+def test_llada2_source_generation_config_is_kept(tmp_path):
+    """LLaDA2's own rules hold for SRC's generation_config.json: `steps` with `threshold` and token editing, which
+    LLaDA refuses, are kept; the export generates the source's tokens with no arguments."""
+    src = save_llada2(tmp_path / "src")
+    fields = dict(max_new_tokens=16, block_length=8, threshold=0.6, steps=4, mask_token_id=MASK, eos_token_id=EOS)
+    hf_dllm.DiffusionGenerationConfig(**fields).save_pretrained(src)
+    result = export_checkpoint(src, tmp_path / "kept")
+    written = hf_dllm.DiffusionGenerationConfig.from_pretrained(tmp_path / "kept")
+    assert (written.max_new_tokens, written.block_length, written.threshold, written.steps) == (16, 8, 0.6, 4)
+    assert result.generation.origins["steps"] == "source" and "generation_config.json (LLaDA2.x):" in (
+        result.generation.summary()
+    )
+    prompt = torch.tensor([[1, 40, 41, 42, 43]])
+    source = hf_dllm.LLaDA2MoeModelLM.from_pretrained(src).eval().generate(prompt)
+    exported = hf_dllm.LLaDA2MoeModelLM.from_pretrained(tmp_path / "kept").eval().generate(prompt)
+    assert source.shape[1] == prompt.shape[1] + 16 and exported.tolist() == source.tolist()
+    editing = dict(max_new_tokens=16, threshold=0.7, editing_threshold=0.5, mask_token_id=MASK, eos_token_id=EOS)
+    hf_dllm.DiffusionGenerationConfig(**editing).save_pretrained(src)
+    export_checkpoint(src, tmp_path / "editing")
+    assert json.loads((tmp_path / "editing" / "generation_config.json").read_text())["editing_threshold"] == 0.5
+    card = (tmp_path / "editing" / "README.md").read_text()
+    assert "LLaDA2.1 token editing (`editing_threshold=0.5`, `threshold=0.7`" in card
+    assert "| `editing_threshold` | 0.5 |" in card
+
+
+def test_llada2_threshold_none_and_fast_defaults_over_a_source_config(tmp_path, capsys):
+    src = save_llada2(tmp_path / "src", tokenizer=False)
+    hf_dllm.DiffusionGenerationConfig(max_new_tokens=16, block_length=8, threshold=0.6, steps=4).save_pretrained(src)
+    assert export.main([str(src), str(tmp_path / "none"), "--threshold", "none"]) == 0
+    written = json.loads((tmp_path / "none" / "generation_config.json").read_text())
+    assert (written["max_new_tokens"], written["block_length"], written.get("threshold"), written.get("steps")) == (
+        16,
+        8,
+        None,
+        None,
+    )
+    assert "one token per step (`threshold=None`" in (tmp_path / "none" / "README.md").read_text()
+    assert "threshold = None" in capsys.readouterr().out
+    export_checkpoint(src, tmp_path / "fast", generation_defaults="fast")
+    written = json.loads((tmp_path / "fast" / "generation_config.json").read_text())
+    assert {key: written.get(key) for key in LLADA2_GENERATION_DEFAULTS} == LLADA2_GENERATION_DEFAULTS
+
+
 def test_llada2_card(exported_llada2):
     card = (exported_llada2 / "README.md").read_text()
     assert card.startswith("---\nlicense: apache-2.0\nbase_model: inclusionAI/LLaDA2.1-mini\n")

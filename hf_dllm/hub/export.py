@@ -429,7 +429,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
 DEFAULT_REPO_ORG = "your-org"
 
 
-logger = logging.getLogger("hf_dllm.export")
+logger = logging.getLogger(__name__)  # hf_dllm.hub.export
 
 
 class ExportError(ValueError):
@@ -783,6 +783,7 @@ def resolve_generation_settings(
     Raises `ExportError` naming the option or the file for an invalid value, before anything is written.
     """
     from ..generation_config import SPECIAL_TOKEN_FIELDS, DiffusionGenerationConfig
+    from ..generation_utils import DECODING_RULE_FIELDS
 
     if generation_defaults not in GENERATION_DEFAULTS_CHOICES:
         raise ExportError(
@@ -836,8 +837,10 @@ def resolve_generation_settings(
         fields[name] = getattr(resolved, name)
         if name in options:
             origins[name] = f"option {GENERATION_OPTIONS[name]}"
-        elif fields[name] != getattr(base, name):  # a decoding rule the options replaced
-            origins[name] = "option " + " ".join(GENERATION_OPTIONS[option] for option in options)
+        elif fields[name] != getattr(base, name):  # the base's decoding rule, replaced by the option naming one
+            origins[name] = "option " + " ".join(
+                GENERATION_OPTIONS[rule] for rule in DECODING_RULE_FIELDS & options.keys()
+            )
         else:
             origins[name] = base_origin(name)
     ids = {}
