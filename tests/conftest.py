@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -101,3 +106,114 @@ def tiny_model(seed: int = 0, **overrides) -> hf_dllm.LLaDAModelLM:
 @pytest.fixture
 def make_tiny_model():
     return tiny_model
+
+
+# --- exported repos run where hf_dllm cannot be imported (tests/test_export.py, tests/test_llada2_export.py) --------
+
+
+def generate_cases(model, cases: list[dict]) -> dict:
+    """`model.generate()` on each case (`name`, `input_ids`, `kwargs`, optional `attention_mask`), seeded alike:
+    name -> {"sequences"[, "nfe"]}. The same function runs in the child process of `run_without_hf_dllm` (its
+    source is sent there), so both sides generate the same way."""
+    results = {}
+    for case in cases:
+        torch.manual_seed(0)
+        kwargs = dict(case["kwargs"])
+        if case.get("attention_mask") is not None:
+            kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
+        out = model.generate(torch.tensor(case["input_ids"]), **kwargs)
+        if isinstance(out, torch.Tensor):
+            results[case["name"]] = {"sequences": out.tolist()}
+        else:
+            results[case["name"]] = {"sequences": out.sequences.tolist(), "nfe": out.nfe}
+    return results
+
+
+# What every child script starts with: hf_dllm (and the optional kernels) made unimportable, `spec` (its JSON
+# argument), `out` (written to spec["result"] at the end), `record`, `expect_error`, `describe` (a loaded model),
+# `no_hf_dllm`, `generate_cases`.
+CHILD_PRELUDE = textwrap.dedent(
+    r"""
+        import sys
+
+        for blocked in ("hf_dllm", "triton", "flash_attn"):  # not installed, as far as this process can tell
+            sys.modules[blocked] = None
+
+        import json
+        import traceback
+        from pathlib import Path
+
+        import torch
+
+        spec = json.loads(Path(sys.argv[1]).read_text())
+        torch.set_num_threads(spec["threads"])  # as in the parent process, so float reductions round alike
+        out = {"errors": []}
+
+
+        def record(name, fn):
+            try:
+                out[name] = fn()
+            except Exception:
+                out["errors"].append(f"{name}: {traceback.format_exc()}")
+
+
+        def expect_error(fn):
+            try:
+                fn()
+            except (ValueError, TypeError) as error:
+                return f"{type(error).__name__}: {error}"
+            return None
+
+
+        def describe(model):
+            config = model.generation_config
+            return {
+                "class": type(model).__name__,
+                "class_module": type(model).__module__,
+                "config_module": type(model.config).__module__,
+                "has_generate": hasattr(model, "generate"),
+                "block_causal": getattr(model, "diffusion_block_causal", None),
+                "generation_config_class": type(config).__name__,
+                "generation_config_module": type(config).__module__,
+                "generation_config": {name: getattr(config, name) for name in type(config).field_names()},
+            }
+
+
+        def no_hf_dllm():
+            try:
+                import hf_dllm  # noqa: F401
+            except ImportError:
+                return True
+            return False
+
+
+        """
+) + inspect.getsource(generate_cases)
+
+
+def run_without_hf_dllm(root: Path, child: str, spec: dict, env: dict[str, str] | None = None) -> dict:
+    """Run `CHILD_PRELUDE + child` with `spec` in a fresh, offline process where hf_dllm cannot be imported (Hub and
+    module caches under `root`, plus `env`); return its `out`, with its stderr under "stderr"."""
+    spec = {**spec, "threads": torch.get_num_threads(), "result": str(root / "result.json")}
+    (root / "spec.json").write_text(json.dumps(spec))
+    (root / "child.py").write_text(CHILD_PRELUDE + child + '\nPath(spec["result"]).write_text(json.dumps(out))\n')
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PYTHON", "TRANSFORMERS_"))}
+    environment.update(
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(root / "hf_home"),
+        HF_MODULES_CACHE=str(root / "modules"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        **(env or {}),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(root / "child.py"), str(root / "spec.json")],
+        cwd=root,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((root / "result.json").read_text())
+    result["stderr"] = proc.stderr
+    return result

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REFERENCE_DIR, tiny_model
+from conftest import REFERENCE_DIR, generate_cases, run_without_hf_dllm, tiny_model
 
 import hf_dllm
 from hf_dllm.hub import export
@@ -646,80 +646,22 @@ def test_missing_or_unreachable_remote_code_file(tmp_path, monkeypatch):
 
 # --- a fresh process without hf_dllm ------------------------------------------------------------------------------
 
+# Run after conftest's CHILD_PRELUDE (spec, out, record, expect_error, describe, no_hf_dllm, generate_cases).
 CHILD = textwrap.dedent(
     r"""
-    import sys
-
-    for blocked in ("hf_dllm", "triton", "flash_attn"):  # not installed, as far as this process can tell
-        sys.modules[blocked] = None
-
     import importlib
-    import json
     import shutil
-    import traceback
-    from pathlib import Path
 
-    import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
     from transformers.dynamic_module_utils import check_imports
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    torch.set_num_threads(spec["threads"])  # as in the parent process, so float reductions round alike
-    out = {"errors": []}
-
-    def record(name, fn):
-        try:
-            out[name] = fn()
-        except Exception:
-            out["errors"].append(f"{name}: {traceback.format_exc()}")
-
-    def no_hf_dllm():
-        try:
-            import hf_dllm  # noqa: F401
-        except ImportError:
-            return True
-        return False
-
-    def generate_all(model, names=None):
-        results = {}
-        for case in spec["cases"]:
-            if names is not None and case["name"] not in names:
-                continue
-            torch.manual_seed(0)
-            kwargs = dict(case["kwargs"])
-            if case.get("attention_mask") is not None:
-                kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
-            out_ = model.generate(torch.tensor(case["input_ids"]), **kwargs)
-            if isinstance(out_, torch.Tensor):
-                results[case["name"]] = {"sequences": out_.tolist()}
-            else:
-                results[case["name"]] = {"sequences": out_.sequences.tolist(), "nfe": out_.nfe}
-        return results
-
-    def describe(model):
-        config = model.generation_config
-        return {
-            "class_module": type(model).__module__,
-            "config_module": type(model.config).__module__,
-            "has_generate": hasattr(model, "generate"),
-            "generation_config_class": type(config).__name__,
-            "generation_config_module": type(config).__module__,
-            "generation_config": {name: getattr(config, name) for name in type(config).field_names()},
-        }
-
-    def expect_error(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as error:
-            return f"{type(error).__name__}: {error}"
-        return None
-
+    subset = [case for case in spec["cases"] if case["name"] in spec["subset"]]
     local, hub, chat = spec["local"], spec["hub_repo"], spec["chat"]
     out["no_hf_dllm"] = no_hf_dllm()
     record("auto_config_module", lambda: type(AutoConfig.from_pretrained(local, trust_remote_code=True)).__module__)
     model = AutoModel.from_pretrained(local, trust_remote_code=True).eval()
     out["auto_model"] = describe(model)
-    record("tokens", lambda: generate_all(model))
+    record("tokens", lambda: generate_cases(model, spec["cases"]))
     out["errors_validation"] = {
         "threshold": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=1.5)),
         "unknown": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), num_beams=2)),
@@ -728,13 +670,13 @@ CHILD = textwrap.dedent(
     }
     causal = AutoModelForCausalLM.from_pretrained(local, trust_remote_code=True).eval()
     out["auto_causal"] = describe(causal)
-    record("tokens_causal", lambda: generate_all(causal, spec["subset"]))
+    record("tokens_causal", lambda: generate_cases(causal, subset))
     again = AutoModel.from_pretrained(local, trust_remote_code=True).eval()  # loading twice in one process
     out["again"] = describe(again)
-    record("tokens_again", lambda: generate_all(again, spec["subset"]))
+    record("tokens_again", lambda: generate_cases(again, subset))
     from_hub = AutoModelForCausalLM.from_pretrained(hub, trust_remote_code=True).eval()  # the Hub code path
     out["hub"] = describe(from_hub)
-    record("tokens_hub", lambda: generate_all(from_hub, spec["subset"]))
+    record("tokens_hub", lambda: generate_cases(from_hub, subset))
     record("roundtrip", lambda: type(model.generation_config).from_pretrained(local).to_dict() == model.generation_config.to_dict())
     kept = AutoModel.from_pretrained(spec["kept"], trust_remote_code=True).eval()  # no kwargs: its generation_config.json
     record("tokens_kept", lambda: kept.generate(torch.tensor(spec["kept_prompt"])).tolist())
@@ -766,7 +708,6 @@ CHILD = textwrap.dedent(
 
     record("imported", import_each_module)
     out["no_hf_dllm_after"] = no_hf_dllm()
-    Path(spec["result"]).write_text(json.dumps(out))
     """
 )
 
@@ -811,21 +752,6 @@ def generation_cases(reference_expected) -> list[dict]:
     ]
 
 
-def hf_dllm_tokens(model, cases) -> dict:
-    results = {}
-    for case in cases:
-        torch.manual_seed(0)
-        kwargs = dict(case["kwargs"])
-        if case.get("attention_mask") is not None:
-            kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
-        out = model.generate(torch.tensor(case["input_ids"]), **kwargs)
-        if isinstance(out, torch.Tensor):
-            results[case["name"]] = {"sequences": out.tolist()}
-        else:
-            results[case["name"]] = {"sequences": out.sequences.tolist(), "nfe": out.nfe}
-    return results
-
-
 def fake_hub_cache(root: Path, repo: Path) -> Path:
     """An offline Hub cache holding `repo` as `HUB_REPO` at `HUB_COMMIT`, laid out as huggingface_hub does."""
     org, name = HUB_REPO.split("/")
@@ -849,33 +775,11 @@ def fresh_process(tmp_path_factory, exported, exported_chat, exported_kept, refe
         "kept_prompt": KEPT_PROMPT,
         "cases": cases,
         "subset": SUBSET,
-        "threads": torch.get_num_threads(),
         "modules": [name.removesuffix(".py") for name in REMOTE_CODE_FILES],
         "scratch": str(root),
-        "result": str(root / "result.json"),
     }
-    (root / "spec.json").write_text(json.dumps(spec))
-    (root / "child.py").write_text(CHILD)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "PYTHON", "TRANSFORMERS_"))}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(root / "hf_home"),
-        HF_HUB_CACHE=str(fake_hub_cache(root / "hub", exported)),
-        HF_MODULES_CACHE=str(root / "modules"),
-        HF_HUB_DISABLE_TELEMETRY="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, str(root / "child.py"), str(root / "spec.json")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads((root / "result.json").read_text())
+    result = run_without_hf_dllm(root, CHILD, spec, {"HF_HUB_CACHE": str(fake_hub_cache(root / "hub", exported))})
     result["cases"] = cases
-    result["stderr"] = proc.stderr
     return result
 
 
@@ -906,7 +810,7 @@ def test_remote_classes_have_diffusion_generate(fresh_process, loaded):
 
 def test_remote_generate_matches_hf_dllm(fresh_process, exported):
     model = hf_dllm.LLaDAModelLM.from_pretrained(exported).eval()
-    expected = hf_dllm_tokens(model, fresh_process["cases"])
+    expected = generate_cases(model, fresh_process["cases"])
     assert expected["factor_prefix"]["nfe"] > 0
     assert fresh_process["tokens"] == expected
     for key in ("tokens_causal", "tokens_again", "tokens_hub"):

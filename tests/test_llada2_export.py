@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import generate_cases, run_without_hf_dllm
 from safetensors.torch import load_file, save_file
 from test_llada2_integration import tiny_llada2
 
@@ -293,79 +291,23 @@ def test_untied_llada2_weights_are_verified(tmp_path, breakage, message):
 
 # --- a fresh process without hf_dllm ------------------------------------------------------------------------------
 
+# Run after conftest's CHILD_PRELUDE (spec, out, record, expect_error, describe, no_hf_dllm, generate_cases).
 CHILD = textwrap.dedent(
     r"""
-    import sys
-
-    for blocked in ("hf_dllm", "triton", "flash_attn"):  # not installed, as far as this process can tell
-        sys.modules[blocked] = None
-
-    import json
-    import traceback
-    from pathlib import Path
-
-    import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer, pipeline
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    torch.set_num_threads(spec["threads"])  # as in the parent process, so float reductions round alike
-    out = {"errors": []}
-
-    def record(name, fn):
-        try:
-            out[name] = fn()
-        except Exception:
-            out["errors"].append(f"{name}: {traceback.format_exc()}")
-
-    def generate_all(model, cases):
-        results = {}
-        for case in cases:
-            torch.manual_seed(0)
-            kwargs = dict(case["kwargs"])
-            if case.get("attention_mask") is not None:
-                kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
-            result = model.generate(torch.tensor(case["input_ids"]), **kwargs)
-            if isinstance(result, torch.Tensor):
-                results[case["name"]] = {"sequences": result.tolist()}
-            else:
-                results[case["name"]] = {"sequences": result.sequences.tolist(), "nfe": result.nfe}
-        return results
-
-    def describe(model):
-        config = model.generation_config
-        return {
-            "class": type(model).__name__,
-            "class_module": type(model).__module__,
-            "config_module": type(model.config).__module__,
-            "generation_config_class": type(config).__name__,
-            "generation_config": {name: getattr(config, name) for name in type(config).field_names()},
-            "block_causal": getattr(model, "diffusion_block_causal", None),
-        }
-
-    def expect_error(fn):
-        try:
-            fn()
-        except (ValueError, TypeError) as error:
-            return f"{type(error).__name__}: {error}"
-        return None
-
-    try:
-        import hf_dllm  # noqa: F401
-        out["no_hf_dllm"] = False
-    except ImportError:
-        out["no_hf_dllm"] = True
-
+    out["no_hf_dllm"] = no_hf_dllm()
     chat, reference = spec["chat"], spec["reference"]
     record("auto_config_module", lambda: type(AutoConfig.from_pretrained(chat, trust_remote_code=True)).__module__)
     model = AutoModel.from_pretrained(chat, trust_remote_code=True).eval()
     out["auto_model"] = describe(model)
-    record("tokens", lambda: generate_all(model, spec["cases"]))
+    record("tokens", lambda: generate_cases(model, spec["cases"]))
     causal = AutoModelForCausalLM.from_pretrained(chat, trust_remote_code=True).eval()
     out["auto_causal"] = describe(causal)
-    record("tokens_causal", lambda: generate_all(causal, spec["cases"][:2]))
+    record("tokens_causal", lambda: generate_cases(causal, spec["cases"][:2]))
     edited = AutoModel.from_pretrained(reference, trust_remote_code=True).eval()
     out["reference_model"] = describe(edited)
-    record("tokens_reference", lambda: generate_all(edited, spec["reference_cases"]))
+    record("tokens_reference", lambda: generate_cases(edited, spec["reference_cases"]))
     prompt = torch.tensor([[5, 6, 7]])
     out["errors_validation"] = {
         "steps_with_editing": expect_error(lambda: model.generate(prompt, editing_threshold=0.5, steps=8)),
@@ -391,7 +333,6 @@ CHILD = textwrap.dedent(
         return {"streamed": "".join(streamer), "decoded": text}
 
     record("streamer", run_streamer)
-    Path(spec["result"]).write_text(json.dumps(out))
     """
 )
 
@@ -456,21 +397,6 @@ def reference_cases() -> list[dict]:
     return cases
 
 
-def hf_dllm_tokens(model, cases) -> dict:
-    results = {}
-    for case in cases:
-        torch.manual_seed(0)
-        kwargs = dict(case["kwargs"])
-        if case.get("attention_mask") is not None:
-            kwargs["attention_mask"] = torch.tensor(case["attention_mask"])
-        out = model.generate(torch.tensor(case["input_ids"]), **kwargs)
-        if isinstance(out, torch.Tensor):
-            results[case["name"]] = {"sequences": out.tolist()}
-        else:
-            results[case["name"]] = {"sequences": out.sequences.tolist(), "nfe": out.nfe}
-    return results
-
-
 @pytest.fixture(scope="module")
 def fresh_process(tmp_path_factory, exported_llada2, exported_llada21_ref) -> dict:
     """Run CHILD once in a process where hf_dllm cannot be imported; return what it recorded."""
@@ -480,28 +406,8 @@ def fresh_process(tmp_path_factory, exported_llada2, exported_llada21_ref) -> di
         "reference": str(exported_llada21_ref),
         "cases": chat_cases(),
         "reference_cases": [{k: v for k, v in case.items() if k != "expected"} for case in reference_cases()],
-        "threads": torch.get_num_threads(),
-        "result": str(root / "result.json"),
     }
-    (root / "spec.json").write_text(json.dumps(spec))
-    (root / "child.py").write_text(CHILD)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "PYTHON", "TRANSFORMERS_"))}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(root / "hf_home"),
-        HF_MODULES_CACHE=str(root / "modules"),
-        HF_HUB_DISABLE_TELEMETRY="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, str(root / "child.py"), str(root / "spec.json")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads((root / "result.json").read_text())
+    result = run_without_hf_dllm(root, CHILD, spec)
     assert result["no_hf_dllm"], "the child process could import hf_dllm"
     assert not result["errors"], "\n".join(result["errors"])
     return result
@@ -525,10 +431,10 @@ def test_remote_llada2_loads_as_the_lm_with_diffusion_generate(fresh_process):
 
 
 @pytest.mark.slow
-def test_remote_llada2_generates_hf_dllm_tokens(fresh_process, exported_llada2, exported_llada21_ref):
+def test_remote_llada2_generates_generate_cases(fresh_process, exported_llada2, exported_llada21_ref):
     model = hf_dllm.LLaDA2MoeModelLM.from_pretrained(exported_llada2).eval()
     cases = chat_cases()
-    expected = hf_dllm_tokens(model, cases)
+    expected = generate_cases(model, cases)
     assert fresh_process["tokens"] == expected
     assert fresh_process["tokens_causal"] == {case["name"]: expected[case["name"]] for case in cases[:2]}
     assert expected["editing"]["nfe"] > 0 and expected["steps_threshold"]["nfe"] <= 6
@@ -543,7 +449,7 @@ def test_remote_llada2_generates_hf_dllm_tokens(fresh_process, exported_llada2, 
 def test_remote_llada21_editing_matches_hf_dllm_and_the_reference(fresh_process, exported_llada21_ref):
     model = hf_dllm.LLaDA2MoeModelLM.from_pretrained(exported_llada21_ref).eval()
     cases = reference_cases()
-    expected = hf_dllm_tokens(model, cases)
+    expected = generate_cases(model, cases)
     assert fresh_process["tokens_reference"] == expected
     for case in cases:
         assert case["kwargs"]["editing_threshold"] is not None

@@ -553,18 +553,25 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: 
 # --- SRC ----------------------------------------------------------------------------------------------------------
 
 
+def _read_json_object(path: Path, hint: str = "") -> dict:
+    """The JSON object in `path`; an `ExportError` naming the file (and `hint`, what to do) otherwise."""
+    suffix = f"; {hint}." if hint else "."
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{path} is not readable JSON: {error}{suffix}") from error
+    if not isinstance(value, dict):
+        raise ExportError(f"{path} must hold a JSON object{suffix}")
+    return value
+
+
 def read_source_config(src: Path) -> dict:
     """SRC's `config.json` as a dict, after checking that its `model_type` is one of `MODEL_FAMILIES` and that
     hf_dllm's config class of that family accepts it (a config the model cannot run is refused here)."""
     path = src / "config.json"
     if not path.is_file():
         raise ExportError(f"{src} has no config.json: SRC must be a LLaDA or LLaDA2.x checkpoint folder.")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ExportError(f"{path} is not readable JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ExportError(f"{path} must hold a JSON object.")
+    config = _read_json_object(path)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ExportError(
@@ -742,12 +749,7 @@ def _read_source_generation_config(src: Path, family: ModelFamily, block_causal:
         "fix or remove it, or pass --generation-defaults fast (generation_defaults='fast') to write the family's "
         "defaults instead"
     )
-    try:
-        written = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ExportError(f"{path} is not readable JSON ({error}): {hint}.") from error
-    if not isinstance(written, dict):
-        raise ExportError(f"{path} must hold a JSON object: {hint}.")
+    written = _read_json_object(path, hint)
     try:
         config = DiffusionGenerationConfig.from_pretrained(src)
         config.validate(block_causal=block_causal)
