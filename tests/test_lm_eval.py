@@ -259,6 +259,7 @@ def test_settings_resolution_order(lm_eval_module, settings_checkpoint, monkeypa
     sampled = config({"temperature": 0.5})  # the resolver's temperature -> do_sample rule
     assert sampled.do_sample is True and sampled.temperature == 0.5
     assert config({"do_sample": False, "temperature": 0.0}).do_sample is False
+    assert config({"do_sample": False, "temperature": 0.7}).temperature == 0.0  # greedy, as transformers does
 
     # model_args over the checkpoint; the request over model_args (its decoding rule replaces theirs); gen_length
     # in model_args is the user's canvas and beats a task's max_gen_toks.

@@ -174,7 +174,6 @@ class DiffusionEvalLM(LM):
         self.gen_length = int(length) if length is not None else None
         if self.gen_length is not None:
             generation_kwargs["max_new_tokens"] = self.gen_length
-        self.model_args_fields = dict(generation_kwargs)
         self.base_config = self.model.resolve_generation_config(**generation_kwargs)
 
         self.batch_size = _positive_int("batch_size", batch_size, 1)
@@ -277,10 +276,10 @@ class DiffusionEvalLM(LM):
         # the task's max_gen_toks > the checkpoint's max_new_tokens.
         if max_gen_toks is not None and self.gen_length is None:
             fields["max_new_tokens"] = max_gen_toks
-        # lm-eval's `do_sample: false` means greedy decoding, i.e. temperature 0 here; the resolver derives
-        # do_sample from a temperature.
+        # lm-eval's `do_sample: false` means greedy decoding whatever the temperature (transformers' rule), i.e.
+        # temperature 0 here; the resolver derives do_sample from a temperature.
         if gen_kwargs.get("do_sample") is False:
-            gen_kwargs.setdefault("temperature", 0.0)
+            gen_kwargs["temperature"] = 0.0
         for key in list(gen_kwargs):
             if key in _GENERATION_FIELDS or key == "do_sample":
                 fields[key] = gen_kwargs.pop(key)
