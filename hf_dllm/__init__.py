@@ -1,6 +1,6 @@
 """hf_dllm: masked-diffusion language models (LLaDA, LLaDA2.x, ...) in Hugging Face transformers.
 
-`import hf_dllm` registers the LLaDA (`model_type="llada"`) and LLaDA2.x MoE (`"llada2_moe"`) classes with
+`import hf_dllm` registers the LLaDA (`model_type="llada"`), LLaDA2.x MoE (`"llada2_moe"`) and Dream (`"Dream"`) classes with
 `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, so a local checkpoint of either loads with
 `AutoModel.from_pretrained(path)` and generates with `.generate(...)`.
 
@@ -20,6 +20,7 @@ import warnings
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import CachePolicy, DiffusionKVCache, DualCache, ExactBlockCache, NoCache, PrefixCache
+from .configuration_dream import DreamConfig
 from .configuration_llada import LLaDAConfig
 from .configuration_llada2_moe import LLaDA2MoeConfig
 from .decoding import (
@@ -39,6 +40,7 @@ from .generation_utils import (
     left_pad,
     plan_blocks,
 )
+from .modeling_dream import DreamBaseModel, DreamModel, DreamPreTrainedModel
 from .modeling_llada import LLaDAModel, LLaDAModelLM, LLaDAPreTrainedModel
 from .modeling_llada2_moe import LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2MoePreTrainedModel
 
@@ -100,6 +102,10 @@ AutoModelForCausalLM.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
 AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)
 AutoModel.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
 AutoModelForCausalLM.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
+# Dream (`model_type="Dream"`): as on the Hub, AutoModel gives `DreamModel`, the model with the LM head.
+AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
+AutoModel.register(DreamConfig, DreamModel, exist_ok=True)
+AutoModelForCausalLM.register(DreamConfig, DreamModel, exist_ok=True)
 
 __all__ = [
     "BlockDiffusionRun",
@@ -111,6 +117,10 @@ __all__ = [
     "DiffusionGenerationConfig",
     "DiffusionGenerationMixin",
     "DiffusionKVCache",
+    "DreamBaseModel",
+    "DreamConfig",
+    "DreamModel",
+    "DreamPreTrainedModel",
     "DualCache",
     "ExactBlockCache",
     "FixedSchedule",

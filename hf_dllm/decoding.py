@@ -376,7 +376,8 @@ def make_unmasking_policy(
 class BlockProposal:
     """What one forward proposes for the current block (all `(rows, L)`): the block's tokens before the step,
     which of them are masked, which are generated positions (not prompt), the candidate token and its
-    probability everywhere, and the ranking confidence (`NOT_MASKED` outside masked positions)."""
+    probability everywhere, and the ranking confidence (`NOT_MASKED` outside masked positions); `logits`
+    `(rows, L, vocab)` are the block's logits, for policies with confidences of their own (Dream's margin, entropy)."""
 
     block: torch.Tensor
     masked: torch.Tensor
@@ -384,6 +385,7 @@ class BlockProposal:
     x0: torch.Tensor
     probability: torch.Tensor
     confidence: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -435,6 +437,7 @@ def denoise_step(
         x0=x0,
         probability=probability,
         confidence=torch.where(masked, probability, NOT_MASKED),
+        logits=logits,
     )
     new_block, edited = rules.policy.commit(proposal, scheduled)
     if active is not None:

@@ -16,6 +16,10 @@ import transformers
 from transformers import GenerationConfig
 
 REMASKING_STRATEGIES = ("low_confidence", "random")
+# Dream's decoding algorithms (`alg`): its own four and Fast-dLLM's threshold variant of its sampler.
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
+# Dream's fields: models without Dream's rules reject them (`DiffusionGenerationMixin._diffusion_unmasking_policy`).
+DREAM_FIELDS = ("alg", "alg_temp", "top_p", "top_k", "eps")
 # Upper bound of `max_new_tokens` and `steps`: far beyond any model's context (LLaDA: 4096 positions), yet small
 # enough that a typo such as 10**9 is an error naming the field instead of a multi-gigabyte allocation.
 MAX_GENERATION_LENGTH = 1 << 20
@@ -48,6 +52,12 @@ _GENERATION_DEFAULTS = {
     "bos_token_id": None,
     "return_dict_in_generate": False,
     "disable_compile": False,
+    # Dream's sampler (arXiv:2508.15487): read by models whose `_diffusion_unmasking_policy` implements them.
+    "alg": None,
+    "alg_temp": None,
+    "top_p": None,
+    "top_k": None,
+    "eps": 1e-3,
 }
 # LLaDA2.1 token editing (block-causal models only); non-default values need `editing_threshold`.
 EDITING_FIELDS = ("editing_threshold", "max_post_steps", "num_to_transfer")
@@ -116,6 +126,17 @@ class DiffusionGenerationConfig(GenerationConfig):
             positions are filled with EOS, and it costs no more forwards.
         return_dict_in_generate (`bool`, False): return a `DiffusionGenerateOutput` (`sequences`, `nfe`).
         disable_compile (`bool`, False): turn off CUDA-graph capture of the denoising step (debugging).
+
+    Dream's sampler (arXiv:2508.15487; models with Dream's rules only, others reject them):
+        alg (`str`, *optional*): one of `DREAM_ALGS`: `"maskgit_plus"` (confidence = top-1 probability),
+            `"topk_margin"` (top-1 minus top-2 probability), `"entropy"` (negative entropy), `"origin"` (each
+            masked position committed with the schedule's probability), each on Dream's timestep schedule
+            (`steps`, `eps`); or `"confidence_threshold"` (Fast-dLLM's threshold, with `threshold`).
+        alg_temp (`float`, *optional*): > 0 samples the committed positions from softmax(confidence / alg_temp)
+            instead of taking the most confident ones.
+        top_p (`float`, *optional*), top_k (`int`, *optional*): nucleus / top-k filtering of the token
+            distribution before sampling and before the confidences are computed.
+        eps (`float`, 1e-3): end of Dream's timestep schedule `linspace(1, eps, steps + 1)`, in (0, 1).
 
     Special tokens: `mask_token_id`, `eos_token_id` (int or list), `eot_token_id`, `pad_token_id`, `bos_token_id`.
     """
@@ -248,6 +269,7 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError("`editing_threshold` needs remasking='low_confidence' (it compares model confidences).")
         if adaptive and self.remasking != "low_confidence":
             raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
+        self._validate_dream_fields(finite)
         for name in (
             "do_sample",
             "use_cache",
@@ -280,6 +302,34 @@ class DiffusionGenerationConfig(GenerationConfig):
                 "mistaken for positions to denoise."
             )
 
+    def _validate_dream_fields(self, finite) -> None:
+        """Dream's fields: values, and their contradictions with the other rules."""
+        if self.alg is not None and self.alg not in DREAM_ALGS:
+            raise ValueError(f"`alg` must be None or one of {DREAM_ALGS}, got {self.alg!r}.")
+        if self.alg_temp is not None and (not finite(self.alg_temp) or self.alg_temp < 0):
+            raise ValueError(
+                f"`alg_temp` must be None or a finite number >= 0 (0 = most confident), got {self.alg_temp!r}."
+            )
+        if self.top_p is not None and (not finite(self.top_p) or not 0 < self.top_p <= 1):
+            raise ValueError(f"`top_p` must be None or a number in (0, 1], got {self.top_p!r}.")
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k <= 0):
+            raise ValueError(f"`top_k` must be None or a positive integer, got {self.top_k!r}.")
+        if not finite(self.eps) or not 0 < self.eps < 1:
+            raise ValueError(
+                f"`eps` must be a number in (0, 1) (the end of Dream's timestep schedule), got {self.eps!r}."
+            )
+        if self.alg == "confidence_threshold" and self.threshold is None:
+            raise ValueError("`alg='confidence_threshold'` needs `threshold` (a number in (0, 1]).")
+        if self.threshold is not None and self.alg not in (None, "confidence_threshold"):
+            raise ValueError(
+                f"`threshold` is the rule of `alg='confidence_threshold'`; it contradicts `alg={self.alg!r}` "
+                "(set alg to None or 'confidence_threshold', or drop threshold)."
+            )
+        if self.factor is not None and self.alg is not None:
+            raise ValueError(f"`factor` is its own rule: it contradicts `alg={self.alg!r}` (set alg to None).")
+        if self.alg_temp and (self.threshold is not None or self.factor is not None):
+            raise ValueError("`alg_temp` > 0 applies to Dream's scheduled algs only: not with `threshold`/`factor`.")
+
     @property
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
@@ -295,4 +345,4 @@ class DiffusionGenerationConfig(GenerationConfig):
         return (self.eos_token_ids or [0])[0]
 
 
-__all__ = ["DiffusionGenerationConfig", "REMASKING_STRATEGIES"]
+__all__ = ["DREAM_ALGS", "DiffusionGenerationConfig", "REMASKING_STRATEGIES"]

@@ -27,7 +27,7 @@ from transformers.utils import ModelOutput, logging
 
 from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
-from .generation_config import DiffusionGenerationConfig, is_number
+from .generation_config import DREAM_FIELDS, DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
 
 logger = logging.get_logger(__name__)
@@ -256,7 +256,14 @@ class DiffusionGenerationMixin:
 
     def _diffusion_unmasking_policy(self, config: DiffusionGenerationConfig) -> UnmaskingPolicy | None:
         """The model family's own unmasking rule for `config`, or None for the rule the config names
-        (`make_unmasking_policy`). A family with rules of its own (e.g. Dream's `alg`) overrides this."""
+        (`make_unmasking_policy`). A family with rules of its own (e.g. Dream's `alg`) overrides this; the default
+        rejects Dream's fields, which the config's rules would silently ignore."""
+        named = [name for name in DREAM_FIELDS if getattr(config, name) != DiffusionGenerationConfig().__dict__[name]]
+        if named:
+            raise ValueError(
+                f"{named} are settings of Dream's sampler, which {type(self).__name__} does not use: leave them unset "
+                "(this model's rules are `steps`, `threshold` and `factor`)."
+            )
         return None
 
     def _diffusion_step_capturable(self) -> bool:

@@ -666,7 +666,7 @@ CHILD = textwrap.dedent(
         "threshold": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=1.5)),
         "unknown": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), num_beams=2)),
         "contradiction": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=0.9, steps=8)),
-        "unknown_field": expect_error(lambda: type(model.generation_config)(top_k=5)),
+        "unknown_field": expect_error(lambda: type(model.generation_config)(min_p=0.1)),
     }
     causal = AutoModelForCausalLM.from_pretrained(local, trust_remote_code=True).eval()
     out["auto_causal"] = describe(causal)
@@ -831,7 +831,7 @@ def test_remote_generation_config_validates(fresh_process):
     assert errors["threshold"].startswith("ValueError") and "`threshold`" in errors["threshold"]
     assert errors["unknown"].startswith("ValueError") and "num_beams" in errors["unknown"]
     assert errors["contradiction"].startswith("ValueError") and "`steps` must be None" in errors["contradiction"]
-    assert errors["unknown_field"].startswith("ValueError") and "top_k" in errors["unknown_field"]
+    assert errors["unknown_field"].startswith("ValueError") and "min_p" in errors["unknown_field"]
     assert errors["bad_file"] is not None and "`steps` must be None" in errors["bad_file"]
 
 

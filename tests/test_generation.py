@@ -127,7 +127,7 @@ INVALID_GENERATION_CONFIGS = [
     ("steps", dict(steps=0)),
     ("steps", dict(steps=-4)),
     ("pad_token_id", dict(pad_token_id=5, mask_token_id=5)),
-    ("top_k", dict(top_k=50)),
+    ("min_p", dict(min_p=0.1)),
     ("num_beams", dict(num_beams=2)),
 ]
 
@@ -159,8 +159,8 @@ def test_steps_with_threshold_depends_on_the_model():
 
 @pytest.mark.parametrize(
     "field, fields",
-    [case for case in INVALID_GENERATION_CONFIGS if case[0] not in ("top_k", "num_beams")],
-    ids=[f"{f}-{v}" for f, v in INVALID_GENERATION_CONFIGS if f not in ("top_k", "num_beams")],
+    [case for case in INVALID_GENERATION_CONFIGS if case[0] not in ("min_p", "num_beams")],
+    ids=[f"{f}-{v}" for f, v in INVALID_GENERATION_CONFIGS if f not in ("min_p", "num_beams")],
 )
 def test_validate_rejects_invalid_values_set_after_construction(field, fields):
     config = DiffusionGenerationConfig()
