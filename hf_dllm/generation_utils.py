@@ -333,6 +333,9 @@ class DiffusionGenerationMixin:
         for key, value in fields.items():
             setattr(config, key, value)
         config.validate(block_causal=self.diffusion_block_causal)
+        # The model family's own rules check the settings too (e.g. Dream's fields on a model without them), so
+        # every entry point refuses them here, not at the first generate().
+        self._diffusion_unmasking_policy(config)
         return config
 
     def _prepare_diffusion_config(

@@ -203,6 +203,9 @@ def test_adapter_methods(lm_eval_module, checkpoint):
         is_check_greedy=True,
     )
     with pytest.raises(ValueError, match="unknown model_args"):
+        lm_eval_module.DiffusionEvalLM(pretrained=str(checkpoint), device="cpu", block_size=3)
+    # `top_k` is a generation field (Dream's rules), refused for a model without them.
+    with pytest.raises(ValueError, match="top_k"):
         lm_eval_module.DiffusionEvalLM(pretrained=str(checkpoint), device="cpu", top_k=3)
 
     # loglikelihood: the MC estimate of the encoded pair; empty continuation scores 0 and counts as greedy.
