@@ -823,8 +823,9 @@ def resolve_generation_settings(
         def base_origin(name: str) -> str:
             return "family default" if name in family.generation_defaults else "default"
 
-    # The model's resolver reads only these two attributes of the model: run it on the base config alone.
+    # The model's resolver reads only these attributes of the model: run it on the base config alone.
     holder = types.SimpleNamespace(generation_config=base, diffusion_block_causal=block_causal)
+    holder._diffusion_unmasking_policy = lambda config: model_class._diffusion_unmasking_policy(holder, config)
     flags = " ".join(f"{GENERATION_OPTIONS[name]} {value}" for name, value in options.items())
     try:
         resolved = model_class.resolve_generation_config(holder, **options)
