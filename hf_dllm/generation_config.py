@@ -194,12 +194,20 @@ class DiffusionGenerationConfig(GenerationConfig):
     def get_generation_mode(self, *args, **kwargs):
         raise NotImplementedError("DiffusionGenerationConfig has a single mode: block diffusion.")
 
-    def validate(self, strict: bool = False, block_causal: bool | None = None, **kwargs) -> None:
+    def validate(
+        self,
+        strict: bool = False,
+        block_causal: bool | None = None,
+        sampler_fields: tuple[str, ...] | None = None,
+        **kwargs,
+    ) -> None:
         """Raise a `ValueError` naming the field and its allowed values for any invalid value or contradiction.
 
-        `block_causal` is the model's attention (`DiffusionGenerationMixin.diffusion_block_causal`); the rules that
-        depend on it (whether `steps` combines with `threshold`, token editing) are checked only when it is known
-        (not None): a config file is model-agnostic, the model checks it before generating."""
+        `block_causal` is the model's attention (`DiffusionGenerationMixin.diffusion_block_causal`) and
+        `sampler_fields` the fields of a family's own sampler the model uses
+        (`DiffusionGenerationMixin.diffusion_sampler_fields`, e.g. Dream's `alg`); the rules that depend on them
+        (whether `steps` combines with `threshold`, token editing, fields a model would ignore) are checked only
+        when they are known (not None): a config file is model-agnostic, the model checks it before generating."""
         for name in ("max_new_tokens", "block_length"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
@@ -270,6 +278,17 @@ class DiffusionGenerationConfig(GenerationConfig):
         if adaptive and self.remasking != "low_confidence":
             raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
         self._validate_dream_fields(finite)
+        if sampler_fields is not None:
+            unused = [
+                name
+                for name in DREAM_FIELDS
+                if name not in sampler_fields and getattr(self, name) != _GENERATION_DEFAULTS[name]
+            ]
+            if unused:
+                raise ValueError(
+                    f"{unused} are settings of Dream's sampler, which this model does not use: leave them unset "
+                    "(this model's rules are `steps`, `threshold` and `factor`)."
+                )
         for name in (
             "do_sample",
             "use_cache",

@@ -27,7 +27,7 @@ from transformers.utils import ModelOutput, logging
 
 from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
-from .generation_config import DREAM_FIELDS, DiffusionGenerationConfig, is_number
+from .generation_config import DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
 
 logger = logging.get_logger(__name__)
@@ -216,6 +216,9 @@ class DiffusionGenerationMixin:
       attends to itself and earlier blocks (LLaDA2): blocks are then aligned to absolute positions, the KV cache
       is exact, and `steps` combines with `threshold` (see `plan_block_causal`, `ExactBlockCache`,
       `ScheduledThreshold`);
+    - `diffusion_sampler_fields`: the generation fields of the family's own sampler the model uses (Dream's `alg`,
+      `alg_temp`, `top_p`, `top_k`, `eps`; default none), with `_diffusion_unmasking_policy(config)` returning
+      the family's rule;
     - `_diffusion_forward(input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **kw)`
       returning logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with
       transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and, for block-causal
@@ -232,6 +235,9 @@ class DiffusionGenerationMixin:
     # True for block-causal models (LLaDA2): blocks aligned to absolute positions, an exact KV cache, and the
     # forward takes `block_length` (see `BlockDiffusionRun`).
     diffusion_block_causal = False
+    # Generation fields of a family's own sampler that the model uses (Dream: `alg`, `top_k`, ...); the others'
+    # are refused by `validate()`, where the config's rules would silently ignore them.
+    diffusion_sampler_fields: tuple[str, ...] = ()
 
     def _diffusion_forward(
         self,
@@ -256,14 +262,7 @@ class DiffusionGenerationMixin:
 
     def _diffusion_unmasking_policy(self, config: DiffusionGenerationConfig) -> UnmaskingPolicy | None:
         """The model family's own unmasking rule for `config`, or None for the rule the config names
-        (`make_unmasking_policy`). A family with rules of its own (e.g. Dream's `alg`) overrides this; the default
-        rejects Dream's fields, which the config's rules would silently ignore."""
-        named = [name for name in DREAM_FIELDS if getattr(config, name) != DiffusionGenerationConfig().__dict__[name]]
-        if named:
-            raise ValueError(
-                f"{named} are settings of Dream's sampler, which {type(self).__name__} does not use: leave them unset "
-                "(this model's rules are `steps`, `threshold` and `factor`)."
-            )
+        (`make_unmasking_policy`). A family with rules of its own (e.g. Dream's `alg`) overrides this."""
         return None
 
     def _diffusion_step_capturable(self) -> bool:
@@ -298,7 +297,7 @@ class DiffusionGenerationMixin:
             return
         # Special token ids a foreign generation_config.json leaves unset still come from the model config.
         loaded.inherit_special_tokens(self.generation_config)
-        loaded.validate(block_causal=self.diffusion_block_causal)
+        loaded.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
         self.generation_config = loaded
 
     def resolve_generation_config(
@@ -332,10 +331,7 @@ class DiffusionGenerationMixin:
             fields["do_sample"] = fields["temperature"] > 0 if is_number(fields["temperature"]) else False
         for key, value in fields.items():
             setattr(config, key, value)
-        config.validate(block_causal=self.diffusion_block_causal)
-        # The model family's own rules check the settings too (e.g. Dream's fields on a model without them), so
-        # every entry point refuses them here, not at the first generate().
-        self._diffusion_unmasking_policy(config)
+        config.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
         return config
 
     def _prepare_diffusion_config(

@@ -41,6 +41,7 @@ from .cache import DiffusionKVCache
 from .configuration_dream import DreamConfig
 from .decoding import UnmaskingPolicy
 from .decoding_dream import DREAM_ALGS, make_dream_policy
+from .generation_config import DREAM_FIELDS
 from .generation_utils import (
     DiffusionGenerateOutput,
     DiffusionGenerationConfig,
@@ -376,6 +377,7 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
     generation_config_class = DiffusionGenerationConfig
     # Interface of DiffusionGenerationMixin: Dream predicts position i + 1 from position i (LLaDA predicts i).
     diffusion_logits_shift = 1
+    diffusion_sampler_fields = DREAM_FIELDS
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DreamConfig):

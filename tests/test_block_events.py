@@ -159,6 +159,9 @@ def test_resolver_refuses_unknown_and_bad_fields():
         model.resolve_generation_config(block_size=8)
     with pytest.raises(ValueError, match="threshold"):
         model.resolve_generation_config(threshold=1.5)
+    # Another family's sampler fields (Dream's) are refused by the resolver, not at the first forward.
+    with pytest.raises(ValueError, match=r"\['top_k'\] are settings of Dream's sampler"):
+        model.resolve_generation_config(top_k=3)
 
 
 def test_generate_with_no_kwargs_uses_the_resolved_checkpoint_settings():

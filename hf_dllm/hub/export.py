@@ -739,9 +739,16 @@ class GenerationSettings:
         return "\n".join(lines)
 
 
-def _read_source_generation_config(src: Path, family: ModelFamily, block_causal: bool):
+def _validate_for_model(config, model_class) -> None:
+    """`config.validate()` with what the family's model class says about its rules (attention, own sampler)."""
+    config.validate(
+        block_causal=model_class.diffusion_block_causal, sampler_fields=model_class.diffusion_sampler_fields
+    )
+
+
+def _read_source_generation_config(src: Path, family: ModelFamily, model_class):
     """SRC's generation_config.json read as hf_dllm's model reads it (`DiffusionGenerationConfig.from_pretrained`),
-    validated for the family's attention; returns `(config, the field names the file sets)`."""
+    validated for the family's model; returns `(config, the field names the file sets)`."""
     from ..generation_config import DiffusionGenerationConfig
 
     path = src / "generation_config.json"
@@ -752,7 +759,7 @@ def _read_source_generation_config(src: Path, family: ModelFamily, block_causal:
     written = _read_json_object(path, hint)
     try:
         config = DiffusionGenerationConfig.from_pretrained(src)
-        config.validate(block_causal=block_causal)
+        _validate_for_model(config, model_class)
     except (OSError, TypeError, ValueError) as error:
         raise ExportError(
             f"{path} is not a generation config a {family.name} model can use: {error} ({hint})."
@@ -806,10 +813,9 @@ def resolve_generation_settings(
 
     family = model_family(model_type)
     _, model_class = family.classes()
-    block_causal = model_class.diffusion_block_causal
     source = None
     if src is not None and generation_defaults == "source" and (Path(src) / "generation_config.json").is_file():
-        source, set_by_source = _read_source_generation_config(Path(src), family, block_causal)
+        source, set_by_source = _read_source_generation_config(Path(src), family, model_class)
         base = source
         base_text = f"{Path(src) / 'generation_config.json'}"
 
@@ -824,8 +830,11 @@ def resolve_generation_settings(
             return "family default" if name in family.generation_defaults else "default"
 
     # The model's resolver reads only these attributes of the model: run it on the base config alone.
-    holder = types.SimpleNamespace(generation_config=base, diffusion_block_causal=block_causal)
-    holder._diffusion_unmasking_policy = lambda config: model_class._diffusion_unmasking_policy(holder, config)
+    holder = types.SimpleNamespace(
+        generation_config=base,
+        diffusion_block_causal=model_class.diffusion_block_causal,
+        diffusion_sampler_fields=model_class.diffusion_sampler_fields,
+    )
     flags = " ".join(f"{GENERATION_OPTIONS[name]} {value}" for name, value in options.items())
     try:
         resolved = model_class.resolve_generation_config(holder, **options)
@@ -855,7 +864,7 @@ def resolve_generation_settings(
             ids[name], origins[name] = special_ids[name], "checkpoint"
     try:
         config = DiffusionGenerationConfig(**fields, **ids)
-        config.validate(block_causal=block_causal)
+        _validate_for_model(config, model_class)
     except ValueError as error:
         raise ExportError(f"invalid generation settings for {base_text}: {error}") from error
     return GenerationSettings(
