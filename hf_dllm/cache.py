@@ -93,6 +93,70 @@ class DiffusionKVCache:
         return self.num_layers
 
 
+def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0), so a left-padded row
+    sees the positions it has alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def resolve_forward_positions(
+    inputs_embeds: torch.Tensor,
+    attention_mask,
+    position_ids: torch.Tensor | None,
+    past_key_values,
+    use_cache: bool | None,
+    cache_position: torch.Tensor | None,
+):
+    """What a model forward derives from its cache arguments, the same for every model family (transformers'
+    conventions, plus the `DiffusionKVCache` written in place).
+
+    Args:
+        inputs_embeds: `(batch, q_len, hidden)` of the positions computed in this call.
+        attention_mask: a 2D key padding mask `(batch, kv_len)` over the keys this call attends to (columns
+            `[0, kv_len)` of the cache, or the call's own columns without one), or anything else (a prepared 4D
+            mask, a flex `BlockMask`, None), passed through.
+        position_ids, cache_position: as given, or derived: columns `past .. past + q_len` (a `DiffusionKVCache`
+            needs them unless the inputs cover it whole), positions counted from each row's first real key.
+
+    Returns `(past_key_values, cache_position (q_len,), position_ids (batch, q_len), mask_2d or None, kv_len)`; a
+    `DynamicCache` is created when `use_cache` asks for one.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    batch, q_len = inputs_embeds.shape[:2]
+    if use_cache is None:
+        use_cache = past_key_values is not None
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache()
+    if isinstance(past_key_values, DiffusionKVCache):
+        kv_length, past_seen = past_key_values.max_length, 0
+        if cache_position is None and q_len != kv_length:
+            raise ValueError(
+                "`cache_position` is required when `past_key_values` is a DiffusionKVCache and the input "
+                f"({q_len} positions) does not cover the whole cache ({kv_length})."
+            )
+    elif past_key_values is not None:
+        kv_length, _ = past_key_values.get_mask_sizes(q_len, 0)
+        past_seen = past_key_values.get_seq_length()
+    else:
+        kv_length, past_seen = q_len, 0
+    if cache_position is None:
+        cache_position = torch.arange(past_seen, past_seen + q_len, device=inputs_embeds.device)
+    mask_2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+    if mask_2d is not None and mask_2d.shape != (batch, kv_length):
+        raise ValueError(
+            f"A 2D `attention_mask` must cover the keys of this call: shape ({batch}, {kv_length}), got "
+            f"{tuple(mask_2d.shape)}."
+        )
+    if position_ids is None:
+        if mask_2d is not None:
+            positions = padding_aware_position_ids(mask_2d.to(inputs_embeds.device))
+            position_ids = positions if past_key_values is None else positions[:, cache_position]
+        else:
+            position_ids = cache_position.unsqueeze(0).expand(batch, -1)
+    return past_key_values, cache_position, position_ids, mask_2d, kv_length
+
+
 class CachePolicy:
     """Which positions a denoising step recomputes. `uses_cache` says whether a `DiffusionKVCache` is needed."""
 

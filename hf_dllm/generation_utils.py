@@ -25,7 +25,7 @@ from transformers import GenerationConfig
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
-from .cache import CachePolicy, DiffusionKVCache, make_cache_policy
+from .cache import CachePolicy, DiffusionKVCache, make_cache_policy, padding_aware_position_ids
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
@@ -139,12 +139,6 @@ class BlockEvent:
         if bool(new.any()):
             self._run.stop_rows(self.rows[new])
             self._stopped |= new
-
-
-def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0), so a left-padded row
-    sees the positions it has alone."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def select_positions(hidden_states: torch.Tensor, logits_to_keep: int | slice | torch.Tensor) -> torch.Tensor:

@@ -19,19 +19,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache
+from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_llada import LLaDAConfig
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
-    padding_aware_position_ids,
     select_positions,
 )
 from .kernels import use_fused_kernels
@@ -380,30 +379,9 @@ class LLaDAModel(LLaDAPreTrainedModel):
             raise ValueError("LLaDAModel.forward needs exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.transformer.wte(input_ids)
-        batch, q_len, _ = inputs_embeds.shape
-        if use_cache is None:
-            use_cache = past_key_values is not None
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-
-        if cache_position is None:
-            if isinstance(past_key_values, DiffusionKVCache):
-                if q_len != past_key_values.max_length:
-                    raise ValueError(
-                        "`cache_position` is required when `past_key_values` is a DiffusionKVCache and the input "
-                        f"({q_len} positions) does not cover the whole cache ({past_key_values.max_length})."
-                    )
-                past_seen = 0
-            else:
-                past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-            cache_position = torch.arange(past_seen, past_seen + q_len, device=inputs_embeds.device)
-
-        mask_2d = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        if position_ids is None:
-            if mask_2d is not None:
-                position_ids = padding_aware_position_ids(mask_2d.to(inputs_embeds.device))[:, cache_position]
-            else:
-                position_ids = cache_position.unsqueeze(0).expand(batch, -1)
+        past_key_values, cache_position, position_ids, mask_2d, _ = resolve_forward_positions(
+            inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, cache_position
+        )
         position_embeddings = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
 
         if mask_2d is not None:

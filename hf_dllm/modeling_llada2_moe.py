@@ -34,7 +34,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -44,12 +44,11 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache
+from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
-    padding_aware_position_ids,
     select_positions,
 )
 from .kernels import use_fused_kernels
@@ -611,43 +610,12 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             raise ValueError("LLaDA2MoeModel.forward needs exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
-        batch, q_len, _ = inputs_embeds.shape
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        if use_cache is None:
-            use_cache = past_key_values is not None
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-
         # Key columns this call attends to: [0, kv_length) of the cache, or its own inputs without one.
-        if isinstance(past_key_values, DiffusionKVCache):
-            kv_length = past_key_values.max_length
-            past_seen = 0
-            if cache_position is None and q_len != kv_length:
-                raise ValueError(
-                    "`cache_position` is required when `past_key_values` is a DiffusionKVCache and the input "
-                    f"({q_len} positions) does not cover the whole cache ({kv_length})."
-                )
-        elif past_key_values is not None:
-            kv_length, _ = past_key_values.get_mask_sizes(q_len, 0)
-            past_seen = past_key_values.get_seq_length()
-        else:
-            kv_length, past_seen = q_len, 0
-        if cache_position is None:
-            cache_position = torch.arange(past_seen, past_seen + q_len, device=inputs_embeds.device)
-
-        mask_2d = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
-        if mask_2d is not None and mask_2d.shape != (batch, kv_length):
-            raise ValueError(
-                f"A 2D `attention_mask` must cover the keys of this call: shape ({batch}, {kv_length}), got "
-                f"{tuple(mask_2d.shape)}."
-            )
-        if position_ids is None:
-            if mask_2d is not None:
-                positions = padding_aware_position_ids(mask_2d.to(inputs_embeds.device))
-                position_ids = positions if past_key_values is None else positions[:, cache_position]
-            else:
-                position_ids = cache_position.unsqueeze(0).expand(batch, -1)
+        past_key_values, cache_position, position_ids, mask_2d, kv_length = resolve_forward_positions(
+            inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, cache_position
+        )
         position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
 
         if attention_mask is None or mask_2d is not None:
@@ -661,7 +629,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         ):
             # flex would add a tensor mask to the scores (and its compiled CPU kernel crashes on one): a boolean
             # mask becomes the BlockMask it describes.
-            attention_mask = block_mask_from_bool(attention_mask, batch)
+            attention_mask = block_mask_from_bool(attention_mask, inputs_embeds.shape[0])
 
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None

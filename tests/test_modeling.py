@@ -266,3 +266,27 @@ def test_inputs_embeds_and_hidden_states(model):
     torch.testing.assert_close(
         model.model.compute_logits(by_ids.hidden_states[-1]), by_ids.logits, atol=ATOL, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada2"])
+def test_every_family_reads_cache_arguments_alike(family):
+    """One derivation of cache positions, position ids and the 2D mask's width (`cache.resolve_forward_positions`)
+    for every model: a 2D mask that does not cover the call's keys is refused, and a call through a new
+    DynamicCache (positions from the cache's length) gives the logits of the call without one."""
+    from test_dream_modeling import random_model, tiny_config
+    from test_llada2_integration import tiny_llada2
+    from transformers import DynamicCache
+
+    makers = {"llada": tiny_model, "dream": lambda seed: random_model(tiny_config(), seed=seed), "llada2": tiny_llada2}
+    model = makers[family](seed=3)
+    ids = torch.randint(5, 90, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match=r"must cover the keys of this call: shape \(2, 10\)"):
+        model(input_ids=ids, attention_mask=mask[:, :7])
+    extra = {"block_length": 10} if family == "llada2" else {}
+    full = model(input_ids=ids, attention_mask=mask, **extra).logits
+    cache = DynamicCache()
+    cached = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **extra).logits
+    assert torch.allclose(cached, full, atol=1e-5)
+    assert cache.get_seq_length() == 10
