@@ -75,7 +75,7 @@ def timed_generate(model, prompts, kwargs, device, repeats):
 @torch.no_grad()
 def dual_step_ms(model, prompts, kwargs, device, repeats: int = 30) -> float:
     """Median time of one dual-cache block step (a replay on CUDA), after the block's full forward."""
-    config, _ = model._prepare_diffusion_config(None, dict(kwargs, use_cache=True, dual_cache=True))
+    config = model.resolve_generation_config(**dict(kwargs, use_cache=True, dual_cache=True))
     run = BlockDiffusionRun(model, config, prompts, None, None)
     try:
         return _time_block_steps(run, config, device, repeats)

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in [int(b) for b in args.profile.split(",")]:
             prompts = torch.randint(0, shape["vocab_size"] - 512, (batch, prompt_len), device=device)
             kwargs = dict(max_new_tokens=new_tokens, block_length=block, steps=new_tokens, mask_token_id=MASK_ID)
-            config, _ = model._prepare_diffusion_config(None, kwargs)
+            config = model.resolve_generation_config(**kwargs)
             print(f"batch {batch}:\n{profile_block_step(model, prompts, config)}", flush=True)
         return 0
 
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 eager = model.generate(prompts, **dict(kwargs, disable_compile=True))
                 row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
             if per_step == 1:
-                config, _ = model._prepare_diffusion_config(None, dict(kwargs))
+                config = model.resolve_generation_config(**kwargs)
                 row["step_ms"], distinct = block_step(model, prompts, config, device)
                 row["distinct_experts_per_layer"] = round(statistics.mean(distinct), 1)
                 if gpu:

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
     prompts = torch.randint(0, 120000, (args.batch, args.prompt_len), device=device)
-    config, _ = model._prepare_diffusion_config(
-        None, dict(max_new_tokens=args.new_tokens, block_length=32, eos_early_stop=False, disable_compile=True)
+    config = model.resolve_generation_config(
+        max_new_tokens=args.new_tokens, block_length=32, eos_early_stop=False, disable_compile=True
     )
     # Kernels per step counted without graphs: the eager step runs exactly the kernels a replay runs.
     run = BlockDiffusionRun(model, config, prompts, None, None)

@@ -316,7 +316,9 @@ class DiffusionGenerationMixin:
         if unknown:
             raise ValueError(
                 f"unknown generation settings {unknown}: the settings are the fields of DiffusionGenerationConfig: "
-                f"{sorted(DiffusionGenerationConfig.field_names())}."
+                f"{sorted(DiffusionGenerationConfig.field_names())} (generate() also takes `input_ids`, "
+                "`attention_mask`, `generation_config`, `streamer`, `stopping_criteria`, `unmasking_policy` and "
+                "`cache_policy`)."
             )
         if DECODING_RULE_FIELDS & fields.keys():
             for name in DECODING_RULE_FIELDS - fields.keys():
@@ -327,20 +329,6 @@ class DiffusionGenerationMixin:
             setattr(config, key, value)
         config.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
         return config
-
-    def _prepare_diffusion_config(
-        self, generation_config: GenerationConfig | None, kwargs: dict
-    ) -> tuple[DiffusionGenerationConfig, dict]:
-        """Split `generate()`'s kwargs into model inputs and settings; resolve the settings."""
-        model_inputs = {key: kwargs.pop(key) for key in ("input_ids", "attention_mask") if key in kwargs}
-        unknown = sorted(set(kwargs) - set(DiffusionGenerationConfig.field_names()))
-        if unknown:
-            raise ValueError(
-                f"generate() got unknown keyword arguments {unknown}. It accepts `input_ids`, `attention_mask`, "
-                "`generation_config`, `streamer`, `stopping_criteria`, `unmasking_policy`, `cache_policy` and the "
-                f"fields of DiffusionGenerationConfig: {sorted(DiffusionGenerationConfig.field_names())}."
-            )
-        return self.resolve_generation_config(generation_config, **kwargs), model_inputs
 
     def generate_blocks(
         self,
@@ -365,13 +353,12 @@ class DiffusionGenerationMixin:
         print(run.sequences, run.nfe_per_row)
         ```
         """
-        config, model_inputs = self._prepare_diffusion_config(generation_config, kwargs)
-        if inputs is not None and "input_ids" in model_inputs:
+        input_ids, attention_mask = kwargs.pop("input_ids", None), kwargs.pop("attention_mask", None)
+        config = self.resolve_generation_config(generation_config, **kwargs)
+        if inputs is not None and input_ids is not None:
             raise ValueError("Pass the prompts once: as `inputs` or as `input_ids`, not both.")
-        input_ids = inputs if inputs is not None else model_inputs.get("input_ids")
-        input_ids, attention_mask = self._validate_diffusion_inputs(
-            input_ids, model_inputs.get("attention_mask"), config
-        )
+        input_ids = inputs if inputs is not None else input_ids
+        input_ids, attention_mask = self._validate_diffusion_inputs(input_ids, attention_mask, config)
         if stopping_criteria is not None and not all(callable(criterion) for criterion in stopping_criteria):
             raise TypeError("`stopping_criteria` must be a list of callables (input_ids, scores) -> (batch,) bool.")
         if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):

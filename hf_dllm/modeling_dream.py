@@ -437,17 +437,16 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
         its K/V stay those of the block's full forward, as in Fast-dLLM's prefix and dual caches, so it is fed as
         a read-only query (`cache_read_only=1`). The decision depends on shapes only (no host synchronisation)."""
         read_only = 1 if cache is not None and input_ids.shape[1] < cache.max_length else 0
-        return self(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=cache is not None,
-            cache_position=cache_position,
-            logits_to_keep=logits_slice,
+        return super()._diffusion_forward(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            cache_position,
+            logits_slice,
             cache_read_only=read_only,
             **forward_kwargs,
-        ).logits
+        )
 
     def _diffusion_unmasking_policy(self, config: DiffusionGenerationConfig) -> UnmaskingPolicy | None:
         """Dream's rules (`decoding_dream.make_dream_policy`): `alg` (`maskgit_plus`, `topk_margin`, `entropy`,
