@@ -98,9 +98,22 @@ def tiny_config(vocab_size: int = 103, **overrides) -> hf_dllm.LLaDAConfig:
     return hf_dllm.LLaDAConfig(**fields)
 
 
+def save_checkpoint(model, path: Path) -> Path:
+    """A checkpoint folder: `model` (with its generation_config.json) and the character tokenizer."""
+    model.save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+    return path
+
+
 def tiny_model(seed: int = 0, **overrides) -> hf_dllm.LLaDAModelLM:
     torch.manual_seed(seed)
     return hf_dllm.LLaDAModelLM(tiny_config(**overrides)).eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaDA (`tiny_model(seed=0)`) with the character tokenizer, saved as a checkpoint folder."""
+    return save_checkpoint(tiny_model(seed=0), tmp_path_factory.mktemp("llada-tiny-random"))
 
 
 @pytest.fixture

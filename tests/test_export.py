@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REFERENCE_DIR, generate_cases, run_without_hf_dllm, tiny_model
+from conftest import REFERENCE_DIR, generate_cases, run_without_hf_dllm, save_checkpoint, tiny_model
 
 import hf_dllm
 from hf_dllm.hub import export
@@ -86,9 +86,7 @@ SOURCE_IDS = dict(mask_token_id=3, eos_token_id=[0, 2], pad_token_id=0, bos_toke
 def save_with_generation_config(path: Path, model, **fields) -> Path:
     """`model` saved with the character tokenizer and a generation_config.json holding `fields`."""
     model.generation_config = hf_dllm.DiffusionGenerationConfig(**fields)
-    model.save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(model, path)
 
 
 def written_fields(folder: Path) -> dict:

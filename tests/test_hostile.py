@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -33,7 +32,6 @@ from hypothesis import strategies as st  # noqa: E402
 from test_serve import MODEL_NAME, RunningServer, free_port  # noqa: E402
 
 from hf_dllm import FixedSchedule, plan_blocks  # noqa: E402
-from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "sk-test-0123456789"
@@ -304,14 +302,6 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 # -- servers ------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("llada-tiny-hostile")
-    tiny_model(seed=0).save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

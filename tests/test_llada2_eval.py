@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_checkpoint
 from test_llada2_integration import tiny_llada2
 
 from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.likelihood import mc_loglikelihood
-from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 DATA = Path(__file__).resolve().parent / "data"
 TASKS_DIR = DATA / "lm_eval_tasks"
@@ -26,10 +26,7 @@ SETTINGS = {"max_new_tokens": 8, "block_length": 4, "threshold": 0.6, "steps": 8
 
 @pytest.fixture(scope="module")
 def llada2_checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("llada2-eval") / "model"
-    tiny_llada2(seed=2).save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(tiny_llada2(seed=2), tmp_path_factory.mktemp("llada2-eval") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import tiny_model  # noqa: E402
+from conftest import save_checkpoint, tiny_model  # noqa: E402
 from test_llada2_integration import tiny_llada2  # noqa: E402
 from test_serve import (  # noqa: E402
     MODEL_NAME,
@@ -32,16 +32,12 @@ from test_serve import (  # noqa: E402
 )
 
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
-from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llada2_dir(tmp_path_factory) -> Path:
     """A tiny random LLaDA2 with the character tokenizer, saved as a checkpoint folder."""
-    path = tmp_path_factory.mktemp("llada2-tiny-random")
-    tiny_llada2(seed=2).save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(tiny_llada2(seed=2), tmp_path_factory.mktemp("llada2-tiny-random"))
 
 
 @pytest.fixture(scope="module")

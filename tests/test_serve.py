@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, tiny_model
+from conftest import FIXTURES, save_checkpoint, tiny_model
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -31,7 +31,6 @@ httpx = pytest.importorskip("httpx")
 from hf_dllm.serving.batching import Batcher, RowRequest  # noqa: E402
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
 from hf_dllm.serving.server import create_app, load_model  # noqa: E402
-from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer  # noqa: E402
 
 MODEL_NAME = "tiny"
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"
@@ -43,15 +42,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny random LLaDA with the character tokenizer, saved as a checkpoint folder."""
-    path = tmp_path_factory.mktemp("llada-tiny-random")
-    tiny_model(seed=0).save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
 
 
 # A generation_config.json whose settings differ from DiffusionGenerationConfig's defaults (block 32, 128 tokens, one
@@ -66,9 +56,7 @@ def model_dir_with_settings(tmp_path_factory) -> Path:
     model = tiny_model(seed=0)
     for name, value in CHECKPOINT_SETTINGS.items():
         setattr(model.generation_config, name, value)
-    model.save_pretrained(path)
-    build_char_tokenizer().save_pretrained(path)
-    return path
+    return save_checkpoint(model, path)
 
 
 class RunningServer:
