@@ -131,6 +131,20 @@ class UnmaskingPolicy:
 
     # Whether `commit` may change committed tokens (token editing); the loop then tracks edits.
     edits = False
+    # Whether this class's step can be captured in a CUDA graph. Read on the class itself, never inherited: a
+    # subclass that changes the step (or a new policy) runs eagerly unless it says so.
+    capturable = False
+
+    def graph_key(self) -> tuple | None:
+        """What identifies this policy's captured step (its class and the constants the step bakes in), or None
+        when its steps must run eagerly."""
+        if not type(self).__dict__.get("capturable", False):
+            return None
+        return (type(self).__name__, *self.step_constants())
+
+    def step_constants(self) -> tuple:
+        """The constants of `commit` (a captured graph bakes them in)."""
+        return ()
 
     def start_block(self, block_length: int, num_steps: int | torch.Tensor) -> None:
         """Called before each block with its length and its share of `steps`: an int, or `(rows,)` long (rows
@@ -203,6 +217,8 @@ class FixedSchedule(UnmaskingPolicy):
     the first `L % s` steps (LLaDA Sec. 2.4, `get_num_transfer_tokens`). Steps beyond L commit nothing and are
     skipped."""
 
+    capturable = True
+
     def start_block(self, block_length: int, num_steps: int | torch.Tensor) -> None:
         super().start_block(block_length, num_steps)
         if self.num_steps.dim() and bool((self.num_steps != self.num_steps.max()).any()):
@@ -227,6 +243,11 @@ class ConfidenceThreshold(UnmaskingPolicy):
     """Fast-dLLM threshold decoding (arXiv:2505.22618, Sec. 3.3): commit every masked position with confidence
     >= `threshold`, and always the most confident one so that each step makes progress."""
 
+    capturable = True
+
+    def step_constants(self) -> tuple:
+        return (self.threshold,)
+
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
 
@@ -241,6 +262,11 @@ class ConfidenceFactor(UnmaskingPolicy):
     """Fast-dLLM factor decoding (arXiv:2505.22618, Sec. 3.3): commit the n most confident masked positions for
     the largest n with `(n + 1) * (1 - c_n) < factor`, at least one. Unlike the reference loop, the last rank is
     judged by the same rule as the others."""
+
+    capturable = True
+
+    def step_constants(self) -> tuple:
+        return (self.factor,)
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
@@ -260,6 +286,11 @@ class ScheduledThreshold(UnmaskingPolicy):
     quota have confidence strictly above `threshold`, all of them are committed, otherwise the quota's most
     confident ones. `threshold=None` is the schedule alone (the reference's `threshold=1.0`). A row's block
     ends when it holds no mask, or after its `s` steps."""
+
+    capturable = True
+
+    def step_constants(self) -> tuple:
+        return (self.threshold,)
 
     def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
@@ -308,6 +339,11 @@ class TokenEditing(ScheduledThreshold):
     was committed (the reference's loop, counted per row)."""
 
     edits = True
+
+    capturable = True
+
+    def step_constants(self) -> tuple:
+        return (self.threshold, self.editing_threshold)
 
     def __init__(self, threshold: float | None, editing_threshold: float, num_to_transfer: int, max_post_steps: int):
         super().__init__(threshold)

@@ -727,9 +727,7 @@ class BlockDiffusionRun:
             config.use_cache, config.dual_cache, self.block_causal, policy=cache_policy
         )
         # A policy object (the call's, or the model's own `_diffusion_unmasking_policy`) replaces the config's rule.
-        self.custom_policies = unmasking_policy is not None or cache_policy is not None
         model_policy = model._diffusion_unmasking_policy(config) if unmasking_policy is None else None
-        self.custom_policies |= model_policy is not None
         self.unmasking: UnmaskingPolicy = make_unmasking_policy(
             config.threshold,
             config.factor,
@@ -778,18 +776,14 @@ class BlockDiffusionRun:
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
             or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
             or not self.model._diffusion_step_capturable()
-            # A policy object the config does not describe has no graph signature: its steps run eagerly.
-            or self.custom_policies
+            or self.unmasking.graph_key() is None  # a policy that does not say its step is capturable
         ):
             return None
         signature = (
             self.rows_per_forward,
             self.seq_len,
-            self.cache_policy.name,
-            type(self.unmasking).__name__,
-            config.threshold,
-            config.factor,
-            config.editing_threshold,
+            self.cache_policy.uses_cache,
+            self.unmasking.graph_key(),
             self.eos_stop_in_block,  # whether steps take the `active` mask (a graph's inputs are fixed)
             tuple(sorted(self.forward_kwargs.items())),
             self.mask_id,

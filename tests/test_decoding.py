@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dllm import ConfidenceFactor, ConfidenceThreshold, FixedSchedule, plan_blocks
+from hf_dllm import (
+    ConfidenceFactor,
+    ConfidenceThreshold,
+    FixedSchedule,
+    ScheduledThreshold,
+    TokenEditing,
+    UnmaskingPolicy,
+    plan_blocks,
+)
 from hf_dllm.decoding import (
     DEFERRED,
     NOT_MASKED,
@@ -378,3 +386,21 @@ def test_generation_terminates_when_the_model_predicts_the_mask_token(reference_
     )
     assert out.shape == (1, 22)
     assert not (out[:, 6:] == MASK).any()
+
+
+def test_graph_key_names_the_captured_step_and_is_never_inherited():
+    """The loop captures a policy's step in a CUDA graph only when its own class says the step is capturable; the
+    key carries the constants the graph bakes in, so policies with other constants never share a graph."""
+    assert FixedSchedule().graph_key() == ("FixedSchedule",)
+    assert ConfidenceThreshold(0.9).graph_key() == ("ConfidenceThreshold", 0.9)
+    assert ConfidenceThreshold(0.9).graph_key() != ConfidenceThreshold(0.8).graph_key()
+    assert ConfidenceFactor(1.0).graph_key() == ("ConfidenceFactor", 1.0)
+    assert ScheduledThreshold(0.95).graph_key() == ("ScheduledThreshold", 0.95)
+    assert TokenEditing(0.5, 0.9, 1, 16).graph_key() == ("TokenEditing", 0.5, 0.9)
+
+    class StricterThreshold(ConfidenceThreshold):
+        def num_to_commit(self, sorted_confidence, scheduled):
+            return (sorted_confidence > self.threshold).sum(-1).clamp(min=1)
+
+    assert StricterThreshold(0.9).graph_key() is None  # runs eagerly until it says otherwise
+    assert UnmaskingPolicy().graph_key() is None
