@@ -1014,7 +1014,8 @@ class BlockDiffusionRun:
         """Stop the batch rows `rows` (`(k,)` long, host) after the block just committed (`BlockEvent.stop`)."""
         finished = torch.isin(self.host_rows, rows)
         if bool(finished.any()):
-            self.finish_rows(finished.to(self.device), self.block_end)
+            with torch.no_grad():
+                self.finish_rows(finished.to(self.device), self.block_end)
 
     def _write_rows(self) -> None:
         """Copy the active rows' canvas into the batch canvas and their generated positions into `sequences`."""
@@ -1028,19 +1029,22 @@ class BlockDiffusionRun:
         return int(self.committed_positions(self.host_rows, self.block_end).min())
 
     def __iter__(self):
-        """Decode block by block; yield a `BlockEvent` after each committed block (see `BlockEvent`)."""
+        """Decode block by block; yield a `BlockEvent` after each committed block (see `BlockEvent`). The run's
+        own work is done without autograd (a consumer iterating it needs no `torch.no_grad()`); the consumer's code
+        between events keeps its own grad mode."""
         try:
             for block, (block_start, block_end) in enumerate(self.plan.blocks):
                 host_rows, device_rows = self.host_rows, self.rows
                 previously = self.committed_positions(host_rows, block_start)
-                self.denoise_block(block, block_start, block_end)
-                self._write_rows()
-                self.block_end = block_end
                 ended = None
-                if self._rows_can_finish(block):
-                    ended = self.finished_rows(block, block_end)
-                    if bool(ended.any()):
-                        self.finish_rows(ended, block_end)
+                with torch.no_grad():
+                    self.denoise_block(block, block_start, block_end)
+                    self._write_rows()
+                    self.block_end = block_end
+                    if self._rows_can_finish(block):
+                        ended = self.finished_rows(block, block_end)
+                        if bool(ended.any()):
+                            self.finish_rows(ended, block_end)
                 committed = self.committed_positions(host_rows, block_end)
                 yield BlockEvent(self, block, host_rows, device_rows, previously, committed, ended)
                 if self.x.shape[0] == 0:

@@ -222,3 +222,18 @@ def test_policy_objects_replace_the_named_ones_and_are_type_checked():
         model.generate(ids, max_new_tokens=16, unmasking_policy="fixed")
     with pytest.raises(TypeError, match="cache_policy"):
         model.generate(ids, max_new_tokens=16, cache_policy=object())
+
+
+def test_iterating_a_run_needs_no_no_grad_and_leaves_the_callers_grad_mode():
+    """The run does its own work without autograd (no graph kept alive by the canvas or cache), while the
+    consumer's code between events keeps grad mode on."""
+    model = tiny_model(seed=7)
+    assert all(parameter.requires_grad for parameter in model.parameters())
+    kwargs = dict(max_new_tokens=16, block_length=8, steps=8, use_cache=True, dual_cache=True)
+    run = model.generate_blocks(torch.tensor([prompts([6])[0]]), **kwargs)
+    assert torch.is_grad_enabled()
+    for _ in run:
+        assert torch.is_grad_enabled()
+        # The K/V the step wrote carry no autograd graph (with grad on they would require grad).
+        assert not any(keys.requires_grad for keys in run.cache.keys if keys is not None)
+    assert run.cache.keys[0] is not None

@@ -173,12 +173,11 @@ def generate_completions(model, input_ids, attention_mask, config, completions: 
     import torch
 
     run = model.generate_blocks(input_ids, attention_mask=attention_mask, generation_config=config)
-    with torch.no_grad():
-        for event in run:
-            rows = event.rows.tolist()
-            over = [completions[row].extend(tokens) for row, tokens in zip(rows, event.new_tokens(), strict=True)]
-            if any(over):
-                event.stop(torch.tensor(over, dtype=torch.bool))
+    for event in run:
+        rows = event.rows.tolist()
+        over = [completions[row].extend(tokens) for row, tokens in zip(rows, event.new_tokens(), strict=True)]
+        if any(over):
+            event.stop(torch.tensor(over, dtype=torch.bool))
     return run
 
 

@@ -33,8 +33,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
 from ..generation_utils import BlockEvent, left_pad
@@ -349,9 +347,8 @@ class Batcher:
                 generation_config=batch[0].generation_config,
                 **eos,
             )
-            with torch.no_grad():
-                for event in run:
-                    tracker.consume(event)
+            for event in run:
+                tracker.consume(event)
             records = tracker.finish(run.nfe_per_row.tolist())
             self.stats.record_batch(len(batch), int(run.nfe), records)
         except Exception as error:  # the server keeps serving: the rows of this run still waiting get the error
