@@ -12,10 +12,10 @@ import os
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-# torch's CPU threads unless a command is told otherwise (`--threads`, lm-eval's `threads`): one thread measured
-# 10x faster than torch's default (one per core) for the tiny model on the 2-core development machine
-# (benchmarks/bench_threads.py).
-DEFAULT_THREADS = 1
+# torch's CPU threads unless a command is told otherwise (`--threads`, lm-eval's `threads`): None keeps torch's
+# default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py,
+# benchmarks/RESULTS.md); one thread is faster only while other processes hold the cores.
+DEFAULT_THREADS = None
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -63,10 +63,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         "--threads",
         type=int,
         default=DEFAULT_THREADS,
-        help=f"CPU threads of torch per process (default {DEFAULT_THREADS}; matters only on the CPU). Measured with "
-        "the tiny LLaDA on the 2-core development machine (benchmarks/bench_threads.py, benchmarks/RESULTS.md): "
-        "`hf-dllm eval` generated 10x faster with 1 thread than with torch's default 2 (batch 1: 0.92 s against "
-        "9.2 s, batch 8: 0.39 s against 3.1 s, medians of 5); a large model on many cores wants more",
+        help="CPU threads of torch per process (default: torch's, one per core; matters only on the CPU). On the "
+        "quiet 2-core development machine the default was fastest for `hf-dllm eval` on the tiny LLaDA (batch 8: "
+        "0.188 s against 0.235 s with 1 thread, medians of 7; benchmarks/RESULTS.md); pass 1 when other processes "
+        "share the cores, or cores / N to each of N processes",
     )
     return group
 
