@@ -37,25 +37,37 @@ class DiffusionKVCache:
 
     Buffers are allocated at the first write of each layer, on that layer's device and dtype, so models split
     over several devices (`device_map="auto"`) keep each layer's cache next to its weights.
+
+    `length` (default `max_length`) is the sequence the forwards see: a continuous batch whose canvas is narrower
+    than the buffers (`set_length`) uses a view of their first `length` columns, so the buffers keep their addresses.
     """
 
     def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
         self.num_layers = num_layers
         self.max_batch_size = max_batch_size
         self.max_length = max_length
+        self.length = max_length
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
+    def set_length(self, length: int) -> None:
+        """Make forwards see the first `length` columns (`<= max_length`) of the buffers."""
+        if not 0 < length <= self.max_length:
+            raise ValueError(f"DiffusionKVCache.set_length: length must be in [1, {self.max_length}], got {length}.")
+        self.length = length
+
     def layer(self, layer_idx: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor):
-        """This layer's K/V buffers for the first `batch` rows `(batch, kv_heads, max_length, head_dim)`, allocated
-        at first use with the dtype and device of `like`."""
+        """This layer's K/V buffers for the first `batch` rows and `length` columns `(batch, kv_heads, length,
+        head_dim)`, allocated (`max_length` columns) at first use with the dtype and device of `like`."""
         if self.keys[layer_idx] is None:
             shape = (self.max_batch_size, kv_heads, self.max_length, head_dim)
             self.keys[layer_idx] = like.new_zeros(shape)
             self.values[layer_idx] = like.new_zeros(shape)
         if batch > self.max_batch_size:
             raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
-        return self.keys[layer_idx][:batch], self.values[layer_idx][:batch]
+        if self.length == self.max_length:
+            return self.keys[layer_idx][:batch], self.values[layer_idx][:batch]
+        return self.keys[layer_idx][:batch, :, : self.length], self.values[layer_idx][:batch, :, : self.length]
 
     def update(
         self,
@@ -65,10 +77,10 @@ class DiffusionKVCache:
         cache_kwargs: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` `(batch, kv_heads, q_len, head_dim)` at `cache_kwargs["cache_position"]`
-        `(q_len,)` and return this layer's K/V over the whole sequence `(batch, kv_heads, max_length, head_dim)`."""
+        `(q_len,)` and return this layer's K/V over the whole sequence `(batch, kv_heads, length, head_dim)`."""
         batch, kv_heads, q_len, head_dim = key_states.shape
         keys, values = self.layer(layer_idx, batch, kv_heads, head_dim, key_states)
-        if q_len == self.max_length:
+        if q_len == self.length:
             keys.copy_(key_states)
             values.copy_(value_states)
         else:
@@ -87,7 +99,7 @@ class DiffusionKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """transformers' Cache interface: positions held (the whole sequence once the layer was written)."""
-        return self.max_length if self.keys[layer_idx] is not None else 0
+        return self.length if self.keys[layer_idx] is not None else 0
 
     def __len__(self) -> int:
         return self.num_layers
@@ -129,7 +141,7 @@ def resolve_forward_positions(
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache()
     if isinstance(past_key_values, DiffusionKVCache):
-        kv_length, past_seen = past_key_values.max_length, 0
+        kv_length, past_seen = past_key_values.length, 0
         if cache_position is None and q_len != kv_length:
             raise ValueError(
                 "`cache_position` is required when `past_key_values` is a DiffusionKVCache and the input "
@@ -234,6 +246,18 @@ class ExactBlockCache(CachePolicy):
 
     def keep_rows(self, cache: DiffusionKVCache | None, index: torch.Tensor) -> None:
         cache.keep_rows(index)
+
+
+class RefreshedBlockCache(ExactBlockCache):
+    """Block-causal models in a continuous batch (`hf_dllm.serving.engine`): rows are laid out anew before every
+    block, so no K/V survives from one block to the next. The first step of a block recomputes everything before
+    it (every row's prefill, exact: committed tokens), later steps the block alone; as many forwards as
+    `ExactBlockCache`."""
+
+    name = "refreshed"
+
+    def start_block(self, block_start: int) -> None:
+        self.refresh_from, self.exact_until = 0, block_start
 
 
 def make_cache_policy(

@@ -660,16 +660,11 @@ class BlockDiffusionRun:
         unmasking_policy: UnmaskingPolicy | None = None,
         cache_policy: CachePolicy | None = None,
     ):
-        self.model = model
-        self.config = config
-        self.streamer = streamer
-        self.stopping_criteria = list(stopping_criteria or [])
-        self.mask_id = config.mask_token_id
-        self.shift = model.diffusion_logits_shift
-        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        self.cfg = config.cfg_scale > 0
         batch, self.prompt_len = input_ids.shape
         self.device = device = input_ids.device
+        self._setup_decoding(model, config, device, unmasking_policy, cache_policy)
+        self.streamer = streamer
+        self.stopping_criteria = list(stopping_criteria or [])
         self.input_ids = input_ids
 
         pad_id = config.prompt_pad_token_id
@@ -689,7 +684,6 @@ class BlockDiffusionRun:
             padded = bool((self.plan.prompt_start > 0).any())
             self.key_mask = (columns >= self.plan.prompt_start.unsqueeze(-1)).long() if padded else None
             self.position_ids = (columns - self.plan.prompt_start.unsqueeze(-1)).clamp(min=0)
-            self.forward_kwargs = {"block_length": config.block_length}
         else:
             self.plan = plan_bidirectional(self.prompt_len, batch, config, device)
             self.seq_len = self.plan.canvas_width
@@ -702,7 +696,6 @@ class BlockDiffusionRun:
                 generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
                 self.key_mask = torch.cat([attention_mask, generated], dim=1)
                 self.position_ids = padding_aware_position_ids(self.key_mask)
-            self.forward_kwargs = {}
         self.canvas = self.x.clone()
         self.sequences = torch.full(
             (batch, self.prompt_len + config.max_new_tokens), self.mask_id, dtype=torch.long, device=device
@@ -714,6 +707,38 @@ class BlockDiffusionRun:
         self.rows = torch.arange(batch, device=device)
         self.host_rows = torch.arange(batch)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+
+        self.rows_per_forward = batch * (2 if self.cfg else 1)
+        self.graphs = self._step_graphs()
+        if self.graphs is not None:
+            self.cache = self.graphs.cache
+        elif self.cache_policy.uses_cache:
+            self.cache = model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
+        else:
+            self.cache = None
+        self._setup_rules()
+        self.nfe = 0
+        self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+        self.block_end = self.plan.blocks[0][0] if self.plan.blocks else self.seq_len
+
+    def _setup_decoding(
+        self,
+        model,
+        config: DiffusionGenerationConfig,
+        device: torch.device,
+        unmasking_policy: UnmaskingPolicy | None,
+        cache_policy: CachePolicy | None,
+    ) -> None:
+        """What a run decodes with, whatever its rows: the model's interface, the special-token rules, the cache
+        and unmasking policies (shared with the continuous-batching engine, which lays rows out per block)."""
+        self.model = model
+        self.config = config
+        self.device = device
+        self.mask_id = config.mask_token_id
+        self.shift = model.diffusion_logits_shift
+        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        self.cfg = config.cfg_scale > 0
+        self.forward_kwargs = {"block_length": config.block_length} if self.block_causal else {}
         self.attention_masks: dict[tuple[int, int, int], object] = {}
 
         eos = config.eos_token_ids
@@ -741,33 +766,28 @@ class BlockDiffusionRun:
         self.eos_stop_in_block = (
             self.block_causal and config.eos_early_stop and not self.unmasking.edits and self.eos_ids is not None
         )
-        self.rows_per_forward = batch * (2 if self.cfg else 1)
-        self.graphs = self._step_graphs()
+        self.nfe = 0
+
+    def _setup_rules(self) -> None:
+        """The step's decoding rules, once `graphs` is known (captured graphs read the runner's copies of the
+        constant token-id tensors)."""
         if self.graphs is not None:
-            self.cache = self.graphs.cache
             self.suppressed_ids = self.graphs.constant("suppressed_ids", self.suppressed_ids)
             self.deferred_ids = self.graphs.constant("deferred_ids", self.deferred_ids)
-        elif self.cache_policy.uses_cache:
-            self.cache = model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
-        else:
-            self.cache = None
         self.rules = StepRules(
             self.unmasking,
             self.mask_id,
-            config.temperature,
-            config.remasking,
+            self.config.temperature,
+            self.config.remasking,
             self.suppressed_ids,
             self.deferred_ids,
         )
-        self.nfe = 0
-        self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
-        self.block_end = self.plan.blocks[0][0] if self.plan.blocks else self.seq_len
 
-    def _step_graphs(self) -> StepGraphs | None:
-        """The CUDA-graph runner when the fast path applies: CUDA, greedy, no guidance (their random draws and
-        doubled rows stay eager), and not turned off with `disable_compile`."""
+    def _graphs_allowed(self) -> bool:
+        """Whether the CUDA-graph fast path applies: CUDA, greedy, no guidance (their random draws and doubled rows
+        stay eager), a capturable model and policy, and not turned off with `disable_compile`."""
         config = self.config
-        if (
+        return not (
             self.device.type != "cuda"
             or config.disable_compile
             or config.temperature > 0
@@ -777,23 +797,28 @@ class BlockDiffusionRun:
             or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
             or not self.model._diffusion_step_capturable()
             or self.unmasking.graph_key() is None  # a policy that does not say its step is capturable
-        ):
-            return None
-        signature = (
-            self.rows_per_forward,
-            self.seq_len,
+        )
+
+    def _graph_signature(self) -> tuple:
+        """What every captured step of this run shares (shapes that vary per step are in `run_step`'s key)."""
+        return (
             self.cache_policy.uses_cache,
             self.unmasking.graph_key(),
             self.eos_stop_in_block,  # whether steps take the `active` mask (a graph's inputs are fixed)
             tuple(sorted(self.forward_kwargs.items())),
             self.mask_id,
-            self.key_mask is None,
             None if self.suppressed_ids is None else tuple(self.suppressed_ids.tolist()),
             None if self.deferred_ids is None else tuple(self.deferred_ids.tolist()),
             self.model.config._attn_implementation,
             self.model.dtype,
             self.device,
         )
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """The model's CUDA-graph runner for this run's shapes when the fast path applies (`_graphs_allowed`)."""
+        if not self._graphs_allowed():
+            return None
+        signature = (self.rows_per_forward, self.seq_len, self.key_mask is None, *self._graph_signature())
 
         def make_cache():
             return (
@@ -843,8 +868,8 @@ class BlockDiffusionRun:
         """
         model_tokens, model_positions = tokens, position_ids
         if self.cfg:
-            # LLaDA App. B.3: the unconditional branch sees the prompt masked.
-            in_prompt = cache_position < self.prompt_len
+            # LLaDA App. B.3: the unconditional branch sees the prompt masked (each row's own prompt columns).
+            in_prompt = cache_position.unsqueeze(0) < self.prompt_end.unsqueeze(-1)
             unconditional = torch.where(in_prompt, self.mask_id, tokens)
             model_tokens = torch.cat([tokens, unconditional], dim=0)
             model_positions = self._model_rows(position_ids)
@@ -890,7 +915,7 @@ class BlockDiffusionRun:
         if self.graphs is None:
             new_block, draft, edited = self.step(**inputs)
         else:
-            key = (rows, q_start - block_start, q_end - q_start, block_end - block_start)
+            key = (rows, q_start - block_start, q_end - q_start, block_end - block_start, kv_len)
             new_block, draft, edited = self.graphs.run(key, self.step, inputs)
         self.nfe += 1
         self.x[:, block_start:block_end] = new_block
@@ -905,10 +930,10 @@ class BlockDiffusionRun:
         columns = torch.arange(block_start, block_end, device=self.device)
         return columns.unsqueeze(0) >= self.prompt_end.unsqueeze(-1)
 
-    def denoise_block(self, block: int, block_start: int, block_end: int) -> None:
-        """Denoise block number `block` (columns `[block_start, block_end)`) until every row's rule says done."""
+    def denoise_block(self, steps: torch.Tensor, block_start: int, block_end: int) -> None:
+        """Denoise the block at columns `[block_start, block_end)` until every row's rule says done; `steps` `(rows,)`
+        long (host) is each row's share of `steps` for it (`BlockPlan.block_steps`)."""
         rows = self.x.shape[0]
-        steps = self.plan.block_steps[self.host_rows, block]
         if isinstance(self.unmasking, ScheduledThreshold):
             generated_columns = (block_end - self.host_prompt_end[self.host_rows]).clamp(0, block_end - block_start)
             self.unmasking.start_block(block_end - block_start, steps, generated_columns)
@@ -961,22 +986,21 @@ class BlockDiffusionRun:
         before_eos = torch.arange(length, device=block.device) < first_eos.unsqueeze(-1)
         return committed_eos & ~((block == self.mask_id) & before_eos).any(-1)
 
-    def finished_rows(self, block: int, block_end: int) -> torch.Tensor:
+    def finished_rows(self, last_block: torch.Tensor, block_end: int) -> torch.Tensor:
         """`(active_rows,)` bool: rows that hold an EOS (with `eos_early_stop`; always for block-causal models,
         whose later blocks cannot change what comes before), that stopped inside the block, or that decoded their
-        last block."""
+        last block (`last_block`, `(active_rows,)` bool, host)."""
         finished = self.stopped[self.rows].clone()
         if self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal):
             finished |= (torch.isin(self.x, self.eos_ids) & self._generated_part(block_end)).any(dim=-1)
-        finished |= (self.plan.last_block[self.host_rows] == block).to(finished.device)
+        finished |= last_block.to(finished.device)
         return finished
 
-    def _rows_can_finish(self, block: int) -> bool:
-        """Whether any row may finish after `block` (host-side facts only): checking on the GPU costs a host
-        synchronisation, which stalls the next block's first step."""
+    def _rows_can_finish(self, last_block: torch.Tensor) -> bool:
+        """Whether any row may finish after this block (host-side facts only: `last_block` `(active_rows,)` bool):
+        checking on the GPU costs a host synchronisation, which stalls the next block's first step."""
         eos_stop = self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal)
-        last = bool((self.plan.last_block[self.host_rows] == block).any())
-        return eos_stop or self.eos_stop_in_block or last
+        return eos_stop or self.eos_stop_in_block or bool(last_block.any())
 
     def _generated_part(self, block_end: int) -> torch.Tensor:
         """`(rows, canvas)` bool: generated columns decoded so far."""
@@ -993,13 +1017,7 @@ class BlockDiffusionRun:
         """Drop the active rows marked in `finished` (`(active_rows,)` bool): fill their positions after
         `block_end` (and, for block-causal models, everything after the first generated EOS, where the reference
         cuts its output) with EOS, write them out, and remove them from later forwards."""
-        rows = self.x[finished]
-        rows[:, block_end:] = self.fill_id
-        if self.block_causal and self.eos_ids is not None:
-            is_eos = torch.isin(rows, self.eos_ids) & self._generated_part(block_end)[finished]
-            after_first = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-            rows[after_first] = self.fill_id
-        self.x[finished] = rows
+        self.x[finished] = self.filled(self.x[finished], self._generated_part(block_end)[finished], block_end)
         self._write_rows()
         keep = ~finished
         kept = keep.nonzero().squeeze(-1)
@@ -1009,6 +1027,18 @@ class BlockDiffusionRun:
         self.prompt_end = self.prompt_end[keep]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[keep]
+
+    def filled(self, rows: torch.Tensor, generated_part: torch.Tensor, block_end: int) -> torch.Tensor:
+        """Ended rows `(k, canvas)` as the output shows them: EOS (`fill_id`) from column `block_end` on and, for
+        block-causal models, after the first generated EOS (where the reference cuts its output);
+        `generated_part` `(k, canvas)` bool marks the generated columns decoded so far."""
+        rows = rows.clone()
+        rows[:, block_end:] = self.fill_id
+        if self.block_causal and self.eos_ids is not None:
+            is_eos = torch.isin(rows, self.eos_ids) & generated_part
+            after_first = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+            rows[after_first] = self.fill_id
+        return rows
 
     def stop_rows(self, rows: torch.Tensor) -> None:
         """Stop the batch rows `rows` (`(k,)` long, host) after the block just committed (`BlockEvent.stop`)."""
@@ -1038,11 +1068,12 @@ class BlockDiffusionRun:
                 previously = self.committed_positions(host_rows, block_start)
                 ended = None
                 with torch.no_grad():
-                    self.denoise_block(block, block_start, block_end)
+                    self.denoise_block(self.plan.block_steps[self.host_rows, block], block_start, block_end)
                     self._write_rows()
                     self.block_end = block_end
-                    if self._rows_can_finish(block):
-                        ended = self.finished_rows(block, block_end)
+                    last_block = self.plan.last_block[self.host_rows] == block
+                    if self._rows_can_finish(last_block):
+                        ended = self.finished_rows(last_block, block_end)
                         if bool(ended.any()):
                             self.finish_rows(ended, block_end)
                 committed = self.committed_positions(host_rows, block_end)

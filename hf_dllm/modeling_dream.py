@@ -436,7 +436,7 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
         block's full forward (fewer inputs than the cache holds) that column lies outside the recomputed range:
         its K/V stay those of the block's full forward, as in Fast-dLLM's prefix and dual caches, so it is fed as
         a read-only query (`cache_read_only=1`). The decision depends on shapes only (no host synchronisation)."""
-        read_only = 1 if cache is not None and input_ids.shape[1] < cache.max_length else 0
+        read_only = 1 if cache is not None and input_ids.shape[1] < cache.length else 0
         return super()._diffusion_forward(
             input_ids,
             attention_mask,

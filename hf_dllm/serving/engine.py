@@ -1,0 +1,366 @@
+"""Continuous batching for block diffusion: requests join a running batch at block boundaries and leave at EOS.
+
+Diffusion decoding has a natural admission point: every block boundary. A bidirectional model's caches (prefix,
+dual, none) recompute every position at a block's first step anyway, and a block-causal model's blocks before the
+current one hold committed tokens only. So between two blocks nothing ties a row to its place in the batch, and
+the engine lays the running rows out anew before every block:
+
+- Each row is a request's prompt as `generate()` would decode it alone (its own `BlockPlan`, columns counted
+  from its first prompt token). Before a block, every row is shifted right so that its *current* block starts at
+  one shared column `C` (rows of different requests are at different blocks of their own plans); columns before
+  a row's prompt and after its canvas are padding, masked as keys, and each row's RoPE positions are its own. The
+  block is then decoded by the one loop (`BlockDiffusionRun.denoise_block`: the same steps, policies, caches and
+  CUDA graphs as `generate()`), and each row's block is copied back into its own canvas. In float32 a row's
+  tokens and forwards are those of `generate()` alone: padding is masked, nothing else is shared.
+- Rows step together within a block, so the rows of one layout must agree on the block's length, their share of
+  `steps` and every setting except `max_new_tokens` (a `cohort`); rows that differ are decoded in separate
+  layouts at the same boundary, one after the other.
+- Block-causal models (LLaDA2.x) are shifted by whole blocks (their blocks stay aligned to positions) and their
+  first step of a block recomputes the whole prefix (`RefreshedBlockCache`): the joining row's prefill.
+- One K/V cache of `max_batch_size x max_batch_width` columns serves every layout (a view of its first columns,
+  `DiffusionKVCache.set_length`), so captured CUDA graphs keep their addresses; a layout's width is rounded up to
+  `width_granularity` columns, so few shapes (graphs) are needed.
+
+`ContinuousBatcher` owns the running rows: `submit()` queues requests (any thread), `decode_boundary()` admits
+waiting requests that fit, decodes one block of every running row and reports each row's new tokens to its
+`on_block` callback, which may end the row (a stop string, a disconnected client); rows that ended leave and
+their places are taken at the next boundary. `serving.batching` runs it in a thread for `hf-dllm serve`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import RefreshedBlockCache
+from ..generation_config import DiffusionGenerationConfig
+from ..generation_utils import BlockDiffusionRun, BlockPlan, plan_bidirectional, plan_block_causal
+from ..graphs import StepGraphs
+
+
+def settings_key(config: DiffusionGenerationConfig, without: tuple[str, ...] = ()) -> str:
+    """Resolved settings as a key: rows may share a layout only when every setting (but `without`) is equal."""
+    return json.dumps(
+        {name: getattr(config, name) for name in config.field_names() if name not in without}, sort_keys=True
+    )
+
+
+@dataclass(eq=False)
+class BlockUpdate:
+    """What one committed block gave a row: its new generated tokens, whether the row ended by the run's own rules
+    (EOS with `eos_early_stop`, in-block EOS stop, last block) and its forwards so far."""
+
+    new_tokens: list[int]
+    ended: bool
+    nfe: int
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt to decode with `config` (resolved settings, as for `generate()`). `on_block(update)` is called
+    (from the engine's thread) after every block the row decoded; returning True ends the row there (it takes
+    part in no more forwards). `cancelled` ends it at the next boundary without another call."""
+
+    prompt_ids: list[int]
+    config: DiffusionGenerationConfig
+    on_block: Callable[[BlockUpdate], bool | None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by the engine.
+    settings: str = ""  # `settings_key` of `config` without `max_new_tokens`
+    error: BaseException | None = None  # why the row ended without finishing, if a layout failed
+    plan: BlockPlan | None = None
+    tokens: torch.Tensor | None = None  # `(canvas_width,)` the row's own canvas: prompt, then generated positions
+    block: int = 0  # the next block of `plan.blocks` to decode
+    nfe: int = 0
+    committed: int = 0  # generated positions final so far
+    ended: bool = False
+
+    @property
+    def generated(self) -> torch.Tensor:
+        """`(max_new_tokens,)` the row's generated positions (masks where not decoded; EOS after its end)."""
+        start = int(self.plan.prompt_end[0])
+        return self.tokens[start : start + self.config.max_new_tokens]
+
+
+class LayoutRun(BlockDiffusionRun):
+    """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
+    with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
+
+    def __init__(
+        self, model, config: DiffusionGenerationConfig, max_rows: int, max_width: int, device, shared_cache
+    ):
+        """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
+        after the other and no K/V survives between blocks)."""
+        self._setup_decoding(model, config, device, None, None)
+        if self.block_causal and config.use_cache:
+            self.cache_policy = RefreshedBlockCache()
+        self.streamer = None
+        self.stopping_criteria = []
+        self.max_rows, self.max_width = max_rows, max_width
+        self._shared_cache = shared_cache
+        self.rows_per_forward = max_rows * (2 if self.cfg else 1)
+        self.graphs = None
+        if self._graphs_allowed():
+            signature = ("continuous", self.rows_per_forward, max_width, *self._graph_signature())
+            self.graphs = StepGraphs.acquire(model, signature, self._new_cache)
+        self.cache = self.graphs.cache if self.graphs is not None else self._new_cache()
+        self._setup_rules()
+
+    def _new_cache(self):
+        return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
+
+    def release(self) -> None:
+        if self.graphs is not None:
+            StepGraphs.release_to(self.model)
+            self.graphs = None
+
+    def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
+        """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
+        of `width` columns (`layout_width`); returns each row's update and advances the rows."""
+        device, n = self.device, len(rows)
+        starts = torch.tensor([row.plan.blocks[row.block][0] for row in rows])
+        length = rows[0].plan.blocks[rows[0].block][1] - int(starts[0])
+        block_start = int(starts.max())
+        shifts = block_start - starts
+        self.x = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
+        self.key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
+        for i, row in enumerate(rows):
+            shift, own = int(shifts[i]), min(row.tokens.shape[0], width - int(shifts[i]))
+            self.x[i, shift : shift + own] = row.tokens[:own]
+            self.key_mask[i, shift : shift + own] = 1
+        device_shifts = shifts.to(device)
+        columns = torch.arange(width, device=device)
+        self.position_ids = (columns - device_shifts.unsqueeze(-1)).clamp(min=0)
+        prompt_lengths = torch.tensor([int(row.plan.prompt_end[0]) for row in rows])
+        self.host_prompt_end = shifts + prompt_lengths
+        self.prompt_end = self.host_prompt_end.to(device)
+        self.seq_len = width
+        self.rows, self.host_rows = torch.arange(n, device=device), torch.arange(n)
+        self.stopped = torch.zeros(n, dtype=torch.bool, device=device)
+        self.nfe_per_row = torch.zeros(n, dtype=torch.long, device=device)
+        self.attention_masks = {}
+        if self.cache is not None:  # every policy here recomputes all of it at the block's first step
+            self.cache.set_length(width)
+        steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
+        block_end = block_start + length
+        self.denoise_block(steps, block_start, block_end)
+
+        last = torch.tensor([row.block == int(row.plan.last_block[0]) for row in rows])
+        ended = self.finished_rows(last, block_end).cpu() if self._rows_can_finish(last) else torch.zeros(n, dtype=torch.bool)
+        generated_part = self._generated_part(block_end)
+        updates = []
+        nfe = self.nfe_per_row.tolist()
+        for i, row in enumerate(rows):
+            shift = int(shifts[i])
+            if bool(ended[i]):
+                canvas = self.filled(self.x[i : i + 1], generated_part[i : i + 1], block_end)[0]
+                row.tokens = canvas[shift : shift + row.tokens.shape[0]].clone()
+            else:
+                row.tokens[int(starts[i]) : int(starts[i]) + length] = self.x[i, block_start:block_end]
+            previous = row.committed
+            own_end = int(starts[i]) + length
+            row.committed = max(0, min(own_end - int(prompt_lengths[i]), row.config.max_new_tokens))
+            row.nfe += nfe[i]
+            row.block += 1
+            new = row.generated[previous : row.committed].tolist()
+            updates.append(BlockUpdate(new, bool(ended[i]), row.nfe))
+        return updates
+
+
+def cohort_key(row: EngineRequest) -> tuple:
+    """Rows of equal keys share a layout: the same settings but `max_new_tokens`, block length and steps share."""
+    start, end = row.plan.blocks[row.block]
+    return (row.settings, end - start, int(row.plan.block_steps[0, row.block]))
+
+
+class ContinuousBatcher:
+    """The running rows of one model and the requests waiting to join them (see the module doc).
+
+    Args:
+        model: a `DiffusionGenerationMixin` model.
+        max_batch_size: rows decoded at once (at most; rows of different settings groups count together).
+        max_batch_width: the widest layout (columns); the K/V cache holds `max_batch_size x max_batch_width`
+            positions. Default: the model's context (`max_sequence_length` / `max_position_embeddings`), so any
+            request that fits the context can run, alone if need be.
+        width_granularity: layouts are rounded up to a multiple of this many columns (fewer CUDA-graph shapes).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch_size: int = 16,
+        max_batch_width: int | None = None,
+        width_granularity: int = 64,
+    ):
+        for name, value in (("max_batch_size", max_batch_size), ("width_granularity", width_granularity)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if max_batch_width is None:
+            max_batch_width = getattr(model.config, "max_sequence_length", None) or getattr(
+                model.config, "max_position_embeddings", None
+            )
+        if not isinstance(max_batch_width, int) or isinstance(max_batch_width, bool) or max_batch_width < 1:
+            raise ValueError(f"`max_batch_width` must be an integer >= 1, got {max_batch_width!r}.")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_batch_width = max_batch_width
+        self.width_granularity = width_granularity
+        self.device = model.get_input_embeddings().weight.device
+        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.runs: dict[str, LayoutRun] = {}
+        self.cache = None
+        self.lock = threading.Lock()
+        self.forwards = 0  # model forwards made (one batched forward counts once)
+        self.layouts = 0  # layouts decoded (one per cohort per boundary)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        """Plan `request` as `generate()` plans a lone prompt; raises ValueError for what generate() refuses."""
+        config, prompt = request.config, list(request.prompt_ids)
+        if not prompt:
+            raise ValueError("`prompt_ids` is empty: a row needs at least one prompt token.")
+        if self.block_causal:
+            plan = plan_block_causal([len(prompt)], len(prompt), config, torch.device("cpu"))
+        else:
+            plan = plan_bidirectional(len(prompt), 1, config, torch.device("cpu"))
+        if plan.canvas_width > self.max_batch_width:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
+                f"columns, more than max_batch_width ({self.max_batch_width})."
+            )
+        tokens = torch.full((plan.canvas_width,), config.mask_token_id, dtype=torch.long)
+        tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        request.plan, request.tokens = plan, tokens.to(self.device)
+        request.settings = settings_key(config, without=("max_new_tokens",))
+        return request
+
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request (any thread); it joins the batch at the next boundary where it fits."""
+        if request.plan is None:
+            self.prepare(request)
+        with self.lock:
+            self.waiting.append(request)
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self.waiting)
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return bool(self.running or self.waiting)
+
+    # -- layouts ----------------------------------------------------------------------------------------------
+    def layout_width(self, rows: list[EngineRequest]) -> int:
+        """Columns of the layout of `rows`: their current blocks aligned at the latest block start, plus the
+        longest rest of a canvas after it, rounded up to `width_granularity` (at most `max_batch_width`)."""
+        starts = [row.plan.blocks[row.block][0] for row in rows]
+        width = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
+        rounded = -(-width // self.width_granularity) * self.width_granularity
+        return max(width, min(rounded, self.max_batch_width))
+
+    def _admit(self) -> None:
+        """Waiting requests join, oldest first, while there is a free row and their layout fits the cache; the
+        oldest waits for room rather than be passed (no starvation)."""
+        with self.lock:
+            while self.waiting and len(self.running) < self.max_batch_size:
+                head = self.waiting[0]
+                if head.cancelled.is_set():
+                    self.waiting.popleft()
+                    head.ended = True
+                    continue
+                partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
+                if partners and self.layout_width([*partners, head]) > self.max_batch_width:
+                    break
+                self.running.append(self.waiting.popleft())
+
+    def _cohorts(self) -> list[list[EngineRequest]]:
+        """The running rows grouped into layouts (cohorts), each split further where it would exceed the cache's
+        width; in order of their oldest row."""
+        groups: dict[tuple, list[EngineRequest]] = {}
+        for row in self.running:
+            groups.setdefault(cohort_key(row), []).append(row)
+        layouts = []
+        for rows in groups.values():
+            current: list[EngineRequest] = []
+            for row in rows:
+                if current and self.layout_width([*current, row]) > self.max_batch_width:
+                    layouts.append(current)
+                    current = []
+                current.append(row)
+            layouts.append(current)
+        return layouts
+
+    def _run_for(self, row: EngineRequest) -> LayoutRun:
+        """The decoding state of the row's settings group (made when the group appears; the first group holds the
+        model's CUDA-graph runner, the others run eagerly until it leaves)."""
+        run = self.runs.get(row.settings)
+        if run is None:
+            run = LayoutRun(
+                self.model, row.config, self.max_batch_size, self.max_batch_width, self.device, self._shared_cache
+            )
+            self.runs[row.settings] = run
+        return run
+
+    def _shared_cache(self, rows: int):
+        if self.cache is None or self.cache.max_batch_size < rows:
+            self.cache = self.model._diffusion_new_cache(rows, self.max_batch_width)
+        return self.cache
+
+    def decode_boundary(self) -> int:
+        """One block boundary: admit waiting requests, decode one block of every running row, report each row's
+        update to its `on_block` and drop the rows that ended. Returns the number of rows decoded. A layout that
+        fails (an exception in the model) ends its rows with the exception re-raised after the others ran."""
+        self._admit()
+        self.running = [row for row in self.running if not self._drop_cancelled(row)]
+        decoded, failure = 0, None
+        for rows in self._cohorts():
+            run = self._run_for(rows[0])
+            before = run.nfe
+            try:
+                with torch.no_grad():
+                    updates = run.decode_block(rows, self.layout_width(rows))
+            except Exception as error:  # the other layouts still decode; these rows end with the error
+                for row in rows:
+                    row.ended = True
+                    row.error = error
+                failure = failure or error
+                continue
+            self.forwards += run.nfe - before
+            self.layouts += 1
+            decoded += len(rows)
+            for row, update in zip(rows, updates, strict=True):
+                stop = row.on_block(update)
+                row.ended = update.ended or bool(stop) or row.cancelled.is_set()
+        self.running = [row for row in self.running if not row.ended]
+        groups = {row.settings for row in self.running}
+        for settings in [settings for settings in self.runs if settings not in groups]:
+            self.runs.pop(settings).release()
+        if failure is not None:
+            raise failure
+        return decoded
+
+    @staticmethod
+    def _drop_cancelled(row: EngineRequest) -> bool:
+        if row.cancelled.is_set():
+            row.ended = True
+        return row.ended
+
+    def release(self) -> None:
+        """Give the model's CUDA-graph runner back (the captured graphs stay with the model for the next run of
+        the same signature)."""
+        for run in self.runs.values():
+            run.release()
+        self.runs = {}
+
+    def run_until_done(self) -> None:
+        """Decode boundaries until no row runs or waits (tests, offline use)."""
+        while self.has_work():
+            self.decode_boundary()
