@@ -306,7 +306,7 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    running = RunningServer(model_dir, max_batch_size=8, batch_window_ms=5)
+    running = RunningServer(model_dir, max_batch_size=8)
     yield running
     running.stop()
 
@@ -317,7 +317,6 @@ def locked(model_dir):
     running = RunningServer(
         model_dir,
         max_batch_size=8,
-        batch_window_ms=5,
         api_key=API_KEY,
         allowed_origins=[ALLOWED_ORIGIN],
         max_body_bytes=SMALL_BODY_LIMIT,

@@ -1,30 +1,22 @@
-"""Dynamic batching for `hf-dllm serve`: one model, many concurrent requests, padded block-diffusion runs.
+"""Continuous batching for `hf-dllm serve`: one model, many concurrent requests, rows joining and leaving a running
+batch at block boundaries (`engine.ContinuousBatcher`).
 
 Every prompt of a request becomes a `RowRequest` carrying its resolved settings (`model.resolve_generation_config`
-of the fields the request named: the checkpoint's `generation_config.json` supplies the rest). A scheduler thread
-collects rows into batches:
+of the fields the request named: the checkpoint's `generation_config.json` supplies the rest). One scheduler
+thread owns the model and the engine: it queues submitted rows, and at every block boundary the engine admits
+waiting rows (oldest first, as long as a row and the cache's width are free), decodes one block of every running
+row (rows whose settings differ only in `max_new_tokens` share a layout; other settings groups are decoded after
+it at the same boundary) and reports each row's new tokens. A row's tokens and forwards are those of
+`generate()` for its prompt alone (greedy settings; padding is masked, nothing else is shared).
 
-- A batch holds rows whose resolved settings are equal (`RowRequest.key`), so one run decodes them all, and each
-  row gets exactly what `generate()` gives it alone (rows of a run never influence each other; left padding is
-  masked).
-- The batch is formed from the group of the *oldest* waiting row: groups are served in FIFO order of their
-  first row, so a request whose parameters differ from the crowd's still gets its turn (no starvation).
-- After the oldest row arrives, the scheduler waits up to `batch_window_s` for more compatible rows, and stops
-  waiting once `max_batch_size` of them are there.
-- Up to `max_concurrent_batches` runs go at once, each in its own thread (torch releases the GIL, so the event
-  loop stays responsive). With 2 or more, a long batch does not hold back the rows behind it (one run at a time
-  holds the model's CUDA-graph runner; the others run eagerly, with equal outputs).
-
-A batch is one `model.generate_blocks(...)` run; `BatchTracker` consumes its `BlockEvent`s. After every committed
-block it appends each row's new tokens to the row's `CompletionText` (cut at a stop token, a stop string or
-`max_tokens`), streams the row's new text, stops (`event.stop`) rows whose completion is over or whose client went
-away, so that they cost no more forwards, and delivers the result of every row that ended with the block (by the
-run's own rules or by that stop) with `nfe` = the run's `nfe_per_row` for the row, which is final once it ended.
+`RowTracker` consumes a row's block updates: it appends the new tokens to the row's `CompletionText` (cut at a stop
+token, a stop string or `max_tokens`), streams the new text, ends the row once its completion is over or its
+client went away (the row leaves the batch at that boundary and its place is taken at the next), and delivers the
+result with `nfe` = the row's forwards when it ended, counted by the engine.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -35,11 +27,11 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from ..generation_utils import BlockEvent, left_pad
+from .engine import BlockUpdate, ContinuousBatcher, EngineRequest
 
 logger = logging.getLogger("hf_dllm.serve")
 
-# Events a row's sink receives (from a worker thread): ("delta", index, text), ("done", index, RowResult),
+# Events a row's sink receives (from the scheduler thread): ("delta", index, text), ("done", index, RowResult),
 # ("error", index, http_status, message).
 Sink = Callable[[tuple], None]
 
@@ -55,15 +47,10 @@ class RowResult:
     nfe: int  # model forwards this row took part in
 
 
-def settings_key(config: DiffusionGenerationConfig) -> str:
-    """The batching key of resolved settings: every field, so rows share a run only when it is the same run."""
-    return json.dumps({name: getattr(config, name) for name in config.field_names()}, sort_keys=True)
-
-
 @dataclass(eq=False)
 class RowRequest:
-    """One prompt to decode with `generation_config` (resolved settings); rows with equal settings share a run.
-    `max_tokens` caps the returned tokens (None: the decoded length)."""
+    """One prompt to decode with `generation_config` (resolved settings). `max_tokens` caps the returned tokens
+    (None: the decoded length)."""
 
     prompt_ids: list[int]
     generation_config: DiffusionGenerationConfig
@@ -75,107 +62,81 @@ class RowRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    key: str = field(init=False)
-
-    def __post_init__(self):
-        self.key = settings_key(self.generation_config)
 
 
-class _RowState:
-    __slots__ = ("completion", "sent", "finished", "ended", "cancelled", "nfe")
+class RowTracker:
+    """Consumes one row's block updates (see module doc): `on_block(update)` after every block the row decoded,
+    returning whether the row should end there."""
 
-    def __init__(self, completion: CompletionText):
-        self.completion = completion
+    def __init__(self, row: RowRequest, tokenizer, stop_token_ids: set[int], stats: "BatchStats"):
+        self.row = row
+        self.stats = stats
+        # An EOS/EOT ends the row's decoding only with `eos_early_stop` (else the run decodes on, as generate()
+        # does, and the row ends with its last block); a stop string or max_tokens always do.
+        self.eos_early_stop = row.generation_config.eos_early_stop
+        self.completion = CompletionText(tokenizer, stop_token_ids, row.stop, row.max_tokens)
         self.sent = 0  # characters of the text already streamed
         self.finished = False  # the completion's text is final
-        self.ended = False  # the row left the run (result delivered, or cancelled)
-        self.cancelled = False
-        self.nfe: int | None = None
+        self.ended = False  # the row left the batch (result delivered, or cancelled)
+        self.first_block_at: float | None = None
 
-
-class BatchTracker:
-    """Consumes the `BlockEvent`s of one run (see module doc): `consume(event)` after every committed block, then
-    `finish(nfe_per_row)` once the run is over."""
-
-    def __init__(self, rows: list[RowRequest], tokenizer, stop_token_ids: set[int]):
-        self.rows = rows
-        # An EOS/EOT ends the row's decoding only with `eos_early_stop` (else the run decodes on, as asked, and the
-        # row ends with its last block); a stop string or max_tokens always do.
-        self.eos_early_stop = rows[0].generation_config.eos_early_stop
-        self.states = [_RowState(CompletionText(tokenizer, stop_token_ids, row.stop, row.max_tokens)) for row in rows]
-
-    def consume(self, event: BlockEvent) -> None:
-        """One committed block: extend, stream and stop the rows it decoded; deliver the rows that ended."""
-        batch_rows = event.rows.tolist()
-        stop = [False] * len(batch_rows)
-        new_tokens = event.new_tokens()
-        for i, batch_row in enumerate(batch_rows):
-            row, state = self.rows[batch_row], self.states[batch_row]
-            if row.cancelled.is_set():
-                state.cancelled = stop[i] = True
-                continue
-            if state.finished:
-                continue
-            completion = state.completion
-            state.finished = completion.extend(new_tokens[i])
-            if row.stream:
-                end = max(completion.streamable(), state.sent)
-                self._send(row, ("delta", row.index, completion.text[state.sent : end]))
-                state.sent = end
-            if row.cancelled.is_set():  # the client went away while its text was sent
-                state.cancelled = stop[i] = True
-            elif state.finished:
-                stop_token_only = completion.finish_reason == "stop" and not completion.stop_string_found
-                stop[i] = self.eos_early_stop or not stop_token_only
-        if any(stop):
-            event.stop(stop)
-        ended, nfe = event.ended.tolist(), event.nfe_per_row.tolist()
-        for i, batch_row in enumerate(batch_rows):
-            if ended[i]:
-                self._end(batch_row, nfe[i])
-
-    def _end(self, batch_row: int, nfe: int) -> None:
-        row, state = self.rows[batch_row], self.states[batch_row]
-        if state.ended:
-            return
-        state.ended, state.nfe = True, nfe
+    def on_block(self, update: BlockUpdate) -> bool:
+        row, completion = self.row, self.completion
+        if self.first_block_at is None:
+            self.first_block_at = time.monotonic()
+        stop = False
         if row.cancelled.is_set():
-            state.cancelled = True
+            stop = True
+        elif not self.finished:
+            self.finished = completion.extend(update.new_tokens)
+            if row.stream:
+                end = max(completion.streamable(), self.sent)
+                self._send(("delta", row.index, completion.text[self.sent : end]))
+                self.sent = end
+            if row.cancelled.is_set():  # the client went away while its text was sent
+                stop = True
+            elif self.finished:
+                stop_token_only = completion.finish_reason == "stop" and not completion.stop_string_found
+                stop = self.eos_early_stop or not stop_token_only
+        if update.ended or stop:
+            self.end(update.nfe)
+        return stop
+
+    def end(self, nfe: int) -> None:
+        """The row left the batch: deliver its result (unless its client went away) and record it."""
+        if self.ended:
             return
-        completion = state.completion
-        if row.stream and state.sent < len(completion.text):
-            self._send(row, ("delta", row.index, completion.text[state.sent :]))
-            state.sent = len(completion.text)
-        result = RowResult(
-            text=completion.text,
-            finish_reason=completion.finish_reason or "length",
-            prompt_tokens=len(row.prompt_ids),
-            completion_tokens=completion.completion_tokens,
-            nfe=nfe,
-        )
-        self._send(row, ("done", row.index, result))
-
-    @staticmethod
-    def _send(row: RowRequest, event: tuple) -> None:
-        if not row.cancelled.is_set():
-            row.sink(event)
-
-    def finish(self, nfe_per_row: list[int]) -> list[dict]:
-        """After the run: end the rows not ended yet (none, when the run yielded every block); return one record
-        per row for the stats."""
-        for batch_row, nfe in enumerate(nfe_per_row):
-            self._end(batch_row, nfe)
-        return [
+        self.ended = True
+        row, completion = self.row, self.completion
+        cancelled = row.cancelled.is_set()
+        if not cancelled:
+            if row.stream and self.sent < len(completion.text):
+                self._send(("delta", row.index, completion.text[self.sent :]))
+                self.sent = len(completion.text)
+            result = RowResult(
+                text=completion.text,
+                finish_reason=completion.finish_reason or "length",
+                prompt_tokens=len(row.prompt_ids),
+                completion_tokens=completion.completion_tokens,
+                nfe=nfe,
+            )
+            self._send(("done", row.index, result))
+        self.stats.record_row(
             dict(
                 request_id=row.request_id,
                 index=row.index,
-                nfe=state.nfe,
-                cancelled=state.cancelled,
-                finish_reason="cancelled" if state.cancelled else state.completion.finish_reason,
-                completion_tokens=state.completion.completion_tokens,
+                nfe=nfe,
+                cancelled=cancelled,
+                finish_reason="cancelled" if cancelled else completion.finish_reason,
+                completion_tokens=completion.completion_tokens,
+                latency_s=time.monotonic() - row.arrival,
+                first_block_s=None if self.first_block_at is None else self.first_block_at - row.arrival,
             )
-            for row, state in zip(self.rows, self.states, strict=True)
-        ]
+        )
+
+    def _send(self, event: tuple) -> None:
+        if not self.row.cancelled.is_set():
+            self.row.sink(event)
 
 
 class BatchStats:
@@ -183,33 +144,36 @@ class BatchStats:
 
     def __init__(self, history: int = 512):
         self._lock = threading.Lock()
-        self.batches = 0
-        self.rows = 0
+        self.layouts = 0  # blocks decoded for a layout of rows (one per settings group per boundary)
+        self.layout_rows = 0  # rows over those layouts
+        self.rows = 0  # rows that ended (result delivered or cancelled)
         self.cancelled_rows = 0
         self.forwards = 0
         self.errors = 0
-        self.batch_sizes: dict[int, int] = {}
+        self.layout_sizes: dict[int, int] = {}
         self.pending = 0
         self.running_rows = 0
         self.records: deque[dict] = deque(maxlen=history)
 
-    def record_batch(self, size: int, forwards: int, records: list[dict]) -> None:
+    def record_layout(self, size: int) -> None:
         with self._lock:
-            self.batches += 1
-            self.rows += size
-            self.forwards += forwards
-            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
-            for record in records:
-                self.cancelled_rows += record["cancelled"]
-                self.records.append(record)
+            self.layouts += 1
+            self.layout_rows += size
+            self.layout_sizes[size] = self.layout_sizes.get(size, 0) + 1
+
+    def record_row(self, record: dict) -> None:
+        with self._lock:
+            self.rows += 1
+            self.cancelled_rows += record["cancelled"]
+            self.records.append(record)
 
     def snapshot(self) -> dict:
         with self._lock:
             return dict(
-                batches=self.batches,
+                layouts=self.layouts,
                 rows=self.rows,
-                mean_batch_size=self.rows / self.batches if self.batches else 0.0,
-                batch_sizes={str(k): v for k, v in sorted(self.batch_sizes.items())},
+                mean_rows_per_layout=self.layout_rows / self.layouts if self.layouts else 0.0,
+                layout_sizes={str(k): v for k, v in sorted(self.layout_sizes.items())},
                 cancelled_rows=self.cancelled_rows,
                 forwards=self.forwards,
                 errors=self.errors,
@@ -223,7 +187,9 @@ class BatchStats:
 
 
 class Batcher:
-    """Owns the model: queues `RowRequest`s and decodes them in batched runs (see module doc)."""
+    """Owns the model: queues `RowRequest`s and decodes them with the continuous-batching engine in one scheduler
+    thread (see module doc). `max_batch_size` rows run at once; `max_batch_width` bounds a layout's columns (the
+    K/V cache holds `max_batch_size x max_batch_width` positions; default: the model's context)."""
 
     def __init__(
         self,
@@ -231,55 +197,61 @@ class Batcher:
         tokenizer,
         *,
         stop_token_ids: set[int],
-        pad_token_id: int,
-        max_batch_size: int = 8,
-        batch_window_s: float = 0.01,
-        max_concurrent_batches: int = 1,
+        max_batch_size: int = 16,
+        max_batch_width: int | None = None,
     ):
-        if max_batch_size < 1 or max_concurrent_batches < 1 or batch_window_s < 0:
-            raise ValueError("max_batch_size and max_concurrent_batches must be >= 1, batch_window_s >= 0.")
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
-        self.pad_token_id = pad_token_id
+        self.engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
         self.max_batch_size = max_batch_size
-        self.batch_window_s = batch_window_s
+        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.stats = BatchStats()
-        self._pending: deque[RowRequest] = deque()
+        self._submitted: deque[RowRequest] = deque()
+        self._trackers: dict[int, RowTracker] = {}  # id(EngineRequest) -> its row's tracker
         self._cond = threading.Condition()
-        self._slots = threading.Semaphore(max_concurrent_batches)
-        self._workers: set[threading.Thread] = set()
         self._stopping = False
-        self._scheduler: threading.Thread | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def max_batch_width(self) -> int:
+        return self.engine.max_batch_width
 
     def start(self) -> None:
-        if self._scheduler is None:
+        if self._thread is None:
             self._stopping = False
-            self._scheduler = threading.Thread(target=self._schedule, name="hf-dllm-scheduler", daemon=True)
-            self._scheduler.start()
+            self._thread = threading.Thread(target=self._serve, name="hf-dllm-engine", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop taking batches; running ones finish; rows still queued get an error."""
+        """Stop decoding after the current boundary; rows still queued or running get an error."""
         with self._cond:
             self._stopping = True
-            dropped = list(self._pending)
-            self._pending.clear()
-            self.stats.pending = 0
             self._cond.notify_all()
-        for row in dropped:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for row in self._drain():
             row.sink(("error", row.index, 503, "The server is shutting down."))
-        if self._scheduler is not None:
-            self._scheduler.join(timeout)
-            self._scheduler = None
-        for worker in list(self._workers):
-            worker.join(timeout)
+
+    def _drain(self) -> list[RowRequest]:
+        """Rows not delivered yet (after the scheduler stopped)."""
+        with self._cond:
+            dropped = list(self._submitted)
+            self._submitted.clear()
+        dropped += [tracker.row for tracker in self._trackers.values() if not tracker.ended]
+        self._trackers.clear()
+        self.engine.waiting.clear()
+        self.engine.running.clear()
+        self.engine.release()
+        return dropped
 
     def submit(self, rows: list[RowRequest]) -> None:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the batcher is stopped")
-            self._pending.extend(rows)
-            self.stats.pending = len(self._pending)
+            self._submitted.extend(rows)
+            self.stats.pending = len(self._submitted) + self.engine.pending()
             self._cond.notify_all()
 
     def notify(self) -> None:
@@ -287,78 +259,61 @@ class Batcher:
         with self._cond:
             self._cond.notify_all()
 
-    def _next_batch(self) -> list[RowRequest] | None:
-        with self._cond:
-            while True:
-                if any(row.cancelled.is_set() for row in self._pending):
-                    self._pending = deque(row for row in self._pending if not row.cancelled.is_set())
-                    self.stats.pending = len(self._pending)
-                if self._stopping:
-                    return None
-                if not self._pending:
-                    self._cond.wait()
-                    continue
-                head = self._pending[0]
-                group = [row for row in self._pending if row.key == head.key][: self.max_batch_size]
-                wait = head.arrival + self.batch_window_s - time.monotonic()
-                if len(group) >= self.max_batch_size or wait <= 0:
-                    chosen = set(map(id, group))
-                    self._pending = deque(row for row in self._pending if id(row) not in chosen)
-                    self.stats.pending = len(self._pending)
-                    return group
-                self._cond.wait(wait)
-
-    def _schedule(self) -> None:
-        while True:
-            self._slots.acquire()
-            batch = self._next_batch()
-            if batch is None:
-                self._slots.release()
-                return
-            worker = threading.Thread(target=self._work, args=(batch,), name="hf-dllm-batch", daemon=True)
-            self._workers.add(worker)
-            worker.start()
-
-    def _work(self, batch: list[RowRequest]) -> None:
-        try:
-            self.run_batch(batch)
-        finally:
-            self._workers.discard(threading.current_thread())
-            self._slots.release()
-
-    def run_batch(self, batch: list[RowRequest]) -> None:
-        """Decode `batch` (rows with equal settings) in one left-padded `model.generate_blocks()` run, consuming
-        its block events (`BatchTracker`)."""
-        with self.stats._lock:
-            self.stats.running_rows += len(batch)
-        tracker = None
-        try:
-            input_ids, attention_mask = left_pad([row.prompt_ids for row in batch], self.pad_token_id)
-            device = self.model.get_input_embeddings().weight.device
-            block_causal = bool(getattr(self.model, "diffusion_block_causal", False))
-            tracker = BatchTracker(batch, self.tokenizer, self.stop_token_ids)
+    def _enqueue(self, row: RowRequest) -> None:
+        """Hand a submitted row to the engine (in the scheduler thread, which owns it)."""
+        config = row.generation_config
+        if self.block_causal and self.stop_token_ids:
             # A block-causal model stops a row inside a block at its EOS and fills the row with it after the first
-            # one: with every stop token as EOS, an EOT ends the row there too, and costs no more forwards. (For a
-            # bidirectional model this changes nothing: the tracker already stops such rows after the block.)
-            eos = {"eos_token_id": sorted(self.stop_token_ids)} if block_causal and self.stop_token_ids else {}
-            run = self.model.generate_blocks(
-                input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=batch[0].generation_config,
-                **eos,
-            )
-            for event in run:
-                tracker.consume(event)
-            records = tracker.finish(run.nfe_per_row.tolist())
-            self.stats.record_batch(len(batch), int(run.nfe), records)
-        except Exception as error:  # the server keeps serving: the rows of this run still waiting get the error
-            logger.exception("generation failed for a batch of %d rows", len(batch))
+            # one: with every stop token as EOS, an EOT ends the row there too and costs no more forwards. (For a
+            # bidirectional model this changes nothing: the tracker already ends such rows after the block.)
+            config = self.model.resolve_generation_config(config, eos_token_id=sorted(self.stop_token_ids))
+        tracker = RowTracker(row, self.tokenizer, self.stop_token_ids, self.stats)
+        request = EngineRequest(row.prompt_ids, config, tracker.on_block, cancelled=row.cancelled)
+        try:
+            self.engine.submit(request)
+        except (ValueError, TypeError) as error:  # what generate() would refuse: this row only
+            row.sink(("error", row.index, 400, f"Generation failed: {error}"))
+            return
+        self._trackers[id(request)] = tracker
+        request.on_cancel = tracker.end
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._submitted and not self.engine.has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                submitted = list(self._submitted)
+                self._submitted.clear()
+            for row in submitted:
+                self._enqueue(row)
+            self.decode_boundary()
+
+    def decode_boundary(self) -> None:
+        """One block boundary of the engine; a failing layout gives its rows an error and the server keeps
+        serving."""
+        engine = self.engine
+        forwards = engine.forwards
+        running = list(engine.running) + list(engine.waiting)
+        try:
+            engine.decode_boundary()
+        except Exception as error:
+            logger.exception("generation failed for a layout of rows")
             with self.stats._lock:
                 self.stats.errors += 1
             status = 400 if isinstance(error, (ValueError, TypeError)) else 500
-            for i, row in enumerate(batch):
-                if tracker is None or not tracker.states[i].ended:
-                    row.sink(("error", row.index, status, f"Generation failed: {error}"))
-        finally:
-            with self.stats._lock:
-                self.stats.running_rows -= len(batch)
+            for request in running:
+                tracker = self._trackers.get(id(request))
+                if request.error is not None and tracker is not None and not tracker.ended:
+                    tracker.ended = True
+                    tracker.row.sink(("error", tracker.row.index, status, f"Generation failed: {error}"))
+        for size in engine.last_layout_sizes:
+            self.stats.record_layout(size)
+        with self.stats._lock:
+            self.stats.forwards += engine.forwards - forwards
+            self.stats.running_rows = len(engine.running)
+            self.stats.pending = len(self._submitted) + len(engine.waiting)
+        for request in running:
+            if request.ended:
+                self._trackers.pop(id(request), None)

@@ -70,6 +70,8 @@ class EngineRequest:
     config: DiffusionGenerationConfig
     on_block: Callable[[BlockUpdate], bool | None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Called with the row's forwards when the engine drops it because `cancelled` was set (no `on_block` call).
+    on_cancel: Callable[[int], None] | None = None
     # Set by the engine.
     settings: str = ""  # `settings_key` of `config` without `max_new_tokens`
     error: BaseException | None = None  # why the row ended without finishing, if a layout failed
@@ -187,7 +189,10 @@ class ContinuousBatcher:
         max_batch_width: the widest layout (columns); the K/V cache holds `max_batch_size x max_batch_width`
             positions. Default: the model's context (`max_sequence_length` / `max_position_embeddings`), so any
             request that fits the context can run, alone if need be.
-        width_granularity: layouts are rounded up to a multiple of this many columns (fewer CUDA-graph shapes).
+        width_granularity: layouts are rounded up to a multiple of this many columns, so that few CUDA-graph
+            shapes are captured. Default: 64 on CUDA, 1 elsewhere (no graphs; and a row decoding alone then has no
+            padding, so its float32 arithmetic is exactly `generate()`'s: masked padding columns change the order
+            of attention's sums, which can flip a near-tie between two tokens).
     """
 
     def __init__(
@@ -196,8 +201,11 @@ class ContinuousBatcher:
         *,
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
-        width_granularity: int = 64,
+        width_granularity: int | None = None,
     ):
+        self.device = model.get_input_embeddings().weight.device
+        if width_granularity is None:
+            width_granularity = 64 if self.device.type == "cuda" else 1
         for name, value in (("max_batch_size", max_batch_size), ("width_granularity", width_granularity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
@@ -211,7 +219,6 @@ class ContinuousBatcher:
         self.max_batch_size = max_batch_size
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
-        self.device = model.get_input_embeddings().weight.device
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -220,6 +227,7 @@ class ContinuousBatcher:
         self.lock = threading.Lock()
         self.forwards = 0  # model forwards made (one batched forward counts once)
         self.layouts = 0  # layouts decoded (one per cohort per boundary)
+        self.last_layout_sizes: list[int] = []  # rows of each layout of the last boundary
 
     # -- requests ---------------------------------------------------------------------------------------------
     def prepare(self, request: EngineRequest) -> EngineRequest:
@@ -273,8 +281,7 @@ class ContinuousBatcher:
             while self.waiting and len(self.running) < self.max_batch_size:
                 head = self.waiting[0]
                 if head.cancelled.is_set():
-                    self.waiting.popleft()
-                    head.ended = True
+                    self._drop_cancelled(self.waiting.popleft())
                     continue
                 partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
                 if partners and self.layout_width([*partners, head]) > self.max_batch_width:
@@ -321,6 +328,7 @@ class ContinuousBatcher:
         self._admit()
         self.running = [row for row in self.running if not self._drop_cancelled(row)]
         decoded, failure = 0, None
+        self.last_layout_sizes = []
         for rows in self._cohorts():
             run = self._run_for(rows[0])
             before = run.nfe
@@ -335,6 +343,7 @@ class ContinuousBatcher:
                 continue
             self.forwards += run.nfe - before
             self.layouts += 1
+            self.last_layout_sizes.append(len(rows))
             decoded += len(rows)
             for row, update in zip(rows, updates, strict=True):
                 stop = row.on_block(update)
@@ -349,8 +358,11 @@ class ContinuousBatcher:
 
     @staticmethod
     def _drop_cancelled(row: EngineRequest) -> bool:
-        if row.cancelled.is_set():
+        """Whether `row` leaves before decoding (cancelled, or ended); a cancelled row's `on_cancel` is told."""
+        if row.cancelled.is_set() and not row.ended:
             row.ended = True
+            if row.on_cancel is not None:
+                row.on_cancel(row.nfe)
         return row.ended
 
     def release(self) -> None:

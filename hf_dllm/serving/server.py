@@ -1,7 +1,7 @@
 """`hf-dllm serve MODEL`: an OpenAI-compatible HTTP server for masked-diffusion LMs, batched and streaming.
 
     pip install "hf-dllm[serve]"
-    hf-dllm serve path/to/checkpoint --port 8000 --max-batch-size 16 --batch-window-ms 10
+    hf-dllm serve path/to/checkpoint --port 8000 --max-batch-size 16
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat
 template), `GET /health` (status and batching counters).
@@ -28,11 +28,13 @@ tokens, whichever comes first; the row then stops decoding (after its block).
 forwards each prompt took part in: the run's `nfe_per_row` for the row when it ended, which is what
 `generate(...).nfe_per_row` gives for the prompt alone (for a row stopped early by a stop string: up to that stop).
 
-Batching (`batching.py`): prompts that arrive within `--batch-window-ms` and resolve to the same settings are
-decoded together in one left-padded `model.generate_blocks()` run of up to `--max-batch-size` rows, whose block
-events the server consumes. Groups are served in arrival order of their first request, so none starves; with
-`--max-concurrent-batches 2` a long batch also no longer holds back the short ones behind it (runs then go side by
-side, without CUDA graphs). On a small CPU, `--threads 1` keeps OpenMP threads from spinning against each other.
+Batching (`batching.py`, `engine.py`): continuous. Up to `--max-batch-size` rows decode at once; a request joins
+the running batch at the next block boundary (no waiting for a batch to finish) and each row leaves as soon as it
+ends (EOS, stop string, `max_tokens`, disconnect), its place taken at the next boundary. Rows whose settings differ
+only in `max_new_tokens` share a layout; other settings groups decode in turn at each boundary. A layout is at most
+`--max-batch-width` columns (each row's prompt and output, aligned at its current block; the K/V cache holds
+`max-batch-size x max-batch-width` positions). On a small CPU, `--threads 1` keeps OpenMP threads from spinning
+against each other.
 Model loading takes the flags every command shares (`--dtype`, `--device`, `--device-map`,
 `--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`; `--num-threads` is
 the old name of `--threads`).
@@ -106,8 +108,7 @@ class Server:
         tokenizer,
         model_name: str,
         max_batch_size: int = 16,
-        batch_window_ms: float = 10.0,
-        max_concurrent_batches: int = 1,
+        max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
     ):
         self.model = model
@@ -131,10 +132,8 @@ class Server:
             model,
             tokenizer,
             stop_token_ids=stop_token_ids(model.generation_config, tokenizer),
-            pad_token_id=self.base_config.prompt_pad_token_id,
             max_batch_size=max_batch_size,
-            batch_window_s=batch_window_ms / 1000,
-            max_concurrent_batches=max_concurrent_batches,
+            max_batch_width=max_batch_width,
         )
 
     # -- request handling -------------------------------------------------------------------------------------
@@ -413,8 +412,7 @@ def create_app(
     tokenizer,
     model_name: str = "model",
     max_batch_size: int = 16,
-    batch_window_ms: float = 10.0,
-    max_concurrent_batches: int = 1,
+    max_batch_width: int | None = None,
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
     max_body_bytes: int | None = None,
@@ -431,9 +429,7 @@ def create_app(
     from starlette.exceptions import HTTPException
     from starlette.middleware.cors import CORSMiddleware
 
-    server = Server(
-        model, tokenizer, model_name, max_batch_size, batch_window_ms, max_concurrent_batches, max_body_bytes
-    )
+    server = Server(model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -560,7 +556,7 @@ def create_app(
             "status": "ok",
             "model": server.model_name,
             "max_batch_size": server.batcher.max_batch_size,
-            "batch_window_ms": server.batcher.batch_window_s * 1000,
+            "max_batch_width": server.batcher.max_batch_width,
             "batching": server.batcher.stats.snapshot(),
         }
 
@@ -574,18 +570,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="rows per generate() call")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="rows decoding at once")
     parser.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=10.0,
-        help="how long the oldest waiting request waits for compatible ones",
-    )
-    parser.add_argument(
-        "--max-concurrent-batches",
+        "--max-batch-width",
         type=int,
-        default=1,
-        help="generate() calls running at once (>1 lets short batches pass a long one)",
+        default=None,
+        help="columns of the widest layout (each row's prompt and output, aligned at its current block); the K/V "
+        "cache holds max-batch-size x max-batch-width positions (default: the model's context)",
     )
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
@@ -621,11 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("hf-dllm serve needs fastapi and uvicorn: pip install 'hf-dllm[serve]'", file=sys.stderr)
         return 2
-    if args.max_batch_size < 1 or args.max_concurrent_batches < 1 or args.batch_window_ms < 0:
-        print(
-            "hf-dllm serve: --max-batch-size and --max-concurrent-batches must be >= 1, --batch-window-ms >= 0.",
-            file=sys.stderr,
-        )
+    if args.max_batch_size < 1 or (args.max_batch_width is not None and args.max_batch_width < 1):
+        print("hf-dllm serve: --max-batch-size and --max-batch-width must be >= 1.", file=sys.stderr)
         return 2
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         print("hf-dllm serve: --max-body-bytes must be >= 1.", file=sys.stderr)
@@ -644,8 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer,
         model_name=name,
         max_batch_size=args.max_batch_size,
-        batch_window_ms=args.batch_window_ms,
-        max_concurrent_batches=args.max_concurrent_batches,
+        max_batch_width=args.max_batch_width,
         api_key=api_key,
         allowed_origins=origins,
         max_body_bytes=args.max_body_bytes,
