@@ -278,11 +278,10 @@ class ContinuousBatcher:
         """Waiting requests join, oldest first, while there is a free row and their layout fits the cache; the
         oldest waits for room rather than be passed (no starvation)."""
         with self.lock:
+            if any(row.cancelled.is_set() for row in self.waiting):
+                self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
             while self.waiting and len(self.running) < self.max_batch_size:
                 head = self.waiting[0]
-                if head.cancelled.is_set():
-                    self._drop_cancelled(self.waiting.popleft())
-                    continue
                 partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
                 if partners and self.layout_width([*partners, head]) > self.max_batch_width:
                     break
@@ -325,8 +324,8 @@ class ContinuousBatcher:
         """One block boundary: admit waiting requests, decode one block of every running row, report each row's
         update to its `on_block` and drop the rows that ended. Returns the number of rows decoded. A layout that
         fails (an exception in the model) ends its rows with the exception re-raised after the others ran."""
-        self._admit()
         self.running = [row for row in self.running if not self._drop_cancelled(row)]
+        self._admit()
         decoded, failure = 0, None
         self.last_layout_sizes = []
         for rows in self._cohorts():

@@ -1,0 +1,354 @@
+"""The continuous-batching engine (`hf_dllm/serving/engine.py`, issue #14), on CPU in float32.
+
+Every test drives `ContinuousBatcher` boundary by boundary: requests arrive at chosen boundaries (random
+interleavings from fixed seeds), join the running batch, and each one's tokens and forwards must be those of
+`generate()` for its prompt alone. Also: admission order and capacity, leaving at EOS / by the consumer, cancellation
+while waiting and while running, slot reuse, mixed settings, the width limit, a failing layout, bad arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES, tiny_model
+
+from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
+from hf_dllm.serving.engine import BlockUpdate, ContinuousBatcher, EngineRequest
+
+TRAINED_DIR = FIXTURES / "llada-tiny-trained"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return LLaDAModelLM.from_pretrained(TRAINED_DIR, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def random_llada():
+    return tiny_model(seed=0)
+
+
+class Recorder:
+    """A request's consumer: collects its block updates."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.updates: list[BlockUpdate] = []
+        self.stop_after = stop_after
+
+    def __call__(self, update: BlockUpdate) -> bool:
+        self.updates.append(update)
+        return self.stop_after is not None and len(self.updates) >= self.stop_after
+
+    @property
+    def tokens(self) -> list[int]:
+        return [token for update in self.updates for token in update.new_tokens]
+
+
+def request(model, prompt, recorder=None, **settings) -> EngineRequest:
+    return EngineRequest(list(prompt), model.resolve_generation_config(**settings), recorder or Recorder())
+
+
+def drive(engine: ContinuousBatcher, requests: list[EngineRequest], arrivals: list[int]) -> int:
+    """Submit each request at its arrival boundary and decode until all are done; returns the boundaries made."""
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    boundary = 0
+    while order or engine.has_work():
+        while order and arrivals[order[0]] <= boundary:
+            engine.submit(requests[order.pop(0)])
+        engine.decode_boundary()
+        boundary += 1
+    return boundary
+
+
+def assert_alone(model, requests: list[EngineRequest]) -> None:
+    """Each request's committed tokens and forwards equal `generate()` for its prompt alone."""
+    for i, req in enumerate(requests):
+        config = req.config
+        out = model.generate(
+            torch.tensor([req.prompt_ids]), generation_config=config, return_dict_in_generate=True
+        )
+        recorder = req.on_block
+        want = out.sequences[0, len(req.prompt_ids) :].tolist()
+        assert recorder.updates[-1].ended, f"request {i} never ended"
+        assert recorder.tokens == want[: len(recorder.tokens)], f"request {i}: tokens differ from generate() alone"
+        assert recorder.updates[-1].nfe == int(out.nfe_per_row[0]), f"request {i}: NFE differs"
+        assert req.generated.tolist() == want, f"request {i}: final canvas differs"
+
+
+def random_prompts(rng: random.Random, count: int, low: int, high: int, longest: int = 20) -> list[list[int]]:
+    return [[rng.randrange(low, high) for _ in range(rng.randrange(1, longest))] for _ in range(count)]
+
+
+LLADA_SETTINGS = [
+    dict(max_new_tokens=32, block_length=8, steps=32),
+    dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True),
+    dict(max_new_tokens=32, block_length=8, threshold=0.9, use_cache=True, dual_cache=True),
+    dict(max_new_tokens=32, block_length=8, threshold=0.7, use_cache=True, dual_cache=False),
+    dict(max_new_tokens=24, block_length=8, factor=1.0),
+    dict(max_new_tokens=32, block_length=8, threshold=0.9, eos_early_stop=True, eos_token_id=[0, 2]),
+]
+
+
+@pytest.mark.parametrize("setting", range(len(LLADA_SETTINGS)))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_llada_rows_equal_generate_alone_under_random_arrivals(trained, setting, seed):
+    rng = random.Random(seed * 100 + setting)
+    prompts = random_prompts(rng, 8, 4, 60)
+    requests = [request(trained, prompt, **LLADA_SETTINGS[setting]) for prompt in prompts]
+    engine = ContinuousBatcher(trained, max_batch_size=4, max_batch_width=256)
+    drive(engine, requests, [rng.randrange(0, 8) for _ in prompts])
+    assert_alone(trained, requests)
+    assert max(engine.last_layout_sizes, default=0) <= 4
+
+
+def test_rows_of_different_lengths_and_rules_mix(trained):
+    """Different `max_new_tokens` share a layout; different block lengths, steps or rules decode in their own
+    layouts at the same boundary; all exact."""
+    rng = random.Random(7)
+    prompts = random_prompts(rng, 10, 4, 60)
+    kinds = [
+        dict(max_new_tokens=8, block_length=8, threshold=0.9, use_cache=True),
+        dict(max_new_tokens=40, block_length=8, threshold=0.9, use_cache=True),
+        dict(max_new_tokens=24, block_length=8, threshold=0.9, use_cache=True),
+        dict(max_new_tokens=16, block_length=4, steps=8),
+        dict(max_new_tokens=20, block_length=8, steps=10),  # a short last block of 4
+    ]
+    requests = [request(trained, prompt, **kinds[i % len(kinds)]) for i, prompt in enumerate(prompts)]
+    engine = ContinuousBatcher(trained, max_batch_size=10, max_batch_width=256)
+    drive(engine, requests, [rng.randrange(0, 4) for _ in prompts])
+    assert_alone(trained, requests)
+
+
+def test_random_model_rows_equal_generate_alone(random_llada):
+    """A random model (many near-ties between tokens) under random arrivals, fixed steps and threshold."""
+    rng = random.Random(3)
+    for settings in (dict(max_new_tokens=32, block_length=8, steps=32), dict(max_new_tokens=24, block_length=8)):
+        prompts = random_prompts(rng, 6, 4, 100)
+        requests = [request(random_llada, prompt, **settings) for prompt in prompts]
+        drive(ContinuousBatcher(random_llada, max_batch_size=3), requests, [rng.randrange(0, 5) for _ in prompts])
+        assert_alone(random_llada, requests)
+
+
+def test_a_lone_row_is_generate_exactly(random_llada):
+    """One row alone has no padding off CUDA (width granularity 1): its arithmetic is generate()'s."""
+    req = request(random_llada, [5, 17, 33, 8], max_new_tokens=48, block_length=16, eos_token_id=[0, 2])
+    engine = ContinuousBatcher(random_llada, max_batch_size=2)
+    assert engine.width_granularity == 1
+    drive(engine, [req], [0])
+    assert_alone(random_llada, [req])
+
+
+def llada2_settings(case: dict, prompt_length: int) -> dict:
+    from test_llada2_generation import generate_kwargs
+
+    settings = generate_kwargs(case, prompt_length)
+    settings.pop("return_dict_in_generate")
+    return settings
+
+
+@pytest.mark.parametrize("name", ["llada2-tiny-ref", "llada21-tiny-ref"])
+def test_block_causal_rows_equal_generate_alone(name):
+    """LLaDA2.0 / 2.1 (block-causal, editing): rows shifted by whole blocks, the prefix refreshed at each block's
+    first step; every distinct recorded setting, random prompts and arrivals."""
+    model = LLaDA2MoeModelLM.from_pretrained(FIXTURES / name).eval()
+    cases = json.loads((FIXTURES / name / "cases.json").read_text())["cases"]
+    rng = random.Random(11)
+    seen = set()
+    for case in cases:
+        key = json.dumps({k: v for k, v in case["kwargs"].items() if k != "steps"}, sort_keys=True)
+        if key in seen or len(seen) >= 6:
+            continue
+        seen.add(key)
+        prompts = random_prompts(rng, 5, 4, 290)
+        requests = [request(model, prompt, **llada2_settings(case, len(prompt))) for prompt in prompts]
+        drive(ContinuousBatcher(model, max_batch_size=3), requests, [rng.randrange(0, 4) for _ in prompts])
+        assert_alone(model, requests)
+
+
+def test_dream_rows_equal_generate_alone():
+    model = DreamModel.from_pretrained(FIXTURES / "dream-tiny-ref").eval()
+    vocab = model.config.vocab_size
+    rng = random.Random(5)
+    for settings in (
+        dict(max_new_tokens=16, steps=16, alg="entropy", block_length=16, use_cache=False),
+        dict(max_new_tokens=24, block_length=8, use_cache=True, dual_cache=True, alg="confidence_threshold",
+             threshold=0.5),
+        dict(max_new_tokens=24, block_length=8, use_cache=True, dual_cache=False, steps=24, alg="maskgit_plus"),
+    ):
+        settings = dict(settings, temperature=0.0, eos_early_stop=False)
+        prompts = random_prompts(rng, 5, 4, vocab - 10, longest=12)
+        requests = [request(model, prompt, **settings) for prompt in prompts]
+        drive(ContinuousBatcher(model, max_batch_size=3), requests, [rng.randrange(0, 4) for _ in prompts])
+        assert_alone(model, requests)
+
+
+# -- admission, leaving, cancellation ---------------------------------------------------------------------------
+
+
+def test_admission_is_oldest_first_and_places_are_reused(trained):
+    """With one place, requests run one after another in arrival order; each takes the place its predecessor left
+    (the cache is allocated once)."""
+    engine = ContinuousBatcher(trained, max_batch_size=1)
+    finished = []
+
+    def recorder(name):
+        def on_block(update):
+            if update.ended:
+                finished.append(name)
+
+        return on_block
+
+    requests = [
+        EngineRequest([5 + i, 9], trained.resolve_generation_config(max_new_tokens=16, block_length=8), recorder(i))
+        for i in range(4)
+    ]
+    for req in requests:
+        engine.submit(req)
+    engine.decode_boundary()
+    cache = engine.cache
+    sizes = []
+    while engine.has_work():
+        engine.decode_boundary()
+        sizes.append(engine.last_layout_sizes)
+    assert finished == [0, 1, 2, 3]
+    assert all(layout == [1] for layout in sizes)
+    assert engine.cache is cache or cache is None
+
+
+def test_a_late_request_joins_at_the_next_boundary(trained):
+    settings = dict(max_new_tokens=64, block_length=8, steps=64, eos_early_stop=False)
+    long, late = request(trained, [5, 6, 7], **settings), request(trained, [8, 9], **settings)
+    engine = ContinuousBatcher(trained, max_batch_size=4)
+    engine.submit(long)
+    engine.decode_boundary()
+    engine.decode_boundary()
+    engine.submit(late)
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [2]  # joined at once, not after the long one ended
+    assert len(late.on_block.updates) == 1 and len(long.on_block.updates) == 3
+    engine.run_until_done()
+    assert_alone(trained, [long, late])
+
+
+def test_consumer_ends_a_row_and_its_place_is_taken(trained):
+    """`on_block` returning True ends the row after that block (no more forwards); a waiting request takes its
+    place at the next boundary."""
+    settings = dict(max_new_tokens=32, block_length=8, steps=32, eos_early_stop=False)
+    stopped = request(trained, [5, 6], Recorder(stop_after=1), **settings)
+    waiting = request(trained, [7, 8], **settings)
+    engine = ContinuousBatcher(trained, max_batch_size=1)
+    engine.submit(stopped)
+    engine.submit(waiting)
+    engine.decode_boundary()
+    assert stopped.ended and stopped.nfe == 8 and not waiting.on_block.updates
+    engine.decode_boundary()
+    assert len(waiting.on_block.updates) == 1 and len(stopped.on_block.updates) == 1
+    engine.run_until_done()
+    assert_alone(trained, [waiting])
+
+
+def test_cancelled_rows_leave_waiting_or_running(trained):
+    settings = dict(max_new_tokens=32, block_length=8, steps=32, eos_early_stop=False)
+    told = {}
+    running, waiting, partner = (request(trained, [5 + i, 6], **settings) for i in range(3))
+    for name, req in (("running", running), ("waiting", waiting)):
+        req.on_cancel = lambda nfe, name=name: told.__setitem__(name, nfe)
+    engine = ContinuousBatcher(trained, max_batch_size=2)
+    engine.submit(running)
+    engine.submit(partner)
+    engine.submit(waiting)
+    engine.decode_boundary()
+    running.cancelled.set()
+    waiting.cancelled.set()
+    engine.decode_boundary()
+    assert told == {"running": 8, "waiting": 0}
+    assert len(running.on_block.updates) == 1 and not waiting.on_block.updates
+    assert engine.last_layout_sizes == [1]  # the partner decodes on alone
+    engine.run_until_done()
+    assert_alone(trained, [partner])
+
+
+def test_width_limit_splits_layouts_and_holds_back_what_does_not_fit(trained):
+    """Rows whose aligned layout would exceed `max_batch_width` do not share it: the head of the queue waits for
+    room (no starvation of the oldest), and the tokens stay exact."""
+    settings = dict(max_new_tokens=16, block_length=8, steps=16, eos_early_stop=False)
+    long_prompt = request(trained, list(range(4, 44)), **settings)  # 40 + 16 columns
+    short = request(trained, [5, 6], **settings)  # 2 + 16
+    engine = ContinuousBatcher(trained, max_batch_size=4, max_batch_width=60)
+    engine.submit(long_prompt)
+    engine.decode_boundary()
+    engine.submit(short)  # aligned at the long row's block start (48): 48 + 16 > 60
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [1]
+    engine.run_until_done()
+    assert_alone(trained, [long_prompt, short])
+    with pytest.raises(ValueError, match="max_batch_width"):
+        engine.submit(request(trained, list(range(4, 60)), **settings))
+
+
+def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
+    """An exception in one settings group's layout ends its rows with the error; the other group decodes on."""
+    good = request(trained, [5, 6], max_new_tokens=16, block_length=8, steps=16, eos_early_stop=False)
+    bad = request(trained, [7, 8], max_new_tokens=16, block_length=4, steps=16, eos_early_stop=False)
+    engine = ContinuousBatcher(trained, max_batch_size=4)
+    engine.submit(good)
+    engine.submit(bad)
+    from hf_dllm.serving import engine as engine_module
+
+    original = engine_module.LayoutRun.decode_block
+
+    def failing(self, rows, width):
+        if rows[0] is bad:
+            raise RuntimeError("boom")
+        return original(self, rows, width)
+
+    monkeypatch.setattr(engine_module.LayoutRun, "decode_block", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.decode_boundary()
+    assert bad.ended and isinstance(bad.error, RuntimeError) and not good.ended
+    engine.run_until_done()
+    assert_alone(trained, [good])
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_batch_size=0), "max_batch_size"),
+        (dict(max_batch_size=True), "max_batch_size"),
+        (dict(max_batch_width=0), "max_batch_width"),
+        (dict(width_granularity=-1), "width_granularity"),
+    ],
+)
+def test_bad_arguments_are_refused(trained, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ContinuousBatcher(trained, **kwargs)
+
+
+def test_empty_prompt_is_refused(trained):
+    engine = ContinuousBatcher(trained)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.submit(request(trained, [], max_new_tokens=8, block_length=8))
+
+
+def test_submit_from_another_thread(trained):
+    """`submit` is safe from any thread while the engine decodes in its own."""
+    engine = ContinuousBatcher(trained, max_batch_size=4)
+    settings = dict(max_new_tokens=16, block_length=8, steps=16)
+    requests = [request(trained, [5 + i, 6], **settings) for i in range(6)]
+    threads = [threading.Thread(target=engine.submit, args=(req,)) for req in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    engine.run_until_done()
+    assert_alone(trained, requests)
+
+
+def test_engine_is_not_exported():
+    """The engine is an application (serving), not Hub remote code: it lives in a subpackage."""
+    assert Path(__import__("hf_dllm.serving.engine").serving.engine.__file__).parent.name == "serving"
