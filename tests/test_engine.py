@@ -124,6 +124,19 @@ def test_rows_of_different_lengths_and_rules_mix(trained):
     assert_alone(trained, requests)
 
 
+def test_rows_with_equal_steps_per_block_share_a_layout(trained):
+    """`steps` is a total: 8 steps over 16 tokens and 16 over 32 are both 4 steps per block of 8, one layout."""
+    short = request(trained, [5, 6], max_new_tokens=16, block_length=8, steps=8, eos_early_stop=False)
+    long = request(trained, [7, 8, 9], max_new_tokens=32, block_length=8, steps=16, eos_early_stop=False)
+    engine = ContinuousBatcher(trained, max_batch_size=4)
+    engine.submit(short)
+    engine.submit(long)
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [2] and engine.forwards == 4
+    engine.run_until_done()
+    assert_alone(trained, [short, long])
+
+
 def test_random_model_rows_equal_generate_alone(random_llada):
     """A random model (many near-ties between tokens) under random arrivals, fixed steps and threshold."""
     rng = random.Random(3)

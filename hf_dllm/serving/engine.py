@@ -12,9 +12,9 @@ the engine lays the running rows out anew before every block:
   block is then decoded by the one loop (`BlockDiffusionRun.denoise_block`: the same steps, policies, caches and
   CUDA graphs as `generate()`), and each row's block is copied back into its own canvas. In float32 a row's
   tokens and forwards are those of `generate()` alone: padding is masked, nothing else is shared.
-- Rows step together within a block, so the rows of one layout must agree on the block's length, their share of
-  `steps` and every setting except `max_new_tokens` (a `cohort`); rows that differ are decoded in separate
-  layouts at the same boundary, one after the other.
+- Rows step together within a block, so the rows of one layout must agree on the block's length, its number of
+  steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
+  Rows that differ are decoded in separate layouts at the same boundary, one after the other.
 - Block-causal models (LLaDA2.x) are shifted by whole blocks (their blocks stay aligned to positions) and their
   first step of a block recomputes the whole prefix (`RefreshedBlockCache`): the joining row's prefill.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout (a view of its first columns,
@@ -73,7 +73,7 @@ class EngineRequest:
     # Called with the row's forwards when the engine drops it because `cancelled` was set (no `on_block` call).
     on_cancel: Callable[[int], None] | None = None
     # Set by the engine.
-    settings: str = ""  # `settings_key` of `config` without `max_new_tokens`
+    settings: str = ""  # `settings_key` of `config` without `max_new_tokens` and `steps`
     error: BaseException | None = None  # why the row ended without finishing, if a layout failed
     plan: BlockPlan | None = None
     tokens: torch.Tensor | None = None  # `(canvas_width,)` the row's own canvas: prompt, then generated positions
@@ -175,7 +175,8 @@ class LayoutRun(BlockDiffusionRun):
 
 
 def cohort_key(row: EngineRequest) -> tuple:
-    """Rows of equal keys share a layout: the same settings but `max_new_tokens`, block length and steps share."""
+    """Rows of equal keys share a layout: the same settings (but `max_new_tokens` and `steps`), and current blocks
+    of the same length and number of steps."""
     start, end = row.plan.blocks[row.block]
     return (row.settings, end - start, int(row.plan.block_steps[0, row.block]))
 
@@ -247,7 +248,9 @@ class ContinuousBatcher:
         tokens = torch.full((plan.canvas_width,), config.mask_token_id, dtype=torch.long)
         tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         request.plan, request.tokens = plan, tokens.to(self.device)
-        request.settings = settings_key(config, without=("max_new_tokens",))
+        # A row's length and its total of steps only shape its own plan (`BlockPlan`): rows that differ only there
+        # share a layout whenever their current blocks have the same length and steps (`cohort_key`).
+        request.settings = settings_key(config, without=("max_new_tokens", "steps"))
         return request
 
     def submit(self, request: EngineRequest) -> None:
