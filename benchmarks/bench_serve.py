@@ -8,9 +8,10 @@ clients (the official `openai` async client), each sending `--requests` requests
 clients stream), then checks every answer against a direct `model.generate()` on the same prompt and parameters
 (`--no-check` skips that). Traffic goes to 127.0.0.1 only; the run is bounded by `--timeout` seconds.
 
-Prints a table, then one JSON line: requests/s, completion tokens/s, mean batch size (rows per `generate()` call,
-the batching factor), latency percentiles, and the same for the unbatched server (`--max-batch-size 1`) with
-`--compare-unbatched`.
+Prints a table, then one JSON line: requests/s, completion tokens/s, mean rows per layout (rows decoded together
+per block, the batching factor of the continuous-batching engine), latency percentiles, and the same for the
+unbatched server (`--max-batch-size 1`) with `--compare-unbatched`. The open-loop load benchmark of issue #14 is
+`bench_load.py`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class ServerProcess:
-    def __init__(self, model: str, max_batch_size: int, batch_window_ms: float, extra: list[str], timeout: float):
+    def __init__(self, model: str, max_batch_size: int, extra: list[str], timeout: float):
         import httpx
 
         self.port = free_port()
@@ -88,8 +89,6 @@ class ServerProcess:
             "bench",
             "--max-batch-size",
             str(max_batch_size),
-            "--batch-window-ms",
-            str(batch_window_ms),
             "--log-level",
             "warning",
             *extra,
@@ -223,7 +222,7 @@ def check(model_dir: str, workload: list[dict], results: dict, max_tokens: int) 
 def measure(args, model: str, max_batch_size: int) -> dict:
     workload = make_workload(args)
     extra = ["--num-threads", str(args.num_threads)] if args.num_threads else []
-    server = ServerProcess(model, max_batch_size, args.batch_window_ms, extra, args.timeout)
+    server = ServerProcess(model, max_batch_size, extra, args.timeout)
     try:
         # Warm-up (not measured): one request per parameter group.
         warm = [dict(client=0, prompt="warm up", extra=item["extra"], stream=False) for item in workload[:2]]
@@ -235,7 +234,9 @@ def measure(args, model: str, max_batch_size: int) -> dict:
         server.stop()
     latencies = [r["latency"] for r in results.values()]
     firsts = [r["first_chunk"] for r in results.values() if r["first_chunk"] is not None]
-    batches, rows = after["batches"] - before["batches"], after["rows"] - before["rows"]
+    layouts = after["layouts"] - before["layouts"]
+    layout_rows = {size: count - before["layout_sizes"].get(size, 0) for size, count in after["layout_sizes"].items()}
+    decoded_rows = sum(int(size) * count for size, count in layout_rows.items())
     summary = dict(
         max_batch_size=max_batch_size,
         requests=len(workload),
@@ -244,8 +245,8 @@ def measure(args, model: str, max_batch_size: int) -> dict:
         seconds=round(elapsed, 3),
         requests_per_s=round(len(results) / elapsed, 2),
         completion_tokens_per_s=round(sum(r["tokens"] for r in results.values()) / elapsed, 1),
-        mean_batch_size=round(rows / batches, 2) if batches else 0.0,
-        batches=batches,
+        mean_rows_per_layout=round(decoded_rows / layouts, 2) if layouts else 0.0,
+        layouts=layouts,
         latency_p50_s=round(percentile(latencies, 50), 3),
         latency_p90_s=round(percentile(latencies, 90), 3),
         latency_p99_s=round(percentile(latencies, 99), 3),
@@ -268,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-length", type=int, default=16)
     parser.add_argument("--groups", type=int, default=2, choices=[1, 2], help="parameter groups in the mix")
     parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--batch-window-ms", type=float, default=10.0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the server")
     parser.add_argument("--compare-unbatched", action="store_true", help="also run with --max-batch-size 1")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with model.generate()")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nhf-dllm serve load test: {label}; {machine}")
     print(
         f"{args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens}, block_length "
-        f"{args.block_length}, {args.groups} parameter group(s), batch window {args.batch_window_ms} ms\n"
+        f"{args.block_length}, {args.groups} parameter group(s), continuous batching\n"
     )
     columns = [
         "max_batch_size",
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "lost",
         "requests_per_s",
         "completion_tokens_per_s",
-        "mean_batch_size",
+        "mean_rows_per_layout",
         "latency_p50_s",
         "latency_p90_s",
         "latency_p99_s",

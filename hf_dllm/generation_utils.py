@@ -915,7 +915,9 @@ class BlockDiffusionRun:
         if self.graphs is None:
             new_block, draft, edited = self.step(**inputs)
         else:
-            key = (rows, q_start - block_start, q_end - q_start, block_end - block_start, kv_len)
+            # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None.
+            mask_fed = inputs["attention_mask"] is not None
+            key = (rows, q_start - block_start, q_end - q_start, block_end - block_start, kv_len, mask_fed)
             new_block, draft, edited = self.graphs.run(key, self.step, inputs)
         self.nfe += 1
         self.x[:, block_start:block_end] = new_block

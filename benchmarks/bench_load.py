@@ -1,0 +1,391 @@
+"""Open-loop load benchmark of `hf-dllm serve` (issue #14): continuous batching against the old window batching.
+
+    # GPU (the issue's setting): LLaDA-8B shape, random bf16 weights; the window-batching server from an older
+    # checkout of the package (e.g. `git archive 42f8188 hf_dllm | tar -x -C .old`)
+    python benchmarks/bench_load.py --shape llada-8b --rates 0.5,1,2 --requests 48 --window-code .old
+    python benchmarks/bench_load.py --cpu                # small CPU smoke run of the same path
+
+For each server (`continuous`: this checkout; `window`: `--window-code`, the package before continuous batching,
+run with `--batch-window-ms`), a server process is started on 127.0.0.1 (`--role server`: a model with random
+weights built in the process, a word-level tokenizer over its vocabulary, `create_app` + uvicorn). For each rate
+R (requests/s), `--requests` requests arrive open-loop (exponential gaps of mean 1/R, fixed seed), sent through
+the official `openai` async client as streaming completions of token-id prompts. Prompt lengths are uniform in
+[128, 1024] tokens and `max_tokens` uniform in [64, 512] rounded to whole blocks (both fixed by the seed, the same
+for every server and rate); decoding: block 32, dual cache, 8 steps per block (4 tokens per forward, the
+parallelism Fast-dLLM's threshold reaches on real models; random weights never reach a confidence threshold).
+
+Reported per server and rate: throughput (completion tokens / time from the first arrival to the last answer),
+p50/p99 request latency, p50/p99 time to the first streamed block, requests lost or failed, peak GPU memory of the
+server process (`torch.cuda.max_memory_allocated`, from its /bench-memory route). A table, then one JSON line.
+`--check N` also compares N answers of the continuous server with `model.generate()` alone (float32 CPU runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "llada-8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288, vocab_size=126464),
+    "small": dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=256, vocab_size=2048),
+}
+BLOCK = 32
+STEPS_PER_BLOCK = 8
+
+
+# -- the server process ------------------------------------------------------------------------------------------
+
+
+def build_model(shape: str, device: str, dtype: str, seed: int = 0):
+    import torch
+
+    import hf_dllm
+
+    fields = SHAPES[shape]
+    vocab = fields["vocab_size"]
+    config = hf_dllm.LLaDAConfig(
+        **fields,
+        embedding_size=vocab,
+        mask_token_id=vocab - 128,
+        eos_token_id=vocab - 383,
+        pad_token_id=vocab - 383,
+        bos_token_id=vocab - 384,
+        max_sequence_length=4096,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = hf_dllm.LLaDAModelLM._from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def word_tokenizer(vocab: int, eos: int, bos: int, pad: int):
+    """A tokenizer whose tokens are `t0 ... t{vocab-1}` (random weights need no real text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token=f"t{pad}"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=f"t{eos}", bos_token=f"t{bos}", pad_token=f"t{pad}", unk_token=f"t{pad}"
+    )
+
+
+def serve(args) -> None:
+    """`--role server`: build the model and serve it (this checkout's package, or `--window-code`'s via
+    PYTHONPATH: the launcher sets it)."""
+    import inspect
+
+    import torch
+    import uvicorn
+
+    from hf_dllm.serving.server import create_app
+
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model = build_model(args.shape, device, "bfloat16" if device == "cuda" else "float32")
+    config = model.config
+    tokenizer = word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
+    accepted = inspect.signature(create_app).parameters
+    kwargs = dict(model_name="bench", max_batch_size=args.max_batch_size)
+    if "max_batch_width" in accepted:
+        kwargs["max_batch_width"] = args.max_batch_width
+    if "batch_window_ms" in accepted:
+        kwargs["batch_window_ms"] = args.batch_window_ms
+    app = create_app(model, tokenizer, **kwargs)
+    engine = getattr(app.state.server.batcher, "engine", None)
+    if engine is not None and args.width_granularity:
+        engine.width_granularity = args.width_granularity
+
+    @app.get("/bench-memory")
+    async def memory():
+        if device != "cuda":
+            return {"peak_bytes": None}
+        return {"peak_bytes": torch.cuda.max_memory_allocated()}
+
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+# -- the load ------------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def workload(args, vocab: int, count: int) -> list[dict]:
+    """Prompts and lengths, fixed by the seed (the same for every server and rate)."""
+    rng = random.Random(args.seed)
+    items = []
+    low_prompt, high_prompt = args.prompt_range
+    low_out, high_out = args.output_range
+    for _ in range(count):
+        prompt = [rng.randrange(0, vocab - 400) for _ in range(rng.randint(low_prompt, high_prompt))]
+        max_tokens = -(-rng.randint(low_out, high_out) // BLOCK) * BLOCK
+        items.append(dict(prompt=prompt, max_tokens=max_tokens))
+    return items
+
+
+class ServerProcess:
+    def __init__(self, args, kind: str):
+        self.port = free_port()
+        env = dict(os.environ)
+        code = str(REPO) if kind == "continuous" else str(Path(args.window_code).resolve())
+        env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--role",
+            "server",
+            "--port",
+            str(self.port),
+            "--shape",
+            args.shape,
+            "--max-batch-size",
+            str(args.max_batch_size),
+            "--batch-window-ms",
+            str(args.batch_window_ms),
+            "--width-granularity",
+            str(args.width_granularity or 0),
+        ]
+        if args.max_batch_width:
+            command += ["--max-batch-width", str(args.max_batch_width)]
+        if args.cpu:
+            command.append("--cpu")
+        self.process = subprocess.Popen(command, env=env, cwd=code)
+        self.url = f"http://127.0.0.1:{self.port}"
+        import httpx
+
+        deadline = time.monotonic() + args.start_timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {kind} server exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the {kind} server did not start in {args.start_timeout} s")
+            time.sleep(1)
+
+    def get(self, path: str) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.url}{path}", timeout=10).json()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def one_request(client, item: dict, extra: dict, start: float, record: dict) -> None:
+    sent = time.monotonic()
+    record.update(arrival=sent - start)
+    try:
+        stream = await client.completions.create(
+            model="bench",
+            prompt=item["prompt"],
+            max_tokens=item["max_tokens"],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+        text = []
+        async for chunk in stream:
+            now = time.monotonic()
+            if chunk.choices and chunk.choices[0].text and "first_block" not in record:
+                record["first_block"] = now - sent
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                record["completion_tokens"] = chunk.usage.completion_tokens
+        record.update(latency=time.monotonic() - sent, done=time.monotonic() - start, text="".join(text))
+    except Exception as error:  # counted as failed, never silently dropped
+        record["error"] = f"{type(error).__name__}: {error}"
+
+
+async def offered_load(url: str, items: list[dict], rate: float, seed: int, timeout: float) -> list[dict]:
+    """Open loop: request i is sent at its Poisson arrival time, whatever the server's state."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    rng = random.Random(seed)
+    extra = dict(block_length=BLOCK, use_cache=True, dual_cache=True, eos_early_stop=False)
+    records = [dict() for _ in items]
+    tasks = []
+    start = time.monotonic()
+    at = 0.0
+    for item, record in zip(items, records, strict=True):
+        delay = start + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        steps = item["max_tokens"] // BLOCK * STEPS_PER_BLOCK
+        tasks.append(asyncio.create_task(one_request(client, item, dict(extra, steps=steps), start, record)))
+        at += rng.expovariate(rate)
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    await client.close()
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    done = [r for r in records if "latency" in r]
+    tokens = sum(r.get("completion_tokens", 0) for r in done)
+    span = max((r["done"] for r in done), default=0.0) - min((r["arrival"] for r in records), default=0.0)
+    return dict(
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        tokens=tokens,
+        throughput_tokens_per_s=tokens / span if span > 0 else 0.0,
+        p50_latency_s=percentile([r["latency"] for r in done], 50),
+        p99_latency_s=percentile([r["latency"] for r in done], 99),
+        p50_first_block_s=percentile([r["first_block"] for r in done if "first_block" in r], 50),
+        p99_first_block_s=percentile([r["first_block"] for r in done if "first_block" in r], 99),
+    )
+
+
+def check_answers(args, items: list[dict], records: list[dict], count: int) -> dict:
+    """Answers of the continuous server against `generate()` alone (same weights, same settings); exact only in
+    float32 (`--cpu`)."""
+    import torch
+
+    model = build_model(args.shape, "cpu", "float32")
+    config = model.config
+    tokenizer = word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
+    checked = equal = 0
+    for item, record in list(zip(items, records, strict=True))[:count]:
+        if "text" not in record:
+            continue
+        steps = item["max_tokens"] // BLOCK * STEPS_PER_BLOCK
+        out = model.generate(
+            torch.tensor([item["prompt"]]),
+            max_new_tokens=item["max_tokens"],
+            block_length=BLOCK,
+            steps=steps,
+            use_cache=True,
+            dual_cache=True,
+            eos_early_stop=False,
+        )[0, len(item["prompt"]) :].tolist()
+        stops = {config.eos_token_id}
+        end = next((i for i, token in enumerate(out) if token in stops), len(out))
+        checked += 1
+        equal += tokenizer.decode(out[:end], skip_special_tokens=True) == record["text"]
+    return dict(checked=checked, equal=equal)
+
+
+def measure(args) -> dict:
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rates = [float(rate) for rate in args.rates.split(",")]
+    items = workload(args, vocab, args.requests)
+    results = {}
+    kinds = ["continuous"] + (["window"] if args.window_code else [])
+    for kind in kinds:
+        server = ServerProcess(args, kind)
+        try:
+            # Warm-up: kernels, CUDA graphs of the common shapes.
+            asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout))
+            for rate in rates:
+                records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout))
+                summary = summarize(records)
+                summary["batching"] = server.get("/health").get("batching")
+                summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
+                if kind == "continuous" and args.check:
+                    summary["check"] = check_answers(args, items, records, args.check)
+                results[(kind, rate)] = summary
+                print(f"{kind} rate {rate}: {json.dumps({k: v for k, v in summary.items() if k != 'batching'})}",
+                      flush=True)
+        finally:
+            server.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", choices=["load", "server"], default="load")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="small shape on the CPU (smoke run)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    parser.add_argument("--rates", default=None, help="comma-separated request rates (requests/s)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per rate")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-batch-width", type=int, default=None)
+    parser.add_argument("--width-granularity", type=int, default=0, help="0: the engine's default")
+    parser.add_argument("--batch-window-ms", type=float, default=10.0, help="the window server's window")
+    parser.add_argument("--window-code", default=None, help="folder holding the window-batching hf_dllm package")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=None)
+    parser.add_argument("--output-range", type=int, nargs=2, default=None)
+    parser.add_argument("--check", type=int, default=0, help="answers to compare with generate() alone")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--start-timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    args.shape = args.shape or ("small" if args.cpu else "llada-8b")
+    if args.role == "server":
+        serve(args)  # the package comes from PYTHONPATH (this checkout, or --window-code's)
+        return 0
+    sys.path.insert(0, str(REPO))
+    args.rates = args.rates or ("2,8" if args.cpu else "0.5,1,2")
+    args.requests = args.requests or (16 if args.cpu else 48)
+    args.prompt_range = args.prompt_range or ([16, 96] if args.cpu else [128, 1024])
+    args.output_range = args.output_range or ([32, 96] if args.cpu else [64, 512])
+    results = measure(args)
+    print()
+    header = ["server", "rate/s", "done", "failed", "tok/s", "p50 lat s", "p99 lat s", "p50 TTFB s", "p99 TTFB s",
+              "rows/layout or batch", "peak GB"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for (kind, rate), s in results.items():
+        batching = s.get("batching") or {}
+        per = batching.get("mean_rows_per_layout", batching.get("mean_batch_size"))
+        peak = s["peak_gpu_bytes"]
+
+        def fmt(value):
+            return "-" if value is None else f"{value:.2f}"
+
+        print(
+            f"| {kind} | {rate} | {s['completed']} | {s['failed']} | {s['throughput_tokens_per_s']:.1f} | "
+            f"{fmt(s['p50_latency_s'])} | {fmt(s['p99_latency_s'])} | {fmt(s['p50_first_block_s'])} | "
+            f"{fmt(s['p99_first_block_s'])} | {fmt(per)} | {'-' if peak is None else f'{peak / 1e9:.1f}'} |"
+        )
+    import torch
+
+    summary = dict(
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.cpu else "cpu",
+        shape=args.shape,
+        max_batch_size=args.max_batch_size,
+        prompt_range=args.prompt_range,
+        output_range=args.output_range,
+        block_length=BLOCK,
+        steps_per_block=STEPS_PER_BLOCK,
+        results={f"{kind}@{rate}": s for (kind, rate), s in results.items()},
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

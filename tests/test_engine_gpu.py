@@ -1,0 +1,71 @@
+"""The continuous-batching engine on CUDA (skipped without it): the CUDA-graph step serves changing layouts, with
+exactly the tokens of the eager engine of the same dtype, and float32 rows equal `generate()` alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+from hf_dllm import LLaDAModelLM
+from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest
+
+pytestmark = pytest.mark.gpu
+
+
+def decode(model, prompts, arrivals, settings, **engine_kwargs):
+    engine = ContinuousBatcher(model, max_batch_size=4, max_batch_width=256, **engine_kwargs)
+    tokens = [[] for _ in prompts]
+    requests = [
+        EngineRequest(prompt, model.resolve_generation_config(**settings), lambda u, t=t: t.extend(u.new_tokens))
+        for prompt, t in zip(prompts, tokens, strict=True)
+    ]
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    boundary = 0
+    while order or engine.has_work():
+        while order and arrivals[order[0]] <= boundary:
+            engine.submit(requests[order.pop(0)])
+        engine.decode_boundary()
+        boundary += 1
+    return tokens, [request.nfe for request in requests], engine
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True),
+        dict(max_new_tokens=32, block_length=8, threshold=0.9, use_cache=True, dual_cache=False),
+        dict(max_new_tokens=24, block_length=8, factor=1.0, use_cache=False),
+    ],
+)
+def test_graph_engine_equals_eager_engine_and_generate(dtype, settings):
+    model = LLaDAModelLM.from_pretrained(FIXTURES / "llada-tiny-trained", dtype=dtype).cuda().eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 60) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
+    arrivals = [rng.randrange(0, 6) for _ in prompts]
+    settings = dict(settings, eos_early_stop=False)
+    graphs, graph_nfe, engine = decode(model, prompts, arrivals, settings)
+    assert model._hf_dllm_step_graphs.steps, "the engine captured no CUDA graph"
+    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
+    assert graphs == eager and graph_nfe == eager_nfe
+    if dtype == torch.float32:
+        for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
+            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
+            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])
+
+
+def test_graph_memory_does_not_grow_under_changing_layouts():
+    model = LLaDAModelLM.from_pretrained(FIXTURES / "llada-tiny-trained", dtype=torch.bfloat16).cuda().eval()
+    rng = random.Random(1)
+    settings = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True)
+    prompts = [[rng.randrange(4, 60) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
+    decode(model, prompts, [rng.randrange(0, 6) for _ in prompts], settings)
+    torch.cuda.synchronize()
+    after_first = torch.cuda.memory_allocated()
+    for _ in range(3):
+        decode(model, prompts, [rng.randrange(0, 6) for _ in prompts], settings)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= after_first * 1.5 + (64 << 20)
