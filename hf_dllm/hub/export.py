@@ -723,7 +723,7 @@ def read_source_config(src: Path) -> dict:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ExportError(
-            f"{path} has model_type {model_type!r}: not a LLaDA checkpoint hf-dllm export supports "
+            f"{path} has model_type {model_type!r}: not a model family hf-dllm export supports "
             f"({_supported_types()})."
         )
     family = MODEL_FAMILIES[model_type]
