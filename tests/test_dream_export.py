@@ -129,7 +129,12 @@ def exported_kept(tmp_path_factory, kept_source) -> Path:
 
 
 def test_dream_remote_code_is_closed():
-    assert DREAM_FILES == ("configuration_dream.py", "modeling_dream.py", "decoding_dream.py", *SHARED_REMOTE_CODE_FILES)
+    assert DREAM_FILES == (
+        "configuration_dream.py",
+        "modeling_dream.py",
+        "decoding_dream.py",
+        *SHARED_REMOTE_CODE_FILES,
+    )
     assert check_remote_code(model_type="Dream") == [PACKAGE_DIR / name for name in DREAM_FILES]
     assert {entry.split(".")[0] + ".py" for entry in FAMILY.auto_map.values()} <= set(DREAM_FILES)
 
@@ -138,7 +143,10 @@ def test_dream_remote_code_is_closed():
     "files, message",
     [
         # decoding_dream.py, which modeling_dream.py imports, left out
-        (tuple(name for name in DREAM_FILES if name != "decoding_dream.py"), r"relative imports of \['decoding_dream'\]"),
+        (
+            tuple(name for name in DREAM_FILES if name != "decoding_dream.py"),
+            r"relative imports of \['decoding_dream'\]",
+        ),
         # a file no auto_map module reaches (LLaDA's config) put in
         ((*DREAM_FILES, "configuration_llada.py"), "configuration_llada.py not reached by relative imports"),
     ],
@@ -230,10 +238,18 @@ def test_no_source_generation_config_gives_the_family_defaults(exported_ref):
 def test_source_generation_config_is_kept(exported_kept, kept_source):
     assert written_fields(exported_kept) == written_fields(kept_source)
     written = written_fields(exported_kept)
-    assert (written["alg"], written["steps"], written["block_length"], written["use_cache"]) == ("topk_margin", 8, 8, False)
+    assert (written["alg"], written["steps"], written["block_length"], written["use_cache"]) == (
+        "topk_margin",
+        8,
+        8,
+        False,
+    )
     card = (exported_kept / "README.md").read_text()
     assert '| `alg` | "topk_margin" |' in card and "| `steps` | 8 |" in card
-    assert 'Dream\'s timestep schedule (`alg="topk_margin"`, `steps=8` in all) with no KV cache, greedy, in blocks of 8' in card
+    assert (
+        'Dream\'s timestep schedule (`alg="topk_margin"`, `steps=8` in all) with no KV cache, greedy, in blocks of 8'
+        in card
+    )
 
 
 def test_fast_generation_defaults(exported_kept, kept_source, dream_checkpoint, tmp_path, capsys):
@@ -249,7 +265,9 @@ def test_fast_generation_defaults(exported_kept, kept_source, dream_checkpoint, 
     assert re.search(r"^  threshold = 0\.9 +<- the family's default$", out, re.M), out
     assert re.search(r"^  max_new_tokens = 64 +<- option --max-new-tokens$", out, re.M), out
     card = (dst / "README.md").read_text()
-    assert "Fast-dLLM's threshold rule (`threshold=0.9`) with the dual cache, greedy, in blocks of 32: the fast " in card
+    assert (
+        "Fast-dLLM's threshold rule (`threshold=0.9`) with the dual cache, greedy, in blocks of 32: the fast " in card
+    )
     # Dream's own generation_config.json is ignored by `fast` as well.
     export_checkpoint(dream_checkpoint, tmp_path / "fast_hub", generation_defaults="fast")
     assert written_fields(tmp_path / "fast_hub") == {**written, "max_new_tokens": 256}
@@ -277,7 +295,10 @@ def test_options_override_single_fields(kept_source, exported_ref, tmp_path):
         (dict(threshold=0.8), r"--threshold 0.8 on top of .*it contradicts `alg='topk_margin'`"),
         (dict(threshold=1.5), r"--threshold \(threshold=1.5\)"),
         (dict(block_length=0), r"--block-length \(block_length=0\)"),
-        (dict(generation_defaults="slow"), r"--generation-defaults \(generation_defaults\) must be one of source, fast"),
+        (
+            dict(generation_defaults="slow"),
+            r"--generation-defaults \(generation_defaults\) must be one of source, fast",
+        ),
     ],
     ids=["threshold-vs-alg", "threshold-range", "block-length", "generation-defaults"],
 )
@@ -360,8 +381,12 @@ def test_dream_card(exported_dream):
 @pytest.mark.parametrize(
     "src, card, message",
     [
-        ("dream", "llada-8b-instruct", "describes a LLaDA model .* SRC is a Dream checkpoint .*choose one of generic, "
-         "dream-coder-v0-instruct-7b, dream-v0-instruct-7b"),
+        (
+            "dream",
+            "llada-8b-instruct",
+            "describes a LLaDA model .* SRC is a Dream checkpoint .*choose one of generic, "
+            "dream-coder-v0-instruct-7b, dream-v0-instruct-7b",
+        ),
         ("dream", "llada2.1-mini", "describes a LLaDA2.x model"),
         ("llada", "dream-v0-instruct-7b", "describes a Dream model .* SRC is a LLaDA checkpoint"),
         ("dream", "dream-v0", "unknown model card 'dream-v0'"),
@@ -521,7 +546,9 @@ def chat_cases() -> list[dict]:
 
 
 # Dream's own `diffusion_generate()` arguments (sampling, so the seed matters).
-DREAM_KWARGS = dict(max_new_tokens=12, steps=6, alg="entropy", temperature=0.5, top_p=0.95, return_dict_in_generate=True)
+DREAM_KWARGS = dict(
+    max_new_tokens=12, steps=6, alg="entropy", temperature=0.5, top_p=0.95, return_dict_in_generate=True
+)
 # generate() settings of other families, each a ValueError for Dream.
 BAD_SETTINGS = {
     "remasking": {"remasking": "random"},
@@ -532,7 +559,12 @@ BAD_SETTINGS = {
     "num_beams": {"num_beams": 2},
     "alg": {"alg": "greedy"},
 }
-REFERENCE_CASE_NAMES = ("p12.dg.g16.s8.entropy", "b2.dg.g32.s16.topk_margin", "p12.blk.g16.prefix.t0.9", "p5.blk.g16.dual.s4")
+REFERENCE_CASE_NAMES = (
+    "p12.dg.g16.s8.entropy",
+    "b2.dg.g32.s16.topk_margin",
+    "p12.blk.g16.prefix.t0.9",
+    "p5.blk.g16.dual.s4",
+)
 
 
 def reference_cases() -> list[dict]:

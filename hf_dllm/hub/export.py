@@ -723,8 +723,7 @@ def read_source_config(src: Path) -> dict:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ExportError(
-            f"{path} has model_type {model_type!r}: not a model family hf-dllm export supports "
-            f"({_supported_types()})."
+            f"{path} has model_type {model_type!r}: not a model family hf-dllm export supports ({_supported_types()})."
         )
     family = MODEL_FAMILIES[model_type]
     config_class, _ = family.classes()
@@ -1037,9 +1036,7 @@ def resolve_generation_settings(
     except ValueError as error:
         raise ExportError(f"invalid generation settings for {base_text}: {error}") from error
     headline = tuple(dict.fromkeys([*family.generation_defaults, *family.fast_defaults]))
-    return GenerationSettings(
-        config=config, origins=origins, family=family.name, headline=headline, notes=tuple(notes)
-    )
+    return GenerationSettings(config=config, origins=origins, family=family.name, headline=headline, notes=tuple(notes))
 
 
 def resolve_card(card: str, model_type: str) -> str:
@@ -1145,9 +1142,7 @@ def _describe_dream_decoding(fields: dict) -> str:
     else:
         cache = "no KV cache"
     if fields["do_sample"]:
-        filters = "".join(
-            f", `{name}={fields[name]}`" for name in ("top_p", "top_k") if fields[name] is not None
-        )
+        filters = "".join(f", `{name}={fields[name]}`" for name in ("top_p", "top_k") if fields[name] is not None)
         sampling = f"sampling at temperature {fields['temperature']}{filters}"
     else:
         sampling = "greedy"
@@ -1556,8 +1551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def option_help(name: str) -> str:
         return (
-            f"{name} written to generation_config.json (default: SRC's, else the family's: "
-            f"{per_family(name, False)})"
+            f"{name} written to generation_config.json (default: SRC's, else the family's: {per_family(name, False)})"
         )
 
     parser.add_argument("--max-new-tokens", type=int, default=UNSET, help=option_help("max_new_tokens"))
