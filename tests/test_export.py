@@ -377,7 +377,7 @@ def copy_source(tmp_path: Path, name: str = "src") -> Path:
     [
         ("no-config", "has no config.json"),
         ("no-weights", "has no weights"),
-        ("not-llada", "model_type 'llama': not a LLaDA checkpoint"),
+        ("not-llada", "model_type 'llama': not a model family hf-dllm export supports"),
         ("unsupported", "alibi"),
         ("bad-json", "not readable JSON"),
         ("missing-shard", "names shard(s) missing"),

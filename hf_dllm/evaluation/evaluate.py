@@ -45,6 +45,7 @@ from pathlib import Path
 
 from ..cli.completion_text import CompletionText, stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
+from ..generation_config import DREAM_ALGS
 from ..generation_utils import left_pad
 from .data import SCORERS, build_prompt, format_prompt, load_examples, process_state, score, shard_batches
 
@@ -69,7 +70,15 @@ GENERATION_OPTIONS: dict[str, type] = {
     "editing_threshold": float,
     "max_post_steps": int,
     "num_to_transfer": int,
+    # Dream's sampler (models with its rules; the others refuse them): `--alg`, `--alg-temp`, `--top-p`, ...
+    "alg": str,
+    "alg_temp": float,
+    "top_p": float,
+    "top_k": int,
+    "eps": float,
 }
+# Options with a fixed set of values.
+CHOICES = {"remasking": ("low_confidence", "random"), "alg": DREAM_ALGS}
 # Decoding-rule options that also take `none` (the field set to None: no such rule), as `hf-dllm export` does.
 NONE_OPTIONS = ("steps", "threshold", "factor")
 
@@ -132,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         # SUPPRESS: an option left out is absent from the namespace, so `--threshold none` (None) stays distinct.
         if kind is bool:
             gen.add_argument(*aliases, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        elif name == "remasking":
-            gen.add_argument(flag, dest=name, choices=("low_confidence", "random"), default=argparse.SUPPRESS)
+        elif name in CHOICES:
+            gen.add_argument(flag, dest=name, choices=CHOICES[name], default=argparse.SUPPRESS)
         elif name in NONE_OPTIONS:
             gen.add_argument(
                 flag,

@@ -22,7 +22,8 @@ eval`, through the same `hf_dllm.cli.loading.load_model`), `batch_size`, `mc_num
 `mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
 `gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
 `block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
-`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`, and `steps` with `threshold`).
+`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`, and `steps` with `threshold`; for Dream
+its sampler's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`, also in a task's generation_kwargs).
 LLaDA2.x (block-causal) models run `generate_until` tasks; the log-likelihood estimator is LLaDA's, for
 bidirectional models only (a block-causal model raises `NotImplementedError` naming the alternative).
 

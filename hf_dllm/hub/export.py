@@ -1,12 +1,13 @@
-"""`hf-dllm export SRC DST`: turn a local LLaDA or LLaDA2.x checkpoint into a Hub repo that runs hf_dllm's code as
-remote code.
+"""`hf-dllm export SRC DST`: turn a local LLaDA, LLaDA2.x or Dream checkpoint into a Hub repo that runs hf_dllm's
+code as remote code.
 
 A user who has never installed hf_dllm then loads the repo with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and gets hf_dllm's model and diffusion `generate()`.
 
 What is exported depends on SRC's `model_type`, through one table, `MODEL_FAMILIES` (`"llada"`: LLaDA-8B and its
-family; `"llada2_moe"`: LLaDA2.0-mini / -flash, LLaDA2.1). What DST receives (every rule is implemented here,
-once, and is what `tests/test_export.py` and `tests/test_llada2_export.py` check):
+family; `"llada2_moe"`: LLaDA2.0-mini / -flash, LLaDA2.1; `"Dream"`: Dream 7B and Dream-Coder 7B). What DST
+receives (every rule is implemented here, once, and is what `tests/test_export.py`, `tests/test_llada2_export.py`
+and `tests/test_dream_export.py` check):
 
 - the weights: `model.safetensors`, or `model.safetensors.index.json` and every shard it names (likewise
   `pytorch_model.bin[.index.json]` when SRC has no safetensors); copied, or hard-linked with `--link`;
@@ -19,12 +20,14 @@ once, and is what `tests/test_export.py` and `tests/test_llada2_export.py` check
 - `generation_config.json`: a `DiffusionGenerationConfig` decided by `resolve_generation_settings`, field by field:
   an exporter option (`--max-new-tokens`, `--block-length`, `--threshold`) > SRC's `generation_config.json`
   (validated for the family, as the model would read it) > the family's defaults (`generation_defaults`: Fast-dLLM's
-  threshold 0.9 with the dual cache for LLaDA, LLaDA2's threshold 0.95 for LLaDA2.x; used when SRC has no
-  generation_config.json, or with `--generation-defaults fast`); special token ids from SRC's generation_config.json,
-  else SRC's config.json and tokenizer (`special_token_ids`); serialised by transformers (`to_json_string`). The
-  export prints the settings written and the origin of each (`GenerationSettings.summary`);
-- `README.md`: the family's model card template (`model_cards/template.md`, `model_cards/template-llada2.md`)
-  rendered with a preset of `CARD_PRESETS`.
+  threshold 0.9 with the dual cache for LLaDA, LLaDA2's threshold 0.95 for LLaDA2.x, Dream's own sampler for Dream;
+  used when SRC has no generation_config.json hf_dllm reads) or, with `--generation-defaults fast`, the family's
+  fast defaults (`ModelFamily.fast_defaults`: the same for LLaDA and LLaDA2.x, Fast-dLLM's for Dream); special
+  token ids from SRC's generation_config.json, else SRC's config.json and tokenizer (`special_token_ids`);
+  serialised by transformers (`to_json_string`). The export prints the settings written and the origin of each
+  (`GenerationSettings.summary`);
+- `README.md`: the family's model card template (`model_cards/template.md`, `model_cards/template-llada2.md`,
+  `model_cards/template-dream.md`) rendered with a preset of `CARD_PRESETS`.
 
 Nothing is half-written: every input is checked first, the repo is assembled in a temporary folder next to DST
 (`.DST.export-PID-*`) and moved into place only when complete and verified (`verify_export`: every safetensors
@@ -81,6 +84,20 @@ FAST_GENERATION_DEFAULTS = {
 # least, blocks of 32, in-block EOS stop), greedy, with the exact KV cache (`dual_cache` changes nothing for
 # block-causal models); the rest as LLaDA's.
 LLADA2_GENERATION_DEFAULTS = {**FAST_GENERATION_DEFAULTS, "threshold": 0.95}
+# Dream: its own sampler, as Dream's `diffusion_generate()` decodes (arXiv:2508.15487): the whole answer as one block
+# of `max_new_tokens` positions, one token per step on Dream's timestep schedule with the default `alg` (`alg=None`:
+# entropy, `decoding_dream.DEFAULT_DREAM_ALG`), no KV cache, every position decoded (no EOS stop); greedy. `alg` is
+# left unset so that naming `threshold` in a call switches to Fast-dLLM's rule instead of contradicting an `alg`.
+DREAM_GENERATION_DEFAULTS = {
+    **FAST_GENERATION_DEFAULTS,
+    "block_length": FAST_GENERATION_DEFAULTS["max_new_tokens"],
+    "threshold": None,
+    "use_cache": False,
+    "eos_early_stop": False,
+}
+# Dream's `--generation-defaults fast`: Fast-dLLM's setting for Dream, which is LLaDA's fast defaults (threshold 0.9
+# with `alg=None` is Fast-dLLM's threshold rule on Dream, `decoding_dream.DreamThreshold`; dual cache, blocks of 32).
+DREAM_FAST_GENERATION_DEFAULTS = FAST_GENERATION_DEFAULTS
 
 EOT_TOKEN = "<|eot_id|>"
 
@@ -102,10 +119,21 @@ class ModelFamily:
     model_module: str
     model_class: str
     remote_code_files: tuple[str, ...]
-    generation_defaults: dict
+    generation_defaults: dict  # when SRC has no generation_config.json hf_dllm reads
     card_template: str  # in model_cards/
     generic_card: str  # the CARD_PRESETS entry `--card generic` means for this family
     eot_token: str | None  # end-of-turn token looked up in SRC's tokenizer.json (`eot_token_id`)
+    # `--generation-defaults fast` (None: `generation_defaults`, which are then the family's fast setting).
+    fast_generation_defaults: dict | None = None
+    # Fields that only the original implementation's generation config has (Dream's `DreamGenerationConfig`:
+    # `output_history`): a SRC generation_config.json holding one is that code's file, for its own sampler, which
+    # hf_dllm does not read; the export then writes `generation_defaults`, as when SRC has none.
+    original_generation_fields: tuple[str, ...] = ()
+
+    @property
+    def fast_defaults(self) -> dict:
+        """What `--generation-defaults fast` writes."""
+        return self.fast_generation_defaults if self.fast_generation_defaults is not None else self.generation_defaults
 
     @property
     def auto_map(self) -> dict[str, str]:
@@ -155,6 +183,28 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         generic_card="generic-llada2",
         eot_token=None,
     ),
+    # The Hub's auto_map has AutoConfig and AutoModel (DreamModel, the model with the head); AutoModelForCausalLM is
+    # added, as `import hf_dllm` registers it (`hf-dllm serve` / `eval` load through it).
+    "Dream": ModelFamily(
+        name="Dream",
+        checkpoints="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B, Dream-Coder-v0-Instruct-7B, Dream-Coder-v0-Base-7B",
+        config_module="configuration_dream",
+        config_class="DreamConfig",
+        model_module="modeling_dream",
+        model_class="DreamModel",
+        remote_code_files=(
+            "configuration_dream.py",
+            "modeling_dream.py",
+            "decoding_dream.py",
+            *SHARED_REMOTE_CODE_FILES,
+        ),
+        generation_defaults=DREAM_GENERATION_DEFAULTS,
+        fast_generation_defaults=DREAM_FAST_GENERATION_DEFAULTS,
+        original_generation_fields=("output_history",),
+        card_template="template-dream.md",
+        generic_card="generic-dream",
+        eot_token=None,
+    ),
 }
 DEFAULT_MODEL_TYPE = "llada"
 
@@ -174,8 +224,8 @@ class _Unset:
 UNSET = _Unset()
 
 # `--generation-defaults`: where generation_config.json's settings come from (the options override single fields on
-# top of either). "source": SRC's generation_config.json, or the family's defaults when SRC has none; "fast": the
-# family's defaults (`ModelFamily.generation_defaults`), whatever SRC has.
+# top of either). "source": SRC's generation_config.json, or the family's defaults (`ModelFamily.generation_defaults`)
+# when SRC has none hf_dllm reads; "fast": the family's fast defaults (`ModelFamily.fast_defaults`), whatever SRC has.
 GENERATION_DEFAULTS_CHOICES = ("source", "fast")
 DEFAULT_GENERATION_DEFAULTS = "source"
 # The exporter's options that set one field of generation_config.json: field -> command-line option.
@@ -273,6 +323,47 @@ _LLADA2_BLOCK_DIFFUSION = (
     "fully masked and unmasked over a few denoising steps, with block-causal attention (a block sees itself and "
     "the blocks before it)."
 )
+
+_DREAM_CITATION = """@article{ye2025dream,
+  title={Dream 7B: Diffusion Large Language Models},
+  author={Ye, Jiacheng and Xie, Zhihui and Zheng, Lin and Gao, Jiahui and Wu, Zirui and Jiang, Xin and Li, Zhenguo and Kong, Lingpeng},
+  journal={arXiv preprint arXiv:2508.15487},
+  year={2025}
+}"""
+_DREAM_CODER_CITATION = """@article{xie2025dreamcoder,
+  title={Dream-Coder 7B: An Open Diffusion Language Model for Code},
+  author={Xie, Zhihui and Ye, Jiacheng and Zheng, Lin and Gao, Jiahui and Dong, Jingwei and Wu, Zirui and Zhao, Xueliang and Gong, Shansan and Jiang, Xin and Li, Zhenguo and Kong, Lingpeng},
+  journal={arXiv preprint arXiv:2509.01142},
+  year={2025}
+}"""
+
+_DREAM_DIFFUSION = (
+    "Instead of predicting the next token left to right, it fills masked positions anywhere in the answer with "
+    "bidirectional attention: text is generated by starting from a fully masked answer and unmasking it over "
+    "several denoising steps. Being adapted from an autoregressive model, its logits at position i predict the "
+    "token at position i + 1."
+)
+
+
+def _dream_own_usage(temperature: float, source: str) -> str:
+    """The card's example of Dream's own entry point, with the sampling settings `source` (the original model
+    card) shows for it."""
+    return f"""# Dream's own entry point and argument names: the whole answer as one block, no KV cache, Dream's timestep
+# schedule with its confidence rule `alg`; sampling as {source} shows it.
+output = model.diffusion_generate(
+    input_ids, max_new_tokens=256, steps=256, alg="entropy", alg_temp=0.0, temperature={temperature}, top_p=0.95
+)"""
+
+
+_DREAM_CODE_PROMPT = """messages = [{"role": "user", "content": "Write a Python function that reverses a linked list."}]
+input_ids = tokenizer.apply_chat_template(
+    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+)["input_ids"].to(model.device)"""
+_DREAM_CODE_PIPELINE = """messages = [{"role": "user", "content": "Write a quick sort in Python."}]
+print(generator(messages, max_new_tokens=256)[0]["generated_text"][-1]["content"])"""
+_DREAM_CHAT_PIPELINE = """messages = [{"role": "user", "content": "Write a haiku about diffusion."}]
+print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])"""
+_DREAM_PLAIN_PIPELINE = """print(generator("The three primary colors are", max_new_tokens=64)[0]["generated_text"])"""
 
 # Model-card presets: the values the card template of the preset's family (`model_type`: `ModelFamily.card_template`)
 # is rendered with (plus the generation defaults, the repo id and hf_dllm's version, filled in by `card_variables`).
@@ -425,6 +516,63 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         + _LLADA2_EDITING_USAGE.replace("# LLaDA2.1 token editing", "# Token editing (LLaDA2.1 checkpoints)"),
         "citations": _LLADA2_CITATION,
     },
+    "dream-v0-instruct-7b": {
+        "model_type": "Dream",
+        "file": "Dream-v0-Instruct-7B.md",
+        "model_name": "Dream-v0-Instruct-7B",
+        "base_model": "Dream-org/Dream-v0-Instruct-7B",
+        "license": "apache-2.0",
+        "license_text": "The weights are those of [Dream-org/Dream-v0-Instruct-7B]"
+        "(https://huggingface.co/Dream-org/Dream-v0-Instruct-7B), released by their authors under the **Apache-2.0 "
+        "license**; this repo only adds hf_dllm's code (Apache-2.0) next to them and keeps the original license.",
+        "description": "Dream-v0-Instruct-7B is the instruction-tuned version of Dream 7B (Ye et al., 2025, "
+        "arXiv:2508.15487), a 7B-parameter masked diffusion language model initialised from the autoregressive "
+        "Qwen2.5 7B and trained with discrete diffusion. " + _DREAM_DIFFUSION + " It is a chat model: use the chat "
+        "template.",
+        "size_note": "about 15 GB of weights in bfloat16",
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": _DREAM_CHAT_PIPELINE,
+        "more_usage": _dream_own_usage(0.2, "Dream's README"),
+        "citations": "\n\n".join([_DREAM_CITATION, _FAST_DLLM_CITATION]),
+    },
+    "dream-coder-v0-instruct-7b": {
+        "model_type": "Dream",
+        "file": "Dream-Coder-v0-Instruct-7B.md",
+        "model_name": "Dream-Coder-v0-Instruct-7B",
+        "base_model": "Dream-org/Dream-Coder-v0-Instruct-7B",
+        "license": "other",
+        "license_text": "The weights are those of [Dream-org/Dream-Coder-v0-Instruct-7B]"
+        "(https://huggingface.co/Dream-org/Dream-Coder-v0-Instruct-7B) and keep the license their authors released "
+        "them under: check it there before using or publishing them. This repo only adds hf_dllm's code "
+        "(Apache-2.0) next to them.",
+        "description": "Dream-Coder-v0-Instruct-7B is Dream-Coder 7B Instruct (Xie et al., 2025, arXiv:2509.01142), "
+        "a 7B-parameter diffusion language model for code with the architecture of Dream 7B (Ye et al., 2025, "
+        "arXiv:2508.15487): adapted from a pretrained autoregressive checkpoint, then post-trained with supervised "
+        "fine-tuning and reinforcement learning with verifiable rewards on open-source data. "
+        + _DREAM_DIFFUSION
+        + " It is a chat model: use the chat template.",
+        "size_note": "about 15 GB of weights in bfloat16",
+        "prompt_code": _DREAM_CODE_PROMPT,
+        "pipeline_code": _DREAM_CODE_PIPELINE,
+        "more_usage": _dream_own_usage(0.1, "Dream-Coder's README"),
+        "citations": "\n\n".join([_DREAM_CODER_CITATION, _DREAM_CITATION, _FAST_DLLM_CITATION]),
+    },
+    "generic-dream": {
+        "model_type": "Dream",
+        "file": "",
+        "model_name": "",  # filled with DST's folder name
+        "base_model": "",
+        "license": "other",
+        "license_text": "These weights keep the license of the checkpoint they were exported from: check it before "
+        "using or publishing them. hf_dllm's code next to them is Apache-2.0.",
+        "description": "A Dream masked diffusion language model (the architecture of Dream 7B: Ye et al., 2025, "
+        "arXiv:2508.15487, a Qwen2.5 body with bidirectional attention). " + _DREAM_DIFFUSION,
+        "size_note": "2 bytes per parameter in bfloat16",
+        "prompt_code": _PLAIN_PROMPT,
+        "pipeline_code": _DREAM_PLAIN_PIPELINE,
+        "more_usage": _dream_own_usage(0.2, "Dream's README"),
+        "citations": "\n\n".join([_DREAM_CITATION, _FAST_DLLM_CITATION]),
+    },
 }
 DEFAULT_REPO_ORG = "your-org"
 
@@ -570,13 +718,12 @@ def read_source_config(src: Path) -> dict:
     hf_dllm's config class of that family accepts it (a config the model cannot run is refused here)."""
     path = src / "config.json"
     if not path.is_file():
-        raise ExportError(f"{src} has no config.json: SRC must be a LLaDA or LLaDA2.x checkpoint folder.")
+        raise ExportError(f"{src} has no config.json: SRC must be a LLaDA, LLaDA2.x or Dream checkpoint folder.")
     config = _read_json_object(path)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
         raise ExportError(
-            f"{path} has model_type {model_type!r}: not a LLaDA checkpoint hf-dllm export supports "
-            f"({_supported_types()})."
+            f"{path} has model_type {model_type!r}: not a model family hf-dllm export supports ({_supported_types()})."
         )
     family = MODEL_FAMILIES[model_type]
     config_class, _ = family.classes()
@@ -700,7 +847,8 @@ class GenerationSettings:
     config: object
     origins: dict[str, str]
     family: str  # `ModelFamily.name`, for messages
-    headline: tuple[str, ...]  # the fields `summary` always lists (those of `ModelFamily.generation_defaults`)
+    headline: tuple[str, ...]  # the fields `summary` always lists (those of the family's defaults)
+    notes: tuple[str, ...] = ()  # what `summary` says after the fields (e.g. a SRC file that was not read)
 
     @property
     def fields(self) -> dict:
@@ -736,6 +884,7 @@ class GenerationSettings:
             origin = self.origins[name]
             lines.append(f"  {setting:<{width}}  <- {ORIGIN_TEXT.get(origin, origin)}")
         lines.append("  (every other field: DiffusionGenerationConfig's default)")
+        lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -746,16 +895,20 @@ def _validate_for_model(config, model_class) -> None:
     )
 
 
+# What an error about SRC's generation_config.json says to do.
+_SOURCE_GENERATION_HINT = (
+    "fix or remove it, or pass --generation-defaults fast (generation_defaults='fast') to write the family's "
+    "defaults instead"
+)
+
+
 def _read_source_generation_config(src: Path, family: ModelFamily, model_class):
     """SRC's generation_config.json read as hf_dllm's model reads it (`DiffusionGenerationConfig.from_pretrained`),
     validated for the family's model; returns `(config, the field names the file sets)`."""
     from ..generation_config import DiffusionGenerationConfig
 
     path = src / "generation_config.json"
-    hint = (
-        "fix or remove it, or pass --generation-defaults fast (generation_defaults='fast') to write the family's "
-        "defaults instead"
-    )
+    hint = _SOURCE_GENERATION_HINT
     written = _read_json_object(path, hint)
     try:
         config = DiffusionGenerationConfig.from_pretrained(src)
@@ -783,8 +936,9 @@ def resolve_generation_settings(
     Per field: an export option (`max_new_tokens`, `block_length`, `threshold`; None or `UNSET` = not given, except
     `threshold=None`, which means no threshold) > SRC's generation_config.json (`generation_defaults="source"`, the
     default; read as the model reads it, a field it leaves unset being DiffusionGenerationConfig's default) > the
-    family's defaults (`ModelFamily.generation_defaults`: when SRC has no generation_config.json, or with
-    `generation_defaults="fast"`). The options are merged by the model's own resolver
+    family's defaults (`ModelFamily.generation_defaults`, when SRC has no generation_config.json or has the original
+    code's own, `ModelFamily.original_generation_fields`; with `generation_defaults="fast"`,
+    `ModelFamily.fast_defaults`). The options are merged by the model's own resolver
     (`resolve_generation_config`), as `generate()` merges its arguments: naming `threshold` replaces the base's
     decoding rule (`steps`, `factor`). Special token ids: those SRC's generation_config.json sets (when it is the
     base), else `special_ids` (from SRC's config.json and tokenizer, `special_token_ids`).
@@ -814,20 +968,34 @@ def resolve_generation_settings(
     family = model_family(model_type)
     _, model_class = family.classes()
     source = None
-    if src is not None and generation_defaults == "source" and (Path(src) / "generation_config.json").is_file():
+    notes: list[str] = []
+    source_path = Path(src) / "generation_config.json" if src is not None else None
+    use_source = generation_defaults == "source" and source_path is not None and source_path.is_file()
+    if use_source and family.original_generation_fields:
+        written = _read_json_object(source_path, _SOURCE_GENERATION_HINT)
+        original = sorted(set(written) & set(family.original_generation_fields))
+        if original:  # the original code's own file (e.g. Dream's), not settings hf_dllm reads
+            use_source = False
+            notes.append(
+                f"{source_path} is the original {family.name} code's generation config (it has {original}), for "
+                f"its own sampler, not hf_dllm's: the {family.name} family's defaults were written instead "
+                "(--generation-defaults fast for the fast ones)."
+            )
+    if use_source:
         source, set_by_source = _read_source_generation_config(Path(src), family, model_class)
         base = source
-        base_text = f"{Path(src) / 'generation_config.json'}"
+        base_text = f"{source_path}"
 
         def base_origin(name: str) -> str:
             return "source" if name in set_by_source else "default"
 
     else:
-        base = DiffusionGenerationConfig(**family.generation_defaults)
-        base_text = f"the {family.name} family's defaults"
+        defaults = family.fast_defaults if generation_defaults == "fast" else family.generation_defaults
+        base = DiffusionGenerationConfig(**defaults)
+        base_text = f"the {family.name} family's {'fast ' if generation_defaults == 'fast' else ''}defaults"
 
         def base_origin(name: str) -> str:
-            return "family default" if name in family.generation_defaults else "default"
+            return "family default" if name in defaults else "default"
 
     # The model's resolver reads only these attributes of the model: run it on the base config alone.
     holder = types.SimpleNamespace(
@@ -867,9 +1035,8 @@ def resolve_generation_settings(
         _validate_for_model(config, model_class)
     except ValueError as error:
         raise ExportError(f"invalid generation settings for {base_text}: {error}") from error
-    return GenerationSettings(
-        config=config, origins=origins, family=family.name, headline=tuple(family.generation_defaults)
-    )
+    headline = tuple(dict.fromkeys([*family.generation_defaults, *family.fast_defaults]))
+    return GenerationSettings(config=config, origins=origins, family=family.name, headline=headline, notes=tuple(notes))
 
 
 def resolve_card(card: str, model_type: str) -> str:
@@ -922,6 +1089,8 @@ def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict
 def describe_decoding(fields: dict, model_type: str) -> str:
     """The decoding `fields` (generation_config.json's, besides special tokens) give, in words, for the card's
     sentence "This repository's default is ..."."""
+    if model_type == "Dream":
+        return _describe_dream_decoding(fields)
     threshold, factor, steps = fields["threshold"], fields["factor"], fields["steps"]
     sampling = "greedy" if not fields["do_sample"] else f"sampling at temperature {fields['temperature']}"
     blocks = f"in blocks of {fields['block_length']}"
@@ -951,6 +1120,41 @@ def describe_decoding(fields: dict, model_type: str) -> str:
     cache = ("the dual cache" if fields["dual_cache"] else "the prefix cache") if fields["use_cache"] else "no cache"
     fast = threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]
     return f"{rule} with {cache}, {sampling}, {blocks}" + (": the fast setting of Fast-dLLM" if fast else "")
+
+
+def _describe_dream_decoding(fields: dict) -> str:
+    """`describe_decoding` for Dream: its rules (`alg` on its timestep schedule, or Fast-dLLM's threshold / factor),
+    its cache, sampling (`temperature`, `top_p`, `top_k`) and blocks."""
+    from ..decoding_dream import DEFAULT_DREAM_ALG
+
+    threshold, factor, steps, alg = fields["threshold"], fields["factor"], fields["steps"], fields["alg"]
+    if threshold is not None:
+        rule = f"Fast-dLLM's threshold rule (`threshold={threshold}`)"
+    elif factor is not None:
+        rule = f"Fast-dLLM's factor rule (`factor={factor}`)"
+    else:
+        named = f'`alg="{alg}"`' if alg is not None else f'`alg=None`: "{DEFAULT_DREAM_ALG}"'
+        schedule = "one token per step" if steps is None else f"`steps={steps}` in all"
+        positions = f", positions sampled at `alg_temp={fields['alg_temp']}`" if fields["alg_temp"] else ""
+        rule = f"Dream's timestep schedule ({named}, {schedule}{positions})"
+    if fields["use_cache"]:
+        cache = "the dual cache" if fields["dual_cache"] else "the prefix cache"
+    else:
+        cache = "no KV cache"
+    if fields["do_sample"]:
+        filters = "".join(f", `{name}={fields[name]}`" for name in ("top_p", "top_k") if fields[name] is not None)
+        sampling = f"sampling at temperature {fields['temperature']}{filters}"
+    else:
+        sampling = "greedy"
+    one_block = fields["block_length"] >= fields["max_new_tokens"]
+    blocks = "the whole answer as one block" if one_block else f"in blocks of {fields['block_length']}"
+    if threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]:
+        setting = ": the fast setting of Fast-dLLM"
+    elif threshold is None and factor is None and not fields["use_cache"] and one_block:
+        setting = ": Dream's own sampler, as its `diffusion_generate()`"
+    else:
+        setting = ""
+    return f"{rule} with {cache}, {sampling}, {blocks}{setting}"
 
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
@@ -1200,20 +1404,22 @@ def export_checkpoint(
     block_length: int | None | _Unset = UNSET,
     threshold: float | None | _Unset = UNSET,
 ) -> ExportResult:
-    """Export the LLaDA or LLaDA2.x checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's remote code.
+    """Export the LLaDA, LLaDA2.x or Dream checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's
+    remote code.
 
     Args:
         src: a local checkpoint in the Hub's format: `config.json` with a `model_type` of `MODEL_FAMILIES`
-            (`"llada"`, `"llada2_moe"`), the weights, and usually the tokenizer.
+            (`"llada"`, `"llada2_moe"`, `"Dream"`), the weights, and usually the tokenizer.
         dst: the folder to create. It may exist if empty; a non-empty one is replaced only with `overwrite`.
         link: hard-link the weights instead of copying them (same file system only).
         overwrite: replace a non-empty `dst`.
         card: model-card preset (`CARD_PRESETS`) of SRC's family: "llada-8b-instruct", "llada-8b-base",
-            "llada-1.5"; "llada2.0-mini", "llada2.0-flash", "llada2.1-mini"; "generic" (the family's generic card).
+            "llada-1.5"; "llada2.0-mini", "llada2.0-flash", "llada2.1-mini"; "dream-v0-instruct-7b",
+            "dream-coder-v0-instruct-7b"; "generic" (the family's generic card).
         repo_id: the Hub repo id the card's usage examples load (default `your-org/<name>-hf-dllm`).
         generation_defaults: where generation_config.json's settings come from: "source" (SRC's
-            generation_config.json, the family's defaults when SRC has none) or "fast" (the family's defaults,
-            `ModelFamily.generation_defaults`, whatever SRC has).
+            generation_config.json, the family's defaults when SRC has none hf_dllm reads) or "fast" (the family's
+            fast defaults, `ModelFamily.fast_defaults`, whatever SRC has).
         max_new_tokens, block_length, threshold: override that one field of generation_config.json (not given: the
             value of SRC's generation_config.json or the family's). `threshold=None` writes no threshold (LLaDA's
             fixed schedule; for LLaDA2.x one token per step); naming `threshold` replaces the base's decoding rule
@@ -1225,7 +1431,7 @@ def export_checkpoint(
     """
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
-        raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA or LLaDA2.x checkpoint folder.")
+        raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA, LLaDA2.x or Dream checkpoint folder.")
     # Before DST is checked: a killed run may have moved DST aside (restored here).
     for note in clean_stale_staging(dst):
         logger.warning(note)
@@ -1303,14 +1509,14 @@ def _threshold(value: str) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-dllm export",
-        description="Turn a local LLaDA or LLaDA2.x checkpoint folder into a Hub repo folder that runs hf_dllm's code "
-        "as remote code: AutoModel.from_pretrained(repo, trust_remote_code=True) then works without hf_dllm "
-        "installed.",
+        description="Turn a local LLaDA, LLaDA2.x or Dream checkpoint folder into a Hub repo folder that runs "
+        "hf_dllm's code as remote code: AutoModel.from_pretrained(repo, trust_remote_code=True) then works without "
+        "hf_dllm installed.",
     )
     parser.add_argument(
         "src",
         metavar="SRC",
-        help="checkpoint folder (config.json with model_type llada or llada2_moe + weights [+ tokenizer])",
+        help="checkpoint folder (config.json with model_type llada, llada2_moe or Dream + weights [+ tokenizer])",
     )
     parser.add_argument("dst", metavar="DST", help="folder to create (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--link", action="store_true", help="hard-link the weights instead of copying them")
@@ -1322,22 +1528,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="model card preset for README.md, of SRC's family (generic: the family's generic card)",
     )
     parser.add_argument("--repo-id", help="Hub repo id used in the card's examples (default your-org/<name>-hf-dllm)")
-    llada, llada2 = FAST_GENERATION_DEFAULTS, LLADA2_GENERATION_DEFAULTS
+    families = MODEL_FAMILIES.values()
+    llada = MODEL_FAMILIES["llada"].fast_defaults
     fast = ", ".join(f"{name}={value}" for name, value in llada.items() if name != "threshold")
+
+    def per_family(name: str, fast_defaults: bool) -> str:
+        return ", ".join(
+            f"{family.name} {(family.fast_defaults if fast_defaults else family.generation_defaults)[name]}"
+            for family in families
+        )
+
     parser.add_argument(
         "--generation-defaults",
         choices=GENERATION_DEFAULTS_CHOICES,
         default=DEFAULT_GENERATION_DEFAULTS,
         help="where generation_config.json's settings come from: 'source' (default) keeps SRC's "
-        "generation_config.json (the family's fast defaults when SRC has none); 'fast' writes the family's fast "
-        f"defaults whatever SRC has (threshold LLaDA {llada['threshold']}, LLaDA2.x {llada2['threshold']}; {fast}). "
+        "generation_config.json (the family's defaults when SRC has none: LLaDA's and LLaDA2.x's are their fast "
+        "ones, Dream's its own sampler in one block of max_new_tokens without a cache); 'fast' writes the family's "
+        f"fast defaults whatever SRC has (threshold {per_family('threshold', True)}; {fast}). "
         "--max-new-tokens, --block-length and --threshold override single fields on top of either",
     )
 
     def option_help(name: str) -> str:
         return (
-            f"{name} written to generation_config.json (default: SRC's, else the family's: LLaDA {llada[name]}, "
-            f"LLaDA2.x {llada2[name]})"
+            f"{name} written to generation_config.json (default: SRC's, else the family's: {per_family(name, False)})"
         )
 
     parser.add_argument("--max-new-tokens", type=int, default=UNSET, help=option_help("max_new_tokens"))
@@ -1347,7 +1561,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_threshold,
         default=UNSET,
         help=option_help("threshold") + "; 'none' = no threshold: LLaDA's fixed schedule, for LLaDA2.x one token per "
-        "step. It replaces SRC's decoding rule (steps, factor), as generate(threshold=...) does",
+        "step, for Dream its timestep schedule (alg). It replaces SRC's decoding rule (steps, factor), as "
+        "generate(threshold=...) does",
     )
     return parser
 

@@ -89,6 +89,8 @@ COMMON_FIELDS = {
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "metadata", "store"}
+# Besides these, a request takes the fields of the served model's own sampler (`model.diffusion_sampler_fields`,
+# Dream's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`), under their generation-config names: `sampler_fields`.
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 # Deepest JSON nesting a request may have: OpenAI's schema needs 4 (messages -> message -> content -> part); deeper
@@ -199,6 +201,13 @@ def _resolve(model, fields: dict, aliases: dict[str, str]) -> DiffusionGeneratio
         raise APIError(400, message, param=_error_param(str(error), aliases)) from None
 
 
+def sampler_fields(model) -> tuple[str, ...]:
+    """The request fields of the served model's own sampler: its `diffusion_sampler_fields` (Dream's `alg`,
+    `alg_temp`, `top_p`, `top_k`, `eps`; none for LLaDA and LLaDA2.x). An OpenAI field among them (`top_p`) is then
+    the sampler's setting, passed on, instead of a field accepted only with its neutral value."""
+    return tuple(getattr(model, "diffusion_sampler_fields", ()))
+
+
 def parse_generation_params(body: dict, model, chat: bool, max_length: int | None = None) -> GenerationParams:
     """Validate the generation fields of a request body and resolve the run's settings with the model's own resolver:
     `model.resolve_generation_config(**fields the request named)`, so a field the request leaves out comes from the
@@ -208,6 +217,9 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     LLaDA2 combines `steps` with `threshold` and takes the LLaDA2-only fields) apply. A bad value is a 400 naming
     the request's field.
 
+    The model's own sampler fields (`sampler_fields`: Dream's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`) are
+    request fields too, resolved the same way; other models refuse them as unknown arguments.
+
     `max_tokens` (chat: or `max_completion_tokens`) caps the returned tokens; absent, it is the resolved
     `max_new_tokens` and the run is that of `generate()`. Given, a bidirectional model (LLaDA) decodes it rounded
     up to whole blocks (`block_length`) and the completion is cut back to `max_tokens` tokens (`steps` counts the
@@ -215,11 +227,14 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     aligned to absolute positions and the last one is decoded whole anyway). With `max_length` (the model's
     context), the decoded length is checked against it before anything is planned.
     """
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    own_fields = sampler_fields(model)
+    allowed = (CHAT_FIELDS if chat else COMPLETION_FIELDS) | set(own_fields)
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise APIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
     for name, neutral in NEUTRAL.items():
+        if name in own_fields:  # the model's sampler setting (Dream's top_p): the resolver validates it
+            continue
         if name in body and not any(_same(body[name], allowed_value) for allowed_value in neutral):
             raise APIError(
                 400,
@@ -247,7 +262,7 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     if body.get("dual_cache") is not None and body.get("use_dual_cache") is not None:
         if body["dual_cache"] != body["use_dual_cache"]:
             raise APIError(400, "`dual_cache` and its alias `use_dual_cache` disagree: give one.", param="dual_cache")
-    for name, target in DLLM_FIELDS.items():
+    for name, target in [*DLLM_FIELDS.items(), *((name, name) for name in own_fields)]:
         if body.get(name) is not None:
             fields[target] = body[name]
             aliases[target] = name

@@ -10,8 +10,9 @@ Request fields: OpenAI's `model`, `prompt` / `messages`, `max_tokens` (chat: als
 `temperature`, `stream`, `stream_options.include_usage`, `stop` (strings; the text is cut before the first one
 and the row stops decoding), `n` (1 only), `user` (ignored). dLLM fields, e.g. through the openai client's
 `extra_body`: `steps`, `block_length`, `threshold`, `factor`, `use_cache`, `dual_cache` (alias
-`use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`, and for LLaDA2.x (block-causal) models
-`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`.
+`use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`, for LLaDA2.x (block-causal) models
+`minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`, and for models with a sampler of their own
+its fields (`model.diffusion_sampler_fields`; Dream: `alg`, `alg_temp`, `top_p`, `top_k`, `eps`).
 
 Defaults: the server has none of its own. A request's settings are `model.resolve_generation_config(**the fields
 it named)`: what it leaves out comes from the checkpoint's `generation_config.json`, then from
