@@ -301,7 +301,7 @@ def measure(args) -> dict:
     rates = [float(rate) for rate in args.rates.split(",")]
     items = workload(args, vocab, args.requests)
     results = {}
-    kinds = ["continuous"] + (["window"] if args.window_code else [])
+    kinds = [kind for kind in args.servers.split(",") if kind != "window" or args.window_code]
     for kind in kinds:
         server = ServerProcess(args, kind)
         try:
@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width-granularity", type=int, default=0, help="0: the engine's default")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="the window server's window")
     parser.add_argument("--window-code", default=None, help="folder holding the window-batching hf_dllm package")
+    parser.add_argument("--servers", default="continuous,window", help="which servers to measure, in order")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)
     parser.add_argument("--output-range", type=int, nargs=2, default=None)
     parser.add_argument("--check", type=int, default=0, help="answers to compare with generate() alone")
