@@ -151,6 +151,8 @@ class BatchStats:
         self.forwards = 0
         self.errors = 0
         self.layout_sizes: dict[int, int] = {}
+        self.boundaries = 0  # block boundaries decoded (every running row advanced one block)
+        self.boundary_seconds = 0.0
         self.pending = 0
         self.running_rows = 0
         self.records: deque[dict] = deque(maxlen=history)
@@ -174,6 +176,8 @@ class BatchStats:
                 rows=self.rows,
                 mean_rows_per_layout=self.layout_rows / self.layouts if self.layouts else 0.0,
                 layout_sizes={str(k): v for k, v in sorted(self.layout_sizes.items())},
+                boundaries=self.boundaries,
+                mean_boundary_s=self.boundary_seconds / self.boundaries if self.boundaries else 0.0,
                 cancelled_rows=self.cancelled_rows,
                 forwards=self.forwards,
                 errors=self.errors,
@@ -294,7 +298,7 @@ class Batcher:
         """One block boundary of the engine; a failing layout gives its rows an error and the server keeps
         serving."""
         engine = self.engine
-        forwards = engine.forwards
+        forwards, started = engine.forwards, time.monotonic()
         running = list(engine.running) + list(engine.waiting)
         try:
             engine.decode_boundary()
@@ -311,6 +315,8 @@ class Batcher:
         for size in engine.last_layout_sizes:
             self.stats.record_layout(size)
         with self.stats._lock:
+            self.stats.boundaries += 1
+            self.stats.boundary_seconds += time.monotonic() - started
             self.stats.forwards += engine.forwards - forwards
             self.stats.running_rows = len(engine.running)
             self.stats.pending = len(self._submitted) + len(engine.waiting)
