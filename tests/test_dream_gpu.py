@@ -7,6 +7,8 @@
   left padding, with `sdpa` and with hf_dllm's attention backend (whose split-KV kernel runs for these block
   steps).
 - The rules that draw random numbers (`origin`, `alg_temp` > 0) run eagerly.
+- The fused Triton kernels (RMSNorm with the residual add, SiLU gate) run in Dream's forward on CUDA, with logits
+  close to the PyTorch kernels'.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dllm import DreamConfig, DreamModel
+from hf_dllm import DreamConfig, DreamModel, kernels, triton_ops
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -123,3 +125,29 @@ def test_random_rules_run_eagerly(dream, settings):
     out = dream.generate(ids, max_new_tokens=16, block_length=8, eos_early_stop=False, **settings)
     assert getattr(dream, "_hf_dllm_step_graphs", None) is None
     assert not bool((out == MASK).any())
+
+
+def test_fused_kernels_run_and_logits_close_to_pytorch(monkeypatch):
+    model = gpu_dream("sdpa")
+    ids, mask = padded_prompts([7, 30])
+    calls = {"rms_norm": 0, "silu_mul": 0}
+    for name in calls:
+        kernel = getattr(triton_ops, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(triton_ops, name, counted)
+    mode = kernels.kernel_mode()
+    with torch.no_grad():
+        fused = model(ids, attention_mask=mask).logits.float()
+        kernels.set_kernel_mode("torch")
+        try:
+            plain = model(ids, attention_mask=mask).logits.float()
+        finally:
+            kernels.set_kernel_mode(mode)
+    layers = model.config.num_hidden_layers
+    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers}  # per layer: two norms, one gate; final norm
+    real = mask.bool()
+    assert (fused - plain)[real].abs().max() <= 0.05 * plain[real].abs().max()
