@@ -25,6 +25,11 @@ Every schedule is computed on the host before the block (all rows of a block sta
 and commit the same number per step), so steps that would commit nothing are skipped: they change no token, and
 the reference's forward count is an upper bound of ours.
 
+On CUDA the greedy rules (`temperature` 0, `alg_temp` 0, any `alg` but `origin`, with or without `top_p` / `top_k`)
+are pure tensor functions of the step's inputs, so the loop captures their steps in CUDA graphs (`graphs.py`);
+`origin` and `alg_temp` > 0 draw random numbers (and `origin` reads its step's probability on the host), so they
+run eagerly.
+
 This file is exported verbatim as Hub remote code: relative imports only.
 """
 
@@ -157,6 +162,9 @@ class DreamSchedule(UnmaskingPolicy):
     0 samples positions with Gumbel top-k (the law of Dream's sampling without replacement), `origin` draws one
     uniform number per position."""
 
+    # The greedy path (not `origin`, no `alg_temp`) is capturable; `graph_key` says None for the others.
+    capturable = True
+
     def __init__(
         self,
         alg: str,
@@ -178,6 +186,18 @@ class DreamSchedule(UnmaskingPolicy):
         self.eps = eps
         self.mask_token_id = mask_token_id
         self.first_position = first_position
+
+    def graph_key(self) -> tuple | None:
+        """None (eager steps) for the random rules: `origin` (uniform draws, and the step's probability read on the
+        host), `alg_temp` > 0 (Gumbel noise) and `temperature` > 0 (a categorical draw)."""
+        if self.alg == "origin" or self.alg_temp > 0 or self.temperature > 0:
+            return None
+        return super().graph_key()
+
+    def step_constants(self) -> tuple:
+        # The step's counts (and the block start's `FIRST_POSITION`) arrive as the `scheduled` input, and `eps` only
+        # shapes those host-side counts: what the step bakes in is the confidence and the token filtering.
+        return (self.alg, self.top_p, self.top_k, self.mask_token_id)
 
     def start_block(self, block_length: int, num_steps) -> None:
         super().start_block(block_length, num_steps)
@@ -236,6 +256,9 @@ class DreamThreshold(ConfidenceThreshold):
     masked position and every other one with probability >= `threshold`, with Dream's token sampling; with
     `first_position`, a block's first step commits its first position (Fast-dLLM's cached block start)."""
 
+    # Greedy steps are capturable (`graph_key` says None when sampling).
+    capturable = True
+
     def __init__(
         self,
         threshold: float,
@@ -251,6 +274,17 @@ class DreamThreshold(ConfidenceThreshold):
         self.top_k = top_k
         self.mask_token_id = mask_token_id
         self.first_position = first_position
+
+    def graph_key(self) -> tuple | None:
+        """None (eager steps) when `temperature` > 0: the tokens are a categorical draw."""
+        if self.temperature > 0:
+            return None
+        return super().graph_key()
+
+    def step_constants(self) -> tuple:
+        # The block start arrives as the `scheduled` input (`FIRST_POSITION`); the threshold and the token filtering
+        # are baked in.
+        return (self.threshold, self.top_p, self.top_k, self.mask_token_id)
 
     def scheduled_count(self, step: int) -> int:
         return FIRST_POSITION if self.first_position and step == 0 else 0

@@ -15,6 +15,11 @@ adapted from an autoregressive model, so the logits at position i predict token 
 transformers' `ALL_ATTENTION_FUNCTIONS` (`"eager"`, the reference below; `"sdpa"`; `"flex_attention"`; and
 hf_dllm's `"llada_triton"`, the default, which runs a split-KV kernel for block steps on CUDA and sdpa elsewhere).
 
+On CUDA (with Triton installed) the RMS norms, with the residual add before them, and the SiLU gate run as
+hf_dllm's fused Triton kernels (`kernels.py`, `triton_ops.py`; `HF_DLLM_KERNELS=torch` turns them off), with
+PyTorch's rounding points. RoPE stays in PyTorch: Dream rotates in the model dtype (each product rounded to bf16),
+which the float32 rotary kernel would not reproduce.
+
 Padding: a 2D `attention_mask` masks padded keys, and RoPE positions are counted from each row's first real token,
 so a left-padded row computes what it computes alone.
 
@@ -36,6 +41,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_dream import DreamConfig
@@ -48,23 +54,40 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
+from .kernels import use_fused_kernels
 
 register_attention_backends()
 
 
 class DreamRMSNorm(nn.Module):
-    """Qwen2's RMS norm: normalise in float32, cast back to the input dtype, then scale."""
+    """Qwen2's RMS norm: normalise in float32, cast back to the input dtype, then scale. Where the fused kernels run
+    (`kernels.py`: CUDA tensors, Triton installed) one Triton kernel with the same rounding points does it, with the
+    residual add before it fused in (`add_and_norm`)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
+    def _fused(self, hidden_states: torch.Tensor) -> bool:
+        # A weight of another dtype makes PyTorch promote the product (a float32 output for bf16 activations); the
+        # kernel writes the activation dtype, so it runs only where the dtypes agree.
+        return self.weight.dtype == hidden_states.dtype and use_fused_kernels(hidden_states)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self._fused(hidden_states):
+            return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)[0]
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(input_dtype)
+
+    def add_and_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(hidden_states + residual), hidden_states + residual)`, in one kernel where fused kernels run."""
+        if self._fused(hidden_states):
+            return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
+        total = hidden_states + residual
+        return self(total), total
 
 
 def dream_rotary_cos_sin(
@@ -218,9 +241,14 @@ class DreamMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.silu and use_fused_kernels(gate):
+            # `silu(gate) * up` in one kernel, rounding where PyTorch rounds (silu's output, then the product).
+            return self.down_proj(triton_ops.silu_mul(gate, up))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class DreamDecoderLayer(nn.Module):
@@ -234,8 +262,9 @@ class DreamDecoderLayer(nn.Module):
         self.post_attention_layernorm = DreamRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), **kwargs)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        attention = self.self_attn(self.input_layernorm(hidden_states), **kwargs)
+        x, hidden_states = self.post_attention_layernorm.add_and_norm(attention, hidden_states)
+        return hidden_states + self.mlp(x)
 
 
 class DreamPreTrainedModel(PreTrainedModel):

@@ -268,6 +268,35 @@ def test_policies_follow_the_settings(dream):
     assert dream._diffusion_unmasking_policy(dream.resolve_generation_config(factor=1.0)) is None
 
 
+def test_greedy_rules_are_capturable_and_random_ones_are_not(dream):
+    """The loop captures a step in a CUDA graph only when the policy's `graph_key` is not None: Dream's greedy rules
+    say so, with the constants their step bakes in (never the host-side schedule: `eps`, `first_position`); the
+    rules that draw random numbers (`origin`, `alg_temp` > 0, `temperature` > 0) and subclasses run eagerly."""
+
+    def key(**settings):
+        return dream._diffusion_unmasking_policy(dream.resolve_generation_config(**settings)).graph_key()
+
+    for alg in ("maskgit_plus", "topk_margin", "entropy"):
+        assert key(alg=alg, steps=8) == ("DreamSchedule", alg, None, None, MASK)
+        assert key(alg=alg, steps=8, alg_temp=0.0) == key(alg=alg, steps=8)
+    assert key(threshold=0.9) == ("DreamThreshold", 0.9, None, None, MASK)
+    assert key(alg="confidence_threshold", threshold=0.9, use_cache=False) == key(threshold=0.9)
+    assert key(alg="entropy", steps=8, eps=0.05, use_cache=False) == key(alg="entropy", steps=8)
+    # Filtering changes the confidences a greedy step computes: another graph.
+    assert key(alg="maskgit_plus", steps=8, top_p=0.9) == ("DreamSchedule", "maskgit_plus", 0.9, None, MASK)
+    assert key(threshold=0.9, top_k=5) == ("DreamThreshold", 0.9, None, 5, MASK)
+    assert key(threshold=0.9) != key(threshold=0.8)
+    assert key(alg="origin", steps=8) is None
+    assert key(alg="entropy", steps=8, alg_temp=0.5) is None
+    assert key(alg="entropy", steps=8, temperature=0.7) is None
+    assert key(threshold=0.9, temperature=0.7) is None
+
+    class Subclass(DreamThreshold):
+        pass
+
+    assert Subclass(0.9).graph_key() is None  # a subclass may change the step: eager until it says otherwise
+
+
 def test_factor_and_custom_policies_run_on_dream(dream, prompts):
     prompt = torch.tensor([prompts[1]])
     out = dream.generate(prompt, max_new_tokens=16, block_length=8, factor=1.0, eos_early_stop=False)

@@ -1,4 +1,5 @@
-"""The Triton kernels on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`), against the PyTorch code.
+"""The Triton kernels on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`), against the PyTorch code, in
+LLaDA and Dream.
 
 The interpreter must be switched on before Triton compiles anything, so the checks run in a subprocess. float32
 and float16 only: the interpreter has no exact bfloat16 (bfloat16 is covered by the GPU tests).
@@ -79,6 +80,22 @@ SCRIPT = textwrap.dedent(
     model.set_attn_implementation("llada_triton")
     out = model.generate(expected["prompt.p7"], max_new_tokens=32, block_length=8, threshold=0.5, eos_early_stop=False)
     assert torch.equal(out, expected["case.p7.dual.threshold0.5"]), "dual-cache generation"
+
+    # Dream: the fused norms (residual add included) and SiLU gate against PyTorch, and a recorded Fast-dLLM case.
+    from hf_dllm import DreamModel
+    dream = DreamModel.from_pretrained("tests/fixtures/dream-tiny-ref")
+    with torch.no_grad():
+        ours = dream(ids, attention_mask=mask).logits
+        hf_dllm.kernels.set_kernel_mode("torch")
+        ref = dream(ids, attention_mask=mask).logits
+    assert (ours - ref)[mask.bool()].abs().max() < 1e-4, "Dream logits"
+    hf_dllm.kernels.set_kernel_mode("triton")
+    expected = load_file("tests/fixtures/dream-tiny-ref/expected.safetensors")
+    out = dream.generate(
+        expected["prompt.p12"], max_new_tokens=32, block_length=8, alg="confidence_threshold", threshold=0.7,
+        dual_cache=True, eos_early_stop=False,
+    )
+    assert torch.equal(out, expected["case.p12.blk.g32.dual.t0.7"]), "Dream dual-cache generation"
     print("interpreter checks passed")
     """
 )
