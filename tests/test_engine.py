@@ -365,3 +365,13 @@ def test_submit_from_another_thread(trained):
 def test_engine_is_not_exported():
     """The engine is an application (serving), not Hub remote code: it lives in a subpackage."""
     assert Path(__import__("hf_dllm.serving.engine").serving.engine.__file__).parent.name == "serving"
+
+
+def test_settings_the_family_refuses_fail_at_submit():
+    """A setting the model family's rules refuse (Dream: LLaDA's random remasking) fails that request when it is
+    submitted, never the layout it would have joined."""
+    model = DreamModel.from_pretrained(FIXTURES / "dream-tiny-ref").eval()
+    engine = ContinuousBatcher(model)
+    with pytest.raises(ValueError, match="remasking"):
+        engine.submit(request(model, [5, 6], max_new_tokens=8, block_length=8, remasking="random"))
+    assert not engine.has_work()

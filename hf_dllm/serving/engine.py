@@ -245,6 +245,9 @@ class ContinuousBatcher:
                 f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
                 f"columns, more than max_batch_width ({self.max_batch_width})."
             )
+        # What the run's rules refuse (e.g. a setting the model family does not take) fails this request now,
+        # not the layout it would join.
+        LayoutRun.__new__(LayoutRun)._setup_decoding(self.model, config, self.device, None, None)
         tokens = torch.full((plan.canvas_width,), config.mask_token_id, dtype=torch.long)
         tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         request.plan, request.tokens = plan, tokens.to(self.device)
@@ -332,9 +335,9 @@ class ContinuousBatcher:
         decoded, failure = 0, None
         self.last_layout_sizes = []
         for rows in self._cohorts():
-            run = self._run_for(rows[0])
-            before = run.nfe
             try:
+                run = self._run_for(rows[0])
+                before = run.nfe
                 with torch.no_grad():
                     updates = run.decode_block(rows, self.layout_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
