@@ -143,12 +143,16 @@ class BlockEvent:
 
 def select_positions(hidden_states: torch.Tensor, logits_to_keep: int | slice | torch.Tensor) -> torch.Tensor:
     """transformers' `logits_to_keep` on `(batch, L, hidden)` states: an `int` keeps the last n positions (0 keeps
-    all), a `slice` or a 1D index tensor selects positions, so an LM head runs only where logits are needed."""
+    all), a `slice` or a 1D index tensor selects positions, a `(batch, L)` index tensor each row's own positions, so
+    an LM head runs only where logits are needed."""
     if isinstance(logits_to_keep, int):
         return hidden_states[:, slice(-logits_to_keep, None) if logits_to_keep > 0 else slice(None)]
     if isinstance(logits_to_keep, torch.Tensor):
         # With the model split over devices (device_map), the last layer's output is not on the input's device.
-        return hidden_states[:, logits_to_keep.to(hidden_states.device)]
+        index = logits_to_keep.to(hidden_states.device)
+        if index.dim() == 2:  # `(batch, L)`: positions of each row (rows laid out at different columns)
+            return hidden_states.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden_states.shape[-1]))
+        return hidden_states[:, index]
     return hidden_states[:, logits_to_keep]
 
 
@@ -862,7 +866,7 @@ class BlockDiffusionRun:
 
         tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
         logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
-        are among them; scheduled `(rows,)`: the schedule's count; active `(rows,)`: rows still denoising (None: all);
+        are among them (both `(rows, L)` when rows hold their blocks at different columns); scheduled `(rows,)`: the schedule's count; active `(rows,)`: rows still denoising (None: all);
         generated `(rows, L)`: the block's positions after each prompt (None: all; only editing reads it). Returns the new block, the draft `(rows, L)`
         and whether each row edited a committed token `(rows,)` (see `decoding.denoise_step`).
         """
@@ -885,7 +889,8 @@ class BlockDiffusionRun:
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
-        return denoise_step(tokens.index_select(1, block_index), logits, self.rules, scheduled, generated, active)
+        block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
+        return denoise_step(block, logits, self.rules, scheduled, generated, active)
 
     def run_step(
         self,

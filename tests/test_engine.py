@@ -315,10 +315,10 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
 
     original = engine_module.LayoutRun.decode_block
 
-    def failing(self, rows, width):
+    def failing(self, rows, width, compact_width):
         if rows[0] is bad:
             raise RuntimeError("boom")
-        return original(self, rows, width)
+        return original(self, rows, width, compact_width)
 
     monkeypatch.setattr(engine_module.LayoutRun, "decode_block", failing)
     with pytest.raises(RuntimeError, match="boom"):
@@ -375,3 +375,17 @@ def test_settings_the_family_refuses_fail_at_submit():
     with pytest.raises(ValueError, match="remasking"):
         engine.submit(request(model, [5, 6], max_new_tokens=8, block_length=8, remasking="random"))
     assert not engine.has_work()
+
+
+def test_cache_shift_rows_moves_each_row_by_its_shift():
+    from hf_dllm.cache import DiffusionKVCache
+
+    cache = DiffusionKVCache(num_layers=1, max_batch_size=2, max_length=8)
+    keys = torch.arange(2 * 1 * 8 * 2, dtype=torch.float32).reshape(2, 1, 8, 2)
+    cache.set_length(5)
+    cache.update(keys[:, :, :5], -keys[:, :, :5], 0, {"cache_position": torch.arange(5)})
+    cache.shift_rows(torch.tensor([0, 3]), 8)
+    assert cache.length == 8
+    assert torch.equal(cache.keys[0][0, :, :5], keys[0, :, :5])
+    assert torch.equal(cache.keys[0][1, :, 3:8], keys[1, :, :5])
+    assert torch.equal(cache.values[0][1, :, 3:8], -keys[1, :, :5])

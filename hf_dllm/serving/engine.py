@@ -121,9 +121,14 @@ class LayoutRun(BlockDiffusionRun):
             StepGraphs.release_to(self.model)
             self.graphs = None
 
-    def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
+    def decode_block(self, rows: list[EngineRequest], width: int, compact_width: int) -> list[BlockUpdate]:
         """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
-        of `width` columns (`layout_width`); returns each row's update and advances the rows."""
+        of `width` columns (`layout_width`); returns each row's update and advances the rows.
+
+        With a cache, the block's first step (its full forward) runs on the compact layout instead: every row at
+        its own columns, `compact_width` wide (`ContinuousBatcher.compact_width`), so that no row pays for the
+        others' misalignment in the block's most expensive forward; its K/V are then shifted into the aligned
+        layout (`DiffusionKVCache.shift_rows`) for the later steps, which compute the block alone."""
         device, n = self.device, len(rows)
         starts = torch.tensor([row.plan.blocks[row.block][0] for row in rows])
         length = rows[0].plan.blocks[rows[0].block][1] - int(starts[0])
@@ -148,6 +153,9 @@ class LayoutRun(BlockDiffusionRun):
         self.attention_masks = {}
         if self.cache is not None:  # every policy here recomputes all of it at the block's first step
             self.cache.set_length(width)
+        self.refresh = None
+        if self.cache is not None and not self.cfg and bool((shifts > 0).any()):
+            self.refresh = self._compact_refresh(rows, starts, length, compact_width, device_shifts)
         steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
         block_end = block_start + length
         self.denoise_block(steps, block_start, block_end)
@@ -172,6 +180,48 @@ class LayoutRun(BlockDiffusionRun):
             new = row.generated[previous : row.committed].tolist()
             updates.append(BlockUpdate(new, bool(ended[i]), row.nfe))
         return updates
+
+
+    def _compact_refresh(self, rows, starts, length: int, width: int, shifts: torch.Tensor) -> dict:
+        """Inputs of the block's full forward with every row at its own columns `[0, canvas)` (`(rows, width)`)."""
+        device, n = self.device, len(rows)
+        tokens = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
+        key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
+        for i, row in enumerate(rows):
+            own = min(row.tokens.shape[0], width)
+            tokens[i, :own] = row.tokens[:own]
+            key_mask[i, :own] = 1
+        block_index = starts.to(device).unsqueeze(-1) + torch.arange(length, device=device)
+        return dict(tokens=tokens, key_mask=key_mask, block_index=block_index, width=width, shifts=shifts)
+
+    def run_step(self, block_start, block_end, step, active=None, generated=None):
+        """`BlockDiffusionRun.run_step`; the block's first step runs on the compact layout (see `decode_block`)."""
+        refresh = self.refresh
+        if step != 0 or refresh is None:
+            return super().run_step(block_start, block_end, step, active, generated)
+        n, width, device = self.x.shape[0], refresh["width"], self.device
+        columns = torch.arange(width, device=device)
+        self.cache.set_length(width)
+        inputs = dict(
+            tokens=refresh["tokens"],
+            position_ids=columns.expand(n, -1),
+            cache_position=columns,
+            logits_index=refresh["block_index"] - self.shift,
+            block_index=refresh["block_index"],
+            scheduled=self.unmasking.scheduled_counts(step, n, device),
+            active=active,
+            generated=generated,
+            attention_mask=self.model._diffusion_attention_mask(refresh["key_mask"], width),
+        )
+        if self.graphs is None:
+            new_block, _, edited = self.step(**inputs)
+        else:
+            key = ("compact", n, width, block_end - block_start, inputs["attention_mask"] is not None)
+            new_block, _, edited = self.graphs.run(key, self.step, inputs)
+        self.nfe += 1
+        self.x[:, block_start:block_end] = new_block
+        self.cache.shift_rows(refresh["shifts"], self.seq_len)
+        return new_block, edited
 
 
 def cohort_key(row: EngineRequest) -> tuple:
@@ -280,6 +330,16 @@ class ContinuousBatcher:
         rounded = -(-width // self.width_granularity) * self.width_granularity
         return max(width, min(rounded, self.max_batch_width))
 
+    def compact_width(self, rows: list[EngineRequest]) -> int:
+        """Columns of the rows at their own columns, as far as a block's full forward needs them: the longest
+        canvas (block-causal models: up to the end of the current block; later blocks are never attended)."""
+        if self.block_causal:
+            width = max(row.plan.blocks[row.block][1] for row in rows)
+        else:
+            width = max(row.plan.canvas_width for row in rows)
+        rounded = -(-width // self.width_granularity) * self.width_granularity
+        return max(width, min(rounded, self.layout_width(rows)))
+
     def _admit(self) -> None:
         """Waiting requests join, oldest first, while there is a free row and their layout fits the cache; the
         oldest waits for room rather than be passed (no starvation)."""
@@ -339,7 +399,7 @@ class ContinuousBatcher:
                 run = self._run_for(rows[0])
                 before = run.nfe
                 with torch.no_grad():
-                    updates = run.decode_block(rows, self.layout_width(rows))
+                    updates = run.decode_block(rows, self.layout_width(rows), self.compact_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
                 for row in rows:
                     row.ended = True
