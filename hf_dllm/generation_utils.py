@@ -236,6 +236,9 @@ class DiffusionGenerationMixin:
     # Generation fields of a family's own sampler that the model uses (Dream: `alg`, `top_k`, ...); the others'
     # are refused by `validate()`, where the config's rules would silently ignore them.
     diffusion_sampler_fields: tuple[str, ...] = ()
+    # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
+    # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
+    diffusion_original_generation_fields: dict = {}
 
     def _diffusion_forward(
         self,
@@ -293,10 +296,29 @@ class DiffusionGenerationMixin:
         except OSError:
             logger.info("No generation_config.json found: using the defaults derived from the model config.")
             return
+        except ValueError:
+            if not self.diffusion_original_generation_fields:
+                raise
+            loaded = self._original_generation_config(pretrained_model_name_or_path, loading)
         # Special token ids a foreign generation_config.json leaves unset still come from the model config.
         loaded.inherit_special_tokens(self.generation_config)
         loaded.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
         self.generation_config = loaded
+
+    def _original_generation_config(self, pretrained_model_name_or_path, loading: dict) -> DiffusionGenerationConfig:
+        """A generation_config.json written by the family's original implementation (e.g. Dream's
+        `DreamGenerationConfig`, as on the Hub): its fields that hf_dllm does not provide
+        (`diffusion_original_generation_fields`) are accepted at their no-op values and refused otherwise, the rest
+        are read as usual."""
+        fields = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **loading).to_diff_dict()
+        for name, no_op in self.diffusion_original_generation_fields.items():
+            if name in fields and fields.pop(name) != no_op:
+                raise ValueError(
+                    f"{pretrained_model_name_or_path}: generation_config.json sets `{name}`, a setting of the original "
+                    f"implementation's sampler that hf_dllm does not provide; only `{name}={no_op!r}` can be loaded."
+                )
+        fields = {key: value for key, value in fields.items() if key not in ("transformers_version", "_from_model_config")}
+        return DiffusionGenerationConfig(**fields)
 
     def resolve_generation_config(
         self, generation_config: GenerationConfig | None = None, **fields

@@ -385,6 +385,7 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
     # Interface of DiffusionGenerationMixin: Dream predicts position i + 1 from position i (LLaDA predicts i).
     diffusion_logits_shift = 1
     diffusion_sampler_fields = DREAM_FIELDS
+    diffusion_original_generation_fields = {"output_history": False, "num_return_sequences": 1}
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: DreamConfig):

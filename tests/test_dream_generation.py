@@ -368,3 +368,33 @@ def test_generate_blocks_yields_one_event_per_block(dream, prompts):
     events = list(run)
     assert [event.block for event in events] == [0, 1, 2]
     assert [len(event.new_tokens()[0]) for event in events] == [8, 8, 8]
+
+
+def test_hub_generation_config_of_dreams_own_code_loads(tmp_path):
+    """The Hub's Dream checkpoints carry a generation_config.json written by Dream's `DreamGenerationConfig`
+    (`output_history`, `num_return_sequences`): it loads, its sampler settings are read, and a value hf_dllm cannot
+    honour is refused naming the field."""
+    import json
+    import shutil
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(DREAM / name, tmp_path / name)
+    original = {
+        "alg": "entropy",
+        "alg_temp": 0.0,
+        "eps": 0.001,
+        "steps": 16,
+        "max_new_tokens": 16,
+        "output_history": False,
+        "num_return_sequences": 1,
+        "return_dict_in_generate": False,
+        "temperature": 0.0,
+        "transformers_version": "4.46.2",
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(original))
+    model = DreamModel.from_pretrained(tmp_path).eval()
+    config = model.generation_config
+    assert (config.alg, config.steps, config.max_new_tokens, config.eps) == ("entropy", 16, 16, 0.001)
+    (tmp_path / "generation_config.json").write_text(json.dumps({**original, "output_history": True}))
+    with pytest.raises(ValueError, match="output_history"):
+        DreamModel.from_pretrained(tmp_path)
