@@ -15,10 +15,12 @@ adapted from an autoregressive model, so the logits at position i predict token 
 transformers' `ALL_ATTENTION_FUNCTIONS` (`"eager"`, the reference below; `"sdpa"`; `"flex_attention"`; and
 hf_dllm's `"llada_triton"`, the default, which runs a split-KV kernel for block steps on CUDA and sdpa elsewhere).
 
-On CUDA (with Triton installed) the RMS norms, with the residual add before them, and the SiLU gate run as
+On CUDA (with Triton installed) the RMS norms, with the residual add before them, the SiLU gate and RoPE run as
 hf_dllm's fused Triton kernels (`kernels.py`, `triton_ops.py`; `HF_DLLM_KERNELS=torch` turns them off), with
-PyTorch's rounding points. RoPE stays in PyTorch: Dream rotates in the model dtype (each product rounded to bf16),
-which the float32 rotary kernel would not reproduce.
+PyTorch's rounding points: Dream rotates in the model dtype (each product and the sum rounded to bf16), and
+`triton_ops.rounded_rotary` rounds there too (equal to the PyTorch code bit for bit), writing the rotated keys and
+the values straight into a `DiffusionKVCache`. On that path q/k/v (with their biases) and gate/up are one matrix
+product each (`ConcatenatedProjections`; the parameters, their names and `save_pretrained` stay the Hub's).
 
 Padding: a 2D `attention_mask` masks padded keys, and RoPE positions are counted from each row's first real token,
 so a left-padded row computes what it computes alone.
@@ -278,9 +280,7 @@ class DreamAttention(ConcatenatedProjections):
                 query, key = triton_ops.rounded_rotary(query, key, value, cos, sin)
                 query, value = query.transpose(1, 2), value.transpose(1, 2)
                 if past_key_values is not None:
-                    key, value = past_key_values.update(
-                        key, value, self.layer_idx, {"cache_position": cache_position}
-                    )
+                    key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
         else:
             query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
             value = value.transpose(1, 2)
@@ -293,9 +293,7 @@ class DreamAttention(ConcatenatedProjections):
                         {"cache_position": cache_position[cache_read_only:]},
                     )
                 else:
-                    key, value = past_key_values.update(
-                        key, value, self.layer_idx, {"cache_position": cache_position}
-                    )
+                    key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )

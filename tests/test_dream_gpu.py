@@ -187,9 +187,7 @@ def test_rounded_rotary_equals_pytorch_and_writes_the_cache(dtype):
     cache_k = torch.full((3, kv_heads, 600, dim), 5.0, device=DEVICE, dtype=dtype)
     cache_v = torch.full_like(cache_k, 5.0)
     columns = torch.cat([torch.tensor([10], device=DEVICE), torch.arange(100, 100 + length - 1, device=DEVICE)])
-    rotated_q, none = triton_ops.rounded_rotary(
-        q, k, v, cos, sin, cache_k[:batch], cache_v[:batch], columns, skip=1
-    )
+    rotated_q, none = triton_ops.rounded_rotary(q, k, v, cos, sin, cache_k[:batch], cache_v[:batch], columns, skip=1)
     assert none is None and torch.equal(rotated_q, ours_q)
     expected_k, expected_v = torch.full_like(cache_k, 5.0), torch.full_like(cache_v, 5.0)
     expected_k[:batch, :, columns[1:]] = ours_k[:, :, 1:]
