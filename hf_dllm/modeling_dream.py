@@ -15,10 +15,12 @@ adapted from an autoregressive model, so the logits at position i predict token 
 transformers' `ALL_ATTENTION_FUNCTIONS` (`"eager"`, the reference below; `"sdpa"`; `"flex_attention"`; and
 hf_dllm's `"llada_triton"`, the default, which runs a split-KV kernel for block steps on CUDA and sdpa elsewhere).
 
-On CUDA (with Triton installed) the RMS norms, with the residual add before them, and the SiLU gate run as
+On CUDA (with Triton installed) the RMS norms, with the residual add before them, the SiLU gate and RoPE run as
 hf_dllm's fused Triton kernels (`kernels.py`, `triton_ops.py`; `HF_DLLM_KERNELS=torch` turns them off), with
-PyTorch's rounding points. RoPE stays in PyTorch: Dream rotates in the model dtype (each product rounded to bf16),
-which the float32 rotary kernel would not reproduce.
+PyTorch's rounding points: Dream rotates in the model dtype (each product and the sum rounded to bf16), and
+`triton_ops.rounded_rotary` rounds there too (equal to the PyTorch code bit for bit), writing the rotated keys and
+the values straight into a `DiffusionKVCache`. On that path q/k/v (with their biases) and gate/up are one matrix
+product each (`ConcatenatedProjections`; the parameters, their names and `save_pretrained` stay the Hub's).
 
 Padding: a 2D `attention_mask` masks padded keys, and RoPE positions are counted from each row's first real token,
 so a left-padded row computes what it computes alone.
@@ -88,6 +90,65 @@ class DreamRMSNorm(nn.Module):
             return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
         total = hidden_states + residual
         return self(total), total
+
+
+class ConcatenatedProjections(nn.Module):
+    """Base of the modules whose linear layers feeding the same input can run as one matrix product (q/k/v with
+    their biases, gate/up): a product of 32 rows reads one 4608- or 37888-row matrix faster than several smaller
+    ones (k and v are 512 rows each in Dream 7B), and it is one launch instead of several.
+
+    `concatenated(names)` concatenates the layers' weights (and biases) along the output dim and re-points the
+    parameters to views of the concatenation, so it costs no memory, stays in sync with in-place weight updates,
+    and `state_dict` / `save_pretrained` keep the Hub's separate names and tensors. It is rebuilt if the parameters
+    were replaced or moved (e.g. by `.to()`). Used where the fused kernels run (`use_fused_kernels`), as LLaDA's."""
+
+    def __init__(self):
+        super().__init__()
+        self._concatenated: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def _apply(self, fn, *args, **kwargs):
+        # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old concatenations with them.
+        self._concatenated.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    @staticmethod
+    def _are_views_of(tensors: list[torch.Tensor], fused: torch.Tensor) -> bool:
+        if fused.device != tensors[0].device or fused.dtype != tensors[0].dtype:
+            return False
+        offset = fused.data_ptr()
+        for tensor in tensors:
+            if tensor.data_ptr() != offset:
+                return False
+            offset += tensor.numel() * tensor.element_size()
+        return True
+
+    @staticmethod
+    def _concatenate(tensors: list[torch.Tensor]) -> torch.Tensor:
+        fused = torch.cat([tensor.detach() for tensor in tensors], dim=0)
+        row = 0
+        for tensor in tensors:
+            tensor.data = fused[row : row + tensor.shape[0]]
+            row += tensor.shape[0]
+        return fused
+
+    def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
+        layers = [getattr(self, name) for name in names]
+        weights = [layer.weight for layer in layers]
+        biases = [layer.bias for layer in layers]
+        has_bias = biases[0] is not None
+        if any((bias is not None) != has_bias for bias in biases):
+            raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
+        cached = self._concatenated.get(names)
+        if (
+            cached is not None
+            and self._are_views_of(weights, cached[0])
+            and (not has_bias or self._are_views_of(biases, cached[1]))
+        ):
+            return cached
+        fused = (self._concatenate(weights), self._concatenate(biases) if has_bias else None)
+        self._concatenated[names] = fused
+        return fused
 
 
 def dream_rotary_cos_sin(
@@ -160,11 +221,12 @@ def eager_attention_forward(
     return output, weights
 
 
-class DreamAttention(nn.Module):
+class DreamAttention(ConcatenatedProjections):
     """Bidirectional multi-head attention with Qwen2's projections (q/k/v with bias, o without).
 
     It is the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`, `layer_idx`
-    and `scaling` on it."""
+    and `scaling` on it. Where the fused kernels run, q/k/v are one product (`concatenated`) and RoPE is one
+    kernel with PyTorch's rounding points that also writes the new keys/values into a `DiffusionKVCache`."""
 
     def __init__(self, config: DreamConfig, layer_idx: int):
         super().__init__()
@@ -199,23 +261,39 @@ class DreamAttention(nn.Module):
         `DiffusionKVCache` (they attend, and their outputs are computed, but the cache keeps its entries for
         them). See `DreamModel._diffusion_forward`."""
         batch, q_len, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cache_read_only and past_key_values is not None and not isinstance(past_key_values, DiffusionKVCache):
+            raise TypeError("`cache_read_only` needs a DiffusionKVCache as `past_key_values`.")
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            if cache_read_only:
-                if not isinstance(past_key_values, DiffusionKVCache):
-                    raise TypeError("`cache_read_only` needs a DiffusionKVCache as `past_key_values`.")
-                key, value = past_key_values.update(
-                    key[:, :, cache_read_only:],
-                    value[:, :, cache_read_only:],
-                    self.layer_idx,
-                    {"cache_position": cache_position[cache_read_only:]},
+        fused = use_fused_kernels(hidden_states)
+        query, key, value = self._project_qkv(hidden_states, fused)
+        if fused and self._rotary_kernel_applies(query, cos):
+            if isinstance(past_key_values, DiffusionKVCache):
+                # RoPE, and the new keys/values written into the cache (but the read-only columns'), in one kernel.
+                cache_keys, cache_values = past_key_values.layer(
+                    self.layer_idx, batch, self.num_kv_heads, self.head_dim, value
                 )
+                query, _ = triton_ops.rounded_rotary(
+                    query, key, value, cos, sin, cache_keys, cache_values, cache_position, skip=cache_read_only
+                )
+                query, key, value = query.transpose(1, 2), cache_keys, cache_values
             else:
-                key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+                query, key = triton_ops.rounded_rotary(query, key, value, cos, sin)
+                query, value = query.transpose(1, 2), value.transpose(1, 2)
+                if past_key_values is not None:
+                    key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+        else:
+            query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            value = value.transpose(1, 2)
+            if past_key_values is not None:
+                if cache_read_only:
+                    key, value = past_key_values.update(
+                        key[:, :, cache_read_only:],
+                        value[:, :, cache_read_only:],
+                        self.layer_idx,
+                        {"cache_position": cache_position[cache_read_only:]},
+                    )
+                else:
+                    key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -231,9 +309,32 @@ class DreamAttention(nn.Module):
         )
         return self.o_proj(attn.reshape(batch, q_len, -1))
 
+    def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the kernels are fused)."""
+        batch, q_len, _ = x.shape
+        if fused:
+            weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
+            kv_width = self.num_kv_heads * self.head_dim
+            query, key, value = nn.functional.linear(x, weight, bias).split(
+                [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
+            )
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (
+            query.view(batch, q_len, self.num_heads, self.head_dim),
+            key.view(batch, q_len, self.num_kv_heads, self.head_dim),
+            value.view(batch, q_len, self.num_kv_heads, self.head_dim),
+        )
 
-class DreamMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))`, no biases."""
+    def _rotary_kernel_applies(self, query: torch.Tensor, cos: torch.Tensor) -> bool:
+        # The kernel works on halves of a power-of-two size, with tables in the activation dtype (otherwise PyTorch
+        # would promote the products, which the kernel does not reproduce).
+        half = self.head_dim // 2
+        return half & (half - 1) == 0 and cos.dtype == query.dtype
+
+
+class DreamMLP(ConcatenatedProjections):
+    """`down(act(gate(x)) * up(x))`, no biases; gate/up are one product where the fused kernels run."""
 
     def __init__(self, config: DreamConfig):
         super().__init__()
@@ -244,10 +345,14 @@ class DreamMLP(nn.Module):
         self.silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.silu and use_fused_kernels(gate):
-            # `silu(gate) * up` in one kernel, rounding where PyTorch rounds (silu's output, then the product).
-            return self.down_proj(triton_ops.silu_mul(gate, up))
+        if use_fused_kernels(x):
+            weight, _ = self.concatenated(("gate_proj", "up_proj"))
+            gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
+            if self.silu:
+                # `silu(gate) * up` in one kernel, rounding where PyTorch rounds (silu's output, then the product).
+                return self.down_proj(triton_ops.silu_mul(gate, up))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act_fn(gate) * up)
 
 

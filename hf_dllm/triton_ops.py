@@ -1,5 +1,6 @@
-"""Fused Triton kernels for the elementwise parts of a LLaDA block: RMSNorm (with the residual add fused in), RoPE
-and the SiLU gate; and the greedy proposal over the vocabulary (argmax and its softmax probability in one pass).
+"""Fused Triton kernels for the elementwise parts of a LLaDA (or Dream) block: RMSNorm (with the residual add fused
+in), RoPE (in float32 as LLaDA's, or rounded in the activation dtype as Dream's) and the SiLU gate; and the greedy
+proposal over the vocabulary (argmax and its softmax probability in one pass).
 
 Why: a denoising step at batch 1 feeds 32 tokens through 32 layers; in plain PyTorch each layer launches ~30 tiny
 elementwise kernels (casts, pow, mean, rsqrt, cat, ...) that cost more than the matrix products around them even
@@ -185,6 +186,83 @@ if TRITON_AVAILABLE:
         tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _rounded_rotary_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        k_dst_ptr,
+        v_dst_ptr,
+        position_ptr,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        skip,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        stride_vb,
+        stride_vl,
+        stride_vh,
+        stride_db,
+        stride_dh,
+        stride_dn,
+        HALF: tl.constexpr,
+        TO_CACHE: tl.constexpr,
+    ):
+        # RoPE with Dream's (Qwen2's) rounding points: the tables are in the activation dtype and PyTorch rounds
+        # `x * cos`, `rotate_half(x) * sin` and their sum to it (products of two bf16 values are exact in float32,
+        # so rounding each float32 product reproduces PyTorch's bf16 ops bit for bit). One program per (batch,
+        # position, head) over the q heads followed by the k heads; q/k/v `(B, L, H, D)` with any strides.
+        # Rotated keys go to `k_dst` `(B, Hk, T, D)` (strides `stride_d*`) at column `pos` or, with TO_CACHE, at
+        # `position[pos]`, with the values beside them in `v_dst`; TO_CACHE skips the first `skip` positions'
+        # keys/values (read-only queries whose cache entries stay). Rotated q is contiguous `(B, L, Hq, D)`.
+        pid = tl.program_id(0).to(tl.int64)
+        n_heads = n_q_heads + n_k_heads
+        head = pid % n_heads
+        token = pid // n_heads  # b * seq_len + l
+        b = token // seq_len
+        pos = token % seq_len
+        offs = tl.arange(0, HALF)
+        table = token * (2 * HALF)
+        cos1 = tl.load(cos_ptr + table + offs).to(tl.float32)
+        cos2 = tl.load(cos_ptr + table + HALF + offs).to(tl.float32)
+        sin1 = tl.load(sin_ptr + table + offs).to(tl.float32)
+        sin2 = tl.load(sin_ptr + table + HALF + offs).to(tl.float32)
+        write = offs < HALF
+        if head < n_q_heads:
+            src = q_ptr + b * stride_qb + pos * stride_ql + head * stride_qh
+            dst = q_out_ptr + (token * n_q_heads + head) * (2 * HALF)
+        else:
+            kh = head - n_q_heads
+            src = k_ptr + b * stride_kb + pos * stride_kl + kh * stride_kh
+            if TO_CACHE:
+                column = tl.load(position_ptr + pos).to(tl.int64)
+                write = (offs * 0 + pos) >= skip
+                v_src = v_ptr + b * stride_vb + pos * stride_vl + kh * stride_vh
+                v_dst = v_dst_ptr + b * stride_db + kh * stride_dh + column * stride_dn
+                tl.store(v_dst + offs, tl.load(v_src + offs), mask=write)
+                tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs), mask=write)
+            else:
+                column = pos
+            dst = k_dst_ptr + b * stride_db + kh * stride_dh + column * stride_dn
+        dtype = q_out_ptr.dtype.element_ty
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), each product and the sum rounded.
+        a1 = (x1 * cos1).to(dtype).to(tl.float32)
+        b1 = ((-x2) * sin1).to(dtype).to(tl.float32)
+        a2 = (x2 * cos2).to(dtype).to(tl.float32)
+        b2 = (x1 * sin2).to(dtype).to(tl.float32)
+        tl.store(dst + offs, (a1 + b1).to(dtype), mask=write)
+        tl.store(dst + HALF + offs, (a2 + b2).to(dtype), mask=write)
+
+    @triton.jit
     def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, stride_row, BLOCK: tl.constexpr):
         # gate/up are (rows, width) with a row stride (views of one fused projection); out is contiguous.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -364,6 +442,74 @@ def rotary_to_cache(
         num_warps=1 if dim <= 128 else 2,
     )
     return q_out
+
+
+@on_tensor_device
+def rounded_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_keys: torch.Tensor | None = None,
+    cache_values: torch.Tensor | None = None,
+    cache_position: torch.Tensor | None = None,
+    skip: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE rounded as PyTorch rounds it in the activation dtype (Dream / Qwen2: `q * cos + rotate_half(q) * sin`
+    with tables in the activation dtype, each product and the sum rounded), equal to that PyTorch code bit for bit.
+
+    q `(B, L, Hq, D)`, k/v `(B, L, Hk, D)` (any strides, last dim contiguous), cos/sin `(B or 1, L, D)`. Without a
+    cache returns the rotated q, contiguous `(B, L, Hq, D)`, and the rotated k, contiguous `(B, Hk, L, D)` (v is
+    not read). With `cache_keys`/`cache_values` `(B, Hk, T, D)` (last dim contiguous, equal strides) and
+    `cache_position` `(L,)`, the rotated k and v of positions `skip..L-1` are written into the cache at those
+    columns (one launch instead of RoPE plus two index copies); returns the rotated q and None."""
+    batch, seq_len, n_q, dim = q.shape
+    n_k = k.shape[2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cos = cos.to(q.dtype).expand(batch, seq_len, dim).contiguous()
+    sin = sin.to(q.dtype).expand(batch, seq_len, dim).contiguous()
+    q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
+    to_cache = cache_keys is not None
+    if to_cache:
+        k_out, k_dst, v_dst, position = None, cache_keys, cache_values, cache_position
+    else:
+        k_out = torch.empty(batch, n_k, seq_len, dim, dtype=k.dtype, device=k.device)
+        k_dst, v_dst, position = k_out, k_out, q_out
+    _rounded_rotary_kernel[(batch * seq_len * (n_q + n_k),)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        q_out,
+        k_dst,
+        v_dst,
+        position,
+        seq_len,
+        n_q,
+        n_k,
+        skip,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        k_dst.stride(0),
+        k_dst.stride(1),
+        k_dst.stride(2),
+        HALF=dim // 2,
+        TO_CACHE=to_cache,
+        num_warps=1 if dim <= 128 else 2,
+        # No fused multiply-add: PyTorch rounds each product (this matters for float32 activations).
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out
 
 
 @on_tensor_device

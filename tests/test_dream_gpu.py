@@ -7,8 +7,13 @@
   left padding, with `sdpa` and with hf_dllm's attention backend (whose split-KV kernel runs for these block
   steps).
 - The rules that draw random numbers (`origin`, `alg_temp` > 0) run eagerly.
-- The fused Triton kernels (RMSNorm with the residual add, SiLU gate) run in Dream's forward on CUDA, with logits
-  close to the PyTorch kernels'.
+- The fused Triton kernels (RMSNorm with the residual add, SiLU gate, RoPE with Dream's rounding writing K/V into
+  the cache) run in Dream's forward on CUDA, with logits close to the PyTorch kernels'; the fused path (those
+  kernels and the concatenated q/k/v and gate/up products) has a logit error against a float32 reference within 2x
+  of PyTorch's own in the same dtype.
+- The RoPE kernel equals Dream's PyTorch RoPE bit for bit in bf16/fp16 (it rounds where PyTorch rounds), also
+  when it writes the keys/values into the cache and leaves the read-only columns alone.
+- The concatenated projections keep the Hub's parameter names and save/reload exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import pytest
 import torch
 
 from hf_dllm import DreamConfig, DreamModel, kernels, triton_ops
+from hf_dllm.cache import DiffusionKVCache
+from hf_dllm.modeling_dream import apply_rotary_pos_emb, dream_rotary_cos_sin
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -130,7 +137,7 @@ def test_random_rules_run_eagerly(dream, settings):
 def test_fused_kernels_run_and_logits_close_to_pytorch(monkeypatch):
     model = gpu_dream("sdpa")
     ids, mask = padded_prompts([7, 30])
-    calls = {"rms_norm": 0, "silu_mul": 0}
+    calls = {"rms_norm": 0, "silu_mul": 0, "rounded_rotary": 0}
     for name in calls:
         kernel = getattr(triton_ops, name)
 
@@ -148,6 +155,107 @@ def test_fused_kernels_run_and_logits_close_to_pytorch(monkeypatch):
         finally:
             kernels.set_kernel_mode(mode)
     layers = model.config.num_hidden_layers
-    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers}  # per layer: two norms, one gate; final norm
+    # Per layer: two norms, one gate, one RoPE; the final norm.
+    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rounded_rotary": layers}
     real = mask.bool()
     assert (fused - plain)[real].abs().max() <= 0.05 * plain[real].abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rounded_rotary_equals_pytorch_and_writes_the_cache(dtype):
+    torch.manual_seed(0)
+    config = DreamConfig(hidden_size=28 * 128, num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6)
+    batch, length, heads, kv_heads, dim = 2, 33, 28, 4, 128
+    qkv = torch.randn(batch, length, (heads + 2 * kv_heads) * dim, device=DEVICE, dtype=dtype) * 3
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # strided views, as in the model
+    q, k, v = q.view(batch, length, heads, dim), k.view(batch, length, kv_heads, dim), v.view(batch, length, -1, dim)
+    positions = torch.arange(length, device=DEVICE).expand(batch, -1) + torch.tensor([[0], [700]], device=DEVICE)
+    cos, sin = dream_rotary_cos_sin(positions, config, dtype)
+    theirs_q, theirs_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    ours_q, ours_k = triton_ops.rounded_rotary(q, k, v, cos, sin)
+    if dtype == torch.float32:
+        # float32: within 2x of PyTorch's own error against float64 (no fused multiply-add: equal in practice).
+        ref_q, ref_k = apply_rotary_pos_emb(
+            q.double().transpose(1, 2), k.double().transpose(1, 2), cos.double(), sin.double()
+        )
+        for ours, theirs, ref in ((ours_q.transpose(1, 2), theirs_q, ref_q), (ours_k, theirs_k, ref_k)):
+            assert (ours.double() - ref).abs().max() <= 2 * (theirs.double() - ref).abs().max() + 1e-6
+    else:
+        assert torch.equal(ours_q.transpose(1, 2), theirs_q)
+        assert torch.equal(ours_k, theirs_k)
+    # Into a cache (3 rows held, 2 used; 600 columns) at scattered columns, the first (read-only) one skipped.
+    cache_k = torch.full((3, kv_heads, 600, dim), 5.0, device=DEVICE, dtype=dtype)
+    cache_v = torch.full_like(cache_k, 5.0)
+    columns = torch.cat([torch.tensor([10], device=DEVICE), torch.arange(100, 100 + length - 1, device=DEVICE)])
+    rotated_q, none = triton_ops.rounded_rotary(q, k, v, cos, sin, cache_k[:batch], cache_v[:batch], columns, skip=1)
+    assert none is None and torch.equal(rotated_q, ours_q)
+    expected_k, expected_v = torch.full_like(cache_k, 5.0), torch.full_like(cache_v, 5.0)
+    expected_k[:batch, :, columns[1:]] = ours_k[:, :, 1:]
+    expected_v[:batch, :, columns[1:]] = v.transpose(1, 2)[:, :, 1:]
+    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "llada_triton"])
+def test_fused_path_logit_error_within_twice_torch(attn):
+    """The fused path (concatenated q/k/v and gate/up products, the Triton norms / gate / RoPE) in bf16 against
+    the same weights in float32 with PyTorch kernels: its error is within 2x of PyTorch's bf16 error, on a forward
+    without cache and on a dual-cache block step (the read-only column included)."""
+    model = gpu_dream(attn)
+    reference = gpu_dream("sdpa", dtype=torch.float32)
+    reference.load_state_dict({name: tensor.float() for name, tensor in model.state_dict().items()})
+    ids, mask = padded_prompts([40, 29])
+    mode = kernels.kernel_mode()
+
+    def run(net, kernel_mode, block=None):
+        kernels.set_kernel_mode(kernel_mode)
+        try:
+            with torch.no_grad():
+                if block is None:
+                    return net(ids, attention_mask=mask).logits.float()
+                # A dual-cache block step: the full forward fills the cache, then 9 columns (the one before the
+                # block read-only) are recomputed against it.
+                cache = DiffusionKVCache(net.config.num_hidden_layers, ids.shape[0], ids.shape[1])
+                cache.set_length(ids.shape[1])
+                net(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                columns = torch.arange(block - 1, block + 8, device=DEVICE)
+                step = ids.clone()
+                step[:, block:] = MASK
+                return net(
+                    step[:, columns],
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=columns,
+                    cache_read_only=1,
+                ).logits.float()
+        finally:
+            kernels.set_kernel_mode(mode)
+
+    real = mask.bool()
+    for block in (None, 24):
+        exact = run(reference, "torch", block)
+        ours = run(model, "auto", block)
+        theirs = run(model, "torch", block)
+        rows = real if block is None else real[:, block - 1 : block + 8]
+        our_error = (ours - exact)[rows].abs().max().item()
+        torch_error = (theirs - exact)[rows].abs().max().item()
+        assert our_error <= 2 * torch_error + 1e-3, (block, our_error, torch_error)
+
+
+def test_concatenated_projections_keep_names_and_save_reload_exactly(tmp_path):
+    model = gpu_dream("llada_triton")
+    names = list(model.state_dict())
+    ids, _ = padded_prompts([6])
+    model.generate(ids, max_new_tokens=16, block_length=8, threshold=0.9, dual_cache=True)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    weight, bias = attention._concatenated[("q_proj", "k_proj", "v_proj")]
+    assert attention.q_proj.weight.data_ptr() == weight.data_ptr()  # the parameters are views of the concatenation
+    kv_width = attention.num_kv_heads * attention.head_dim
+    assert attention.v_proj.bias.data_ptr() == bias[bias.numel() - kv_width :].data_ptr()
+    gate_up, _ = mlp._concatenated[("gate_proj", "up_proj")]
+    assert mlp.up_proj.weight.data_ptr() == gate_up[model.config.intermediate_size :].data_ptr()
+    assert list(model.state_dict()) == names
+    model.save_pretrained(tmp_path)
+    reloaded = DreamModel.from_pretrained(tmp_path, dtype=torch.bfloat16).to(DEVICE)
+    for (name, a), (other, b) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert name == other and torch.equal(a, b), name

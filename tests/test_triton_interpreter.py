@@ -81,8 +81,27 @@ SCRIPT = textwrap.dedent(
     out = model.generate(expected["prompt.p7"], max_new_tokens=32, block_length=8, threshold=0.5, eos_early_stop=False)
     assert torch.equal(out, expected["case.p7.dual.threshold0.5"]), "dual-cache generation"
 
-    # Dream: the fused norms (residual add included) and SiLU gate against PyTorch, and a recorded Fast-dLLM case.
-    from hf_dllm import DreamModel
+    # Dream: RoPE rounded as Dream's PyTorch code rounds it (equal), also written into a cache past a read-only column.
+    from hf_dllm import DreamConfig, DreamModel
+    from hf_dllm.modeling_dream import apply_rotary_pos_emb as dream_rope, dream_rotary_cos_sin
+    for dtype in (torch.float32, torch.float16):
+        qkv = torch.randn(2, 7, 8 * 16, dtype=dtype)
+        q, k, v = (t.unflatten(-1, (-1, 16)) for t in qkv.split([64, 32, 32], dim=-1))
+        config = DreamConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+        cos, sin = dream_rotary_cos_sin(torch.arange(7).expand(2, -1) + torch.tensor([[0], [5]]), config, dtype)
+        q_ref, k_ref = dream_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q_out, k_out = triton_ops.rounded_rotary(q, k, v, cos, sin)
+        assert torch.equal(q_out.transpose(1, 2), q_ref) and torch.equal(k_out, k_ref), "Dream rotary"
+        cache_k, cache_v = torch.zeros(3, 2, 20, 16, dtype=dtype), torch.zeros(3, 2, 20, 16, dtype=dtype)
+        columns = torch.tensor([2, 9, 10, 11, 12, 13, 14])
+        triton_ops.rounded_rotary(q, k, v, cos, sin, cache_k[:2], cache_v[:2], columns, skip=1)
+        expected_k, expected_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
+        expected_k[:2, :, columns[1:]] = k_ref[:, :, 1:]
+        expected_v[:2, :, columns[1:]] = v.transpose(1, 2)[:, :, 1:]
+        assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v), "Dream rotary into the cache"
+
+    # Dream: the fused norms (residual add included), SiLU gate, RoPE and concatenated projections against PyTorch,
+    # and recorded Fast-dLLM cases (dual and prefix cache).
     dream = DreamModel.from_pretrained("tests/fixtures/dream-tiny-ref")
     with torch.no_grad():
         ours = dream(ids, attention_mask=mask).logits
@@ -96,6 +115,11 @@ SCRIPT = textwrap.dedent(
         dual_cache=True, eos_early_stop=False,
     )
     assert torch.equal(out, expected["case.p12.blk.g32.dual.t0.7"]), "Dream dual-cache generation"
+    out = dream.generate(
+        expected["prompt.p12"], max_new_tokens=16, block_length=8, alg="entropy", steps=8, dual_cache=False,
+        eos_early_stop=False,
+    )
+    assert torch.equal(out, expected["case.p12.blk.g16.prefix.s8"]), "Dream prefix-cache generation"
     print("interpreter checks passed")
     """
 )
