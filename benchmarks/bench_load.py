@@ -315,8 +315,10 @@ def measure(args) -> dict:
                 if kind == "continuous" and args.check:
                     summary["check"] = check_answers(args, items, records, args.check)
                 results[(kind, rate)] = summary
-                print(f"{kind} rate {rate}: {json.dumps({k: v for k, v in summary.items() if k != 'batching'})}",
-                      flush=True)
+                print(
+                    f"{kind} rate {rate}: {json.dumps({k: v for k, v in summary.items() if k != 'batching'})}",
+                    flush=True,
+                )
         finally:
             server.stop()
     return results
@@ -355,8 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     args.output_range = args.output_range or ([32, 96] if args.cpu else [64, 512])
     results = measure(args)
     print()
-    header = ["server", "rate/s", "done", "failed", "tok/s", "p50 lat s", "p99 lat s", "p50 TTFB s", "p99 TTFB s",
-              "rows/layout or batch", "peak GB"]
+    header = [
+        "server",
+        "rate/s",
+        "done",
+        "failed",
+        "tok/s",
+        "p50 lat s",
+        "p99 lat s",
+        "p50 TTFB s",
+        "p99 TTFB s",
+        "rows/layout or batch",
+        "peak GB",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for (kind, rate), s in results.items():

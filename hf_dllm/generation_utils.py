@@ -317,7 +317,9 @@ class DiffusionGenerationMixin:
                     f"{pretrained_model_name_or_path}: generation_config.json sets `{name}`, a setting of the original "
                     f"implementation's sampler that hf_dllm does not provide; only `{name}={no_op!r}` can be loaded."
                 )
-        fields = {key: value for key, value in fields.items() if key not in ("transformers_version", "_from_model_config")}
+        fields = {
+            key: value for key, value in fields.items() if key not in ("transformers_version", "_from_model_config")
+        }
         return DiffusionGenerationConfig(**fields)
 
     def resolve_generation_config(

@@ -69,9 +69,7 @@ def assert_alone(model, requests: list[EngineRequest]) -> None:
     """Each request's committed tokens and forwards equal `generate()` for its prompt alone."""
     for i, req in enumerate(requests):
         config = req.config
-        out = model.generate(
-            torch.tensor([req.prompt_ids]), generation_config=config, return_dict_in_generate=True
-        )
+        out = model.generate(torch.tensor([req.prompt_ids]), generation_config=config, return_dict_in_generate=True)
         recorder = req.on_block
         want = out.sequences[0, len(req.prompt_ids) :].tolist()
         assert recorder.updates[-1].ended, f"request {i} never ended"
@@ -189,8 +187,14 @@ def test_dream_rows_equal_generate_alone():
     rng = random.Random(5)
     for settings in (
         dict(max_new_tokens=16, steps=16, alg="entropy", block_length=16, use_cache=False),
-        dict(max_new_tokens=24, block_length=8, use_cache=True, dual_cache=True, alg="confidence_threshold",
-             threshold=0.5),
+        dict(
+            max_new_tokens=24,
+            block_length=8,
+            use_cache=True,
+            dual_cache=True,
+            alg="confidence_threshold",
+            threshold=0.5,
+        ),
         dict(max_new_tokens=24, block_length=8, use_cache=True, dual_cache=False, steps=24, alg="maskgit_plus"),
     ):
         settings = dict(settings, temperature=0.0, eos_early_stop=False)

@@ -8,28 +8,20 @@ import random
 import pytest
 import torch
 from conftest import FIXTURES
+from test_engine import drive, request
 
 from hf_dllm import LLaDAModelLM
-from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest
+from hf_dllm.serving.engine import ContinuousBatcher
 
 pytestmark = pytest.mark.gpu
 
 
-def decode(model, prompts, arrivals, settings, **engine_kwargs):
-    engine = ContinuousBatcher(model, max_batch_size=4, max_batch_width=256, **engine_kwargs)
-    tokens = [[] for _ in prompts]
-    requests = [
-        EngineRequest(prompt, model.resolve_generation_config(**settings), lambda u, t=t: t.extend(u.new_tokens))
-        for prompt, t in zip(prompts, tokens, strict=True)
-    ]
-    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
-    boundary = 0
-    while order or engine.has_work():
-        while order and arrivals[order[0]] <= boundary:
-            engine.submit(requests[order.pop(0)])
-        engine.decode_boundary()
-        boundary += 1
-    return tokens, [request.nfe for request in requests], engine
+def decode(model, prompts, arrivals, settings):
+    """Each prompt's tokens and forwards through the engine, requests arriving at the given boundaries."""
+    engine = ContinuousBatcher(model, max_batch_size=4, max_batch_width=256)
+    requests = [request(model, prompt, **settings) for prompt in prompts]
+    drive(engine, requests, arrivals)
+    return [req.on_block.tokens for req in requests], [req.nfe for req in requests], engine
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

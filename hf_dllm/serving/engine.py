@@ -93,9 +93,7 @@ class LayoutRun(BlockDiffusionRun):
     """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
     with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
 
-    def __init__(
-        self, model, config: DiffusionGenerationConfig, max_rows: int, max_width: int, device, shared_cache
-    ):
+    def __init__(self, model, config: DiffusionGenerationConfig, max_rows: int, max_width: int, device, shared_cache):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives between blocks)."""
         self._setup_decoding(model, config, device, None, None)
@@ -161,7 +159,11 @@ class LayoutRun(BlockDiffusionRun):
         self.denoise_block(steps, block_start, block_end)
 
         last = torch.tensor([row.block == int(row.plan.last_block[0]) for row in rows])
-        ended = self.finished_rows(last, block_end).cpu() if self._rows_can_finish(last) else torch.zeros(n, dtype=torch.bool)
+        ended = (
+            self.finished_rows(last, block_end).cpu()
+            if self._rows_can_finish(last)
+            else torch.zeros(n, dtype=torch.bool)
+        )
         generated_part = self._generated_part(block_end)
         updates = []
         nfe = self.nfe_per_row.tolist()
@@ -180,7 +182,6 @@ class LayoutRun(BlockDiffusionRun):
             new = row.generated[previous : row.committed].tolist()
             updates.append(BlockUpdate(new, bool(ended[i]), row.nfe))
         return updates
-
 
     def _compact_refresh(self, rows, starts, length: int, width: int, shifts: torch.Tensor) -> dict:
         """Inputs of the block's full forward with every row at its own columns `[0, canvas)` (`(rows, width)`)."""
