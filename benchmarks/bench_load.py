@@ -46,11 +46,38 @@ STEPS_PER_BLOCK = 8
 # -- the server process ------------------------------------------------------------------------------------------
 
 
+LLADA2_SHAPES = ("llada2-mini", "llada2-small")  # bench_llada2.py's LLADA2_MINI and SMALL
+
+
+def llada2_fields(shape: str) -> dict:
+    """LLaDA2.0-mini's shape (or bench_llada2.py's small one), imported once the server's hf_dllm is (bench_llada2
+    puts this checkout first on sys.path)."""
+    import bench_llada2
+
+    return dict(bench_llada2.LLADA2_MINI if shape == "llada2-mini" else bench_llada2.SMALL)
+
+
 def build_model(shape: str, device: str, dtype: str, seed: int = 0):
     import torch
 
     import hf_dllm
 
+    if shape in LLADA2_SHAPES:
+        import bench_llada2
+
+        config = hf_dllm.LLaDA2MoeConfig(
+            **llada2_fields(shape),
+            mask_token_id=bench_llada2.MASK_ID,
+            eos_token_id=bench_llada2.EOS_ID,
+            pad_token_id=bench_llada2.EOS_ID,
+            bos_token_id=bench_llada2.EOS_ID,
+        )
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = hf_dllm.LLaDA2MoeModelLM._from_config(
+                config, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            )
+        return model.eval()
     fields = SHAPES[shape]
     vocab = fields["vocab_size"]
     config = hf_dllm.LLaDAConfig(
@@ -227,7 +254,18 @@ async def one_request(client, item: dict, extra: dict, start: float, record: dic
         record["error"] = f"{type(error).__name__}: {error}"
 
 
-async def offered_load(url: str, items: list[dict], rate: float, seed: int, timeout: float) -> list[dict]:
+def decoded_blocks(item: dict, block_causal: bool) -> int:
+    """Blocks a request decodes: its own (LLaDA); LLaDA2's blocks are aligned to positions (the first holds the
+    prompt's end)."""
+    if not block_causal:
+        return item["max_tokens"] // BLOCK
+    prompt = len(item["prompt"])
+    return -(-(prompt + item["max_tokens"]) // BLOCK) - prompt // BLOCK
+
+
+async def offered_load(
+    url: str, items: list[dict], rate: float, seed: int, timeout: float, block_causal: bool = False
+) -> list[dict]:
     """Open loop: request i is sent at its Poisson arrival time, whatever the server's state."""
     import openai
 
@@ -242,7 +280,7 @@ async def offered_load(url: str, items: list[dict], rate: float, seed: int, time
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        steps = item["max_tokens"] // BLOCK * STEPS_PER_BLOCK
+        steps = decoded_blocks(item, block_causal) * STEPS_PER_BLOCK
         tasks.append(asyncio.create_task(one_request(client, item, dict(extra, steps=steps), start, record)))
         at += rng.expovariate(rate)
     await asyncio.wait_for(asyncio.gather(*tasks), timeout)
@@ -297,7 +335,7 @@ def check_answers(args, items: list[dict], records: list[dict], count: int) -> d
 
 
 def measure(args) -> dict:
-    vocab = SHAPES[args.shape]["vocab_size"]
+    vocab = llada2_fields(args.shape)["vocab_size"] if args.shape in LLADA2_SHAPES else SHAPES[args.shape]["vocab_size"]
     rates = [float(rate) for rate in args.rates.split(",")]
     items = workload(args, vocab, args.requests)
     results = {}
@@ -306,13 +344,14 @@ def measure(args) -> dict:
         server = ServerProcess(args, kind)
         try:
             # Warm-up: kernels, CUDA graphs of the common shapes.
-            asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout))
+            block_causal = args.shape in LLADA2_SHAPES
+            asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout, block_causal))
             for rate in rates:
-                records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout))
+                records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout, block_causal))
                 summary = summarize(records)
                 summary["batching"] = server.get("/health").get("batching")
                 summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
-                if kind == "continuous" and args.check:
+                if kind == "continuous" and args.check and args.shape not in LLADA2_SHAPES:
                     summary["check"] = check_answers(args, items, records, args.check)
                 results[(kind, rate)] = summary
                 print(
@@ -329,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=["load", "server"], default="load")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="small shape on the CPU (smoke run)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    parser.add_argument("--shape", choices=sorted(SHAPES) + list(LLADA2_SHAPES), default=None)
     parser.add_argument("--rates", default=None, help="comma-separated request rates (requests/s)")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate")
     parser.add_argument("--warmup", type=int, default=8)
