@@ -56,7 +56,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import use_fused_kernels
+from .kernels import ConcatenatedProjections, use_fused_kernels
 
 register_attention_backends()
 
@@ -90,65 +90,6 @@ class DreamRMSNorm(nn.Module):
             return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
         total = hidden_states + residual
         return self(total), total
-
-
-class ConcatenatedProjections(nn.Module):
-    """Base of the modules whose linear layers feeding the same input can run as one matrix product (q/k/v with
-    their biases, gate/up): a product of 32 rows reads one 4608- or 37888-row matrix faster than several smaller
-    ones (k and v are 512 rows each in Dream 7B), and it is one launch instead of several.
-
-    `concatenated(names)` concatenates the layers' weights (and biases) along the output dim and re-points the
-    parameters to views of the concatenation, so it costs no memory, stays in sync with in-place weight updates,
-    and `state_dict` / `save_pretrained` keep the Hub's separate names and tensors. It is rebuilt if the parameters
-    were replaced or moved (e.g. by `.to()`). Used where the fused kernels run (`use_fused_kernels`), as LLaDA's."""
-
-    def __init__(self):
-        super().__init__()
-        self._concatenated: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
-
-    def _apply(self, fn, *args, **kwargs):
-        # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old concatenations with them.
-        self._concatenated.clear()
-        return super()._apply(fn, *args, **kwargs)
-
-    @staticmethod
-    def _are_views_of(tensors: list[torch.Tensor], fused: torch.Tensor) -> bool:
-        if fused.device != tensors[0].device or fused.dtype != tensors[0].dtype:
-            return False
-        offset = fused.data_ptr()
-        for tensor in tensors:
-            if tensor.data_ptr() != offset:
-                return False
-            offset += tensor.numel() * tensor.element_size()
-        return True
-
-    @staticmethod
-    def _concatenate(tensors: list[torch.Tensor]) -> torch.Tensor:
-        fused = torch.cat([tensor.detach() for tensor in tensors], dim=0)
-        row = 0
-        for tensor in tensors:
-            tensor.data = fused[row : row + tensor.shape[0]]
-            row += tensor.shape[0]
-        return fused
-
-    def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
-        layers = [getattr(self, name) for name in names]
-        weights = [layer.weight for layer in layers]
-        biases = [layer.bias for layer in layers]
-        has_bias = biases[0] is not None
-        if any((bias is not None) != has_bias for bias in biases):
-            raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
-        cached = self._concatenated.get(names)
-        if (
-            cached is not None
-            and self._are_views_of(weights, cached[0])
-            and (not has_bias or self._are_views_of(biases, cached[1]))
-        ):
-            return cached
-        fused = (self._concatenate(weights), self._concatenate(biases) if has_bias else None)
-        self._concatenated[names] = fused
-        return fused
 
 
 def dream_rotary_cos_sin(

@@ -33,7 +33,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import use_fused_kernels
+from .kernels import ConcatenatedProjections, use_fused_kernels
 
 register_attention_backends()
 
@@ -146,7 +146,7 @@ def eager_attention_forward(
     return output, weights
 
 
-class LLaDALlamaBlock(nn.Module):
+class LLaDALlamaBlock(ConcatenatedProjections):
     """One LLaDA block: `x + Attn(norm(x))`, then `x + W_out(act(W_gate norm(x)) * W_up norm(x))`.
 
     It is also the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`,
@@ -178,40 +178,6 @@ class LLaDALlamaBlock(nn.Module):
         self.ff_out = nn.Linear(config.intermediate_size, config.d_model, bias=config.include_bias)
         self.act = _ACTIVATIONS[config.activation_type]
         self.dropout = nn.Dropout(config.residual_dropout)
-        # Concatenated projection weights for the fused-kernel path (see `fused_weight`); not part of state_dict.
-        self._fused_weights: dict[tuple[str, ...], torch.Tensor] = {}
-
-    def _apply(self, fn, *args, **kwargs):
-        # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old concatenations with them.
-        self._fused_weights.clear()
-        return super()._apply(fn, *args, **kwargs)
-
-    def fused_weight(self, names: tuple[str, ...]) -> torch.Tensor | None:
-        """The weights of the bias-free linear layers `names` concatenated along the output dim, for one matrix
-        product instead of several (a product of 32 rows reads a 12288-row matrix at ~2.5 TB/s on an H100, three
-        4096-row ones at ~2.2). The layers' parameters are re-pointed to views of the concatenation, so it costs
-        no memory and stays in sync with in-place weight updates; it is rebuilt if the parameters were replaced
-        or moved (e.g. by `.to()`). `save_pretrained` stores the views as separate tensors."""
-        layers = [getattr(self, name) for name in names]
-        if any(layer.bias is not None for layer in layers):
-            return None
-        weights = [layer.weight for layer in layers]
-        fused = self._fused_weights.get(names)
-        if fused is not None and fused.device == weights[0].device:
-            offset = fused.data_ptr()
-            for weight in weights:
-                if weight.data_ptr() != offset:
-                    break
-                offset += weight.numel() * weight.element_size()
-            else:
-                return fused
-        fused = torch.cat([weight.detach() for weight in weights], dim=0)
-        row = 0
-        for weight in weights:
-            weight.data = fused[row : row + weight.shape[0]]
-            row += weight.shape[0]
-        self._fused_weights[names] = fused
-        return fused
 
     def forward(
         self,
@@ -268,10 +234,10 @@ class LLaDALlamaBlock(nn.Module):
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the weights are fused)."""
         batch, q_len, _ = x.shape
-        weight = self.fused_weight(("q_proj", "k_proj", "v_proj")) if fused else None
-        if weight is not None:
+        if fused:
+            weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
             kv_width = self.num_kv_heads * self.head_dim
-            query, key, value = nn.functional.linear(x, weight).split(
+            query, key, value = nn.functional.linear(x, weight, bias).split(
                 [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
             )
         else:
@@ -284,9 +250,9 @@ class LLaDALlamaBlock(nn.Module):
 
     def _gated_activation(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         """`act(W_gate x) * W_up x` `(..., intermediate_size)`."""
-        weight = self.fused_weight(("ff_proj", "up_proj")) if fused else None
-        if weight is not None:
-            gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
+        if fused:
+            weight, bias = self.concatenated(("ff_proj", "up_proj"))
+            gate, up = nn.functional.linear(x, weight, bias).chunk(2, dim=-1)
         else:
             gate, up = self.ff_proj(x), self.up_proj(x)
         if fused and self.config.activation_type == "silu":
