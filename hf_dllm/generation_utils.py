@@ -572,6 +572,30 @@ class DiffusionGenerationMixin:
         return input_ids, attention_mask
 
 
+def decoding_policies(
+    model,
+    config: DiffusionGenerationConfig,
+    unmasking_policy: UnmaskingPolicy | None = None,
+    cache_policy: CachePolicy | None = None,
+) -> tuple[CachePolicy, UnmaskingPolicy]:
+    """The cache and unmasking policies a run of `config` on `model` decodes with: the objects given, else those the
+    settings name. A policy object (the call's, or the model family's own `_diffusion_unmasking_policy`) replaces
+    the config's rule. Raises ValueError for settings the family's rules refuse."""
+    block_causal = bool(getattr(model, "diffusion_block_causal", False))
+    cache = make_cache_policy(config.use_cache, config.dual_cache, block_causal, policy=cache_policy)
+    model_policy = model._diffusion_unmasking_policy(config) if unmasking_policy is None else None
+    unmasking = make_unmasking_policy(
+        config.threshold,
+        config.factor,
+        block_causal,
+        config.editing_threshold,
+        config.num_to_transfer,
+        config.max_post_steps,
+        policy=unmasking_policy if unmasking_policy is not None else model_policy,
+    )
+    return cache, unmasking
+
+
 @dataclass
 class BlockPlan:
     """Where one `generate()` call puts everything on its canvas (the `(batch, canvas_width)` token matrix the
@@ -776,20 +800,7 @@ class BlockDiffusionRun:
         self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
         self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
 
-        self.cache_policy: CachePolicy = make_cache_policy(
-            config.use_cache, config.dual_cache, self.block_causal, policy=cache_policy
-        )
-        # A policy object (the call's, or the model's own `_diffusion_unmasking_policy`) replaces the config's rule.
-        model_policy = model._diffusion_unmasking_policy(config) if unmasking_policy is None else None
-        self.unmasking: UnmaskingPolicy = make_unmasking_policy(
-            config.threshold,
-            config.factor,
-            self.block_causal,
-            config.editing_threshold,
-            config.num_to_transfer,
-            config.max_post_steps,
-            policy=unmasking_policy if unmasking_policy is not None else model_policy,
-        )
+        self.cache_policy, self.unmasking = decoding_policies(model, config, unmasking_policy, cache_policy)
         # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
         self.eos_stop_in_block = (
             self.block_causal and config.eos_early_stop and not self.unmasking.edits and self.eos_ids is not None
@@ -926,6 +937,24 @@ class BlockDiffusionRun:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run step `step` of the block `[block_start, block_end)` for the rows `active` (default all; `generated`
         as in `step`); returns the new block `(rows, L)` and whether each row edited a committed token `(rows,)`."""
+        inputs, key = self._step_inputs(block_start, block_end, step, active, generated)
+        if self.graphs is None:
+            new_block, draft, edited = self.step(**inputs)
+        else:
+            new_block, draft, edited = self.graphs.run(key, self.step, inputs)
+        self.nfe += 1
+        self.x[:, block_start:block_end] = new_block
+        if self.streamer is not None and hasattr(self.streamer, "put_draft"):
+            full = self.canvas[:, block_start:block_end].clone()
+            full[self.rows] = draft
+            self.streamer.put_draft(full.cpu())
+        return new_block, edited
+
+    def _step_inputs(
+        self, block_start: int, block_end: int, step: int, active: torch.Tensor | None, generated: torch.Tensor | None
+    ) -> tuple[dict, tuple]:
+        """The inputs of `step` for step `step` of the block (the positions the cache policy asks for), and the key
+        of its CUDA graph (what fixes every input's shape)."""
         q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=step == 0)
         q_start = min(q_start, block_start - self.shift)
         rows, device = self.x.shape[0], self.device
@@ -941,20 +970,9 @@ class BlockDiffusionRun:
             generated=generated,
             attention_mask=self._attention_mask(q_end - q_start, kv_len),
         )
-        if self.graphs is None:
-            new_block, draft, edited = self.step(**inputs)
-        else:
-            # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None.
-            mask_fed = inputs["attention_mask"] is not None
-            key = (rows, q_start - block_start, q_end - q_start, block_end - block_start, kv_len, mask_fed)
-            new_block, draft, edited = self.graphs.run(key, self.step, inputs)
-        self.nfe += 1
-        self.x[:, block_start:block_end] = new_block
-        if self.streamer is not None and hasattr(self.streamer, "put_draft"):
-            full = self.canvas[:, block_start:block_end].clone()
-            full[self.rows] = draft
-            self.streamer.put_draft(full.cpu())
-        return new_block, edited
+        # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None.
+        mask_fed = inputs["attention_mask"] is not None
+        return inputs, (rows, q_start - block_start, q_end - q_start, block_end - block_start, kv_len, mask_fed)
 
     def _generated(self, block_start: int, block_end: int) -> torch.Tensor:
         """`(rows, L)` bool: the block's columns at or after each row's first generated position."""

@@ -39,7 +39,13 @@ import torch
 
 from ..cache import RefreshedBlockCache
 from ..generation_config import DiffusionGenerationConfig
-from ..generation_utils import BlockDiffusionRun, BlockPlan, plan_bidirectional, plan_block_causal
+from ..generation_utils import (
+    BlockDiffusionRun,
+    BlockPlan,
+    decoding_policies,
+    plan_bidirectional,
+    plan_block_causal,
+)
 from ..graphs import StepGraphs
 
 
@@ -96,9 +102,10 @@ class LayoutRun(BlockDiffusionRun):
     def __init__(self, model, config: DiffusionGenerationConfig, max_rows: int, max_width: int, device, shared_cache):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives between blocks)."""
-        self._setup_decoding(model, config, device, None, None)
-        if self.block_causal and config.use_cache:
-            self.cache_policy = RefreshedBlockCache()
+        # Nothing survives between a row's blocks here: block-causal rows recompute their prefix at a block's start.
+        block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        cache_policy = RefreshedBlockCache() if block_causal and config.use_cache else None
+        self._setup_decoding(model, config, device, None, cache_policy)
         self.streamer = None
         self.stopping_criteria = []
         self.max_rows, self.max_width = max_rows, max_width
@@ -164,22 +171,23 @@ class LayoutRun(BlockDiffusionRun):
             if self._rows_can_finish(last)
             else torch.zeros(n, dtype=torch.bool)
         )
-        generated_part = self._generated_part(block_end)
-        updates = []
+        if bool(ended.any()):  # as generate() shows ended rows: EOS after the block (and after a block-causal EOS)
+            rows_ended = ended.to(device)
+            self.x[rows_ended] = self.filled(self.x[rows_ended], self._generated_part(block_end)[rows_ended], block_end)
+        block = self.x[:, block_start:block_end].cpu()  # the one copy to the host of this block
         nfe = self.nfe_per_row.tolist()
+        updates = []
         for i, row in enumerate(rows):
-            shift = int(shifts[i])
+            start, shift, prompt = int(starts[i]), int(shifts[i]), int(prompt_lengths[i])
             if bool(ended[i]):
-                canvas = self.filled(self.x[i : i + 1], generated_part[i : i + 1], block_end)[0]
-                row.tokens = canvas[shift : shift + row.tokens.shape[0]].clone()
+                row.tokens = self.x[i, shift : shift + row.tokens.shape[0]].clone()
             else:
-                row.tokens[int(starts[i]) : int(starts[i]) + length] = self.x[i, block_start:block_end]
+                row.tokens[start : start + length] = self.x[i, block_start:block_end]
             previous = row.committed
-            own_end = int(starts[i]) + length
-            row.committed = max(0, min(own_end - int(prompt_lengths[i]), row.config.max_new_tokens))
+            row.committed = max(0, min(start + length - prompt, row.config.max_new_tokens))
             row.nfe += nfe[i]
             row.block += 1
-            new = row.generated[previous : row.committed].tolist()
+            new = block[i, previous + prompt - start : row.committed + prompt - start].tolist()
             updates.append(BlockUpdate(new, bool(ended[i]), row.nfe))
         return updates
 
@@ -195,14 +203,15 @@ class LayoutRun(BlockDiffusionRun):
         block_index = starts.to(device).unsqueeze(-1) + torch.arange(length, device=device)
         return dict(tokens=tokens, key_mask=key_mask, block_index=block_index, width=width, shifts=shifts)
 
-    def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; the block's first step runs on the compact layout (see `decode_block`)."""
+    def _step_inputs(self, block_start, block_end, step, active, generated):
+        """`BlockDiffusionRun._step_inputs`; the block's first step runs on the compact layout (`decode_block`)."""
         refresh = self.refresh
         if step != 0 or refresh is None:
-            return super().run_step(block_start, block_end, step, active, generated)
+            return super()._step_inputs(block_start, block_end, step, active, generated)
         n, width, device = self.x.shape[0], refresh["width"], self.device
         columns = torch.arange(width, device=device)
         self.cache.set_length(width)
+        attention_mask = self.model._diffusion_attention_mask(refresh["key_mask"], width)
         inputs = dict(
             tokens=refresh["tokens"],
             position_ids=columns.expand(n, -1),
@@ -212,17 +221,16 @@ class LayoutRun(BlockDiffusionRun):
             scheduled=self.unmasking.scheduled_counts(step, n, device),
             active=active,
             generated=generated,
-            attention_mask=self.model._diffusion_attention_mask(refresh["key_mask"], width),
+            attention_mask=attention_mask,
         )
-        if self.graphs is None:
-            new_block, _, edited = self.step(**inputs)
-        else:
-            key = ("compact", n, width, block_end - block_start, inputs["attention_mask"] is not None)
-            new_block, _, edited = self.graphs.run(key, self.step, inputs)
-        self.nfe += 1
-        self.x[:, block_start:block_end] = new_block
-        self.cache.shift_rows(refresh["shifts"], self.seq_len)
-        return new_block, edited
+        return inputs, ("compact", n, width, block_end - block_start, attention_mask is not None)
+
+    def run_step(self, block_start, block_end, step, active=None, generated=None):
+        """`BlockDiffusionRun.run_step`; after a compact first step, the K/V move into the aligned layout."""
+        result = super().run_step(block_start, block_end, step, active, generated)
+        if step == 0 and self.refresh is not None:
+            self.cache.shift_rows(self.refresh["shifts"], self.seq_len)
+        return result
 
 
 def cohort_key(row: EngineRequest) -> tuple:
@@ -298,7 +306,7 @@ class ContinuousBatcher:
             )
         # What the run's rules refuse (e.g. a setting the model family does not take) fails this request now,
         # not the layout it would join.
-        LayoutRun.__new__(LayoutRun)._setup_decoding(self.model, config, self.device, None, None)
+        decoding_policies(self.model, config)
         tokens = torch.full((plan.canvas_width,), config.mask_token_id, dtype=torch.long)
         tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         request.plan, request.tokens = plan, tokens.to(self.device)
