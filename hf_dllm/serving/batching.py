@@ -144,8 +144,6 @@ class BatchStats:
 
     def __init__(self, history: int = 512):
         self._lock = threading.Lock()
-        self.layouts = 0  # blocks decoded for a layout of rows (one per settings group per boundary)
-        self.layout_rows = 0  # rows over those layouts
         self.rows = 0  # rows that ended (result delivered or cancelled)
         self.cancelled_rows = 0
         self.forwards = 0
@@ -159,8 +157,6 @@ class BatchStats:
 
     def record_layout(self, size: int) -> None:
         with self._lock:
-            self.layouts += 1
-            self.layout_rows += size
             self.layout_sizes[size] = self.layout_sizes.get(size, 0) + 1
 
     def record_row(self, record: dict) -> None:
@@ -171,10 +167,13 @@ class BatchStats:
 
     def snapshot(self) -> dict:
         with self._lock:
+            layouts = sum(self.layout_sizes.values())  # blocks decoded for a layout (one per group per boundary)
             return dict(
-                layouts=self.layouts,
+                layouts=layouts,
                 rows=self.rows,
-                mean_rows_per_layout=self.layout_rows / self.layouts if self.layouts else 0.0,
+                mean_rows_per_layout=sum(size * count for size, count in self.layout_sizes.items()) / layouts
+                if layouts
+                else 0.0,
                 layout_sizes={str(k): v for k, v in sorted(self.layout_sizes.items())},
                 boundaries=self.boundaries,
                 mean_boundary_s=self.boundary_seconds / self.boundaries if self.boundaries else 0.0,
@@ -245,9 +244,7 @@ class Batcher:
             self._submitted.clear()
         dropped += [tracker.row for tracker in self._trackers.values() if not tracker.ended]
         self._trackers.clear()
-        self.engine.waiting.clear()
-        self.engine.running.clear()
-        self.engine.release()
+        self.engine.abandon()
         return dropped
 
     def submit(self, rows: list[RowRequest]) -> None:

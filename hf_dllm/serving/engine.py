@@ -439,6 +439,14 @@ class ContinuousBatcher:
                 row.on_cancel(row.nfe)
         return row.ended
 
+    def abandon(self) -> None:
+        """Forget every waiting and running row (the server is shutting down: their owners are told) and give the
+        model's CUDA-graph runner back."""
+        with self.lock:
+            self.waiting.clear()
+        self.running = []
+        self.release()
+
     def release(self) -> None:
         """Give the model's CUDA-graph runner back (the captured graphs stay with the model for the next run of
         the same signature)."""
