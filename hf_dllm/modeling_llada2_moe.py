@@ -42,7 +42,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
-from . import triton_ops
+from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
@@ -240,10 +240,30 @@ class LLaDA2MoeGate(nn.Module):
             scores = scores.masked_fill(~expert_mask, float("-inf"))
         return scores.topk(self.top_k, dim=-1).indices
 
+    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype."""
+        return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
+
+    def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
+        ties the lowest expert index wins). Needs a float32 router."""
+        logits = self.router_logits(hidden_states)
+        index, weight = triton_moe.route(
+            logits,
+            self.expert_bias,
+            self.n_group,
+            self.topk_group,
+            self.top_k,
+            self.score_function,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
+        return index, weight, logits
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `(tokens, hidden)` -> expert indices `(tokens, top_k)`, their weights `(tokens, top_k)`
         and the router logits `(tokens, num_experts)`, both in the router dtype (float32)."""
-        logits = nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
+        logits = self.router_logits(hidden_states)
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
         else:
@@ -292,6 +312,9 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             self.shared_experts = LLaDA2MoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
         else:
             self.shared_experts = None
+        # One shared expert has the routed experts' shape: the fused path runs it as one more group of the grouped
+        # GEMMs (every token's last pair), its weights stacked after the routed experts'.
+        self.stack_shared = config.num_shared_experts == 1
         self.act_fn = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act in ("silu", "swish")
         # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
@@ -304,7 +327,8 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`gate_up` `(E, 2 * I, H)` (each expert's gate rows, then its up rows) and `down` `(E, H, I)`.
+        """`gate_up` `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and `down` `(E', H, I)`, with
+        `E' = E + 1` when the shared expert is stacked after the routed ones (`stack_shared`), else `E`.
 
         The experts' parameters are re-pointed to views of the stacks, so they cost no memory and stay in sync
         with in-place weight updates (`load_state_dict`, `copy_`); `save_pretrained` still stores one tensor per
@@ -315,12 +339,15 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             self.refresh_stacked_weights()
         return self._stacked
 
+    def _stacked_experts(self) -> list[LLaDA2MoeMLP]:
+        return [*self.experts, self.shared_experts] if self.stack_shared else list(self.experts)
+
     def _sampled_weights(self) -> list[torch.Tensor]:
-        return [
-            linear.weight
-            for expert in (self.experts[0], self.experts[-1])
-            for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)
-        ]
+        sampled = (self.experts[0], self.experts[-1], self.shared_experts) if self.stack_shared else (
+            self.experts[0],
+            self.experts[-1],
+        )
+        return [linear.weight for expert in sampled for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)]
 
     def _stacks_are_current(self) -> bool:
         return all(
@@ -331,11 +358,12 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     def refresh_stacked_weights(self) -> None:
         """(Re)build the stacks of `stacked_weights` from the experts' current weights."""
         inter = self.intermediate_size
+        experts = self._stacked_experts()
         gate_up = torch.stack(
-            [torch.cat([expert.gate_proj.weight.detach(), expert.up_proj.weight.detach()]) for expert in self.experts]
+            [torch.cat([expert.gate_proj.weight.detach(), expert.up_proj.weight.detach()]) for expert in experts]
         )
-        down = torch.stack([expert.down_proj.weight.detach() for expert in self.experts])
-        for e, expert in enumerate(self.experts):
+        down = torch.stack([expert.down_proj.weight.detach() for expert in experts])
+        for e, expert in enumerate(experts):
             expert.gate_proj.weight.data = gate_up[e, :inter]
             expert.up_proj.weight.data = gate_up[e, inter:]
             expert.down_proj.weight.data = down[e]
@@ -390,6 +418,40 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             out = out + self.shared_experts(hidden_states)
         return out, router_logits
 
+    def use_fused(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
+        run, the router is float32 and the activation SiLU."""
+        return (
+            triton_moe.TRITON_AVAILABLE
+            and self.silu
+            and self.gate.router_dtype == torch.float32
+            and use_fused_kernels(hidden_states)
+            and self.use_grouped_mm(hidden_states)
+        )
+
+    def fused_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual + forward(hidden_states)[0]` and the router logits, through the Triton kernels of
+        `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
+        two grouped GEMMs whose groups are the routed experts and the shared expert (`stack_shared`). No host
+        synchronisation. hidden_states, residual `(batch, len, hidden)`."""
+        batch, length, hidden = hidden_states.shape
+        x = hidden_states.reshape(-1, hidden)
+        topk_idx, topk_weight, router_logits = self.gate.fused_forward(x)
+        stacked_shared = self.shared_experts is not None and self.stack_shared
+        sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
+        grouped_mm = _grouped_mm_function()
+        gate_up, down = self.stacked_weights()
+        projected = grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
+        gate, up = projected.split(self.intermediate_size, dim=-1)
+        expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
+        residual = residual.reshape(-1, hidden)
+        if self.shared_experts is None or stacked_shared:
+            out = triton_moe.combine(expert_rows, rows, topk_weight, stacked_shared, residual)
+        else:
+            routed = triton_moe.combine(expert_rows, rows, topk_weight, False)
+            out = residual + (routed + self.shared_experts(x))
+        return out.view(batch, length, hidden), router_logits
+
     def _experts_loop(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert on its rows of `sorted_tokens` `(pairs, hidden)` (sorted by expert, `counts` `(E,)`)."""
         outputs = []
@@ -404,6 +466,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         """As `_experts_loop`, as two grouped GEMMs over the stacked weights (no host synchronisation)."""
         grouped_mm = _grouped_mm_function()
         gate_up, down = self.stacked_weights()
+        gate_up, down = gate_up[: self.num_experts], down[: self.num_experts]
         offsets = counts.cumsum(0).to(torch.int32)
         projected = grouped_mm(sorted_tokens, gate_up.transpose(1, 2), offs=offsets)
         gate, up = projected.split(self.intermediate_size, dim=-1)
@@ -449,6 +512,9 @@ class LLaDA2MoeAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
         batch, q_len, _ = hidden_states.shape
+        implementation = self.config._attn_implementation
+        if isinstance(past_key_values, DiffusionKVCache) and self._use_fused(hidden_states):
+            return self._fused_forward(hidden_states, position_embeddings, attention_mask, past_key_values, cache_position)
         qkv = self.query_key_value(hidden_states).view(batch, q_len, -1, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -459,7 +525,6 @@ class LLaDA2MoeAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
 
-        implementation = self.config._attn_implementation
         if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
             # attention.py's split-KV kernel reads a key padding mask `(B, 1, 1, T)` only (row 0 of any other
             # mask): a block-causal mask with a query dimension runs on sdpa, as that backend does everywhere else.
@@ -476,6 +541,64 @@ class LLaDA2MoeAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
+        return self.dense(attn.reshape(batch, q_len, -1))
+
+    def _use_fused(self, hidden_states: torch.Tensor) -> bool:
+        return (
+            triton_moe.TRITON_AVAILABLE
+            and use_fused_kernels(hidden_states)
+            and not self.training
+            and self.head_dim & (self.head_dim - 1) == 0
+        )
+
+    def _fused_forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask,
+        past_key_values: DiffusionKVCache,
+        cache_position: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` with a `DiffusionKVCache` where the fused kernels run: q/k norms, partial RoPE and the cache
+        write in one kernel (`triton_moe.qk_norm_rope_to_cache`); with sdpa and a boolean mask, grouped-query
+        attention as multi-head attention of the `n_rep * q_len` queries of each key/value head, so the cached keys
+        and values are read in place (sdpa with a mask would otherwise copy them `n_rep` times)."""
+        batch, q_len, _ = hidden_states.shape
+        keys, values = past_key_values.layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, hidden_states)
+        norms = (self.query_layernorm, self.key_layernorm) if self.config.use_qk_norm else (None, None)
+        cos, sin = position_embeddings
+        query = triton_moe.qk_norm_rope_to_cache(
+            self.query_key_value(hidden_states),
+            self.num_heads,
+            self.num_kv_heads,
+            None if norms[0] is None else norms[0].weight,
+            None if norms[1] is None else norms[1].weight,
+            self.config.rms_norm_eps,
+            cos,
+            sin,
+            keys,
+            values,
+            cache_position,
+        )
+        implementation = self.config._attn_implementation
+        mask_is_tensor = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+        if implementation in ("sdpa", TRITON_ATTENTION) and mask_is_tensor and attention_mask.dim() == 4:
+            n_rep = self.num_key_value_groups
+            mask = attention_mask[:, :, None].expand(-1, 1, n_rep, q_len, attention_mask.shape[-1])
+            attn = nn.functional.scaled_dot_product_attention(
+                query.view(batch, self.num_kv_heads, n_rep * q_len, self.head_dim),
+                keys,
+                values,
+                attn_mask=mask.reshape(mask.shape[0], 1, n_rep * q_len, mask.shape[-1]),
+                scale=self.scaling,
+            )
+            attn = attn.view(batch, self.num_heads, q_len, self.head_dim).transpose(1, 2)
+        else:
+            if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
+                attention_interface = sdpa_attention_forward
+            else:
+                attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
         return self.dense(attn.reshape(batch, q_len, -1))
 
 
@@ -502,6 +625,25 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers)."""
+        if use_fused_kernels(hidden_states):
+            # The residual adds fused into the post-attention norm and into the MoE's combine kernel.
+            attn = self.attention(
+                self.input_layernorm(hidden_states),
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                cache_position=cache_position,
+                **kwargs,
+            )
+            norm = self.post_attention_layernorm
+            normed, hidden_states = triton_ops.rms_norm(attn, norm.weight, norm.variance_epsilon, residual=hidden_states)
+            if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(normed):
+                return self.mlp.fused_forward(normed, hidden_states)
+            mlp_out = self.mlp(normed)
+            router_logits = None
+            if isinstance(mlp_out, tuple):
+                mlp_out, router_logits = mlp_out
+            return hidden_states + mlp_out, router_logits
         hidden_states = hidden_states + self.attention(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,

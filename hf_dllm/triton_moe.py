@@ -1,0 +1,461 @@
+"""Fused Triton kernels for the LLaDA2.x MoE layer and its attention glue: fewer, larger launches per layer.
+
+A LLaDA2.0-mini block step at batch 1 sends 32 tokens through 20 layers; in PyTorch each MoE layer launched ~100
+kernels (router: casts, sigmoid, grouped top-k, scatter, masked fill, top-k, gather, normalisation; routing: sort
+by expert, gather, counts, cumsum, index copy, weighting, sum, casts; shared expert: four more), each costing more
+launch time than work. The kernels here replace those chains (the same routing as DeepSeek-V3's group-limited
+gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
+
+- `route`: scores (sigmoid or softmax), expert bias, group-limited top-k and the normalised weights times
+  `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
+  cuBLAS float32 GEMM, as in the reference);
+- `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
+  groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, one program per expert, no host
+  synchronisation (CUDA-graph capturable, static shapes);
+- `combine`: each token's routed rows weighted and summed in float32, rounded, plus the shared expert's row and
+  the residual, with PyTorch's rounding points;
+- `qk_norm_rope_to_cache`: per-head RMS norm of q and k, partial RoPE with the tables in the activation dtype, q
+  written `(B, Hq, L, D)` and k, v written into the K/V cache, one launch instead of ~20.
+
+The expert GEMMs themselves stay `torch._grouped_mm` (CUTLASS; near the weight-read floor at batch 32). The
+PyTorch code in `modeling_llada2_moe.py` stays the reference and the CPU path. Exported as Hub remote code: Triton
+is imported inside `try:`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_ops import on_tensor_device
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except ImportError:  # CPU-only installs: the PyTorch path is used
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _route_kernel(
+        logits_ptr,
+        bias_ptr,
+        index_ptr,
+        weight_ptr,
+        n_experts,
+        group_size,
+        scale,
+        SIGMOID: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
+        # One program per token. Experts laid out (group, index in group): expert = g * group_size + s.
+        token = tl.program_id(0).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)[:, None]
+        s = tl.arange(0, BLOCK_S)[None, :]
+        expert = g * group_size + s
+        valid = (g < N_GROUP) & (s < group_size)
+        x = tl.load(logits_ptr + token * n_experts + expert, mask=valid, other=float("-inf"))
+        if SIGMOID:
+            # CUDA's expf and IEEE division, as PyTorch's sigmoid (`1 / (1 + exp(-x))`), so the choice is the same
+            # (Triton's own exp is an approximation in float32).
+            if LIBDEVICE:
+                e = tl.extra.libdevice.exp(-x)
+            else:
+                e = tl.exp(-x)
+            scores = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + e)
+        else:
+            shifted = x - tl.max(tl.max(x, axis=1), axis=0)
+            if LIBDEVICE:
+                shifted = tl.extra.libdevice.exp(shifted)
+            else:
+                shifted = tl.exp(shifted)
+            scores = shifted / tl.sum(tl.sum(shifted, axis=1), axis=0)
+        scores = tl.where(valid, scores, float("-inf"))
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0)
+        choice = tl.where(valid, choice, float("-inf"))
+        if TOPK_GROUP < N_GROUP:
+            # A group's score: the sum of its two best experts' choice scores (one when groups hold one expert).
+            best = tl.max(choice, axis=1)
+            first = tl.argmax(choice, axis=1, tie_break_left=True)
+            group_score = best
+            if BLOCK_S > 1:
+                second = tl.max(tl.where(s == first[:, None], float("-inf"), choice), axis=1)
+                group_score = best + second
+            groups = tl.arange(0, BLOCK_G)
+            group_score = tl.where(groups < N_GROUP, group_score, float("-inf"))
+            selected = groups < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                # The best remaining group; on ties the lowest index.
+                top = tl.argmax(group_score, axis=0, tie_break_left=True)
+                selected = selected | (groups == top)
+                group_score = tl.where(groups == top, float("-inf"), group_score)
+            choice = tl.where(selected[:, None], choice, float("-inf"))
+        flat_choice = tl.reshape(choice, [BLOCK_G * BLOCK_S])
+        flat_scores = tl.reshape(scores, [BLOCK_G * BLOCK_S])
+        flat_expert = tl.reshape(tl.where(valid, expert, 2147483647), [BLOCK_G * BLOCK_S])
+        ks = tl.arange(0, BLOCK_K)
+        chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
+        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            # Experts in descending choice score; on ties the lowest index.
+            top_score = tl.max(flat_choice, axis=0)
+            top = tl.min(tl.where(flat_choice == top_score, flat_expert, 2147483647), axis=0)
+            picked = flat_expert == top
+            chosen = tl.where(ks == k, top.to(tl.int64), chosen)
+            weights = tl.where(ks == k, tl.sum(tl.where(picked, flat_scores, 0.0), axis=0), weights)
+            flat_choice = tl.where(picked, float("-inf"), flat_choice)
+        if NORMALIZE:
+            total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
+            weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
+        weights = weights * scale
+        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
+        tl.store(weight_ptr + token * TOP_K + ks, weights, mask=ks < TOP_K)
+
+    @triton.jit
+    def _align_kernel(
+        expert_ptr,
+        sorted_token_ptr,
+        row_ptr,
+        offsets_ptr,
+        n_pairs,
+        per_token,
+        shared_expert,
+        HAS_SHARED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per expert e (the shared expert, if any, is the last): its pairs' rows are
+        # [start, start + count) with start = pairs of lower experts, in pair order (stable). Pair p belongs to
+        # token p // per_token; choice per_token - 1 of each token is the shared expert when shared_expert >= 0.
+        e = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        start = tl.zeros([1], dtype=tl.int32)
+        count = tl.zeros([1], dtype=tl.int32)
+        for base in range(0, n_pairs, BLOCK):
+            pair = base + offs
+            ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
+            start += tl.sum((ids < e).to(tl.int32), axis=0)
+            count += tl.sum((ids == e).to(tl.int32), axis=0)
+        tl.store(offsets_ptr + e + tl.arange(0, 1), start + count)
+        seen = start
+        for base in range(0, n_pairs, BLOCK):
+            pair = base + offs
+            ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
+            mine = (ids == e).to(tl.int32)
+            row = seen + tl.cumsum(mine, axis=0) - 1
+            tl.store(sorted_token_ptr + row, pair // per_token, mask=mine > 0)
+            tl.store(row_ptr + pair, row, mask=mine > 0)
+            seen += tl.sum(mine, axis=0)
+
+    @triton.jit
+    def _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED: tl.constexpr):
+        # The expert of each pair: the router's choice, or the shared expert for the last choice of each token.
+        in_range = pair < n_pairs
+        if HAS_SHARED:
+            token, choice = pair // per_token, pair % per_token
+            routed = choice < per_token - 1
+            ids = tl.load(expert_ptr + token * (per_token - 1) + choice, mask=in_range & routed, other=-1)
+            ids = tl.where(routed, ids.to(tl.int32), shared_expert)
+        else:
+            ids = tl.load(expert_ptr + pair, mask=in_range, other=-1).to(tl.int32)
+        return tl.where(in_range, ids, 2147483647)
+
+    @triton.jit
+    def _combine_kernel(
+        rows_ptr,
+        row_index_ptr,
+        weight_ptr,
+        residual_ptr,
+        out_ptr,
+        hidden,
+        top_k,
+        HAS_SHARED: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per (token, chunk of hidden). Pair rows of token t: row_index[t * per_token + k].
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_row = cols < hidden
+        per_token = top_k + 1 if HAS_SHARED else top_k
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in range(0, top_k):
+            row = tl.load(row_index_ptr + token * per_token + k).to(tl.int64)
+            w = tl.load(weight_ptr + token * top_k + k)
+            y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+            acc += y * w
+        # PyTorch: the float32 weighted sum rounded to the activation dtype, plus the shared expert (rounded), plus
+        # the residual (rounded).
+        out = acc.to(out_ptr.dtype.element_ty)
+        if HAS_SHARED:
+            row = tl.load(row_index_ptr + token * per_token + top_k).to(tl.int64)
+            shared = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0)
+            out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + token * hidden + cols, mask=in_row, other=0.0)
+            out = (residual.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + token * hidden + cols, out, mask=in_row)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr,
+        q_weight_ptr,
+        k_weight_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_out_ptr,
+        cache_k_ptr,
+        cache_v_ptr,
+        position_ptr,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        rotary_dim,
+        eps,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        HEAD_DIM: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        # One program per (token, head) over the q heads then the k heads of the fused projection `(B, L, Hq + 2Hk,
+        # D)` (contiguous). Per-head RMS norm (float32, rounded, times the weight, rounded), then RoPE on the first
+        # `rotary_dim` dims with tables in the activation dtype, each product and the sum rounded (PyTorch's
+        # rounding points). q goes to `(B, Hq, L, D)`; k (rotated) and v to the cache `(B, Hk, T, D)` at column
+        # `position[l]`.
+        pid = tl.program_id(0).to(tl.int64)
+        n_heads = n_q_heads + n_k_heads
+        head = pid % n_heads
+        token = pid // n_heads  # b * seq_len + l
+        b = token // seq_len
+        pos = token % seq_len
+        dtype = q_out_ptr.dtype.element_ty
+        d = tl.arange(0, HEAD_DIM)
+        half = rotary_dim // 2
+        partner = tl.where(d < half, d + half, tl.where(d < rotary_dim, d - half, d))
+        src = qkv_ptr + (token * (n_q_heads + 2 * n_k_heads) + head) * HEAD_DIM
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + partner).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+            if head < n_q_heads:
+                w = tl.load(q_weight_ptr + d).to(tl.float32)
+                wp = tl.load(q_weight_ptr + partner).to(tl.float32)
+            else:
+                w = tl.load(k_weight_ptr + d).to(tl.float32)
+                wp = tl.load(k_weight_ptr + partner).to(tl.float32)
+            x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        rotating = d < rotary_dim
+        table = token * rotary_dim + d
+        cos = tl.load(cos_ptr + table, mask=rotating, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + table, mask=rotating, other=0.0).to(tl.float32)
+        rotated_half = tl.where(d < half, -xp, xp)
+        y = ((x * cos).to(dtype).to(tl.float32) + (rotated_half * sin).to(dtype).to(tl.float32)).to(dtype)
+        y = tl.where(rotating, y, x.to(dtype))
+        if head < n_q_heads:
+            tl.store(q_out_ptr + ((b * n_q_heads + head) * seq_len + pos) * HEAD_DIM + d, y)
+        else:
+            kh = head - n_q_heads
+            column = tl.load(position_ptr + pos).to(tl.int64)
+            dst = b * stride_cb + kh * stride_ch + column * stride_cn
+            tl.store(cache_k_ptr + dst + d, y)
+            v = tl.load(src + n_k_heads * HEAD_DIM + d)
+            tl.store(cache_v_ptr + dst + d, v)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@on_tensor_device
+def route(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    score_function: str,
+    normalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32,
+    expert_bias `(E,)` float32 or None -> expert indices `(tokens, top_k)` int64 in descending choice score (ties:
+    lowest index first) and weights `(tokens, top_k)` float32 (normalised if `normalize` and top_k > 1, times
+    `routed_scaling_factor`)."""
+    if score_function not in ("sigmoid", "softmax"):
+        raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {score_function!r}.")
+    tokens, n_experts = logits.shape
+    if n_experts % n_group:
+        raise ValueError(f"num_experts ({n_experts}) must be divisible by n_group ({n_group}).")
+    logits = logits.contiguous().float()
+    index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+    weight = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    if tokens == 0:
+        return index, weight
+    group_size = n_experts // n_group
+    bias = expert_bias.float().contiguous() if expert_bias is not None else logits
+    _route_kernel[(tokens,)](
+        logits,
+        bias,
+        index,
+        weight,
+        n_experts,
+        group_size,
+        float(routed_scaling_factor),
+        SIGMOID=score_function == "sigmoid",
+        HAS_BIAS=expert_bias is not None,
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        NORMALIZE=normalize and top_k > 1,
+        BLOCK_G=_next_power_of_2(n_group),
+        BLOCK_S=_next_power_of_2(group_size),
+        BLOCK_K=_next_power_of_2(top_k),
+        LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
+        num_warps=4,
+    )
+    return index, weight
+
+
+@on_tensor_device
+def align_by_expert(
+    topk_index: torch.Tensor, n_experts: int, shared_expert: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs grouped by expert for grouped GEMMs. topk_index `(tokens, top_k)` -> with
+    `per_token = top_k + shared_expert` (the shared expert, numbered `n_experts`, as each token's last choice):
+
+    - sorted_token `(tokens * per_token,)` int64: the token of each row, rows in stable expert order (the order
+      `argsort(stable=True)` of the pairs' experts gives);
+    - offsets `(n_experts + shared_expert,)` int32: each expert's end row (`torch._grouped_mm`'s `offs`);
+    - row `(tokens, per_token)` int64: the row of each pair.
+    """
+    tokens, top_k = topk_index.shape
+    per_token = top_k + int(shared_expert)
+    groups = n_experts + int(shared_expert)
+    n_pairs = tokens * per_token
+    device = topk_index.device
+    sorted_token = torch.empty(n_pairs, dtype=torch.long, device=device)
+    row = torch.empty(tokens, per_token, dtype=torch.long, device=device)
+    offsets = torch.empty(groups, dtype=torch.int32, device=device)
+    block = min(1024, max(16, _next_power_of_2(n_pairs)))
+    _align_kernel[(groups,)](
+        topk_index.contiguous(),
+        sorted_token,
+        row,
+        offsets,
+        n_pairs,
+        per_token,
+        n_experts,
+        HAS_SHARED=shared_expert,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return sorted_token, offsets, row
+
+
+@on_tensor_device
+def combine(
+    expert_rows: torch.Tensor,
+    row: torch.Tensor,
+    weight: torch.Tensor,
+    shared_expert: bool,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`residual + (sum_k weight[t, k] * expert_rows[row[t, k]] + shared)` with PyTorch's rounding points (the sum in
+    `weight`'s dtype, rounded to the rows' dtype; the shared expert's row `row[t, top_k]` added and rounded; the
+    residual added and rounded). expert_rows `(pairs, H)`, row `(tokens, per_token)`, weight `(tokens, top_k)`,
+    residual `(tokens, H)` or None -> `(tokens, H)` in the rows' dtype."""
+    tokens, top_k = weight.shape
+    hidden = expert_rows.shape[1]
+    out = torch.empty(tokens, hidden, dtype=expert_rows.dtype, device=expert_rows.device)
+    if tokens == 0:
+        return out
+    block = min(2048, _next_power_of_2(hidden))
+    residual = residual.contiguous() if residual is not None else out
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+        expert_rows.contiguous(),
+        row.contiguous(),
+        weight.contiguous(),
+        residual,
+        out,
+        hidden,
+        top_k,
+        HAS_SHARED=shared_expert,
+        HAS_RESIDUAL=residual is not out,
+        BLOCK_H=block,
+        num_warps=4 if block >= 1024 else 2,
+        # No fused multiply-add: PyTorch rounds each product before the sum.
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+@on_tensor_device
+def qk_norm_rope_to_cache(
+    qkv: torch.Tensor,
+    n_q_heads: int,
+    n_k_heads: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_keys: torch.Tensor,
+    cache_values: torch.Tensor,
+    cache_position: torch.Tensor,
+) -> torch.Tensor:
+    """LLaDA2's attention inputs in one launch. qkv `(B, L, (Hq + 2 Hk) * D)` (the fused projection, q heads, k
+    heads, v heads), the per-head RMS norm weights `(D,)` (None: no q/k norm), cos/sin `(B, L, R)` in the
+    activation dtype (R the rotary dims), cache_keys/values `(B, Hk, T, D)` (last dim contiguous, equal strides),
+    cache_position `(L,)`. Writes the normed, rotated keys and the values into the cache at those columns and
+    returns the normed, rotated queries `(B, Hq, L, D)` contiguous."""
+    batch, seq_len, width = qkv.shape
+    head_dim = width // (n_q_heads + 2 * n_k_heads)
+    rotary_dim = cos.shape[-1]
+    if head_dim & (head_dim - 1) or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"qk_norm_rope_to_cache: head_dim {head_dim} must be a power of 2 >= rotary_dim {rotary_dim}.")
+    qkv = qkv.contiguous()
+    cos = cos.to(qkv.dtype).expand(batch, seq_len, rotary_dim).contiguous()
+    sin = sin.to(qkv.dtype).expand(batch, seq_len, rotary_dim).contiguous()
+    q_out = torch.empty(batch, n_q_heads, seq_len, head_dim, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm_weight is not None
+    _qk_norm_rope_kernel[(batch * seq_len * (n_q_heads + n_k_heads),)](
+        qkv,
+        q_norm_weight if has_norm else qkv,
+        k_norm_weight if has_norm else qkv,
+        cos,
+        sin,
+        q_out,
+        cache_keys,
+        cache_values,
+        cache_position,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        rotary_dim,
+        float(eps),
+        cache_keys.stride(0),
+        cache_keys.stride(1),
+        cache_keys.stride(2),
+        HEAD_DIM=head_dim,
+        HAS_NORM=has_norm,
+        num_warps=1 if head_dim <= 128 else 2,
+        # No fused multiply-add: PyTorch rounds each product.
+        enable_fp_fusion=False,
+    )
+    return q_out
