@@ -246,7 +246,8 @@ class LLaDA2MoeGate(nn.Module):
 
     def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
-        ties the lowest expert index wins). Needs a float32 router."""
+        ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
+        hooks see it)."""
         logits = self.router_logits(hidden_states)
         index, weight = triton_moe.route(
             logits,
@@ -260,9 +261,14 @@ class LLaDA2MoeGate(nn.Module):
         )
         return index, weight, logits
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `(tokens, hidden)` -> expert indices `(tokens, top_k)`, their weights `(tokens, top_k)`
-        and the router logits `(tokens, num_experts)`, both in the router dtype (float32)."""
+        and the router logits `(tokens, num_experts)`, both in the router dtype (float32). `fused`: through
+        `fused_forward`."""
+        if fused:
+            return self.fused_forward(hidden_states)
         logits = self.router_logits(hidden_states)
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
@@ -436,7 +442,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         synchronisation. hidden_states, residual `(batch, len, hidden)`."""
         batch, length, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate.fused_forward(x)
+        topk_idx, topk_weight, router_logits = self.gate(x, fused=True)
         stacked_shared = self.shared_experts is not None and self.stack_shared
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
         grouped_mm = _grouped_mm_function()
@@ -508,13 +514,18 @@ class LLaDA2MoeAttention(nn.Module):
         attention_mask=None,
         past_key_values: Cache | DiffusionKVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        grouped_query_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
+        """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`;
+        grouped_query_mask: `attention_mask` as `grouped_query_mask(attention_mask, n_rep)` gives it (made once per
+        forward by the model) for the fused path."""
         batch, q_len, _ = hidden_states.shape
         implementation = self.config._attn_implementation
-        if isinstance(past_key_values, DiffusionKVCache) and self._use_fused(hidden_states):
-            return self._fused_forward(hidden_states, position_embeddings, attention_mask, past_key_values, cache_position)
+        if self.uses_fused_path(hidden_states, past_key_values):
+            return self._fused_forward(
+                hidden_states, position_embeddings, attention_mask, past_key_values, cache_position, grouped_query_mask
+            )
         qkv = self.query_key_value(hidden_states).view(batch, q_len, -1, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -543,9 +554,11 @@ class LLaDA2MoeAttention(nn.Module):
         )
         return self.dense(attn.reshape(batch, q_len, -1))
 
-    def _use_fused(self, hidden_states: torch.Tensor) -> bool:
+    def uses_fused_path(self, hidden_states: torch.Tensor, past_key_values) -> bool:
+        """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference."""
         return (
-            triton_moe.TRITON_AVAILABLE
+            isinstance(past_key_values, DiffusionKVCache)
+            and triton_moe.TRITON_AVAILABLE
             and use_fused_kernels(hidden_states)
             and not self.training
             and self.head_dim & (self.head_dim - 1) == 0
@@ -558,6 +571,7 @@ class LLaDA2MoeAttention(nn.Module):
         attention_mask,
         past_key_values: DiffusionKVCache,
         cache_position: torch.Tensor,
+        grouped_query_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """`forward` with a `DiffusionKVCache` where the fused kernels run: q/k norms, partial RoPE and the cache
         write in one kernel (`triton_moe.qk_norm_rope_to_cache`); with sdpa and a boolean mask, grouped-query
@@ -581,15 +595,15 @@ class LLaDA2MoeAttention(nn.Module):
             cache_position,
         )
         implementation = self.config._attn_implementation
-        mask_is_tensor = isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
-        if implementation in ("sdpa", TRITON_ATTENTION) and mask_is_tensor and attention_mask.dim() == 4:
+        if grouped_query_mask is None and uses_grouped_query_sdpa(implementation, attention_mask):
+            grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
+        if grouped_query_mask is not None:
             n_rep = self.num_key_value_groups
-            mask = attention_mask[:, :, None].expand(-1, 1, n_rep, q_len, attention_mask.shape[-1])
             attn = nn.functional.scaled_dot_product_attention(
                 query.view(batch, self.num_kv_heads, n_rep * q_len, self.head_dim),
                 keys,
                 values,
-                attn_mask=mask.reshape(mask.shape[0], 1, n_rep * q_len, mask.shape[-1]),
+                attn_mask=grouped_query_mask,
                 scale=self.scaling,
             )
             attn = attn.view(batch, self.num_heads, q_len, self.head_dim).transpose(1, 2)
@@ -600,6 +614,25 @@ class LLaDA2MoeAttention(nn.Module):
                 attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
         return self.dense(attn.reshape(batch, q_len, -1))
+
+
+def uses_grouped_query_sdpa(implementation: str, attention_mask) -> bool:
+    """Whether the fused attention runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa (or llada_triton,
+    which hands block-causal masks to sdpa) with a boolean 4D mask."""
+    return (
+        implementation in ("sdpa", TRITON_ATTENTION)
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.bool
+        and attention_mask.dim() == 4
+    )
+
+
+def grouped_query_mask_for(attention_mask: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """The mask `(b, 1, q, T)` for the queries of one key/value head laid out as `n_rep * q` rows (row `r * q + i`
+    is query `i` of the group's head `r`): `(b, 1, n_rep * q, T)`."""
+    batch, _, q_len, kv_len = attention_mask.shape
+    expanded = attention_mask[:, :, None].expand(batch, 1, n_rep, q_len, kv_len)
+    return expanded.reshape(batch, 1, n_rep * q_len, kv_len)
 
 
 class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
@@ -776,6 +809,12 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
+        attention = self.layers[0].attention
+        if attention.uses_fused_path(inputs_embeds, past_key_values) and uses_grouped_query_sdpa(
+            self.config._attn_implementation, attention_mask
+        ):
+            # Made once here, not in each layer.
+            kwargs["grouped_query_mask"] = grouped_query_mask_for(attention_mask, attention.num_key_value_groups)
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)

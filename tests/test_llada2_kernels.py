@@ -1,0 +1,105 @@
+"""LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
+(`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence the subprocess), float32, against the
+PyTorch code: the router (group-limited top-k with expert bias, sigmoid and softmax, a group size that is not a power
+of two, ties), the alignment by expert (against a stable argsort), the combine, and a tiny model's prefill and
+cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the `triton` extra is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, hf_dllm
+    from hf_dllm import kernels, triton_moe
+    from hf_dllm.cache import DiffusionKVCache
+    from hf_dllm.modeling_llada2_moe import LLaDA2MoeGate
+
+    torch.manual_seed(0)
+    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                mask_token_id=63, eos_token_id=62, pad_token_id=62, routed_scaling_factor=2.5)
+    for experts, groups, top_groups, top_k, score, bias in [
+        (16, 4, 2, 4, "sigmoid", True), (32, 8, 4, 8, "sigmoid", False), (12, 4, 2, 3, "softmax", True),
+        (8, 1, 1, 2, "sigmoid", True), (6, 2, 1, 1, "sigmoid", True),
+    ]:
+        config = hf_dllm.LLaDA2MoeConfig(**base, num_experts=experts, n_group=groups, topk_group=top_groups,
+            num_experts_per_tok=top_k, score_function=score, moe_router_enable_expert_bias=bias)
+        gate = LLaDA2MoeGate(config)
+        gate.weight.data.normal_()
+        if bias:
+            gate.expert_bias.normal_(0, 0.1)
+        x = torch.randn(37, 32)
+        ref_index, ref_weight, _ = gate(x)
+        index, weight, _ = gate.fused_forward(x)
+        assert torch.equal(index, ref_index), ("route index", experts, groups)
+        assert torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), ("route weight", experts, groups)
+
+    # Ties (every score equal): a valid top-k, lowest indices first, in the first groups.
+    index, weight = triton_moe.route(torch.zeros(3, 16), None, 4, 2, 4, "sigmoid", True, 1.0)
+    assert index.tolist() == [[0, 1, 2, 3]] * 3 and torch.equal(weight, torch.full((3, 4), 0.25)), index
+    # Tied group scores: groups 1 and 3 tie for the best; the lower one wins, and group-limited choice holds.
+    logits = torch.full((1, 8), -5.0)
+    logits[0, [2, 3, 6, 7]] = 3.0
+    index, _ = triton_moe.route(logits, None, 4, 1, 2, "sigmoid", True, 1.0)
+    assert index.tolist() == [[2, 3]], index
+
+    for shared in (False, True):
+        topk = torch.randint(0, 16, (9, 4))
+        sorted_token, offsets, rows = triton_moe.align_by_expert(topk, 16, shared)
+        per_token = 4 + shared
+        flat = torch.cat([topk, torch.full((9, 1), 16)], 1).reshape(-1) if shared else topk.reshape(-1)
+        order = flat.argsort(stable=True)
+        assert torch.equal(sorted_token, order // per_token), "align order"
+        assert torch.equal(offsets.long(), torch.bincount(flat, minlength=16 + shared).cumsum(0)), "align offsets"
+        assert torch.equal(rows, order.argsort().view(9, per_token)), "align rows"
+        expert_rows, weight, residual = torch.randn(9 * per_token, 24), torch.rand(9, 4), torch.randn(9, 24)
+        out = triton_moe.combine(expert_rows, rows, weight, shared, residual)
+        ref = (expert_rows[rows[:, :4]] * weight[..., None]).sum(1)
+        ref = residual + (ref + expert_rows[rows[:, 4]] if shared else ref)
+        assert torch.allclose(out, ref, atol=1e-6), "combine"
+
+    # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
+    for shared_experts in (1, 2):
+        config = hf_dllm.LLaDA2MoeConfig(**dict(base, head_dim=16), intermediate_size=48, num_hidden_layers=2,
+            num_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=8,
+            num_shared_experts=shared_experts, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True,
+            moe_router_enable_expert_bias=True)
+        model = hf_dllm.LLaDA2MoeModelLM(config).eval()
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.data.normal_(1, 0.2)
+        model.model.layers[1].mlp.gate.expert_bias.normal_(0, 0.1)
+        ids, block = torch.randint(0, 60, (2, 12)), torch.randint(0, 60, (2, 4))
+        results = {}
+        for mode in ("torch", "triton"):
+            kernels.set_kernel_mode(mode)
+            cache = DiffusionKVCache(2, 2, 16)
+            with torch.no_grad():
+                prefill = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(12),
+                                block_length=4).logits
+                step = model(block, past_key_values=cache, use_cache=True, cache_position=torch.arange(12, 16),
+                             block_length=4, output_router_logits=True)
+            results[mode] = (prefill, step.logits, cache.keys[1], cache.values[1], step.router_logits[0])
+        for name, ref, ours in zip(("prefill", "step", "keys", "values", "router"), results["torch"], results["triton"]):
+            assert (ref - ours).abs().max() < 1e-5, (name, shared_experts, (ref - ours).abs().max())
+    print("ok")
+    """
+)
+
+
+def test_llada2_kernels_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
