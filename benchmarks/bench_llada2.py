@@ -83,11 +83,14 @@ SMALL = dict(
 )
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device) -> hf_dllm.LLaDA2MoeModelLM:
+def build_model(
+    shape: dict, dtype: torch.dtype, device: torch.device, attn_implementation: str | None = None
+) -> hf_dllm.LLaDA2MoeModelLM:
+    """Random weights; `attn_implementation` None = the model's default (`llada_triton`)."""
     config = hf_dllm.LLaDA2MoeConfig(**shape, mask_token_id=MASK_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
     torch.manual_seed(0)
     with torch.device(device):
-        model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
 
 
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     parser.add_argument("--profile", default=None, help="comma list of batch sizes: profile one block step each")
     parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
+    parser.add_argument("--attn", default=None, help="attn_implementation (default: the model's, llada_triton)")
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available() and not args.cpu
@@ -273,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if gpu else "CPU"
 
     started = time.perf_counter()
-    model = build_model(shape, dtype, device)
+    model = build_model(shape, dtype, device, args.attn)
     summary = {"device": device_name, "torch": torch.__version__, "dtype": str(dtype), "shape": "LLaDA2.0-mini"}
+    summary["attn_implementation"] = model.config._attn_implementation
     summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block)
     summary["build_s"] = round(time.perf_counter() - started, 1)
     summary["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9

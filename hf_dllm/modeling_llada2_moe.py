@@ -44,6 +44,7 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
+from .triton_attention import block_attention, num_sms
 from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
 from .generation_utils import (
@@ -52,6 +53,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import use_fused_kernels
+from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
 register_attention_backends()
 
@@ -428,7 +430,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
         run, the router is float32 and the activation SiLU."""
         return (
-            triton_moe.TRITON_AVAILABLE
+            MOE_KERNELS_AVAILABLE
             and self.silu
             and self.gate.router_dtype == torch.float32
             and use_fused_kernels(hidden_states)
@@ -558,7 +560,7 @@ class LLaDA2MoeAttention(nn.Module):
         """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference."""
         return (
             isinstance(past_key_values, DiffusionKVCache)
-            and triton_moe.TRITON_AVAILABLE
+            and MOE_KERNELS_AVAILABLE
             and use_fused_kernels(hidden_states)
             and not self.training
             and self.head_dim & (self.head_dim - 1) == 0
@@ -595,6 +597,12 @@ class LLaDA2MoeAttention(nn.Module):
             cache_position,
         )
         implementation = self.config._attn_implementation
+        if implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask):
+            # hf_dllm's split-KV kernel (`triton_attention.py`), each query row with its own mask row; it writes
+            # `(B, L, Hq, D)`, the layout the output projection reads.
+            mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
+            attn = block_attention(query, keys, values, mask, self.scaling)
+            return self.dense(attn.reshape(batch, q_len, -1))
         if grouped_query_mask is None and uses_grouped_query_sdpa(implementation, attention_mask):
             grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
         if grouped_query_mask is not None:
@@ -616,9 +624,24 @@ class LLaDA2MoeAttention(nn.Module):
         return self.dense(attn.reshape(batch, q_len, -1))
 
 
+    def _block_attention_applies(self, batch: int, attention_mask) -> bool:
+        """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
+        size the kernel takes, and fewer programs than multiprocessors (sdpa fills the GPU better beyond)."""
+        mask_ok = attention_mask is None or (
+            isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+        )
+        weight = self.query_key_value.weight
+        return (
+            mask_ok
+            and self.head_dim >= 16
+            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and (not weight.is_cuda or batch * self.num_kv_heads < num_sms(weight.device))
+        )
+
+
 def uses_grouped_query_sdpa(implementation: str, attention_mask) -> bool:
-    """Whether the fused attention runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa (or llada_triton,
-    which hands block-causal masks to sdpa) with a boolean 4D mask."""
+    """Whether the fused attention runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa (or llada_triton
+    where its split-KV kernel does not run) with a boolean 4D mask."""
     return (
         implementation in ("sdpa", TRITON_ATTENTION)
         and isinstance(attention_mask, torch.Tensor)
@@ -712,6 +735,13 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
             if module.expert_bias is not None:
                 init.zeros_(module.expert_bias)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # Unless asked otherwise, LLaDA2 runs hf_dllm's backend, as LLaDA does: on CUDA block steps the split-KV
+        # Triton kernel with the block-causal mask, transformers' sdpa everywhere else (see `LLaDA2MoeAttention`).
+        if attn_implementation is None:
+            attn_implementation = TRITON_ATTENTION
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -810,8 +840,10 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
         attention = self.layers[0].attention
-        if attention.uses_fused_path(inputs_embeds, past_key_values) and uses_grouped_query_sdpa(
-            self.config._attn_implementation, attention_mask
+        if (
+            attention.uses_fused_path(inputs_embeds, past_key_values)
+            and self.config._attn_implementation == "sdpa"
+            and uses_grouped_query_sdpa("sdpa", attention_mask)
         ):
             # Made once here, not in each layer.
             kwargs["grouped_query_mask"] = grouped_query_mask_for(attention_mask, attention.num_key_value_groups)

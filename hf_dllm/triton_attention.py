@@ -56,6 +56,7 @@ if TRITON_AVAILABLE:
         stride_vh,
         stride_vn,
         stride_mb,
+        stride_mq,
         stride_ob,
         stride_om,
         stride_oh,
@@ -67,6 +68,7 @@ if TRITON_AVAILABLE:
         scale,
         TILES_PER_SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr,
+        MASK_PER_QUERY: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -103,16 +105,27 @@ if TRITON_AVAILABLE:
             col_valid = cols < kv_len
             k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_valid[:, None], other=0.0)
+            attend = col_valid[None, :]
             if HAS_MASK:
-                attend = tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0
-                col_valid = col_valid & attend
+                if MASK_PER_QUERY:
+                    # A mask with a query dimension (block-causal): one row per query position.
+                    attend = attend & (
+                        tl.load(
+                            mask_ptr + b * stride_mb + q_pos[:, None] * stride_mq + cols[None, :],
+                            mask=row_valid[:, None] & col_valid[None, :],
+                            other=0,
+                        )
+                        != 0
+                    )
+                else:
+                    attend = attend & (tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0)[None, :]
             # float32 inputs are multiplied in full float32 (tl.dot would use TF32 tensor cores: ~1e-3 relative error,
             # enough to flip near-tied tokens against an fp32 reference); bf16/fp16 use the tensor cores as usual.
             if IEEE:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 scores = tl.dot(q, tl.trans(k)) * scale
-            scores = tl.where(col_valid[None, :], scores, float("-inf"))
+            scores = tl.where(attend, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             # A chunk whose keys are all padding keeps m at -inf: shift by 0 there to avoid inf - inf.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -200,7 +213,9 @@ def block_attention(
 ) -> torch.Tensor:
     """Bidirectional attention of `q` `(B, Hq, Lq, D)` over `k`, `v` `(B, Hkv, T, D)`.
 
-    `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys. Returns `(B, Lq, Hq, D)` in q's dtype.
+    `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys; a `(B, Lq, T)` mask gives each query
+    position its own keys (LLaDA2's block-causal mask; every query must see at least one key). Returns
+    `(B, Lq, Hq, D)` in q's dtype.
     """
     batch, n_heads, q_len, dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -220,6 +235,7 @@ def block_attention(
     n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
 
     out = torch.empty(batch, q_len, n_heads, dim, dtype=q.dtype, device=q.device)
+    per_query = key_padding_mask is not None and key_padding_mask.dim() == 3
     if key_padding_mask is not None:
         mask = key_padding_mask.to(torch.int8)
         if mask.stride(-1) != 1:
@@ -250,6 +266,7 @@ def block_attention(
         v.stride(1),
         v.stride(2),
         mask.stride(0) if key_padding_mask is not None else 0,
+        mask.stride(1) if per_query else 0,
         out.stride(0),
         out.stride(1),
         out.stride(2),
@@ -261,6 +278,7 @@ def block_attention(
         scale,
         TILES_PER_SPLIT=tiles_per_split,
         HAS_MASK=key_padding_mask is not None,
+        MASK_PER_QUERY=per_query,
         SINGLE_SPLIT=single,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

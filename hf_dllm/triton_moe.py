@@ -352,7 +352,7 @@ def align_by_expert(
     sorted_token = torch.empty(n_pairs, dtype=torch.long, device=device)
     row = torch.empty(tokens, per_token, dtype=torch.long, device=device)
     offsets = torch.empty(groups, dtype=torch.int32, device=device)
-    block = min(4096, max(16, _next_power_of_2(n_pairs)))
+    block = min(1024, max(16, _next_power_of_2(n_pairs)))
     _align_kernel[(groups,)](
         topk_index.contiguous(),
         sorted_token,
@@ -363,7 +363,7 @@ def align_by_expert(
         n_experts,
         HAS_SHARED=shared_expert,
         BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=4,
     )
     return sorted_token, offsets, row
 

@@ -68,6 +68,18 @@ SCRIPT = textwrap.dedent(
         ref = residual + (ref + expert_rows[rows[:, 4]] if shared else ref)
         assert torch.allclose(out, ref, atol=1e-6), "combine"
 
+    # The split-KV attention with a mask per query row (LLaDA2's block-causal mask), against masked softmax.
+    from hf_dllm.triton_attention import block_attention
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    columns, rows = torch.arange(24), torch.arange(8, 16)
+    mask = (columns[None, :] // 4 <= rows[:, None] // 4).expand(2, 8, 24).clone()
+    mask[1, :, :3] = False  # left padding of row 1
+    for splits in (None, 3):
+        out = block_attention(q, k, v, mask, n_splits=splits)
+        scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+        ref = (scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1))
+        assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5), ("per-query mask", splits)
+
     # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
     for shared_experts in (1, 2):
         config = hf_dllm.LLaDA2MoeConfig(**dict(base, head_dim=16), intermediate_size=48, num_hidden_layers=2,
@@ -75,6 +87,7 @@ SCRIPT = textwrap.dedent(
             num_shared_experts=shared_experts, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True,
             moe_router_enable_expert_bias=True)
         model = hf_dllm.LLaDA2MoeModelLM(config).eval()
+        assert model.config._attn_implementation == "llada_triton"  # the default: split-KV kernel where it runs
         for name, param in model.named_parameters():
             if "layernorm" in name:
                 param.data.normal_(1, 0.2)

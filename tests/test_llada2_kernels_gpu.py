@@ -71,10 +71,31 @@ def test_align_and_combine(tokens, shared):
     assert (out.float() - ref.float()).abs().max() <= 0.07  # one bfloat16 step at |x| ~ 8, summation order
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_block_attention_with_a_mask_per_query(dtype, splits):
+    from hf_dllm.triton_attention import block_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(3, 16, 32, 128, device="cuda", dtype=dtype)
+    k, v = torch.randn(2, 3, 4, 768, 128, device="cuda", dtype=dtype).unbind(0)
+    columns, rows = torch.arange(768, device="cuda"), torch.arange(512, 544, device="cuda")
+    mask = (columns[None, :] // 32 <= rows[:, None] // 32).expand(3, 32, 768).clone()
+    mask[1, :, :100] = False
+    out = block_attention(q, k, v, mask, n_splits=splits)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask[:, None], enable_gqa=True
+    )
+    bound = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (out.double() - ref.transpose(1, 2)).abs().max() < bound
+
+
+@pytest.mark.parametrize("attn_implementation", ["llada_triton", "sdpa"])
 @pytest.mark.parametrize("num_shared_experts", [1, 2])
-def test_fused_model_logits_match_the_pytorch_path(num_shared_experts):
+def test_fused_model_logits_match_the_pytorch_path(num_shared_experts, attn_implementation):
     torch.manual_seed(0)
     model = hf_dllm.LLaDA2MoeModelLM(tiny_config(num_shared_experts=num_shared_experts))
+    model.set_attn_implementation(attn_implementation)
     for name, param in model.named_parameters():
         if "layernorm" in name:
             param.data.normal_(1, 0.2)

@@ -177,7 +177,12 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         config_class="LLaDA2MoeConfig",
         model_module="modeling_llada2_moe",
         model_class="LLaDA2MoeModelLM",
-        remote_code_files=("configuration_llada2_moe.py", "modeling_llada2_moe.py", *SHARED_REMOTE_CODE_FILES),
+        remote_code_files=(
+            "configuration_llada2_moe.py",
+            "modeling_llada2_moe.py",
+            "triton_moe.py",  # the MoE layer's fused kernels
+            *SHARED_REMOTE_CODE_FILES,
+        ),
         generation_defaults=LLADA2_GENERATION_DEFAULTS,
         card_template="template-llada2.md",
         generic_card="generic-llada2",
