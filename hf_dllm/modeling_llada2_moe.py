@@ -23,6 +23,11 @@ tensor masks, so a generation step that builds it can be captured in a CUDA grap
 
 The routed experts run as two grouped GEMMs (`torch._grouped_mm`) over stacked views of the Hub-named expert
 weights where torch provides them, else as a loop over the experts that received tokens (`LLaDA2MoeSparseMoeBlock`).
+Where the fused kernels run (`kernels.use_fused_kernels`: CUDA with Triton), the router's top-k, the alignment by
+expert, the weighted combine with the shared expert (one more grouped-GEMM group) and the residual, the residual add
+before the post-attention norm, and the q/k norms with RoPE and the cache write are Triton kernels
+(`triton_moe.py`): ~25 kernels per layer instead of ~110, no host synchronisation. The default attention is
+`llada_triton` (as LLaDA's): the split-KV kernel with the block-causal mask on CUDA block steps, sdpa elsewhere.
 
 This file is exported verbatim as Hub remote code: relative imports only.
 """

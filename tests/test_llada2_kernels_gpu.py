@@ -3,8 +3,10 @@
 - The router kernel chooses exactly the experts of the PyTorch gate (LLaDA2.0-mini's routing: 256 experts, top-8
   in 4 of 8 groups, sigmoid, expert bias), with weights within float32 rounding.
 - The alignment by expert equals a stable argsort; the combine equals the PyTorch weighted sum in bfloat16.
-- A bfloat16 model's logits through the fused path are within bfloat16 tolerance of the PyTorch path (prefill and a
-  cached block step), and `generate()` with CUDA graphs gives exactly the tokens of the same path run eagerly.
+- The split-KV attention with a mask per query row matches float64 attention.
+- A bfloat16 model's logits through the fused path (prefill and a cached block step) err against the float32 PyTorch
+  path within twice the bfloat16 PyTorch path's error, and `generate()` with CUDA graphs gives exactly the tokens of
+  the same path run eagerly.
 """
 
 from __future__ import annotations
@@ -90,36 +92,44 @@ def test_block_attention_with_a_mask_per_query(dtype, splits):
     assert (out.double() - ref.transpose(1, 2)).abs().max() < bound
 
 
+def run_block_steps(model, ids, block):
+    """Logits of a prefill `(3, 64)` and of a cached block step `(3, 32)`, and layer 2's cached keys."""
+    cache = DiffusionKVCache(3, 3, 96)
+    with torch.no_grad():
+        prefill = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device="cuda"),
+                        block_length=32).logits
+        step = model(block, past_key_values=cache, use_cache=True, block_length=32,
+                     cache_position=torch.arange(64, 96, device="cuda")).logits
+    return prefill.float(), step.float(), cache.keys[2][:, :, :96].float()
+
+
 @pytest.mark.parametrize("attn_implementation", ["llada_triton", "sdpa"])
 @pytest.mark.parametrize("num_shared_experts", [1, 2])
-def test_fused_model_logits_match_the_pytorch_path(num_shared_experts, attn_implementation):
+def test_fused_model_error_within_twice_the_pytorch_paths(num_shared_experts, attn_implementation):
+    """bfloat16 logits (prefill and a cached block step) and cached keys through the fused path: their error against
+    the float32 PyTorch path is within twice the bfloat16 PyTorch path's own error (flash-attention's test rule;
+    exact token equality is not a bfloat16 property)."""
     torch.manual_seed(0)
     model = hf_dllm.LLaDA2MoeModelLM(tiny_config(num_shared_experts=num_shared_experts))
     model.set_attn_implementation(attn_implementation)
     for name, param in model.named_parameters():
         if "layernorm" in name:
             param.data.normal_(1, 0.2)
-    model = model.to("cuda", torch.bfloat16).eval()
+    model = model.to("cuda").eval()
     ids, block = torch.randint(0, 500, (3, 64), device="cuda"), torch.randint(0, 500, (3, 32), device="cuda")
-    results = {}
     try:
-        for mode in ("torch", "triton"):
-            kernels.set_kernel_mode(mode)
-            cache = DiffusionKVCache(3, 3, 96)
-            with torch.no_grad():
-                prefill = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device="cuda"),
-                                block_length=32).logits
-                step = model(block, past_key_values=cache, use_cache=True, block_length=32,
-                             cache_position=torch.arange(64, 96, device="cuda")).logits
-            results[mode] = (prefill, step, cache.keys[2][:, :, :96].float())
+        kernels.set_kernel_mode("torch")
+        reference = run_block_steps(model, ids, block)
+        model.to(torch.bfloat16)
+        pytorch_bf16 = run_block_steps(model, ids, block)
+        kernels.set_kernel_mode("triton")
+        fused_bf16 = run_block_steps(model, ids, block)
     finally:
         kernels.set_kernel_mode("auto")
-    for name, ref, ours in zip(("prefill", "step", "keys"), results["torch"], results["triton"]):
-        error = (ref - ours).abs().max().item()
-        assert error < 0.05 * ref.abs().max().item(), (name, error)
-        # Same top-1 token almost everywhere: bf16 differences flip only near-ties.
-        if name != "keys":
-            assert (ref.argmax(-1) == ours.argmax(-1)).float().mean() > 0.95, name
+    for name, ref, torch_out, fused_out in zip(("prefill", "step", "keys"), reference, pytorch_bf16, fused_bf16):
+        torch_error = (torch_out - ref).abs().max().item()
+        fused_error = (fused_out - ref).abs().max().item()
+        assert fused_error <= 2 * torch_error + 1e-3 * ref.abs().max().item(), (name, fused_error, torch_error)
 
 
 def test_graphs_equal_eager_through_the_fused_path():
