@@ -49,7 +49,6 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .triton_attention import block_attention, num_sms
 from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
 from .generation_utils import (
@@ -58,6 +57,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import use_fused_kernels
+from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
 register_attention_backends()
@@ -356,10 +356,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return [*self.experts, self.shared_experts] if self.stack_shared else list(self.experts)
 
     def _sampled_weights(self) -> list[torch.Tensor]:
-        sampled = (self.experts[0], self.experts[-1], self.shared_experts) if self.stack_shared else (
-            self.experts[0],
-            self.experts[-1],
-        )
+        sampled = [self.experts[0], self.experts[-1], *([self.shared_experts] if self.stack_shared else [])]
         return [linear.weight for expert in sampled for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)]
 
     def _stacks_are_current(self) -> bool:
@@ -628,12 +625,13 @@ class LLaDA2MoeAttention(nn.Module):
             attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
         return self.dense(attn.reshape(batch, q_len, -1))
 
-
     def _block_attention_applies(self, batch: int, attention_mask) -> bool:
         """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
         size the kernel takes, and fewer programs than multiprocessors (sdpa fills the GPU better beyond)."""
         mask_ok = attention_mask is None or (
-            isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+            isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4
         )
         weight = self.query_key_value.weight
         return (
@@ -697,7 +695,9 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
                 **kwargs,
             )
             norm = self.post_attention_layernorm
-            normed, hidden_states = triton_ops.rms_norm(attn, norm.weight, norm.variance_epsilon, residual=hidden_states)
+            normed, hidden_states = triton_ops.rms_norm(
+                attn, norm.weight, norm.variance_epsilon, residual=hidden_states
+            )
             if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(normed):
                 return self.mlp.fused_forward(normed, hidden_states)
             mlp_out = self.mlp(normed)

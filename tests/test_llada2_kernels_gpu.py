@@ -96,10 +96,16 @@ def run_block_steps(model, ids, block):
     """Logits of a prefill `(3, 64)` and of a cached block step `(3, 32)`, and layer 2's cached keys."""
     cache = DiffusionKVCache(3, 3, 96)
     with torch.no_grad():
-        prefill = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device="cuda"),
-                        block_length=32).logits
-        step = model(block, past_key_values=cache, use_cache=True, block_length=32,
-                     cache_position=torch.arange(64, 96, device="cuda")).logits
+        prefill = model(
+            ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device="cuda"), block_length=32
+        ).logits
+        step = model(
+            block,
+            past_key_values=cache,
+            use_cache=True,
+            block_length=32,
+            cache_position=torch.arange(64, 96, device="cuda"),
+        ).logits
     return prefill.float(), step.float(), cache.keys[2][:, :, :96].float()
 
 
@@ -126,7 +132,9 @@ def test_fused_model_error_within_twice_the_pytorch_paths(num_shared_experts, at
         fused_bf16 = run_block_steps(model, ids, block)
     finally:
         kernels.set_kernel_mode("auto")
-    for name, ref, torch_out, fused_out in zip(("prefill", "step", "keys"), reference, pytorch_bf16, fused_bf16):
+    for name, ref, torch_out, fused_out in zip(
+        ("prefill", "step", "keys"), reference, pytorch_bf16, fused_bf16, strict=True
+    ):
         torch_error = (torch_out - ref).abs().max().item()
         fused_error = (fused_out - ref).abs().max().item()
         assert fused_error <= 2 * torch_error + 1e-3 * ref.abs().max().item(), (name, fused_error, torch_error)
