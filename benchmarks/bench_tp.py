@@ -48,8 +48,9 @@ ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default
 CACHE_NAME = {"llada": "dual", "llada2": "exact"}
 
 
-def generate_kwargs(name: str, new_tokens: int, block: int) -> dict:
+def generate_kwargs(name: str, new_tokens: int, block: int, disable_compile: bool = False) -> dict:
     kwargs = dict(
+        disable_compile=disable_compile,
         max_new_tokens=new_tokens,
         block_length=block,
         steps=new_tokens,
@@ -80,7 +81,7 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
     rows = []
     for batch in args.batch_sizes:
         prompts = prompts_for(batch, args.prompt_len, vocab_of(model), device)
-        kwargs = generate_kwargs(name, args.new_tokens, args.block_length)
+        kwargs = generate_kwargs(name, args.new_tokens, args.block_length, args.disable_compile)
         seconds, out, peak = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
         if name == "llada":
             step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device)
@@ -162,6 +163,7 @@ def launch_tp(args, out: Path) -> dict:
         "--models", ",".join(args.models), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--block-length", str(args.block_length), "--repeats", str(args.repeats), *(["--cpu"] if args.cpu else []),
+        *(["--disable-compile"] if args.disable_compile else []),
     ]  # fmt: skip
     subprocess.run(command, env=env, check=True)
     return torch.load(out, weights_only=False)
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None, help="where the random checkpoints go (default: a temp dir)")
+    parser.add_argument("--disable-compile", action="store_true", help="eager steps (no CUDA graphs), both runs")
     parser.add_argument("--cpu", action="store_true", help="small float32 shapes on the CPU (gloo): checks the script")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     summary.update(transformers=transformers.__version__, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-    summary.update(block_length=args.block_length, workdir=str(args.workdir))
+    summary.update(block_length=args.block_length, workdir=str(args.workdir), disable_compile=args.disable_compile)
     single = {}
     try:
         for name in args.models:
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             for gpus, row, source in ((1, one, single[name]), (args.tp, tp, sharded[name])):
                 ratio = row["step_ms"] / one["step_ms"]
                 print(
-                    f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.1f}"
+                    f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.2f}"
                     f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
                     + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
                 )
