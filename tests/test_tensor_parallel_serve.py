@@ -17,10 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from transformers.distributed.tensor_parallel import TensorParallelLayer
+
 from hf_dllm.tiny_model import tasks
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+
+# The tiny trained LLaDA's head has 103 rows: transformers shards a gathered column-wise layer unevenly only from
+# the versions whose TP layers have `_from_local_last_dim_shard` (5.23 here; 5.17 refuses 103 rows over 2 ranks).
+_uneven = pytest.mark.skipif(
+    not hasattr(TensorParallelLayer, "_from_local_last_dim_shard"),
+    reason="this transformers shards a gathered output only when the ranks divide its width (103 rows here)",
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "tests" / "fixtures" / "llada-tiny-trained"
@@ -38,6 +47,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@_uneven
 def test_generate_command_sharded_equals_one_process():
     args = ["-m", "hf_dllm", "generate", str(TRAINED), "--chat", "--max-new-tokens", "32", "--block-length", "8"]
     args += ["--steps", "16", "--threads", "1"]
@@ -118,6 +128,7 @@ def requests() -> list[dict]:
     return bodies
 
 
+@_uneven
 def test_serve_sharded_answers_what_one_process_answers(tmp_path):
     expected = []
     process, port = start_server(sharded=False, log=tmp_path / "one.log")
