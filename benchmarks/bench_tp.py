@@ -100,7 +100,10 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
                 sequences=out.sequences[:, args.prompt_len :].cpu(),
             )
         )
-        print(f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+        print(
+            f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s",
+            flush=True,
+        )
     return rows
 
 
@@ -178,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workdir", type=Path, default=None, help="where the random checkpoints go (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where the random checkpoints go (default: a temp dir)"
+    )
     parser.add_argument("--disable-compile", action="store_true", help="eager steps (no CUDA graphs), both runs")
     parser.add_argument("--cpu", action="store_true", help="small float32 shapes on the CPU (gloo): checks the script")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -223,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(args.workdir, ignore_errors=True)
 
     print()
-    print(f"{summary['device']}, {'float32' if args.cpu else 'bf16'}, prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_length}")
+    print(
+        f"{summary['device']}, {'float32' if args.cpu else 'bf16'}, prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_length}"
+    )
     header = (
         f"{'model':<8}{'cache':>7}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}{'tok/s':>8}"
         f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}"

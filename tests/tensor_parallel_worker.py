@@ -98,7 +98,9 @@ def main() -> None:
                 out = model.generate(ids, attention_mask=mask, **COMMON, **SETTINGS[name][0][1])
             result["experts_loop"] = out.sequences.cpu()
         if device == "cuda":
-            result["graphs_captured"] = bool(getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps)
+            result["graphs_captured"] = bool(
+                getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps
+            )
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         results[name] = gathered

@@ -63,7 +63,10 @@ def test_shards_hold_half_the_heads(cpu_results, name):
         if name == "llada":
             assert detail == (32, 64)  # q_proj's local rows: 2 heads of 16
         else:
-            assert detail == ((2 * rank, 2 * rank + 2), (rank, rank + 1))  # query heads, and the key/value head they read
+            assert detail == (
+                (2 * rank, 2 * rank + 2),
+                (rank, rank + 1),
+            )  # query heads, and the key/value head they read
 
 
 @pytest.mark.parametrize("name", list(worker.MODELS))

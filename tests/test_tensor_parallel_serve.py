@@ -5,8 +5,8 @@ follows rank 0's scheduling (serving/tensor_parallel.py): concurrent requests, a
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from transformers.distributed.tensor_parallel import TensorParallelLayer
 
 from hf_dllm.tiny_model import tasks
@@ -155,6 +154,6 @@ def test_serve_sharded_answers_what_one_process_answers(tmp_path):
     assert [answer(r) for r in sequential] == [answer(r) for r in expected]
     assert [answer(r)[:2] for r in concurrent] == [answer(r)[:2] for r in expected]
     chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == answer(
-        expected[0]
-    )[0]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == answer(expected[0])[0]
+    )
