@@ -54,6 +54,21 @@ class LLaDAConfig(PretrainedConfig):
 
     model_type = "llada"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun), Megatron-style as transformers'
+    # Llama: q/k/v and the gate/up projections split by output rows (whole heads per rank; n_heads and n_kv_heads
+    # must divide by the number of ranks), attention output and ff_out by input columns (each rank's partial sum is
+    # all-reduced), the output head by vocabulary rows with the logits gathered so every rank unmasks from the same
+    # logits. The embedding is replicated. The blocks read their per-rank head counts from the weights' shapes.
+    base_model_tp_plan = {
+        "transformer.blocks.*.q_proj": "colwise",
+        "transformer.blocks.*.k_proj": "colwise",
+        "transformer.blocks.*.v_proj": "colwise",
+        "transformer.blocks.*.attn_out": "rowwise",
+        "transformer.blocks.*.ff_proj": "colwise",
+        "transformer.blocks.*.up_proj": "colwise",
+        "transformer.blocks.*.ff_out": "rowwise",
+        "transformer.ff_out": "colwise_gather_output",
+    }
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",

@@ -110,6 +110,27 @@ class LLaDA2MoeConfig(PretrainedConfig):
 
     model_type = "llada2_moe"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun). The fused `query_key_value`
+    # (rows: all query heads, then keys, then values) is split by rows and its output gathered: each rank then keeps
+    # its own query heads and the key/value heads they read (grouped-query aware, also when there are fewer
+    # key/value heads than ranks), and `dense` takes those heads' columns (partial sums all-reduced). Every MLP (the
+    # dense layers', each routed expert, the shared experts) is split along its intermediate width: gate/up by rows,
+    # down by columns; the routed experts' partial outputs are summed across ranks once per MoE layer. The router,
+    # norms and embedding are replicated; the output head is split by vocabulary rows with the logits gathered (see
+    # `LLaDA2MoeModelLM._tp_plan`). The layers read their per-rank head counts from the weights' shapes.
+    base_model_tp_plan = {
+        "layers.*.attention.query_key_value": "colwise_gather_output",
+        "layers.*.attention.dense": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.experts.*.gate_proj": "colwise",
+        "layers.*.mlp.experts.*.up_proj": "colwise",
+        "layers.*.mlp.experts.*.down_proj": "rowwise",
+    }
     # transformers 5 turns `rope_scaling` into a deprecated alias of `rope_parameters`; LLaDA2's configs store the
     # field itself, so this plain class attribute shadows the alias and `rope_scaling` is an ordinary field again.
     rope_scaling = None

@@ -29,6 +29,7 @@ from .cache import CachePolicy, DiffusionKVCache, make_cache_policy, padding_awa
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig, is_number
 from .graphs import StepGraphs
+from .tensor_parallel import agree_across_ranks
 
 logger = logging.get_logger(__name__)
 
@@ -925,7 +926,8 @@ class BlockDiffusionRun:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
         block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
-        return denoise_step(block, logits, self.rules, scheduled, generated, active)
+        # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
+        return agree_across_ranks(self.model, denoise_step(block, logits, self.rules, scheduled, generated, active))
 
     def run_step(
         self,

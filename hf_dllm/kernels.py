@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .tensor_parallel import local_tensor
 from .triton_ops import TRITON_AVAILABLE
 
 logger = logging.get_logger(__name__)
@@ -106,8 +107,10 @@ class ConcatenatedProjections(nn.Module):
     def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
         layers = [getattr(self, name) for name in names]
-        weights = [layer.weight for layer in layers]
-        biases = [layer.bias for layer in layers]
+        # Under tensor parallelism (column-wise q/k/v, gate/up) each rank concatenates its own slices: the product
+        # gives this rank's heads / intermediate columns, exactly what the separate sharded layers would.
+        weights = [local_tensor(layer.weight) for layer in layers]
+        biases = [None if layer.bias is None else local_tensor(layer.bias) for layer in layers]
         has_bias = biases[0] is not None
         if any((bias is not None) != has_bias for bias in biases):
             raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")

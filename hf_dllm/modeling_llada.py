@@ -34,6 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, use_fused_kernels
+from .tensor_parallel import local_shape
 
 register_attention_backends()
 
@@ -159,16 +160,13 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         self.layer_idx = layer_idx
         self.is_causal = False
         self.head_dim = config.head_dim
-        self.num_heads = config.n_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         eps, affine, norm_bias = config.rms_norm_eps, config.layer_norm_with_affine, config.layer_norm_bias
 
         self.attn_norm = LLaDARMSNorm(config.d_model, eps, affine, norm_bias)
         self.ff_norm = LLaDARMSNorm(config.d_model, eps, affine, norm_bias)
-        kv_dim = self.num_kv_heads * self.head_dim
+        kv_dim = config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.qkv_bias)
@@ -178,6 +176,20 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         self.ff_out = nn.Linear(config.intermediate_size, config.d_model, bias=config.include_bias)
         self.act = _ACTIVATIONS[config.activation_type]
         self.dropout = nn.Dropout(config.residual_dropout)
+
+    # Head counts read from the weights: this rank's share under tensor parallelism (tensor_parallel.py), all heads
+    # otherwise.
+    @property
+    def num_heads(self) -> int:
+        return local_shape(self.q_proj.weight)[0] // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return local_shape(self.k_proj.weight)[0] // self.head_dim
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
 
     def forward(
         self,

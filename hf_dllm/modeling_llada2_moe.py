@@ -57,6 +57,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import use_fused_kernels
+from .tensor_parallel import all_reduce_partial, is_sharded, local_tensor, shard_range
 from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -361,24 +362,27 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
     def _stacks_are_current(self) -> bool:
         return all(
-            weight is sampled and weight.data_ptr() == pointer
+            weight is sampled and local_tensor(weight).data_ptr() == pointer
             for weight, (sampled, pointer) in zip(self._sampled_weights(), self._stack_check, strict=True)
         )
 
     def refresh_stacked_weights(self) -> None:
-        """(Re)build the stacks of `stacked_weights` from the experts' current weights."""
-        inter = self.intermediate_size
+        """(Re)build the stacks of `stacked_weights` from the experts' current weights (under tensor parallelism,
+        this rank's slices: `I` is then its share of the intermediate width)."""
+
+        def local(linear: nn.Linear) -> torch.Tensor:
+            return local_tensor(linear.weight).detach()
+
         experts = self._stacked_experts()
-        gate_up = torch.stack(
-            [torch.cat([expert.gate_proj.weight.detach(), expert.up_proj.weight.detach()]) for expert in experts]
-        )
-        down = torch.stack([expert.down_proj.weight.detach() for expert in experts])
+        gate_up = torch.stack([torch.cat([local(expert.gate_proj), local(expert.up_proj)]) for expert in experts])
+        down = torch.stack([local(expert.down_proj) for expert in experts])
+        inter = gate_up.shape[1] // 2
         for e, expert in enumerate(experts):
-            expert.gate_proj.weight.data = gate_up[e, :inter]
-            expert.up_proj.weight.data = gate_up[e, inter:]
-            expert.down_proj.weight.data = down[e]
+            local_tensor(expert.gate_proj.weight).data = gate_up[e, :inter]
+            local_tensor(expert.up_proj.weight).data = gate_up[e, inter:]
+            local_tensor(expert.down_proj.weight).data = down[e]
         self._stacked = (gate_up, down)
-        self._stack_check = [(weight, weight.data_ptr()) for weight in self._sampled_weights()]
+        self._stack_check = [(weight, local_tensor(weight).data_ptr()) for weight in self._sampled_weights()]
 
     def use_grouped_mm(self, hidden_states: torch.Tensor) -> bool:
         """Whether the routed experts run as grouped GEMMs for this input (see the class docstring)."""
@@ -387,11 +391,12 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         weight = self.experts[0].gate_proj.weight
         if torch.is_grad_enabled() and weight.requires_grad:
             return False  # the stacks are detached views: training takes the loop, which autograd follows
+        weight = local_tensor(weight)  # this rank's slice under tensor parallelism
         if hidden_states.dtype != weight.dtype:
             return False
         # grouped_mm needs 16-byte aligned row strides of both operands.
         size = weight.element_size()
-        if (self.config.hidden_size * size) % 16 or (self.intermediate_size * size) % 16:
+        if (self.config.hidden_size * size) % 16 or (weight.shape[0] * size) % 16:
             return False
         if weight.device.type == "cuda":
             # Grouped GEMM kernels: Hopper (sm90) with torch < 2.9, Ampere or newer from 2.9; bfloat16 kernels,
@@ -417,22 +422,30 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         sorted_tokens = x[order // self.top_k]
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
-        if self.use_grouped_mm(x):
+        grouped = self.use_grouped_mm(x)
+        if grouped:
             sorted_out = self._experts_grouped_mm(sorted_tokens, counts)
         else:
             sorted_out = self._experts_loop(sorted_tokens, counts)
         pair_out = sorted_out.new_empty(sorted_out.shape).index_copy(0, order, sorted_out)
         routed = pair_out.view(-1, self.top_k, hidden).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
-        out = routed.sum(dim=1).to(x.dtype).view(batch, length, hidden)
+        out = routed.sum(dim=1)
+        if grouped:
+            # Tensor parallel: the grouped GEMMs ran this rank's slices of the experts (the loop calls the sharded
+            # modules, whose hooks already summed): one all-reduce of the partial outputs, in the router dtype.
+            out = all_reduce_partial(out, like=self.experts[0].down_proj.weight)
+        out = out.to(x.dtype).view(batch, length, hidden)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
         return out, router_logits
 
     def use_fused(self, hidden_states: torch.Tensor) -> bool:
         """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
-        run, the router is float32 and the activation SiLU."""
+        run, the router is float32, the activation SiLU, and the experts are not split by tensor parallelism (the
+        combine kernel adds the residual, which must come after the ranks' partial sums are reduced)."""
         return (
             MOE_KERNELS_AVAILABLE
+            and not is_sharded(self.experts[0].down_proj.weight)
             and self.silu
             and self.gate.router_dtype == torch.float32
             and use_fused_kernels(hidden_states)
@@ -452,7 +465,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         grouped_mm = _grouped_mm_function()
         gate_up, down = self.stacked_weights()
         projected = grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
-        gate, up = projected.split(self.intermediate_size, dim=-1)
+        gate, up = projected.chunk(2, dim=-1)
         expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
         residual = residual.reshape(-1, hidden)
         if self.shared_experts is None or stacked_shared:
@@ -479,7 +492,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         gate_up, down = gate_up[: self.num_experts], down[: self.num_experts]
         offsets = counts.cumsum(0).to(torch.int32)
         projected = grouped_mm(sorted_tokens, gate_up.transpose(1, 2), offs=offsets)
-        gate, up = projected.split(self.intermediate_size, dim=-1)
+        gate, up = projected.chunk(2, dim=-1)
         return grouped_mm(
             gated_activation(self.act_fn, gate, up, self.silu).contiguous(), down.transpose(1, 2), offs=offsets
         )
@@ -498,18 +511,48 @@ class LLaDA2MoeAttention(nn.Module):
         # Block-causal attention comes entirely from the mask: no backend may add a causal mask of its own.
         self.is_causal = False
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout or 0.0
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.query_key_value = nn.Linear(
-            config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=config.use_qkv_bias
+            config.hidden_size, (heads + 2 * kv_heads) * self.head_dim, bias=config.use_qkv_bias
         )
         if config.use_qk_norm:
             self.query_layernorm = LLaDA2MoeRMSNorm(self.head_dim, config.rms_norm_eps)
             self.key_layernorm = LLaDA2MoeRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.use_bias)
+        self.dense = nn.Linear(heads * self.head_dim, config.hidden_size, bias=config.use_bias)
+
+    # This rank's heads, read from the columns of `dense` it holds: all heads unless tensor parallelism split them.
+    @property
+    def num_heads(self) -> int:
+        (start, stop), _ = self.local_heads()
+        return stop - start
+
+    @property
+    def num_kv_heads(self) -> int:
+        _, (start, stop) = self.local_heads()
+        return stop - start
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def local_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """`[start, stop)` of this rank's query heads and of the key/value heads they read (grouped-query attention:
+        query head h reads key/value head `h // (heads / kv_heads)`; several ranks may read the same one)."""
+        start, stop = shard_range(self.dense.weight, 1)
+        q_start, q_stop = start // self.head_dim, stop // self.head_dim
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        kv_start, kv_stop = q_start // group, (q_stop - 1) // group + 1
+        count = q_stop - q_start
+        if q_start % count or (count % group if count >= group else group % count):
+            raise ValueError(
+                f"Tensor parallelism gives this rank query heads [{q_start}, {q_stop}), which do not split the "
+                f"key/value groups of {group} heads evenly: use a number of ranks that divides "
+                f"num_attention_heads ({self.config.num_attention_heads}) and divides or is divided by "
+                f"num_key_value_heads ({self.config.num_key_value_heads})."
+            )
+        return (q_start, q_stop), (kv_start, kv_stop)
 
     def forward(
         self,
@@ -531,7 +574,12 @@ class LLaDA2MoeAttention(nn.Module):
                 hidden_states, position_embeddings, attention_mask, past_key_values, cache_position, grouped_query_mask
             )
         qkv = self.query_key_value(hidden_states).view(batch, q_len, -1, self.head_dim)
-        query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        query, key, value = qkv.split([heads, kv_heads, kv_heads], dim=2)
+        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
+        if q_stop - q_start < heads:  # tensor parallel: the gathered projection holds every head, keep this rank's
+            query = query[:, :, q_start:q_stop]
+            key, value = key[:, :, kv_start:kv_stop], value[:, :, kv_start:kv_stop]
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if self.config.use_qk_norm:
             query, key = self.query_layernorm(query), self.key_layernorm(key)
@@ -559,9 +607,12 @@ class LLaDA2MoeAttention(nn.Module):
         return self.dense(attn.reshape(batch, q_len, -1))
 
     def uses_fused_path(self, hidden_states: torch.Tensor, past_key_values) -> bool:
-        """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference."""
+        """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference, and all
+        heads on this rank (the fused kernel splits the q/k/v projection by the config's head counts; under tensor
+        parallelism the gathered projection holds every rank's heads)."""
         return (
             isinstance(past_key_values, DiffusionKVCache)
+            and not is_sharded(self.dense.weight)
             and MOE_KERNELS_AVAILABLE
             and use_fused_kernels(hidden_states)
             and not self.training
@@ -937,6 +988,9 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
     diffusion_logits_shift = 0
     diffusion_block_causal = True
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
+    # Tensor parallelism (see `LLaDA2MoeConfig.base_model_tp_plan`): the head split by vocabulary rows, the logits
+    # gathered, so every rank unmasks from the same logits.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__(config)
@@ -1009,7 +1063,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, LLaDA2MoeSparseMoeBlock)]
         if not blocks:
             return True
-        weight = blocks[0].experts[0].gate_proj.weight
+        weight = local_tensor(blocks[0].experts[0].gate_proj.weight)
         probe = weight.new_empty(0, weight.shape[1])
         return weight.dtype == torch.bfloat16 and blocks[0].use_grouped_mm(probe)
 

@@ -56,6 +56,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--dtype", default="auto", help=f"{', '.join(DTYPE_CHOICES)} (default: the checkpoint's)")
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the GPU when there is one)")
     group.add_argument("--device-map", default=None, help="split one model over GPUs, e.g. `auto`")
+    group.add_argument(
+        "--tp-plan",
+        default=None,
+        help="`auto`: tensor parallelism over the processes of a torchrun launch (`torchrun --nproc-per-node N "
+        "-m hf_dllm COMMAND ...`; every GPU holds 1/N of the weights, all ranks decode the same tokens)",
+    )
     group.add_argument("--attn-implementation", default=None, help="sdpa, eager, flex_attention, llada_triton, ...")
     group.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
@@ -73,7 +79,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
 
 def model_arguments(args: argparse.Namespace) -> dict:
     """The keyword arguments of `load_model` from parsed `add_model_arguments` flags."""
-    names = ("tokenizer", "dtype", "device", "device_map", "attn_implementation", "revision", "trust_remote_code")
+    names = (
+        "tokenizer",
+        "dtype",
+        "device",
+        "device_map",
+        "tp_plan",
+        "attn_implementation",
+        "revision",
+        "trust_remote_code",
+    )
     return {name: getattr(args, name) for name in names} | {"threads": args.threads}
 
 
@@ -95,6 +110,7 @@ def load_model(
     dtype="auto",
     device=None,
     device_map=None,
+    tp_plan: str | None = None,
     attn_implementation: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
@@ -108,6 +124,8 @@ def load_model(
         dtype: `"auto"` (the checkpoint's) or a dtype name / `torch.dtype`.
         device: where the model goes (`resolve_device`); ignored with `device_map`.
         device_map: transformers' `device_map` (e.g. `"auto"`) to split one model over GPUs.
+        tp_plan: `"auto"` shards the model over the processes of a `torchrun` launch (transformers' tensor
+            parallelism, the model config's `base_model_tp_plan`); each process gets its GPU (`LOCAL_RANK`).
         num_processes: processes of a data-parallel launch (`accelerate launch`); each holds a replica, so
             `device_map` is refused there.
 
@@ -131,6 +149,19 @@ def load_model(
             "--device-map splits one model over several GPUs, but a data-parallel launch gives every process its "
             "own replica: use one or the other."
         )
+    if tp_plan is not None:
+        if tp_plan != "auto":
+            raise ValueError(f"--tp-plan must be `auto` (the model config's plan), got {tp_plan!r}.")
+        if device_map is not None or num_processes > 1:
+            raise ValueError(
+                "--tp-plan shards one model over the launch's processes: it excludes --device-map and data-parallel "
+                "launches (accelerate), where every process holds its own replica."
+            )
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise ValueError(
+                "--tp-plan auto shards the model over the processes of a torchrun launch; start the command with "
+                "`torchrun --nproc-per-node N -m hf_dllm ...` (N >= 2)."
+            )
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
@@ -139,6 +170,8 @@ def load_model(
     if device_map is not None:
         kwargs["device_map"] = device_map
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    elif tp_plan is not None:  # transformers places each rank's shard on its device (LOCAL_RANK)
+        loaded = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, **kwargs).eval()
     else:
         target = resolve_device(device)
         if target.type == "cuda" and target.index is not None:

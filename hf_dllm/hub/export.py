@@ -63,6 +63,7 @@ SHARED_REMOTE_CODE_FILES = (
     "kernels.py",
     "triton_ops.py",
     "graphs.py",
+    "tensor_parallel.py",
 )
 
 # The family defaults of generation_config.json, written when SRC has no generation_config.json or with

@@ -202,11 +202,15 @@ class Batcher:
         stop_token_ids: set[int],
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
+        engine: ContinuousBatcher | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
-        self.engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
+        # `engine`: one made by the caller with these limits (a tensor-parallel server's `MirroredEngine`).
+        if engine is None:
+            engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
+        self.engine = engine
         self.max_batch_size = max_batch_size
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.stats = BatchStats()

@@ -54,6 +54,9 @@ validation and tokenizing run in a small worker pool, never on the event loop; `
 context's tokens can cover is refused before it is tokenized. Every malformed request gets an OpenAI-style 4xx on
 a connection that stays open; only a fault of the server is a 5xx.
 
+Tensor parallelism: `torchrun --nproc-per-node N -m hf_dllm serve MODEL --tp-plan auto` shards the model over N
+GPUs; rank 0 serves HTTP and the other ranks decode the same layouts in lockstep (`serving/tensor_parallel.py`).
+
 fastapi and uvicorn are imported only here (the `serve` extra), so `import hf_dllm` never needs them.
 """
 
@@ -111,6 +114,7 @@ class Server:
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
+        engine=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -135,6 +139,7 @@ class Server:
             stop_token_ids=stop_token_ids(model.generation_config, tokenizer),
             max_batch_size=max_batch_size,
             max_batch_width=max_batch_width,
+            engine=engine,
         )
 
     # -- request handling -------------------------------------------------------------------------------------
@@ -417,12 +422,14 @@ def create_app(
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
     max_body_bytes: int | None = None,
+    engine=None,
 ):
     """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan).
 
     `api_key`: every route but /health needs `Authorization: Bearer API_KEY`. `allowed_origins`: the browser
     origins CORS lets call the API (`["*"]` for any); none by default, so a web page cannot read the answers.
-    `max_body_bytes`: larger request bodies get 413 unread (default `default_max_body_bytes`).
+    `max_body_bytes`: larger request bodies get 413 unread (default `default_max_body_bytes`). `engine`: the
+    batching engine, when the caller makes it (tensor parallelism: `serving.tensor_parallel.MirroredEngine`).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -430,7 +437,7 @@ def create_app(
     from starlette.exceptions import HTTPException
     from starlette.middleware.cors import CORSMiddleware
 
-    server = Server(model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes)
+    server = Server(model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -627,6 +634,17 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, OSError, ValueError) as error:
         print(f"hf-dllm serve: cannot load {args.model!r}: {error}", file=sys.stderr)
         return 2
+    engine = None
+    if args.tp_plan is not None:
+        # Tensor parallel: rank 0 serves HTTP; the other ranks decode the same layouts (serving/tensor_parallel.py).
+        from .tensor_parallel import MirroredEngine, control_group
+
+        engine = MirroredEngine(
+            model, control_group(), max_batch_size=args.max_batch_size, max_batch_width=args.max_batch_width
+        )
+        if not engine.leader:
+            engine.follow()
+            return 0
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(
         model,
@@ -637,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         allowed_origins=origins,
         max_body_bytes=args.max_body_bytes,
+        engine=engine,
     )
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(

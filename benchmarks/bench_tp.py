@@ -1,0 +1,282 @@
+"""Tensor parallelism (`tp_plan="auto"` under torchrun) against one GPU, in the same run (issue "Tensor parallel").
+
+For each model shape (random bf16 weights, saved once as a checkpoint so that the sharded run loads it through
+`from_pretrained(..., tp_plan="auto")` exactly as users do):
+
+- LLaDA-8B (bench_generate.py's shape: d_model 4096, 32 layers, 32 heads, MLP 12288, vocab 126464), dual cache;
+- LLaDA2.0-mini (bench_llada2.py's shape: 20 layers, 256 experts of 512, top-8), its exact block cache;
+
+prompt 512, 256 new tokens, block 32, one token per step (`steps=256`, so both runs make the same forwards),
+`eos_early_stop=False`, CUDA graphs, batch 1 and 8: tokens/s of `generate()` and the median latency of one block
+step (CUDA events around single steps after warm-up), first on one GPU (this process), then with `--tp` GPUs (a
+`torchrun` child that loads the same checkpoint with `tp_plan="auto"`). Also reported: weight memory per GPU, whether
+the ranks produced identical tokens (they must), the share of generated tokens equal to one GPU's (bf16: the shards
+sum in another order, so greedy choices between near-tied tokens may differ), and the goal
+**TP=2 batch-1 step <= 0.65x the single-GPU step**.
+
+Prints a table and ends with one JSON line. NVLink multicast (NVLS) is turned off for NCCL (`NCCL_NVLS_ENABLE=0`).
+
+    python benchmarks/bench_tp.py                           # both shapes, TP=2, batch 1 and 8
+    python benchmarks/bench_tp.py --models llada --tp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_generate  # noqa: E402
+import bench_llada2  # noqa: E402
+
+import hf_dllm  # noqa: E402,F401
+
+GOAL = 0.65  # TP=2 batch-1 step / single-GPU step
+MODELS = ("llada", "llada2")
+ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default backend
+CACHE_NAME = {"llada": "dual", "llada2": "exact"}
+
+
+def generate_kwargs(name: str, new_tokens: int, block: int, disable_compile: bool = False) -> dict:
+    kwargs = dict(
+        disable_compile=disable_compile,
+        max_new_tokens=new_tokens,
+        block_length=block,
+        steps=new_tokens,
+        use_cache=True,
+        eos_early_stop=False,
+        return_dict_in_generate=True,
+    )
+    if name == "llada":
+        kwargs["dual_cache"] = True
+    else:
+        kwargs.update(threshold=None, mask_token_id=bench_llada2.MASK_ID, eos_token_id=bench_llada2.EOS_ID)
+    return kwargs
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The same prompts on every rank and in the single-GPU run (a CPU generator, seeded by the batch size)."""
+    generator = torch.Generator().manual_seed(batch)
+    return torch.randint(0, vocab - 512, (batch, prompt_len), generator=generator).to(device)
+
+
+def vocab_of(model) -> int:
+    return model.config.vocab_size
+
+
+@torch.no_grad()
+def measure(model, name: str, args, device: torch.device) -> list[dict]:
+    """Rows (one per batch size): tokens/s, ms per forward, block-step ms, the generated tokens."""
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = prompts_for(batch, args.prompt_len, vocab_of(model), device)
+        kwargs = generate_kwargs(name, args.new_tokens, args.block_length, args.disable_compile)
+        seconds, out, peak = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
+        if name == "llada":
+            step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device)
+        else:
+            config = model.resolve_generation_config(**kwargs)
+            step_ms, _ = bench_llada2.block_step(model, prompts, config, device)
+        rows.append(
+            dict(
+                batch=batch,
+                nfe=out.nfe,
+                tokens_per_s=batch * args.new_tokens / seconds,
+                ms_per_forward=1000 * seconds / out.nfe,
+                step_ms=step_ms,
+                peak_gb=peak / 1e9,
+                graphs=bool(getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps),
+                sequences=out.sequences[:, args.prompt_len :].cpu(),
+            )
+        )
+        print(
+            f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s",
+            flush=True,
+        )
+    return rows
+
+
+def build_and_save(name: str, directory: Path, device: torch.device, cpu: bool):
+    """The model with random weights (bf16; float32 and a small shape with `--cpu`) on `device`, also saved
+    (safetensors) to `directory`."""
+    dtype = torch.float32 if cpu else torch.bfloat16
+    if name == "llada":
+        shape = bench_generate.SMALL if cpu else bench_generate.LLADA_8B
+        model = bench_generate.build_model(shape, dtype, device, ATTENTION[name])
+    else:
+        model = bench_llada2.build_model(bench_llada2.SMALL if cpu else bench_llada2.LLADA2_MINI, dtype, device)
+    model.save_pretrained(directory)  # before any forward: the fused/stacked weight views do not exist yet
+    return model
+
+
+def weight_gb(model) -> float:
+    from hf_dllm.tensor_parallel import local_tensor
+
+    return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()) / 1e9
+
+
+def worker(args) -> int:
+    """One rank of the tensor-parallel run (started by torchrun)."""
+    import torch.distributed as dist
+    from transformers import AutoModel
+
+    results = {}
+    for name in args.models:
+        started = time.perf_counter()
+        dtype = torch.float32 if args.cpu else torch.bfloat16
+        model = AutoModel.from_pretrained(
+            args.workdir / name, tp_plan="auto", dtype=dtype, attn_implementation=ATTENTION[name]
+        ).eval()
+        device = next(model.parameters()).device
+        load_s = time.perf_counter() - started
+        rows = measure(model, name, args, device)
+        for row in rows:  # every rank must hold rank 0's tokens
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, row["sequences"])
+            row["ranks_agree"] = all(torch.equal(other, gathered[0]) for other in gathered)
+        results[name] = dict(rows=rows, weight_gb_per_gpu=weight_gb(model), load_s=load_s)
+        del model
+        if not args.cpu:
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def launch_tp(args, out: Path) -> dict:
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
+        __file__, "--worker", "--out", str(out), "--workdir", str(args.workdir),
+        "--models", ",".join(args.models), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+        "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+        "--block-length", str(args.block_length), "--repeats", str(args.repeats), *(["--cpu"] if args.cpu else []),
+        *(["--disable-compile"] if args.disable_compile else []),
+    ]  # fmt: skip
+    subprocess.run(command, env=env, check=True)
+    return torch.load(out, weights_only=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma list of: llada, llada2")
+    parser.add_argument("--tp", type=int, default=2, help="GPUs of the tensor-parallel run")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where the random checkpoints go (default: a temp dir)"
+    )
+    parser.add_argument("--disable-compile", action="store_true", help="eager steps (no CUDA graphs), both runs")
+    parser.add_argument("--cpu", action="store_true", help="small float32 shapes on the CPU (gloo): checks the script")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.models = args.models.split(",")
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        raise ValueError(f"--models must name some of {MODELS}, got {sorted(unknown)}.")
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.worker:
+        return worker(args)
+    if not args.cpu and torch.cuda.device_count() < args.tp:
+        raise SystemExit(f"bench_tp.py needs {args.tp} CUDA devices (--tp), found {torch.cuda.device_count()}.")
+
+    device = torch.device("cpu" if args.cpu else "cuda:0")
+    cleanup = args.workdir is None
+    if cleanup:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 60e9 else None
+        args.workdir = Path(tempfile.mkdtemp(prefix="bench_tp_", dir=base))
+    started = time.perf_counter()
+    summary = {"device": "CPU" if args.cpu else torch.cuda.get_device_name(device), "torch": torch.__version__}
+    summary["tp"] = args.tp
+    import transformers
+
+    summary.update(transformers=transformers.__version__, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    summary.update(block_length=args.block_length, workdir=str(args.workdir), disable_compile=args.disable_compile)
+    single = {}
+    try:
+        for name in args.models:
+            t0 = time.perf_counter()
+            model = build_and_save(name, args.workdir / name, device, args.cpu)
+            print(f"[{name}] built and saved in {time.perf_counter() - t0:.0f} s", flush=True)
+            single[name] = dict(rows=measure(model, name, args, device), weight_gb_per_gpu=weight_gb(model))
+            del model
+            if not args.cpu:
+                torch.cuda.empty_cache()
+        sharded = launch_tp(args, args.workdir / "tp_results.pt")
+    finally:
+        if cleanup:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+
+    print()
+    print(
+        f"{summary['device']}, {'float32' if args.cpu else 'bf16'}, prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_length}"
+    )
+    header = (
+        f"{'model':<8}{'cache':>7}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}{'tok/s':>8}"
+        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}"
+    )
+    print(header)
+    results = []
+    for name in args.models:
+        for one, tp in zip(single[name]["rows"], sharded[name]["rows"], strict=True):
+            same = float((one["sequences"] == tp["sequences"]).float().mean())
+            for gpus, row, source in ((1, one, single[name]), (args.tp, tp, sharded[name])):
+                ratio = row["step_ms"] / one["step_ms"]
+                print(
+                    f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.2f}"
+                    f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
+                    + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
+                )
+            results.append(
+                dict(
+                    model=name,
+                    cache=CACHE_NAME[name],
+                    batch=one["batch"],
+                    single_step_ms=one["step_ms"],
+                    tp_step_ms=tp["step_ms"],
+                    step_ratio=tp["step_ms"] / one["step_ms"],
+                    single_tokens_per_s=one["tokens_per_s"],
+                    tp_tokens_per_s=tp["tokens_per_s"],
+                    single_ms_per_forward=one["ms_per_forward"],
+                    tp_ms_per_forward=tp["ms_per_forward"],
+                    single_weight_gb=single[name]["weight_gb_per_gpu"],
+                    tp_weight_gb_per_gpu=sharded[name]["weight_gb_per_gpu"],
+                    tp_graphs=tp["graphs"],
+                    ranks_agree=tp["ranks_agree"],
+                    tokens_equal_single_gpu=same,
+                    nfe=(one["nfe"], tp["nfe"]),
+                )
+            )
+    goal_rows = [r for r in results if r["model"] == "llada" and r["batch"] == 1]
+    if goal_rows and args.tp == 2:
+        summary["goal_llada_batch1_step_ratio"] = dict(value=goal_rows[0]["step_ratio"], goal=GOAL)
+        summary["goal_met"] = goal_rows[0]["step_ratio"] <= GOAL
+        print(f"\nLLaDA-8B batch-1 step, TP=2 / 1 GPU: {goal_rows[0]['step_ratio']:.2f} (goal <= {GOAL})")
+    summary["total_s"] = round(time.perf_counter() - started, 1)
+    summary["rows"] = results
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""`hf-dllm serve` on a tensor-parallel model (`torchrun --nproc-per-node N -m hf_dllm serve MODEL --tp-plan auto`):
+rank 0 serves HTTP and schedules; the other ranks decode the same layouts in lockstep, with no HTTP of their own.
+
+Every rank must run the same forwards in the same order (each forward's collectives pair up across ranks). The
+continuous-batching engine (`engine.ContinuousBatcher`) is deterministic given three things that only rank 0 sees,
+so rank 0 sends them over a gloo group (CPU messages; the GPUs' NCCL group carries only the model's collectives):
+
+1. at every block boundary, before anything is decided: the requests submitted since the last boundary (prompt
+   ids and resolved settings, in submission order) and the requests cancelled since then;
+2. after every block of every row: whether the row ends there (`on_block`'s answer on rank 0: a stop string,
+   `max_tokens`, a client gone);
+3. at shutdown: a message that ends the followers' loop.
+
+Cancellations reach the engine only through (1): rank 0's engine requests carry their own `cancelled` event, set
+when the boundary message is made, so a client that disconnects mid-boundary cannot make rank 0 decide otherwise
+than the followers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .engine import ContinuousBatcher, EngineRequest
+
+# The followers wait for the next request for as long as the server runs: no timeout on the control group.
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+def control_group():
+    """A gloo group of every rank for the scheduling messages (call on every rank, in the same order)."""
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+class MirroredEngine(ContinuousBatcher):
+    """`ContinuousBatcher` whose decisions rank 0 shares with the other ranks of `group` (module doc). On rank 0
+    it is the server's engine (`Batcher(engine=...)`); on the others `follow()` decodes until rank 0 shuts down."""
+
+    def __init__(self, model, group, **kwargs):
+        super().__init__(model, **kwargs)
+        self.group = group
+        self.leader = dist.get_rank(group) == 0
+        self.source = dist.get_global_rank(group, 0)
+        self._ids = itertools.count()
+        self._unsent: list[tuple[int, list[int], object]] = []  # rank 0: submitted, not yet announced
+        self._live: dict[int, EngineRequest] = {}  # id -> request, until it ends
+        self._client_cancelled: dict[int, threading.Event] = {}  # rank 0: the HTTP side's events
+
+    def _send(self, message):
+        box = [message]
+        dist.broadcast_object_list(box, src=self.source, group=self.group)
+        return box[0]
+
+    # -- rank 0 -------------------------------------------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> None:
+        if not self.leader:
+            raise RuntimeError("only rank 0 takes requests; the other ranks follow()")
+        if request.plan is None:
+            self.prepare(request)  # a refused request raises here, before anything is announced
+        number = next(self._ids)
+        self._client_cancelled[number] = request.cancelled
+        request.cancelled = threading.Event()  # set only when a boundary message says so
+        decide = request.on_block
+
+        def on_block(update):
+            return self._send(bool(decide(update)))
+
+        request.on_block = on_block
+        with self.lock:
+            self._unsent.append((number, list(request.prompt_ids), request.config))
+            self._live[number] = request
+        super().submit(request)
+
+    def decode_boundary(self) -> int:
+        if not self.leader:
+            raise RuntimeError("the other ranks decode boundaries in follow()")
+        with self.lock:
+            submitted, self._unsent = self._unsent, []
+            cancelled = [n for n, event in self._client_cancelled.items() if event.is_set() and n in self._live]
+        for number in cancelled:
+            self._live[number].cancelled.set()
+            del self._client_cancelled[number]
+        self._send({"submitted": submitted, "cancelled": cancelled})
+        try:
+            return super().decode_boundary()
+        finally:
+            self._forget_ended()
+
+    def abandon(self) -> None:
+        if self.leader:
+            self._send(None)  # the followers' loop ends
+        super().abandon()
+
+    # -- other ranks ----------------------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """Decode every boundary rank 0 decodes, until it shuts down (call on every rank but 0)."""
+        if self.leader:
+            raise RuntimeError("rank 0 serves; follow() is for the other ranks")
+        while (message := self._send(None)) is not None:
+            for number, prompt_ids, config in message["submitted"]:
+                request = EngineRequest(prompt_ids, config, lambda update: self._send(None))
+                self._live[number] = request
+                ContinuousBatcher.submit(self, request)
+            for number in message["cancelled"]:
+                self._live[number].cancelled.set()
+            try:
+                ContinuousBatcher.decode_boundary(self)
+            except Exception:  # rank 0 failed the same layout: it reports the error, the followers go on
+                pass
+            self._forget_ended()
+        ContinuousBatcher.abandon(self)
+
+    def _forget_ended(self) -> None:
+        for number in [n for n, request in self._live.items() if request.ended]:
+            del self._live[number]
+            self._client_cancelled.pop(number, None)
