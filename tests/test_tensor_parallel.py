@@ -109,11 +109,15 @@ def test_ranks_sampling_with_different_seeds_keep_rank_zeros_tokens(cpu_results)
 def test_two_gpus_bfloat16(tmp_path):
     results = run_worker(tmp_path, "cuda", "bfloat16", timeout=600)
     for name in worker.MODELS:
-        reference = worker.record(worker.load(name, "cuda", torch.bfloat16), name, "cuda")
+        single = worker.load(name, "cuda", torch.bfloat16)
+        reference = worker.record(single, name, "cuda")
+        # Whether this tiny model's steps are captured at all depends on the model and settings (the 8B shapes of
+        # benchmarks/bench_tp.py are); tensor parallelism must not change it.
+        single_graphs = bool(getattr(single, "_hf_dllm_step_graphs", None) and single._hf_dllm_step_graphs.steps)
         first, second = results[name]
         scale = reference["logits"].abs().max()
         for result in (first, second):
             assert (result["logits"] - reference["logits"]).abs().max() <= 0.05 * scale
-            assert result["graphs_captured"], "no CUDA graph was captured under tensor parallelism"
+            assert result["graphs_captured"] == single_graphs, "tensor parallelism changed CUDA-graph capture"
         for setting, _ in worker.SETTINGS[name]:
             assert torch.equal(first["generated"][setting][0], second["generated"][setting][0]), setting
