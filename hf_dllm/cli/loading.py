@@ -16,6 +16,11 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py,
 # benchmarks/RESULTS.md); one thread is faster only while other processes hold the cores.
 DEFAULT_THREADS = None
+# `--quantization`: "none" loads the checkpoint's weights as they are; "fp8" quantizes them at load time through
+# transformers' `FineGrainedFP8Config` (FP8 weights, one scale per 128x128 block; CUDA GPUs of compute capability
+# >= 8.9), run by hf_dllm's FP8 kernels (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such
+# without the flag.
+QUANTIZATION_CHOICES = ("none", "fp8")
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -60,6 +65,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
     group.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="fp8: quantize the weights to FP8 with 128x128 block scales at load time (transformers' "
+        "FineGrainedFP8Config; needs a CUDA GPU of compute capability >= 8.9, e.g. H100); default none",
+    )
+    group.add_argument(
         "--threads",
         type=int,
         default=DEFAULT_THREADS,
@@ -74,6 +86,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
 def model_arguments(args: argparse.Namespace) -> dict:
     """The keyword arguments of `load_model` from parsed `add_model_arguments` flags."""
     names = ("tokenizer", "dtype", "device", "device_map", "attn_implementation", "revision", "trust_remote_code")
+    names += ("quantization",)
     return {name: getattr(args, name) for name in names} | {"threads": args.threads}
 
 
@@ -100,6 +113,7 @@ def load_model(
     trust_remote_code: bool = False,
     threads: int | None = None,
     num_processes: int = 1,
+    quantization: str = "none",
 ):
     """Load `model` (a local checkpoint folder or a Hub id) and its tokenizer with transformers' Auto classes.
 
@@ -110,6 +124,8 @@ def load_model(
         device_map: transformers' `device_map` (e.g. `"auto"`) to split one model over GPUs.
         num_processes: processes of a data-parallel launch (`accelerate launch`); each holds a replica, so
             `device_map` is refused there.
+        quantization: `"none"` or `"fp8"` (see `QUANTIZATION_CHOICES`): FP8 quantizes on the target GPU while
+            loading.
 
     Returns `(model, tokenizer)`, the model in eval mode. Raises `ValueError` for a bad flag value and
     `FileNotFoundError` for a local path that does not exist, before anything is loaded.
@@ -131,7 +147,18 @@ def load_model(
             "--device-map splits one model over several GPUs, but a data-parallel launch gives every process its "
             "own replica: use one or the other."
         )
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}.")
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if quantization == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        if device_map is None and resolve_device(device).type != "cuda":
+            raise ValueError(
+                "--quantization fp8 needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
+                f"only), but the model would load on {resolve_device(device)}."
+            )
+        kwargs["quantization_config"] = FineGrainedFP8Config()
     if revision is not None:
         kwargs["revision"] = revision
     if attn_implementation is not None:
@@ -143,7 +170,11 @@ def load_model(
         target = resolve_device(device)
         if target.type == "cuda" and target.index is not None:
             torch.cuda.set_device(target)  # kernels launch on the current device
-        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(target).eval()
+        if quantization == "fp8":
+            # Quantized where it loads: on the GPU, without a full-precision copy on the host first.
+            loaded = AutoModelForCausalLM.from_pretrained(path, device_map={"": target}, **kwargs).eval()
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(target).eval()
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         source = os.path.expanduser(os.fspath(tokenizer)) if tokenizer is not None else path
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
