@@ -6,7 +6,8 @@ quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled
 block-scaled `torch._scaled_mm`), and, for reference, transformers' own `finegrained_fp8_linear` (a Hub kernel:
 reported as unavailable when it cannot be fetched) and `torch._scaled_mm` with row-wise scales (a different weight
 quantization: the best cuBLASLt FP8 does on these shapes). Rows: 32 x batch (block steps at batch 1 / 8 / 32) and
-the full-sequence refresh forwards (768 x batch). Times: median of CUDA-event-timed repetitions after warm-up.
+the full-sequence refresh forwards (768 x batch). Times: GPU time per call, `--repeats` calls captured in one CUDA
+graph (the way a block step runs them), median of 5 replays.
 
 Prints a table (us, TB/s of weight bytes, TFLOP/s; error relative to the fp32 product) and ends with one JSON line.
 
@@ -37,16 +38,30 @@ SHAPES = {  # name: (N, K) of LLaDA-8B
 
 
 def timed_us(fn, repeats: int) -> float:
-    for _ in range(3):
+    """GPU time of one call: `repeats` calls captured in a CUDA graph (as a block step runs them), the median of 5
+    replays over `repeats`. Eager timing would measure Python's launch overhead at these sizes, not the kernels."""
+    for _ in range(3):  # warm-up: autotuning, compilation, cuBLAS handles
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # allocations on the capture stream before capture
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(repeats):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
     times = []
-    for _ in range(repeats):
+    for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+        times.append(start.elapsed_time(end) * 1000 / repeats)
+    del graph
     return statistics.median(times)
 
 
@@ -67,7 +82,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="32,256,1024,768,6144,24576")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--kernels", default=None, help="comma list of the kernels to run (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -103,6 +119,8 @@ def main(argv=None) -> int:
                 "rowwise_scaled_mm": rowwise_scaled_mm(x, weight),
             }
             for kernel, fn in kernels.items():
+                if args.kernels and kernel not in args.kernels.split(","):
+                    continue
                 row = dict(shape=name, rows=rows, n=n_out, k=k_in, kernel=kernel)
                 try:
                     out = fn()

@@ -74,6 +74,17 @@ def quantize_fp8(model: hf_dllm.LLaDAModelLM, device: torch.device, attn: str) -
     return quantized.eval()
 
 
+@torch.no_grad()
+def load_dequantized_(model, quantized) -> None:
+    """Overwrite `model`'s weights, in place, with the FP8 weights of `quantized` dequantized to bf16."""
+    from hf_dllm.fp8 import dequantize, is_fp8_linear
+
+    for name, module in quantized.named_modules():
+        if is_fp8_linear(module):
+            target = model.get_submodule(name).weight
+            target.copy_(dequantize(module.weight, module.weight_scale_inv, module.block_size, target.dtype))
+
+
 def step_weight_bytes(model) -> int:
     """Bytes of the weights a block step reads: every parameter but the input embedding (only its rows are read)."""
     embedding = model.get_input_embeddings().weight
@@ -270,11 +281,17 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(model, attn, "none", settings)
         if "fp8" in quantizations:
             reference = full_logits(model, probe)
-            model = quantize_fp8(model, device, attn)  # the bf16 model is freed: peak memory is the FP8 model's
+            quantized = quantize_fp8(model, device, attn)
+            logits = full_logits(quantized, probe)
+            agreement = logit_agreement(reference, logits)
+            # The kernels alone: against bf16 running the FP8 weights dequantized (only the arithmetic differs).
+            load_dequantized_(model, quantized)
+            agreement["vs_dequantized_weights"] = logit_agreement(full_logits(model, probe), logits)
+            summary["fp8_vs_bf16_logits"] = agreement
+            print(json.dumps(agreement), flush=True)
+            del reference, logits, model
+            model = quantized  # the bf16 model is freed: peak memory is the FP8 model's
             torch.cuda.empty_cache()
-            summary["fp8_vs_bf16_logits"] = logit_agreement(reference, full_logits(model, probe))
-            print(json.dumps(summary["fp8_vs_bf16_logits"]), flush=True)
-            del reference
             rows += measure(model, attn, "fp8", settings)
         del model
         if gpu:

@@ -32,15 +32,27 @@ from torch import nn
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device
 
-if TRITON_AVAILABLE:
+try:
     import triton
     import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path is used
+    triton = None
+    tl = None
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 # Rows up to which the weight-only kernel runs (a product this small is bound by reading the weight); the w8a8 path
-# above it. Chosen by benchmarks/bench_fp8_gemm.py on an H100.
-WEIGHT_ONLY_MAX_ROWS = 1024
+# above it: on an H100 cuBLASLt's block-scaled FP8 was faster than the weight-only kernel from 256 rows on
+# (benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
+WEIGHT_ONLY_MAX_ROWS = 64
+
+
+# `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
+# transformers replaces every module named `*.experts` with its fused `FP8Experts` (one 3D tensor per projection),
+# which LLaDA2's per-expert `experts.{e}.{gate,up,down}_proj` layers (the Hub's names) are not, so LLaDA2's routed
+# experts stay bf16 (they run as torch's grouped GEMM, CUDA-graph capturable); naming any module drops
+# transformers' default skips, hence the output head named again.
+FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts"]}
 
 
 def is_fp8_linear(layer: nn.Module) -> bool:
@@ -108,10 +120,13 @@ def _kernel_supports(weight: torch.Tensor, block_size) -> bool:
 
 
 def _weight_only_configs():
+    # SPLIT_K > 1 splits K over programs (partial sums reduced by a second kernel): at a block step's 32 rows an
+    # N of 4096 gives too few (row, column) tiles to keep every SM streaming weights.
     return [
-        triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m}, num_warps=warps, num_stages=stages)
+        triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
         for block_m in (16, 32, 64, 128)
-        for block_n, warps, stages in ((16, 2, 6), (32, 4, 5), (64, 4, 4), (128, 4, 3), (128, 8, 4))
+        for block_n, warps, stages in ((64, 4, 4), (128, 4, 4), (256, 8, 3))
+        for split in ((1, 2, 4) if block_m <= 64 else (1,))
     ]
 
 
@@ -122,7 +137,7 @@ def _prune_weight_only(configs, named_args, **kwargs):
     while wanted < rows and wanted < 128:
         wanted *= 2
     allowed = {wanted, wanted // 2} if rows > 64 else {wanted}
-    return [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
+    return [c for c in configs if c.kwargs["BLOCK_M"] in allowed and (rows <= 64 or c.kwargs["SPLIT_K"] == 1)]
 
 
 if TRITON_AVAILABLE:
@@ -139,6 +154,7 @@ if TRITON_AVAILABLE:
         scale_ptr,
         bias_ptr,
         out_ptr,
+        partial_ptr,
         M,
         N,
         K,
@@ -152,21 +168,29 @@ if TRITON_AVAILABLE:
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):
         # out[m, n] = sum over k tiles of (x[m, k] @ w[n, k]^T) * scale[n // SCALE_N, k // SCALE_K]: one scale per
-        # column of a partial product, since a k tile (BLOCK_K <= SCALE_K) lies inside one scale block.
-        pid_m = tl.program_id(1)
+        # column of a partial product, since a k tile (BLOCK_K <= SCALE_K) lies inside one scale block. Program
+        # (n, m, s) sums the s-th of SPLIT_K ranges of k tiles; with SPLIT_K > 1 it writes float32 partial sums
+        # `(SPLIT_K, M, N)` that `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
         pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = pid_k * per_split
+        k_last = tl.minimum(k_first + per_split, k_tiles)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         in_m = offs_m < M
         in_n = offs_n < N
-        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] + k_first * BLOCK_K
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] + k_first * BLOCK_K
         scale_ptrs = scale_ptr + (offs_n // SCALE_N) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             in_k = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
@@ -175,25 +199,44 @@ if TRITON_AVAILABLE:
             acc += partial * scale[None, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        mask = in_m[:, None] & in_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+            tl.store(partial_ptrs, acc, mask=mask)
+
+    @triton.jit
+    def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < M * N
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in range(0, SPLITS):
+            total += tl.load(partial_ptr + split * M * N + offs, mask=inside, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+            total += tl.load(bias_ptr + offs % N, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _quantize_rows_kernel(
-        x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, stride_sk, GROUP: tl.constexpr
+        x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk, ROWS: tl.constexpr, GROUP: tl.constexpr
     ):
-        # One program per (row, group of GROUP columns): scale = amax / FP8 max, q = x / scale.
-        row = tl.program_id(0).to(tl.int64)
+        # One program per (ROWS rows, group of GROUP columns): per row, scale = amax / FP8 max, q = x / scale.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         group = tl.program_id(1)
         cols = group * GROUP + tl.arange(0, GROUP)
-        inside = cols < K
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-        q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
-        tl.store(scale_ptr + row * stride_sm + group * stride_sk, scale)
+        in_rows = rows < M
+        mask = in_rows[:, None] & (cols < K)[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows64 * stride_sm + group * stride_sk, scale, mask=in_rows)
 
     @triton.autotune(
         configs=[
@@ -264,13 +307,15 @@ if TRITON_AVAILABLE:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
-def _launch(kernel, grid, interpreter_config: dict, *args, **kwargs) -> None:
+def _launch(kernel, grid, interpreter_config: dict, *args, **kwargs) -> dict:
     # Triton's interpreter (TRITON_INTERPRET=1, CPU tests) cannot time the autotuner's configs: run one of them.
+    # Returns the config's parameters that ran.
     if os.environ.get("TRITON_INTERPRET") == "1":
         meta = dict(kwargs, **interpreter_config)
         kernel.fn[grid(meta)](*args, **meta)
-    else:
-        kernel[grid](*args, **kwargs)
+        return interpreter_config
+    kernel[grid](*args, **kwargs)
+    return kernel.best_config.kwargs
 
 
 @on_tensor_device
@@ -281,19 +326,23 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
     n_out = weight.shape[0]
     block_n, block_k = block_size
     out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
+    # Room for the largest split's partial sums where a split can be chosen (few rows; see _prune_weight_only).
+    max_split = max(c.kwargs["SPLIT_K"] for c in _weight_only_kernel.configs) if rows <= 64 else 1
+    partials = torch.empty(max_split if max_split > 1 else 0, rows, n_out, device=x.device, dtype=torch.float32)
 
     def grid(meta):
-        return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]))
+        return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
 
-    _launch(
+    config = _launch(
         _weight_only_kernel,
         grid,
-        {"BLOCK_M": 16, "BLOCK_N": 32},
+        {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2 if rows <= 64 else 1},
         x,
         weight,
         weight_scale_inv,
         bias if bias is not None else out,
         out,
+        partials,
         rows,
         n_out,
         cols,
@@ -306,6 +355,18 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
         BLOCK_K=min(block_k, 128),
         HAS_BIAS=bias is not None,
     )
+    if config["SPLIT_K"] > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
+            partials,
+            bias if bias is not None else out,
+            out,
+            rows,
+            n_out,
+            config["SPLIT_K"],
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
     return out
 
 
@@ -318,11 +379,15 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
     groups = triton.cdiv(cols, group)
     q = torch.empty(rows, cols, device=x.device, dtype=FP8_DTYPE)
     if scales_column_major:
-        scales = torch.empty(groups, rows, device=x.device, dtype=torch.float32).t()
+        # Leading dimension padded to a multiple of 4 (16 bytes), as cuBLASLt wants scale matrices aligned.
+        padded = -(-rows // 4) * 4
+        scales = torch.empty(groups, padded, device=x.device, dtype=torch.float32)[:, :rows].t()
     else:
         scales = torch.empty(rows, groups, device=x.device, dtype=torch.float32)
-    _quantize_rows_kernel[(rows, groups)](
-        x, q, scales, cols, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), GROUP=group
+    tile_rows = 16
+    _quantize_rows_kernel[(triton.cdiv(rows, tile_rows), groups)](
+        x, q, scales, rows, cols, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+        ROWS=tile_rows, GROUP=group,
     )
     return q, scales
 
@@ -334,14 +399,20 @@ def _scaled_mm_block_scaling(device_index: int) -> bool:
         if torch.cuda.get_device_capability(device_index) != (9, 0):
             return False
         device = torch.device("cuda", device_index)
-        a = torch.zeros(128, 256, device=device).to(FP8_DTYPE)
-        w = torch.zeros(128, 256, device=device).to(FP8_DTYPE)
-        a_scale = torch.ones(2, 128, device=device).t()
-        w_scale = torch.ones(1, 2, device=device)
+        a = torch.zeros(128, 512, device=device).to(FP8_DTYPE)
+        w = torch.zeros(128, 512, device=device).to(FP8_DTYPE)
+        a_scale = torch.ones(4, 128, device=device).t()
+        w_scale = torch.ones(1, 4, device=device)
         _scaled_mm_blockwise(a, a_scale, w, w_scale, None, torch.bfloat16)
         return True
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return False
+
+
+def scaled_mm_fits(n_out: int, cols: int, block_size) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM takes this weight: 128x128 blocks, and the scales' leading
+    dimension (K / 128 for the weight's, passed transposed) a multiple of 4 (16 bytes, cuBLASLt's alignment)."""
+    return tuple(block_size) == (128, 128) and cols % 512 == 0 and n_out % 128 == 0
 
 
 def _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, out_dtype):
@@ -360,9 +431,11 @@ def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None
     block_n, block_k = block_size
     if backend not in ("auto", "scaled_mm", "triton"):
         raise ValueError(f"backend must be 'auto', 'scaled_mm' or 'triton', got {backend!r}.")
-    cublas_shape = tuple(block_size) == (128, 128) and cols % 128 == 0 and n_out % 128 == 0 and x.is_cuda
     if backend == "scaled_mm" or (
-        backend == "auto" and cublas_shape and _scaled_mm_block_scaling(x.device.index or 0)
+        backend == "auto"
+        and x.is_cuda
+        and scaled_mm_fits(n_out, cols, block_size)
+        and _scaled_mm_block_scaling(x.device.index or 0)
     ):
         a, a_scale = quantize_rows(x, block_k, scales_column_major=True)
         return _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, x.dtype)

@@ -51,7 +51,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import use_fused_kernels
+from .kernels import linear, use_fused_kernels
 
 register_attention_backends()
 
@@ -197,7 +197,8 @@ class LLaDA2MoeMLP(nn.Module):
         self.silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.act_fn, self.gate_proj(x), self.up_proj(x), self.silu))
+        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
+        return linear(self.down_proj, gated_activation(self.act_fn, gate, up, self.silu))
 
 
 def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -449,7 +450,7 @@ class LLaDA2MoeAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
         batch, q_len, _ = hidden_states.shape
-        qkv = self.query_key_value(hidden_states).view(batch, q_len, -1, self.head_dim)
+        qkv = linear(self.query_key_value, hidden_states).view(batch, q_len, -1, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if self.config.use_qk_norm:
@@ -476,7 +477,7 @@ class LLaDA2MoeAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        return self.dense(attn.reshape(batch, q_len, -1))
+        return linear(self.dense, attn.reshape(batch, q_len, -1))
 
 
 class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
@@ -773,7 +774,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        logits = self.lm_head(select_positions(hidden_states, logits_to_keep)).float()
+        logits = linear(self.lm_head, select_positions(hidden_states, logits_to_keep)).float()
         output = MoeCausalLMOutputWithPast(
             logits=logits,
             past_key_values=outputs.past_key_values,

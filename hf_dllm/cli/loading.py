@@ -158,7 +158,16 @@ def load_model(
                 "--quantization fp8 needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
                 f"only), but the model would load on {resolve_device(device)}."
             )
-        kwargs["quantization_config"] = FineGrainedFP8Config()
+        from transformers import AutoConfig
+
+        from hf_dllm.fp8 import FP8_MODULES_TO_NOT_CONVERT
+
+        model_type = AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code, **({"revision": revision} if revision else {})
+        ).model_type
+        kwargs["quantization_config"] = FineGrainedFP8Config(
+            modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type)
+        )
     if revision is not None:
         kwargs["revision"] = revision
     if attn_implementation is not None:
