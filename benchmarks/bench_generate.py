@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             quantized = quantize_fp8(model, device, attn)
             logits = full_logits(quantized, probe)
             agreement = logit_agreement(reference, logits)
-            # The kernels alone: against bf16 running the FP8 weights dequantized (only the arithmetic differs).
+            # Against bf16 running the FP8 weights dequantized: the same weights, so what differs is the kernels'
+            # arithmetic and, above WEIGHT_ONLY_MAX_ROWS rows (this 768-row forward), the activations' FP8 rounding.
             load_dequantized_(model, quantized)
             agreement["vs_dequantized_weights"] = logit_agreement(full_logits(model, probe), logits)
             summary["fp8_vs_bf16_logits"] = agreement
