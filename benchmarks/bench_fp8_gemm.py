@@ -78,6 +78,18 @@ def rowwise_scaled_mm(x, weight):
     return run
 
 
+def candidate_kernels(x, weight, w8, scale, block) -> dict:
+    """name -> a call computing `x @ weight.T` (bf16) or with the FP8 weight `w8` and its block scales."""
+    return {
+        "bf16": lambda: torch.nn.functional.linear(x, weight),
+        "weight_only": lambda: fp8.weight_only_matmul(x, w8, scale, block),
+        "w8a8_triton": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
+        "w8a8_scaled_mm": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
+        "transformers_hub": lambda: _transformers_linear(x, w8, scale, block),
+        "rowwise_scaled_mm": rowwise_scaled_mm(x, weight),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="32,256,1024,768,6144,24576")
@@ -110,14 +122,7 @@ def main(argv=None) -> int:
                 "w8a8": ((x_deq @ w_deq.t()) - exact).norm().item() / exact.norm().item(),
             }
             del w_deq, x_deq
-            kernels = {
-                "bf16": lambda: torch.nn.functional.linear(x, weight),
-                "weight_only": lambda: fp8.weight_only_matmul(x, w8, scale, block),
-                "w8a8_triton": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
-                "w8a8_scaled_mm": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
-                "transformers_hub": lambda: _transformers_linear(x, w8, scale, block),
-                "rowwise_scaled_mm": rowwise_scaled_mm(x, weight),
-            }
+            kernels = candidate_kernels(x, weight, w8, scale, block)
             for kernel, fn in kernels.items():
                 if args.kernels and kernel not in args.kernels.split(","):
                     continue
@@ -155,7 +160,9 @@ def main(argv=None) -> int:
             if r is None or "us" not in r:
                 line += f"{'n/a':>30}"
             else:
-                line += f"{r['us']:>9.1f} ({r['weight_tb_s']:.2f}|{r['tflop_s']:>5.0f}) [{r['rel_error']:.1e}]".rjust(30)
+                line += f"{r['us']:>9.1f} ({r['weight_tb_s']:.2f}|{r['tflop_s']:>5.0f}) [{r['rel_error']:.1e}]".rjust(
+                    30
+                )
         print(line)
     best = {}
     for (shape, rows), cells in by_key.items():

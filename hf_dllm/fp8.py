@@ -223,7 +223,17 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _quantize_rows_kernel(
-        x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk, ROWS: tl.constexpr, GROUP: tl.constexpr
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        M,
+        K,
+        stride_xm,
+        stride_qm,
+        stride_sm,
+        stride_sk,
+        ROWS: tl.constexpr,
+        GROUP: tl.constexpr,
     ):
         # One program per (ROWS rows, group of GROUP columns): per row, scale = amax / FP8 max, q = x / scale.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -386,8 +396,17 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
         scales = torch.empty(rows, groups, device=x.device, dtype=torch.float32)
     tile_rows = 16
     _quantize_rows_kernel[(triton.cdiv(rows, tile_rows), groups)](
-        x, q, scales, rows, cols, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
-        ROWS=tile_rows, GROUP=group,
+        x,
+        q,
+        scales,
+        rows,
+        cols,
+        x.stride(0),
+        q.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        ROWS=tile_rows,
+        GROUP=group,
     )
     return q, scales
 

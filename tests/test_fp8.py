@@ -122,8 +122,10 @@ def test_fused_projection_concatenates_fp8_weights_and_scales(monkeypatch):
     block = quantized.model.transformer.blocks[0]
     names_before = set(quantized.state_dict())
     x = torch.randn(3, 5, config.d_model, dtype=torch.bfloat16)
-    separate = torch.cat([fp8.fp8_linear(x, *_fp8_args(getattr(block, n)), use_triton=False) for n in
-                          ("q_proj", "k_proj", "v_proj")], dim=-1)
+    separate = torch.cat(
+        [fp8.fp8_linear(x, *_fp8_args(getattr(block, n)), use_triton=False) for n in ("q_proj", "k_proj", "v_proj")],
+        dim=-1,
+    )
     fused = block.project(x, ("q_proj", "k_proj", "v_proj"))
     assert torch.equal(fused, separate)
     weight, _ = block.concatenated(("q_proj", "k_proj", "v_proj"))
@@ -262,8 +264,12 @@ def test_loading_flag_refuses_cpu_and_unknown_values(tmp_path):
     assert model_arguments(parser.parse_args(["--quantization", "fp8"]))["quantization"] == "fp8"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
-    folder = save_with_tokenizer(hf_dllm.LLaDAModelLM._from_config(tiny_config(vocab_size=103, embedding_size=103,
-                                 mask_token_id=3, eos_token_id=0, pad_token_id=0)), tmp_path / "ckpt")
+    folder = save_with_tokenizer(
+        hf_dllm.LLaDAModelLM._from_config(
+            tiny_config(vocab_size=103, embedding_size=103, mask_token_id=3, eos_token_id=0, pad_token_id=0)
+        ),
+        tmp_path / "ckpt",
+    )
     with pytest.raises(ValueError, match="--quantization must be one of none, fp8"):
         load_model(folder, device="cpu", quantization="int4")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
@@ -314,10 +320,23 @@ def test_llada2_quantized_matches_dequantized_weights(monkeypatch):
     from hf_dllm import LLaDA2MoeConfig, LLaDA2MoeModelLM
 
     config = LLaDA2MoeConfig(
-        vocab_size=61, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-        moe_intermediate_size=128, max_position_embeddings=128, mask_token_id=60, pad_token_id=0, eos_token_id=1,
-        first_k_dense_replace=1, num_shared_experts=1,
+        vocab_size=61,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=128,
+        max_position_embeddings=128,
+        mask_token_id=60,
+        pad_token_id=0,
+        eos_token_id=1,
+        first_k_dense_replace=1,
+        num_shared_experts=1,
     )
     torch.manual_seed(0)
     model = LLaDA2MoeModelLM._from_config(config, dtype=torch.bfloat16).eval()
@@ -326,7 +345,10 @@ def test_llada2_quantized_matches_dequantized_weights(monkeypatch):
             param.add_(torch.randn_like(param) * 0.05)
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
     quantized = LLaDA2MoeModelLM.from_pretrained(
-        None, config=config, state_dict=model.state_dict(), quantization_config=FineGrainedFP8Config(modules_to_not_convert=fp8.FP8_MODULES_TO_NOT_CONVERT["llada2_moe"]),
+        None,
+        config=config,
+        state_dict=model.state_dict(),
+        quantization_config=FineGrainedFP8Config(modules_to_not_convert=fp8.FP8_MODULES_TO_NOT_CONVERT["llada2_moe"]),
         dtype=torch.bfloat16,
     ).eval()
     moe = quantized.model.layers[1].mlp
@@ -340,8 +362,9 @@ def test_llada2_quantized_matches_dequantized_weights(monkeypatch):
         if name.endswith("weight_scale_inv"):
             continue
         if tensor.dtype == fp8.FP8_DTYPE:
-            tensor = fp8.dequantize(tensor, state[name.removesuffix("weight") + "weight_scale_inv"], BLOCK,
-                                    torch.bfloat16)
+            tensor = fp8.dequantize(
+                tensor, state[name.removesuffix("weight") + "weight_scale_inv"], BLOCK, torch.bfloat16
+            )
         plain[name] = tensor
     reference = LLaDA2MoeModelLM._from_config(config, dtype=torch.bfloat16).eval()
     reference.load_state_dict(plain, strict=False)
