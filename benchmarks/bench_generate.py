@@ -8,10 +8,18 @@ step, so every setting makes the same number of forwards and only the cost of a 
 Also measured: the median latency of one dual-cache block step (CUDA events around single steps after warm-up),
 and, with `--check-eager`, that the CUDA-graph fast path gives the same tokens as `disable_compile=True`.
 
+`--quantization none,fp8` (issue #13) runs the same settings with the bf16 model and with its FP8 copy, quantized
+on the GPU through transformers' API (`from_pretrained(..., quantization_config=FineGrainedFP8Config())`, 128x128
+weight blocks; the LM head stays bf16, as transformers leaves output embeddings) and prints per quantization the
+weights one step reads, their read floor at `--bandwidth` TB/s and the bandwidth the batch-1 dual step achieves;
+then the FP8 logits' error against bf16 over one full-sequence forward (per position: top-1 agreement).
+`--tokens-per-forward 1,4` also runs 4 tokens per forward (steps = new tokens / 4).
+
 Prints a table and ends with one JSON line.
 
     python benchmarks/bench_generate.py                      # GPU: the issue's settings
     python benchmarks/bench_generate.py --cpu                # small CPU setting
+    python benchmarks/bench_generate.py --modes dual --quantization none,fp8 --tokens-per-forward 1,4
 """
 
 from __future__ import annotations
@@ -48,6 +56,61 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, attn: str
     with torch.device(device):
         model = hf_dllm.LLaDAModelLM._from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval()
+
+
+def quantize_fp8(model: hf_dllm.LLaDAModelLM, device: torch.device, attn: str) -> hf_dllm.LLaDAModelLM:
+    """An FP8 copy of `model` made by transformers' quantizer, the way `from_pretrained` quantizes a checkpoint."""
+    from transformers import FineGrainedFP8Config
+
+    quantized = hf_dllm.LLaDAModelLM.from_pretrained(
+        None,
+        config=model.config,
+        state_dict=model.state_dict(),
+        quantization_config=FineGrainedFP8Config(),
+        dtype=torch.bfloat16,
+        device_map=str(device),
+        attn_implementation=attn,
+    )
+    return quantized.eval()
+
+
+@torch.no_grad()
+def load_dequantized_(model, quantized) -> None:
+    """Overwrite `model`'s weights, in place, with the FP8 weights of `quantized` dequantized to bf16."""
+    from hf_dllm.fp8 import dequantize, is_fp8_linear
+
+    for name, module in quantized.named_modules():
+        if is_fp8_linear(module):
+            target = model.get_submodule(name).weight
+            target.copy_(dequantize(module.weight, module.weight_scale_inv, module.block_size, target.dtype))
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of the weights a block step reads: every parameter but the input embedding (only its rows are read)."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+
+
+@torch.no_grad()
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits
+
+
+def logit_agreement(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    """FP8 logits `(1, L, V)` against bf16: error relative to the reference's scale and top-1 agreement."""
+    reference, logits = reference.float()[0], logits.float()[0]
+    error = (logits - reference).abs()
+    scale = reference.abs().mean()
+    agree = (reference.argmax(-1) == logits.argmax(-1)).float()
+    return dict(
+        positions=int(agree.numel()),
+        max_abs_error=error.max().item(),
+        mean_abs_error=error.mean().item(),
+        mean_abs_reference=scale.item(),
+        relative_rms_error=((logits - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()).item(),
+        top1_agreement=agree.mean().item(),
+        top1_agreement_first_last_block=[agree[:32].mean().item(), agree[-32:].mean().item()],
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -105,6 +168,63 @@ def _time_block_steps(run, config, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
+    """The settings' rows (batch x cache mode x tokens per forward) for one model."""
+    args, device, gpu, new_tokens = settings["args"], settings["device"], settings["gpu"], settings["new_tokens"]
+    weight_bytes = step_weight_bytes(model)
+    floor = dict(gb=weight_bytes / 1e9, floor_ms=weight_bytes / (args.bandwidth * 1e12) * 1000)
+    WEIGHT_READ[quant] = floor
+    rows = []
+    for batch in settings["batch_sizes"]:
+        torch.manual_seed(batch)
+        prompts = torch.randint(
+            0, settings["shape"]["vocab_size"] - 512, (batch, settings["prompt_len"]), device=device
+        )
+        for mode in settings["modes"]:
+            if batch > 1 and mode not in settings["big_modes"]:
+                continue
+            for per_forward in settings["tokens_per_forward"]:
+                kwargs = dict(
+                    max_new_tokens=new_tokens,
+                    block_length=settings["block_length"],
+                    steps=new_tokens // per_forward,
+                    use_cache=mode != "none",
+                    dual_cache=mode == "dual",
+                    eos_early_stop=False,
+                    return_dict_in_generate=True,
+                )
+                base = dict(attn=attn, quant=quant, batch=batch, mode=mode, tokens_per_forward=per_forward)
+                try:
+                    seconds, out, peak = timed_generate(model, prompts, kwargs, device, args.repeats)
+                except torch.OutOfMemoryError as error:
+                    rows.append(dict(base, error=f"OOM: {error}"[:120]))
+                    torch.cuda.empty_cache()
+                    continue
+                row = dict(
+                    base,
+                    nfe=out.nfe,
+                    ms_per_forward=1000 * seconds / out.nfe,
+                    tokens_per_s=batch * new_tokens / seconds,
+                    seconds=seconds,
+                    peak_gb=peak / 1e9,
+                )
+                if mode == "dual" and per_forward == settings["tokens_per_forward"][0]:
+                    row["dual_step_ms"] = dual_step_ms(model, prompts, kwargs, device)
+                    if gpu and batch == 1:
+                        # Weight bytes read once per step over the step time (the bandwidth floor's view).
+                        row["weight_read_tb_s"] = weight_bytes / (row["dual_step_ms"] / 1000) / 1e12
+                        floor["achieved_tb_s"] = row["weight_read_tb_s"]
+                if args.check_eager and batch <= args.check_eager_max_batch:
+                    eager = model.generate(prompts, **dict(kwargs, disable_compile=True))
+                    row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+WEIGHT_READ: dict[str, dict] = {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="small CPU setting (default when no GPU)")
@@ -118,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
     parser.add_argument("--check-eager-max-batch", type=int, default=8)
+    parser.add_argument(
+        "--quantization", default="none", help="comma list of none (the dtype's weights) and fp8 (GPU only)"
+    )
+    parser.add_argument("--tokens-per-forward", default="1", help="comma list; steps = new tokens / this")
+    parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the weight-read floor (H100)")
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available() and not args.cpu
@@ -132,68 +257,66 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if gpu else "CPU"
 
     rows, summary = [], {"device": device_name, "torch": torch.__version__, "dtype": str(dtype)}
-    summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, steps=new_tokens)
+    summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, weight_read=WEIGHT_READ)
+    quantizations = args.quantization.split(",")
+    if any(q not in ("none", "fp8") for q in quantizations):
+        parser.error(f"--quantization takes a comma list of none and fp8, got {args.quantization!r}")
+    if "fp8" in quantizations and not gpu:
+        parser.error("--quantization fp8 needs a GPU (transformers quantizes FP8 on CUDA or XPU only)")
+    tokens_per_forward = [int(t) for t in args.tokens_per_forward.split(",")]
+    if any(t < 1 or new_tokens % t for t in tokens_per_forward):
+        parser.error(f"--tokens-per-forward values must divide {new_tokens}, got {args.tokens_per_forward!r}")
+    settings = dict(
+        batch_sizes=batch_sizes, modes=modes, big_modes=big_modes, tokens_per_forward=tokens_per_forward, args=args
+    )
+    settings.update(shape=shape, device=device, gpu=gpu, prompt_len=prompt_len, new_tokens=new_tokens)
+    settings.update(block_length=block_length)
     for attn in args.attn.split(","):
         model = build_model(shape, dtype, device, attn)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        for batch in batch_sizes:
-            torch.manual_seed(batch)
-            prompts = torch.randint(0, shape["vocab_size"] - 512, (batch, prompt_len), device=device)
-            for mode in modes:
-                if batch > 1 and mode not in big_modes:
-                    continue
-                kwargs = dict(
-                    max_new_tokens=new_tokens,
-                    block_length=block_length,
-                    steps=new_tokens,
-                    use_cache=mode != "none",
-                    dual_cache=mode == "dual",
-                    eos_early_stop=False,
-                    return_dict_in_generate=True,
-                )
-                try:
-                    seconds, out, peak = timed_generate(model, prompts, kwargs, device, args.repeats)
-                except torch.OutOfMemoryError as error:
-                    rows.append(dict(attn=attn, batch=batch, mode=mode, error=f"OOM: {error}"[:120]))
-                    torch.cuda.empty_cache()
-                    continue
-                row = dict(
-                    attn=attn,
-                    batch=batch,
-                    mode=mode,
-                    nfe=out.nfe,
-                    ms_per_forward=1000 * seconds / out.nfe,
-                    tokens_per_s=batch * new_tokens / seconds,
-                    seconds=seconds,
-                    peak_gb=peak / 1e9,
-                )
-                if mode == "dual":
-                    row["dual_step_ms"] = dual_step_ms(model, prompts, kwargs, device)
-                    if gpu and batch == 1:
-                        # Weight bytes read once per step over the step time (the bandwidth floor's view).
-                        row["weight_read_tb_s"] = weight_bytes / (row["dual_step_ms"] / 1000) / 1e12
-                if args.check_eager and batch <= args.check_eager_max_batch:
-                    eager = model.generate(prompts, **dict(kwargs, disable_compile=True))
-                    row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        probe = None
+        if "fp8" in quantizations:
+            torch.manual_seed(1)
+            probe = torch.randint(0, shape["vocab_size"] - 512, (1, prompt_len + new_tokens), device=device)
+        if "none" in quantizations:
+            rows += measure(model, attn, "none", settings)
+        if "fp8" in quantizations:
+            reference = full_logits(model, probe)
+            quantized = quantize_fp8(model, device, attn)
+            logits = full_logits(quantized, probe)
+            agreement = logit_agreement(reference, logits)
+            # Against bf16 running the FP8 weights dequantized: the same weights, so what differs is the kernels'
+            # arithmetic and, above WEIGHT_ONLY_MAX_ROWS rows (this 768-row forward), the activations' FP8 rounding.
+            load_dequantized_(model, quantized)
+            agreement["vs_dequantized_weights"] = logit_agreement(full_logits(model, probe), logits)
+            summary["fp8_vs_bf16_logits"] = agreement
+            print(json.dumps(agreement), flush=True)
+            del reference, logits, model
+            model = quantized  # the bf16 model is freed: peak memory is the FP8 model's
+            torch.cuda.empty_cache()
+            rows += measure(model, attn, "fp8", settings)
         del model
         if gpu:
             torch.cuda.empty_cache()
 
     print()
-    header = f"{'attn':<13}{'batch':>6}{'mode':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}{'step ms':>9}{'peak GB':>9}{'=eager':>8}"
+    header = f"{'attn':<13}{'quant':>6}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}{'step ms':>9}{'peak GB':>9}{'=eager':>8}"
     print(f"{device_name}, {dtype}, prompt {prompt_len}, {new_tokens} new tokens, block {block_length}")
     print(header)
     for r in rows:
         if "error" in r:
-            print(f"{r['attn']:<13}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
+            print(f"{r['attn']:<13}{r['quant']:>6}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
             continue
         step = f"{r['dual_step_ms']:.2f}" if "dual_step_ms" in r else "-"
         same = str(r.get("tokens_equal_eager", "-"))
         print(
-            f"{r['attn']:<13}{r['batch']:>6}{r['mode']:>8}{r['nfe']:>6}{r['ms_per_forward']:>9.2f}"
+            f"{r['attn']:<13}{r['quant']:>6}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}{r['nfe']:>6}"
+            f"{r['ms_per_forward']:>9.2f}"
             f"{r['tokens_per_s']:>9.1f}{step:>9}{r['peak_gb']:>9.2f}{same:>8}"
+        )
+    for quant, floor in summary.get("weight_read", {}).items():
+        print(
+            f"{quant}: a step reads {floor['gb']:.2f} GB of weights, floor {floor['floor_ms']:.2f} ms at "
+            f"{args.bandwidth} TB/s; batch-1 dual step achieved {floor.get('achieved_tb_s', float('nan')):.2f} TB/s"
         )
     summary["rows"] = rows
     print(json.dumps(summary))

@@ -179,13 +179,29 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", default=str(ROOT / "benchmarks" / "quality_vs_nfe.png"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--dtype", default=None, help="load the weights in this dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8"),
+        help="fp8: FP8 weights with 128x128 block scales (transformers' FineGrainedFP8Config; CUDA only)",
+    )
     args = p.parse_args(argv)
+    if args.quantization == "fp8" and not args.device.startswith("cuda"):
+        p.error("--quantization fp8 needs --device cuda (transformers quantizes FP8 on CUDA or XPU only)")
 
     torch.set_num_threads(args.threads)
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModel.from_pretrained(args.model).to(args.device).eval()
+    load = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
+    if args.quantization == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        load.update(quantization_config=FineGrainedFP8Config(), device_map=args.device)
+        model = AutoModel.from_pretrained(args.model, **load).eval()
+    else:
+        model = AutoModel.from_pretrained(args.model, **load).to(args.device).eval()
     examples = st.heldout_examples(args.n)
     encoded = encode(tokenizer, examples, args.batch_size, args.device)
     block_lengths = [int(x) for x in args.block_lengths.split(",")]
@@ -193,7 +209,8 @@ def main(argv=None) -> int:
     print(
         f"model {args.model}: d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} heads, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; device {args.device} "
-        f"({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}"
+        f"({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}, "
+        f"quantization {args.quantization}"
     )
     print(
         f"{args.n} held-out prompts ({', '.join(st.TASKS)}), max_new_tokens {args.max_new_tokens}, "
@@ -248,6 +265,7 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size,
         "device": args.device,
+        "quantization": args.quantization,
         "answers_changed_by_eos_early_stop": changed,
         "settings": [
             {

@@ -1,5 +1,6 @@
-"""Which implementation runs the models' elementwise ops (RMSNorm, RoPE, SiLU gate): chosen once, logged once; and
-the concatenated projections the fused path multiplies with (`ConcatenatedProjections`, LLaDA's and Dream's).
+"""Which implementation runs the models' elementwise ops (RMSNorm, RoPE, SiLU gate): chosen once, logged once; the
+concatenated projections the fused path multiplies with (`ConcatenatedProjections`, LLaDA's and Dream's); and
+`linear(layer, x)`, which runs FP8-quantized layers (transformers' `FineGrainedFP8Config`) through `fp8.py`.
 
 - `auto` (default): the fused Triton kernels of `triton_ops.py` for CUDA tensors when Triton is installed,
   PyTorch otherwise (CPU, no Triton, or when autograd needs the graph: the kernels have no backward).
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .fp8 import fp8_linear, is_fp8_linear
 from .tensor_parallel import local_tensor
 from .triton_ops import TRITON_AVAILABLE
 
@@ -64,6 +66,14 @@ def use_fused_kernels(tensor: torch.Tensor) -> bool:
     return chosen
 
 
+def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` for an `nn.Linear`; for transformers' `FP8Linear` (FP8 weights with block scales) the product runs
+    through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight otherwise."""
+    if is_fp8_linear(layer):
+        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias, use_fused_kernels(x))
+    return layer(x)
+
+
 class ConcatenatedProjections(nn.Module):
     """Base of the modules whose linear layers feeding the same input can run as one matrix product (q/k/v with
     their biases, gate/up): a product of 32 rows reads one 4608- or 37888-row matrix faster than several smaller
@@ -73,11 +83,16 @@ class ConcatenatedProjections(nn.Module):
     parameters to views of the concatenation, so it costs no memory, stays in sync with in-place weight updates,
     and `state_dict` / `save_pretrained` keep the Hub's separate names and tensors. It is rebuilt if the parameters
     were replaced or moved (e.g. by `.to()`). Used where the fused kernels run (`use_fused_kernels`): LLaDA's
-    blocks, Dream's attention and MLP."""
+    blocks, Dream's attention and MLP.
+
+    `project(x, names)` is that product. FP8 layers (transformers' `FineGrainedFP8Config`) are concatenated the same
+    way, their FP8 weights and their block scales `weight_scale_inv` both along the output dim, which is exact when
+    every layer's output size is a multiple of the scale block (128 for the Hub's checkpoints); otherwise each layer
+    runs its own product."""
 
     def __init__(self):
         super().__init__()
-        self._concatenated: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._concatenated: dict[tuple, torch.Tensor | None] = {}
 
     def _apply(self, fn, *args, **kwargs):
         # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old concatenations with them.
@@ -104,23 +119,43 @@ class ConcatenatedProjections(nn.Module):
             row += tensor.shape[0]
         return fused
 
-    def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
-        layers = [getattr(self, name) for name in names]
+    def _concatenated_parameter(self, names: tuple[str, ...], attribute: str) -> torch.Tensor | None:
+        """The layers' `attribute` (`weight`, `bias`, `weight_scale_inv`) concatenated along dim 0, or None when
+        none of them has it."""
         # Under tensor parallelism (column-wise q/k/v, gate/up) each rank concatenates its own slices: the product
         # gives this rank's heads / intermediate columns, exactly what the separate sharded layers would.
-        weights = [local_tensor(layer.weight) for layer in layers]
-        biases = [None if layer.bias is None else local_tensor(layer.bias) for layer in layers]
-        has_bias = biases[0] is not None
-        if any((bias is not None) != has_bias for bias in biases):
-            raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
-        cached = self._concatenated.get(names)
-        if (
-            cached is not None
-            and self._are_views_of(weights, cached[0])
-            and (not has_bias or self._are_views_of(biases, cached[1]))
-        ):
+        tensors = [getattr(getattr(self, name), attribute, None) for name in names]
+        tensors = [None if tensor is None else local_tensor(tensor) for tensor in tensors]
+        if all(tensor is None for tensor in tensors):
+            return None
+        if any(tensor is None for tensor in tensors):
+            raise ValueError(f"{names}: all or none of the layers must have a {attribute} to be concatenated.")
+        key = (names, attribute)
+        cached = self._concatenated.get(key)
+        if cached is not None and self._are_views_of(tensors, cached):
             return cached
-        fused = (self._concatenate(weights), self._concatenate(biases) if has_bias else None)
-        self._concatenated[names] = fused
+        fused = self._concatenate(tensors)
+        self._concatenated[key] = fused
         return fused
+
+    def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
+        biases = [getattr(self, name).bias for name in names]
+        if any((bias is not None) != (biases[0] is not None) for bias in biases):
+            raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
+        return self._concatenated_parameter(names, "weight"), self._concatenated_parameter(names, "bias")
+
+    def project(self, x: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+        """`x (..., in)` times the layers `names` as one layer -> `(..., sum of their out sizes)`."""
+        layers = [getattr(self, name) for name in names]
+        if not any(is_fp8_linear(layer) for layer in layers):
+            weight, bias = self.concatenated(names)
+            return nn.functional.linear(x, weight, bias)
+        block = tuple(layers[0].block_size)
+        if all(is_fp8_linear(layer) and tuple(layer.block_size) == block for layer in layers) and all(
+            layer.weight.shape[0] % block[0] == 0 for layer in layers
+        ):
+            weight, bias = self.concatenated(names)
+            scale = self._concatenated_parameter(names, "weight_scale_inv")
+            return fp8_linear(x, weight, scale, block, bias, use_fused_kernels(x))
+        return torch.cat([linear(layer, x) for layer in layers], dim=-1)

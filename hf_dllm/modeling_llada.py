@@ -33,7 +33,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import ConcatenatedProjections, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .tensor_parallel import local_shape
 
 register_attention_backends()
@@ -239,21 +239,20 @@ class LLaDALlamaBlock(ConcatenatedProjections):
             **kwargs,
         )
         x, hidden_states = self.ff_norm.add_and_norm(
-            self.dropout(self.attn_out(attn.reshape(batch, q_len, -1))), hidden_states
+            self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1))), hidden_states
         )
-        return hidden_states + self.dropout(self.ff_out(self._gated_activation(x, fused)))
+        return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the weights are fused)."""
         batch, q_len, _ = x.shape
         if fused:
-            weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
             kv_width = self.num_kv_heads * self.head_dim
-            query, key, value = nn.functional.linear(x, weight, bias).split(
+            query, key, value = self.project(x, ("q_proj", "k_proj", "v_proj")).split(
                 [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
             )
         else:
-            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            query, key, value = linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
         return (
             query.view(batch, q_len, self.num_heads, self.head_dim),
             key.view(batch, q_len, self.num_kv_heads, self.head_dim),
@@ -263,10 +262,9 @@ class LLaDALlamaBlock(ConcatenatedProjections):
     def _gated_activation(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
         """`act(W_gate x) * W_up x` `(..., intermediate_size)`."""
         if fused:
-            weight, bias = self.concatenated(("ff_proj", "up_proj"))
-            gate, up = nn.functional.linear(x, weight, bias).chunk(2, dim=-1)
+            gate, up = self.project(x, ("ff_proj", "up_proj")).chunk(2, dim=-1)
         else:
-            gate, up = self.ff_proj(x), self.up_proj(x)
+            gate, up = linear(self.ff_proj, x), linear(self.up_proj, x)
         if fused and self.config.activation_type == "silu":
             return triton_ops.silu_mul(gate, up)
         return self.act(gate) * up
@@ -325,7 +323,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if self.config.weight_tying:
             logits = nn.functional.linear(hidden_states, self.transformer.wte.weight)
         else:
-            logits = self.transformer.ff_out(hidden_states)
+            logits = linear(self.transformer.ff_out, hidden_states)
         if self.config.scale_logits:
             logits = logits * (self.config.d_model**-0.5)
         return logits

@@ -51,12 +51,13 @@ from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, resolve_forward_positions
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
+from .fp8 import is_fp8_linear
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import use_fused_kernels
+from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_tensor, shard_range
 from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -205,7 +206,8 @@ class LLaDA2MoeMLP(nn.Module):
         self.silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.act_fn, self.gate_proj(x), self.up_proj(x), self.silu))
+        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
+        return linear(self.down_proj, gated_activation(self.act_fn, gate, up, self.silu))
 
 
 def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -326,9 +328,6 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             self.shared_experts = LLaDA2MoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
         else:
             self.shared_experts = None
-        # One shared expert has the routed experts' shape: the fused path runs it as one more group of the grouped
-        # GEMMs (every token's last pair), its weights stacked after the routed experts'.
-        self.stack_shared = config.num_shared_experts == 1
         self.act_fn = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act in ("silu", "swish")
         # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
@@ -339,6 +338,17 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old stacks with them.
         self._stacked = None
         return super()._apply(fn, *args, **kwargs)
+
+    @property
+    def stack_shared(self) -> bool:
+        """One shared expert has the routed experts' shape: the fused path runs it as one more group of the grouped
+        GEMMs (every token's last pair), its weights stacked after the routed experts'; not when it holds FP8
+        weights (`--quantization fp8` keeps the routed experts in bf16 and quantizes the shared one)."""
+        return (
+            self.shared_experts is not None
+            and self.config.num_shared_experts == 1
+            and not is_fp8_linear(self.shared_experts.gate_proj)
+        )
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`gate_up` `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and `down` `(E', H, I)`, with
@@ -573,7 +583,7 @@ class LLaDA2MoeAttention(nn.Module):
             return self._fused_forward(
                 hidden_states, position_embeddings, attention_mask, past_key_values, cache_position, grouped_query_mask
             )
-        qkv = self.query_key_value(hidden_states).view(batch, q_len, -1, self.head_dim)
+        qkv = linear(self.query_key_value, hidden_states).view(batch, q_len, -1, self.head_dim)
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         query, key, value = qkv.split([heads, kv_heads, kv_heads], dim=2)
         (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
@@ -604,7 +614,7 @@ class LLaDA2MoeAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        return self.dense(attn.reshape(batch, q_len, -1))
+        return linear(self.dense, attn.reshape(batch, q_len, -1))
 
     def uses_fused_path(self, hidden_states: torch.Tensor, past_key_values) -> bool:
         """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference, and all
@@ -637,7 +647,7 @@ class LLaDA2MoeAttention(nn.Module):
         norms = (self.query_layernorm, self.key_layernorm) if self.config.use_qk_norm else (None, None)
         cos, sin = position_embeddings
         query = triton_moe.qk_norm_rope_to_cache(
-            self.query_key_value(hidden_states),
+            linear(self.query_key_value, hidden_states),
             self.num_heads,
             self.num_kv_heads,
             None if norms[0] is None else norms[0].weight,
@@ -655,7 +665,7 @@ class LLaDA2MoeAttention(nn.Module):
             # `(B, L, Hq, D)`, the layout the output projection reads.
             mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
             attn = block_attention(query, keys, values, mask, self.scaling)
-            return self.dense(attn.reshape(batch, q_len, -1))
+            return linear(self.dense, attn.reshape(batch, q_len, -1))
         if grouped_query_mask is None and uses_grouped_query_sdpa(implementation, attention_mask):
             grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
         if grouped_query_mask is not None:
@@ -674,7 +684,7 @@ class LLaDA2MoeAttention(nn.Module):
             else:
                 attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
-        return self.dense(attn.reshape(batch, q_len, -1))
+        return linear(self.dense, attn.reshape(batch, q_len, -1))
 
     def _block_attention_applies(self, batch: int, attention_mask) -> bool:
         """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
@@ -1045,7 +1055,7 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        logits = self.lm_head(select_positions(hidden_states, logits_to_keep)).float()
+        logits = linear(self.lm_head, select_positions(hidden_states, logits_to_keep)).float()
         output = MoeCausalLMOutputWithPast(
             logits=logits,
             past_key_values=outputs.past_key_values,

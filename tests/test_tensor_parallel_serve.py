@@ -79,6 +79,14 @@ def test_bad_tp_plan_flags_are_refused_before_loading(monkeypatch, kwargs, messa
         load_model(TRAINED, **kwargs)
 
 
+def test_fp8_with_tp_plan_is_refused_before_loading(monkeypatch):
+    from hf_dllm.cli.loading import load_model
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=re.escape("--quantization fp8 and --tp-plan cannot be combined")):
+        load_model(TRAINED, tp_plan="auto", quantization="fp8")
+
+
 def post(port: int, body: dict) -> dict | str:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",

@@ -9,7 +9,10 @@ import sys
 # dependencies (fastapi, datasets, lm-eval) are needed only by the command that uses them.
 COMMANDS = {
     "export": ("hf_dllm.hub.export", "turn a local LLaDA checkpoint into a Hub repo with hf_dllm's remote code"),
-    "generate": ("hf_dllm.cli.generate", "decode prompts from the command line (one device, or sharded under torchrun)"),
+    "generate": (
+        "hf_dllm.cli.generate",
+        "decode prompts from the command line (one device, or sharded under torchrun)",
+    ),
     "serve": ("hf_dllm.serving.server", "OpenAI-compatible HTTP server with dLLM generation parameters"),
     "eval": ("hf_dllm.evaluation.evaluate", "evaluate a model on a dataset (datasets + accelerate data parallelism)"),
     "lm-eval": ("hf_dllm.evaluation.lm_eval_model", "lm-evaluation-harness with the `hf_dllm` model registered"),

@@ -16,6 +16,11 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py,
 # benchmarks/RESULTS.md); one thread is faster only while other processes hold the cores.
 DEFAULT_THREADS = None
+# `--quantization`: "none" loads the checkpoint's weights as they are; "fp8" quantizes them at load time through
+# transformers' `FineGrainedFP8Config` (FP8 weights, one scale per 128x128 block; CUDA GPUs of compute capability
+# >= 8.9), run by hf_dllm's FP8 kernels (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such
+# without the flag.
+QUANTIZATION_CHOICES = ("none", "fp8")
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -66,6 +71,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code")
     group.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="fp8: quantize the weights to FP8 with 128x128 block scales at load time (transformers' "
+        "FineGrainedFP8Config; needs a CUDA GPU of compute capability >= 8.9, e.g. H100); default none",
+    )
+    group.add_argument(
         "--threads",
         type=int,
         default=DEFAULT_THREADS,
@@ -88,6 +100,7 @@ def model_arguments(args: argparse.Namespace) -> dict:
         "attn_implementation",
         "revision",
         "trust_remote_code",
+        "quantization",
     )
     return {name: getattr(args, name) for name in names} | {"threads": args.threads}
 
@@ -116,6 +129,7 @@ def load_model(
     trust_remote_code: bool = False,
     threads: int | None = None,
     num_processes: int = 1,
+    quantization: str = "none",
 ):
     """Load `model` (a local checkpoint folder or a Hub id) and its tokenizer with transformers' Auto classes.
 
@@ -128,6 +142,8 @@ def load_model(
             parallelism, the model config's `base_model_tp_plan`); each process gets its GPU (`LOCAL_RANK`).
         num_processes: processes of a data-parallel launch (`accelerate launch`); each holds a replica, so
             `device_map` is refused there.
+        quantization: `"none"` or `"fp8"` (see `QUANTIZATION_CHOICES`): FP8 quantizes on the target GPU while
+            loading.
 
     Returns `(model, tokenizer)`, the model in eval mode. Raises `ValueError` for a bad flag value and
     `FileNotFoundError` for a local path that does not exist, before anything is loaded.
@@ -162,7 +178,32 @@ def load_model(
                 "--tp-plan auto shards the model over the processes of a torchrun launch; start the command with "
                 "`torchrun --nproc-per-node N -m hf_dllm ...` (N >= 2)."
             )
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}.")
+    if quantization == "fp8" and tp_plan is not None:
+        raise ValueError(
+            "--quantization fp8 and --tp-plan cannot be combined yet: the FP8 products multiply whole weights, not "
+            "tensor-parallel shards. Use one of them."
+        )
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if quantization == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        if device_map is None and resolve_device(device).type != "cuda":
+            raise ValueError(
+                "--quantization fp8 needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
+                f"only), but the model would load on {resolve_device(device)}."
+            )
+        from transformers import AutoConfig
+
+        from hf_dllm.fp8 import FP8_MODULES_TO_NOT_CONVERT
+
+        model_type = AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code, **({"revision": revision} if revision else {})
+        ).model_type
+        kwargs["quantization_config"] = FineGrainedFP8Config(
+            modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type)
+        )
     if revision is not None:
         kwargs["revision"] = revision
     if attn_implementation is not None:
@@ -176,7 +217,11 @@ def load_model(
         target = resolve_device(device)
         if target.type == "cuda" and target.index is not None:
             torch.cuda.set_device(target)  # kernels launch on the current device
-        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(target).eval()
+        if quantization == "fp8":
+            # Quantized where it loads: on the GPU, without a full-precision copy on the host first.
+            loaded = AutoModelForCausalLM.from_pretrained(path, device_map={"": target}, **kwargs).eval()
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(target).eval()
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         source = os.path.expanduser(os.fspath(tokenizer)) if tokenizer is not None else path
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)

@@ -17,8 +17,8 @@
   lm-eval shards the requests by rank). `device_map=auto` instead splits one model over the visible GPUs.
 
 `model_args`: `pretrained` (or LLaDA's `model_path`), `tokenizer`, `dtype` (`auto`, `bfloat16`, ...), `device`,
-`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `threads` (the loading flags of `hf-dllm
-eval`, through the same `hf_dllm.cli.loading.load_model`), `batch_size`, `mc_num` (128),
+`device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `threads`, `quantization` (the loading flags
+of `hf-dllm eval`, through the same `hf_dllm.cli.loading.load_model`), `batch_size`, `mc_num` (128),
 `mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
 `gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
 `block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
@@ -93,6 +93,7 @@ class DiffusionEvalLM(LM):
         revision: str | None = None,
         attn_implementation: str | None = None,
         threads: int | None = DEFAULT_THREADS,
+        quantization: str = "none",
         batch_size=1,
         max_batch_size=None,
         mc_num: int = 128,
@@ -113,7 +114,8 @@ class DiffusionEvalLM(LM):
         if unknown:
             raise ValueError(
                 f"hf_dllm: unknown model_args {unknown}. Accepted: pretrained, model_path, tokenizer, dtype, device, "
-                "device_map, trust_remote_code, revision, attn_implementation, threads, batch_size, mc_num, "
+                "device_map, trust_remote_code, revision, attn_implementation, threads, quantization, batch_size, "
+                "mc_num, "
                 "mc_batch_size, is_check_greedy, cfg, add_bos_token, max_length, seed, gen_length, max_new_tokens "
                 f"and the generation fields {sorted(_GENERATION_FIELDS)}."
             )
@@ -163,6 +165,7 @@ class DiffusionEvalLM(LM):
                 trust_remote_code=trust_remote_code,
                 threads=threads,
                 num_processes=state.num_processes,
+                quantization=quantization,
             )
         self.tokenizer = tokenizer
         self._device = self.model.get_input_embeddings().weight.device

@@ -61,6 +61,7 @@ SHARED_REMOTE_CODE_FILES = (
     "attention.py",
     "triton_attention.py",
     "kernels.py",
+    "fp8.py",
     "triton_ops.py",
     "graphs.py",
     "tensor_parallel.py",

@@ -1,0 +1,496 @@
+"""Matrix products with FP8 weights: the layers transformers' `FineGrainedFP8Config` makes (`FP8Linear`: weights in
+`float8_e4m3fn`, one float32 `weight_scale_inv` per `block_size` = (128, 128) block, the Hub's layout as in
+DeepSeek-V3, arXiv:2412.19437 section 3.3), run by hf_dllm's own kernels.
+
+Why not `FP8Linear.forward`: in transformers 5.x it fetches its Triton kernel from the Hub
+(`kernels-community/finegrained-fp8`) at the first call, which needs the `kernels` package and a network, and it
+launches per layer, where the fused q/k/v and gate/up products of `kernels.ConcatenatedProjections` multiply one
+matrix. Here, with shapes `x (..., K)`, `weight (N, K)`, `weight_scale_inv (ceil(N / bn), ceil(K / bk))`:
+
+- few rows (a block step: 32 x batch rows): `weight_only`, a Triton kernel that reads the FP8 weight tile, scales
+  each 128-column slice of the partial product in registers and multiplies in bfloat16. The step is bound by reading
+  weights, so half the bytes of bfloat16 is the whole gain, and the activations stay unquantized (no extra error).
+- many rows (the full-sequence forwards): `w8a8`, activations quantized per token and 128 columns
+  (`quantize_rows`), then FP8 tensor cores through cuBLASLt's block-scaled `torch._scaled_mm` where this torch and
+  GPU have it, else a Triton block-scaled FP8 kernel (the scheme of DeepSeek-V3's inference code).
+- `torch` (CPU, autograd, `HF_DLLM_KERNELS=torch`): the weight dequantized to the activation dtype, then `F.linear`.
+
+Which runs follows `kernels.use_fused_kernels` (Triton on CUDA; on the CPU with `TRITON_INTERPRET=1` in tests), and
+`WEIGHT_ONLY_MAX_ROWS` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
+Every path is free of host syncs and keeps static shapes, so block steps stay CUDA-graph capturable.
+
+This file is exported as Hub remote code: Triton is imported inside `try:`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import nn
+
+from .triton_ops import TRITON_AVAILABLE, on_tensor_device
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path is used
+    triton = None
+    tl = None
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+# Rows up to which the weight-only kernel runs (a product this small is bound by reading the weight); the w8a8 path
+# above it: on an H100 cuBLASLt's block-scaled FP8 was faster than the weight-only kernel from 256 rows on
+# (benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
+WEIGHT_ONLY_MAX_ROWS = 64
+
+
+# `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
+# transformers replaces every module named `*.experts` with its fused `FP8Experts` (one 3D tensor per projection),
+# which LLaDA2's per-expert `experts.{e}.{gate,up,down}_proj` layers (the Hub's names) are not, so LLaDA2's routed
+# experts stay bf16 (they run as torch's grouped GEMM, CUDA-graph capturable); naming any module drops
+# transformers' default skips, hence the output head named again.
+FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts"]}
+
+
+def is_fp8_linear(layer: nn.Module) -> bool:
+    """Whether `layer` holds FP8 weights with block scales (transformers' `FP8Linear` after loading)."""
+    weight = getattr(layer, "weight", None)
+    return (
+        weight is not None
+        and weight.dtype == FP8_DTYPE
+        and getattr(layer, "weight_scale_inv", None) is not None
+        and getattr(layer, "block_size", None) is not None
+    )
+
+
+def dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size, dtype: torch.dtype) -> torch.Tensor:
+    """`weight (N, K)` FP8 times its per-block scales `(ceil(N / bn), ceil(K / bk))` -> `(N, K)` in `dtype`
+    (computed in float32, rounded once)."""
+    block_n, block_k = block_size
+    rows, cols = weight.shape
+    scale = weight_scale_inv.float().repeat_interleave(block_n, 0)[:rows].repeat_interleave(block_k, 1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+def quantize_blocks(weight: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight (N, K)` -> FP8 `(N, K)` and `weight_scale_inv (ceil(N / bn), ceil(K / bk))` float32, each block scaled
+    so that its largest magnitude maps to the FP8 maximum: the layout of transformers' `Fp8Quantize`. Used by tests
+    and benchmarks to build inputs; models are quantized by transformers."""
+    block_n, block_k = block_size
+    rows, cols = weight.shape
+    pad_rows, pad_cols = -rows % block_n, -cols % block_k
+    padded = nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))
+    blocks = padded.unflatten(0, (-1, block_n)).unflatten(-1, (-1, block_k))  # (Nb, bn, Kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # (Nb, Kb)
+    scale_inv = amax / FP8_MAX
+    quantized = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale_inv
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_size,
+    bias: torch.Tensor | None = None,
+    use_triton: bool = True,
+) -> torch.Tensor:
+    """`x (..., K) @ dequantize(weight).T + bias` -> `(..., N)` in `x.dtype` (see the module docstring for the
+    kernels). `use_triton=False` forces the PyTorch path."""
+    if not (use_triton and TRITON_AVAILABLE) or not _kernel_supports(weight, block_size):
+        return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
+    else:
+        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias)
+    return out.view(*shape[:-1], weight.shape[0])
+
+
+def _kernel_supports(weight: torch.Tensor, block_size) -> bool:
+    block_n, block_k = block_size
+    power_of_two = all(b >= 16 and b & (b - 1) == 0 for b in (block_n, block_k))
+    return power_of_two and weight.stride(-1) == 1
+
+
+def _weight_only_configs():
+    # SPLIT_K > 1 splits K over programs (partial sums reduced by a second kernel): at a block step's 32 rows an
+    # N of 4096 gives too few (row, column) tiles to keep every SM streaming weights.
+    return [
+        triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
+        for block_m in (16, 32, 64, 128)
+        for block_n, warps, stages in ((64, 4, 4), (128, 4, 4), (256, 8, 3))
+        for split in ((1, 2, 4) if block_m <= 64 else (1,))
+    ]
+
+
+def _prune_weight_only(configs, named_args, **kwargs):
+    # BLOCK_M: the smallest tile >= the rows (min 16), or the two largest at many rows: a larger one only wastes work.
+    rows = named_args["M"]
+    wanted = 16
+    while wanted < rows and wanted < 128:
+        wanted *= 2
+    allowed = {wanted, wanted // 2} if rows > 64 else {wanted}
+    return [c for c in configs if c.kwargs["BLOCK_M"] in allowed and (rows <= 64 or c.kwargs["SPLIT_K"] == 1)]
+
+
+if TRITON_AVAILABLE:
+
+    @triton.autotune(
+        configs=_weight_only_configs(),
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_weight_only},
+    )
+    @triton.jit
+    def _weight_only_kernel(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        stride_om,
+        SCALE_N: tl.constexpr,
+        SCALE_K: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        # out[m, n] = sum over k tiles of (x[m, k] @ w[n, k]^T) * scale[n // SCALE_N, k // SCALE_K]: one scale per
+        # column of a partial product, since a k tile (BLOCK_K <= SCALE_K) lies inside one scale block. Program
+        # (n, m, s) sums the s-th of SPLIT_K ranges of k tiles; with SPLIT_K > 1 it writes float32 partial sums
+        # `(SPLIT_K, M, N)` that `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = pid_k * per_split
+        k_last = tl.minimum(k_first + per_split, k_tiles)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_m = offs_m < M
+        in_n = offs_n < N
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] + k_first * BLOCK_K
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] + k_first * BLOCK_K
+        scale_ptrs = scale_ptr + (offs_n // SCALE_N) * stride_sn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_first, k_last):
+            in_k = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            scale = tl.load(scale_ptrs + (k * BLOCK_K) // SCALE_K, mask=in_n, other=0.0)
+            partial = tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += partial * scale[None, :]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        mask = in_m[:, None] & in_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+            tl.store(partial_ptrs, acc, mask=mask)
+
+    @triton.jit
+    def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < M * N
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in range(0, SPLITS):
+            total += tl.load(partial_ptr + split * M * N + offs, mask=inside, other=0.0)
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs % N, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        M,
+        K,
+        stride_xm,
+        stride_qm,
+        stride_sm,
+        stride_sk,
+        ROWS: tl.constexpr,
+        GROUP: tl.constexpr,
+    ):
+        # One program per (ROWS rows, group of GROUP columns): per row, scale = amax / FP8 max, q = x / scale.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        group = tl.program_id(1)
+        cols = group * GROUP + tl.arange(0, GROUP)
+        in_rows = rows < M
+        mask = in_rows[:, None] & (cols < K)[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows64 * stride_sm + group * stride_sk, scale, mask=in_rows)
+
+    @triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        ],
+        key=["M", "N", "K"],
+    )
+    @triton.jit
+    def _w8a8_kernel(
+        a_ptr,
+        a_scale_ptr,
+        w_ptr,
+        w_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_asm,
+        stride_ask,
+        stride_wn,
+        stride_wsn,
+        stride_om,
+        SCALE_N: tl.constexpr,
+        SCALE_K: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        # Block-scaled FP8 GEMM: per k tile, the FP8 tensor-core product times a's row scales and w's column scales.
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        # Grouped ordering: GROUP_M row tiles share each weight tile while it is in L2.
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_m = offs_m < M
+        in_n = offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        a_scale_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
+        w_scale_ptrs = w_scale_ptr + (offs_n // SCALE_N) * stride_wsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            in_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            a_scale = tl.load(a_scale_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_ask, mask=in_m, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + (k * BLOCK_K) // SCALE_K, mask=in_n, other=0.0)
+            acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+def _launch(kernel, grid, interpreter_config: dict, *args, **kwargs) -> dict:
+    # Triton's interpreter (TRITON_INTERPRET=1, CPU tests) cannot time the autotuner's configs: run one of them.
+    # Returns the config's parameters that ran.
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        meta = dict(kwargs, **interpreter_config)
+        kernel.fn[grid(meta)](*args, **meta)
+        return interpreter_config
+    kernel[grid](*args, **kwargs)
+    return kernel.best_config.kwargs
+
+
+@on_tensor_device
+def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
+    """`x (M, K)` (last dim contiguous) @ dequantized `weight (N, K)`.T -> `(M, N)` in `x.dtype`, the weight read
+    in FP8 and scaled in registers."""
+    rows, cols = x.shape
+    n_out = weight.shape[0]
+    block_n, block_k = block_size
+    out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
+    # Room for the largest split's partial sums where a split can be chosen (few rows; see _prune_weight_only).
+    max_split = max(c.kwargs["SPLIT_K"] for c in _weight_only_kernel.configs) if rows <= 64 else 1
+    partials = torch.empty(max_split if max_split > 1 else 0, rows, n_out, device=x.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
+
+    config = _launch(
+        _weight_only_kernel,
+        grid,
+        {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2 if rows <= 64 else 1},
+        x,
+        weight,
+        weight_scale_inv,
+        bias if bias is not None else out,
+        out,
+        partials,
+        rows,
+        n_out,
+        cols,
+        x.stride(0),
+        weight.stride(0),
+        weight_scale_inv.stride(0),
+        out.stride(0),
+        SCALE_N=block_n,
+        SCALE_K=block_k,
+        BLOCK_K=min(block_k, 128),
+        HAS_BIAS=bias is not None,
+    )
+    if config["SPLIT_K"] > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
+            partials,
+            bias if bias is not None else out,
+            out,
+            rows,
+            n_out,
+            config["SPLIT_K"],
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )
+    return out
+
+
+@on_tensor_device
+def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool = False):
+    """`x (M, K)` -> FP8 `(M, K)` and float32 scales `(M, ceil(K / group))` (one per row and `group` columns, the
+    activation side of block-scaled FP8). `scales_column_major`: the scales' memory is `(groups, M)`, as cuBLASLt's
+    block-scaled `_scaled_mm` wants it."""
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, group)
+    q = torch.empty(rows, cols, device=x.device, dtype=FP8_DTYPE)
+    if scales_column_major:
+        # Leading dimension padded to a multiple of 4 (16 bytes), as cuBLASLt wants scale matrices aligned.
+        padded = -(-rows // 4) * 4
+        scales = torch.empty(groups, padded, device=x.device, dtype=torch.float32)[:, :rows].t()
+    else:
+        scales = torch.empty(rows, groups, device=x.device, dtype=torch.float32)
+    tile_rows = 16
+    _quantize_rows_kernel[(triton.cdiv(rows, tile_rows), groups)](
+        x,
+        q,
+        scales,
+        rows,
+        cols,
+        x.stride(0),
+        q.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        ROWS=tile_rows,
+        GROUP=group,
+    )
+    return q, scales
+
+
+@functools.cache
+def _scaled_mm_block_scaling(device_index: int) -> bool:
+    """Whether this torch and GPU run `torch._scaled_mm` with 1x128 x 128x128 block scales (cuBLASLt on SM90)."""
+    try:
+        if torch.cuda.get_device_capability(device_index) != (9, 0):
+            return False
+        device = torch.device("cuda", device_index)
+        a = torch.zeros(128, 512, device=device).to(FP8_DTYPE)
+        w = torch.zeros(128, 512, device=device).to(FP8_DTYPE)
+        a_scale = torch.ones(4, 128, device=device).t()
+        w_scale = torch.ones(1, 4, device=device)
+        _scaled_mm_blockwise(a, a_scale, w, w_scale, None, torch.bfloat16)
+        return True
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
+def scaled_mm_fits(n_out: int, cols: int, block_size) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM takes this weight: 128x128 blocks, and the scales' leading
+    dimension (K / 128 for the weight's, passed transposed) a multiple of 4 (16 bytes, cuBLASLt's alignment)."""
+    return tuple(block_size) == (128, 128) and cols % 512 == 0 and n_out % 128 == 0
+
+
+def _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, out_dtype):
+    # cuBLASLt's block-scaled FP8 GEMM: a (M, K) with (M, K/128) scales laid out column-major, the weight
+    # (N, K) with (N/128, K/128) scales, passed transposed as the (K, N) operand.
+    out = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale_inv.t(), out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
+@on_tensor_device
+def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, backend: str = "auto"):
+    """`x (M, K)` quantized per row and `block_k` columns, times the FP8 weight on FP8 tensor cores -> `(M, N)` in
+    `x.dtype`. `backend`: `auto` (cuBLASLt where available, see the module docstring), `scaled_mm` or `triton`."""
+    rows, cols = x.shape
+    n_out = weight.shape[0]
+    block_n, block_k = block_size
+    if backend not in ("auto", "scaled_mm", "triton"):
+        raise ValueError(f"backend must be 'auto', 'scaled_mm' or 'triton', got {backend!r}.")
+    if backend == "scaled_mm" or (
+        backend == "auto"
+        and x.is_cuda
+        and scaled_mm_fits(n_out, cols, block_size)
+        and _scaled_mm_block_scaling(x.device.index or 0)
+    ):
+        # Rows padded to a multiple of 16 (zeros): a one-row product disagreed with the reference in a GPU test;
+        # the benchmarked shapes (multiples of 16) run unpadded.
+        padded = -(-rows // 16) * 16
+        if padded != rows:
+            x = nn.functional.pad(x, (0, 0, 0, padded - rows))
+        a, a_scale = quantize_rows(x, block_k, scales_column_major=True)
+        return _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, x.dtype)[:rows]
+    a, a_scale = quantize_rows(x, block_k)
+    out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(n_out, meta["BLOCK_N"]),)
+
+    _launch(
+        _w8a8_kernel,
+        grid,
+        {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2},
+        a,
+        a_scale,
+        weight,
+        weight_scale_inv,
+        bias if bias is not None else out,
+        out,
+        rows,
+        n_out,
+        cols,
+        a.stride(0),
+        a_scale.stride(0),
+        a_scale.stride(1),
+        weight.stride(0),
+        weight_scale_inv.stride(0),
+        out.stride(0),
+        SCALE_N=block_n,
+        SCALE_K=block_k,
+        BLOCK_K=min(block_k, 128),
+        HAS_BIAS=bias is not None,
+    )
+    return out
