@@ -105,9 +105,10 @@ class ConcatenatedProjections(nn.Module):
 
     def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
-        layers = [getattr(self, name) for name in names]
-        weights = [layer.weight for layer in layers]
-        biases = [layer.bias for layer in layers]
+        modules = self._modules  # not getattr: nn.Module.__getattr__ is slow, and this runs in every forward
+        layers = [modules[name] for name in names]
+        weights = [layer._parameters["weight"] for layer in layers]
+        biases = [layer._parameters.get("bias") for layer in layers]
         has_bias = biases[0] is not None
         if any((bias is not None) != has_bias for bias in biases):
             raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
