@@ -96,7 +96,10 @@ class ConcatenatedProjections(nn.Module):
 
     @staticmethod
     def _concatenate(tensors: list[torch.Tensor]) -> torch.Tensor:
-        fused = torch.cat([tensor.detach() for tensor in tensors], dim=0)
+        # Never an inference tensor (the first call may run under `torch.inference_mode()`): the parameters become
+        # views of it and must stay trainable.
+        with torch.inference_mode(False):
+            fused = torch.cat([tensor.detach() for tensor in tensors], dim=0)
         row = 0
         for tensor in tensors:
             tensor.data = fused[row : row + tensor.shape[0]]

@@ -94,6 +94,14 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     return angles.cos(), angles.sin()
 
 
+def lean_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables `(batch, q_len, head_dim)` as `LLaDALlamaBlock._lean_forward` applies them: `(batch, q_len, 1,
+    head_dim)` with the first half of sin negated, so that `x * cos + roll(x, head_dim / 2) * signed_sin` is
+    `apply_rotary_pos_emb`'s `x * cos + rotate_half(x) * sin`, bit for bit (negation commutes with rounding)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -211,7 +219,7 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         fused = use_fused_kernels(hidden_states)
         if not fused and self._lean_path_applies(hidden_states, past_key_values, kwargs):
             return self._lean_forward(
-                hidden_states, position_embeddings, attention_mask, past_key_values, cache_position
+                hidden_states, lean_rotary(*position_embeddings), attention_mask, past_key_values, cache_position
             )
         x = self.attn_norm(hidden_states)
         query, key, value = self._project_qkv(x, fused)
@@ -257,27 +265,31 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         """Whether `_lean_forward` computes this forward: inference (no autograd, no dropout), float32, plain
         `nn.Linear` layers (no quantized or hooked replacements), multi-head attention through sdpa (the backend
         that runs wherever the Triton kernels do not), no extra attention arguments, a `DiffusionKVCache` or none."""
+        if not (
+            hidden_states.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and not self.training
+            and not kwargs
+            and self.num_key_value_groups == 1
+            and (past_key_values is None or isinstance(past_key_values, DiffusionKVCache))
+        ):
+            return False
         modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
         for name in _LINEAR_NAMES:
             if type(modules[name]) is not nn.Linear or _has_hooks(modules[name]):
                 return False
+        config = self.config
         return (
-            self.num_key_value_groups == 1
-            and self.config.rope_full_precision
-            and self.attn_norm.bias is None
-            and self.ff_norm.bias is None
-            and not kwargs
-            and not torch.is_grad_enabled()
-            and not self.training
-            and hidden_states.dtype == torch.float32
-            and self.config._attn_implementation in ("sdpa", TRITON_ATTENTION)
-            and (past_key_values is None or isinstance(past_key_values, DiffusionKVCache))
+            modules["attn_norm"].bias is None
+            and modules["ff_norm"].bias is None
+            and config.rope_full_precision
+            and config._attn_implementation in ("sdpa", TRITON_ATTENTION)
         )
 
     def _lean_forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: DiffusionKVCache | None,
         cache_position: torch.Tensor | None,
@@ -285,40 +297,51 @@ class LLaDALlamaBlock(ConcatenatedProjections):
     ) -> torch.Tensor:
         """The same block with fewer operations, for float32 inference without the Triton kernels (the CPU): q, k
         and v from one product, RoPE applied to q and k together, gate and up from one product, sdpa called directly
-        (see benchmarks/RESULTS.md, "CPU path"). Shapes as in `forward`, except that with `keep` (a slice or a 1D
+        (see benchmarks/RESULTS.md, "CPU path"). `rotary`: `lean_rotary(cos, sin)`. Shapes as in `forward`, except that with `keep` (a slice or a 1D
         index of the `q_len` positions, `logits_to_keep`'s forms) only those positions' queries, attention and MLP
         are computed (keys and values of all of them still are) and the output is `(batch, kept, d_model)`: the
         last block of a forward whose logits are wanted at a few positions."""
-        batch, q_len, _ = hidden_states.shape
-        heads, head_dim = self.num_heads, self.head_dim
-        x = self.attn_norm(hidden_states)
+        batch, q_len, d_model = hidden_states.shape
+        heads, half = self.num_heads, self.head_dim // 2
+        modules = self._modules  # not `self.attn_norm`: nn.Module.__getattr__ costs a microsecond per name
+        attn_norm, ff_norm = modules["attn_norm"]._parameters, modules["ff_norm"]._parameters
+        attn_out, ff_out = modules["attn_out"]._parameters, modules["ff_out"]._parameters
+        eps = modules["attn_norm"].eps
+        # Rows as a 2D matrix: `mm`/`addmm` are what `linear` dispatches to, minus its reshapes.
+        residual = hidden_states.reshape(batch * q_len, d_model)
+        x = nn.functional.rms_norm(residual, (d_model,), attn_norm["weight"], eps)
         weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
-        qkv = nn.functional.linear(x, weight, bias).view(batch, q_len, 3 * heads, head_dim)
-        query_key, value = qkv[:, :, : 2 * heads], qkv[:, :, 2 * heads :]
-        cos, sin = position_embeddings
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        # `apply_rotary_pos_emb`'s arithmetic (x * cos + rotate_half(x) * sin), on q and k at once.
-        query_key = query_key * cos + rotate_half(query_key) * sin
-        query, key = query_key[:, :, :heads], query_key[:, :, heads:].transpose(1, 2)
-        value = value.transpose(1, 2)
+        qkv = (torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())).view(
+            batch, q_len, 3 * heads, self.head_dim
+        )
+        # RoPE on q and k at once (see `lean_rotary`).
+        cos, signed_sin = rotary
+        query_key = qkv[:, :, : 2 * heads]
+        query_key = query_key * cos + torch.roll(query_key, half, -1) * signed_sin
+        query, key, value = query_key[:, :, :heads], query_key[:, :, heads:], qkv[:, :, 2 * heads :]
+        key, value = key.transpose(1, 2), value.transpose(1, 2)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
         if keep is not None:
-            query, hidden_states = _select_rows(query, keep), _select_rows(hidden_states, keep)
+            query = _select_rows(query, keep)
+            residual = _select_rows(hidden_states, keep).reshape(-1, d_model)
             if attention_mask is not None and attention_mask.shape[-2] > 1:
                 attention_mask = _select_rows(attention_mask, keep, dim=2)
-            q_len = hidden_states.shape[1]
-        query = query.transpose(1, 2)
+            q_len = query.shape[1]
         attn = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=self.scaling
-        )
-        attn = nn.functional.linear(
-            attn.transpose(1, 2).reshape(batch, q_len, -1), self.attn_out.weight, self.attn_out.bias
-        )
-        x, hidden_states = self.ff_norm.add_and_norm(attn, hidden_states)
+            query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=self.scaling
+        ).transpose(1, 2)
+        attn = attn.reshape(batch * q_len, d_model)
+        weight, bias = attn_out["weight"], attn_out.get("bias")
+        residual = residual + (torch.mm(attn, weight.t()) if bias is None else torch.addmm(bias, attn, weight.t()))
+        x = nn.functional.rms_norm(residual, (d_model,), ff_norm["weight"], modules["ff_norm"].eps)
         weight, bias = self.concatenated(("ff_proj", "up_proj"))
-        gate, up = nn.functional.linear(x, weight, bias).chunk(2, dim=-1)
-        return hidden_states + nn.functional.linear(self.act(gate) * up, self.ff_out.weight, self.ff_out.bias)
+        gate_up = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        width = gate_up.shape[-1] // 2
+        x = self.act(gate_up[:, :width]) * gate_up[:, width:]
+        weight, bias = ff_out["weight"], ff_out.get("bias")
+        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        return (residual + out).view(batch, q_len, d_model)
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the weights are fused)."""
@@ -409,7 +432,8 @@ class LLaDAModel(LLaDAPreTrainedModel):
         table = self._rope_table
         if table is None or table[0].shape[0] < needed:
             size = max(needed, 2 * table[0].shape[0] if table is not None else 256)
-            table = rotary_cos_sin(torch.arange(size).unsqueeze(0), head_dim, theta)
+            with torch.inference_mode(False):  # kept on the model: usable outside inference mode too
+                table = rotary_cos_sin(torch.arange(size).unsqueeze(0), head_dim, theta)
             self._rope_table = table = (table[0][0], table[1][0])
         return table[0][position_ids], table[1][position_ids]
 
@@ -472,24 +496,25 @@ class LLaDAModel(LLaDAPreTrainedModel):
         hidden_states = self.transformer.emb_drop(hidden_states)
         all_hidden_states = () if output_hidden_states else None
         blocks = self.transformer.blocks
+        fused = use_fused_kernels(hidden_states)
+        rotary = None  # `lean_rotary` tables, made once per forward for the blocks that run `_lean_forward`
         for index, block in enumerate(blocks):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            if (
-                positions_to_keep is not None
-                and index == len(blocks) - 1
-                and not use_fused_kernels(hidden_states)
-                and block._lean_path_applies(hidden_states, past_key_values, kwargs)
-            ):
+            if not fused and block._lean_path_applies(hidden_states, past_key_values, kwargs):
+                if rotary is None:
+                    rotary = lean_rotary(*position_embeddings)
+                last = index == len(blocks) - 1
                 hidden_states = block._lean_forward(
                     hidden_states,
-                    position_embeddings,
+                    rotary,
                     attention_mask,
                     past_key_values,
                     cache_position,
-                    keep=positions_to_keep,
+                    keep=positions_to_keep if last else None,
                 )
-                positions_to_keep = None  # done
+                if last:
+                    positions_to_keep = None  # the block kept them
                 continue
             hidden_states = block(
                 hidden_states,
