@@ -10,9 +10,11 @@ Settings (issue 13 item 6; batch 1, 32 new tokens, block 8 unless named, greedy,
 reference decodes every position): no cache with 32 and 16 steps, prefix cache, dual cache (32 steps), no cache /
 prefix / dual with threshold 0.9, dual with threshold 0.7, dual with threshold 0.9 and block 32.
 
-For every thread count, setting and repeat, each prompt is decoded by hf_dllm then by the reference, one after
-the other (so machine load hits both alike); a repeat's time is the sum over prompts, its ratio reference/hf_dllm,
-and a setting's ratio the median over repeats. Every call's tokens are compared with the reference's.
+For every thread count and setting, one warm-up pass over the prompts (the reference wraps sdpa in
+`torch.compile`, which compiles again for new shapes), then for each repeat each prompt is decoded by hf_dllm then
+by the reference, one after the other (so machine load hits both alike); a repeat's time is the sum over prompts,
+its ratio reference/hf_dllm, and a setting's ratio the median over repeats. The tokens of every prompt (first
+repeat) are compared with the reference's.
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ def compare(
         torch.set_num_threads(thread_count)
         for setting in settings:
             kwargs = ours_kwargs(setting)
-            ours.generate(prompts[0], **kwargs)  # warm-up
-            reference_call(generate_module, reference, prompts[0], setting, mask_id)
+            for prompt in prompts:  # warm-up on every prompt length (the reference's compiled sdpa recompiles)
+                ours.generate(prompt, **kwargs)
+                reference_call(generate_module, reference, prompt, setting, mask_id)
             ours_times, reference_times, identical, ours_nfe, reference_nfe = [], [], 0, 0, 0
             for repeat in range(repeats):
                 ours_total = reference_total = 0.0

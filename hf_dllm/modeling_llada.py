@@ -262,29 +262,34 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         return hidden_states + self.dropout(self.ff_out(self._gated_activation(x, fused)))
 
     def _lean_path_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
-        """Whether `_lean_forward` computes this forward: inference (no autograd, no dropout), float32, plain
-        `nn.Linear` layers (no quantized or hooked replacements), multi-head attention through sdpa (the backend
-        that runs wherever the Triton kernels do not), no extra attention arguments, a `DiffusionKVCache` or none."""
+        """Whether `_lean_forward` computes this forward: `_lean_call_applies` and `_lean_modules_apply`."""
+        return self._lean_call_applies(hidden_states, past_key_values, kwargs) and self._lean_modules_apply()
+
+    def _lean_call_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
+        """The call's part (the same for every block of a forward): inference (no autograd, no dropout), float32,
+        no extra attention arguments, a `DiffusionKVCache` or none, full-precision RoPE, and attention through sdpa
+        (the backend that runs wherever the Triton kernels do not)."""
         if not (
             hidden_states.dtype == torch.float32
             and not torch.is_grad_enabled()
             and not self.training
             and not kwargs
-            and self.num_key_value_groups == 1
             and (past_key_values is None or isinstance(past_key_values, DiffusionKVCache))
         ):
+            return False
+        config = self.config
+        return config.rope_full_precision and config._attn_implementation in ("sdpa", TRITON_ATTENTION)
+
+    def _lean_modules_apply(self) -> bool:
+        """The block's part: multi-head attention, plain `nn.Linear` layers (no quantized or hooked replacements),
+        norms without bias."""
+        if self.num_key_value_groups != 1:
             return False
         modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
         for name in _LINEAR_NAMES:
             if type(modules[name]) is not nn.Linear or _has_hooks(modules[name]):
                 return False
-        config = self.config
-        return (
-            modules["attn_norm"].bias is None
-            and modules["ff_norm"].bias is None
-            and config.rope_full_precision
-            and config._attn_implementation in ("sdpa", TRITON_ATTENTION)
-        )
+        return modules["attn_norm"].bias is None and modules["ff_norm"].bias is None
 
     def _lean_forward(
         self,
@@ -496,15 +501,18 @@ class LLaDAModel(LLaDAPreTrainedModel):
         hidden_states = self.transformer.emb_drop(hidden_states)
         all_hidden_states = () if output_hidden_states else None
         blocks = self.transformer.blocks
-        fused = use_fused_kernels(hidden_states)
+        last_index = len(blocks) - 1
+        lean_call = not use_fused_kernels(hidden_states) and blocks[0]._lean_call_applies(
+            hidden_states, past_key_values, kwargs
+        )
         rotary = None  # `lean_rotary` tables, made once per forward for the blocks that run `_lean_forward`
         for index, block in enumerate(blocks):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            if not fused and block._lean_path_applies(hidden_states, past_key_values, kwargs):
+            if lean_call and block._lean_modules_apply():
                 if rotary is None:
                     rotary = lean_rotary(*position_embeddings)
-                last = index == len(blocks) - 1
+                last = index == last_index
                 hidden_states = block._lean_forward(
                     hidden_states,
                     rotary,
