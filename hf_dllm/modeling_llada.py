@@ -281,15 +281,19 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         return config.rope_full_precision and config._attn_implementation in ("sdpa", TRITON_ATTENTION)
 
     def _lean_modules_apply(self) -> bool:
-        """The block's part: multi-head attention, plain `nn.Linear` layers (no quantized or hooked replacements),
-        norms without bias."""
+        """The block's part: multi-head attention, plain `nn.Linear` layers and `LLaDARMSNorm`s without bias (no
+        quantized or hooked replacements: the lean path calls their weights, not the modules)."""
         if self.num_key_value_groups != 1:
             return False
         modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
         for name in _LINEAR_NAMES:
             if type(modules[name]) is not nn.Linear or _has_hooks(modules[name]):
                 return False
-        return modules["attn_norm"].bias is None and modules["ff_norm"].bias is None
+        for name in ("attn_norm", "ff_norm"):
+            norm = modules[name]
+            if type(norm) is not LLaDARMSNorm or _has_hooks(norm) or norm.bias is not None:
+                return False
+        return True
 
     def _lean_forward(
         self,
@@ -302,10 +306,10 @@ class LLaDALlamaBlock(ConcatenatedProjections):
     ) -> torch.Tensor:
         """The same block with fewer operations, for float32 inference without the Triton kernels (the CPU): q, k
         and v from one product, RoPE applied to q and k together, gate and up from one product, sdpa called directly
-        (see benchmarks/RESULTS.md, "CPU path"). `rotary`: `lean_rotary(cos, sin)`. Shapes as in `forward`, except that with `keep` (a slice or a 1D
-        index of the `q_len` positions, `logits_to_keep`'s forms) only those positions' queries, attention and MLP
-        are computed (keys and values of all of them still are) and the output is `(batch, kept, d_model)`: the
-        last block of a forward whose logits are wanted at a few positions."""
+        (see benchmarks/RESULTS.md, "CPU path"). `rotary`: `lean_rotary(cos, sin)`. Shapes as in `forward`, except
+        that with `keep` (a slice or a 1D index of the `q_len` positions, `logits_to_keep`'s forms) only those
+        positions' queries, attention and MLP are computed (keys and values of all of them still are) and the output
+        is `(batch, kept, d_model)`: the last block of a forward whose logits are wanted at a few positions."""
         batch, q_len, d_model = hidden_states.shape
         heads, half = self.num_heads, self.head_dim // 2
         modules = self._modules  # not `self.attn_norm`: nn.Module.__getattr__ costs a microsecond per name
@@ -509,7 +513,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
         for index, block in enumerate(blocks):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            if lean_call and block._lean_modules_apply():
+            if lean_call and not _has_hooks(block) and block._lean_modules_apply():
                 if rotary is None:
                     rotary = lean_rotary(*position_embeddings)
                 last = index == last_index

@@ -85,18 +85,30 @@ def test_lean_forward_with_padding_and_a_cache(monkeypatch):
 
 
 def test_lean_path_steps_aside(monkeypatch):
-    """GQA, bfloat16, autograd and a hooked linear layer take the regular path."""
+    """GQA, bfloat16 and autograd take the regular path."""
     calls = count_lean_calls(monkeypatch)
     input_ids = torch.randint(4, 100, (1, 9))
     with torch.no_grad():
         tiny_model(seed=3)(input_ids)  # GQA (4 query, 2 key/value heads)
         tiny_model(seed=3, **MHA).to(torch.bfloat16)(input_ids)
-        hooked = tiny_model(seed=3, **MHA)
-        seen = []
-        hooked.model.transformer.blocks[0].ff_out.register_forward_hook(lambda *args: seen.append(1))
-        hooked(input_ids)
+    tiny_model(seed=3, **MHA)(input_ids)
+    assert calls[0] == 0
+
+
+@pytest.mark.parametrize("hooked", ["block", "ff_out", "ff_norm"])
+def test_hooked_modules_still_run_their_hooks(hooked, monkeypatch):
+    """The lean path reads weights instead of calling modules: a block with a hook on one of its layers runs the
+    regular path, so the hook fires, and the other blocks stay lean; a hook on a block itself makes the model call
+    the block as a module (the hook fires), which then computes leanly inside its forward."""
+    calls = count_lean_calls(monkeypatch)
+    model = tiny_model(seed=3, **MHA)
+    block = model.model.transformer.blocks[0]
+    seen = []
+    (block if hooked == "block" else getattr(block, hooked)).register_forward_hook(lambda *args: seen.append(1))
+    with torch.no_grad():
+        model(torch.randint(4, 100, (1, 9)))
     assert seen == [1]
-    assert calls[0] == hooked.config.n_layers - 1  # every block but the hooked one
+    assert calls[0] == model.config.n_layers - (hooked != "block")
 
 
 def test_positions_to_keep_refuses_hidden_states():
