@@ -20,6 +20,12 @@ Prints a table and ends with one JSON line.
     python benchmarks/bench_generate.py                      # GPU: the issue's settings
     python benchmarks/bench_generate.py --cpu                # small CPU setting
     python benchmarks/bench_generate.py --modes dual --quantization none,fp8 --tokens-per-forward 1,4
+    python benchmarks/bench_generate.py --cpu --reference .ref/fast_dllm_llada   # CPU vs Fast-dLLM, same run
+
+`--reference PATH` (CPU only) instead times the tiny trained LLaDA against Fast-dLLM's LLaDA reference functions
+(PATH: their `llada/` folder, copied by `benchmarks/fetch_fast_dllm_llada.sh`), interleaved in one process, at
+every `--reference-threads` count, checking that every prompt's tokens are identical
+(`benchmarks/llada_reference.py` says how).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llada_reference.py
 
 import hf_dllm  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
@@ -225,6 +232,27 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
 WEIGHT_READ: dict[str, dict] = {}
 
 
+def reference_main(args) -> int:
+    """`--reference PATH`: hf_dllm vs Fast-dLLM's LLaDA functions on the CPU (table, then one JSON line)."""
+    import llada_reference
+
+    if not args.cpu:
+        raise ValueError("--reference compares on the CPU: pass --cpu with it")
+    if not args.reference.is_dir():
+        raise ValueError(f"--reference {args.reference} is not a folder (benchmarks/fetch_fast_dllm_llada.sh)")
+    threads = tuple(int(t) for t in args.reference_threads.split(","))
+    if not threads or min(threads) < 1:
+        raise ValueError(f"--reference-threads must be positive integers, got {args.reference_threads!r}")
+    if args.reference_prompts < 1 or args.reference_repeats < 1:
+        raise ValueError("--reference-prompts and --reference-repeats must be at least 1")
+    summary = llada_reference.compare(
+        args.reference, threads=threads, n_prompts=args.reference_prompts, repeats=args.reference_repeats
+    )
+    llada_reference.print_table(summary)
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="small CPU setting (default when no GPU)")
@@ -243,7 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens-per-forward", default="1", help="comma list; steps = new tokens / this")
     parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the weight-read floor (H100)")
+    parser.add_argument("--reference", type=Path, default=None, help="Fast-dLLM's llada/ folder (CPU comparison)")
+    parser.add_argument("--reference-threads", default="1,2", help="comma list of torch thread counts")
+    parser.add_argument("--reference-prompts", type=int, default=6, help="held-out tiny-task prompts per setting")
+    parser.add_argument("--reference-repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.reference is not None:
+        return reference_main(args)
 
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if gpu else "cpu")

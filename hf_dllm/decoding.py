@@ -46,7 +46,7 @@ MIN_FUSED_PROPOSE_ROWS = 128
 
 def propose_tokens(
     logits: torch.Tensor,
-    masked: torch.Tensor,
+    masked: torch.Tensor | None,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
     suppressed_token_ids: torch.Tensor | None = None,
@@ -57,7 +57,7 @@ def propose_tokens(
 
     Args:
         logits: `(batch, L, vocab)` logits of the block positions.
-        masked: `(batch, L)` bool, positions still masked.
+        masked: `(batch, L)` bool, positions still masked; None: all (no masking operation).
         temperature: 0 = greedy argmax; > 0 = Gumbel-max sampling in float64 as LLaDA does
             (`exp(logits) / (-log u) ** temperature`; low precision Gumbel noise hurts quality, arXiv:2409.02908).
         remasking: `"low_confidence"` (confidence = softmax probability of the candidate) or `"random"`
@@ -82,7 +82,7 @@ def propose_tokens(
         x0, confidence = triton_ops.greedy_propose(logits, mask_token_id)
         if deferred_token_ids is not None:
             confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)
-        return x0, torch.where(masked, confidence, NOT_MASKED)
+        return x0, confidence if masked is None else torch.where(masked, confidence, NOT_MASKED)
     logits = logits.float()
     if suppressed_token_ids is not None:
         logits = logits.index_fill(-1, suppressed_token_ids, float("-inf"))
@@ -103,7 +103,8 @@ def propose_tokens(
         confidence = torch.rand(x0.shape, device=x0.device, dtype=torch.float32)
     if deferred_token_ids is not None:
         confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)
-    confidence = torch.where(masked, confidence, NOT_MASKED)
+    if masked is not None:
+        confidence = torch.where(masked, confidence, NOT_MASKED)
     return x0, confidence
 
 
@@ -459,7 +460,7 @@ def denoise_step(
     masked = block == rules.mask_token_id
     x0, probability = propose_tokens(
         logits,
-        torch.ones_like(masked),
+        None,  # every position's probability (the policies read it where it is not masked too)
         rules.temperature,
         rules.remasking,
         rules.suppressed_token_ids,

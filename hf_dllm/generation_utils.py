@@ -1095,8 +1095,15 @@ class BlockDiffusionRun:
         """Stop the batch rows `rows` (`(k,)` long, host) after the block just committed (`BlockEvent.stop`)."""
         finished = torch.isin(self.host_rows, rows)
         if bool(finished.any()):
-            with torch.no_grad():
+            with self._without_autograd():
                 self.finish_rows(finished.to(self.device), self.block_end)
+
+    def _without_autograd(self):
+        """The grad mode of the run's own work: `torch.inference_mode()` on the CPU, where skipping autograd's view
+        and version bookkeeping saves about a fifth of a small model's step (its tensors, like the K/V cache, are
+        then touched only in this mode); `torch.no_grad()` elsewhere (CUDA graphs and the serving engine keep plain
+        tensors). The caller's `sequences` and `nfe_per_row` are allocated outside it either way."""
+        return torch.inference_mode() if self.device.type == "cpu" else torch.no_grad()
 
     def _write_rows(self) -> None:
         """Copy the active rows' canvas into the batch canvas and their generated positions into `sequences`."""
@@ -1118,7 +1125,7 @@ class BlockDiffusionRun:
                 host_rows, device_rows = self.host_rows, self.rows
                 previously = self.committed_positions(host_rows, block_start)
                 ended = None
-                with torch.no_grad():
+                with self._without_autograd():
                     self.denoise_block(self.plan.block_steps[self.host_rows, block], block_start, block_end)
                     self._write_rows()
                     self.block_end = block_end

@@ -112,7 +112,10 @@ class ConcatenatedProjections(nn.Module):
 
     @staticmethod
     def _concatenate(tensors: list[torch.Tensor]) -> torch.Tensor:
-        fused = torch.cat([tensor.detach() for tensor in tensors], dim=0)
+        # Never an inference tensor (the first call may run under `torch.inference_mode()`): the parameters become
+        # views of it and must stay trainable.
+        with torch.inference_mode(False):
+            fused = torch.cat([tensor.detach() for tensor in tensors], dim=0)
         row = 0
         for tensor in tensors:
             tensor.data = fused[row : row + tensor.shape[0]]
@@ -124,7 +127,8 @@ class ConcatenatedProjections(nn.Module):
         none of them has it."""
         # Under tensor parallelism (column-wise q/k/v, gate/up) each rank concatenates its own slices: the product
         # gives this rank's heads / intermediate columns, exactly what the separate sharded layers would.
-        tensors = [getattr(getattr(self, name), attribute, None) for name in names]
+        modules = self._modules  # not getattr: nn.Module.__getattr__ is slow, and this runs in every forward
+        tensors = [modules[name]._parameters.get(attribute) for name in names]
         tensors = [None if tensor is None else local_tensor(tensor) for tensor in tensors]
         if all(tensor is None for tensor in tensors):
             return None
@@ -140,7 +144,8 @@ class ConcatenatedProjections(nn.Module):
 
     def concatenated(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(weight, bias)` of the linear layers `names` as one layer (bias None when none of them has one)."""
-        biases = [getattr(self, name).bias for name in names]
+        modules = self._modules  # not getattr: nn.Module.__getattr__ is slow, and this runs in every forward
+        biases = [modules[name]._parameters.get("bias") for name in names]
         if any((bias is not None) != (biases[0] is not None) for bias in biases):
             raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
         return self._concatenated_parameter(names, "weight"), self._concatenated_parameter(names, "bias")

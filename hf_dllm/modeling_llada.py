@@ -34,7 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
-from .tensor_parallel import local_shape
+from .tensor_parallel import is_sharded, local_shape
 
 register_attention_backends()
 
@@ -61,6 +61,9 @@ class LLaDARMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._fused(hidden_states):
             return triton_ops.rms_norm(hidden_states, self.weight, self.eps)[0]
+        if hidden_states.dtype == torch.float32 and self.bias is None:
+            # One operation instead of six; the same float32 arithmetic (normalise, then scale).
+            return nn.functional.rms_norm(hidden_states, hidden_states.shape[-1:], self.weight, self.eps)
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -90,6 +93,14 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     angles = position_ids.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
+
+
+def lean_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables `(batch, q_len, head_dim)` as `LLaDALlamaBlock._lean_forward` applies them: `(batch, q_len, 1,
+    head_dim)` with the first half of sin negated, so that `x * cos + roll(x, head_dim / 2) * signed_sin` is
+    `apply_rotary_pos_emb`'s `x * cos + rotate_half(x) * sin`, bit for bit (negation commutes with rounding)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +156,21 @@ def eager_attention_forward(
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return output, weights
+
+
+def _select_rows(tensor: torch.Tensor, keep: slice | torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The positions `keep` (a slice or a 1D index) of `tensor` along `dim`."""
+    if isinstance(keep, slice):
+        return tensor[(slice(None),) * dim + (keep,)]
+    return tensor.index_select(dim, keep.to(tensor.device))
+
+
+_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` does more than its `forward` (hooks, or accelerate's `_hf_hook` wrapper)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
 
 
 class LLaDALlamaBlock(ConcatenatedProjections):
@@ -203,6 +229,10 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         """hidden_states `(batch, q_len, d_model)`; position_embeddings: cos, sin `(batch, q_len, head_dim)`."""
         batch, q_len, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states)
+        if not fused and self._lean_path_applies(hidden_states, past_key_values, kwargs):
+            return self._lean_forward(
+                hidden_states, lean_rotary(*position_embeddings), attention_mask, past_key_values, cache_position
+            )
         x = self.attn_norm(hidden_states)
         query, key, value = self._project_qkv(x, fused)
         cos, sin = position_embeddings
@@ -242,6 +272,99 @@ class LLaDALlamaBlock(ConcatenatedProjections):
             self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1))), hidden_states
         )
         return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
+
+    def _lean_path_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
+        """Whether `_lean_forward` computes this forward: `_lean_call_applies` and `_lean_modules_apply`."""
+        return self._lean_call_applies(hidden_states, past_key_values, kwargs) and self._lean_modules_apply()
+
+    def _lean_call_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
+        """The call's part (the same for every block of a forward): inference (no autograd, no dropout), float32,
+        no extra attention arguments, a `DiffusionKVCache` or none, full-precision RoPE, and attention through sdpa
+        (the backend that runs wherever the Triton kernels do not)."""
+        if not (
+            hidden_states.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and not self.training
+            and not kwargs
+            and (past_key_values is None or isinstance(past_key_values, DiffusionKVCache))
+        ):
+            return False
+        config = self.config
+        return config.rope_full_precision and config._attn_implementation in ("sdpa", TRITON_ATTENTION)
+
+    def _lean_modules_apply(self) -> bool:
+        """The block's part: multi-head attention, plain `nn.Linear` layers and `LLaDARMSNorm`s without bias (no
+        quantized, hooked or tensor-parallel-sharded replacements: the lean path calls their weights, not the
+        modules)."""
+        if self.num_key_value_groups != 1:
+            return False
+        modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
+        for name in _LINEAR_NAMES:
+            layer = modules[name]
+            if type(layer) is not nn.Linear or _has_hooks(layer) or is_sharded(layer._parameters["weight"]):
+                return False
+        for name in ("attn_norm", "ff_norm"):
+            norm = modules[name]
+            if type(norm) is not LLaDARMSNorm or _has_hooks(norm) or norm.bias is not None:
+                return False
+        return True
+
+    def _lean_forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: DiffusionKVCache | None,
+        cache_position: torch.Tensor | None,
+        keep: slice | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The same block with fewer operations, for float32 inference without the Triton kernels (the CPU): q, k
+        and v from one product, RoPE applied to q and k together, gate and up from one product, sdpa called directly
+        (see benchmarks/RESULTS.md, "CPU path"). `rotary`: `lean_rotary(cos, sin)`. Shapes as in `forward`, except
+        that with `keep` (a slice or a 1D index of the `q_len` positions, `logits_to_keep`'s forms) only those
+        positions' queries, attention and MLP are computed (keys and values of all of them still are) and the output
+        is `(batch, kept, d_model)`: the last block of a forward whose logits are wanted at a few positions."""
+        batch, q_len, d_model = hidden_states.shape
+        heads, half = self.num_heads, self.head_dim // 2
+        modules = self._modules  # not `self.attn_norm`: nn.Module.__getattr__ costs a microsecond per name
+        attn_norm, ff_norm = modules["attn_norm"]._parameters, modules["ff_norm"]._parameters
+        attn_out, ff_out = modules["attn_out"]._parameters, modules["ff_out"]._parameters
+        eps = modules["attn_norm"].eps
+        # Rows as a 2D matrix: `mm`/`addmm` are what `linear` dispatches to, minus its reshapes.
+        residual = hidden_states.reshape(batch * q_len, d_model)
+        x = nn.functional.rms_norm(residual, (d_model,), attn_norm["weight"], eps)
+        weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
+        qkv = (torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())).view(
+            batch, q_len, 3 * heads, self.head_dim
+        )
+        # RoPE on q and k at once (see `lean_rotary`).
+        cos, signed_sin = rotary
+        query_key = qkv[:, :, : 2 * heads]
+        query_key = query_key * cos + torch.roll(query_key, half, -1) * signed_sin
+        query, key, value = query_key[:, :, :heads], query_key[:, :, heads:], qkv[:, :, 2 * heads :]
+        key, value = key.transpose(1, 2), value.transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+        if keep is not None:
+            query = _select_rows(query, keep)
+            residual = _select_rows(hidden_states, keep).reshape(-1, d_model)
+            if attention_mask is not None and attention_mask.shape[-2] > 1:
+                attention_mask = _select_rows(attention_mask, keep, dim=2)
+            q_len = query.shape[1]
+        attn = nn.functional.scaled_dot_product_attention(
+            query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=self.scaling
+        ).transpose(1, 2)
+        attn = attn.reshape(batch * q_len, d_model)
+        weight, bias = attn_out["weight"], attn_out.get("bias")
+        residual = residual + (torch.mm(attn, weight.t()) if bias is None else torch.addmm(bias, attn, weight.t()))
+        x = nn.functional.rms_norm(residual, (d_model,), ff_norm["weight"], modules["ff_norm"].eps)
+        weight, bias = self.concatenated(("ff_proj", "up_proj"))
+        gate_up = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        width = gate_up.shape[-1] // 2
+        x = self.act(gate_up[:, :width]) * gate_up[:, width:]
+        weight, bias = ff_out["weight"], ff_out.get("bias")
+        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        return (residual + out).view(batch, q_len, d_model)
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the weights are fused)."""
@@ -310,6 +433,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if not config.weight_tying:
             modules["ff_out"] = nn.Linear(config.d_model, config.padded_vocab_size, bias=config.include_bias)
         self.transformer = nn.ModuleDict(modules)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU RoPE cos, sin `(n, head_dim)`
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -317,6 +441,22 @@ class LLaDAModel(LLaDAPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.transformer.wte = value
+
+    def _rotary_cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary_cos_sin` for `position_ids` `(batch, q_len)`. On the CPU, rows of a table of positions
+        `[0, n)` computed once (the same float32 values; a step then costs one lookup instead of six operations);
+        elsewhere computed per call, since sizing the table would read the largest position on the host."""
+        head_dim, theta = self.config.head_dim, self.config.rope_theta
+        if position_ids.device.type != "cpu":
+            return rotary_cos_sin(position_ids, head_dim, theta)
+        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        table = self._rope_table
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 2 * table[0].shape[0] if table is not None else 256)
+            with torch.inference_mode(False):  # kept on the model: usable outside inference mode too
+                table = rotary_cos_sin(torch.arange(size).unsqueeze(0), head_dim, theta)
+            self._rope_table = table = (table[0][0], table[1][0])
+        return table[0][position_ids], table[1][position_ids]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Final hidden states `(..., d_model)` -> logits `(..., embedding_size)`."""
@@ -338,6 +478,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
         use_cache: bool | None = None,
         cache_position: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
+        positions_to_keep: slice | torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         r"""
@@ -350,7 +491,12 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 `DiffusionKVCache` (new keys are written in place at `cache_position`, and attention covers the
                 whole pre-allocated sequence, as the prefix/dual caches of Fast-dLLM need).
             cache_position: `(q_len,)` columns of the full sequence the inputs sit at.
+            positions_to_keep: a slice or a 1D index of the `q_len` positions: `last_hidden_state` holds only
+                those `(batch, kept, d_model)`, and the last block computes its queries and MLP only there where it
+                can (`LLaDALlamaBlock._lean_forward`). Not with `output_hidden_states`.
         """
+        if positions_to_keep is not None and output_hidden_states:
+            raise ValueError("`positions_to_keep` cannot be combined with `output_hidden_states`.")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("LLaDAModel.forward needs exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
@@ -358,7 +504,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
         past_key_values, cache_position, position_ids, mask_2d, _ = resolve_forward_positions(
             inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, cache_position
         )
-        position_embeddings = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        position_embeddings = self._rotary_cos_sin(position_ids)
 
         if mask_2d is not None:
             attention_mask = create_bidirectional_mask(
@@ -370,9 +516,30 @@ class LLaDAModel(LLaDAPreTrainedModel):
             hidden_states = hidden_states * (self.config.d_model**0.5)
         hidden_states = self.transformer.emb_drop(hidden_states)
         all_hidden_states = () if output_hidden_states else None
-        for block in self.transformer.blocks:
+        blocks = self.transformer.blocks
+        last_index = len(blocks) - 1
+        lean_call = not use_fused_kernels(hidden_states) and blocks[0]._lean_call_applies(
+            hidden_states, past_key_values, kwargs
+        )
+        rotary = None  # `lean_rotary` tables, made once per forward for the blocks that run `_lean_forward`
+        for index, block in enumerate(blocks):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
+            if lean_call and not _has_hooks(block) and block._lean_modules_apply():
+                if rotary is None:
+                    rotary = lean_rotary(*position_embeddings)
+                last = index == last_index
+                hidden_states = block._lean_forward(
+                    hidden_states,
+                    rotary,
+                    attention_mask,
+                    past_key_values,
+                    cache_position,
+                    keep=positions_to_keep if last else None,
+                )
+                if last:
+                    positions_to_keep = None  # the block kept them
+                continue
             hidden_states = block(
                 hidden_states,
                 position_embeddings=position_embeddings,
@@ -381,6 +548,8 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 cache_position=cache_position,
                 **kwargs,
             )
+        if positions_to_keep is not None:
+            hidden_states = _select_rows(hidden_states, positions_to_keep)
         hidden_states = self.transformer.ln_f(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -435,6 +604,12 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
         (0 keeps all), a `slice` or a 1D index tensor selects positions, so the `(…, embedding_size)` head runs
         only where logits are needed. Returns `CausalLMOutputWithPast` with `logits` `(batch, kept, vocab)`.
         """
+        # Positions the model itself can keep (its last block then computes only them): a slice or a 1D index.
+        keep = logits_to_keep if not output_hidden_states else None
+        if isinstance(keep, int):
+            keep = slice(-keep, None) if keep > 0 else None
+        elif isinstance(keep, torch.Tensor) and keep.dim() != 1:
+            keep = None
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -444,10 +619,13 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
             use_cache=use_cache,
             cache_position=cache_position,
             output_hidden_states=output_hidden_states,
+            positions_to_keep=keep,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        logits = self.model.compute_logits(select_positions(hidden_states, logits_to_keep))
+        if keep is None:
+            hidden_states = select_positions(hidden_states, logits_to_keep)
+        logits = self.model.compute_logits(hidden_states)
         output = CausalLMOutputWithPast(
             logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )
