@@ -248,11 +248,12 @@ def test_concatenated_projections_keep_names_and_save_reload_exactly(tmp_path):
     ids, _ = padded_prompts([6])
     model.generate(ids, max_new_tokens=16, block_length=8, threshold=0.9, dual_cache=True)
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    weight, bias = attention._concatenated[("q_proj", "k_proj", "v_proj")]
+    assert attention._concatenated, "generate() multiplied no concatenated projection"
+    weight, bias = attention.concatenated(("q_proj", "k_proj", "v_proj"))
     assert attention.q_proj.weight.data_ptr() == weight.data_ptr()  # the parameters are views of the concatenation
     kv_width = attention.num_kv_heads * attention.head_dim
     assert attention.v_proj.bias.data_ptr() == bias[bias.numel() - kv_width :].data_ptr()
-    gate_up, _ = mlp._concatenated[("gate_proj", "up_proj")]
+    gate_up, _ = mlp.concatenated(("gate_proj", "up_proj"))
     assert mlp.up_proj.weight.data_ptr() == gate_up[model.config.intermediate_size :].data_ptr()
     assert list(model.state_dict()) == names
     model.save_pretrained(tmp_path)

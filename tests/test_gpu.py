@@ -224,7 +224,8 @@ def test_fused_projections_save_and_reload_exactly(tmp_path):
     ids, mask = padded_prompts([6])
     model.generate(ids, attention_mask=mask, max_new_tokens=16, block_length=16)
     block = model.model.transformer.blocks[0]
-    fused, _ = block._concatenated[("q_proj", "k_proj", "v_proj")]
+    assert block._concatenated, "generate() multiplied no concatenated projection"
+    fused, _ = block.concatenated(("q_proj", "k_proj", "v_proj"))
     assert block.q_proj.weight.data_ptr() == fused.data_ptr()  # the parameters are views of the fused buffer
     model.save_pretrained(tmp_path)
     reloaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
