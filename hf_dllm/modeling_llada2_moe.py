@@ -677,7 +677,8 @@ class LLaDA2MoeAttention(nn.Module):
                 attn_mask=grouped_query_mask,
                 scale=self.scaling,
             )
-            attn = attn.view(batch, self.num_heads, q_len, self.head_dim).transpose(1, 2)
+            # reshape, not view: sdpa may return a non-contiguous layout (CUDA float32 memory-efficient attention).
+            attn = attn.reshape(batch, self.num_heads, q_len, self.head_dim).transpose(1, 2)
         else:
             if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
                 attention_interface = sdpa_attention_forward

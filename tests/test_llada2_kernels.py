@@ -105,6 +105,24 @@ SCRIPT = textwrap.dedent(
             results[mode] = (prefill, step.logits, cache.keys[1], cache.values[1], step.router_logits[0])
         for name, ref, ours in zip(("prefill", "step", "keys", "values", "router"), results["torch"], results["triton"]):
             assert (ref - ours).abs().max() < 1e-5, (name, shared_experts, (ref - ours).abs().max())
+
+    # The sdpa backend's grouped-query path, with sdpa returning a non-contiguous layout as CUDA's float32
+    # memory-efficient kernel does (the path once failed there on a `view`).
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = (
+        lambda *args, **kwargs: sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2))
+    model = hf_dllm.LLaDA2MoeModelLM._from_config(config, attn_implementation="sdpa").eval()
+    ids, block = torch.randint(0, 60, (2, 12)), torch.randint(0, 60, (2, 4))
+    logits = {}
+    for mode in ("torch", "triton"):
+        kernels.set_kernel_mode(mode)
+        cache = DiffusionKVCache(2, 2, 16)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(12), block_length=4)
+            logits[mode] = model(block, past_key_values=cache, use_cache=True, cache_position=torch.arange(12, 16),
+                                 block_length=4).logits
+    assert (logits["torch"] - logits["triton"]).abs().max() < 1e-5, ("sdpa", (logits["torch"] - logits["triton"]).abs().max())
+    torch.nn.functional.scaled_dot_product_attention = sdpa
     print("ok")
     """
 )
