@@ -24,7 +24,7 @@ Implementations, same weights:
   query rows > 64) and it runs `sdpa`); batch 1 also without graphs (`disable_compile=True`, tokens compared).
 - Fast-dLLM: their `DreamModel` (`modeling_dream.py`) with their block sampler (`generation_utils_block.py`'s
   `diffusion_generate` and `_sample`, bound as their `dream/eval.py` binds them for cached runs), loaded from
-  `--reference-code DIR` (copy it with `benchmarks/fetch_fast_dllm_dream.sh`; never shipped with hf_dllm) and
+  `--reference-code DIR` (copy it with `benchmarks/fetch_fast_dllm.sh dream`; never shipped with hf_dllm) and
   sharing hf_dllm's weights in place (`load_state_dict(assign=True)`: the same tensors, no second copy). It is
   transformers-4 code: `patch_reference` gives transformers 5 the two things it misses (the "default" RoPE
   initialiser and a generation-config `validate()` of the old signature), without touching their files. Forwards are
@@ -39,7 +39,7 @@ call: at batch 32 each call recomputes the block and its suffix for 32 rows at e
 both implementations, batch 1 and 4; in float32 the two must give the same tokens. Prints a table and ends with one
 JSON line.
 
-    benchmarks/fetch_fast_dllm_dream.sh                                  # once: .ref/fast_dllm_dream (git-ignored)
+    benchmarks/fetch_fast_dllm.sh dream                                  # once: .ref/fast_dllm_dream (git-ignored)
     python benchmarks/bench_dream.py --reference-code .ref/fast_dllm_dream
     python benchmarks/bench_dream.py --cpu --reference-code .ref/fast_dllm_dream
 """
@@ -174,7 +174,7 @@ def load_reference(code_dir: Path, model) -> tuple[torch.nn.Module, type]:
     if missing:
         raise ValueError(
             f"--reference-code {code_dir} lacks {missing}: copy Fast-dLLM's dream/model/ there with "
-            "benchmarks/fetch_fast_dllm_dream.sh."
+            "benchmarks/fetch_fast_dllm.sh dream."
         )
     package = types.ModuleType("fast_dllm_dream")  # their files import each other relatively
     package.__path__ = [str(code_dir)]
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--threshold must be in (0, 1], got {args.threshold}.")
     if args.reference_code is not None and not Path(args.reference_code).is_dir():
         raise ValueError(
-            f"--reference-code {args.reference_code} is not a folder (benchmarks/fetch_fast_dllm_dream.sh)"
+            f"--reference-code {args.reference_code} is not a folder (benchmarks/fetch_fast_dllm.sh dream)"
         )
     device_name = torch.cuda.get_device_name(device) if gpu else "CPU"
     ids = {key: shape[key] for key in ("mask_token_id", "eos_token_id", "bos_token_id", "pad_token_id")}

@@ -23,7 +23,7 @@ Prints a table and ends with one JSON line.
     python benchmarks/bench_generate.py --cpu --reference .ref/fast_dllm_llada   # CPU vs Fast-dLLM, same run
 
 `--reference PATH` (CPU only) instead times the tiny trained LLaDA against Fast-dLLM's LLaDA reference functions
-(PATH: their `llada/` folder, copied by `benchmarks/fetch_fast_dllm_llada.sh`), interleaved in one process, at
+(PATH: their `llada/` folder, copied by `benchmarks/fetch_fast_dllm.sh llada`), interleaved in one process, at
 every `--reference-threads` count, checking that every prompt's tokens are identical
 (`benchmarks/llada_reference.py` says how).
 """
@@ -239,7 +239,7 @@ def reference_main(args) -> int:
     if not args.cpu:
         raise ValueError("--reference compares on the CPU: pass --cpu with it")
     if not args.reference.is_dir():
-        raise ValueError(f"--reference {args.reference} is not a folder (benchmarks/fetch_fast_dllm_llada.sh)")
+        raise ValueError(f"--reference {args.reference} is not a folder (benchmarks/fetch_fast_dllm.sh llada)")
     threads = tuple(int(t) for t in args.reference_threads.split(","))
     if not threads or min(threads) < 1:
         raise ValueError(f"--reference-threads must be positive integers, got {args.reference_threads!r}")

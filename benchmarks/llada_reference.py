@@ -2,7 +2,7 @@
 
 Used by `benchmarks/bench_generate.py --cpu --reference PATH`. PATH is a copy of Fast-dLLM's public `llada/`
 folder (`generate.py` with `generate` / `generate_with_prefix_cache` / `generate_with_dual_cache`, and
-`model/modeling_llada.py`), made with `benchmarks/fetch_fast_dllm_llada.sh`; it is Apache-2.0 code that is never
+`model/modeling_llada.py`), made with `benchmarks/fetch_fast_dllm.sh llada`; it is Apache-2.0 code that is never
 committed here. The reference functions run the reference's own model code on the same checkpoint (the tiny
 trained LLaDA, `tests/fixtures/llada-tiny-trained`, float32, loaded by both from its safetensors file).
 
@@ -70,7 +70,7 @@ def load_reference(code_dir: Path, checkpoint: Path):
     if missing:
         raise ValueError(
             f"--reference {code_dir} lacks {missing}: copy Fast-dLLM's llada/ folder there with "
-            "benchmarks/fetch_fast_dllm_llada.sh."
+            "benchmarks/fetch_fast_dllm.sh llada."
         )
     try:
         import einops  # noqa: F401
