@@ -371,9 +371,12 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return [linear.weight for expert in sampled for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)]
 
     def _stacks_are_current(self) -> bool:
-        return all(
+        # A different count means the shared expert joined or left the stacks (`stack_shared`, e.g. its layers were
+        # replaced by FP8 ones): rebuild.
+        weights = self._sampled_weights()
+        return len(weights) == len(self._stack_check) and all(
             weight is sampled and local_tensor(weight).data_ptr() == pointer
-            for weight, (sampled, pointer) in zip(self._sampled_weights(), self._stack_check, strict=True)
+            for weight, (sampled, pointer) in zip(weights, self._stack_check, strict=True)
         )
 
     def refresh_stacked_weights(self) -> None:
@@ -531,6 +534,7 @@ class LLaDA2MoeAttention(nn.Module):
             self.query_layernorm = LLaDA2MoeRMSNorm(self.head_dim, config.rms_norm_eps)
             self.key_layernorm = LLaDA2MoeRMSNorm(self.head_dim, config.rms_norm_eps)
         self.dense = nn.Linear(heads * self.head_dim, config.hidden_size, bias=config.use_bias)
+        self._local_heads: tuple[torch.Tensor, tuple[tuple[int, int], tuple[int, int]]] | None = None  # local_heads
 
     # This rank's heads, read from the columns of `dense` it holds: all heads unless tensor parallelism split them.
     @property
@@ -549,8 +553,19 @@ class LLaDA2MoeAttention(nn.Module):
 
     def local_heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """`[start, stop)` of this rank's query heads and of the key/value heads they read (grouped-query attention:
-        query head h reads key/value head `h // (heads / kv_heads)`; several ranks may read the same one)."""
-        start, stop = shard_range(self.dense.weight, 1)
+        query head h reads key/value head `h // (heads / kv_heads)`; several ranks may read the same one).
+
+        Derived from `dense.weight` once and kept until that parameter is replaced (tensor parallelism swaps it for
+        a sharded one when loading): the head counts are read several times per layer and forward."""
+        weight = self.dense.weight
+        if self._local_heads is not None and self._local_heads[0] is weight:
+            return self._local_heads[1]
+        heads = self._derive_local_heads(weight)
+        self._local_heads = (weight, heads)
+        return heads
+
+    def _derive_local_heads(self, weight: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+        start, stop = shard_range(weight, 1)
         q_start, q_stop = start // self.head_dim, stop // self.head_dim
         group = self.config.num_attention_heads // self.config.num_key_value_heads
         kv_start, kv_stop = q_start // group, (q_stop - 1) // group + 1

@@ -237,6 +237,20 @@ def test_grouped_mm_and_loop_paths_agree(model, expected):
     assert moe.experts[5].down_proj.weight.data_ptr() == down[5].data_ptr()
 
 
+def test_stacks_rebuild_when_the_shared_expert_leaves_them():
+    """The shared expert is stacked with the routed ones only while `stack_shared` holds (it stops when its layers
+    are replaced, e.g. by FP8 ones): the stacks then rebuild instead of failing on a stale check list."""
+    config = LLaDA2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=8, num_shared_experts=1, first_k_dense_replace=1, mask_token_id=63,
+    )  # fmt: skip
+    moe = LLaDA2MoeModelLM(config).model.layers[1].mlp
+    assert moe.stack_shared and moe.stacked_weights()[0].shape[0] == 7  # 6 routed + the shared expert
+    moe.shared_experts = None
+    assert not moe.stack_shared and moe.stacked_weights()[0].shape[0] == 6
+
+
 def test_grouped_path_checkpoint_keeps_hub_names(tmp_path, expected):
     model = LLaDA2MoeModelLM.from_pretrained(FIXTURE, experts_implementation="grouped_mm").eval()
     with torch.no_grad():
