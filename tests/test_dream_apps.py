@@ -24,7 +24,9 @@ from test_dream_generation import char_dream  # noqa: E402
 from test_serve import (  # noqa: E402
     MODEL_NAME,
     RunningServer,
+    assert_chat_and_its_stream_equal,
     assert_error,
+    assert_streamed_completion_equals,
     chat_ids,
     direct,
     prompt_ids,
@@ -168,37 +170,16 @@ def test_chat_and_streaming_equal_generate(server, client):
     messages = [{"role": "user", "content": "Tell me"}]
     extra = {"block_length": 4, "alg": "confidence_threshold", "threshold": 0.6, "use_cache": True}
     fields = {**extra, "eos_early_stop": True}  # a stop token ends the row after its block
-    text, tokens, nfe, finish = direct(server, chat_ids(server, messages), 16, **fields)
-    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, extra_body=fields)
-    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, finish)
-    assert (out.usage.completion_tokens, out.usage.model_extra["nfe"]) == (tokens, nfe)
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,
-            max_tokens=16,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=fields,
-        )
-    )
-    assert chunks[0].choices[0].delta.role == "assistant"
-    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert "".join(content) == text and all(len(piece) <= 4 for piece in content)  # one chunk per block
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == tokens
-    assert chunks[-1].usage.model_extra["nfe"] == nfe
+    expected = direct(server, chat_ids(server, messages), 16, **fields)
+    assert_chat_and_its_stream_equal(client, messages, 16, fields, expected, block_length=4)
 
 
 def test_streamed_completion_equals_the_whole_one(server, client):
     prompt = "Once upon a time"
-    text, tokens, nfe, finish = direct(server, prompt_ids(server, prompt), None)  # the checkpoint's settings
+    expected = direct(server, prompt_ids(server, prompt), None)  # the checkpoint's settings
     whole = client.completions.create(model=MODEL_NAME, prompt=prompt)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text == text
-    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(final) == 1 and final[0].choices[0].finish_reason == finish == whole.choices[0].finish_reason
-    assert (final[0].usage.completion_tokens, final[0].usage.model_extra["nfe"]) == (tokens, nfe)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected[0], expected[3])
+    assert_streamed_completion_equals(client, prompt, expected)
 
 
 def test_concurrent_requests_of_different_lengths_are_exact(server, client):

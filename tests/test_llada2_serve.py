@@ -25,7 +25,9 @@ from test_serve import (  # noqa: E402
     MODEL_NAME,
     RunningServer,
     StopStringCriterion,
+    assert_chat_and_its_stream_equal,
     assert_error,
+    assert_streamed_completion_equals,
     chat_ids,
     early_stop_string,
     prompt_ids,
@@ -129,39 +131,15 @@ def test_usage_nfe_with_an_early_stop_string_equals_generate_alone(server, extra
 def test_chat_and_streaming_equal_generate(server, client):
     messages = [{"role": "user", "content": "Tell me"}]
     extra = {"block_length": 4, "threshold": 0.6, "steps": 12}
-    text, tokens, nfe, finish = direct(server, chat_ids(server, messages), 16, **extra)
-    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, extra_body=extra)
-    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, finish)
-    assert (out.usage.completion_tokens, out.usage.model_extra["nfe"]) == (tokens, nfe)
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=messages,
-            max_tokens=16,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
-        )
-    )
-    assert chunks[0].choices[0].delta.role == "assistant"
-    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert "".join(content) == text and all(len(piece) <= 4 for piece in content)  # one chunk per block
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == tokens
-    assert chunks[-1].usage.model_extra["nfe"] == nfe
+    expected = direct(server, chat_ids(server, messages), 16, **extra)
+    assert_chat_and_its_stream_equal(client, messages, 16, extra, expected, block_length=4)
 
 
 def test_streamed_completion_equals_the_whole_one(server, client):
     fields = {"block_length": 4, "eos_early_stop": False, "threshold": 0.7}
     prompt = "Once upon a time"
-    text, tokens, nfe, finish = direct(server, prompt_ids(server, prompt), 20, **fields)
-    chunks = list(
-        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, stream=True, extra_body=fields)
-    )
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
-    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(final) == 1 and final[0].choices[0].finish_reason == finish
-    assert (final[0].usage.completion_tokens, final[0].usage.model_extra["nfe"]) == (tokens, nfe)
+    expected = direct(server, prompt_ids(server, prompt), 20, **fields)
+    assert_streamed_completion_equals(client, prompt, expected, max_tokens=20, extra_body=fields)
 
 
 def test_concurrent_requests_of_different_lengths_share_layouts(server, client):

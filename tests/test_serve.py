@@ -140,6 +140,37 @@ def direct(server, prompt_ids: list[int], max_tokens: int | None = None, **extra
     return server.tokenizer.decode(tokens[:end], skip_special_tokens=True), end, int(out.nfe_per_row[0]), finish
 
 
+def assert_chat_and_its_stream_equal(client, messages, max_tokens: int, fields: dict, expected, block_length: int):
+    """The chat completion and its stream both give `expected` = `direct(...)`'s (text, completion_tokens, nfe,
+    finish_reason): the stream opens with the assistant role, sends one chunk per committed block (at most
+    `block_length` characters with the character tokenizer), one finish reason, and usage in a last chunk without
+    choices."""
+    text, tokens, nfe, finish = expected
+    request = dict(model=MODEL_NAME, messages=messages, max_tokens=max_tokens, extra_body=fields)
+    out = client.chat.completions.create(**request)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, finish)
+    assert (out.usage.completion_tokens, out.usage.model_extra["nfe"]) == (tokens, nfe)
+    chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(content) == text and all(len(piece) <= block_length for piece in content)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == tokens
+    assert chunks[-1].usage.model_extra["nfe"] == nfe
+
+
+def assert_streamed_completion_equals(client, prompt: str, expected, **request) -> list:
+    """A streamed completion of `prompt` gives `expected` = `direct(...)`'s (text, completion_tokens, nfe,
+    finish_reason), its finish reason and usage in one final chunk. Returns the chunks."""
+    text, tokens, nfe, finish = expected
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, stream=True, **request))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].choices[0].finish_reason == finish
+    assert (final[0].usage.completion_tokens, final[0].usage.model_extra["nfe"]) == (tokens, nfe)
+    return chunks
+
+
 def prompt_ids(server, prompt: str) -> list[int]:
     return list(server.tokenizer(prompt)["input_ids"])
 
@@ -425,22 +456,8 @@ def test_streaming_completion_one_chunk_per_block(server, client):
 
 def test_streaming_chat(server, client):
     messages = [{"role": "user", "content": "Tell me"}]
-    text, tokens, nfe, finish = direct(server, chat_ids(server, messages), 48, block_length=16)
-    stream = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=messages,
-        max_tokens=48,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"block_length": 16},
-    )
-    chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finals == [finish]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == tokens
-    assert chunks[-1].usage.model_extra["nfe"] == nfe
+    expected = direct(server, chat_ids(server, messages), 48, block_length=16)
+    assert_chat_and_its_stream_equal(client, messages, 48, {"block_length": 16}, expected, block_length=16)
 
 
 def test_raw_sse_ends_with_done(server):
