@@ -1,11 +1,13 @@
 """Where a dual-cache block step's time goes: a per-kernel breakdown (torch.profiler) and GEMM bandwidth.
 
-For the LLaDA-8B shape in bf16 on a GPU: runs a few eager block steps under the profiler (kernel durations are the
-same as in a CUDA-graph replay; only launch gaps differ), groups CUDA kernels by name, and prints the top ones with
-their share. Then times the block's matrix products alone (separate q/k/v and gate/up products vs. concatenated
-weights) to show how close cuBLAS gets to the memory-bandwidth floor at small M. Ends with one JSON line.
+For the LLaDA-8B or Dream-7B shape in bf16 on a GPU: runs a few eager block steps under the profiler (kernel
+durations are the same as in a CUDA-graph replay; only launch gaps differ), groups CUDA kernels by name, and prints
+the top ones with their share; the same for the block-start full forward (the dual cache's refresh), with both
+steps' CUDA-graph replay times. Then times the block's matrix products alone (separate q/k/v and gate/up products
+vs. concatenated weights) to show how close cuBLAS gets to the memory-bandwidth floor at small M. Ends with one
+JSON line.
 
-    python benchmarks/profile_step.py [--batch 1]
+    python benchmarks/profile_step.py [--batch 1] [--shape llada-8b|dream-7b]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_generate import LLADA_8B, build_model  # noqa: E402
 
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
+from hf_dllm.graphs import StepGraphs  # noqa: E402
 
 
 def gemm_bandwidth(m: int, k: int, n: int, dtype=torch.bfloat16, repeats: int = 50) -> tuple[float, float]:
@@ -72,16 +75,63 @@ def attention_ms(batch: int, padded: bool, impl: str, repeats: int = 100) -> flo
     return start.elapsed_time(end) / repeats * 1000
 
 
+def kernel_table(step_fn, steps: int = 5) -> tuple[float, int, list]:
+    """(GPU kernel ms per call, kernels per call, top 25 [(name, (ms, count))]) of `step_fn()` under the profiler."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name[:90]]
+            entry[0] += event.device_time_total / 1000 / steps
+            entry[1] += 1
+    total = sum(ms for ms, _ in per_kernel.values())
+    kernels = sum(c for _, c in per_kernel.values()) // steps
+    return total, kernels, sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+
+
+def print_table(title: str, total: float, kernels: int, top: list, steps: int = 5, rows: int = 25) -> None:
+    print(f"{title}: GPU kernel time {total:.2f} ms over {kernels} kernels")
+    print(f"{'ms':>8} {'share':>6} {'count':>6}  kernel")
+    for name, (ms, count) in top[:rows]:
+        print(f"{ms:8.3f} {100 * ms / total:5.1f}% {count // steps:6d}  {name}")
+
+
+def replay_ms(fn, repeats: int = 20) -> float:
+    """Median CUDA-event time of `fn()` (a step through the run's CUDA graphs)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--shape", choices=("llada-8b", "dream-7b"), default="llada-8b")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
+    if args.shape == "dream-7b":
+        from bench_dream import DREAM_7B
+        from bench_dream import build_model as build_dream
+
+        model = build_dream(DREAM_7B, torch.bfloat16, device, args.attn, head_scale=1.0)
+        vocab, hidden, mlp, kv_width = DREAM_7B["vocab_size"], 3584, 18944, 2 * 4 * 128
+    else:
+        model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
+        vocab, hidden, mlp, kv_width = LLADA_8B["vocab_size"], 4096, 12288, 2 * 4096
     prompts = torch.randint(0, 120000, (args.batch, args.prompt_len), device=device)
     config = model.resolve_generation_config(
         max_new_tokens=args.new_tokens, block_length=32, eos_early_stop=False, disable_compile=True
@@ -93,33 +143,40 @@ def main(argv=None) -> int:
     run.run_step(start, end, 0)
     for _ in range(3):
         run.run_step(start, end, 1)
-    torch.cuda.synchronize()
-    steps = 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run.run_step(start, end, 1)
-        torch.cuda.synchronize()
-    per_kernel = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_kernel[event.name[:90]]
-            entry[0] += event.device_time_total / 1000 / steps
-            entry[1] += 1
-    total = sum(ms for ms, _ in per_kernel.values())
-    print(f"GPU kernel time per step: {total:.2f} ms over {sum(c for _, c in per_kernel.values()) // steps} kernels")
-    print(f"{'ms/step':>8} {'share':>6} {'count':>6}  kernel")
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
-    for name, (ms, count) in top:
-        print(f"{ms:8.3f} {100 * ms / total:5.1f}% {count // steps:6d}  {name}")
+    total, kernels, top = kernel_table(lambda: run.run_step(start, end, 1))
+    print_table("block step", total, kernels, top)
+    refresh_total, refresh_kernels, refresh_top = kernel_table(lambda: run.run_step(start, end, 0), steps=2)
+    print_table("\nblock-start full forward", refresh_total, refresh_kernels, refresh_top, steps=2, rows=12)
+
+    # The same two steps through CUDA graphs (what generate() replays).
+    graph_config = model.resolve_generation_config(
+        max_new_tokens=args.new_tokens, block_length=32, eos_early_stop=False
+    )
+    graph_run = BlockDiffusionRun(model, graph_config, prompts, None, None)
+    try:
+        graph_run.unmasking.start_block(32, 32)
+        for _ in range(3):
+            graph_run.run_step(start, end, 0)
+            graph_run.run_step(start, end, 1)
+        step_replay = replay_ms(lambda: graph_run.run_step(start, end, 1))
+        refresh_replay = replay_ms(lambda: graph_run.run_step(start, end, 0), repeats=5)
+    finally:
+        StepGraphs.release_to(model)
+    tokens = args.batch * (args.prompt_len + args.new_tokens)
+    flops = 2 * (sum(p.numel() for p in model.parameters()) - 2 * vocab * hidden) * tokens
+    print(
+        f"\nCUDA-graph replay: block step {step_replay:.2f} ms, block-start full forward {refresh_replay:.2f} ms "
+        f"({tokens} positions, {flops / refresh_replay / 1e9:.0f} TFLOP/s in the layers' products)"
+    )
 
     m = args.batch * 32
     gemms = {
-        "q (4096x4096)": (4096, 4096),
-        "qkv fused (12288x4096)": (4096, 12288),
-        "gate (12288x4096)": (4096, 12288),
-        "gate+up fused (24576x4096)": (4096, 24576),
-        "down (4096x12288)": (12288, 4096),
-        "lm head (126464x4096)": (4096, 126464),
+        f"q ({hidden}x{hidden})": (hidden, hidden),
+        f"qkv fused ({hidden + kv_width}x{hidden})": (hidden, hidden + kv_width),
+        f"gate ({mlp}x{hidden})": (hidden, mlp),
+        f"gate+up fused ({2 * mlp}x{hidden})": (hidden, 2 * mlp),
+        f"down ({hidden}x{mlp})": (mlp, hidden),
+        f"lm head ({vocab}x{hidden})": (hidden, vocab),
     }
     print(f"\nGEMM, M = {m} rows, bf16 (weight bytes / time)")
     results = {}
@@ -127,9 +184,10 @@ def main(argv=None) -> int:
         ms, tbs = gemm_bandwidth(m, k, n)
         results[name] = {"ms": ms, "tb_s": tbs}
         print(f"  {name:<28} {ms:7.3f} ms  {tbs:5.2f} TB/s")
-    print("\nBlock-step attention (one layer), microseconds, CUDA-graph replays")
     attention = {}
-    for batch in (1, 8, 32):
+    if args.shape == "llada-8b":
+        print("\nBlock-step attention (one layer), microseconds, CUDA-graph replays")
+    for batch in (1, 8, 32) if args.shape == "llada-8b" else ():
         for padded in (False, True):
             row = {impl: attention_ms(batch, padded, impl) for impl in ("triton", "sdpa")}
             attention[f"b{batch}{'-padded' if padded else ''}"] = row
@@ -139,8 +197,12 @@ def main(argv=None) -> int:
     print(
         json.dumps(
             {
+                "shape": args.shape,
                 "batch": args.batch,
                 "kernel_ms_per_step": total,
+                "refresh_kernel_ms": refresh_total,
+                "step_replay_ms": step_replay,
+                "refresh_replay_ms": refresh_replay,
                 "top": top[:10],
                 "gemm": results,
                 "attention_us": attention,

@@ -972,9 +972,12 @@ class BlockDiffusionRun:
             generated=generated,
             attention_mask=self._attention_mask(q_end - q_start, kv_len),
         )
-        # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None.
+        # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None. Where the
+        # block lies is not: every column index is an input tensor, so one graph serves every block's step of one
+        # shape (in particular the dual/prefix cache's full forward at each block start, captured at the second
+        # block and replayed from the third instead of running eagerly once per block).
         mask_fed = inputs["attention_mask"] is not None
-        return inputs, (rows, q_start - block_start, q_end - q_start, block_end - block_start, kv_len, mask_fed)
+        return inputs, (rows, q_end - q_start, block_end - block_start, kv_len, mask_fed)
 
     def _generated(self, block_start: int, block_end: int) -> torch.Tensor:
         """`(rows, L)` bool: the block's columns at or after each row's first generated position."""

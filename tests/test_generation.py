@@ -657,3 +657,28 @@ def test_shifted_model_no_cache_two_layers(reference_model):
         assert torch.equal(shifted.generate(prompt, **kwargs), reference_model.generate(prompt, **kwargs))
     with pytest.raises(ValueError, match="cfg_scale"):
         shifted.generate(prompt, max_new_tokens=8, cfg_scale=1.0)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_every_block_start_full_forward_has_one_graph_key(reference_model, monkeypatch, cache):
+    """A CUDA graph is keyed by its step's shapes only (every column index is an input), so the full forward at
+    each block start (the same shapes in every block) is one graph, captured once and replayed by later blocks."""
+    from hf_dllm.generation_utils import BlockDiffusionRun
+
+    keys: dict[int, set] = {0: set(), 1: set()}
+    original = BlockDiffusionRun._step_inputs
+
+    def recording(self, block_start, block_end, step, active, generated):
+        inputs, key = original(self, block_start, block_end, step, active, generated)
+        keys[min(step, 1)].add(key)
+        return inputs, key
+
+    monkeypatch.setattr(BlockDiffusionRun, "_step_inputs", recording)
+    out = reference_model.generate(
+        random_prompt(9, 3), max_new_tokens=32, block_length=8, steps=16, eos_early_stop=False,
+        return_dict_in_generate=True, **CACHE_MODES[cache],
+    )  # fmt: skip
+    assert out.nfe == 16
+    assert len(keys[0]) == 1, keys[0]  # 4 blocks, one full-forward shape
+    # Dual cache: later steps compute the block alone (one shape); prefix cache: the block and what follows it.
+    assert len(keys[1]) == (1 if cache == "dual" else 4), keys[1]

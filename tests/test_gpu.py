@@ -164,6 +164,22 @@ def test_graph_path_tokens_equal_eager(attn, cache, rule):
     assert fast.nfe == eager.nfe
 
 
+def test_block_start_forward_is_one_graph_replayed_by_later_blocks():
+    """The dual cache's full forward has the same shapes at every block start: one graph, captured at the second
+    block and replayed by the later ones within the first call, with the eager path's tokens."""
+    model = gpu_model()
+    ids, mask = padded_prompts([5, 19])
+    kwargs = dict(
+        max_new_tokens=64, block_length=16, use_cache=True, dual_cache=True, eos_early_stop=False,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    fast = model.generate(ids, attention_mask=mask, **kwargs)
+    assert len(model._hf_dllm_step_graphs.steps) == 2  # the block-start forward and the block step
+    eager = model.generate(ids, attention_mask=mask, disable_compile=True, **kwargs)
+    assert torch.equal(fast.sequences, eager.sequences)
+    assert fast.nfe == eager.nfe
+
+
 def test_graph_path_with_eos_stop_equals_eager():
     model = gpu_model()
     ids, mask = padded_prompts([4, 9, 7, 11])
