@@ -56,6 +56,26 @@ class DreamConfig(PretrainedConfig):
 
     model_type = "Dream"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun), Megatron-style as transformers'
+    # Qwen2: q/k/v (and their biases) and gate/up split by output rows (whole heads per rank: num_attention_heads
+    # and num_key_value_heads must divide by the number of ranks), o_proj and down_proj by input columns (each
+    # rank's partial sum is all-reduced), the output head by vocabulary rows (`DreamModel._tp_plan`). The embedding
+    # is replicated. The attention layers read their per-rank head counts from the weights' shapes.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    # Pipeline stages (transformers' `base_model_pp_plan`): the embedding, the decoder layers, the final norm.
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
     # transformers 5 turns `rope_scaling` into a deprecated alias of `rope_parameters`; Dream's configs store the
     # field itself, so this plain class attribute shadows the alias and `rope_scaling` is an ordinary field again.
     rope_scaling = None

@@ -57,6 +57,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, use_fused_kernels
+from .tensor_parallel import local_shape
 
 register_attention_backends()
 
@@ -175,16 +176,27 @@ class DreamAttention(ConcatenatedProjections):
         self.layer_idx = layer_idx
         self.is_causal = False
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    # Head counts read from the weights: this rank's share under tensor parallelism (`DreamConfig.base_model_tp_plan`,
+    # tensor_parallel.py), all heads otherwise.
+    @property
+    def num_heads(self) -> int:
+        return local_shape(self.q_proj.weight)[0] // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return local_shape(self.k_proj.weight)[0] // self.head_dim
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
 
     def forward(
         self,
@@ -433,6 +445,10 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
     diffusion_sampler_fields = DREAM_FIELDS
     diffusion_original_generation_fields = {"output_history": False, "num_return_sequences": 1}
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Tensor parallelism (see `DreamConfig.base_model_tp_plan`): the head split by vocabulary rows, the logits
+    # gathered so that every rank unmasks from the same logits.
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}  # the last pipeline stage, as transformers' Qwen2
 
     def __init__(self, config: DreamConfig):
         super().__init__(config)

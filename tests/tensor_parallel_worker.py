@@ -1,5 +1,5 @@
-"""Worker of tests/test_tensor_parallel.py, started by `torchrun --nproc-per-node 2`: loads the tiny LLaDA and
-LLaDA2 fixtures with `tp_plan="auto"` and records, on every rank, the logits of one forward and the tokens of
+"""Worker of tests/test_tensor_parallel.py, started by `torchrun --nproc-per-node 2`: loads the tiny LLaDA, LLaDA2
+and Dream fixtures with `tp_plan="auto"` and records, on every rank, the logits of one forward and the tokens of
 `generate()` for each of `SETTINGS`; rank 0 saves all ranks' records to `OUT` (torch.save).
 
 Usage: torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py OUT DEVICE DTYPE   (DEVICE cpu -> gloo, cuda -> nccl)
@@ -13,7 +13,11 @@ from pathlib import Path
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = {"llada": FIXTURES / "llada-tiny-ref", "llada2": FIXTURES / "llada2-tiny-ref"}
+MODELS = {
+    "llada": FIXTURES / "llada-tiny-ref",
+    "llada2": FIXTURES / "llada2-tiny-ref",
+    "dream": FIXTURES / "dream-tiny-ref",
+}
 PROMPTS = [[11, 40, 72, 9, 150, 33, 201, 17], [0, 0, 0, 64, 12, 99, 5, 180]]  # the second row left-padded
 PAD = 301
 # EOS is suppressed (`logits_eos_inf`): the tiny random models would otherwise end every row after a few tokens.
@@ -25,9 +29,11 @@ COMMON = dict(
     logits_eos_inf=True,
     return_dict_in_generate=True,
 )
+DREAM = dict(logits_eos_inf=False, eos_early_stop=False)
 # Per model: (name, generate kwargs). LLaDA: no cache, dual cache, the confidence threshold with and without the dual
 # cache; LLaDA2 (block-causal): its exact block cache, recomputation, the threshold; the per-expert loop instead of
-# the grouped expert GEMMs.
+# the grouped expert GEMMs. Dream (logit-shifted, grouped-query heads): its own rules with and without the dual cache,
+# and the confidence threshold with it.
 SETTINGS = {
     "llada": [
         ("no_cache", dict(steps=8, use_cache=False)),
@@ -39,6 +45,15 @@ SETTINGS = {
         ("exact_cache", dict(steps=8, use_cache=True)),
         ("no_cache", dict(steps=8, use_cache=False)),
         ("threshold_exact_cache", dict(threshold=0.3, use_cache=True)),
+    ],
+    # Dream's rules have no `logits_eos_inf`: rows run to their end instead (no EOS stop).
+    "dream": [
+        ("entropy_dual_cache", dict(DREAM, steps=8, alg="entropy", use_cache=True, dual_cache=True)),
+        ("maskgit_no_cache", dict(DREAM, steps=8, alg="maskgit_plus", use_cache=False)),
+        (
+            "threshold_dual_cache",
+            dict(DREAM, alg="confidence_threshold", threshold=0.3, use_cache=True, dual_cache=True),
+        ),
     ],
 }
 # Sampling with a different seed on each rank: the ranks must still agree (rank 0's tokens are kept).
@@ -65,7 +80,7 @@ def record(model, name: str, device: str) -> dict:
     logits = model(input_ids=ids, attention_mask=mask).logits.float().cpu()
     generated = {}
     for setting, kwargs in SETTINGS[name]:
-        out = model.generate(ids, attention_mask=mask, **COMMON, **kwargs)
+        out = model.generate(ids, attention_mask=mask, **{**COMMON, **kwargs})
         generated[setting] = (out.sequences.cpu(), int(out.nfe))
     return {"logits": logits, "generated": generated}
 
@@ -88,6 +103,13 @@ def main() -> None:
             with torch.no_grad():
                 sampled = model.generate(ids, attention_mask=mask, **COMMON, **SAMPLED)
             result["sampled"] = sampled.sequences.cpu()
+        elif name == "dream":
+            attention = model.model.layers[0].self_attn
+            result["local_heads"] = (
+                attention.num_heads,
+                attention.num_kv_heads,
+                tuple(attention.q_proj.weight.to_local().shape),
+            )
         else:
             attention = model.model.layers[0].attention
             result["local_heads"] = (attention.num_heads, attention.num_kv_heads, attention.local_heads())

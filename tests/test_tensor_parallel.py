@@ -56,11 +56,11 @@ def single_process() -> dict:
 
 @pytest.mark.parametrize("name", list(worker.MODELS))
 def test_shards_hold_half_the_heads(cpu_results, name):
-    config_heads = {"llada": (4, 4), "llada2": (4, 2)}[name]
+    config_heads = {"llada": (4, 4), "llada2": (4, 2), "dream": (4, 2)}[name]
     for rank, result in enumerate(cpu_results[name]):
         heads, kv_heads, detail = result["local_heads"]
         assert (heads, kv_heads) == (config_heads[0] // 2, config_heads[1] // 2)
-        if name == "llada":
+        if name in ("llada", "dream"):
             assert detail == (32, 64)  # q_proj's local rows: 2 heads of 16
         else:
             assert detail == (
@@ -102,6 +102,26 @@ def test_ranks_sampling_with_different_seeds_keep_rank_zeros_tokens(cpu_results)
     assert torch.equal(first, second)
     assert not torch.equal(first, cpu_results["llada"][0]["generated"]["no_cache"][0])  # it did sample
     assert (first[:, len(worker.PROMPTS[0]) :] != worker.COMMON["mask_token_id"]).all()
+
+
+@pytest.mark.parametrize("name", list(worker.MODELS))
+def test_plans_name_existing_modules(name):
+    """Every entry of the tensor-parallel plans matches linear layers of the model (a misspelt entry would leave
+    them unsharded without an error), and a declared pipeline plan names the base model's children."""
+    import re
+
+    model = worker.load(name, "cpu", torch.float32)
+    base = model.base_model
+    linear_names = [module_name for module_name, module in base.named_modules() if isinstance(module, torch.nn.Linear)]
+    for pattern in model.config.base_model_tp_plan:
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        assert any(regex.match(module_name) for module_name in linear_names), pattern
+    for module_name in type(model)._tp_plan or {}:
+        assert isinstance(model.get_submodule(module_name), torch.nn.Linear), module_name
+    for child in model.config.base_model_pp_plan or {}:
+        assert hasattr(base, child), child
+    for module_name in getattr(type(model), "_pp_plan", None) or {}:
+        assert model.get_submodule(module_name) is not None, module_name
 
 
 @pytest.mark.gpu
