@@ -51,6 +51,8 @@ import tempfile
 import types
 from pathlib import Path
 
+from ..cli.loading import QUANTIZATION_CHOICES
+
 # Remote code every model family shares: the generation loop, its config, policies, caches, attention backends and
 # kernels, reached from the model files through relative imports.
 SHARED_REMOTE_CODE_FILES = (
@@ -1227,6 +1229,18 @@ def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], di
     tied_names = set(getattr(model, "all_tied_weights_keys", None) or {})
     required = {name: shape for name, shape in shapes.items() if name not in tied_names}
     tied = {name: shape for name, shape in shapes.items() if name in tied_names}
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+        # An FP8 checkpoint (`hf-dllm export --quantization fp8`, or one saved quantized): a block-scale tensor beside
+        # every weight transformers' FP8 quantizer converts.
+        from transformers import FineGrainedFP8Config
+
+        from .quantize import fp8_weight_names, scale_shapes
+
+        names = fp8_weight_names(
+            model_class, config_class.from_dict(config), FineGrainedFP8Config.from_dict(quantization)
+        )
+        required.update(scale_shapes(shapes, names))
     return required, tied
 
 
@@ -1385,6 +1399,47 @@ def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
         raise ExportError(f"DST ({dst}) exists and is not empty: pass --overwrite (overwrite=True) to replace it.")
 
 
+# `--quantization`: the choices of `hf-dllm serve` / `generate` / `eval`'s loading flag (cli/loading.py).
+EXPORT_QUANTIZATION_CHOICES = QUANTIZATION_CHOICES
+
+
+def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] | None:
+    """For `quantization="fp8"`: the weights to store as FP8 (and `config` gets their `quantization_config`);
+    None for `"none"`. ExportError for what cannot be exported quantized."""
+    if quantization not in EXPORT_QUANTIZATION_CHOICES:
+        raise ExportError(
+            f"--quantization must be one of {', '.join(EXPORT_QUANTIZATION_CHOICES)}, got {quantization!r}."
+        )
+    if quantization == "none":
+        return None
+    if config.get("quantization_config") is not None:
+        method = (config["quantization_config"] or {}).get("quant_method", "?")
+        raise ExportError(f"SRC is already quantized (quant_method {method!r}); export it without --quantization.")
+    if link:
+        raise ExportError("--link cannot be combined with --quantization fp8: the quantized weights are new files.")
+    from .quantize import fp8_quantization_config, fp8_weight_names
+
+    config_class, model_class = model_family(config["model_type"]).classes()
+    quantization_config = fp8_quantization_config(config["model_type"])
+    names = fp8_weight_names(model_class, config_class.from_dict(config), quantization_config)
+    if not names:
+        raise ExportError("--quantization fp8: transformers' FP8 quantizer converts no layer of this model.")
+    required, _ = expected_tensor_shapes(config)
+    block = quantization_config.weight_block_size
+    uneven = [
+        f"{name} {list(required[name])}"
+        for name in names
+        if required[name][0] % block[0] or required[name][1] % block[1]
+    ]
+    if uneven:
+        raise ExportError(
+            f"--quantization fp8 stores whole {block[0]}x{block[1]} blocks, but these weights are not multiples of "
+            f"it: {_listing(uneven)}."
+        )
+    config["quantization_config"] = quantization_config.to_dict()
+    return names
+
+
 def _place(source: Path, target: Path, link: bool) -> None:
     if link:
         try:
@@ -1410,6 +1465,7 @@ def export_checkpoint(
     max_new_tokens: int | None | _Unset = UNSET,
     block_length: int | None | _Unset = UNSET,
     threshold: float | None | _Unset = UNSET,
+    quantization: str = "none",
 ) -> ExportResult:
     """Export the LLaDA, LLaDA2.x or Dream checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's
     remote code.
@@ -1431,6 +1487,10 @@ def export_checkpoint(
             value of SRC's generation_config.json or the family's). `threshold=None` writes no threshold (LLaDA's
             fixed schedule; for LLaDA2.x one token per step); naming `threshold` replaces the base's decoding rule
             (`steps`, `factor`), as in `generate()`. `resolve_generation_settings` decides the settings.
+        quantization: `"none"` (the weights as SRC stores them) or `"fp8"`: the linear weights that transformers'
+            `FineGrainedFP8Config` quantizes at load time are stored as FP8 with 128x128 block scales and
+            config.json gets that `quantization_config`, so the repo loads pre-quantized (`hub/quantize.py`;
+            safetensors SRC only, not with `link`).
 
     Returns an `ExportResult`: the sorted names of the files written to `dst` and the generation settings written,
     with the origin of each (also logged, at INFO, by the `hf_dllm.hub.export` logger). Raises `ExportError` on bad
@@ -1448,6 +1508,7 @@ def export_checkpoint(
     config = read_source_config(src)
     model_type = config["model_type"]
     family = MODEL_FAMILIES[model_type]
+    fp8_names = _fp8_export_plan(config, quantization, link)
     card = resolve_card(card, model_type)
     weights = find_weights(src)
     code = check_remote_code(model_type=model_type)
@@ -1472,8 +1533,16 @@ def export_checkpoint(
     pid_prefix = f".{dst.resolve().name}.%s-{os.getpid()}-"
     staging = Path(tempfile.mkdtemp(prefix=pid_prefix % "export", dir=dst.resolve().parent))
     try:
-        for file_name in weights:
-            _place(src / file_name, staging / file_name, link)
+        if fp8_names is None:
+            for file_name in weights:
+                _place(src / file_name, staging / file_name, link)
+        else:
+            from .quantize import QuantizationError, write_fp8_weights
+
+            try:
+                write_fp8_weights(src, staging, weights, fp8_names)
+            except QuantizationError as error:
+                raise ExportError(str(error)) from error
         for file_name in tokenizer_files:
             shutil.copyfile(src / file_name, staging / file_name)
         for path in code:
@@ -1535,6 +1604,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="model card preset for README.md, of SRC's family (generic: the family's generic card)",
     )
     parser.add_argument("--repo-id", help="Hub repo id used in the card's examples (default your-org/<name>-hf-dllm)")
+    parser.add_argument(
+        "--quantization",
+        choices=EXPORT_QUANTIZATION_CHOICES,
+        default="none",
+        help="fp8: store the linear weights that transformers' FineGrainedFP8Config quantizes as FP8 with 128x128 "
+        "block scales (the repo then loads pre-quantized on a GPU; LLaDA2.x keeps its experts and head in bf16); "
+        "none (default): the weights as SRC stores them",
+    )
     families = MODEL_FAMILIES.values()
     llada = MODEL_FAMILIES["llada"].fast_defaults
     fast = ", ".join(f"{name}={value}" for name, value in llada.items() if name != "threshold")
@@ -1596,6 +1673,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             block_length=args.block_length,
             threshold=args.threshold,
+            quantization=args.quantization,
         )
     except ExportError as error:
         print(f"hf-dllm export: error: {error}", file=sys.stderr)
