@@ -4,6 +4,7 @@
     # checkout of the package (e.g. `git archive 42f8188 hf_dllm | tar -x -C .old`)
     python benchmarks/bench_load.py --shape llada-8b --rates 0.5,1,2 --requests 48 --window-code .old
     python benchmarks/bench_load.py --cpu                # small CPU smoke run of the same path
+    python benchmarks/bench_load.py --cpu --shape llada2-small --servers continuous --check 12   # block-causal
 
 For each server (`continuous`: this checkout; `window`: `--window-code`, the package before continuous batching,
 run with `--batch-window-ms`), a server process is started on 127.0.0.1 (`--role server`: a model with random
@@ -16,7 +17,9 @@ parallelism Fast-dLLM's threshold reaches on real models; random weights never r
 
 Reported per server and rate: throughput (completion tokens / time from the first arrival to the last answer),
 p50/p99 request latency, p50/p99 time to the first streamed block, requests lost or failed, peak GPU memory of the
-server process (`torch.cuda.max_memory_allocated`, from its /bench-memory route). A table, then one JSON line.
+server process (`torch.cuda.max_memory_allocated`, from its /bench-memory route), and the engine's mean seconds
+per block boundary and positions (rows x columns) its blocks' first steps computed per boundary (the prefix rows
+recompute, and joining rows' prefill). A table, then one JSON line.
 `--check N` also compares N answers of the continuous server with `model.generate()` alone (float32 CPU runs).
 """
 
@@ -311,13 +314,14 @@ def check_answers(args, items: list[dict], records: list[dict], count: int) -> d
     import torch
 
     model = build_model(args.shape, "cpu", "float32")
+    block_causal = bool(getattr(model, "diffusion_block_causal", False))
     config = model.config
     tokenizer = word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
     checked = equal = 0
     for item, record in list(zip(items, records, strict=True))[:count]:
         if "text" not in record:
             continue
-        steps = item["max_tokens"] // BLOCK * STEPS_PER_BLOCK
+        steps = decoded_blocks(item, block_causal) * STEPS_PER_BLOCK
         out = model.generate(
             torch.tensor([item["prompt"]]),
             max_new_tokens=item["max_tokens"],
@@ -351,7 +355,7 @@ def measure(args) -> dict:
                 summary = summarize(records)
                 summary["batching"] = server.get("/health").get("batching")
                 summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
-                if kind == "continuous" and args.check and args.shape not in LLADA2_SHAPES:
+                if kind == "continuous" and args.check:
                     summary["check"] = check_answers(args, items, records, args.check)
                 results[(kind, rate)] = summary
                 print(
@@ -407,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "p50 TTFB s",
         "p99 TTFB s",
         "rows/layout or batch",
+        "s/boundary",
+        "1st-step positions/boundary",
         "peak GB",
     ]
     print("| " + " | ".join(header) + " |")
@@ -414,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     for (kind, rate), s in results.items():
         batching = s.get("batching") or {}
         per = batching.get("mean_rows_per_layout", batching.get("mean_batch_size"))
+        boundary_s = batching.get("mean_boundary_s")
+        first_step = batching.get("mean_first_step_positions_per_boundary")
         peak = s["peak_gpu_bytes"]
 
         def fmt(value):
@@ -422,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {kind} | {rate} | {s['completed']} | {s['failed']} | {s['throughput_tokens_per_s']:.1f} | "
             f"{fmt(s['p50_latency_s'])} | {fmt(s['p99_latency_s'])} | {fmt(s['p50_first_block_s'])} | "
-            f"{fmt(s['p99_first_block_s'])} | {fmt(per)} | {'-' if peak is None else f'{peak / 1e9:.1f}'} |"
+            f"{fmt(s['p99_first_block_s'])} | {fmt(per)} | {'-' if boundary_s is None else f'{boundary_s:.3f}'} | "
+            f"{'-' if first_step is None else f'{first_step:.0f}'} | {'-' if peak is None else f'{peak / 1e9:.1f}'} |"
         )
     import torch
 

@@ -13,6 +13,8 @@ Block-causal models (LLaDA2: each block attends to itself and earlier blocks) ne
 - `ExactBlockCache`: committed blocks' K/V never change, so each is written once. The first step of a block also
   recomputes the previous block with its committed tokens (writing its exact K/V; the first block's first step
   prefills the prompt), later steps compute the block alone. Same forwards as recomputing everything, exact.
+- `StoredBlockCache`: the same queries for a continuous batch, whose engine keeps each row's exact K/V between
+  blocks itself (rows are laid out anew before every block).
 - `BlockCausalNoCache`: every step recomputes everything up to the end of the block (the reference `generate()`).
 
 All of them only differ in which positions a step feeds to the model (`query_range`), so the denoising loop is
@@ -266,16 +268,24 @@ class ExactBlockCache(CachePolicy):
         cache.keep_rows(index)
 
 
-class RefreshedBlockCache(ExactBlockCache):
+class StoredBlockCache(ExactBlockCache):
     """Block-causal models in a continuous batch (`hf_dllm.serving.engine`): rows are laid out anew before every
-    block, so no K/V survives from one block to the next. The first step of a block recomputes everything before
-    it (every row's prefill, exact: committed tokens), later steps the block alone; as many forwards as
-    `ExactBlockCache`."""
+    block, and the engine keeps each row's exact K/V between blocks (`serving.row_cache.RowKVStore`) and puts them
+    back at the row's columns before the block. So, as in `ExactBlockCache`, the first step of a block recomputes
+    the previous block (committed now: its exact K/V are written once) and the block, later steps the block alone.
+    (A row's first block, whose prompt has no K/V yet, is prefilled by the engine in a forward of its own rows.)
+    Every block of a block-causal plan is `block_end - block_start` long, so the previous block is the columns
+    just before this one."""
 
-    name = "refreshed"
+    name = "stored"
 
     def start_block(self, block_start: int) -> None:
-        self.refresh_from, self.exact_until = 0, block_start
+        """Nothing to track: what is exact is the engine's (per row), not the policy's."""
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        if not first_step:
+            return block_start, block_end
+        return max(0, 2 * block_start - block_end), block_end
 
 
 def make_cache_policy(

@@ -181,6 +181,103 @@ def test_block_causal_rows_equal_generate_alone(name):
         assert_alone(model, requests)
 
 
+@pytest.fixture(scope="module")
+def random_llada2():
+    """A tiny random LLaDA2 (block-causal): varied tokens over every block (the reference fixtures mostly end at
+    an early EOS), so continuing rows and their kept K/V are exercised."""
+    from test_llada2_integration import tiny_llada2
+
+    return tiny_llada2(seed=4)
+
+
+LLADA2_KINDS = [
+    dict(max_new_tokens=40, block_length=8, threshold=0.5),
+    dict(max_new_tokens=24, block_length=8, threshold=0.5),  # shares layouts with the first
+    dict(max_new_tokens=32, block_length=16, threshold=0.6),
+    dict(max_new_tokens=40, block_length=8, threshold=0.5, editing_threshold=0.5, max_post_steps=2),
+    dict(max_new_tokens=32, block_length=8, steps=16),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_causal_random_model_mixed_settings_equal_generate_alone(random_llada2, seed):
+    """Rows of several settings groups (other block lengths, LLaDA2.1 editing) run at once: their layouts use the
+    one cache in turn at every boundary, and each row's K/V survive that in its slot; rows join at other blocks
+    with prompts longer and shorter than the running rows' (which then move to other columns), and wait for a
+    slot; each row is exactly `generate()` alone."""
+    rng = random.Random(20 + seed)
+    prompts = random_prompts(rng, 10, 4, 100, longest=90)
+    kinds = [dict(LLADA2_KINDS[i % len(LLADA2_KINDS)], eos_early_stop=False) for i in range(len(prompts))]
+    requests = [request(random_llada2, prompt, **kind) for prompt, kind in zip(prompts, kinds, strict=True)]
+    engine = ContinuousBatcher(random_llada2, max_batch_size=4)
+    boundaries = drive(engine, requests, [rng.randrange(0, 10) for _ in prompts])
+    assert engine.layouts > boundaries  # some boundaries decoded several layouts
+    assert_alone(random_llada2, requests)
+
+
+def exact_kv(model, tokens: torch.Tensor, length: int, block_length: int):
+    """The K/V of a row's first `length` columns (whole blocks of committed tokens), from one plain forward."""
+    cache = model._diffusion_new_cache(1, length)
+    model(tokens[None, :length], past_key_values=cache, use_cache=True, block_length=block_length)
+    return cache
+
+
+def test_block_causal_rows_keep_exact_kv_and_recompute_only_the_previous_block(random_llada2):
+    """A row prefills once (its prompt and first block, at its own columns); at later blocks it recomputes only its
+    previous block and the block, also when a row with a longer prompt joins and moves it to other columns. Its
+    slot holds its committed columns' exact K/V."""
+    settings = dict(max_new_tokens=48, block_length=8, threshold=0.5, eos_early_stop=False)
+    first = request(random_llada2, [5, 6, 7, 8, 9], **settings)
+    late = request(random_llada2, list(range(4, 64)), **settings)
+    engine = ContinuousBatcher(random_llada2, max_batch_size=4)
+
+    def positions_of_boundary():
+        before = engine.first_step_positions
+        engine.decode_boundary()
+        return engine.first_step_positions - before
+
+    engine.submit(first)
+    assert positions_of_boundary() == 8  # prompt of 5 and the first block: columns [0, 8)
+    assert positions_of_boundary() == 16  # previous block and block, [0, 16)
+    assert positions_of_boundary() == 16  # [8, 24), not the prefix [0, 24)
+    engine.submit(late)  # 60 tokens: its first block is [56, 64); `first` (at [24, 32)) moves right by 32
+    forwards, first_nfe = engine.forwards, first.nfe
+    assert positions_of_boundary() == 64 + 16  # the joining row's prefill, apart from the continuing row's forward
+    assert engine.last_layout_sizes == [2]
+    # Each row took part in one of the first step's two forwards: one forward more than the rows' longest block.
+    assert engine.forwards - forwards == max(first.nfe - first_nfe, late.nfe) + 1
+    assert positions_of_boundary() == 2 * 16
+    for row in (first, late):
+        committed = row.plan.blocks[row.block][0] - 8  # columns whose K/V are final once the block before ran
+        want = exact_kv(random_llada2, row.tokens, committed, 8)
+        for layer in range(random_llada2.config.num_hidden_layers):
+            for got, expected in ((engine.store.keys, want.keys), (engine.store.values, want.values)):
+                torch.testing.assert_close(got[layer][row.slot, :committed], expected[layer][0].transpose(0, 1))
+    engine.run_until_done()
+    assert_alone(random_llada2, [first, late])
+
+
+def test_block_causal_cancelled_rows_slot_goes_to_a_joining_row(random_llada2):
+    """A cancelled row leaves its slot; a row joining at the next boundary takes it (and overwrites its K/V) while
+    the other row continues from its own slot; both exact."""
+    settings = dict(max_new_tokens=40, block_length=8, threshold=0.5, eos_early_stop=False)
+    cancelled, partner = request(random_llada2, [5, 6, 7], **settings), request(random_llada2, [9] * 20, **settings)
+    joining = request(random_llada2, list(range(10, 60)), **settings)
+    engine = ContinuousBatcher(random_llada2, max_batch_size=2)
+    engine.submit(cancelled)
+    engine.submit(partner)
+    engine.submit(joining)  # waits: no slot free
+    engine.decode_boundary()
+    engine.decode_boundary()
+    assert not joining.on_block.updates
+    slot = cancelled.slot
+    cancelled.cancelled.set()
+    engine.decode_boundary()
+    assert joining.slot == slot and engine.last_layout_sizes == [2] and len(joining.on_block.updates) == 1
+    engine.run_until_done()
+    assert_alone(random_llada2, [partner, joining])
+
+
 def test_dream_rows_equal_generate_alone():
     model = DreamModel.from_pretrained(FIXTURES / "dream-tiny-ref").eval()
     vocab = model.config.vocab_size

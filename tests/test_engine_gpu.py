@@ -61,3 +61,26 @@ def test_graph_memory_does_not_grow_under_changing_layouts():
         decode(model, prompts, [rng.randrange(0, 6) for _ in prompts], settings)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= after_first * 1.5 + (64 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_causal_graph_engine_equals_eager_engine_and_generate(dtype):
+    """LLaDA2 (block-causal: rows' exact K/V kept in the engine's store between blocks, joining rows prefilled in
+    a forward of their own): the CUDA-graph engine gives the eager engine's tokens and forwards; float32 rows (eager:
+    the MoE's grouped GEMM is captured in bfloat16 only) equal `generate()` alone."""
+    from test_llada2_integration import tiny_llada2
+
+    model = tiny_llada2(seed=4).to("cuda", dtype)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(4, 100) for _ in range(rng.randrange(1, 90))] for _ in range(8)]
+    arrivals = [rng.randrange(0, 6) for _ in prompts]
+    settings = dict(max_new_tokens=40, block_length=8, threshold=0.5, eos_early_stop=False)
+    graphs, graph_nfe, _ = decode(model, prompts, arrivals, settings)
+    if dtype == torch.bfloat16 and model._diffusion_step_capturable():
+        assert model._hf_dllm_step_graphs.steps, "the engine captured no CUDA graph"
+    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
+    assert graphs == eager and graph_nfe == eager_nfe
+    if dtype == torch.float32:
+        for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
+            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
+            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])

@@ -147,6 +147,8 @@ class BatchStats:
         self.rows = 0  # rows that ended (result delivered or cancelled)
         self.cancelled_rows = 0
         self.forwards = 0
+        # Positions (rows x columns) the blocks' first steps fed to the model (`ContinuousBatcher`'s counter).
+        self.first_step_positions = 0
         self.errors = 0
         self.layout_sizes: dict[int, int] = {}
         self.boundaries = 0  # block boundaries decoded (every running row advanced one block)
@@ -179,6 +181,10 @@ class BatchStats:
                 mean_boundary_s=self.boundary_seconds / self.boundaries if self.boundaries else 0.0,
                 cancelled_rows=self.cancelled_rows,
                 forwards=self.forwards,
+                first_step_positions=self.first_step_positions,
+                mean_first_step_positions_per_boundary=self.first_step_positions / self.boundaries
+                if self.boundaries
+                else 0.0,
                 errors=self.errors,
                 pending_rows=self.pending,
                 running_rows=self.running_rows,
@@ -299,7 +305,7 @@ class Batcher:
         """One block boundary of the engine; a failing layout gives its rows an error and the server keeps
         serving."""
         engine = self.engine
-        forwards, started = engine.forwards, time.monotonic()
+        forwards, positions, started = engine.forwards, engine.first_step_positions, time.monotonic()
         running = list(engine.running) + list(engine.waiting)
         try:
             engine.decode_boundary()
@@ -319,6 +325,7 @@ class Batcher:
             self.stats.boundaries += 1
             self.stats.boundary_seconds += time.monotonic() - started
             self.stats.forwards += engine.forwards - forwards
+            self.stats.first_step_positions += engine.first_step_positions - positions
             self.stats.running_rows = len(engine.running)
             self.stats.pending = len(self._submitted) + len(engine.waiting)
         for request in running:

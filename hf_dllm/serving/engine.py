@@ -15,8 +15,14 @@ the engine lays the running rows out anew before every block:
 - Rows step together within a block, so the rows of one layout must agree on the block's length, its number of
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
-- Block-causal models (LLaDA2.x) are shifted by whole blocks (their blocks stay aligned to positions) and their
-  first step of a block recomputes the whole prefix (`RefreshedBlockCache`): the joining row's prefill.
+- Block-causal models (LLaDA2.x) are shifted by whole blocks (their blocks stay aligned to positions). A committed
+  block's K/V never change, so, as `generate()` does (`ExactBlockCache`), each is computed once: every running row
+  owns a slot of a K/V store (`row_cache.RowKVStore`, its exact K/V at its own columns) that is copied into the
+  layout's cache at the row's shifted columns before the block, and the block's first step (`StoredBlockCache`)
+  recomputes only the previous block (committed now; its K/V go back to the store) and the block. Rows at their
+  first block (joining) are prefilled in a forward of their own, each at its own columns (prompt and first block,
+  `generate()`'s first step), so continuing rows never pay for a joining row's prompt. A row takes part in one of
+  the two forwards: its forwards (NFE) are still `generate()`'s; the engine makes one forward more.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout (a view of its first columns,
   `DiffusionKVCache.set_length`), so captured CUDA graphs keep their addresses; a layout's width is rounded up to
   `width_granularity` columns, so few shapes (graphs) are needed.
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import RefreshedBlockCache
+from ..cache import StoredBlockCache
 from ..generation_config import DiffusionGenerationConfig
 from ..generation_utils import (
     BlockDiffusionRun,
@@ -47,6 +53,7 @@ from ..generation_utils import (
     plan_block_causal,
 )
 from ..graphs import StepGraphs
+from .row_cache import RowKVStore
 
 
 def settings_key(config: DiffusionGenerationConfig, without: tuple[str, ...] = ()) -> str:
@@ -84,6 +91,7 @@ class EngineRequest:
     plan: BlockPlan | None = None
     tokens: torch.Tensor | None = None  # `(canvas_width,)` the row's own canvas: prompt, then generated positions
     block: int = 0  # the next block of `plan.blocks` to decode
+    slot: int = -1  # the row's place while it runs (its `RowKVStore` slot for block-causal models)
     nfe: int = 0
     committed: int = 0  # generated positions final so far
     ended: bool = False
@@ -99,13 +107,24 @@ class LayoutRun(BlockDiffusionRun):
     """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
     with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
 
-    def __init__(self, model, config: DiffusionGenerationConfig, max_rows: int, max_width: int, device, shared_cache):
+    def __init__(
+        self,
+        model,
+        config: DiffusionGenerationConfig,
+        max_rows: int,
+        max_width: int,
+        device,
+        shared_cache,
+        store: RowKVStore | None = None,
+    ):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
-        after the other and no K/V survives between blocks)."""
-        # Nothing survives between a row's blocks here: block-causal rows recompute their prefix at a block's start.
+        after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
+        between blocks (used when the config caches)."""
         block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        cache_policy = RefreshedBlockCache() if block_causal and config.use_cache else None
+        self.store = store if block_causal and config.use_cache else None
+        cache_policy = StoredBlockCache() if self.store is not None else None
         self._setup_decoding(model, config, device, None, cache_policy)
+        self.first_step_positions = 0  # positions (rows x columns) fed to the model by blocks' first steps
         self.streamer = None
         self.stopping_criteria = []
         self.max_rows, self.max_width = max_rows, max_width
@@ -128,12 +147,19 @@ class LayoutRun(BlockDiffusionRun):
 
     def decode_block(self, rows: list[EngineRequest], width: int, compact_width: int) -> list[BlockUpdate]:
         """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
-        of `width` columns (`layout_width`); returns each row's update and advances the rows.
+        of `width` columns (`layout_width`); returns each row's update (in the order of `rows`) and advances the
+        rows.
 
-        With a cache, the block's first step (its full forward) runs on the compact layout instead: every row at
-        its own columns, `compact_width` wide (`ContinuousBatcher.compact_width`), so that no row pays for the
+        With a cache, the block's first step (its full forward) runs on the compact layout instead: rows at their
+        own columns, `compact_width` wide (`ContinuousBatcher.compact_width`), so that no row pays for the
         others' misalignment in the block's most expensive forward; its K/V are then shifted into the aligned
-        layout (`DiffusionKVCache.shift_rows`) for the later steps, which compute the block alone."""
+        layout (`DiffusionKVCache.shift_rows`) for the later steps, which compute the block alone. Block-causal
+        rows keep their K/V in the store instead (`_first_step_from_store`): only the rows at their first block
+        run on the compact layout (their prefill), the others recompute their previous block in the aligned one."""
+        order = list(range(len(rows)))
+        if self.store is not None:  # the rows that continue first, then those at their first block (joining)
+            order.sort(key=lambda i: rows[i].block == 0)
+            rows = [rows[i] for i in order]
         device, n = self.device, len(rows)
         starts = torch.tensor([row.plan.blocks[row.block][0] for row in rows])
         length = rows[0].plan.blocks[rows[0].block][1] - int(starts[0])
@@ -159,7 +185,15 @@ class LayoutRun(BlockDiffusionRun):
         if self.cache is not None:  # every policy here recomputes all of it at the block's first step
             self.cache.set_length(width)
         self.refresh = None
-        if self.cache is not None and not self.cfg and bool((shifts > 0).any()):
+        if self.store is not None:
+            self.joining = sum(row.block == 0 for row in rows)
+            self.slots, self.shifts, self.starts = torch.tensor([row.slot for row in rows]), shifts, starts
+            if self.joining:
+                joining = slice(n - self.joining, n)
+                self.refresh = self._compact_refresh(
+                    rows[joining], starts[joining], length, compact_width, device_shifts[joining]
+                )
+        elif self.cache is not None and not self.cfg and bool((shifts > 0).any()):
             self.refresh = self._compact_refresh(rows, starts, length, compact_width, device_shifts)
         steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
         block_end = block_start + length
@@ -176,7 +210,7 @@ class LayoutRun(BlockDiffusionRun):
             self.x[rows_ended] = self.filled(self.x[rows_ended], self._generated_part(block_end)[rows_ended], block_end)
         block = self.x[:, block_start:block_end].cpu()  # the one copy to the host of this block
         nfe = self.nfe_per_row.tolist()
-        updates = []
+        updates = [None] * n
         for i, row in enumerate(rows):
             start, shift, prompt = int(starts[i]), int(shifts[i]), int(prompt_lengths[i])
             if bool(ended[i]):
@@ -188,11 +222,12 @@ class LayoutRun(BlockDiffusionRun):
             row.nfe += nfe[i]
             row.block += 1
             new = block[i, previous + prompt - start : row.committed + prompt - start].tolist()
-            updates.append(BlockUpdate(new, bool(ended[i]), row.nfe))
+            updates[order[i]] = BlockUpdate(new, bool(ended[i]), row.nfe)
         return updates
 
     def _compact_refresh(self, rows, starts, length: int, width: int, shifts: torch.Tensor) -> dict:
-        """Inputs of the block's full forward with every row at its own columns `[0, canvas)` (`(rows, width)`)."""
+        """Inputs of the block's full forward with every row of `rows` at its own columns `[0, canvas)`
+        (`(len(rows), width)`)."""
         device, n = self.device, len(rows)
         tokens = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
         key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
@@ -205,10 +240,15 @@ class LayoutRun(BlockDiffusionRun):
 
     def _step_inputs(self, block_start, block_end, step, active, generated):
         """`BlockDiffusionRun._step_inputs`; the block's first step runs on the compact layout (`decode_block`)."""
-        refresh = self.refresh
-        if step != 0 or refresh is None:
+        if step != 0 or self.refresh is None or self.store is not None:
             return super()._step_inputs(block_start, block_end, step, active, generated)
-        n, width, device = self.x.shape[0], refresh["width"], self.device
+        return self._compact_inputs(block_start, block_end, active, generated, slice(None))
+
+    def _compact_inputs(self, block_start, block_end, active, generated, rows: slice):
+        """The first step's inputs on the compact layout (`self.refresh`) of the layout's rows `rows` (`active`
+        and `generated` are the layout's), and the key of its CUDA graph."""
+        refresh, device = self.refresh, self.device
+        n, width = refresh["tokens"].shape
         columns = torch.arange(width, device=device)
         self.cache.set_length(width)
         attention_mask = self.model._diffusion_attention_mask(refresh["key_mask"], width)
@@ -218,19 +258,88 @@ class LayoutRun(BlockDiffusionRun):
             cache_position=columns,
             logits_index=refresh["block_index"] - self.shift,
             block_index=refresh["block_index"],
-            scheduled=self.unmasking.scheduled_counts(step, n, device),
-            active=active,
-            generated=generated,
+            scheduled=self.unmasking.scheduled_counts(0, self.x.shape[0], device)[rows],
+            active=None if active is None else active[rows],
+            generated=None if generated is None else generated[rows],
             attention_mask=attention_mask,
         )
         return inputs, ("compact", n, width, block_end - block_start, attention_mask is not None)
 
+    def _continuing_inputs(self, block_start, block_end, active, generated, rows: int):
+        """The first step's inputs of the layout's first `rows` rows (`StoredBlockCache`: the previous block and
+        the block, at the aligned columns), and the key of its CUDA graph (`BlockDiffusionRun._step_inputs`')."""
+        q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
+        device, q_len = self.device, q_end - q_start
+        mask_key = ("continuing", rows, q_len, self.seq_len)
+        if mask_key not in self.attention_masks:
+            self.attention_masks[mask_key] = self.model._diffusion_attention_mask(self.key_mask[:rows], q_len)
+        attention_mask = self.attention_masks[mask_key]
+        inputs = dict(
+            tokens=self.x[:rows, q_start:q_end],
+            position_ids=self.position_ids[:rows, q_start:q_end],
+            cache_position=torch.arange(q_start, q_end, device=device),
+            logits_index=torch.arange(block_start - self.shift, block_end - self.shift, device=device) - q_start,
+            block_index=torch.arange(block_start, block_end, device=device) - q_start,
+            scheduled=self.unmasking.scheduled_counts(0, self.x.shape[0], device)[:rows],
+            active=None if active is None else active[:rows],
+            generated=None if generated is None else generated[:rows],
+            attention_mask=attention_mask,
+        )
+        key = (rows, q_start - block_start, q_len, block_end - block_start, self.seq_len, attention_mask is not None)
+        return inputs, key
+
+    def _forward(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`step(**inputs)`, through the CUDA graph of `key` when the run has graphs."""
+        self.first_step_positions += inputs["tokens"].numel()
+        if self.graphs is None:
+            return self.step(**inputs)
+        return self.graphs.run(key, self.step, inputs)
+
     def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; after a compact first step, the K/V move into the aligned layout."""
+        """`BlockDiffusionRun.run_step`; after a compact first step, the K/V move into the aligned layout. With a
+        store, the first step is `_first_step_from_store`."""
+        if step == 0 and self.store is not None:
+            return self._first_step_from_store(block_start, block_end, active, generated)
+        if step == 0:
+            q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
+            width = self.refresh["width"] if self.refresh is not None else q_end - q_start
+            self.first_step_positions += self.x.shape[0] * width
         result = super().run_step(block_start, block_end, step, active, generated)
         if step == 0 and self.refresh is not None:
             self.cache.shift_rows(self.refresh["shifts"], self.seq_len)
         return result
+
+    def _first_step_from_store(self, block_start, block_end, active, generated):
+        """The block's first step with the rows' K/V kept in the store (block-causal models; rows ordered as in
+        `decode_block`: `continuing` rows that decoded a block before, then `joining` rows at their first block).
+
+        1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), on the
+           cache's first rows; their prompt's K/V (exact: columns before the block) go to their slots.
+        2. Every row's slot is copied into the aligned layout at the row's columns.
+        3. The continuing rows' forward (`StoredBlockCache`: previous block and block, on the cache's first rows);
+           the previous block's K/V (exact now) go to their slots.
+        Returns the new block `(rows, L)` and the rows that edited a committed token, as `run_step`."""
+        n, joining = self.x.shape[0], self.joining
+        continuing, length = n - joining, block_end - block_start
+        new_block = self.x[:, block_start:block_end].clone()
+        edited = torch.zeros(n, dtype=torch.bool, device=self.device)
+        if joining:
+            rows = slice(continuing, n)
+            inputs, key = self._compact_inputs(block_start, block_end, active, generated, rows)
+            new_block[rows], _, edited[rows] = self._forward(inputs, key)
+            self.nfe += 1
+            prefix = torch.arange(int(self.starts[rows].max())).expand(joining, -1)
+            self.store.save(self.cache, self.slots[rows], prefix, prefix)
+        self.cache.set_length(self.seq_len)
+        self.store.load(self.cache, self.slots, self.shifts, block_start)
+        if continuing:
+            inputs, key = self._continuing_inputs(block_start, block_end, active, generated, continuing)
+            new_block[:continuing], _, edited[:continuing] = self._forward(inputs, key)
+            self.nfe += 1
+            previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
+            self.store.save(self.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])
+        self.x[:, block_start:block_end] = new_block
+        return new_block, edited
 
 
 def cohort_key(row: EngineRequest) -> tuple:
@@ -247,8 +356,9 @@ class ContinuousBatcher:
         model: a `DiffusionGenerationMixin` model.
         max_batch_size: rows decoded at once (at most; rows of different settings groups count together).
         max_batch_width: the widest layout (columns); the K/V cache holds `max_batch_size x max_batch_width`
-            positions. Default: the model's context (`max_sequence_length` / `max_position_embeddings`), so any
-            request that fits the context can run, alone if need be.
+            positions (block-causal models: as many again in the rows' K/V store, `row_cache.RowKVStore`).
+            Default: the model's context (`max_sequence_length` / `max_position_embeddings`), so any request that
+            fits the context can run, alone if need be.
         width_granularity: layouts are rounded up to a multiple of this many columns, so that few CUDA-graph
             shapes are captured. Default: 64 on CUDA, 1 elsewhere (no graphs; and a row decoding alone then has no
             padding, so its float32 arithmetic is exactly `generate()`'s: masked padding columns change the order
@@ -284,8 +394,13 @@ class ContinuousBatcher:
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
         self.cache = None
+        # Block-causal rows' exact K/V between blocks, a slot per running row (buffers allocated at first use).
+        self.store = RowKVStore(max_batch_size, max_batch_width) if self.block_causal else None
         self.lock = threading.Lock()
         self.forwards = 0  # model forwards made (one batched forward counts once)
+        # Positions (rows x columns, padding included) fed to the model by blocks' first steps: what rows recompute
+        # of their prefix (and joining rows' prefill).
+        self.first_step_positions = 0
         self.layouts = 0  # layouts decoded (one per cohort per boundary)
         self.last_layout_sizes: list[int] = []  # rows of each layout of the last boundary
 
@@ -341,9 +456,13 @@ class ContinuousBatcher:
 
     def compact_width(self, rows: list[EngineRequest]) -> int:
         """Columns of the rows at their own columns, as far as a block's full forward needs them: the longest
-        canvas (block-causal models: up to the end of the current block; later blocks are never attended)."""
+        canvas. Block-causal models: only the rows at their first block (joining: the others' prefix is in the
+        store), up to the end of that block (later blocks are never attended); 0 when no row joins."""
         if self.block_causal:
-            width = max(row.plan.blocks[row.block][1] for row in rows)
+            joining = [row.plan.blocks[row.block][1] for row in rows if row.block == 0]
+            if not joining:
+                return 0
+            width = max(joining)
         else:
             width = max(row.plan.canvas_width for row in rows)
         rounded = -(-width // self.width_granularity) * self.width_granularity
@@ -355,11 +474,13 @@ class ContinuousBatcher:
         with self.lock:
             if any(row.cancelled.is_set() for row in self.waiting):
                 self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
+            free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running})
             while self.waiting and len(self.running) < self.max_batch_size:
                 head = self.waiting[0]
                 partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
                 if partners and self.layout_width([*partners, head]) > self.max_batch_width:
                     break
+                head.slot = free.pop(0)
                 self.running.append(self.waiting.popleft())
 
     def _cohorts(self) -> list[list[EngineRequest]]:
@@ -385,7 +506,13 @@ class ContinuousBatcher:
         run = self.runs.get(row.settings)
         if run is None:
             run = LayoutRun(
-                self.model, row.config, self.max_batch_size, self.max_batch_width, self.device, self._shared_cache
+                self.model,
+                row.config,
+                self.max_batch_size,
+                self.max_batch_width,
+                self.device,
+                self._shared_cache,
+                self.store,
             )
             self.runs[row.settings] = run
         return run
@@ -406,7 +533,7 @@ class ContinuousBatcher:
         for rows in self._cohorts():
             try:
                 run = self._run_for(rows[0])
-                before = run.nfe
+                before, positions = run.nfe, run.first_step_positions
                 with torch.no_grad():
                     updates = run.decode_block(rows, self.layout_width(rows), self.compact_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
@@ -416,6 +543,7 @@ class ContinuousBatcher:
                 failure = failure or error
                 continue
             self.forwards += run.nfe - before
+            self.first_step_positions += run.first_step_positions - positions
             self.layouts += 1
             self.last_layout_sizes.append(len(rows))
             decoded += len(rows)

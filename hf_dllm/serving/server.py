@@ -34,7 +34,8 @@ the running batch at the next block boundary (no waiting for a batch to finish) 
 ends (EOS, stop string, `max_tokens`, disconnect), its place taken at the next boundary. Rows whose settings differ
 only in `max_new_tokens` share a layout; other settings groups decode in turn at each boundary. A layout is at most
 `--max-batch-width` columns (each row's prompt and output, aligned at its current block; the K/V cache holds
-`max-batch-size x max-batch-width` positions). On a small CPU, `--threads 1` keeps OpenMP threads from spinning
+`max-batch-size x max-batch-width` positions, twice for block-causal models (LLaDA2.x), whose rows keep their exact
+K/V between blocks: `row_cache.py`). On a small CPU, `--threads 1` keeps OpenMP threads from spinning
 against each other.
 Model loading takes the flags every command shares (`--dtype`, `--device`, `--device-map`,
 `--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`; `--num-threads` is
