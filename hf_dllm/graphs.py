@@ -48,12 +48,17 @@ class StepGraphs:
         self.steps: OrderedDict[tuple, _CapturedStep] = OrderedDict()
         self.warmed_up: set[tuple] = set()
         self.constants: dict[str, torch.Tensor] = {}
+        # Steps run by this runner: eagerly (a key's first use), captured (its second), replayed (later ones).
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0}
 
     @classmethod
-    def acquire(cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object]) -> "StepGraphs | None":
+    def acquire(
+        cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object], max_graphs: int = 32
+    ) -> "StepGraphs | None":
         """The model's runner for `signature` (shapes, dtype, device, decoding rule), replacing any other; or None
         while another `generate()` call on this model holds it (that call's graphs and cache are in use, so this
-        one runs eagerly). Give it back with `release_to(model)`."""
+        one runs eagerly). Give it back with `release_to(model)`. `max_graphs`: captured shapes kept (the least
+        recently used one is dropped beyond it)."""
         with _RUNNER_LOCK:
             if getattr(model, "_hf_dllm_step_graphs_busy", False):
                 return None
@@ -64,7 +69,7 @@ class StepGraphs:
                 if runner is not None:
                     runner.release()
                     model._hf_dllm_step_graphs = None
-                runner = cls(signature, make_cache())
+                runner = cls(signature, make_cache(), max_graphs)
                 model._hf_dllm_step_graphs = runner
         except BaseException:
             cls.release_to(model)
@@ -96,8 +101,12 @@ class StepGraphs:
         if captured is None:
             if key not in self.warmed_up:
                 self.warmed_up.add(key)
+                self.counts["eager"] += 1
                 return step_fn(**inputs)
             captured = self._capture(key, step_fn, inputs)
+            self.counts["captured"] += 1
+        else:
+            self.counts["replayed"] += 1
         self.steps.move_to_end(key)
         for name, value in inputs.items():
             if value is not None:

@@ -41,6 +41,8 @@ def test_graph_engine_equals_eager_engine_and_generate(dtype, settings):
     settings = dict(settings, eos_early_stop=False)
     graphs, graph_nfe, engine = decode(model, prompts, arrivals, settings)
     assert model._hf_dllm_step_graphs.steps, "the engine captured no CUDA graph"
+    counts = engine.graph_counts()
+    assert counts["captured"] > 0 and counts["replayed"] > 0, counts
     eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
     assert graphs == eager and graph_nfe == eager_nfe
     if dtype == torch.float32:

@@ -149,6 +149,7 @@ class BatchStats:
         self.forwards = 0
         # Positions (rows x columns) the blocks' first steps fed to the model (`ContinuousBatcher`'s counter).
         self.first_step_positions = 0
+        self.graph_steps: dict[str, int] = {}  # the engine's `graph_counts()` at the last boundary
         self.errors = 0
         self.layout_sizes: dict[int, int] = {}
         self.boundaries = 0  # block boundaries decoded (every running row advanced one block)
@@ -185,6 +186,7 @@ class BatchStats:
                 mean_first_step_positions_per_boundary=self.first_step_positions / self.boundaries
                 if self.boundaries
                 else 0.0,
+                graph_steps=dict(self.graph_steps),
                 errors=self.errors,
                 pending_rows=self.pending,
                 running_rows=self.running_rows,
@@ -326,6 +328,7 @@ class Batcher:
             self.stats.boundary_seconds += time.monotonic() - started
             self.stats.forwards += engine.forwards - forwards
             self.stats.first_step_positions += engine.first_step_positions - positions
+            self.stats.graph_steps = engine.graph_counts()
             self.stats.running_rows = len(engine.running)
             self.stats.pending = len(self._submitted) + len(engine.waiting)
         for request in running:

@@ -103,6 +103,11 @@ class EngineRequest:
         return self.tokens[start : start + self.config.max_new_tokens]
 
 
+# Captured step shapes the engine keeps: its layouts vary in rows and width (`ContinuousBatcher.width_granularity`),
+# far more than one `generate()` call's shapes, and a shape dropped from the cache is run eagerly and captured again.
+ENGINE_MAX_GRAPHS = 128
+
+
 class LayoutRun(BlockDiffusionRun):
     """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
     with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
@@ -133,7 +138,7 @@ class LayoutRun(BlockDiffusionRun):
         self.graphs = None
         if self._graphs_allowed():
             signature = ("continuous", self.rows_per_forward, max_width, *self._graph_signature())
-            self.graphs = StepGraphs.acquire(model, signature, self._new_cache)
+            self.graphs = StepGraphs.acquire(model, signature, self._new_cache, ENGINE_MAX_GRAPHS)
         self.cache = self.graphs.cache if self.graphs is not None else self._new_cache()
         self._setup_rules()
 
@@ -566,6 +571,12 @@ class ContinuousBatcher:
             if row.on_cancel is not None:
                 row.on_cancel(row.nfe)
         return row.ended
+
+    def graph_counts(self) -> dict[str, int]:
+        """Steps the model's CUDA-graph runner ran eagerly, captured and replayed (zeros without graphs): how
+        often the engine's layouts hit a captured shape."""
+        runner = getattr(self.model, "_hf_dllm_step_graphs", None)
+        return dict(runner.counts) if runner is not None else {"eager": 0, "captured": 0, "replayed": 0}
 
     def abandon(self) -> None:
         """Forget every waiting and running row (the server is shutting down: their owners are told) and give the
