@@ -64,6 +64,11 @@ from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x i
 
 register_attention_backends()
 
+# `llada_triton` runs its split-KV kernel on a block step while the (row, key/value head) pairs are at most this many
+# per multiprocessor, sdpa on grouped queries beyond (`LLaDA2MoeAttention._block_attention_applies`); the crossover
+# measured on an H100 at LLaDA2.0-mini's shapes (`benchmarks/bench_llada2_kernels.py`).
+SPLIT_KV_KV_HEADS_PER_SM = 0.25
+
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
 EXPERTS_EAGER = "eager"
 EXPERTS_GROUPED_MM = "grouped_mm"
@@ -255,10 +260,11 @@ class LLaDA2MoeGate(nn.Module):
         return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
 
     def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
-        ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
-        hooks see it)."""
-        logits = self.router_logits(hidden_states)
+        """As `forward`, in two Triton kernels: the float32 logits product reading the activations and the weight in
+        their own dtype (`triton_moe.router_logits`: float32 arithmetic, another summation order than cuBLAS's),
+        and everything after it (`triton_moe.route`; on ties the lowest expert index wins). Needs a float32 router;
+        `forward(..., fused=True)` calls it (so module hooks see it)."""
+        logits = triton_moe.router_logits(hidden_states, self.weight)
         index, weight = triton_moe.route(
             logits,
             self.expert_bias,
@@ -280,6 +286,11 @@ class LLaDA2MoeGate(nn.Module):
         if fused:
             return self.fused_forward(hidden_states)
         logits = self.router_logits(hidden_states)
+        topk_idx, topk_weight = self.route(logits)
+        return topk_idx, topk_weight, logits
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits `(tokens, num_experts)` -> expert indices `(tokens, top_k)` and their weights (PyTorch)."""
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
         else:
@@ -290,7 +301,7 @@ class LLaDA2MoeGate(nn.Module):
         topk_weight = scores.gather(1, topk_idx)
         if self.top_k > 1 and self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_weight * self.routed_scaling_factor, logits
+        return topk_idx, topk_weight * self.routed_scaling_factor
 
 
 def _grouped_mm_function() -> Callable | None:
@@ -704,7 +715,8 @@ class LLaDA2MoeAttention(nn.Module):
 
     def _block_attention_applies(self, batch: int, attention_mask) -> bool:
         """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
-        size the kernel takes, and fewer programs than multiprocessors (sdpa fills the GPU better beyond)."""
+        size the kernel takes, and at most `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per
+        multiprocessor (sdpa on grouped queries is faster beyond: measured by `benchmarks/bench_llada2_kernels.py`)."""
         mask_ok = attention_mask is None or (
             isinstance(attention_mask, torch.Tensor)
             and attention_mask.dtype == torch.bool
@@ -715,7 +727,7 @@ class LLaDA2MoeAttention(nn.Module):
             mask_ok
             and self.head_dim >= 16
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and (not weight.is_cuda or batch * self.num_kv_heads < num_sms(weight.device))
+            and (not weight.is_cuda or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(weight.device))
         )
 
 
@@ -922,12 +934,16 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
         attention = self.layers[0].attention
+        implementation = self.config._attn_implementation
         if (
             attention.uses_fused_path(inputs_embeds, past_key_values)
-            and self.config._attn_implementation == "sdpa"
-            and uses_grouped_query_sdpa("sdpa", attention_mask)
+            and uses_grouped_query_sdpa(implementation, attention_mask)
+            and not (
+                implementation == TRITON_ATTENTION
+                and attention._block_attention_applies(inputs_embeds.shape[0], attention_mask)
+            )
         ):
-            # Made once here, not in each layer.
+            # Made once here, not in each layer (sdpa, or llada_triton where its split-KV kernel does not run).
             kwargs["grouped_query_mask"] = grouped_query_mask_for(attention_mask, attention.num_key_value_groups)
         for layer in self.layers:
             if output_hidden_states:
@@ -1082,6 +1098,31 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         return output if use_return_dict else output.to_tuple()
 
     # DiffusionGenerationMixin hooks.
+    def _diffusion_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask,
+        position_ids: torch.Tensor,
+        cache: Cache | DiffusionKVCache | None,
+        cache_position: torch.Tensor,
+        logits_slice,
+        **forward_kwargs,
+    ) -> torch.Tensor:
+        """The loop's forward: `forward`'s logits `(batch, kept, vocab)` without its float32 copy, in the model dtype
+        (as LLaDA's and Dream's). The unmasking rules widen them to float32 where they compute
+        (`decoding.propose_tokens`; the fused greedy kernel as it reads), so every token and confidence is the same;
+        a batch-32 block step no longer writes and re-reads 0.64 GB of float32 logits."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            cache_position=cache_position,
+            **forward_kwargs,
+        )
+        return linear(self.lm_head, select_positions(outputs.last_hidden_state, logits_slice))
+
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph: only if the MoE never synchronises with the
         host, i.e. runs torch's grouped GEMM in bfloat16 (the per-expert loop reads counts on the host, and torch's

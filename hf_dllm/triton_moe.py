@@ -6,12 +6,15 @@ by expert, gather, counts, cumsum, index copy, weighting, sum, casts; shared exp
 launch time than work. The kernels here replace those chains (the same routing as DeepSeek-V3's group-limited
 gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
 
+- `router_logits`: the router's float32 logits product, reading the bfloat16 activations and weight as they are
+  (no cast kernels), float32 fused multiply-adds (no TF32), in tiles that keep the GPU busy (cuBLAS's float32 GEMM
+  ran 128 x 64 tiles: ~31 us per layer at batch 32 on an H100);
 - `route`: scores (sigmoid or softmax), expert bias, group-limited top-k and the normalised weights times
-  `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
-  cuBLAS float32 GEMM, as in the reference);
+  `routed_scaling_factor`, one program per token, from the router's float32 logits;
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
-  groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, one program per expert, no host
-  synchronisation (CUDA-graph capturable, static shapes);
+  groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
+  (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
+  kernels) for many;
 - `combine`: each token's routed rows weighted and summed in float32, rounded, plus the shared expert's row and
   the residual, with PyTorch's rounding points;
 - `qk_norm_rope_to_cache`: per-head RMS norm of q and k, partial RoPE with the tables in the activation dtype, q
@@ -40,6 +43,40 @@ except ImportError:  # CPU-only installs: the PyTorch path is used
 
 
 if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _router_logits_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        n_tokens,
+        n_experts,
+        hidden,
+        stride_x,
+        stride_w,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # One program per (BLOCK_M tokens, BLOCK_N experts) tile of `x @ w.T` in float32: both operands widened to
+        # float32 as they are read (exact), products and sums in float32 fused multiply-adds (`ieee`: no TF32), each
+        # logit summed over the hidden dim in the same order whatever the number of tokens.
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+        w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_w
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            cols = k + rk
+            a = tl.load(x_rows + cols[None, :], mask=(rm < n_tokens)[:, None] & (cols < hidden)[None, :], other=0.0)
+            b = tl.load(w_rows + cols[:, None], mask=(cols < hidden)[:, None] & (rn < n_experts)[None, :], other=0.0)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        tl.store(
+            out_ptr + rm.to(tl.int64)[:, None] * n_experts + rn[None, :],
+            acc,
+            mask=(rm < n_tokens)[:, None] & (rn < n_experts)[None, :],
+        )
 
     @triton.jit
     def _route_kernel(
@@ -86,7 +123,8 @@ if TRITON_AVAILABLE:
         scores = tl.where(valid, scores, float("-inf"))
         choice = scores
         if HAS_BIAS:
-            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0)
+            # The bias in its own dtype (bfloat16 in a bfloat16 model), widened as PyTorch's type promotion does.
+            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, choice, float("-inf"))
         if TOPK_GROUP < N_GROUP:
             # A group's score: the sum of its two best experts' choice scores (one when groups hold one expert).
@@ -160,6 +198,72 @@ if TRITON_AVAILABLE:
             tl.store(sorted_token_ptr + row, pair // per_token, mask=mine > 0)
             tl.store(row_ptr + pair, row, mask=mine > 0)
             seen += tl.sum(mine, axis=0)
+
+    @triton.jit
+    def _chunk_histogram_kernel(
+        expert_ptr,
+        counts_ptr,
+        n_pairs,
+        per_token,
+        shared_expert,
+        HAS_SHARED: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BINS: tl.constexpr,
+    ):
+        # One program per chunk of CHUNK pairs: how many of its pairs each expert has, `counts[chunk, expert]`.
+        # Pairs past the end count in the last bin, which is no expert (BINS > experts).
+        chunk = tl.program_id(0)
+        pair = chunk * CHUNK + tl.arange(0, CHUNK)
+        ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
+        ids = tl.where(pair < n_pairs, ids, BINS - 1)
+        tl.store(counts_ptr + chunk * BINS + tl.arange(0, BINS), tl.histogram(ids, BINS))
+
+    @triton.jit
+    def _chunk_scan_kernel(counts_ptr, base_ptr, offsets_ptr, n_chunks, groups, BINS: tl.constexpr, ROWS: tl.constexpr):
+        # One program: `base[chunk, e]` = pairs of expert e in earlier chunks; row `n_chunks` of `base` = each
+        # expert's first row (pairs of lower experts); `offsets[e]` = its end row.
+        bins = tl.arange(0, BINS)
+        total = tl.zeros([BINS], dtype=tl.int32)
+        for first in range(0, n_chunks, ROWS):
+            chunks = first + tl.arange(0, ROWS)
+            inside = (chunks < n_chunks)[:, None]
+            counts = tl.load(counts_ptr + chunks[:, None] * BINS + bins[None, :], mask=inside, other=0)
+            before = total[None, :] + tl.cumsum(counts, axis=0) - counts
+            tl.store(base_ptr + chunks[:, None] * BINS + bins[None, :], before, mask=inside)
+            total += tl.sum(counts, axis=0)
+        start = tl.cumsum(total, axis=0) - total
+        tl.store(base_ptr + n_chunks * BINS + bins, start)
+        tl.store(offsets_ptr + bins, start + total, mask=bins < groups)
+
+    @triton.jit
+    def _chunk_scatter_kernel(
+        expert_ptr,
+        base_ptr,
+        sorted_token_ptr,
+        row_ptr,
+        n_pairs,
+        n_chunks,
+        per_token,
+        shared_expert,
+        HAS_SHARED: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BINS: tl.constexpr,
+    ):
+        # One program per chunk: a pair's row = its expert's first row + that expert's pairs in earlier chunks +
+        # those earlier in this chunk (stable order).
+        chunk = tl.program_id(0)
+        offs = tl.arange(0, CHUNK)
+        pair = chunk * CHUNK + offs
+        valid = pair < n_pairs
+        ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
+        earlier = (ids[None, :] == ids[:, None]) & (offs[None, :] < offs[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        ids = tl.where(valid, ids, 0)
+        start = tl.load(base_ptr + n_chunks * BINS + ids, mask=valid, other=0)
+        before = tl.load(base_ptr + chunk * BINS + ids, mask=valid, other=0)
+        row = start + before + rank
+        tl.store(sorted_token_ptr + row, pair // per_token, mask=valid)
+        tl.store(row_ptr + pair, row, mask=valid)
 
     @triton.jit
     def _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED: tl.constexpr):
@@ -282,6 +386,54 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def router_tiles(tokens: int, n_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of `router_logits` for `tokens` rows: tiles small enough that the
+    float32 product (fused multiply-adds, no tensor cores) spreads over most of the GPU's multiprocessors."""
+    if tokens <= 64:
+        return 16, 32, 32, 4
+    if tokens <= 256:
+        return 32, 32, 32, 4
+    return 32, 64, 32, 4
+
+
+@on_tensor_device
+def router_logits(
+    hidden_states: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None
+) -> torch.Tensor:
+    """The router's float32 logits `hidden_states.float() @ weight.float().T`: hidden_states `(tokens, H)`, weight
+    `(E, H)` in any float dtype (bfloat16 in a bfloat16 model) -> `(tokens, E)` float32. Replaces two cast kernels
+    and cuBLAS's float32 GEMM (which keeps few multiprocessors busy at these shapes); the same float32 arithmetic
+    (no TF32), in another summation order than cuBLAS's, so logits agree to float32 rounding rather than bit for
+    bit. `tiles`: `router_tiles`'s choice unless given."""
+    tokens, hidden = hidden_states.shape
+    n_experts = weight.shape[0]
+    if weight.shape[1] != hidden:
+        raise ValueError(f"router_logits: weight {tuple(weight.shape)} does not match hidden size {hidden}.")
+    out = torch.empty(tokens, n_experts, dtype=torch.float32, device=hidden_states.device)
+    if tokens == 0:
+        return out
+    if hidden_states.stride(-1) != 1:
+        hidden_states = hidden_states.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    block_m, block_n, block_k, warps = tiles or router_tiles(tokens, n_experts)
+    _router_logits_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(n_experts, block_n))](
+        hidden_states,
+        weight,
+        out,
+        tokens,
+        n_experts,
+        hidden,
+        hidden_states.stride(0),
+        weight.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+    return out
+
+
 @on_tensor_device
 def route(
     logits: torch.Tensor,
@@ -294,9 +446,9 @@ def route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32,
-    expert_bias `(E,)` float32 or None -> expert indices `(tokens, top_k)` int64 in descending choice score (ties:
-    lowest index first) and weights `(tokens, top_k)` float32 (normalised if `normalize` and top_k > 1, times
-    `routed_scaling_factor`)."""
+    expert_bias `(E,)` (any float dtype, widened to float32 as PyTorch's promotion does) or None -> expert indices
+    `(tokens, top_k)` int64 in descending choice score (ties: lowest index first) and weights `(tokens, top_k)`
+    float32 (normalised if `normalize` and top_k > 1, times `routed_scaling_factor`)."""
     if score_function not in ("sigmoid", "softmax"):
         raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {score_function!r}.")
     tokens, n_experts = logits.shape
@@ -308,7 +460,7 @@ def route(
     if tokens == 0:
         return index, weight
     group_size = n_experts // n_group
-    bias = expert_bias.float().contiguous() if expert_bias is not None else logits
+    bias = expert_bias.contiguous() if expert_bias is not None else logits  # read in its dtype: no cast kernel
     _route_kernel[(tokens,)](
         logits,
         bias,
@@ -332,6 +484,13 @@ def route(
     return index, weight
 
 
+# Up to this many (token, choice) pairs the alignment is one kernel with a program per expert, each reading every
+# pair twice (a batch-1 block step: 288 pairs); beyond, three kernels over chunks of the pairs, whose time grows with
+# the pairs and not with the experts times the pairs (a batch-32 step: 9,216 pairs, 32 us -> a few us on an H100).
+SINGLE_PASS_ALIGN_PAIRS = 1024
+ALIGN_CHUNK = 128
+
+
 @on_tensor_device
 def align_by_expert(
     topk_index: torch.Tensor, n_experts: int, shared_expert: bool
@@ -343,17 +502,34 @@ def align_by_expert(
       `argsort(stable=True)` of the pairs' experts gives);
     - offsets `(n_experts + shared_expert,)` int32: each expert's end row (`torch._grouped_mm`'s `offs`);
     - row `(tokens, per_token)` int64: the row of each pair.
-    """
+
+    No host synchronisation (CUDA-graph capturable). Two implementations give the same result; the number of pairs
+    picks one (`SINGLE_PASS_ALIGN_PAIRS`)."""
     tokens, top_k = topk_index.shape
     per_token = top_k + int(shared_expert)
-    groups = n_experts + int(shared_expert)
-    n_pairs = tokens * per_token
+    if tokens * per_token <= SINGLE_PASS_ALIGN_PAIRS:
+        return _align_per_expert(topk_index, n_experts, shared_expert)
+    return _align_by_chunks(topk_index, n_experts, shared_expert)
+
+
+def _align_outputs(topk_index: torch.Tensor, n_experts: int, shared_expert: bool):
+    tokens, top_k = topk_index.shape
+    per_token = top_k + int(shared_expert)
     device = topk_index.device
-    sorted_token = torch.empty(n_pairs, dtype=torch.long, device=device)
+    sorted_token = torch.empty(tokens * per_token, dtype=torch.long, device=device)
     row = torch.empty(tokens, per_token, dtype=torch.long, device=device)
-    offsets = torch.empty(groups, dtype=torch.int32, device=device)
+    offsets = torch.empty(n_experts + int(shared_expert), dtype=torch.int32, device=device)
+    return sorted_token, offsets, row, per_token
+
+
+def _align_per_expert(
+    topk_index: torch.Tensor, n_experts: int, shared_expert: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_by_expert` as one kernel, one program per expert (each reads all pairs twice)."""
+    sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
+    n_pairs = sorted_token.shape[0]
     block = min(1024, max(16, _next_power_of_2(n_pairs)))
-    _align_kernel[(groups,)](
+    _align_kernel[(offsets.shape[0],)](
         topk_index.contiguous(),
         sorted_token,
         row,
@@ -363,6 +539,42 @@ def align_by_expert(
         n_experts,
         HAS_SHARED=shared_expert,
         BLOCK=block,
+        num_warps=4,
+    )
+    return sorted_token, offsets, row
+
+
+def _align_by_chunks(
+    topk_index: torch.Tensor, n_experts: int, shared_expert: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_by_expert` as a counting sort over chunks of `ALIGN_CHUNK` pairs: each chunk's count per expert
+    (one program per chunk), their prefix sums over chunks and experts (one program), then each pair's row = its
+    expert's first row + that expert's pairs in earlier chunks + those earlier in its chunk (one program per
+    chunk)."""
+    sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
+    n_pairs = sorted_token.shape[0]
+    bins = _next_power_of_2(offsets.shape[0] + 1)  # one bin more than experts, for the pairs past the end
+    n_chunks = triton.cdiv(n_pairs, ALIGN_CHUNK)
+    topk_index = topk_index.contiguous()
+    counts = torch.empty(n_chunks, bins, dtype=torch.int32, device=topk_index.device)
+    base = torch.empty(n_chunks + 1, bins, dtype=torch.int32, device=topk_index.device)
+    args = (n_pairs, per_token, n_experts)
+    _chunk_histogram_kernel[(n_chunks,)](
+        topk_index, counts, *args, HAS_SHARED=shared_expert, CHUNK=ALIGN_CHUNK, BINS=bins, num_warps=4
+    )
+    _chunk_scan_kernel[(1,)](counts, base, offsets, n_chunks, offsets.shape[0], BINS=bins, ROWS=16, num_warps=8)
+    _chunk_scatter_kernel[(n_chunks,)](
+        topk_index,
+        base,
+        sorted_token,
+        row,
+        n_pairs,
+        n_chunks,
+        per_token,
+        n_experts,
+        HAS_SHARED=shared_expert,
+        CHUNK=ALIGN_CHUNK,
+        BINS=bins,
         num_warps=4,
     )
     return sorted_token, offsets, row

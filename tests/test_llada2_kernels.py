@@ -1,7 +1,8 @@
 """LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence the subprocess), float32, against the
-PyTorch code: the router (group-limited top-k with expert bias, sigmoid and softmax, a group size that is not a power
-of two, ties), the alignment by expert (against a stable argsort), the combine, and a tiny model's prefill and
+PyTorch code: the router's float32 product (against float64) and routing (group-limited top-k with expert bias, sigmoid
+and softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort),
+the combine, and a tiny model's prefill and
 cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path.
 """
 
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
+    import itertools
     import torch, hf_dllm
     from hf_dllm import kernels, triton_moe
     from hf_dllm.cache import DiffusionKVCache
@@ -39,10 +41,25 @@ SCRIPT = textwrap.dedent(
         if bias:
             gate.expert_bias.normal_(0, 0.1)
         x = torch.randn(37, 32)
-        ref_index, ref_weight, _ = gate(x)
-        index, weight, _ = gate.fused_forward(x)
+        ref_index, ref_weight, ref_logits = gate(x)
+        index, weight, logits = gate.fused_forward(x)
+        assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-5), ("router logits", experts, groups)
         assert torch.equal(index, ref_index), ("route index", experts, groups)
         assert torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), ("route weight", experts, groups)
+        # From the same logits, the routing kernel is PyTorch's routing (a bfloat16 bias widened as PyTorch does).
+        gate.expert_bias = gate.expert_bias.bfloat16() if bias else None
+        ref_index, ref_weight = gate.route(logits)
+        index, weight = triton_moe.route(logits, gate.expert_bias, groups, top_groups, top_k, score,
+                                         gate.norm_topk_prob, gate.routed_scaling_factor)
+        assert torch.equal(index, ref_index) and torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), "route"
+
+    # The float32 router product from bfloat16 or float32 operands, against float64, several tilings.
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(37, 40).to(dtype), torch.randn(12, 40).to(dtype)
+        ref = x.double() @ w.double().T
+        for tiles in (None, (16, 32, 32, 4), (32, 64, 16, 4)):
+            out = triton_moe.router_logits(x, w, tiles)
+            assert out.dtype == torch.float32 and (out.double() - ref).abs().max() < 1e-5, ("router_logits", dtype)
 
     # Ties (every score equal): a valid top-k, lowest indices first, in the first groups.
     index, weight = triton_moe.route(torch.zeros(3, 16), None, 4, 2, 4, "sigmoid", True, 1.0)
@@ -53,15 +70,26 @@ SCRIPT = textwrap.dedent(
     index, _ = triton_moe.route(logits, None, 4, 1, 2, "sigmoid", True, 1.0)
     assert index.tolist() == [[2, 3]], index
 
+    # The alignment by expert, both implementations (one program per expert; the chunked counting sort, here over
+    # one partial chunk and over several chunks of 128 pairs), against a stable argsort.
+    for (tokens, experts), shared, align in itertools.product(
+        [(9, 16), (70, 16), (300, 40)], (False, True),
+        (triton_moe.align_by_expert, triton_moe._align_per_expert, triton_moe._align_by_chunks),
+    ):
+        topk = torch.randint(0, experts, (tokens, 4))
+        sorted_token, offsets, rows = align(topk, experts, shared)
+        per_token = 4 + shared
+        flat = torch.cat([topk, torch.full((tokens, 1), experts)], 1).reshape(-1) if shared else topk.reshape(-1)
+        order = flat.argsort(stable=True)
+        assert torch.equal(sorted_token, order // per_token), ("align order", tokens, align)
+        counts = torch.bincount(flat, minlength=experts + shared)
+        assert torch.equal(offsets.long(), counts.cumsum(0)), ("align offsets", tokens, align)
+        assert torch.equal(rows, order.argsort().view(tokens, per_token)), ("align rows", tokens, align)
+
     for shared in (False, True):
         topk = torch.randint(0, 16, (9, 4))
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk, 16, shared)
         per_token = 4 + shared
-        flat = torch.cat([topk, torch.full((9, 1), 16)], 1).reshape(-1) if shared else topk.reshape(-1)
-        order = flat.argsort(stable=True)
-        assert torch.equal(sorted_token, order // per_token), "align order"
-        assert torch.equal(offsets.long(), torch.bincount(flat, minlength=16 + shared).cumsum(0)), "align offsets"
-        assert torch.equal(rows, order.argsort().view(9, per_token)), "align rows"
         expert_rows, weight, residual = torch.randn(9 * per_token, 24), torch.rand(9, 4), torch.randn(9, 24)
         out = triton_moe.combine(expert_rows, rows, weight, shared, residual)
         ref = (expert_rows[rows[:, :4]] * weight[..., None]).sum(1)
