@@ -5,8 +5,8 @@ rules that pick between them:
 - attention of a block step: the split-KV Triton kernel (`triton_attention.block_attention`, with the per-query
   mask) against sdpa on grouped queries (the `sdpa` path of `LLaDA2MoeAttention._fused_forward`, with its output
   layout copy), per batch size;
-- the router's float32 logits: `triton_moe.router_logits` per tile choice against cuBLAS (with the two casts the
-  PyTorch path makes), per token count;
+- the router's float32 logits: cuBLAS with the two casts the PyTorch path makes, the GEMM alone, and split-K as
+  batched products summed in order (a candidate, not used), per token count;
 - the alignment by expert: one program per expert against the chunked counting sort, per token count.
 
 Each candidate is captured in a CUDA graph of 20 calls (as the generation loop replays steps) and timed over
@@ -31,11 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dllm import triton_moe  # noqa: E402
 from hf_dllm.modeling_llada2_moe import grouped_query_mask_for  # noqa: E402
 from hf_dllm.triton_attention import block_attention  # noqa: E402
-
-ROUTER_TILES = [
-    (16, 32, 32, 4), (32, 32, 32, 4), (16, 64, 32, 4), (32, 64, 32, 4), (64, 32, 32, 4), (64, 64, 32, 4),
-    (64, 64, 32, 8), (32, 64, 64, 4), (128, 64, 32, 8), (64, 128, 32, 8),
-]  # fmt: skip
 
 
 def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
@@ -92,24 +87,28 @@ def attention_row(batch: int) -> dict:
     return row
 
 
+def split_k_logits(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """The float32 router product as `splits` batched products over slices of the hidden dim, summed in order."""
+    tokens, hidden = x.shape
+    xs = x.float().view(tokens, splits, hidden // splits).transpose(0, 1)
+    ws = weight.float().view(-1, splits, hidden // splits).permute(1, 2, 0)
+    return torch.bmm(xs, ws).sum(0)
+
+
 def router_row(tokens: int, weight: torch.Tensor) -> dict:
     x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
     reference = torch.nn.functional.linear(x.double(), weight.double())
     cublas = torch.nn.functional.linear(x.float(), weight.float())
-    row = dict(tokens=tokens, cublas_us=graph_us(lambda: torch.nn.functional.linear(x.float(), weight.float())))
+    x32, w32 = x.float(), weight.float()
+    row = dict(
+        tokens=tokens, cublas_with_casts_us=graph_us(lambda: torch.nn.functional.linear(x.float(), weight.float()))
+    )
+    row["cublas_gemm_only_us"] = graph_us(lambda: torch.nn.functional.linear(x32, w32))
     row["cublas_max_err"] = (cublas.double() - reference).abs().max().item()
-    for tiles in ROUTER_TILES:
-        name = f"triton_{'x'.join(map(str, tiles))}_us"
-        try:
-            triton_moe.router_logits(x, weight, tiles)
-            row[name] = graph_us(functools.partial(triton_moe.router_logits, x, weight, tiles))
-        except Exception as error:  # a tile choice that does not compile (shared memory): skip it
-            row[name] = f"failed: {type(error).__name__}"
-    out = triton_moe.router_logits(x, weight)
-    row["default_tiles"] = list(triton_moe.router_tiles(tokens, 256))
-    row["default_us"] = graph_us(lambda: triton_moe.router_logits(x, weight))
-    row["triton_max_err"] = (out.double() - reference).abs().max().item()
-    row["triton_vs_cublas_max_diff"] = (out - cublas).abs().max().item()
+    for splits in (2, 4, 8):
+        row[f"split_k{splits}_with_casts_us"] = graph_us(functools.partial(split_k_logits, x, weight, splits))
+        error = (split_k_logits(x, weight, splits).double() - reference).abs().max().item()
+        row[f"split_k{splits}_max_err"] = error
     return row
 
 
@@ -123,6 +122,9 @@ def align_row(tokens: int) -> dict:
         per_expert_us=graph_us(lambda: triton_moe._align_per_expert(topk, 256, True)),
         chunks_us=graph_us(lambda: triton_moe._align_by_chunks(topk, 256, True)),
         equal=all(torch.equal(a, b) for a, b in zip(per_expert, chunks, strict=True)),
+        # Candidates for the prefix-sum program's step (16 is used).
+        chunks_scan_rows_4_us=graph_us(lambda: triton_moe._align_by_chunks(topk, 256, True, 4)),
+        chunks_scan_rows_64_us=graph_us(lambda: triton_moe._align_by_chunks(topk, 256, True, 64)),
     )
 
 
@@ -153,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\nattention per layer (us): batch, split-KV, sdpa (bool mask), sdpa (additive mask)")
     for r in summary["attention"]:
         print(f"{r['batch']:>6}{r['split_kv_us']:>10.1f}{r['sdpa_us']:>10.1f}{r['sdpa_additive_mask_us']:>10.1f}")
-    print("\nrouter logits (us): tokens, cuBLAS + casts, best Triton tiles, default tiles")
+    print("\nrouter logits (us): tokens, cuBLAS + casts, cuBLAS GEMM only, split-K 2 / 4 / 8 + casts")
     for r in summary["router"]:
-        timed = {k: v for k, v in r.items() if k.startswith("triton_") and k.endswith("_us") and isinstance(v, float)}
-        best = min(timed, key=timed.get)
-        print(f"{r['tokens']:>6}{r['cublas_us']:>10.1f}{timed[best]:>10.1f} {best:<24}{r['default_us']:>10.1f}")
+        split = "".join(f"{r[f'split_k{k}_with_casts_us']:>10.1f}" for k in (2, 4, 8))
+        print(f"{r['tokens']:>6}{r['cublas_with_casts_us']:>10.1f}{r['cublas_gemm_only_us']:>10.1f}{split}")
     print("\nalignment (us): tokens, per expert, chunks")
     for r in summary["align"]:
         print(f"{r['tokens']:>6}{r['per_expert_us']:>10.1f}{r['chunks_us']:>10.1f}  equal={r['equal']}")

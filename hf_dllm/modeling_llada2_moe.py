@@ -65,9 +65,10 @@ from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x i
 register_attention_backends()
 
 # `llada_triton` runs its split-KV kernel on a block step while the (row, key/value head) pairs are at most this many
-# per multiprocessor, sdpa on grouped queries beyond (`LLaDA2MoeAttention._block_attention_applies`); the crossover
-# measured on an H100 at LLaDA2.0-mini's shapes (`benchmarks/bench_llada2_kernels.py`).
-SPLIT_KV_KV_HEADS_PER_SM = 0.25
+# per multiprocessor, sdpa on grouped queries beyond (`LLaDA2MoeAttention._block_attention_applies`). Measured on an
+# H100 at LLaDA2.0-mini's shapes (4 key/value heads; `benchmarks/bench_llada2_kernels.py`): the kernel wins up to
+# batch 16 (36.9 against 38.8 us per layer), sdpa from batch 20 (43.6 against 52.2; 56.2 against 70.8 at batch 32).
+SPLIT_KV_KV_HEADS_PER_SM = 0.5
 
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
 EXPERTS_EAGER = "eager"
@@ -260,11 +261,10 @@ class LLaDA2MoeGate(nn.Module):
         return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
 
     def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As `forward`, in two Triton kernels: the float32 logits product reading the activations and the weight in
-        their own dtype (`triton_moe.router_logits`: float32 arithmetic, another summation order than cuBLAS's),
-        and everything after it (`triton_moe.route`; on ties the lowest expert index wins). Needs a float32 router;
-        `forward(..., fused=True)` calls it (so module hooks see it)."""
-        logits = triton_moe.router_logits(hidden_states, self.weight)
+        """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
+        ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
+        hooks see it)."""
+        logits = self.router_logits(hidden_states)
         index, weight = triton_moe.route(
             logits,
             self.expert_bias,

@@ -6,11 +6,10 @@ by expert, gather, counts, cumsum, index copy, weighting, sum, casts; shared exp
 launch time than work. The kernels here replace those chains (the same routing as DeepSeek-V3's group-limited
 gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
 
-- `router_logits`: the router's float32 logits product, reading the bfloat16 activations and weight as they are
-  (no cast kernels), float32 fused multiply-adds (no TF32), in tiles that keep the GPU busy (cuBLAS's float32 GEMM
-  ran 128 x 64 tiles: ~31 us per layer at batch 32 on an H100);
 - `route`: scores (sigmoid or softmax), expert bias, group-limited top-k and the normalised weights times
-  `routed_scaling_factor`, one program per token, from the router's float32 logits;
+  `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
+  cuBLAS float32 GEMM, as in the reference: a Triton float32 product without TF32 measured 3.6x slower at batch 32
+  on an H100, `benchmarks/results/h100_bench_llada2_kernels_batch32.log`);
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
   groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
   (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
@@ -43,40 +42,6 @@ except ImportError:  # CPU-only installs: the PyTorch path is used
 
 
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _router_logits_kernel(
-        x_ptr,
-        w_ptr,
-        out_ptr,
-        n_tokens,
-        n_experts,
-        hidden,
-        stride_x,
-        stride_w,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # One program per (BLOCK_M tokens, BLOCK_N experts) tile of `x @ w.T` in float32: both operands widened to
-        # float32 as they are read (exact), products and sums in float32 fused multiply-adds (`ieee`: no TF32), each
-        # logit summed over the hidden dim in the same order whatever the number of tokens.
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-        w_rows = w_ptr + rn.to(tl.int64)[None, :] * stride_w
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, hidden, BLOCK_K):
-            cols = k + rk
-            a = tl.load(x_rows + cols[None, :], mask=(rm < n_tokens)[:, None] & (cols < hidden)[None, :], other=0.0)
-            b = tl.load(w_rows + cols[:, None], mask=(cols < hidden)[:, None] & (rn < n_experts)[None, :], other=0.0)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        tl.store(
-            out_ptr + rm.to(tl.int64)[:, None] * n_experts + rn[None, :],
-            acc,
-            mask=(rm < n_tokens)[:, None] & (rn < n_experts)[None, :],
-        )
 
     @triton.jit
     def _route_kernel(
@@ -335,103 +300,55 @@ if TRITON_AVAILABLE:
         stride_cn,
         HEAD_DIM: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
-        # One program per (token, head) over the q heads then the k heads of the fused projection `(B, L, Hq + 2Hk,
-        # D)` (contiguous). Per-head RMS norm (float32, rounded, times the weight, rounded), then RoPE on the first
-        # `rotary_dim` dims with tables in the activation dtype, each product and the sum rounded (PyTorch's
-        # rounding points). q goes to `(B, Hq, L, D)`; k (rotated) and v to the cache `(B, Hk, T, D)` at column
-        # `position[l]`.
-        pid = tl.program_id(0).to(tl.int64)
-        n_heads = n_q_heads + n_k_heads
-        head = pid % n_heads
-        token = pid // n_heads  # b * seq_len + l
+        # One program per (token, BLOCK_H heads) over the q heads then the k heads of the fused projection `(B, L,
+        # Hq + 2Hk, D)` (contiguous): a (BLOCK_H, D) tile, so a token's RoPE table is read once for several heads and
+        # a batch-32 step launches 4x fewer programs than with one head each. Per-head RMS norm (float32, rounded,
+        # times the weight, rounded), then RoPE on the first `rotary_dim` dims with tables in the activation dtype,
+        # each product and the sum rounded (PyTorch's rounding points). q goes to `(B, Hq, L, D)`; k (rotated) and v
+        # to the cache `(B, Hk, T, D)` at column `position[l]`.
+        token = tl.program_id(0).to(tl.int64)  # b * seq_len + l
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        is_q = heads < n_q_heads
+        is_k = (heads >= n_q_heads) & (heads < n_q_heads + n_k_heads)
+        rows = (is_q | is_k)[:, None]
         b = token // seq_len
         pos = token % seq_len
         dtype = q_out_ptr.dtype.element_ty
         d = tl.arange(0, HEAD_DIM)
         half = rotary_dim // 2
         partner = tl.where(d < half, d + half, tl.where(d < rotary_dim, d - half, d))
-        src = qkv_ptr + (token * (n_q_heads + 2 * n_k_heads) + head) * HEAD_DIM
-        x = tl.load(src + d).to(tl.float32)
-        xp = tl.load(src + partner).to(tl.float32)
+        src = qkv_ptr + (token * (n_q_heads + 2 * n_k_heads) + heads[:, None]) * HEAD_DIM
+        x = tl.load(src + d[None, :], mask=rows, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner[None, :], mask=rows, other=0.0).to(tl.float32)
         if HAS_NORM:
-            inv = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-            if head < n_q_heads:
-                w = tl.load(q_weight_ptr + d).to(tl.float32)
-                wp = tl.load(q_weight_ptr + partner).to(tl.float32)
-            else:
-                w = tl.load(k_weight_ptr + d).to(tl.float32)
-                wp = tl.load(k_weight_ptr + partner).to(tl.float32)
-            x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+            w = tl.where(is_q[:, None], tl.load(q_weight_ptr + d)[None, :], tl.load(k_weight_ptr + d)[None, :])
+            wp = tl.where(
+                is_q[:, None], tl.load(q_weight_ptr + partner)[None, :], tl.load(k_weight_ptr + partner)[None, :]
+            )
+            x = (w.to(tl.float32) * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xp = (wp.to(tl.float32) * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         rotating = d < rotary_dim
         table = token * rotary_dim + d
-        cos = tl.load(cos_ptr + table, mask=rotating, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=rotating, other=0.0).to(tl.float32)
-        rotated_half = tl.where(d < half, -xp, xp)
+        cos = tl.load(cos_ptr + table, mask=rotating, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + table, mask=rotating, other=0.0).to(tl.float32)[None, :]
+        rotated_half = tl.where((d < half)[None, :], -xp, xp)
         y = ((x * cos).to(dtype).to(tl.float32) + (rotated_half * sin).to(dtype).to(tl.float32)).to(dtype)
-        y = tl.where(rotating, y, x.to(dtype))
-        if head < n_q_heads:
-            tl.store(q_out_ptr + ((b * n_q_heads + head) * seq_len + pos) * HEAD_DIM + d, y)
-        else:
-            kh = head - n_q_heads
-            column = tl.load(position_ptr + pos).to(tl.int64)
-            dst = b * stride_cb + kh * stride_ch + column * stride_cn
-            tl.store(cache_k_ptr + dst + d, y)
-            v = tl.load(src + n_k_heads * HEAD_DIM + d)
-            tl.store(cache_v_ptr + dst + d, v)
+        y = tl.where(rotating[None, :], y, x.to(dtype))
+        q_dst = q_out_ptr + ((b * n_q_heads + heads[:, None]) * seq_len + pos) * HEAD_DIM + d[None, :]
+        tl.store(q_dst, y, mask=is_q[:, None])
+        kh = tl.where(is_k, heads - n_q_heads, 0)[:, None]
+        column = tl.load(position_ptr + pos).to(tl.int64)
+        dst = b * stride_cb + kh * stride_ch + column * stride_cn + d[None, :]
+        tl.store(cache_k_ptr + dst, y, mask=is_k[:, None])
+        v = tl.load(src + n_k_heads * HEAD_DIM + d[None, :], mask=is_k[:, None], other=0.0)
+        tl.store(cache_v_ptr + dst, v, mask=is_k[:, None])
 
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def router_tiles(tokens: int, n_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of `router_logits` for `tokens` rows: tiles small enough that the
-    float32 product (fused multiply-adds, no tensor cores) spreads over most of the GPU's multiprocessors."""
-    if tokens <= 64:
-        return 16, 32, 32, 4
-    if tokens <= 256:
-        return 32, 32, 32, 4
-    return 32, 64, 32, 4
-
-
-@on_tensor_device
-def router_logits(
-    hidden_states: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None
-) -> torch.Tensor:
-    """The router's float32 logits `hidden_states.float() @ weight.float().T`: hidden_states `(tokens, H)`, weight
-    `(E, H)` in any float dtype (bfloat16 in a bfloat16 model) -> `(tokens, E)` float32. Replaces two cast kernels
-    and cuBLAS's float32 GEMM (which keeps few multiprocessors busy at these shapes); the same float32 arithmetic
-    (no TF32), in another summation order than cuBLAS's, so logits agree to float32 rounding rather than bit for
-    bit. `tiles`: `router_tiles`'s choice unless given."""
-    tokens, hidden = hidden_states.shape
-    n_experts = weight.shape[0]
-    if weight.shape[1] != hidden:
-        raise ValueError(f"router_logits: weight {tuple(weight.shape)} does not match hidden size {hidden}.")
-    out = torch.empty(tokens, n_experts, dtype=torch.float32, device=hidden_states.device)
-    if tokens == 0:
-        return out
-    if hidden_states.stride(-1) != 1:
-        hidden_states = hidden_states.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
-    block_m, block_n, block_k, warps = tiles or router_tiles(tokens, n_experts)
-    _router_logits_kernel[(triton.cdiv(tokens, block_m), triton.cdiv(n_experts, block_n))](
-        hidden_states,
-        weight,
-        out,
-        tokens,
-        n_experts,
-        hidden,
-        hidden_states.stride(0),
-        weight.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-    )
-    return out
 
 
 @on_tensor_device
@@ -485,9 +402,10 @@ def route(
 
 
 # Up to this many (token, choice) pairs the alignment is one kernel with a program per expert, each reading every
-# pair twice (a batch-1 block step: 288 pairs); beyond, three kernels over chunks of the pairs, whose time grows with
-# the pairs and not with the experts times the pairs (a batch-32 step: 9,216 pairs, 32 us -> a few us on an H100).
-SINGLE_PASS_ALIGN_PAIRS = 1024
+# pair twice (a batch-1 block step: 288 pairs, 3.1 us on an H100); beyond, three kernels over chunks of the pairs,
+# whose time grows with the pairs and not with the experts times the pairs (a batch-32 step, 9,216 pairs: 23.8 us ->
+# 15.0 us; the crossover lies between 2,304 and 4,608 pairs: `benchmarks/bench_llada2_kernels.py`).
+SINGLE_PASS_ALIGN_PAIRS = 3072
 ALIGN_CHUNK = 128
 
 
@@ -545,12 +463,12 @@ def _align_per_expert(
 
 
 def _align_by_chunks(
-    topk_index: torch.Tensor, n_experts: int, shared_expert: bool
+    topk_index: torch.Tensor, n_experts: int, shared_expert: bool, scan_rows: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`align_by_expert` as a counting sort over chunks of `ALIGN_CHUNK` pairs: each chunk's count per expert
     (one program per chunk), their prefix sums over chunks and experts (one program), then each pair's row = its
     expert's first row + that expert's pairs in earlier chunks + those earlier in its chunk (one program per
-    chunk)."""
+    chunk). `scan_rows`: chunks per step of the prefix-sum program."""
     sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
     n_pairs = sorted_token.shape[0]
     bins = _next_power_of_2(offsets.shape[0] + 1)  # one bin more than experts, for the pairs past the end
@@ -562,7 +480,7 @@ def _align_by_chunks(
     _chunk_histogram_kernel[(n_chunks,)](
         topk_index, counts, *args, HAS_SHARED=shared_expert, CHUNK=ALIGN_CHUNK, BINS=bins, num_warps=4
     )
-    _chunk_scan_kernel[(1,)](counts, base, offsets, n_chunks, offsets.shape[0], BINS=bins, ROWS=16, num_warps=8)
+    _chunk_scan_kernel[(1,)](counts, base, offsets, n_chunks, offsets.shape[0], BINS=bins, ROWS=scan_rows, num_warps=8)
     _chunk_scatter_kernel[(n_chunks,)](
         topk_index,
         base,
@@ -646,7 +564,8 @@ def qk_norm_rope_to_cache(
     sin = sin.to(qkv.dtype).expand(batch, seq_len, rotary_dim).contiguous()
     q_out = torch.empty(batch, n_q_heads, seq_len, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm_weight is not None
-    _qk_norm_rope_kernel[(batch * seq_len * (n_q_heads + n_k_heads),)](
+    block_h = 4
+    _qk_norm_rope_kernel[(batch * seq_len, triton.cdiv(n_q_heads + n_k_heads, block_h))](
         qkv,
         q_norm_weight if has_norm else qkv,
         k_norm_weight if has_norm else qkv,
@@ -666,7 +585,8 @@ def qk_norm_rope_to_cache(
         cache_keys.stride(2),
         HEAD_DIM=head_dim,
         HAS_NORM=has_norm,
-        num_warps=1 if head_dim <= 128 else 2,
+        BLOCK_H=block_h,
+        num_warps=4 if head_dim <= 128 else 8,
         # No fused multiply-add: PyTorch rounds each product.
         enable_fp_fusion=False,
     )

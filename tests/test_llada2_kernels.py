@@ -1,8 +1,7 @@
 """LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence the subprocess), float32, against the
-PyTorch code: the router's float32 product (against float64) and routing (group-limited top-k with expert bias, sigmoid
-and softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort),
-the combine, and a tiny model's prefill and
+PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and softmax, a group size
+that is not a power of two, ties), both alignments by expert (against a stable argsort), the combine, and a tiny model's prefill and
 cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path.
 """
 
@@ -41,25 +40,15 @@ SCRIPT = textwrap.dedent(
         if bias:
             gate.expert_bias.normal_(0, 0.1)
         x = torch.randn(37, 32)
-        ref_index, ref_weight, ref_logits = gate(x)
-        index, weight, logits = gate.fused_forward(x)
-        assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-5), ("router logits", experts, groups)
+        ref_index, ref_weight, _ = gate(x)
+        index, weight, _ = gate.fused_forward(x)
         assert torch.equal(index, ref_index), ("route index", experts, groups)
         assert torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), ("route weight", experts, groups)
-        # From the same logits, the routing kernel is PyTorch's routing (a bfloat16 bias widened as PyTorch does).
-        gate.expert_bias = gate.expert_bias.bfloat16() if bias else None
-        ref_index, ref_weight = gate.route(logits)
-        index, weight = triton_moe.route(logits, gate.expert_bias, groups, top_groups, top_k, score,
-                                         gate.norm_topk_prob, gate.routed_scaling_factor)
-        assert torch.equal(index, ref_index) and torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), "route"
-
-    # The float32 router product from bfloat16 or float32 operands, against float64, several tilings.
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w = torch.randn(37, 40).to(dtype), torch.randn(12, 40).to(dtype)
-        ref = x.double() @ w.double().T
-        for tiles in (None, (16, 32, 32, 4), (32, 64, 16, 4)):
-            out = triton_moe.router_logits(x, w, tiles)
-            assert out.dtype == torch.float32 and (out.double() - ref).abs().max() < 1e-5, ("router_logits", dtype)
+        if bias:  # a bfloat16 bias (a bfloat16 model's buffer) is read in its dtype, widened as PyTorch promotes it
+            gate.expert_bias = gate.expert_bias.bfloat16()
+            ref_index, ref_weight, _ = gate(x)
+            index, weight, _ = gate.fused_forward(x)
+            assert torch.equal(index, ref_index) and torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), "bf16 bias"
 
     # Ties (every score equal): a valid top-k, lowest indices first, in the first groups.
     index, weight = triton_moe.route(torch.zeros(3, 16), None, 4, 2, 4, "sigmoid", True, 1.0)
