@@ -51,10 +51,12 @@ if TRITON_AVAILABLE:
         weight_ptr,
         out_ptr,
         sum_ptr,
+        wide_ptr,
         n_cols,
         eps,
         HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # One program per row of a contiguous (rows, n_cols) tensor.
@@ -75,6 +77,9 @@ if TRITON_AVAILABLE:
             w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
             normed = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + offsets, normed, mask=in_row)
+        if WIDE:
+            # The output widened to float32 (exact), for a float32 consumer (LLaDA2's router): no cast kernel.
+            tl.store(wide_ptr + offsets, normed.to(tl.float32), mask=in_row)
 
     @triton.jit
     def _rotary_kernel(
@@ -278,30 +283,37 @@ if TRITON_AVAILABLE:
     def _greedy_propose_kernel(
         logits_ptr, token_ptr, prob_ptr, vocab, stride_row, excluded, BLOCK: tl.constexpr, EXCLUDE: tl.constexpr
     ):
-        # One row per program, the vocabulary in chunks: the best candidate (first index on ties, as torch.argmax;
-        # `excluded` is never a candidate) and an online logsumexp over every token (the candidate's probability is
-        # under the full softmax, as in the PyTorch path).
+        # One row per program, the vocabulary in chunks of BLOCK lanes. Each lane keeps its own best candidate (first
+        # index on ties; `excluded` is never a candidate) and an online softmax sum (its running max and the sum of
+        # exp(x - max)), so the loop is elementwise; the lanes are reduced once at the end (the candidate: the best
+        # value's lowest index, as torch.argmax; its probability under the full softmax, as the PyTorch path).
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
-        best = tl.full([1], float("-inf"), tl.float32)
-        best_index = tl.zeros([1], tl.int64)
-        running_max = tl.full([1], float("-inf"), tl.float32)
-        running_sum = tl.zeros([1], tl.float32)
+        lanes = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_index = tl.zeros([BLOCK], tl.int32)
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_sum = tl.zeros([BLOCK], tl.float32)
         for start in range(0, vocab, BLOCK):
-            index = start + tl.arange(0, BLOCK)
+            index = start + lanes
             x = tl.load(base + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
             candidate = tl.where(index == excluded, float("-inf"), x) if EXCLUDE else x
-            chunk_best, chunk_index = tl.max(candidate, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            better = chunk_best > best
-            best_index = tl.where(better, start + chunk_index.to(tl.int64), best_index)
-            best = tl.where(better, chunk_best, best)
-            chunk_max = tl.max(x, axis=0)
-            new_max = tl.maximum(running_max, chunk_max)
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            running_max = new_max
-        probability = tl.exp(best - running_max) / running_sum
-        tl.store(token_ptr + row + tl.arange(0, 1), best_index)
-        tl.store(prob_ptr + row + tl.arange(0, 1), probability)
+            better = candidate > best
+            best_index = tl.where(better, index, best_index)
+            best = tl.where(better, candidate, best)
+            # One exp per element: a new lane max rescales the lane's sum, otherwise the element is added.
+            rises = x > lane_max
+            scale = tl.exp(tl.where(rises, lane_max - x, x - lane_max))
+            scale = tl.where(x == float("-inf"), 0.0, scale)  # a -inf logit adds nothing (and -inf - -inf is nan)
+            lane_sum = tl.where(rises, lane_sum * scale + 1.0, lane_sum + scale)
+            lane_max = tl.maximum(lane_max, x)
+        top = tl.max(best, axis=0)
+        top_index = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
+        row_max = tl.max(lane_max, axis=0)
+        total = tl.sum(tl.where(lane_sum > 0, lane_sum * tl.exp(lane_max - row_max), 0.0), axis=0)
+        probability = tl.exp(top - row_max) / total
+        tl.store(token_ptr + row, top_index.to(tl.int64))
+        tl.store(prob_ptr + row, probability)
 
 
 @on_tensor_device
@@ -332,16 +344,22 @@ def greedy_propose(logits: torch.Tensor, excluded_token_id: int | None) -> tuple
 
 @on_tensor_device
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    float_copy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """`norm(x + residual)` over the last dim. x, residual `(..., d)`; weight `(d,)` or None.
 
-    Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None)."""
+    Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None), and with `float_copy` a third
+    tensor, `normed.float()` written by the same kernel."""
     d = x.shape[-1]
     x2 = x.contiguous().view(-1, d)
     out = torch.empty_like(x2)
     total = torch.empty_like(x2) if residual is not None else x2
     r2 = residual.contiguous().view(-1, d) if residual is not None else x2
+    wide = torch.empty(x2.shape, dtype=torch.float32, device=x2.device) if float_copy else out
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
@@ -349,13 +367,17 @@ def rms_norm(
         weight if weight is not None else x2,
         out,
         total,
+        wide,
         d,
         eps,
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
+        WIDE=float_copy,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
+    if float_copy:
+        return out.view(x.shape), total.view(x.shape), wide.view(x.shape)
     return out.view(x.shape), total.view(x.shape)
 
 

@@ -59,6 +59,13 @@ SCRIPT = textwrap.dedent(
     index, _ = triton_moe.route(logits, None, 4, 1, 2, "sigmoid", True, 1.0)
     assert index.tolist() == [[2, 3]], index
 
+    # The norm's float32 copy of its output (the fused path feeds it to the router): the output widened, exactly.
+    from hf_dllm import triton_ops
+    x, r, w = torch.randn(5, 40).bfloat16(), torch.randn(5, 40).bfloat16(), torch.rand(40).bfloat16()
+    normed, total, wide = triton_ops.rms_norm(x, w, 1e-6, residual=r, float_copy=True)
+    assert [torch.equal(a, b) for a, b in zip((normed, total), triton_ops.rms_norm(x, w, 1e-6, residual=r))] == [True] * 2
+    assert wide.dtype == torch.float32 and torch.equal(wide, normed.float()), "rms_norm float_copy"
+
     # The alignment by expert, both implementations (one program per expert; the chunked counting sort, here over
     # one partial chunk and over several chunks of 128 pairs), against a stable argsort.
     for (tokens, experts), shared, align in itertools.product(

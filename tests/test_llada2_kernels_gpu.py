@@ -50,6 +50,8 @@ def test_router_kernel_chooses_the_gates_experts(score_function):
     else:  # softmax: the sum's order differs, so scores may differ in the last bit
         assert same.float().mean() > 0.999
     assert torch.allclose(weight[same], ref_weight[same], rtol=1e-5, atol=1e-6)
+    # The router input in float32 as the fused norm writes it: the same logits, no cast.
+    assert torch.equal(gate.fused_forward(x, router_input=x.float())[2], ref_logits)
     # A bfloat16 expert bias (a bfloat16 model's buffer) is read in its dtype and widened as PyTorch promotes it.
     gate.expert_bias = gate.expert_bias.bfloat16()
     ref_index, ref_weight, _ = gate(x)
@@ -89,6 +91,18 @@ def test_align_and_combine(tokens, shared):
     routed = (expert_rows[rows[:, :8]].float() * weight[..., None]).sum(1).to(torch.bfloat16)
     ref = residual + (routed + expert_rows[rows[:, 8]] if shared else routed)
     assert (out.float() - ref.float()).abs().max() <= 0.07  # one bfloat16 step at |x| ~ 8, summation order
+
+
+def test_rms_norm_float_copy_is_the_output_widened():
+    from hf_dllm import triton_ops
+
+    torch.manual_seed(0)
+    x, residual = torch.randn(2, 1024, 2048, device="cuda", dtype=torch.bfloat16).unbind(0)
+    weight = torch.rand(2048, device="cuda", dtype=torch.bfloat16)
+    normed, total, wide = triton_ops.rms_norm(x, weight, 1e-6, residual=residual, float_copy=True)
+    ref_normed, ref_total = triton_ops.rms_norm(x, weight, 1e-6, residual=residual)
+    assert torch.equal(normed, ref_normed) and torch.equal(total, ref_total)
+    assert wide.dtype == torch.float32 and torch.equal(wide, normed.float())
 
 
 def test_qk_norm_rope_to_cache_matches_pytorch():
