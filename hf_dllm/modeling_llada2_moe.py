@@ -291,11 +291,6 @@ class LLaDA2MoeGate(nn.Module):
         if fused:
             return self.fused_forward(hidden_states, router_input)
         logits = self.router_logits(hidden_states, router_input)
-        topk_idx, topk_weight = self.route(logits)
-        return topk_idx, topk_weight, logits
-
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits `(tokens, num_experts)` -> expert indices `(tokens, top_k)` and their weights (PyTorch)."""
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
         else:
@@ -306,7 +301,7 @@ class LLaDA2MoeGate(nn.Module):
         topk_weight = scores.gather(1, topk_idx)
         if self.top_k > 1 and self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_weight * self.routed_scaling_factor
+        return topk_idx, topk_weight * self.routed_scaling_factor, logits
 
 
 def _grouped_mm_function() -> Callable | None:

@@ -283,37 +283,32 @@ if TRITON_AVAILABLE:
     def _greedy_propose_kernel(
         logits_ptr, token_ptr, prob_ptr, vocab, stride_row, excluded, BLOCK: tl.constexpr, EXCLUDE: tl.constexpr
     ):
-        # One row per program, the vocabulary in chunks of BLOCK lanes. Each lane keeps its own best candidate (first
-        # index on ties; `excluded` is never a candidate) and an online softmax sum (its running max and the sum of
-        # exp(x - max)), so the loop is elementwise; the lanes are reduced once at the end (the candidate: the best
-        # value's lowest index, as torch.argmax; its probability under the full softmax, as the PyTorch path).
+        # One row per program, the vocabulary in chunks: the best candidate (first index on ties, as torch.argmax;
+        # `excluded` is never a candidate) and an online logsumexp over every token (the candidate's probability is
+        # under the full softmax, as in the PyTorch path).
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
-        lanes = tl.arange(0, BLOCK)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_index = tl.zeros([BLOCK], tl.int32)
-        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_sum = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([1], float("-inf"), tl.float32)
+        best_index = tl.zeros([1], tl.int64)
+        running_max = tl.full([1], float("-inf"), tl.float32)
+        running_sum = tl.zeros([1], tl.float32)
         for start in range(0, vocab, BLOCK):
-            index = start + lanes
+            index = start + tl.arange(0, BLOCK)
             x = tl.load(base + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
             candidate = tl.where(index == excluded, float("-inf"), x) if EXCLUDE else x
-            better = candidate > best
-            best_index = tl.where(better, index, best_index)
-            best = tl.where(better, candidate, best)
-            # One exp per element: a new lane max rescales the lane's sum, otherwise the element is added.
-            rises = x > lane_max
-            scale = tl.exp(tl.where(rises, lane_max - x, x - lane_max))
-            scale = tl.where(x == float("-inf"), 0.0, scale)  # a -inf logit adds nothing (and -inf - -inf is nan)
-            lane_sum = tl.where(rises, lane_sum * scale + 1.0, lane_sum + scale)
-            lane_max = tl.maximum(lane_max, x)
-        top = tl.max(best, axis=0)
-        top_index = tl.min(tl.where(best == top, best_index, 2147483647), axis=0)
-        row_max = tl.max(lane_max, axis=0)
-        total = tl.sum(tl.where(lane_sum > 0, lane_sum * tl.exp(lane_max - row_max), 0.0), axis=0)
-        probability = tl.exp(top - row_max) / total
-        tl.store(token_ptr + row, top_index.to(tl.int64))
-        tl.store(prob_ptr + row, probability)
+            chunk_best, chunk_index = tl.max(candidate, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            better = chunk_best > best
+            best_index = tl.where(better, start + chunk_index.to(tl.int64), best_index)
+            best = tl.where(better, chunk_best, best)
+            chunk_max = tl.max(x, axis=0)
+            new_max = tl.maximum(running_max, chunk_max)
+            # While every logit so far is -inf, shift by 0 (-inf - -inf would be nan); the same values otherwise.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            running_max = new_max
+        probability = tl.exp(best - running_max) / running_sum
+        tl.store(token_ptr + row + tl.arange(0, 1), best_index)
+        tl.store(prob_ptr + row + tl.arange(0, 1), probability)
 
 
 @on_tensor_device

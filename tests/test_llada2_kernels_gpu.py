@@ -3,6 +3,8 @@
 - The router kernel chooses exactly the experts of the PyTorch gate (LLaDA2.0-mini's routing: 256 experts, top-8
   in 4 of 8 groups, sigmoid, expert bias in float32 or bfloat16), with weights within float32 rounding.
 - Both alignments by expert equal a stable argsort; the combine equals the PyTorch weighted sum in bfloat16.
+- The norm's float32 copy for the router is its output widened; the q/k norm + RoPE + cache write kernel matches
+  the PyTorch ops at LLaDA2.0-mini's head layout.
 - The split-KV attention with a mask per query row matches float64 attention.
 - A bfloat16 model's logits through the fused path (prefill and a cached block step) err against the float32 PyTorch
   path within twice the bfloat16 PyTorch path's error, and `generate()` with CUDA graphs gives exactly the tokens of

@@ -121,9 +121,9 @@ SCRIPT = textwrap.dedent(
     )
     assert torch.equal(out, expected["case.p12.blk.g16.prefix.s8"]), "Dream prefix-cache generation"
 
-    # The greedy proposal (per-lane argmax and online softmax, reduced at the end) against PyTorch: the same token
-    # (first index on ties, the excluded id never chosen, -inf logits skipped) and the probability within float32
-    # rounding, over several chunks of the vocabulary and a partial last one.
+    # The greedy proposal against PyTorch: the same token (first index on ties, the excluded id never chosen) and the
+    # probability within float32 rounding, over several chunks of the vocabulary and a partial last one, including
+    # a row whose first chunk is all -inf (its online softmax once gave nan there).
     for dtype in (torch.float32, torch.float16):
         logits = (torch.randn(4, 9000) * 6).to(dtype)
         logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
