@@ -64,6 +64,12 @@ from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x i
 
 register_attention_backends()
 
+# `llada_triton` runs its split-KV kernel on a block step while the (row, key/value head) pairs are at most this many
+# per multiprocessor, sdpa on grouped queries beyond (`LLaDA2MoeAttention._block_attention_applies`). Measured on an
+# H100 at LLaDA2.0-mini's shapes (4 key/value heads; `benchmarks/bench_llada2_kernels.py`): the kernel wins up to
+# batch 16 (36.9 against 38.8 us per layer), sdpa from batch 20 (43.6 against 52.2; 56.2 against 70.8 at batch 32).
+SPLIT_KV_KV_HEADS_PER_SM = 0.5
+
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
 EXPERTS_EAGER = "eager"
 EXPERTS_GROUPED_MM = "grouped_mm"
@@ -250,15 +256,20 @@ class LLaDA2MoeGate(nn.Module):
             scores = scores.masked_fill(~expert_mask, float("-inf"))
         return scores.topk(self.top_k, dim=-1).indices
 
-    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype."""
-        return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
+    def router_logits(self, hidden_states: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype. `router_input`: `hidden_states` already
+        in the router dtype (the fused path's norm writes that copy: no cast kernel), or None."""
+        if router_input is None:
+            router_input = hidden_states.to(self.router_dtype)
+        return nn.functional.linear(router_input, self.weight.to(self.router_dtype))
 
-    def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fused_forward(
+        self, hidden_states: torch.Tensor, router_input: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
         ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
-        hooks see it)."""
-        logits = self.router_logits(hidden_states)
+        hooks see it). `router_input`: as in `router_logits`."""
+        logits = self.router_logits(hidden_states, router_input)
         index, weight = triton_moe.route(
             logits,
             self.expert_bias,
@@ -272,14 +283,14 @@ class LLaDA2MoeGate(nn.Module):
         return index, weight, logits
 
     def forward(
-        self, hidden_states: torch.Tensor, fused: bool = False
+        self, hidden_states: torch.Tensor, fused: bool = False, router_input: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `(tokens, hidden)` -> expert indices `(tokens, top_k)`, their weights `(tokens, top_k)`
         and the router logits `(tokens, num_experts)`, both in the router dtype (float32). `fused`: through
-        `fused_forward`."""
+        `fused_forward`. `router_input`: as in `router_logits`."""
         if fused:
-            return self.fused_forward(hidden_states)
-        logits = self.router_logits(hidden_states)
+            return self.fused_forward(hidden_states, router_input)
+        logits = self.router_logits(hidden_states, router_input)
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
         else:
@@ -465,14 +476,19 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             and self.use_grouped_mm(hidden_states)
         )
 
-    def fused_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, router_input: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual + forward(hidden_states)[0]` and the router logits, through the Triton kernels of
         `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
         two grouped GEMMs whose groups are the routed experts and the shared expert (`stack_shared`). No host
-        synchronisation. hidden_states, residual `(batch, len, hidden)`."""
+        synchronisation. hidden_states, residual `(batch, len, hidden)`; router_input: hidden_states in float32
+        (the router's dtype) or None (cast here)."""
         batch, length, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate(x, fused=True)
+        if router_input is not None:
+            router_input = router_input.reshape(-1, hidden)
+        topk_idx, topk_weight, router_logits = self.gate(x, fused=True, router_input=router_input)
         stacked_shared = self.shared_experts is not None and self.stack_shared
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
         grouped_mm = _grouped_mm_function()
@@ -704,7 +720,8 @@ class LLaDA2MoeAttention(nn.Module):
 
     def _block_attention_applies(self, batch: int, attention_mask) -> bool:
         """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
-        size the kernel takes, and fewer programs than multiprocessors (sdpa fills the GPU better beyond)."""
+        size the kernel takes, and at most `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per
+        multiprocessor (sdpa on grouped queries is faster beyond: measured by `benchmarks/bench_llada2_kernels.py`)."""
         mask_ok = attention_mask is None or (
             isinstance(attention_mask, torch.Tensor)
             and attention_mask.dtype == torch.bool
@@ -715,7 +732,7 @@ class LLaDA2MoeAttention(nn.Module):
             mask_ok
             and self.head_dim >= 16
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and (not weight.is_cuda or batch * self.num_kv_heads < num_sms(weight.device))
+            and (not weight.is_cuda or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(weight.device))
         )
 
 
@@ -772,11 +789,17 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
                 **kwargs,
             )
             norm = self.post_attention_layernorm
+            if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(attn):
+                # The norm also writes its output in float32 for the router (float32 logits, as the reference):
+                # one cast kernel less per layer (~17 us at batch 32 on an H100).
+                wide = attn.dtype != torch.float32
+                normed, hidden_states, *router_input = triton_ops.rms_norm(
+                    attn, norm.weight, norm.variance_epsilon, residual=hidden_states, float_copy=wide
+                )
+                return self.mlp.fused_forward(normed, hidden_states, router_input[0] if wide else None)
             normed, hidden_states = triton_ops.rms_norm(
                 attn, norm.weight, norm.variance_epsilon, residual=hidden_states
             )
-            if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(normed):
-                return self.mlp.fused_forward(normed, hidden_states)
             mlp_out = self.mlp(normed)
             router_logits = None
             if isinstance(mlp_out, tuple):
@@ -922,12 +945,16 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
         attention = self.layers[0].attention
+        implementation = self.config._attn_implementation
         if (
             attention.uses_fused_path(inputs_embeds, past_key_values)
-            and self.config._attn_implementation == "sdpa"
-            and uses_grouped_query_sdpa("sdpa", attention_mask)
+            and uses_grouped_query_sdpa(implementation, attention_mask)
+            and not (
+                implementation == TRITON_ATTENTION
+                and attention._block_attention_applies(inputs_embeds.shape[0], attention_mask)
+            )
         ):
-            # Made once here, not in each layer.
+            # Made once here, not in each layer (sdpa, or llada_triton where its split-KV kernel does not run).
             kwargs["grouped_query_mask"] = grouped_query_mask_for(attention_mask, attention.num_key_value_groups)
         for layer in self.layers:
             if output_hidden_states:
@@ -1082,6 +1109,31 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         return output if use_return_dict else output.to_tuple()
 
     # DiffusionGenerationMixin hooks.
+    def _diffusion_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask,
+        position_ids: torch.Tensor,
+        cache: Cache | DiffusionKVCache | None,
+        cache_position: torch.Tensor,
+        logits_slice,
+        **forward_kwargs,
+    ) -> torch.Tensor:
+        """The loop's forward: `forward`'s logits `(batch, kept, vocab)` without its float32 copy, in the model dtype
+        (as LLaDA's and Dream's). The unmasking rules widen them to float32 where they compute
+        (`decoding.propose_tokens`; the fused greedy kernel as it reads), so every token and confidence is the same;
+        a batch-32 block step no longer writes and re-reads 0.64 GB of float32 logits."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            cache_position=cache_position,
+            **forward_kwargs,
+        )
+        return linear(self.lm_head, select_positions(outputs.last_hidden_state, logits_slice))
+
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph: only if the MoE never synchronises with the
         host, i.e. runs torch's grouped GEMM in bfloat16 (the per-expert loop reads counts on the host, and torch's

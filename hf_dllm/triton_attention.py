@@ -237,7 +237,11 @@ def block_attention(
     out = torch.empty(batch, q_len, n_heads, dim, dtype=q.dtype, device=q.device)
     per_query = key_padding_mask is not None and key_padding_mask.dim() == 3
     if key_padding_mask is not None:
-        mask = key_padding_mask.to(torch.int8)
+        # A boolean mask is read as bytes in place (no cast kernel); other dtypes are converted.
+        if key_padding_mask.dtype == torch.bool:
+            mask = key_padding_mask.view(torch.int8)
+        else:
+            mask = key_padding_mask.to(torch.int8)
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     else:

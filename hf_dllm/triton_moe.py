@@ -8,10 +8,12 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
 
 - `route`: scores (sigmoid or softmax), expert bias, group-limited top-k and the normalised weights times
   `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
-  cuBLAS float32 GEMM, as in the reference);
+  cuBLAS float32 GEMM, as in the reference: a Triton float32 product without TF32 measured 3.6x slower at batch 32
+  on an H100, `benchmarks/results/h100_bench_llada2_kernels_batch32.log`);
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
-  groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, one program per expert, no host
-  synchronisation (CUDA-graph capturable, static shapes);
+  groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
+  (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
+  kernels) for many;
 - `combine`: each token's routed rows weighted and summed in float32, rounded, plus the shared expert's row and
   the residual, with PyTorch's rounding points;
 - `qk_norm_rope_to_cache`: per-head RMS norm of q and k, partial RoPE with the tables in the activation dtype, q
@@ -86,7 +88,8 @@ if TRITON_AVAILABLE:
         scores = tl.where(valid, scores, float("-inf"))
         choice = scores
         if HAS_BIAS:
-            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0)
+            # The bias in its own dtype (bfloat16 in a bfloat16 model), widened as PyTorch's type promotion does.
+            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, choice, float("-inf"))
         if TOPK_GROUP < N_GROUP:
             # A group's score: the sum of its two best experts' choice scores (one when groups hold one expert).
@@ -162,6 +165,72 @@ if TRITON_AVAILABLE:
             seen += tl.sum(mine, axis=0)
 
     @triton.jit
+    def _chunk_histogram_kernel(
+        expert_ptr,
+        counts_ptr,
+        n_pairs,
+        per_token,
+        shared_expert,
+        HAS_SHARED: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BINS: tl.constexpr,
+    ):
+        # One program per chunk of CHUNK pairs: how many of its pairs each expert has, `counts[chunk, expert]`.
+        # Pairs past the end count in the last bin, which is no expert (BINS > experts).
+        chunk = tl.program_id(0)
+        pair = chunk * CHUNK + tl.arange(0, CHUNK)
+        ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
+        ids = tl.where(pair < n_pairs, ids, BINS - 1)
+        tl.store(counts_ptr + chunk * BINS + tl.arange(0, BINS), tl.histogram(ids, BINS))
+
+    @triton.jit
+    def _chunk_scan_kernel(counts_ptr, base_ptr, offsets_ptr, n_chunks, groups, BINS: tl.constexpr, ROWS: tl.constexpr):
+        # One program: `base[chunk, e]` = pairs of expert e in earlier chunks; row `n_chunks` of `base` = each
+        # expert's first row (pairs of lower experts); `offsets[e]` = its end row.
+        bins = tl.arange(0, BINS)
+        total = tl.zeros([BINS], dtype=tl.int32)
+        for first in range(0, n_chunks, ROWS):
+            chunks = first + tl.arange(0, ROWS)
+            inside = (chunks < n_chunks)[:, None]
+            counts = tl.load(counts_ptr + chunks[:, None] * BINS + bins[None, :], mask=inside, other=0)
+            before = total[None, :] + tl.cumsum(counts, axis=0) - counts
+            tl.store(base_ptr + chunks[:, None] * BINS + bins[None, :], before, mask=inside)
+            total += tl.sum(counts, axis=0)
+        start = tl.cumsum(total, axis=0) - total
+        tl.store(base_ptr + n_chunks * BINS + bins, start)
+        tl.store(offsets_ptr + bins, start + total, mask=bins < groups)
+
+    @triton.jit
+    def _chunk_scatter_kernel(
+        expert_ptr,
+        base_ptr,
+        sorted_token_ptr,
+        row_ptr,
+        n_pairs,
+        n_chunks,
+        per_token,
+        shared_expert,
+        HAS_SHARED: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BINS: tl.constexpr,
+    ):
+        # One program per chunk: a pair's row = its expert's first row + that expert's pairs in earlier chunks +
+        # those earlier in this chunk (stable order).
+        chunk = tl.program_id(0)
+        offs = tl.arange(0, CHUNK)
+        pair = chunk * CHUNK + offs
+        valid = pair < n_pairs
+        ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
+        earlier = (ids[None, :] == ids[:, None]) & (offs[None, :] < offs[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        ids = tl.where(valid, ids, 0)
+        start = tl.load(base_ptr + n_chunks * BINS + ids, mask=valid, other=0)
+        before = tl.load(base_ptr + chunk * BINS + ids, mask=valid, other=0)
+        row = start + before + rank
+        tl.store(sorted_token_ptr + row, pair // per_token, mask=valid)
+        tl.store(row_ptr + pair, row, mask=valid)
+
+    @triton.jit
     def _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED: tl.constexpr):
         # The expert of each pair: the router's choice, or the shared expert for the last choice of each token.
         in_range = pair < n_pairs
@@ -231,51 +300,51 @@ if TRITON_AVAILABLE:
         stride_cn,
         HEAD_DIM: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
-        # One program per (token, head) over the q heads then the k heads of the fused projection `(B, L, Hq + 2Hk,
-        # D)` (contiguous). Per-head RMS norm (float32, rounded, times the weight, rounded), then RoPE on the first
-        # `rotary_dim` dims with tables in the activation dtype, each product and the sum rounded (PyTorch's
-        # rounding points). q goes to `(B, Hq, L, D)`; k (rotated) and v to the cache `(B, Hk, T, D)` at column
-        # `position[l]`.
-        pid = tl.program_id(0).to(tl.int64)
-        n_heads = n_q_heads + n_k_heads
-        head = pid % n_heads
-        token = pid // n_heads  # b * seq_len + l
+        # One program per (token, BLOCK_H heads) over the q heads then the k heads of the fused projection `(B, L,
+        # Hq + 2Hk, D)` (contiguous): a (BLOCK_H, D) tile, so a token's RoPE table is read once for several heads and
+        # a batch-32 step launches 4x fewer programs than with one head each. Per-head RMS norm (float32, rounded,
+        # times the weight, rounded), then RoPE on the first `rotary_dim` dims with tables in the activation dtype,
+        # each product and the sum rounded (PyTorch's rounding points). q goes to `(B, Hq, L, D)`; k (rotated) and v
+        # to the cache `(B, Hk, T, D)` at column `position[l]`.
+        token = tl.program_id(0).to(tl.int64)  # b * seq_len + l
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        is_q = heads < n_q_heads
+        is_k = (heads >= n_q_heads) & (heads < n_q_heads + n_k_heads)
+        rows = (is_q | is_k)[:, None]
         b = token // seq_len
         pos = token % seq_len
         dtype = q_out_ptr.dtype.element_ty
         d = tl.arange(0, HEAD_DIM)
         half = rotary_dim // 2
         partner = tl.where(d < half, d + half, tl.where(d < rotary_dim, d - half, d))
-        src = qkv_ptr + (token * (n_q_heads + 2 * n_k_heads) + head) * HEAD_DIM
-        x = tl.load(src + d).to(tl.float32)
-        xp = tl.load(src + partner).to(tl.float32)
+        src = qkv_ptr + (token * (n_q_heads + 2 * n_k_heads) + heads[:, None]) * HEAD_DIM
+        x = tl.load(src + d[None, :], mask=rows, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner[None, :], mask=rows, other=0.0).to(tl.float32)
         if HAS_NORM:
-            inv = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-            if head < n_q_heads:
-                w = tl.load(q_weight_ptr + d).to(tl.float32)
-                wp = tl.load(q_weight_ptr + partner).to(tl.float32)
-            else:
-                w = tl.load(k_weight_ptr + d).to(tl.float32)
-                wp = tl.load(k_weight_ptr + partner).to(tl.float32)
-            x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+            w = tl.where(is_q[:, None], tl.load(q_weight_ptr + d)[None, :], tl.load(k_weight_ptr + d)[None, :])
+            wp = tl.where(
+                is_q[:, None], tl.load(q_weight_ptr + partner)[None, :], tl.load(k_weight_ptr + partner)[None, :]
+            )
+            x = (w.to(tl.float32) * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xp = (wp.to(tl.float32) * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         rotating = d < rotary_dim
         table = token * rotary_dim + d
-        cos = tl.load(cos_ptr + table, mask=rotating, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=rotating, other=0.0).to(tl.float32)
-        rotated_half = tl.where(d < half, -xp, xp)
+        cos = tl.load(cos_ptr + table, mask=rotating, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + table, mask=rotating, other=0.0).to(tl.float32)[None, :]
+        rotated_half = tl.where((d < half)[None, :], -xp, xp)
         y = ((x * cos).to(dtype).to(tl.float32) + (rotated_half * sin).to(dtype).to(tl.float32)).to(dtype)
-        y = tl.where(rotating, y, x.to(dtype))
-        if head < n_q_heads:
-            tl.store(q_out_ptr + ((b * n_q_heads + head) * seq_len + pos) * HEAD_DIM + d, y)
-        else:
-            kh = head - n_q_heads
-            column = tl.load(position_ptr + pos).to(tl.int64)
-            dst = b * stride_cb + kh * stride_ch + column * stride_cn
-            tl.store(cache_k_ptr + dst + d, y)
-            v = tl.load(src + n_k_heads * HEAD_DIM + d)
-            tl.store(cache_v_ptr + dst + d, v)
+        y = tl.where(rotating[None, :], y, x.to(dtype))
+        q_dst = q_out_ptr + ((b * n_q_heads + heads[:, None]) * seq_len + pos) * HEAD_DIM + d[None, :]
+        tl.store(q_dst, y, mask=is_q[:, None])
+        kh = tl.where(is_k, heads - n_q_heads, 0)[:, None]
+        column = tl.load(position_ptr + pos).to(tl.int64)
+        dst = b * stride_cb + kh * stride_ch + column * stride_cn + d[None, :]
+        tl.store(cache_k_ptr + dst, y, mask=is_k[:, None])
+        v = tl.load(src + n_k_heads * HEAD_DIM + d[None, :], mask=is_k[:, None], other=0.0)
+        tl.store(cache_v_ptr + dst, v, mask=is_k[:, None])
 
 
 def _next_power_of_2(n: int) -> int:
@@ -294,9 +363,9 @@ def route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32,
-    expert_bias `(E,)` float32 or None -> expert indices `(tokens, top_k)` int64 in descending choice score (ties:
-    lowest index first) and weights `(tokens, top_k)` float32 (normalised if `normalize` and top_k > 1, times
-    `routed_scaling_factor`)."""
+    expert_bias `(E,)` (any float dtype, widened to float32 as PyTorch's promotion does) or None -> expert indices
+    `(tokens, top_k)` int64 in descending choice score (ties: lowest index first) and weights `(tokens, top_k)`
+    float32 (normalised if `normalize` and top_k > 1, times `routed_scaling_factor`)."""
     if score_function not in ("sigmoid", "softmax"):
         raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {score_function!r}.")
     tokens, n_experts = logits.shape
@@ -308,7 +377,7 @@ def route(
     if tokens == 0:
         return index, weight
     group_size = n_experts // n_group
-    bias = expert_bias.float().contiguous() if expert_bias is not None else logits
+    bias = expert_bias.contiguous() if expert_bias is not None else logits  # read in its dtype: no cast kernel
     _route_kernel[(tokens,)](
         logits,
         bias,
@@ -332,6 +401,14 @@ def route(
     return index, weight
 
 
+# Up to this many (token, choice) pairs the alignment is one kernel with a program per expert, each reading every
+# pair twice (a batch-1 block step: 288 pairs, 3.1 us on an H100); beyond, three kernels over chunks of the pairs,
+# whose time grows with the pairs and not with the experts times the pairs (a batch-32 step, 9,216 pairs: 23.8 us ->
+# 15.0 us; the crossover lies between 2,304 and 4,608 pairs: `benchmarks/bench_llada2_kernels.py`).
+SINGLE_PASS_ALIGN_PAIRS = 3072
+ALIGN_CHUNK = 128
+
+
 @on_tensor_device
 def align_by_expert(
     topk_index: torch.Tensor, n_experts: int, shared_expert: bool
@@ -343,17 +420,34 @@ def align_by_expert(
       `argsort(stable=True)` of the pairs' experts gives);
     - offsets `(n_experts + shared_expert,)` int32: each expert's end row (`torch._grouped_mm`'s `offs`);
     - row `(tokens, per_token)` int64: the row of each pair.
-    """
+
+    No host synchronisation (CUDA-graph capturable). Two implementations give the same result; the number of pairs
+    picks one (`SINGLE_PASS_ALIGN_PAIRS`)."""
     tokens, top_k = topk_index.shape
     per_token = top_k + int(shared_expert)
-    groups = n_experts + int(shared_expert)
-    n_pairs = tokens * per_token
+    if tokens * per_token <= SINGLE_PASS_ALIGN_PAIRS:
+        return _align_per_expert(topk_index, n_experts, shared_expert)
+    return _align_by_chunks(topk_index, n_experts, shared_expert)
+
+
+def _align_outputs(topk_index: torch.Tensor, n_experts: int, shared_expert: bool):
+    tokens, top_k = topk_index.shape
+    per_token = top_k + int(shared_expert)
     device = topk_index.device
-    sorted_token = torch.empty(n_pairs, dtype=torch.long, device=device)
+    sorted_token = torch.empty(tokens * per_token, dtype=torch.long, device=device)
     row = torch.empty(tokens, per_token, dtype=torch.long, device=device)
-    offsets = torch.empty(groups, dtype=torch.int32, device=device)
+    offsets = torch.empty(n_experts + int(shared_expert), dtype=torch.int32, device=device)
+    return sorted_token, offsets, row, per_token
+
+
+def _align_per_expert(
+    topk_index: torch.Tensor, n_experts: int, shared_expert: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_by_expert` as one kernel, one program per expert (each reads all pairs twice)."""
+    sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
+    n_pairs = sorted_token.shape[0]
     block = min(1024, max(16, _next_power_of_2(n_pairs)))
-    _align_kernel[(groups,)](
+    _align_kernel[(offsets.shape[0],)](
         topk_index.contiguous(),
         sorted_token,
         row,
@@ -363,6 +457,42 @@ def align_by_expert(
         n_experts,
         HAS_SHARED=shared_expert,
         BLOCK=block,
+        num_warps=4,
+    )
+    return sorted_token, offsets, row
+
+
+def _align_by_chunks(
+    topk_index: torch.Tensor, n_experts: int, shared_expert: bool, scan_rows: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_by_expert` as a counting sort over chunks of `ALIGN_CHUNK` pairs: each chunk's count per expert
+    (one program per chunk), their prefix sums over chunks and experts (one program), then each pair's row = its
+    expert's first row + that expert's pairs in earlier chunks + those earlier in its chunk (one program per
+    chunk). `scan_rows`: chunks per step of the prefix-sum program."""
+    sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
+    n_pairs = sorted_token.shape[0]
+    bins = _next_power_of_2(offsets.shape[0] + 1)  # one bin more than experts, for the pairs past the end
+    n_chunks = triton.cdiv(n_pairs, ALIGN_CHUNK)
+    topk_index = topk_index.contiguous()
+    counts = torch.empty(n_chunks, bins, dtype=torch.int32, device=topk_index.device)
+    base = torch.empty(n_chunks + 1, bins, dtype=torch.int32, device=topk_index.device)
+    args = (n_pairs, per_token, n_experts)
+    _chunk_histogram_kernel[(n_chunks,)](
+        topk_index, counts, *args, HAS_SHARED=shared_expert, CHUNK=ALIGN_CHUNK, BINS=bins, num_warps=4
+    )
+    _chunk_scan_kernel[(1,)](counts, base, offsets, n_chunks, offsets.shape[0], BINS=bins, ROWS=scan_rows, num_warps=8)
+    _chunk_scatter_kernel[(n_chunks,)](
+        topk_index,
+        base,
+        sorted_token,
+        row,
+        n_pairs,
+        n_chunks,
+        per_token,
+        n_experts,
+        HAS_SHARED=shared_expert,
+        CHUNK=ALIGN_CHUNK,
+        BINS=bins,
         num_warps=4,
     )
     return sorted_token, offsets, row
@@ -434,7 +564,8 @@ def qk_norm_rope_to_cache(
     sin = sin.to(qkv.dtype).expand(batch, seq_len, rotary_dim).contiguous()
     q_out = torch.empty(batch, n_q_heads, seq_len, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm_weight is not None
-    _qk_norm_rope_kernel[(batch * seq_len * (n_q_heads + n_k_heads),)](
+    block_h = 4
+    _qk_norm_rope_kernel[(batch * seq_len, triton.cdiv(n_q_heads + n_k_heads, block_h))](
         qkv,
         q_norm_weight if has_norm else qkv,
         k_norm_weight if has_norm else qkv,
@@ -454,7 +585,8 @@ def qk_norm_rope_to_cache(
         cache_keys.stride(2),
         HEAD_DIM=head_dim,
         HAS_NORM=has_norm,
-        num_warps=1 if head_dim <= 128 else 2,
+        BLOCK_H=block_h,
+        num_warps=4 if head_dim <= 128 else 8,
         # No fused multiply-add: PyTorch rounds each product.
         enable_fp_fusion=False,
     )

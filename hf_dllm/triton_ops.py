@@ -51,10 +51,12 @@ if TRITON_AVAILABLE:
         weight_ptr,
         out_ptr,
         sum_ptr,
+        wide_ptr,
         n_cols,
         eps,
         HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # One program per row of a contiguous (rows, n_cols) tensor.
@@ -75,6 +77,9 @@ if TRITON_AVAILABLE:
             w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
             normed = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + offsets, normed, mask=in_row)
+        if WIDE:
+            # The output widened to float32 (exact), for a float32 consumer (LLaDA2's router): no cast kernel.
+            tl.store(wide_ptr + offsets, normed.to(tl.float32), mask=in_row)
 
     @triton.jit
     def _rotary_kernel(
@@ -297,7 +302,9 @@ if TRITON_AVAILABLE:
             best = tl.where(better, chunk_best, best)
             chunk_max = tl.max(x, axis=0)
             new_max = tl.maximum(running_max, chunk_max)
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            # While every logit so far is -inf, shift by 0 (-inf - -inf would be nan); the same values otherwise.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
             running_max = new_max
         probability = tl.exp(best - running_max) / running_sum
         tl.store(token_ptr + row + tl.arange(0, 1), best_index)
@@ -332,16 +339,22 @@ def greedy_propose(logits: torch.Tensor, excluded_token_id: int | None) -> tuple
 
 @on_tensor_device
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    float_copy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """`norm(x + residual)` over the last dim. x, residual `(..., d)`; weight `(d,)` or None.
 
-    Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None)."""
+    Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None), and with `float_copy` a third
+    tensor, `normed.float()` written by the same kernel."""
     d = x.shape[-1]
     x2 = x.contiguous().view(-1, d)
     out = torch.empty_like(x2)
     total = torch.empty_like(x2) if residual is not None else x2
     r2 = residual.contiguous().view(-1, d) if residual is not None else x2
+    wide = torch.empty(x2.shape, dtype=torch.float32, device=x2.device) if float_copy else out
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(x2.shape[0],)](
         x2,
@@ -349,13 +362,17 @@ def rms_norm(
         weight if weight is not None else x2,
         out,
         total,
+        wide,
         d,
         eps,
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
+        WIDE=float_copy,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
+    if float_copy:
+        return out.view(x.shape), total.view(x.shape), wide.view(x.shape)
     return out.view(x.shape), total.view(x.shape)
 
 

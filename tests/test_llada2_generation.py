@@ -184,6 +184,20 @@ def test_exact_cache_equals_recompute_over_settings(llada2, expected2):
         assert torch.equal(cached, recomputed), kwargs
 
 
+def test_loop_forward_skips_the_float32_logits_copy(expected2):
+    """The loop's forward returns the logits in the model dtype; widened, they are `forward`'s float32 logits bit for
+    bit (what every unmasking rule computes from), so tokens do not change."""
+    model = LLaDA2MoeModelLM.from_pretrained(LLADA2, dtype=torch.bfloat16).eval()
+    ids = expected2["prompt.p16"]
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    keep = torch.arange(4, 12)
+    with torch.no_grad():
+        loop = model._diffusion_forward(ids, None, positions, None, torch.arange(ids.shape[1]), keep, block_length=4)
+        logits = model(ids, position_ids=positions, logits_to_keep=keep, block_length=4).logits
+    assert loop.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert torch.equal(loop.float(), logits)
+
+
 BAD_LLADA2_INPUTS = [
     (dict(cfg_scale=1.5), "cfg_scale"),
     (dict(steps=3, max_new_tokens=32, block_length=8), "steps"),  # 4 blocks need at least 4 steps

@@ -1,7 +1,7 @@
 """LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence the subprocess), float32, against the
-PyTorch code: the router (group-limited top-k with expert bias, sigmoid and softmax, a group size that is not a power
-of two, ties), the alignment by expert (against a stable argsort), the combine, and a tiny model's prefill and
+PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and softmax, a group size
+that is not a power of two, ties), both alignments by expert (against a stable argsort), the combine, and a tiny model's prefill and
 cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path.
 """
 
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
+    import itertools
     import torch, hf_dllm
     from hf_dllm import kernels, triton_moe
     from hf_dllm.cache import DiffusionKVCache
@@ -43,6 +44,11 @@ SCRIPT = textwrap.dedent(
         index, weight, _ = gate.fused_forward(x)
         assert torch.equal(index, ref_index), ("route index", experts, groups)
         assert torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), ("route weight", experts, groups)
+        if bias:  # a bfloat16 bias (a bfloat16 model's buffer) is read in its dtype, widened as PyTorch promotes it
+            gate.expert_bias = gate.expert_bias.bfloat16()
+            ref_index, ref_weight, _ = gate(x)
+            index, weight, _ = gate.fused_forward(x)
+            assert torch.equal(index, ref_index) and torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), "bf16 bias"
 
     # Ties (every score equal): a valid top-k, lowest indices first, in the first groups.
     index, weight = triton_moe.route(torch.zeros(3, 16), None, 4, 2, 4, "sigmoid", True, 1.0)
@@ -53,15 +59,33 @@ SCRIPT = textwrap.dedent(
     index, _ = triton_moe.route(logits, None, 4, 1, 2, "sigmoid", True, 1.0)
     assert index.tolist() == [[2, 3]], index
 
+    # The norm's float32 copy of its output (the fused path feeds it to the router): the output widened, exactly.
+    from hf_dllm import triton_ops
+    x, r, w = torch.randn(5, 40).bfloat16(), torch.randn(5, 40).bfloat16(), torch.rand(40).bfloat16()
+    normed, total, wide = triton_ops.rms_norm(x, w, 1e-6, residual=r, float_copy=True)
+    assert [torch.equal(a, b) for a, b in zip((normed, total), triton_ops.rms_norm(x, w, 1e-6, residual=r))] == [True] * 2
+    assert wide.dtype == torch.float32 and torch.equal(wide, normed.float()), "rms_norm float_copy"
+
+    # The alignment by expert, both implementations (one program per expert; the chunked counting sort, here over
+    # one partial chunk and over several chunks of 128 pairs), against a stable argsort.
+    for (tokens, experts), shared, align in itertools.product(
+        [(9, 16), (70, 16), (300, 40)], (False, True),
+        (triton_moe.align_by_expert, triton_moe._align_per_expert, triton_moe._align_by_chunks),
+    ):
+        topk = torch.randint(0, experts, (tokens, 4))
+        sorted_token, offsets, rows = align(topk, experts, shared)
+        per_token = 4 + shared
+        flat = torch.cat([topk, torch.full((tokens, 1), experts)], 1).reshape(-1) if shared else topk.reshape(-1)
+        order = flat.argsort(stable=True)
+        assert torch.equal(sorted_token, order // per_token), ("align order", tokens, align)
+        counts = torch.bincount(flat, minlength=experts + shared)
+        assert torch.equal(offsets.long(), counts.cumsum(0)), ("align offsets", tokens, align)
+        assert torch.equal(rows, order.argsort().view(tokens, per_token)), ("align rows", tokens, align)
+
     for shared in (False, True):
         topk = torch.randint(0, 16, (9, 4))
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk, 16, shared)
         per_token = 4 + shared
-        flat = torch.cat([topk, torch.full((9, 1), 16)], 1).reshape(-1) if shared else topk.reshape(-1)
-        order = flat.argsort(stable=True)
-        assert torch.equal(sorted_token, order // per_token), "align order"
-        assert torch.equal(offsets.long(), torch.bincount(flat, minlength=16 + shared).cumsum(0)), "align offsets"
-        assert torch.equal(rows, order.argsort().view(9, per_token)), "align rows"
         expert_rows, weight, residual = torch.randn(9 * per_token, 24), torch.rand(9, 4), torch.randn(9, 24)
         out = triton_moe.combine(expert_rows, rows, weight, shared, residual)
         ref = (expert_rows[rows[:, :4]] * weight[..., None]).sum(1)

@@ -1,8 +1,10 @@
 """GPU tests of LLaDA2's fused MoE / attention kernels (`triton_moe.py`), skipped without CUDA.
 
 - The router kernel chooses exactly the experts of the PyTorch gate (LLaDA2.0-mini's routing: 256 experts, top-8
-  in 4 of 8 groups, sigmoid, expert bias), with weights within float32 rounding.
-- The alignment by expert equals a stable argsort; the combine equals the PyTorch weighted sum in bfloat16.
+  in 4 of 8 groups, sigmoid, expert bias in float32 or bfloat16), with weights within float32 rounding.
+- Both alignments by expert equal a stable argsort; the combine equals the PyTorch weighted sum in bfloat16.
+- The norm's float32 copy for the router is its output widened; the q/k norm + RoPE + cache write kernel matches
+  the PyTorch ops at LLaDA2.0-mini's head layout.
 - The split-KV attention with a mask per query row matches float64 attention.
 - A bfloat16 model's logits through the fused path (prefill and a cached block step) err against the float32 PyTorch
   path within twice the bfloat16 PyTorch path's error, and `generate()` with CUDA graphs gives exactly the tokens of
@@ -50,9 +52,29 @@ def test_router_kernel_chooses_the_gates_experts(score_function):
     else:  # softmax: the sum's order differs, so scores may differ in the last bit
         assert same.float().mean() > 0.999
     assert torch.allclose(weight[same], ref_weight[same], rtol=1e-5, atol=1e-6)
+    # The router input in float32 as the fused norm writes it: the same logits, no cast.
+    assert torch.equal(gate.fused_forward(x, router_input=x.float())[2], ref_logits)
+    # A bfloat16 expert bias (a bfloat16 model's buffer) is read in its dtype and widened as PyTorch promotes it.
+    gate.expert_bias = gate.expert_bias.bfloat16()
+    ref_index, ref_weight, _ = gate(x)
+    index, weight, _ = gate.fused_forward(x)
+    same = (index == ref_index).all(-1)
+    assert same.all() if score_function == "sigmoid" else same.float().mean() > 0.999
+    assert torch.allclose(weight[same], ref_weight[same], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 32, 1024])
+@pytest.mark.parametrize("tokens", [1, 100, 1024, 16384])
+def test_both_alignments_agree(tokens):
+    torch.manual_seed(tokens)
+    topk = torch.randint(0, 256, (tokens, 8), device="cuda")
+    for shared in (False, True):
+        per_expert = triton_moe._align_per_expert(topk, 256, shared)
+        chunks = triton_moe._align_by_chunks(topk, 256, shared)
+        for a, b in zip(per_expert, chunks, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 1024, 4096])
 @pytest.mark.parametrize("shared", [False, True])
 def test_align_and_combine(tokens, shared):
     torch.manual_seed(tokens)
@@ -71,6 +93,52 @@ def test_align_and_combine(tokens, shared):
     routed = (expert_rows[rows[:, :8]].float() * weight[..., None]).sum(1).to(torch.bfloat16)
     ref = residual + (routed + expert_rows[rows[:, 8]] if shared else routed)
     assert (out.float() - ref.float()).abs().max() <= 0.07  # one bfloat16 step at |x| ~ 8, summation order
+
+
+def test_rms_norm_float_copy_is_the_output_widened():
+    from hf_dllm import triton_ops
+
+    torch.manual_seed(0)
+    x, residual = torch.randn(2, 1024, 2048, device="cuda", dtype=torch.bfloat16).unbind(0)
+    weight = torch.rand(2048, device="cuda", dtype=torch.bfloat16)
+    normed, total, wide = triton_ops.rms_norm(x, weight, 1e-6, residual=residual, float_copy=True)
+    ref_normed, ref_total = triton_ops.rms_norm(x, weight, 1e-6, residual=residual)
+    assert torch.equal(normed, ref_normed) and torch.equal(total, ref_total)
+    assert wide.dtype == torch.float32 and torch.equal(wide, normed.float())
+
+
+def test_qk_norm_rope_to_cache_matches_pytorch():
+    """The fused q/k norm + partial RoPE + cache write at LLaDA2.0-mini's head layout (16 q heads, 4 k/v heads of 128,
+    64 rotary dims; several heads per program) against the PyTorch ops: the same values up to rounding, keys and
+    values at the right cache columns, other columns untouched."""
+    from hf_dllm.modeling_llada2_moe import apply_partial_rotary_pos_emb, rotary_cos_sin
+
+    torch.manual_seed(0)
+    batch, q_len, heads, kv_heads, dim, columns, eps = 3, 32, 16, 4, 128, 96, 1e-6
+    qkv = torch.randn(batch, q_len, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    q_weight, k_weight = (torch.rand(2, dim, device="cuda") + 0.5).to(torch.bfloat16).unbind(0)
+    position = torch.arange(40, 40 + q_len, device="cuda")
+    cos, sin = rotary_cos_sin(position.expand(batch, q_len), tiny_config(head_dim=dim), torch.bfloat16)
+    keys = torch.zeros(batch, kv_heads, columns, dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    query = triton_moe.qk_norm_rope_to_cache(qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin, keys, values,
+                                             position)  # fmt: skip
+
+    def rms_norm(x, weight):
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    q, k, v = qkv.view(batch, q_len, -1, dim).split([heads, kv_heads, kv_heads], dim=2)
+    ref_q, ref_k = apply_partial_rotary_pos_emb(
+        rms_norm(q.transpose(1, 2), q_weight), rms_norm(k.transpose(1, 2), k_weight), cos, sin
+    )
+    for ours, ref in ((query, ref_q), (keys[:, :, 40:72], ref_k)):
+        # A misplaced head or column would be off by O(1) nearly everywhere; rounding, by an ulp of a term here and
+        # there (a difference of two rounded products can cancel).
+        error = (ours.float() - ref.float()).abs()
+        assert error.max() <= 0.25 and error.mean() <= 2e-2, (error.max(), error.mean(), (ours == ref).float().mean())
+    assert torch.equal(values[:, :, 40:72], v.transpose(1, 2))
+    assert not keys[:, :, :40].any() and not keys[:, :, 72:].any() and not values[:, :, 72:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

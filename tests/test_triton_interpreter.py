@@ -120,6 +120,21 @@ SCRIPT = textwrap.dedent(
         eos_early_stop=False,
     )
     assert torch.equal(out, expected["case.p12.blk.g16.prefix.s8"]), "Dream prefix-cache generation"
+
+    # The greedy proposal against PyTorch: the same token (first index on ties, the excluded id never chosen) and the
+    # probability within float32 rounding, over several chunks of the vocabulary and a partial last one, including
+    # a row whose first chunk is all -inf (its online softmax once gave nan there).
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(4, 9000) * 6).to(dtype)
+        logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
+        logits[1, :] = 0.5  # all tied: the first index
+        logits[2, :4500] = float("-inf")
+        tokens, probability = triton_ops.greedy_propose(logits, 5)
+        candidates = logits.float().clone()
+        candidates[:, 5] = float("-inf")
+        assert torch.equal(tokens, candidates.argmax(-1)), "greedy token"
+        exact = torch.softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
+        assert (probability.double() - exact).abs().max() < 1e-6, "greedy probability"
     print("interpreter checks passed")
     """
 )

@@ -1,0 +1,170 @@
+"""GPU time of the LLaDA2 fused path's per-layer pieces where two implementations compete, at LLaDA2.0-mini's shapes
+(hidden 2048, 256 experts top-8 + 1 shared, 16 / 4 heads of 128, block 32 against a 768-column cache), to set the
+rules that pick between them:
+
+- attention of a block step: the split-KV Triton kernel (`triton_attention.block_attention`, with the per-query
+  mask) against sdpa on grouped queries (the `sdpa` path of `LLaDA2MoeAttention._fused_forward`, with its output
+  layout copy), per batch size;
+- the router's float32 logits: cuBLAS with the two casts the PyTorch path makes, the GEMM alone, and split-K as
+  batched products summed in order (a candidate, not used), per token count;
+- the alignment by expert: one program per expert against the chunked counting sort, per token count.
+
+Each candidate is captured in a CUDA graph of 20 calls (as the generation loop replays steps) and timed over
+replays with CUDA events. Prints tables and ends with one JSON line.
+
+    python benchmarks/bench_llada2_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_dllm import triton_moe  # noqa: E402
+from hf_dllm.modeling_llada2_moe import grouped_query_mask_for  # noqa: E402
+from hf_dllm.triton_attention import block_attention  # noqa: E402
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Median microseconds per call of `fn()` replayed from a CUDA graph of `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def attention_row(batch: int) -> dict:
+    heads, kv_heads, dim, q_len, kv_len, block = 16, 4, 128, 32, 768, 32
+    q = torch.randn(batch, heads, q_len, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, kv_len, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    columns = torch.arange(kv_len, device="cuda")
+    positions = torch.arange(512, 512 + q_len, device="cuda")
+    mask = (columns[None, :] // block <= positions[:, None] // block).expand(batch, 1, q_len, kv_len).clone()
+    grouped = grouped_query_mask_for(mask, heads // kv_heads)
+    additive = torch.zeros(grouped.shape, device="cuda", dtype=torch.bfloat16).masked_fill(~grouped, float("-inf"))
+
+    def split_kv():
+        out = block_attention(q, k, v, mask[:, 0].expand(batch, q_len, kv_len), dim**-0.5)
+        return out.reshape(batch, q_len, -1)
+
+    def sdpa(attn_mask=grouped):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.view(batch, kv_heads, -1, dim), k, v, attn_mask=attn_mask, scale=dim**-0.5
+        )
+        return out.reshape(batch, heads, q_len, dim).transpose(1, 2).reshape(batch, q_len, -1)
+
+    row = dict(batch=batch, split_kv_us=graph_us(split_kv), sdpa_us=graph_us(sdpa))
+    row["sdpa_additive_mask_us"] = graph_us(lambda: sdpa(additive))
+    reference = sdpa().float()
+    row["split_kv_max_err"] = (split_kv().float() - reference).abs().max().item()
+    row["additive_equal"] = bool(torch.equal(sdpa(additive), sdpa()))
+    return row
+
+
+def split_k_logits(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """The float32 router product as `splits` batched products over slices of the hidden dim, summed in order."""
+    tokens, hidden = x.shape
+    xs = x.float().view(tokens, splits, hidden // splits).transpose(0, 1)
+    ws = weight.float().view(-1, splits, hidden // splits).permute(1, 2, 0)
+    return torch.bmm(xs, ws).sum(0)
+
+
+def router_row(tokens: int, weight: torch.Tensor) -> dict:
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    reference = torch.nn.functional.linear(x.double(), weight.double())
+    cublas = torch.nn.functional.linear(x.float(), weight.float())
+    x32, w32 = x.float(), weight.float()
+    row = dict(
+        tokens=tokens, cublas_with_casts_us=graph_us(lambda: torch.nn.functional.linear(x.float(), weight.float()))
+    )
+    row["cublas_gemm_only_us"] = graph_us(lambda: torch.nn.functional.linear(x32, w32))
+    row["cublas_max_err"] = (cublas.double() - reference).abs().max().item()
+    for splits in (2, 4, 8):
+        row[f"split_k{splits}_with_casts_us"] = graph_us(functools.partial(split_k_logits, x, weight, splits))
+        error = (split_k_logits(x, weight, splits).double() - reference).abs().max().item()
+        row[f"split_k{splits}_max_err"] = error
+    return row
+
+
+def align_row(tokens: int) -> dict:
+    topk = torch.randint(0, 256, (tokens, 8), device="cuda")
+    per_expert = triton_moe._align_per_expert(topk, 256, True)
+    chunks = triton_moe._align_by_chunks(topk, 256, True)
+    return dict(
+        tokens=tokens,
+        pairs=tokens * 9,
+        per_expert_us=graph_us(lambda: triton_moe._align_per_expert(topk, 256, True)),
+        chunks_us=graph_us(lambda: triton_moe._align_by_chunks(topk, 256, True)),
+        equal=all(torch.equal(a, b) for a, b in zip(per_expert, chunks, strict=True)),
+        # Candidates for the prefix-sum program's step (16 is used).
+        chunks_scan_rows_4_us=graph_us(lambda: triton_moe._align_by_chunks(topk, 256, True, 4)),
+        chunks_scan_rows_64_us=graph_us(lambda: triton_moe._align_by_chunks(topk, 256, True, 64)),
+    )
+
+
+def rows_of(fn, values: list[int], *args) -> list[dict]:
+    rows = []
+    for value in values:
+        rows.append(fn(value, *args))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,2,4,8,12,16,20,24,32,48,64")
+    parser.add_argument("--tokens", default="32,64,128,256,512,1024,2048,16384")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    torch.manual_seed(0)
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print(json.dumps(summary), flush=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    summary["attention"] = rows_of(attention_row, [int(b) for b in args.batches.split(",")])
+    weight = (torch.randn(256, 2048, device="cuda") * 0.02).to(torch.bfloat16)
+    summary["router"] = rows_of(router_row, tokens, weight)
+    summary["align"] = rows_of(align_row, tokens)
+    print("\nattention per layer (us): batch, split-KV, sdpa (bool mask), sdpa (additive mask)")
+    for r in summary["attention"]:
+        print(f"{r['batch']:>6}{r['split_kv_us']:>10.1f}{r['sdpa_us']:>10.1f}{r['sdpa_additive_mask_us']:>10.1f}")
+    print("\nrouter logits (us): tokens, cuBLAS + casts, cuBLAS GEMM only, split-K 2 / 4 / 8 + casts")
+    for r in summary["router"]:
+        split = "".join(f"{r[f'split_k{k}_with_casts_us']:>10.1f}" for k in (2, 4, 8))
+        print(f"{r['tokens']:>6}{r['cublas_with_casts_us']:>10.1f}{r['cublas_gemm_only_us']:>10.1f}{split}")
+    print("\nalignment (us): tokens, per expert, chunks")
+    for r in summary["align"]:
+        print(f"{r['tokens']:>6}{r['per_expert_us']:>10.1f}{r['chunks_us']:>10.1f}  equal={r['equal']}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
