@@ -29,6 +29,8 @@ _spec.loader.exec_module(worker)
 def run_worker(tmp_path: Path, device: str, dtype: str, timeout: int) -> dict:
     out = tmp_path / "tp.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if device == "cpu":  # on a machine with GPUs, transformers would place each rank's shard on its GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     result = subprocess.run(
