@@ -9,9 +9,9 @@ unchanged. The math follows the original `modeling_llada2_moe.py` (arXiv:2512.15
 - partial RoPE: rotate-half on the first `int(head_dim * partial_rotary_factor)` dims of each head, cos/sin
   computed in float32 and applied in the model dtype;
 - grouped-query attention with a fused `query_key_value` projection (q, k, v rows in that order);
-- layers `>= first_k_dense_replace` are MoE: a float32 router (sigmoid or softmax scores; `expert_bias` added for
-  choosing experts only; group-limited top-k; normalised weights times `routed_scaling_factor`), the chosen
-  experts' outputs combined in float32, plus the shared experts;
+- layers `>= first_k_dense_replace` are MoE (`llada2_moe_layer.py`): a float32 router (sigmoid or softmax scores;
+  `expert_bias` added for choosing experts only; group-limited top-k; normalised weights times
+  `routed_scaling_factor`), the chosen experts' outputs combined in float32, plus the shared experts;
 - **block-causal attention**: position i sees position j iff `j // block_length <= i // block_length`, the mask
   LLaDA2 is trained and decoded with (a block attends to itself and to every earlier block).
 
@@ -22,7 +22,8 @@ flex, sdpa's boolean `(B, 1, q, T)` mask for sdpa, eager and llada_triton), with
 tensor masks, so a generation step that builds it can be captured in a CUDA graph.
 
 The routed experts run as two grouped GEMMs (`torch._grouped_mm`) over stacked views of the Hub-named expert
-weights where torch provides them, else as a loop over the experts that received tokens (`LLaDA2MoeSparseMoeBlock`).
+weights where torch provides them, else as a loop over the experts that received tokens (`LLaDA2MoeSparseMoeBlock`,
+`llada2_moe_layer.py`).
 Where the fused kernels run (`kernels.use_fused_kernels`: CUDA with Triton), the router's top-k, the alignment by
 expert, the weighted combine with the shared expert (one more grouped-GEMM group) and the residual, the residual add
 before the post-attention norm, and the q/k norms with RoPE and the cache write are Triton kernels
@@ -38,27 +39,31 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, resolve_forward_positions
-from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
-from .fp8 import is_fp8_linear
+from .configuration_llada2_moe import LLaDA2MoeConfig
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
     select_positions,
 )
 from .kernels import linear, use_fused_kernels
-from .tensor_parallel import all_reduce_partial, is_sharded, local_tensor, shard_range
+from .llada2_moe_layer import (
+    EXPERTS_GROUPED_MM,
+    EXPERTS_IMPLEMENTATIONS,
+    LLaDA2MoeGate,
+    LLaDA2MoeMLP,
+    LLaDA2MoeSparseMoeBlock,
+)
+from .tensor_parallel import is_sharded, local_tensor, shard_range
 from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -69,11 +74,6 @@ register_attention_backends()
 # H100 at LLaDA2.0-mini's shapes (4 key/value heads; `benchmarks/bench_llada2_kernels.py`): the kernel wins up to
 # batch 16 (36.9 against 38.8 us per layer), sdpa from batch 20 (43.6 against 52.2; 56.2 against 70.8 at batch 32).
 SPLIT_KV_KV_HEADS_PER_SM = 0.5
-
-# Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
-EXPERTS_EAGER = "eager"
-EXPERTS_GROUPED_MM = "grouped_mm"
-EXPERTS_IMPLEMENTATIONS = (EXPERTS_EAGER, EXPERTS_GROUPED_MM)
 
 
 class LLaDA2MoeRMSNorm(nn.Module):
@@ -198,333 +198,6 @@ def block_mask_from_bool(mask: torch.Tensor, batch: int):
         return mask[batch_idx, 0, q_idx, kv_idx]
 
     return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=mask.shape[2], KV_LEN=mask.shape[3], device=mask.device)
-
-
-class LLaDA2MoeMLP(nn.Module):
-    """SiLU-gated MLP `down(act(gate(x)) * up(x))`, no biases: the dense layers, each expert, the shared experts."""
-
-    def __init__(self, config: LLaDA2MoeConfig, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.silu = config.hidden_act in ("silu", "swish")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
-        return linear(self.down_proj, gated_activation(self.act_fn, gate, up, self.silu))
-
-
-def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, silu: bool) -> torch.Tensor:
-    """`act(gate) * up`; with `silu` (the activation is SiLU) one fused kernel where the fused kernels apply."""
-    if silu and use_fused_kernels(gate):
-        return triton_ops.silu_mul(gate, up)
-    return act_fn(gate) * up
-
-
-class LLaDA2MoeGate(nn.Module):
-    """The router: `weight` `(num_experts, hidden)` and, with `moe_router_enable_expert_bias`, the buffer
-    `expert_bias` `(num_experts,)` (updated by load balancing in training, never by gradients)."""
-
-    def __init__(self, config: LLaDA2MoeConfig):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.n_group = config.n_group
-        self.topk_group = config.topk_group
-        self.routed_scaling_factor = config.routed_scaling_factor
-        self.score_function = config.score_function
-        self.norm_topk_prob = config.norm_topk_prob
-        self.router_dtype = getattr(torch, ROUTER_DTYPES[config.router_dtype])
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
-        else:
-            self.expert_bias = None
-
-    def group_limited_topk(self, scores: torch.Tensor) -> torch.Tensor:
-        """Indices `(tokens, top_k)` of the best experts (descending), chosen within each token's `topk_group`
-        best groups; a group's score is the sum of its two best experts' scores."""
-        if self.topk_group < self.n_group:
-            tokens = scores.shape[0]
-            grouped = scores.view(tokens, self.n_group, -1)
-            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
-            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, -1)
-            scores = scores.masked_fill(~expert_mask, float("-inf"))
-        return scores.topk(self.top_k, dim=-1).indices
-
-    def router_logits(self, hidden_states: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
-        """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype. `router_input`: `hidden_states` already
-        in the router dtype (the fused path's norm writes that copy: no cast kernel), or None."""
-        if router_input is None:
-            router_input = hidden_states.to(self.router_dtype)
-        return nn.functional.linear(router_input, self.weight.to(self.router_dtype))
-
-    def fused_forward(
-        self, hidden_states: torch.Tensor, router_input: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
-        ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
-        hooks see it). `router_input`: as in `router_logits`."""
-        logits = self.router_logits(hidden_states, router_input)
-        index, weight = triton_moe.route(
-            logits,
-            self.expert_bias,
-            self.n_group,
-            self.topk_group,
-            self.top_k,
-            self.score_function,
-            self.norm_topk_prob,
-            self.routed_scaling_factor,
-        )
-        return index, weight, logits
-
-    def forward(
-        self, hidden_states: torch.Tensor, fused: bool = False, router_input: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden_states `(tokens, hidden)` -> expert indices `(tokens, top_k)`, their weights `(tokens, top_k)`
-        and the router logits `(tokens, num_experts)`, both in the router dtype (float32). `fused`: through
-        `fused_forward`. `router_input`: as in `router_logits`."""
-        if fused:
-            return self.fused_forward(hidden_states, router_input)
-        logits = self.router_logits(hidden_states, router_input)
-        if self.score_function == "sigmoid":
-            scores = torch.sigmoid(logits.float()).to(logits.dtype)
-        else:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
-        # The bias steers which experts are chosen (load balancing) but not how much they weigh.
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        topk_idx = self.group_limited_topk(choice)
-        topk_weight = scores.gather(1, topk_idx)
-        if self.top_k > 1 and self.norm_topk_prob:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_weight * self.routed_scaling_factor, logits
-
-
-def _grouped_mm_function() -> Callable | None:
-    return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-class LLaDA2MoeSparseMoeBlock(nn.Module):
-    """Routed experts (`experts.{e}`, Hub-named `nn.Linear`s, so checkpoints load unchanged), the router (`gate`)
-    and the shared experts (`shared_experts`).
-
-    The routed part sorts the (token, expert) pairs by expert and runs each expert on its contiguous rows, in one
-    of two ways that compute the same thing:
-
-    - grouped GEMM (`experts_implementation="grouped_mm"`, the default, where torch's grouped GEMM runs for the
-      device and dtype and no autograd graph is needed): two `grouped_mm` calls over stacked views of the
-      experts' weights, no host synchronisation (CUDA-graph capturable);
-    - loop (`"eager"`, and the fallback): one call per expert that received tokens, like transformers' Qwen2-MoE /
-      DeepSeek-V3 eager paths; reading the per-expert counts synchronises with the host once per layer.
-
-    The outputs are put back in (token, choice) order and combined in float32 with the routing weights, as the
-    original `moe_infer` does.
-    """
-
-    def __init__(self, config: LLaDA2MoeConfig):
-        super().__init__()
-        self.config = config
-        self.num_experts = config.num_experts
-        self.top_k = config.num_experts_per_tok
-        self.intermediate_size = config.moe_intermediate_size
-        self.experts = nn.ModuleList(
-            [LLaDA2MoeMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)]
-        )
-        self.gate = LLaDA2MoeGate(config)
-        if config.num_shared_experts:
-            self.shared_experts = LLaDA2MoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
-        else:
-            self.shared_experts = None
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.silu = config.hidden_act in ("silu", "swish")
-        # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._stack_check: list[tuple[torch.Tensor, int]] = []
-
-    def _apply(self, fn, *args, **kwargs):
-        # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old stacks with them.
-        self._stacked = None
-        return super()._apply(fn, *args, **kwargs)
-
-    @property
-    def stack_shared(self) -> bool:
-        """One shared expert has the routed experts' shape: the fused path runs it as one more group of the grouped
-        GEMMs (every token's last pair), its weights stacked after the routed experts'; not when it holds FP8
-        weights (`--quantization fp8` keeps the routed experts in bf16 and quantizes the shared one)."""
-        return (
-            self.shared_experts is not None
-            and self.config.num_shared_experts == 1
-            and not is_fp8_linear(self.shared_experts.gate_proj)
-        )
-
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`gate_up` `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and `down` `(E', H, I)`, with
-        `E' = E + 1` when the shared expert is stacked after the routed ones (`stack_shared`), else `E`.
-
-        The experts' parameters are re-pointed to views of the stacks, so they cost no memory and stay in sync
-        with in-place weight updates (`load_state_dict`, `copy_`); `save_pretrained` still stores one tensor per
-        Hub name. The stacks are rebuilt after `.to()` and friends, and when the first or last expert's modules or
-        parameters were replaced (checking every expert would cost milliseconds per layer in Python); replacing
-        other single experts' weights out of place needs `refresh_stacked_weights()`."""
-        if self._stacked is None or not self._stacks_are_current():
-            self.refresh_stacked_weights()
-        return self._stacked
-
-    def _stacked_experts(self) -> list[LLaDA2MoeMLP]:
-        return [*self.experts, self.shared_experts] if self.stack_shared else list(self.experts)
-
-    def _sampled_weights(self) -> list[torch.Tensor]:
-        sampled = [self.experts[0], self.experts[-1], *([self.shared_experts] if self.stack_shared else [])]
-        return [linear.weight for expert in sampled for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)]
-
-    def _stacks_are_current(self) -> bool:
-        # A different count means the shared expert joined or left the stacks (`stack_shared`, e.g. its layers were
-        # replaced by FP8 ones): rebuild.
-        weights = self._sampled_weights()
-        return len(weights) == len(self._stack_check) and all(
-            weight is sampled and local_tensor(weight).data_ptr() == pointer
-            for weight, (sampled, pointer) in zip(weights, self._stack_check, strict=True)
-        )
-
-    def refresh_stacked_weights(self) -> None:
-        """(Re)build the stacks of `stacked_weights` from the experts' current weights (under tensor parallelism,
-        this rank's slices: `I` is then its share of the intermediate width)."""
-
-        def local(linear: nn.Linear) -> torch.Tensor:
-            return local_tensor(linear.weight).detach()
-
-        experts = self._stacked_experts()
-        gate_up = torch.stack([torch.cat([local(expert.gate_proj), local(expert.up_proj)]) for expert in experts])
-        down = torch.stack([local(expert.down_proj) for expert in experts])
-        inter = gate_up.shape[1] // 2
-        for e, expert in enumerate(experts):
-            local_tensor(expert.gate_proj.weight).data = gate_up[e, :inter]
-            local_tensor(expert.up_proj.weight).data = gate_up[e, inter:]
-            local_tensor(expert.down_proj.weight).data = down[e]
-        self._stacked = (gate_up, down)
-        self._stack_check = [(weight, local_tensor(weight).data_ptr()) for weight in self._sampled_weights()]
-
-    def use_grouped_mm(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the routed experts run as grouped GEMMs for this input (see the class docstring)."""
-        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER or _grouped_mm_function() is None:
-            return False
-        weight = self.experts[0].gate_proj.weight
-        if torch.is_grad_enabled() and weight.requires_grad:
-            return False  # the stacks are detached views: training takes the loop, which autograd follows
-        weight = local_tensor(weight)  # this rank's slice under tensor parallelism
-        if hidden_states.dtype != weight.dtype:
-            return False
-        # grouped_mm needs 16-byte aligned row strides of both operands.
-        size = weight.element_size()
-        if (self.config.hidden_size * size) % 16 or (weight.shape[0] * size) % 16:
-            return False
-        if weight.device.type == "cuda":
-            # Grouped GEMM kernels: Hopper (sm90) with torch < 2.9, Ampere or newer from 2.9; bfloat16 kernels,
-            # float16 and float32 too from torch 2.11 (checked on an H100).
-            capability = torch.cuda.get_device_capability(weight.device)
-            minimum = (8, 0) if is_torch_greater_or_equal("2.9", accept_dev=True) else (9, 0)
-            dtype_ok = weight.dtype == torch.bfloat16 or (
-                weight.dtype in (torch.float16, torch.float32) and is_torch_greater_or_equal("2.11", accept_dev=True)
-            )
-            return capability >= minimum and dtype_ok
-        if weight.device.type == "cpu":
-            return is_torch_greater_or_equal("2.9", accept_dev=True)
-        return False
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states `(batch, len, hidden)` -> output `(batch, len, hidden)` and router logits
-        `(batch * len, num_experts)`."""
-        batch, length, hidden = hidden_states.shape
-        x = hidden_states.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate(x)
-        flat_idx = topk_idx.reshape(-1)  # (tokens * top_k,): the expert of each (token, choice) pair
-        order = flat_idx.argsort(stable=True)
-        sorted_tokens = x[order // self.top_k]
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-        counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
-        grouped = self.use_grouped_mm(x)
-        if grouped:
-            sorted_out = self._experts_grouped_mm(sorted_tokens, counts)
-        else:
-            sorted_out = self._experts_loop(sorted_tokens, counts)
-        pair_out = sorted_out.new_empty(sorted_out.shape).index_copy(0, order, sorted_out)
-        routed = pair_out.view(-1, self.top_k, hidden).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
-        out = routed.sum(dim=1)
-        if grouped:
-            # Tensor parallel: the grouped GEMMs ran this rank's slices of the experts (the loop calls the sharded
-            # modules, whose hooks already summed): one all-reduce of the partial outputs, in the router dtype.
-            out = all_reduce_partial(out, like=self.experts[0].down_proj.weight)
-        out = out.to(x.dtype).view(batch, length, hidden)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
-        return out, router_logits
-
-    def use_fused(self, hidden_states: torch.Tensor) -> bool:
-        """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
-        run, the router is float32, the activation SiLU, and the experts are not split by tensor parallelism (the
-        combine kernel adds the residual, which must come after the ranks' partial sums are reduced)."""
-        return (
-            MOE_KERNELS_AVAILABLE
-            and not is_sharded(self.experts[0].down_proj.weight)
-            and self.silu
-            and self.gate.router_dtype == torch.float32
-            and use_fused_kernels(hidden_states)
-            and self.use_grouped_mm(hidden_states)
-        )
-
-    def fused_forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor, router_input: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual + forward(hidden_states)[0]` and the router logits, through the Triton kernels of
-        `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
-        two grouped GEMMs whose groups are the routed experts and the shared expert (`stack_shared`). No host
-        synchronisation. hidden_states, residual `(batch, len, hidden)`; router_input: hidden_states in float32
-        (the router's dtype) or None (cast here)."""
-        batch, length, hidden = hidden_states.shape
-        x = hidden_states.reshape(-1, hidden)
-        if router_input is not None:
-            router_input = router_input.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate(x, fused=True, router_input=router_input)
-        stacked_shared = self.shared_experts is not None and self.stack_shared
-        sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
-        grouped_mm = _grouped_mm_function()
-        gate_up, down = self.stacked_weights()
-        projected = grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
-        gate, up = projected.chunk(2, dim=-1)
-        expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
-        residual = residual.reshape(-1, hidden)
-        if self.shared_experts is None or stacked_shared:
-            out = triton_moe.combine(expert_rows, rows, topk_weight, stacked_shared, residual)
-        else:
-            routed = triton_moe.combine(expert_rows, rows, topk_weight, False)
-            out = residual + (routed + self.shared_experts(x))
-        return out.view(batch, length, hidden), router_logits
-
-    def _experts_loop(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert on its rows of `sorted_tokens` `(pairs, hidden)` (sorted by expert, `counts` `(E,)`)."""
-        outputs = []
-        start = 0
-        for e, count in enumerate(counts.tolist()):  # one host synchronisation
-            if count:
-                outputs.append(self.experts[e](sorted_tokens[start : start + count]))
-                start += count
-        return torch.cat(outputs) if outputs else sorted_tokens.new_zeros(sorted_tokens.shape)
-
-    def _experts_grouped_mm(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """As `_experts_loop`, as two grouped GEMMs over the stacked weights (no host synchronisation)."""
-        grouped_mm = _grouped_mm_function()
-        gate_up, down = self.stacked_weights()
-        gate_up, down = gate_up[: self.num_experts], down[: self.num_experts]
-        offsets = counts.cumsum(0).to(torch.int32)
-        projected = grouped_mm(sorted_tokens, gate_up.transpose(1, 2), offs=offsets)
-        gate, up = projected.chunk(2, dim=-1)
-        return grouped_mm(
-            gated_activation(self.act_fn, gate, up, self.silu).contiguous(), down.transpose(1, 2), offs=offsets
-        )
 
 
 class LLaDA2MoeAttention(nn.Module):

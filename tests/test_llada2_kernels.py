@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import torch, hf_dllm
     from hf_dllm import kernels, triton_moe
     from hf_dllm.cache import DiffusionKVCache
-    from hf_dllm.modeling_llada2_moe import LLaDA2MoeGate
+    from hf_dllm.llada2_moe_layer import LLaDA2MoeGate
 
     torch.manual_seed(0)
     base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,

@@ -19,7 +19,7 @@ import torch
 import hf_dllm
 from hf_dllm import kernels, triton_moe
 from hf_dllm.cache import DiffusionKVCache
-from hf_dllm.modeling_llada2_moe import LLaDA2MoeGate
+from hf_dllm.llada2_moe_layer import LLaDA2MoeGate
 
 pytestmark = pytest.mark.gpu
 MINI_ROUTING = dict(num_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8, routed_scaling_factor=2.5)

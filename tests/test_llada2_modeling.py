@@ -15,7 +15,8 @@ from transformers.cache_utils import DynamicCache
 from hf_dllm.cache import DiffusionKVCache
 from hf_dllm.configuration_llada2_moe import LLaDA2MoeConfig
 from hf_dllm.generation_config import DiffusionGenerationConfig
-from hf_dllm.modeling_llada2_moe import LLaDA2MoeModelLM, LLaDA2MoeSparseMoeBlock
+from hf_dllm.llada2_moe_layer import LLaDA2MoeSparseMoeBlock
+from hf_dllm.modeling_llada2_moe import LLaDA2MoeModelLM
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llada2-tiny-ref"
 ATOL = 1e-4  # float32, as the fixture's README asks

@@ -184,6 +184,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         remote_code_files=(
             "configuration_llada2_moe.py",
             "modeling_llada2_moe.py",
+            "llada2_moe_layer.py",  # the router, the experts and the sparse MoE block
             "triton_moe.py",  # the MoE layer's fused kernels
             *SHARED_REMOTE_CODE_FILES,
         ),
