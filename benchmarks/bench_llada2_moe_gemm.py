@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from bench_llada2_kernels import graph_us  # the same timing as the kernel benchmark
 
 TILES = [(64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 256, 64, 8, 3)]
 
@@ -68,31 +68,6 @@ def triton_grouped_gemm(a, w, tile_expert, tile_row, group_end, tiles):
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
-
-
-def graph_us(fn, calls: int = 10, replays: int = 10) -> float:
-    """Median microseconds per call of `fn()` replayed from a CUDA graph of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def copy_bandwidth(gib: int = 1) -> float:
@@ -139,11 +114,13 @@ def shape_rows(tokens: int, bandwidth: float) -> list[dict]:
         reference = torch._grouped_mm(a, w.transpose(1, 2), offs=offsets)
         floor_us = 1e6 * int((counts > 0).sum()) * n * k * 2 / bandwidth
         row = dict(tokens=tokens, gemm=name, rows=flat.shape[0], floor_us=floor_us)
-        row["grouped_mm_us"] = graph_us(lambda a=a, w=w: torch._grouped_mm(a, w.transpose(1, 2), offs=offsets))
+        row["grouped_mm_us"] = graph_us(
+            lambda a=a, w=w: torch._grouped_mm(a, w.transpose(1, 2), offs=offsets), calls=10
+        )
         for multiple in (16, 64):
             a_pad, offsets_pad = padded(a, counts, multiple)
             row[f"grouped_mm_padded{multiple}_us"] = graph_us(
-                lambda a=a_pad, w=w, o=offsets_pad: torch._grouped_mm(a, w.transpose(1, 2), offs=o)
+                lambda a=a_pad, w=w, o=offsets_pad: torch._grouped_mm(a, w.transpose(1, 2), offs=o), calls=10
             )
         for tiles in TILES:
             name_t = "triton_" + "x".join(map(str, tiles)) + "_us"
@@ -151,7 +128,7 @@ def shape_rows(tokens: int, bandwidth: float) -> list[dict]:
             fn = functools.partial(triton_grouped_gemm, a, w, tile_expert, tile_row, offsets, tiles)
             try:
                 error = (fn().float() - reference.float()).abs().max().item()
-                row[name_t] = graph_us(fn)
+                row[name_t] = graph_us(fn, calls=10)
                 row[name_t.replace("_us", "_max_diff")] = error
             except Exception as failure:  # a tile choice that does not fit (shared memory): recorded, skipped
                 row[name_t] = f"failed: {type(failure).__name__}"

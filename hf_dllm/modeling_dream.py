@@ -57,7 +57,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, use_fused_kernels
-from .tensor_parallel import local_shape
+from .tensor_parallel import LocalHeadCounts
 
 register_attention_backends()
 
@@ -163,7 +163,7 @@ def eager_attention_forward(
     return output, weights
 
 
-class DreamAttention(ConcatenatedProjections):
+class DreamAttention(LocalHeadCounts, ConcatenatedProjections):
     """Bidirectional multi-head attention with Qwen2's projections (q/k/v with bias, o without).
 
     It is the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`, `layer_idx`
@@ -183,20 +183,6 @@ class DreamAttention(ConcatenatedProjections):
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
-
-    # Head counts read from the weights: this rank's share under tensor parallelism (`DreamConfig.base_model_tp_plan`,
-    # tensor_parallel.py), all heads otherwise.
-    @property
-    def num_heads(self) -> int:
-        return local_shape(self.q_proj.weight)[0] // self.head_dim
-
-    @property
-    def num_kv_heads(self) -> int:
-        return local_shape(self.k_proj.weight)[0] // self.head_dim
-
-    @property
-    def num_key_value_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def forward(
         self,

@@ -34,7 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
-from .tensor_parallel import is_sharded, local_shape
+from .tensor_parallel import LocalHeadCounts, is_sharded
 
 register_attention_backends()
 
@@ -173,7 +173,7 @@ def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
 
 
-class LLaDALlamaBlock(ConcatenatedProjections):
+class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
     """One LLaDA block: `x + Attn(norm(x))`, then `x + W_out(act(W_gate norm(x)) * W_up norm(x))`.
 
     It is also the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`,
@@ -202,20 +202,6 @@ class LLaDALlamaBlock(ConcatenatedProjections):
         self.ff_out = nn.Linear(config.intermediate_size, config.d_model, bias=config.include_bias)
         self.act = _ACTIVATIONS[config.activation_type]
         self.dropout = nn.Dropout(config.residual_dropout)
-
-    # Head counts read from the weights: this rank's share under tensor parallelism (tensor_parallel.py), all heads
-    # otherwise.
-    @property
-    def num_heads(self) -> int:
-        return local_shape(self.q_proj.weight)[0] // self.head_dim
-
-    @property
-    def num_kv_heads(self) -> int:
-        return local_shape(self.k_proj.weight)[0] // self.head_dim
-
-    @property
-    def num_key_value_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def forward(
         self,

@@ -13,6 +13,7 @@ holds the few things the models add on top, because they multiply weights withou
 - `agree_across_ranks`: every rank takes the first rank's copy of a denoising step's outputs, so ranks cannot
   diverge (sampling with per-rank random states, or collectives that are not bitwise identical on every rank).
 - `tensor_parallel_group`: the model's tensor-parallel process group (None when it is not sharded).
+- `LocalHeadCounts`: an attention layer's head counts read from its q/k weights (this rank's heads when sharded).
 
 Every function is a no-op on models that are not sharded. This file is exported as Hub remote code.
 """
@@ -105,7 +106,25 @@ def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
     return tuple(synced)
 
 
+class LocalHeadCounts:
+    """Head counts of an attention layer with `q_proj` / `k_proj` projections and `head_dim`, read from the weights'
+    shapes: this rank's share under tensor parallelism (column-wise q/k/v), all heads otherwise."""
+
+    @property
+    def num_heads(self) -> int:
+        return local_shape(self.q_proj.weight)[0] // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return local_shape(self.k_proj.weight)[0] // self.head_dim
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
 __all__ = [
+    "LocalHeadCounts",
     "agree_across_ranks",
     "all_reduce_partial",
     "is_sharded",

@@ -24,6 +24,16 @@ def decode(model, prompts, arrivals, settings):
     return [req.on_block.tokens for req in requests], [req.nfe for req in requests], engine
 
 
+def assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype):
+    """The CUDA-graph engine's tokens and forwards equal the eager engine's; in float32, `generate()` alone's."""
+    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
+    assert graphs == eager and graph_nfe == eager_nfe
+    if dtype == torch.float32:
+        for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
+            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
+            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "settings",
@@ -43,12 +53,7 @@ def test_graph_engine_equals_eager_engine_and_generate(dtype, settings):
     assert model._hf_dllm_step_graphs.steps, "the engine captured no CUDA graph"
     counts = engine.graph_counts()
     assert counts["captured"] > 0 and counts["replayed"] > 0, counts
-    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
-    assert graphs == eager and graph_nfe == eager_nfe
-    if dtype == torch.float32:
-        for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
-            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
-            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])
+    assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype)
 
 
 def test_graph_memory_does_not_grow_under_changing_layouts():
@@ -84,9 +89,4 @@ def test_block_causal_graph_engine_equals_eager_engine_and_generate(dtype):
     if capturable:
         counts = engine.graph_counts()
         assert counts["captured"] > 0 and counts["replayed"] > 0, counts
-    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
-    assert graphs == eager and graph_nfe == eager_nfe
-    if dtype == torch.float32:
-        for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
-            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
-            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])
+    assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype)
