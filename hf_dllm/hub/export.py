@@ -57,6 +57,8 @@ from ..cli.loading import QUANTIZATION_CHOICES
 # kernels, reached from the model files through relative imports.
 SHARED_REMOTE_CODE_FILES = (
     "generation_utils.py",
+    "block_loop.py",
+    "block_plan.py",
     "generation_config.py",
     "decoding.py",
     "cache.py",
