@@ -30,14 +30,7 @@ import os
 import torch
 from torch import nn
 
-from .triton_ops import TRITON_AVAILABLE, on_tensor_device
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the PyTorch path is used
-    triton = None
-    tl = None
+from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max

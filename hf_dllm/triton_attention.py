@@ -22,18 +22,7 @@ import math
 
 import torch
 
-from .triton_ops import on_tensor_device
-
-try:
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:
-    triton = None
-    tl = None
-    TRITON_AVAILABLE = False
-
+from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
 

@@ -28,18 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ops import on_tensor_device
-
-try:
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # CPU-only installs: the PyTorch path is used
-    triton = None
-    tl = None
-    TRITON_AVAILABLE = False
-
+from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
 

@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+# The one place Triton is imported: the other kernel files (`triton_attention.py`, `triton_moe.py`, `fp8.py`) take
+# `triton`, `tl` and `TRITON_AVAILABLE` from here.
 try:
     import triton
     import triton.language as tl
