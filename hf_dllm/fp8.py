@@ -69,18 +69,21 @@ def dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size,
 
 
 def quantize_blocks(weight: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight (N, K)` -> FP8 `(N, K)` and `weight_scale_inv (ceil(N / bn), ceil(K / bk))` float32, each block scaled
-    so that its largest magnitude maps to the FP8 maximum: the layout of transformers' `Fp8Quantize`. Used by tests
-    and benchmarks to build inputs; models are quantized by transformers."""
+    """`weight (N, K)` -> FP8 `(N, K)` and `weight_scale_inv (ceil(N / bn), ceil(K / bk))` float32, with the
+    arithmetic of transformers' `Fp8Quantize` (the op that quantizes at load time): per block, scale = FP8 max /
+    max-abs in float32 (1 for an all-zero block), the weight multiplied by it, its inverse stored. A partial last
+    block is scaled by its own values (transformers leaves such weights unquantized). Used by `hf-dllm export
+    --quantization fp8` (`hub/quantize.py`), tests and benchmarks; models are quantized by transformers."""
     block_n, block_k = block_size
     rows, cols = weight.shape
     pad_rows, pad_cols = -rows % block_n, -cols % block_k
-    padded = nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))
+    padded = nn.functional.pad(weight.to(torch.float32), (0, pad_cols, 0, pad_rows))
     blocks = padded.unflatten(0, (-1, block_n)).unflatten(-1, (-1, block_k))  # (Nb, bn, Kb, bk)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # (Nb, Kb)
-    scale_inv = amax / FP8_MAX
-    quantized = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale_inv
+    max_abs = blocks.abs().amax(dim=(1, 3))  # (Nb, Kb)
+    scale = FP8_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    scale = torch.where(max_abs > 0, scale, torch.ones_like(scale))
+    quantized = torch.clamp(blocks * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), (1.0 / scale).to(torch.float32)
 
 
 def fp8_linear(

@@ -12,7 +12,7 @@ FP8 checkpoints (e.g. the DeepSeek-V3 family) use, which `from_pretrained` loads
 Which weights: exactly those transformers' own FP8 quantizer converts, asked on the family's model built on the
 meta device (`fp8_weight_names`), so an exported checkpoint and an on-the-fly quantized load hold the same FP8
 layers. How: `quantize_fp8_blocks` repeats the arithmetic of transformers' `Fp8Quantize` (the op that quantizes at
-load time) step for step, so the stored values are the ones an on-the-fly load computes (tested bit for bit against
+load time) step for step (`fp8.quantize_blocks`), so the stored values are the ones an on-the-fly load computes (tested bit for bit against
 it, and on a GPU against a quantized load). Everything runs on the CPU, one weight file at a time: a GPU is needed to
 *run* FP8 weights (transformers dequantizes them to bf16 when it loads them on a CPU), not to export them.
 """
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from ..fp8 import FP8_DTYPE, FP8_MODULES_TO_NOT_CONVERT, quantize_blocks
+
 # transformers' FineGrainedFP8Config default block; the only one hf_dllm's FP8 kernels are tested with.
 FP8_BLOCK = (128, 128)
-FP8_DTYPE = torch.float8_e4m3fn
 
 
 class QuantizationError(ValueError):
@@ -36,8 +37,6 @@ class QuantizationError(ValueError):
 def fp8_quantization_config(model_type: str):
     """The `FineGrainedFP8Config` of `model_type` (the one `--quantization fp8` loads with)."""
     from transformers import FineGrainedFP8Config
-
-    from ..fp8 import FP8_MODULES_TO_NOT_CONVERT
 
     return FineGrainedFP8Config(
         modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type), weight_block_size=list(FP8_BLOCK)
@@ -64,22 +63,13 @@ def fp8_weight_names(model_class, config, quantization_config) -> list[str]:
 
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight (N, K)` -> `float8_e4m3fn (N, K)` and `weight_scale_inv (N / bn, K / bk)` float32, as transformers'
-    `Fp8Quantize` computes them (scale = FP8 max / block max-abs, in float32; its inverse stored; all-zero blocks
-    keep scale 1). N and K must be multiples of the block (QuantizationError otherwise: the caller names the tensor).
-    """
+    """`weight (N, K)` -> `float8_e4m3fn (N, K)` and `weight_scale_inv (N / bn, K / bk)` float32: `fp8.quantize_blocks`
+    (transformers' `Fp8Quantize` arithmetic) on whole blocks only. N and K must be multiples of the block
+    (QuantizationError otherwise: the caller names the tensor)."""
     block_m, block_n = block
-    rows, cols = weight.shape
-    if rows % block_m or cols % block_n:
+    if weight.shape[0] % block_m or weight.shape[1] % block_n:
         raise QuantizationError(f"shape {list(weight.shape)} is not a multiple of the {block_m}x{block_n} FP8 block")
-    fp8_max, fp8_min = torch.finfo(FP8_DTYPE).max, torch.finfo(FP8_DTYPE).min
-    tiles = weight.to(torch.float32).reshape(rows // block_m, block_m, cols // block_n, block_n)
-    max_abs = tiles.abs().amax(dim=(-3, -1))
-    scales = fp8_max / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
-    scales = torch.where(max_abs > 0, scales, torch.ones_like(scales))
-    scale_inv = (1.0 / scales).to(torch.float32)
-    quantized = torch.clamp(tiles * scales.unsqueeze(-1).unsqueeze(-3), min=fp8_min, max=fp8_max).to(FP8_DTYPE)
-    return quantized.reshape(rows, cols), scale_inv
+    return quantize_blocks(weight, block)
 
 
 def scale_name(weight_name: str) -> str:
