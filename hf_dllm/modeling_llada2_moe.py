@@ -302,13 +302,7 @@ class LLaDA2MoeAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
 
-        if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
-            # attention.py's split-KV kernel reads a key padding mask `(B, 1, 1, T)` only (row 0 of any other
-            # mask): a block-causal mask with a query dimension runs on sdpa, as that backend does everywhere else.
-            attention_interface = sdpa_attention_forward
-        else:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        attn, _ = attention_interface(
+        attn, _ = attention_function(implementation, attention_mask)(
             self,
             query,
             key,
@@ -384,10 +378,7 @@ class LLaDA2MoeAttention(nn.Module):
             # reshape, not view: sdpa may return a non-contiguous layout (CUDA float32 memory-efficient attention).
             attn = attn.reshape(batch, self.num_heads, q_len, self.head_dim).transpose(1, 2)
         else:
-            if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
-                attention_interface = sdpa_attention_forward
-            else:
-                attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            attention_interface = attention_function(implementation, attention_mask)
             attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
         return linear(self.dense, attn.reshape(batch, q_len, -1))
 
@@ -407,6 +398,15 @@ class LLaDA2MoeAttention(nn.Module):
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and (not weight.is_cuda or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(weight.device))
         )
+
+
+def attention_function(implementation: str, attention_mask) -> Callable:
+    """The attention function of `implementation` for this mask. attention.py's split-KV kernel reads a key padding
+    mask `(B, 1, 1, T)` only (row 0 of any other mask): with `llada_triton`, a block-causal mask with a query
+    dimension runs on sdpa, as that backend does everywhere else."""
+    if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
+        return sdpa_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
 
 def uses_grouped_query_sdpa(implementation: str, attention_mask) -> bool:

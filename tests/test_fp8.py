@@ -70,8 +70,8 @@ def quantized_model(config, device: str, monkeypatch=None):
     return model, quantized
 
 
-def dequantized_copy(quantized, config, device: str):
-    """A bf16 LLaDA whose weights are the quantized model's, dequantized."""
+def dequantized_state(quantized) -> dict[str, torch.Tensor]:
+    """The quantized model's state dict with every FP8 weight dequantized to bf16 and the block scales dropped."""
     state = quantized.state_dict()
     plain = {}
     for name, tensor in state.items():
@@ -81,9 +81,14 @@ def dequantized_copy(quantized, config, device: str):
             scale = state[name.removesuffix("weight") + "weight_scale_inv"]
             tensor = fp8.dequantize(tensor, scale, BLOCK, torch.bfloat16)
         plain[name] = tensor
+    return plain
+
+
+def dequantized_copy(quantized, config, device: str):
+    """A bf16 LLaDA whose weights are the quantized model's, dequantized."""
     with torch.device(device):
         copy = hf_dllm.LLaDAModelLM._from_config(config, dtype=torch.bfloat16).eval()
-    copy.load_state_dict(plain)
+    copy.load_state_dict(dequantized_state(quantized))
     return copy
 
 
@@ -356,18 +361,8 @@ def test_llada2_quantized_matches_dequantized_weights(monkeypatch):
     assert moe.shared_experts.up_proj.weight.dtype == fp8.FP8_DTYPE
     assert quantized.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8_DTYPE
     assert quantized.model.layers[0].attention.query_key_value.weight.dtype == fp8.FP8_DTYPE
-    state = quantized.state_dict()
-    plain = {}
-    for name, tensor in state.items():
-        if name.endswith("weight_scale_inv"):
-            continue
-        if tensor.dtype == fp8.FP8_DTYPE:
-            tensor = fp8.dequantize(
-                tensor, state[name.removesuffix("weight") + "weight_scale_inv"], BLOCK, torch.bfloat16
-            )
-        plain[name] = tensor
     reference = LLaDA2MoeModelLM._from_config(config, dtype=torch.bfloat16).eval()
-    reference.load_state_dict(plain, strict=False)
+    reference.load_state_dict(dequantized_state(quantized), strict=False)
     ids = torch.randint(2, 59, (2, 16))
     with torch.no_grad():
         logits = quantized(ids, block_length=4).logits.float()
