@@ -322,14 +322,15 @@ class BlockDiffusionRun:
             return tensor
         return torch.cat([tensor, tensor], dim=0)
 
-    def _attention_mask(self, q_len: int, kv_len: int):
-        """The key padding mask of the first `kv_len` columns, prepared once per shape in the model's format."""
-        rows = self.x.shape[0]
+    def _attention_mask(self, q_len: int, kv_len: int, rows: int | None = None):
+        """The key padding mask of the first `rows` rows (default all) and `kv_len` columns, prepared once per shape
+        in the model's format."""
+        rows = self.x.shape[0] if rows is None else rows
         if self.key_mask is None:
             return None
         if (rows, q_len, kv_len) not in self.attention_masks:
             self.attention_masks[(rows, q_len, kv_len)] = self.model._diffusion_attention_mask(
-                self._model_rows(self.key_mask[:, :kv_len]), q_len
+                self._model_rows(self.key_mask[:rows, :kv_len]), q_len
             )
         return self.attention_masks[(rows, q_len, kv_len)]
 
@@ -400,24 +401,32 @@ class BlockDiffusionRun:
         return new_block, edited
 
     def _step_inputs(
-        self, block_start: int, block_end: int, step: int, active: torch.Tensor | None, generated: torch.Tensor | None
+        self,
+        block_start: int,
+        block_end: int,
+        step: int,
+        active: torch.Tensor | None,
+        generated: torch.Tensor | None,
+        rows: int | None = None,
     ) -> tuple[dict, tuple]:
-        """The inputs of `step` for step `step` of the block (the positions the cache policy asks for), and the key
-        of its CUDA graph (what fixes every input's shape)."""
+        """The inputs of `step` for step `step` of the block (the positions the cache policy asks for) of the first
+        `rows` rows (default all; `active` and `generated` are every row's), and the key of its CUDA graph (what
+        fixes every input's shape)."""
         q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=step == 0)
         q_start = min(q_start, block_start - self.shift)
-        rows, device = self.x.shape[0], self.device
+        device = self.device
+        rows = self.x.shape[0] if rows is None else rows
         kv_len = self.seq_len if self.cache is not None else q_end
         inputs = dict(
-            tokens=self.x[:, q_start:q_end],
-            position_ids=self.position_ids[:, q_start:q_end],
+            tokens=self.x[:rows, q_start:q_end],
+            position_ids=self.position_ids[:rows, q_start:q_end],
             cache_position=torch.arange(q_start, q_end, device=device),
             logits_index=torch.arange(block_start - self.shift, block_end - self.shift, device=device) - q_start,
             block_index=torch.arange(block_start, block_end, device=device) - q_start,
-            scheduled=self.unmasking.scheduled_counts(step, rows, device),
-            active=active,
-            generated=generated,
-            attention_mask=self._attention_mask(q_end - q_start, kv_len),
+            scheduled=self.unmasking.scheduled_counts(step, self.x.shape[0], device)[:rows],
+            active=None if active is None else active[:rows],
+            generated=None if generated is None else generated[:rows],
+            attention_mask=self._attention_mask(q_end - q_start, kv_len, rows),
         )
         # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None. Where the
         # block lies is not: every column index is an input tensor, so one graph serves every block's step of one

@@ -270,29 +270,6 @@ class LayoutRun(BlockDiffusionRun):
         )
         return inputs, ("compact", n, width, block_end - block_start, attention_mask is not None)
 
-    def _continuing_inputs(self, block_start, block_end, active, generated, rows: int):
-        """The first step's inputs of the layout's first `rows` rows (`StoredBlockCache`: the previous block and
-        the block, at the aligned columns), and the key of its CUDA graph (`BlockDiffusionRun._step_inputs`')."""
-        q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
-        device, q_len = self.device, q_end - q_start
-        mask_key = ("continuing", rows, q_len, self.seq_len)
-        if mask_key not in self.attention_masks:
-            self.attention_masks[mask_key] = self.model._diffusion_attention_mask(self.key_mask[:rows], q_len)
-        attention_mask = self.attention_masks[mask_key]
-        inputs = dict(
-            tokens=self.x[:rows, q_start:q_end],
-            position_ids=self.position_ids[:rows, q_start:q_end],
-            cache_position=torch.arange(q_start, q_end, device=device),
-            logits_index=torch.arange(block_start - self.shift, block_end - self.shift, device=device) - q_start,
-            block_index=torch.arange(block_start, block_end, device=device) - q_start,
-            scheduled=self.unmasking.scheduled_counts(0, self.x.shape[0], device)[:rows],
-            active=None if active is None else active[:rows],
-            generated=None if generated is None else generated[:rows],
-            attention_mask=attention_mask,
-        )
-        key = (rows, q_start - block_start, q_len, block_end - block_start, self.seq_len, attention_mask is not None)
-        return inputs, key
-
     def _forward(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`step(**inputs)`, through the CUDA graph of `key` when the run has graphs."""
         self.first_step_positions += inputs["tokens"].numel()
@@ -338,7 +315,8 @@ class LayoutRun(BlockDiffusionRun):
         self.cache.set_length(self.seq_len)
         self.store.load(self.cache, self.slots, self.shifts, block_start)
         if continuing:
-            inputs, key = self._continuing_inputs(block_start, block_end, active, generated, continuing)
+            # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
+            inputs, key = BlockDiffusionRun._step_inputs(self, block_start, block_end, 0, active, generated, continuing)
             new_block[:continuing], _, edited[:continuing] = self._forward(inputs, key)
             self.nfe += 1
             previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
