@@ -48,6 +48,14 @@ WEIGHT_ONLY_MAX_ROWS = 64
 FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts"]}
 
 
+def fp8_quantization_config(model_type: str):
+    """transformers' `FineGrainedFP8Config` for a model of `model_type` (its defaults, with the modules of
+    `FP8_MODULES_TO_NOT_CONVERT` kept): what `--quantization fp8` loads with and `hf-dllm export` writes."""
+    from transformers import FineGrainedFP8Config
+
+    return FineGrainedFP8Config(modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type))
+
+
 def is_fp8_linear(layer: nn.Module) -> bool:
     """Whether `layer` holds FP8 weights with block scales (transformers' `FP8Linear` after loading)."""
     weight = getattr(layer, "weight", None)

@@ -187,8 +187,6 @@ def load_model(
         )
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if quantization == "fp8":
-        from transformers import FineGrainedFP8Config
-
         if device_map is None and resolve_device(device).type != "cuda":
             raise ValueError(
                 "--quantization fp8 needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
@@ -196,14 +194,12 @@ def load_model(
             )
         from transformers import AutoConfig
 
-        from hf_dllm.fp8 import FP8_MODULES_TO_NOT_CONVERT
+        from hf_dllm.fp8 import fp8_quantization_config
 
         model_type = AutoConfig.from_pretrained(
             path, trust_remote_code=trust_remote_code, **({"revision": revision} if revision else {})
         ).model_type
-        kwargs["quantization_config"] = FineGrainedFP8Config(
-            modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type)
-        )
+        kwargs["quantization_config"] = fp8_quantization_config(model_type)
     if revision is not None:
         kwargs["revision"] = revision
     if attn_implementation is not None:

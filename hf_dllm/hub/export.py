@@ -1420,7 +1420,8 @@ def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] |
         raise ExportError(f"SRC is already quantized (quant_method {method!r}); export it without --quantization.")
     if link:
         raise ExportError("--link cannot be combined with --quantization fp8: the quantized weights are new files.")
-    from .quantize import fp8_quantization_config, fp8_weight_names
+    from ..fp8 import fp8_quantization_config
+    from .quantize import fp8_weight_names
 
     config_class, model_class = model_family(config["model_type"]).classes()
     quantization_config = fp8_quantization_config(config["model_type"])

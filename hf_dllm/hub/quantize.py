@@ -24,23 +24,15 @@ from pathlib import Path
 
 import torch
 
-from ..fp8 import FP8_DTYPE, FP8_MODULES_TO_NOT_CONVERT, quantize_blocks
+from ..fp8 import FP8_DTYPE, fp8_quantization_config, quantize_blocks
 
-# transformers' FineGrainedFP8Config default block; the only one hf_dllm's FP8 kernels are tested with.
-FP8_BLOCK = (128, 128)
+# transformers' FineGrainedFP8Config default block (read from it, not written again); the one hf_dllm's FP8 kernels
+# are tested with.
+FP8_BLOCK = tuple(fp8_quantization_config("").weight_block_size)
 
 
 class QuantizationError(ValueError):
     """A checkpoint that cannot be exported quantized (the message names the tensor or setting)."""
-
-
-def fp8_quantization_config(model_type: str):
-    """The `FineGrainedFP8Config` of `model_type` (the one `--quantization fp8` loads with)."""
-    from transformers import FineGrainedFP8Config
-
-    return FineGrainedFP8Config(
-        modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type), weight_block_size=list(FP8_BLOCK)
-    )
 
 
 def fp8_weight_names(model_class, config, quantization_config) -> list[str]:
