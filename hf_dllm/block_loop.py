@@ -282,9 +282,16 @@ class BlockDiffusionRun:
             or self.cfg
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
             or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
-            or not self.model._diffusion_step_capturable()
+            or not self._step_capturable()
             or self.unmasking.graph_key() is None  # a policy that does not say its step is capturable
         )
+
+    def _step_capturable(self) -> bool:
+        """The model's `_diffusion_step_capturable()`, asked in the mode the steps run in (without autograd): a model
+        may choose its kernels by it (LLaDA2's grouped expert GEMMs are off while autograd records), and a run may be
+        set up by a caller that has autograd on (the serving engine's scheduler thread)."""
+        with torch.no_grad():
+            return self.model._diffusion_step_capturable()
 
     def _graph_signature(self) -> tuple:
         """What every captured step of this run shares (shapes that vary per step are in `run_step`'s key)."""

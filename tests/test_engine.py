@@ -18,7 +18,7 @@ import torch
 from conftest import FIXTURES, tiny_model
 
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
-from hf_dllm.serving.engine import BlockUpdate, ContinuousBatcher, EngineRequest
+from hf_dllm.serving.engine import BlockUpdate, ContinuousBatcher, EngineRequest, LayoutRun
 
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"
 
@@ -490,3 +490,22 @@ def test_cache_shift_rows_moves_each_row_by_its_shift():
     assert torch.equal(cache.keys[0][0, :, :5], keys[0, :, :5])
     assert torch.equal(cache.keys[0][1, :, 3:8], keys[1, :, :5])
     assert torch.equal(cache.values[0][1, :, 3:8], -keys[1, :, :5])
+
+
+def test_step_capturability_is_asked_without_autograd():
+    """A run asks the model whether its steps can be captured in the mode they run in (no autograd), whatever the
+    caller's mode: LLaDA2's grouped expert GEMMs (what makes its steps capturable) are off while autograd records,
+    and the engine's scheduler sets its runs up with autograd on (the server then ran every LLaDA2 step eagerly)."""
+    from test_llada2_integration import tiny_llada2
+
+    model = tiny_llada2(seed=0).to(torch.bfloat16)  # LLaDA2 captures its steps in bfloat16
+    with torch.no_grad():
+        if not model.model.layers[1].mlp.use_grouped_mm(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)):
+            pytest.skip("torch has no grouped GEMM on this CPU")
+    config = model.resolve_generation_config(max_new_tokens=8, block_length=4)
+    with torch.enable_grad():
+        assert not model._diffusion_step_capturable()  # asked under autograd, as the engine's thread would
+        run = LayoutRun(
+            model, config, max_rows=2, max_width=32, device=torch.device("cpu"), shared_cache=lambda r: None
+        )
+        assert run._step_capturable()

@@ -515,11 +515,9 @@ class ContinuousBatcher:
         self.last_layout_sizes = []
         for rows in self._cohorts():
             try:
-                # The run is made without autograd too: whether a step is capturable asks the model in the mode the
-                # steps run in (LLaDA2's grouped expert GEMMs, hence its CUDA graphs, are off while autograd records).
+                run = self._run_for(rows[0])
+                before, positions = run.nfe, run.first_step_positions
                 with torch.no_grad():
-                    run = self._run_for(rows[0])
-                    before, positions = run.nfe, run.first_step_positions
                     updates = run.decode_block(rows, self.layout_width(rows), self.compact_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
                 for row in rows:
