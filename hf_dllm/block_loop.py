@@ -381,6 +381,18 @@ class BlockDiffusionRun:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
         block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
+        return self.decide(block, logits, scheduled, generated, active)
+
+    def decide(
+        self,
+        block: torch.Tensor,
+        logits: torch.Tensor,
+        scheduled: torch.Tensor,
+        generated: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)`, the rest as
+        in `step`; returns what `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
         return agree_across_ranks(self.model, denoise_step(block, logits, self.rules, scheduled, generated, active))
 

@@ -99,24 +99,6 @@ class DiffusionKVCache:
                 if buffer is not None:
                     buffer[: index.numel()].copy_(buffer.index_select(0, index.to(buffer.device)))
 
-    def shift_rows(self, shifts: torch.Tensor, length: int) -> None:
-        """Move each row's K/V right by `shifts` `(rows,)` columns: column j of row r becomes old column
-        `j - shifts[r]`, for the first `length` columns (what lies before the shift is left unspecified: padding
-        the attention masks). The continuous-batching engine computes a block's refresh with every row at its own
-        columns (no padding before it) and then aligns the rows' current blocks for the block's later steps."""
-        rows = shifts.numel()
-        for buffers in (self.keys, self.values):
-            for buffer in buffers:
-                if buffer is None:
-                    continue
-                source = buffer[:rows, :, : self.length]
-                index = (torch.arange(length, device=buffer.device) - shifts.to(buffer.device).unsqueeze(-1)).clamp(
-                    0, self.length - 1
-                )
-                moved = source.gather(2, index[:, None, :, None].expand(rows, buffer.shape[1], length, buffer.shape[3]))
-                buffer[:rows, :, :length].copy_(moved)
-        self.length = length
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """transformers' Cache interface: positions held (the whole sequence once the layer was written)."""
         return self.length if self.keys[layer_idx] is not None else 0

@@ -92,6 +92,9 @@ class DiffusionGenerationMixin:
       attends to itself and earlier blocks (LLaDA2): blocks are then aligned to absolute positions, the KV cache
       is exact, and `steps` combines with `threshold` (see `plan_block_causal`, `ExactBlockCache`,
       `ScheduledThreshold`);
+    - `diffusion_packed_rows`: whether the forward takes a `packed.PackedRows` as its `attention_mask` and
+      `past_key_values` (rows of different lengths end to end in one row; default False): the continuous-batching
+      engine then computes a block's full forward without padding;
     - `diffusion_sampler_fields`: the generation fields of the family's own sampler the model uses (Dream's `alg`,
       `alg_temp`, `top_p`, `top_k`, `eps`; default none), with `_diffusion_unmasking_policy(config)` returning
       the family's rule;
@@ -111,6 +114,8 @@ class DiffusionGenerationMixin:
     # True for block-causal models (LLaDA2): blocks aligned to absolute positions, an exact KV cache, and the
     # forward takes `block_length` (see `BlockDiffusionRun`).
     diffusion_block_causal = False
+    # True where the attention layers run `packed.PackedRows` (padding-free forwards of several rows).
+    diffusion_packed_rows = False
     # Generation fields of a family's own sampler that the model uses (Dream: `alg`, `top_k`, ...); the others'
     # are refused by `validate()`, where the config's rules would silently ignore them.
     diffusion_sampler_fields: tuple[str, ...] = ()

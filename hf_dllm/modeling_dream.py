@@ -57,6 +57,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, use_fused_kernels
+from .packed import PackedRows
 from .tensor_parallel import LocalHeadCounts
 
 register_attention_backends()
@@ -236,16 +237,18 @@ class DreamAttention(LocalHeadCounts, ConcatenatedProjections):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn, _ = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        if isinstance(attention_mask, PackedRows):  # each packed row attends to itself, with no mask
+            attn = attention_mask.attend(
+                lambda q, k, v: attention_interface(self, q, k, v, None, dropout=dropout, scaling=self.scaling)[0],
+                query,
+                key,
+                value,
+            )
+        else:
+            attn, _ = attention_interface(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
         return self.o_proj(attn.reshape(batch, q_len, -1))
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -428,6 +431,8 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
     generation_config_class = DiffusionGenerationConfig
     # Interface of DiffusionGenerationMixin: Dream predicts position i + 1 from position i (LLaDA predicts i).
     diffusion_logits_shift = 1
+    # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
+    diffusion_packed_rows = True
     diffusion_sampler_fields = DREAM_FIELDS
     diffusion_original_generation_fields = {"output_history": False, "num_return_sequences": 1}
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -34,6 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
+from .packed import PackedRows
 from .tensor_parallel import LocalHeadCounts, is_sharded
 
 register_attention_backends()
@@ -244,16 +245,18 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn, _ = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        dropout = self.attention_dropout if self.training else 0.0
+        if isinstance(attention_mask, PackedRows):  # each packed row attends to itself, with no mask
+            attn = attention_mask.attend(
+                lambda q, k, v: attention_interface(self, q, k, v, None, dropout=dropout, scaling=self.scaling)[0],
+                query,
+                key,
+                value,
+            )
+        else:
+            attn, _ = attention_interface(
+                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+            )
         x, hidden_states = self.ff_norm.add_and_norm(
             self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1))), hidden_states
         )
@@ -272,7 +275,7 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             and not torch.is_grad_enabled()
             and not self.training
             and not kwargs
-            and (past_key_values is None or isinstance(past_key_values, DiffusionKVCache))
+            and (past_key_values is None or isinstance(past_key_values, (DiffusionKVCache, PackedRows)))
         ):
             return False
         config = self.config
@@ -334,12 +337,20 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         if keep is not None:
             query = _select_rows(query, keep)
             residual = _select_rows(hidden_states, keep).reshape(-1, d_model)
-            if attention_mask is not None and attention_mask.shape[-2] > 1:
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-2] > 1:
                 attention_mask = _select_rows(attention_mask, keep, dim=2)
             q_len = query.shape[1]
-        attn = nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=self.scaling
-        ).transpose(1, 2)
+        if isinstance(attention_mask, PackedRows):
+            attn = attention_mask.attend(
+                lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scaling).transpose(1, 2),
+                query.transpose(1, 2),
+                key,
+                value,
+            )
+        else:
+            attn = nn.functional.scaled_dot_product_attention(
+                query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=self.scaling
+            ).transpose(1, 2)
         attn = attn.reshape(batch * q_len, d_model)
         weight, bias = attn_out["weight"], attn_out.get("bias")
         residual = residual + (torch.mm(attn, weight.t()) if bias is None else torch.addmm(bias, attn, weight.t()))
@@ -556,6 +567,8 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
     generation_config_class = DiffusionGenerationConfig
     # Interface of DiffusionGenerationMixin: LLaDA predicts position i from position i (Dream predicts i + 1).
     diffusion_logits_shift = 0
+    # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
+    diffusion_packed_rows = True
 
     def __init__(self, config: LLaDAConfig):
         super().__init__(config)

@@ -104,6 +104,30 @@ def test_llada_rows_equal_generate_alone_under_random_arrivals(trained, setting,
     assert max(engine.last_layout_sizes, default=0) <= 4
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["dual-cache", "no-cache"])
+def test_full_forwards_run_packed_without_padding(trained, use_cache):
+    """A block's forward over whole canvases (the dual cache's refresh; every step without a cache) runs on the
+    rows packed end to end: it computes exactly the rows' canvases, however their lengths and blocks differ (the
+    aligned layout would compute both rows at the longer one's columns and its misalignment), and stays exact."""
+    settings = dict(max_new_tokens=32, block_length=8, threshold=0.9, eos_early_stop=False, use_cache=use_cache)
+    short = request(trained, [5, 6, 7, 8, 9], **settings)
+    long = request(trained, list(range(4, 44)), **dict(settings, max_new_tokens=24))
+    engine = ContinuousBatcher(trained, max_batch_size=2, max_batch_width=256)
+    engine.submit(short)
+    engine.decode_boundary()
+    engine.decode_boundary()
+    engine.submit(long)
+    before = engine.first_step_positions
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [2]
+    assert short.plan.canvas_width + long.plan.canvas_width == 37 + 64
+    assert engine.first_step_positions - before == 37 + 64
+    # The aligned layout of the block's other steps: `short`'s block (at 21) moved to `long`'s (at 40), 2 x 64.
+    assert engine.runs[short.settings].x.shape == (2, 64)
+    engine.run_until_done()
+    assert_alone(trained, [short, long])
+
+
 def test_rows_of_different_lengths_and_rules_mix(trained):
     """Different `max_new_tokens` share a layout; different block lengths, steps or rules decode in their own
     layouts at the same boundary; all exact."""
@@ -476,20 +500,6 @@ def test_settings_the_family_refuses_fail_at_submit():
     with pytest.raises(ValueError, match="remasking"):
         engine.submit(request(model, [5, 6], max_new_tokens=8, block_length=8, remasking="random"))
     assert not engine.has_work()
-
-
-def test_cache_shift_rows_moves_each_row_by_its_shift():
-    from hf_dllm.cache import DiffusionKVCache
-
-    cache = DiffusionKVCache(num_layers=1, max_batch_size=2, max_length=8)
-    keys = torch.arange(2 * 1 * 8 * 2, dtype=torch.float32).reshape(2, 1, 8, 2)
-    cache.set_length(5)
-    cache.update(keys[:, :, :5], -keys[:, :, :5], 0, {"cache_position": torch.arange(5)})
-    cache.shift_rows(torch.tensor([0, 3]), 8)
-    assert cache.length == 8
-    assert torch.equal(cache.keys[0][0, :, :5], keys[0, :, :5])
-    assert torch.equal(cache.keys[0][1, :, 3:8], keys[1, :, :5])
-    assert torch.equal(cache.values[0][1, :, 3:8], -keys[1, :, :5])
 
 
 def test_step_capturability_is_asked_without_autograd():

@@ -62,6 +62,7 @@ SHARED_REMOTE_CODE_FILES = (
     "generation_config.py",
     "decoding.py",
     "cache.py",
+    "packed.py",
     "attention.py",
     "triton_attention.py",
     "kernels.py",

@@ -12,6 +12,11 @@ the engine lays the running rows out anew before every block:
   block is then decoded by the one loop (`BlockDiffusionRun.denoise_block`: the same steps, policies, caches and
   CUDA graphs as `generate()`), and each row's block is copied back into its own canvas. In float32 a row's
   tokens and forwards are those of `generate()` alone: padding is masked, nothing else is shared.
+- A block's forwards over whole canvases (the prefix/dual cache's refresh at the block's first step, the dual
+  cache of Fast-dLLM, arXiv:2505.22618; every step without a cache) are most of the work, and the aligned layout
+  would compute every row at the widest row's columns. Where the model takes packed rows (LLaDA, Dream:
+  `packed.PackedRows`) they run on the rows' canvases laid end to end instead, each row attending to itself: no
+  padding is computed, and the keys/values go straight to each row's aligned columns of the cache.
 - Rows step together within a block, so the rows of one layout must agree on the block's length, its number of
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
@@ -53,6 +58,7 @@ from ..generation_utils import (
     plan_block_causal,
 )
 from ..graphs import StepGraphs
+from ..packed import PackedRows
 from .row_cache import RowKVStore
 
 
@@ -155,12 +161,12 @@ class LayoutRun(BlockDiffusionRun):
         of `width` columns (`layout_width`); returns each row's update (in the order of `rows`) and advances the
         rows.
 
-        With a cache, the block's first step (its full forward) runs on the compact layout instead: rows at their
-        own columns, `compact_width` wide (`ContinuousBatcher.compact_width`), so that no row pays for the
-        others' misalignment in the block's most expensive forward; its K/V are then shifted into the aligned
-        layout (`DiffusionKVCache.shift_rows`) for the later steps, which compute the block alone. Block-causal
-        rows keep their K/V in the store instead (`_first_step_from_store`): only the rows at their first block
-        run on the compact layout (their prefill), the others recompute their previous block in the aligned one."""
+        Forwards over every row's whole canvas (the block's first step with a cache: the prefix/dual cache refresh;
+        every step without one) run on the rows packed end to end where the model takes packed rows
+        (`_packed_step`), so no row pays for the others' lengths or misalignment in the block's most expensive
+        forward. Block-causal rows keep their K/V in the store instead (`_first_step_from_store`): only the rows at
+        their first block run on the compact layout (their prefill, `compact_width` wide), the others recompute
+        their previous block in the aligned one."""
         order = list(range(len(rows)))
         if self.store is not None:  # the rows that continue first, then those at their first block (joining)
             order.sort(key=lambda i: rows[i].block == 0)
@@ -189,7 +195,7 @@ class LayoutRun(BlockDiffusionRun):
         self.attention_masks = {}
         if self.cache is not None:  # every policy here recomputes all of it at the block's first step
             self.cache.set_length(width)
-        self.refresh = None
+        self.refresh = self.packed = None
         if self.store is not None:
             self.joining = sum(row.block == 0 for row in rows)
             self.slots, self.shifts, self.starts = torch.tensor([row.slot for row in rows]), shifts, starts
@@ -198,8 +204,8 @@ class LayoutRun(BlockDiffusionRun):
                 self.refresh = self._compact_refresh(
                     rows[joining], starts[joining], length, compact_width, device_shifts[joining]
                 )
-        elif self.cache is not None and not self.cfg and bool((shifts > 0).any()):
-            self.refresh = self._compact_refresh(rows, starts, length, compact_width, device_shifts)
+        elif self.model.diffusion_packed_rows and not self.cfg:
+            self.packed = self._packed_layout(rows, shifts, length)
         steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
         block_end = block_start + length
         self.denoise_block(steps, block_start, block_end)
@@ -243,11 +249,61 @@ class LayoutRun(BlockDiffusionRun):
         block_index = starts.to(device).unsqueeze(-1) + torch.arange(length, device=device)
         return dict(tokens=tokens, key_mask=key_mask, block_index=block_index, width=width, shifts=shifts)
 
-    def _step_inputs(self, block_start, block_end, step, active, generated):
-        """`BlockDiffusionRun._step_inputs`; the block's first step runs on the compact layout (`decode_block`)."""
-        if step != 0 or self.refresh is None or self.store is not None:
-            return super()._step_inputs(block_start, block_end, step, active, generated)
-        return self._compact_inputs(block_start, block_end, active, generated, slice(None))
+    def _packed_layout(self, rows, shifts: torch.Tensor, length: int) -> dict:
+        """Where the rows' canvases lie in the aligned layout, for forwards of every row's whole canvas packed end
+        to end (`packed.PackedRows`: no padding): `lengths` (host), and `(T,)` device tensors `rows` and `columns`
+        (each packed position's place in `self.x` and in the cache), `positions` (its RoPE position, the row's own
+        column) and `logits_index` `(rows * length,)` (the packed positions whose logits the block's step reads)."""
+        lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
+        block_columns = torch.arange(length)
+        for i, row in enumerate(rows):
+            shift = int(shifts[i])
+            own = min(row.tokens.shape[0], self.seq_len - shift)
+            lengths.append(own)
+            row_index.append(torch.full((own,), i))
+            columns.append(torch.arange(shift, shift + own))
+            logits_index.append(offset + row.plan.blocks[row.block][0] - self.shift + block_columns)
+            offset += own
+        device = self.device
+        columns = torch.cat(columns).to(device)
+        return dict(
+            lengths=lengths,
+            rows=torch.cat(row_index).to(device),
+            columns=columns,
+            positions=columns - shifts.to(device).repeat_interleave(torch.tensor(lengths).to(device)),
+            logits_index=torch.cat(logits_index).to(device),
+        )
+
+    def _packed_step(self, block_start, block_end, step, active, generated):
+        """A step whose forward covers every row's whole canvas (the block's full forward, which refreshes the
+        prefix/dual cache; every step without a cache), computed on the rows packed end to end (`_packed_layout`),
+        so no padding column is computed; with a cache, each row's keys/values are written at its aligned columns,
+        where the block's later steps read them. Returns what `run_step` returns."""
+        packed, n, length = self.packed, self.x.shape[0], block_end - block_start
+        packing = PackedRows(
+            packed["lengths"],
+            self.cache,
+            packed["columns"] if self.cache is not None else None,
+            kept_per_row=length,
+        )
+        tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
+        if step == 0:
+            self.first_step_positions += tokens.shape[1]
+        logits = self.model._diffusion_forward(
+            tokens,
+            packing,
+            packed["positions"].unsqueeze(0),
+            packing,
+            torch.arange(tokens.shape[1], device=self.device),
+            packed["logits_index"],
+            **self.forward_kwargs,
+        ).to(self.device)
+        scheduled = self.unmasking.scheduled_counts(step, n, self.device)
+        block = self.x[:, block_start:block_end]
+        new_block, _, edited = self.decide(block, logits.view(n, length, -1), scheduled, generated, active)
+        self.nfe += 1
+        self.x[:, block_start:block_end] = new_block
+        return new_block, edited
 
     def _compact_inputs(self, block_start, block_end, active, generated, rows: slice):
         """The first step's inputs on the compact layout (`self.refresh`) of the layout's rows `rows` (`active`
@@ -278,18 +334,16 @@ class LayoutRun(BlockDiffusionRun):
         return self.graphs.run(key, self.step, inputs)
 
     def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; after a compact first step, the K/V move into the aligned layout. With a
-        store, the first step is `_first_step_from_store`."""
+        """`BlockDiffusionRun.run_step`; a step over whole canvases runs packed (`_packed_step`) where the model
+        takes packed rows; with a store, the first step is `_first_step_from_store`."""
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
+        if self.packed is not None and (step == 0 or self.cache is None):
+            return self._packed_step(block_start, block_end, step, active, generated)
         if step == 0:
             q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
-            width = self.refresh["width"] if self.refresh is not None else q_end - q_start
-            self.first_step_positions += self.x.shape[0] * width
-        result = super().run_step(block_start, block_end, step, active, generated)
-        if step == 0 and self.refresh is not None:
-            self.cache.shift_rows(self.refresh["shifts"], self.seq_len)
-        return result
+            self.first_step_positions += self.x.shape[0] * (q_end - q_start)
+        return super().run_step(block_start, block_end, step, active, generated)
 
     def _first_step_from_store(self, block_start, block_end, active, generated):
         """The block's first step with the rows' K/V kept in the store (block-causal models; rows ordered as in
@@ -438,16 +492,13 @@ class ContinuousBatcher:
         return max(width, min(rounded, self.max_batch_width))
 
     def compact_width(self, rows: list[EngineRequest]) -> int:
-        """Columns of the rows at their own columns, as far as a block's full forward needs them: the longest
-        canvas. Block-causal models: only the rows at their first block (joining: the others' prefix is in the
-        store), up to the end of that block (later blocks are never attended); 0 when no row joins."""
-        if self.block_causal:
-            joining = [row.plan.blocks[row.block][1] for row in rows if row.block == 0]
-            if not joining:
-                return 0
-            width = max(joining)
-        else:
-            width = max(row.plan.canvas_width for row in rows)
+        """Columns of the prefill of block-causal rows at their first block (joining; the others' prefix is in
+        the store), each at its own columns up to the end of that block (later blocks are never attended); 0 when
+        no row joins, and for bidirectional models (their full forwards run packed or on the aligned layout)."""
+        joining = [row.plan.blocks[row.block][1] for row in rows if row.block == 0]
+        if not self.block_causal or not joining:
+            return 0
+        width = max(joining)
         rounded = -(-width // self.width_granularity) * self.width_granularity
         return max(width, min(rounded, self.layout_width(rows)))
 
