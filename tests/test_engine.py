@@ -18,7 +18,8 @@ import torch
 from conftest import FIXTURES, tiny_model
 
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
-from hf_dllm.serving.engine import BlockUpdate, ContinuousBatcher, EngineRequest, LayoutRun
+from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest
+from hf_dllm.serving.layout import BlockUpdate, LayoutRun
 
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"
 

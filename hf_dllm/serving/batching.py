@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from .engine import BlockUpdate, ContinuousBatcher, EngineRequest
+from .engine import ContinuousBatcher, EngineRequest
+from .layout import BlockUpdate
 
 logger = logging.getLogger("hf_dllm.serve")
 

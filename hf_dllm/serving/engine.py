@@ -2,35 +2,16 @@
 
 Diffusion decoding has a natural admission point: every block boundary. A bidirectional model's caches (prefix,
 dual, none) recompute every position at a block's first step anyway, and a block-causal model's blocks before the
-current one hold committed tokens only. So between two blocks nothing ties a row to its place in the batch, and
-the engine lays the running rows out anew before every block:
+current one hold committed tokens only. So between two blocks nothing ties a row to its place in the batch: the
+engine lays the running rows out anew before every block, each at its own block of its own plan (`layout.py`
+says how a layout is decoded, by the one block loop, with each row's tokens and forwards those of `generate()`
+alone).
 
-- Each row is a request's prompt as `generate()` would decode it alone (its own `BlockPlan`, columns counted
-  from its first prompt token). Before a block, every row is shifted right so that its *current* block starts at
-  one shared column `C` (rows of different requests are at different blocks of their own plans); columns before
-  a row's prompt and after its canvas are padding, masked as keys, and each row's RoPE positions are its own. The
-  block is then decoded by the one loop (`BlockDiffusionRun.denoise_block`: the same steps, policies, caches and
-  CUDA graphs as `generate()`), and each row's block is copied back into its own canvas. In float32 a row's
-  tokens and forwards are those of `generate()` alone: padding is masked, nothing else is shared.
-- A block's forwards over whole canvases (the prefix/dual cache's refresh at the block's first step, the dual
-  cache of Fast-dLLM, arXiv:2505.22618; every step without a cache) are most of the work, and the aligned layout
-  would compute every row at the widest row's columns. Where the model takes packed rows (LLaDA, Dream:
-  `packed.PackedRows`) they run on the rows' canvases laid end to end instead, each row attending to itself: no
-  padding is computed, and the keys/values go straight to each row's aligned columns of the cache.
 - Rows step together within a block, so the rows of one layout must agree on the block's length, its number of
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
-- Block-causal models (LLaDA2.x) are shifted by whole blocks (their blocks stay aligned to positions). A committed
-  block's K/V never change, so, as `generate()` does (`ExactBlockCache`), each is computed once: every running row
-  owns a slot of a K/V store (`row_cache.RowKVStore`, its exact K/V at its own columns) that is copied into the
-  layout's cache at the row's shifted columns before the block, and the block's first step (`StoredBlockCache`)
-  recomputes only the previous block (committed now; its K/V go back to the store) and the block. Rows at their
-  first block (joining) are prefilled in a forward of their own, each at its own columns (prompt and first block,
-  `generate()`'s first step), so continuing rows never pay for a joining row's prompt. A row takes part in one of
-  the two forwards: its forwards (NFE) are still `generate()`'s; the engine makes one forward more.
-- One K/V cache of `max_batch_size x max_batch_width` columns serves every layout (a view of its first columns,
-  `DiffusionKVCache.set_length`), so captured CUDA graphs keep their addresses; a layout's width is rounded up to
-  `width_granularity` columns, so few shapes (graphs) are needed.
+- One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
+  to `width_granularity` columns, so few shapes (CUDA graphs) are needed.
 
 `ContinuousBatcher` owns the running rows: `submit()` queues requests (any thread), `decode_boundary()` admits
 waiting requests that fit, decodes one block of every running row and reports each row's new tokens to its
@@ -48,17 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import StoredBlockCache
 from ..generation_config import DiffusionGenerationConfig
-from ..generation_utils import (
-    BlockDiffusionRun,
-    BlockPlan,
-    decoding_policies,
-    plan_bidirectional,
-    plan_block_causal,
-)
-from ..graphs import StepGraphs
-from ..packed import PackedRows
+from ..generation_utils import BlockPlan, decoding_policies, plan_bidirectional, plan_block_causal
+from .layout import BlockUpdate, LayoutRun
 from .row_cache import RowKVStore
 
 
@@ -67,16 +40,6 @@ def settings_key(config: DiffusionGenerationConfig, without: tuple[str, ...] = (
     return json.dumps(
         {name: getattr(config, name) for name in config.field_names() if name not in without}, sort_keys=True
     )
-
-
-@dataclass(eq=False)
-class BlockUpdate:
-    """What one committed block gave a row: its new generated tokens, whether the row ended by the run's own rules
-    (EOS with `eos_early_stop`, in-block EOS stop, last block) and its forwards so far."""
-
-    new_tokens: list[int]
-    ended: bool
-    nfe: int
 
 
 @dataclass(eq=False)
@@ -107,276 +70,6 @@ class EngineRequest:
         """`(max_new_tokens,)` the row's generated positions (masks where not decoded; EOS after its end)."""
         start = int(self.plan.prompt_end[0])
         return self.tokens[start : start + self.config.max_new_tokens]
-
-
-# Captured step shapes the engine keeps: its layouts vary in rows and width (`ContinuousBatcher.width_granularity`),
-# far more than one `generate()` call's shapes, and a shape dropped from the cache is run eagerly and captured again.
-ENGINE_MAX_GRAPHS = 128
-
-
-class LayoutRun(BlockDiffusionRun):
-    """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
-    with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
-
-    def __init__(
-        self,
-        model,
-        config: DiffusionGenerationConfig,
-        max_rows: int,
-        max_width: int,
-        device,
-        shared_cache,
-        store: RowKVStore | None = None,
-    ):
-        """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
-        after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
-        between blocks (used when the config caches)."""
-        block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        self.store = store if block_causal and config.use_cache else None
-        cache_policy = StoredBlockCache() if self.store is not None else None
-        self._setup_decoding(model, config, device, None, cache_policy)
-        self.first_step_positions = 0  # positions (rows x columns) fed to the model by blocks' first steps
-        self.streamer = None
-        self.stopping_criteria = []
-        self.max_rows, self.max_width = max_rows, max_width
-        self._shared_cache = shared_cache
-        self.rows_per_forward = max_rows * (2 if self.cfg else 1)
-        self.graphs = None
-        if self._graphs_allowed():
-            signature = ("continuous", self.rows_per_forward, max_width, *self._graph_signature())
-            self.graphs = StepGraphs.acquire(model, signature, self._new_cache, ENGINE_MAX_GRAPHS)
-        self.cache = self.graphs.cache if self.graphs is not None else self._new_cache()
-        self._setup_rules()
-
-    def _new_cache(self):
-        return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
-
-    def release(self) -> None:
-        if self.graphs is not None:
-            StepGraphs.release_to(self.model)
-            self.graphs = None
-
-    def decode_block(self, rows: list[EngineRequest], width: int, compact_width: int) -> list[BlockUpdate]:
-        """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
-        of `width` columns (`layout_width`); returns each row's update (in the order of `rows`) and advances the
-        rows.
-
-        Forwards over every row's whole canvas (the block's first step with a cache: the prefix/dual cache refresh;
-        every step without one) run on the rows packed end to end where the model takes packed rows
-        (`_packed_step`), so no row pays for the others' lengths or misalignment in the block's most expensive
-        forward. Block-causal rows keep their K/V in the store instead (`_first_step_from_store`): only the rows at
-        their first block run on the compact layout (their prefill, `compact_width` wide), the others recompute
-        their previous block in the aligned one."""
-        order = list(range(len(rows)))
-        if self.store is not None:  # the rows that continue first, then those at their first block (joining)
-            order.sort(key=lambda i: rows[i].block == 0)
-            rows = [rows[i] for i in order]
-        device, n = self.device, len(rows)
-        starts = torch.tensor([row.plan.blocks[row.block][0] for row in rows])
-        length = rows[0].plan.blocks[rows[0].block][1] - int(starts[0])
-        block_start = int(starts.max())
-        shifts = block_start - starts
-        self.x = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
-        self.key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
-        for i, row in enumerate(rows):
-            shift, own = int(shifts[i]), min(row.tokens.shape[0], width - int(shifts[i]))
-            self.x[i, shift : shift + own] = row.tokens[:own]
-            self.key_mask[i, shift : shift + own] = 1
-        device_shifts = shifts.to(device)
-        columns = torch.arange(width, device=device)
-        self.position_ids = (columns - device_shifts.unsqueeze(-1)).clamp(min=0)
-        prompt_lengths = torch.tensor([int(row.plan.prompt_end[0]) for row in rows])
-        self.host_prompt_end = shifts + prompt_lengths
-        self.prompt_end = self.host_prompt_end.to(device)
-        self.seq_len = width
-        self.rows, self.host_rows = torch.arange(n, device=device), torch.arange(n)
-        self.stopped = torch.zeros(n, dtype=torch.bool, device=device)
-        self.nfe_per_row = torch.zeros(n, dtype=torch.long, device=device)
-        self.attention_masks = {}
-        if self.cache is not None:  # every policy here recomputes all of it at the block's first step
-            self.cache.set_length(width)
-        self.refresh = self.packed = None
-        if self.store is not None:
-            self.joining = sum(row.block == 0 for row in rows)
-            self.slots, self.shifts, self.starts = torch.tensor([row.slot for row in rows]), shifts, starts
-            if self.joining:
-                joining = slice(n - self.joining, n)
-                self.refresh = self._compact_refresh(
-                    rows[joining], starts[joining], length, compact_width, device_shifts[joining]
-                )
-        elif self.model.diffusion_packed_rows and not self.cfg:
-            self.packed = self._packed_layout(rows, shifts, length)
-        steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
-        block_end = block_start + length
-        self.denoise_block(steps, block_start, block_end)
-
-        last = torch.tensor([row.block == int(row.plan.last_block[0]) for row in rows])
-        ended = (
-            self.finished_rows(last, block_end).cpu()
-            if self._rows_can_finish(last)
-            else torch.zeros(n, dtype=torch.bool)
-        )
-        if bool(ended.any()):  # as generate() shows ended rows: EOS after the block (and after a block-causal EOS)
-            rows_ended = ended.to(device)
-            self.x[rows_ended] = self.filled(self.x[rows_ended], self._generated_part(block_end)[rows_ended], block_end)
-        block = self.x[:, block_start:block_end].cpu()  # the one copy to the host of this block
-        nfe = self.nfe_per_row.tolist()
-        updates = [None] * n
-        for i, row in enumerate(rows):
-            start, shift, prompt = int(starts[i]), int(shifts[i]), int(prompt_lengths[i])
-            if bool(ended[i]):
-                row.tokens = self.x[i, shift : shift + row.tokens.shape[0]].clone()
-            else:
-                row.tokens[start : start + length] = self.x[i, block_start:block_end]
-            previous = row.committed
-            row.committed = max(0, min(start + length - prompt, row.config.max_new_tokens))
-            row.nfe += nfe[i]
-            row.block += 1
-            new = block[i, previous + prompt - start : row.committed + prompt - start].tolist()
-            updates[order[i]] = BlockUpdate(new, bool(ended[i]), row.nfe)
-        return updates
-
-    def _compact_refresh(self, rows, starts, length: int, width: int, shifts: torch.Tensor) -> dict:
-        """Inputs of the block's full forward with every row of `rows` at its own columns `[0, canvas)`
-        (`(len(rows), width)`)."""
-        device, n = self.device, len(rows)
-        tokens = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
-        key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
-        for i, row in enumerate(rows):
-            own = min(row.tokens.shape[0], width)
-            tokens[i, :own] = row.tokens[:own]
-            key_mask[i, :own] = 1
-        block_index = starts.to(device).unsqueeze(-1) + torch.arange(length, device=device)
-        return dict(tokens=tokens, key_mask=key_mask, block_index=block_index, width=width, shifts=shifts)
-
-    def _packed_layout(self, rows, shifts: torch.Tensor, length: int) -> dict:
-        """Where the rows' canvases lie in the aligned layout, for forwards of every row's whole canvas packed end
-        to end (`packed.PackedRows`: no padding): `lengths` (host), and `(T,)` device tensors `rows` and `columns`
-        (each packed position's place in `self.x` and in the cache), `positions` (its RoPE position, the row's own
-        column) and `logits_index` `(rows * length,)` (the packed positions whose logits the block's step reads)."""
-        lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
-        block_columns = torch.arange(length)
-        for i, row in enumerate(rows):
-            shift = int(shifts[i])
-            own = min(row.tokens.shape[0], self.seq_len - shift)
-            lengths.append(own)
-            row_index.append(torch.full((own,), i))
-            columns.append(torch.arange(shift, shift + own))
-            logits_index.append(offset + row.plan.blocks[row.block][0] - self.shift + block_columns)
-            offset += own
-        device = self.device
-        columns = torch.cat(columns).to(device)
-        return dict(
-            lengths=lengths,
-            rows=torch.cat(row_index).to(device),
-            columns=columns,
-            positions=columns - shifts.to(device).repeat_interleave(torch.tensor(lengths).to(device)),
-            logits_index=torch.cat(logits_index).to(device),
-        )
-
-    def _packed_step(self, block_start, block_end, step, active, generated):
-        """A step whose forward covers every row's whole canvas (the block's full forward, which refreshes the
-        prefix/dual cache; every step without a cache), computed on the rows packed end to end (`_packed_layout`),
-        so no padding column is computed; with a cache, each row's keys/values are written at its aligned columns,
-        where the block's later steps read them. Returns what `run_step` returns."""
-        packed, n, length = self.packed, self.x.shape[0], block_end - block_start
-        packing = PackedRows(
-            packed["lengths"],
-            self.cache,
-            packed["columns"] if self.cache is not None else None,
-            kept_per_row=length,
-        )
-        tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
-        if step == 0:
-            self.first_step_positions += tokens.shape[1]
-        logits = self.model._diffusion_forward(
-            tokens,
-            packing,
-            packed["positions"].unsqueeze(0),
-            packing,
-            torch.arange(tokens.shape[1], device=self.device),
-            packed["logits_index"],
-            **self.forward_kwargs,
-        ).to(self.device)
-        scheduled = self.unmasking.scheduled_counts(step, n, self.device)
-        block = self.x[:, block_start:block_end]
-        new_block, _, edited = self.decide(block, logits.view(n, length, -1), scheduled, generated, active)
-        self.nfe += 1
-        self.x[:, block_start:block_end] = new_block
-        return new_block, edited
-
-    def _compact_inputs(self, block_start, block_end, active, generated, rows: slice):
-        """The first step's inputs on the compact layout (`self.refresh`) of the layout's rows `rows` (`active`
-        and `generated` are the layout's), and the key of its CUDA graph."""
-        refresh, device = self.refresh, self.device
-        n, width = refresh["tokens"].shape
-        columns = torch.arange(width, device=device)
-        self.cache.set_length(width)
-        attention_mask = self.model._diffusion_attention_mask(refresh["key_mask"], width)
-        inputs = dict(
-            tokens=refresh["tokens"],
-            position_ids=columns.expand(n, -1),
-            cache_position=columns,
-            logits_index=refresh["block_index"] - self.shift,
-            block_index=refresh["block_index"],
-            scheduled=self.unmasking.scheduled_counts(0, self.x.shape[0], device)[rows],
-            active=None if active is None else active[rows],
-            generated=None if generated is None else generated[rows],
-            attention_mask=attention_mask,
-        )
-        return inputs, ("compact", n, width, block_end - block_start, attention_mask is not None)
-
-    def _forward(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`step(**inputs)`, through the CUDA graph of `key` when the run has graphs."""
-        self.first_step_positions += inputs["tokens"].numel()
-        if self.graphs is None:
-            return self.step(**inputs)
-        return self.graphs.run(key, self.step, inputs)
-
-    def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; a step over whole canvases runs packed (`_packed_step`) where the model
-        takes packed rows; with a store, the first step is `_first_step_from_store`."""
-        if step == 0 and self.store is not None:
-            return self._first_step_from_store(block_start, block_end, active, generated)
-        if self.packed is not None and (step == 0 or self.cache is None):
-            return self._packed_step(block_start, block_end, step, active, generated)
-        if step == 0:
-            q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
-            self.first_step_positions += self.x.shape[0] * (q_end - q_start)
-        return super().run_step(block_start, block_end, step, active, generated)
-
-    def _first_step_from_store(self, block_start, block_end, active, generated):
-        """The block's first step with the rows' K/V kept in the store (block-causal models; rows ordered as in
-        `decode_block`: `continuing` rows that decoded a block before, then `joining` rows at their first block).
-
-        1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), on the
-           cache's first rows; their prompt's K/V (exact: columns before the block) go to their slots.
-        2. Every row's slot is copied into the aligned layout at the row's columns.
-        3. The continuing rows' forward (`StoredBlockCache`: previous block and block, on the cache's first rows);
-           the previous block's K/V (exact now) go to their slots.
-        Returns the new block `(rows, L)` and the rows that edited a committed token, as `run_step`."""
-        n, joining = self.x.shape[0], self.joining
-        continuing, length = n - joining, block_end - block_start
-        new_block = self.x[:, block_start:block_end].clone()
-        edited = torch.zeros(n, dtype=torch.bool, device=self.device)
-        if joining:
-            rows = slice(continuing, n)
-            inputs, key = self._compact_inputs(block_start, block_end, active, generated, rows)
-            new_block[rows], _, edited[rows] = self._forward(inputs, key)
-            self.nfe += 1
-            prefix = torch.arange(int(self.starts[rows].max())).expand(joining, -1)
-            self.store.save(self.cache, self.slots[rows], prefix, prefix)
-        self.cache.set_length(self.seq_len)
-        self.store.load(self.cache, self.slots, self.shifts, block_start)
-        if continuing:
-            # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
-            inputs, key = BlockDiffusionRun._step_inputs(self, block_start, block_end, 0, active, generated, continuing)
-            new_block[:continuing], _, edited[:continuing] = self._forward(inputs, key)
-            self.nfe += 1
-            previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
-            self.store.save(self.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])
-        self.x[:, block_start:block_end] = new_block
-        return new_block, edited
 
 
 def cohort_key(row: EngineRequest) -> tuple:

@@ -2,7 +2,7 @@
 
 A block-causal model (LLaDA2.x: a block attends to itself and to earlier blocks) never changes the K/V of a
 committed block, so `generate()` writes them once (`cache.ExactBlockCache`). The continuous-batching engine
-(`engine.py`) lays its rows out anew before every block (each row shifted right by whole blocks, so that its current
+(`engine.py`, `layout.py`) lays its rows out anew before every block (each row shifted right by whole blocks, so that its current
 block starts at the layout's shared column) in one K/V cache that every layout of a boundary uses in turn, so that
 cache cannot keep them from one block to the next. `RowKVStore` does: one slot per running row, holding the row's
 K/V at its own columns (column c = position c of the row's canvas, its first prompt token at 0).
