@@ -1,0 +1,138 @@
+"""Positions the continuous-batching engine computes in its blocks' full forwards, per layout of a replayed load
+(issue #14): packed (what the engine runs, `packed.PackedRows`) against the padded layouts it replaced.
+
+At the LLaDA-8B shape a boundary is mostly the dual cache's refresh forward over every row's whole canvas
+(`benchmarks/RESULTS.md`, "Continuous batching under load"), which is compute-bound: its cost follows the positions
+it computes. This script replays `bench_load.py`'s request distributions (prompts uniform in [128, 1024] tokens,
+`max_tokens` uniform in [64, 512] rounded up to blocks of 32, 8 steps per block, dual cache) through the real
+`ContinuousBatcher` on the CPU with a tiny random LLaDA (the shape does not change the layouts), arrivals counted
+in boundaries (Poisson, `--arrivals-per-boundary`), and counts for every layout's first step:
+
+- packed: the rows' canvases end to end (measured: the engine's `first_step_positions`);
+- compact: every row at its own columns, padded to the longest canvas (the engine before packing);
+- aligned: every row shifted so its current block is at one column, padded to the layout's width (the layout the
+  block's later steps use; the engine's first version).
+
+It does not time anything (the CPU's times say nothing of the GPU's): the GPU load benchmark is `bench_load.py`.
+
+    python benchmarks/bench_engine_work.py [--requests 96] [--arrivals-per-boundary 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_dllm  # noqa: E402
+from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest  # noqa: E402
+from hf_dllm.serving.layout import LayoutRun  # noqa: E402
+
+BLOCK = 32
+STEPS_PER_BLOCK = 8
+
+
+def tiny_llada(context: int) -> hf_dllm.LLaDAModelLM:
+    torch.manual_seed(0)
+    config = hf_dllm.LLaDAConfig(
+        d_model=32,
+        n_heads=2,
+        n_kv_heads=2,
+        n_layers=1,
+        mlp_hidden_size=32,
+        vocab_size=512,
+        embedding_size=512,
+        max_sequence_length=context,
+        mask_token_id=511,
+        eos_token_id=510,
+        pad_token_id=510,
+        bos_token_id=509,
+    )
+    return hf_dllm.LLaDAModelLM(config).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--arrivals-per-boundary", type=float, default=0.9)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-batch-width", type=int, default=2560)
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
+    parser.add_argument("--output-range", type=int, nargs=2, default=[64, 512])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    model = tiny_llada(args.max_batch_width)
+    rng = random.Random(args.seed)
+    requests, arrivals, boundary = [], [], 0.0
+    for _ in range(args.requests):
+        prompt = [rng.randrange(0, 500) for _ in range(rng.randint(*args.prompt_range))]
+        max_tokens = -(-rng.randint(*args.output_range) // BLOCK) * BLOCK
+        config = model.resolve_generation_config(
+            max_new_tokens=max_tokens,
+            block_length=BLOCK,
+            steps=max_tokens // BLOCK * STEPS_PER_BLOCK,
+            use_cache=True,
+            dual_cache=True,
+            eos_early_stop=False,
+        )
+        requests.append(EngineRequest(prompt, config, lambda update: None))
+        boundary += rng.expovariate(args.arrivals_per_boundary)
+        arrivals.append(int(boundary))
+
+    layouts = []  # per layout: rows' canvases, the compact width and the aligned width
+    decode_block = LayoutRun.decode_block
+
+    def recorded(self, rows, width, compact_width):
+        canvases = [row.plan.canvas_width for row in rows]
+        layouts.append(dict(rows=len(rows), canvases=canvases, aligned_width=width))
+        return decode_block(self, rows, width, compact_width)
+
+    LayoutRun.decode_block = recorded
+    engine = ContinuousBatcher(model, max_batch_size=args.max_batch_size, max_batch_width=args.max_batch_width)
+    pending, boundaries = list(range(len(requests))), 0
+    with torch.inference_mode():
+        while pending or engine.has_work():
+            while pending and arrivals[pending[0]] <= boundaries:
+                engine.submit(requests[pending.pop(0)])
+            engine.decode_boundary()
+            boundaries += 1
+
+    packed = sum(sum(layout["canvases"]) for layout in layouts)
+    compact = sum(layout["rows"] * max(layout["canvases"]) for layout in layouts)
+    aligned = sum(layout["rows"] * layout["aligned_width"] for layout in layouts)
+    if packed != engine.first_step_positions:
+        raise SystemExit(f"the engine computed {engine.first_step_positions} positions, the layouts hold {packed}")
+    rows_per_layout = sum(layout["rows"] for layout in layouts) / len(layouts)
+    print(
+        f"{args.requests} requests, {boundaries} boundaries, {len(layouts)} layouts, "
+        f"{rows_per_layout:.2f} rows per layout (max batch {args.max_batch_size})\n"
+    )
+    print("| first-step layout | positions per boundary | positions / packed |")
+    print("|---|---|---|")
+    for name, total in (("packed (now)", packed), ("compact (before)", compact), ("aligned", aligned)):
+        print(f"| {name} | {total / boundaries:,.0f} | {total / packed:.2f} |")
+    print(
+        json.dumps(
+            dict(
+                requests=args.requests,
+                arrivals_per_boundary=args.arrivals_per_boundary,
+                boundaries=boundaries,
+                layouts=len(layouts),
+                rows_per_layout=rows_per_layout,
+                positions=dict(packed=packed, compact=compact, aligned=aligned),
+                compact_over_packed=compact / packed,
+                aligned_over_packed=aligned / packed,
+            )
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
