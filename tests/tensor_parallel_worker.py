@@ -4,7 +4,8 @@ and Dream fixtures with `tp_plan="auto"` and records, on every rank, the logits 
 
 With the arguments `fused EXTRA`, only LLaDA2, through `record_fused` (its fused MoE and attention paths on the
 shards; tests/test_tensor_parallel_fused.py runs it on the CPU with the kernels in Triton's interpreter), and
-`cached_step` of the LLaDA2 checkpoint at the path EXTRA (recorded as `two_shared_experts`, with its fused calls).
+`cached_step` with the counts of the fused calls of the LLaDA2 checkpoint at the path EXTRA (`two_shared_experts`)
+and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`).
 
 Usage: torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py OUT DEVICE DTYPE [fused EXTRA]
        (DEVICE cpu -> gloo, cuda -> nccl)
@@ -164,11 +165,14 @@ def main() -> None:
         rank = dist.get_rank()
         result = record_fused(model, device) if fused else record(model, name, device)
         if fused:
-            extra = load(Path(sys.argv[5]), device, dtype, tp_plan="auto")
-            calls = count_fused_calls(extra)
-            result["two_shared_experts"] = cached_step(extra, device)
-            result["two_shared_experts_fused_calls"] = dict(calls)
-            del extra
+            for key, other in (
+                ("two_shared_experts", load(Path(sys.argv[5]), device, dtype, tp_plan="auto")),
+                ("sdpa", load(name, device, dtype, tp_plan="auto", attn_implementation="sdpa")),
+            ):
+                calls = count_fused_calls(other)
+                result[key] = cached_step(other, device)
+                result[f"{key}_fused_calls"] = dict(calls)
+                del other
         if name == "llada":
             block = model.model.transformer.blocks[0]
             result["local_heads"] = (block.num_heads, block.num_kv_heads, tuple(block.q_proj.weight.to_local().shape))

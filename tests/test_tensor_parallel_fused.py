@@ -12,7 +12,7 @@ tests/test_tensor_parallel.py's GPU test.
 
 The worker is tests/tensor_parallel_worker.py with the argument `fused` (`record_fused`); it also loads a tiny
 LLaDA2 with two shared experts, which are not stacked with the routed ones (their own sharded modules run, added
-after the all-reduce).
+after the all-reduce), and the fixture with sdpa attention (the fused path's grouped-query sdpa on the rank's heads).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 SETTING = worker.FUSED_SETTINGS[0][0]
+# The worker's cached steps (the fixture with its default `llada_triton` attention, with two shared experts, with
+# sdpa) and their counts of fused calls.
+CACHED_STEPS = ("cached_step", "two_shared_experts", "sdpa")
+MODELS_CALLS = ("fused_calls", "two_shared_experts_fused_calls", "sdpa_fused_calls")
 
 
 def two_shared_experts_model(directory: Path) -> Path:
@@ -81,6 +85,7 @@ def one_process(extra: Path, device: str, dtype: torch.dtype) -> dict:
     reference = worker.record(model, "llada2", device, worker.FUSED_SETTINGS)
     reference["cached_step"] = worker.cached_step(model, device)
     reference["two_shared_experts"] = worker.cached_step(worker.load(extra, device, dtype), device)
+    reference["sdpa"] = worker.cached_step(worker.load("llada2", device, dtype, attn_implementation="sdpa"), device)
     return reference
 
 
@@ -110,7 +115,7 @@ def single_process(extra_model) -> dict:
 def test_fused_paths_run_on_the_shards(cpu_results):
     # Before the fused paths were shard-aware both refused sharded weights and these counts were 0.
     for result in cpu_results:
-        for model in ("fused_calls", "two_shared_experts_fused_calls"):
+        for model in MODELS_CALLS:
             assert result[model]["moe"] > 0 and result[model]["attention"] > 0, (model, result[model])
 
 
@@ -118,7 +123,7 @@ def test_fused_shards_logits_equal_one_process(cpu_results, single_process):
     for rank, result in enumerate(cpu_results):
         torch.testing.assert_close(result["logits"], single_process["logits"], rtol=0, atol=1e-4)
         for forward in ("prefill", "step"):
-            for model in ("cached_step", "two_shared_experts"):
+            for model in CACHED_STEPS:
                 ours, expected = result[model][forward], single_process[model][forward]
                 torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4, msg=f"{model} {forward} rank {rank}")
 
@@ -148,12 +153,10 @@ def test_two_gpus_fused_bfloat16(tmp_path, extra_model):
     first, second = run_fused_worker(tmp_path, "cuda", "bfloat16", extra_model, timeout=600)["llada2"]
     reference = one_process(extra_model, "cuda", torch.bfloat16)  # one GPU: the fused path too
     for result in (first, second):
-        for model in ("fused_calls", "two_shared_experts_fused_calls"):
+        for model in MODELS_CALLS:
             assert result[model]["moe"] > 0 and result[model]["attention"] > 0, (model, result[model])
         pairs = [(result["logits"], reference["logits"])]
-        pairs += [
-            (result[m][f], reference[m][f]) for m in ("cached_step", "two_shared_experts") for f in ("prefill", "step")
-        ]
+        pairs += [(result[m][f], reference[m][f]) for m in CACHED_STEPS for f in ("prefill", "step")]
         for ours, expected in pairs:
             assert (ours - expected).abs().max() <= 0.05 * expected.abs().max()
     # Every rank decodes the same tokens (rank 0's, broadcast each step).
