@@ -39,7 +39,7 @@ SETTING = worker.FUSED_SETTINGS[0][0]
 # The worker's cached steps (the fixture with its default `llada_triton` attention, with two shared experts, with
 # sdpa) and their counts of fused calls.
 CACHED_STEPS = ("cached_step", "two_shared_experts", "sdpa")
-MODELS_CALLS = ("fused_calls", "two_shared_experts_fused_calls", "sdpa_fused_calls")
+FUSED_CALLS = ("fused_calls", "two_shared_experts_fused_calls", "sdpa_fused_calls")
 
 
 def two_shared_experts_model(directory: Path) -> Path:
@@ -115,7 +115,7 @@ def single_process(extra_model) -> dict:
 def test_fused_paths_run_on_the_shards(cpu_results):
     # Before the fused paths were shard-aware both refused sharded weights and these counts were 0.
     for result in cpu_results:
-        for model in MODELS_CALLS:
+        for model in FUSED_CALLS:
             assert result[model]["moe"] > 0 and result[model]["attention"] > 0, (model, result[model])
 
 
@@ -153,7 +153,7 @@ def test_two_gpus_fused_bfloat16(tmp_path, extra_model):
     first, second = run_fused_worker(tmp_path, "cuda", "bfloat16", extra_model, timeout=600)["llada2"]
     reference = one_process(extra_model, "cuda", torch.bfloat16)  # one GPU: the fused path too
     for result in (first, second):
-        for model in MODELS_CALLS:
+        for model in FUSED_CALLS:
             assert result[model]["moe"] > 0 and result[model]["attention"] > 0, (model, result[model])
         pairs = [(result["logits"], reference["logits"])]
         pairs += [(result[m][f], reference[m][f]) for m in CACHED_STEPS for f in ("prefill", "step")]
