@@ -11,7 +11,8 @@ prompt 512, 256 new tokens, block 32, one token per step (`steps=256`, so both r
 step (CUDA events around single steps after warm-up), first on one GPU (this process), then with `--tp` GPUs (a
 `torchrun` child that loads the same checkpoint with `tp_plan="auto"`). Also reported: weight memory per GPU, whether
 the ranks produced identical tokens (they must), the share of generated tokens equal to one GPU's (bf16: the shards
-sum in another order, so greedy choices between near-tied tokens may differ), and the goal
+sum in another order, so greedy choices between near-tied tokens may differ), which of LLaDA2's fused paths the
+step takes (`fused`; on the shards too), and the goal
 **TP=2 batch-1 step <= 0.65x the single-GPU step**.
 
 Prints a table and ends with one JSON line. NVLink multicast (NVLS) is turned off for NCCL (`NCCL_NVLS_ENABLE=0`).
@@ -75,6 +76,24 @@ def vocab_of(model) -> int:
     return model.config.vocab_size
 
 
+def fused_paths(model, name: str, device: torch.device) -> str:
+    """Which of LLaDA2's fused paths (`moe`: router/combine kernels around the grouped GEMMs; `attention`: q/k norm,
+    RoPE and cache write in one kernel) a cached block step takes on this rank: `moe+attention`, ..., `none`; `-`
+    for LLaDA."""
+    if name != "llada2":
+        return "-"
+    from hf_dllm.cache import DiffusionKVCache
+    from hf_dllm.llada2_moe_layer import LLaDA2MoeSparseMoeBlock
+
+    layer = next(layer for layer in model.model.layers if isinstance(layer.mlp, LLaDA2MoeSparseMoeBlock))
+    probe = torch.zeros(1, 1, model.config.hidden_size, dtype=model.dtype, device=device)
+    taken = {
+        "moe": layer.mlp.use_fused(probe),
+        "attention": layer.attention.uses_fused_path(probe, DiffusionKVCache(1, 1, 1)),
+    }
+    return "+".join(path for path, on in taken.items() if on) or "none"
+
+
 @torch.no_grad()
 def measure(model, name: str, args, device: torch.device) -> list[dict]:
     """Rows (one per batch size): tokens/s, ms per forward, block-step ms, the generated tokens."""
@@ -97,6 +116,7 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
                 step_ms=step_ms,
                 peak_gb=peak / 1e9,
                 graphs=bool(getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps),
+                fused=fused_paths(model, name, device),
                 sequences=out.sequences[:, args.prompt_len :].cpu(),
             )
         )
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = (
         f"{'model':<8}{'cache':>7}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}{'tok/s':>8}"
-        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}"
+        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}  fused"
     )
     print(header)
     results = []
@@ -246,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.2f}"
                     f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
                     + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
+                    + f"  {row['fused']}"
                 )
             results.append(
                 dict(
@@ -262,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     single_weight_gb=single[name]["weight_gb_per_gpu"],
                     tp_weight_gb_per_gpu=sharded[name]["weight_gb_per_gpu"],
                     tp_graphs=tp["graphs"],
+                    single_fused=one["fused"],
+                    tp_fused=tp["fused"],
                     ranks_agree=tp["ranks_agree"],
                     tokens_equal_single_gpu=same,
                     nfe=(one["nfe"], tp["nfe"]),

@@ -115,9 +115,10 @@ class LLaDA2MoeConfig(PretrainedConfig):
     # its own query heads and the key/value heads they read (grouped-query aware, also when there are fewer
     # key/value heads than ranks), and `dense` takes those heads' columns (partial sums all-reduced). Every MLP (the
     # dense layers', each routed expert, the shared experts) is split along its intermediate width: gate/up by rows,
-    # down by columns; the routed experts' partial outputs are summed across ranks once per MoE layer. The router,
-    # norms and embedding are replicated; the output head is split by vocabulary rows with the logits gathered (see
-    # `LLaDA2MoeModelLM._tp_plan`). The layers read their per-rank head counts from the weights' shapes.
+    # down by columns; the routed experts' partial outputs (with the shared expert's where the fused path runs it
+    # with them) are summed across ranks once per MoE layer. The router, norms and embedding are replicated; the
+    # output head is split by vocabulary rows with the logits gathered (see `LLaDA2MoeModelLM._tp_plan`). The layers
+    # read their per-rank head counts from the weights' shapes.
     base_model_tp_plan = {
         "layers.*.attention.query_key_value": "colwise_gather_output",
         "layers.*.attention.dense": "rowwise",

@@ -10,7 +10,8 @@ float32, plus the shared experts. Parameter names are the Hub checkpoints' (`mlp
 The routed experts run as two grouped GEMMs (`torch._grouped_mm`) over stacked views of the Hub-named expert weights
 where torch provides them, else as a loop over the experts that received tokens; where the fused kernels run
 (`kernels.use_fused_kernels`: CUDA with Triton) the router's top-k, the alignment by expert and the weighted combine
-with the shared expert and the residual are Triton kernels (`triton_moe.py`), with no host synchronisation.
+with the shared expert and the residual are Triton kernels (`triton_moe.py`), with no host synchronisation, also on
+tensor-parallel shards (the partial sums of the experts' slices reduced once per layer).
 
 This file is exported verbatim as Hub remote code (with `modeling_llada2_moe.py`): relative imports only.
 """
@@ -26,7 +27,7 @@ from . import triton_moe, triton_ops
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
 from .fp8 import is_fp8_linear
 from .kernels import linear, use_fused_kernels
-from .tensor_parallel import all_reduce_partial, is_sharded, local_tensor
+from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
@@ -189,11 +190,17 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     def stack_shared(self) -> bool:
         """One shared expert has the routed experts' shape: the fused path runs it as one more group of the grouped
         GEMMs (every token's last pair), its weights stacked after the routed experts'; not when it holds FP8
-        weights (`--quantization fp8` keeps the routed experts in bf16 and quantizes the shared one)."""
-        return (
-            self.shared_experts is not None
-            and self.config.num_shared_experts == 1
-            and not is_fp8_linear(self.shared_experts.gate_proj)
+        weights (`--quantization fp8` keeps the routed experts in bf16 and quantizes the shared one), nor when tensor
+        parallelism splits it otherwise than the routed experts (its partial sums are reduced with theirs)."""
+        if self.shared_experts is None or self.config.num_shared_experts != 1:
+            return False
+        if is_fp8_linear(self.shared_experts.gate_proj):
+            return False
+        routed = self.experts[0]
+        return all(
+            is_sharded(getattr(self.shared_experts, name).weight) == is_sharded(getattr(routed, name).weight)
+            and local_shape(getattr(self.shared_experts, name).weight) == local_shape(getattr(routed, name).weight)
+            for name in ("gate_proj", "down_proj")
         )
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,11 +307,9 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
     def use_fused(self, hidden_states: torch.Tensor) -> bool:
         """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
-        run, the router is float32, the activation SiLU, and the experts are not split by tensor parallelism (the
-        combine kernel adds the residual, which must come after the ranks' partial sums are reduced)."""
+        run, the router is float32 and the activation SiLU (with or without tensor parallelism)."""
         return (
             MOE_KERNELS_AVAILABLE
-            and not is_sharded(self.experts[0].down_proj.weight)
             and self.silu
             and self.gate.router_dtype == torch.float32
             and use_fused_kernels(hidden_states)
@@ -318,7 +323,13 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
         two grouped GEMMs whose groups are the routed experts and the shared expert (`stack_shared`). No host
         synchronisation. hidden_states, residual `(batch, len, hidden)`; router_input: hidden_states in float32
-        (the router's dtype) or None (cast here)."""
+        (the router's dtype) or None (cast here).
+
+        Under tensor parallelism (Megatron-LM's MLP split, arXiv:1909.08053) the GEMMs run this rank's slices of the
+        experts' intermediate width, so the combined rows are partial sums: one all-reduce per layer sums them, and
+        only the rank holding the first slice adds the residual before it, so the sum holds it once (no extra
+        kernel; in bfloat16 the residual is rounded once more, in the all-reduce). A shared expert outside the
+        stacks runs its own (sharded, self-reducing) modules and is added after the all-reduce."""
         batch, length, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
         if router_input is not None:
@@ -332,10 +343,15 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         gate, up = projected.chunk(2, dim=-1)
         expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
         residual = residual.reshape(-1, hidden)
+        down_weight = self.experts[0].down_proj.weight  # split by its columns (`rowwise`) under tensor parallelism
         if self.shared_experts is None or stacked_shared:
-            out = triton_moe.combine(expert_rows, rows, topk_weight, stacked_shared, residual)
+            adds_residual = shard_range(down_weight, 1)[0] == 0  # every rank when not sharded
+            out = triton_moe.combine(
+                expert_rows, rows, topk_weight, stacked_shared, residual if adds_residual else None
+            )
+            out = all_reduce_partial(out, like=down_weight)
         else:
-            routed = triton_moe.combine(expert_rows, rows, topk_weight, False)
+            routed = all_reduce_partial(triton_moe.combine(expert_rows, rows, topk_weight, False), like=down_weight)
             out = residual + (routed + self.shared_experts(x))
         return out.view(batch, length, hidden), router_logits
 

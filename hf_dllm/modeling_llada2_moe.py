@@ -27,7 +27,8 @@ weights where torch provides them, else as a loop over the experts that received
 Where the fused kernels run (`kernels.use_fused_kernels`: CUDA with Triton), the router's top-k, the alignment by
 expert, the weighted combine with the shared expert (one more grouped-GEMM group) and the residual, the residual add
 before the post-attention norm, and the q/k norms with RoPE and the cache write are Triton kernels
-(`triton_moe.py`): ~25 kernels per layer instead of ~110, no host synchronisation. The default attention is
+(`triton_moe.py`): ~25 kernels per layer instead of ~110, no host synchronisation; on tensor-parallel shards as well
+(each rank's heads and expert slices, one all-reduce of the MoE's partial sums). The default attention is
 `llada_triton` (as LLaDA's): the split-KV kernel with the block-causal mask on CUDA block steps, sdpa elsewhere.
 
 This file is exported verbatim as Hub remote code: relative imports only.
@@ -63,7 +64,7 @@ from .llada2_moe_layer import (
     LLaDA2MoeMLP,
     LLaDA2MoeSparseMoeBlock,
 )
-from .tensor_parallel import is_sharded, local_tensor, shard_range
+from .tensor_parallel import local_tensor, shard_range
 from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -315,12 +316,11 @@ class LLaDA2MoeAttention(nn.Module):
         return linear(self.dense, attn.reshape(batch, q_len, -1))
 
     def uses_fused_path(self, hidden_states: torch.Tensor, past_key_values) -> bool:
-        """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference, and all
-        heads on this rank (the fused kernel splits the q/k/v projection by the config's head counts; under tensor
-        parallelism the gathered projection holds every rank's heads)."""
+        """Whether `forward` takes `_fused_forward`: a `DiffusionKVCache`, the fused kernels, inference, and a head
+        size that is a power of two. Under tensor parallelism too: the fused kernel takes this rank's heads
+        (`local_heads`) out of the gathered q/k/v projection."""
         return (
             isinstance(past_key_values, DiffusionKVCache)
-            and not is_sharded(self.dense.weight)
             and MOE_KERNELS_AVAILABLE
             and use_fused_kernels(hidden_states)
             and not self.training
@@ -344,10 +344,13 @@ class LLaDA2MoeAttention(nn.Module):
         keys, values = past_key_values.layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, hidden_states)
         norms = (self.query_layernorm, self.key_layernorm) if self.config.use_qk_norm else (None, None)
         cos, sin = position_embeddings
+        # The projection holds every head (under tensor parallelism its output is gathered): the kernel reads this
+        # rank's query heads and the key/value heads they use.
+        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
         query = triton_moe.qk_norm_rope_to_cache(
             linear(self.query_key_value, hidden_states),
-            self.num_heads,
-            self.num_kv_heads,
+            q_stop - q_start,
+            kv_stop - kv_start,
             None if norms[0] is None else norms[0].weight,
             None if norms[1] is None else norms[1].weight,
             self.config.rms_norm_eps,
@@ -356,6 +359,8 @@ class LLaDA2MoeAttention(nn.Module):
             keys,
             values,
             cache_position,
+            projection_heads=(self.config.num_attention_heads, self.config.num_key_value_heads),
+            first_heads=(q_start, kv_start),
         )
         implementation = self.config._attn_implementation
         if implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask):

@@ -282,6 +282,10 @@ if TRITON_AVAILABLE:
         seq_len,
         n_q_heads,
         n_k_heads,
+        row_heads,
+        q_first,
+        k_first,
+        v_shift,
         rotary_dim,
         eps,
         stride_cb,
@@ -291,12 +295,14 @@ if TRITON_AVAILABLE:
         HAS_NORM: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
-        # One program per (token, BLOCK_H heads) over the q heads then the k heads of the fused projection `(B, L,
-        # Hq + 2Hk, D)` (contiguous): a (BLOCK_H, D) tile, so a token's RoPE table is read once for several heads and
-        # a batch-32 step launches 4x fewer programs than with one head each. Per-head RMS norm (float32, rounded,
-        # times the weight, rounded), then RoPE on the first `rotary_dim` dims with tables in the activation dtype,
-        # each product and the sum rounded (PyTorch's rounding points). q goes to `(B, Hq, L, D)`; k (rotated) and v
-        # to the cache `(B, Hk, T, D)` at column `position[l]`.
+        # One program per (token, BLOCK_H heads) over the n_q_heads q heads then the n_k_heads k heads taken from the
+        # fused projection `(B, L, row_heads, D)` (contiguous): q head h is projection head `q_first + h`, k head j
+        # is `k_first + j` and its v head `v_shift` further (all heads: 0, Hq and Hk; under tensor parallelism this
+        # rank's heads of the gathered projection). A (BLOCK_H, D) tile, so a token's RoPE table is read once for
+        # several heads and a batch-32 step launches 4x fewer programs than with one head each. Per-head RMS norm
+        # (float32, rounded, times the weight, rounded), then RoPE on the first `rotary_dim` dims with tables in the
+        # activation dtype, each product and the sum rounded (PyTorch's rounding points). q goes to
+        # `(B, n_q_heads, L, D)`; k (rotated) and v to the cache `(B, n_k_heads, T, D)` at column `position[l]`.
         token = tl.program_id(0).to(tl.int64)  # b * seq_len + l
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         is_q = heads < n_q_heads
@@ -308,7 +314,8 @@ if TRITON_AVAILABLE:
         d = tl.arange(0, HEAD_DIM)
         half = rotary_dim // 2
         partner = tl.where(d < half, d + half, tl.where(d < rotary_dim, d - half, d))
-        src = qkv_ptr + (token * (n_q_heads + 2 * n_k_heads) + heads[:, None]) * HEAD_DIM
+        source_head = tl.where(is_q, q_first + heads, k_first + heads - n_q_heads)
+        src = qkv_ptr + (token * row_heads + source_head[:, None]) * HEAD_DIM
         x = tl.load(src + d[None, :], mask=rows, other=0.0).to(tl.float32)
         xp = tl.load(src + partner[None, :], mask=rows, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -332,7 +339,7 @@ if TRITON_AVAILABLE:
         column = tl.load(position_ptr + pos).to(tl.int64)
         dst = b * stride_cb + kh * stride_ch + column * stride_cn + d[None, :]
         tl.store(cache_k_ptr + dst, y, mask=is_k[:, None])
-        v = tl.load(src + n_k_heads * HEAD_DIM + d[None, :], mask=is_k[:, None], other=0.0)
+        v = tl.load(src + v_shift * HEAD_DIM + d[None, :], mask=is_k[:, None], other=0.0)
         tl.store(cache_v_ptr + dst, v, mask=is_k[:, None])
 
 
@@ -537,14 +544,32 @@ def qk_norm_rope_to_cache(
     cache_keys: torch.Tensor,
     cache_values: torch.Tensor,
     cache_position: torch.Tensor,
+    projection_heads: tuple[int, int] | None = None,
+    first_heads: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """LLaDA2's attention inputs in one launch. qkv `(B, L, (Hq + 2 Hk) * D)` (the fused projection, q heads, k
-    heads, v heads), the per-head RMS norm weights `(D,)` (None: no q/k norm), cos/sin `(B, L, R)` in the
-    activation dtype (R the rotary dims), cache_keys/values `(B, Hk, T, D)` (last dim contiguous, equal strides),
-    cache_position `(L,)`. Writes the normed, rotated keys and the values into the cache at those columns and
-    returns the normed, rotated queries `(B, Hq, L, D)` contiguous."""
+    """LLaDA2's attention inputs in one launch. qkv `(B, L, (Pq + 2 Pk) * D)` (the fused projection: its Pq query
+    heads, Pk key heads, Pk value heads; `projection_heads` = (Pq, Pk), by default (n_q_heads, n_k_heads)), of which
+    the query heads `[q0, q0 + n_q_heads)` and the key/value heads `[k0, k0 + n_k_heads)` are used (`first_heads` =
+    (q0, k0): under tensor parallelism the projection is gathered whole and each rank takes its own heads, without a
+    copy). The per-head RMS norm weights `(D,)` (None: no q/k norm), cos/sin `(B, L, R)` in the activation dtype (R
+    the rotary dims), cache_keys/values `(B, n_k_heads, T, D)` (last dim contiguous, equal strides), cache_position
+    `(L,)`. Writes the normed, rotated keys and the values into the cache at those columns and returns the normed,
+    rotated queries `(B, n_q_heads, L, D)` contiguous."""
     batch, seq_len, width = qkv.shape
-    head_dim = width // (n_q_heads + 2 * n_k_heads)
+    all_q, all_k = (n_q_heads, n_k_heads) if projection_heads is None else projection_heads
+    q_first, k_first = first_heads
+    if not (0 <= q_first and q_first + n_q_heads <= all_q and 0 <= k_first and k_first + n_k_heads <= all_k):
+        raise ValueError(
+            f"qk_norm_rope_to_cache: first_heads {tuple(first_heads)} with n_q_heads {n_q_heads} and n_k_heads "
+            f"{n_k_heads} select query heads [{q_first}, {q_first + n_q_heads}) and key/value heads "
+            f"[{k_first}, {k_first + n_k_heads}), which must lie within projection_heads ({all_q}, {all_k})."
+        )
+    if width % (all_q + 2 * all_k):
+        raise ValueError(
+            f"qk_norm_rope_to_cache: qkv's last dim {width} is not a multiple of its {all_q + 2 * all_k} heads "
+            f"(projection_heads ({all_q}, {all_k}))."
+        )
+    head_dim = width // (all_q + 2 * all_k)
     rotary_dim = cos.shape[-1]
     if head_dim & (head_dim - 1) or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"qk_norm_rope_to_cache: head_dim {head_dim} must be a power of 2 >= rotary_dim {rotary_dim}.")
@@ -567,6 +592,10 @@ def qk_norm_rope_to_cache(
         seq_len,
         n_q_heads,
         n_k_heads,
+        all_q + 2 * all_k,
+        q_first,
+        all_q + k_first,
+        all_k,
         rotary_dim,
         float(eps),
         cache_keys.stride(0),

@@ -2,7 +2,13 @@
 and Dream fixtures with `tp_plan="auto"` and records, on every rank, the logits of one forward and the tokens of
 `generate()` for each of `SETTINGS`; rank 0 saves all ranks' records to `OUT` (torch.save).
 
-Usage: torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py OUT DEVICE DTYPE   (DEVICE cpu -> gloo, cuda -> nccl)
+With the arguments `fused EXTRA`, only LLaDA2, through `record_fused` (its fused MoE and attention paths on the
+shards; tests/test_tensor_parallel_fused.py runs it on the CPU with the kernels in Triton's interpreter), and
+`cached_step` with the counts of the fused calls of the LLaDA2 checkpoint at the path EXTRA (`two_shared_experts`)
+and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`).
+
+Usage: torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py OUT DEVICE DTYPE [fused EXTRA]
+       (DEVICE cpu -> gloo, cuda -> nccl)
 """
 
 from __future__ import annotations
@@ -65,36 +71,108 @@ def inputs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, (ids != 0).long()
 
 
-def load(name: str, device: str, dtype: torch.dtype, **kwargs):
+def load(name: str | Path, device: str, dtype: torch.dtype, **kwargs):
+    """The fixture `name` of `MODELS`, or the checkpoint at the path `name`."""
     from transformers import AutoModel
 
     import hf_dllm  # noqa: F401  (registers the model types)
 
-    model = AutoModel.from_pretrained(MODELS[name], dtype=dtype, **kwargs).eval()
+    path = name if isinstance(name, Path) else MODELS[name]
+    model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs).eval()
     return model if "tp_plan" in kwargs else model.to(device)
 
 
 @torch.no_grad()
-def record(model, name: str, device: str) -> dict:
+def record(model, name: str, device: str, settings: list | None = None) -> dict:
+    """The logits of one forward of the prompts and the output of `generate()` for each of `settings` (default:
+    the model's `SETTINGS`)."""
     ids, mask = inputs(device)
     logits = model(input_ids=ids, attention_mask=mask).logits.float().cpu()
     generated = {}
-    for setting, kwargs in SETTINGS[name]:
+    for setting, kwargs in SETTINGS[name] if settings is None else settings:
         out = model.generate(ids, attention_mask=mask, **{**COMMON, **kwargs})
         generated[setting] = (out.sequences.cpu(), int(out.nfe))
     return {"logits": logits, "generated": generated}
+
+
+# `record_fused`: a prefill of the prompts (two blocks of 4) into a `DiffusionKVCache`, then one cached block step.
+FUSED_BLOCK = 4
+FUSED_SETTINGS = SETTINGS["llada2"][:1]  # the exact block cache
+FUSED_STEP_IDS = [[310, 310, 44, 310], [7, 310, 310, 310]]
+
+
+def count_fused_calls(model) -> dict:
+    """Counts of the calls of LLaDA2's fused MoE (`fused_forward`) and fused attention (`_fused_forward`) paths,
+    through wrappers set on each layer's modules (a dict that the wrappers keep counting into)."""
+    calls = {"moe": 0, "attention": 0}
+
+    def counting(key, method):
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+    for layer in model.model.layers:
+        layer.attention._fused_forward = counting("attention", layer.attention._fused_forward)
+        if hasattr(layer.mlp, "fused_forward"):
+            layer.mlp.fused_forward = counting("moe", layer.mlp.fused_forward)
+    return calls
+
+
+@torch.no_grad()
+def cached_step(model, device: str) -> dict:
+    """A prefill and one block step through a `DiffusionKVCache` (block-causal, blocks of `FUSED_BLOCK`): both
+    forwards' logits, and the keys and values layer 1 (an MoE layer) cached, with the key/value heads they are."""
+    from hf_dllm.cache import DiffusionKVCache
+
+    ids, mask = inputs(device)
+    step_ids = torch.tensor(FUSED_STEP_IDS, device=device)
+    length = ids.shape[1] + step_ids.shape[1]
+    key_mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)  # over the cache's whole buffer
+    cache = DiffusionKVCache(model.config.num_hidden_layers, ids.shape[0], length)
+    common = dict(attention_mask=key_mask, past_key_values=cache, use_cache=True, block_length=FUSED_BLOCK)
+    prefill = model(ids, cache_position=torch.arange(ids.shape[1], device=device), **common).logits
+    step = model(step_ids, cache_position=torch.arange(ids.shape[1], length, device=device), **common).logits
+    return {
+        "prefill": prefill.float().cpu(),
+        "step": step.float().cpu(),
+        "keys": cache.keys[1].float().cpu(),
+        "values": cache.values[1].float().cpu(),
+        "kv_heads": model.model.layers[1].attention.local_heads()[1],
+    }
+
+
+def record_fused(model, device: str) -> dict:
+    """`record` (generating with the exact block cache only: Triton's interpreter is slow) and `cached_step` of
+    LLaDA2, with the counts of the fused paths' calls they made."""
+    calls = count_fused_calls(model)
+    result = record(model, "llada2", device, FUSED_SETTINGS)
+    result["cached_step"] = cached_step(model, device)
+    result["fused_calls"] = dict(calls)
+    return result
 
 
 def main() -> None:
     import torch.distributed as dist
 
     out_path, device, dtype = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3])
+    fused = sys.argv[4:5] == ["fused"]
     torch.set_num_threads(1)
     results = {}
-    for name in MODELS:
+    for name in ["llada2"] if fused else MODELS:
         model = load(name, device, dtype, tp_plan="auto")
         rank = dist.get_rank()
-        result = record(model, name, device)
+        result = record_fused(model, device) if fused else record(model, name, device)
+        if fused:
+            for key, other in (
+                ("two_shared_experts", load(Path(sys.argv[5]), device, dtype, tp_plan="auto")),
+                ("sdpa", load(name, device, dtype, tp_plan="auto", attn_implementation="sdpa")),
+            ):
+                calls = count_fused_calls(other)
+                result[key] = cached_step(other, device)
+                result[f"{key}_fused_calls"] = dict(calls)
+                del other
         if name == "llada":
             block = model.model.transformer.blocks[0]
             result["local_heads"] = (block.num_heads, block.num_kv_heads, tuple(block.q_proj.weight.to_local().shape))
@@ -110,7 +188,7 @@ def main() -> None:
                 attention.num_kv_heads,
                 tuple(attention.q_proj.weight.to_local().shape),
             )
-        else:
+        elif not fused:
             attention = model.model.layers[0].attention
             result["local_heads"] = (attention.num_heads, attention.num_kv_heads, attention.local_heads())
             # The per-expert loop (the sharded modules and their hooks) instead of the grouped GEMMs.

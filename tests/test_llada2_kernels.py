@@ -92,6 +92,29 @@ SCRIPT = textwrap.dedent(
         ref = residual + (ref + expert_rows[rows[:, 4]] if shared else ref)
         assert torch.allclose(out, ref, atol=1e-6), "combine"
 
+    # The q/k norm + RoPE + cache write on some of the projection's heads (a tensor-parallel rank's: query heads
+    # [2, 4) and key/value head 1 of 4 and 2) equals the kernel on a projection holding only those heads; bad head
+    # ranges are refused.
+    qkv = torch.randn(2, 3, (4 + 2 * 2) * 16)
+    q_weight, k_weight, cos, sin = torch.rand(16) + 0.5, torch.rand(16) + 0.5, torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    position = torch.tensor([5, 6, 7])
+    caches = [(torch.zeros(2, 1, 9, 16), torch.zeros(2, 1, 9, 16)) for _ in range(2)]
+    heads = qkv.view(2, 3, 8, 16)
+    own = torch.cat([heads[:, :, 2:4], heads[:, :, 5:6], heads[:, :, 7:8]], dim=2).reshape(2, 3, -1)
+    query = triton_moe.qk_norm_rope_to_cache(qkv, 2, 1, q_weight, k_weight, 1e-6, cos, sin, *caches[0], position,
+                                             projection_heads=(4, 2), first_heads=(2, 1))  # fmt: skip
+    expected = triton_moe.qk_norm_rope_to_cache(own, 2, 1, q_weight, k_weight, 1e-6, cos, sin, *caches[1], position)
+    assert torch.equal(query, expected) and all(map(torch.equal, caches[0], caches[1])), "qk_norm_rope heads"
+    assert caches[0][0][:, :, 5:8].abs().sum() > 0 and caches[0][1][:, :, :5].abs().sum() == 0, "cache columns"
+    for bad in ((3, 1), (2, 2), (-1, 0)):
+        try:
+            triton_moe.qk_norm_rope_to_cache(qkv, 2, 1, q_weight, k_weight, 1e-6, cos, sin, *caches[0], position,
+                                             projection_heads=(4, 2), first_heads=bad)  # fmt: skip
+        except ValueError as error:
+            assert "first_heads" in str(error), error
+        else:
+            raise AssertionError(("bad first_heads accepted", bad))
+
     # The split-KV attention with a mask per query row (LLaDA2's block-causal mask), against masked softmax.
     from hf_dllm.triton_attention import block_attention
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
