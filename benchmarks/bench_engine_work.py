@@ -5,7 +5,7 @@ At the LLaDA-8B shape a boundary is mostly the dual cache's refresh forward over
 (`benchmarks/RESULTS.md`, "Continuous batching under load"), which is compute-bound: its cost follows the positions
 it computes. This script replays `bench_load.py`'s request distributions (prompts uniform in [128, 1024] tokens,
 `max_tokens` uniform in [64, 512] rounded up to blocks of 32, 8 steps per block, dual cache) through the real
-`ContinuousBatcher` on the CPU with a tiny random LLaDA (the shape does not change the layouts), arrivals counted
+`ContinuousBatcher` on the CPU with bench_load.py's small random LLaDA (the shape does not change the layouts), arrivals counted
 in boundaries (Poisson, `--arrivals-per-boundary`), and counts for every layout's first step:
 
 - packed: the rows' canvases end to end (measured: the engine's `first_step_positions`);
@@ -29,32 +29,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import hf_dllm  # noqa: E402
+from bench_load import BLOCK, STEPS_PER_BLOCK, build_model, workload  # noqa: E402
+
 from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest  # noqa: E402
 from hf_dllm.serving.layout import LayoutRun  # noqa: E402
-
-BLOCK = 32
-STEPS_PER_BLOCK = 8
-
-
-def tiny_llada(context: int) -> hf_dllm.LLaDAModelLM:
-    torch.manual_seed(0)
-    config = hf_dllm.LLaDAConfig(
-        d_model=32,
-        n_heads=2,
-        n_kv_heads=2,
-        n_layers=1,
-        mlp_hidden_size=32,
-        vocab_size=512,
-        embedding_size=512,
-        max_sequence_length=context,
-        mask_token_id=511,
-        eos_token_id=510,
-        pad_token_id=510,
-        bos_token_id=509,
-    )
-    return hf_dllm.LLaDAModelLM(config).eval()
 
 
 def main() -> None:
@@ -68,12 +48,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    model = tiny_llada(args.max_batch_width)
+    model = build_model("small", "cpu", "float32")
     rng = random.Random(args.seed)
     requests, arrivals, boundary = [], [], 0.0
-    for _ in range(args.requests):
-        prompt = [rng.randrange(0, 500) for _ in range(rng.randint(*args.prompt_range))]
-        max_tokens = -(-rng.randint(*args.output_range) // BLOCK) * BLOCK
+    for item in workload(args, model.config.vocab_size, args.requests):  # bench_load.py's prompts and lengths
+        prompt, max_tokens = item["prompt"], item["max_tokens"]
         config = model.resolve_generation_config(
             max_new_tokens=max_tokens,
             block_length=BLOCK,
