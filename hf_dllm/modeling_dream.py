@@ -57,7 +57,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, use_fused_kernels
-from .packed import PackedRows
+from .packed import run_attention
 from .tensor_parallel import LocalHeadCounts
 
 register_attention_backends()
@@ -237,18 +237,17 @@ class DreamAttention(LocalHeadCounts, ConcatenatedProjections):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        dropout = self.attention_dropout if self.training else 0.0
-        if isinstance(attention_mask, PackedRows):  # each packed row attends to itself, with no mask
-            attn = attention_mask.attend(
-                lambda q, k, v: attention_interface(self, q, k, v, None, dropout=dropout, scaling=self.scaling)[0],
-                query,
-                key,
-                value,
-            )
-        else:
-            attn, _ = attention_interface(
-                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
-            )
+        attn = run_attention(  # a `PackedRows` mask: once per packed row
+            attention_interface,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
         return self.o_proj(attn.reshape(batch, q_len, -1))
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -367,7 +366,9 @@ class DreamBaseModel(DreamPreTrainedModel):
         Args:
             input_ids: `(batch, q_len)` token ids of the positions computed in this call.
             attention_mask: `(batch, kv_len)` with 1 for real tokens and 0 for padding, where `kv_len` counts
-                every key this call attends to (cached ones included); or a prepared 4D mask.
+                every key this call attends to (cached ones included); or a prepared 4D mask; or a
+                `packed.PackedRows` (also given as `past_key_values`): rows of different lengths end to end in one
+                row `(1, T)`, each attending only to itself (padding-free forwards of the serving engine).
             position_ids: `(batch, q_len)` RoPE positions; by default counted from each row's first real token.
             past_key_values: a `DynamicCache` (new keys are appended, as in transformers) or a
                 `DiffusionKVCache` (new keys are written in place at `cache_position`, and attention covers the

@@ -34,7 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
-from .packed import PackedRows
+from .packed import PackedRows, run_attention
 from .tensor_parallel import LocalHeadCounts, is_sharded
 
 register_attention_backends()
@@ -245,18 +245,17 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        dropout = self.attention_dropout if self.training else 0.0
-        if isinstance(attention_mask, PackedRows):  # each packed row attends to itself, with no mask
-            attn = attention_mask.attend(
-                lambda q, k, v: attention_interface(self, q, k, v, None, dropout=dropout, scaling=self.scaling)[0],
-                query,
-                key,
-                value,
-            )
-        else:
-            attn, _ = attention_interface(
-                self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
-            )
+        attn = run_attention(  # a `PackedRows` mask: once per packed row
+            attention_interface,
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
         x, hidden_states = self.ff_norm.add_and_norm(
             self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1))), hidden_states
         )
@@ -342,7 +341,9 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             q_len = query.shape[1]
         if isinstance(attention_mask, PackedRows):
             attn = attention_mask.attend(
-                lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scaling).transpose(1, 2),
+                lambda q, k, v, mask: nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=self.scaling
+                ).transpose(1, 2),
                 query.transpose(1, 2),
                 key,
                 value,
@@ -482,7 +483,9 @@ class LLaDAModel(LLaDAPreTrainedModel):
         Args:
             input_ids: `(batch, q_len)` token ids of the positions computed in this call.
             attention_mask: `(batch, kv_len)` with 1 for real tokens and 0 for padding, where `kv_len` counts
-                every key this call attends to (cached ones included); or a prepared 4D mask.
+                every key this call attends to (cached ones included); or a prepared 4D mask; or a
+                `packed.PackedRows` (also given as `past_key_values`): rows of different lengths end to end in one
+                row `(1, T)`, each attending only to itself (padding-free forwards of the serving engine).
             position_ids: `(batch, q_len)` RoPE positions; by default counted from each row's first real token.
             past_key_values: a `DynamicCache` (new keys are appended, as in transformers) or a
                 `DiffusionKVCache` (new keys are written in place at `cache_position`, and attention covers the

@@ -64,6 +64,7 @@ from .llada2_moe_layer import (
     LLaDA2MoeMLP,
     LLaDA2MoeSparseMoeBlock,
 )
+from .packed import PackedRows, run_attention
 from .tensor_parallel import local_tensor, shard_range
 from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -303,7 +304,11 @@ class LLaDA2MoeAttention(nn.Module):
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
 
-        attn, _ = attention_function(implementation, attention_mask)(
+        def interface(module, query, key, value, mask, **kw):  # the backend's function for this mask
+            return attention_function(implementation, mask)(module, query, key, value, mask, **kw)
+
+        attn = run_attention(  # a `PackedRows` mask: once per packed row, with its block-causal mask
+            interface,
             self,
             query,
             key,
@@ -583,7 +588,9 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
                 attend, additive float, or a flex `BlockMask`); or a 2D key padding mask `(batch, kv_len)` (1 real,
                 0 padding) over the keys this call attends to: columns `[0, kv_len)` of the cache with a
                 `past_key_values` (its whole buffer for a `DiffusionKVCache`), this call's own columns without
-                one. The 2D mask (or None) is combined with the block-causal mask of `block_length`.
+                one. The 2D mask (or None) is combined with the block-causal mask of `block_length`. Or a
+                `packed.PackedRows` (also given as `past_key_values`): rows end to end in one row `(1, T)`, each
+                with the block-causal mask of a row alone at columns `[0, length)`.
             position_ids: `(batch, q_len)` RoPE positions; by default counted from each row's first real key in
                 the 2D mask, else `cache_position`.
             past_key_values: a `DynamicCache` (new keys are appended, as in transformers) or a `DiffusionKVCache`
@@ -606,7 +613,18 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         )
         position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
 
-        if attention_mask is None or mask_2d is not None:
+        if isinstance(attention_mask, PackedRows):  # each packed row at its own columns [0, length), alone
+            attention_mask = attention_mask.with_row_masks(
+                lambda length: self._block_causal_mask(
+                    None,
+                    inputs_embeds[:, :length],
+                    torch.arange(length, device=inputs_embeds.device),
+                    length,
+                    True,
+                    block_length,
+                )
+            )
+        elif attention_mask is None or mask_2d is not None:
             attention_mask = self._block_causal_mask(
                 mask_2d, inputs_embeds, cache_position, kv_length, past_key_values is None, block_length
             )
@@ -718,6 +736,8 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
     # generation loop passes its block length and never needs keys after the current block.
     diffusion_logits_shift = 0
     diffusion_block_causal = True
+    # Attention layers attend within each packed row (`packed.PackedRows`), each with its block-causal mask.
+    diffusion_packed_rows = True
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
     # Tensor parallelism (see `LLaDA2MoeConfig.base_model_tp_plan`): the head split by vocabulary rows, the logits
     # gathered, so every rank unmasks from the same logits.

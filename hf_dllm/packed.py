@@ -18,6 +18,7 @@ This file is exported as Hub remote code.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,7 @@ class PackedRows:
         self.kept_spans = (
             [(i * kept_per_row, (i + 1) * kept_per_row) for i in range(len(lengths))] if kept_per_row else None
         )
+        self.row_masks = None  # each row's own attention mask (`with_row_masks`), None: unmasked
         self.cache = cache
         if cache is not None:
             if columns.shape != (self.length,):
@@ -80,15 +82,24 @@ class PackedRows:
         return key_states, value_states
 
     # -- as `attention_mask` -----------------------------------------------------------------------------------
+    def with_row_masks(self, mask_for_length: Callable[[int], object]) -> PackedRows:
+        """This packing with each row's own attention mask, `mask_for_length(length)` (made once per distinct
+        length): the mask of a row alone at columns `[0, length)` (a block-causal model's block-causal mask; a
+        bidirectional row alone needs none)."""
+        masks = {length: mask_for_length(length) for length in set(self.lengths)}
+        packing = copy.copy(self)
+        packing.row_masks = [masks[length] for length in self.lengths]
+        return packing
+
     def attend(
         self,
-        attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor],
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> torch.Tensor:
-        """Each row's queries attend to its own keys: `attention(q, k, v)` (q `(1, Hq, t, D)`, k/v
-        `(1, Hkv, s, D)` -> `(1, t, Hq, D)`, with no mask: a row alone has no padding) once per row. query
+        """Each row's queries attend to its own keys: `attention(q, k, v, mask)` (q `(1, Hq, t, D)`, k/v
+        `(1, Hkv, s, D)`, the row's mask (`with_row_masks`) or None -> `(1, t, Hq, D)`) once per row. query
         `(1, Hq, T or kept, D)`, key/value `(1, Hkv, T, D)` -> `(1, T or kept, Hq, D)`."""
         query_spans = self.spans
         if query.shape[2] != self.length:
@@ -98,8 +109,19 @@ class PackedRows:
                     f"(kept spans {self.kept_spans})."
                 )
             query_spans = self.kept_spans
+        masks = self.row_masks or [None] * len(self.spans)
         outputs = [
-            attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1])
-            for (q0, q1), (k0, k1) in zip(query_spans, self.spans, strict=True)
+            attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], mask)
+            for (q0, q1), (k0, k1), mask in zip(query_spans, self.spans, masks, strict=True)
         ]
         return torch.cat(outputs, dim=1)
+
+
+def run_attention(interface: Callable, module, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
+    """The output `(batch, q, Hq, D)` of an `AttentionInterface` function, `interface(module, query, key, value,
+    attention_mask, **kwargs)[0]`; a `PackedRows` mask runs it once per packed row, with the row's own mask."""
+    if isinstance(attention_mask, PackedRows):
+        return attention_mask.attend(
+            lambda q, k, v, mask: interface(module, q, k, v, mask, **kwargs)[0], query, key, value
+        )
+    return interface(module, query, key, value, attention_mask, **kwargs)[0]

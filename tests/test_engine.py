@@ -282,6 +282,21 @@ def test_block_causal_rows_keep_exact_kv_and_recompute_only_the_previous_block(r
     assert_alone(random_llada2, [first, late])
 
 
+def test_block_causal_rows_joining_together_are_prefilled_packed(random_llada2):
+    """Rows joining at one boundary are prefilled (prompt and first block, each at its own columns) in one forward
+    of their columns packed end to end: a short prompt does not pay for a long one's."""
+    settings = dict(max_new_tokens=24, block_length=8, threshold=0.5, eos_early_stop=False)
+    short, long = request(random_llada2, [5, 6, 7, 8, 9], **settings), request(random_llada2, [9] * 30, **settings)
+    engine = ContinuousBatcher(random_llada2, max_batch_size=2)
+    engine.submit(short)
+    engine.submit(long)
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [2]
+    assert engine.first_step_positions == 8 + 32  # [0, 8) and [0, 32): their first blocks' ends
+    engine.run_until_done()
+    assert_alone(random_llada2, [short, long])
+
+
 def test_block_causal_cancelled_rows_slot_goes_to_a_joining_row(random_llada2):
     """A cancelled row leaves its slot; a row joining at the next boundary takes it (and overwrites its K/V) while
     the other row continues from its own slot; both exact."""
@@ -441,10 +456,10 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
 
     original = engine_module.LayoutRun.decode_block
 
-    def failing(self, rows, width, compact_width):
+    def failing(self, rows, width):
         if rows[0] is bad:
             raise RuntimeError("boom")
-        return original(self, rows, width, compact_width)
+        return original(self, rows, width)
 
     monkeypatch.setattr(engine_module.LayoutRun, "decode_block", failing)
     with pytest.raises(RuntimeError, match="boom"):

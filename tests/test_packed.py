@@ -9,6 +9,7 @@ from conftest import tiny_model
 from test_cpu_path import count_lean_calls
 from test_dream_modeling import random_model as random_dream
 from test_dream_modeling import tiny_config as tiny_dream_config
+from test_llada2_integration import tiny_llada2
 
 from hf_dllm.cache import DiffusionKVCache
 from hf_dllm.packed import PackedRows
@@ -22,7 +23,8 @@ def models():
     llada_eager = tiny_model(seed=3)  # grouped-query attention, eager: the regular block path
     llada_eager.set_attn_implementation("eager")
     dream = random_dream(tiny_dream_config(), attn="sdpa", seed=4)
-    return {"llada-lean": llada_sdpa, "llada-eager": llada_eager, "dream": dream}
+    llada2 = tiny_llada2(seed=5)  # block-causal: each packed row gets its own block-causal mask
+    return {"llada-lean": llada_sdpa, "llada-eager": llada_eager, "dream": dream, "llada2": llada2}
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,13 @@ def layers(model) -> int:
     return model.config.num_hidden_layers
 
 
-@pytest.mark.parametrize("family", ["llada-lean", "llada-eager", "dream"])
+@pytest.mark.parametrize("family", ["llada-lean", "llada-eager", "dream", "llada2"])
 def test_packed_rows_compute_what_each_row_computes_alone(families, family, monkeypatch):
     """Logits at the kept positions and the keys/values written to the cache (each row at its row, shifted by its
-    own offset) equal the row's own forward with a cache of its length, in float32."""
+    own offset) equal the row's own forward with a cache of its length, in float32 (LLaDA2: block-causal, blocks
+    of 4, so rows end inside a block, at its end and after several)."""
     model = families[family]
+    extra = dict(block_length=4) if family == "llada2" else {}
     lean_calls = count_lean_calls(monkeypatch)
     torch.manual_seed(0)
     rows = [torch.randint(4, 100, (length,)) for length in LENGTHS]
@@ -57,13 +61,20 @@ def test_packed_rows_compute_what_each_row_computes_alone(families, family, monk
             packing,
             torch.arange(sum(LENGTHS)),
             torch.cat([offset + index for offset, index in zip(offsets, kept, strict=True)]),
+            **extra,
         )
         assert packed.shape[:2] == (1, len(rows) * KEPT)
         packed = packed.view(len(rows), KEPT, -1)
         for i, (ids, index) in enumerate(zip(rows, kept, strict=True)):
             alone_cache = DiffusionKVCache(layers(model), 1, LENGTHS[i])
             alone = model._diffusion_forward(
-                ids.unsqueeze(0), None, torch.arange(LENGTHS[i]).unsqueeze(0), alone_cache, torch.arange(LENGTHS[i]), index
+                ids.unsqueeze(0),
+                None,
+                torch.arange(LENGTHS[i]).unsqueeze(0),
+                alone_cache,
+                torch.arange(LENGTHS[i]),
+                index,
+                **extra,
             )
             torch.testing.assert_close(packed[i], alone[0], rtol=1e-5, atol=1e-5)
             own = slice(shifts[i], shifts[i] + LENGTHS[i])
@@ -100,4 +111,4 @@ def test_packed_rows_refuse_what_they_cannot_describe():
     packing = PackedRows([2, 2], kept_per_row=1)
     query = torch.zeros(1, 1, 3, 4)  # neither all 4 positions nor the 2 kept ones
     with pytest.raises(ValueError, match="3 queries for 4 packed positions"):
-        packing.attend(lambda q, k, v: q.transpose(1, 2), query, torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4))
+        packing.attend(lambda q, k, v, mask: q.transpose(1, 2), query, torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4))

@@ -120,6 +120,12 @@ class ContinuousBatcher:
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        if self.block_causal and not model.diffusion_packed_rows:
+            # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
+            raise ValueError(
+                f"{type(model).__name__} is block-causal, and its forward does not take packed rows "
+                "(`diffusion_packed_rows`): continuous batching prefills such rows packed."
+            )
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
@@ -183,17 +189,6 @@ class ContinuousBatcher:
         width = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
         rounded = -(-width // self.width_granularity) * self.width_granularity
         return max(width, min(rounded, self.max_batch_width))
-
-    def compact_width(self, rows: list[EngineRequest]) -> int:
-        """Columns of the prefill of block-causal rows at their first block (joining; the others' prefix is in
-        the store), each at its own columns up to the end of that block (later blocks are never attended); 0 when
-        no row joins, and for bidirectional models (their full forwards run packed or on the aligned layout)."""
-        joining = [row.plan.blocks[row.block][1] for row in rows if row.block == 0]
-        if not self.block_causal or not joining:
-            return 0
-        width = max(joining)
-        rounded = -(-width // self.width_granularity) * self.width_granularity
-        return max(width, min(rounded, self.layout_width(rows)))
 
     def _admit(self) -> None:
         """Waiting requests join, oldest first, while there is a free row and their layout fits the cache; the
@@ -262,7 +257,7 @@ class ContinuousBatcher:
                 run = self._run_for(rows[0])
                 before, positions = run.nfe, run.first_step_positions
                 with torch.no_grad():
-                    updates = run.decode_block(rows, self.layout_width(rows), self.compact_width(rows))
+                    updates = run.decode_block(rows, self.layout_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
                 for row in rows:
                     row.ended = True

@@ -14,7 +14,7 @@ position at a block's first step; a block-causal model's earlier blocks hold com
   tokens and forwards are those of `generate()` alone: padding is masked, nothing else is shared.
 - A block's forwards over whole canvases (the prefix/dual cache's refresh at the block's first step, the dual
   cache of Fast-dLLM, arXiv:2505.22618; every step without a cache) are most of the work, and the aligned layout
-  would compute every row at the widest row's columns. Where the model takes packed rows (LLaDA, Dream:
+  would compute every row at the widest row's columns. Where the model takes packed rows (LLaDA, Dream, LLaDA2:
   `packed.PackedRows`) they run on the rows' canvases laid end to end instead, each row attending to itself: no
   padding is computed, and the keys/values go straight to each row's aligned columns of the cache.
 - Block-causal models (LLaDA2.x) are shifted by whole blocks (their blocks stay aligned to positions). A committed
@@ -23,7 +23,8 @@ position at a block's first step; a block-causal model's earlier blocks hold com
   layout's cache at the row's shifted columns before the block, and the block's first step (`StoredBlockCache`)
   recomputes only the previous block (committed now; its K/V go back to the store) and the block. Rows at their
   first block (joining) are prefilled in a forward of their own, each at its own columns (prompt and first block,
-  `generate()`'s first step), so continuing rows never pay for a joining row's prompt. A row takes part in one of
+  `generate()`'s first step), packed end to end, so continuing rows never pay for a joining row's prompt, nor a
+  short prompt for a long one. A row takes part in one of
   the two forwards: its forwards (NFE) are still `generate()`'s; the engine makes one forward more.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout (a view of its first columns,
   `DiffusionKVCache.set_length`), so captured CUDA graphs keep their addresses.
@@ -104,17 +105,16 @@ class LayoutRun(BlockDiffusionRun):
             StepGraphs.release_to(self.model)
             self.graphs = None
 
-    def decode_block(self, rows: list[EngineRequest], width: int, compact_width: int) -> list[BlockUpdate]:
+    def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
         """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
         of `width` columns (`layout_width`); returns each row's update (in the order of `rows`) and advances the
         rows.
 
-        Forwards over every row's whole canvas (the block's first step with a cache: the prefix/dual cache refresh;
-        every step without one) run on the rows packed end to end where the model takes packed rows
-        (`_packed_step`), so no row pays for the others' lengths or misalignment in the block's most expensive
-        forward. Block-causal rows keep their K/V in the store instead (`_first_step_from_store`): only the rows at
-        their first block run on the compact layout (their prefill, `compact_width` wide), the others recompute
-        their previous block in the aligned one."""
+        Forwards that start at a row's first column (the block's first step with a prefix/dual cache: the refresh;
+        every step without a cache; a block-causal row's prefill) run on the rows packed end to end
+        (`_packed_forward`), so no row pays for the others' lengths or misalignment in the block's most expensive
+        forward. Block-causal rows keep their K/V in the store (`_first_step_from_store`): only the rows at their
+        first block are prefilled (packed), the others recompute their previous block in the aligned layout."""
         order = list(range(len(rows)))
         if self.store is not None:  # the rows that continue first, then those at their first block (joining)
             order.sort(key=lambda i: rows[i].block == 0)
@@ -143,17 +143,16 @@ class LayoutRun(BlockDiffusionRun):
         self.attention_masks = {}
         if self.cache is not None:  # every policy here recomputes all of it at the block's first step
             self.cache.set_length(width)
-        self.refresh = self.packed = None
+        self.packed = None
         if self.store is not None:
             self.joining = sum(row.block == 0 for row in rows)
             self.slots, self.shifts, self.starts = torch.tensor([row.slot for row in rows]), shifts, starts
-            if self.joining:
-                joining = slice(n - self.joining, n)
-                self.refresh = self._compact_refresh(
-                    rows[joining], starts[joining], length, compact_width, device_shifts[joining]
-                )
+            if self.joining:  # their prefill: prompt and first block, each at its own columns
+                self.packed = self._packed_layout(rows, shifts, length, block_start + length, n - self.joining)
         elif self.model.diffusion_packed_rows and not self.cfg:
-            self.packed = self._packed_layout(rows, shifts, length)
+            first, end = self.cache_policy.query_range(block_start, block_start + length, width, first_step=True)
+            if first == 0:  # the whole canvas (bidirectional), or up to the block (block-causal, no cache)
+                self.packed = self._packed_layout(rows, shifts, length, end)
         steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
         block_end = block_start + length
         self.denoise_block(steps, block_start, block_end)
@@ -184,29 +183,17 @@ class LayoutRun(BlockDiffusionRun):
             updates[order[i]] = BlockUpdate(new, bool(ended[i]), row.nfe)
         return updates
 
-    def _compact_refresh(self, rows, starts, length: int, width: int, shifts: torch.Tensor) -> dict:
-        """Inputs of the block's full forward with every row of `rows` at its own columns `[0, canvas)`
-        (`(len(rows), width)`)."""
-        device, n = self.device, len(rows)
-        tokens = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
-        key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
-        for i, row in enumerate(rows):
-            own = min(row.tokens.shape[0], width)
-            tokens[i, :own] = row.tokens[:own]
-            key_mask[i, :own] = 1
-        block_index = starts.to(device).unsqueeze(-1) + torch.arange(length, device=device)
-        return dict(tokens=tokens, key_mask=key_mask, block_index=block_index, width=width, shifts=shifts)
-
-    def _packed_layout(self, rows, shifts: torch.Tensor, length: int) -> dict:
-        """Where the rows' canvases lie in the aligned layout, for forwards of every row's whole canvas packed end
-        to end (`packed.PackedRows`: no padding): `lengths` (host), and `(T,)` device tensors `rows` and `columns`
-        (each packed position's place in `self.x` and in the cache), `positions` (its RoPE position, the row's own
-        column) and `logits_index` `(rows * length,)` (the packed positions whose logits the block's step reads)."""
+    def _packed_layout(self, rows, shifts: torch.Tensor, length: int, end: int, first_row: int = 0) -> dict:
+        """The rows `rows[first_row:]` for a forward over their columns before `end` (an aligned column), packed
+        end to end (`packed.PackedRows`: no padding): `lengths` (host), and `(T,)` device tensors `rows` and
+        `columns` (each packed position's row and column in `self.x`), `positions` (its column in its row's own
+        canvas, also its RoPE position), and `logits_index` `(rows * length,)` (the packed positions whose logits
+        the block's step reads)."""
         lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
         block_columns = torch.arange(length)
-        for i, row in enumerate(rows):
-            shift = int(shifts[i])
-            own = min(row.tokens.shape[0], self.seq_len - shift)
+        for i in range(first_row, len(rows)):
+            shift, row = int(shifts[i]), rows[i]
+            own = min(row.tokens.shape[0], end - shift)
             lengths.append(own)
             row_index.append(torch.full((own,), i))
             columns.append(torch.arange(shift, shift + own))
@@ -214,24 +201,29 @@ class LayoutRun(BlockDiffusionRun):
             offset += own
         device = self.device
         columns = torch.cat(columns).to(device)
+        row_index = torch.cat(row_index).to(device)
         return dict(
             lengths=lengths,
-            rows=torch.cat(row_index).to(device),
+            layout_rows=slice(first_row, len(rows)),
+            rows=row_index,
             columns=columns,
-            positions=columns - shifts.to(device).repeat_interleave(torch.tensor(lengths).to(device)),
+            positions=columns - shifts.to(device)[row_index],
             logits_index=torch.cat(logits_index).to(device),
         )
 
-    def _packed_step(self, block_start, block_end, step, active, generated):
-        """A step whose forward covers every row's whole canvas (the block's full forward, which refreshes the
-        prefix/dual cache; every step without a cache), computed on the rows packed end to end (`_packed_layout`),
-        so no padding column is computed; with a cache, each row's keys/values are written at its aligned columns,
-        where the block's later steps read them. Returns what `run_step` returns."""
-        packed, n, length = self.packed, self.x.shape[0], block_end - block_start
+    def _packed_forward(self, block_start, block_end, step, active, generated):
+        """Step `step` of the packed rows (`self.packed`), on their canvases packed end to end, so no padding
+        column is computed. Their keys/values go to the cache: a bidirectional row's at its aligned columns (where
+        the block's later steps read them), a block-causal joining row's at its own columns of the cache's first
+        rows (where `_first_step_from_store` saves them to its slot). Returns the packed rows' new block `(n, L)`
+        and whether each edited a committed token `(n,)`."""
+        packed, length = self.packed, block_end - block_start
+        rows, n = packed["layout_rows"], len(packed["lengths"])
+        cache_columns = packed["positions"] if self.store is not None else packed["columns"]
         packing = PackedRows(
             packed["lengths"],
             self.cache,
-            packed["columns"] if self.cache is not None else None,
+            cache_columns if self.cache is not None else None,
             kept_per_row=length,
         )
         tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
@@ -246,33 +238,16 @@ class LayoutRun(BlockDiffusionRun):
             packed["logits_index"],
             **self.forward_kwargs,
         ).to(self.device)
-        scheduled = self.unmasking.scheduled_counts(step, n, self.device)
-        block = self.x[:, block_start:block_end]
-        new_block, _, edited = self.decide(block, logits.view(n, length, -1), scheduled, generated, active)
-        self.nfe += 1
-        self.x[:, block_start:block_end] = new_block
-        return new_block, edited
-
-    def _compact_inputs(self, block_start, block_end, active, generated, rows: slice):
-        """The first step's inputs on the compact layout (`self.refresh`) of the layout's rows `rows` (`active`
-        and `generated` are the layout's), and the key of its CUDA graph."""
-        refresh, device = self.refresh, self.device
-        n, width = refresh["tokens"].shape
-        columns = torch.arange(width, device=device)
-        self.cache.set_length(width)
-        attention_mask = self.model._diffusion_attention_mask(refresh["key_mask"], width)
-        inputs = dict(
-            tokens=refresh["tokens"],
-            position_ids=columns.expand(n, -1),
-            cache_position=columns,
-            logits_index=refresh["block_index"] - self.shift,
-            block_index=refresh["block_index"],
-            scheduled=self.unmasking.scheduled_counts(0, self.x.shape[0], device)[rows],
-            active=None if active is None else active[rows],
-            generated=None if generated is None else generated[rows],
-            attention_mask=attention_mask,
+        scheduled = self.unmasking.scheduled_counts(step, self.x.shape[0], self.device)[rows]
+        new_block, _, edited = self.decide(
+            self.x[rows, block_start:block_end],
+            logits.view(n, length, -1),
+            scheduled,
+            None if generated is None else generated[rows],
+            None if active is None else active[rows],
         )
-        return inputs, ("compact", n, width, block_end - block_start, attention_mask is not None)
+        self.nfe += 1
+        return new_block, edited
 
     def _forward(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`step(**inputs)`, through the CUDA graph of `key` when the run has graphs."""
@@ -282,12 +257,14 @@ class LayoutRun(BlockDiffusionRun):
         return self.graphs.run(key, self.step, inputs)
 
     def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; a step over whole canvases runs packed (`_packed_step`) where the model
-        takes packed rows; with a store, the first step is `_first_step_from_store`."""
+        """`BlockDiffusionRun.run_step`; a step over whole canvases runs packed (`_packed_forward`) where the
+        model takes packed rows; with a store, the first step is `_first_step_from_store`."""
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
         if self.packed is not None and (step == 0 or self.cache is None):
-            return self._packed_step(block_start, block_end, step, active, generated)
+            new_block, edited = self._packed_forward(block_start, block_end, step, active, generated)
+            self.x[:, block_start:block_end] = new_block
+            return new_block, edited
         if step == 0:
             q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
             self.first_step_positions += self.x.shape[0] * (q_end - q_start)
@@ -297,8 +274,9 @@ class LayoutRun(BlockDiffusionRun):
         """The block's first step with the rows' K/V kept in the store (block-causal models; rows ordered as in
         `decode_block`: `continuing` rows that decoded a block before, then `joining` rows at their first block).
 
-        1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), on the
-           cache's first rows; their prompt's K/V (exact: columns before the block) go to their slots.
+        1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), packed
+           (`_packed_forward`), written to the cache's first rows; their prompt's K/V (exact: columns before the
+           block) go to their slots.
         2. Every row's slot is copied into the aligned layout at the row's columns.
         3. The continuing rows' forward (`StoredBlockCache`: previous block and block, on the cache's first rows);
            the previous block's K/V (exact now) go to their slots.
@@ -309,9 +287,7 @@ class LayoutRun(BlockDiffusionRun):
         edited = torch.zeros(n, dtype=torch.bool, device=self.device)
         if joining:
             rows = slice(continuing, n)
-            inputs, key = self._compact_inputs(block_start, block_end, active, generated, rows)
-            new_block[rows], _, edited[rows] = self._forward(inputs, key)
-            self.nfe += 1
+            new_block[rows], edited[rows] = self._packed_forward(block_start, block_end, 0, active, generated)
             prefix = torch.arange(int(self.starts[rows].max())).expand(joining, -1)
             self.store.save(self.cache, self.slots[rows], prefix, prefix)
         self.cache.set_length(self.seq_len)
