@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_load import BLOCK, STEPS_PER_BLOCK, build_model, workload  # noqa: E402
 
-from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest  # noqa: E402
+from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.layout import LayoutRun  # noqa: E402
+from hf_dllm.serving.rows import EngineRequest  # noqa: E402
 
 
 def main() -> None:

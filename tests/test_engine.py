@@ -18,8 +18,9 @@ import torch
 from conftest import FIXTURES, tiny_model
 
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
-from hf_dllm.serving.engine import ContinuousBatcher, EngineRequest
-from hf_dllm.serving.layout import BlockUpdate, LayoutRun
+from hf_dllm.serving.engine import ContinuousBatcher
+from hf_dllm.serving.layout import LayoutRun
+from hf_dllm.serving.rows import BlockUpdate, EngineRequest
 
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"
 

@@ -2,7 +2,7 @@
 
 `server.py` holds the app and its command line, `protocol.py` the request parsing and OpenAI error bodies,
 `engine.py` the continuous-batching scheduler (rows join and leave a running batch at block boundaries),
-`layout.py` the decoding of one layout of its rows by the one block loop, `row_cache.py` block-causal rows' K/V
-between blocks, `batching.py` the scheduler thread that feeds it requests and turns its block updates into
-streamed text and results.
+`layout.py` the decoding of one layout of its rows by the one block loop, `rows.py` a request as a row,
+`row_cache.py` block-causal rows' K/V between blocks, `batching.py` the scheduler thread that feeds the engine
+requests and turns its block updates into streamed text and results.
 """

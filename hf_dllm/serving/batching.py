@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from .engine import ContinuousBatcher, EngineRequest
-from .layout import BlockUpdate
+from .engine import ContinuousBatcher
+from .rows import BlockUpdate, EngineRequest
 
 logger = logging.getLogger("hf_dllm.serve")
 

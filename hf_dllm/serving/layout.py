@@ -32,9 +32,6 @@ position at a block's first step; a block-causal model's earlier blocks hold com
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..cache import StoredBlockCache
@@ -43,20 +40,7 @@ from ..generation_utils import BlockDiffusionRun
 from ..graphs import StepGraphs
 from ..packed import PackedRows
 from .row_cache import RowKVStore
-
-if TYPE_CHECKING:
-    from .engine import EngineRequest
-
-
-@dataclass(eq=False)
-class BlockUpdate:
-    """What one committed block gave a row: its new generated tokens, whether the row ended by the run's own rules
-    (EOS with `eos_early_stop`, in-block EOS stop, last block) and its forwards so far."""
-
-    new_tokens: list[int]
-    ended: bool
-    nfe: int
-
+from .rows import BlockUpdate, EngineRequest
 
 # Captured step shapes the engine keeps: its layouts vary in rows and width (`ContinuousBatcher.width_granularity`),
 # far more than one `generate()` call's shapes, and a shape dropped from the cache is run eagerly and captured again.

@@ -24,7 +24,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .engine import ContinuousBatcher, EngineRequest
+from .engine import ContinuousBatcher
+from .rows import EngineRequest
 
 # The followers wait for the next request for as long as the server runs: no timeout on the control group.
 CONTROL_TIMEOUT = timedelta(days=365)
