@@ -26,15 +26,24 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 
-def run_worker(tmp_path: Path, device: str, dtype: str, timeout: int) -> dict:
+def run_worker(
+    tmp_path: Path, device: str, dtype: str, timeout: int, args: tuple = (), env: dict | None = None
+) -> dict:
+    """`tensor_parallel_worker.py` under `torchrun --nproc-per-node 2` (`args` after device and dtype, `env` on top
+    of the process environment); returns what the first rank recorded."""
     out = tmp_path / "tp.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **(env or {}),
+    )
     if device == "cpu":  # on a machine with GPUs, transformers would place each rank's shard on its GPU
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     result = subprocess.run(
-        [*command, str(WORKER_PATH), str(out), device, dtype],
+        [*command, str(WORKER_PATH), str(out), device, dtype, *args],
         env=env,
         cwd=ROOT,
         capture_output=True,

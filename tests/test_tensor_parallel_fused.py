@@ -18,10 +18,6 @@ after the all-reduce), and the fixture with sdpa attention (the fused path's gro
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,11 +25,7 @@ import torch
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER_PATH = Path(__file__).parent / "tensor_parallel_worker.py"
-_spec = importlib.util.spec_from_file_location("tensor_parallel_worker", WORKER_PATH)
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+from test_tensor_parallel import run_worker, worker  # noqa: E402
 
 SETTING = worker.FUSED_SETTINGS[0][0]
 # The worker's cached steps (the fixture with its default `llada_triton` attention, with two shared experts, with
@@ -60,22 +52,9 @@ def two_shared_experts_model(directory: Path) -> Path:
 
 
 def run_fused_worker(tmp_path: Path, device: str, dtype: str, extra: Path, timeout: int) -> dict:
-    out = tmp_path / "tp_fused.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    if device == "cpu":  # the kernels in Triton's interpreter; no GPU even where there is one
-        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton")
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    result = subprocess.run(
-        [*command, str(WORKER_PATH), str(out), device, dtype, "fused", str(extra)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    return torch.load(out, weights_only=False)
+    # On the CPU the kernels run in Triton's interpreter.
+    env = dict(TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton") if device == "cpu" else {}
+    return run_worker(tmp_path, device, dtype, timeout, args=("fused", str(extra)), env=env)
 
 
 def one_process(extra: Path, device: str, dtype: torch.dtype) -> dict:
