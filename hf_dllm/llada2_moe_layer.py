@@ -220,13 +220,17 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return [*self.experts, self.shared_experts] if self.stack_shared else list(self.experts)
 
     def _sampled_weights(self) -> list[torch.Tensor]:
-        sampled = [self.experts[0], self.experts[-1], *([self.shared_experts] if self.stack_shared else [])]
+        # The shared expert's too, stacked or not: replacing its layers (FP8 ones, tensor-parallel shards) is what
+        # changes `stack_shared`, which is decided once per build of the stacks.
+        sampled = [
+            self.experts[0],
+            self.experts[-1],
+            *([self.shared_experts] if self.shared_experts is not None else []),
+        ]
         return [linear.weight for expert in sampled for linear in (expert.gate_proj, expert.up_proj, expert.down_proj)]
 
     def _stacks_are_current(self) -> bool:
-        # A different count means the shared expert joined or left the stacks (`stack_shared`, e.g. its layers were
-        # replaced by FP8 ones): rebuild.
-        weights = self._sampled_weights()
+        weights = self._sampled_weights()  # fewer when the shared expert was removed
         return len(weights) == len(self._stack_check) and all(
             weight is sampled and local_tensor(weight).data_ptr() == pointer
             for weight, (sampled, pointer) in zip(weights, self._stack_check, strict=True)
@@ -335,10 +339,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         if router_input is not None:
             router_input = router_input.reshape(-1, hidden)
         topk_idx, topk_weight, router_logits = self.gate(x, fused=True, router_input=router_input)
-        stacked_shared = self.shared_experts is not None and self.stack_shared
+        gate_up, down = self.stacked_weights()
+        stacked_shared = gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided when the stacks were built
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
         grouped_mm = _grouped_mm_function()
-        gate_up, down = self.stacked_weights()
         projected = grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
         gate, up = projected.chunk(2, dim=-1)
         expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)

@@ -248,6 +248,9 @@ def test_stacks_rebuild_when_the_shared_expert_leaves_them():
     )  # fmt: skip
     moe = LLaDA2MoeModelLM(config).model.layers[1].mlp
     assert moe.stack_shared and moe.stacked_weights()[0].shape[0] == 7  # 6 routed + the shared expert
+    replaced = torch.nn.Linear(32, 8, bias=False)  # a new layer object (as FP8 or tensor-parallel loading makes)
+    moe.shared_experts.gate_proj = replaced
+    assert torch.equal(moe.stacked_weights()[0][6, :8], replaced.weight.detach())
     moe.shared_experts = None
     assert not moe.stack_shared and moe.stacked_weights()[0].shape[0] == 6
 
