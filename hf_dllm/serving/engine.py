@@ -103,8 +103,8 @@ class ContinuousBatcher:
         self.store = RowKVStore(max_batch_size, max_batch_width) if self.block_causal else None
         self.lock = threading.Lock()
         self.forwards = 0  # model forwards made (one batched forward counts once)
-        # Positions (rows x columns, padding included) fed to the model by blocks' first steps: what rows recompute
-        # of their prefix (and joining rows' prefill).
+        # Positions fed to the model by blocks' first steps (packed rows: their own; a layout's rows: rows x
+        # columns, padding included): what rows recompute of their prefix (and joining rows' prefill).
         self.first_step_positions = 0
         self.layouts = 0  # layouts decoded (one per cohort per boundary)
         self.last_layout_sizes: list[int] = []  # rows of each layout of the last boundary

@@ -114,9 +114,8 @@ class LayoutRun(BlockDiffusionRun):
             shift, own = int(shifts[i]), min(row.tokens.shape[0], width - int(shifts[i]))
             self.x[i, shift : shift + own] = row.tokens[:own]
             self.key_mask[i, shift : shift + own] = 1
-        device_shifts = shifts.to(device)
         columns = torch.arange(width, device=device)
-        self.position_ids = (columns - device_shifts.unsqueeze(-1)).clamp(min=0)
+        self.position_ids = (columns - shifts.to(device).unsqueeze(-1)).clamp(min=0)
         prompt_lengths = torch.tensor([int(row.plan.prompt_end[0]) for row in rows])
         self.host_prompt_end = shifts + prompt_lengths
         self.prompt_end = self.host_prompt_end.to(device)
@@ -169,10 +168,10 @@ class LayoutRun(BlockDiffusionRun):
 
     def _packed_layout(self, rows, shifts: torch.Tensor, length: int, end: int, first_row: int = 0) -> dict:
         """The rows `rows[first_row:]` for a forward over their columns before `end` (an aligned column), packed
-        end to end (`packed.PackedRows`: no padding): `lengths` (host), and `(T,)` device tensors `rows` and
-        `columns` (each packed position's row and column in `self.x`), `positions` (its column in its row's own
-        canvas, also its RoPE position), and `logits_index` `(rows * length,)` (the packed positions whose logits
-        the block's step reads)."""
+        end to end, made once per block: their `packing` (`packed.PackedRows`: no padding, and where their K/V go),
+        `(T,)` device tensors `rows` and `columns` (each packed position's row and column in `self.x`),
+        `positions` (its column in its row's own canvas, also its RoPE position), and `logits_index`
+        `(rows * length,)` (the packed positions whose logits the block's step reads)."""
         lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
         block_columns = torch.arange(length)
         for i in range(first_row, len(rows)):
@@ -186,30 +185,27 @@ class LayoutRun(BlockDiffusionRun):
         device = self.device
         columns = torch.cat(columns).to(device)
         row_index = torch.cat(row_index).to(device)
+        positions = columns - shifts.to(device)[row_index]
+        # K/V go to a bidirectional row's aligned columns (the block's later steps read them there), a block-causal
+        # joining row's own columns of the cache's first rows (`_first_step_from_store` saves them to its slot).
+        cache_columns = positions if self.store is not None else columns
         return dict(
-            lengths=lengths,
+            packing=PackedRows(
+                lengths, self.cache, cache_columns if self.cache is not None else None, kept_per_row=length
+            ),
             layout_rows=slice(first_row, len(rows)),
             rows=row_index,
             columns=columns,
-            positions=columns - shifts.to(device)[row_index],
+            positions=positions,
             logits_index=torch.cat(logits_index).to(device),
         )
 
     def _packed_forward(self, block_start, block_end, step, active, generated):
         """Step `step` of the packed rows (`self.packed`), on their canvases packed end to end, so no padding
-        column is computed. Their keys/values go to the cache: a bidirectional row's at its aligned columns (where
-        the block's later steps read them), a block-causal joining row's at its own columns of the cache's first
-        rows (where `_first_step_from_store` saves them to its slot). Returns the packed rows' new block `(n, L)`
+        column is computed (their K/V go where `_packed_layout` says). Returns the packed rows' new block `(n, L)`
         and whether each edited a committed token `(n,)`."""
         packed, length = self.packed, block_end - block_start
-        rows, n = packed["layout_rows"], len(packed["lengths"])
-        cache_columns = packed["positions"] if self.store is not None else packed["columns"]
-        packing = PackedRows(
-            packed["lengths"],
-            self.cache,
-            cache_columns if self.cache is not None else None,
-            kept_per_row=length,
-        )
+        packing, rows = packed["packing"], packed["layout_rows"]
         tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
         if step == 0:
             self.first_step_positions += tokens.shape[1]
@@ -225,7 +221,7 @@ class LayoutRun(BlockDiffusionRun):
         scheduled = self.unmasking.scheduled_counts(step, self.x.shape[0], self.device)[rows]
         new_block, _, edited = self.decide(
             self.x[rows, block_start:block_end],
-            logits.view(n, length, -1),
+            logits.view(len(packing.lengths), length, -1),
             scheduled,
             None if generated is None else generated[rows],
             None if active is None else active[rows],
@@ -274,7 +270,6 @@ class LayoutRun(BlockDiffusionRun):
             new_block[rows], edited[rows] = self._packed_forward(block_start, block_end, 0, active, generated)
             prefix = torch.arange(int(self.starts[rows].max())).expand(joining, -1)
             self.store.save(self.cache, self.slots[rows], prefix, prefix)
-        self.cache.set_length(self.seq_len)
         self.store.load(self.cache, self.slots, self.shifts, block_start)
         if continuing:
             # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
