@@ -108,19 +108,31 @@ def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
 
 class LocalHeadCounts:
     """Head counts of an attention layer with `q_proj` / `k_proj` projections and `head_dim`, read from the weights'
-    shapes: this rank's share under tensor parallelism (column-wise q/k/v), all heads otherwise."""
+    shapes: this rank's share under tensor parallelism (column-wise q/k/v), all heads otherwise. Read once per pair
+    of weight objects (the layers ask several times per forward; loading sharded or quantized weights replaces
+    them, which reads them again)."""
+
+    def _head_counts(self) -> tuple[int, int]:
+        modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
+        q_weight, k_weight = modules["q_proj"].weight, modules["k_proj"].weight
+        read = self.__dict__.get("_read_head_counts")
+        if read is None or read[0] is not q_weight or read[1] is not k_weight:
+            heads = local_shape(q_weight)[0] // self.head_dim, local_shape(k_weight)[0] // self.head_dim
+            read = self.__dict__["_read_head_counts"] = (q_weight, k_weight, heads)
+        return read[2]
 
     @property
     def num_heads(self) -> int:
-        return local_shape(self.q_proj.weight)[0] // self.head_dim
+        return self._head_counts()[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return local_shape(self.k_proj.weight)[0] // self.head_dim
+        return self._head_counts()[1]
 
     @property
     def num_key_value_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
+        heads, kv_heads = self._head_counts()
+        return heads // kv_heads
 
 
 __all__ = [

@@ -152,3 +152,15 @@ def test_two_gpus_bfloat16(tmp_path):
             assert result["graphs_captured"] == single_graphs, "tensor parallelism changed CUDA-graph capture"
         for setting, _ in worker.SETTINGS[name]:
             assert torch.equal(first["generated"][setting][0], second["generated"][setting][0]), setting
+
+
+def test_head_counts_follow_the_weights_when_they_are_replaced():
+    """An attention layer's head counts are read from its q/k weights once, and again when the weights are
+    replaced (as tensor-parallel or quantized loading replaces them)."""
+    from conftest import tiny_model
+
+    block = tiny_model(seed=0).model.transformer.blocks[0]  # 4 query heads, 2 key/value heads of 16
+    assert (block.num_heads, block.num_kv_heads, block.num_key_value_groups) == (4, 2, 2)
+    block.q_proj.weight = torch.nn.Parameter(block.q_proj.weight[:32])  # this rank's 2 query heads
+    block.k_proj = torch.nn.Linear(64, 16, bias=False)  # and 1 key/value head
+    assert (block.num_heads, block.num_kv_heads, block.num_key_value_groups) == (2, 1, 2)
