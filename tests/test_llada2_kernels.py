@@ -128,17 +128,8 @@ SCRIPT = textwrap.dedent(
         assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5), ("per-query mask", splits)
 
     # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
-    for shared_experts in (1, 2):
-        config = hf_dllm.LLaDA2MoeConfig(**dict(base, head_dim=16), intermediate_size=48, num_hidden_layers=2,
-            num_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=8,
-            num_shared_experts=shared_experts, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True,
-            moe_router_enable_expert_bias=True)
-        model = hf_dllm.LLaDA2MoeModelLM(config).eval()
-        assert model.config._attn_implementation == "llada_triton"  # the default: split-KV kernel where it runs
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                param.data.normal_(1, 0.2)
-        model.model.layers[1].mlp.gate.expert_bias.normal_(0, 0.1)
+    def prefill_and_step(model):
+        # Per kernel mode: the prefill's logits, the step's logits, the last layer's cache, the router logits.
         ids, block = torch.randint(0, 60, (2, 12)), torch.randint(0, 60, (2, 4))
         results = {}
         for mode in ("torch", "triton"):
@@ -150,6 +141,20 @@ SCRIPT = textwrap.dedent(
                 step = model(block, past_key_values=cache, use_cache=True, cache_position=torch.arange(12, 16),
                              block_length=4, output_router_logits=True)
             results[mode] = (prefill, step.logits, cache.keys[1], cache.values[1], step.router_logits[0])
+        return results
+
+    for shared_experts in (1, 2):
+        config = hf_dllm.LLaDA2MoeConfig(**dict(base, head_dim=16), intermediate_size=48, num_hidden_layers=2,
+            num_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3, moe_intermediate_size=8,
+            num_shared_experts=shared_experts, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True,
+            moe_router_enable_expert_bias=True)
+        model = hf_dllm.LLaDA2MoeModelLM(config).eval()
+        assert model.config._attn_implementation == "llada_triton"  # the default: split-KV kernel where it runs
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.data.normal_(1, 0.2)
+        model.model.layers[1].mlp.gate.expert_bias.normal_(0, 0.1)
+        results = prefill_and_step(model)
         for name, ref, ours in zip(("prefill", "step", "keys", "values", "router"), results["torch"], results["triton"]):
             assert (ref - ours).abs().max() < 1e-5, (name, shared_experts, (ref - ours).abs().max())
 
@@ -159,16 +164,9 @@ SCRIPT = textwrap.dedent(
     torch.nn.functional.scaled_dot_product_attention = (
         lambda *args, **kwargs: sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2))
     model = hf_dllm.LLaDA2MoeModelLM._from_config(config, attn_implementation="sdpa").eval()
-    ids, block = torch.randint(0, 60, (2, 12)), torch.randint(0, 60, (2, 4))
-    logits = {}
-    for mode in ("torch", "triton"):
-        kernels.set_kernel_mode(mode)
-        cache = DiffusionKVCache(2, 2, 16)
-        with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(12), block_length=4)
-            logits[mode] = model(block, past_key_values=cache, use_cache=True, cache_position=torch.arange(12, 16),
-                                 block_length=4).logits
-    assert (logits["torch"] - logits["triton"]).abs().max() < 1e-5, ("sdpa", (logits["torch"] - logits["triton"]).abs().max())
+    results = prefill_and_step(model)
+    for name, ref, ours in zip(("prefill", "step", "keys", "values", "router"), results["torch"], results["triton"]):
+        assert (ref - ours).abs().max() < 1e-5, ("sdpa", name, (ref - ours).abs().max())
     torch.nn.functional.scaled_dot_product_attention = sdpa
     print("ok")
     """
