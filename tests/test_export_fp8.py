@@ -186,3 +186,17 @@ def test_gpu_export_loads_as_fp8_layers_like_an_on_the_fly_quantized_load(llada_
         expected = source.cuda()(ids).logits.float()
         got = loaded(ids).logits.float()
     assert (got - expected).abs().max() <= 0.1 * expected.abs().max()
+
+
+def test_an_fp8_checkpoint_is_checked_with_its_own_block_size():
+    """A pre-quantized SRC with another `weight_block_size` than the default expects scales of that block."""
+    from hf_dllm.hub.export import expected_tensor_shapes
+
+    config = hf_dllm.LLaDAConfig(
+        d_model=128, n_heads=2, n_kv_heads=2, n_layers=1, mlp_hidden_size=256, vocab_size=384, embedding_size=384,
+        max_sequence_length=256, bos_token_id=1, **BLOCK_WIDE,
+    ).to_dict()  # fmt: skip
+    for block in ([128, 128], [64, 32]):
+        config["quantization_config"] = dict(quant_method="fp8", weight_block_size=block)
+        required, _ = expected_tensor_shapes(config)
+        assert required["model.transformer.blocks.0.ff_proj.weight_scale_inv"] == (256 // block[0], 128 // block[1])

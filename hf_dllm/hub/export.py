@@ -1241,10 +1241,9 @@ def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], di
 
         from .quantize import fp8_weight_names, scale_shapes
 
-        names = fp8_weight_names(
-            model_class, config_class.from_dict(config), FineGrainedFP8Config.from_dict(quantization)
-        )
-        required.update(scale_shapes(shapes, names))
+        quantization_config = FineGrainedFP8Config.from_dict(quantization)
+        names = fp8_weight_names(model_class, config_class.from_dict(config), quantization_config)
+        required.update(scale_shapes(shapes, names, tuple(quantization_config.weight_block_size)))
     return required, tied
 
 

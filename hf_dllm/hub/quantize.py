@@ -68,11 +68,13 @@ def scale_name(weight_name: str) -> str:
     return weight_name.removesuffix(".weight") + ".weight_scale_inv"
 
 
-def scale_shapes(weight_shapes: dict[str, tuple[int, ...]], names: list[str]) -> dict[str, tuple[int, ...]]:
-    """The `weight_scale_inv` tensors a checkpoint with the FP8 weights `names` holds, with their shapes."""
+def scale_shapes(
+    weight_shapes: dict[str, tuple[int, ...]], names: list[str], block: tuple[int, int] = FP8_BLOCK
+) -> dict[str, tuple[int, ...]]:
+    """The `weight_scale_inv` tensors a checkpoint with the FP8 weights `names` (blocks of `block`) holds, with
+    their shapes."""
     return {
-        scale_name(name): tuple(size // b for size, b in zip(weight_shapes[name], FP8_BLOCK, strict=True))
-        for name in names
+        scale_name(name): tuple(size // b for size, b in zip(weight_shapes[name], block, strict=True)) for name in names
     }
 
 
