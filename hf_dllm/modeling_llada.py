@@ -34,6 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
+from .llada_lean import LeanBlockWeights, lean_block, select_rows, unchanged
 from .packed import PackedRows, run_attention
 from .tensor_parallel import LocalHeadCounts, is_sharded
 
@@ -159,14 +160,8 @@ def eager_attention_forward(
     return output, weights
 
 
-def _select_rows(tensor: torch.Tensor, keep: slice | torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """The positions `keep` (a slice or a 1D index) of `tensor` along `dim`."""
-    if isinstance(keep, slice):
-        return tensor[(slice(None),) * dim + (keep,)]
-    return tensor.index_select(dim, keep.to(tensor.device))
-
-
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
+_LEAN_MODULE_NAMES = (*_LINEAR_NAMES, "attn_norm", "ff_norm")
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -203,6 +198,7 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         self.ff_out = nn.Linear(config.intermediate_size, config.d_model, bias=config.include_bias)
         self.act = _ACTIVATIONS[config.activation_type]
         self.dropout = nn.Dropout(config.residual_dropout)
+        self._lean_cache: tuple | None = None  # see `lean_weights`
 
     def forward(
         self,
@@ -216,10 +212,11 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         """hidden_states `(batch, q_len, d_model)`; position_embeddings: cos, sin `(batch, q_len, head_dim)`."""
         batch, q_len, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states)
-        if not fused and self._lean_path_applies(hidden_states, past_key_values, kwargs):
-            return self._lean_forward(
-                hidden_states, lean_rotary(*position_embeddings), attention_mask, past_key_values, cache_position
-            )
+        if not fused and self._lean_call_applies(hidden_states, past_key_values, kwargs):
+            weights = self.lean_weights()
+            if weights is not None:
+                rotary = lean_rotary(*position_embeddings)
+                return lean_block(weights, hidden_states, rotary, attention_mask, past_key_values, cache_position)
         x = self.attn_norm(hidden_states)
         query, key, value = self._project_qkv(x, fused)
         cos, sin = position_embeddings
@@ -261,14 +258,11 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         )
         return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
 
-    def _lean_path_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
-        """Whether `_lean_forward` computes this forward: `_lean_call_applies` and `_lean_modules_apply`."""
-        return self._lean_call_applies(hidden_states, past_key_values, kwargs) and self._lean_modules_apply()
-
     def _lean_call_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
-        """The call's part (the same for every block of a forward): inference (no autograd, no dropout), float32,
-        no extra attention arguments, a `DiffusionKVCache` or none, full-precision RoPE, and attention through sdpa
-        (the backend that runs wherever the Triton kernels do not)."""
+        """Whether a forward can run its blocks as `llada_lean.lean_block` (the call's part, the same for every
+        block of a forward): inference (no autograd, no dropout), float32, no extra attention arguments, a
+        `DiffusionKVCache`, a `PackedRows` or no cache, full-precision RoPE, and attention through sdpa (the backend
+        that runs wherever the Triton kernels do not)."""
         if not (
             hidden_states.dtype == torch.float32
             and not torch.is_grad_enabled()
@@ -280,89 +274,59 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         config = self.config
         return config.rope_full_precision and config._attn_implementation in ("sdpa", TRITON_ATTENTION)
 
-    def _lean_modules_apply(self) -> bool:
-        """The block's part: multi-head attention, plain `nn.Linear` layers and `LLaDARMSNorm`s without bias (no
-        quantized, hooked or tensor-parallel-sharded replacements: the lean path calls their weights, not the
-        modules)."""
-        if self.num_key_value_groups != 1:
-            return False
+    def lean_weights(self) -> LeanBlockWeights | None:
+        """This block's tensors for `llada_lean.lean_block`, or None where it cannot compute the block: grouped-query
+        attention, a hook on one of its layers (the lean path reads weights instead of calling modules), or layers
+        that are not plain `nn.Linear` / bias-free `LLaDARMSNorm` (quantized or tensor-parallel-sharded
+        replacements). Gathered once and again when a parameter was replaced. (A hook on the block itself runs
+        when the block is called: `forward` then takes the lean path.)"""
         modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
+        parameters = []
+        for name in _LEAN_MODULE_NAMES:
+            module = modules[name]
+            if _has_hooks(module):
+                return None
+            parameters.extend(parameter for parameter in module._parameters.values() if parameter is not None)
+        cached = self._lean_cache  # (sources, weights or None)
+        if cached is None or not unchanged(parameters, cached[0]):
+            weights = self._gather_lean_weights()
+            # After the gathering: concatenating q/k/v and gate/up re-points those parameters.
+            self._lean_cache = cached = (tuple((p, p.data_ptr()) for p in parameters), weights)
+        return cached[1]
+
+    def _gather_lean_weights(self) -> LeanBlockWeights | None:
+        modules = self._modules
+        applies = self.num_key_value_groups == 1
         for name in _LINEAR_NAMES:
             layer = modules[name]
-            if type(layer) is not nn.Linear or _has_hooks(layer) or is_sharded(layer._parameters["weight"]):
-                return False
+            applies = applies and type(layer) is nn.Linear and not is_sharded(layer._parameters["weight"])
         for name in ("attn_norm", "ff_norm"):
             norm = modules[name]
-            if type(norm) is not LLaDARMSNorm or _has_hooks(norm) or norm.bias is not None:
-                return False
-        return True
-
-    def _lean_forward(
-        self,
-        hidden_states: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        past_key_values: DiffusionKVCache | None,
-        cache_position: torch.Tensor | None,
-        keep: slice | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The same block with fewer operations, for float32 inference without the Triton kernels (the CPU): q, k
-        and v from one product, RoPE applied to q and k together, gate and up from one product, sdpa called directly
-        (see benchmarks/RESULTS.md, "CPU path"). `rotary`: `lean_rotary(cos, sin)`. Shapes as in `forward`, except
-        that with `keep` (a slice or a 1D index of the `q_len` positions, `logits_to_keep`'s forms) only those
-        positions' queries, attention and MLP are computed (keys and values of all of them still are) and the output
-        is `(batch, kept, d_model)`: the last block of a forward whose logits are wanted at a few positions."""
-        batch, q_len, d_model = hidden_states.shape
-        heads, half = self.num_heads, self.head_dim // 2
-        modules = self._modules  # not `self.attn_norm`: nn.Module.__getattr__ costs a microsecond per name
-        attn_norm, ff_norm = modules["attn_norm"]._parameters, modules["ff_norm"]._parameters
-        attn_out, ff_out = modules["attn_out"]._parameters, modules["ff_out"]._parameters
-        eps = modules["attn_norm"].eps
-        # Rows as a 2D matrix: `mm`/`addmm` are what `linear` dispatches to, minus its reshapes.
-        residual = hidden_states.reshape(batch * q_len, d_model)
-        x = nn.functional.rms_norm(residual, (d_model,), attn_norm["weight"], eps)
-        weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
-        qkv = (torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())).view(
-            batch, q_len, 3 * heads, self.head_dim
+            applies = applies and type(norm) is LLaDARMSNorm and norm.weight is not None and norm.bias is None
+        if not applies:
+            return None
+        qkv, qkv_bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
+        gate_up, gate_up_bias = self.concatenated(("ff_proj", "up_proj"))
+        attn_out, ff_out = modules["attn_out"], modules["ff_out"]
+        return LeanBlockWeights(
+            layer_idx=self.layer_idx,
+            heads=self.num_heads,
+            head_dim=self.head_dim,
+            scaling=self.scaling,
+            attn_norm=modules["attn_norm"].weight,
+            attn_norm_eps=modules["attn_norm"].eps,
+            qkv_t=qkv.t(),
+            qkv_bias=qkv_bias,
+            attn_out_t=attn_out.weight.t(),
+            attn_out_bias=attn_out.bias,
+            ff_norm=modules["ff_norm"].weight,
+            ff_norm_eps=modules["ff_norm"].eps,
+            gate_up_t=gate_up.t(),
+            gate_up_bias=gate_up_bias,
+            ff_out_t=ff_out.weight.t(),
+            ff_out_bias=ff_out.bias,
+            act=self.act,
         )
-        # RoPE on q and k at once (see `lean_rotary`).
-        cos, signed_sin = rotary
-        query_key = qkv[:, :, : 2 * heads]
-        query_key = query_key * cos + torch.roll(query_key, half, -1) * signed_sin
-        query, key, value = query_key[:, :, :heads], query_key[:, :, heads:], qkv[:, :, 2 * heads :]
-        key, value = key.transpose(1, 2), value.transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
-        if keep is not None:
-            query = _select_rows(query, keep)
-            residual = _select_rows(hidden_states, keep).reshape(-1, d_model)
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-2] > 1:
-                attention_mask = _select_rows(attention_mask, keep, dim=2)
-            q_len = query.shape[1]
-        if isinstance(attention_mask, PackedRows):
-            attn = attention_mask.attend(
-                lambda q, k, v, mask: nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=self.scaling
-                ).transpose(1, 2),
-                query.transpose(1, 2),
-                key,
-                value,
-            )
-        else:
-            attn = nn.functional.scaled_dot_product_attention(
-                query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=self.scaling
-            ).transpose(1, 2)
-        attn = attn.reshape(batch * q_len, d_model)
-        weight, bias = attn_out["weight"], attn_out.get("bias")
-        residual = residual + (torch.mm(attn, weight.t()) if bias is None else torch.addmm(bias, attn, weight.t()))
-        x = nn.functional.rms_norm(residual, (d_model,), ff_norm["weight"], modules["ff_norm"].eps)
-        weight, bias = self.concatenated(("ff_proj", "up_proj"))
-        gate_up = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-        width = gate_up.shape[-1] // 2
-        x = self.act(gate_up[:, :width]) * gate_up[:, width:]
-        weight, bias = ff_out["weight"], ff_out.get("bias")
-        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-        return (residual + out).view(batch, q_len, d_model)
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the weights are fused)."""
@@ -431,7 +395,9 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if not config.weight_tying:
             modules["ff_out"] = nn.Linear(config.d_model, config.padded_vocab_size, bias=config.include_bias)
         self.transformer = nn.ModuleDict(modules)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU RoPE cos, sin `(n, head_dim)`
+        # CPU RoPE tables: cos, sin `(n, head_dim)`, and `lean_rotary`'s cos and signed sin side by side `(n, 2,
+        # head_dim)`.
+        self._rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -440,20 +406,27 @@ class LLaDAModel(LLaDAPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.transformer.wte = value
 
-    def _rotary_cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rotary_cos_sin` for `position_ids` `(batch, q_len)`. On the CPU, rows of a table of positions
-        `[0, n)` computed once (the same float32 values; a step then costs one lookup instead of six operations);
-        elsewhere computed per call, since sizing the table would read the largest position on the host."""
+    def _rotary_cos_sin(self, position_ids: torch.Tensor, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary_cos_sin` for `position_ids` `(batch, q_len)`, or with `lean` the tables `lean_block` applies:
+        `lean_rotary`'s `(batch, q_len, 1, head_dim)`. On the CPU, rows of a table of positions `[0, n)` computed
+        once (the same float32 values; a step then costs one lookup instead of six operations); elsewhere computed
+        per call, since sizing the table would read the largest position on the host."""
         head_dim, theta = self.config.head_dim, self.config.rope_theta
         if position_ids.device.type != "cpu":
-            return rotary_cos_sin(position_ids, head_dim, theta)
+            cos_sin = rotary_cos_sin(position_ids, head_dim, theta)
+            return lean_rotary(*cos_sin) if lean else cos_sin
         needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
         table = self._rope_table
         if table is None or table[0].shape[0] < needed:
             size = max(needed, 2 * table[0].shape[0] if table is not None else 256)
             with torch.inference_mode(False):  # kept on the model: usable outside inference mode too
-                table = rotary_cos_sin(torch.arange(size).unsqueeze(0), head_dim, theta)
-            self._rope_table = table = (table[0][0], table[1][0])
+                cos, sin = rotary_cos_sin(torch.arange(size).unsqueeze(0), head_dim, theta)
+                # (n, 2, head_dim): cos and signed sin side by side, one lookup for `lean`.
+                lean_table = torch.cat(lean_rotary(cos, sin), dim=2)[0]
+            self._rope_table = table = (cos[0], sin[0], lean_table)
+        if lean:
+            rows = table[2][position_ids]
+            return rows[:, :, :1], rows[:, :, 1:]
         return table[0][position_ids], table[1][position_ids]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -504,7 +477,6 @@ class LLaDAModel(LLaDAPreTrainedModel):
         past_key_values, cache_position, position_ids, mask_2d, _ = resolve_forward_positions(
             inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, cache_position
         )
-        position_embeddings = self._rotary_cos_sin(position_ids)
 
         if mask_2d is not None:
             attention_mask = create_bidirectional_mask(
@@ -514,22 +486,25 @@ class LLaDAModel(LLaDAPreTrainedModel):
         hidden_states = inputs_embeds
         if self.config.input_emb_norm:
             hidden_states = hidden_states * (self.config.d_model**0.5)
-        hidden_states = self.transformer.emb_drop(hidden_states)
-        all_hidden_states = () if output_hidden_states else None
         blocks = self.transformer.blocks
-        last_index = len(blocks) - 1
         lean_call = not use_fused_kernels(hidden_states) and blocks[0]._lean_call_applies(
             hidden_states, past_key_values, kwargs
         )
-        rotary = None  # `lean_rotary` tables, made once per forward for the blocks that run `_lean_forward`
+        if not lean_call or self.training or _has_hooks(self.transformer.emb_drop):
+            hidden_states = self.transformer.emb_drop(hidden_states)  # elsewhere the identity
+        all_hidden_states = () if output_hidden_states else None
+        last_index = len(blocks) - 1
+        position_embeddings = rotary = None  # RoPE tables, made once per forward for the blocks that need them
         for index, block in enumerate(blocks):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            if lean_call and not _has_hooks(block) and block._lean_modules_apply():
+            weights = block.lean_weights() if lean_call and not _has_hooks(block) else None
+            if weights is not None:
                 if rotary is None:
-                    rotary = lean_rotary(*position_embeddings)
+                    rotary = self._rotary_cos_sin(position_ids, lean=True)
                 last = index == last_index
-                hidden_states = block._lean_forward(
+                hidden_states = lean_block(
+                    weights,
                     hidden_states,
                     rotary,
                     attention_mask,
@@ -540,6 +515,8 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 if last:
                     positions_to_keep = None  # the block kept them
                 continue
+            if position_embeddings is None:
+                position_embeddings = self._rotary_cos_sin(position_ids)
             hidden_states = block(
                 hidden_states,
                 position_embeddings=position_embeddings,
@@ -549,7 +526,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 **kwargs,
             )
         if positions_to_keep is not None:
-            hidden_states = _select_rows(hidden_states, positions_to_keep)
+            hidden_states = select_rows(hidden_states, positions_to_keep)
         hidden_states = self.transformer.ln_f(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)

@@ -1,4 +1,4 @@
-"""The CPU path of LLaDA (`LLaDALlamaBlock._lean_forward`, `positions_to_keep`, the CPU RoPE table, and the run's
+"""The CPU path of LLaDA (`llada_lean.lean_block`, `positions_to_keep`, the CPU RoPE table, and the run's
 inference mode on the CPU) computes what the regular path computes, and leaves the model trainable.
 
 The regular path is what runs with autograd on (the lean path is inference only), so each comparison is one model
@@ -25,13 +25,13 @@ def forward_logits(model, grad: bool, **kwargs) -> torch.Tensor:
 
 def count_lean_calls(monkeypatch) -> list[int]:
     calls = [0]
-    original = LLaDALlamaBlock._lean_forward
+    original = hf_dllm.modeling_llada.lean_block
 
-    def counted(self, *args, **kwargs):
+    def counted(*args, **kwargs):
         calls[0] += 1
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(LLaDALlamaBlock, "_lean_forward", counted)
+    monkeypatch.setattr(hf_dllm.modeling_llada, "lean_block", counted)
     return calls
 
 

@@ -171,7 +171,12 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         config_class="LLaDAConfig",
         model_module="modeling_llada",
         model_class="LLaDAModelLM",
-        remote_code_files=("configuration_llada.py", "modeling_llada.py", *SHARED_REMOTE_CODE_FILES),
+        remote_code_files=(
+            "configuration_llada.py",
+            "modeling_llada.py",
+            "llada_lean.py",  # the blocks as pure functions: the CPU path
+            *SHARED_REMOTE_CODE_FILES,
+        ),
         generation_defaults=FAST_GENERATION_DEFAULTS,
         card_template="template.md",
         generic_card="generic",
