@@ -69,6 +69,9 @@ class LLaDAConfig(PretrainedConfig):
         "transformer.blocks.*.ff_out": "rowwise",
         "transformer.ff_out": "colwise_gather_output",
     }
+    # No `base_model_pp_plan`: pipeline stages are children of the base model, and LLaDA's only child is
+    # `transformer`, the ModuleDict that holds the embedding, blocks, final norm and output head under the Hub
+    # checkpoints' parameter names (`model.transformer.blocks.0...`), which the model must keep to load them.
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "n_heads",

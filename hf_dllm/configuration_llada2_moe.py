@@ -132,6 +132,13 @@ class LLaDA2MoeConfig(PretrainedConfig):
         "layers.*.mlp.experts.*.up_proj": "colwise",
         "layers.*.mlp.experts.*.down_proj": "rowwise",
     }
+    # Pipeline stages (transformers' `base_model_pp_plan`, as its Llama and MoE models): the embedding, the decoder
+    # layers, the final norm; the output head is the last stage (`LLaDA2MoeModelLM._pp_plan`).
+    base_model_pp_plan = {
+        "word_embeddings": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
     # transformers 5 turns `rope_scaling` into a deprecated alias of `rope_parameters`; LLaDA2's configs store the
     # field itself, so this plain class attribute shadows the alias and `rope_scaling` is an ordinary field again.
     rope_scaling = None
