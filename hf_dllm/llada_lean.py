@@ -3,8 +3,8 @@
 Where the Triton kernels do not run (the CPU: the demo, CI, laptops), a block step of a small LLaDA is bound by the
 cost of each operation and each line of Python, not by arithmetic (`benchmarks/RESULTS.md`, "CPU path"). So for
 float32 inference the model runs each block as `lean_block(weights, ...)`: one function over a `LeanBlockWeights`
-of the block's tensors (views of its parameters, gathered once and re-checked at every forward in a few
-microseconds by `unchanged`), with the fewest operations that compute LLaDA's block (arXiv:2502.09992):
+of the block's tensors (views of its parameters, gathered once by the block and re-checked at every forward in a
+few microseconds), with the fewest operations that compute LLaDA's block (arXiv:2502.09992):
 q/k/v and gate/up as one product each (the concatenated views the GPU path also uses), RoPE on q and k together,
 the residual additions inside the output products (`addmm`), sdpa called directly. The module path (`forward` of
 `LLaDALlamaBlock`) stays the reference; `tests/test_cpu_path.py` compares the two.
@@ -25,7 +25,7 @@ from .packed import PackedRows
 
 class LeanBlockWeights(NamedTuple):
     """One block's tensors and sizes, as `lean_block` reads them: `*_t` are transposed views `(in, out)` of the
-    weights (no copies), biases may be None. Its owner re-gathers it when `unchanged` says a parameter changed."""
+    weights (no copies), biases may be None. The block re-gathers it when a parameter was replaced."""
 
     layer_idx: int
     heads: int
@@ -44,18 +44,6 @@ class LeanBlockWeights(NamedTuple):
     ff_out_t: torch.Tensor
     ff_out_bias: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]
-
-
-def unchanged(parameters: list[torch.Tensor], sources: tuple[tuple[torch.Tensor, int], ...]) -> bool:
-    """Whether `parameters` are still the tensors, and the storage, that `sources` `(parameter, data_ptr)` recorded
-    when the views were taken: False once one was replaced or re-pointed (`.to()`, `param.data = ...`, loading).
-    In-place updates need nothing: the views see them."""
-    if len(parameters) != len(sources):
-        return False
-    for parameter, (source, pointer) in zip(parameters, sources):
-        if parameter is not source or parameter.data_ptr() != pointer:
-            return False
-    return True
 
 
 def _product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
-from .llada_lean import LeanBlockWeights, lean_block, select_rows, unchanged
+from .llada_lean import LeanBlockWeights, lean_block, select_rows
 from .packed import PackedRows, run_attention
 from .tensor_parallel import LocalHeadCounts, is_sharded
 
@@ -169,6 +169,37 @@ def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
 
 
+def _lean_sources(modules: dict[str, nn.Module]) -> tuple:
+    """What a block's `LeanBlockWeights` were gathered from: `(name, layer, ((key, parameter, data_ptr), ...))` for
+    each of its layers."""
+    return tuple(
+        (
+            name,
+            modules[name],
+            tuple(
+                (key, parameter, None if parameter is None else parameter.data_ptr())
+                for key, parameter in modules[name]._parameters.items()
+            ),
+        )
+        for name in _LEAN_MODULE_NAMES
+    )
+
+
+def _lean_sources_unchanged(modules: dict[str, nn.Module], sources: tuple) -> bool:
+    """Whether the block still has the layers, parameters and storage of `sources` (`_lean_sources`), and no hooks on
+    them: False once a layer or parameter was replaced or re-pointed (`.to()`, `param.data = ...`, quantizing or
+    sharding), which the views would not see. In-place updates need nothing: the views see them. Runs at every
+    forward, so it is written for speed (~1 us a layer)."""
+    for name, layer, parameters in sources:
+        if modules[name] is not layer or layer._forward_hooks or layer._forward_pre_hooks or "_hf_hook" in layer.__dict__:
+            return False
+        current = layer._parameters
+        for key, parameter, pointer in parameters:
+            if current.get(key) is not parameter or (parameter is not None and parameter.data_ptr() != pointer):
+                return False
+    return True
+
+
 class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
     """One LLaDA block: `x + Attn(norm(x))`, then `x + W_out(act(W_gate norm(x)) * W_up norm(x))`.
 
@@ -281,18 +312,15 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         replacements). Gathered once and again when a parameter was replaced. (A hook on the block itself runs
         when the block is called: `forward` then takes the lean path.)"""
         modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
-        parameters = []
-        for name in _LEAN_MODULE_NAMES:
-            module = modules[name]
-            if _has_hooks(module):
-                return None
-            parameters.extend(parameter for parameter in module._parameters.values() if parameter is not None)
-        cached = self._lean_cache  # (sources, weights or None)
-        if cached is None or not unchanged(parameters, cached[0]):
-            weights = self._gather_lean_weights()
-            # After the gathering: concatenating q/k/v and gate/up re-points those parameters.
-            self._lean_cache = cached = (tuple((p, p.data_ptr()) for p in parameters), weights)
-        return cached[1]
+        cached = self._lean_cache  # (sources, weights or None), see `_lean_sources`
+        if cached is not None and _lean_sources_unchanged(modules, cached[0]):
+            return cached[1]
+        if any(_has_hooks(modules[name]) for name in _LEAN_MODULE_NAMES):
+            return None
+        weights = self._gather_lean_weights()
+        # After the gathering: concatenating q/k/v and gate/up re-points those parameters.
+        self._lean_cache = (_lean_sources(modules), weights)
+        return weights
 
     def _gather_lean_weights(self) -> LeanBlockWeights | None:
         modules = self._modules
@@ -466,8 +494,38 @@ class LLaDAModel(LLaDAPreTrainedModel):
             cache_position: `(q_len,)` columns of the full sequence the inputs sit at.
             positions_to_keep: a slice or a 1D index of the `q_len` positions: `last_hidden_state` holds only
                 those `(batch, kept, d_model)`, and the last block computes its queries and MLP only there where it
-                can (`LLaDALlamaBlock._lean_forward`). Not with `output_hidden_states`.
+                can (`llada_lean.lean_block`). Not with `output_hidden_states`.
         """
+        hidden_states, past_key_values, all_hidden_states = self._forward_hidden(
+            input_ids,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            inputs_embeds,
+            use_cache,
+            cache_position,
+            output_hidden_states,
+            positions_to_keep,
+            **kwargs,
+        )
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+        )
+
+    def _forward_hidden(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        past_key_values,
+        inputs_embeds: torch.Tensor | None,
+        use_cache: bool | None,
+        cache_position: torch.LongTensor | None,
+        output_hidden_states: bool | None,
+        positions_to_keep: slice | torch.Tensor | None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, Cache | DiffusionKVCache | None, tuple | None]:
+        """`forward`'s work: (last hidden states, the cache when `use_cache`, every layer's hidden states or None)."""
         if positions_to_keep is not None and output_hidden_states:
             raise ValueError("`positions_to_keep` cannot be combined with `output_hidden_states`.")
         if (input_ids is None) == (inputs_embeds is None):
@@ -530,11 +588,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
         hidden_states = self.transformer.ln_f(hidden_states)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
-            hidden_states=all_hidden_states,
-        )
+        return hidden_states, past_key_values if use_cache else None, all_hidden_states
 
 
 class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
@@ -583,12 +637,7 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
         (0 keeps all), a `slice` or a 1D index tensor selects positions, so the `(…, embedding_size)` head runs
         only where logits are needed. Returns `CausalLMOutputWithPast` with `logits` `(batch, kept, vocab)`.
         """
-        # Positions the model itself can keep (its last block then computes only them): a slice or a 1D index.
-        keep = logits_to_keep if not output_hidden_states else None
-        if isinstance(keep, int):
-            keep = slice(-keep, None) if keep > 0 else None
-        elif isinstance(keep, torch.Tensor) and keep.dim() != 1:
-            keep = None
+        keep = None if output_hidden_states else _positions_to_keep(logits_to_keep)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -610,6 +659,41 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
         )
         use_return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if use_return_dict else output.to_tuple()
+
+    def _diffusion_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask,
+        position_ids: torch.Tensor,
+        cache,
+        cache_position: torch.Tensor,
+        logits_slice,
+        **forward_kwargs,
+    ) -> torch.Tensor:
+        """The generation loop's forward (`DiffusionGenerationMixin._diffusion_forward`): the logits of `forward`
+        without building its output dataclasses, which cost tens of microseconds of a tiny model's ~1 ms CPU step.
+        Through `forward` where a hook on the model expects it to be called."""
+        if forward_kwargs or _has_hooks(self) or _has_hooks(self.model):
+            return super()._diffusion_forward(
+                input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
+            )
+        keep = _positions_to_keep(logits_slice)
+        hidden_states, _, _ = self.model._forward_hidden(
+            input_ids, attention_mask, position_ids, cache, None, cache is not None, cache_position, None, keep
+        )
+        if keep is None:
+            hidden_states = select_positions(hidden_states, logits_slice)
+        return self.model.compute_logits(hidden_states)
+
+
+def _positions_to_keep(logits_to_keep: int | slice | torch.Tensor) -> slice | torch.Tensor | None:
+    """The positions of `logits_to_keep` the model itself can keep (its last block then computes only them): a slice
+    or a 1D index; None for all positions or an index of another form."""
+    if isinstance(logits_to_keep, int):
+        return slice(-logits_to_keep, None) if logits_to_keep > 0 else None
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() != 1:
+        return None
+    return logits_to_keep
 
 
 __all__ = ["LLaDAModel", "LLaDAModelLM", "LLaDAPreTrainedModel"]

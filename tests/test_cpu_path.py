@@ -111,6 +111,54 @@ def test_hooked_modules_still_run_their_hooks(hooked, monkeypatch):
     assert calls[0] == model.config.n_layers - (hooked != "block")
 
 
+def test_hooks_added_after_a_lean_forward_still_run(monkeypatch):
+    """The lean weights are gathered once; a hook registered later on one of a block's layers still fires."""
+    calls = count_lean_calls(monkeypatch)
+    model = tiny_model(seed=3, **MHA)
+    input_ids = torch.randint(4, 100, (1, 9))
+    with torch.no_grad():
+        model(input_ids)
+    seen = []
+    model.model.transformer.blocks[1].up_proj.register_forward_hook(lambda *args: seen.append(1))
+    calls[0] = 0
+    with torch.no_grad():
+        model(input_ids)
+    assert seen == [1] and calls[0] == model.config.n_layers - 1
+
+
+@pytest.mark.parametrize("change", ["in_place", "replaced", "data", "layer", "to"])
+def test_lean_path_follows_weight_changes(change, monkeypatch):
+    """After a lean forward gathered the weights, every way of changing them reaches the next lean forward: in
+    place (the views see it), a new parameter, `param.data = ...`, a new layer, `.to()` (new storage)."""
+    calls = count_lean_calls(monkeypatch)
+    model = tiny_model(seed=7, **MHA)
+    input_ids = torch.randint(4, 100, (1, 11))
+    with torch.no_grad():
+        before = model(input_ids).logits
+    block = model.model.transformer.blocks[-1]
+    new_weight = torch.randn_like(block.k_proj.weight) * 0.3
+    with torch.no_grad():
+        if change == "in_place":
+            block.k_proj.weight.copy_(new_weight)
+        elif change == "replaced":
+            block.k_proj.weight = torch.nn.Parameter(new_weight)
+        elif change == "data":
+            block.k_proj.weight.data = new_weight
+        elif change == "layer":
+            layer = torch.nn.Linear(*reversed(block.k_proj.weight.shape), bias=False)
+            layer.weight.copy_(new_weight)
+            block.k_proj = layer
+        else:  # new storage, then an in-place change that views of the old storage would miss
+            model.to(torch.float64).to(torch.float32)
+            block.k_proj.weight.copy_(new_weight)
+    calls[0] = 0
+    lean = forward_logits(model, grad=False, input_ids=input_ids)
+    assert calls[0] == model.config.n_layers
+    regular = forward_logits(model, grad=True, input_ids=input_ids)
+    torch.testing.assert_close(lean, regular, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lean, before, atol=1e-3)  # the change mattered
+
+
 def test_positions_to_keep_refuses_hidden_states():
     model = tiny_model(seed=4, **MHA)
     with pytest.raises(ValueError, match="positions_to_keep"):
