@@ -672,8 +672,14 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
     ) -> torch.Tensor:
         """The generation loop's forward (`DiffusionGenerationMixin._diffusion_forward`): the logits of `forward`
         without building its output dataclasses, which cost tens of microseconds of a tiny model's ~1 ms CPU step.
-        Through `forward` where a hook on the model expects it to be called."""
-        if forward_kwargs or _has_hooks(self) or _has_hooks(self.model):
+        Through `forward` where a hook or a subclass's own `forward` expects it to be called."""
+        if (
+            forward_kwargs
+            or type(self).forward is not LLaDAModelLM.forward
+            or type(self.model).forward is not LLaDAModel.forward
+            or _has_hooks(self)
+            or _has_hooks(self.model)
+        ):
             return super()._diffusion_forward(
                 input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
             )
