@@ -123,7 +123,9 @@ def lean_block(
         attn = nn.functional.scaled_dot_product_attention(
             query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=weights.scaling
         ).transpose(1, 2)
-    residual = _residual_product(residual, attn.reshape(batch * q_len, d_model), weights.attn_out_t, weights.attn_out_bias)
+    residual = _residual_product(
+        residual, attn.reshape(batch * q_len, d_model), weights.attn_out_t, weights.attn_out_bias
+    )
     x = nn.functional.rms_norm(residual, (d_model,), weights.ff_norm, weights.ff_norm_eps)
     gate_up = _product(x, weights.gate_up_t, weights.gate_up_bias)
     width = gate_up.shape[-1] // 2

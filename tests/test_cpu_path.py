@@ -13,7 +13,7 @@ from conftest import tiny_model
 
 import hf_dllm
 from hf_dllm.cache import DiffusionKVCache
-from hf_dllm.modeling_llada import LLaDALlamaBlock, lean_rotary, rotary_cos_sin
+from hf_dllm.modeling_llada import lean_rotary, rotary_cos_sin
 
 MHA = dict(n_kv_heads=4)  # the lean path covers multi-head attention (LLaDA 8B); conftest's default is GQA
 
