@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .packed import PackedRows
+from .packed import PackedRows, attend_rows
 
 
 class LeanBlockWeights(NamedTuple):
@@ -110,19 +110,13 @@ def lean_block(
         if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-2] > 1:
             attention_mask = select_rows(attention_mask, keep, dim=2)
         q_len = query.shape[1]
-    if isinstance(attention_mask, PackedRows):
-        attn = attention_mask.attend(
-            lambda q, k, v, mask: nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=weights.scaling
-            ).transpose(1, 2),
-            query.transpose(1, 2),
-            key,
-            value,
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=weights.scaling).transpose(
+            1, 2
         )
-    else:
-        attn = nn.functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key, value, attn_mask=attention_mask, scale=weights.scaling
-        ).transpose(1, 2)
+
+    attn = attend_rows(sdpa, query.transpose(1, 2), key, value, attention_mask)
     residual = _residual_product(
         residual, attn.reshape(batch * q_len, d_model), weights.attn_out_t, weights.attn_out_bias
     )

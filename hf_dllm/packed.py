@@ -117,11 +117,23 @@ class PackedRows:
         return torch.cat(outputs, dim=1)
 
 
+def attend_rows(
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+) -> torch.Tensor:
+    """`attention(query, key, value, attention_mask)` -> `(batch, q, Hq, D)`; a `PackedRows` mask runs it once per
+    packed row, with the row's own mask (`PackedRows.attend`)."""
+    if isinstance(attention_mask, PackedRows):
+        return attention_mask.attend(attention, query, key, value)
+    return attention(query, key, value, attention_mask)
+
+
 def run_attention(interface: Callable, module, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
     """The output `(batch, q, Hq, D)` of an `AttentionInterface` function, `interface(module, query, key, value,
-    attention_mask, **kwargs)[0]`; a `PackedRows` mask runs it once per packed row, with the row's own mask."""
-    if isinstance(attention_mask, PackedRows):
-        return attention_mask.attend(
-            lambda q, k, v, mask: interface(module, q, k, v, mask, **kwargs)[0], query, key, value
-        )
-    return interface(module, query, key, value, attention_mask, **kwargs)[0]
+    attention_mask, **kwargs)[0]`, through `attend_rows`."""
+    return attend_rows(
+        lambda q, k, v, mask: interface(module, q, k, v, mask, **kwargs)[0], query, key, value, attention_mask
+    )
