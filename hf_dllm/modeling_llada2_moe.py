@@ -776,12 +776,14 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         return_dict: bool | None = None,
         block_length: int | None = None,
         output_router_logits: bool | None = None,
+        float_logits: bool = True,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast | tuple:
         r"""
         Same arguments as `LLaDA2MoeModel.forward`, plus `logits_to_keep`: an `int` keeps the last n positions
         (0 keeps all), a `slice` or a 1D index tensor selects positions, so the `(…, vocab)` head runs only where
-        logits are needed. Returns `MoeCausalLMOutputWithPast` with float32 `logits` `(batch, kept, vocab)`.
+        logits are needed. Returns `MoeCausalLMOutputWithPast` with `logits` `(batch, kept, vocab)`: float32 (as the
+        Hub's model returns them), or with `float_logits=False` in the model dtype (the generation loop's).
         """
         outputs = self.model(
             input_ids=input_ids,
@@ -797,7 +799,9 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        logits = linear(self.lm_head, select_positions(hidden_states, logits_to_keep)).float()
+        logits = linear(self.lm_head, select_positions(hidden_states, logits_to_keep))
+        if float_logits:
+            logits = logits.float()
         output = MoeCausalLMOutputWithPast(
             logits=logits,
             past_key_values=outputs.past_key_values,
@@ -818,20 +822,20 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
         logits_slice,
         **forward_kwargs,
     ) -> torch.Tensor:
-        """The loop's forward: `forward`'s logits `(batch, kept, vocab)` without its float32 copy, in the model dtype
-        (as LLaDA's and Dream's). The unmasking rules widen them to float32 where they compute
-        (`decoding.propose_tokens`; the fused greedy kernel as it reads), so every token and confidence is the same;
-        a batch-32 block step no longer writes and re-reads 0.64 GB of float32 logits."""
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=cache is not None,
-            cache_position=cache_position,
+        """The loop's forward: `forward`'s logits without their float32 copy, in the model dtype (as LLaDA's and
+        Dream's). The unmasking rules widen them to float32 where they compute (`decoding.propose_tokens`; the fused
+        greedy kernel as it reads), so every token and confidence is the same; a batch-32 block step no longer writes
+        and re-reads 0.64 GB of float32 logits."""
+        return super()._diffusion_forward(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            cache_position,
+            logits_slice,
+            float_logits=False,
             **forward_kwargs,
         )
-        return linear(self.lm_head, select_positions(outputs.last_hidden_state, logits_slice))
 
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph: only if the MoE never synchronises with the

@@ -198,6 +198,23 @@ def test_loop_forward_skips_the_float32_logits_copy(expected2):
     assert torch.equal(loop.float(), logits)
 
 
+def test_loop_forward_runs_forward_hooks(expected2):
+    """The loop's forward goes through `forward` (only its logits' dtype differs): a hook on the model sees every
+    forward of `generate()`."""
+    model = LLaDA2MoeModelLM.from_pretrained(LLADA2).eval()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    out = model.generate(
+        expected2["prompt.p16"],
+        max_new_tokens=8,
+        block_length=4,
+        steps=4,
+        mask_token_id=MASK,
+        return_dict_in_generate=True,
+    )
+    assert len(calls) == out.nfe > 0
+
+
 BAD_LLADA2_INPUTS = [
     (dict(cfg_scale=1.5), "cfg_scale"),
     (dict(steps=3, max_new_tokens=32, block_length=8), "steps"),  # 4 blocks need at least 4 steps
