@@ -406,11 +406,7 @@ class BlockDiffusionRun:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run step `step` of the block `[block_start, block_end)` for the rows `active` (default all; `generated`
         as in `step`); returns the new block `(rows, L)` and whether each row edited a committed token `(rows,)`."""
-        inputs, key = self._step_inputs(block_start, block_end, step, active, generated)
-        if self.graphs is None:
-            new_block, draft, edited = self.step(**inputs)
-        else:
-            new_block, draft, edited = self.graphs.run(key, self.step, inputs)
+        new_block, draft, edited = self._step_of(*self._step_inputs(block_start, block_end, step, active, generated))
         self.nfe += 1
         self.x[:, block_start:block_end] = new_block
         if self.streamer is not None and hasattr(self.streamer, "put_draft"):
@@ -418,6 +414,12 @@ class BlockDiffusionRun:
             full[self.rows] = draft
             self.streamer.put_draft(full.cpu())
         return new_block, edited
+
+    def _step_of(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`step(**inputs)`, through the CUDA graph of `key` (`_step_inputs`) where the run has graphs."""
+        if self.graphs is None:
+            return self.step(**inputs)
+        return self.graphs.run(key, self.step, inputs)
 
     def _step_inputs(
         self,

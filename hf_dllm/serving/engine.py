@@ -27,8 +27,9 @@ from collections import deque
 
 import torch
 
+from ..block_loop import decoding_policies
+from ..block_plan import plan_bidirectional, plan_block_causal
 from ..generation_config import DiffusionGenerationConfig
-from ..generation_utils import decoding_policies, plan_bidirectional, plan_block_causal
 from .layout import LayoutRun
 from .row_cache import RowKVStore
 from .rows import EngineRequest

@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
+from ..block_loop import BlockDiffusionRun
 from ..cache import StoredBlockCache
 from ..generation_config import DiffusionGenerationConfig
-from ..generation_utils import BlockDiffusionRun
 from ..graphs import StepGraphs
 from ..packed import PackedRows
 from .row_cache import RowKVStore
@@ -229,26 +229,25 @@ class LayoutRun(BlockDiffusionRun):
         self.nfe += 1
         return new_block, edited
 
-    def _forward(self, inputs: dict, key: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`step(**inputs)`, through the CUDA graph of `key` when the run has graphs."""
-        self.first_step_positions += inputs["tokens"].numel()
-        if self.graphs is None:
-            return self.step(**inputs)
-        return self.graphs.run(key, self.step, inputs)
-
     def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; a step over whole canvases runs packed (`_packed_forward`) where the
-        model takes packed rows; with a store, the first step is `_first_step_from_store`."""
+        """`BlockDiffusionRun.run_step`; with a store, the first step is `_first_step_from_store`. A step over whole
+        canvases runs packed (`_packed_forward`) where the model takes packed rows: the block's first step, and
+        without a cache every step where no CUDA graphs run it (on a GPU the captured aligned step is kept: it was
+        measured, the packed eager one is not)."""
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
-        if self.packed is not None and (step == 0 or self.cache is None):
+        if self.packed is not None and (step == 0 or (self.cache is None and self.graphs is None)):
             new_block, edited = self._packed_forward(block_start, block_end, step, active, generated)
             self.x[:, block_start:block_end] = new_block
             return new_block, edited
-        if step == 0:
-            q_start, q_end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)
-            self.first_step_positions += self.x.shape[0] * (q_end - q_start)
         return super().run_step(block_start, block_end, step, active, generated)
+
+    def _step_inputs(self, block_start, block_end, step, active, generated, rows=None):
+        """`BlockDiffusionRun._step_inputs`, counting the positions of blocks' first steps (`first_step_positions`)."""
+        inputs, key = super()._step_inputs(block_start, block_end, step, active, generated, rows)
+        if step == 0:
+            self.first_step_positions += inputs["tokens"].numel()
+        return inputs, key
 
     def _first_step_from_store(self, block_start, block_end, active, generated):
         """The block's first step with the rows' K/V kept in the store (block-causal models; rows ordered as in
@@ -273,8 +272,8 @@ class LayoutRun(BlockDiffusionRun):
         self.store.load(self.cache, self.slots, self.shifts, block_start)
         if continuing:
             # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
-            inputs, key = BlockDiffusionRun._step_inputs(self, block_start, block_end, 0, active, generated, continuing)
-            new_block[:continuing], _, edited[:continuing] = self._forward(inputs, key)
+            inputs, key = self._step_inputs(block_start, block_end, 0, active, generated, continuing)
+            new_block[:continuing], _, edited[:continuing] = self._step_of(inputs, key)
             self.nfe += 1
             previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
             self.store.save(self.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])

@@ -11,8 +11,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..generation_config import is_int
-from ..generation_utils import DiffusionGenerationConfig, plan_blocks
+from ..block_plan import plan_blocks
+from ..generation_config import DiffusionGenerationConfig, is_int
 
 MAX_ERROR_MESSAGE = 2000
 

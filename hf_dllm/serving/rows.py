@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..block_plan import BlockPlan
 from ..generation_config import DiffusionGenerationConfig
-from ..generation_utils import BlockPlan
 
 
 @dataclass(eq=False)
