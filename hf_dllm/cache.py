@@ -250,7 +250,7 @@ class ExactBlockCache(CachePolicy):
         cache.keep_rows(index)
 
 
-class StoredBlockCache(ExactBlockCache):
+class StoredBlockCache(CachePolicy):
     """Block-causal models in a continuous batch (`hf_dllm.serving.engine`): rows are laid out anew before every
     block, and the engine keeps each row's exact K/V between blocks (`serving.row_cache.RowKVStore`) and puts them
     back at the row's columns before the block. So, as in `ExactBlockCache`, the first step of a block recomputes
@@ -260,9 +260,7 @@ class StoredBlockCache(ExactBlockCache):
     just before this one."""
 
     name = "stored"
-
-    def start_block(self, block_start: int) -> None:
-        """Nothing to track: what is exact is the engine's (per row), not the policy's."""
+    uses_cache = True  # what is exact is tracked by the engine (per row), not by the policy
 
     def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
         if not first_step:
