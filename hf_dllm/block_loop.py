@@ -18,7 +18,7 @@ from .block_plan import plan_bidirectional, plan_block_causal
 from .cache import CachePolicy, make_cache_policy, padding_aware_position_ids
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig
-from .graphs import StepGraphs
+from .graphs import MAX_GRAPHS, StepGraphs
 from .tensor_parallel import agree_across_ranks
 
 
@@ -161,7 +161,7 @@ class BlockDiffusionRun:
         cache_policy: CachePolicy | None = None,
     ):
         batch, self.prompt_len = input_ids.shape
-        self.device = device = input_ids.device
+        device = input_ids.device
         self._setup_decoding(model, config, device, unmasking_policy, cache_policy)
         self.streamer = streamer
         self.stopping_criteria = list(stopping_criteria or [])
@@ -209,15 +209,8 @@ class BlockDiffusionRun:
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
 
         self.rows_per_forward = batch * (2 if self.cfg else 1)
-        self.graphs = self._step_graphs()
-        if self.graphs is not None:
-            self.cache = self.graphs.cache
-        elif self.cache_policy.uses_cache:
-            self.cache = model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
-        else:
-            self.cache = None
+        self._setup_cache()
         self._setup_rules()
-        self.nfe = 0
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
         self.block_end = self.plan.blocks[0][0] if self.plan.blocks else self.seq_len
 
@@ -308,20 +301,24 @@ class BlockDiffusionRun:
             self.device,
         )
 
-    def _step_graphs(self) -> StepGraphs | None:
-        """The model's CUDA-graph runner for this run's shapes when the fast path applies (`_graphs_allowed`)."""
-        if not self._graphs_allowed():
+    def _new_cache(self):
+        """A `DiffusionKVCache` for the run's forwards, or None when its cache policy keeps none."""
+        if not self.cache_policy.uses_cache:
             return None
-        signature = (self.rows_per_forward, self.seq_len, self.key_mask is None, *self._graph_signature())
+        return self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
 
-        def make_cache():
-            return (
-                self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
-                if self.cache_policy.uses_cache
-                else None
-            )
+    def _graph_shape(self) -> tuple:
+        """The shapes every captured step of the run shares (the start of its graphs' signature)."""
+        return (self.rows_per_forward, self.seq_len, self.key_mask is None)
 
-        return StepGraphs.acquire(self.model, signature, make_cache)
+    def _setup_cache(self, max_graphs: int = MAX_GRAPHS) -> None:
+        """`graphs`, the model's CUDA-graph runner for this run's shapes where the fast path applies
+        (`_graphs_allowed`), and `cache`: the runner's (its graphs read it) or a new one."""
+        self.graphs = None
+        if self._graphs_allowed():
+            signature = (*self._graph_shape(), *self._graph_signature())
+            self.graphs = StepGraphs.acquire(self.model, signature, self._new_cache, max_graphs)
+        self.cache = self.graphs.cache if self.graphs is not None else self._new_cache()
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Duplicate per-row tensors for the unconditional branch of classifier-free guidance."""

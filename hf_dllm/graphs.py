@@ -33,6 +33,10 @@ class _CapturedStep:
         self.outputs = outputs
 
 
+# Captured shapes a `generate()` runner keeps (the least recently used one is dropped beyond it).
+MAX_GRAPHS = 32
+
+
 class StepGraphs:
     """Captured steps of one model, keyed by shape, sharing one memory pool and one K/V cache.
 
@@ -40,7 +44,7 @@ class StepGraphs:
     `key` must determine every input's shape and every Python value baked into `step_fn`.
     """
 
-    def __init__(self, signature: tuple, cache, max_graphs: int = 32):
+    def __init__(self, signature: tuple, cache, max_graphs: int):
         self.signature = signature
         self.cache = cache
         self.max_graphs = max_graphs
@@ -53,7 +57,7 @@ class StepGraphs:
 
     @classmethod
     def acquire(
-        cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object], max_graphs: int = 32
+        cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object], max_graphs: int = MAX_GRAPHS
     ) -> "StepGraphs | None":
         """The model's runner for `signature` (shapes, dtype, device, decoding rule), replacing any other; or None
         while another `generate()` call on this model holds it (that call's graphs and cache are in use, so this

@@ -74,15 +74,15 @@ class LayoutRun(BlockDiffusionRun):
         self.max_rows, self.max_width = max_rows, max_width
         self._shared_cache = shared_cache
         self.rows_per_forward = max_rows * (2 if self.cfg else 1)
-        self.graphs = None
-        if self._graphs_allowed():
-            signature = ("continuous", self.rows_per_forward, max_width, *self._graph_signature())
-            self.graphs = StepGraphs.acquire(model, signature, self._new_cache, ENGINE_MAX_GRAPHS)
-        self.cache = self.graphs.cache if self.graphs is not None else self._new_cache()
+        self._setup_cache(ENGINE_MAX_GRAPHS)
         self._setup_rules()
 
     def _new_cache(self):
         return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
+
+    def _graph_shape(self) -> tuple:
+        # Layouts of every row count and width share the runner (rows and width are in each step's key).
+        return ("continuous", self.rows_per_forward, self.max_width)
 
     def release(self) -> None:
         if self.graphs is not None:
