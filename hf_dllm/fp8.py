@@ -76,7 +76,7 @@ def dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size,
     return (weight.float() * scale).to(dtype)
 
 
-def quantize_blocks(weight: torch.Tensor, block_size=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight (N, K)` -> FP8 `(N, K)` and `weight_scale_inv (ceil(N / bn), ceil(K / bk))` float32, with the
     arithmetic of transformers' `Fp8Quantize` (the op that quantizes at load time): per block, scale = FP8 max /
     max-abs in float32 (1 for an all-zero block), the weight multiplied by it, its inverse stored. A partial last
@@ -88,10 +88,9 @@ def quantize_blocks(weight: torch.Tensor, block_size=(128, 128)) -> tuple[torch.
     padded = nn.functional.pad(weight.to(torch.float32), (0, pad_cols, 0, pad_rows))
     blocks = padded.unflatten(0, (-1, block_n)).unflatten(-1, (-1, block_k))  # (Nb, bn, Kb, bk)
     max_abs = blocks.abs().amax(dim=(1, 3))  # (Nb, Kb)
-    scale = FP8_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
-    scale = torch.where(max_abs > 0, scale, torch.ones_like(scale))
+    scale = torch.where(max_abs > 0, FP8_MAX / max_abs, torch.ones_like(max_abs))
     quantized = torch.clamp(blocks * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), (1.0 / scale).to(torch.float32)
+    return quantized.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), 1.0 / scale
 
 
 def fp8_linear(

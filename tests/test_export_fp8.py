@@ -18,12 +18,20 @@ import torch
 from safetensors import safe_open
 
 import hf_dllm
-from hf_dllm.fp8 import dequantize
+from hf_dllm.fp8 import FP8_MAX, dequantize
 from hf_dllm.hub.export import ExportError, export_checkpoint
 from hf_dllm.hub.export import main as export_main
-from hf_dllm.hub.quantize import FP8_BLOCK, FP8_DTYPE, quantize_fp8_blocks
+from hf_dllm.hub.quantize import FP8_BLOCK, FP8_DTYPE, quantize_fp8_blocks, scale_name
 
 BLOCK_WIDE = dict(mask_token_id=383, eos_token_id=382, pad_token_id=381)  # a vocabulary of 384 = 3 blocks
+
+
+def assert_within_half_a_step(weight: torch.Tensor, scale: torch.Tensor, original: torch.Tensor, name: str) -> None:
+    """FP8 `weight` with its block `scale` dequantizes to `original` within half a step of each block's largest
+    value (e4m3 keeps 3 mantissa bits: 2^-4 relative to the block's FP8 max)."""
+    rebuilt = dequantize(weight, scale, FP8_BLOCK, torch.float32).cpu()
+    bound = scale.cpu().repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1) * FP8_MAX * 2**-4
+    assert ((rebuilt - original.float().cpu()).abs() <= bound).all(), name
 
 
 def llada_source(path: Path, **overrides) -> Path:
@@ -91,15 +99,12 @@ def test_llada_export_quantizes_the_block_linears_and_keeps_the_rest(llada_expor
     fp8 = sorted(name for name, tensor in exported.items() if tensor.dtype == FP8_DTYPE)
     linears = ("q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")
     assert fp8 == sorted(f"model.transformer.blocks.{i}.{name}.weight" for i in range(2) for name in linears)
-    assert set(exported) == set(original) | {name.removesuffix("weight") + "weight_scale_inv" for name in fp8}
+    assert set(exported) == set(original) | {scale_name(name) for name in fp8}
     for name, tensor in original.items():
         if name in fp8:
-            scale = exported[name.removesuffix("weight") + "weight_scale_inv"]
-            assert scale.shape == (tensor.shape[0] // 128, tensor.shape[1] // 128)
-            rebuilt = dequantize(exported[name], scale, FP8_BLOCK, torch.float32)
-            # e4m3 keeps 3 mantissa bits: within half a step (2^-4 relative) of each block's largest value.
-            bound = scale.repeat_interleave(128, 0).repeat_interleave(128, 1) * 448 * 2**-4
-            assert ((rebuilt - tensor.float()).abs() <= bound).all(), name
+            scale = exported[scale_name(name)]
+            assert scale.shape == (tensor.shape[0] // FP8_BLOCK[0], tensor.shape[1] // FP8_BLOCK[1])
+            assert_within_half_a_step(exported[name], scale, tensor, name)
         else:  # the embedding, the output head (transformers' quantizer keeps the last layer), the norms
             assert torch.equal(exported[name], tensor), name
 
@@ -129,7 +134,7 @@ def test_llada2_export_keeps_experts_and_head_in_bf16(tmp_path):
     assert "model.layers.0.mlp.gate_proj.weight" in fp8  # the dense first layer
     assert "model.layers.1.attention.query_key_value.weight" in fp8
     assert any(".shared_experts." in name for name in fp8)
-    assert all(name.removesuffix("weight") + "weight_scale_inv" in exported for name in fp8)
+    assert all(scale_name(name) in exported for name in fp8)
 
 
 def test_bad_quantization_requests_are_refused_before_writing(tmp_path, llada_export):
@@ -175,10 +180,8 @@ def test_gpu_export_loads_as_fp8_layers_like_an_on_the_fly_quantized_load(llada_
     quantized = [name for name, tensor in loaded_state.items() if tensor.dtype == FP8_DTYPE]
     assert quantized == [name for name, tensor in fly_state.items() if tensor.dtype == FP8_DTYPE]
     for name in quantized:
-        scale = loaded_state[name.removesuffix("weight") + "weight_scale_inv"]
-        rebuilt = dequantize(loaded_state[name], scale, FP8_BLOCK, torch.float32).cpu()
-        bound = scale.cpu().repeat_interleave(128, 0).repeat_interleave(128, 1) * 448 * 2**-4
-        assert ((rebuilt - source_state[name].float()).abs() <= bound).all(), name
+        scale = loaded_state[scale_name(name)]
+        assert_within_half_a_step(loaded_state[name], scale, source_state[name], name)
     ids = torch.randint(0, 380, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     out = loaded.generate(ids, max_new_tokens=32, block_length=16, eos_early_stop=False, return_dict_in_generate=True)
     assert out.nfe == 32 and (out.sequences[:, 16:] != BLOCK_WIDE["mask_token_id"]).all()

@@ -146,7 +146,7 @@ def _fp8_args(layer):
 
 
 def test_bad_backend_is_refused():
-    w8, scale = fp8.quantize_blocks(torch.randn(128, 128))
+    w8, scale = fp8.quantize_blocks(torch.randn(128, 128), BLOCK)
     with pytest.raises(ValueError, match="backend"):
         fp8.w8a8_matmul(torch.randn(4, 128), w8, scale, BLOCK, backend="cutlass")
 
@@ -218,7 +218,7 @@ def test_kernel_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
 def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows):
     torch.manual_seed(0)
     x = torch.randn(2, rows, 512, device="cuda", dtype=torch.bfloat16)
-    w8, scale = fp8.quantize_blocks(torch.randn(640, 512, device="cuda") * 0.02)
+    w8, scale = fp8.quantize_blocks(torch.randn(640, 512, device="cuda") * 0.02, BLOCK)
     bias = torch.randn(640, device="cuda", dtype=torch.bfloat16)
     out = fp8.fp8_linear(x, w8, scale, BLOCK, bias)
     expected = fp8.fp8_linear(x, w8, scale, BLOCK, bias, use_triton=False)
