@@ -92,20 +92,16 @@ class LLaDA2MoeGate(nn.Module):
             scores = scores.masked_fill(~expert_mask, float("-inf"))
         return scores.topk(self.top_k, dim=-1).indices
 
-    def router_logits(self, hidden_states: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
-        """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype. `router_input`: `hidden_states` already
-        in the router dtype (the fused path's norm writes that copy: no cast kernel), or None."""
-        if router_input is None:
-            router_input = hidden_states.to(self.router_dtype)
-        return nn.functional.linear(router_input, self.weight.to(self.router_dtype))
+    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype (`hidden_states` already in it, as the
+        fused path's norm writes them, costs no cast)."""
+        return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
 
-    def fused_forward(
-        self, hidden_states: torch.Tensor, router_input: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
         ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
-        hooks see it). `router_input`: as in `router_logits`."""
-        logits = self.router_logits(hidden_states, router_input)
+        hooks see it)."""
+        logits = self.router_logits(hidden_states)
         index, weight = triton_moe.route(
             logits,
             self.expert_bias,
@@ -119,14 +115,14 @@ class LLaDA2MoeGate(nn.Module):
         return index, weight, logits
 
     def forward(
-        self, hidden_states: torch.Tensor, fused: bool = False, router_input: torch.Tensor | None = None
+        self, hidden_states: torch.Tensor, fused: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `(tokens, hidden)` -> expert indices `(tokens, top_k)`, their weights `(tokens, top_k)`
         and the router logits `(tokens, num_experts)`, both in the router dtype (float32). `fused`: through
-        `fused_forward`. `router_input`: as in `router_logits`."""
+        `fused_forward`."""
         if fused:
-            return self.fused_forward(hidden_states, router_input)
-        logits = self.router_logits(hidden_states, router_input)
+            return self.fused_forward(hidden_states)
+        logits = self.router_logits(hidden_states)
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
         else:
@@ -336,9 +332,8 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         stacks runs its own (sharded, self-reducing) modules and is added after the all-reduce."""
         batch, length, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
-        if router_input is not None:
-            router_input = router_input.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate(x, fused=True, router_input=router_input)
+        router_x = x if router_input is None else router_input.reshape(-1, hidden)
+        topk_idx, topk_weight, router_logits = self.gate(router_x, fused=True)
         gate_up, down = self.stacked_weights()
         stacked_shared = gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided when the stacks were built
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)

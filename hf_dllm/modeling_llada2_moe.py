@@ -472,17 +472,15 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
                 **kwargs,
             )
             norm = self.post_attention_layernorm
-            if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(attn):
-                # The norm also writes its output in float32 for the router (float32 logits, as the reference):
-                # one cast kernel less per layer (~17 us at batch 32 on an H100).
-                wide = attn.dtype != torch.float32
-                normed, hidden_states, *router_input = triton_ops.rms_norm(
-                    attn, norm.weight, norm.variance_epsilon, residual=hidden_states, float_copy=wide
-                )
-                return self.mlp.fused_forward(normed, hidden_states, router_input[0] if wide else None)
-            normed, hidden_states = triton_ops.rms_norm(
-                attn, norm.weight, norm.variance_epsilon, residual=hidden_states
+            fused_moe = isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(attn)
+            # For the fused MoE the norm also writes its output in float32 for the router (float32 logits, as the
+            # reference): one cast kernel less per layer (~17 us at batch 32 on an H100).
+            wide = fused_moe and attn.dtype != torch.float32
+            normed, hidden_states, *router_input = triton_ops.rms_norm(
+                attn, norm.weight, norm.variance_epsilon, residual=hidden_states, float_copy=wide
             )
+            if fused_moe:
+                return self.mlp.fused_forward(normed, hidden_states, router_input[0] if wide else None)
             mlp_out = self.mlp(normed)
             router_logits = None
             if isinstance(mlp_out, tuple):
