@@ -396,17 +396,21 @@ class LLaDA2MoeAttention(nn.Module):
         """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
         size the kernel takes, and at most `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per
         multiprocessor (sdpa on grouped queries is faster beyond: measured by `benchmarks/bench_llada2_kernels.py`)."""
-        mask_ok = attention_mask is None or (
-            isinstance(attention_mask, torch.Tensor)
-            and attention_mask.dtype == torch.bool
-            and attention_mask.dim() == 4
-        )
+        mask_ok = attention_mask is None or _is_boolean_4d(attention_mask)
         weight = self.query_key_value.weight
         return (
             mask_ok
             and self.head_dim >= 16
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and (not weight.is_cuda or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(weight.device))
+        )
+
+    def grouped_query_sdpa_applies(self, batch: int, attention_mask) -> bool:
+        """Whether the fused path runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa, or llada_triton where
+        its split-KV kernel does not run (`_block_attention_applies`), with a boolean 4D mask."""
+        implementation = self.config._attn_implementation
+        return uses_grouped_query_sdpa(implementation, attention_mask) and not (
+            implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask)
         )
 
 
@@ -422,12 +426,11 @@ def attention_function(implementation: str, attention_mask) -> Callable:
 def uses_grouped_query_sdpa(implementation: str, attention_mask) -> bool:
     """Whether the fused attention runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa (or llada_triton
     where its split-KV kernel does not run) with a boolean 4D mask."""
-    return (
-        implementation in ("sdpa", TRITON_ATTENTION)
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dtype == torch.bool
-        and attention_mask.dim() == 4
-    )
+    return implementation in ("sdpa", TRITON_ATTENTION) and _is_boolean_4d(attention_mask)
+
+
+def _is_boolean_4d(attention_mask) -> bool:
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool and attention_mask.dim() == 4
 
 
 def grouped_query_mask_for(attention_mask: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -639,16 +642,10 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
         attention = self.layers[0].attention
-        implementation = self.config._attn_implementation
-        if (
-            attention.uses_fused_path(inputs_embeds, past_key_values)
-            and uses_grouped_query_sdpa(implementation, attention_mask)
-            and not (
-                implementation == TRITON_ATTENTION
-                and attention._block_attention_applies(inputs_embeds.shape[0], attention_mask)
-            )
+        if attention.uses_fused_path(inputs_embeds, past_key_values) and attention.grouped_query_sdpa_applies(
+            inputs_embeds.shape[0], attention_mask
         ):
-            # Made once here, not in each layer (sdpa, or llada_triton where its split-KV kernel does not run).
+            # Made once here, not in each layer.
             kwargs["grouped_query_mask"] = grouped_query_mask_for(attention_mask, attention.num_key_value_groups)
         for layer in self.layers:
             if output_hidden_states:
