@@ -143,14 +143,23 @@ def cached_step(model, device: str) -> dict:
     }
 
 
-def record_fused(model, device: str) -> dict:
-    """`record` (generating with the exact block cache only: Triton's interpreter is slow) and `cached_step` of
-    LLaDA2, with the counts of the fused paths' calls they made."""
+def record_fused(device: str, dtype: torch.dtype, extra: Path, **load_kwargs) -> tuple:
+    """LLaDA2's `record` (generating with the exact block cache only: Triton's interpreter is slow) and
+    `cached_step`, then the `cached_step` of the model at `extra` (two shared experts) and of LLaDA2 on sdpa, each
+    with the counts of the fused paths' calls it made; returns (the LLaDA2 model, the record). `load_kwargs`:
+    `tp_plan="auto"` in the worker, nothing in the tests' one-process reference."""
+    model = load("llada2", device, dtype, **load_kwargs)
     calls = count_fused_calls(model)
     result = record(model, "llada2", device, FUSED_SETTINGS)
     result["cached_step"] = cached_step(model, device)
     result["fused_calls"] = dict(calls)
-    return result
+    for key, path, kwargs in (("two_shared_experts", extra, {}), ("sdpa", "llada2", {"attn_implementation": "sdpa"})):
+        other = load(path, device, dtype, **load_kwargs, **kwargs)
+        calls = count_fused_calls(other)
+        result[key] = cached_step(other, device)
+        result[f"{key}_fused_calls"] = dict(calls)
+        del other
+    return model, result
 
 
 def main() -> None:
@@ -161,18 +170,12 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {}
     for name in ["llada2"] if fused else MODELS:
-        model = load(name, device, dtype, tp_plan="auto")
-        rank = dist.get_rank()
-        result = record_fused(model, device) if fused else record(model, name, device)
         if fused:
-            for key, other in (
-                ("two_shared_experts", load(Path(sys.argv[5]), device, dtype, tp_plan="auto")),
-                ("sdpa", load(name, device, dtype, tp_plan="auto", attn_implementation="sdpa")),
-            ):
-                calls = count_fused_calls(other)
-                result[key] = cached_step(other, device)
-                result[f"{key}_fused_calls"] = dict(calls)
-                del other
+            model, result = record_fused(device, dtype, Path(sys.argv[5]), tp_plan="auto")
+        else:
+            model = load(name, device, dtype, tp_plan="auto")  # (sets up the process group)
+            result = record(model, name, device)
+        rank = dist.get_rank()
         if name == "llada":
             block = model.model.transformer.blocks[0]
             result["local_heads"] = (block.num_heads, block.num_kv_heads, tuple(block.q_proj.weight.to_local().shape))

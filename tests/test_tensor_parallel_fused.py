@@ -58,14 +58,8 @@ def run_fused_worker(tmp_path: Path, device: str, dtype: str, extra: Path, timeo
 
 
 def one_process(extra: Path, device: str, dtype: torch.dtype) -> dict:
-    """What the worker records, from one process (`record` with the fused settings and `cached_step`), and the
-    cached step of the two-shared-experts model."""
-    model = worker.load("llada2", device, dtype)
-    reference = worker.record(model, "llada2", device, worker.FUSED_SETTINGS)
-    reference["cached_step"] = worker.cached_step(model, device)
-    reference["two_shared_experts"] = worker.cached_step(worker.load(extra, device, dtype), device)
-    reference["sdpa"] = worker.cached_step(worker.load("llada2", device, dtype, attn_implementation="sdpa"), device)
-    return reference
+    """What the worker records (`record_fused`), from one process."""
+    return worker.record_fused(device, dtype, extra)[1]
 
 
 @pytest.fixture(scope="module")
