@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,34 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_fp8_gemm import timed_us  # noqa: E402
+
 from hf_dllm import triton_moe  # noqa: E402
 from hf_dllm.modeling_llada2_moe import grouped_query_mask_for  # noqa: E402
 from hf_dllm.triton_attention import block_attention  # noqa: E402
 
 
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Median microseconds per call of `fn()` replayed from a CUDA graph of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
+def graph_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of `fn()`, `calls` calls captured in a CUDA graph (`bench_fp8_gemm.timed_us`)."""
+    return timed_us(fn, calls)
 
 
 def attention_row(batch: int) -> dict:
