@@ -48,7 +48,7 @@ class BlockEvent:
         self.forwards = run.nfe
         self._ended = ended  # `(n,)` bool on the device, or None when no row could end with this block
         self._host_ended: torch.Tensor | None = None
-        self._nfe_per_row = run.nfe_per_row[device_rows].clone()
+        self._nfe_per_row = run.nfe_per_row[device_rows]  # a copy (an index tensor selects)
         self._stopped = torch.zeros(len(rows), dtype=torch.bool)
 
     @property

@@ -170,7 +170,8 @@ class LayoutRun(BlockDiffusionRun):
         """The rows `rows[first_row:]` for a forward over their columns before `end` (an aligned column), packed
         end to end, made once per block: their `packing` (`packed.PackedRows`: no padding, and where their K/V go),
         `(T,)` device tensors `rows` and `columns` (each packed position's row and column in `self.x`),
-        `positions` (its column in its row's own canvas, also its RoPE position), and `logits_index`
+        `positions` (its column in its row's own canvas, also its RoPE position), `cache_position` (`[0, T)`), and
+        `logits_index`
         `(rows * length,)` (the packed positions whose logits the block's step reads)."""
         lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
         block_columns = torch.arange(length)
@@ -197,6 +198,7 @@ class LayoutRun(BlockDiffusionRun):
             rows=row_index,
             columns=columns,
             positions=positions,
+            cache_position=torch.arange(columns.shape[0], device=device),
             logits_index=torch.cat(logits_index).to(device),
         )
 
@@ -214,7 +216,7 @@ class LayoutRun(BlockDiffusionRun):
             packing,
             packed["positions"].unsqueeze(0),
             packing,
-            torch.arange(tokens.shape[1], device=self.device),
+            packed["cache_position"],
             packed["logits_index"],
             **self.forward_kwargs,
         ).to(self.device)
