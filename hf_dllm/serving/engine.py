@@ -30,6 +30,7 @@ import torch
 from ..block_loop import decoding_policies
 from ..block_plan import plan_bidirectional, plan_block_causal
 from ..generation_config import DiffusionGenerationConfig
+from ..packed import attention_without_shape_plans
 from .layout import LayoutRun
 from .row_cache import RowKVStore
 from .rows import EngineRequest
@@ -226,7 +227,8 @@ class ContinuousBatcher:
             try:
                 run = self._run_for(rows[0])
                 before, positions = run.nfe, run.first_step_positions
-                with torch.no_grad():
+                # Layouts change shape at every join and leave: no attention backend that plans per shape.
+                with torch.no_grad(), attention_without_shape_plans(run.device):
                     updates = run.decode_block(rows, self.layout_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
                 for row in rows:
