@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import BLOCK, STEPS_PER_BLOCK, build_model, workload  # noqa: E402
+from bench_load import build_model, request_settings, workload  # noqa: E402
 
 from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.layout import LayoutRun  # noqa: E402
@@ -53,16 +53,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     requests, arrivals, boundary = [], [], 0.0
     for item in workload(args, model.config.vocab_size, args.requests):  # bench_load.py's prompts and lengths
-        prompt, max_tokens = item["prompt"], item["max_tokens"]
-        config = model.resolve_generation_config(
-            max_new_tokens=max_tokens,
-            block_length=BLOCK,
-            steps=max_tokens // BLOCK * STEPS_PER_BLOCK,
-            use_cache=True,
-            dual_cache=True,
-            eos_early_stop=False,
-        )
-        requests.append(EngineRequest(prompt, config, lambda update: None))
+        config = model.resolve_generation_config(**request_settings(item, block_causal=False))
+        requests.append(EngineRequest(item["prompt"], config, lambda update: None))
         boundary += rng.expovariate(args.arrivals_per_boundary)
         arrivals.append(int(boundary))
 

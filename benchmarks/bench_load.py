@@ -266,6 +266,19 @@ def decoded_blocks(item: dict, block_causal: bool) -> int:
     return -(-(prompt + item["max_tokens"]) // BLOCK) - prompt // BLOCK
 
 
+def request_settings(item: dict, block_causal: bool) -> dict:
+    """`generate()` settings of a workload request (every server, the answer check and the engine scripts): block
+    32, dual cache, `STEPS_PER_BLOCK` steps per decoded block, no early stop."""
+    return dict(
+        max_new_tokens=item["max_tokens"],
+        block_length=BLOCK,
+        steps=decoded_blocks(item, block_causal) * STEPS_PER_BLOCK,
+        use_cache=True,
+        dual_cache=True,
+        eos_early_stop=False,
+    )
+
+
 async def offered_load(
     url: str, items: list[dict], rate: float, seed: int, timeout: float, block_causal: bool = False
 ) -> list[dict]:
@@ -274,7 +287,6 @@ async def offered_load(
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
     rng = random.Random(seed)
-    extra = dict(block_length=BLOCK, use_cache=True, dual_cache=True, eos_early_stop=False)
     records = [dict() for _ in items]
     tasks = []
     start = time.monotonic()
@@ -283,8 +295,9 @@ async def offered_load(
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        steps = decoded_blocks(item, block_causal) * STEPS_PER_BLOCK
-        tasks.append(asyncio.create_task(one_request(client, item, dict(extra, steps=steps), start, record)))
+        extra = request_settings(item, block_causal)
+        del extra["max_new_tokens"]  # sent as the request's `max_tokens`
+        tasks.append(asyncio.create_task(one_request(client, item, extra, start, record)))
         at += rng.expovariate(rate)
     await asyncio.wait_for(asyncio.gather(*tasks), timeout)
     await client.close()
@@ -321,16 +334,8 @@ def check_answers(args, items: list[dict], records: list[dict], count: int) -> d
     for item, record in list(zip(items, records, strict=True))[:count]:
         if "text" not in record:
             continue
-        steps = decoded_blocks(item, block_causal) * STEPS_PER_BLOCK
-        out = model.generate(
-            torch.tensor([item["prompt"]]),
-            max_new_tokens=item["max_tokens"],
-            block_length=BLOCK,
-            steps=steps,
-            use_cache=True,
-            dual_cache=True,
-            eos_early_stop=False,
-        )[0, len(item["prompt"]) :].tolist()
+        out = model.generate(torch.tensor([item["prompt"]]), **request_settings(item, block_causal))
+        out = out[0, len(item["prompt"]) :].tolist()
         stops = {config.eos_token_id}
         end = next((i for i, token in enumerate(out) if token in stops), len(out))
         checked += 1

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import BLOCK, STEPS_PER_BLOCK, build_model, workload  # noqa: E402
+from bench_load import build_model, request_settings, workload  # noqa: E402
 
 from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.layout import LayoutRun  # noqa: E402
@@ -33,19 +33,11 @@ def sync() -> None:
 
 
 def requests_for(model, args) -> list[EngineRequest]:
-    out = []
-    for item in workload(args, model.config.vocab_size, args.requests):
-        max_tokens = item["max_tokens"]
-        config = model.resolve_generation_config(
-            max_new_tokens=max_tokens,
-            block_length=BLOCK,
-            steps=max_tokens // BLOCK * STEPS_PER_BLOCK,
-            use_cache=True,
-            dual_cache=True,
-            eos_early_stop=False,
-        )
-        out.append(EngineRequest(item["prompt"], config, lambda update: None))
-    return out
+    """bench_load.py's requests (prompts, lengths and settings) for the engine."""
+    return [
+        EngineRequest(item["prompt"], model.resolve_generation_config(**request_settings(item, False)), lambda u: None)
+        for item in workload(args, model.config.vocab_size, args.requests)
+    ]
 
 
 def run_mode(model, args, packed: bool) -> dict:
