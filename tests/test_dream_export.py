@@ -26,15 +26,14 @@ from test_dream_reference import generate_kwargs as reference_kwargs
 
 import hf_dllm
 from hf_dllm.hub import export
-from hf_dllm.hub.export import (
-    CARD_PRESETS,
+from hf_dllm.hub.cards import CARD_PRESETS
+from hf_dllm.hub.export import check_remote_code, export_checkpoint
+from hf_dllm.hub.families import (
     DREAM_FAST_GENERATION_DEFAULTS,
     DREAM_GENERATION_DEFAULTS,
     MODEL_FAMILIES,
     SHARED_REMOTE_CODE_FILES,
     ExportError,
-    check_remote_code,
-    export_checkpoint,
 )
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent

@@ -275,7 +275,7 @@ def test_loads_as_remote_code_without_hf_dllm(tmp_path):
     """The Hub's auto_map (`configuration_dream.DreamConfig`, `modeling_dream.DreamModel`) resolves to these files
     in a process where hf_dllm cannot be imported: transformers' dynamic-module loader follows their relative
     imports to the shared files."""
-    from hf_dllm.hub.export import SHARED_REMOTE_CODE_FILES
+    from hf_dllm.hub.families import SHARED_REMOTE_CODE_FILES
 
     repo = tmp_path / "dream-remote"
     shutil.copytree(DREAM, repo)

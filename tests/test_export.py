@@ -27,15 +27,9 @@ from conftest import REFERENCE_DIR, generate_cases, run_without_hf_dllm, save_ch
 
 import hf_dllm
 from hf_dllm.hub import export
-from hf_dllm.hub.export import (
-    AUTO_MAP,
-    CARD_PRESETS,
-    FAST_GENERATION_DEFAULTS,
-    REMOTE_CODE_FILES,
-    ExportError,
-    check_remote_code,
-    export_checkpoint,
-)
+from hf_dllm.hub.cards import CARD_PRESETS
+from hf_dllm.hub.export import check_remote_code, export_checkpoint
+from hf_dllm.hub.families import AUTO_MAP, FAST_GENERATION_DEFAULTS, REMOTE_CODE_FILES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
@@ -844,3 +838,17 @@ def test_remote_pipeline_matches_hf_dllm(fresh_process, exported_chat):
     assert remote["text"].startswith("Hello")
     chat = generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1]
     assert remote["chat"] == chat and chat["role"] == "assistant"
+
+
+def test_names_that_moved_out_of_export_still_import_with_a_warning():
+    """The family table and the card rendering moved to `hub.families` / `hub.cards`: their old names still import
+    from `hub.export`, with a FutureWarning naming the new place; other unknown names are AttributeErrors."""
+    from hf_dllm.hub import cards, families
+
+    with pytest.warns(FutureWarning, match="hf_dllm.hub.families"):
+        assert export.REMOTE_CODE_FILES is families.REMOTE_CODE_FILES
+    with pytest.warns(FutureWarning, match="hf_dllm.hub.cards"):
+        from hf_dllm.hub.export import describe_decoding
+    assert describe_decoding is cards.describe_decoding
+    with pytest.raises(AttributeError, match="no_such_name"):
+        export.no_such_name  # noqa: B018

@@ -19,8 +19,9 @@ from safetensors import safe_open
 
 import hf_dllm
 from hf_dllm.fp8 import FP8_MAX, dequantize
-from hf_dllm.hub.export import ExportError, export_checkpoint
+from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.export import main as export_main
+from hf_dllm.hub.families import ExportError
 from hf_dllm.hub.quantize import FP8_BLOCK, FP8_DTYPE, quantize_fp8_blocks, scale_name
 
 BLOCK_WIDE = dict(mask_token_id=383, eos_token_id=382, pad_token_id=381)  # a vocabulary of 384 = 3 blocks

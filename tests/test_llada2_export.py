@@ -20,14 +20,8 @@ from test_llada2_integration import tiny_llada2
 
 import hf_dllm
 from hf_dllm.hub import export
-from hf_dllm.hub.export import (
-    LLADA2_GENERATION_DEFAULTS,
-    MODEL_FAMILIES,
-    SHARED_REMOTE_CODE_FILES,
-    ExportError,
-    check_remote_code,
-    export_checkpoint,
-)
+from hf_dllm.hub.export import check_remote_code, export_checkpoint
+from hf_dllm.hub.families import LLADA2_GENERATION_DEFAULTS, MODEL_FAMILIES, SHARED_REMOTE_CODE_FILES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent

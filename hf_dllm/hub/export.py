@@ -4,7 +4,7 @@ code as remote code.
 A user who has never installed hf_dllm then loads the repo with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and gets hf_dllm's model and diffusion `generate()`.
 
-What is exported depends on SRC's `model_type`, through one table, `MODEL_FAMILIES` (`"llada"`: LLaDA-8B and its
+What is exported depends on SRC's `model_type`, through one table, `families.MODEL_FAMILIES` (`"llada"`: LLaDA-8B and its
 family; `"llada2_moe"`: LLaDA2.0-mini / -flash, LLaDA2.1; `"Dream"`: Dream 7B and Dream-Coder 7B). What DST
 receives (every rule is implemented here, once, and is what `tests/test_export.py`, `tests/test_llada2_export.py`
 and `tests/test_dream_export.py` check):
@@ -27,7 +27,7 @@ and `tests/test_dream_export.py` check):
   serialised by transformers (`to_json_string`). The export prints the settings written and the origin of each
   (`GenerationSettings.summary`);
 - `README.md`: the family's model card template (`model_cards/template.md`, `model_cards/template-llada2.md`,
-  `model_cards/template-dream.md`) rendered with a preset of `CARD_PRESETS`.
+  `model_cards/template-dream.md`) rendered with a preset of `cards.CARD_PRESETS`.
 
 Nothing is half-written: every input is checked first, the repo is assembled in a temporary folder next to DST
 (`.DST.export-PID-*`) and moved into place only when complete and verified (`verify_export`: every safetensors
@@ -49,187 +49,60 @@ import shutil
 import sys
 import tempfile
 import types
+import warnings
 from pathlib import Path
 
 from ..cli.loading import QUANTIZATION_CHOICES
-
-# Remote code every model family shares: the generation loop, its config, policies, caches, attention backends and
-# kernels, reached from the model files through relative imports.
-SHARED_REMOTE_CODE_FILES = (
-    "generation_utils.py",
-    "block_loop.py",
-    "block_plan.py",
-    "generation_config.py",
-    "decoding.py",
-    "cache.py",
-    "packed.py",
-    "attention.py",
-    "triton_attention.py",
-    "kernels.py",
-    "fp8.py",
-    "triton_ops.py",
-    "graphs.py",
-    "tensor_parallel.py",
+from .cards import (
+    CARD_PRESETS,
+    DEFAULT_REPO_ORG,
+    MODEL_CARDS_DIR,
+    card_preset,
+    card_variables,
+    read_card_template,
+    render_card,
+    resolve_card,
+)
+from .families import (
+    DEFAULT_MODEL_TYPE,
+    MODEL_FAMILIES,
+    ExportError,
+    ModelFamily,
+    _supported_types,
+    model_family,
 )
 
-# The family defaults of generation_config.json, written when SRC has no generation_config.json or with
-# `--generation-defaults fast`. LLaDA: Fast-dLLM's parallel decoding (threshold 0.9) with the dual cache, greedy, in
-# blocks of 32.
-FAST_GENERATION_DEFAULTS = {
-    "max_new_tokens": 256,
-    "block_length": 32,
-    "threshold": 0.9,
-    "steps": None,
-    "use_cache": True,
-    "dual_cache": True,
-    "do_sample": False,
-    "temperature": 0.0,
-    "remasking": "low_confidence",
-    "eos_early_stop": True,
-}
-# LLaDA2.x: the decoding of LLaDA2's reference `generate()` and model cards (threshold 0.95, one token per step at
-# least, blocks of 32, in-block EOS stop), greedy, with the exact KV cache (`dual_cache` changes nothing for
-# block-causal models); the rest as LLaDA's.
-LLADA2_GENERATION_DEFAULTS = {**FAST_GENERATION_DEFAULTS, "threshold": 0.95}
-# Dream: its own sampler, as Dream's `diffusion_generate()` decodes (arXiv:2508.15487): the whole answer as one block
-# of `max_new_tokens` positions, one token per step on Dream's timestep schedule with the default `alg` (`alg=None`:
-# entropy, `decoding_dream.DEFAULT_DREAM_ALG`), no KV cache, every position decoded (no EOS stop); greedy. `alg` is
-# left unset so that naming `threshold` in a call switches to Fast-dLLM's rule instead of contradicting an `alg`.
-DREAM_GENERATION_DEFAULTS = {
-    **FAST_GENERATION_DEFAULTS,
-    "block_length": FAST_GENERATION_DEFAULTS["max_new_tokens"],
-    "threshold": None,
-    "use_cache": False,
-    "eos_early_stop": False,
-}
-# Dream's `--generation-defaults fast`: Fast-dLLM's setting for Dream, which is LLaDA's fast defaults (threshold 0.9
-# with `alg=None` is Fast-dLLM's threshold rule on Dream, `decoding_dream.DreamThreshold`; dual cache, blocks of 32).
-DREAM_FAST_GENERATION_DEFAULTS = FAST_GENERATION_DEFAULTS
-
-EOT_TOKEN = "<|eot_id|>"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFamily:
-    """What `hf-dllm export` writes for the checkpoints of one `model_type` (an entry of `MODEL_FAMILIES`).
-
-    `remote_code_files` starts with the two modules `auto_map` points at (configuration, model); the others are
-    reached from them through relative imports (`check_remote_code` verifies that the list is closed and that
-    every file is reached). `AutoModel` and `AutoModelForCausalLM` both map to the model with the LM head and the
-    diffusion `generate()`, as `import hf_dllm` registers them.
-    """
-
-    name: str  # in messages and model cards: "LLaDA", "LLaDA2.x"
-    checkpoints: str  # the published checkpoints of the family, for messages
-    config_module: str
-    config_class: str
-    model_module: str
-    model_class: str
-    remote_code_files: tuple[str, ...]
-    generation_defaults: dict  # when SRC has no generation_config.json hf_dllm reads
-    card_template: str  # in model_cards/
-    generic_card: str  # the CARD_PRESETS entry `--card generic` means for this family
-    eot_token: str | None  # end-of-turn token looked up in SRC's tokenizer.json (`eot_token_id`)
-    # `--generation-defaults fast` (None: `generation_defaults`, which are then the family's fast setting).
-    fast_generation_defaults: dict | None = None
-    # Fields that only the original implementation's generation config has (Dream's `DreamGenerationConfig`:
-    # `output_history`): a SRC generation_config.json holding one is that code's file, for its own sampler, which
-    # hf_dllm does not read; the export then writes `generation_defaults`, as when SRC has none.
-    original_generation_fields: tuple[str, ...] = ()
-
-    @property
-    def fast_defaults(self) -> dict:
-        """What `--generation-defaults fast` writes."""
-        return self.fast_generation_defaults if self.fast_generation_defaults is not None else self.generation_defaults
-
-    @property
-    def auto_map(self) -> dict[str, str]:
-        model = f"{self.model_module}.{self.model_class}"
-        return {
-            "AutoConfig": f"{self.config_module}.{self.config_class}",
-            "AutoModel": model,
-            "AutoModelForCausalLM": model,
-        }
-
-    @property
-    def architectures(self) -> list[str]:
-        return [self.model_class]
-
-    def classes(self) -> tuple[type, type]:
-        """hf_dllm's config and model classes of this family (the exported files' classes, imported here)."""
-        config = getattr(importlib.import_module(f"..{self.config_module}", __package__), self.config_class)
-        model = getattr(importlib.import_module(f"..{self.model_module}", __package__), self.model_class)
-        return config, model
-
-
-# The exported families, keyed by SRC's `model_type`.
-MODEL_FAMILIES: dict[str, ModelFamily] = {
-    "llada": ModelFamily(
-        name="LLaDA",
-        checkpoints="GSAI-ML/LLaDA-8B-Base, LLaDA-8B-Instruct, LLaDA-1.5",
-        config_module="configuration_llada",
-        config_class="LLaDAConfig",
-        model_module="modeling_llada",
-        model_class="LLaDAModelLM",
-        remote_code_files=(
-            "configuration_llada.py",
-            "modeling_llada.py",
-            "llada_lean.py",  # the blocks as pure functions: the CPU path
-            *SHARED_REMOTE_CODE_FILES,
+# Names this module held before the family table and the card rendering moved out: they still import from here,
+# with a FutureWarning (as the old module names do, `hf_dllm.MOVED_MODULES`).
+_MOVED_NAMES = {
+    **dict.fromkeys(
+        (
+            "ARCHITECTURES",
+            "AUTO_MAP",
+            "DREAM_FAST_GENERATION_DEFAULTS",
+            "DREAM_GENERATION_DEFAULTS",
+            "EOT_TOKEN",
+            "FAST_GENERATION_DEFAULTS",
+            "LLADA2_GENERATION_DEFAULTS",
+            "REMOTE_CODE_FILES",
+            "SHARED_REMOTE_CODE_FILES",
         ),
-        generation_defaults=FAST_GENERATION_DEFAULTS,
-        card_template="template.md",
-        generic_card="generic",
-        eot_token=EOT_TOKEN,
+        "families",
     ),
-    "llada2_moe": ModelFamily(
-        name="LLaDA2.x",
-        checkpoints="inclusionAI/LLaDA2.0-mini, LLaDA2.0-flash, LLaDA2.1-mini, LLaDA2.1-flash",
-        config_module="configuration_llada2_moe",
-        config_class="LLaDA2MoeConfig",
-        model_module="modeling_llada2_moe",
-        model_class="LLaDA2MoeModelLM",
-        remote_code_files=(
-            "configuration_llada2_moe.py",
-            "modeling_llada2_moe.py",
-            "llada2_moe_layer.py",  # the router, the experts and the sparse MoE block
-            "triton_moe.py",  # the MoE layer's fused kernels
-            *SHARED_REMOTE_CODE_FILES,
-        ),
-        generation_defaults=LLADA2_GENERATION_DEFAULTS,
-        card_template="template-llada2.md",
-        generic_card="generic-llada2",
-        eot_token=None,
-    ),
-    # The Hub's auto_map has AutoConfig and AutoModel (DreamModel, the model with the head); AutoModelForCausalLM is
-    # added, as `import hf_dllm` registers it (`hf-dllm serve` / `eval` load through it).
-    "Dream": ModelFamily(
-        name="Dream",
-        checkpoints="Dream-org/Dream-v0-Instruct-7B, Dream-v0-Base-7B, Dream-Coder-v0-Instruct-7B, Dream-Coder-v0-Base-7B",
-        config_module="configuration_dream",
-        config_class="DreamConfig",
-        model_module="modeling_dream",
-        model_class="DreamModel",
-        remote_code_files=(
-            "configuration_dream.py",
-            "modeling_dream.py",
-            "decoding_dream.py",
-            *SHARED_REMOTE_CODE_FILES,
-        ),
-        generation_defaults=DREAM_GENERATION_DEFAULTS,
-        fast_generation_defaults=DREAM_FAST_GENERATION_DEFAULTS,
-        original_generation_fields=("output_history",),
-        card_template="template-dream.md",
-        generic_card="generic-dream",
-        eot_token=None,
-    ),
+    **dict.fromkeys(("CARD_TEMPLATE", "describe_decoding"), "cards"),
 }
-DEFAULT_MODEL_TYPE = "llada"
 
-# LLaDA's entries, under their historical names.
-REMOTE_CODE_FILES = MODEL_FAMILIES["llada"].remote_code_files
-AUTO_MAP = MODEL_FAMILIES["llada"].auto_map
-ARCHITECTURES = MODEL_FAMILIES["llada"].architectures
+
+def __getattr__(name: str):
+    module = _MOVED_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"`{__name__}.{name}` moved to `{__package__}.{module}`; import it from there (the old name will be removed).",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(f".{module}", __package__), name)
 
 
 class _Unset:
@@ -277,346 +150,12 @@ TOKENIZER_FILES = (
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the flat package: the files exported as remote code
-MODEL_CARDS_DIR = PACKAGE_DIR.parent / "model_cards"
-CARD_TEMPLATE = "template.md"
-
-_LLADA_CITATION = """@article{nie2025large,
-  title={Large Language Diffusion Models},
-  author={Nie, Shen and Zhu, Fengqi and You, Zebin and Zhang, Xiaolu and Ou, Jingyang and Hu, Jun and Zhou, Jun and Lin, Yankai and Wen, Ji-Rong and Li, Chongxuan},
-  journal={arXiv preprint arXiv:2502.09992},
-  year={2025}
-}"""
-_LLADA_15_CITATION = """@article{zhu2025llada,
-  title={LLaDA 1.5: Variance-Reduced Preference Optimization for Large Language Diffusion Models},
-  author={Zhu, Fengqi and Wang, Rongzhen and Nie, Shen and Zhang, Xiaolu and Wu, Chunwei and Hu, Jun and Zhou, Jun and Chen, Jianfei and Lin, Yankai and Wen, Ji-Rong and others},
-  journal={arXiv preprint arXiv:2505.19223},
-  year={2025}
-}"""
-_FAST_DLLM_CITATION = """@article{wu2025fast,
-  title={Fast-dLLM: Training-free Acceleration of Diffusion LLM by Enabling KV Cache and Parallel Decoding},
-  author={Wu, Chengyue and Zhang, Hao and Xue, Shuchen and Liu, Zhijian and Diao, Shizhe and Zhu, Ligeng and Luo, Ping and Han, Song and Xie, Enze},
-  journal={arXiv preprint arXiv:2505.22618},
-  year={2025}
-}"""
-
-_CHAT_PROMPT = """messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-input_ids = tokenizer.apply_chat_template(
-    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-)["input_ids"].to(model.device)"""
-_PLAIN_PROMPT = """prompt = "The three primary colors are"
-input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)"""
-_CHAT_PIPELINE = """messages = [{"role": "user", "content": "Write a haiku about diffusion."}]
-print(generator(messages, max_new_tokens=64, threshold=0.9)[0]["generated_text"])"""
-_PLAIN_PIPELINE = (
-    """print(generator("The three primary colors are", max_new_tokens=64, threshold=0.9)[0]["generated_text"])"""
-)
-
-_LLADA2_CITATION = """@techreport{llada2,
-  title={LLaDA2.0: Scaling Up Diffusion Language Models to 100B},
-  author={inclusionAI},
-  institution={inclusionAI},
-  year={2025}
-}"""
-
-_LLADA2_STEPS_USAGE = """# Cap the forwards: `steps` is the total for the call, split evenly over the blocks it decodes. A step commits
-# every masked position whose confidence is above `threshold`, or its scheduled count if fewer are.
-output = model.generate(input_ids, max_new_tokens=256, block_length=32, threshold=0.95, steps=128)"""
-_LLADA2_EDITING_USAGE = """# LLaDA2.1 token editing: draft with a lower threshold, and let the model rewrite committed tokens of the
-# current block it now predicts otherwise with probability > editing_threshold.
-output = model.generate(
-    input_ids, max_new_tokens=256, block_length=32, threshold=0.7, editing_threshold=0.5, max_post_steps=16
-)"""
-
-
-def _llada2_license(repo: str) -> str:
-    return (
-        f"The weights are those of [{repo}](https://huggingface.co/{repo}), released by inclusionAI under the "
-        "**Apache-2.0 license**; this repo only adds hf_dllm's code (Apache-2.0) next to them and keeps the "
-        "original license."
-    )
-
-
-_LLADA2_BLOCK_DIFFUSION = (
-    "It generates by block diffusion: the answer is decoded block by block, left to right, each block starting "
-    "fully masked and unmasked over a few denoising steps, with block-causal attention (a block sees itself and "
-    "the blocks before it)."
-)
-
-_DREAM_CITATION = """@article{ye2025dream,
-  title={Dream 7B: Diffusion Large Language Models},
-  author={Ye, Jiacheng and Xie, Zhihui and Zheng, Lin and Gao, Jiahui and Wu, Zirui and Jiang, Xin and Li, Zhenguo and Kong, Lingpeng},
-  journal={arXiv preprint arXiv:2508.15487},
-  year={2025}
-}"""
-_DREAM_CODER_CITATION = """@article{xie2025dreamcoder,
-  title={Dream-Coder 7B: An Open Diffusion Language Model for Code},
-  author={Xie, Zhihui and Ye, Jiacheng and Zheng, Lin and Gao, Jiahui and Dong, Jingwei and Wu, Zirui and Zhao, Xueliang and Gong, Shansan and Jiang, Xin and Li, Zhenguo and Kong, Lingpeng},
-  journal={arXiv preprint arXiv:2509.01142},
-  year={2025}
-}"""
-
-_DREAM_DIFFUSION = (
-    "Instead of predicting the next token left to right, it fills masked positions anywhere in the answer with "
-    "bidirectional attention: text is generated by starting from a fully masked answer and unmasking it over "
-    "several denoising steps. Being adapted from an autoregressive model, its logits at position i predict the "
-    "token at position i + 1."
-)
-
-
-def _dream_own_usage(temperature: float, source: str) -> str:
-    """The card's example of Dream's own entry point, with the sampling settings `source` (the original model
-    card) shows for it."""
-    return f"""# Dream's own entry point and argument names: the whole answer as one block, no KV cache, Dream's timestep
-# schedule with its confidence rule `alg`; sampling as {source} shows it.
-output = model.diffusion_generate(
-    input_ids, max_new_tokens=256, steps=256, alg="entropy", alg_temp=0.0, temperature={temperature}, top_p=0.95
-)"""
-
-
-_DREAM_CODE_PROMPT = """messages = [{"role": "user", "content": "Write a Python function that reverses a linked list."}]
-input_ids = tokenizer.apply_chat_template(
-    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-)["input_ids"].to(model.device)"""
-_DREAM_CODE_PIPELINE = """messages = [{"role": "user", "content": "Write a quick sort in Python."}]
-print(generator(messages, max_new_tokens=256)[0]["generated_text"][-1]["content"])"""
-_DREAM_CHAT_PIPELINE = """messages = [{"role": "user", "content": "Write a haiku about diffusion."}]
-print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])"""
-_DREAM_PLAIN_PIPELINE = """print(generator("The three primary colors are", max_new_tokens=64)[0]["generated_text"])"""
-
-# Model-card presets: the values the card template of the preset's family (`model_type`: `ModelFamily.card_template`)
-# is rendered with (plus the generation defaults, the repo id and hf_dllm's version, filled in by `card_variables`).
-# `model_cards/<file>` is the preset rendered with the family's default options; a test keeps those files equal to
-# the rendering. `--card generic` means the generic preset of SRC's family (`ModelFamily.generic_card`).
-CARD_PRESETS: dict[str, dict[str, str]] = {
-    "llada-8b-instruct": {
-        "model_type": "llada",
-        "file": "LLaDA-8B-Instruct.md",
-        "model_name": "LLaDA-8B-Instruct",
-        "base_model": "GSAI-ML/LLaDA-8B-Instruct",
-        "license": "mit",
-        "license_text": "The weights are those of [GSAI-ML/LLaDA-8B-Instruct](https://huggingface.co/GSAI-ML/LLaDA-8B-Instruct), "
-        "released by their authors under the **MIT license**; this repo only adds hf_dllm's code (Apache-2.0) "
-        "next to them and keeps the original license.",
-        "description": "LLaDA-8B-Instruct is the supervised fine-tuned (SFT) version of LLaDA-8B-Base, an 8B-parameter "
-        "masked diffusion language model trained from scratch (Nie et al., 2025, arXiv:2502.09992). Instead of "
-        "predicting the next token, it fills masked positions anywhere in the sequence with bidirectional "
-        "attention; text is generated by starting from a fully masked answer and unmasking it over several "
-        "denoising steps. It is a chat model: use the chat template.",
-        "prompt_code": _CHAT_PROMPT,
-        "pipeline_code": _CHAT_PIPELINE,
-        "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
-    },
-    "llada-8b-base": {
-        "model_type": "llada",
-        "file": "LLaDA-8B-Base.md",
-        "model_name": "LLaDA-8B-Base",
-        "base_model": "GSAI-ML/LLaDA-8B-Base",
-        "license": "mit",
-        "license_text": "The weights are those of [GSAI-ML/LLaDA-8B-Base](https://huggingface.co/GSAI-ML/LLaDA-8B-Base), "
-        "released by their authors under the **MIT license**; this repo only adds hf_dllm's code (Apache-2.0) "
-        "next to them and keeps the original license.",
-        "description": "LLaDA-8B-Base is an 8B-parameter masked diffusion language model pre-trained from scratch "
-        "(Nie et al., 2025, arXiv:2502.09992). Instead of predicting the next token, it fills masked positions "
-        "anywhere in the sequence with bidirectional attention; text is generated by starting from a fully "
-        "masked continuation and unmasking it over several denoising steps. It is a pre-trained (base) model: "
-        "give it text to continue or few-shot prompts, not chat messages.",
-        "prompt_code": _PLAIN_PROMPT,
-        "pipeline_code": _PLAIN_PIPELINE,
-        "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
-    },
-    "llada-1.5": {
-        "model_type": "llada",
-        "file": "LLaDA-1.5.md",
-        "model_name": "LLaDA-1.5",
-        "base_model": "GSAI-ML/LLaDA-1.5",
-        "license": "mit",
-        "license_text": "The weights are those of [GSAI-ML/LLaDA-1.5](https://huggingface.co/GSAI-ML/LLaDA-1.5), "
-        "released by their authors under the **MIT license**; this repo only adds hf_dllm's code (Apache-2.0) "
-        "next to them and keeps the original license.",
-        "description": "LLaDA 1.5 is LLaDA-8B-Instruct further aligned with Variance-Reduced Preference Optimization "
-        "(VRPO; Zhu et al., 2025, arXiv:2505.19223), a preference-optimization method for masked diffusion models "
-        "that reduces the variance of the ELBO-based likelihood estimates preference optimization needs. The "
-        "architecture, tokenizer and chat template are those of LLaDA-8B-Instruct (Nie et al., 2025, "
-        "arXiv:2502.09992), so everything below applies unchanged. It is a chat model: use the chat template.",
-        "prompt_code": _CHAT_PROMPT,
-        "pipeline_code": _CHAT_PIPELINE,
-        "citations": "\n\n".join([_LLADA_15_CITATION, _LLADA_CITATION, _FAST_DLLM_CITATION]),
-    },
-    "generic": {
-        "model_type": "llada",
-        "file": "",
-        "model_name": "",  # filled with DST's folder name
-        "base_model": "",
-        "license": "other",
-        "license_text": "These weights keep the license of the checkpoint they were exported from: check it before "
-        "using or publishing them (the LLaDA-8B models of GSAI-ML are released under the MIT license). "
-        "hf_dllm's code next to them is Apache-2.0.",
-        "description": "A LLaDA masked diffusion language model (Nie et al., 2025, arXiv:2502.09992). Instead of "
-        "predicting the next token, it fills masked positions anywhere in the sequence with bidirectional "
-        "attention; text is generated by starting from a fully masked continuation and unmasking it over several "
-        "denoising steps.",
-        "prompt_code": _PLAIN_PROMPT,
-        "pipeline_code": _PLAIN_PIPELINE,
-        "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
-    },
-    "llada2.0-mini": {
-        "model_type": "llada2_moe",
-        "file": "LLaDA2.0-mini.md",
-        "model_name": "LLaDA2.0-mini",
-        "base_model": "inclusionAI/LLaDA2.0-mini",
-        "license": "apache-2.0",
-        "license_text": _llada2_license("inclusionAI/LLaDA2.0-mini"),
-        "description": "LLaDA2.0-mini is inclusionAI's instruction-tuned diffusion language model with a "
-        "Mixture-of-Experts body (about 16B parameters in all, about 1.4B active per token), converted from an "
-        "autoregressive model and trained as described in the LLaDA2.0 tech report (inclusionAI, 2025). "
-        + _LLADA2_BLOCK_DIFFUSION
-        + " It is a chat model: use the chat template.",
-        "size_note": "about 32 GB of weights in bfloat16",
-        "prompt_code": _CHAT_PROMPT,
-        "pipeline_code": _CHAT_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
-        "more_usage": _LLADA2_STEPS_USAGE,
-        "citations": _LLADA2_CITATION,
-    },
-    "llada2.0-flash": {
-        "model_type": "llada2_moe",
-        "file": "LLaDA2.0-flash.md",
-        "model_name": "LLaDA2.0-flash",
-        "base_model": "inclusionAI/LLaDA2.0-flash",
-        "license": "apache-2.0",
-        "license_text": _llada2_license("inclusionAI/LLaDA2.0-flash"),
-        "description": "LLaDA2.0-flash is inclusionAI's large instruction-tuned diffusion language model with a "
-        "Mixture-of-Experts body (about 100B parameters in all, about 6B active per token), converted from an "
-        "autoregressive model and trained as described in the LLaDA2.0 tech report (inclusionAI, 2025). "
-        + _LLADA2_BLOCK_DIFFUSION
-        + " It is a chat model: use the chat template.",
-        "size_note": 'about 200 GB of weights in bfloat16: several GPUs, with `device_map="auto"`',
-        "prompt_code": _CHAT_PROMPT,
-        "pipeline_code": _CHAT_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
-        "more_usage": _LLADA2_STEPS_USAGE,
-        "citations": _LLADA2_CITATION,
-    },
-    "llada2.1-mini": {
-        "model_type": "llada2_moe",
-        "file": "LLaDA2.1-mini.md",
-        "model_name": "LLaDA2.1-mini",
-        "base_model": "inclusionAI/LLaDA2.1-mini",
-        "license": "apache-2.0",
-        "license_text": _llada2_license("inclusionAI/LLaDA2.1-mini"),
-        "description": "LLaDA2.1-mini is inclusionAI's successor of LLaDA2.0-mini (the same Mixture-of-Experts "
-        "architecture, about 16B parameters in all) trained to edit its own drafts: besides unmasking positions, "
-        "a decoding step may replace tokens it committed earlier in the current block (token editing, "
-        "`editing_threshold`), so that a block can be drafted quickly with a low threshold and corrected. "
-        + _LLADA2_BLOCK_DIFFUSION
-        + " The architecture is that of the LLaDA2.0 tech report (inclusionAI, 2025). It is a chat model: use "
-        "the chat template.",
-        "size_note": "about 32 GB of weights in bfloat16",
-        "prompt_code": _CHAT_PROMPT,
-        "pipeline_code": _CHAT_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
-        "more_usage": _LLADA2_STEPS_USAGE + "\n\n" + _LLADA2_EDITING_USAGE,
-        "citations": _LLADA2_CITATION,
-    },
-    "generic-llada2": {
-        "model_type": "llada2_moe",
-        "file": "",
-        "model_name": "",  # filled with DST's folder name
-        "base_model": "",
-        "license": "other",
-        "license_text": "These weights keep the license of the checkpoint they were exported from: check it before "
-        "using or publishing them (inclusionAI's LLaDA2.x models are released under the Apache-2.0 license). "
-        "hf_dllm's code next to them is Apache-2.0.",
-        "description": "A LLaDA2.x diffusion language model (the Mixture-of-Experts architecture of the LLaDA2.0 "
-        "tech report, inclusionAI, 2025). " + _LLADA2_BLOCK_DIFFUSION,
-        "size_note": "2 bytes per parameter in bfloat16",
-        "prompt_code": _PLAIN_PROMPT,
-        "pipeline_code": _PLAIN_PIPELINE.replace("threshold=0.9", "threshold=0.95"),
-        "more_usage": _LLADA2_STEPS_USAGE
-        + "\n\n"
-        + _LLADA2_EDITING_USAGE.replace("# LLaDA2.1 token editing", "# Token editing (LLaDA2.1 checkpoints)"),
-        "citations": _LLADA2_CITATION,
-    },
-    "dream-v0-instruct-7b": {
-        "model_type": "Dream",
-        "file": "Dream-v0-Instruct-7B.md",
-        "model_name": "Dream-v0-Instruct-7B",
-        "base_model": "Dream-org/Dream-v0-Instruct-7B",
-        "license": "apache-2.0",
-        "license_text": "The weights are those of [Dream-org/Dream-v0-Instruct-7B]"
-        "(https://huggingface.co/Dream-org/Dream-v0-Instruct-7B), released by their authors under the **Apache-2.0 "
-        "license**; this repo only adds hf_dllm's code (Apache-2.0) next to them and keeps the original license.",
-        "description": "Dream-v0-Instruct-7B is the instruction-tuned version of Dream 7B (Ye et al., 2025, "
-        "arXiv:2508.15487), a 7B-parameter masked diffusion language model initialised from the autoregressive "
-        "Qwen2.5 7B and trained with discrete diffusion. " + _DREAM_DIFFUSION + " It is a chat model: use the chat "
-        "template.",
-        "size_note": "about 15 GB of weights in bfloat16",
-        "prompt_code": _CHAT_PROMPT,
-        "pipeline_code": _DREAM_CHAT_PIPELINE,
-        "more_usage": _dream_own_usage(0.2, "Dream's README"),
-        "citations": "\n\n".join([_DREAM_CITATION, _FAST_DLLM_CITATION]),
-    },
-    "dream-coder-v0-instruct-7b": {
-        "model_type": "Dream",
-        "file": "Dream-Coder-v0-Instruct-7B.md",
-        "model_name": "Dream-Coder-v0-Instruct-7B",
-        "base_model": "Dream-org/Dream-Coder-v0-Instruct-7B",
-        "license": "other",
-        "license_text": "The weights are those of [Dream-org/Dream-Coder-v0-Instruct-7B]"
-        "(https://huggingface.co/Dream-org/Dream-Coder-v0-Instruct-7B) and keep the license their authors released "
-        "them under: check it there before using or publishing them. This repo only adds hf_dllm's code "
-        "(Apache-2.0) next to them.",
-        "description": "Dream-Coder-v0-Instruct-7B is Dream-Coder 7B Instruct (Xie et al., 2025, arXiv:2509.01142), "
-        "a 7B-parameter diffusion language model for code with the architecture of Dream 7B (Ye et al., 2025, "
-        "arXiv:2508.15487): adapted from a pretrained autoregressive checkpoint, then post-trained with supervised "
-        "fine-tuning and reinforcement learning with verifiable rewards on open-source data. "
-        + _DREAM_DIFFUSION
-        + " It is a chat model: use the chat template.",
-        "size_note": "about 15 GB of weights in bfloat16",
-        "prompt_code": _DREAM_CODE_PROMPT,
-        "pipeline_code": _DREAM_CODE_PIPELINE,
-        "more_usage": _dream_own_usage(0.1, "Dream-Coder's README"),
-        "citations": "\n\n".join([_DREAM_CODER_CITATION, _DREAM_CITATION, _FAST_DLLM_CITATION]),
-    },
-    "generic-dream": {
-        "model_type": "Dream",
-        "file": "",
-        "model_name": "",  # filled with DST's folder name
-        "base_model": "",
-        "license": "other",
-        "license_text": "These weights keep the license of the checkpoint they were exported from: check it before "
-        "using or publishing them. hf_dllm's code next to them is Apache-2.0.",
-        "description": "A Dream masked diffusion language model (the architecture of Dream 7B: Ye et al., 2025, "
-        "arXiv:2508.15487, a Qwen2.5 body with bidirectional attention). " + _DREAM_DIFFUSION,
-        "size_note": "2 bytes per parameter in bfloat16",
-        "prompt_code": _PLAIN_PROMPT,
-        "pipeline_code": _DREAM_PLAIN_PIPELINE,
-        "more_usage": _dream_own_usage(0.2, "Dream's README"),
-        "citations": "\n\n".join([_DREAM_CITATION, _FAST_DLLM_CITATION]),
-    },
-}
-DEFAULT_REPO_ORG = "your-org"
 
 
 logger = logging.getLogger(__name__)  # hf_dllm.hub.export
 
 
-class ExportError(ValueError):
-    """Bad input to the exporter (SRC, DST, options) or package files that cannot run as remote code."""
-
-
 # --- remote code ---------------------------------------------------------------------------------------------------
-
-
-def model_family(model_type: str) -> ModelFamily:
-    """The `MODEL_FAMILIES` entry of `model_type`; an `ExportError` naming the supported types otherwise."""
-    family = MODEL_FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
-        raise ExportError(f"model_type {model_type!r} is not one hf-dllm export supports; {_supported_types()}.")
-    return family
-
-
-def _supported_types() -> str:
-    return "supported model_type values: " + ", ".join(
-        f"{model_type!r} ({family.name}: {family.checkpoints})" for model_type, family in MODEL_FAMILIES.items()
-    )
 
 
 def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: str = DEFAULT_MODEL_TYPE) -> list[Path]:
@@ -642,7 +181,7 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: 
         raise ExportError(
             f"remote-code file(s) missing from the package ({package_dir}): {', '.join(missing)}. "
             f"The exported remote code of {family.name} is {', '.join(files)} "
-            f"(hf_dllm.export.MODEL_FAMILIES[{model_type!r}].remote_code_files)."
+            f"(hf_dllm.hub.families.MODEL_FAMILIES[{model_type!r}].remote_code_files)."
         )
     modules = {name.removesuffix(".py") for name in files}
     allowed = set(sys.stdlib_module_names) | set(REMOTE_CODE_DEPENDENCIES)
@@ -689,7 +228,7 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: 
             problems.append(
                 f"{name}: transformers sees relative imports of {unknown} (it scans the text, docstrings "
                 f"included), which are not exported files {sorted(modules)}; if they belong to the remote code, "
-                f"add them to hf_dllm.export.MODEL_FAMILIES[{model_type!r}].remote_code_files."
+                f"add them to hf_dllm.hub.families.MODEL_FAMILIES[{model_type!r}].remote_code_files."
             )
         graph[name.removesuffix(".py")] = relative & modules
     if not problems:
@@ -1057,152 +596,10 @@ def resolve_generation_settings(
     return GenerationSettings(config=config, origins=origins, family=family.name, headline=headline, notes=tuple(notes))
 
 
-def resolve_card(card: str, model_type: str) -> str:
-    """The `CARD_PRESETS` entry for `--card card` and a SRC of `model_type`: `generic` is the family's generic
-    preset; a preset of another family is an error (its card would describe another model)."""
-    family = model_family(model_type)
-    if card == "generic":
-        return family.generic_card
-    if card not in CARD_PRESETS:
-        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
-    preset_type = CARD_PRESETS[card]["model_type"]
-    if preset_type != model_type:
-        fitting = sorted(name for name, preset in CARD_PRESETS.items() if preset["model_type"] == model_type)
-        raise ExportError(
-            f"model card {card!r} describes a {MODEL_FAMILIES[preset_type].name} model (model_type "
-            f"{preset_type!r}), but SRC is a {family.name} checkpoint ({model_type!r}); choose one of "
-            f"{', '.join(['generic', *fitting])}."
-        )
-    return card
-
-
-# Keys of a preset that are not template variables.
-_PRESET_KEYS = ("file", "model_type")
-
-
-def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict[str, str]:
-    """Everything the card template of the preset's family is rendered with; `fields` are the generation settings
-    written (`GenerationSettings.fields`: every field of generation_config.json but the special token ids)."""
-    from .. import __version__
-
-    if card not in CARD_PRESETS:
-        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
-    model_type = CARD_PRESETS[card]["model_type"]
-    variables = {key: value for key, value in CARD_PRESETS[card].items() if key not in _PRESET_KEYS}
-    variables["model_name"] = variables["model_name"] or dst_name
-    variables["base_model_line"] = f"base_model: {variables['base_model']}\n" if variables["base_model"] else ""
-    variables["original_line"] = (
-        f"Original weights: [{variables['base_model']}](https://huggingface.co/{variables['base_model']}).\n\n"
-        if variables["base_model"]
-        else ""
-    )
-    variables["repo_id"] = repo_id
-    variables["hf_dllm_version"] = __version__
-    for name, value in fields.items():  # the table of settings: every field as generation_config.json holds it
-        variables[name] = json.dumps(value) if isinstance(value, str) else str(value)
-    variables["decoding_default"] = describe_decoding(fields, model_type)
-    return variables
-
-
-def describe_decoding(fields: dict, model_type: str) -> str:
-    """The decoding `fields` (generation_config.json's, besides special tokens) give, in words, for the card's
-    sentence "This repository's default is ..."."""
-    if model_type == "Dream":
-        return _describe_dream_decoding(fields)
-    threshold, factor, steps = fields["threshold"], fields["factor"], fields["steps"]
-    sampling = "greedy" if not fields["do_sample"] else f"sampling at temperature {fields['temperature']}"
-    blocks = f"in blocks of {fields['block_length']}"
-    if model_type == "llada2_moe":
-        if fields["editing_threshold"] is not None:
-            rule = (
-                f"LLaDA2.1 token editing (`editing_threshold={fields['editing_threshold']}`, `threshold={threshold}`, "
-                f"at least `num_to_transfer={fields['num_to_transfer']}` tokens per step)"
-            )
-        elif threshold is not None:
-            schedule = "`steps=None`: at least one token per step" if steps is None else f"`steps={steps}`"
-            rule = f"LLaDA2's threshold decoding (`threshold={threshold}`, {schedule})"
-        elif steps is not None:
-            rule = f"the schedule alone (`threshold=None`, the reference's threshold 1.0, `steps={steps}`)"
-        else:
-            rule = "one token per step (`threshold=None`, the reference's threshold 1.0)"
-        cache = "" if fields["use_cache"] else ", without a cache"
-        return f"{rule}{cache}, {sampling}, {blocks}"
-    if threshold is not None:
-        rule = f"threshold decoding (`threshold={threshold}`)"
-    elif factor is not None:
-        rule = f"factor decoding (`factor={factor}`)"
-    elif steps is not None:
-        rule = f"LLaDA's fixed schedule (`steps={steps}` in all; `threshold=None`)"
-    else:
-        rule = "LLaDA's fixed schedule (one token per step; `threshold=None`)"
-    cache = ("the dual cache" if fields["dual_cache"] else "the prefix cache") if fields["use_cache"] else "no cache"
-    fast = threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]
-    return f"{rule} with {cache}, {sampling}, {blocks}" + (": the fast setting of Fast-dLLM" if fast else "")
-
-
-def _describe_dream_decoding(fields: dict) -> str:
-    """`describe_decoding` for Dream: its rules (`alg` on its timestep schedule, or Fast-dLLM's threshold / factor),
-    its cache, sampling (`temperature`, `top_p`, `top_k`) and blocks."""
-    from ..decoding_dream import DEFAULT_DREAM_ALG
-
-    threshold, factor, steps, alg = fields["threshold"], fields["factor"], fields["steps"], fields["alg"]
-    if threshold is not None:
-        rule = f"Fast-dLLM's threshold rule (`threshold={threshold}`)"
-    elif factor is not None:
-        rule = f"Fast-dLLM's factor rule (`factor={factor}`)"
-    else:
-        named = f'`alg="{alg}"`' if alg is not None else f'`alg=None`: "{DEFAULT_DREAM_ALG}"'
-        schedule = "one token per step" if steps is None else f"`steps={steps}` in all"
-        positions = f", positions sampled at `alg_temp={fields['alg_temp']}`" if fields["alg_temp"] else ""
-        rule = f"Dream's timestep schedule ({named}, {schedule}{positions})"
-    if fields["use_cache"]:
-        cache = "the dual cache" if fields["dual_cache"] else "the prefix cache"
-    else:
-        cache = "no KV cache"
-    if fields["do_sample"]:
-        filters = "".join(f", `{name}={fields[name]}`" for name in ("top_p", "top_k") if fields[name] is not None)
-        sampling = f"sampling at temperature {fields['temperature']}{filters}"
-    else:
-        sampling = "greedy"
-    one_block = fields["block_length"] >= fields["max_new_tokens"]
-    blocks = "the whole answer as one block" if one_block else f"in blocks of {fields['block_length']}"
-    if threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]:
-        setting = ": the fast setting of Fast-dLLM"
-    elif threshold is None and factor is None and not fields["use_cache"] and one_block:
-        setting = ": Dream's own sampler, as its `diffusion_generate()`"
-    else:
-        setting = ""
-    return f"{rule} with {cache}, {sampling}, {blocks}{setting}"
-
-
-_PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
-
-
-def render_card(template: str, variables: dict[str, str]) -> str:
-    """Replace every `{{ name }}` of `template`; an unknown name is an error."""
-    unknown = sorted({name for name in _PLACEHOLDER.findall(template) if name not in variables})
-    if unknown:
-        raise ExportError(f"model card template uses unknown placeholder(s) {unknown}.")
-    return _PLACEHOLDER.sub(lambda match: variables[match.group(1)], template)
-
-
-def read_card_template(name: str = CARD_TEMPLATE) -> str:
-    """`model_cards/<name>` (a family's `card_template`) of the hf_dllm source tree."""
-    path = MODEL_CARDS_DIR / name
-    if not path.is_file():
-        raise ExportError(
-            f"model card template {path} not found: the exporter renders model_cards/{name} of the "
-            "hf_dllm source tree (install hf_dllm from its repository, e.g. `pip install -e .`)."
-        )
-    return path.read_text(encoding="utf-8")
-
-
 def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "") -> str:
     """The model card of preset `card` with its family's default generation settings (what `model_cards/<file>`
     holds; an export renders the settings it writes)."""
-    if card not in CARD_PRESETS:
-        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
-    preset = CARD_PRESETS[card]
+    preset = card_preset(card)
     family = model_family(preset["model_type"])
     name = preset["model_name"] or dst_name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
@@ -1512,8 +909,7 @@ def export_checkpoint(
     for note in clean_stale_staging(dst):
         logger.warning(note)
     _check_dst(src, dst, overwrite)
-    if card not in CARD_PRESETS:
-        raise ExportError(f"unknown model card {card!r}; choose one of {', '.join(CARD_PRESETS)}.")
+    card_preset(card)  # an unknown preset is an error before anything else is read
     config = read_source_config(src)
     model_type = config["model_type"]
     family = MODEL_FAMILIES[model_type]
