@@ -35,8 +35,8 @@ _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 
 def attention_without_shape_plans(device: torch.device | str):
     """A context in which sdpa on `device` skips backends that plan per shape (cuDNN); a no-op off CUDA. torch's
-    backend flags are process-wide: other threads' sdpa calls run without cuDNN meanwhile (the same results, by
-    other kernels)."""
+    backend flags are process-wide: other threads' sdpa calls run without cuDNN meanwhile (the same attention by
+    other kernels, rounded as those round)."""
     if torch.device(device).type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel(_PLANLESS_SDPA_BACKENDS)
