@@ -121,6 +121,17 @@ def serve(args) -> None:
 
     from hf_dllm.serving.server import create_app
 
+    if args.allow_cudnn_attention:  # the engine as before session 8: sdpa may pick cuDNN (a plan per new shape)
+        import contextlib
+
+        import hf_dllm.packed
+        import hf_dllm.serving.engine
+
+        def any_backend(device):
+            return contextlib.nullcontext()
+
+        hf_dllm.packed.attention_without_shape_plans = any_backend
+        hf_dllm.serving.engine.attention_without_shape_plans = any_backend
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = build_model(args.shape, device, "bfloat16" if device == "cuda" else "float32")
     config = model.config
@@ -146,6 +157,9 @@ def serve(args) -> None:
 
 
 # -- the load ------------------------------------------------------------------------------------------------------
+
+
+SERVER_KINDS = ("continuous", "continuous-cudnn", "window")
 
 
 def free_port() -> int:
@@ -178,7 +192,7 @@ class ServerProcess:
     def __init__(self, args, kind: str):
         self.port = free_port()
         env = dict(os.environ)
-        code = str(REPO) if kind == "continuous" else str(Path(args.window_code).resolve())
+        code = str(Path(args.window_code).resolve()) if kind == "window" else str(REPO)
         env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
         command = [
             sys.executable,
@@ -200,6 +214,8 @@ class ServerProcess:
             command += ["--max-batch-width", str(args.max_batch_width)]
         if args.cpu:
             command.append("--cpu")
+        if kind == "continuous-cudnn":
+            command.append("--allow-cudnn-attention")
         self.process = subprocess.Popen(command, env=env, cwd=code)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -348,8 +364,7 @@ def measure(args) -> dict:
     rates = [float(rate) for rate in args.rates.split(",")]
     items = workload(args, vocab, args.requests)
     results = {}
-    kinds = [kind for kind in args.servers.split(",") if kind != "window" or args.window_code]
-    for kind in kinds:
+    for kind in args.servers.split(","):
         server = ServerProcess(args, kind)
         try:
             # Warm-up: kernels, CUDA graphs of the common shapes.
@@ -360,7 +375,7 @@ def measure(args) -> dict:
                 summary = summarize(records)
                 summary["batching"] = server.get("/health").get("batching")
                 summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
-                if kind == "continuous" and args.check:
+                if kind != "window" and args.check:
                     summary["check"] = check_answers(args, items, records, args.check)
                 results[(kind, rate)] = summary
                 print(
@@ -386,7 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width-granularity", type=int, default=0, help="0: the engine's default")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="the window server's window")
     parser.add_argument("--window-code", default=None, help="folder holding the window-batching hf_dllm package")
-    parser.add_argument("--servers", default="continuous,window", help="which servers to measure, in order")
+    parser.add_argument(
+        "--servers",
+        default="continuous,window",
+        help="which servers to measure, in order: continuous, continuous-cudnn (the same engine with cuDNN's "
+        "attention allowed, which plans per shape), window (needs --window-code)",
+    )
+    parser.add_argument("--allow-cudnn-attention", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)
     parser.add_argument("--output-range", type=int, nargs=2, default=None)
     parser.add_argument("--check", type=int, default=0, help="answers to compare with generate() alone")
@@ -398,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "server":
         serve(args)  # the package comes from PYTHONPATH (this checkout, or --window-code's)
         return 0
+    servers = args.servers.split(",")
+    unknown = sorted(set(servers) - set(SERVER_KINDS))
+    if unknown:
+        parser.error(f"--servers: unknown {unknown}; choose from {', '.join(SERVER_KINDS)}")
+    if "window" in servers and not args.window_code:
+        parser.error("--servers window needs --window-code (the window-batching package's folder)")
     sys.path.insert(0, str(REPO))
     args.rates = args.rates or ("2,8" if args.cpu else "0.5,1,2")
     args.requests = args.requests or (16 if args.cpu else 48)
