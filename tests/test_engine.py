@@ -477,6 +477,8 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
         (dict(max_batch_size=True), "max_batch_size"),
         (dict(max_batch_width=0), "max_batch_width"),
         (dict(width_granularity=-1), "width_granularity"),
+        (dict(join_layout_min_rows=0), "join_layout_min_rows"),
+        (dict(join_layout_min_rows=2.0), "join_layout_min_rows"),
     ],
 )
 def test_bad_arguments_are_refused(trained, kwargs, name):
@@ -536,3 +538,64 @@ def test_step_capturability_is_asked_without_autograd():
             model, config, max_rows=2, max_width=32, device=torch.device("cpu"), shared_cache=lambda r: None
         )
         assert run._step_capturable()
+
+
+def recorded_layouts(monkeypatch) -> list[list[tuple[int, int]]]:
+    """Every layout the engine decodes, as (request id, block index) of its rows, in order."""
+    from hf_dllm.serving.layout import LayoutRun
+
+    layouts = []
+    decode_block = LayoutRun.decode_block
+
+    def recorded(self, rows, width):
+        layouts.append([(id(row), row.block) for row in rows])
+        return decode_block(self, rows, width)
+
+    monkeypatch.setattr(LayoutRun, "decode_block", recorded)
+    return layouts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_joining_rows_decode_apart_first_and_equal_generate_alone(trained, random_llada2, seed, monkeypatch):
+    """`join_layout_min_rows`: at a boundary with nothing waiting, joining rows decode their first block in a
+    layout of their own before the others (when enough others run); each row is still `generate()` alone (LLaDA
+    with the dual cache, and block-causal LLaDA2 rows, whose K/V slots and packed prefill this splits)."""
+    layouts = recorded_layouts(monkeypatch)
+    rng = random.Random(30 + seed)
+    cases = [
+        (
+            trained,
+            dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False),
+        ),
+        (random_llada2, dict(max_new_tokens=40, block_length=8, threshold=0.5, eos_early_stop=False)),
+    ]
+    for model, settings in cases:
+        layouts.clear()
+        prompts = random_prompts(rng, 8, 4, 60)
+        requests = [request(model, prompt, **settings) for prompt in prompts]
+        engine = ContinuousBatcher(model, max_batch_size=8, join_layout_min_rows=2)
+        drive(engine, requests, [0, 0, 0, 1, 2, 2, 4, 5])
+        assert_alone(model, requests)
+        apart = [
+            i
+            for i, layout in enumerate(layouts)
+            if all(block == 0 for _, block in layout) and i + 1 < len(layouts) and layouts[i + 1][0][1] > 0
+        ]
+        assert apart, "no boundary decoded its joining rows apart"
+        for i in apart:  # the joining rows' layout came first, then the others' (at least 2), none at block 0
+            assert len(layouts[i + 1]) >= 2 and all(block > 0 for _, block in layouts[i + 1])
+
+
+def test_joining_rows_stay_in_the_layout_while_requests_wait(trained, monkeypatch):
+    """With requests left waiting (a full batch) the engine favours throughput: joining rows share the layout."""
+    layouts = recorded_layouts(monkeypatch)
+    settings = dict(block_length=8, use_cache=True, dual_cache=True, eos_early_stop=False)
+    lengths = [(8, 40), (8, 16), (8, 16), (8, 16)]  # the first row runs longest; the others free their place
+    requests = [  # 4 steps per block for all: one cohort
+        request(trained, [5 + i] * prompt, **dict(settings, max_new_tokens=new, steps=new // 2))
+        for i, (prompt, new) in enumerate(lengths)
+    ]
+    engine = ContinuousBatcher(trained, max_batch_size=2, join_layout_min_rows=1)
+    drive(engine, requests, [0, 0, 0, 0])
+    assert_alone(trained, requests)
+    assert all(len(layout) == 2 for layout in layouts[:4]), layouts

@@ -64,6 +64,12 @@ class ContinuousBatcher:
             shapes are captured. Default: 64 on CUDA, 1 elsewhere (no graphs; and a row decoding alone then has no
             padding, so its float32 arithmetic is exactly `generate()`'s: masked padding columns change the order
             of attention's sums, which can flip a near-tie between two tokens).
+        join_layout_min_rows: None (default): joining rows decode their first block in their cohort's layout. An
+            integer n >= 1: at a boundary where nothing is left waiting, joining rows decode their first block in
+            a layout of their own, before the others, when at least n other rows of their cohort are running. Their
+            first block then streams after their prefill and one block of steps at their own batch size, not the
+            whole batch's; the others wait that long, and the boundary makes one more layout. Off until measured on
+            a GPU (a cost model's estimate: `benchmarks/RESULTS.md`, continuous batching, session 8).
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class ContinuousBatcher:
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
         width_granularity: int | None = None,
+        join_layout_min_rows: int | None = None,
     ):
         self.device = model.get_input_embeddings().weight.device
         if width_granularity is None:
@@ -80,6 +87,12 @@ class ContinuousBatcher:
         for name, value in (("max_batch_size", max_batch_size), ("width_granularity", width_granularity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if join_layout_min_rows is not None and (
+            not isinstance(join_layout_min_rows, int)
+            or isinstance(join_layout_min_rows, bool)
+            or join_layout_min_rows < 1
+        ):
+            raise ValueError(f"`join_layout_min_rows` must be None or an integer >= 1, got {join_layout_min_rows!r}.")
         if max_batch_width is None:
             max_batch_width = getattr(model.config, "max_sequence_length", None) or getattr(
                 model.config, "max_position_embeddings", None
@@ -90,6 +103,7 @@ class ContinuousBatcher:
         self.max_batch_size = max_batch_size
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
+        self.join_layout_min_rows = join_layout_min_rows
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         if self.block_causal and not model.diffusion_packed_rows:
             # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
@@ -178,19 +192,31 @@ class ContinuousBatcher:
 
     def _cohorts(self) -> list[list[EngineRequest]]:
         """The running rows grouped into layouts (cohorts), each split further where it would exceed the cache's
-        width; in order of their oldest row."""
+        width; in order of their oldest row, except that joining rows decoding apart (`join_layout_min_rows`)
+        come first."""
         groups: dict[tuple, list[EngineRequest]] = {}
         for row in self.running:
             groups.setdefault(cohort_key(row), []).append(row)
-        layouts = []
+        with self.lock:
+            apart = self.join_layout_min_rows is not None and not self.waiting
+        first, layouts = [], []
         for rows in groups.values():
-            current: list[EngineRequest] = []
-            for row in rows:
-                if current and self.layout_width([*current, row]) > self.max_batch_width:
-                    layouts.append(current)
-                    current = []
-                current.append(row)
-            layouts.append(current)
+            joining = [row for row in rows if row.block == 0]
+            if apart and joining and len(rows) - len(joining) >= self.join_layout_min_rows:
+                first += self._within_width(joining)
+                rows = [row for row in rows if row.block > 0]
+            layouts += self._within_width(rows)
+        return first + layouts
+
+    def _within_width(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
+        """`rows` in order, split into layouts that fit `max_batch_width`."""
+        layouts, current = [], []
+        for row in rows:
+            if current and self.layout_width([*current, row]) > self.max_batch_width:
+                layouts.append(current)
+                current = []
+            current.append(row)
+        layouts.append(current)
         return layouts
 
     def _run_for(self, row: EngineRequest) -> LayoutRun:
