@@ -146,6 +146,8 @@ def serve(args) -> None:
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
         engine.width_granularity = args.width_granularity
+    if args.join_apart:
+        engine.join_layout_min_rows = args.join_layout_min_rows
 
     @app.get("/bench-memory")
     async def memory():
@@ -159,7 +161,7 @@ def serve(args) -> None:
 # -- the load ------------------------------------------------------------------------------------------------------
 
 
-SERVER_KINDS = ("continuous", "continuous-cudnn", "window")
+SERVER_KINDS = ("continuous", "continuous-cudnn", "continuous-join-apart", "window")
 
 
 def free_port() -> int:
@@ -216,6 +218,8 @@ class ServerProcess:
             command.append("--cpu")
         if kind == "continuous-cudnn":
             command.append("--allow-cudnn-attention")
+        if kind == "continuous-join-apart":
+            command += ["--join-apart", "--join-layout-min-rows", str(args.join_layout_min_rows)]
         self.process = subprocess.Popen(command, env=env, cwd=code)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -405,9 +409,14 @@ def main(argv: list[str] | None = None) -> int:
         "--servers",
         default="continuous,window",
         help="which servers to measure, in order: continuous, continuous-cudnn (the same engine with cuDNN's "
-        "attention allowed, which plans per shape), window (needs --window-code)",
+        "attention allowed, which plans per shape), continuous-join-apart (joining rows decode their first block "
+        "apart: `ContinuousBatcher.join_layout_min_rows`), window (needs --window-code)",
+    )
+    parser.add_argument(
+        "--join-layout-min-rows", type=int, default=4, help="the continuous-join-apart server's join_layout_min_rows"
     )
     parser.add_argument("--allow-cudnn-attention", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--join-apart", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)
     parser.add_argument("--output-range", type=int, nargs=2, default=None)
     parser.add_argument("--check", type=int, default=0, help="answers to compare with generate() alone")
