@@ -106,20 +106,23 @@ def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
     return tuple(synced)
 
 
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    # `_parameters` first: nn.Module.__getattr__ costs about a microsecond per name, and the layers ask per forward.
+    weight = module._parameters.get("weight")
+    return weight if weight is not None else module.weight
+
+
 class LocalHeadCounts:
     """Head counts of an attention layer with `q_proj` / `k_proj` projections and `head_dim`, read from the weights'
-    shapes: this rank's share under tensor parallelism (column-wise q/k/v), all heads otherwise. Read once per pair
-    of weight objects (the layers ask several times per forward; loading sharded or quantized weights replaces
-    them, which reads them again)."""
+    shapes: this rank's share under tensor parallelism (column-wise q/k/v), all heads otherwise. Read at every call,
+    so replaced weights (sharded or quantized loading) are always seen."""
 
     def _head_counts(self) -> tuple[int, int]:
-        modules = self._modules  # not `self.q_proj`: nn.Module.__getattr__ costs a microsecond per name
-        q_weight, k_weight = modules["q_proj"].weight, modules["k_proj"].weight
-        read = self.__dict__.get("_read_head_counts")
-        if read is None or read[0] is not q_weight or read[1] is not k_weight:
-            heads = local_shape(q_weight)[0] // self.head_dim, local_shape(k_weight)[0] // self.head_dim
-            read = self.__dict__["_read_head_counts"] = (q_weight, k_weight, heads)
-        return read[2]
+        modules = self._modules
+        return (
+            local_shape(_weight(modules["q_proj"]))[0] // self.head_dim,
+            local_shape(_weight(modules["k_proj"]))[0] // self.head_dim,
+        )
 
     @property
     def num_heads(self) -> int:
