@@ -59,6 +59,14 @@ def _residual_product(
     return residual + torch.addmm(bias, x, weight_t)
 
 
+def lean_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables `(batch, q_len, head_dim)` as `lean_block` takes them (`rotary`): `(batch, q_len, 1, head_dim)`
+    with the first half of sin negated, so that `x * cos + roll(x, head_dim / 2) * signed_sin` is
+    `apply_rotary_pos_emb`'s `x * cos + rotate_half(x) * sin`, bit for bit (negation commutes with rounding)."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+
+
 def select_rows(tensor: torch.Tensor, keep: slice | torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The positions `keep` (a slice or a 1D index) of `tensor` along `dim`."""
     if isinstance(keep, slice):

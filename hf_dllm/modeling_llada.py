@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _global_module_hooks
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_bidirectional_mask
@@ -34,7 +35,7 @@ from .generation_utils import (
     select_positions,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
-from .llada_lean import LeanBlockWeights, lean_block, select_rows
+from .llada_lean import LeanBlockWeights, lean_block, lean_rotary, select_rows
 from .packed import PackedRows, run_attention
 from .tensor_parallel import LocalHeadCounts, is_sharded
 
@@ -97,14 +98,6 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     return angles.cos(), angles.sin()
 
 
-def lean_rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables `(batch, q_len, head_dim)` as `LLaDALlamaBlock._lean_forward` applies them: `(batch, q_len, 1,
-    head_dim)` with the first half of sin negated, so that `x * cos + roll(x, head_dim / 2) * signed_sin` is
-    `apply_rotary_pos_emb`'s `x * cos + rotate_half(x) * sin`, bit for bit (negation commutes with rounding)."""
-    half = sin.shape[-1] // 2
-    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -165,8 +158,15 @@ _LEAN_MODULE_NAMES = (*_LINEAR_NAMES, "attn_norm", "ff_norm")
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` does more than its `forward` (hooks, or accelerate's `_hf_hook` wrapper)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__)
+    """Whether calling `module` does more than its `forward`: its hooks, accelerate's `_hf_hook` wrapper, or hooks
+    on every module (`torch.nn.modules.module.register_module_forward_hook`, as profilers add)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or "_hf_hook" in module.__dict__
+        or _global_module_hooks._global_forward_hooks
+        or _global_module_hooks._global_forward_pre_hooks
+    )
 
 
 def _lean_sources(modules: dict[str, nn.Module]) -> tuple:
@@ -241,13 +241,28 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states `(batch, q_len, d_model)`; position_embeddings: cos, sin `(batch, q_len, head_dim)`."""
-        batch, q_len, _ = hidden_states.shape
-        fused = use_fused_kernels(hidden_states)
-        if not fused and self._lean_call_applies(hidden_states, past_key_values, kwargs):
+        if not use_fused_kernels(hidden_states) and self._lean_call_applies(hidden_states, past_key_values, kwargs):
             weights = self.lean_weights()
             if weights is not None:
                 rotary = lean_rotary(*position_embeddings)
                 return lean_block(weights, hidden_states, rotary, attention_mask, past_key_values, cache_position)
+        return self._module_forward(
+            hidden_states, position_embeddings, attention_mask, past_key_values, cache_position, **kwargs
+        )
+
+    def _module_forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """`forward` through the block's modules (the reference; quantized, sharded or hooked layers; the fused GPU
+        kernels)."""
+        batch, q_len, _ = hidden_states.shape
+        fused = use_fused_kernels(hidden_states)
         x = self.attn_norm(hidden_states)
         query, key, value = self._project_qkv(x, fused)
         cos, sin = position_embeddings
@@ -548,8 +563,9 @@ class LLaDAModel(LLaDAPreTrainedModel):
         lean_call = not use_fused_kernels(hidden_states) and blocks[0]._lean_call_applies(
             hidden_states, past_key_values, kwargs
         )
-        if not lean_call or self.training or _has_hooks(self.transformer.emb_drop):
-            hidden_states = self.transformer.emb_drop(hidden_states)  # elsewhere the identity
+        emb_drop = self.transformer.emb_drop
+        if emb_drop.training or _has_hooks(emb_drop):  # otherwise the identity
+            hidden_states = emb_drop(hidden_states)
         all_hidden_states = () if output_hidden_states else None
         last_index = len(blocks) - 1
         position_embeddings = rotary = None  # RoPE tables, made once per forward for the blocks that need them
@@ -575,7 +591,9 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 continue
             if position_embeddings is None:
                 position_embeddings = self._rotary_cos_sin(position_ids)
-            hidden_states = block(
+            # Where the lean path was asked and refused, the block's modules, without asking again.
+            run_block = block._module_forward if lean_call and not _has_hooks(block) else block
+            hidden_states = run_block(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
@@ -650,10 +668,7 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
             positions_to_keep=keep,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if keep is None:
-            hidden_states = select_positions(hidden_states, logits_to_keep)
-        logits = self.model.compute_logits(hidden_states)
+        logits = self._kept_logits(outputs.last_hidden_state, logits_to_keep, keep)
         output = CausalLMOutputWithPast(
             logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
         )
@@ -687,8 +702,13 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
         hidden_states, _, _ = self.model._forward_hidden(
             input_ids, attention_mask, position_ids, cache, None, cache is not None, cache_position, None, keep
         )
-        if keep is None:
-            hidden_states = select_positions(hidden_states, logits_slice)
+        return self._kept_logits(hidden_states, logits_slice, keep)
+
+    def _kept_logits(self, hidden_states: torch.Tensor, logits_to_keep, kept) -> torch.Tensor:
+        """Logits of the positions `logits_to_keep` selects; `kept`: the positions the model kept already (its last
+        block computed only them, `_positions_to_keep`), or None."""
+        if kept is None:
+            hidden_states = select_positions(hidden_states, logits_to_keep)
         return self.model.compute_logits(hidden_states)
 
 

@@ -13,7 +13,8 @@ from conftest import tiny_model
 
 import hf_dllm
 from hf_dllm.cache import DiffusionKVCache
-from hf_dllm.modeling_llada import lean_rotary, rotary_cos_sin
+from hf_dllm.llada_lean import lean_rotary
+from hf_dllm.modeling_llada import rotary_cos_sin
 
 MHA = dict(n_kv_heads=4)  # the lean path covers multi-head attention (LLaDA 8B); conftest's default is GQA
 
@@ -85,11 +86,19 @@ def test_lean_forward_with_padding_and_a_cache(monkeypatch):
 
 
 def test_lean_path_steps_aside(monkeypatch):
-    """GQA, bfloat16 and autograd take the regular path."""
+    """GQA, bfloat16 and autograd take the regular path; where a block refuses the lean path, it is asked once."""
+    from hf_dllm.modeling_llada import LLaDALlamaBlock
+
     calls = count_lean_calls(monkeypatch)
+    asked = []
+    lean_weights = LLaDALlamaBlock.lean_weights
+    monkeypatch.setattr(LLaDALlamaBlock, "lean_weights", lambda self: asked.append(self) or lean_weights(self))
     input_ids = torch.randint(4, 100, (1, 9))
     with torch.no_grad():
-        tiny_model(seed=3)(input_ids)  # GQA (4 query, 2 key/value heads)
+        gqa = tiny_model(seed=3)
+        gqa(input_ids)  # GQA (4 query, 2 key/value heads)
+    assert len(asked) == gqa.config.n_layers
+    with torch.no_grad():
         tiny_model(seed=3, **MHA).to(torch.bfloat16)(input_ids)
     tiny_model(seed=3, **MHA)(input_ids)
     assert calls[0] == 0
@@ -124,6 +133,22 @@ def test_hooks_added_after_a_lean_forward_still_run(monkeypatch):
     with torch.no_grad():
         model(input_ids)
     assert seen == [1] and calls[0] == model.config.n_layers - 1
+
+
+def test_hooks_on_every_module_still_run(monkeypatch):
+    """A hook registered for every module (`register_module_forward_hook`, as profilers do) sees the model, its
+    blocks and their layers called as `generate()` calls them: no module is skipped by the lean path."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = tiny_model(seed=3, **MHA)
+    seen = []
+    handle = register_module_forward_hook(lambda module, *args: seen.append(module))
+    try:
+        model.generate(torch.randint(4, 100, (1, 5)), max_new_tokens=8, block_length=8, steps=2)
+    finally:
+        handle.remove()
+    blocks = model.model.transformer.blocks
+    assert seen.count(model.model) == 2 and seen.count(blocks[-1]) == 2 and seen.count(blocks[0].ff_out) == 2
 
 
 @pytest.mark.parametrize("change", ["in_place", "replaced", "data", "layer", "to"])
