@@ -18,13 +18,16 @@ import torch
 from safetensors import safe_open
 
 import hf_dllm
-from hf_dllm.fp8 import FP8_MAX, dequantize
+from hf_dllm.fp8 import FP8_MAX, dequantize, fp8_quantization_config
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.export import main as export_main
 from hf_dllm.hub.families import ExportError
-from hf_dllm.hub.quantize import FP8_BLOCK, FP8_DTYPE, quantize_fp8_blocks, scale_name
+from hf_dllm.hub.quantize import FP8_DTYPE, quantize_fp8_blocks, scale_name
 
 BLOCK_WIDE = dict(mask_token_id=383, eos_token_id=382, pad_token_id=381)  # a vocabulary of 384 = 3 blocks
+
+# The block an FP8 export writes: transformers' FineGrainedFP8Config default, as hf_dllm's config gives it.
+FP8_BLOCK = tuple(fp8_quantization_config("").weight_block_size)
 
 
 def assert_within_half_a_step(weight: torch.Tensor, scale: torch.Tensor, original: torch.Tensor, name: str) -> None:
@@ -76,7 +79,7 @@ def test_block_quantization_is_transformers_arithmetic(shape):
     weight[:128, :128] = 0  # an all-zero block keeps scale 1
     quantizer = type("Quantizer", (), {"quantization_config": FineGrainedFP8Config(weight_block_size=list(FP8_BLOCK))})
     expected = finegrained.Fp8Quantize(quantizer).convert({"layer.weight": weight})
-    quantized, scale_inv = quantize_fp8_blocks(weight)
+    quantized, scale_inv = quantize_fp8_blocks(weight, FP8_BLOCK)
     assert quantized.dtype == FP8_DTYPE and scale_inv.dtype == torch.float32
     assert torch.equal(quantized.view(torch.uint8), expected["layer.weight"].view(torch.uint8))
     assert torch.equal(scale_inv, expected["layer.weight_scale_inv"])

@@ -945,7 +945,8 @@ def export_checkpoint(
             from .quantize import QuantizationError, write_fp8_weights
 
             try:
-                write_fp8_weights(src, staging, weights, fp8_names)
+                block = tuple(config["quantization_config"]["weight_block_size"])  # what the config says
+                write_fp8_weights(src, staging, weights, fp8_names, block)
             except QuantizationError as error:
                 raise ExportError(str(error)) from error
         for file_name in tokenizer_files:

@@ -24,11 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..fp8 import FP8_DTYPE, fp8_quantization_config, quantize_blocks
-
-# transformers' FineGrainedFP8Config default block (read from it, not written again); the one hf_dllm's FP8 kernels
-# are tested with.
-FP8_BLOCK = tuple(fp8_quantization_config("").weight_block_size)
+from ..fp8 import FP8_DTYPE, quantize_blocks
 
 
 class QuantizationError(ValueError):
@@ -54,7 +50,7 @@ def fp8_weight_names(model_class, config, quantization_config) -> list[str]:
     )
 
 
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight (N, K)` -> `float8_e4m3fn (N, K)` and `weight_scale_inv (N / bn, K / bk)` float32: `fp8.quantize_blocks`
     (transformers' `Fp8Quantize` arithmetic) on whole blocks only. N and K must be multiples of the block
     (QuantizationError otherwise: the caller names the tensor)."""
@@ -69,7 +65,7 @@ def scale_name(weight_name: str) -> str:
 
 
 def scale_shapes(
-    weight_shapes: dict[str, tuple[int, ...]], names: list[str], block: tuple[int, int] = FP8_BLOCK
+    weight_shapes: dict[str, tuple[int, ...]], names: list[str], block: tuple[int, int]
 ) -> dict[str, tuple[int, ...]]:
     """The `weight_scale_inv` tensors a checkpoint with the FP8 weights `names` (blocks of `block`) holds, with
     their shapes."""
@@ -78,9 +74,9 @@ def scale_shapes(
     }
 
 
-def write_fp8_weights(src: Path, dst: Path, weight_files: list[str], names: list[str]) -> None:
+def write_fp8_weights(src: Path, dst: Path, weight_files: list[str], names: list[str], block: tuple[int, int]) -> None:
     """Write SRC's safetensors weight files (`weight_files`, index first if any) into DST with the tensors `names`
-    quantized (`quantize_fp8_blocks`) and their scales added beside them (same shard; the index lists them)."""
+    quantized in blocks of `block` (`quantize_fp8_blocks`) and their scales added beside them (same shard; the index lists them)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -102,7 +98,7 @@ def write_fp8_weights(src: Path, dst: Path, weight_files: list[str], names: list
                     if tensor.dim() != 2 or not tensor.is_floating_point():
                         raise QuantizationError(f"{key} is not a 2D floating-point weight: {list(tensor.shape)}.")
                     try:
-                        tensor, tensors[scale_name(key)] = quantize_fp8_blocks(tensor)
+                        tensor, tensors[scale_name(key)] = quantize_fp8_blocks(tensor, block)
                     except QuantizationError as error:
                         raise QuantizationError(f"{key}: {error}; it cannot be stored as FP8.") from None
                     done.add(key)
