@@ -124,14 +124,9 @@ def serve(args) -> None:
     if args.allow_cudnn_attention:  # the engine as before session 8: sdpa may pick cuDNN (a plan per new shape)
         import contextlib
 
-        import hf_dllm.packed
         import hf_dllm.serving.engine
 
-        def any_backend(device):
-            return contextlib.nullcontext()
-
-        hf_dllm.packed.attention_without_shape_plans = any_backend
-        hf_dllm.serving.engine.attention_without_shape_plans = any_backend
+        hf_dllm.serving.engine.attention_without_shape_plans = lambda device: contextlib.nullcontext()
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = build_model(args.shape, device, "bfloat16" if device == "cuda" else "float32")
     config = model.config

@@ -208,8 +208,7 @@ class BlockDiffusionRun:
         self.host_rows = torch.arange(batch)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
 
-        self.rows_per_forward = batch * (2 if self.cfg else 1)
-        self._setup_cache()
+        self._setup_cache(batch, MAX_GRAPHS)
         self._setup_rules()
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
         self.block_end = self.plan.blocks[0][0] if self.plan.blocks else self.seq_len
@@ -311,9 +310,11 @@ class BlockDiffusionRun:
         """The shapes every captured step of the run shares (the start of its graphs' signature)."""
         return (self.rows_per_forward, self.seq_len, self.key_mask is None)
 
-    def _setup_cache(self, max_graphs: int = MAX_GRAPHS) -> None:
-        """`graphs`, the model's CUDA-graph runner for this run's shapes where the fast path applies
-        (`_graphs_allowed`), and `cache`: the runner's (its graphs read it) or a new one."""
+    def _setup_cache(self, rows: int, max_graphs: int) -> None:
+        """`rows_per_forward` (the model's batch for `rows` rows: twice with classifier-free guidance), `graphs`, the
+        model's CUDA-graph runner for this run's shapes where the fast path applies (`_graphs_allowed`; at most
+        `max_graphs` captured shapes), and `cache`: the runner's (its graphs read it) or a new one."""
+        self.rows_per_forward = rows * (2 if self.cfg else 1)
         self.graphs = None
         if self._graphs_allowed():
             signature = (*self._graph_shape(), *self._graph_signature())

@@ -57,7 +57,7 @@ class StepGraphs:
 
     @classmethod
     def acquire(
-        cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object], max_graphs: int = MAX_GRAPHS
+        cls, model: torch.nn.Module, signature: tuple, make_cache: Callable[[], object], max_graphs: int
     ) -> "StepGraphs | None":
         """The model's runner for `signature` (shapes, dtype, device, decoding rule), replacing any other; or None
         while another `generate()` call on this model holds it (that call's graphs and cache are in use, so this

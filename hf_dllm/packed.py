@@ -18,28 +18,10 @@ This file is exported as Hub remote code.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-# sdpa backends for forwards whose shapes keep changing (packed rows, a continuous batch's layouts): every one but
-# cuDNN's. cuDNN builds (and may compile) an execution plan per new shape, and packed rows bring new lengths at every
-# join: on an H100 a continuous-batching refresh forward of 16 packed rows (LLaDA-8B shape) took 1.0-1.7 s when one
-# or two rows' lengths were new and 0.33 s when none was; without cuDNN 0.34-0.38 s either way
-# (`benchmarks/profile_engine_boundary.py`). Flash and memory-efficient attention need no plan.
-_PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attention_without_shape_plans(device: torch.device | str):
-    """A context in which sdpa on `device` skips backends that plan per shape (cuDNN); a no-op off CUDA. torch's
-    backend flags are process-wide: other threads' sdpa calls run without cuDNN meanwhile (the same attention by
-    other kernels, rounded as those round)."""
-    if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(_PLANLESS_SDPA_BACKENDS)
 
 
 class PackedRows:
@@ -78,9 +60,8 @@ class PackedRows:
             if columns.shape != (self.length,):
                 raise ValueError(f"PackedRows: `columns` must be ({self.length},), got {tuple(columns.shape)}.")
             self.columns = columns
-            self.rows = torch.repeat_interleave(
-                torch.arange(len(lengths), device=columns.device), torch.tensor(self.lengths, device=columns.device)
-            )
+            # Built on the host: repeats on a GPU would make repeat_interleave wait for the device to size its output.
+            self.rows = torch.repeat_interleave(torch.tensor(self.lengths)).to(columns.device)
 
     # -- as `past_key_values` (what `resolve_forward_positions` and the attention layers call) ------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -128,11 +109,10 @@ class PackedRows:
                 )
             query_spans = self.kept_spans
         masks = self.row_masks or [None] * len(self.spans)
-        with attention_without_shape_plans(query.device):
-            outputs = [
-                attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], mask)
-                for (q0, q1), (k0, k1), mask in zip(query_spans, self.spans, masks, strict=True)
-            ]
+        outputs = [
+            attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], mask)
+            for (q0, q1), (k0, k1), mask in zip(query_spans, self.spans, masks, strict=True)
+        ]
         return torch.cat(outputs, dim=1)
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import FIXTURES, tiny_model
 
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
-from hf_dllm.serving.engine import ContinuousBatcher
+from hf_dllm.serving.engine import ContinuousBatcher, attention_without_shape_plans
 from hf_dllm.serving.layout import LayoutRun
 from hf_dllm.serving.rows import BlockUpdate, EngineRequest
 
@@ -542,8 +542,6 @@ def test_step_capturability_is_asked_without_autograd():
 
 def recorded_layouts(monkeypatch) -> list[list[tuple[int, int]]]:
     """Every layout the engine decodes, as (request id, block index) of its rows, in order."""
-    from hf_dllm.serving.layout import LayoutRun
-
     layouts = []
     decode_block = LayoutRun.decode_block
 
@@ -599,3 +597,15 @@ def test_joining_rows_stay_in_the_layout_while_requests_wait(trained, monkeypatc
     drive(engine, requests, [0, 0, 0, 0])
     assert_alone(trained, requests)
     assert all(len(layout) == 2 for layout in layouts[:4]), layouts
+
+
+def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
+    """Forwards whose shapes keep changing (packed rows, the engine's layouts) skip cuDNN's sdpa, which builds a
+    plan per new shape; the flags come back afterwards, and other devices are left alone."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_without_shape_plans("cuda"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_without_shape_plans("cpu"):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

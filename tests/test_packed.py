@@ -12,7 +12,7 @@ from test_dream_modeling import tiny_config as tiny_dream_config
 from test_llada2_integration import tiny_llada2
 
 from hf_dllm.cache import DiffusionKVCache
-from hf_dllm.packed import PackedRows, attention_without_shape_plans
+from hf_dllm.packed import PackedRows
 
 LENGTHS = [7, 12, 3]  # a row shorter than the kept span's end must still work (kept positions inside each row)
 KEPT = 2  # logits kept per row (the engine keeps a block's)
@@ -112,15 +112,3 @@ def test_packed_rows_refuse_what_they_cannot_describe():
     query = torch.zeros(1, 1, 3, 4)  # neither all 4 positions nor the 2 kept ones
     with pytest.raises(ValueError, match="3 queries for 4 packed positions"):
         packing.attend(lambda q, k, v, mask: q.transpose(1, 2), query, torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4))
-
-
-def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
-    """Forwards whose shapes keep changing (packed rows, the engine's layouts) skip cuDNN's sdpa, which builds a
-    plan per new shape; the flags come back afterwards, and other devices are left alone."""
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    with attention_without_shape_plans("cuda"):
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    with attention_without_shape_plans("cpu"):
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before

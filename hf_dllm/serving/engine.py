@@ -21,19 +21,36 @@ their places are taken at the next boundary. `serving.batching` runs it in a thr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections import deque
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..block_loop import decoding_policies
 from ..block_plan import plan_bidirectional, plan_block_causal
-from ..generation_config import DiffusionGenerationConfig
-from ..packed import attention_without_shape_plans
+from ..generation_config import DiffusionGenerationConfig, is_int
 from .layout import LayoutRun
 from .row_cache import RowKVStore
 from .rows import EngineRequest
+
+# sdpa backends for the engine's forwards, whose shapes keep changing (packed rows, layouts of changing rows and
+# widths): every one but cuDNN's. cuDNN builds (and may compile) an execution plan per new shape: on an H100 a
+# refresh forward of 16 packed rows (LLaDA-8B shape) took 1.0-1.7 s when one or two rows' lengths were new and 0.33 s
+# when none was; without cuDNN 0.34-0.38 s either way (`benchmarks/profile_engine_boundary.py`). Flash and
+# memory-efficient attention need no plan.
+_PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_without_shape_plans(device: torch.device | str):
+    """A context in which sdpa on `device` skips backends that plan per shape (cuDNN); a no-op off CUDA. torch's
+    backend flags are process-wide: other threads' sdpa calls run without cuDNN meanwhile (the same attention by
+    other kernels, rounded as those round)."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(_PLANLESS_SDPA_BACKENDS)
 
 
 def settings_key(config: DiffusionGenerationConfig, without: tuple[str, ...] = ()) -> str:
@@ -85,13 +102,9 @@ class ContinuousBatcher:
         if width_granularity is None:
             width_granularity = 64 if self.device.type == "cuda" else 1
         for name, value in (("max_batch_size", max_batch_size), ("width_granularity", width_granularity)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if join_layout_min_rows is not None and (
-            not isinstance(join_layout_min_rows, int)
-            or isinstance(join_layout_min_rows, bool)
-            or join_layout_min_rows < 1
-        ):
+        if join_layout_min_rows is not None and not (is_int(join_layout_min_rows) and join_layout_min_rows >= 1):
             raise ValueError(f"`join_layout_min_rows` must be None or an integer >= 1, got {join_layout_min_rows!r}.")
         if max_batch_width is None:
             max_batch_width = getattr(model.config, "max_sequence_length", None) or getattr(
@@ -197,8 +210,7 @@ class ContinuousBatcher:
         groups: dict[tuple, list[EngineRequest]] = {}
         for row in self.running:
             groups.setdefault(cohort_key(row), []).append(row)
-        with self.lock:
-            apart = self.join_layout_min_rows is not None and not self.waiting
+        apart = self.join_layout_min_rows is not None and not self.pending()
         first, layouts = [], []
         for rows in groups.values():
             joining = [row for row in rows if row.block == 0]

@@ -71,10 +71,9 @@ class LayoutRun(BlockDiffusionRun):
         self.first_step_positions = 0  # positions (rows x columns) fed to the model by blocks' first steps
         self.streamer = None
         self.stopping_criteria = []
-        self.max_rows, self.max_width = max_rows, max_width
+        self.max_width = max_width
         self._shared_cache = shared_cache
-        self.rows_per_forward = max_rows * (2 if self.cfg else 1)
-        self._setup_cache(ENGINE_MAX_GRAPHS)
+        self._setup_cache(max_rows, ENGINE_MAX_GRAPHS)
         self._setup_rules()
 
     def _new_cache(self):
