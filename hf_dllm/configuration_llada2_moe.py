@@ -132,13 +132,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         "layers.*.mlp.experts.*.up_proj": "colwise",
         "layers.*.mlp.experts.*.down_proj": "rowwise",
     }
-    # Pipeline stages (transformers' `base_model_pp_plan`, as its Llama and MoE models): the embedding, the decoder
-    # layers, the final norm; the output head is the last stage (`LLaDA2MoeModelLM._pp_plan`).
-    base_model_pp_plan = {
-        "word_embeddings": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    # No `base_model_pp_plan`: transformers' pipeline stages replace the layers a stage does not own by an identity
+    # that returns the hidden states alone, and LLaDA2's decoder layers return `(hidden_states, router_logits)`.
     # transformers 5 turns `rope_scaling` into a deprecated alias of `rope_parameters`; LLaDA2's configs store the
     # field itself, so this plain class attribute shadows the alias and `rope_scaling` is an ordinary field again.
     rope_scaling = None

@@ -737,7 +737,6 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
     # Tensor parallelism (see `LLaDA2MoeConfig.base_model_tp_plan`): the head split by vocabulary rows, the logits
     # gathered, so every rank unmasks from the same logits.
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}  # the last pipeline stage
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__(config)
