@@ -196,7 +196,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return all(
             is_sharded(getattr(self.shared_experts, name).weight) == is_sharded(getattr(routed, name).weight)
             and local_shape(getattr(self.shared_experts, name).weight) == local_shape(getattr(routed, name).weight)
-            for name in ("gate_proj", "down_proj")
+            for name in ("gate_proj", "up_proj", "down_proj")
         )
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,15 +343,12 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
         residual = residual.reshape(-1, hidden)
         down_weight = self.experts[0].down_proj.weight  # split by its columns (`rowwise`) under tensor parallelism
-        if self.shared_experts is None or stacked_shared:
-            adds_residual = shard_range(down_weight, 1)[0] == 0  # every rank when not sharded
-            out = triton_moe.combine(
-                expert_rows, rows, topk_weight, stacked_shared, residual if adds_residual else None
-            )
-            out = all_reduce_partial(out, like=down_weight)
-        else:
-            routed = all_reduce_partial(triton_moe.combine(expert_rows, rows, topk_weight, False), like=down_weight)
-            out = residual + (routed + self.shared_experts(x))
+        shared_apart = self.shared_experts is not None and not stacked_shared
+        adds_residual = not shared_apart and shard_range(down_weight, 1)[0] == 0  # every rank when not sharded
+        out = triton_moe.combine(expert_rows, rows, topk_weight, stacked_shared, residual if adds_residual else None)
+        out = all_reduce_partial(out, like=down_weight)
+        if shared_apart:  # its own (sharded, self-reducing) modules
+            out = residual + (out + self.shared_experts(x))
         return out.view(batch, length, hidden), router_logits
 
     def _experts_loop(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

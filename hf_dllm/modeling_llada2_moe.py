@@ -374,7 +374,7 @@ class LLaDA2MoeAttention(nn.Module):
             mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
             attn = block_attention(query, keys, values, mask, self.scaling)
             return linear(self.dense, attn.reshape(batch, q_len, -1))
-        if grouped_query_mask is None and uses_grouped_query_sdpa(implementation, attention_mask):
+        if grouped_query_mask is None and self.grouped_query_sdpa_applies(batch, attention_mask):
             grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
         if grouped_query_mask is not None:
             n_rep = self.num_key_value_groups
@@ -409,9 +409,9 @@ class LLaDA2MoeAttention(nn.Module):
         """Whether the fused path runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa, or llada_triton where
         its split-KV kernel does not run (`_block_attention_applies`), with a boolean 4D mask."""
         implementation = self.config._attn_implementation
-        return uses_grouped_query_sdpa(implementation, attention_mask) and not (
-            implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask)
-        )
+        if implementation not in ("sdpa", TRITON_ATTENTION) or not _is_boolean_4d(attention_mask):
+            return False
+        return not (implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask))
 
 
 def attention_function(implementation: str, attention_mask) -> Callable:
@@ -421,12 +421,6 @@ def attention_function(implementation: str, attention_mask) -> Callable:
     if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
         return sdpa_attention_forward
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-
-
-def uses_grouped_query_sdpa(implementation: str, attention_mask) -> bool:
-    """Whether the fused attention runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa (or llada_triton
-    where its split-KV kernel does not run) with a boolean 4D mask."""
-    return implementation in ("sdpa", TRITON_ATTENTION) and _is_boolean_4d(attention_mask)
 
 
 def _is_boolean_4d(attention_mask) -> bool:
