@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -31,11 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import build_model, request_settings, workload  # noqa: E402
+from bench_load import OUTPUT_RANGE, PROMPT_RANGE, arrival_times, build_model, engine_requests, workload  # noqa: E402
 
 from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.layout import LayoutRun  # noqa: E402
-from hf_dllm.serving.rows import EngineRequest  # noqa: E402
 
 
 def main() -> None:
@@ -44,19 +42,16 @@ def main() -> None:
     parser.add_argument("--arrivals-per-boundary", type=float, default=0.9)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-batch-width", type=int, default=2560)
-    parser.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
-    parser.add_argument("--output-range", type=int, nargs=2, default=[64, 512])
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=list(PROMPT_RANGE))
+    parser.add_argument("--output-range", type=int, nargs=2, default=list(OUTPUT_RANGE))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     model = build_model("small", "cpu", "float32")
-    rng = random.Random(args.seed)
-    requests, arrivals, boundary = [], [], 0.0
-    for item in workload(args, model.config.vocab_size, args.requests):  # bench_load.py's prompts and lengths
-        config = model.resolve_generation_config(**request_settings(item, block_causal=False))
-        requests.append(EngineRequest(item["prompt"], config, lambda update: None))
-        boundary += rng.expovariate(args.arrivals_per_boundary)
-        arrivals.append(int(boundary))
+    items = workload(model.config.vocab_size, args.requests, args.seed, args.prompt_range, args.output_range)
+    requests = engine_requests(model, items)  # bench_load.py's prompts, lengths and settings
+    # Arrivals counted in boundaries, the first after one gap (`arrival_times` starts at 0).
+    arrivals = [int(at) for at in arrival_times(len(items) + 1, args.arrivals_per_boundary, args.seed)[1:]]
 
     layouts = []  # per layout: rows' canvases, the compact width and the aligned width
     decode_block = LayoutRun.decode_block

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The load's distributions (the issue's): prompt tokens and `max_tokens`, uniform; the CPU smoke run's are smaller.
+PROMPT_RANGE, OUTPUT_RANGE = (128, 1024), (64, 512)
+CPU_PROMPT_RANGE, CPU_OUTPUT_RANGE = (16, 96), (32, 96)
 SHAPES = {
     "llada-8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288, vocab_size=126464),
     "small": dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=256, vocab_size=2048),
@@ -121,7 +124,9 @@ def serve(args) -> None:
 
     from hf_dllm.serving.server import create_app
 
-    if args.allow_cudnn_attention:  # the engine as before session 8: sdpa may pick cuDNN (a plan per new shape)
+    if (
+        args.server_kind == "continuous-cudnn"
+    ):  # the engine as before session 8: sdpa may pick cuDNN (a plan per new shape)
         import contextlib
 
         import hf_dllm.serving.engine
@@ -141,7 +146,7 @@ def serve(args) -> None:
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
         engine.width_granularity = args.width_granularity
-    if args.join_apart:
+    if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
 
     @app.get("/bench-memory")
@@ -172,17 +177,45 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def workload(args, vocab: int, count: int) -> list[dict]:
+def workload(
+    vocab: int,
+    count: int,
+    seed: int = 0,
+    prompt_range: tuple[int, int] = PROMPT_RANGE,
+    output_range: tuple[int, int] = OUTPUT_RANGE,
+) -> list[dict]:
     """Prompts and lengths, fixed by the seed (the same for every server and rate)."""
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     items = []
-    low_prompt, high_prompt = args.prompt_range
-    low_out, high_out = args.output_range
+    low_prompt, high_prompt = prompt_range
+    low_out, high_out = output_range
     for _ in range(count):
         prompt = [rng.randrange(0, vocab - 400) for _ in range(rng.randint(low_prompt, high_prompt))]
         max_tokens = -(-rng.randint(low_out, high_out) // BLOCK) * BLOCK
         items.append(dict(prompt=prompt, max_tokens=max_tokens))
     return items
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Open-loop Poisson arrivals: seconds from the first request (exponential gaps of mean 1 / rate)."""
+    rng, at, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(at)
+        at += rng.expovariate(rate)
+    return times
+
+
+def engine_requests(model, items: list[dict]) -> list:
+    """The workload's requests for `ContinuousBatcher` directly (no server), with `request_settings`."""
+    from hf_dllm.serving.rows import EngineRequest
+
+    block_causal = bool(getattr(model, "diffusion_block_causal", False))
+    return [
+        EngineRequest(
+            item["prompt"], model.resolve_generation_config(**request_settings(item, block_causal)), lambda u: None
+        )
+        for item in items
+    ]
 
 
 class ServerProcess:
@@ -211,10 +244,7 @@ class ServerProcess:
             command += ["--max-batch-width", str(args.max_batch_width)]
         if args.cpu:
             command.append("--cpu")
-        if kind == "continuous-cudnn":
-            command.append("--allow-cudnn-attention")
-        if kind == "continuous-join-apart":
-            command += ["--join-apart", "--join-layout-min-rows", str(args.join_layout_min_rows)]
+        command += ["--server-kind", kind, "--join-layout-min-rows", str(args.join_layout_min_rows)]
         self.process = subprocess.Popen(command, env=env, cwd=code)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -301,19 +331,16 @@ async def offered_load(
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
-    rng = random.Random(seed)
     records = [dict() for _ in items]
     tasks = []
     start = time.monotonic()
-    at = 0.0
-    for item, record in zip(items, records, strict=True):
+    for item, record, at in zip(items, records, arrival_times(len(items), rate, seed), strict=True):
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         extra = request_settings(item, block_causal)
         del extra["max_new_tokens"]  # sent as the request's `max_tokens`
         tasks.append(asyncio.create_task(one_request(client, item, extra, start, record)))
-        at += rng.expovariate(rate)
     await asyncio.wait_for(asyncio.gather(*tasks), timeout)
     await client.close()
     return records
@@ -361,7 +388,7 @@ def check_answers(args, items: list[dict], records: list[dict], count: int) -> d
 def measure(args) -> dict:
     vocab = llada2_fields(args.shape)["vocab_size"] if args.shape in LLADA2_SHAPES else SHAPES[args.shape]["vocab_size"]
     rates = [float(rate) for rate in args.rates.split(",")]
-    items = workload(args, vocab, args.requests)
+    items = workload(vocab, args.requests, args.seed, args.prompt_range, args.output_range)
     results = {}
     for kind in args.servers.split(","):
         server = ServerProcess(args, kind)
@@ -410,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--join-layout-min-rows", type=int, default=4, help="the continuous-join-apart server's join_layout_min_rows"
     )
-    parser.add_argument("--allow-cudnn-attention", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--join-apart", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--server-kind", choices=SERVER_KINDS, default="continuous", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)
     parser.add_argument("--output-range", type=int, nargs=2, default=None)
     parser.add_argument("--check", type=int, default=0, help="answers to compare with generate() alone")
@@ -432,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     args.rates = args.rates or ("2,8" if args.cpu else "0.5,1,2")
     args.requests = args.requests or (16 if args.cpu else 48)
-    args.prompt_range = args.prompt_range or ([16, 96] if args.cpu else [128, 1024])
-    args.output_range = args.output_range or ([32, 96] if args.cpu else [64, 512])
+    args.prompt_range = args.prompt_range or (CPU_PROMPT_RANGE if args.cpu else PROMPT_RANGE)
+    args.output_range = args.output_range or (CPU_OUTPUT_RANGE if args.cpu else OUTPUT_RANGE)
     results = measure(args)
     print()
     header = [

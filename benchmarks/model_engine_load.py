@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import BLOCK, SHAPES, STEPS_PER_BLOCK, percentile, workload  # noqa: E402
+from bench_load import SHAPES, STEPS_PER_BLOCK, arrival_times, decoded_blocks, percentile, workload  # noqa: E402
 
 FIRST_STEP_POSITIONS_PER_S = 38_328.0
 STEP_S_AT_1, STEP_S_AT_8 = 7.29e-3, 13.96e-3
@@ -46,11 +45,8 @@ def layout_s(canvases: list[int]) -> float:
 
 def replay(items: list[dict], rate: float, seed: int, max_rows: int, join: int | None) -> dict:
     """Latency, time to first block and throughput of one rate's requests (arrivals as `bench_load.offered_load`)."""
-    rng, at, arrivals = random.Random(seed), 0.0, []
-    for _ in items:
-        arrivals.append(at)
-        at += rng.expovariate(rate)
-    blocks = [item["max_tokens"] // BLOCK for item in items]
+    arrivals = arrival_times(len(items), rate, seed)
+    blocks = [decoded_blocks(item, block_causal=False) for item in items]
     canvas = [len(item["prompt"]) + item["max_tokens"] for item in items]
     now, waiting, running, decoded, first, done = 0.0, list(range(len(items))), [], {}, {}, {}
     while waiting or running:
@@ -91,8 +87,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="arrival seeds averaged (bench_load uses seed 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    args.prompt_range, args.output_range = [128, 1024], [64, 512]
-    items = workload(args, SHAPES["llada-8b"]["vocab_size"], args.requests)
+    items = workload(SHAPES["llada-8b"]["vocab_size"], args.requests, args.seed)
     policies = [None, *(int(n) for n in args.join.split(","))]
     results = {}
     print("| rate/s | join_layout_min_rows | tokens/s | p99 latency s | p50 TTFB s | p99 TTFB s |")

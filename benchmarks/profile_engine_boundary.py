@@ -20,11 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import build_model, request_settings, workload  # noqa: E402
+from bench_load import OUTPUT_RANGE, PROMPT_RANGE, build_model, engine_requests, workload  # noqa: E402
 
 from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.layout import LayoutRun  # noqa: E402
-from hf_dllm.serving.rows import EngineRequest  # noqa: E402
 
 
 def sync() -> None:
@@ -32,48 +31,29 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def requests_for(model, args) -> list[EngineRequest]:
-    """bench_load.py's requests (prompts, lengths and settings) for the engine."""
-    return [
-        EngineRequest(item["prompt"], model.resolve_generation_config(**request_settings(item, False)), lambda u: None)
-        for item in workload(args, model.config.vocab_size, args.requests)
-    ]
-
-
 def run_mode(model, args, packed: bool) -> dict:
     """Decode `args.boundaries` boundaries (after `args.warmup`) of all requests submitted at once."""
     model.diffusion_packed_rows = packed  # instance attribute: the class's flag for this run only
-    first_step_s = []
-    original_packed, original_step = LayoutRun._packed_forward, LayoutRun.run_step
-    original = original_packed if packed else original_step
-
-    def timed_packed(self, block_start, block_end, step, active, generated):
-        sync()
-        start = time.perf_counter()
-        out = original(self, block_start, block_end, step, active, generated)
-        sync()
-        if step == 0:
-            first_step_s.append(time.perf_counter() - start)
-        return out
+    first_step_s = []  # of the boundary being decoded
+    run_step = LayoutRun.run_step
 
     def timed_step(self, block_start, block_end, step, active=None, generated=None):
+        """`LayoutRun.run_step`, the block's first step timed (packed or aligned, whichever the run takes)."""
         if step != 0:
-            return original(self, block_start, block_end, step, active, generated)
+            return run_step(self, block_start, block_end, step, active, generated)
         sync()
         start = time.perf_counter()
-        out = original(self, block_start, block_end, step, active, generated)
+        out = run_step(self, block_start, block_end, step, active, generated)
         sync()
         first_step_s.append(time.perf_counter() - start)
         return out
 
-    if packed:
-        LayoutRun._packed_forward = timed_packed
-    else:
-        LayoutRun.run_step = timed_step
+    LayoutRun.run_step = timed_step
     engine = ContinuousBatcher(model, max_batch_size=args.max_batch_size, max_batch_width=args.max_batch_width)
-    for request in requests_for(model, args):
+    items = workload(model.config.vocab_size, args.requests, args.seed, args.prompt_range, args.output_range)
+    for request in engine_requests(model, items):
         engine.submit(request)
-    boundary_s, positions, rows = [], [], []
+    result = dict(boundary_s=[], first_step_s=[], positions=[], rows=[])
     try:
         with torch.inference_mode():
             for index in range(args.warmup + args.boundaries):
@@ -84,22 +64,17 @@ def run_mode(model, args, packed: bool) -> dict:
                 engine.decode_boundary()
                 sync()
                 if index >= args.warmup:
-                    boundary_s.append(time.perf_counter() - start)
-                    positions.append(engine.first_step_positions - before)
-                    rows.append(sum(engine.last_layout_sizes))
-                    boundary_s[-1] = (boundary_s[-1], sum(first_step_s))
+                    result["boundary_s"].append(time.perf_counter() - start)
+                    result["first_step_s"].append(sum(first_step_s))
+                    result["positions"].append(engine.first_step_positions - before)
+                    result["rows"].append(sum(engine.last_layout_sizes))
             if packed and args.profile:
                 profile_boundary(engine)
     finally:
-        LayoutRun._packed_forward, LayoutRun.run_step = original_packed, original_step
+        LayoutRun.run_step = run_step
         engine.release()
         del model.diffusion_packed_rows
-    return dict(
-        boundary_s=[b for b, _ in boundary_s],
-        first_step_s=[f for _, f in boundary_s],
-        positions=positions,
-        rows=rows,
-    )
+    return result
 
 
 def profile_boundary(engine) -> None:
@@ -120,8 +95,8 @@ def main() -> None:
     parser.add_argument("--boundaries", type=int, default=8)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-batch-width", type=int, default=2560)
-    parser.add_argument("--prompt-range", type=int, nargs=2, default=[128, 1024])
-    parser.add_argument("--output-range", type=int, nargs=2, default=[64, 512])
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=list(PROMPT_RANGE))
+    parser.add_argument("--output-range", type=int, nargs=2, default=list(OUTPUT_RANGE))
     parser.add_argument("--modes", default="packed,aligned")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

@@ -78,7 +78,6 @@ def single_process(extra_model) -> dict:
 
     mode = kernels.kernel_mode()
     kernels.set_kernel_mode("torch")  # the PyTorch path is the reference
-    torch.set_num_threads(1)
     try:
         return one_process(extra_model, "cpu", torch.float32)
     finally:
