@@ -148,6 +148,11 @@ def serve(args) -> None:
         engine.width_granularity = args.width_granularity
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
+    trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
+
+    @app.get("/bench-trace")
+    async def boundary_trace(since: int = 0):
+        return {"length": len(trace), "boundaries": trace[since:]}
 
     @app.get("/bench-memory")
     async def memory():
@@ -162,6 +167,120 @@ def serve(args) -> None:
 
 
 SERVER_KINDS = ("continuous", "continuous-cudnn", "continuous-join-apart", "window")
+
+
+def request_key(prompt: list[int]) -> str:
+    """A request's key in the server's boundary trace: its prompt's last tokens (random ids)."""
+    return ",".join(str(token) for token in prompt[-4:])
+
+
+def trace_boundaries(batcher) -> list[dict]:
+    """Record every block boundary of the server's engine (benchmark only): its start, and for each layout its
+    end, rows, the rows that decoded their first block in it (`request_key`) and the steps the CUDA-graph runner
+    ran eagerly for a new shape meanwhile; and the boundary's new entries in Triton's kernel cache (kernels
+    compiled). Times are `time.monotonic()`, which the load process shares."""
+    import time
+
+    from hf_dllm.serving.layout import LayoutRun
+
+    trace, engine = [], batcher.engine
+    # Triton's kernel cache: an entry more means a kernel was compiled during the boundary.
+    triton_cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+    def compiled() -> int:
+        return len(os.listdir(triton_cache)) if triton_cache.is_dir() else 0
+
+    original_block, original_boundary = LayoutRun.decode_block, batcher.decode_boundary
+
+    def decode_block(run, rows, width):
+        joined = [request_key(row.prompt_ids) for row in rows if row.block == 0]
+        eager = engine.graph_counts()["eager"]
+        try:
+            return original_block(run, rows, width)
+        finally:
+            trace[-1]["layouts"].append(
+                dict(
+                    end=time.monotonic(),
+                    rows=len(rows),
+                    width=width,
+                    joined=joined,
+                    new_shapes=engine.graph_counts()["eager"] - eager,
+                )
+            )
+
+    def decode_boundary():
+        trace.append(dict(start=time.monotonic(), waiting=engine.pending() + len(batcher._submitted), layouts=[]))
+        kernels = compiled()
+        original_boundary()
+        trace[-1]["compiled"] = compiled() - kernels
+
+    LayoutRun.decode_block = decode_block
+    batcher.decode_boundary = decode_boundary
+    return trace
+
+
+def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
+    """Each answered request's time to first block, split at the server's boundaries: `before` (from sending to
+    the start of the boundary it joined: the boundary under way when it arrived, and any it waited through,
+    `passed`), `own` (that boundary's start to the end of the layout that decoded its first block) and `after`
+    (from there to the first streamed text: the scheduler's hand-off, HTTP, the client)."""
+    joined = {}
+    for boundary in trace:
+        for layout in boundary["layouts"]:
+            for key in layout["joined"]:
+                joined.setdefault(key, []).append((boundary, layout))
+    parts = []
+    for record in records:
+        if "first_at" not in record:
+            continue
+        found = [(b, lay) for b, lay in joined.get(record["key"], []) if b["start"] >= record["sent_at"] - 1.0]
+        if not found:
+            continue
+        boundary, layout = found[0]
+        passed = [b for b in trace if record["sent_at"] <= b["start"] < boundary["start"]]
+        under_way = [b for b in trace if b["start"] < record["sent_at"] <= (b["layouts"] or [{}])[-1].get("end", 0)]
+        parts.append(
+            dict(
+                first_block=record["first_at"] - record["sent_at"],
+                before=boundary["start"] - record["sent_at"],
+                passed=len(passed),
+                own=layout["end"] - boundary["start"],
+                after=record["first_at"] - layout["end"],
+                rows=sum(lay["rows"] for lay in boundary["layouts"]),
+                layout_rows=layout["rows"],
+                new_shapes=sum(lay["new_shapes"] for b in [*under_way, *passed, boundary] for lay in b["layouts"]),
+                compiled=sum(b.get("compiled", 0) for b in [*under_way, *passed, boundary]),
+                waiting=boundary["waiting"],
+            )
+        )
+    return parts
+
+
+def trace_summary(records: list[dict], trace: list[dict]) -> dict:
+    """The parts of the time to first block (`first_block_parts`): their means, and the five slowest requests;
+    boundary seconds (p50, p90, max) and how many boundaries ran a new step shape eagerly."""
+    parts = first_block_parts(records, trace)
+    seconds = [b["layouts"][-1]["end"] - b["start"] for b in trace if b["layouts"]]
+    slowest = sorted(parts, key=lambda part: -part["first_block"])[:5]
+    return dict(
+        traced=len(parts),
+        mean={name: sum(p[name] for p in parts) / len(parts) for name in ("before", "own", "after")} if parts else {},
+        slowest=[{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in slowest],
+        boundaries=len(seconds),
+        boundary_s={q: percentile(seconds, q) for q in (50, 90, 100)},
+        boundaries_with_new_shapes=sum(any(lay["new_shapes"] for lay in b["layouts"]) for b in trace),
+        kernels_compiled=sum(b.get("compiled", 0) for b in trace),
+        slowest_boundaries=[
+            dict(
+                s=round(b["layouts"][-1]["end"] - b["start"], 3),
+                rows=[lay["rows"] for lay in b["layouts"]],
+                width=[lay["width"] for lay in b["layouts"]],
+                new_shapes=sum(lay["new_shapes"] for lay in b["layouts"]),
+                compiled=b.get("compiled", 0),
+            )
+            for b in sorted((b for b in trace if b["layouts"]), key=lambda b: b["start"] - b["layouts"][-1]["end"])[:3]
+        ],
+    )
 
 
 def free_port() -> int:
@@ -278,7 +397,7 @@ class ServerProcess:
 
 async def one_request(client, item: dict, extra: dict, start: float, record: dict) -> None:
     sent = time.monotonic()
-    record.update(arrival=sent - start)
+    record.update(arrival=sent - start, sent_at=sent, key=request_key(item["prompt"]))
     try:
         stream = await client.completions.create(
             model="bench",
@@ -292,7 +411,7 @@ async def one_request(client, item: dict, extra: dict, start: float, record: dic
         async for chunk in stream:
             now = time.monotonic()
             if chunk.choices and chunk.choices[0].text and "first_block" not in record:
-                record["first_block"] = now - sent
+                record.update(first_block=now - sent, first_at=now)
             if chunk.choices:
                 text.append(chunk.choices[0].text)
             if chunk.usage is not None:
@@ -397,8 +516,13 @@ def measure(args) -> dict:
             block_causal = args.shape in LLADA2_SHAPES
             asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout, block_causal))
             for rate in rates:
+                traced = server.get(f"/bench-trace?since={2**62}")["length"] if kind != "window" else 0
                 records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout, block_causal))
                 summary = summarize(records)
+                if kind != "window":
+                    summary["first_block_parts"] = trace_summary(
+                        records, server.get(f"/bench-trace?since={traced}")["boundaries"]
+                    )
                 summary["batching"] = server.get("/health").get("batching")
                 summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
                 if kind != "window" and args.check:
