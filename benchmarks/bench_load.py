@@ -148,6 +148,8 @@ def serve(args) -> None:
         engine.width_granularity = args.width_granularity
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
+    if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
+        engine.join_layout_min_rows = None
     trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
 
     @app.get("/bench-trace")
@@ -166,7 +168,7 @@ def serve(args) -> None:
 # -- the load ------------------------------------------------------------------------------------------------------
 
 
-SERVER_KINDS = ("continuous", "continuous-cudnn", "continuous-join-apart", "window")
+SERVER_KINDS = ("continuous", "continuous-cudnn", "continuous-join-in", "continuous-join-apart", "window")
 
 
 def request_key(prompt: list[int]) -> str:
@@ -554,9 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--servers",
         default="continuous,window",
-        help="which servers to measure, in order: continuous, continuous-cudnn (the same engine with cuDNN's "
-        "attention allowed, which plans per shape), continuous-join-apart (joining rows decode their first block "
-        "apart: `ContinuousBatcher.join_layout_min_rows`), window (needs --window-code)",
+        help="which servers to measure, in order: continuous (hf-dllm serve's defaults), continuous-cudnn (the same "
+        "engine with cuDNN's attention allowed, which plans per shape), continuous-join-in (joining rows always "
+        "decode their first block in the running rows' layout), continuous-join-apart (joining rows decode their "
+        "first block apart once --join-layout-min-rows others run: `ContinuousBatcher.join_layout_min_rows`), "
+        "window (needs --window-code)",
     )
     parser.add_argument(
         "--join-layout-min-rows", type=int, default=4, help="the continuous-join-apart server's join_layout_min_rows"

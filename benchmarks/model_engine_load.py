@@ -13,8 +13,9 @@ the measured runs, with the benchmark's arrivals (`--seeds 1`), it gives 913 tok
 884.0) and a p99 time to first block of 0.66 s at 2 requests/s (measured 0.72), but 0.79 s at 2.4 (measured 1.57,
 with cuDNN still planning the block steps' shapes).
 
-It compares the engine's default with `ContinuousBatcher.join_layout_min_rows` (joining rows decode their first
-block in a layout of their own, first, when at least n others run and nothing waits):
+It compares joining rows decoding their first block in the running rows' layout (`off`) with
+`ContinuousBatcher.join_layout_min_rows` = n (in a layout of their own, first, when at least n others run and
+nothing waits; the engine's default since it was measured, `JOIN_LAYOUT_MIN_ROWS`):
 
     python benchmarks/model_engine_load.py [--rates 1,2.2,2.4,3,16] [--join 4,8] [--seeds 5]
 """
@@ -81,7 +82,7 @@ def replay(items: list[dict], rate: float, seed: int, max_rows: int, join: int |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rates", default="1,2,2.2,2.4,3,16")
-    parser.add_argument("--join", default="4,8", help="join_layout_min_rows values to compare with the default")
+    parser.add_argument("--join", default="4,8", help="join_layout_min_rows values to compare with off")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=5, help="arrival seeds averaged (bench_load uses seed 1)")

@@ -18,7 +18,7 @@ import torch
 from conftest import FIXTURES, tiny_model
 
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
-from hf_dllm.serving.engine import ContinuousBatcher, attention_without_shape_plans
+from hf_dllm.serving.engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher, attention_without_shape_plans
 from hf_dllm.serving.layout import LayoutRun
 from hf_dllm.serving.rows import BlockUpdate, EngineRequest
 
@@ -582,6 +582,26 @@ def test_joining_rows_decode_apart_first_and_equal_generate_alone(trained, rando
         assert apart, "no boundary decoded its joining rows apart"
         for i in apart:  # the joining rows' layout came first, then the others' (at least 2), none at block 0
             assert len(layouts[i + 1]) >= 2 and all(block > 0 for _, block in layouts[i + 1])
+
+
+def test_joining_rows_share_the_layout_when_the_rule_is_off(trained, monkeypatch):
+    """`join_layout_min_rows=None`: joining rows decode their first block with the running rows, so a boundary
+    is one layout per cohort; the default is `JOIN_LAYOUT_MIN_ROWS`, which splits the same arrivals."""
+    assert ContinuousBatcher(trained).join_layout_min_rows == JOIN_LAYOUT_MIN_ROWS
+    layouts = recorded_layouts(monkeypatch)
+    settings = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False)
+    prompts = random_prompts(random.Random(30), 8, 4, 60)
+    arrivals = [0, 0, 0, 1, 2, 2, 4, 5]
+    sizes, boundaries = {}, {}
+    for rule in (None, 2):
+        layouts.clear()
+        requests = [request(trained, prompt, **settings) for prompt in prompts]
+        engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=rule)
+        boundaries[rule] = drive(engine, requests, arrivals)
+        assert_alone(trained, requests)
+        sizes[rule] = [len(layout) for layout in layouts]
+    assert len(sizes[None]) == boundaries[None], sizes  # one layout per boundary: joining rows never apart
+    assert len(sizes[2]) > boundaries[2] and sum(sizes[None]) == sum(sizes[2]), sizes
 
 
 def test_joining_rows_stay_in_the_layout_while_requests_wait(trained, monkeypatch):

@@ -29,6 +29,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from hf_dllm.serving.batching import Batcher, RowRequest  # noqa: E402
+from hf_dllm.serving.engine import JOIN_LAYOUT_MIN_ROWS  # noqa: E402
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
 from hf_dllm.serving.server import create_app, load_model  # noqa: E402
 
@@ -881,3 +882,32 @@ def test_cli_serve_command(model_dir):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [([], JOIN_LAYOUT_MIN_ROWS), (["--join-layout-min-rows", "3"], 3), (["--join-layout-min-rows", "off"], None)],
+)
+def test_cli_join_layout_min_rows_reaches_the_engine(model_dir, monkeypatch, flag, expected):
+    """`hf-dllm serve --join-layout-min-rows {N,off}` (default: the engine's) is the engine's rule for joining
+    rows."""
+    import uvicorn
+
+    from hf_dllm.serving import server as server_module
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    argv = [str(model_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu", *flag]
+    assert server_module.main(argv) == 0
+    assert apps[0].state.server.batcher.engine.join_layout_min_rows == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", ""])
+def test_cli_join_layout_min_rows_refuses_other_values(value, capsys):
+    from hf_dllm.serving.server import build_parser
+
+    with pytest.raises(SystemExit) as raised:
+        build_parser().parse_args(["model", "--join-layout-min-rows", value])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "--join-layout-min-rows" in error and "an integer >= 1 or 'off'" in error

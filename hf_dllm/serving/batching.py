@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from .engine import ContinuousBatcher
+from .engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher
 from .rows import BlockUpdate, EngineRequest
 
 logger = logging.getLogger("hf_dllm.serve")
@@ -201,7 +201,9 @@ class BatchStats:
 class Batcher:
     """Owns the model: queues `RowRequest`s and decodes them with the continuous-batching engine in one scheduler
     thread (see module doc). `max_batch_size` rows run at once; `max_batch_width` bounds a layout's columns (the
-    K/V cache holds `max_batch_size x max_batch_width` positions; default: the model's context)."""
+    K/V cache holds `max_batch_size x max_batch_width` positions; default: the model's context);
+    `join_layout_min_rows`: when joining rows decode their first block apart (`ContinuousBatcher`). An `engine`
+    given by the caller is used as made (its own width and join rule)."""
 
     def __init__(
         self,
@@ -211,6 +213,7 @@ class Batcher:
         stop_token_ids: set[int],
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
+        join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         engine: ContinuousBatcher | None = None,
     ):
         self.model = model
@@ -218,7 +221,12 @@ class Batcher:
         self.stop_token_ids = set(stop_token_ids)
         # `engine`: one made by the caller with these limits (a tensor-parallel server's `MirroredEngine`).
         if engine is None:
-            engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
+            engine = ContinuousBatcher(
+                model,
+                max_batch_size=max_batch_size,
+                max_batch_width=max_batch_width,
+                join_layout_min_rows=join_layout_min_rows,
+            )
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))

@@ -43,6 +43,13 @@ from .rows import EngineRequest
 # memory-efficient attention need no plan.
 _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+# Joining rows decode their first block apart once this many others of their cohort run (`ContinuousBatcher`).
+# Measured on an H100 (LLaDA-8B shape, `benchmarks/bench_load.py`, 2.4 requests/s = 80 % of the peak; RESULTS.md,
+# continuous batching, session 9): p99 time to first block 0.66-0.69 s with 8, against 0.95-1.15 s with joining rows
+# in the layout and 1.90 s with 4 (which slowed the others enough to fill the batch, so arrivals queued), for
+# 4-5 % more p99 latency than in the layout.
+JOIN_LAYOUT_MIN_ROWS = 8
+
 
 def attention_without_shape_plans(device: torch.device | str):
     """A context in which sdpa on `device` skips backends that plan per shape (cuDNN); a no-op off CUDA. torch's
@@ -81,12 +88,12 @@ class ContinuousBatcher:
             shapes are captured. Default: 64 on CUDA, 1 elsewhere (no graphs; and a row decoding alone then has no
             padding, so its float32 arithmetic is exactly `generate()`'s: masked padding columns change the order
             of attention's sums, which can flip a near-tie between two tokens).
-        join_layout_min_rows: None (default): joining rows decode their first block in their cohort's layout. An
-            integer n >= 1: at a boundary where nothing is left waiting, joining rows decode their first block in
-            a layout of their own, before the others, when at least n other rows of their cohort are running. Their
-            first block then streams after their prefill and one block of steps at their own batch size, not the
-            whole batch's; the others wait that long, and the boundary makes one more layout. Off until measured on
-            a GPU (a cost model's estimate: `benchmarks/RESULTS.md`, continuous batching, session 8).
+        join_layout_min_rows: an integer n >= 1 (default `JOIN_LAYOUT_MIN_ROWS`): at a boundary where nothing is
+            left waiting, joining rows decode their first block in a layout of their own, before the others, when
+            at least n other rows of their cohort are running. Their first block then streams after their prefill
+            and one block of steps at their own batch size, not the whole batch's; the others wait that long, and
+            the boundary makes one more layout. None: joining rows always decode their first block in their
+            cohort's layout.
     """
 
     def __init__(
@@ -96,7 +103,7 @@ class ContinuousBatcher:
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
         width_granularity: int | None = None,
-        join_layout_min_rows: int | None = None,
+        join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
     ):
         self.device = model.get_input_embeddings().weight.device
         if width_granularity is None:

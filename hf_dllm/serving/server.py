@@ -76,6 +76,7 @@ from contextlib import asynccontextmanager
 from ..cli.completion_text import stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
+from .engine import JOIN_LAYOUT_MIN_ROWS
 from .protocol import (
     APIError,
     check_block_causal_steps,
@@ -116,6 +117,7 @@ class Server:
         max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
         engine=None,
+        join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -140,6 +142,7 @@ class Server:
             stop_token_ids=stop_token_ids(model.generation_config, tokenizer),
             max_batch_size=max_batch_size,
             max_batch_width=max_batch_width,
+            join_layout_min_rows=join_layout_min_rows,
             engine=engine,
         )
 
@@ -424,6 +427,7 @@ def create_app(
     allowed_origins: list[str] | None = None,
     max_body_bytes: int | None = None,
     engine=None,
+    join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
 ):
     """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan).
 
@@ -431,6 +435,8 @@ def create_app(
     origins CORS lets call the API (`["*"]` for any); none by default, so a web page cannot read the answers.
     `max_body_bytes`: larger request bodies get 413 unread (default `default_max_body_bytes`). `engine`: the
     batching engine, when the caller makes it (tensor parallelism: `serving.tensor_parallel.MirroredEngine`).
+    `join_layout_min_rows`: when joining rows decode their first block apart (`engine.ContinuousBatcher`; None:
+    never).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -438,7 +444,9 @@ def create_app(
     from starlette.exceptions import HTTPException
     from starlette.middleware.cors import CORSMiddleware
 
-    server = Server(model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine)
+    server = Server(
+        model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine, join_layout_min_rows
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -572,6 +580,19 @@ def create_app(
     return app
 
 
+def join_layout_rows(value: str) -> int | None:
+    """`--join-layout-min-rows`: an integer >= 1, or `off` (None)."""
+    if value == "off":
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'off', got {value!r}")
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-dllm serve", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -586,6 +607,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="columns of the widest layout (each row's prompt and output, aligned at its current block); the K/V "
         "cache holds max-batch-size x max-batch-width positions (default: the model's context)",
+    )
+    parser.add_argument(
+        "--join-layout-min-rows",
+        type=join_layout_rows,
+        default=JOIN_LAYOUT_MIN_ROWS,
+        metavar="{N,off}",
+        help="a joining request decodes its first block in a layout of its own, before the running rows, when at "
+        "least N others run and none waits (a shorter time to first block, for a little more latency of the "
+        "others); off: always in the running rows' layout",
     )
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
@@ -641,7 +671,11 @@ def main(argv: list[str] | None = None) -> int:
         from .tensor_parallel import MirroredEngine, control_group
 
         engine = MirroredEngine(
-            model, control_group(), max_batch_size=args.max_batch_size, max_batch_width=args.max_batch_width
+            model,
+            control_group(),
+            max_batch_size=args.max_batch_size,
+            max_batch_width=args.max_batch_width,
+            join_layout_min_rows=args.join_layout_min_rows,
         )
         if not engine.leader:
             engine.follow()
@@ -657,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         allowed_origins=origins,
         max_body_bytes=args.max_body_bytes,
         engine=engine,
+        join_layout_min_rows=args.join_layout_min_rows,
     )
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
