@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from .engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher
+from .engine import ContinuousBatcher
 from .rows import BlockUpdate, EngineRequest
 
 logger = logging.getLogger("hf_dllm.serve")
@@ -201,9 +201,9 @@ class BatchStats:
 class Batcher:
     """Owns the model: queues `RowRequest`s and decodes them with the continuous-batching engine in one scheduler
     thread (see module doc). `max_batch_size` rows run at once; `max_batch_width` bounds a layout's columns (the
-    K/V cache holds `max_batch_size x max_batch_width` positions; default: the model's context);
-    `join_layout_min_rows`: when joining rows decode their first block apart (`ContinuousBatcher`). An `engine`
-    given by the caller is used as made (its own width and join rule)."""
+    K/V cache holds `max_batch_size x max_batch_width` positions; default: the model's context). An `engine` made by
+    the caller (`hf-dllm serve`, with every engine option; a tensor-parallel server's `MirroredEngine`) is used as
+    made, with its own limits."""
 
     def __init__(
         self,
@@ -213,22 +213,14 @@ class Batcher:
         stop_token_ids: set[int],
         max_batch_size: int = 16,
         max_batch_width: int | None = None,
-        join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         engine: ContinuousBatcher | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
-        # `engine`: one made by the caller with these limits (a tensor-parallel server's `MirroredEngine`).
         if engine is None:
-            engine = ContinuousBatcher(
-                model,
-                max_batch_size=max_batch_size,
-                max_batch_width=max_batch_width,
-                join_layout_min_rows=join_layout_min_rows,
-            )
+            engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
         self.engine = engine
-        self.max_batch_size = max_batch_size
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.stats = BatchStats()
         self._submitted: deque[RowRequest] = deque()
@@ -236,6 +228,10 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.engine.max_batch_size
 
     @property
     def max_batch_width(self) -> int:

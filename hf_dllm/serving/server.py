@@ -76,7 +76,7 @@ from contextlib import asynccontextmanager
 from ..cli.completion_text import stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
-from .engine import JOIN_LAYOUT_MIN_ROWS
+from .engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher
 from .protocol import (
     APIError,
     check_block_causal_steps,
@@ -117,7 +117,6 @@ class Server:
         max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
         engine=None,
-        join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -142,7 +141,6 @@ class Server:
             stop_token_ids=stop_token_ids(model.generation_config, tokenizer),
             max_batch_size=max_batch_size,
             max_batch_width=max_batch_width,
-            join_layout_min_rows=join_layout_min_rows,
             engine=engine,
         )
 
@@ -427,16 +425,15 @@ def create_app(
     allowed_origins: list[str] | None = None,
     max_body_bytes: int | None = None,
     engine=None,
-    join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
 ):
     """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan).
 
     `api_key`: every route but /health needs `Authorization: Bearer API_KEY`. `allowed_origins`: the browser
     origins CORS lets call the API (`["*"]` for any); none by default, so a web page cannot read the answers.
     `max_body_bytes`: larger request bodies get 413 unread (default `default_max_body_bytes`). `engine`: the
-    batching engine, when the caller makes it (tensor parallelism: `serving.tensor_parallel.MirroredEngine`).
-    `join_layout_min_rows`: when joining rows decode their first block apart (`engine.ContinuousBatcher`; None:
-    never).
+    batching engine, when the caller makes it (`engine.ContinuousBatcher` with other options, e.g.
+    `join_layout_min_rows`; tensor parallelism: `serving.tensor_parallel.MirroredEngine`); it then has its own
+    limits, and `max_batch_size` / `max_batch_width` are not used.
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -444,9 +441,7 @@ def create_app(
     from starlette.exceptions import HTTPException
     from starlette.middleware.cors import CORSMiddleware
 
-    server = Server(
-        model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine, join_layout_min_rows
-    )
+    server = Server(model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -665,33 +660,30 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, OSError, ValueError) as error:
         print(f"hf-dllm serve: cannot load {args.model!r}: {error}", file=sys.stderr)
         return 2
-    engine = None
+    engine_options = dict(
+        max_batch_size=args.max_batch_size,
+        max_batch_width=args.max_batch_width,
+        join_layout_min_rows=args.join_layout_min_rows,
+    )
     if args.tp_plan is not None:
         # Tensor parallel: rank 0 serves HTTP; the other ranks decode the same layouts (serving/tensor_parallel.py).
         from .tensor_parallel import MirroredEngine, control_group
 
-        engine = MirroredEngine(
-            model,
-            control_group(),
-            max_batch_size=args.max_batch_size,
-            max_batch_width=args.max_batch_width,
-            join_layout_min_rows=args.join_layout_min_rows,
-        )
+        engine = MirroredEngine(model, control_group(), **engine_options)
         if not engine.leader:
             engine.follow()
             return 0
+    else:
+        engine = ContinuousBatcher(model, **engine_options)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(
         model,
         tokenizer,
         model_name=name,
-        max_batch_size=args.max_batch_size,
-        max_batch_width=args.max_batch_width,
         api_key=api_key,
         allowed_origins=origins,
         max_body_bytes=args.max_body_bytes,
         engine=engine,
-        join_layout_min_rows=args.join_layout_min_rows,
     )
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
