@@ -177,7 +177,7 @@ def request_key(prompt: list[int]) -> str:
 
 
 def trace_boundaries(batcher) -> list[dict]:
-    """Record every block boundary of the server's engine (benchmark only): its start, and for each layout its
+    """Record every block boundary of the server's engine (benchmark only): its start and end, and for each layout its
     end, rows, the rows that decoded their first block in it (`request_key`) and the steps the CUDA-graph runner
     ran eagerly for a new shape meanwhile; and the boundary's new entries in Triton's kernel cache (kernels
     compiled). Times are `time.monotonic()`, which the load process shares."""
@@ -214,7 +214,7 @@ def trace_boundaries(batcher) -> list[dict]:
         trace.append(dict(start=time.monotonic(), waiting=engine.pending() + len(batcher._submitted), layouts=[]))
         kernels = compiled()
         original_boundary()
-        trace[-1]["compiled"] = compiled() - kernels
+        trace[-1].update(end=time.monotonic(), compiled=compiled() - kernels)
 
     LayoutRun.decode_block = decode_block
     batcher.decode_boundary = decode_boundary
@@ -235,23 +235,24 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
     for record in records:
         if "first_at" not in record:
             continue
-        found = [(b, lay) for b, lay in joined.get(record["key"], []) if b["start"] >= record["sent_at"] - 1.0]
-        if not found:
+        sent = record["sent_at"]
+        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if b["start"] >= sent), None)
+        if found is None:
             continue
-        boundary, layout = found[0]
-        passed = [b for b in trace if record["sent_at"] <= b["start"] < boundary["start"]]
-        under_way = [b for b in trace if b["start"] < record["sent_at"] <= (b["layouts"] or [{}])[-1].get("end", 0)]
+        boundary, layout = found
+        passed = [b for b in trace if sent <= b["start"] < boundary["start"]]
+        under_way = [b for b in trace if b["start"] < sent <= b["end"]]
         parts.append(
             dict(
-                first_block=record["first_at"] - record["sent_at"],
-                before=boundary["start"] - record["sent_at"],
+                first_block=record["first_at"] - sent,
+                before=boundary["start"] - sent,
                 passed=len(passed),
                 own=layout["end"] - boundary["start"],
                 after=record["first_at"] - layout["end"],
                 rows=sum(lay["rows"] for lay in boundary["layouts"]),
                 layout_rows=layout["rows"],
                 new_shapes=sum(lay["new_shapes"] for b in [*under_way, *passed, boundary] for lay in b["layouts"]),
-                compiled=sum(b.get("compiled", 0) for b in [*under_way, *passed, boundary]),
+                compiled=sum(b["compiled"] for b in [*under_way, *passed, boundary]),
                 waiting=boundary["waiting"],
             )
         )
@@ -261,8 +262,9 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
 def trace_summary(records: list[dict], trace: list[dict]) -> dict:
     """The parts of the time to first block (`first_block_parts`): their means, and the five slowest requests;
     boundary seconds (p50, p90, max) and how many boundaries ran a new step shape eagerly."""
+    trace = [b for b in trace if "end" in b]  # boundaries that ended (the last may still be recording)
     parts = first_block_parts(records, trace)
-    seconds = [b["layouts"][-1]["end"] - b["start"] for b in trace if b["layouts"]]
+    seconds = [b["end"] - b["start"] for b in trace]
     slowest = sorted(parts, key=lambda part: -part["first_block"])[:5]
     return dict(
         traced=len(parts),
@@ -271,16 +273,16 @@ def trace_summary(records: list[dict], trace: list[dict]) -> dict:
         boundaries=len(seconds),
         boundary_s={q: percentile(seconds, q) for q in (50, 90, 100)},
         boundaries_with_new_shapes=sum(any(lay["new_shapes"] for lay in b["layouts"]) for b in trace),
-        kernels_compiled=sum(b.get("compiled", 0) for b in trace),
+        kernels_compiled=sum(b["compiled"] for b in trace),
         slowest_boundaries=[
             dict(
-                s=round(b["layouts"][-1]["end"] - b["start"], 3),
+                s=round(b["end"] - b["start"], 3),
                 rows=[lay["rows"] for lay in b["layouts"]],
                 width=[lay["width"] for lay in b["layouts"]],
                 new_shapes=sum(lay["new_shapes"] for lay in b["layouts"]),
-                compiled=b.get("compiled", 0),
+                compiled=b["compiled"],
             )
-            for b in sorted((b for b in trace if b["layouts"]), key=lambda b: b["start"] - b["layouts"][-1]["end"])[:3]
+            for b in sorted(trace, key=lambda b: b["start"] - b["end"])[:3]
         ],
     )
 
