@@ -553,6 +553,11 @@ def recorded_layouts(monkeypatch) -> list[list[tuple[int, int]]]:
     return layouts
 
 
+# Arrivals (boundary of each request) and LLaDA dual-cache settings of the join-layout tests.
+JOIN_ARRIVALS = [0, 0, 0, 1, 2, 2, 4, 5]
+JOIN_DUAL = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_joining_rows_decode_apart_first_and_equal_generate_alone(trained, random_llada2, seed, monkeypatch):
     """`join_layout_min_rows`: at a boundary with nothing waiting, joining rows decode their first block in a
@@ -561,10 +566,7 @@ def test_joining_rows_decode_apart_first_and_equal_generate_alone(trained, rando
     layouts = recorded_layouts(monkeypatch)
     rng = random.Random(30 + seed)
     cases = [
-        (
-            trained,
-            dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False),
-        ),
+        (trained, JOIN_DUAL),
         (random_llada2, dict(max_new_tokens=40, block_length=8, threshold=0.5, eos_early_stop=False)),
     ]
     for model, settings in cases:
@@ -572,7 +574,7 @@ def test_joining_rows_decode_apart_first_and_equal_generate_alone(trained, rando
         prompts = random_prompts(rng, 8, 4, 60)
         requests = [request(model, prompt, **settings) for prompt in prompts]
         engine = ContinuousBatcher(model, max_batch_size=8, join_layout_min_rows=2)
-        drive(engine, requests, [0, 0, 0, 1, 2, 2, 4, 5])
+        drive(engine, requests, JOIN_ARRIVALS)
         assert_alone(model, requests)
         apart = [
             i
@@ -589,15 +591,13 @@ def test_joining_rows_share_the_layout_when_the_rule_is_off(trained, monkeypatch
     is one layout per cohort; the default is `JOIN_LAYOUT_MIN_ROWS`, which splits the same arrivals."""
     assert ContinuousBatcher(trained).join_layout_min_rows == JOIN_LAYOUT_MIN_ROWS
     layouts = recorded_layouts(monkeypatch)
-    settings = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False)
     prompts = random_prompts(random.Random(30), 8, 4, 60)
-    arrivals = [0, 0, 0, 1, 2, 2, 4, 5]
     sizes, boundaries = {}, {}
     for rule in (None, 2):
         layouts.clear()
-        requests = [request(trained, prompt, **settings) for prompt in prompts]
+        requests = [request(trained, prompt, **JOIN_DUAL) for prompt in prompts]
         engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=rule)
-        boundaries[rule] = drive(engine, requests, arrivals)
+        boundaries[rule] = drive(engine, requests, JOIN_ARRIVALS)
         assert_alone(trained, requests)
         sizes[rule] = [len(layout) for layout in layouts]
     assert len(sizes[None]) == boundaries[None], sizes  # one layout per boundary: joining rows never apart
