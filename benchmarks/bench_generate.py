@@ -126,7 +126,7 @@ def sync(device: torch.device) -> None:
 
 
 def timed_generate(model, prompts, kwargs, device, repeats):
-    """Returns (median seconds, output of the last call, peak bytes of the last call)."""
+    """Returns (median seconds, output of the last call, peak bytes of the last call, every call's seconds)."""
     model.generate(prompts, **kwargs)  # warm-up: Triton compilation, graph capture
     times, peak = [], 0
     for _ in range(repeats):
@@ -139,7 +139,7 @@ def timed_generate(model, prompts, kwargs, device, repeats):
         times.append(time.perf_counter() - start)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
-    return statistics.median(times), out, peak
+    return statistics.median(times), out, peak, times
 
 
 @torch.no_grad()
@@ -202,7 +202,7 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
                 )
                 base = dict(attn=attn, quant=quant, batch=batch, mode=mode, tokens_per_forward=per_forward)
                 try:
-                    seconds, out, peak = timed_generate(model, prompts, kwargs, device, args.repeats)
+                    seconds, out, peak, each = timed_generate(model, prompts, kwargs, device, args.repeats)
                 except torch.OutOfMemoryError as error:
                     rows.append(dict(base, error=f"OOM: {error}"[:120]))
                     torch.cuda.empty_cache()
@@ -213,6 +213,7 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
                     ms_per_forward=1000 * seconds / out.nfe,
                     tokens_per_s=batch * new_tokens / seconds,
                     seconds=seconds,
+                    seconds_each=[round(t, 4) for t in each],
                     peak_gb=peak / 1e9,
                 )
                 if mode == "dual" and per_forward == settings["tokens_per_forward"][0]:

@@ -101,7 +101,7 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
     for batch in args.batch_sizes:
         prompts = prompts_for(batch, args.prompt_len, vocab_of(model), device)
         kwargs = generate_kwargs(name, args.new_tokens, args.block_length, args.disable_compile)
-        seconds, out, peak = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
+        seconds, out, peak, _ = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
         if name == "llada":
             step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device)
         else:

@@ -122,14 +122,22 @@ def _kernel_supports(weight: torch.Tensor, block_size) -> bool:
     return power_of_two and weight.stride(-1) == 1
 
 
-def _weight_only_configs():
+def weight_only_configs() -> list:
     # SPLIT_K > 1 splits K over programs (partial sums reduced by a second kernel): at a block step's 32 rows an
-    # N of 4096 gives too few (row, column) tiles to keep every SM streaming weights.
+    # N of 4096 gives too few (row, column) tiles to keep every SM streaming weights. SWAP multiplies the weight
+    # tile by the transposed activations (the weight's rows as the MMA's M): at 32 rows it streamed LLaDA-8B's
+    # gate/up weight 4-8 % faster, and 3 pipeline stages beat 4 and 6 at BLOCK_N 64
+    # (benchmarks/sweep_fp8_weight_only.py, benchmarks/RESULTS.md).
     return [
-        triton.Config({"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
+        triton.Config(
+            {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "SWAP": swap},
+            num_warps=warps,
+            num_stages=stages,
+        )
         for block_m in (16, 32, 64, 128)
-        for block_n, warps, stages in ((64, 4, 4), (128, 4, 4), (256, 8, 3))
+        for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 4), (256, 8, 3))
         for split in ((1, 2, 4) if block_m <= 64 else (1,))
+        for swap in ((False, True) if block_m <= 64 and block_n == 64 else (False,))
     ]
 
 
@@ -146,7 +154,7 @@ def _prune_weight_only(configs, named_args, **kwargs):
 if TRITON_AVAILABLE:
 
     @triton.autotune(
-        configs=_weight_only_configs(),
+        configs=weight_only_configs(),
         key=["M", "N", "K"],
         prune_configs_by={"early_config_prune": _prune_weight_only},
     )
@@ -172,6 +180,7 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        SWAP: tl.constexpr,
     ):
         # out[m, n] = sum over k tiles of (x[m, k] @ w[n, k]^T) * scale[n // SCALE_N, k // SCALE_K]: one scale per
         # column of a partial product, since a k tile (BLOCK_K <= SCALE_K) lies inside one scale block. Program
@@ -192,25 +201,35 @@ if TRITON_AVAILABLE:
         x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] + k_first * BLOCK_K
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] + k_first * BLOCK_K
         scale_ptrs = scale_ptr + (offs_n // SCALE_N) * stride_sn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # SWAP: the same sums as (BLOCK_N, BLOCK_M) tiles, `w @ x^T`, transposed once at the end.
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_first, k_last):
             in_k = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
             scale = tl.load(scale_ptrs + (k * BLOCK_K) // SCALE_K, mask=in_n, other=0.0)
-            partial = tl.dot(x, tl.trans(w.to(x.dtype)))
-            acc += partial * scale[None, :]
+            if SWAP:
+                acc += tl.dot(w.to(x.dtype), tl.trans(x)) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if SWAP:
+            result = tl.trans(acc)
+        else:
+            result = acc
         mask = in_m[:, None] & in_n[None, :]
         if SPLIT_K == 1:
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+                result += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
             out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-            tl.store(partial_ptrs, acc, mask=mask)
+            tl.store(partial_ptrs, result, mask=mask)
 
     @triton.jit
     def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -320,9 +339,21 @@ if TRITON_AVAILABLE:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
-def _launch(kernel, grid, interpreter_config: dict, *args, **kwargs) -> dict:
-    # Triton's interpreter (TRITON_INTERPRET=1, CPU tests) cannot time the autotuner's configs: run one of them.
+# The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
+INTERPRETER_CONFIGS = {
+    "weight_only": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "SWAP": False},
+    "w8a8": {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2},
+}
+
+
+def _launch(kernel, grid, interpreter_config: dict, *args, config: triton.Config | None = None, **kwargs) -> dict:
+    # Runs `config` when one is given (tests and sweeps), else the autotuner's choice. Triton's interpreter
+    # (TRITON_INTERPRET=1, CPU tests) cannot time the autotuner's configs: it runs `interpreter_config`.
     # Returns the config's parameters that ran.
+    if config is not None:
+        meta = dict(kwargs, **config.kwargs)
+        kernel.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+        return config.kwargs
     if os.environ.get("TRITON_INTERPRET") == "1":
         meta = dict(kwargs, **interpreter_config)
         kernel.fn[grid(meta)](*args, **meta)
@@ -332,12 +363,15 @@ def _launch(kernel, grid, interpreter_config: dict, *args, **kwargs) -> dict:
 
 
 @on_tensor_device
-def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
+def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, config=None) -> torch.Tensor:
     """`x (M, K)` (last dim contiguous) @ dequantized `weight (N, K)`.T -> `(M, N)` in `x.dtype`, the weight read
-    in FP8 and scaled in registers."""
+    in FP8 and scaled in registers. `config`: one of `weight_only_configs()` to run instead of the autotuner's
+    choice (tests)."""
     rows, cols = x.shape
     n_out = weight.shape[0]
     block_n, block_k = block_size
+    if config is not None and config.kwargs["SPLIT_K"] > 1 and rows > 64:
+        raise ValueError(f"`config` splits K, which runs at up to 64 rows; got {rows} rows.")
     out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
     # Room for the largest split's partial sums where a split can be chosen (few rows; see _prune_weight_only).
     max_split = max(c.kwargs["SPLIT_K"] for c in _weight_only_kernel.configs) if rows <= 64 else 1
@@ -346,10 +380,13 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
     def grid(meta):
         return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
 
-    config = _launch(
+    ran = _launch(
         _weight_only_kernel,
         grid,
-        {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2 if rows <= 64 else 1},
+        dict(
+            INTERPRETER_CONFIGS["weight_only"],
+            SPLIT_K=INTERPRETER_CONFIGS["weight_only"]["SPLIT_K"] if rows <= 64 else 1,
+        ),
         x,
         weight,
         weight_scale_inv,
@@ -367,8 +404,9 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
         SCALE_K=block_k,
         BLOCK_K=min(block_k, 128),
         HAS_BIAS=bias is not None,
+        config=config,
     )
-    if config["SPLIT_K"] > 1:
+    if ran["SPLIT_K"] > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
             partials,
@@ -376,7 +414,7 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
             out,
             rows,
             n_out,
-            config["SPLIT_K"],
+            ran["SPLIT_K"],
             HAS_BIAS=bias is not None,
             BLOCK=block,
         )
@@ -475,7 +513,7 @@ def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None
     _launch(
         _w8a8_kernel,
         grid,
-        {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2},
+        INTERPRETER_CONFIGS["w8a8"],
         a,
         a_scale,
         weight,

@@ -175,6 +175,7 @@ def kernel_errors(x, weight, block, kernels):
 INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
+    from hf_dllm import fp8
     from tests.test_fp8 import kernel_errors
     torch.manual_seed(0)
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
@@ -182,6 +183,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         weight = torch.randn(n_out, k_in) * 0.02
         for name, (error, reference) in kernel_errors(x, weight, (128, 128), {"weight_only": None, "w8a8": "triton"}).items():
             assert error <= 2 * reference + 1e-3, (name, rows, error, reference)
+    # The weight-only kernel's other formulation (weight tile times transposed activations) and no split.
+    fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
+    for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
+        x = torch.randn(rows, k_in, dtype=torch.float16)
+        weight = torch.randn(n_out, k_in) * 0.02
+        error, reference = kernel_errors(x, weight, (128, 128), {"weight_only": None})["weight_only"]
+        assert error <= 2 * reference + 1e-3, ("weight_only swapped", rows, error, reference)
     print("ok")
     """
 )
@@ -211,6 +219,24 @@ def test_kernel_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
     for name, (error, reference) in kernel_errors(x, weight, BLOCK, kernels).items():
         # bf16 output rounding (2^-9) is added to the float32 reference's error.
         assert error <= 2 * reference + 2e-3, (name, error, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_out,k_in", [(4096, 4096), (640, 1536)])
+def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
+    """Each config the autotuner may pick at a block step's rows (both formulations, every split), compiled."""
+    torch.manual_seed(1)
+    x = torch.randn(32, k_in, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n_out, k_in, device="cuda") * 0.02
+    exact = x.float() @ weight.float().t()
+    w8, scale = fp8.quantize_blocks(weight, BLOCK)
+    reference = ((x.float() @ fp8.dequantize(w8, scale, BLOCK, torch.float32).t()) - exact).norm() / exact.norm()
+    configs = [c for c in fp8.weight_only_configs() if c.kwargs["BLOCK_M"] == 32]
+    assert {c.kwargs["SWAP"] for c in configs} == {False, True}
+    for config in configs:
+        out = fp8.weight_only_matmul(x, w8, scale, BLOCK, config=config)
+        error = (out.float() - exact).norm() / exact.norm()
+        assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
 
 
 @pytest.mark.gpu
