@@ -157,40 +157,51 @@ if TRITON_AVAILABLE:
         stride_cb,
         stride_ch,
         stride_cn,
+        stride_tb,
+        stride_tl,
         HALF: tl.constexpr,
+        HEADS: tl.constexpr,
     ):
         # As _rotary_kernel, but rotated keys and the values go straight into the K/V cache `(B, Hk, T, D)` at
-        # column `position[l]`: one launch instead of RoPE plus two index copies.
-        pid = tl.program_id(0).to(tl.int64)
-        n_heads = n_q_heads + n_k_heads
-        head = pid % n_heads
-        token = pid // n_heads
+        # column `position[l]`: one launch instead of RoPE plus two index copies. One program per token, HEADS
+        # heads at a time, so the token's cos/sin row (float32, read in place: the table may broadcast over the
+        # batch) is loaded once, not once per head, and the program is big enough to keep memory busy.
+        token = tl.program_id(0).to(tl.int64)
         b = token // seq_len
         pos = token % seq_len
         offs = tl.arange(0, HALF)
-        table = token * (2 * HALF)
-        cos1 = tl.load(cos_ptr + table + offs)
-        cos2 = tl.load(cos_ptr + table + HALF + offs)
-        sin1 = tl.load(sin_ptr + table + offs)
-        sin2 = tl.load(sin_ptr + table + HALF + offs)
-        if head < n_q_heads:
-            src = q_ptr + b * stride_qb + pos * stride_ql + head * stride_qh
-            dst = q_out_ptr + (token * n_q_heads + head) * (2 * HALF)
-        else:
-            kh = head - n_q_heads
-            column = tl.load(position_ptr + pos).to(tl.int64)
-            src = k_ptr + b * stride_kb + pos * stride_kl + kh * stride_kh
-            dst = cache_k_ptr + b * stride_cb + kh * stride_ch + column * stride_cn
-            v_src = v_ptr + b * stride_vb + pos * stride_vl + kh * stride_vh
-            v_dst = cache_v_ptr + b * stride_cb + kh * stride_ch + column * stride_cn
-            tl.store(v_dst + offs, tl.load(v_src + offs))
-            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
-        x1 = tl.load(src + offs).to(tl.float32)
-        x2 = tl.load(src + HALF + offs).to(tl.float32)
-        y1 = x1 * cos1 + (-x2) * sin1
-        y2 = x2 * cos2 + x1 * sin2
-        tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
+        heads = tl.arange(0, HEADS)
+        table = b * stride_tb + pos * stride_tl
+        cos1 = tl.load(cos_ptr + table + offs)[None, :]
+        cos2 = tl.load(cos_ptr + table + HALF + offs)[None, :]
+        sin1 = tl.load(sin_ptr + table + offs)[None, :]
+        sin2 = tl.load(sin_ptr + table + HALF + offs)[None, :]
+        for first in range(0, n_q_heads, HEADS):
+            head = first + heads
+            inside = (head < n_q_heads)[:, None]
+            src = q_ptr + b * stride_qb + pos * stride_ql + head[:, None] * stride_qh + offs[None, :]
+            dst = q_out_ptr + (token * n_q_heads + head[:, None]) * (2 * HALF) + offs[None, :]
+            x1 = tl.load(src, mask=inside).to(tl.float32)
+            x2 = tl.load(src + HALF, mask=inside).to(tl.float32)
+            y1 = x1 * cos1 + (-x2) * sin1
+            y2 = x2 * cos2 + x1 * sin2
+            tl.store(dst, y1.to(q_out_ptr.dtype.element_ty), mask=inside)
+            tl.store(dst + HALF, y2.to(q_out_ptr.dtype.element_ty), mask=inside)
+        column = tl.load(position_ptr + pos).to(tl.int64)
+        for first in range(0, n_k_heads, HEADS):
+            head = first + heads
+            inside = (head < n_k_heads)[:, None]
+            cache = b * stride_cb + head[:, None] * stride_ch + column * stride_cn + offs[None, :]
+            v_src = v_ptr + b * stride_vb + pos * stride_vl + head[:, None] * stride_vh + offs[None, :]
+            tl.store(cache_v_ptr + cache, tl.load(v_src, mask=inside), mask=inside)
+            tl.store(cache_v_ptr + cache + HALF, tl.load(v_src + HALF, mask=inside), mask=inside)
+            src = k_ptr + b * stride_kb + pos * stride_kl + head[:, None] * stride_kh + offs[None, :]
+            x1 = tl.load(src, mask=inside).to(tl.float32)
+            x2 = tl.load(src + HALF, mask=inside).to(tl.float32)
+            y1 = x1 * cos1 + (-x2) * sin1
+            y2 = x2 * cos2 + x1 * sin2
+            tl.store(cache_k_ptr + cache, y1.to(cache_k_ptr.dtype.element_ty), mask=inside)
+            tl.store(cache_k_ptr + cache + HALF, y2.to(cache_k_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rounded_rotary_kernel(
@@ -429,10 +440,13 @@ def rotary_to_cache(
     cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`."""
     batch, seq_len, n_q, dim = q.shape
     n_k = k.shape[2]
-    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
-    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    # Read in place (a table shared by the batch has batch stride 0); copied only if cos and sin differ in layout.
+    cos = cos.to(torch.float32).expand(batch, seq_len, dim)
+    sin = sin.to(torch.float32).expand(batch, seq_len, dim)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
     q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
-    _rotary_to_cache_kernel[(batch * seq_len * (n_q + n_k),)](
+    _rotary_to_cache_kernel[(batch * seq_len,)](
         q,
         k,
         v,
@@ -457,8 +471,11 @@ def rotary_to_cache(
         cache_keys.stride(0),
         cache_keys.stride(1),
         cache_keys.stride(2),
+        cos.stride(0),
+        cos.stride(1),
         HALF=dim // 2,
-        num_warps=1 if dim <= 128 else 2,
+        HEADS=min(triton.next_power_of_2(max(n_q, n_k)), 16),
+        num_warps=4,
     )
     return q_out
 

@@ -45,6 +45,22 @@ SCRIPT = textwrap.dedent(
         assert (q_out.transpose(1, 2).float() - q_ref.float()).abs().max() <= tol, "rotary q"
         assert (k_out.transpose(1, 2).float() - k_ref.float()).abs().max() <= tol, "rotary k"
 
+        # RoPE writing K/V into the cache: the same values as `rotary`, per-row or shared cos/sin tables, more
+        # heads than a program's chunk (16), K/V at scattered cache columns.
+        q, k, v = (torch.randn(2, 7, h, 16, dtype=dtype) for h in (20, 4, 4))
+        columns = torch.tensor([9, 0, 3, 4, 5, 11, 2])
+        for positions in (torch.arange(7).expand(1, -1), torch.arange(7).expand(2, -1) + torch.tensor([[0], [5]])):
+            cos, sin = rotary_cos_sin(positions, 16, 10000.0)
+            cache_k, cache_v = torch.zeros(2, 4, 12, 16, dtype=dtype), torch.zeros(2, 4, 12, 16, dtype=dtype)
+            q_out = triton_ops.rotary_to_cache(q, k, v, cos, sin, cache_k, cache_v, columns)
+            q_ref, k_ref = triton_ops.rotary(q, k, cos, sin)
+            assert torch.equal(q_out, q_ref), "rotary_to_cache q"
+            assert torch.equal(cache_k[:, :, columns], k_ref.transpose(1, 2)), "rotary_to_cache keys"
+            assert torch.equal(cache_v[:, :, columns], v.transpose(1, 2)), "rotary_to_cache values"
+            untouched = torch.ones(12, dtype=torch.bool)
+            untouched[columns] = False
+            assert not cache_k[:, :, untouched].any() and not cache_v[:, :, untouched].any(), "rotary_to_cache columns"
+
         g, u = torch.randn(3, 100, dtype=dtype), torch.randn(3, 100, dtype=dtype)
         ref = torch.nn.functional.silu(g) * u
         assert (triton_ops.silu_mul(g, u).float() - ref.float()).abs().max() <= tol * 4, "silu_mul"
