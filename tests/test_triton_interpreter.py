@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent(
         assert (k_out.transpose(1, 2).float() - k_ref.float()).abs().max() <= tol, "rotary k"
 
         # RoPE writing K/V into the cache: the same values as `rotary`, per-row or shared cos/sin tables, more
-        # heads than a program's chunk (4 heads below 512 tokens, 16 from 512), K/V at scattered cache columns.
+        # heads than a program's chunk (a head per program below 512 tokens, 16 from 512), K/V at scattered columns.
         short = torch.tensor([9, 0, 3, 4, 5, 11, 2])
         runs = [(short, torch.arange(7).expand(1, -1)), (short, torch.arange(7).expand(2, -1) + torch.tensor([[0], [5]]))]
         if dtype == torch.float32:  # 512 tokens: the many-token chunking (interpreted programs are slow: once)
