@@ -39,18 +39,22 @@ SHAPES = {  # name: (N, K) of LLaDA-8B
 
 def timed_us(fn, repeats: int) -> float:
     """GPU time of one call: `repeats` calls captured in a CUDA graph (as a block step runs them), the median of 5
-    replays over `repeats`. Eager timing would measure Python's launch overhead at these sizes, not the kernels."""
+    replays over `repeats`. Eager timing would measure Python's launch overhead at these sizes, not the kernels.
+    `fn`: a call, or a list of calls taken in turn (e.g. over weight copies, so that no weight stays in L2)."""
+    calls = list(fn) if isinstance(fn, (list, tuple)) else [fn]
     for _ in range(3):  # warm-up: autotuning, compilation, cuBLAS handles
-        fn()
+        for call in calls:
+            call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # allocations on the capture stream before capture
+        for call in calls:  # allocations on the capture stream before capture
+            call()
         with torch.cuda.graph(graph, stream=stream):
-            for _ in range(repeats):
-                fn()
+            for i in range(repeats):
+                calls[i % len(calls)]()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     times = []

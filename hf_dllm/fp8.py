@@ -231,6 +231,9 @@ if TRITON_AVAILABLE:
             partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
             tl.store(partial_ptrs, result, mask=mask)
 
+    # The largest split any config makes: room for its partial sums is allocated where splits may run.
+    _MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _weight_only_kernel.configs)
+
     @triton.jit
     def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once.
@@ -370,12 +373,11 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
     rows, cols = x.shape
     n_out = weight.shape[0]
     block_n, block_k = block_size
-    if config is not None and config.kwargs["SPLIT_K"] > 1 and rows > 64:
-        raise ValueError(f"`config` splits K, which runs at up to 64 rows; got {rows} rows.")
     out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
-    # Room for the largest split's partial sums where a split can be chosen (few rows; see _prune_weight_only).
-    max_split = max(c.kwargs["SPLIT_K"] for c in _weight_only_kernel.configs) if rows <= 64 else 1
-    partials = torch.empty(max_split if max_split > 1 else 0, rows, n_out, device=x.device, dtype=torch.float32)
+    # Room for the split's partial sums: the given config's, or the largest the autotuner may choose (splits run at
+    # few rows only; see _prune_weight_only).
+    splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_SPLIT_K if rows <= 64 else 1
+    partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=x.device, dtype=torch.float32)
 
     def grid(meta):
         return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
