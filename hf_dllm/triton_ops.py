@@ -100,6 +100,8 @@ if TRITON_AVAILABLE:
         stride_kb,
         stride_kl,
         stride_kh,
+        stride_tb,
+        stride_tl,
         HALF: tl.constexpr,
     ):
         # One program per (batch, position, head) over the q heads followed by the k heads. Inputs are (B, L, H, D)
@@ -111,7 +113,7 @@ if TRITON_AVAILABLE:
         b = token // seq_len
         pos = token % seq_len
         offs = tl.arange(0, HALF)
-        table = token * (2 * HALF)
+        table = b * stride_tb + pos * stride_tl
         cos1 = tl.load(cos_ptr + table + offs)
         cos2 = tl.load(cos_ptr + table + HALF + offs)
         sin1 = tl.load(sin_ptr + table + offs)
@@ -400,8 +402,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     n_k = k.shape[2]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         q, k = q.contiguous(), k.contiguous()
-    cos = cos.to(torch.float32).expand(batch, seq_len, dim).contiguous()
-    sin = sin.to(torch.float32).expand(batch, seq_len, dim).contiguous()
+    cos, sin = _rope_table(cos, sin, batch, seq_len, dim)
     q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(batch, seq_len, n_k, dim, dtype=k.dtype, device=k.device)
     grid = (batch * seq_len * (n_q + n_k),)
@@ -421,10 +422,23 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k.stride(0),
         k.stride(1),
         k.stride(2),
+        cos.stride(0),
+        cos.stride(1),
         HALF=dim // 2,
         num_warps=1 if dim <= 128 else 2,
     )
     return q_out, k_out
+
+
+def _rope_table(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq_len: int, dim: int):
+    """cos/sin as float32 `(batch, seq_len, dim)` views the RoPE kernels read in place by their batch and position
+    strides (a table shared by the batch has batch stride 0): copied only where the two differ in layout or the
+    last dim is strided."""
+    cos = cos.to(torch.float32).expand(batch, seq_len, dim)
+    sin = sin.to(torch.float32).expand(batch, seq_len, dim)
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
 
 
 @on_tensor_device
@@ -443,11 +457,7 @@ def rotary_to_cache(
     cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`."""
     batch, seq_len, n_q, dim = q.shape
     n_k = k.shape[2]
-    # Read in place (a table shared by the batch has batch stride 0); copied only if cos and sin differ in layout.
-    cos = cos.to(torch.float32).expand(batch, seq_len, dim)
-    sin = sin.to(torch.float32).expand(batch, seq_len, dim)
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _rope_table(cos, sin, batch, seq_len, dim)
     q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
     # Chunks of 16 heads for a block-start forward's hundreds of tokens (H100, LLaDA-8B, 768 positions: 0.38 ms per
     # forward against 1.00 ms with a program per head); a program per head for a block step's 32 x batch (chunks of
