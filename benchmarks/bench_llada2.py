@@ -16,11 +16,17 @@ Also measured:
   needs from transformers 4. It recomputes the whole sequence every step, so it runs `--reference-new-tokens`
   (default 64: two blocks, shorter sequences than ours, which favours the reference).
 
+`--quantization none,fp8` (issue #13) runs the same settings with the bf16 model and with its FP8 copy, quantized on
+the GPU through transformers' API (`from_pretrained(..., quantization_config=fp8_quantization_config("llada2_moe"))`:
+128x128 weight blocks for attention, the dense layer and every expert's layers; the head stays bf16), and prints the
+FP8 copy's logit error and top-1 agreement against bf16 over one prompt.
+
 Without a GPU: a small float32 model on the CPU (no reference unless asked).
 
 Prints a table and ends with one JSON line.
 
     python benchmarks/bench_llada2.py --reference-code path/to/LLaDA2.0-mini-code
+    python benchmarks/bench_llada2.py --quantization none,fp8 --batch-sizes 1,32 --tokens-per-step 1
     python benchmarks/bench_llada2.py --cpu
 """
 
@@ -92,6 +98,35 @@ def build_model(
     with torch.device(device):
         model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
+
+
+def quantize_fp8(model: hf_dllm.LLaDA2MoeModelLM, device: torch.device) -> hf_dllm.LLaDA2MoeModelLM:
+    """An FP8 copy of `model` made by transformers' quantizer, the way `from_pretrained` quantizes a checkpoint."""
+    from hf_dllm.fp8 import fp8_quantization_config
+
+    quantized = hf_dllm.LLaDA2MoeModelLM.from_pretrained(
+        None,
+        config=model.config,
+        state_dict=model.state_dict(),
+        quantization_config=fp8_quantization_config("llada2_moe"),
+        dtype=torch.bfloat16,
+        device_map=device,
+        attn_implementation=model.config._attn_implementation,
+    )
+    return quantized.eval()
+
+
+@torch.no_grad()
+def logit_agreement(model, quantized, prompt_len: int, block: int, device: torch.device) -> dict:
+    """The FP8 copy's float32 logits against bf16's over one random prompt (one forward, block-causal): relative
+    error (norm of the difference over bf16's norm) and the fraction of positions with the same top-1 token."""
+    ids = torch.randint(0, model.config.vocab_size - 512, (1, prompt_len), device=device)
+    ours = model(ids, block_length=block).logits.float()
+    theirs = quantized(ids, block_length=block).logits.float()
+    return dict(
+        relative_error=((theirs - ours).norm() / ours.norm()).item(),
+        top1_agreement=(theirs.argmax(-1) == ours.argmax(-1)).float().mean().item(),
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -263,9 +298,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, help="comma list of batch sizes: profile one block step each")
     parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
     parser.add_argument("--attn", default=None, help="attn_implementation (default: the model's, llada_triton)")
+    parser.add_argument(
+        "--quantization", default="none", help="comma list of none (the dtype's weights) and fp8 (GPU only)"
+    )
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available() and not args.cpu
+    quantizations = args.quantization.split(",")
+    if any(q not in ("none", "fp8") for q in quantizations):
+        parser.error(f"--quantization takes a comma list of none and fp8, got {args.quantization!r}")
+    if "fp8" in quantizations and not gpu:
+        parser.error("--quantization fp8 needs a GPU (transformers quantizes FP8 on CUDA or XPU only)")
     device = torch.device("cuda" if gpu else "cpu")
     shape, dtype = (LLADA2_MINI, torch.bfloat16) if gpu else (SMALL, torch.float32)
     if args.dtype is not None:
@@ -285,16 +328,26 @@ def main(argv: list[str] | None = None) -> int:
     summary["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(json.dumps(summary), flush=True)
 
+    models = {"none": model}
+    if "fp8" in quantizations:
+        started = time.perf_counter()
+        models["fp8"] = quantize_fp8(model, device)
+        summary["fp8_quantize_s"] = round(time.perf_counter() - started, 1)
+        summary["fp8_weights_gb"] = sum(p.numel() * p.element_size() for p in models["fp8"].parameters()) / 1e9
+        summary["fp8_vs_bf16_logits"] = logit_agreement(model, models["fp8"], prompt_len, block, device)
+        print(json.dumps({key: summary[key] for key in ("fp8_weights_gb", "fp8_vs_bf16_logits")}), flush=True)
+        if "none" not in quantizations:
+            models.pop("none")
     if args.profile:
-        for batch in [int(b) for b in args.profile.split(",")]:
+        for (quantization, tested), batch in ((m, int(b)) for m in models.items() for b in args.profile.split(",")):
             prompts = torch.randint(0, shape["vocab_size"] - 512, (batch, prompt_len), device=device)
             kwargs = dict(max_new_tokens=new_tokens, block_length=block, steps=new_tokens, mask_token_id=MASK_ID)
-            config = model.resolve_generation_config(**kwargs)
-            print(f"batch {batch}:\n{profile_block_step(model, prompts, config)}", flush=True)
+            config = tested.resolve_generation_config(**kwargs)
+            print(f"{quantization}, batch {batch}:\n{profile_block_step(tested, prompts, config)}", flush=True)
         return 0
 
     rows = []
-    for batch in batch_sizes:
+    for (quantization, tested), batch in ((item, batch) for item in models.items() for batch in batch_sizes):
         torch.manual_seed(batch)
         prompts = torch.randint(0, shape["vocab_size"] - 512, (batch, prompt_len), device=device)
         for per_step in [int(t) for t in args.tokens_per_step.split(",")]:
@@ -309,12 +362,17 @@ def main(argv: list[str] | None = None) -> int:
                 return_dict_in_generate=True,
             )
             try:
-                seconds, out, peak = timed(lambda p=prompts, k=kwargs: model.generate(p, **k), device, args.repeats)
+                seconds, out, peak = timed(
+                    lambda m=tested, p=prompts, k=kwargs: m.generate(p, **k), device, args.repeats
+                )
             except torch.OutOfMemoryError as error:
-                rows.append(dict(batch=batch, tokens_per_step=per_step, error=f"OOM: {error}"[:120]))
+                rows.append(
+                    dict(quantization=quantization, batch=batch, tokens_per_step=per_step, error=f"OOM: {error}"[:120])
+                )
                 torch.cuda.empty_cache()
                 continue
             row = dict(
+                quantization=quantization,
                 batch=batch,
                 tokens_per_step=per_step,
                 nfe=out.nfe,
@@ -324,18 +382,18 @@ def main(argv: list[str] | None = None) -> int:
                 peak_gb=peak / 1e9,
             )
             if args.check_eager and batch <= 8:
-                eager = model.generate(prompts, **dict(kwargs, disable_compile=True))
+                eager = tested.generate(prompts, **dict(kwargs, disable_compile=True))
                 row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
             if per_step == 1:
-                config = model.resolve_generation_config(**kwargs)
-                row["step_ms"], distinct = block_step(model, prompts, config, device)
+                config = tested.resolve_generation_config(**kwargs)
+                row["step_ms"], distinct = block_step(tested, prompts, config, device)
                 row["distinct_experts_per_layer"] = round(statistics.mean(distinct), 1)
                 if gpu:
                     bandwidth = summary.setdefault("copy_bandwidth_tb_s", copy_bandwidth(device) / 1e12)
-                    row["step_weight_gb"] = step_weight_bytes(model, distinct) / 1e9
+                    row["step_weight_gb"] = step_weight_bytes(tested, distinct) / 1e9
                     row["floor_ms"] = row["step_weight_gb"] / bandwidth
                     row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
-            if batch == 1 and per_step == 1:
+            if batch == 1 and per_step == 1 and quantization == "none":
                 summary["ours_batch1_output"] = out.sequences[0, prompt_len:].tolist()
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -380,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             same_setting_speedup=ref_seconds / ours_seconds,
             tokens_equal_fraction=float((ref_out[0, :compared] == generated[:compared]).float().mean()),
         )
-        batch1 = next((r for r in rows if r.get("batch") == 1 and r.get("tokens_per_step") == 1), None)
+        batch1 = next(
+            (r for r in rows if (r["quantization"], r["batch"], r["tokens_per_step"]) == ("none", 1, 1)), None
+        )
         if batch1 is not None:
             summary["reference"]["batch1_speedup_at_full_length"] = batch1["tokens_per_s"] / (
                 args.reference_new_tokens / ref_seconds
@@ -389,15 +449,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(f"{device_name}, {dtype}, LLaDA2.0-mini shape, prompt {prompt_len}, {new_tokens} new tokens, block {block}")
-    print(f"{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}{'step ms':>9}{'floor ms':>9}{'peak GB':>9}")
+    print(
+        f"{'quant':>6}{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}{'step ms':>9}{'floor ms':>9}{'peak GB':>9}"
+    )
     for r in rows:
         if "error" in r:
-            print(f"{r['batch']:>6}{r['tokens_per_step']:>9}  {r['error']}")
+            print(f"{r['quantization']:>6}{r['batch']:>6}{r['tokens_per_step']:>9}  {r['error']}")
             continue
         step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
         floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else "-"
         print(
-            f"{r['batch']:>6}{r['tokens_per_step']:>9}{r['nfe']:>6}{r['ms_per_forward']:>9.2f}"
+            f"{r['quantization']:>6}{r['batch']:>6}{r['tokens_per_step']:>9}{r['nfe']:>6}{r['ms_per_forward']:>9.2f}"
             f"{r['tokens_per_s']:>10.1f}{step:>9}{floor:>9}{r['peak_gb']:>9.2f}"
         )
     if "reference" in summary:

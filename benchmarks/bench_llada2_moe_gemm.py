@@ -1,73 +1,38 @@
-"""Does another grouped GEMM pay for LLaDA2.0-mini's experts at batch 32? (issue "The LLaDA 2.x family", item 7)
+"""Which grouped GEMM runs LLaDA2.0-mini's experts fastest? (issues "The LLaDA 2.x family" item 7, and #13 item 1)
 
-The two grouped GEMMs of a MoE layer (`torch._grouped_mm`, CUTLASS) take ~64% of a batch-32 block step. This
-benchmark times, at LLaDA2.0-mini's shapes (257 groups: 256 routed experts of 512 plus the shared expert; gate/up
-`(257, 1024, 2048)`, down `(257, 2048, 512)`; the rows of `tokens` tokens routed top-8 at random plus every token's
-shared-expert row, in expert order as `triton_moe.align_by_expert` gives them):
+The two grouped products of a MoE layer take most of a block step. This benchmark times, at LLaDA2.0-mini's shapes
+(257 groups: 256 routed experts of 512 plus the shared expert; gate/up `(257, 1024, 2048)`, down `(257, 2048, 512)`;
+`tokens` tokens routed top-8 at random plus every token's shared-expert row, in expert order as
+`triton_moe.align_by_expert` gives them; 32 tokens = a batch-1 block step, 1024 = batch 32), each replayed from a
+CUDA graph:
 
-- `torch._grouped_mm` as the fused path calls it;
-- the same with each group's rows padded to a multiple of 16 or 64 (zero rows), so no tile straddles two groups;
-- an experimental Triton grouped GEMM (not used by hf_dllm): one program per (row tile of one expert, column
-  tile), the tiles of all experts listed on the host beforehand (a real kernel would list them on the device), with
-  a few tile choices;
+- bf16 weights, `torch._grouped_mm` as the fused path calls it: the gather of the rows, gate/up, the SiLU gate
+  (`triton_ops.silu_mul`), down;
+- bf16 weights, hf_dllm's `grouped_gemm.grouped_matmul` (the gather and the SiLU gate fused in);
+- FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and every config (a sweep);
 
-against the weight-read floor (bytes of the groups that received rows over the measured copy bandwidth). Each
-candidate is replayed from a CUDA graph. Prints a table and ends with one JSON line.
+against each product's weight-read floor (bytes of the groups that received rows, bf16 or FP8 plus scales, over the
+measured copy bandwidth). Prints a table and ends with one JSON line.
 
-    python benchmarks/bench_llada2_moe_gemm.py
+    python benchmarks/bench_llada2_moe_gemm.py --tokens 32,256,1024
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
+from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 from bench_llada2_kernels import graph_us  # the same timing as the kernel benchmark
 
-TILES = [(64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (32, 128, 128, 4, 4), (64, 256, 64, 8, 3)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_dllm import fp8, grouped_gemm, triton_moe, triton_ops  # noqa: E402
 
-@triton.jit
-def _grouped_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, group_end_ptr, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # c[rows of expert e] = a[rows of expert e] @ w[e].T; w (E, N, K) contiguous, a (P, K), c (P, N).
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    first = tl.load(tile_row_ptr + tile)
-    end = tl.load(group_end_ptr + expert)
-    rm = first + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rows = (rm < end)[:, None]
-    a_tile = a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
-    w_tile = w_ptr + expert * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        a = tl.load(a_tile, mask=rows, other=0.0)
-        w = tl.load(w_tile)
-        acc = tl.dot(a, tl.trans(w), acc)
-        a_tile += BLOCK_K
-        w_tile += BLOCK_K
-    tl.store(c_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=rows)
-
-
-def triton_grouped_gemm(a, w, tile_expert, tile_row, group_end, tiles):
-    block_m, block_n, block_k, warps, stages = tiles
-    n, k = w.shape[1], w.shape[2]
-    out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
-    grid = (tile_expert.shape[0], triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](
-        a, w, out, tile_expert, tile_row, group_end, n, k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+EXPERTS, HIDDEN, INTER, TOP_K = 256, 2048, 512, 8
+BLOCK = (128, 128)
 
 
 def copy_bandwidth(gib: int = 1) -> float:
@@ -77,69 +42,82 @@ def copy_bandwidth(gib: int = 1) -> float:
     return 2 * gib * 2**30 / (graph_us(lambda: target.copy_(source), calls=5) / 1e6)
 
 
-def tile_list(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, first row) of every row tile of every expert (host-side listing)."""
-    starts = torch.cumsum(counts, 0) - counts
-    experts, rows = [], []
-    for e, (start, count) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
-        for first in range(start, start + count, block_m):
-            experts.append(e)
-            rows.append(first)
-    device = counts.device
-    return torch.tensor(experts, device=device, dtype=torch.int32), torch.tensor(rows, device=device, dtype=torch.int32)
+def quantized_stack(weight: torch.Tensor, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(E, N, K)` bf16 -> FP8 `(E, N, K)` and scales, each of `halves` row halves scaled apart (gate, up)."""
+    parts = weight.chunk(halves, dim=1)
+    quantized = [[fp8.quantize_blocks(part[e], BLOCK) for part in parts] for e in range(weight.shape[0])]
+    return (
+        torch.stack([torch.cat([q for q, _ in expert]) for expert in quantized]),
+        torch.stack([torch.cat([s for _, s in expert]) for expert in quantized]),
+    )
 
 
-def padded(a: torch.Tensor, counts: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`a`'s groups each padded with zero rows to a multiple of `multiple`, and the padded end offsets."""
-    padded_counts = (counts + multiple - 1) // multiple * multiple
-    out = a.new_zeros(int(padded_counts.sum()), a.shape[1])
-    source, target = 0, 0
-    for count, size in zip(counts.tolist(), padded_counts.tolist(), strict=True):
-        out[target : target + count] = a[source : source + count]
-        source, target = source + count, target + size
-    return out, torch.cumsum(padded_counts, 0).to(torch.int32)
+def shape_row(tokens: int, bandwidth: float, sweep: bool) -> dict:
+    groups = EXPERTS + 1
+    topk = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
+    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, EXPERTS, True)
+    used = int((torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).sum())
+    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    gate_up = (torch.randn(groups, 2 * INTER, HIDDEN, device="cuda") * 0.02).to(torch.bfloat16)
+    down = (torch.randn(groups, HIDDEN, INTER, device="cuda") * 0.02).to(torch.bfloat16)
+    gate_up8, gate_up_scale = quantized_stack(gate_up, 2)
+    down8, down_scale = quantized_stack(down, 1)
+    pairs = sorted_token.shape[0]
+    hidden_rows = torch.randn(pairs, INTER, device="cuda", dtype=torch.bfloat16)
 
+    def torch_gate_up():
+        projected = torch._grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
+        return triton_ops.silu_mul(*projected.chunk(2, dim=-1))
 
-def shape_rows(tokens: int, bandwidth: float) -> list[dict]:
-    experts, hidden, inter = 256, 2048, 512
-    groups = experts + 1
-    topk = torch.stack([torch.randperm(experts, device="cuda")[:8] for _ in range(tokens)])
-    flat = torch.cat([topk, torch.full((tokens, 1), experts, device="cuda")], 1).reshape(-1)
-    counts = torch.bincount(flat, minlength=groups)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    rows = []
-    for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
-        w = (torch.randn(groups, n, k, device="cuda") * 0.02).to(torch.bfloat16)
-        a = torch.randn(flat.shape[0], k, device="cuda", dtype=torch.bfloat16)
-        reference = torch._grouped_mm(a, w.transpose(1, 2), offs=offsets)
-        floor_us = 1e6 * int((counts > 0).sum()) * n * k * 2 / bandwidth
-        row = dict(tokens=tokens, gemm=name, rows=flat.shape[0], floor_us=floor_us)
-        row["grouped_mm_us"] = graph_us(
-            lambda a=a, w=w: torch._grouped_mm(a, w.transpose(1, 2), offs=offsets), calls=10
-        )
-        for multiple in (16, 64):
-            a_pad, offsets_pad = padded(a, counts, multiple)
-            row[f"grouped_mm_padded{multiple}_us"] = graph_us(
-                lambda a=a_pad, w=w, o=offsets_pad: torch._grouped_mm(a, w.transpose(1, 2), offs=o), calls=10
-            )
-        for tiles in TILES:
-            name_t = "triton_" + "x".join(map(str, tiles)) + "_us"
-            tile_expert, tile_row = tile_list(counts, tiles[0])
-            fn = functools.partial(triton_grouped_gemm, a, w, tile_expert, tile_row, offsets, tiles)
-            try:
-                error = (fn().float() - reference.float()).abs().max().item()
-                row[name_t] = graph_us(fn, calls=10)
-                row[name_t.replace("_us", "_max_diff")] = error
-            except Exception as failure:  # a tile choice that does not fit (shared memory): recorded, skipped
-                row[name_t] = f"failed: {type(failure).__name__}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+    candidates = {
+        "gate_up": {
+            "grouped_mm_bf16": torch_gate_up,
+            "triton_bf16": lambda: grouped_gemm.grouped_matmul(x, offsets, gate_up, rows_of=sorted_token, gated=True),
+            "triton_fp8": lambda: grouped_gemm.grouped_matmul(
+                x, offsets, gate_up8, gate_up_scale, BLOCK, rows_of=sorted_token, gated=True
+            ),
+        },
+        "down": {
+            "grouped_mm_bf16": lambda: torch._grouped_mm(hidden_rows, down.transpose(1, 2), offs=offsets),
+            "triton_bf16": lambda: grouped_gemm.grouped_matmul(hidden_rows, offsets, down),
+            "triton_fp8": lambda: grouped_gemm.grouped_matmul(hidden_rows, offsets, down8, down_scale, BLOCK),
+        },
+    }
+    row = dict(tokens=tokens, pairs=pairs, groups_used=used)
+    for gemm, fns in candidates.items():
+        n, k = (2 * INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
+        row[f"{gemm}_floor_bf16_us"] = 1e6 * used * n * k * 2 / bandwidth
+        row[f"{gemm}_floor_fp8_us"] = 1e6 * used * (n * k + (n // 128) * (k // 128) * 4) / bandwidth
+        reference = fns["grouped_mm_bf16"]().float()
+        for name, fn in fns.items():
+            out = fn()  # autotunes outside the graph
+            row[f"{gemm}_{name}_us"] = graph_us(fn, calls=10)
+            row[f"{gemm}_{name}_rel_err"] = ((out.float() - reference).norm() / reference.norm()).item()
+        if sweep:
+            for config in grouped_gemm.grouped_configs():
+                name = "fp8_" + "_".join(f"{key}{value}" for key, value in config.kwargs.items())
+                name += f"_w{config.num_warps}s{config.num_stages}"
+                if gemm == "gate_up":
+                    fn = lambda c=config: grouped_gemm.grouped_matmul(  # noqa: E731
+                        x, offsets, gate_up8, gate_up_scale, BLOCK, rows_of=sorted_token, gated=True, config=c
+                    )
+                else:
+                    fn = lambda c=config: grouped_gemm.grouped_matmul(  # noqa: E731
+                        hidden_rows, offsets, down8, down_scale, BLOCK, config=c
+                    )
+                try:
+                    fn()
+                    row.setdefault(f"{gemm}_sweep_us", {})[name] = round(graph_us(fn, calls=10), 1)
+                except Exception as failure:  # a config that does not fit (shared memory): recorded, skipped
+                    row.setdefault(f"{gemm}_sweep_us", {})[name] = f"failed: {type(failure).__name__}"
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="1024", help="comma list of tokens per step (1024 = batch 32 x block 32)")
+    parser.add_argument("--tokens", default="32,1024", help="comma list of tokens per step (32 x batch)")
+    parser.add_argument("--sweep", action="store_true", help="also time every FP8 config")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -149,16 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     summary["copy_bandwidth_tb_s"] = bandwidth / 1e12
     print(json.dumps(summary), flush=True)
-    summary["rows"] = [row for tokens in args.tokens.split(",") for row in shape_rows(int(tokens), bandwidth)]
-    print("\ntokens gemm     floor  grouped_mm  pad16  pad64  best Triton (us)")
+    summary["rows"] = [shape_row(int(tokens), bandwidth, args.sweep) for tokens in args.tokens.split(",")]
+    print("\ntokens gemm     floor bf16  grouped_mm  triton bf16  floor fp8  triton fp8  (us)")
     for r in summary["rows"]:
-        timed = {k: v for k, v in r.items() if k.startswith("triton_") and k.endswith("_us") and isinstance(v, float)}
-        best = min(timed, key=timed.get) if timed else None
-        best_text = f"{timed[best]:.1f} {best}" if best else "-"
-        print(
-            f"{r['tokens']:>6} {r['gemm']:<8}{r['floor_us']:>6.1f}{r['grouped_mm_us']:>12.1f}"
-            f"{r['grouped_mm_padded16_us']:>7.1f}{r['grouped_mm_padded64_us']:>7.1f}  {best_text}"
-        )
+        for gemm in ("gate_up", "down"):
+            print(
+                f"{r['tokens']:>6} {gemm:<8}{r[f'{gemm}_floor_bf16_us']:>11.1f}{r[f'{gemm}_grouped_mm_bf16_us']:>12.1f}"
+                f"{r[f'{gemm}_triton_bf16_us']:>13.1f}{r[f'{gemm}_floor_fp8_us']:>11.1f}{r[f'{gemm}_triton_fp8_us']:>12.1f}"
+            )
     print(json.dumps(summary))
     return 0
 

@@ -25,12 +25,17 @@ This file is exported as Hub remote code: Triton is imported inside `try:`.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
-from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+from .triton_ops import (  # None without Triton (CPU-only installs)
+    TRITON_AVAILABLE,
+    launch,
+    on_tensor_device,
+    tl,
+    triton,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -42,10 +47,11 @@ WEIGHT_ONLY_MAX_ROWS = 64
 
 # `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
 # transformers replaces every module named `*.experts` with its fused `FP8Experts` (one 3D tensor per projection),
-# which LLaDA2's per-expert `experts.{e}.{gate,up,down}_proj` layers (the Hub's names) are not, so LLaDA2's routed
-# experts stay bf16 (they run as torch's grouped GEMM, CUDA-graph capturable); naming any module drops
-# transformers' default skips, hence the output head named again.
-FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts"]}
+# which LLaDA2's `experts` list of per-expert `{e}.{gate,up,down}_proj` layers (the Hub's names) is not: the list
+# itself is skipped, the layers in it are quantized one by one (as the Hub's pre-quantized MoE checkpoints store
+# them) and run stacked by `grouped_gemm.py`. Naming any module drops transformers' default skips, hence the output
+# head named again.
+FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts$"]}
 
 
 def fp8_quantization_config(model_type: str):
@@ -103,7 +109,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`x (..., K) @ dequantize(weight).T + bias` -> `(..., N)` in `x.dtype` (see the module docstring for the
     kernels). `use_triton=False` forces the PyTorch path."""
-    if not (use_triton and TRITON_AVAILABLE) or not _kernel_supports(weight, block_size):
+    if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
         return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -116,7 +122,8 @@ def fp8_linear(
     return out.view(*shape[:-1], weight.shape[0])
 
 
-def _kernel_supports(weight: torch.Tensor, block_size) -> bool:
+def fp8_kernel_supports(weight: torch.Tensor, block_size) -> bool:
+    """Whether hf_dllm's FP8 kernels take this weight: power-of-two blocks of at least 16, last dim contiguous."""
     block_n, block_k = block_size
     power_of_two = all(b >= 16 and b & (b - 1) == 0 for b in (block_n, block_k))
     return power_of_two and weight.stride(-1) == 1
@@ -349,22 +356,6 @@ INTERPRETER_CONFIGS = {
 }
 
 
-def _launch(kernel, grid, interpreter_config: dict, *args, config: triton.Config | None = None, **kwargs) -> dict:
-    # Runs `config` when one is given (tests and sweeps), else the autotuner's choice. Triton's interpreter
-    # (TRITON_INTERPRET=1, CPU tests) cannot time the autotuner's configs: it runs `interpreter_config`.
-    # Returns the config's parameters that ran.
-    if config is not None:
-        meta = dict(kwargs, **config.kwargs)
-        kernel.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
-        return config.kwargs
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        meta = dict(kwargs, **interpreter_config)
-        kernel.fn[grid(meta)](*args, **meta)
-        return interpreter_config
-    kernel[grid](*args, **kwargs)
-    return kernel.best_config.kwargs
-
-
 @on_tensor_device
 def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, config=None) -> torch.Tensor:
     """`x (M, K)` (last dim contiguous) @ dequantized `weight (N, K)`.T -> `(M, N)` in `x.dtype`, the weight read
@@ -382,7 +373,7 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
     def grid(meta):
         return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
 
-    ran = _launch(
+    ran = launch(
         _weight_only_kernel,
         grid,
         dict(
@@ -512,7 +503,7 @@ def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(n_out, meta["BLOCK_N"]),)
 
-    _launch(
+    launch(
         _w8a8_kernel,
         grid,
         INTERPRETER_CONFIGS["w8a8"],

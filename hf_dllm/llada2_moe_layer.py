@@ -17,6 +17,7 @@ This file is exported verbatim as Hub remote code (with `modeling_llada2_moe.py`
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_moe, triton_ops
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
-from .fp8 import is_fp8_linear
+from .fp8 import fp8_kernel_supports, is_fp8_linear
+from .grouped_gemm import grouped_matmul
 from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -136,6 +138,20 @@ class LLaDA2MoeGate(nn.Module):
         return topk_idx, topk_weight * self.routed_scaling_factor, logits
 
 
+class ExpertStacks(NamedTuple):
+    """The experts' weights stacked for the grouped products (`LLaDA2MoeSparseMoeBlock.stacked_weights`):
+    gate_up `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and down `(E', H, I)` in the experts'
+    dtype; for FP8 experts (transformers' `FineGrainedFP8Config`) also their block scales, gate_up_scale
+    `(E', 2 * ceil(I / bn), ceil(H / bk))` (the gate's scale rows, then the up's) and down_scale
+    `(E', ceil(H / bn), ceil(I / bk))`, and block_size `(bn, bk)`."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    block_size: tuple[int, int] | None = None
+
+
 def _grouped_mm_function() -> Callable | None:
     return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -152,6 +168,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
       experts' weights, no host synchronisation (CUDA-graph capturable);
     - loop (`"eager"`, and the fallback): one call per expert that received tokens, like transformers' Qwen2-MoE /
       DeepSeek-V3 eager paths; reading the per-expert counts synchronises with the host once per layer.
+
+    FP8 experts (each expert's layers quantized by transformers' `FineGrainedFP8Config`, or a pre-quantized
+    checkpoint's `weight_scale_inv`) run as the loop (their weights dequantized per product), or, where the fused
+    kernels run, as the grouped FP8 products of `grouped_gemm.py` over the stacked FP8 weights and scales.
 
     The outputs are put back in (token, choice) order and combined in float32 with the routing weights, as the
     original `moe_infer` does.
@@ -174,7 +194,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act in ("silu", "swish")
         # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stacked: ExpertStacks | None = None
         self._stack_check: list[tuple[torch.Tensor, int]] = []
 
     def _apply(self, fn, *args, **kwargs):
@@ -185,25 +205,27 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     @property
     def stack_shared(self) -> bool:
         """One shared expert has the routed experts' shape: the fused path runs it as one more group of the grouped
-        GEMMs (every token's last pair), its weights stacked after the routed experts'; not when it holds FP8
-        weights (`--quantization fp8` keeps the routed experts in bf16 and quantizes the shared one), nor when tensor
-        parallelism splits it otherwise than the routed experts (its partial sums are reduced with theirs)."""
+        GEMMs (every token's last pair), its weights stacked after the routed experts'; not when only one of them
+        holds FP8 weights (or they have different block sizes), nor when tensor parallelism splits it otherwise than
+        the routed experts (its partial sums are reduced with theirs)."""
         if self.shared_experts is None or self.config.num_shared_experts != 1:
             return False
-        if is_fp8_linear(self.shared_experts.gate_proj):
-            return False
         routed = self.experts[0]
+        if _fp8_block_size(self.shared_experts.gate_proj) != _fp8_block_size(routed.gate_proj):
+            return False
         return all(
             is_sharded(getattr(self.shared_experts, name).weight) == is_sharded(getattr(routed, name).weight)
             and local_shape(getattr(self.shared_experts, name).weight) == local_shape(getattr(routed, name).weight)
             for name in ("gate_proj", "up_proj", "down_proj")
         )
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`gate_up` `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and `down` `(E', H, I)`, with
-        `E' = E + 1` when the shared expert is stacked after the routed ones (`stack_shared`), else `E`.
+    def stacked_weights(self) -> ExpertStacks:
+        """The experts' weights stacked (`ExpertStacks`: gate_up `(E', 2 * I, H)`, down `(E', H, I)` and FP8 block
+        scales), with `E' = E + 1` when the shared expert is stacked after the routed ones (`stack_shared`), else
+        `E`.
 
-        The experts' parameters are re-pointed to views of the stacks, so they cost no memory and stay in sync
+        The experts' parameters (and FP8 scales) are re-pointed to views of the stacks, so they cost no memory and
+        stay in sync
         with in-place weight updates (`load_state_dict`, `copy_`); `save_pretrained` still stores one tensor per
         Hub name. The stacks are rebuilt after `.to()` and friends, and when the first or last expert's modules or
         parameters were replaced (checking every expert would cost milliseconds per layer in Python); replacing
@@ -236,18 +258,13 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         """(Re)build the stacks of `stacked_weights` from the experts' current weights (under tensor parallelism,
         this rank's slices: `I` is then its share of the intermediate width)."""
 
-        def local(linear: nn.Linear) -> torch.Tensor:
-            return local_tensor(linear.weight).detach()
-
         experts = self._stacked_experts()
-        gate_up = torch.stack([torch.cat([local(expert.gate_proj), local(expert.up_proj)]) for expert in experts])
-        down = torch.stack([local(expert.down_proj) for expert in experts])
-        inter = gate_up.shape[1] // 2
-        for e, expert in enumerate(experts):
-            local_tensor(expert.gate_proj.weight).data = gate_up[e, :inter]
-            local_tensor(expert.up_proj.weight).data = gate_up[e, inter:]
-            local_tensor(expert.down_proj.weight).data = down[e]
-        self._stacked = (gate_up, down)
+        gate_up, down = _stack_parameters(experts, "weight")
+        block_size = _fp8_block_size(experts[0].gate_proj)
+        if block_size is None:
+            self._stacked = ExpertStacks(gate_up, down)
+        else:
+            self._stacked = ExpertStacks(gate_up, down, *_stack_parameters(experts, "weight_scale_inv"), block_size)
         self._stack_check = [(weight, local_tensor(weight).data_ptr()) for weight in self._sampled_weights()]
 
     def use_grouped_mm(self, hidden_states: torch.Tensor) -> bool:
@@ -305,15 +322,28 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             out = out + self.shared_experts(hidden_states)
         return out, router_logits
 
+    def use_fp8_grouped(self, hidden_states: torch.Tensor) -> bool:
+        """Whether the routed experts hold FP8 weights that `grouped_gemm.py`'s kernel multiplies for this input
+        (the fused kernels apply; the block size is one it takes; not sharded: FP8 and tensor parallelism are not
+        combined)."""
+        layer = self.experts[0].gate_proj
+        return (
+            is_fp8_linear(layer)
+            and use_fused_kernels(hidden_states)
+            and fp8_kernel_supports(layer.weight, layer.block_size)
+            and not is_sharded(layer.weight)
+        )
+
     def use_fused(self, hidden_states: torch.Tensor) -> bool:
         """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
-        run, the router is float32 and the activation SiLU (with or without tensor parallelism)."""
+        run (torch's, or the FP8 kernel for FP8 experts), the router is float32 and the activation SiLU (with or
+        without tensor parallelism)."""
         return (
             MOE_KERNELS_AVAILABLE
             and self.silu
             and self.gate.router_dtype == torch.float32
             and use_fused_kernels(hidden_states)
-            and self.use_grouped_mm(hidden_states)
+            and (self.use_grouped_mm(hidden_states) or self.use_fp8_grouped(hidden_states))
         )
 
     def fused_forward(
@@ -322,8 +352,9 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         """`residual + forward(hidden_states)[0]` and the router logits, through the Triton kernels of
         `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
         two grouped GEMMs whose groups are the routed experts and the shared expert (`stack_shared`). No host
-        synchronisation. hidden_states, residual `(batch, len, hidden)`; router_input: hidden_states in float32
-        (the router's dtype) or None (cast here).
+        synchronisation. FP8 experts run as `grouped_gemm.grouped_matmul` (the gather of the rows and the SiLU gate
+        fused into its loads and epilogue). hidden_states, residual `(batch, len, hidden)`; router_input:
+        hidden_states in float32 (the router's dtype) or None (cast here).
 
         Under tensor parallelism (Megatron-LM's MLP split, arXiv:1909.08053) the GEMMs run this rank's slices of the
         experts' intermediate width, so the combined rows are partial sums: one all-reduce per layer sums them, and
@@ -334,13 +365,19 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden)
         router_x = x if router_input is None else router_input.reshape(-1, hidden)
         topk_idx, topk_weight, router_logits = self.gate(router_x, fused=True)
-        gate_up, down = self.stacked_weights()
-        stacked_shared = gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided when the stacks were built
+        stacks = self.stacked_weights()
+        stacked_shared = stacks.gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided with the stacks
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
-        grouped_mm = _grouped_mm_function()
-        projected = grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
-        gate, up = projected.chunk(2, dim=-1)
-        expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), down.transpose(1, 2), offs=offsets)
+        if stacks.block_size is not None:  # FP8 experts
+            hidden_rows = grouped_matmul(
+                x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
+            )
+            expert_rows = grouped_matmul(hidden_rows, offsets, stacks.down, stacks.down_scale, stacks.block_size)
+        else:
+            grouped_mm = _grouped_mm_function()
+            projected = grouped_mm(x.index_select(0, sorted_token), stacks.gate_up.transpose(1, 2), offs=offsets)
+            gate, up = projected.chunk(2, dim=-1)
+            expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), stacks.down.transpose(1, 2), offs=offsets)
         residual = residual.reshape(-1, hidden)
         down_weight = self.experts[0].down_proj.weight  # split by its columns (`rowwise`) under tensor parallelism
         shared_apart = self.shared_experts is not None and not stacked_shared
@@ -364,11 +401,34 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     def _experts_grouped_mm(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """As `_experts_loop`, as two grouped GEMMs over the stacked weights (no host synchronisation)."""
         grouped_mm = _grouped_mm_function()
-        gate_up, down = self.stacked_weights()
-        gate_up, down = gate_up[: self.num_experts], down[: self.num_experts]
+        stacks = self.stacked_weights()
+        gate_up, down = stacks.gate_up[: self.num_experts], stacks.down[: self.num_experts]
         offsets = counts.cumsum(0).to(torch.int32)
         projected = grouped_mm(sorted_tokens, gate_up.transpose(1, 2), offs=offsets)
         gate, up = projected.chunk(2, dim=-1)
         return grouped_mm(
             gated_activation(self.act_fn, gate, up, self.silu).contiguous(), down.transpose(1, 2), offs=offsets
         )
+
+
+def _fp8_block_size(layer: nn.Linear) -> tuple[int, int] | None:
+    """An FP8 layer's block size (transformers' `FP8Linear`), None for a layer in a floating dtype."""
+    return tuple(layer.block_size) if is_fp8_linear(layer) else None
+
+
+def _stack_parameters(experts: list[LLaDA2MoeMLP], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' `name` parameters (`weight`, or FP8 layers' `weight_scale_inv`) stacked: `(E', gate rows + up
+    rows, ...)` and `(E', down rows, ...)`; each expert's parameters re-pointed to views of the stacks (under tensor
+    parallelism, this rank's slices)."""
+
+    def local(linear: nn.Linear) -> torch.Tensor:
+        return local_tensor(getattr(linear, name)).detach()
+
+    gate_up = torch.stack([torch.cat([local(expert.gate_proj), local(expert.up_proj)]) for expert in experts])
+    down = torch.stack([local(expert.down_proj) for expert in experts])
+    gate_rows = local(experts[0].gate_proj).shape[0]
+    for e, expert in enumerate(experts):
+        local_tensor(getattr(expert.gate_proj, name)).data = gate_up[e, :gate_rows]
+        local_tensor(getattr(expert.up_proj, name)).data = gate_up[e, gate_rows:]
+        local_tensor(getattr(expert.down_proj, name)).data = down[e]
+    return gate_up, down

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -42,6 +43,22 @@ def on_tensor_device(launcher):
             return launcher(tensor, *args, **kwargs)
 
     return wrapper
+
+
+def launch(kernel, grid, interpreter_config: dict, *args, config: triton.Config | None = None, **kwargs) -> dict:
+    """Launch an autotuned kernel (`fp8.py`, `grouped_gemm.py`) on `grid(meta)`: with `config` (tests and sweeps)
+    that config, else the autotuner's choice. Triton's interpreter (TRITON_INTERPRET=1, CPU tests) cannot time the
+    autotuner's configs: it runs `interpreter_config`. Returns the parameters of the config that ran."""
+    if config is not None:
+        meta = dict(kwargs, **config.kwargs)
+        kernel.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+        return config.kwargs
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        meta = dict(kwargs, **interpreter_config)
+        kernel.fn[grid(meta)](*args, **meta)
+        return interpreter_config
+    kernel[grid](*args, **kwargs)
+    return kernel.best_config.kwargs
 
 
 if TRITON_AVAILABLE:

@@ -172,6 +172,52 @@ def kernel_errors(x, weight, block, kernels):
     return results
 
 
+def grouped_errors(tokens, experts, top_k, k_in, n_out, gated, dtype, device="cpu", configs=(None,)):
+    """`grouped_gemm.grouped_matmul`'s relative errors (one per config of `configs`, None: the autotuner's choice)
+    against the exact float32 product of the unquantized weights, and PyTorch's FP8 reference error (the dequantized
+    weights, float32), for random routing of `tokens` tokens to `top_k` of `experts` experts: gated (gate/up with
+    the SiLU gate, rows gathered) or not (down)."""
+    from hf_dllm import grouped_gemm, triton_moe
+
+    x = torch.randn(tokens, k_in, device=device, dtype=dtype)
+    topk = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
+    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, experts, False)
+    rows = n_out * 2 if gated else n_out
+    weight = torch.randn(experts, rows, k_in, device=device) * 0.02
+    halves = (weight[:, : rows // 2], weight[:, rows // 2 :]) if gated else (weight,)
+    quantized = [[fp8.quantize_blocks(part[e], BLOCK) for part in halves] for e in range(experts)]
+    w8 = torch.stack([torch.cat([q for q, _ in parts]) for parts in quantized])
+    scale = torch.stack([torch.cat([s for _, s in parts]) for parts in quantized])
+    dequantized = torch.stack(
+        [torch.cat([fp8.dequantize(q, s, BLOCK, torch.float32) for q, s in parts]) for parts in quantized]
+    )
+    source = x[sorted_token] if gated else x[torch.arange(len(sorted_token), device=device) % tokens]
+
+    def exact(w):  # per group, float32
+        starts = [0, *offsets.tolist()[:-1]]
+        out = torch.cat(
+            [source[a:b].float() @ w[e].t() for e, (a, b) in enumerate(zip(starts, offsets.tolist(), strict=True))]
+        )
+        if gated:
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(gate) * up
+        return out
+
+    truth = exact(weight)
+    norm = truth.norm()
+    reference = ((exact(dequantized) - truth).norm() / norm).item()
+    errors = []
+    for config in configs:
+        if gated:
+            out = grouped_gemm.grouped_matmul(
+                x, offsets, w8, scale, BLOCK, rows_of=sorted_token, gated=True, config=config
+            )
+        else:
+            out = grouped_gemm.grouped_matmul(source.contiguous(), offsets, w8, scale, BLOCK, config=config)
+        errors.append(((out.float() - truth).norm() / norm).item())
+    return errors, reference
+
+
 INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -190,6 +236,44 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         weight = torch.randn(n_out, k_in) * 0.02
         error, reference = kernel_errors(x, weight, (128, 128), {"weight_only": None})["weight_only"]
         assert error <= 2 * reference + 1e-3, ("weight_only swapped", rows, error, reference)
+    # The experts' grouped FP8 products (grouped_gemm.py), both formulations and two tile heights: groups of one
+    # tile, of several, empty ones; gate/up with the SiLU gate (rows gathered) and down.
+    from hf_dllm import grouped_gemm
+    from tests.test_fp8 import grouped_errors
+    for tile in ({"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False}, {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True},
+                 {"BLOCK_M": 32, "BLOCK_N": 32, "SWAP": False}):
+        grouped_gemm.INTERPRETER_CONFIG.update(tile)
+        for tokens, experts, top_k, k_in, n_out, gated in [
+            (7, 6, 2, 256, 128, True), (40, 5, 3, 128, 256, False), (40, 3, 2, 128, 128, True),
+        ]:
+            (error,), reference = grouped_errors(tokens, experts, top_k, k_in, n_out, gated, torch.float16)
+            assert error <= 2 * reference + 1e-3, ("grouped", tile, tokens, experts, gated, error, reference)
+
+    # A float32 LLaDA2 with FP8 experts: the fused path (routing kernels, the grouped FP8 products, the combine)
+    # against the PyTorch path (each expert's layers, dequantized), prefill and a cached block step.
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+    from hf_dllm import kernels
+    from hf_dllm.cache import DiffusionKVCache
+    from tests.test_fp8 import llada2_config, llada2_quantized_model
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    grouped_gemm.INTERPRETER_CONFIG.update(BLOCK_M=16, BLOCK_N=64, SWAP=False)
+    config = llada2_config(num_experts=6, n_group=3, topk_group=2, num_hidden_layers=3)
+    _, model = llada2_quantized_model(config, dtype=torch.float32)
+    moe = model.model.layers[1].mlp
+    ids = torch.randint(2, 59, (2, 24))
+    logits = {}
+    for mode in ("torch", "triton"):
+        kernels.set_kernel_mode(mode)
+        assert moe.use_fused(torch.zeros(1, 128)) == (mode == "triton"), mode
+        with torch.no_grad():
+            full = model(ids, block_length=8).logits
+            cache = DiffusionKVCache(3, 2, 24)
+            model(ids[:, :16], block_length=8, past_key_values=cache, use_cache=True, cache_position=torch.arange(16))
+            step = model(ids[:, 16:], block_length=8, past_key_values=cache, use_cache=True,
+                         cache_position=torch.arange(16, 24)).logits
+        logits[mode] = (full, step)
+    for name, out, expected in zip(("full", "step"), logits["triton"], logits["torch"]):
+        assert torch.allclose(out, expected, atol=2e-3, rtol=0), (name, (out - expected).abs().max())
     print("ok")
     """
 )
@@ -342,15 +426,11 @@ def test_gpu_load_model_fp8_and_prequantized(tmp_path):
     assert torch.equal(out, again)
 
 
-def test_llada2_quantized_matches_dequantized_weights(monkeypatch):
-    # LLaDA2 MoE with the skip list hf_dllm passes (`FP8_MODULES_TO_NOT_CONVERT`): attention, dense MLP and shared
-    # experts in FP8; routed experts and the head bf16 (transformers would swap `experts` for its fused FP8Experts).
-    from transformers import FineGrainedFP8Config
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+def llada2_config(**overrides):
+    """A tiny LLaDA2 MoE whose expert widths FP8 block scaling accepts (multiples of 128)."""
+    from hf_dllm import LLaDA2MoeConfig
 
-    from hf_dllm import LLaDA2MoeConfig, LLaDA2MoeModelLM
-
-    config = LLaDA2MoeConfig(
+    values = dict(
         vocab_size=61,
         hidden_size=128,
         intermediate_size=256,
@@ -369,28 +449,126 @@ def test_llada2_quantized_matches_dequantized_weights(monkeypatch):
         first_k_dense_replace=1,
         num_shared_experts=1,
     )
+    return LLaDA2MoeConfig(**(values | overrides))
+
+
+def llada2_quantized_model(config, dtype=torch.bfloat16, device: str = "cpu"):
+    """A random LLaDA2 (weights spread so that routing is not uniform) and its FP8 copy made by transformers'
+    quantizer with hf_dllm's skip list (`fp8_quantization_config`). On the CPU the caller lifts transformers'
+    device check (see `quantized_model`)."""
+    from hf_dllm import LLaDA2MoeModelLM
+
     torch.manual_seed(0)
-    model = LLaDA2MoeModelLM._from_config(config, dtype=torch.bfloat16).eval()
+    with torch.device(device):
+        model = LLaDA2MoeModelLM._from_config(config, dtype=dtype).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
     quantized = LLaDA2MoeModelLM.from_pretrained(
         None,
         config=config,
         state_dict=model.state_dict(),
-        quantization_config=FineGrainedFP8Config(modules_to_not_convert=fp8.FP8_MODULES_TO_NOT_CONVERT["llada2_moe"]),
-        dtype=torch.bfloat16,
+        quantization_config=fp8.fp8_quantization_config("llada2_moe"),
+        dtype=dtype,
+        device_map=device,
     ).eval()
+    return model, quantized
+
+
+def llada2_dequantized_copy(quantized, config, dtype=torch.bfloat16, device: str = "cpu"):
+    from hf_dllm import LLaDA2MoeModelLM
+
+    with torch.device(device):
+        reference = LLaDA2MoeModelLM._from_config(config, dtype=dtype).eval()
+    state = {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in dequantized_state(quantized).items()
+    }
+    reference.load_state_dict(state)
+    return reference
+
+
+def test_llada2_quantized_matches_dequantized_weights(monkeypatch, tmp_path):
+    # LLaDA2 MoE with hf_dllm's skip list (`FP8_MODULES_TO_NOT_CONVERT`): attention, dense MLP, every routed expert's
+    # layers and the shared experts in FP8 under the Hub's names; the head bf16, and the `experts` list not swapped
+    # for transformers' fused FP8Experts.
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    from hf_dllm import LLaDA2MoeModelLM
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    config = llada2_config()
+    _, quantized = llada2_quantized_model(config)
     moe = quantized.model.layers[1].mlp
-    assert moe.experts[0].gate_proj.weight.dtype == torch.bfloat16 and quantized.lm_head.weight.dtype == torch.bfloat16
-    assert moe.shared_experts.up_proj.weight.dtype == fp8.FP8_DTYPE
+    assert isinstance(moe.experts, torch.nn.ModuleList) and quantized.lm_head.weight.dtype == torch.bfloat16
+    for expert in [*moe.experts, moe.shared_experts]:
+        for layer in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            assert fp8.is_fp8_linear(layer), layer
     assert quantized.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8_DTYPE
     assert quantized.model.layers[0].attention.query_key_value.weight.dtype == fp8.FP8_DTYPE
-    reference = LLaDA2MoeModelLM._from_config(config, dtype=torch.bfloat16).eval()
-    reference.load_state_dict(dequantized_state(quantized), strict=False)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in quantized.state_dict()
+    reference = llada2_dequantized_copy(quantized, config)
     ids = torch.randint(2, 59, (2, 16))
     with torch.no_grad():
         logits = quantized(ids, block_length=4).logits.float()
         expected = reference(ids, block_length=4).logits.float()
     assert torch.allclose(logits, expected, atol=2e-2, rtol=0), (logits - expected).abs().max()
+
+    # The stacks of the grouped path hold the FP8 weights and scales; the experts' parameters are views of them.
+    stacks = moe.stacked_weights()
+    assert stacks.gate_up.dtype == fp8.FP8_DTYPE and stacks.block_size == BLOCK
+    assert stacks.gate_up.shape == (5, 256, 128) and stacks.gate_up_scale.shape == (5, 2, 1)  # 4 routed + shared
+    assert stacks.down_scale.shape == (5, 1, 1)
+    assert moe.experts[2].up_proj.weight_scale_inv.data_ptr() == stacks.gate_up_scale[2, 1:].data_ptr()
+    assert moe.shared_experts.down_proj.weight.data_ptr() == stacks.down[4].data_ptr()
+
+    # Saved and loaded again: the Hub's pre-quantized layout (one weight and scale per expert layer), same logits.
+    quantized.save_pretrained(tmp_path / "fp8")
+    reloaded = LLaDA2MoeModelLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).eval()
+    assert fp8.is_fp8_linear(reloaded.model.layers[1].mlp.experts[3].down_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids, block_length=4).logits.float(), logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 1024])
+def test_every_grouped_config_within_twice_torch_fp8_reference(tokens):
+    """The experts' grouped FP8 products at LLaDA2.0-mini's widths (64 of its 256 experts, top-8), each config the
+    autotuner may pick and its own choice, compiled: gate/up with the SiLU gate, and down."""
+    from hf_dllm import grouped_gemm
+
+    configs = [None, *grouped_gemm.grouped_configs()]
+    for gated, k_in, n_out in ((True, 2048, 512), (False, 512, 2048)):
+        torch.manual_seed(tokens)
+        errors, reference = grouped_errors(tokens, 64, 8, k_in, n_out, gated, torch.bfloat16, "cuda", configs)
+        for config, error in zip(configs, errors, strict=True):
+            # bf16 output rounding (2^-9) is added to the float32 reference's error.
+            assert error <= 2 * reference + 2e-3, (gated, config, error, reference)
+
+
+@pytest.mark.gpu
+def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
+    """A bf16 LLaDA2 with FP8 experts on the GPU: the fused path (the grouped FP8 kernel) and the PyTorch path (each
+    expert's layers, dequantized) against a bf16 copy holding the dequantized weights; generate()'s CUDA graphs give
+    the eager path's tokens."""
+    config = llada2_config(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3)
+    _, quantized = llada2_quantized_model(config, device="cuda")
+    moe = quantized.model.layers[1].mlp
+    assert moe.use_fp8_grouped(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16))
+    reference = llada2_dequantized_copy(quantized, config, device="cuda")
+    ids = torch.randint(2, 59, (2, 40), device="cuda")
+    with torch.no_grad():
+        fused = quantized(ids, block_length=8).logits.float()
+        set_kernel_mode("torch")
+        try:
+            unfused = quantized(ids, block_length=8).logits.float()
+        finally:
+            set_kernel_mode("auto")
+        expected = reference(ids, block_length=8).logits.float()
+    assert (fused - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (unfused - expected).abs().max() < 0.05 * expected.abs().max()
+    prompts = torch.randint(2, 59, (3, 21), device="cuda")
+    kwargs = dict(max_new_tokens=32, block_length=8, steps=32, eos_early_stop=False)
+    graphed = quantized.generate(prompts, **kwargs)
+    eager = quantized.generate(prompts, disable_compile=True, **kwargs)
+    assert torch.equal(graphed, eager)

@@ -68,8 +68,8 @@ def exported_llada21_ref(tmp_path_factory) -> Path:
 
 def test_llada2_remote_code_is_closed():
     assert LLADA2_FILES[:2] == ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
-    assert LLADA2_FILES[2:4] == ("llada2_moe_layer.py", "triton_moe.py")
-    assert LLADA2_FILES[4:] == SHARED_REMOTE_CODE_FILES == MODEL_FAMILIES["llada"].remote_code_files[3:]
+    assert LLADA2_FILES[2:5] == ("llada2_moe_layer.py", "triton_moe.py", "grouped_gemm.py")
+    assert LLADA2_FILES[5:] == SHARED_REMOTE_CODE_FILES == MODEL_FAMILIES["llada"].remote_code_files[3:]
     assert check_remote_code(model_type="llada2_moe") == [PACKAGE_DIR / name for name in LLADA2_FILES]
 
 

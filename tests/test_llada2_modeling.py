@@ -233,7 +233,7 @@ def test_grouped_mm_and_loop_paths_agree(model, expected):
     grouped = logits_with(model, "sdpa", ids, block_length=BLOCK, experts="grouped_mm")
     torch.testing.assert_close(grouped, loop, atol=ATOL, rtol=0)
     # The stacks are the experts' own storage: no copy of the weights.
-    gate_up, down = moe.stacked_weights()
+    gate_up, down = moe.stacked_weights()[:2]
     assert moe.experts[3].up_proj.weight.data_ptr() == gate_up[3, moe.intermediate_size :].data_ptr()
     assert moe.experts[5].down_proj.weight.data_ptr() == down[5].data_ptr()
 

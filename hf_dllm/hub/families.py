@@ -155,6 +155,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
             "modeling_llada2_moe.py",
             "llada2_moe_layer.py",  # the router, the experts and the sparse MoE block
             "triton_moe.py",  # the MoE layer's fused kernels
+            "grouped_gemm.py",  # the experts' grouped products with FP8 weights
             *SHARED_REMOTE_CODE_FILES,
         ),
         generation_defaults=LLADA2_GENERATION_DEFAULTS,

@@ -1,0 +1,272 @@
+"""Grouped GEMMs over expert-sorted rows, with the experts' weights in FP8 (block scales, read in place and scaled
+in registers) or in the activations' dtype: the routed experts of LLaDA2.x's MoE layer where `torch._grouped_mm`
+cannot run them (FP8 weights, issue #13: transformers' `FineGrainedFP8Config` quantizes each expert's Hub-named
+`gate_proj` / `up_proj` / `down_proj` with `weight_scale_inv` per 128 x 128 block, as DeepSeek-V3 ships its
+experts, arXiv:2412.19437 section 3.3).
+
+Shapes: `x (tokens, K)`; the rows `(pairs,)` in expert order, as `triton_moe.align_by_expert` gives them
+(`rows_of`: each row's token, so the gather of the activations is fused into the product's loads), and the groups'
+end rows `offsets (groups,)`; weights stacked `(groups, N, K)`, FP8 block scales `(groups, ceil(N / bn),
+ceil(K / bk))`.
+
+- `grouped_matmul(..., gated=True)`: the stacked gate/up weight `(groups, 2 * I, K)` (each expert's gate rows, then
+  its up rows) -> `silu(x @ gate.T) * (x @ up.T)` `(pairs, I)`, both products in one program and the SiLU gate in
+  its epilogue (the rounding points of the unfused path: each product and silu rounded to the output dtype).
+- `grouped_matmul(...)`: `(pairs, K) @ down.T` -> `(pairs, N)`.
+
+Each program multiplies `BLOCK_M` rows of one group by `BLOCK_N` of its weight's rows. The grid is static (the
+most tiles any routing can make: `ceil(pairs / BLOCK_M) + groups`); a program finds its group and first row from
+the offsets alone (tiles per group, their prefix sum) and programs past the last tile return at once, so the
+products have no host synchronisation and are CUDA-graph capturable (vLLM's `fused_moe` pads every group to
+`BLOCK_M` rows in an alignment kernel instead). A weight read once per row tile: at a block step's few rows per
+expert the product is bound by reading the selected experts' weights, which FP8 halves.
+
+Exported as Hub remote code (LLaDA2.x): Triton is imported inside `try:` (`triton_ops.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_ops import (
+    TRITON_AVAILABLE,
+    launch,
+    on_tensor_device,
+    tl,
+    triton,
+)  # None without Triton (CPU-only installs)
+
+
+def grouped_configs() -> list:
+    # SWAP multiplies the weight tile by the transposed rows (the weight's rows as the MMA's M dimension), which
+    # streamed FP8 weights faster at few rows in the dense weight-only kernel (`fp8.weight_only_configs`).
+    # Every config fits an H100's shared memory for FP8 gate/up (each stage holds a row tile in bf16 and two weight
+    # tiles in FP8: 4 stages of 128 x 128 tiles would not); with bf16 weights the autotuner skips those that do not.
+    return [
+        triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "SWAP": swap}, num_warps=warps, num_stages=stages)
+        for block_m in (16, 32, 64, 128)
+        for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
+        if block_m * block_n * stages < 128 * 128 * 4
+        for swap in ((False, True) if block_m <= 32 else (False,))
+    ]
+
+
+def _prune_grouped(configs, named_args, **kwargs):
+    # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
+    per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
+    allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
+    return [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+        # Group `group` owns ceil(rows / BLOCK_M) consecutive tiles; `tile`'s group is the number of groups whose
+        # tiles all end at or before it (group >= n_groups: past the last tile). Returns the group, the tile's
+        # first row and the group's end row.
+        g = tl.arange(0, BLOCK_G)
+        ends = tl.load(offsets_ptr + g, mask=g < n_groups, other=0)
+        starts = tl.load(offsets_ptr + g - 1, mask=(g >= 1) & (g < n_groups), other=0)
+        tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+        tile_ends = tl.cumsum(tiles, 0)
+        group = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+        mine = g == group
+        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
+        first_row = tl.sum(tl.where(mine, starts, 0), 0) + (tile - first_tile) * BLOCK_M
+        end_row = tl.sum(tl.where(mine, ends, 0), 0)
+        return group, first_row, end_row
+
+    @triton.jit
+    def _product(x, w, scale_ptrs, in_n, acc, HAS_SCALE: tl.constexpr, SWAP: tl.constexpr):
+        # acc += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, times one scale per weight row (read at
+        # `scale_ptrs`) if HAS_SCALE: a k tile lies inside one scale block. SWAP: acc is (BLOCK_N, BLOCK_M), the
+        # same sums transposed.
+        if HAS_SCALE:
+            scale = tl.load(scale_ptrs, mask=in_n, other=0.0)
+        if SWAP:
+            part = tl.dot(w.to(x.dtype), tl.trans(x))
+            if HAS_SCALE:
+                part = part * scale[:, None]
+        else:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            if HAS_SCALE:
+                part = part * scale[None, :]
+        return acc + part
+
+    @triton.autotune(
+        configs=grouped_configs(),
+        key=["ROWS_BUCKET", "N", "K", "GATED", "HAS_SCALE"],
+        prune_configs_by={"early_config_prune": _prune_grouped},
+    )
+    @triton.jit
+    def _grouped_kernel(
+        x_ptr,
+        token_ptr,
+        offsets_ptr,
+        w_ptr,
+        scale_ptr,
+        out_ptr,
+        n_groups,
+        N,
+        K,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_om,
+        up_rows,
+        up_scale_rows,
+        ROWS_BUCKET,
+        GATHER: tl.constexpr,
+        GATED: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        SCALE_N: tl.constexpr,
+        SCALE_K: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SWAP: tl.constexpr,
+    ):
+        # Program (tile, n): out[rows, n block] for the tile's rows of one group. GATED: the up product uses the
+        # weight's rows `up_rows` further on (and scale rows `up_scale_rows` further on).
+        group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tl.program_id(0), BLOCK_M, BLOCK_G)
+        pid_n = tl.program_id(1)
+        if group >= n_groups:
+            return
+        rows = first_row + tl.arange(0, BLOCK_M)
+        in_m = rows < end_row
+        if GATHER:
+            source = tl.load(token_ptr + rows, mask=in_m, other=0)
+        else:
+            source = rows
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_n = offs_n < N
+        x_ptrs = x_ptr + source[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        scale_ptrs = scale_ptr + group.to(tl.int64) * stride_se + (offs_n // SCALE_N) * stride_sn
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros_like(acc)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            in_k = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            scale_k = (k * BLOCK_K) // SCALE_K
+            acc = _product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
+                acc_up = _product(
+                    x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
+                )
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if GATED:
+            # The unfused path's rounding: both products and silu's output rounded to the output dtype.
+            out_dtype = out_ptr.dtype.element_ty
+            gate = acc.to(out_dtype).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+            acc = silu * acc_up.to(out_dtype).to(tl.float32)
+        if SWAP:
+            acc = tl.trans(acc)
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+# The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False}
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@on_tensor_device
+def grouped_matmul(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+    rows_of: torch.Tensor | None = None,
+    gated: bool = False,
+    config=None,
+) -> torch.Tensor:
+    """Each group's rows times its weight (see the module docstring).
+
+    x `(tokens, K)` with `rows_of` `(pairs,)` int64 (row r is `x[rows_of[r]]`), or `(pairs, K)` already in group
+    order; offsets `(groups,)` int32, each group's end row; weight `(groups, N, K)` (last dim contiguous), FP8 with
+    `weight_scale_inv` `(groups, ceil(N / bn), ceil(K / bk))` float32 and `block_size` `(bn, bk)`, or in x's dtype
+    with neither. Returns `(pairs, N)` in x's dtype, or with `gated` `(pairs, N // 2)`: `silu(gate) * up` of the
+    weight's two halves. `config`: one of `grouped_configs()` instead of the autotuner's (tests, sweeps)."""
+    groups, n_weight, k_in = weight.shape
+    pairs = rows_of.shape[0] if rows_of is not None else x.shape[0]
+    if offsets.shape != (groups,):
+        raise ValueError(f"offsets must have shape ({groups},) (one end row per group), got {tuple(offsets.shape)}.")
+    if x.shape[-1] != k_in:
+        raise ValueError(f"x has {x.shape[-1]} columns, the weight {k_in}.")
+    has_scale = weight_scale_inv is not None
+    if has_scale != (block_size is not None):
+        raise ValueError("weight_scale_inv and block_size are given together (FP8 weights) or not at all.")
+    if not has_scale and weight.dtype != x.dtype:
+        raise ValueError(f"a {weight.dtype} weight without block scales must have x's dtype ({x.dtype}).")
+    if has_scale:
+        scale_rows = (2 if gated else 1) * -(-(n_weight // (2 if gated else 1)) // block_size[0])
+        if weight_scale_inv.shape != (groups, scale_rows, -(-k_in // block_size[1])):
+            raise ValueError(
+                f"weight_scale_inv has shape {tuple(weight_scale_inv.shape)}, expected "
+                f"{(groups, scale_rows, -(-k_in // block_size[1]))} (per group, {'the gate then the up scales' if gated else 'one per block'})."
+            )
+    if weight.stride(-1) != 1:
+        raise ValueError("the weight's last dim must be contiguous.")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_out = n_weight // 2 if gated else n_weight
+    out = torch.empty(pairs, n_out, device=x.device, dtype=x.dtype)
+    if pairs == 0:
+        return out
+    block_n, block_k = block_size if has_scale else (n_weight, 128)
+    scale = weight_scale_inv if has_scale else out  # an unused pointer without scales
+    up_scale_rows = -(-n_out // block_n) if has_scale else 0
+
+    def grid(meta):
+        # Tiles on the first axis (no 65,535 limit; a group's row tiles side by side share its weight tiles in L2).
+        return (triton.cdiv(pairs, meta["BLOCK_M"]) + min(groups, pairs), triton.cdiv(n_out, meta["BLOCK_N"]))
+
+    launch(
+        _grouped_kernel,
+        grid,
+        INTERPRETER_CONFIG,
+        x,
+        rows_of if rows_of is not None else offsets,
+        offsets,
+        weight,
+        scale,
+        out,
+        groups,
+        n_out,
+        k_in,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        scale.stride(0) if has_scale else 0,
+        scale.stride(1) if has_scale else 0,
+        out.stride(0),
+        n_out,
+        up_scale_rows,
+        _next_power_of_2(pairs),
+        GATHER=rows_of is not None,
+        GATED=gated,
+        HAS_SCALE=has_scale,
+        SCALE_N=block_n if has_scale else 1,
+        SCALE_K=block_k,
+        BLOCK_K=min(block_k, 128),
+        BLOCK_G=max(16, _next_power_of_2(groups)),
+        config=config,
+    )
+    return out
