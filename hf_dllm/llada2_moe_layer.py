@@ -7,11 +7,12 @@ group-limited top-k; normalised weights times `routed_scaling_factor`), the chos
 float32, plus the shared experts. Parameter names are the Hub checkpoints' (`mlp.gate.weight`,
 `mlp.experts.{e}.gate_proj.weight`, `mlp.shared_experts.up_proj.weight`, ...).
 
-The routed experts run as two grouped GEMMs (`torch._grouped_mm`) over stacked views of the Hub-named expert weights
-where torch provides them, else as a loop over the experts that received tokens; where the fused kernels run
-(`kernels.use_fused_kernels`: CUDA with Triton) the router's top-k, the alignment by expert and the weighted combine
-with the shared expert and the residual are Triton kernels (`triton_moe.py`), with no host synchronisation, also on
-tensor-parallel shards (the partial sums of the experts' slices reduced once per layer).
+The routed experts run as two grouped products over stacked views of the Hub-named expert weights, else as a loop
+over the experts that received tokens; where the fused kernels run (`kernels.use_fused_kernels`: CUDA with Triton)
+the router's top-k, the alignment by expert, the grouped products (`grouped_gemm.py`, bf16 or FP8 weights) and the
+weighted combine with the shared expert and the residual are Triton kernels (`triton_moe.py`), with no host
+synchronisation, also on tensor-parallel shards (the partial sums of the experts' slices reduced once per layer);
+elsewhere the grouped products are `torch._grouped_mm` where torch provides it.
 
 This file is exported verbatim as Hub remote code (with `modeling_llada2_moe.py`): relative imports only.
 """
@@ -163,15 +164,18 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     The routed part sorts the (token, expert) pairs by expert and runs each expert on its contiguous rows, in one
     of two ways that compute the same thing:
 
-    - grouped GEMM (`experts_implementation="grouped_mm"`, the default, where torch's grouped GEMM runs for the
-      device and dtype and no autograd graph is needed): two `grouped_mm` calls over stacked views of the
-      experts' weights, no host synchronisation (CUDA-graph capturable);
+    - grouped (`experts_implementation="grouped_mm"`, the default, where no autograd graph is needed): two
+      grouped products over stacked views of the experts' weights, no host synchronisation (CUDA-graph
+      capturable). Where the fused kernels run (`fused_forward`), `grouped_gemm.py`'s Triton kernel: on an H100 at
+      LLaDA2.0-mini's shapes it beat `torch._grouped_mm` (with its gather and SiLU kernels) by 12-24 % at a
+      batch-1 block step and 1-10 % at batch 32 (`benchmarks/bench_llada2_moe_gemm.py`), and it takes FP8
+      experts; elsewhere torch's grouped GEMM where it runs for the device and dtype;
     - loop (`"eager"`, and the fallback): one call per expert that received tokens, like transformers' Qwen2-MoE /
       DeepSeek-V3 eager paths; reading the per-expert counts synchronises with the host once per layer.
 
     FP8 experts (each expert's layers quantized by transformers' `FineGrainedFP8Config`, or a pre-quantized
-    checkpoint's `weight_scale_inv`) run as the loop (their weights dequantized per product), or, where the fused
-    kernels run, as the grouped FP8 products of `grouped_gemm.py` over the stacked FP8 weights and scales.
+    checkpoint's `weight_scale_inv`) run as `grouped_gemm.py`'s FP8 products over the stacked FP8 weights and
+    scales where the fused kernels run, else as the loop (their weights dequantized per product).
 
     The outputs are put back in (token, choice) order and combined in float32 with the routing weights, as the
     original `moe_infer` does.
@@ -322,38 +326,47 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             out = out + self.shared_experts(hidden_states)
         return out, router_logits
 
-    def use_fp8_grouped(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the routed experts hold FP8 weights that `grouped_gemm.py`'s kernel multiplies for this input
-        (the fused kernels apply; the block size is one it takes; not sharded: FP8 and tensor parallelism are not
-        combined)."""
+    def use_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
+        """Whether the routed experts can run as `grouped_gemm.py`'s products for this input: the fused kernels
+        apply, the experts are not asked to run as the loop (`experts_implementation="eager"`), no autograd graph
+        is needed (the stacks are detached views), and the experts hold weights in the activations' dtype or FP8
+        weights the kernel takes (not sharded: FP8 and tensor parallelism are not combined)."""
         layer = self.experts[0].gate_proj
-        return (
-            is_fp8_linear(layer)
-            and use_fused_kernels(hidden_states)
-            and fp8_kernel_supports(layer.weight, layer.block_size)
-            and not is_sharded(layer.weight)
-        )
+        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER:
+            return False
+        if not use_fused_kernels(hidden_states) or (torch.is_grad_enabled() and layer.weight.requires_grad):
+            return False
+        if is_fp8_linear(layer):
+            return fp8_kernel_supports(layer.weight, layer.block_size) and not is_sharded(layer.weight)
+        return local_tensor(layer.weight).dtype == hidden_states.dtype
 
     def use_fused(self, hidden_states: torch.Tensor) -> bool:
-        """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped GEMMs
-        run (torch's, or the FP8 kernel for FP8 experts), the router is float32 and the activation SiLU (with or
+        """Whether `fused_forward` runs for this input: the fused kernels apply (`kernels.py`), the grouped
+        kernel runs the experts (`use_grouped_kernel`), the router is float32 and the activation SiLU (with or
         without tensor parallelism)."""
         return (
             MOE_KERNELS_AVAILABLE
             and self.silu
             and self.gate.router_dtype == torch.float32
-            and use_fused_kernels(hidden_states)
-            and (self.use_grouped_mm(hidden_states) or self.use_fp8_grouped(hidden_states))
+            and self.use_grouped_kernel(hidden_states)
         )
+
+    def never_synchronizes(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward` / `fused_forward` run for this input without a host synchronisation (so a step can be
+        captured in a CUDA graph): the fused path, or torch's grouped GEMM in bfloat16 (its float16 / float32
+        kernels copy through the host; the per-expert loop reads the counts on the host)."""
+        if self.use_fused(hidden_states):
+            return True
+        return hidden_states.dtype == torch.bfloat16 and self.use_grouped_mm(hidden_states)
 
     def fused_forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor, router_input: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual + forward(hidden_states)[0]` and the router logits, through the Triton kernels of
         `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
-        two grouped GEMMs whose groups are the routed experts and the shared expert (`stack_shared`). No host
-        synchronisation. FP8 experts run as `grouped_gemm.grouped_matmul` (the gather of the rows and the SiLU gate
-        fused into its loads and epilogue). hidden_states, residual `(batch, len, hidden)`; router_input:
+        the two grouped products of `grouped_gemm.py` (the gather of the rows and the SiLU gate fused into the
+        first one's loads and epilogue; FP8 or not) whose groups are the routed experts and the shared expert
+        (`stack_shared`). No host synchronisation. hidden_states, residual `(batch, len, hidden)`; router_input:
         hidden_states in float32 (the router's dtype) or None (cast here).
 
         Under tensor parallelism (Megatron-LM's MLP split, arXiv:1909.08053) the GEMMs run this rank's slices of the
@@ -368,16 +381,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         stacks = self.stacked_weights()
         stacked_shared = stacks.gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided with the stacks
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
-        if stacks.block_size is not None:  # FP8 experts
-            hidden_rows = grouped_matmul(
-                x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
-            )
-            expert_rows = grouped_matmul(hidden_rows, offsets, stacks.down, stacks.down_scale, stacks.block_size)
-        else:
-            grouped_mm = _grouped_mm_function()
-            projected = grouped_mm(x.index_select(0, sorted_token), stacks.gate_up.transpose(1, 2), offs=offsets)
-            gate, up = projected.chunk(2, dim=-1)
-            expert_rows = grouped_mm(triton_ops.silu_mul(gate, up), stacks.down.transpose(1, 2), offs=offsets)
+        hidden_rows = grouped_matmul(
+            x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
+        )
+        expert_rows = grouped_matmul(hidden_rows, offsets, stacks.down, stacks.down_scale, stacks.block_size)
         residual = residual.reshape(-1, hidden)
         down_weight = self.experts[0].down_proj.weight  # split by its columns (`rowwise`) under tensor parallelism
         shared_apart = self.shared_experts is not None and not stacked_shared

@@ -827,14 +827,13 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
 
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph: only if the MoE never synchronises with the
-        host, i.e. runs torch's grouped GEMM in bfloat16 (the per-expert loop reads counts on the host, and torch's
-        float16/float32 grouped GEMMs copy through the host)."""
+        host for the model's activations (`LLaDA2MoeSparseMoeBlock.never_synchronizes`: the fused path, or torch's
+        grouped GEMM in bfloat16)."""
         blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, LLaDA2MoeSparseMoeBlock)]
         if not blocks:
             return True
-        weight = local_tensor(blocks[0].experts[0].gate_proj.weight)
-        probe = weight.new_empty(0, weight.shape[1])
-        return weight.dtype == torch.bfloat16 and blocks[0].use_grouped_mm(probe)
+        embedding = local_tensor(self.model.word_embeddings.weight)  # the activations' dtype and device
+        return blocks[0].never_synchronizes(embedding.new_empty(0, embedding.shape[1]))
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int) -> torch.Tensor:
         """The `(rows, seq_len)` key padding mask unchanged: the block-causal mask depends on each step's

@@ -19,7 +19,7 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
 - `qk_norm_rope_to_cache`: per-head RMS norm of q and k, partial RoPE with the tables in the activation dtype, q
   written `(B, Hq, L, D)` and k, v written into the K/V cache, one launch instead of ~20.
 
-The expert GEMMs themselves stay `torch._grouped_mm` (CUTLASS; near the weight-read floor at batch 32). The
+The experts' grouped products are `grouped_gemm.py`'s (bf16 or FP8 weights). The
 PyTorch code in `modeling_llada2_moe.py` stays the reference and the CPU path. Exported as Hub remote code: Triton
 is imported inside `try:`.
 """

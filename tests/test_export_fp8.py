@@ -2,7 +2,7 @@
 on the CPU in the layout transformers loads as pre-quantized.
 
 On the CPU: the quantization is transformers' own arithmetic bit for bit; the exported weights are exactly the
-layers transformers' FP8 quantizer converts (experts and head of LLaDA2.x kept); the block scales rebuild every
+layers transformers' FP8 quantizer converts (LLaDA2.x's head kept, each expert's layers quantized); the block scales rebuild every
 weight within FP8's rounding; transformers loads the export (dequantized on a CPU) with logits close to the
 source's; bad input is refused before anything is written. On a GPU (marked `gpu`): the export loads as FP8 layers
 holding exactly what an on-the-fly `FineGrainedFP8Config` load computes, and generates the same tokens.
@@ -128,13 +128,16 @@ def test_llada_export_loads_with_transformers_close_to_the_source(llada_export):
     assert (got - expected).abs().max() <= 0.1 * expected.abs().max()
 
 
-def test_llada2_export_keeps_experts_and_head_in_bf16(tmp_path):
+def test_llada2_export_quantizes_each_expert_and_keeps_the_head_in_bf16(tmp_path):
     src = llada2_source(tmp_path / "src")
     export_checkpoint(src, tmp_path / "dst", quantization="fp8")
     exported = tensors(tmp_path / "dst")
     fp8 = {name for name, tensor in exported.items() if tensor.dtype == FP8_DTYPE}
     assert fp8, "nothing was quantized"
-    assert not any(".experts." in name or name.startswith("lm_head") for name in fp8)
+    assert not any(name.startswith("lm_head") for name in fp8)
+    for expert in range(4):  # the Hub's per-expert names, as pre-quantized MoE checkpoints store them
+        for layer in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.1.mlp.experts.{expert}.{layer}.weight" in fp8
     assert "model.layers.0.mlp.gate_proj.weight" in fp8  # the dense first layer
     assert "model.layers.1.attention.query_key_value.weight" in fp8
     assert any(".shared_experts." in name for name in fp8)

@@ -264,8 +264,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     logits = {}
     for mode in ("torch", "triton"):
         kernels.set_kernel_mode(mode)
-        assert moe.use_fused(torch.zeros(1, 128)) == (mode == "triton"), mode
         with torch.no_grad():
+            assert moe.use_fused(torch.zeros(1, 128)) == (mode == "triton"), mode
             full = model(ids, block_length=8).logits
             cache = DiffusionKVCache(3, 2, 24)
             model(ids[:, :16], block_length=8, past_key_values=cache, use_cache=True, cache_position=torch.arange(16))
@@ -548,14 +548,16 @@ def test_every_grouped_config_within_twice_torch_fp8_reference(tokens):
 
 @pytest.mark.gpu
 def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
-    """A bf16 LLaDA2 with FP8 experts on the GPU: the fused path (the grouped FP8 kernel) and the PyTorch path (each
-    expert's layers, dequantized) against a bf16 copy holding the dequantized weights; generate()'s CUDA graphs give
-    the eager path's tokens."""
+    """A bf16 LLaDA2 with FP8 experts on the GPU: the fused path (the grouped FP8 kernel) errs against a float32
+    copy holding the dequantized weights within twice the PyTorch path's error (each expert's layers, dequantized
+    to bf16; routing near-ties flip experts in both); generate()'s CUDA graphs give the eager path's tokens."""
     config = llada2_config(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3)
     _, quantized = llada2_quantized_model(config, device="cuda")
     moe = quantized.model.layers[1].mlp
-    assert moe.use_fp8_grouped(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16))
-    reference = llada2_dequantized_copy(quantized, config, device="cuda")
+    with torch.no_grad():
+        assert moe.use_fused(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16))
+    assert quantized._diffusion_step_capturable()
+    reference = llada2_dequantized_copy(quantized, config, dtype=torch.float32, device="cuda")
     ids = torch.randint(2, 59, (2, 40), device="cuda")
     with torch.no_grad():
         fused = quantized(ids, block_length=8).logits.float()
@@ -564,9 +566,10 @@ def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
             unfused = quantized(ids, block_length=8).logits.float()
         finally:
             set_kernel_mode("auto")
-        expected = reference(ids, block_length=8).logits.float()
-    assert (fused - expected).abs().max() < 0.05 * expected.abs().max()
-    assert (unfused - expected).abs().max() < 0.05 * expected.abs().max()
+        expected = reference(ids, block_length=8).logits
+    fused_error = ((fused - expected).norm() / expected.norm()).item()
+    unfused_error = ((unfused - expected).norm() / expected.norm()).item()
+    assert fused_error <= 2 * unfused_error + 1e-3, (fused_error, unfused_error)
     prompts = torch.randint(2, 59, (3, 21), device="cuda")
     kwargs = dict(max_new_tokens=32, block_length=8, steps=32, eos_early_stop=False)
     graphed = quantized.generate(prompts, **kwargs)
