@@ -554,9 +554,9 @@ def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
     config = llada2_config(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3)
     _, quantized = llada2_quantized_model(config, device="cuda")
     moe = quantized.model.layers[1].mlp
-    with torch.no_grad():
+    with torch.no_grad():  # as generate() asks (FP8 parameters require grad after loading)
         assert moe.use_fused(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16))
-    assert quantized._diffusion_step_capturable()
+        assert quantized._diffusion_step_capturable()
     reference = llada2_dequantized_copy(quantized, config, dtype=torch.float32, device="cuda")
     ids = torch.randint(2, 59, (2, 40), device="cuda")
     with torch.no_grad():
