@@ -371,8 +371,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 torch.cuda.empty_cache()
                 continue
+            with torch.no_grad():
+                graphs = gpu and tested._diffusion_step_capturable()
             row = dict(
                 quantization=quantization,
+                cuda_graphs=graphs,
                 batch=batch,
                 tokens_per_step=per_step,
                 nfe=out.nfe,

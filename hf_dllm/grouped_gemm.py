@@ -40,12 +40,14 @@ from .triton_ops import (
 def grouped_configs() -> list:
     # SWAP multiplies the weight tile by the transposed rows (the weight's rows as the MMA's M dimension), which
     # streamed FP8 weights faster at few rows in the dense weight-only kernel (`fp8.weight_only_configs`).
+    # BLOCK_N 32: more programs where few experts hold rows (a batch-1 block step of LLaDA2.0-mini selects ~28 of
+    # 256 per layer: ~28 row tiles, 16 column tiles each of gate/up's 512 outputs at BLOCK_N 32).
     # Every config fits an H100's shared memory for FP8 gate/up (each stage holds a row tile in bf16 and two weight
     # tiles in FP8: 4 stages of 128 x 128 tiles would not); with bf16 weights the autotuner skips those that do not.
     return [
         triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "SWAP": swap}, num_warps=warps, num_stages=stages)
         for block_m in (16, 32, 64, 128)
-        for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
+        for block_n, warps, stages in ((32, 4, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
         if block_m * block_n * stages < 128 * 128 * 4
         for swap in ((False, True) if block_m <= 32 else (False,))
     ]

@@ -368,13 +368,13 @@ class LLaDA2MoeAttention(nn.Module):
             first_heads=(q_start, kv_start),
         )
         implementation = self.config._attn_implementation
-        if implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask):
+        if implementation == TRITON_ATTENTION and self._block_attention_applies(hidden_states, attention_mask):
             # hf_dllm's split-KV kernel (`triton_attention.py`), each query row with its own mask row; it writes
             # `(B, L, Hq, D)`, the layout the output projection reads.
             mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
             attn = block_attention(query, keys, values, mask, self.scaling)
             return linear(self.dense, attn.reshape(batch, q_len, -1))
-        if grouped_query_mask is None and self.grouped_query_sdpa_applies(batch, attention_mask):
+        if grouped_query_mask is None and self.grouped_query_sdpa_applies(hidden_states, attention_mask):
             grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
         if grouped_query_mask is not None:
             n_rep = self.num_key_value_groups
@@ -392,26 +392,28 @@ class LLaDA2MoeAttention(nn.Module):
             attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
         return linear(self.dense, attn.reshape(batch, q_len, -1))
 
-    def _block_attention_applies(self, batch: int, attention_mask) -> bool:
-        """Whether the `llada_triton` backend runs its split-KV kernel here: a boolean 4D mask (or none), a head
-        size the kernel takes, and at most `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per
-        multiprocessor (sdpa on grouped queries is faster beyond: measured by `benchmarks/bench_llada2_kernels.py`)."""
+    def _block_attention_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
+        """Whether the `llada_triton` backend runs its split-KV kernel for these activations `(batch, q_len,
+        hidden)`: a boolean 4D mask (or none), a head size and an activation dtype the kernel takes (the weights'
+        may be FP8), and at most `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per multiprocessor (sdpa on
+        grouped queries is faster beyond: measured by `benchmarks/bench_llada2_kernels.py`)."""
         mask_ok = attention_mask is None or _is_boolean_4d(attention_mask)
-        weight = self.query_key_value.weight
+        batch, device = hidden_states.shape[0], hidden_states.device
         return (
             mask_ok
             and self.head_dim >= 16
-            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and (not weight.is_cuda or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(weight.device))
+            and hidden_states.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and (device.type != "cuda" or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(device))
         )
 
-    def grouped_query_sdpa_applies(self, batch: int, attention_mask) -> bool:
-        """Whether the fused path runs sdpa on grouped queries (`grouped_query_mask_for`): sdpa, or llada_triton where
-        its split-KV kernel does not run (`_block_attention_applies`), with a boolean 4D mask."""
+    def grouped_query_sdpa_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
+        """Whether the fused path runs sdpa on grouped queries (`grouped_query_mask_for`) for these activations:
+        sdpa, or llada_triton where its split-KV kernel does not run (`_block_attention_applies`), with a boolean
+        4D mask."""
         implementation = self.config._attn_implementation
         if implementation not in ("sdpa", TRITON_ATTENTION) or not _is_boolean_4d(attention_mask):
             return False
-        return not (implementation == TRITON_ATTENTION and self._block_attention_applies(batch, attention_mask))
+        return not (implementation == TRITON_ATTENTION and self._block_attention_applies(hidden_states, attention_mask))
 
 
 def attention_function(implementation: str, attention_mask) -> Callable:
@@ -637,7 +639,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         all_router_logits = () if output_router_logits else None
         attention = self.layers[0].attention
         if attention.uses_fused_path(inputs_embeds, past_key_values) and attention.grouped_query_sdpa_applies(
-            inputs_embeds.shape[0], attention_mask
+            inputs_embeds, attention_mask
         ):
             # Made once here, not in each layer.
             kwargs["grouped_query_mask"] = grouped_query_mask_for(attention_mask, attention.num_key_value_groups)

@@ -556,7 +556,10 @@ def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
     moe = quantized.model.layers[1].mlp
     with torch.no_grad():  # as generate() asks (FP8 parameters require grad after loading)
         assert moe.use_fused(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16))
-        assert quantized._diffusion_step_capturable()
+        embedding = quantized.model.word_embeddings.weight
+        probe = embedding.new_empty(0, 128)
+        diagnosis = (embedding.dtype, embedding.device, probe.requires_grad, moe.use_grouped_kernel(probe))
+        assert quantized._diffusion_step_capturable(), diagnosis
     reference = llada2_dequantized_copy(quantized, config, dtype=torch.float32, device="cuda")
     ids = torch.randint(2, 59, (2, 40), device="cuda")
     with torch.no_grad():
