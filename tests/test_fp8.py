@@ -548,31 +548,43 @@ def test_every_grouped_config_within_twice_torch_fp8_reference(tokens):
 
 @pytest.mark.gpu
 def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
-    """A bf16 LLaDA2 with FP8 experts on the GPU: the fused path (the grouped FP8 kernel) errs against a float32
-    copy holding the dequantized weights within twice the PyTorch path's error (each expert's layers, dequantized
-    to bf16; routing near-ties flip experts in both); generate()'s CUDA graphs give the eager path's tokens."""
+    """A bf16 LLaDA2 with FP8 experts on the GPU, against a float32 copy holding the dequantized weights: the fused
+    MoE layer (the grouped FP8 kernel) errs within twice the PyTorch path's error (each expert's layers, dequantized
+    to bf16; same input, so the same experts); the whole model too, at 64 rows (the weight-only products of a block
+    step: more rows also quantize the activations); generate()'s CUDA graphs give the eager path's tokens."""
     config = llada2_config(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=3)
     _, quantized = llada2_quantized_model(config, device="cuda")
     moe = quantized.model.layers[1].mlp
+    reference = llada2_dequantized_copy(quantized, config, dtype=torch.float32, device="cuda")
+
+    def relative_errors(run, *inputs):
+        # (fused error, PyTorch path error) of bf16 `run(quantized, ...)` against float32 `run(reference, ...)` on
+        # the PyTorch path.
+        with torch.no_grad():
+            fused = run(quantized, *inputs).float()
+            set_kernel_mode("torch")
+            try:
+                unfused = run(quantized, *inputs).float()
+                expected = run(reference, *(x.float() if x.is_floating_point() else x for x in inputs)).float()
+            finally:
+                set_kernel_mode("auto")
+        return [((out - expected).norm() / expected.norm()).item() for out in (fused, unfused)]
+
+    def moe_output(model, x):  # the MoE layer alone, as the decoder layer calls it (the fused path adds a residual)
+        block, hidden = model.model.layers[1].mlp, x[None]
+        if block.use_fused(hidden):
+            return block.fused_forward(hidden, torch.zeros_like(hidden))[0]
+        return block(hidden)[0]
+
     with torch.no_grad():  # as generate() asks (FP8 parameters require grad after loading)
         assert moe.use_fused(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16))
-        embedding = quantized.model.word_embeddings.weight
-        probe = embedding.new_empty(0, 128)
-        diagnosis = (embedding.dtype, embedding.device, probe.requires_grad, moe.use_grouped_kernel(probe))
-        assert quantized._diffusion_step_capturable(), diagnosis
-    reference = llada2_dequantized_copy(quantized, config, dtype=torch.float32, device="cuda")
-    ids = torch.randint(2, 59, (2, 40), device="cuda")
-    with torch.no_grad():
-        fused = quantized(ids, block_length=8).logits.float()
-        set_kernel_mode("torch")
-        try:
-            unfused = quantized(ids, block_length=8).logits.float()
-        finally:
-            set_kernel_mode("auto")
-        expected = reference(ids, block_length=8).logits
-    fused_error = ((fused - expected).norm() / expected.norm()).item()
-    unfused_error = ((unfused - expected).norm() / expected.norm()).item()
-    assert fused_error <= 2 * unfused_error + 1e-3, (fused_error, unfused_error)
+        assert quantized._diffusion_step_capturable()
+    x = torch.randn(96, 128, device="cuda", dtype=torch.bfloat16)
+    fused_error, unfused_error = relative_errors(moe_output, x)
+    assert fused_error <= 2 * unfused_error + 1e-3, ("layer", fused_error, unfused_error)
+    ids = torch.randint(2, 59, (2, 32), device="cuda")
+    fused_error, unfused_error = relative_errors(lambda model, ids: model(ids, block_length=8).logits, ids)
+    assert fused_error <= 2 * unfused_error + 1e-3, ("model", fused_error, unfused_error)
     prompts = torch.randint(2, 59, (3, 21), device="cuda")
     kwargs = dict(max_new_tokens=32, block_length=8, steps=32, eos_early_stop=False)
     graphed = quantized.generate(prompts, **kwargs)
