@@ -590,3 +590,22 @@ def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
     graphed = quantized.generate(prompts, **kwargs)
     eager = quantized.generate(prompts, disable_compile=True, **kwargs)
     assert torch.equal(graphed, eager)
+
+
+def test_grouped_matmul_refuses_bad_operands():
+    pytest.importorskip("triton")
+    from hf_dllm import grouped_gemm
+
+    x, offsets = torch.randn(6, 128), torch.tensor([2, 6], dtype=torch.int32)
+    w8, scale = fp8.quantize_blocks(torch.randn(256, 128), BLOCK)
+    w8, scale = w8.view(2, 128, 128), scale.view(2, 1, 1)
+    with pytest.raises(ValueError, match="offsets must have shape"):
+        grouped_gemm.grouped_matmul(x, offsets[:1], w8, scale, BLOCK)
+    with pytest.raises(ValueError, match="x has 64 columns"):
+        grouped_gemm.grouped_matmul(x[:, :64], offsets, w8, scale, BLOCK)
+    with pytest.raises(ValueError, match="given together"):
+        grouped_gemm.grouped_matmul(x, offsets, w8, scale)
+    with pytest.raises(ValueError, match="must have x's dtype"):
+        grouped_gemm.grouped_matmul(x, offsets, w8.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="weight_scale_inv has shape"):
+        grouped_gemm.grouped_matmul(x, offsets, w8, scale, BLOCK, gated=True)  # gated: gate and up scale rows
