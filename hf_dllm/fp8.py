@@ -74,29 +74,31 @@ def is_fp8_linear(layer: nn.Module) -> bool:
 
 
 def dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size, dtype: torch.dtype) -> torch.Tensor:
-    """`weight (N, K)` FP8 times its per-block scales `(ceil(N / bn), ceil(K / bk))` -> `(N, K)` in `dtype`
-    (computed in float32, rounded once)."""
+    """`weight (..., N, K)` FP8 times its per-block scales `(..., ceil(N / bn), ceil(K / bk))` -> `(..., N, K)` in
+    `dtype` (computed in float32, rounded once); leading dims: e.g. stacked experts."""
     block_n, block_k = block_size
-    rows, cols = weight.shape
-    scale = weight_scale_inv.float().repeat_interleave(block_n, 0)[:rows].repeat_interleave(block_k, 1)[:, :cols]
+    rows, cols = weight.shape[-2:]
+    scale = weight_scale_inv.float().repeat_interleave(block_n, -2)[..., :rows, :]
+    scale = scale.repeat_interleave(block_k, -1)[..., :cols]
     return (weight.float() * scale).to(dtype)
 
 
 def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight (N, K)` -> FP8 `(N, K)` and `weight_scale_inv (ceil(N / bn), ceil(K / bk))` float32, with the
-    arithmetic of transformers' `Fp8Quantize` (the op that quantizes at load time): per block, scale = FP8 max /
-    max-abs in float32 (1 for an all-zero block), the weight multiplied by it, its inverse stored. A partial last
-    block is scaled by its own values (transformers leaves such weights unquantized). Used by `hf-dllm export
-    --quantization fp8` (`hub/quantize.py`), tests and benchmarks; models are quantized by transformers."""
+    """`weight (..., N, K)` -> FP8 `(..., N, K)` and `weight_scale_inv (..., ceil(N / bn), ceil(K / bk))` float32
+    (leading dims: e.g. stacked experts, each quantized alone), with the arithmetic of transformers' `Fp8Quantize`
+    (the op that quantizes at load time): per block, scale = FP8 max / max-abs in float32 (1 for an all-zero
+    block), the weight multiplied by it, its inverse stored. A partial last block is scaled by its own values
+    (transformers leaves such weights unquantized). Used by `hf-dllm export --quantization fp8` (`hub/quantize.py`),
+    tests and benchmarks; models are quantized by transformers."""
     block_n, block_k = block_size
-    rows, cols = weight.shape
+    rows, cols = weight.shape[-2:]
     pad_rows, pad_cols = -rows % block_n, -cols % block_k
     padded = nn.functional.pad(weight.to(torch.float32), (0, pad_cols, 0, pad_rows))
-    blocks = padded.unflatten(0, (-1, block_n)).unflatten(-1, (-1, block_k))  # (Nb, bn, Kb, bk)
-    max_abs = blocks.abs().amax(dim=(1, 3))  # (Nb, Kb)
+    blocks = padded.unflatten(-2, (-1, block_n)).unflatten(-1, (-1, block_k))  # (..., Nb, bn, Kb, bk)
+    max_abs = blocks.abs().amax(dim=(-3, -1))  # (..., Nb, Kb)
     scale = torch.where(max_abs > 0, FP8_MAX / max_abs, torch.ones_like(max_abs))
-    quantized = torch.clamp(blocks * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), 1.0 / scale
+    quantized = torch.clamp(blocks * scale[..., :, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous(), 1.0 / scale
 
 
 def fp8_linear(

@@ -184,10 +184,6 @@ if TRITON_AVAILABLE:
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False}
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @on_tensor_device
 def grouped_matmul(
     x: torch.Tensor,
@@ -261,14 +257,14 @@ def grouped_matmul(
         out.stride(0),
         n_out,
         up_scale_rows,
-        _next_power_of_2(pairs),
+        triton.next_power_of_2(pairs),
         GATHER=rows_of is not None,
         GATED=gated,
         HAS_SCALE=has_scale,
         SCALE_N=block_n if has_scale else 1,
         SCALE_K=block_k,
         BLOCK_K=min(block_k, 128),
-        BLOCK_G=max(16, _next_power_of_2(groups)),
+        BLOCK_G=max(16, triton.next_power_of_2(groups)),
         config=config,
     )
     return out

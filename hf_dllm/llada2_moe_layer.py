@@ -271,14 +271,19 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             self._stacked = ExpertStacks(gate_up, down, *_stack_parameters(experts, "weight_scale_inv"), block_size)
         self._stack_check = [(weight, local_tensor(weight).data_ptr()) for weight in self._sampled_weights()]
 
-    def use_grouped_mm(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the routed experts run as grouped GEMMs for this input (see the class docstring)."""
-        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER or _grouped_mm_function() is None:
+    def _grouped_allowed(self) -> bool:
+        """Whether the experts may run grouped over the stacks at all: not asked to run as the loop
+        (`experts_implementation="eager"`), and no autograd graph is needed (the stacks are detached views:
+        training takes the loop, which autograd follows)."""
+        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER:
             return False
-        weight = self.experts[0].gate_proj.weight
-        if torch.is_grad_enabled() and weight.requires_grad:
-            return False  # the stacks are detached views: training takes the loop, which autograd follows
-        weight = local_tensor(weight)  # this rank's slice under tensor parallelism
+        return not (torch.is_grad_enabled() and self.experts[0].gate_proj.weight.requires_grad)
+
+    def use_grouped_mm(self, hidden_states: torch.Tensor) -> bool:
+        """Whether the routed experts run as torch's grouped GEMMs for this input (see the class docstring)."""
+        if not self._grouped_allowed() or _grouped_mm_function() is None:
+            return False
+        weight = local_tensor(self.experts[0].gate_proj.weight)  # this rank's slice under tensor parallelism
         if hidden_states.dtype != weight.dtype:
             return False
         # grouped_mm needs 16-byte aligned row strides of both operands.
@@ -327,14 +332,11 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return out, router_logits
 
     def use_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
-        """Whether the routed experts can run as `grouped_gemm.py`'s products for this input: the fused kernels
-        apply, the experts are not asked to run as the loop (`experts_implementation="eager"`), no autograd graph
-        is needed (the stacks are detached views), and the experts hold weights in the activations' dtype or FP8
-        weights the kernel takes (not sharded: FP8 and tensor parallelism are not combined)."""
+        """Whether the routed experts can run as `grouped_gemm.py`'s products for this input: grouped runs are
+        allowed (`_grouped_allowed`), the fused kernels apply, and the experts hold weights in the activations'
+        dtype or FP8 weights the kernel takes (not sharded: FP8 and tensor parallelism are not combined)."""
         layer = self.experts[0].gate_proj
-        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER:
-            return False
-        if not use_fused_kernels(hidden_states) or (torch.is_grad_enabled() and layer.weight.requires_grad):
+        if not self._grouped_allowed() or not use_fused_kernels(hidden_states):
             return False
         if is_fp8_linear(layer):
             return fp8_kernel_supports(layer.weight, layer.block_size) and not is_sharded(layer.weight)

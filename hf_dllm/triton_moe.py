@@ -343,10 +343,6 @@ if TRITON_AVAILABLE:
         tl.store(cache_v_ptr + dst, v, mask=is_k[:, None])
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @on_tensor_device
 def route(
     logits: torch.Tensor,
@@ -388,9 +384,9 @@ def route(
         TOPK_GROUP=topk_group,
         TOP_K=top_k,
         NORMALIZE=normalize and top_k > 1,
-        BLOCK_G=_next_power_of_2(n_group),
-        BLOCK_S=_next_power_of_2(group_size),
-        BLOCK_K=_next_power_of_2(top_k),
+        BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_S=triton.next_power_of_2(group_size),
+        BLOCK_K=triton.next_power_of_2(top_k),
         LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
         num_warps=4,
     )
@@ -442,7 +438,7 @@ def _align_per_expert(
     """`align_by_expert` as one kernel, one program per expert (each reads all pairs twice)."""
     sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
     n_pairs = sorted_token.shape[0]
-    block = min(1024, max(16, _next_power_of_2(n_pairs)))
+    block = min(1024, max(16, triton.next_power_of_2(n_pairs)))
     _align_kernel[(offsets.shape[0],)](
         topk_index.contiguous(),
         sorted_token,
@@ -467,7 +463,7 @@ def _align_by_chunks(
     chunk). `scan_rows`: chunks per step of the prefix-sum program."""
     sorted_token, offsets, row, per_token = _align_outputs(topk_index, n_experts, shared_expert)
     n_pairs = sorted_token.shape[0]
-    bins = _next_power_of_2(offsets.shape[0] + 1)  # one bin more than experts, for the pairs past the end
+    bins = triton.next_power_of_2(offsets.shape[0] + 1)  # one bin more than experts, for the pairs past the end
     n_chunks = triton.cdiv(n_pairs, ALIGN_CHUNK)
     topk_index = topk_index.contiguous()
     counts = torch.empty(n_chunks, bins, dtype=torch.int32, device=topk_index.device)
@@ -511,7 +507,7 @@ def combine(
     out = torch.empty(tokens, hidden, dtype=expert_rows.dtype, device=expert_rows.device)
     if tokens == 0:
         return out
-    block = min(2048, _next_power_of_2(hidden))
+    block = min(2048, triton.next_power_of_2(hidden))
     residual = residual.contiguous() if residual is not None else out
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         expert_rows.contiguous(),

@@ -184,13 +184,11 @@ def grouped_errors(tokens, experts, top_k, k_in, n_out, gated, dtype, device="cp
     sorted_token, offsets, _ = triton_moe.align_by_expert(topk, experts, False)
     rows = n_out * 2 if gated else n_out
     weight = torch.randn(experts, rows, k_in, device=device) * 0.02
-    halves = (weight[:, : rows // 2], weight[:, rows // 2 :]) if gated else (weight,)
-    quantized = [[fp8.quantize_blocks(part[e], BLOCK) for part in halves] for e in range(experts)]
-    w8 = torch.stack([torch.cat([q for q, _ in parts]) for parts in quantized])
-    scale = torch.stack([torch.cat([s for _, s in parts]) for parts in quantized])
-    dequantized = torch.stack(
-        [torch.cat([fp8.dequantize(q, s, BLOCK, torch.float32) for q, s in parts]) for parts in quantized]
-    )
+    # Each expert by 128 x 128 blocks; with a width a multiple of 128 the gate's and the up's rows never share a
+    # block, so the scale rows are the gate's then the up's, as the model stacks its experts' scales.
+    assert n_out % BLOCK[0] == 0
+    w8, scale = fp8.quantize_blocks(weight, BLOCK)
+    dequantized = fp8.dequantize(w8, scale, BLOCK, torch.float32)
     source = x[sorted_token] if gated else x[torch.arange(len(sorted_token), device=device) % tokens]
 
     def exact(w):  # per group, float32
@@ -592,13 +590,24 @@ def test_gpu_llada2_fp8_experts_graph_equals_eager_and_torch_path():
     assert torch.equal(graphed, eager)
 
 
+def test_quantize_blocks_of_stacked_weights_quantizes_each_alone():
+    torch.manual_seed(0)
+    weight = torch.randn(3, 200, 300)
+    w8, scale = fp8.quantize_blocks(weight, BLOCK)
+    assert w8.shape == (3, 200, 300) and scale.shape == (3, 2, 3)
+    dequantized = fp8.dequantize(w8, scale, BLOCK, torch.float32)
+    for expert in range(3):
+        alone, alone_scale = fp8.quantize_blocks(weight[expert], BLOCK)
+        assert torch.equal(w8[expert].float(), alone.float()) and torch.equal(scale[expert], alone_scale)
+        assert torch.equal(dequantized[expert], fp8.dequantize(alone, alone_scale, BLOCK, torch.float32))
+
+
 def test_grouped_matmul_refuses_bad_operands():
     pytest.importorskip("triton")
     from hf_dllm import grouped_gemm
 
     x, offsets = torch.randn(6, 128), torch.tensor([2, 6], dtype=torch.int32)
-    w8, scale = fp8.quantize_blocks(torch.randn(256, 128), BLOCK)
-    w8, scale = w8.view(2, 128, 128), scale.view(2, 1, 1)
+    w8, scale = fp8.quantize_blocks(torch.randn(2, 128, 128), BLOCK)
     with pytest.raises(ValueError, match="offsets must have shape"):
         grouped_gemm.grouped_matmul(x, offsets[:1], w8, scale, BLOCK)
     with pytest.raises(ValueError, match="x has 64 columns"):
