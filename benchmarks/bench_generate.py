@@ -65,15 +65,16 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, attn: str
     return model.eval()
 
 
-def quantize_fp8(model: hf_dllm.LLaDAModelLM, device: torch.device, attn: str) -> hf_dllm.LLaDAModelLM:
-    """An FP8 copy of `model` made by transformers' quantizer, the way `from_pretrained` quantizes a checkpoint."""
-    from transformers import FineGrainedFP8Config
+def quantize_fp8(model, device: torch.device, attn: str | None):
+    """An FP8 copy of `model` (LLaDA, LLaDA2.x) made by transformers' quantizer with the config `--quantization fp8`
+    loads with (`fp8_quantization_config`), the way `from_pretrained` quantizes a checkpoint."""
+    from hf_dllm.fp8 import fp8_quantization_config
 
-    quantized = hf_dllm.LLaDAModelLM.from_pretrained(
+    quantized = type(model).from_pretrained(
         None,
         config=model.config,
         state_dict=model.state_dict(),
-        quantization_config=FineGrainedFP8Config(),
+        quantization_config=fp8_quantization_config(model.config.model_type),
         dtype=torch.bfloat16,
         device_map=str(device),
         attn_implementation=attn,

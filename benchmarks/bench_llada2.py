@@ -19,7 +19,7 @@ Also measured:
 `--quantization none,fp8` (issue #13) runs the same settings with the bf16 model and with its FP8 copy, quantized on
 the GPU through transformers' API (`from_pretrained(..., quantization_config=fp8_quantization_config("llada2_moe"))`:
 128x128 weight blocks for attention, the dense layer and every expert's layers; the head stays bf16), and prints the
-FP8 copy's logit error and top-1 agreement against bf16 over one prompt.
+FP8 copy's logit error and top-1 agreement against bf16 over one prompt (`bench_generate.logit_agreement`).
 
 Without a GPU: a small float32 model on the CPU (no reference unless asked).
 
@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_generate import logit_agreement, quantize_fp8  # noqa: E402  (this folder: the script's own)
 
 import hf_dllm  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
@@ -98,35 +100,6 @@ def build_model(
     with torch.device(device):
         model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()
-
-
-def quantize_fp8(model: hf_dllm.LLaDA2MoeModelLM, device: torch.device) -> hf_dllm.LLaDA2MoeModelLM:
-    """An FP8 copy of `model` made by transformers' quantizer, the way `from_pretrained` quantizes a checkpoint."""
-    from hf_dllm.fp8 import fp8_quantization_config
-
-    quantized = hf_dllm.LLaDA2MoeModelLM.from_pretrained(
-        None,
-        config=model.config,
-        state_dict=model.state_dict(),
-        quantization_config=fp8_quantization_config("llada2_moe"),
-        dtype=torch.bfloat16,
-        device_map=device,
-        attn_implementation=model.config._attn_implementation,
-    )
-    return quantized.eval()
-
-
-@torch.no_grad()
-def logit_agreement(model, quantized, prompt_len: int, block: int, device: torch.device) -> dict:
-    """The FP8 copy's float32 logits against bf16's over one random prompt (one forward, block-causal): relative
-    error (norm of the difference over bf16's norm) and the fraction of positions with the same top-1 token."""
-    ids = torch.randint(0, model.config.vocab_size - 512, (1, prompt_len), device=device)
-    ours = model(ids, block_length=block).logits.float()
-    theirs = quantized(ids, block_length=block).logits.float()
-    return dict(
-        relative_error=((theirs - ours).norm() / ours.norm()).item(),
-        top1_agreement=(theirs.argmax(-1) == ours.argmax(-1)).float().mean().item(),
-    )
 
 
 def sync(device: torch.device) -> None:
@@ -331,10 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     models = {"none": model}
     if "fp8" in quantizations:
         started = time.perf_counter()
-        models["fp8"] = quantize_fp8(model, device)
+        models["fp8"] = quantize_fp8(model, device, model.config._attn_implementation)
         summary["fp8_quantize_s"] = round(time.perf_counter() - started, 1)
         summary["fp8_weights_gb"] = sum(p.numel() * p.element_size() for p in models["fp8"].parameters()) / 1e9
-        summary["fp8_vs_bf16_logits"] = logit_agreement(model, models["fp8"], prompt_len, block, device)
+        with torch.no_grad():  # over one random prompt, one forward (block-causal)
+            probe = torch.randint(0, shape["vocab_size"] - 512, (1, prompt_len), device=device)
+            summary["fp8_vs_bf16_logits"] = logit_agreement(
+                model(probe, block_length=block).logits, models["fp8"](probe, block_length=block).logits
+            )
         print(json.dumps({key: summary[key] for key in ("fp8_weights_gb", "fp8_vs_bf16_logits")}), flush=True)
         if "none" not in quantizations:
             models.pop("none")

@@ -42,16 +42,6 @@ def copy_bandwidth(gib: int = 1) -> float:
     return 2 * gib * 2**30 / (graph_us(lambda: target.copy_(source), calls=5) / 1e6)
 
 
-def quantized_stack(weight: torch.Tensor, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(E, N, K)` bf16 -> FP8 `(E, N, K)` and scales, each of `halves` row halves scaled apart (gate, up)."""
-    parts = weight.chunk(halves, dim=1)
-    quantized = [[fp8.quantize_blocks(part[e], BLOCK) for part in parts] for e in range(weight.shape[0])]
-    return (
-        torch.stack([torch.cat([q for q, _ in expert]) for expert in quantized]),
-        torch.stack([torch.cat([s for _, s in expert]) for expert in quantized]),
-    )
-
-
 def shape_row(tokens: int, bandwidth: float, sweep: bool) -> dict:
     groups = EXPERTS + 1
     topk = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
@@ -60,8 +50,9 @@ def shape_row(tokens: int, bandwidth: float, sweep: bool) -> dict:
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     gate_up = (torch.randn(groups, 2 * INTER, HIDDEN, device="cuda") * 0.02).to(torch.bfloat16)
     down = (torch.randn(groups, HIDDEN, INTER, device="cuda") * 0.02).to(torch.bfloat16)
-    gate_up8, gate_up_scale = quantized_stack(gate_up, 2)
-    down8, down_scale = quantized_stack(down, 1)
+    # Widths are multiples of 128: gate/up's scale rows are the gate's then the up's, as the model stacks them.
+    gate_up8, gate_up_scale = fp8.quantize_blocks(gate_up, BLOCK)
+    down8, down_scale = fp8.quantize_blocks(down, BLOCK)
     pairs = sorted_token.shape[0]
     hidden_rows = torch.randn(pairs, INTER, device="cuda", dtype=torch.bfloat16)
 
