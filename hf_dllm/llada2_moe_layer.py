@@ -62,6 +62,10 @@ def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, sil
     return act_fn(gate) * up
 
 
+# `torch.mm(a, b, out_dtype=torch.float32)` for bfloat16 / float16 operands on CUDA (torch >= 2.9).
+_MM_OUT_DTYPE = is_torch_greater_or_equal("2.9", accept_dev=True)
+
+
 class LLaDA2MoeGate(nn.Module):
     """The router: `weight` `(num_experts, hidden)` and, with `moe_router_enable_expert_bias`, the buffer
     `expert_bias` `(num_experts,)` (updated by load balancing in training, never by gradients)."""
@@ -95,9 +99,26 @@ class LLaDA2MoeGate(nn.Module):
             scores = scores.masked_fill(~expert_mask, float("-inf"))
         return scores.topk(self.top_k, dim=-1).indices
 
+    def takes_input_dtype(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `router_logits` multiplies inputs of `dtype` as they are: a float32 router whose weight has that
+        half-precision dtype, on CUDA. The float32 logits then come from one tensor-core product with float32
+        output and accumulation (`torch.mm(..., out_dtype=torch.float32)`): a product of two bfloat16 (or float16)
+        values is exact in float32, so these are the reference's float32 logits up to the order of the sums, with
+        no float32 copy of either operand (on an H100 at LLaDA2.0-mini's batch-32 block step the float32 product
+        took 31 us a layer plus the weight's cast)."""
+        return (
+            self.router_dtype == torch.float32
+            and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16)
+            and self.weight.dtype == dtype
+            and _MM_OUT_DTYPE
+        )
+
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype (`hidden_states` already in it, as the
-        fused path's norm writes them, costs no cast)."""
+        fused path's norm writes them, costs no cast; see `takes_input_dtype` for half-precision inputs)."""
+        if self.takes_input_dtype(hidden_states.dtype, hidden_states.device):
+            return torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
         return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
 
     def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -63,6 +63,27 @@ def test_router_kernel_chooses_the_gates_experts(score_function):
     assert torch.allclose(weight[same], ref_weight[same], rtol=1e-5, atol=1e-6)
 
 
+def test_half_precision_router_gives_the_float32_logits():
+    """A bfloat16 gate weight and bfloat16 inputs (a bfloat16 model) are multiplied on the tensor cores with float32
+    output: the float32 product of the widened operands up to the order of the sums, and the same experts for all
+    but near-tied tokens; the norm then writes no float32 copy for it."""
+    torch.manual_seed(0)
+    gate = LLaDA2MoeGate(tiny_config(hidden_size=2048)).cuda()
+    gate.weight.data.normal_(0, 0.02)
+    gate.expert_bias.normal_(0, 0.01)
+    gate.to(torch.bfloat16)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    assert gate.takes_input_dtype(torch.bfloat16, x.device)
+    assert not gate.takes_input_dtype(torch.float32, x.device)
+    float_logits = torch.nn.functional.linear(x.float(), gate.weight.float())
+    index, _, logits = gate.fused_forward(x)
+    assert logits.dtype == torch.float32
+    assert (logits - float_logits).abs().max() <= 1e-5 * float_logits.abs().max()
+    ref_index, _, _ = gate(x.float())  # the float32 product the weight's float32 copy gives (PyTorch path)
+    same = (index == ref_index).all(-1)
+    assert same.float().mean() > 0.999, f"{(~same).sum()} of 4096 tokens chose differently"
+
+
 @pytest.mark.parametrize("tokens", [1, 100, 1024, 16384])
 def test_both_alignments_agree(tokens):
     torch.manual_seed(tokens)
