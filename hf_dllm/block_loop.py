@@ -21,6 +21,13 @@ from .generation_config import DiffusionGenerationConfig
 from .graphs import MAX_GRAPHS, StepGraphs
 from .tensor_parallel import agree_across_ranks
 
+# Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
+# (`UnmaskingPolicy.masked_bound`), rounded up to `CANDIDATE_GRANULARITY` positions per row so that few step shapes
+# are captured. Below it the LM head reads its weight once whatever its rows: on an H100 at LLaDA2.0-mini's shape
+# the head was 0.92 ms of a 17.7 ms batch-32 block step (1,024 positions, compute-bound) and ~0.23 ms at batch 1.
+MIN_CANDIDATE_POSITIONS = 256
+CANDIDATE_GRANULARITY = 8
+
 
 class BlockEvent:
     """One committed block of a run: what `BlockDiffusionRun` yields (iterate `model.generate_blocks(...)`) once
@@ -232,6 +239,7 @@ class BlockDiffusionRun:
         self.cfg = config.cfg_scale > 0
         self.forward_kwargs = {"block_length": config.block_length} if self.block_causal else {}
         self.attention_masks: dict[tuple[int, int, int], object] = {}
+        self._slot_tensors: dict[int, torch.Tensor] = {}  # `_logit_slots`' aranges, made once per size
 
         eos = config.eos_token_ids
         self.eos_ids = torch.tensor(eos, device=device) if eos else None
@@ -350,15 +358,26 @@ class BlockDiffusionRun:
         active: torch.Tensor | None = None,
         generated: torch.Tensor | None = None,
         attention_mask=None,
+        logit_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One denoising step, a pure tensor function (graph-capturable).
 
         tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
         logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
         are among them (both `(rows, L)` when rows hold their blocks at different columns); scheduled `(rows,)`: the schedule's count; active `(rows,)`: rows still denoising (None: all);
-        generated `(rows, L)`: the block's positions after each prompt (None: all; only editing reads it). Returns the new block, the draft `(rows, L)`
-        and whether each row edited a committed token `(rows,)` (see `decoding.denoise_step`).
+        generated `(rows, L)`: the block's positions after each prompt (None: all; only editing reads it);
+        logit_slots `(U,)` (`arange(U)`, U < L): logits only at each row's first U block positions in masked-first
+        order (its masked positions in order, then the others), where the rule says no active row holds more
+        than U masks (`_logit_slots`); None: at all L. Returns the new block, the draft `(rows, L)` and whether
+        each row edited a committed token `(rows,)` (see `decoding.denoise_step`).
         """
+        block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
+        candidates = None
+        if logit_slots is not None:
+            # A stable sort of "not masked" puts each row's masked positions first, in position order.
+            masked_first = torch.sort((block != self.mask_id).to(torch.uint8), dim=1, stable=True).indices
+            candidates = masked_first.index_select(1, logit_slots)
+            logits_index = logits_index.gather(1, candidates) if logits_index.dim() == 2 else logits_index[candidates]
         model_tokens, model_positions = tokens, position_ids
         if self.cfg:
             # LLaDA App. B.3: the unconditional branch sees the prompt masked (each row's own prompt columns).
@@ -378,8 +397,7 @@ class BlockDiffusionRun:
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
-        block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
-        return self.decide(block, logits, scheduled, generated, active)
+        return self.decide(block, logits, scheduled, generated, active, candidates)
 
     def decide(
         self,
@@ -388,11 +406,14 @@ class BlockDiffusionRun:
         scheduled: torch.Tensor,
         generated: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
+        candidates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)`, the rest as
-        in `step`; returns what `step` returns."""
+        """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U,
+        vocab)` at the positions `candidates` `(rows, U)`), the rest as in `step`; returns what `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
-        return agree_across_ranks(self.model, denoise_step(block, logits, self.rules, scheduled, generated, active))
+        return agree_across_ranks(
+            self.model, denoise_step(block, logits, self.rules, scheduled, generated, active, candidates)
+        )
 
     def run_step(
         self,
@@ -446,13 +467,40 @@ class BlockDiffusionRun:
             active=None if active is None else active[:rows],
             generated=None if generated is None else generated[:rows],
             attention_mask=self._attention_mask(q_end - q_start, kv_len, rows),
+            logit_slots=self._logit_slots(step, rows, block_end - block_start),
         )
         # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None. Where the
         # block lies is not: every column index is an input tensor, so one graph serves every block's step of one
         # shape (in particular the dual/prefix cache's full forward at each block start, captured at the second
         # block and replayed from the third instead of running eagerly once per block).
         mask_fed = inputs["attention_mask"] is not None
-        return inputs, (rows, q_end - q_start, block_end - block_start, kv_len, mask_fed)
+        slots = None if inputs["logit_slots"] is None else inputs["logit_slots"].shape[0]
+        return inputs, (rows, q_end - q_start, block_end - block_start, kv_len, mask_fed, slots)
+
+    def _logit_slots(self, step: int, rows: int, length: int) -> torch.Tensor | None:
+        """`arange(U)` on the device when step `step` of a block of `length` positions needs logits at only U < L
+        positions of each row (see `step`), else None: the rule bounds the masks an active row can hold
+        (`UnmaskingPolicy.masked_bound`), the step is large enough for the LM head's rows to cost
+        (`MIN_CANDIDATE_POSITIONS`), and nothing else reads the other positions' logits (greedy low-confidence
+        proposals without guidance; a streamer's drafts show every position's candidate)."""
+        if (
+            rows * length < MIN_CANDIDATE_POSITIONS
+            or self.cfg
+            or self.config.temperature > 0
+            or self.config.remasking != "low_confidence"
+            or (self.streamer is not None and hasattr(self.streamer, "put_draft"))
+        ):
+            return None
+        bound = self.unmasking.masked_bound(step)
+        if bound is None:
+            return None
+        slots = min(length, max(1, -(-bound // CANDIDATE_GRANULARITY) * CANDIDATE_GRANULARITY))
+        if slots >= length:
+            return None
+        cached = self._slot_tensors.get(slots)
+        if cached is None:
+            cached = self._slot_tensors[slots] = torch.arange(slots, device=self.device)
+        return cached
 
     def _generated(self, block_start: int, block_end: int) -> torch.Tensor:
         """`(rows, L)` bool: the block's columns at or after each row's first generated position."""

@@ -187,6 +187,19 @@ class UnmaskingPolicy:
         """Number of forwards the current block takes, when known in advance (no host synchronisation)."""
         return None
 
+    def max_masked(self, step: int) -> int | None:
+        """The most masked positions a row still denoising can hold at `step` of the current block (0-based),
+        known on the host from the rule alone, or None. The loop then computes logits only at that many positions
+        of each row, its masked ones first (`masked_bound`). Read only where the class itself defines it (as
+        `capturable`): a subclass may read the whole block's logits (Dream's rules) or edit committed tokens."""
+        return None
+
+    def masked_bound(self, step: int) -> int | None:
+        """`max_masked(step)` where this class defines it, else None."""
+        if "max_masked" not in type(self).__dict__:
+            return None
+        return self.max_masked(step)
+
     def steps_per_row(self) -> torch.Tensor | None:
         """`(rows,)` long (host): the forwards each row needs in this block, when known in advance."""
         steps = self.steps_for_block()
@@ -213,6 +226,13 @@ def schedule_counts(block_length: int, num_steps: torch.Tensor, step: int) -> to
     return base + (step < extra).long()
 
 
+def scheduled_before(block_length: int, num_steps: torch.Tensor, step: int) -> int:
+    """The fewest positions `schedule_counts` has committed in every row before `step` (host arithmetic over the
+    `(rows,)` or scalar `num_steps`): `step * base + min(step, extra)`."""
+    base, extra = block_length // num_steps, block_length % num_steps
+    return int((step * base + extra.clamp(max=step)).min())
+
+
 class FixedSchedule(UnmaskingPolicy):
     """LLaDA's linear schedule: a block of L masks over s steps commits `L // s` tokens per step, plus one for
     the first `L % s` steps (LLaDA Sec. 2.4, `get_num_transfer_tokens`). Steps beyond L commit nothing and are
@@ -236,6 +256,10 @@ class FixedSchedule(UnmaskingPolicy):
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return scheduled
 
+    def max_masked(self, step: int) -> int:
+        # Each step commits its scheduled count (or every mask left).
+        return max(0, self.block_length - scheduled_before(self.block_length, torch.tensor(self.steps), step))
+
     def still_active(self, active, masked_before, masked_after, edited, step):
         return active & (step < self.steps_for_block())
 
@@ -254,6 +278,9 @@ class ConfidenceThreshold(UnmaskingPolicy):
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         return (sorted_confidence >= self.threshold).sum(-1).clamp(min=1)
+
+    def max_masked(self, step: int) -> int:
+        return max(0, self.block_length - step)  # at least one commit per step
 
     def still_active(self, active, masked_before, masked_after, edited, step):
         return active & masked_after
@@ -276,6 +303,9 @@ class ConfidenceFactor(UnmaskingPolicy):
         n = torch.arange(1, sorted_confidence.shape[-1] + 1, device=sorted_confidence.device)
         passes = (n + 1) * (1.0 - sorted_confidence.double()) < self.factor
         return (passes * n).amax(-1).clamp(min=1)
+
+    def max_masked(self, step: int) -> int:
+        return max(0, self.block_length - step)  # at least one commit per step
 
     def still_active(self, active, masked_before, masked_after, edited, step):
         return active & masked_after
@@ -324,6 +354,10 @@ class ScheduledThreshold(UnmaskingPolicy):
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         return schedule_counts(self.block_length, self.steps_on(device), step)
+
+    def max_masked(self, step: int) -> int:
+        # Each step commits at least its quota (or every mask left).
+        return max(0, self.block_length - scheduled_before(self.block_length, self.num_steps, step))
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         if self.threshold is None:
@@ -444,15 +478,20 @@ def denoise_step(
     scheduled: torch.Tensor,
     generated: torch.Tensor | None = None,
     active: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One denoising step on a block, a pure tensor function (graph-capturable).
 
     Args:
         block: `(rows, L)` tokens of the block before the step.
-        logits: `(rows, L, vocab)` logits of the block's positions.
+        logits: `(rows, L, vocab)` logits of the block's positions, or `(rows, U, vocab)` of the positions
+            `candidates`.
         scheduled: `(rows,)` the schedule's count for this step (see `UnmaskingPolicy.num_to_commit`).
         generated: `(rows, L)` bool, positions after the prompt (only they may be edited); default all.
         active: `(rows,)` bool, rows still denoising this block; the others are returned unchanged.
+        candidates: `(rows, U)` distinct block positions holding every masked position of each active row (the
+            policy's `masked_bound`), or None (logits at every position). Elsewhere the proposal is the block's
+            own token with probability 0: no policy that reads it there (editing, the block's logits) gets them.
 
     Returns the new block, a draft `(rows, L)` in which still-masked positions show their current candidate (for
     streamers' `put_draft`), and `(rows,)` bool: whether the step edited a committed token.
@@ -467,6 +506,12 @@ def denoise_step(
         rules.deferred_token_ids,
         rules.mask_token_id,
     )
+    if candidates is not None:
+        x0 = block.scatter(1, candidates, x0)
+        probability = torch.zeros(block.shape, dtype=probability.dtype, device=block.device).scatter(
+            1, candidates, probability
+        )
+        logits = None
     proposal = BlockProposal(
         block=block,
         masked=masked,
