@@ -9,7 +9,8 @@ CUDA graph:
 - bf16 weights, `torch._grouped_mm` as the fused path calls it: the gather of the rows, gate/up, the SiLU gate
   (`triton_ops.silu_mul`), down;
 - bf16 weights, hf_dllm's `grouped_gemm.grouped_matmul` (the gather and the SiLU gate fused in);
-- FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and every config (a sweep);
+- FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and (`--sweep fp8,bf16`)
+  every config in FP8 and in bf16;
 
 against each product's weight-read floor (bytes of the groups that received rows, bf16 or FP8 plus scales, over the
 measured copy bandwidth). Prints a table and ends with one JSON line.
@@ -42,7 +43,7 @@ def copy_bandwidth(gib: int = 1) -> float:
     return 2 * gib * 2**30 / (graph_us(lambda: target.copy_(source), calls=5) / 1e6)
 
 
-def shape_row(tokens: int, bandwidth: float, sweep: bool) -> dict:
+def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
     groups = EXPERTS + 1
     topk = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
     sorted_token, offsets, _ = triton_moe.align_by_expert(topk, EXPERTS, True)
@@ -84,17 +85,24 @@ def shape_row(tokens: int, bandwidth: float, sweep: bool) -> dict:
             out = fn()  # autotunes outside the graph
             row[f"{gemm}_{name}_us"] = graph_us(fn, calls=10)
             row[f"{gemm}_{name}_rel_err"] = ((out.float() - reference).norm() / reference.norm()).item()
-        if sweep:
+        for dtype in sweep:
+            # The FP8 weights and scales, or the bf16 weights without.
+            weights = {
+                ("gate_up", "fp8"): (gate_up8, gate_up_scale, BLOCK),
+                ("down", "fp8"): (down8, down_scale, BLOCK),
+                ("gate_up", "bf16"): (gate_up, None, None),
+                ("down", "bf16"): (down, None, None),
+            }[gemm, dtype]
             for config in grouped_gemm.grouped_configs():
-                name = "fp8_" + "_".join(f"{key}{value}" for key, value in config.kwargs.items())
+                name = f"{dtype}_" + "_".join(f"{key}{value}" for key, value in config.kwargs.items())
                 name += f"_w{config.num_warps}s{config.num_stages}"
                 if gemm == "gate_up":
-                    fn = lambda c=config: grouped_gemm.grouped_matmul(  # noqa: E731
-                        x, offsets, gate_up8, gate_up_scale, BLOCK, rows_of=sorted_token, gated=True, config=c
+                    fn = lambda c=config, w=weights: grouped_gemm.grouped_matmul(  # noqa: E731
+                        x, offsets, *w, rows_of=sorted_token, gated=True, config=c
                     )
                 else:
-                    fn = lambda c=config: grouped_gemm.grouped_matmul(  # noqa: E731
-                        hidden_rows, offsets, down8, down_scale, BLOCK, config=c
+                    fn = lambda c=config, w=weights: grouped_gemm.grouped_matmul(  # noqa: E731
+                        hidden_rows, offsets, *w, config=c
                     )
                 try:
                     fn()
@@ -108,7 +116,13 @@ def shape_row(tokens: int, bandwidth: float, sweep: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="32,1024", help="comma list of tokens per step (32 x batch)")
-    parser.add_argument("--sweep", action="store_true", help="also time every FP8 config")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="fp8",
+        default="",
+        help="also time every config of these weights (fp8, bf16 or fp8,bf16)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -118,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     summary["copy_bandwidth_tb_s"] = bandwidth / 1e12
     print(json.dumps(summary), flush=True)
-    summary["rows"] = [shape_row(int(tokens), bandwidth, args.sweep) for tokens in args.tokens.split(",")]
+    sweep = [dtype for dtype in args.sweep.split(",") if dtype]
+    if set(sweep) - {"fp8", "bf16"}:
+        parser.error(f"--sweep takes fp8 and/or bf16, got {args.sweep!r}")
+    summary["rows"] = [shape_row(int(tokens), bandwidth, sweep) for tokens in args.tokens.split(",")]
     print("\ntokens gemm     floor bf16  grouped_mm  triton bf16  floor fp8  triton fp8  (us)")
     for r in summary["rows"]:
         for gemm in ("gate_up", "down"):
