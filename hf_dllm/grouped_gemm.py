@@ -53,11 +53,33 @@ def grouped_configs() -> list:
     ]
 
 
+def _stage_bytes(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool) -> int:
+    """Shared memory of one pipeline stage: a row tile of x and one (gated: two) weight tiles."""
+    return block_k * (config.kwargs["BLOCK_M"] * x_bytes + (2 if gated else 1) * config.kwargs["BLOCK_N"] * w_bytes)
+
+
 def _prune_grouped(configs, named_args, **kwargs):
     # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
     per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
     allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
-    return [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
+    # A config that surely fits the shared memory (every stage's tiles buffered: an upper bound of what Triton
+    # allocates) is kept too where none of those does (float32 rows and weights need twice bf16's): the autotuner
+    # skips configs that fail to launch, but were all to fail it would launch one of them anyway.
+    x_bytes, w_bytes = named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size()
+
+    def footprint(config) -> int:
+        return config.num_stages * _stage_bytes(config, x_bytes, w_bytes, kwargs["BLOCK_K"], kwargs["GATED"])
+
+    if all(footprint(c) > _shared_memory_bytes(named_args["x_ptr"].device) for c in kept):
+        kept.append(min(configs, key=footprint))
+    return kept
+
+
+def _shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory a program may use on `device` (opt-in maximum; 99 KiB where it cannot be asked)."""
+    properties = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    return getattr(properties, "shared_memory_per_block_optin", 99 * 1024)
 
 
 if TRITON_AVAILABLE:

@@ -104,8 +104,8 @@ def test_graph_memory_does_not_grow_under_changing_layouts():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_causal_graph_engine_equals_eager_engine_and_generate(dtype):
     """LLaDA2 (block-causal: rows' exact K/V kept in the engine's store between blocks, joining rows prefilled in
-    a forward of their own): the CUDA-graph engine gives the eager engine's tokens and forwards; float32 rows (eager:
-    the MoE's grouped GEMM is captured in bfloat16 only) equal `generate()` alone."""
+    a forward of their own): the CUDA-graph engine gives the eager engine's tokens and forwards; float32 rows (the
+    experts through the Triton grouped kernel, captured like bfloat16's) equal `generate()` alone."""
     from test_llada2_integration import tiny_llada2
 
     model = tiny_llada2(seed=4).to("cuda", dtype)
@@ -116,8 +116,7 @@ def test_block_causal_graph_engine_equals_eager_engine_and_generate(dtype):
     graphs, graph_nfe, engine = decode(model, prompts, arrivals, settings)
     with torch.no_grad():  # as the engine asks (grouped expert GEMMs, hence graphs, are off under autograd)
         capturable = model._diffusion_step_capturable()
-    assert capturable == (dtype == torch.bfloat16)
-    if capturable:
-        counts = engine.graph_counts()
-        assert counts["captured"] > 0 and counts["replayed"] > 0, counts
+    assert capturable  # the fused path's grouped kernel takes bfloat16 and float32 rows alike
+    counts = engine.graph_counts()
+    assert counts["captured"] > 0 and counts["replayed"] > 0, counts
     assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype)

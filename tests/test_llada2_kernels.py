@@ -179,3 +179,25 @@ def test_llada2_kernels_in_the_interpreter():
         [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypatch):
+    """Many rows per expert allow only 64- and 128-row tiles, none of which fits an H100's shared memory in float32
+    (gated: a row tile and two weight tiles per stage): the autotuner also gets the config of the smallest
+    footprint, so it never launches a config that cannot run; bfloat16 keeps the allowed tiles alone."""
+    import torch
+
+    from hf_dllm import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "_shared_memory_bytes", lambda device: 232448)  # an H100's opt-in maximum
+
+    configs = grouped_gemm.grouped_configs()
+    for dtype, fallback in ((torch.float32, True), (torch.bfloat16, False)):
+        named = dict(ROWS_BUCKET=4096, n_groups=9, x_ptr=torch.empty(1, dtype=dtype), w_ptr=torch.empty(1, dtype=dtype))
+        kept = grouped_gemm._prune_grouped(configs, named, BLOCK_K=128, GATED=True)
+        small = [c for c in kept if c.kwargs["BLOCK_M"] not in (64, 128)]
+        assert bool(small) == fallback
+        if fallback:
+            (extra,) = small
+            stage = grouped_gemm._stage_bytes(extra, 4, 4, 128, True)
+            assert extra.num_stages * stage <= 232448

@@ -141,3 +141,29 @@ def test_masked_bounds_of_the_rules():
     own = OwnConfidence(0.9)
     own.start_block(8, 1)
     assert own.masked_bound(1) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llada", "llada2"])
+def test_gpu_graphs_with_candidates_equal_full_block_logits(family, monkeypatch, make_tiny_model):
+    """On CUDA with CUDA graphs (the candidate steps are captured per size): a float32 batch of 8 x block 32 (the
+    default threshold, 256 positions) gives the tokens of full-block logits, and bfloat16 graphs those of the same
+    candidate steps run eagerly."""
+    if family == "llada":
+        model = make_tiny_model(seed=0)
+        kwargs = dict(max_new_tokens=64, block_length=32, steps=64)
+    else:
+        from test_llada2_integration import tiny_llada2
+
+        model = tiny_llada2(seed=0)
+        kwargs = dict(max_new_tokens=64, block_length=32, steps=64, eos_early_stop=False)
+    model = model.to("cuda").eval()
+    prompts = torch.randint(5, 90, (8, 40), device="cuda")
+    full, fast = generate_both_ways(model, monkeypatch, prompts, **kwargs)
+    monkeypatch.undo()
+    assert torch.equal(fast[0].sequences, full[0].sequences)
+    assert min(fast[1]) < 32
+    model.to(torch.bfloat16)
+    graphs = model.generate(prompts, **kwargs)
+    eager = model.generate(prompts, **kwargs, disable_compile=True)
+    assert torch.equal(graphs, eager)
