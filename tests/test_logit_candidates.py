@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from hf_dllm import LLaDA2MoeModelLM, block_loop
 from hf_dllm.decoding import ConfidenceFactor, ConfidenceThreshold, FixedSchedule, ScheduledThreshold, TokenEditing
+from hf_dllm.generation_utils import left_pad
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -49,13 +50,7 @@ def generate_both_ways(model, monkeypatch, input_ids, **kwargs):
 
 
 def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = prompt
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
+    return left_pad([prompt.tolist() for prompt in prompts], pad)
 
 
 LLADA_SETTINGS = {
