@@ -277,14 +277,18 @@ class BlockDiffusionRun:
         return not (
             self.device.type != "cuda"
             or config.disable_compile
-            or config.temperature > 0
-            or config.remasking != "low_confidence"
-            or self.cfg
+            or not self._greedy_without_guidance()
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
             or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
             or not self._step_capturable()
             or self.unmasking.graph_key() is None  # a policy that does not say its step is capturable
         )
+
+    def _greedy_without_guidance(self) -> bool:
+        """Greedy low-confidence proposals without classifier-free guidance: no random draw shaped by the block
+        and no doubled rows in a step."""
+        config = self.config
+        return config.temperature == 0 and config.remasking == "low_confidence" and not self.cfg
 
     def _step_capturable(self) -> bool:
         """The model's `_diffusion_step_capturable()`, asked in the mode the steps run in (without autograd): a model
@@ -485,9 +489,7 @@ class BlockDiffusionRun:
         proposals without guidance; a streamer's drafts show every position's candidate)."""
         if (
             rows * length < MIN_CANDIDATE_POSITIONS
-            or self.cfg
-            or self.config.temperature > 0
-            or self.config.remasking != "low_confidence"
+            or not self._greedy_without_guidance()
             or (self.streamer is not None and hasattr(self.streamer, "put_draft"))
         ):
             return None

@@ -227,10 +227,9 @@ def schedule_counts(block_length: int, num_steps: torch.Tensor, step: int) -> to
 
 
 def scheduled_before(block_length: int, num_steps: torch.Tensor, step: int) -> int:
-    """The fewest positions `schedule_counts` has committed in every row before `step` (host arithmetic over the
-    `(rows,)` or scalar `num_steps`): `step * base + min(step, extra)`."""
-    base, extra = block_length // num_steps, block_length % num_steps
-    return int((step * base + extra.clamp(max=step)).min())
+    """The fewest positions `schedule_counts` has committed in any row before `step` (host arithmetic over the
+    distinct step counts of the `(rows,)` or scalar host tensor `num_steps`): `step * base + min(step, extra)`."""
+    return min(step * (block_length // s) + min(step, block_length % s) for s in set(num_steps.flatten().tolist()))
 
 
 class FixedSchedule(UnmaskingPolicy):
@@ -257,8 +256,8 @@ class FixedSchedule(UnmaskingPolicy):
         return scheduled
 
     def max_masked(self, step: int) -> int:
-        # Each step commits its scheduled count (or every mask left).
-        return max(0, self.block_length - scheduled_before(self.block_length, torch.tensor(self.steps), step))
+        # Each step commits at least its scheduled count (or every mask left).
+        return max(0, self.block_length - scheduled_before(self.block_length, self.num_steps, step))
 
     def still_active(self, active, masked_before, masked_after, edited, step):
         return active & (step < self.steps_for_block())
@@ -304,8 +303,7 @@ class ConfidenceFactor(UnmaskingPolicy):
         passes = (n + 1) * (1.0 - sorted_confidence.double()) < self.factor
         return (passes * n).amax(-1).clamp(min=1)
 
-    def max_masked(self, step: int) -> int:
-        return max(0, self.block_length - step)  # at least one commit per step
+    max_masked = ConfidenceThreshold.max_masked  # at least one commit per step, too
 
     def still_active(self, active, masked_before, masked_after, edited, step):
         return active & masked_after
@@ -355,9 +353,7 @@ class ScheduledThreshold(UnmaskingPolicy):
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         return schedule_counts(self.block_length, self.steps_on(device), step)
 
-    def max_masked(self, step: int) -> int:
-        # Each step commits at least its quota (or every mask left).
-        return max(0, self.block_length - scheduled_before(self.block_length, self.num_steps, step))
+    max_masked = FixedSchedule.max_masked  # each step commits at least its quota, too
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         if self.threshold is None:
