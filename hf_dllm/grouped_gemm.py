@@ -71,7 +71,8 @@ def _prune_grouped(configs, named_args, **kwargs):
     def footprint(config) -> int:
         return config.num_stages * _stage_bytes(config, x_bytes, w_bytes, kwargs["BLOCK_K"], kwargs["GATED"])
 
-    if all(footprint(c) > _shared_memory_bytes(named_args["x_ptr"].device) for c in kept):
+    limit = _shared_memory_bytes(named_args["x_ptr"].device)
+    if all(footprint(c) > limit for c in kept):
         kept.append(min(configs, key=footprint))
     return kept
 

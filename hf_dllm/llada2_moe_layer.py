@@ -114,6 +114,11 @@ class LLaDA2MoeGate(nn.Module):
             and _MM_OUT_DTYPE
         )
 
+    def needs_router_dtype_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `router_logits` casts inputs of `dtype` to the router dtype (the fused norm then writes them in
+        it, and the cast costs nothing)."""
+        return dtype != self.router_dtype and not self.takes_input_dtype(dtype, device)
+
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype (`hidden_states` already in it, as the
         fused path's norm writes them, costs no cast; see `takes_input_dtype` for half-precision inputs)."""

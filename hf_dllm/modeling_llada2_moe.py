@@ -430,8 +430,8 @@ def _is_boolean_4d(attention_mask) -> bool:
 
 
 def grouped_query_mask_for(attention_mask: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """The mask `(b, 1, q, T)` for the queries of one key/value head laid out as `n_rep * q` rows (row `r * q + i`
-    is query `i` of the group's head `r`): `(b, 1, n_rep * q, T)`."""
+    """The mask `(b, 1, q, T)` (boolean or additive) for the queries of one key/value head laid out as `n_rep * q`
+    rows (row `r * q + i` is query `i` of the group's head `r`): `(b, 1, n_rep * q, T)`."""
     batch, _, q_len, kv_len = attention_mask.shape
     expanded = attention_mask[:, :, None].expand(batch, 1, n_rep, q_len, kv_len)
     return expanded.reshape(batch, 1, n_rep * q_len, kv_len)
@@ -479,13 +479,9 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
             )
             norm = self.post_attention_layernorm
             fused_moe = isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(attn)
-            # For the fused MoE the norm also writes its output in float32 for a router that multiplies in float32
-            # (float32 logits, as the reference): one cast kernel less per layer (~17 us at batch 32 on an H100).
-            wide = (
-                fused_moe
-                and attn.dtype != torch.float32
-                and not self.mlp.gate.takes_input_dtype(attn.dtype, attn.device)
-            )
+            # For the fused MoE the norm also writes its output in float32 where the router would cast it (float32
+            # logits, as the reference): one cast kernel less per layer (~17 us at batch 32 on an H100).
+            wide = fused_moe and self.mlp.gate.needs_router_dtype_copy(attn.dtype, attn.device)
             normed, hidden_states, *router_input = triton_ops.rms_norm(
                 attn, norm.weight, norm.variance_epsilon, residual=hidden_states, float_copy=wide
             )
@@ -654,8 +650,8 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         ):
             # Made once here, not in each layer, and additive: sdpa would turn a boolean mask into one in every layer
             # (on an H100 at LLaDA2.0-mini's batch-32 block step: ~7 us a layer, and 47.5 against 56.5 us of attention).
-            kwargs["grouped_query_mask"] = additive_mask(
-                grouped_query_mask_for(attention_mask, attention.num_key_value_groups), inputs_embeds.dtype
+            kwargs["grouped_query_mask"] = grouped_query_mask_for(
+                additive_mask(attention_mask, inputs_embeds.dtype), attention.num_key_value_groups
             )
         for layer in self.layers:
             if output_hidden_states:
