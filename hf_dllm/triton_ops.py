@@ -101,6 +101,12 @@ if TRITON_AVAILABLE:
             tl.store(wide_ptr + offsets, normed.to(tl.float32), mask=in_row)
 
     @triton.jit
+    def _rope_halves(x1, x2, cos1, cos2, sin1, sin2):
+        # The two halves of x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), in float32, as
+        # modeling_llada.apply_rotary_pos_emb (the float32 RoPE kernels below; Dream's rounds each product).
+        return x1 * cos1 + (-x2) * sin1, x2 * cos2 + x1 * sin2
+
+    @triton.jit
     def _rotary_kernel(
         q_ptr,
         k_ptr,
@@ -144,9 +150,7 @@ if TRITON_AVAILABLE:
             dst = k_out_ptr + (token * n_k_heads + kh) * (2 * HALF)
         x1 = tl.load(src + offs).to(tl.float32)
         x2 = tl.load(src + HALF + offs).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), as in modeling_llada.apply_rotary_pos_emb.
-        y1 = x1 * cos1 + (-x2) * sin1
-        y2 = x2 * cos2 + x1 * sin2
+        y1, y2 = _rope_halves(x1, x2, cos1, cos2, sin1, sin2)
         tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
         tl.store(dst + HALF + offs, y2.to(q_out_ptr.dtype.element_ty))
 
@@ -205,8 +209,7 @@ if TRITON_AVAILABLE:
             dst = q_out_ptr + (token * n_q_heads + head[:, None]) * (2 * HALF) + offs[None, :]
             x1 = tl.load(src, mask=inside).to(tl.float32)
             x2 = tl.load(src + HALF, mask=inside).to(tl.float32)
-            y1 = x1 * cos1 + (-x2) * sin1
-            y2 = x2 * cos2 + x1 * sin2
+            y1, y2 = _rope_halves(x1, x2, cos1, cos2, sin1, sin2)
             tl.store(dst, y1.to(q_out_ptr.dtype.element_ty), mask=inside)
             tl.store(dst + HALF, y2.to(q_out_ptr.dtype.element_ty), mask=inside)
         column = tl.load(position_ptr + pos).to(tl.int64)
@@ -220,8 +223,7 @@ if TRITON_AVAILABLE:
             src = k_ptr + b * stride_kb + pos * stride_kl + head[:, None] * stride_kh + offs[None, :]
             x1 = tl.load(src, mask=inside).to(tl.float32)
             x2 = tl.load(src + HALF, mask=inside).to(tl.float32)
-            y1 = x1 * cos1 + (-x2) * sin1
-            y2 = x2 * cos2 + x1 * sin2
+            y1, y2 = _rope_halves(x1, x2, cos1, cos2, sin1, sin2)
             tl.store(cache_k_ptr + cache, y1.to(cache_k_ptr.dtype.element_ty), mask=inside)
             tl.store(cache_k_ptr + cache + HALF, y2.to(cache_k_ptr.dtype.element_ty), mask=inside)
 
