@@ -9,8 +9,9 @@ CUDA graph:
 - bf16 weights, `torch._grouped_mm` as the fused path calls it: the gather of the rows, gate/up, the SiLU gate
   (`triton_ops.silu_mul`), down;
 - bf16 weights, hf_dllm's `grouped_gemm.grouped_matmul` (the gather and the SiLU gate fused in);
-- FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and (`--sweep fp8,bf16`)
-  every config in FP8 and in bf16;
+- FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and (`--sweep fp8,bf16`,
+  at the `--sweep-tokens` counts) every config of `grouped_configs("sweep")` that fits the shared memory, in FP8
+  and in bf16, each printed as it is timed;
 
 against each product's weight-read floor (bytes of the groups that received rows, bf16 or FP8 plus scales, over the
 measured copy bandwidth). Prints a table and ends with one JSON line.
@@ -98,7 +99,7 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
             for config in grouped_gemm.grouped_configs("sweep"):
                 name = f"{dtype}_" + "_".join(f"{key}{value}" for key, value in config.kwargs.items())
                 name += f"_w{config.num_warps}s{config.num_stages}"
-                footprint = config.num_stages * grouped_gemm._stage_bytes(config, 2, w_bytes, gemm == "gate_up")
+                footprint = config.num_stages * grouped_gemm._stage_bytes(config, 2, w_bytes, 128, gemm == "gate_up")
                 if footprint > grouped_gemm._shared_memory_bytes(x.device):
                     continue  # cannot launch: not compiled
                 if gemm == "gate_up":

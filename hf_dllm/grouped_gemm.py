@@ -14,21 +14,17 @@ ceil(K / bk))`.
   its epilogue (the rounding points of the unfused path: each product and silu rounded to the output dtype).
 - `grouped_matmul(...)`: `(pairs, K) @ down.T` -> `(pairs, N)`.
 
-A job multiplies `BLOCK_M` rows of one group by `BLOCK_N` of its weight's rows. The jobs are counted on the device
-from the offsets alone (tiles per group, their prefix sum) and the grid is static (one program per job of the most
-tiles any routing can make, `ceil(pairs / BLOCK_M) + groups`, those past the last job returning at once; or, with
-`PROGRAMS_PER_SM`, a persistent grid whose programs loop over the jobs), so the products have no host
-synchronisation and are CUDA-graph capturable (vLLM's `fused_moe` pads every group to `BLOCK_M` rows in an
-alignment kernel instead). A program runs its jobs as one loop over (job, k tile), so the software pipeline streams
-the weights across jobs: a weight read once per row tile, and at a block step's few rows per expert the product is
-bound by reading the selected experts' weights, which FP8 halves.
+Each program multiplies `BLOCK_M` rows of one group by `BLOCK_N` of its weight's rows. The grid is static (the
+most tiles any routing can make: `ceil(pairs / BLOCK_M) + groups`); a program finds its group and first row from
+the offsets alone (tiles per group, their prefix sum) and programs past the last tile return at once, so the
+products have no host synchronisation and are CUDA-graph capturable (vLLM's `fused_moe` pads every group to
+`BLOCK_M` rows in an alignment kernel instead). A weight read once per row tile: at a block step's few rows per
+expert the product is bound by reading the selected experts' weights, which FP8 halves.
 
 Exported as Hub remote code (LLaDA2.x): Triton is imported inside `try:` (`triton_ops.py`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -42,87 +38,58 @@ from .triton_ops import (
 
 
 def grouped_configs(space: str = "autotune") -> list:
-    """The tiles the autotuner times (`space="autotune"`), or every tile the sweep of
-    `benchmarks/bench_llada2_moe_gemm.py` times (`space="sweep"`)."""
+    """The configs the autotuner times (`space="autotune"`), or those the sweep of
+    `benchmarks/bench_llada2_moe_gemm.py` times (`space="sweep"`: without the 128-row tiles, never chosen at a block
+    step's rows)."""
     if space not in ("autotune", "sweep"):
         raise ValueError(f"space must be 'autotune' or 'sweep', got {space!r}.")
-    if space == "sweep":
-        return [
-            triton.Config(
-                {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SWAP": swap, "PROGRAMS_PER_SM": programs},
-                num_warps=warps,
-                num_stages=stages,
-            )
-            for m in (32, 64)
-            for n, warps in ((64, 4), (128, 4), (128, 8))
-            for k in (64, 128)
-            for stages in (3, 4, 5)
-            for swap in (False, True)
-            for programs in (0, 1, 2)
-            if (stages == 5) == (k == 64) and (warps == 8) == (n == 128 and m == 64)
-        ]
     # SWAP multiplies the weight tile by the transposed rows (the weight's rows as the MMA's M dimension), which
     # streamed FP8 weights faster at few rows in the dense weight-only kernel (`fp8.weight_only_configs`).
     # BLOCK_N 32: more programs where few experts hold rows (a batch-1 block step of LLaDA2.0-mini selects ~28 of
     # 256 per layer: ~28 row tiles, 16 column tiles each of gate/up's 512 outputs at BLOCK_N 32).
     # Every config fits an H100's shared memory for FP8 gate/up (each stage holds a row tile in bf16 and two weight
     # tiles in FP8: 4 stages of 128 x 128 tiles would not); with bf16 weights the autotuner skips those that do not.
-    # Persistent grids (two programs an SM): the sweep's best at a batch-32 step (1,024 tokens), where down's
-    # 4 k tiles (K = 512) leave a program per job too short to keep its pipeline full.
-    per_job = [
+    # N_FASTEST (the grid's order): a row tile's n blocks side by side, the empty tiles last. At a batch-32 step
+    # (1,024 tokens, tiles of 32 or 64 rows) it streamed both products 3-8 % faster (`bench_llada2_moe_gemm.py
+    # --sweep`); 16-row tiles (few rows) keep the tiles side by side.
+    return [
         triton.Config(
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "SWAP": swap, "PROGRAMS_PER_SM": 0},
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "SWAP": swap, "N_FASTEST": n_fastest},
             num_warps=warps,
             num_stages=stages,
         )
-        for block_m in (16, 32, 64, 128)
+        for block_m in ((16, 32, 64) if space == "sweep" else (16, 32, 64, 128))
         for block_n, warps, stages in ((32, 4, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
         if block_m * block_n * stages < 128 * 128 * 4
         for swap in ((False, True) if block_m <= 32 else (False,))
+        for n_fastest in ((False, True) if block_m >= 32 else (False,))
     ]
-    persistent = [
-        triton.Config(
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "SWAP": swap, "PROGRAMS_PER_SM": 2},
-            num_warps=warps,
-            num_stages=3,
-        )
-        for block_m, block_n, swap, warps in (
-            (16, 64, True, 4),
-            (32, 64, True, 4),
-            (32, 128, False, 4),
-            (64, 64, False, 4),
-            (64, 128, False, 8),
-        )
-    ]
-    return per_job + persistent
 
 
-def _stage_bytes(config, x_bytes: int, w_bytes: int, gated: bool) -> int:
+def _stage_bytes(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool) -> int:
     """Shared memory of one pipeline stage: a row tile of x and one (gated: two) weight tiles."""
-    block_m, block_n, block_k = (config.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    return block_k * (block_m * x_bytes + (2 if gated else 1) * block_n * w_bytes)
-
-
-def _within_scale_block(config, scale_k: int):
-    """`config` with its k tile inside one scale block (BLOCK_K <= SCALE_K; both powers of two)."""
-    if config.kwargs["BLOCK_K"] <= scale_k:
-        return config
-    return triton.Config(dict(config.kwargs, BLOCK_K=scale_k), num_warps=config.num_warps, num_stages=config.num_stages)
+    return block_k * (config.kwargs["BLOCK_M"] * x_bytes + (2 if gated else 1) * config.kwargs["BLOCK_N"] * w_bytes)
 
 
 def _prune_grouped(configs, named_args, **kwargs):
-    configs = [_within_scale_block(c, kwargs["SCALE_K"]) for c in configs]
     # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
     per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
     allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
     kept = [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
+    # N_FASTEST puts the row tiles on the grid's second axis: not where there may be more than it takes.
+    kept = [
+        c
+        for c in kept
+        if not c.kwargs["N_FASTEST"]
+        or named_args["ROWS_BUCKET"] // c.kwargs["BLOCK_M"] + named_args["n_groups"] <= MAX_GRID_Y
+    ]
     # A config that surely fits the shared memory (every stage's tiles buffered: an upper bound of what Triton
     # allocates) is kept too where none of those does (float32 rows and weights need twice bf16's): the autotuner
     # skips configs that fail to launch, but were all to fail it would launch one of them anyway.
     x_bytes, w_bytes = named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size()
 
     def footprint(config) -> int:
-        return config.num_stages * _stage_bytes(config, x_bytes, w_bytes, kwargs["GATED"])
+        return config.num_stages * _stage_bytes(config, x_bytes, w_bytes, kwargs["BLOCK_K"], kwargs["GATED"])
 
     limit = _shared_memory_bytes(named_args["x_ptr"].device)
     if all(footprint(c) > limit for c in kept):
@@ -130,11 +97,7 @@ def _prune_grouped(configs, named_args, **kwargs):
     return kept
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The SMs a persistent grid fills (`PROGRAMS_PER_SM` programs each); 2 off CUDA (Triton's interpreter: a
-    persistent config then runs several jobs per program there too)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def _shared_memory_bytes(device: torch.device) -> int:
@@ -179,42 +142,6 @@ if TRITON_AVAILABLE:
                 part = part * scale[None, :]
         return acc + part
 
-    @triton.jit
-    def _job_rows(
-        token_ptr, first_row, end_row, pid_n, N, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
-        # A job's rows (and which are real), the x rows they read (int64), its weight rows (and which are real).
-        rows = first_row + tl.arange(0, BLOCK_M)
-        in_m = rows < end_row
-        if GATHER:
-            source = tl.load(token_ptr + rows, mask=in_m, other=0).to(tl.int64)
-        else:
-            source = rows.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        return rows, in_m, source, offs_n, offs_n < N
-
-    @triton.jit
-    def _store_job(out_ptr, rows, in_m, offs_n, in_n, acc, acc_up, stride_om, GATED: tl.constexpr, SWAP: tl.constexpr):
-        out = acc
-        if GATED:
-            # The unfused path's rounding: both products and silu's output rounded to the output dtype.
-            out_dtype = out_ptr.dtype.element_ty
-            gate = acc.to(out_dtype).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
-            out = silu * acc_up.to(out_dtype).to(tl.float32)
-        if SWAP:
-            out = tl.trans(out)
-        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
-
-    @triton.jit
-    def _tile_count(offsets_ptr, n_groups, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
-        # The row tiles of all groups: sum over groups of ceil(rows / BLOCK_M).
-        g = tl.arange(0, BLOCK_G)
-        ends = tl.load(offsets_ptr + g, mask=g < n_groups, other=0)
-        starts = tl.load(offsets_ptr + g - 1, mask=(g >= 1) & (g < n_groups), other=0)
-        return tl.sum((ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-
     @triton.autotune(
         configs=grouped_configs(),
         key=["ROWS_BUCKET", "N", "K", "GATED", "HAS_SCALE"],
@@ -250,92 +177,59 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SWAP: tl.constexpr,
-        PROGRAMS_PER_SM: tl.constexpr,
+        N_FASTEST: tl.constexpr,
     ):
-        # A job: out[rows, n block] for one row tile of one group. GATED: the up product uses the weight's rows
-        # `up_rows` further on (and scale rows `up_scale_rows` further on).
-        offs_k = tl.arange(0, BLOCK_K)
-        if PROGRAMS_PER_SM == 0:
-            # A program per job: (row tile, n block) on the grid's two axes.
-            group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tl.program_id(0), BLOCK_M, BLOCK_G)
-            if group >= n_groups:
-                return
-            rows, in_m, source, offs_n, in_n = _job_rows(
-                token_ptr, first_row, end_row, tl.program_id(1), N, GATHER, BLOCK_M, BLOCK_N
-            )
-            x_ptrs = x_ptr + source[:, None] * stride_xm + offs_k[None, :]
-            w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-            scale_ptrs = scale_ptr + group.to(tl.int64) * stride_se + (offs_n // SCALE_N) * stride_sn
-            if SWAP:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros_like(acc)
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                in_k = offs_k < K - k * BLOCK_K
-                x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                scale_k = (k * BLOCK_K) // SCALE_K
-                acc = _product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                    acc_up = _product(
-                        x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
-                    )
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            _store_job(out_ptr, rows, in_m, offs_n, in_n, acc, acc_up, stride_om, GATED, SWAP)
+        # Program (tile, n): out[rows, n block] for the tile's rows of one group, the tile on the grid's first axis
+        # (or, N_FASTEST, its second). GATED: the up product uses the weight's rows `up_rows` further on (and scale
+        # rows `up_scale_rows` further on).
+        tile, pid_n = (tl.program_id(1), tl.program_id(0)) if N_FASTEST else (tl.program_id(0), tl.program_id(1))
+        group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
+        if group >= n_groups:
+            return
+        rows = first_row + tl.arange(0, BLOCK_M)
+        in_m = rows < end_row
+        if GATHER:
+            source = tl.load(token_ptr + rows, mask=in_m, other=0)
         else:
-            # A persistent grid: program p runs jobs p, p + programs, ... (the row tile fastest, as on the other
-            # grid) as one loop over (job, k tile), so the software pipeline loads the next job's first tiles during
-            # this job's last ones and its epilogue.
-            tiles = _tile_count(offsets_ptr, n_groups, BLOCK_M, BLOCK_G)
-            k_tiles = tl.cdiv(K, BLOCK_K)
-            pid = tl.program_id(0)
-            programs = tl.num_programs(0)
-            my_jobs = tl.cdiv(tl.maximum(tiles * tl.cdiv(N, BLOCK_N) - pid, 0), programs)
-            # The current job's state, set at its first k tile (these initial values are never read).
-            job = pid - programs
-            ki = k_tiles - 1
-            group = pid * 0
-            rows, in_m, source, offs_n, in_n = _job_rows(token_ptr, 0, 0, 0, N, False, BLOCK_M, BLOCK_N)
-            if SWAP:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros_like(acc)
-            for _ in range(0, my_jobs * k_tiles):
-                ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-                if ki == 0:
-                    job += programs
-                    group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, job % tiles, BLOCK_M, BLOCK_G)
-                    rows, in_m, source, offs_n, in_n = _job_rows(
-                        token_ptr, first_row, end_row, job // tiles, N, GATHER, BLOCK_M, BLOCK_N
-                    )
-                k_first = ki * BLOCK_K
-                in_k = offs_k < K - k_first
-                x = tl.load(
-                    x_ptr + source[:, None] * stride_xm + (k_first + offs_k)[None, :],
-                    mask=in_m[:, None] & in_k[None, :],
-                    other=0.0,
+            source = rows
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_n = offs_n < N
+        x_ptrs = x_ptr + source[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        scale_ptrs = scale_ptr + group.to(tl.int64) * stride_se + (offs_n // SCALE_N) * stride_sn
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros_like(acc)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            in_k = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            scale_k = (k * BLOCK_K) // SCALE_K
+            acc = _product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
+                acc_up = _product(
+                    x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
                 )
-                w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-                w_ptrs += (k_first + offs_k)[None, :]
-                scale_ptrs = scale_ptr + group.to(tl.int64) * stride_se + (offs_n // SCALE_N) * stride_sn
-                scale_ptrs += k_first // SCALE_K
-                w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                acc = _product(x, w, scale_ptrs, in_n, acc, HAS_SCALE, SWAP)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                    acc_up = _product(x, w_up, scale_ptrs + up_scale_rows * stride_sn, in_n, acc_up, HAS_SCALE, SWAP)
-                if ki == k_tiles - 1:
-                    _store_job(out_ptr, rows, in_m, offs_n, in_n, acc, acc_up, stride_om, GATED, SWAP)
-                    acc = tl.zeros_like(acc)
-                    acc_up = tl.zeros_like(acc_up)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if GATED:
+            # The unfused path's rounding: both products and silu's output rounded to the output dtype.
+            out_dtype = out_ptr.dtype.element_ty
+            gate = acc.to(out_dtype).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+            acc = silu * acc_up.to(out_dtype).to(tl.float32)
+        if SWAP:
+            acc = tl.trans(acc)
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
 # The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SWAP": False, "PROGRAMS_PER_SM": 0}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False, "N_FASTEST": False}
 
 
 @on_tensor_device
@@ -387,18 +281,19 @@ def grouped_matmul(
     up_scale_rows = -(-n_out // block_n) if has_scale else 0
 
     def grid(meta):
-        # Jobs: the most row tiles any routing can make, times the n blocks; a persistent config's programs fill
-        # the SMs and loop over the jobs.
+        # Tiles on the first axis (no 65,535 limit; a group's row tiles side by side share its weight tiles in L2),
+        # or on the second with N_FASTEST.
         tiles, n_blocks = triton.cdiv(pairs, meta["BLOCK_M"]) + min(groups, pairs), triton.cdiv(n_out, meta["BLOCK_N"])
-        per_sm = meta["PROGRAMS_PER_SM"]
-        return (min(tiles * n_blocks, per_sm * _multiprocessors(x.device)),) if per_sm else (tiles, n_blocks)
+        if not meta["N_FASTEST"]:
+            return (tiles, n_blocks)
+        if tiles > MAX_GRID_Y:
+            raise ValueError(f"N_FASTEST puts the {tiles} row tiles on the grid's second axis (at most {MAX_GRID_Y}).")
+        return (n_blocks, tiles)
 
-    if config is not None:
-        config = _within_scale_block(config, block_k)
     launch(
         _grouped_kernel,
         grid,
-        _within_scale_block(triton.Config(dict(INTERPRETER_CONFIG)), block_k).kwargs,
+        INTERPRETER_CONFIG,
         x,
         rows_of if rows_of is not None else offsets,
         offsets,
@@ -422,6 +317,7 @@ def grouped_matmul(
         HAS_SCALE=has_scale,
         SCALE_N=block_n if has_scale else 1,
         SCALE_K=block_k,
+        BLOCK_K=min(block_k, 128),
         BLOCK_G=max(16, triton.next_power_of_2(groups)),
         config=config,
     )

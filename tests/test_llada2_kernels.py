@@ -194,10 +194,10 @@ def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypat
     configs = grouped_gemm.grouped_configs()
     for dtype, fallback in ((torch.float32, True), (torch.bfloat16, False)):
         named = dict(ROWS_BUCKET=4096, n_groups=9, x_ptr=torch.empty(1, dtype=dtype), w_ptr=torch.empty(1, dtype=dtype))
-        kept = grouped_gemm._prune_grouped(configs, named, SCALE_K=128, GATED=True)
+        kept = grouped_gemm._prune_grouped(configs, named, BLOCK_K=128, GATED=True)
         small = [c for c in kept if c.kwargs["BLOCK_M"] not in (64, 128)]
         assert bool(small) == fallback
         if fallback:
             (extra,) = small
-            stage = grouped_gemm._stage_bytes(extra, 4, 4, True)
+            stage = grouped_gemm._stage_bytes(extra, 4, 4, 128, True)
             assert extra.num_stages * stage <= 232448
