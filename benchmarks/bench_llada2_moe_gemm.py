@@ -10,8 +10,8 @@ CUDA graph:
   (`triton_ops.silu_mul`), down;
 - bf16 weights, hf_dllm's `grouped_gemm.grouped_matmul` (the gather and the SiLU gate fused in);
 - FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and (`--sweep fp8,bf16`,
-  at the `--sweep-tokens` counts) every config of `grouped_configs("sweep")` that fits the shared memory, in FP8
-  and in bf16, each printed as it is timed;
+  at the `--sweep-tokens` counts) every config of `grouped_configs()` with tiles of up to 64 rows that fits the
+  shared memory, in FP8 and in bf16, each printed as it is timed;
 
 against each product's weight-read floor (bytes of the groups that received rows, bf16 or FP8 plus scales, over the
 measured copy bandwidth). Prints a table and ends with one JSON line.
@@ -45,7 +45,8 @@ def copy_bandwidth(gib: int = 1) -> float:
 
 
 def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
-    """One token count's timings (and, with `sweep`, every config of `grouped_gemm.grouped_configs("sweep")`)."""
+    """One token count's timings (and, with `sweep`, the configs of `grouped_gemm.grouped_configs()` in those
+    dtypes)."""
     groups = EXPERTS + 1
     topk = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
     sorted_token, offsets, _ = triton_moe.align_by_expert(topk, EXPERTS, True)
@@ -96,12 +97,13 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
                 ("down", "bf16"): (down, None, None),
             }[gemm, dtype]
             w_bytes = weights[0].element_size()
-            for config in grouped_gemm.grouped_configs("sweep"):
+            for config in grouped_gemm.grouped_configs():
                 name = f"{dtype}_" + "_".join(f"{key}{value}" for key, value in config.kwargs.items())
                 name += f"_w{config.num_warps}s{config.num_stages}"
-                footprint = config.num_stages * grouped_gemm._stage_bytes(config, 2, w_bytes, 128, gemm == "gate_up")
-                if footprint > grouped_gemm._shared_memory_bytes(x.device):
-                    continue  # cannot launch: not compiled
+                # 128-row tiles are never chosen at a block step's rows; configs that cannot launch are not compiled.
+                fits = grouped_gemm.fits_shared_memory(config, 2, w_bytes, 128, gemm == "gate_up", x.device)
+                if config.kwargs["BLOCK_M"] == 128 or not fits:
+                    continue
                 if gemm == "gate_up":
                     fn = lambda c=config, w=weights: grouped_gemm.grouped_matmul(  # noqa: E731
                         x, offsets, *w, rows_of=sorted_token, gated=True, config=c

@@ -37,12 +37,8 @@ from .triton_ops import (
 )  # None without Triton (CPU-only installs)
 
 
-def grouped_configs(space: str = "autotune") -> list:
-    """The configs the autotuner times (`space="autotune"`), or those the sweep of
-    `benchmarks/bench_llada2_moe_gemm.py` times (`space="sweep"`: without the 128-row tiles, never chosen at a block
-    step's rows)."""
-    if space not in ("autotune", "sweep"):
-        raise ValueError(f"space must be 'autotune' or 'sweep', got {space!r}.")
+def grouped_configs() -> list:
+    """The configs the autotuner times (`benchmarks/bench_llada2_moe_gemm.py --sweep` times each)."""
     # SWAP multiplies the weight tile by the transposed rows (the weight's rows as the MMA's M dimension), which
     # streamed FP8 weights faster at few rows in the dense weight-only kernel (`fp8.weight_only_configs`).
     # BLOCK_N 32: more programs where few experts hold rows (a batch-1 block step of LLaDA2.0-mini selects ~28 of
@@ -58,7 +54,7 @@ def grouped_configs(space: str = "autotune") -> list:
             num_warps=warps,
             num_stages=stages,
         )
-        for block_m in ((16, 32, 64) if space == "sweep" else (16, 32, 64, 128))
+        for block_m in (16, 32, 64, 128)
         for block_n, warps, stages in ((32, 4, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
         if block_m * block_n * stages < 128 * 128 * 4
         for swap in ((False, True) if block_m <= 32 else (False,))
@@ -66,9 +62,16 @@ def grouped_configs(space: str = "autotune") -> list:
     ]
 
 
-def _stage_bytes(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool) -> int:
-    """Shared memory of one pipeline stage: a row tile of x and one (gated: two) weight tiles."""
-    return block_k * (config.kwargs["BLOCK_M"] * x_bytes + (2 if gated else 1) * config.kwargs["BLOCK_N"] * w_bytes)
+def footprint_bytes(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool) -> int:
+    """Shared memory `config` needs at most: every pipeline stage's row tile of x and one (gated: two) weight tiles
+    of `block_k` columns buffered (an upper bound of what Triton allocates)."""
+    stage = block_k * (config.kwargs["BLOCK_M"] * x_bytes + (2 if gated else 1) * config.kwargs["BLOCK_N"] * w_bytes)
+    return config.num_stages * stage
+
+
+def fits_shared_memory(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool, device: torch.device) -> bool:
+    """Whether `config` surely launches on `device` (`footprint_bytes` within its shared memory)."""
+    return footprint_bytes(config, x_bytes, w_bytes, block_k, gated) <= _shared_memory_bytes(device)
 
 
 def _prune_grouped(configs, named_args, **kwargs):
@@ -83,17 +86,12 @@ def _prune_grouped(configs, named_args, **kwargs):
         if not c.kwargs["N_FASTEST"]
         or named_args["ROWS_BUCKET"] // c.kwargs["BLOCK_M"] + named_args["n_groups"] <= MAX_GRID_Y
     ]
-    # A config that surely fits the shared memory (every stage's tiles buffered: an upper bound of what Triton
-    # allocates) is kept too where none of those does (float32 rows and weights need twice bf16's): the autotuner
-    # skips configs that fail to launch, but were all to fail it would launch one of them anyway.
-    x_bytes, w_bytes = named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size()
-
-    def footprint(config) -> int:
-        return config.num_stages * _stage_bytes(config, x_bytes, w_bytes, kwargs["BLOCK_K"], kwargs["GATED"])
-
-    limit = _shared_memory_bytes(named_args["x_ptr"].device)
-    if all(footprint(c) > limit for c in kept):
-        kept.append(min(configs, key=footprint))
+    # A config that surely fits the shared memory is kept too where none of those does (float32 rows and weights
+    # need twice bf16's): the autotuner skips configs that fail to launch, but were all to fail it would launch one
+    # of them anyway.
+    sizes = (named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size(), kwargs["BLOCK_K"], kwargs["GATED"])
+    if not any(fits_shared_memory(c, *sizes, named_args["x_ptr"].device) for c in kept):
+        kept.append(min(configs, key=lambda c: footprint_bytes(c, *sizes)))
     return kept
 
 

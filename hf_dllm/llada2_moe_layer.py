@@ -114,10 +114,13 @@ class LLaDA2MoeGate(nn.Module):
             and _MM_OUT_DTYPE
         )
 
-    def needs_router_dtype_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether `router_logits` casts inputs of `dtype` to the router dtype (the fused norm then writes them in
-        it, and the cast costs nothing)."""
-        return dtype != self.router_dtype and not self.takes_input_dtype(dtype, device)
+    def needs_float32_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `router_logits` would cast inputs of `dtype` to float32: a float32 router that does not take them
+        as they are (`takes_input_dtype`). The fused norm then writes its output in float32 too (`rms_norm`'s
+        `float_copy`), so the cast costs no kernel."""
+        return (
+            self.router_dtype == torch.float32 and dtype != torch.float32 and not self.takes_input_dtype(dtype, device)
+        )
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`(tokens, hidden)` -> `(tokens, num_experts)` in the router dtype (`hidden_states` already in it, as the

@@ -481,7 +481,7 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
             fused_moe = isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) and self.mlp.use_fused(attn)
             # For the fused MoE the norm also writes its output in float32 where the router would cast it (float32
             # logits, as the reference): one cast kernel less per layer (~17 us at batch 32 on an H100).
-            wide = fused_moe and self.mlp.gate.needs_router_dtype_copy(attn.dtype, attn.device)
+            wide = fused_moe and self.mlp.gate.needs_float32_copy(attn.dtype, attn.device)
             normed, hidden_states, *router_input = triton_ops.rms_norm(
                 attn, norm.weight, norm.variance_epsilon, residual=hidden_states, float_copy=wide
             )
