@@ -31,7 +31,7 @@ from bench_fp8_gemm import timed_us  # noqa: E402
 
 from hf_dllm import triton_moe  # noqa: E402
 from hf_dllm.modeling_llada2_moe import grouped_query_mask_for  # noqa: E402
-from hf_dllm.triton_attention import block_attention  # noqa: E402
+from hf_dllm.triton_attention import AttentionTiles, block_attention  # noqa: E402
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -66,6 +66,69 @@ def attention_row(batch: int) -> dict:
     row["split_kv_max_err"] = (split_kv().float() - reference).abs().max().item()
     row["additive_equal"] = bool(torch.equal(sdpa(additive), sdpa()))
     return row
+
+
+# Tile shapes the attention sweep times (`--attention-sweep`): block_m, block_n, warps, stages.
+SWEEP_TILES = [
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 32, 4, 3),
+    (64, 128, 4, 2),
+    (64, 128, 8, 2),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 32, 8, 3),
+    (128, 128, 8, 2),
+]
+
+
+def attention_sweep_rows(batch: int, copies: int = 4) -> list[dict]:
+    """The block step's attention at `batch` (LLaDA2.0-mini's heads, 32 queries at column 512 of a 768-column
+    cache, block-causal mask) for every tile shape of `SWEEP_TILES` x key splits (the default plan, 1, 2), with and
+    without `kv_end` (the tiles past the block skipped), against sdpa on grouped queries as the model runs it.
+    `copies` K/V copies are taken in turn so that the timed calls read them from memory, not from L2."""
+    heads, kv_heads, dim, q_len, kv_len, block, q_start = 16, 4, 128, 32, 768, 32, 512
+    q = torch.randn(batch, heads, q_len, dim, device="cuda", dtype=torch.bfloat16)
+    kv = [
+        (
+            torch.randn(batch, kv_heads, kv_len, dim, device="cuda", dtype=torch.bfloat16),
+            torch.randn(batch, kv_heads, kv_len, dim, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(copies)
+    ]
+    columns = torch.arange(kv_len, device="cuda")
+    positions = torch.arange(q_start, q_start + q_len, device="cuda")
+    mask = (columns[None, :] // block <= positions[:, None] // block).expand(batch, 1, q_len, kv_len).clone()
+    per_query = mask[:, 0].expand(batch, q_len, kv_len)
+    grouped = grouped_query_mask_for(mask, heads // kv_heads)
+    kv_end = torch.full((batch,), q_start + q_len, device="cuda", dtype=torch.int32)
+
+    def sdpa(k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.view(batch, kv_heads, -1, dim), k, v, attn_mask=grouped, scale=dim**-0.5
+        )
+        return out.reshape(batch, heads, q_len, dim).transpose(1, 2).reshape(batch, q_len, -1)
+
+    reference = sdpa(*kv[0]).float()
+    rows = [dict(batch=batch, kernel="sdpa", us=graph_us([functools.partial(sdpa, k, v) for k, v in kv]))]
+    for block_m, block_n, warps, stages in SWEEP_TILES:
+        tiles = AttentionTiles(block_m, block_n, warps, stages)
+        for splits in (None, 1, 2):
+            for end in (None, kv_end):
+
+                def call(k, v, tiles=tiles, splits=splits, end=end):
+                    return block_attention(q, k, v, per_query, dim**-0.5, splits, kv_end=end, tiles=tiles)
+
+                row = dict(batch=batch, kernel="split_kv", tiles=[block_m, block_n, warps, stages], splits=splits)
+                row["kv_end"] = end is not None
+                try:
+                    row["max_err"] = (call(*kv[0]).float().reshape(reference.shape) - reference).abs().max().item()
+                    row["us"] = graph_us([functools.partial(call, k, v) for k, v in kv])
+                except Exception as error:  # a tile shape that does not compile or fit (shared memory)
+                    row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
 def split_k_logits(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -121,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,2,4,8,12,16,20,24,32,48,64")
     parser.add_argument("--tokens", default="32,64,128,256,512,1024,2048,16384")
+    parser.add_argument(
+        "--attention-sweep",
+        default=None,
+        help="batch sizes: time the attention's tile shapes, key splits and kv_end (only this)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -128,6 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(summary), flush=True)
+    if args.attention_sweep:
+        sweep = [row for b in args.attention_sweep.split(",") for row in attention_sweep_rows(int(b))]
+        print("\nattention per layer (us), best per batch:")
+        for batch in sorted({row["batch"] for row in sweep}):
+            timed = [row for row in sweep if row["batch"] == batch and "us" in row]
+            sdpa_us = next(row["us"] for row in timed if row["kernel"] == "sdpa")
+            best = min((row for row in timed if row["kernel"] != "sdpa"), key=lambda row: row["us"])
+            print(f"batch {batch:>3}: sdpa {sdpa_us:.1f}, best kernel {best['us']:.1f} {json.dumps(best)}")
+        summary["attention_sweep"] = sweep
+        print(json.dumps(summary))
+        return 0
     tokens = [int(t) for t in args.tokens.split(",")]
     summary["attention"] = rows_of(attention_row, [int(b) for b in args.batches.split(",")])
     weight = (torch.randn(256, 2048, device="cuda") * 0.02).to(torch.bfloat16)

@@ -71,10 +71,12 @@ from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x i
 
 register_attention_backends()
 
-# `llada_triton` runs its split-KV kernel on a block step while the (row, key/value head) pairs are at most this many
-# per multiprocessor, sdpa on grouped queries beyond (`LLaDA2MoeAttention._block_attention_applies`). Measured on an
-# H100 at LLaDA2.0-mini's shapes (4 key/value heads; `benchmarks/bench_llada2_kernels.py`): the kernel wins up to
-# batch 16 (36.9 against 38.8 us per layer), sdpa from batch 20 (43.6 against 52.2; 56.2 against 70.8 at batch 32).
+# `llada_triton` runs its split-KV kernel on a block step (at most `BLOCK_STEP_QUERY_ROWS` query rows per key/value
+# head) at every batch size: with the tiles of grouped queries and `kv_end` it beats sdpa on grouped queries from
+# batch 1 to 32 on an H100 at LLaDA2.0-mini's shapes (8.6 against 31.6 us per layer at batch 1, 24.7 against 57.0 at
+# batch 32; `triton_attention.GROUPED_QUERY_TILES`). Forwards of more queries (a prefill) take it while the (row,
+# key/value head) pairs are at most `SPLIT_KV_KV_HEADS_PER_SM` per multiprocessor, sdpa beyond.
+BLOCK_STEP_QUERY_ROWS = 128
 SPLIT_KV_KV_HEADS_PER_SM = 0.5
 
 
@@ -278,16 +280,23 @@ class LLaDA2MoeAttention(nn.Module):
         past_key_values: Cache | DiffusionKVCache | None = None,
         cache_position: torch.Tensor | None = None,
         grouped_query_mask: torch.Tensor | None = None,
+        kv_end: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`;
-        grouped_query_mask: `attention_mask` as `grouped_query_mask(attention_mask, n_rep)` gives it (made once per
-        forward by the model) for the fused path."""
+        grouped_query_mask: `attention_mask` as `grouped_query_mask(attention_mask, n_rep)` gives it, and kv_end
+        `(batch,)`: `visible_key_end(attention_mask)` (each made once per forward by the model) for the fused path."""
         batch, q_len, _ = hidden_states.shape
         implementation = self.config._attn_implementation
         if self.uses_fused_path(hidden_states, past_key_values):
             return self._fused_forward(
-                hidden_states, position_embeddings, attention_mask, past_key_values, cache_position, grouped_query_mask
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                past_key_values,
+                cache_position,
+                grouped_query_mask,
+                kv_end,
             )
         qkv = linear(self.query_key_value, hidden_states).view(batch, q_len, -1, self.head_dim)
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
@@ -340,6 +349,7 @@ class LLaDA2MoeAttention(nn.Module):
         past_key_values: DiffusionKVCache,
         cache_position: torch.Tensor,
         grouped_query_mask: torch.Tensor | None,
+        kv_end: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` with a `DiffusionKVCache` where the fused kernels run: q/k norms, partial RoPE and the cache
         write in one kernel (`triton_moe.qk_norm_rope_to_cache`); with sdpa and a boolean mask, grouped-query
@@ -372,7 +382,9 @@ class LLaDA2MoeAttention(nn.Module):
             # hf_dllm's split-KV kernel (`triton_attention.py`), each query row with its own mask row; it writes
             # `(B, L, Hq, D)`, the layout the output projection reads.
             mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
-            attn = block_attention(query, keys, values, mask, self.scaling)
+            if kv_end is None and attention_mask is not None:
+                kv_end = visible_key_end(attention_mask)
+            attn = block_attention(query, keys, values, mask, self.scaling, kv_end=kv_end)
             return linear(self.dense, attn.reshape(batch, q_len, -1))
         if grouped_query_mask is None and self.grouped_query_sdpa_applies(hidden_states, attention_mask):
             grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
@@ -395,15 +407,20 @@ class LLaDA2MoeAttention(nn.Module):
     def _block_attention_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
         """Whether the `llada_triton` backend runs its split-KV kernel for these activations `(batch, q_len,
         hidden)`: a boolean 4D mask (or none), a head size and an activation dtype the kernel takes (the weights'
-        may be FP8), and at most `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per multiprocessor (sdpa on
-        grouped queries is faster beyond: measured by `benchmarks/bench_llada2_kernels.py`)."""
+        may be FP8), and a block step (`BLOCK_STEP_QUERY_ROWS`) or at most `SPLIT_KV_KV_HEADS_PER_SM` (row,
+        key/value head) pairs per multiprocessor (measured by `benchmarks/bench_llada2_kernels.py`)."""
         mask_ok = attention_mask is None or _is_boolean_4d(attention_mask)
-        batch, device = hidden_states.shape[0], hidden_states.device
+        batch, q_len, _ = hidden_states.shape
+        device = hidden_states.device
         return (
             mask_ok
             and self.head_dim >= 16
             and hidden_states.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and (device.type != "cuda" or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(device))
+            and (
+                device.type != "cuda"
+                or self.num_key_value_groups * q_len <= BLOCK_STEP_QUERY_ROWS
+                or batch * self.num_kv_heads <= SPLIT_KV_KV_HEADS_PER_SM * num_sms(device)
+            )
         )
 
     def grouped_query_sdpa_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
@@ -423,6 +440,15 @@ def attention_function(implementation: str, attention_mask) -> Callable:
     if implementation == TRITON_ATTENTION and _has_query_dim(attention_mask):
         return sdpa_attention_forward
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+
+
+def visible_key_end(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`(batch,)` int32: one past the last key column that any query of the row attends to in the boolean mask
+    `(batch, 1, q, T)`. The split-KV kernel never reads the key tiles from there on (a block-causal step's later
+    blocks, whose columns the cache holds but no query of the block sees)."""
+    seen = attention_mask.any(dim=-2)[:, 0]
+    columns = torch.arange(1, seen.shape[-1] + 1, device=seen.device, dtype=torch.int32)
+    return (seen * columns).amax(dim=-1).to(torch.int32)
 
 
 def _is_boolean_4d(attention_mask) -> bool:
@@ -653,6 +679,13 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             kwargs["grouped_query_mask"] = grouped_query_mask_for(
                 additive_mask(attention_mask, inputs_embeds.dtype), attention.num_key_value_groups
             )
+        elif (
+            attention.uses_fused_path(inputs_embeds, past_key_values)
+            and self.config._attn_implementation == TRITON_ATTENTION
+            and _is_boolean_4d(attention_mask)
+            and attention._block_attention_applies(inputs_embeds, attention_mask)
+        ):
+            kwargs["kv_end"] = visible_key_end(attention_mask)  # once here, not in each layer
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,7 @@ if TRITON_AVAILABLE:
         out_ptr,
         part_ptr,
         lse_ptr,
+        kv_end_ptr,
         stride_qb,
         stride_qh,
         stride_qm,
@@ -57,6 +59,7 @@ if TRITON_AVAILABLE:
         scale,
         TILES_PER_SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr,
+        HAS_KV_END: tl.constexpr,
         MASK_PER_QUERY: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -82,14 +85,18 @@ if TRITON_AVAILABLE:
             other=0.0,
         )
 
-        # A chunk is TILES_PER_SPLIT key tiles (a power of two, so few variants get compiled).
+        # A chunk is TILES_PER_SPLIT key tiles (a power of two, so few variants get compiled). Keys from the row's
+        # `kv_end` on are masked for every query (a block-causal step's later blocks): their tiles are never read.
         start = split * (TILES_PER_SPLIT * BLOCK_N)
+        n_tiles = TILES_PER_SPLIT
+        if HAS_KV_END:
+            n_tiles = tl.minimum(n_tiles, tl.maximum(tl.cdiv(tl.load(kv_end_ptr + b) - start, BLOCK_N), 0))
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         k_base = k_ptr + b * stride_kb + kv_head * stride_kh
         v_base = v_ptr + b * stride_vb + kv_head * stride_vh
-        for tile in range(TILES_PER_SPLIT):
+        for tile in range(n_tiles):
             cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
             col_valid = cols < kv_len
             k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
@@ -176,6 +183,35 @@ if TRITON_AVAILABLE:
         )
 
 
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile shape of `_block_attention_kernel`: `block_m` query rows (grouped heads x positions) by `block_n` keys
+    per step, the launch's warps and pipeline stages, and `one_split_from`: from this many (row, key/value head, row
+    tile) programs per multiprocessor on, the keys are not split (None: always as `plan_splits` plans)."""
+
+    block_m: int
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    one_split_from: float | None = None
+
+
+# Grouped-query blocks (more than 32 query rows per key/value head: LLaDA2.0-mini's 4 heads x 32 positions).
+# Measured on an H100 at its block step (`benchmarks/bench_llada2_kernels.py --attention-sweep`; 768 cached keys,
+# 544 visible, `kv_end` given): 8.6 / 17.8 / 19.0 / 24.7 us per layer at batch 1 / 8 / 16 / 32, against 10.8 /
+# 19.5 / 37.9 / 71.7 with the tiles of smaller groups and sdpa's 31.6 / 35.0 / 41.2 / 57.0. Splitting the keys
+# stops paying once the programs fill half the GPU (batch 16: 19.0 us with one split against 27.3 with three).
+GROUPED_QUERY_TILES = AttentionTiles(block_m=64, block_n=32, num_warps=4, num_stages=3, one_split_from=0.5)
+
+
+def default_tiles(rows: int) -> AttentionTiles:
+    """The tile shape for `rows` query rows per key/value head: up to 32 (LLaDA's block of 32, one head per group)
+    the smallest row tile that holds them, beyond `GROUPED_QUERY_TILES`."""
+    if rows <= 32:
+        return AttentionTiles(block_m=16 if rows <= 16 else 32)
+    return GROUPED_QUERY_TILES
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of `device` (asked once: the attention dispatch reads it every layer of every forward)."""
@@ -184,9 +220,20 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-def plan_splits(batch: int, n_kv_heads: int, m_tiles: int, kv_len: int, block_n: int, n_sms: int) -> int:
-    """Number of key chunks: enough programs for ~2 waves of the GPU, each chunk at least two key tiles."""
+def plan_splits(
+    batch: int,
+    n_kv_heads: int,
+    m_tiles: int,
+    kv_len: int,
+    block_n: int,
+    n_sms: int,
+    one_split_from: float | None = None,
+) -> int:
+    """Number of key chunks: enough programs for ~2 waves of the GPU, each chunk at least two key tiles; one chunk
+    from `one_split_from` programs per multiprocessor on (`AttentionTiles`)."""
     programs = batch * n_kv_heads * m_tiles
+    if one_split_from is not None and programs >= one_split_from * n_sms:
+        return 1
     max_splits = max(1, kv_len // (2 * block_n))
     return max(1, min(max_splits, math.ceil(2 * n_sms / programs)))
 
@@ -199,12 +246,16 @@ def block_attention(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     n_splits: int | None = None,
+    kv_end: torch.Tensor | None = None,
+    tiles: AttentionTiles | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention of `q` `(B, Hq, Lq, D)` over `k`, `v` `(B, Hkv, T, D)`.
 
     `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys; a `(B, Lq, T)` mask gives each query
-    position its own keys (LLaDA2's block-causal mask; every query must see at least one key). Returns
-    `(B, Lq, Hq, D)` in q's dtype.
+    position its own keys (LLaDA2's block-causal mask; every query must see at least one key). `kv_end` `(B,)`
+    int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
+    those key tiles are skipped. `tiles`: the tile shape (default `default_tiles`). Returns `(B, Lq, Hq, D)` in q's
+    dtype.
     """
     batch, n_heads, q_len, dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -215,11 +266,12 @@ def block_attention(
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     rows = n_rep * q_len
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64
+    if tiles is None:
+        tiles = default_tiles(rows)
+    block_m, block_n = tiles.block_m, tiles.block_n
     m_tiles = triton.cdiv(rows, block_m)
     if n_splits is None:
-        n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device))
+        n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device), tiles.one_split_from)
     tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))
     n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
 
@@ -235,6 +287,10 @@ def block_attention(
             mask = mask.contiguous()
     else:
         mask = out  # never read
+    if kv_end is not None and (kv_end.dtype != torch.int32 or kv_end.shape != (batch,)):
+        raise ValueError(
+            f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
+        )
     single = n_splits == 1
     if single:
         part = lse = out  # never written
@@ -249,6 +305,7 @@ def block_attention(
         out,
         part,
         lse,
+        out if kv_end is None else kv_end,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -271,14 +328,15 @@ def block_attention(
         scale,
         TILES_PER_SPLIT=tiles_per_split,
         HAS_MASK=key_padding_mask is not None,
+        HAS_KV_END=kv_end is not None,
         MASK_PER_QUERY=per_query,
         SINGLE_SPLIT=single,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HEAD_DIM=dim,
         IEEE=q.dtype == torch.float32,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if not single:
         _combine_splits_kernel[(batch * n_heads * q_len,)](

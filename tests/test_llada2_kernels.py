@@ -116,16 +116,36 @@ SCRIPT = textwrap.dedent(
             raise AssertionError(("bad first_heads accepted", bad))
 
     # The split-KV attention with a mask per query row (LLaDA2's block-causal mask), against masked softmax.
-    from hf_dllm.triton_attention import block_attention
-    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
-    columns, rows = torch.arange(24), torch.arange(8, 16)
-    mask = (columns[None, :] // 4 <= rows[:, None] // 4).expand(2, 8, 24).clone()
+    from hf_dllm.triton_attention import AttentionTiles, block_attention
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    columns, rows = torch.arange(40), torch.arange(8, 16)
+    mask = (columns[None, :] // 4 <= rows[:, None] // 4).expand(2, 8, 40).clone()
     mask[1, :, :3] = False  # left padding of row 1
-    for splits in (None, 3):
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+
+    def masked_attention(mask):
+        ref = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+        return ref.transpose(1, 2)
+
+    # Key tiles of 16, `kv_end` 16 for row 0 and 20 for row 1 (inside a tile; with 3 splits, inside the second):
+    # the key tiles wholly past it hold NaN, which a kernel reading them would spread to the output (0 * NaN).
+    kv_end = torch.tensor([16, 20], dtype=torch.int32)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for row, first_skipped in ((0, 16), (1, 32)):
+        poisoned_k[row, :, first_skipped:] = poisoned_v[row, :, first_skipped:] = float("nan")
+    small_tiles = AttentionTiles(block_m=16, block_n=16)
+    for splits in (None, 1, 3):
         out = block_attention(q, k, v, mask, n_splits=splits)
-        scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
-        ref = (scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1))
-        assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5), ("per-query mask", splits)
+        assert torch.allclose(out, masked_attention(mask), atol=1e-5), ("per-query mask", splits)
+        out = block_attention(q, poisoned_k, poisoned_v, mask, n_splits=splits, kv_end=kv_end, tiles=small_tiles)
+        assert torch.allclose(out, masked_attention(mask), atol=1e-5), ("kv_end", splits)
+    for bad in (kv_end.long(), kv_end[:1]):
+        try:
+            block_attention(q, k, v, mask, kv_end=bad)
+        except ValueError as error:
+            assert "kv_end" in str(error), error
+        else:
+            raise AssertionError(("bad kv_end accepted", bad.dtype, bad.shape))
 
     # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
     def prefill_and_step(model):

@@ -164,21 +164,31 @@ def test_qk_norm_rope_to_cache_matches_pytorch():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("splits", [None, 4])
-def test_block_attention_with_a_mask_per_query(dtype, splits):
+@pytest.mark.parametrize("batch", [3, 32])  # 32: LLaDA2.0-mini's batch-32 step, where the keys are not split
+@pytest.mark.parametrize("with_kv_end", [False, True])
+def test_block_attention_with_a_mask_per_query(dtype, splits, batch, with_kv_end):
+    """LLaDA2.0-mini's block step (16 / 4 heads of 128, 32 queries at column 512 of 768, block-causal, one row
+    left-padded) through the grouped-query tiles, with and without `kv_end`: within twice the error of PyTorch's
+    attention in the same dtype against float64 (a float32 floor of 1e-5)."""
+    from hf_dllm.modeling_llada2_moe import visible_key_end
     from hf_dllm.triton_attention import block_attention
 
-    torch.manual_seed(0)
-    q = torch.randn(3, 16, 32, 128, device="cuda", dtype=dtype)
-    k, v = torch.randn(2, 3, 4, 768, 128, device="cuda", dtype=dtype).unbind(0)
+    torch.manual_seed(batch)
+    q = torch.randn(batch, 16, 32, 128, device="cuda", dtype=dtype)
+    k, v = torch.randn(2, batch, 4, 768, 128, device="cuda", dtype=dtype).unbind(0)
     columns, rows = torch.arange(768, device="cuda"), torch.arange(512, 544, device="cuda")
-    mask = (columns[None, :] // 32 <= rows[:, None] // 32).expand(3, 32, 768).clone()
+    mask = (columns[None, :] // 32 <= rows[:, None] // 32).expand(batch, 32, 768).clone()
     mask[1, :, :100] = False
-    out = block_attention(q, k, v, mask, n_splits=splits)
+    kv_end = visible_key_end(mask[:, None]) if with_kv_end else None
+    if with_kv_end:
+        assert kv_end.tolist() == [544] * batch
+    out = block_attention(q, k, v, mask, n_splits=splits, kv_end=kv_end)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), attn_mask=mask[:, None], enable_gqa=True
-    )
-    bound = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    assert (out.double() - ref.transpose(1, 2)).abs().max() < bound
+    ).transpose(1, 2)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    torch_error = (torch_out.transpose(1, 2).double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 2 * torch_error + 1e-5
 
 
 def run_block_steps(model, ids, block):
