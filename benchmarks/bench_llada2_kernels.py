@@ -13,6 +13,13 @@ Each candidate is captured in a CUDA graph of 20 calls (as the generation loop r
 replays with CUDA events. Prints tables and ends with one JSON line.
 
     python benchmarks/bench_llada2_kernels.py
+
+`--attention-sweep BATCHES` times only the block step's attention, over the kernel's tile shapes, key splits and
+`kv_end`, against sdpa as the model calls it, at LLaDA2.0-mini's shape or (`--attention-shape llada-8b`) LLaDA-8B's
+(32 heads, bidirectional over the dual cache with a key padding mask): the measurements behind
+`triton_attention.default_tiles` and the backends' dispatch rules.
+
+    python benchmarks/bench_llada2_kernels.py --attention-sweep 32,16,8,1 [--attention-shape llada-8b]
 """
 
 from __future__ import annotations
@@ -68,26 +75,32 @@ def attention_row(batch: int) -> dict:
     return row
 
 
-# Tile shapes the attention sweep times (`--attention-sweep`): block_m, block_n, warps, stages.
-SWEEP_TILES = [
-    (64, 64, 4, 2),
-    (64, 64, 4, 3),
-    (64, 32, 4, 3),
-    (64, 128, 4, 2),
-    (64, 128, 8, 2),
-    (128, 64, 8, 2),
-    (128, 64, 8, 3),
-    (128, 32, 8, 3),
-    (128, 128, 8, 2),
-]
+# Tile shapes the attention sweep times (`--attention-sweep`): block_m, block_n, warps, stages; per shape.
+SWEEP_TILES = {
+    "llada2-mini": [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 32, 4, 3),
+        (64, 128, 4, 2),
+        (64, 128, 8, 2),
+        (128, 64, 8, 2),
+        (128, 64, 8, 3),
+        (128, 32, 8, 3),
+        (128, 128, 8, 2),
+    ],
+    "llada-8b": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (32, 128, 4, 3)],
+}
+# Heads, key/value heads, and whether the step is block-causal (LLaDA2) or bidirectional over the whole cache.
+SWEEP_SHAPES = {"llada2-mini": (16, 4, True), "llada-8b": (32, 32, False)}
 
 
-def attention_sweep_rows(batch: int, copies: int = 4) -> list[dict]:
-    """The block step's attention at `batch` (LLaDA2.0-mini's heads, 32 queries at column 512 of a 768-column
-    cache, block-causal mask) for every tile shape of `SWEEP_TILES` x key splits (the default plan, 1, 2), with and
-    without `kv_end` (the tiles past the block skipped), against sdpa on grouped queries as the model runs it.
-    `copies` K/V copies are taken in turn so that the timed calls read them from memory, not from L2."""
-    heads, kv_heads, dim, q_len, kv_len, block, q_start = 16, 4, 128, 32, 768, 32, 512
+def attention_sweep_rows(batch: int, shape: str = "llada2-mini", copies: int = 4) -> list[dict]:
+    """The block step's attention at `batch`: 32 queries at column 512 of a 768-column cache, LLaDA2.0-mini's heads
+    with its block-causal mask (or LLaDA-8B's, bidirectional with a key padding mask), for every tile shape of
+    `SWEEP_TILES` x key splits (the default plan, 1, 2), with and without `kv_end` (block-causal only: the tiles past
+    the block skipped), against sdpa as the model runs it (LLaDA2: on grouped queries). `copies` K/V copies are
+    taken in turn so that the timed calls read them from memory, not from L2."""
+    (heads, kv_heads, block_causal), dim, q_len, kv_len, block, q_start = SWEEP_SHAPES[shape], 128, 32, 768, 32, 512
     q = torch.randn(batch, heads, q_len, dim, device="cuda", dtype=torch.bfloat16)
     kv = [
         (
@@ -98,29 +111,38 @@ def attention_sweep_rows(batch: int, copies: int = 4) -> list[dict]:
     ]
     columns = torch.arange(kv_len, device="cuda")
     positions = torch.arange(q_start, q_start + q_len, device="cuda")
-    mask = (columns[None, :] // block <= positions[:, None] // block).expand(batch, 1, q_len, kv_len).clone()
-    per_query = mask[:, 0].expand(batch, q_len, kv_len)
-    grouped = grouped_query_mask_for(mask, heads // kv_heads)
-    kv_end = torch.full((batch,), q_start + q_len, device="cuda", dtype=torch.int32)
+    if block_causal:
+        mask = (columns[None, :] // block <= positions[:, None] // block).expand(batch, 1, q_len, kv_len).clone()
+        kernel_mask = mask[:, 0].expand(batch, q_len, kv_len)
+        sdpa_mask = grouped_query_mask_for(mask, heads // kv_heads)
+        kv_ends = [None, torch.full((batch,), q_start + q_len, device="cuda", dtype=torch.int32)]
+    else:
+        kernel_mask = torch.ones(batch, kv_len, device="cuda", dtype=torch.bool)
+        kernel_mask[0, :100] = False  # one left-padded row
+        sdpa_mask = kernel_mask[:, None, None, :]
+        kv_ends = [None]
 
     def sdpa(k, v):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.view(batch, kv_heads, -1, dim), k, v, attn_mask=grouped, scale=dim**-0.5
-        )
-        return out.reshape(batch, heads, q_len, dim).transpose(1, 2).reshape(batch, q_len, -1)
+        if block_causal:  # grouped queries as multi-head attention, then the output layout copy
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.view(batch, kv_heads, -1, dim), k, v, attn_mask=sdpa_mask, scale=dim**-0.5
+            )
+            return out.reshape(batch, heads, q_len, dim).transpose(1, 2).reshape(batch, q_len, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=dim**-0.5)
+        return out.transpose(1, 2).contiguous().reshape(batch, q_len, -1)
 
     reference = sdpa(*kv[0]).float()
-    rows = [dict(batch=batch, kernel="sdpa", us=graph_us([functools.partial(sdpa, k, v) for k, v in kv]))]
-    for block_m, block_n, warps, stages in SWEEP_TILES:
+    rows = [dict(shape=shape, batch=batch, kernel="sdpa", us=graph_us([functools.partial(sdpa, k, v) for k, v in kv]))]
+    for block_m, block_n, warps, stages in SWEEP_TILES[shape]:
         tiles = AttentionTiles(block_m, block_n, warps, stages)
         for splits in (None, 1, 2):
-            for end in (None, kv_end):
+            for end in kv_ends:
 
                 def call(k, v, tiles=tiles, splits=splits, end=end):
-                    return block_attention(q, k, v, per_query, dim**-0.5, splits, kv_end=end, tiles=tiles)
+                    return block_attention(q, k, v, kernel_mask, dim**-0.5, splits, kv_end=end, tiles=tiles)
 
-                row = dict(batch=batch, kernel="split_kv", tiles=[block_m, block_n, warps, stages], splits=splits)
-                row["kv_end"] = end is not None
+                row = dict(shape=shape, batch=batch, kernel="split_kv", tiles=[block_m, block_n, warps, stages])
+                row.update(splits=splits, kv_end=end is not None)
                 try:
                     row["max_err"] = (call(*kv[0]).float().reshape(reference.shape) - reference).abs().max().item()
                     row["us"] = graph_us([functools.partial(call, k, v) for k, v in kv])
@@ -189,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="batch sizes: time the attention's tile shapes, key splits and kv_end (only this)",
     )
+    parser.add_argument("--attention-shape", choices=sorted(SWEEP_SHAPES), default="llada2-mini")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -197,13 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(summary), flush=True)
     if args.attention_sweep:
-        sweep = [row for b in args.attention_sweep.split(",") for row in attention_sweep_rows(int(b))]
-        print("\nattention per layer (us), best per batch:")
+        batches = [int(b) for b in args.attention_sweep.split(",")]
+        sweep = [row for b in batches for row in attention_sweep_rows(b, args.attention_shape)]
+        print(f"\n{args.attention_shape} attention per layer (us), best per batch:")
         for batch in sorted({row["batch"] for row in sweep}):
             timed = [row for row in sweep if row["batch"] == batch and "us" in row]
             sdpa_us = next(row["us"] for row in timed if row["kernel"] == "sdpa")
-            best = min((row for row in timed if row["kernel"] != "sdpa"), key=lambda row: row["us"])
-            print(f"batch {batch:>3}: sdpa {sdpa_us:.1f}, best kernel {best['us']:.1f} {json.dumps(best)}")
+            kernels = sorted((row for row in timed if row["kernel"] != "sdpa"), key=lambda row: row["us"])
+            print(f"batch {batch:>3}: sdpa {sdpa_us:.1f}; fastest kernels:")
+            for row in kernels[:5]:
+                print(f"    {row['us']:.1f} us tiles {row['tiles']} splits {row['splits']} kv_end {row['kv_end']}")
         summary["attention_sweep"] = sweep
         print(json.dumps(summary))
         return 0

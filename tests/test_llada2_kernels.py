@@ -220,3 +220,22 @@ def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypat
         if fallback:
             (extra,) = small
             assert grouped_gemm.footprint_bytes(extra, 4, 4, 128, True) <= 232448
+
+
+def test_attention_tiles_and_key_splits_follow_the_measured_rules():
+    """The split-KV attention's tiles and key splits (`triton_attention.default_tiles`, `plan_splits`) as measured
+    on an H100 (132 SMs): one head per group keeps its keys split up to 1.5 programs per SM (LLaDA-8B at batch 4: 3
+    splits) and unsplit from there (batch 8); grouped queries (LLaDA2.0-mini's 4 x 32 rows in 64-row tiles) from 0.5
+    (batch 16 unsplit, batch 8 split in 5)."""
+    from hf_dllm.triton_attention import GROUPED_QUERY_TILES, default_tiles, plan_splits
+
+    one_head = default_tiles(32)
+    assert one_head.block_m == 32 and default_tiles(16).block_m == 16
+    assert default_tiles(64) is GROUPED_QUERY_TILES and default_tiles(128) is GROUPED_QUERY_TILES
+
+    def splits(batch, kv_heads, tiles, rows):
+        m_tiles = -(-rows // tiles.block_m)
+        return plan_splits(batch, kv_heads, m_tiles, 768, tiles.block_n, 132, tiles.one_split_from)
+
+    assert [splits(b, 32, one_head, 32) for b in (1, 4, 8, 32)] == [6, 3, 1, 1]
+    assert [splits(b, 4, GROUPED_QUERY_TILES, 128) for b in (1, 8, 16, 32)] == [12, 5, 1, 1]
