@@ -1,13 +1,12 @@
 """hf_dllm's attention backend, registered with transformers' `AttentionInterface` and `AttentionMaskInterface`.
 
 `attn_implementation="llada_triton"` (LLaDA's default in hf_dllm) runs `triton_attention.block_attention`, a
-split-KV kernel for few queries against a long cached sequence with a key padding mask: a block step (at most 64
-query rows per key/value head), at every batch size. Measured on an H100 at the LLaDA-8B shape (32 queries, 768
-keys, one layer, `benchmarks/bench_llada2_kernels.py --attention-sweep 32,16,8,4,1 --attention-shape llada-8b`):
-14.0 / 32.5 / 53.2 / 107.0 / 180.4 us at batch 1 / 4 / 8 / 16 / 32 against sdpa's 30.1 / 40.0 / 62.4 / 107.0 /
-194.9 (the kernel's keys unsplit from batch 8: `triton_attention.default_tiles`). Everything else (full-sequence
-forwards, CPU, no Triton, dropout, a head size that is not a power of two >= 16) goes to transformers' `sdpa` with
-the same mask. The rule depends on shapes only, so a CUDA-graph replay runs what the eager step ran.
+split-KV kernel for few queries against a long cached sequence with a key padding mask, where it pays: a block
+step (at most 64 query rows per key/value head) whose (row, head) pairs alone would leave SMs idle. Measured on
+an H200 at the LLaDA-8B shape (32 queries, 768 keys, one layer): batch 1 13 us vs 15 (sdpa), padded 17 vs 27;
+batch 8 48 vs 32, padded 70 vs 52. Everything else (full-sequence forwards, batches that fill the GPU, CPU, no
+Triton, dropout, a head size that is not a power of two >= 16) goes to transformers' `sdpa` with the same mask.
+The rule depends on shapes only, so a CUDA-graph replay runs what the eager step ran.
 
 transformers asks each backend for a mask in its own format through the mask interface; this backend takes the
 key padding mask as `(B, 1, 1, T)` bool, so no `(q, T)` mask is ever materialised.
@@ -23,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface, bidirectional_mas
 from transformers.modeling_utils import AttentionInterface
 
 from .kernels import kernel_mode
-from .triton_attention import TRITON_AVAILABLE, block_attention
+from .triton_attention import TRITON_AVAILABLE, block_attention, num_sms
 
 TRITON_ATTENTION = "llada_triton"
 
@@ -33,9 +32,10 @@ MAX_QUERY_ROWS = 64
 
 
 def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float) -> bool:
-    _, heads, q_len, dim = query.shape
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
     mode = kernel_mode()
-    return (
+    if not (
         TRITON_AVAILABLE
         and mode != "torch"
         and (query.is_cuda or mode == "triton")
@@ -46,8 +46,10 @@ def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, drop
         and dim >= 16
         and dim & (dim - 1) == 0
         and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and (heads // key.shape[1]) * q_len <= MAX_QUERY_ROWS
-    )
+        and (heads // kv_heads) * q_len <= MAX_QUERY_ROWS
+    ):
+        return False
+    return mode == "triton" or batch * kv_heads < num_sms(query.device)
 
 
 def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:

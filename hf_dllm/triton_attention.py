@@ -204,18 +204,11 @@ class AttentionTiles:
 GROUPED_QUERY_TILES = AttentionTiles(block_m=64, block_n=32, num_warps=4, num_stages=3, one_split_from=0.5)
 
 
-# One head per group (LLaDA-8B: 32 heads, a block of 32 queries each), measured on an H100 the same way
-# (`--attention-shape llada-8b`, bidirectional over 768 keys): with the planned splits 14.0 / 32.5 us per layer at
-# batch 1 / 4 (sdpa 30.1 / 40.0), with one split from batch 8, 256 programs, on: 53.2 / 107.0 / 180.4 us at batch 8 /
-# 16 / 32 (sdpa 62.4 / 107.0 / 194.9; two splits at batch 8: 68.2).
-ONE_HEAD_TILES_ONE_SPLIT_FROM = 1.5
-
-
 def default_tiles(rows: int) -> AttentionTiles:
     """The tile shape for `rows` query rows per key/value head: up to 32 (LLaDA's block of 32, one head per group)
     the smallest row tile that holds them, beyond `GROUPED_QUERY_TILES`."""
     if rows <= 32:
-        return AttentionTiles(block_m=16 if rows <= 16 else 32, one_split_from=ONE_HEAD_TILES_ONE_SPLIT_FROM)
+        return AttentionTiles(block_m=16 if rows <= 16 else 32)
     return GROUPED_QUERY_TILES
 
 
