@@ -377,8 +377,7 @@ class LLaDA2MoeAttention(nn.Module):
             projection_heads=(self.config.num_attention_heads, self.config.num_key_value_heads),
             first_heads=(q_start, kv_start),
         )
-        implementation = self.config._attn_implementation
-        if implementation == TRITON_ATTENTION and self._block_attention_applies(hidden_states, attention_mask):
+        if self.split_kv_applies(hidden_states, attention_mask):
             # hf_dllm's split-KV kernel (`triton_attention.py`), each query row with its own mask row; it writes
             # `(B, L, Hq, D)`, the layout the output projection reads.
             mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
@@ -400,20 +399,22 @@ class LLaDA2MoeAttention(nn.Module):
             # reshape, not view: sdpa may return a non-contiguous layout (CUDA float32 memory-efficient attention).
             attn = attn.reshape(batch, self.num_heads, q_len, self.head_dim).transpose(1, 2)
         else:
-            attention_interface = attention_function(implementation, attention_mask)
+            attention_interface = attention_function(self.config._attn_implementation, attention_mask)
             attn, _ = attention_interface(self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling)
         return linear(self.dense, attn.reshape(batch, q_len, -1))
 
-    def _block_attention_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
-        """Whether the `llada_triton` backend runs its split-KV kernel for these activations `(batch, q_len,
-        hidden)`: a boolean 4D mask (or none), a head size and an activation dtype the kernel takes (the weights'
-        may be FP8), and a block step (`BLOCK_STEP_QUERY_ROWS`) or at most `SPLIT_KV_KV_HEADS_PER_SM` (row,
-        key/value head) pairs per multiprocessor (measured by `benchmarks/bench_llada2_kernels.py`)."""
+    def split_kv_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
+        """Whether the fused path runs the `llada_triton` backend's split-KV kernel for these activations `(batch,
+        q_len, hidden)`: that backend, a boolean 4D mask (or none), a head size and an activation dtype the kernel
+        takes (the weights' may be FP8), and a block step (`BLOCK_STEP_QUERY_ROWS`) or at most
+        `SPLIT_KV_KV_HEADS_PER_SM` (row, key/value head) pairs per multiprocessor (measured by
+        `benchmarks/bench_llada2_kernels.py`)."""
         mask_ok = attention_mask is None or _is_boolean_4d(attention_mask)
         batch, q_len, _ = hidden_states.shape
         device = hidden_states.device
         return (
-            mask_ok
+            self.config._attn_implementation == TRITON_ATTENTION
+            and mask_ok
             and self.head_dim >= 16
             and hidden_states.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and (
@@ -425,12 +426,12 @@ class LLaDA2MoeAttention(nn.Module):
 
     def grouped_query_sdpa_applies(self, hidden_states: torch.Tensor, attention_mask) -> bool:
         """Whether the fused path runs sdpa on grouped queries (`grouped_query_mask_for`) for these activations:
-        sdpa, or llada_triton where its split-KV kernel does not run (`_block_attention_applies`), with a boolean
+        sdpa, or llada_triton where its split-KV kernel does not run (`split_kv_applies`), with a boolean
         4D mask."""
         implementation = self.config._attn_implementation
         if implementation not in ("sdpa", TRITON_ATTENTION) or not _is_boolean_4d(attention_mask):
             return False
-        return not (implementation == TRITON_ATTENTION and self._block_attention_applies(hidden_states, attention_mask))
+        return not self.split_kv_applies(hidden_states, attention_mask)
 
 
 def attention_function(implementation: str, attention_mask) -> Callable:
@@ -681,9 +682,8 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             )
         elif (
             attention.uses_fused_path(inputs_embeds, past_key_values)
-            and self.config._attn_implementation == TRITON_ATTENTION
-            and _is_boolean_4d(attention_mask)
-            and attention._block_attention_applies(inputs_embeds, attention_mask)
+            and attention_mask is not None
+            and attention.split_kv_applies(inputs_embeds, attention_mask)
         ):
             kwargs["kv_end"] = visible_key_end(attention_mask)  # once here, not in each layer
         for layer in self.layers:

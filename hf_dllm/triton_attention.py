@@ -258,6 +258,10 @@ def block_attention(
     dtype.
     """
     batch, n_heads, q_len, dim = q.shape
+    if kv_end is not None and (kv_end.dtype != torch.int32 or kv_end.shape != (batch,)):
+        raise ValueError(
+            f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
+        )
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     n_rep = n_heads // n_kv_heads
     scale = dim**-0.5 if scale is None else scale
@@ -287,10 +291,6 @@ def block_attention(
             mask = mask.contiguous()
     else:
         mask = out  # never read
-    if kv_end is not None and (kv_end.dtype != torch.int32 or kv_end.shape != (batch,)):
-        raise ValueError(
-            f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
-        )
     single = n_splits == 1
     if single:
         part = lse = out  # never written
