@@ -13,7 +13,9 @@ on the GPU through transformers' API (`from_pretrained(..., quantization_config=
 weight blocks; the LM head stays bf16, as transformers leaves output embeddings) and prints per quantization the
 weights one step reads, their read floor at `--bandwidth` TB/s and the bandwidth the batch-1 dual step achieves;
 then the FP8 logits' error against bf16 over one full-sequence forward (per position: top-1 agreement).
-`--tokens-per-forward 1,4` also runs 4 tokens per forward (steps = new tokens / 4).
+`--tokens-per-forward 1,4` also runs 4 tokens per forward (steps = new tokens / 4). `--kv-cache-dtypes auto,fp8`
+runs each cached setting with K/V in the model's dtype and in FP8 (`kv_cache_dtype="fp8"`: float8 e4m3 with a scale
+per position and head), and reports the FP8 rows' generated tokens equal to the model-dtype rows' (`same_tokens`).
 
 Prints a table and ends with one JSON line.
 
@@ -180,6 +182,7 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
     """The settings' rows (batch x cache mode x tokens per forward) for one model."""
     args, device, gpu, new_tokens = settings["args"], settings["device"], settings["gpu"], settings["new_tokens"]
     weight_bytes = step_weight_bytes(model)
+    model_dtype_tokens = {}  # (batch, mode, tokens per forward) -> generated tokens with K/V in the model's dtype
     floor = dict(gb=weight_bytes / 1e9, floor_ms=weight_bytes / (args.bandwidth * 1e12) * 1000)
     WEIGHT_READ[quant] = floor
     rows = []
@@ -191,17 +194,20 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
         for mode in settings["modes"]:
             if batch > 1 and mode not in settings["big_modes"]:
                 continue
-            for per_forward in settings["tokens_per_forward"]:
+            for per_forward, kv in ((p, kv) for p in settings["tokens_per_forward"] for kv in settings["kv_dtypes"]):
+                if kv != "auto" and mode == "none":
+                    continue
                 kwargs = dict(
                     max_new_tokens=new_tokens,
                     block_length=settings["block_length"],
                     steps=new_tokens // per_forward,
                     use_cache=mode != "none",
                     dual_cache=mode == "dual",
+                    kv_cache_dtype=None if kv == "auto" else kv,
                     eos_early_stop=False,
                     return_dict_in_generate=True,
                 )
-                base = dict(attn=attn, quant=quant, batch=batch, mode=mode, tokens_per_forward=per_forward)
+                base = dict(attn=attn, quant=quant, batch=batch, mode=mode, tokens_per_forward=per_forward, kv=kv)
                 try:
                     seconds, out, peak, each = timed_generate(model, prompts, kwargs, device, args.repeats)
                 except torch.OutOfMemoryError as error:
@@ -217,6 +223,12 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
                     seconds_each=[round(t, 4) for t in each],
                     peak_gb=peak / 1e9,
                 )
+                generated = out.sequences[:, settings["prompt_len"] :]
+                if kv == "auto":
+                    model_dtype_tokens[(batch, mode, per_forward)] = generated
+                elif (batch, mode, per_forward) in model_dtype_tokens:
+                    row["same_tokens"] = (generated == model_dtype_tokens[(batch, mode, per_forward)]).float().mean()
+                    row["same_tokens"] = round(row["same_tokens"].item(), 4)
                 if mode == "dual" and per_forward == settings["tokens_per_forward"][0]:
                     row["dual_step_ms"] = dual_step_ms(model, prompts, kwargs, device)
                     if gpu and batch == 1:
@@ -272,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization", default="none", help="comma list of none (the dtype's weights) and fp8 (GPU only)"
     )
     parser.add_argument("--tokens-per-forward", default="1", help="comma list; steps = new tokens / this")
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto", help="comma list of auto (the model's dtype) and fp8 (cached modes)"
+    )
     parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the weight-read floor (H100)")
     parser.add_argument("--reference", type=Path, default=None, help="Fast-dLLM's llada/ folder (CPU comparison)")
     parser.add_argument("--reference-threads", default="1,2", help="comma list of torch thread counts")
@@ -302,9 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_forward = [int(t) for t in args.tokens_per_forward.split(",")]
     if any(t < 1 or new_tokens % t for t in tokens_per_forward):
         parser.error(f"--tokens-per-forward values must divide {new_tokens}, got {args.tokens_per_forward!r}")
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    if any(kv not in ("auto", "fp8") for kv in kv_dtypes):
+        parser.error(f"--kv-cache-dtypes takes a comma list of auto and fp8, got {args.kv_cache_dtypes!r}")
     settings = dict(
         batch_sizes=batch_sizes, modes=modes, big_modes=big_modes, tokens_per_forward=tokens_per_forward, args=args
     )
+    settings.update(kv_dtypes=kv_dtypes)
     settings.update(shape=shape, device=device, gpu=gpu, prompt_len=prompt_len, new_tokens=new_tokens)
     settings.update(block_length=block_length)
     for attn in args.attn.split(","):
@@ -335,19 +354,22 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     print()
-    header = f"{'attn':<13}{'quant':>6}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}{'step ms':>9}{'peak GB':>9}{'=eager':>8}"
+    header = (
+        f"{'attn':<13}{'quant':>6}{'kv':>5}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}"
+        f"{'step ms':>9}{'peak GB':>9}{'=eager':>8}{'=kv auto':>9}"
+    )
     print(f"{device_name}, {dtype}, prompt {prompt_len}, {new_tokens} new tokens, block {block_length}")
     print(header)
     for r in rows:
         if "error" in r:
-            print(f"{r['attn']:<13}{r['quant']:>6}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
+            print(f"{r['attn']:<13}{r['quant']:>6}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
             continue
         step = f"{r['dual_step_ms']:.2f}" if "dual_step_ms" in r else "-"
         same = str(r.get("tokens_equal_eager", "-"))
         print(
-            f"{r['attn']:<13}{r['quant']:>6}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}{r['nfe']:>6}"
-            f"{r['ms_per_forward']:>9.2f}"
-            f"{r['tokens_per_s']:>9.1f}{step:>9}{r['peak_gb']:>9.2f}{same:>8}"
+            f"{r['attn']:<13}{r['quant']:>6}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}"
+            f"{r['nfe']:>6}{r['ms_per_forward']:>9.2f}{r['tokens_per_s']:>9.1f}{step:>9}{r['peak_gb']:>9.2f}{same:>8}"
+            f"{str(r.get('same_tokens', '-')):>9}"
         )
     for quant, floor in summary.get("weight_read", {}).items():
         print(

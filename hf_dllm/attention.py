@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, bidirectional_mask_function, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from .cache import dequantize_kv
 from .kernels import kernel_mode
 from .triton_attention import TRITON_AVAILABLE, block_attention, num_sms
 
@@ -31,7 +32,9 @@ TRITON_ATTENTION = "llada_triton"
 MAX_QUERY_ROWS = 64
 
 
-def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float) -> bool:
+def _kernel_applies(
+    query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, fp8_kv: bool = False
+) -> bool:
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     mode = kernel_mode()
@@ -49,7 +52,8 @@ def _kernel_applies(query: torch.Tensor, key: torch.Tensor, attention_mask, drop
         and (heads // kv_heads) * q_len <= MAX_QUERY_ROWS
     ):
         return False
-    return mode == "triton" or batch * kv_heads < num_sms(query.device)
+    # FP8 K/V: the kernel reads them in place at every batch size, where sdpa would need them dequantized first.
+    return mode == "triton" or fp8_kv or batch * kv_heads < num_sms(query.device)
 
 
 def key_padding_from_mask(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
@@ -70,15 +74,30 @@ def triton_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """AttentionInterface signature: query `(B, Hq, Lq, D)`, key/value `(B, Hkv, T, D)` -> `(B, Lq, Hq, D)`."""
-    if not _kernel_applies(query, key, attention_mask, dropout):
+    """AttentionInterface signature: query `(B, Hq, Lq, D)`, key/value `(B, Hkv, T, D)` -> `(B, Lq, Hq, D)`.
+    With `key_scale`/`value_scale` `(B, Hkv, T)`, key/value are an FP8 cache's (`fp8_attention_inputs`)."""
+    fp8_kv = key_scale is not None
+    if not _kernel_applies(query, key, attention_mask, dropout, fp8_kv):
+        if fp8_kv:
+            key, value = dequantize_kv(key, key_scale, query.dtype), dequantize_kv(value, value_scale, query.dtype)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
         )
     padding = key_padding_from_mask(attention_mask, query.shape[0], key.shape[2])
-    return block_attention(query, key, value, padding, scaling), None
+    return block_attention(query, key, value, padding, scaling, k_scale=key_scale, v_scale=value_scale), None
+
+
+def fp8_attention_inputs(attn_implementation: str, keys, values, key_scales, value_scales, dtype: torch.dtype):
+    """What an attention backend gets from an FP8 cache (`cache.FP8DiffusionKVCache.quantized_layer`): `(key, value,
+    extra kwargs)`. hf_dllm's backend takes the float8 K/V and their scales and reads them in place; every other
+    backend gets them dequantized to `dtype` (the layer's K/V, materialised for this call)."""
+    if attn_implementation == TRITON_ATTENTION:
+        return keys, values, {"key_scale": key_scales, "value_scale": value_scales}
+    return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype), {}
 
 
 def key_padding_mask(

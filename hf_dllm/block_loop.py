@@ -249,6 +249,11 @@ class BlockDiffusionRun:
         self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
 
         self.cache_policy, self.unmasking = decoding_policies(model, config, unmasking_policy, cache_policy)
+        if config.kv_cache_dtype is not None and not self.cache_policy.uses_cache:
+            raise ValueError(
+                f"`kv_cache_dtype={config.kv_cache_dtype!r}` needs a cache, and the cache policy "
+                f"{type(self.cache_policy).__name__} keeps none."
+            )
         # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
         self.eos_stop_in_block = (
             self.block_causal and config.eos_early_stop and not self.unmasking.edits and self.eos_ids is not None
@@ -301,6 +306,7 @@ class BlockDiffusionRun:
         """What every captured step of this run shares (shapes that vary per step are in `run_step`'s key)."""
         return (
             self.cache_policy.uses_cache,
+            self.config.kv_cache_dtype,
             self.unmasking.graph_key(),
             self.eos_stop_in_block,  # whether steps take the `active` mask (a graph's inputs are fixed)
             tuple(sorted(self.forward_kwargs.items())),
@@ -316,7 +322,7 @@ class BlockDiffusionRun:
         """A `DiffusionKVCache` for the run's forwards, or None when its cache policy keeps none."""
         if not self.cache_policy.uses_cache:
             return None
-        return self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len)
+        return self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len, self.config.kv_cache_dtype)
 
     def _graph_shape(self) -> tuple:
         """The shapes every captured step of the run shares (the start of its graphs' signature)."""

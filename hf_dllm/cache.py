@@ -107,6 +107,109 @@ class DiffusionKVCache:
         return self.num_layers
 
 
+# Largest finite float8 e4m3 value: a position's largest |value| in a head maps to it.
+FP8_E4M3_MAX = 448.0
+# `kv_cache_dtype` values (`DiffusionGenerationConfig`): None keeps K/V in the model's dtype.
+KV_CACHE_DTYPES = (None, "fp8")
+
+
+def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 K/V with one float32 scale per vector: `states` `(..., head_dim)` -> `(fp8 (..., head_dim),
+    scale (...))`, `scale = max|x| / 448` (1 for an all-zero vector) and `x / scale` rounded to nearest, ties to even.
+    The reference of the fused kernel's write (`triton_ops.rotary_to_cache` with scales), bit for bit."""
+    values = states.float()
+    scale = values.abs().amax(-1) / FP8_E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (values / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`quantized` `(..., head_dim)` float8 times `scale` `(...)`, in float32, then cast to `dtype`."""
+    return (quantized.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+class FP8DiffusionKVCache(DiffusionKVCache):
+    """`DiffusionKVCache` holding K/V as float8 e4m3 with a float32 scale per (row, head, position): half the bytes
+    of bfloat16 K/V plus 4 bytes per 128-value vector (`kv_cache_dtype="fp8"`). An approximation, as an FP8 K/V
+    cache is in serving engines: each vector is rounded to 3 mantissa bits relative to its largest value.
+
+    Buffers: `keys`/`values` `(batch, kv_heads, max_length, head_dim)` float8, `key_scales`/`value_scales`
+    `(batch, kv_heads, max_length)` float32. `update` quantizes what it writes and returns the layer's K/V
+    dequantized to the input's dtype (the reference path: any attention backend); the fused path writes through
+    `quantized_layer` and hands the quantized K/V and their scales to the split-KV kernel, which reads them in place.
+    """
+
+    def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
+        super().__init__(num_layers, max_batch_size, max_length)
+        self.key_scales: list[torch.Tensor | None] = [None] * num_layers
+        self.value_scales: list[torch.Tensor | None] = [None] * num_layers
+
+    def quantized_layer(self, layer_idx: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor):
+        """`(keys, values, key_scales, value_scales)` of this layer for the first `batch` rows and `length`
+        columns: float8 `(batch, kv_heads, length, head_dim)` and float32 `(batch, kv_heads, length)`, allocated at
+        first use on `like`'s device."""
+        if self.keys[layer_idx] is None:
+            shape = (self.max_batch_size, kv_heads, self.max_length, head_dim)
+            self.keys[layer_idx] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=like.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=like.device)
+            self.key_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
+            self.value_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
+        if batch > self.max_batch_size:
+            raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
+        columns = slice(None) if self.length == self.max_length else slice(0, self.length)
+        return tuple(
+            buffer[layer_idx][:batch, :, columns]
+            for buffer in (self.keys, self.values, self.key_scales, self.value_scales)
+        )
+
+    def layer(self, layer_idx: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor):
+        raise TypeError(
+            "FP8DiffusionKVCache stores float8 K/V with scales: use `quantized_layer` (or `update`, which returns "
+            "them dequantized)."
+        )
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `DiffusionKVCache.update`, storing `quantize_kv` of the new K/V; returns the layer's K/V over the
+        whole sequence dequantized to `key_states.dtype`."""
+        batch, kv_heads, q_len, head_dim = key_states.shape
+        keys, values, key_scales, value_scales = self.quantized_layer(layer_idx, batch, kv_heads, head_dim, key_states)
+        new = (*quantize_kv(key_states), *quantize_kv(value_states))
+        for buffer, states in zip((keys, key_scales, values, value_scales), new, strict=True):
+            if q_len == self.length:
+                buffer.copy_(states)
+            else:  # float8 has no index kernels: its bytes are copied
+                _as_bytes(buffer).index_copy_(2, cache_kwargs["cache_position"], _as_bytes(states))
+        dtype = key_states.dtype
+        return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        for buffers in (self.keys, self.values, self.key_scales, self.value_scales):
+            for buffer in buffers:
+                if buffer is not None:
+                    data = _as_bytes(buffer)
+                    data[: index.numel()].copy_(data.index_select(0, index.to(buffer.device)))
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """float8 tensors viewed as uint8 (PyTorch has no index kernels for float8); others as they are."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+
+
+def new_kv_cache(num_layers: int, max_batch_size: int, max_length: int, kv_cache_dtype: str | None = None):
+    """The K/V store `kv_cache_dtype` names (`KV_CACHE_DTYPES`): `DiffusionKVCache` in the model's dtype, or
+    `FP8DiffusionKVCache`."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"`kv_cache_dtype` must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}.")
+    cache_class = FP8DiffusionKVCache if kv_cache_dtype == "fp8" else DiffusionKVCache
+    return cache_class(num_layers, max_batch_size, max_length)
+
+
 def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0), so a left-padded row
     sees the positions it has alone."""

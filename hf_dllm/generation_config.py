@@ -15,6 +15,8 @@ import math
 import transformers
 from transformers import GenerationConfig
 
+from .cache import KV_CACHE_DTYPES
+
 REMASKING_STRATEGIES = ("low_confidence", "random")
 # Dream's decoding algorithms (`alg`): its own four and Fast-dLLM's threshold variant of its sampler.
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
@@ -37,6 +39,7 @@ _GENERATION_DEFAULTS = {
     "factor": None,
     "use_cache": True,
     "dual_cache": True,
+    "kv_cache_dtype": None,
     "cfg_scale": 0.0,
     "minimal_topk": 1,
     "editing_threshold": None,
@@ -120,6 +123,10 @@ class DiffusionGenerationConfig(GenerationConfig):
         dual_cache (`bool`, True): with `use_cache`, also reuse the suffix (only the block is recomputed).
             Block-causal models never attend to the suffix, so for them the prefix and dual caches are the same
             exact cache and this flag changes nothing.
+        kv_cache_dtype (`str`, *optional*): None keeps cached K/V in the model's dtype; `"fp8"` stores them as
+            float8 e4m3 with a float32 scale per position and head (`cache.FP8DiffusionKVCache`): about half the
+            cache memory, an approximation (each vector keeps 3 mantissa bits relative to its largest value). Needs
+            `use_cache` and a model that supports it (`DiffusionGenerationMixin.diffusion_kv_cache_dtypes`).
 
     Stopping and output:
         eos_early_stop (`bool`, True): once a row's committed blocks hold an EOS, the row stops, its remaining
@@ -277,6 +284,10 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError("`editing_threshold` needs remasking='low_confidence' (it compares model confidences).")
         if adaptive and self.remasking != "low_confidence":
             raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"`kv_cache_dtype` must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
+        if self.kv_cache_dtype is not None and self.use_cache is False:
+            raise ValueError(f"`kv_cache_dtype={self.kv_cache_dtype!r}` needs `use_cache=True` (no K/V is cached).")
         self._validate_dream_fields(finite)
         if sampler_fields is not None:
             unused = [

@@ -29,7 +29,7 @@ from transformers.utils import ModelOutput, logging
 
 from .block_loop import BlockDiffusionRun, BlockEvent, apply_stopping_criteria, decoding_policies
 from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal, plan_blocks
-from .cache import CachePolicy, DiffusionKVCache
+from .cache import CachePolicy, DiffusionKVCache, new_kv_cache
 from .decoding import UnmaskingPolicy
 from .generation_config import DiffusionGenerationConfig, is_number
 
@@ -103,8 +103,9 @@ class DiffusionGenerationMixin:
       transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and, for block-causal
       models, `block_length`;
     - `_diffusion_step_capturable()`: whether a step can be captured in a CUDA graph (default True);
-    - `_diffusion_new_cache(batch_size, max_length)` returning a `DiffusionKVCache` (default: one per layer of
-      `config.num_hidden_layers`);
+    - `_diffusion_new_cache(batch_size, max_length, kv_cache_dtype=None)` returning a `DiffusionKVCache` (default:
+      one per layer of `config.num_hidden_layers`, `cache.new_kv_cache`), and `diffusion_kv_cache_dtypes`, the
+      `kv_cache_dtype` values its attention layers read;
     - `_diffusion_attention_mask(key_mask, q_len)` turning the `(rows, seq_len)` padding mask into what the
       forward's attention backend takes, once per query length (default: transformers'
       `create_bidirectional_mask`), so that no step builds masks (or synchronises with the host).
@@ -122,6 +123,8 @@ class DiffusionGenerationMixin:
     # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
     # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
     diffusion_original_generation_fields: dict = {}
+    # `kv_cache_dtype` values the model's layers can read (None: the model's dtype; "fp8": `FP8DiffusionKVCache`).
+    diffusion_kv_cache_dtypes: tuple = (None,)
 
     def _diffusion_forward(
         self,
@@ -153,8 +156,8 @@ class DiffusionGenerationMixin:
         """Whether a denoising step can be captured in a CUDA graph (no host synchronisation in the forward)."""
         return True
 
-    def _diffusion_new_cache(self, batch_size: int, max_length: int) -> DiffusionKVCache:
-        return DiffusionKVCache(self.config.num_hidden_layers, batch_size, max_length)
+    def _diffusion_new_cache(self, batch_size: int, max_length: int, kv_cache_dtype: str | None = None):
+        return new_kv_cache(self.config.num_hidden_layers, batch_size, max_length, kv_cache_dtype)
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
         shape_probe = torch.empty(key_mask.shape[0], q_len, 1, dtype=self.dtype, device=key_mask.device)
@@ -239,6 +242,11 @@ class DiffusionGenerationMixin:
         for key, value in fields.items():
             setattr(config, key, value)
         config.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
+        if config.kv_cache_dtype not in self.diffusion_kv_cache_dtypes:
+            raise ValueError(
+                f"`kv_cache_dtype={config.kv_cache_dtype!r}` is not supported by {type(self).__name__}: its attention "
+                f"reads the K/V cache as {self.diffusion_kv_cache_dtypes}."
+            )
         return config
 
     def generate_blocks(

@@ -26,8 +26,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import triton_ops
-from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache, resolve_forward_positions
+from .attention import TRITON_ATTENTION, fp8_attention_inputs, register_attention_backends
+from .cache import KV_CACHE_DTYPES, DiffusionKVCache, FP8DiffusionKVCache, resolve_forward_positions
 from .configuration_llada import LLaDAConfig
 from .generation_utils import (
     DiffusionGenerationConfig,
@@ -266,7 +266,15 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         x = self.attn_norm(hidden_states)
         query, key, value = self._project_qkv(x, fused)
         cos, sin = position_embeddings
-        if fused and self._rotary_kernel_applies() and isinstance(past_key_values, DiffusionKVCache):
+        if fused and self._rotary_kernel_applies() and isinstance(past_key_values, FP8DiffusionKVCache):
+            # As below, into an FP8 cache: the kernel quantizes what it writes; attention reads float8 K/V.
+            cached = past_key_values.quantized_layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, value)
+            query = triton_ops.rotary_to_cache(
+                query, key, value, cos, sin, cached[0], cached[1], cache_position, *cached[2:]
+            )
+            key, value, fp8_kwargs = fp8_attention_inputs(self.config._attn_implementation, *cached, query.dtype)
+            query, kwargs = query.transpose(1, 2), {**kwargs, **fp8_kwargs}
+        elif fused and self._rotary_kernel_applies() and isinstance(past_key_values, DiffusionKVCache):
             # RoPE, and the new keys/values written into the cache, in one kernel.
             cache_keys, cache_values = past_key_values.layer(
                 self.layer_idx, batch, self.num_kv_heads, self.head_dim, value
@@ -621,6 +629,9 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
     diffusion_logits_shift = 0
     # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
     diffusion_packed_rows = True
+    # Every attention path reads an FP8 cache: the fused one through `rotary_to_cache` and the split-KV kernel,
+    # the others through `FP8DiffusionKVCache.update` (dequantized K/V).
+    diffusion_kv_cache_dtypes = KV_CACHE_DTYPES
 
     def __init__(self, config: LLaDAConfig):
         super().__init__(config)

@@ -37,6 +37,8 @@ if TRITON_AVAILABLE:
         part_ptr,
         lse_ptr,
         kv_end_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         stride_qb,
         stride_qh,
         stride_qm,
@@ -46,6 +48,8 @@ if TRITON_AVAILABLE:
         stride_vb,
         stride_vh,
         stride_vn,
+        stride_sb,
+        stride_sh,
         stride_mb,
         stride_mq,
         stride_ob,
@@ -60,6 +64,7 @@ if TRITON_AVAILABLE:
         TILES_PER_SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_KV_END: tl.constexpr,
+        HAS_KV_SCALE: tl.constexpr,
         MASK_PER_QUERY: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -96,11 +101,19 @@ if TRITON_AVAILABLE:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         k_base = k_ptr + b * stride_kb + kv_head * stride_kh
         v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+        scale_base = b * stride_sb + kv_head * stride_sh
         for tile in range(n_tiles):
             cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
             col_valid = cols < kv_len
             k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_valid[:, None], other=0.0)
+            if HAS_KV_SCALE:
+                # An FP8 cache: float8 K/V (exact in the query's dtype) with a float32 scale per key, applied to the
+                # scores' columns and to the probabilities, not to the tiles.
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+                k_scale = tl.load(k_scale_ptr + scale_base + cols, mask=col_valid, other=0.0)
+                v_scale = tl.load(v_scale_ptr + scale_base + cols, mask=col_valid, other=0.0)
             attend = col_valid[None, :]
             if HAS_MASK:
                 if MASK_PER_QUERY:
@@ -121,6 +134,8 @@ if TRITON_AVAILABLE:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 scores = tl.dot(q, tl.trans(k)) * scale
+            if HAS_KV_SCALE:
+                scores = scores * k_scale[None, :]
             scores = tl.where(attend, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             # A chunk whose keys are all padding keeps m at -inf: shift by 0 there to avoid inf - inf.
@@ -128,10 +143,13 @@ if TRITON_AVAILABLE:
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            weights = p
+            if HAS_KV_SCALE:
+                weights = p * v_scale[None, :]
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
             m_i = m_new
 
         if SINGLE_SPLIT:
@@ -248,6 +266,8 @@ def block_attention(
     n_splits: int | None = None,
     kv_end: torch.Tensor | None = None,
     tiles: AttentionTiles | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention of `q` `(B, Hq, Lq, D)` over `k`, `v` `(B, Hkv, T, D)`.
 
@@ -256,6 +276,10 @@ def block_attention(
     int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
     those key tiles are skipped. `tiles`: the tile shape (default `default_tiles`). Returns `(B, Lq, Hq, D)` in q's
     dtype.
+
+    An FP8 cache (`cache.FP8DiffusionKVCache`): k/v float8 e4m3 and `k_scale`/`v_scale` `(B, Hkv, T)` float32 with
+    equal strides, the last dim contiguous: key `j` is `k[..., j, :] * k_scale[..., j]`, and likewise the values,
+    read in place (half the bytes of bfloat16 K/V).
     """
     batch, n_heads, q_len, dim = q.shape
     if kv_end is not None and (kv_end.dtype != torch.int32 or kv_end.shape != (batch,)):
@@ -263,6 +287,22 @@ def block_attention(
             f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
         )
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    scaled = k_scale is not None
+    if scaled and (
+        v_scale is None
+        or k.dtype != torch.float8_e4m3fn
+        or v.dtype != torch.float8_e4m3fn
+        or k_scale.shape != (batch, n_kv_heads, kv_len)
+        or k_scale.stride() != v_scale.stride()
+        or k_scale.stride(-1) != 1
+    ):
+        raise ValueError(
+            "FP8 K/V need float8_e4m3fn k and v with k_scale/v_scale of shape (B, Hkv, T), equal strides and the "
+            f"last dim contiguous; got k {k.dtype}, v {v.dtype}, k_scale "
+            f"{None if k_scale is None else tuple(k_scale.shape)}, v_scale {None if v_scale is None else 'given'}."
+        )
+    if not scaled and (k.dtype != q.dtype or v.dtype != q.dtype):
+        raise ValueError(f"k and v must have q's dtype {q.dtype} (or be FP8 with scales), got {k.dtype}, {v.dtype}.")
     n_rep = n_heads // n_kv_heads
     scale = dim**-0.5 if scale is None else scale
     if q.stride(-1) != 1:
@@ -306,6 +346,8 @@ def block_attention(
         part,
         lse,
         out if kv_end is None else kv_end,
+        k_scale if scaled else out,  # never read without HAS_KV_SCALE
+        v_scale if scaled else out,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -315,6 +357,8 @@ def block_attention(
         v.stride(0),
         v.stride(1),
         v.stride(2),
+        k_scale.stride(0) if scaled else 0,
+        k_scale.stride(1) if scaled else 0,
         mask.stride(0) if key_padding_mask is not None else 0,
         mask.stride(1) if per_query else 0,
         out.stride(0),
@@ -329,6 +373,7 @@ def block_attention(
         TILES_PER_SPLIT=tiles_per_split,
         HAS_MASK=key_padding_mask is not None,
         HAS_KV_END=kv_end is not None,
+        HAS_KV_SCALE=scaled,
         MASK_PER_QUERY=per_query,
         SINGLE_SPLIT=single,
         BLOCK_M=block_m,

@@ -107,6 +107,32 @@ if TRITON_AVAILABLE:
         return x1 * cos1 + (-x2) * sin1, x2 * cos2 + x1 * sin2
 
     @triton.jit
+    def _e4m3_grid(v):
+        # float32 v (|v| <= 448) rounded to the nearest float8 e4m3 value, ties to even, so that the cast to float8
+        # that follows is exact: the same bits as PyTorch's cast on every backend (Triton's interpreter rounds a
+        # value just below a power of two, e.g. 125.8, down to the power below: 64). Normal range: the float32
+        # mantissa rounded to 3 bits in the integer domain (a carry moves into the exponent); below 2**-6, multiples
+        # of 2**-9 (float32 addition at 2**14 rounds there), the sign kept for -0.
+        bits = v.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        small = ((v + 24576.0) - 24576.0).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+        return tl.where(tl.abs(v) < 0.015625, small.to(tl.float32, bitcast=True), normal)
+
+    @triton.jit
+    def _store_fp8_heads(dst_ptr, scale_ptr, x1, x2, head_valid, HALF: tl.constexpr):
+        # Rows of x1/x2 (the two halves of a head's vector, float32) as `cache.quantize_kv` stores them: one scale
+        # per row, max|x| / 448 (1 for a zero row), and x / scale rounded to e4m3.
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+        scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        offs = tl.arange(0, HALF)[None, :]
+        y1 = _e4m3_grid(tl.math.div_rn(x1, scale[:, None]))
+        y2 = _e4m3_grid(tl.math.div_rn(x2, scale[:, None]))
+        tl.store(dst_ptr + offs, y1.to(dst_ptr.dtype.element_ty), mask=head_valid[:, None])
+        tl.store(dst_ptr + HALF + offs, y2.to(dst_ptr.dtype.element_ty), mask=head_valid[:, None])
+        tl.store(scale_ptr, scale, mask=head_valid)
+
+    @triton.jit
     def _rotary_kernel(
         q_ptr,
         k_ptr,
@@ -164,6 +190,8 @@ if TRITON_AVAILABLE:
         q_out_ptr,
         cache_k_ptr,
         cache_v_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         position_ptr,
         seq_len,
         n_q_heads,
@@ -180,11 +208,14 @@ if TRITON_AVAILABLE:
         stride_cb,
         stride_ch,
         stride_cn,
+        stride_sb,
+        stride_sh,
         stride_tb,
         stride_tl,
         HALF: tl.constexpr,
         HEADS: tl.constexpr,
         GROUPS: tl.constexpr,
+        QUANTIZE: tl.constexpr,
     ):
         # As _rotary_kernel, but rotated keys and the values go straight into the K/V cache `(B, Hk, T, D)` at
         # column `position[l]`: one launch instead of RoPE plus two index copies. Program (token, g) rotates the
@@ -218,14 +249,26 @@ if TRITON_AVAILABLE:
             inside = (head < n_k_heads)[:, None]
             cache = b * stride_cb + head[:, None] * stride_ch + column * stride_cn + offs[None, :]
             v_src = v_ptr + b * stride_vb + pos * stride_vl + head[:, None] * stride_vh + offs[None, :]
-            tl.store(cache_v_ptr + cache, tl.load(v_src, mask=inside), mask=inside)
-            tl.store(cache_v_ptr + cache + HALF, tl.load(v_src + HALF, mask=inside), mask=inside)
             src = k_ptr + b * stride_kb + pos * stride_kl + head[:, None] * stride_kh + offs[None, :]
             x1 = tl.load(src, mask=inside).to(tl.float32)
             x2 = tl.load(src + HALF, mask=inside).to(tl.float32)
             y1, y2 = _rope_halves(x1, x2, cos1, cos2, sin1, sin2)
-            tl.store(cache_k_ptr + cache, y1.to(cache_k_ptr.dtype.element_ty), mask=inside)
-            tl.store(cache_k_ptr + cache + HALF, y2.to(cache_k_ptr.dtype.element_ty), mask=inside)
+            if QUANTIZE:
+                # An FP8 cache (`cache.FP8DiffusionKVCache`): the rotated keys rounded to the activations' dtype
+                # first, as the module path hands them to `quantize_kv`.
+                vectors = b * stride_cb + head[:, None] * stride_ch + column * stride_cn
+                scales = b * stride_sb + head * stride_sh + column
+                act = k_ptr.dtype.element_ty
+                y1, y2 = y1.to(act).to(tl.float32), y2.to(act).to(tl.float32)
+                _store_fp8_heads(cache_k_ptr + vectors, k_scale_ptr + scales, y1, y2, head < n_k_heads, HALF)
+                v1 = tl.load(v_src, mask=inside).to(tl.float32)
+                v2 = tl.load(v_src + HALF, mask=inside).to(tl.float32)
+                _store_fp8_heads(cache_v_ptr + vectors, v_scale_ptr + scales, v1, v2, head < n_k_heads, HALF)
+            else:
+                tl.store(cache_v_ptr + cache, tl.load(v_src, mask=inside), mask=inside)
+                tl.store(cache_v_ptr + cache + HALF, tl.load(v_src + HALF, mask=inside), mask=inside)
+                tl.store(cache_k_ptr + cache, y1.to(cache_k_ptr.dtype.element_ty), mask=inside)
+                tl.store(cache_k_ptr + cache + HALF, y2.to(cache_k_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rounded_rotary_kernel(
@@ -470,12 +513,29 @@ def rotary_to_cache(
     cache_keys: torch.Tensor,
     cache_values: torch.Tensor,
     cache_position: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k, with k (rotated) and v written into the cache. q `(B, L, Hq, D)`, k/v `(B, L, Hk, D)` (any
     strides, last dim contiguous), cache_keys/values `(B, Hk, T, D)` contiguous in the last dim with equal strides,
-    cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`."""
+    cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`.
+
+    An FP8 cache (`cache.FP8DiffusionKVCache`): float8 e4m3 cache_keys/values and `key_scales`/`value_scales`
+    `(B, Hk, T)` float32 with equal strides, last dim contiguous; each written vector is stored as
+    `cache.quantize_kv` stores it (the rotated key rounded to k's dtype first), the same bits."""
     batch, seq_len, n_q, dim = q.shape
     n_k = k.shape[2]
+    quantize = key_scales is not None
+    if quantize and (
+        value_scales is None
+        or cache_keys.dtype != torch.float8_e4m3fn
+        or key_scales.stride() != value_scales.stride()
+        or key_scales.stride(-1) != 1
+    ):
+        raise ValueError(
+            "rotary_to_cache into an FP8 cache needs float8_e4m3fn cache_keys/values and key_scales/value_scales "
+            "with equal strides (last dim contiguous)."
+        )
     cos, sin = _rope_table(cos, sin, batch, seq_len, dim)
     q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
     # Chunks of 16 heads for a block-start forward's hundreds of tokens (H100, LLaDA-8B, 768 positions: 0.38 ms per
@@ -492,6 +552,8 @@ def rotary_to_cache(
         q_out,
         cache_keys,
         cache_values,
+        key_scales if quantize else q_out,  # never read without QUANTIZE
+        value_scales if quantize else q_out,
         cache_position,
         seq_len,
         n_q,
@@ -508,11 +570,14 @@ def rotary_to_cache(
         cache_keys.stride(0),
         cache_keys.stride(1),
         cache_keys.stride(2),
+        key_scales.stride(0) if quantize else 0,
+        key_scales.stride(1) if quantize else 0,
         cos.stride(0),
         cos.stride(1),
         HALF=dim // 2,
         HEADS=heads,
         GROUPS=groups,
+        QUANTIZE=quantize,
         num_warps=4 if heads > 1 else 1,
     )
     return q_out

@@ -151,6 +151,11 @@ class ContinuousBatcher:
         config, prompt = request.config, list(request.prompt_ids)
         if not prompt:
             raise ValueError("`prompt_ids` is empty: a row needs at least one prompt token.")
+        if config.kv_cache_dtype is not None:
+            raise ValueError(
+                f"`kv_cache_dtype={config.kv_cache_dtype!r}`: the serving engine keeps K/V in the model's dtype "
+                "(rows' K/V move between layouts); use kv_cache_dtype=None."
+            )
         if self.block_causal:
             plan = plan_block_causal([len(prompt)], len(prompt), config, torch.device("cpu"))
         else:
