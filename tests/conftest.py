@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,33 @@ def run_without_hf_dllm(root: Path, child: str, spec: dict, env: dict[str, str] 
     result = json.loads((root / "result.json").read_text())
     result["stderr"] = proc.stderr
     return result
+
+
+def run_side_by_side(
+    commands: dict[str, list[str]], timeout: float, **popen_kwargs
+) -> dict[str, subprocess.CompletedProcess]:
+    """Run each command (name -> argv) in its own process, all started at once, and wait for all of them: name ->
+    CompletedProcess with stdout and stderr as text. For independent single-threaded subprocess checks (Triton's
+    interpreter, command-line runs): the test process only waits on them, so on the 2-core test machine two of
+    them take little more than one. As `subprocess.run`, a command still running after `timeout` seconds is killed
+    and TimeoutExpired raised (the others are killed too)."""
+    outputs, processes, done = {}, {}, {}
+    try:
+        for name, argv in commands.items():  # files, not pipes: a full pipe would stall a process nobody reads
+            outputs[name] = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+            processes[name] = subprocess.Popen(argv, stdout=outputs[name][0], stderr=outputs[name][1], **popen_kwargs)
+        deadline = time.monotonic() + timeout
+        for name, process in processes.items():
+            process.wait(timeout=max(deadline - time.monotonic(), 0))
+            for stream in outputs[name]:
+                stream.seek(0)
+            stdout, stderr = (stream.read() for stream in outputs[name])
+            done[name] = subprocess.CompletedProcess(commands[name], process.returncode, stdout, stderr)
+        return done
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for stream in (stream for pair in outputs.values() for stream in pair):
+            stream.close()

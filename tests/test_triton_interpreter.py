@@ -1,30 +1,31 @@
 """The Triton kernels on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`), against the PyTorch code, in
 LLaDA and Dream.
 
-The interpreter must be switched on before Triton compiles anything, so the checks run in a subprocess. float32
-and float16 only: the interpreter has no exact bfloat16 (bfloat16 is covered by the GPU tests).
+The interpreter must be switched on before Triton compiles anything, so the checks run in subprocesses (two, side by
+side: the kernels, and the models). float32 and float16 only: the interpreter has no exact bfloat16 (bfloat16 is
+covered by the GPU tests).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import run_side_by_side
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent(
+# Two scripts, run side by side (each takes about half of the time): the kernels alone, and the models.
+KERNELS_SCRIPT = textwrap.dedent(
     """
     import math, torch, hf_dllm
     from hf_dllm import triton_ops
     from hf_dllm.modeling_llada import LLaDARMSNorm, apply_rotary_pos_emb, rotary_cos_sin
     from hf_dllm.triton_attention import block_attention
-    from transformers import AutoModel
 
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
@@ -83,6 +84,49 @@ SCRIPT = textwrap.dedent(
             ref = (scores.softmax(-1) @ v.double().repeat_interleave(rep, 1)).transpose(1, 2)
             assert (out.double() - ref).abs().max() <= tol * 2, ("attention", dtype, splits)
 
+    # Dream: RoPE rounded as Dream's PyTorch code rounds it (equal), also written into a cache past a read-only column.
+    from hf_dllm import DreamConfig
+    from hf_dllm.modeling_dream import apply_rotary_pos_emb as dream_rope, dream_rotary_cos_sin
+    for dtype in (torch.float32, torch.float16):
+        qkv = torch.randn(2, 7, 8 * 16, dtype=dtype)
+        q, k, v = (t.unflatten(-1, (-1, 16)) for t in qkv.split([64, 32, 32], dim=-1))
+        config = DreamConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+        cos, sin = dream_rotary_cos_sin(torch.arange(7).expand(2, -1) + torch.tensor([[0], [5]]), config, dtype)
+        q_ref, k_ref = dream_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q_out, k_out = triton_ops.rounded_rotary(q, k, v, cos, sin)
+        assert torch.equal(q_out.transpose(1, 2), q_ref) and torch.equal(k_out, k_ref), "Dream rotary"
+        cache_k, cache_v = torch.zeros(3, 2, 20, 16, dtype=dtype), torch.zeros(3, 2, 20, 16, dtype=dtype)
+        columns = torch.tensor([2, 9, 10, 11, 12, 13, 14])
+        triton_ops.rounded_rotary(q, k, v, cos, sin, cache_k[:2], cache_v[:2], columns, skip=1)
+        expected_k, expected_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
+        expected_k[:2, :, columns[1:]] = k_ref[:, :, 1:]
+        expected_v[:2, :, columns[1:]] = v.transpose(1, 2)[:, :, 1:]
+        assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v), "Dream rotary into the cache"
+
+    # The greedy proposal against PyTorch: the same token (first index on ties, the excluded id never chosen) and the
+    # probability within float32 rounding, over several chunks of the vocabulary and a partial last one, including
+    # a row whose first chunk is all -inf (its online softmax once gave nan there).
+    for dtype in (torch.float32, torch.float16):
+        logits = (torch.randn(4, 9000) * 6).to(dtype)
+        logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
+        logits[1, :] = 0.5  # all tied: the first index
+        logits[2, :4500] = float("-inf")
+        tokens, probability = triton_ops.greedy_propose(logits, 5)
+        candidates = logits.float().clone()
+        candidates[:, 5] = float("-inf")
+        assert torch.equal(tokens, candidates.argmax(-1)), "greedy token"
+        exact = torch.softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
+        assert (probability.double() - exact).abs().max() < 1e-6, "greedy probability"
+    print("kernel checks passed")
+    """
+)
+
+MODELS_SCRIPT = textwrap.dedent(
+    """
+    import torch, hf_dllm
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
     model = AutoModel.from_pretrained("tests/fixtures/llada-tiny-ref", attn_implementation="llada_triton")
     ids = torch.randint(0, 300, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -102,27 +146,9 @@ SCRIPT = textwrap.dedent(
     out = model.generate(expected["prompt.p7"], max_new_tokens=32, block_length=8, threshold=0.5, eos_early_stop=False)
     assert torch.equal(out, expected["case.p7.dual.threshold0.5"]), "dual-cache generation"
 
-    # Dream: RoPE rounded as Dream's PyTorch code rounds it (equal), also written into a cache past a read-only column.
-    from hf_dllm import DreamConfig, DreamModel
-    from hf_dllm.modeling_dream import apply_rotary_pos_emb as dream_rope, dream_rotary_cos_sin
-    for dtype in (torch.float32, torch.float16):
-        qkv = torch.randn(2, 7, 8 * 16, dtype=dtype)
-        q, k, v = (t.unflatten(-1, (-1, 16)) for t in qkv.split([64, 32, 32], dim=-1))
-        config = DreamConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-        cos, sin = dream_rotary_cos_sin(torch.arange(7).expand(2, -1) + torch.tensor([[0], [5]]), config, dtype)
-        q_ref, k_ref = dream_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        q_out, k_out = triton_ops.rounded_rotary(q, k, v, cos, sin)
-        assert torch.equal(q_out.transpose(1, 2), q_ref) and torch.equal(k_out, k_ref), "Dream rotary"
-        cache_k, cache_v = torch.zeros(3, 2, 20, 16, dtype=dtype), torch.zeros(3, 2, 20, 16, dtype=dtype)
-        columns = torch.tensor([2, 9, 10, 11, 12, 13, 14])
-        triton_ops.rounded_rotary(q, k, v, cos, sin, cache_k[:2], cache_v[:2], columns, skip=1)
-        expected_k, expected_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
-        expected_k[:2, :, columns[1:]] = k_ref[:, :, 1:]
-        expected_v[:2, :, columns[1:]] = v.transpose(1, 2)[:, :, 1:]
-        assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v), "Dream rotary into the cache"
-
     # Dream: the fused norms (residual add included), SiLU gate, RoPE and concatenated projections against PyTorch,
     # and recorded Fast-dLLM cases (dual and prefix cache).
+    from hf_dllm import DreamModel
     dream = DreamModel.from_pretrained("tests/fixtures/dream-tiny-ref")
     with torch.no_grad():
         ours = dream(ids, attention_mask=mask).logits
@@ -131,40 +157,27 @@ SCRIPT = textwrap.dedent(
     assert (ours - ref)[mask.bool()].abs().max() < 1e-4, "Dream logits"
     hf_dllm.kernels.set_kernel_mode("triton")
     expected = load_file("tests/fixtures/dream-tiny-ref/expected.safetensors")
+    # (Two blocks: a block's cached prefix and suffix as with more, at half the interpreted forwards of 32 tokens.)
     out = dream.generate(
-        expected["prompt.p12"], max_new_tokens=32, block_length=8, alg="confidence_threshold", threshold=0.7,
+        expected["prompt.p12"], max_new_tokens=16, block_length=8, alg="confidence_threshold", threshold=0.7,
         dual_cache=True, eos_early_stop=False,
     )
-    assert torch.equal(out, expected["case.p12.blk.g32.dual.t0.7"]), "Dream dual-cache generation"
+    assert torch.equal(out, expected["case.p12.blk.g16.dual.t0.7"]), "Dream dual-cache generation"
     out = dream.generate(
         expected["prompt.p12"], max_new_tokens=16, block_length=8, alg="entropy", steps=8, dual_cache=False,
         eos_early_stop=False,
     )
     assert torch.equal(out, expected["case.p12.blk.g16.prefix.s8"]), "Dream prefix-cache generation"
 
-    # The greedy proposal against PyTorch: the same token (first index on ties, the excluded id never chosen) and the
-    # probability within float32 rounding, over several chunks of the vocabulary and a partial last one, including
-    # a row whose first chunk is all -inf (its online softmax once gave nan there).
-    for dtype in (torch.float32, torch.float16):
-        logits = (torch.randn(4, 9000) * 6).to(dtype)
-        logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
-        logits[1, :] = 0.5  # all tied: the first index
-        logits[2, :4500] = float("-inf")
-        tokens, probability = triton_ops.greedy_propose(logits, 5)
-        candidates = logits.float().clone()
-        candidates[:, 5] = float("-inf")
-        assert torch.equal(tokens, candidates.argmax(-1)), "greedy token"
-        exact = torch.softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
-        assert (probability.double() - exact).abs().max() < 1e-6, "greedy probability"
-    print("interpreter checks passed")
+    print("model checks passed")
     """
 )
 
 
 def test_triton_kernels_match_pytorch_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT))
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "interpreter checks passed" in result.stdout
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    scripts = {"kernel": KERNELS_SCRIPT, "model": MODELS_SCRIPT}
+    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
+    for name, result in run_side_by_side(commands, timeout=600, cwd=ROOT, env=env).items():
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert f"{name} checks passed" in result.stdout
