@@ -115,10 +115,12 @@ KV_CACHE_DTYPES = (None, "fp8")
 
 def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 e4m3 K/V with one float32 scale per vector: `states` `(..., head_dim)` -> `(fp8 (..., head_dim),
-    scale (...))`, `scale = max|x| / 448` (1 for an all-zero vector) and `x / scale` rounded to nearest, ties to even.
+    scale (...))`, `scale = max|x| * float32(1 / 448)` (1 for an all-zero vector) and `x / scale` rounded to nearest, ties to even.
     The reference of the fused kernel's write (`triton_ops.rotary_to_cache` with scales), bit for bit."""
     values = states.float()
-    scale = values.abs().amax(-1) / FP8_E4M3_MAX
+    # Times the float32 reciprocal, not divided by 448: PyTorch's CUDA division by a scalar multiplies by the
+    # reciprocal (its CPU one divides), and the fused kernel multiplies the same way: the same bits everywhere.
+    scale = values.abs().amax(-1) * torch.tensor(1 / FP8_E4M3_MAX, dtype=torch.float32, device=values.device)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (values / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 

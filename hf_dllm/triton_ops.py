@@ -121,9 +121,9 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _store_fp8_heads(dst_ptr, scale_ptr, x1, x2, head_valid, HALF: tl.constexpr):
         # Rows of x1/x2 (the two halves of a head's vector, float32) as `cache.quantize_kv` stores them: one scale
-        # per row, max|x| / 448 (1 for a zero row), and x / scale rounded to e4m3.
+        # per row, max|x| * float32(1 / 448) (1 for a zero row), and x / scale rounded to e4m3.
         amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
-        scale = tl.math.div_rn(amax, 448.0)
+        scale = amax * (1.0 / 448.0)  # as `quantize_kv`: times the float32 reciprocal
         scale = tl.where(scale > 0, scale, 1.0)
         offs = tl.arange(0, HALF)[None, :]
         y1 = _e4m3_grid(tl.math.div_rn(x1, scale[:, None]))
