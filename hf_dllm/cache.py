@@ -139,6 +139,8 @@ class FP8DiffusionKVCache(DiffusionKVCache):
     `(batch, kv_heads, max_length)` float32. `update` quantizes what it writes and returns the layer's K/V
     dequantized to the input's dtype (the reference path: any attention backend); the fused path writes through
     `quantized_layer` and hands the quantized K/V and their scales to the split-KV kernel, which reads them in place.
+    A forward that computes every position's K/V (the prefix and dual caches' block-start refresh) attends to them
+    as computed, on both paths: only later forwards read quantized K/V.
     """
 
     def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
@@ -178,7 +180,8 @@ class FP8DiffusionKVCache(DiffusionKVCache):
         cache_kwargs: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `DiffusionKVCache.update`, storing `quantize_kv` of the new K/V; returns the layer's K/V over the
-        whole sequence dequantized to `key_states.dtype`."""
+        whole sequence: the given ones when they cover it (a forward over the whole cache attends to its own K/V as
+        computed), else the cache's dequantized to `key_states.dtype`."""
         batch, kv_heads, q_len, head_dim = key_states.shape
         keys, values, key_scales, value_scales = self.quantized_layer(layer_idx, batch, kv_heads, head_dim, key_states)
         new = (*quantize_kv(key_states), *quantize_kv(value_states))
@@ -187,6 +190,8 @@ class FP8DiffusionKVCache(DiffusionKVCache):
                 buffer.copy_(states)
             else:  # float8 has no index kernels: its bytes are copied
                 _as_bytes(buffer).index_copy_(2, cache_kwargs["cache_position"], _as_bytes(states))
+        if q_len == self.length:
+            return key_states, value_states
         dtype = key_states.dtype
         return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype)
 

@@ -96,6 +96,16 @@ if TRITON_AVAILABLE:
         n_tiles = TILES_PER_SPLIT
         if HAS_KV_END:
             n_tiles = tl.minimum(n_tiles, tl.maximum(tl.cdiv(tl.load(kv_end_ptr + b) - start, BLOCK_N), 0))
+        # An FP8 cache with half-precision queries: the products run in fp16, to which float8 converts in one
+        # instruction per two values (to bf16 it takes several: at batch 32 the conversions cost more than the
+        # bytes saved). The queries are scaled by a power of two into fp16's range (1 unless |q| > 32768) and
+        # the scores scaled back; fp16 holds bf16's 8 significant bits.
+        score_scale = scale
+        if HAS_KV_SCALE and not IEEE:
+            q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+            q_shift = tl.where(q_max > 32768.0, tl.exp2(tl.ceil(tl.log2(q_max / 32768.0))), 1.0)
+            q = (q.to(tl.float32) / q_shift).to(tl.float16)
+            score_scale = scale * q_shift
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -108,7 +118,7 @@ if TRITON_AVAILABLE:
             k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_valid[:, None], other=0.0)
             if HAS_KV_SCALE:
-                # An FP8 cache: float8 K/V (exact in the query's dtype) with a float32 scale per key, applied to the
+                # An FP8 cache: float8 K/V (exact in fp16 and float32) with a float32 scale per key, applied to the
                 # scores' columns and to the probabilities, not to the tiles.
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
@@ -131,9 +141,9 @@ if TRITON_AVAILABLE:
             # float32 inputs are multiplied in full float32 (tl.dot would use TF32 tensor cores: ~1e-3 relative error,
             # enough to flip near-tied tokens against an fp32 reference); bf16/fp16 use the tensor cores as usual.
             if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * score_scale
             else:
-                scores = tl.dot(q, tl.trans(k)) * scale
+                scores = tl.dot(q, tl.trans(k)) * score_scale
             if HAS_KV_SCALE:
                 scores = scores * k_scale[None, :]
             scores = tl.where(attend, scores, float("-inf"))
@@ -143,13 +153,20 @@ if TRITON_AVAILABLE:
             p = tl.exp(scores - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            weights = p
             if HAS_KV_SCALE:
-                weights = p * v_scale[None, :]
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+                # Each key's value scale relative to the tile's largest, so the weights stay in [0, 1] (fp16-safe,
+                # as FlashAttention's probabilities); the largest multiplies the tile's product.
+                v_max = tl.max(v_scale, axis=0)
+                v_max = tl.where(v_max > 0, v_max, 1.0)
+                weights = (p * (v_scale / v_max)[None, :]).to(v.dtype)
+                if IEEE:
+                    acc = acc * alpha[:, None] + v_max * tl.dot(weights, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + v_max * tl.dot(weights, v)
+            elif IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         if SINGLE_SPLIT:

@@ -56,11 +56,13 @@ def test_fp8_cache_writes_columns_keeps_rows_and_returns_dequantized_kv():
     torch.manual_seed(0)
     cache = FP8DiffusionKVCache(num_layers=2, max_batch_size=3, max_length=10)
     keys, values = torch.randn(3, 2, 10, 8), torch.randn(3, 2, 10, 8)
+    # A forward over the whole cache attends to its own K/V as computed; the cache holds them quantized.
     full_keys, full_values = cache.update(keys, values, 1)
+    assert full_keys is keys and full_values is values
     assert cache.keys[1].dtype == torch.float8_e4m3fn and cache.keys[1].element_size() == 1
     assert cache.keys[0] is None  # layers are allocated at their first write
-    assert torch.equal(full_keys, dequantize_kv(*quantize_kv(keys), torch.float32))
-    assert torch.equal(full_values, dequantize_kv(*quantize_kv(values), torch.float32))
+    assert torch.equal(cache.keys[1].view(torch.uint8), quantize_kv(keys)[0].view(torch.uint8))
+    assert torch.equal(cache.value_scales[1], quantize_kv(values)[1])
 
     new = torch.randn(3, 2, 2, 8) * 5
     columns = torch.tensor([3, 7])
@@ -257,15 +259,19 @@ def test_rotary_to_cache_quantizes_as_quantize_kv_on_the_gpu(columns):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("batch,kv_len,splits", [(1, 768, None), (8, 768, None), (32, 768, 1), (3, 300, 4)])
-def test_fp8_block_attention_within_twice_torchs_error(batch, kv_len, splits):
+@pytest.mark.parametrize(
+    "batch,kv_len,splits,q_size",
+    [(1, 768, None, 1), (8, 768, None, 1), (32, 768, 1, 1), (3, 300, 4, 1), (2, 96, 1, 3e5)],
+)
+def test_fp8_block_attention_within_twice_torchs_error(batch, kv_len, splits, q_size):
     """The kernel over float8 K/V against float64 attention over the same dequantized K/V: within twice the error of
-    PyTorch's sdpa over the dequantized K/V in bfloat16."""
+    PyTorch's sdpa over the dequantized K/V in bfloat16. The kernel multiplies in fp16: queries beyond fp16's range
+    (`q_size` 3e5) are scaled into it by a power of two."""
     from hf_dllm.triton_attention import block_attention
 
     torch.manual_seed(batch)
     device = "cuda"
-    q = torch.randn(batch, 32, 32, 128, device=device, dtype=torch.bfloat16)
+    q = (torch.randn(batch, 32, 32, 128, device=device) * q_size).to(torch.bfloat16)
     k8, k_scale = quantize_kv(torch.randn(batch, 32, kv_len, 128, device=device) * 3)
     v8, v_scale = quantize_kv(torch.randn(batch, 32, kv_len, 128, device=device))
     padding = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
