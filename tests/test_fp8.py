@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -230,6 +229,7 @@ def grouped_errors(tokens, experts, top_k, k_in, n_out, gated, dtype, device="cp
     return errors, reference
 
 
+# Two scripts, run side by side (each takes about half of the time): the kernels alone, and a tiny quantized model.
 INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -262,6 +262,18 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ]:
             (error,), reference = grouped_errors(tokens, experts, top_k, k_in, n_out, gated, torch.float16)
             assert error <= 2 * reference + 1e-3, ("grouped", tile, tokens, experts, gated, error, reference)
+
+    print("ok")
+    """
+)
+
+INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from hf_dllm import fp8, grouped_gemm
+    torch.manual_seed(0)
+    # The weight-only config the kernels script ends with (one script once ran both).
+    fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
 
     # A float32 LLaDA2 with FP8 experts: the fused path (routing kernels, the grouped FP8 products, the combine)
     # against the PyTorch path (each expert's layers, dequantized), prefill and a cached block step.
@@ -297,11 +309,13 @@ def test_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CPU-only check: with a GPU the kernels are tested compiled (the gpu tests)")
+    from conftest import run_side_by_side  # (here: the scripts import this module, where `conftest` is not found)
+
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    scripts = {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}
+    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
+    for name, result in run_side_by_side(commands, timeout=300, cwd=ROOT, env=env).items():
+        assert result.returncode == 0 and "ok" in result.stdout, (name, result.stderr[-3000:])
 
 
 @pytest.mark.gpu

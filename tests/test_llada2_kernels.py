@@ -1,34 +1,39 @@
 """LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
-(`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence the subprocess), float32, against the
-PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and softmax, a group size
-that is not a power of two, ties), both alignments by expert (against a stable argsort), the combine, and a tiny model's prefill and
-cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path.
+(`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence subprocesses: two, side by side), float32,
+against the PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and
+softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort), the
+combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
+PyTorch path.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import run_side_by_side
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = textwrap.dedent(
+# The kernels alone and the tiny models, two scripts run side by side (each takes about half of the time).
+PRELUDE = """
+import torch, hf_dllm
+
+torch.manual_seed(0)
+base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+            mask_token_id=63, eos_token_id=62, pad_token_id=62, routed_scaling_factor=2.5)
+"""
+
+KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     """
     import itertools
-    import torch, hf_dllm
-    from hf_dllm import kernels, triton_moe
-    from hf_dllm.cache import DiffusionKVCache
+    from hf_dllm import triton_moe
     from hf_dllm.llada2_moe_layer import LLaDA2MoeGate
 
-    torch.manual_seed(0)
-    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
-                mask_token_id=63, eos_token_id=62, pad_token_id=62, routed_scaling_factor=2.5)
     for experts, groups, top_groups, top_k, score, bias in [
         (16, 4, 2, 4, "sigmoid", True), (32, 8, 4, 8, "sigmoid", False), (12, 4, 2, 3, "softmax", True),
         (8, 1, 1, 2, "sigmoid", True), (6, 2, 1, 1, "sigmoid", True),
@@ -147,6 +152,15 @@ SCRIPT = textwrap.dedent(
         else:
             raise AssertionError(("bad kv_end accepted", bad.dtype, bad.shape))
 
+    print("ok")
+    """
+)
+
+MODELS_SCRIPT = PRELUDE + textwrap.dedent(
+    """
+    from hf_dllm import kernels
+    from hf_dllm.cache import DiffusionKVCache
+
     # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
     def prefill_and_step(model):
         # Per kernel mode: the prefill's logits, the step's logits, the last layer's cache, the router logits.
@@ -194,11 +208,13 @@ SCRIPT = textwrap.dedent(
 
 
 def test_llada2_kernels_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    commands = {
+        name: [sys.executable, "-c", script]
+        for name, script in (("kernels", KERNELS_SCRIPT), ("models", MODELS_SCRIPT))
+    }
+    for name, done in run_side_by_side(commands, timeout=600, cwd=ROOT, env=env).items():
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (name, done.stderr[-4000:])
 
 
 def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypatch):

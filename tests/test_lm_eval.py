@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import run_side_by_side, tiny_model
 from test_evaluate import CHECKPOINT_SETTINGS, checkpoint_with_settings, direct_generation
 
 from hf_dllm.cli.completion_text import completion_text, stop_token_ids
@@ -377,32 +377,48 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
         assert sample["resps"][0][0] == expected
 
 
+LAUNCHERS = ["lm_eval", "python -m hf_dllm.evaluation.lm_eval_model"]
+
+
+@pytest.fixture(scope="module")
+def command_line_runs(lm_eval_module, checkpoint, tmp_path_factory) -> dict:
+    """Both launchers of test_lm_eval_command_line, run side by side (most of a run is lm-eval's start-up, in one
+    thread): launcher -> (its finished process, None where the `lm_eval` command is not installed; its output path)."""
+    outputs, commands = {}, {}
+    for launcher in LAUNCHERS:
+        outputs[launcher] = tmp_path_factory.mktemp("lm_eval_cli") / "out"
+        if launcher == "lm_eval":
+            executable = shutil.which(
+                "lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            )
+            if not executable:
+                continue
+            head = [executable]
+        else:
+            head = [sys.executable, "-m", "hf_dllm.evaluation.lm_eval_model"]
+        commands[launcher] = [
+            *head,
+            "--model", "hf_dllm",
+            "--model_args", f"pretrained={checkpoint},dtype=float32,block_length=8,gen_length=8",
+            "--device", "cpu",
+            "--include_path", str(TASKS_DIR),
+            "--tasks", "hf_dllm_tiny_gen",
+            "--limit", "2",
+            "--output_path", str(outputs[launcher]),
+        ]  # fmt: skip
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    done = run_side_by_side(commands, timeout=300, cwd=tmp_path_factory.mktemp("lm_eval_cwd"), env=env)
+    return {launcher: (done.get(launcher), out) for launcher, out in outputs.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["lm_eval", "python -m hf_dllm.evaluation.lm_eval_model"])
-def test_lm_eval_command_line(lm_eval_module, checkpoint, tmp_path, launcher):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_lm_eval_command_line(command_line_runs, launcher):
     """lm-eval's own `lm_eval` command (the startup hook registers `--model hf_dllm`) and hf_dllm's wrapper of it
     (also `hf-dllm lm-eval`), offline on a local task."""
-    if launcher == "lm_eval":
-        executable = shutil.which(
-            "lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        )
-        assert executable, "lm-eval's `lm_eval` command is not installed"
-        head = [executable]
-    else:
-        head = [sys.executable, "-m", "hf_dllm.evaluation.lm_eval_model"]
-    command = [
-        *head,
-        "--model", "hf_dllm",
-        "--model_args", f"pretrained={checkpoint},dtype=float32,block_length=8,gen_length=8",
-        "--device", "cpu",
-        "--include_path", str(TASKS_DIR),
-        "--tasks", "hf_dllm_tiny_gen",
-        "--limit", "2",
-        "--output_path", str(tmp_path / "out"),
-    ]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    done, out = command_line_runs[launcher]
+    assert done is not None, "lm-eval's `lm_eval` command is not installed"
     assert done.returncode == 0, done.stderr[-3000:]
-    (result_file,) = list((tmp_path / "out").rglob("results_*.json"))
+    (result_file,) = list(out.rglob("results_*.json"))
     results = json.loads(result_file.read_text())["results"]
     assert not math.isnan(results["hf_dllm_tiny_gen"]["exact_match,none"])
