@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import run_side_by_side
 from transformers.distributed.tensor_parallel import TensorParallelLayer
 
 from hf_dllm.tiny_model import tasks
@@ -40,10 +41,14 @@ def environment() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(taken: tuple[int, ...] = ()) -> int:
+    """A port free now, not one of `taken` (a server already started may not have bound its port yet)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 @_uneven
@@ -52,10 +57,9 @@ def test_generate_command_sharded_equals_one_process():
     args += ["--steps", "16", "--threads", "1"]
     for prompt in PROMPTS[:2]:
         args += ["--prompt", prompt]
-    one = subprocess.run([sys.executable, *args], env=environment(), capture_output=True, text=True, timeout=120)
-    sharded = subprocess.run(
-        [*TORCHRUN, *args, "--tp-plan", "auto"], env=environment(), capture_output=True, text=True, timeout=180
-    )
+    commands = {"one": [sys.executable, *args], "sharded": [*TORCHRUN, *args, "--tp-plan", "auto"]}
+    done = run_side_by_side(commands, timeout=180, env=environment())  # the start-ups overlap
+    one, sharded = done["one"], done["sharded"]
     assert one.returncode == 0, one.stderr[-3000:]
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     expected = [f"[{p}] {tasks.solve(*p.split(' ', 1))}" for p in PROMPTS[:2]]
@@ -98,12 +102,17 @@ def post(port: int, body: dict) -> dict | str:
     return text if body.get("stream") else json.loads(text)
 
 
-def start_server(sharded: bool, log: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
+def launch_server(sharded: bool, log: Path, taken: tuple[int, ...] = ()) -> tuple[subprocess.Popen, int]:
+    """The server started, not yet answering (see `wait_for_server`), on a free port not in `taken`."""
+    port = free_port(taken)
     args = ["-m", "hf_dllm", "serve", str(TRAINED), "--port", str(port), "--threads", "1", "--log-level", "warning"]
     command = [*TORCHRUN, *args, "--tp-plan", "auto"] if sharded else [sys.executable, *args]
     with open(log, "w") as output:  # a file, not a pipe: a full pipe would block the server
         process = subprocess.Popen(command, env=environment(), stdout=output, stderr=subprocess.STDOUT)
+    return process, port
+
+
+def wait_for_server(process: subprocess.Popen, port: int, log: Path) -> tuple[subprocess.Popen, int]:
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -115,6 +124,10 @@ def start_server(sharded: bool, log: Path) -> tuple[subprocess.Popen, int]:
             time.sleep(0.5)
     process.kill()
     raise AssertionError("the server did not start")
+
+
+def start_server(sharded: bool, log: Path, taken: tuple[int, ...] = ()) -> tuple[subprocess.Popen, int]:
+    return wait_for_server(*launch_server(sharded, log, taken), log)
 
 
 def stop_server(process: subprocess.Popen) -> None:
@@ -138,13 +151,20 @@ def requests() -> list[dict]:
 @_uneven
 def test_serve_sharded_answers_what_one_process_answers(tmp_path):
     expected = []
-    process, port = start_server(sharded=False, log=tmp_path / "one.log")
+    # Both servers start at once (their start-ups overlap); the sharded one is first asked once the other has
+    # answered and stopped.
+    sharded_server = launch_server(sharded=True, log=tmp_path / "sharded.log")
     try:
-        for body in requests():
-            expected.append(post(port, {k: v for k, v in body.items() if v is not None}))
-    finally:
-        stop_server(process)
-    process, port = start_server(sharded=True, log=tmp_path / "sharded.log")
+        process, port = start_server(sharded=False, log=tmp_path / "one.log", taken=(sharded_server[1],))
+        try:
+            for body in requests():
+                expected.append(post(port, {k: v for k, v in body.items() if v is not None}))
+        finally:
+            stop_server(process)
+        process, port = wait_for_server(*sharded_server, tmp_path / "sharded.log")
+    except BaseException:
+        stop_server(sharded_server[0])
+        raise
     try:
         bodies = [{k: v for k, v in body.items() if v is not None} for body in requests()]
         sequential = [post(port, body) for body in bodies]
