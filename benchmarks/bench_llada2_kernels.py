@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fp8_gemm import timed_us  # noqa: E402
 
 from hf_dllm import triton_moe  # noqa: E402
+from hf_dllm.cache import quantize_kv  # noqa: E402
 from hf_dllm.modeling_llada2_moe import grouped_query_mask_for  # noqa: E402
 from hf_dllm.triton_attention import AttentionTiles, block_attention  # noqa: E402
 
@@ -90,6 +91,8 @@ SWEEP_TILES = {
     ],
     "llada-8b": [(32, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 3), (32, 32, 4, 2), (32, 128, 4, 2), (32, 128, 4, 3)],
 }
+# More tiles for an FP8 cache (float8 K/V tiles are half the bytes: longer key tiles and more stages fit).
+FP8_KV_EXTRA_TILES = [(32, 128, 8, 2), (32, 64, 4, 4), (32, 128, 4, 4), (32, 256, 8, 2)]
 # Heads, key/value heads, and whether the step is block-causal (LLaDA2) or bidirectional over the whole cache.
 SWEEP_SHAPES = {"llada2-mini": (16, 4, True), "llada-8b": (32, 32, False)}
 
@@ -133,6 +136,15 @@ def attention_sweep_rows(batch: int, shape: str = "llada2-mini", copies: int = 4
 
     reference = sdpa(*kv[0]).float()
     rows = [dict(shape=shape, batch=batch, kernel="sdpa", us=graph_us([functools.partial(sdpa, k, v) for k, v in kv]))]
+    if not block_causal:  # an unpadded batch: sdpa without a mask (flash attention), as the model runs it then
+
+        def maskless(k, v):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=dim**-0.5)
+            return out.transpose(1, 2).contiguous().reshape(batch, q_len, -1)
+
+        row = dict(shape=shape, batch=batch, kernel="sdpa_maskless")
+        row["us"] = graph_us([functools.partial(maskless, k, v) for k, v in kv])
+        rows.append(row)
     for block_m, block_n, warps, stages in SWEEP_TILES[shape]:
         tiles = AttentionTiles(block_m, block_n, warps, stages)
         for splits in (None, 1, 2):
@@ -150,6 +162,35 @@ def attention_sweep_rows(batch: int, shape: str = "llada2-mini", copies: int = 4
                     row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if not block_causal:
+        rows += fp8_kv_rows(q, kv, kernel_mask, reference, shape)
+    return rows
+
+
+def fp8_kv_rows(q, kv, kernel_mask, reference, shape: str) -> list[dict]:
+    """The kernel over an FP8 cache (`kv_cache_dtype="fp8"`: float8 K/V with a scale per key, read in place) for
+    every tile shape x key splits; `max_err` against sdpa over the model-dtype K/V (FP8 rounding included)."""
+    batch, dim = q.shape[0], q.shape[-1]
+    quantized = [(*quantize_kv(k), *quantize_kv(v)) for k, v in kv]
+    rows = []
+    for block_m, block_n, warps, stages in SWEEP_TILES[shape] + FP8_KV_EXTRA_TILES:
+        tiles = AttentionTiles(block_m, block_n, warps, stages)
+        for splits in (None, 1, 2, 3):
+
+            def call(k8, k_scale, v8, v_scale, tiles=tiles, splits=splits):
+                return block_attention(
+                    q, k8, v8, kernel_mask, dim**-0.5, splits, tiles=tiles, k_scale=k_scale, v_scale=v_scale
+                )
+
+            row = dict(shape=shape, batch=batch, kernel="split_kv_fp8_kv", tiles=[block_m, block_n, warps, stages])
+            row.update(splits=splits, kv_end=False)
+            try:
+                row["max_err"] = (call(*quantized[0]).float().reshape(reference.shape) - reference).abs().max().item()
+                row["us"] = graph_us([functools.partial(call, *copy) for copy in quantized])
+            except Exception as error:  # a tile shape that does not compile or fit (shared memory)
+                row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -225,11 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{args.attention_shape} attention per layer (us), best per batch:")
         for batch in sorted({row["batch"] for row in sweep}):
             timed = [row for row in sweep if row["batch"] == batch and "us" in row]
-            sdpa_us = next(row["us"] for row in timed if row["kernel"] == "sdpa")
-            kernels = sorted((row for row in timed if row["kernel"] != "sdpa"), key=lambda row: row["us"])
-            print(f"batch {batch:>3}: sdpa {sdpa_us:.1f}; fastest kernels:")
-            for row in kernels[:5]:
-                print(f"    {row['us']:.1f} us tiles {row['tiles']} splits {row['splits']} kv_end {row['kv_end']}")
+            sdpa = {row["kernel"]: row["us"] for row in timed if row["kernel"].startswith("sdpa")}
+            print(f"batch {batch:>3}: " + ", ".join(f"{name} {us:.1f}" for name, us in sdpa.items()))
+            for kernel in ("split_kv", "split_kv_fp8_kv"):
+                kernels = sorted((row for row in timed if row["kernel"] == kernel), key=lambda row: row["us"])
+                for row in kernels[:4]:
+                    print(
+                        f"    {kernel}: {row['us']:.1f} us tiles {row['tiles']} splits {row['splits']} "
+                        f"kv_end {row['kv_end']}"
+                    )
         summary["attention_sweep"] = sweep
         print(json.dumps(summary))
         return 0

@@ -115,8 +115,9 @@ KV_CACHE_DTYPES = (None, "fp8")
 
 def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 e4m3 K/V with one float32 scale per vector: `states` `(..., head_dim)` -> `(fp8 (..., head_dim),
-    scale (...))`, `scale = max|x| * float32(1 / 448)` (1 for an all-zero vector) and `x / scale` rounded to nearest, ties to even.
-    The reference of the fused kernel's write (`triton_ops.rotary_to_cache` with scales), bit for bit."""
+    scale (...))`, `scale = max|x| * float32(1 / 448)` (1 for an all-zero vector) and `x / scale` rounded to nearest,
+    ties to even. The reference of the fused kernel's write (`triton_ops.rotary_to_cache` with scales),
+    bit for bit."""
     values = states.float()
     # Times the float32 reciprocal, not divided by 448: PyTorch's CUDA division by a scalar multiplies by the
     # reciprocal (its CPU one divides), and the fused kernel multiplies the same way: the same bits everywhere.

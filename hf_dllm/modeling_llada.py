@@ -271,10 +271,9 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             # block start's refresh) attends to its own K/V as computed; any other reads the float8 K/V.
             cached = past_key_values.quantized_layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, value)
             if q_len == past_key_values.length:
-                triton_ops.rotary_to_cache(
-                    query[:, :, :0], key, value, cos, sin, *cached[:2], cache_position, *cached[2:]
+                query, key = triton_ops.rotary_to_cache(
+                    query, key, value, cos, sin, *cached[:2], cache_position, *cached[2:], keys_out=True
                 )
-                query, key = triton_ops.rotary(query, key, cos, sin)
                 query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
             else:
                 query = triton_ops.rotary_to_cache(

@@ -126,6 +126,8 @@ if TRITON_AVAILABLE:
         scale = amax * (1.0 / 448.0)  # as `quantize_kv`: times the float32 reciprocal
         scale = tl.where(scale > 0, scale, 1.0)
         offs = tl.arange(0, HALF)[None, :]
+        # IEEE division, as PyTorch's tensor division: a product here would be fused with `_e4m3_grid`'s addition
+        # into one FMA on the GPU (Triton contracts by default), changing the bits of values below 2**-6.
         y1 = _e4m3_grid(tl.math.div_rn(x1, scale[:, None]))
         y2 = _e4m3_grid(tl.math.div_rn(x2, scale[:, None]))
         tl.store(dst_ptr + offs, y1.to(dst_ptr.dtype.element_ty), mask=head_valid[:, None])
@@ -192,6 +194,7 @@ if TRITON_AVAILABLE:
         cache_v_ptr,
         k_scale_ptr,
         v_scale_ptr,
+        k_out_ptr,
         position_ptr,
         seq_len,
         n_q_heads,
@@ -216,6 +219,7 @@ if TRITON_AVAILABLE:
         HEADS: tl.constexpr,
         GROUPS: tl.constexpr,
         QUANTIZE: tl.constexpr,
+        KEYS_OUT: tl.constexpr,
     ):
         # As _rotary_kernel, but rotated keys and the values go straight into the K/V cache `(B, Hk, T, D)` at
         # column `position[l]`: one launch instead of RoPE plus two index copies. Program (token, g) rotates the
@@ -260,6 +264,10 @@ if TRITON_AVAILABLE:
                 scales = b * stride_sb + head * stride_sh + column
                 act = k_ptr.dtype.element_ty
                 y1, y2 = y1.to(act).to(tl.float32), y2.to(act).to(tl.float32)
+                if KEYS_OUT:  # the rotated keys too, contiguous (B, L, Hk, D): a refresh attends to them as computed
+                    k_dst = k_out_ptr + (token * n_k_heads + head[:, None]) * (2 * HALF) + offs[None, :]
+                    tl.store(k_dst, y1.to(act), mask=inside)
+                    tl.store(k_dst + HALF, y2.to(act), mask=inside)
                 _store_fp8_heads(cache_k_ptr + vectors, k_scale_ptr + scales, y1, y2, head < n_k_heads, HALF)
                 v1 = tl.load(v_src, mask=inside).to(tl.float32)
                 v2 = tl.load(v_src + HALF, mask=inside).to(tl.float32)
@@ -515,14 +523,16 @@ def rotary_to_cache(
     cache_position: torch.Tensor,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
+    keys_out: bool = False,
+):
     """RoPE on q and k, with k (rotated) and v written into the cache. q `(B, L, Hq, D)`, k/v `(B, L, Hk, D)` (any
     strides, last dim contiguous), cache_keys/values `(B, Hk, T, D)` contiguous in the last dim with equal strides,
     cache_position `(L,)` the columns to write. Returns the rotated q, contiguous `(B, L, Hq, D)`.
 
     An FP8 cache (`cache.FP8DiffusionKVCache`): float8 e4m3 cache_keys/values and `key_scales`/`value_scales`
     `(B, Hk, T)` float32 with equal strides, last dim contiguous; each written vector is stored as
-    `cache.quantize_kv` stores it (the rotated key rounded to k's dtype first), the same bits."""
+    `cache.quantize_kv` stores it (the rotated key rounded to k's dtype first), the same bits. With `keys_out`
+    (FP8 cache only) also returns the rotated keys, contiguous `(B, L, Hk, D)`: `(q, keys)`."""
     batch, seq_len, n_q, dim = q.shape
     n_k = k.shape[2]
     quantize = key_scales is not None
@@ -536,6 +546,9 @@ def rotary_to_cache(
             "rotary_to_cache into an FP8 cache needs float8_e4m3fn cache_keys/values and key_scales/value_scales "
             "with equal strides (last dim contiguous)."
         )
+    if keys_out and not quantize:
+        raise ValueError("rotary_to_cache: `keys_out` is for an FP8 cache (key_scales/value_scales given).")
+    k_out = torch.empty(batch, seq_len, n_k, dim, dtype=k.dtype, device=k.device) if keys_out else None
     cos, sin = _rope_table(cos, sin, batch, seq_len, dim)
     q_out = torch.empty(batch, seq_len, n_q, dim, dtype=q.dtype, device=q.device)
     # Chunks of 16 heads for a block-start forward's hundreds of tokens (H100, LLaDA-8B, 768 positions: 0.38 ms per
@@ -554,6 +567,7 @@ def rotary_to_cache(
         cache_values,
         key_scales if quantize else q_out,  # never read without QUANTIZE
         value_scales if quantize else q_out,
+        k_out if keys_out else q_out,  # never written without KEYS_OUT
         cache_position,
         seq_len,
         n_q,
@@ -578,9 +592,10 @@ def rotary_to_cache(
         HEADS=heads,
         GROUPS=groups,
         QUANTIZE=quantize,
+        KEYS_OUT=keys_out,
         num_warps=4 if heads > 1 else 1,
     )
-    return q_out
+    return (q_out, k_out) if keys_out else q_out
 
 
 @on_tensor_device

@@ -190,6 +190,12 @@ INTERPRETER_SCRIPT = textwrap.dedent(
                 untouched = torch.ones(width, dtype=torch.bool)
                 untouched[columns] = False
                 assert not cache[:, :, untouched].view(torch.uint8).any() and not scales[:, :, untouched].any()
+            if length < 256:  # the rotated keys out as well (a refresh forward): the same cache, and `rotary`'s keys
+                caches = [torch.zeros_like(t) for t in (cache_k, cache_v, key_scales, value_scales)]
+                q_out, k_out = triton_ops.rotary_to_cache(q, k, v, cos, sin, *caches[:2], columns, *caches[2:], keys_out=True)
+                assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref), "fp8 rotary_to_cache keys_out"
+                for written, expected in zip(caches, (cache_k, cache_v, key_scales, value_scales)):
+                    assert torch.equal(written.view(torch.uint8), expected.view(torch.uint8)), "keys_out cache"
 
         # The split-KV kernel reading FP8 K/V in place: float64 attention over the dequantized K/V.
         for batch, heads, kv_heads, q_len, kv_len, dim, splits in [(2, 4, 2, 5, 37, 16, None), (1, 4, 4, 8, 200, 32, 3)]:
