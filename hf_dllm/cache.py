@@ -65,11 +65,13 @@ class DiffusionKVCache:
             shape = (self.max_batch_size, kv_heads, self.max_length, head_dim)
             self.keys[layer_idx] = like.new_zeros(shape)
             self.values[layer_idx] = like.new_zeros(shape)
+        return self._visible(self.keys[layer_idx], batch), self._visible(self.values[layer_idx], batch)
+
+    def _visible(self, buffer: torch.Tensor, batch: int) -> torch.Tensor:
+        """The first `batch` rows and `length` columns of a buffer `(max_batch_size, heads, max_length, ...)`."""
         if batch > self.max_batch_size:
             raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
-        if self.length == self.max_length:
-            return self.keys[layer_idx][:batch], self.values[layer_idx][:batch]
-        return self.keys[layer_idx][:batch, :, : self.length], self.values[layer_idx][:batch, :, : self.length]
+        return buffer[:batch] if self.length == self.max_length else buffer[:batch, :, : self.length]
 
     def update(
         self,
@@ -159,13 +161,8 @@ class FP8DiffusionKVCache(DiffusionKVCache):
             self.values[layer_idx] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=like.device)
             self.key_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
             self.value_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
-        if batch > self.max_batch_size:
-            raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
-        columns = slice(None) if self.length == self.max_length else slice(0, self.length)
-        return tuple(
-            buffer[layer_idx][:batch, :, columns]
-            for buffer in (self.keys, self.values, self.key_scales, self.value_scales)
-        )
+        buffers = (self.keys, self.values, self.key_scales, self.value_scales)
+        return tuple(self._visible(buffer[layer_idx], batch) for buffer in buffers)
 
     def layer(self, layer_idx: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor):
         raise TypeError(
