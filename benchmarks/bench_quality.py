@@ -186,6 +186,12 @@ def main(argv=None) -> int:
         choices=("none", "fp8"),
         help="fp8: FP8 weights with 128x128 block scales (transformers' FineGrainedFP8Config; CUDA only)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=("fp8",),
+        help="fp8: the cached settings keep K/V as float8 e4m3 with a scale per position and head (kv_cache_dtype)",
+    )
     args = p.parse_args(argv)
     if args.quantization == "fp8" and not args.device.startswith("cuda"):
         p.error("--quantization fp8 needs --device cuda (transformers quantizes FP8 on CUDA or XPU only)")
@@ -210,7 +216,7 @@ def main(argv=None) -> int:
         f"model {args.model}: d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} heads, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params; device {args.device} "
         f"({platform.processor() or platform.machine()}, {args.threads} thread(s)), torch {torch.__version__}, "
-        f"quantization {args.quantization}"
+        f"quantization {args.quantization}, K/V cache {args.kv_cache_dtype or 'model dtype'}"
     )
     print(
         f"{args.n} held-out prompts ({', '.join(st.TASKS)}), max_new_tokens {args.max_new_tokens}, "
@@ -225,7 +231,10 @@ def main(argv=None) -> int:
     print("-" * len(header))
     results = []
     for setting in all_settings(block_lengths):
-        r = run_setting(model, tokenizer, examples, encoded, args.max_new_tokens, setting["kwargs"], args.batch_size)
+        kwargs = dict(setting["kwargs"])
+        if args.kv_cache_dtype and kwargs.get("use_cache", True):  # settings without a cache keep no K/V
+            kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        r = run_setting(model, tokenizer, examples, encoded, args.max_new_tokens, kwargs, args.batch_size)
         row = {k: setting[k] for k in ("name", "block_length", "eos_early_stop")}
         row.update({k: v for k, v in r.items() if k != "answers"})
         row["_answers"] = r["answers"]
@@ -266,6 +275,7 @@ def main(argv=None) -> int:
         "batch_size": args.batch_size,
         "device": args.device,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "answers_changed_by_eos_early_stop": changed,
         "settings": [
             {

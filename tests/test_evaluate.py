@@ -299,6 +299,12 @@ def test_generation_options_threshold_none():
     }
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--threshold", "high"])
+    # The FP8 K/V cache, as generate()'s kv_cache_dtype; other values are refused by the parser.
+    assert evaluate.generation_kwargs(parser.parse_args([*base, "--kv-cache-dtype", "fp8"])) == {
+        "kv_cache_dtype": "fp8"
+    }
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--kv-cache-dtype", "fp16"])
     # The CPU thread count is a loading flag; by default torch's own (benchmarks/bench_threads.py: fastest here).
     assert parser.parse_args(base).threads is None and parser.parse_args([*base, "--threads", "2"]).threads == 2
 

@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cache import KV_CACHE_DTYPES
 from ..cli.completion_text import CompletionText, stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from ..generation_config import DREAM_ALGS
@@ -61,6 +62,7 @@ GENERATION_OPTIONS: dict[str, type] = {
     "cfg_scale": float,
     "use_cache": bool,
     "dual_cache": bool,
+    "kv_cache_dtype": str,
     "eos_early_stop": bool,
     "logits_eos_inf": bool,
     "confidence_eos_eot_inf": bool,
@@ -78,7 +80,11 @@ GENERATION_OPTIONS: dict[str, type] = {
     "eps": float,
 }
 # Options with a fixed set of values.
-CHOICES = {"remasking": ("low_confidence", "random"), "alg": DREAM_ALGS}
+CHOICES = {
+    "remasking": ("low_confidence", "random"),
+    "alg": DREAM_ALGS,
+    "kv_cache_dtype": tuple(name for name in KV_CACHE_DTYPES if name is not None),
+}
 # Decoding-rule options that also take `none` (the field set to None: no such rule), as `hf-dllm export` does.
 NONE_OPTIONS = ("steps", "threshold", "factor")
 
