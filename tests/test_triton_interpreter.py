@@ -19,7 +19,8 @@ from conftest import run_side_by_side
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
-# Two scripts, run side by side (each takes about half of the time): the kernels alone, and the models.
+# Two scripts, run side by side (each takes about half of the time): the kernels (and one of Dream's recorded cases),
+# and the models.
 KERNELS_SCRIPT = textwrap.dedent(
     """
     import math, torch, hf_dllm
@@ -59,7 +60,12 @@ KERNELS_SCRIPT = textwrap.dedent(
             cos, sin = rotary_cos_sin(positions, 16, 10000.0)
             cache_k, cache_v = torch.zeros(2, 4, width, 16, dtype=dtype), torch.zeros(2, 4, width, 16, dtype=dtype)
             q_out = triton_ops.rotary_to_cache(q, k, v, cos, sin, cache_k, cache_v, columns)
-            q_ref, k_ref = triton_ops.rotary(q, k, cos, sin)
+            # `rotary`'s values, which in the interpreter are PyTorch's RoPE bit for bit (numpy rounds each product and
+            # sum as PyTorch does; checked on the short runs): PyTorch's is the 512-token run's reference, where
+            # `rotary` would take 12,288 interpreted programs (one per head and token).
+            q_ref, k_ref = (t.transpose(1, 2) for t in apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
+            if length < 256:
+                assert all(map(torch.equal, triton_ops.rotary(q, k, cos, sin), (q_ref, k_ref))), "rotary, bit for bit"
             assert torch.equal(q_out, q_ref), "rotary_to_cache q"
             assert torch.equal(cache_k[:, :, columns], k_ref.transpose(1, 2)), "rotary_to_cache keys"
             assert torch.equal(cache_v[:, :, columns], v.transpose(1, 2)), "rotary_to_cache values"
@@ -117,6 +123,19 @@ KERNELS_SCRIPT = textwrap.dedent(
         assert torch.equal(tokens, candidates.argmax(-1)), "greedy token"
         exact = torch.softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
         assert (probability.double() - exact).abs().max() < 1e-6, "greedy probability"
+
+    # Dream's recorded Fast-dLLM prefix-cache case (with the dual-cache case in the other script: here the two scripts
+    # take about as long).
+    from hf_dllm import DreamModel
+    from safetensors.torch import load_file
+    hf_dllm.kernels.set_kernel_mode("triton")
+    dream = DreamModel.from_pretrained("tests/fixtures/dream-tiny-ref")
+    expected = load_file("tests/fixtures/dream-tiny-ref/expected.safetensors")
+    out = dream.generate(
+        expected["prompt.p12"], max_new_tokens=16, block_length=8, alg="entropy", steps=8, dual_cache=False,
+        eos_early_stop=False,
+    )
+    assert torch.equal(out, expected["case.p12.blk.g16.prefix.s8"]), "Dream prefix-cache generation"
     print("kernel checks passed")
     """
 )
@@ -147,7 +166,7 @@ MODELS_SCRIPT = textwrap.dedent(
     assert torch.equal(out, expected["case.p7.dual.threshold0.5"]), "dual-cache generation"
 
     # Dream: the fused norms (residual add included), SiLU gate, RoPE and concatenated projections against PyTorch,
-    # and recorded Fast-dLLM cases (dual and prefix cache).
+    # and a recorded Fast-dLLM case with the dual cache (the prefix-cache case is in the other script).
     from hf_dllm import DreamModel
     dream = DreamModel.from_pretrained("tests/fixtures/dream-tiny-ref")
     with torch.no_grad():
@@ -163,11 +182,6 @@ MODELS_SCRIPT = textwrap.dedent(
         dual_cache=True, eos_early_stop=False,
     )
     assert torch.equal(out, expected["case.p12.blk.g16.dual.t0.7"]), "Dream dual-cache generation"
-    out = dream.generate(
-        expected["prompt.p12"], max_new_tokens=16, block_length=8, alg="entropy", steps=8, dual_cache=False,
-        eos_early_stop=False,
-    )
-    assert torch.equal(out, expected["case.p12.blk.g16.prefix.s8"]), "Dream prefix-cache generation"
 
     print("model checks passed")
     """
