@@ -559,6 +559,7 @@ def resolve_generation_settings(
         generation_config=base,
         diffusion_block_causal=model_class.diffusion_block_causal,
         diffusion_sampler_fields=model_class.diffusion_sampler_fields,
+        diffusion_kv_cache_dtypes=model_class.diffusion_kv_cache_dtypes,
     )
     flags = " ".join(f"{GENERATION_OPTIONS[name]} {value}" for name, value in options.items())
     try:
