@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -213,8 +212,19 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             tol = 1e-5 if dtype == torch.float32 else 4e-3
             assert (out.double() - ref).abs().max() <= tol, ("fp8 attention", dtype, splits)
 
-    # generate() with an FP8 dual cache: the fused path (RoPE kernel quantizing, split-KV kernel reading float8)
-    # gives the tokens of the module path (`update` quantizing, sdpa over dequantized K/V).
+    print("fp8 interpreter checks passed")
+    """
+)
+
+
+# generate() with an FP8 dual cache in the interpreter: the fused path (RoPE kernel quantizing, split-KV kernel reading
+# float8), the fused write with sdpa, and the module path give the same tokens.
+INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
+    """
+    import torch, hf_dllm
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
     model = AutoModel.from_pretrained("tests/fixtures/llada-tiny-trained", attn_implementation="llada_triton")
     ids = torch.randint(5, 90, (2, 18))
     kwargs = dict(max_new_tokens=8, block_length=4, eos_early_stop=False, kv_cache_dtype="fp8")
@@ -230,12 +240,14 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_fp8_cache_kernels_in_the_interpreter():
     pytest.importorskip("triton", reason="the `triton` extra is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT))
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "fp8 interpreter checks passed" in result.stdout
+    from conftest import run_side_by_side
+
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    scripts = {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}
+    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
+    for name, result in run_side_by_side(commands, timeout=600, cwd=ROOT, env=env).items():
+        assert result.returncode == 0, (name, result.stdout[-3000:] + result.stderr[-3000:])
+        assert "fp8 interpreter checks passed" in result.stdout, name
 
 
 @gpu
