@@ -159,9 +159,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     import math, torch, hf_dllm
     from hf_dllm import triton_ops
     from hf_dllm.cache import quantize_kv, dequantize_kv
-    from hf_dllm.modeling_llada import rotary_cos_sin
+    from hf_dllm.modeling_llada import apply_rotary_pos_emb, rotary_cos_sin
     from hf_dllm.triton_attention import block_attention
-    from transformers import AutoModel
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float16):
@@ -180,7 +179,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             cache_v = torch.zeros_like(cache_k)
             key_scales, value_scales = torch.zeros(2, heads[1], width), torch.zeros(2, heads[1], width)
             q_out = triton_ops.rotary_to_cache(q, k, v, cos, sin, cache_k, cache_v, columns, key_scales, value_scales)
-            q_ref, k_ref = triton_ops.rotary(q, k, cos, sin)
+            if length < 256:
+                q_ref, k_ref = triton_ops.rotary(q, k, cos, sin)
+            else:  # PyTorch's RoPE: `rotary`'s bits (tests/test_triton_interpreter.py), without its 12,288 programs
+                q_ref, k_ref = (t.transpose(1, 2) for t in apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin))
             assert torch.equal(q_out, q_ref), "fp8 rotary_to_cache q"
             for cache, scales, states in ((cache_k, key_scales, k_ref.transpose(1, 2)), (cache_v, value_scales, v.transpose(1, 2))):
                 expected, expected_scales = quantize_kv(states)
