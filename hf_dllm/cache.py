@@ -96,10 +96,15 @@ class DiffusionKVCache:
     def keep_rows(self, index: torch.Tensor) -> None:
         """Compact the rows in place: row i becomes old row `index[i]` (`index` `(n,)` long), so the buffers keep
         their addresses (captured CUDA graphs read them) while finished rows leave the batch."""
-        for buffers in (self.keys, self.values):
+        for buffers in self._buffer_lists():
             for buffer in buffers:
                 if buffer is not None:
-                    buffer[: index.numel()].copy_(buffer.index_select(0, index.to(buffer.device)))
+                    data = _as_bytes(buffer)
+                    data[: index.numel()].copy_(data.index_select(0, index.to(buffer.device)))
+
+    def _buffer_lists(self) -> tuple[list, ...]:
+        """The per-layer buffer lists a row owns a slice of (its keys and values; an FP8 cache adds their scales)."""
+        return self.keys, self.values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """transformers' Cache interface: positions held (the whole sequence once the layer was written)."""
@@ -111,8 +116,6 @@ class DiffusionKVCache:
 
 # Largest finite float8 e4m3 value: a position's largest |value| in a head maps to it.
 FP8_E4M3_MAX = 448.0
-# `kv_cache_dtype` values (`DiffusionGenerationConfig`): None keeps K/V in the model's dtype.
-KV_CACHE_DTYPES = (None, "fp8")
 
 
 def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +126,8 @@ def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = states.float()
     # Times the float32 reciprocal, not divided by 448: PyTorch's CUDA division by a scalar multiplies by the
     # reciprocal (its CPU one divides), and the fused kernel multiplies the same way: the same bits everywhere.
-    scale = values.abs().amax(-1) * torch.tensor(1 / FP8_E4M3_MAX, dtype=torch.float32, device=values.device)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = values.abs().amax(-1) * (1 / FP8_E4M3_MAX)  # a float32 tensor times a scalar: float32 arithmetic
+    scale = torch.where(scale > 0, scale, 1.0)
     return (values / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 
 
@@ -161,8 +164,10 @@ class FP8DiffusionKVCache(DiffusionKVCache):
             self.values[layer_idx] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=like.device)
             self.key_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
             self.value_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
-        buffers = (self.keys, self.values, self.key_scales, self.value_scales)
-        return tuple(self._visible(buffer[layer_idx], batch) for buffer in buffers)
+        return tuple(self._visible(buffers[layer_idx], batch) for buffers in self._buffer_lists())
+
+    def _buffer_lists(self) -> tuple[list, ...]:
+        return self.keys, self.values, self.key_scales, self.value_scales
 
     def layer(self, layer_idx: int, batch: int, kv_heads: int, head_dim: int, like: torch.Tensor):
         raise TypeError(
@@ -182,23 +187,16 @@ class FP8DiffusionKVCache(DiffusionKVCache):
         computed), else the cache's dequantized to `key_states.dtype`."""
         batch, kv_heads, q_len, head_dim = key_states.shape
         keys, values, key_scales, value_scales = self.quantized_layer(layer_idx, batch, kv_heads, head_dim, key_states)
+        layer = (keys, key_scales, values, value_scales)
         new = (*quantize_kv(key_states), *quantize_kv(value_states))
-        for buffer, states in zip((keys, key_scales, values, value_scales), new, strict=True):
-            if q_len == self.length:
-                buffer.copy_(states)
-            else:  # float8 has no index kernels: its bytes are copied
-                _as_bytes(buffer).index_copy_(2, cache_kwargs["cache_position"], _as_bytes(states))
         if q_len == self.length:
+            for buffer, states in zip(layer, new, strict=True):
+                buffer.copy_(states)
             return key_states, value_states
+        for buffer, states in zip(layer, new, strict=True):  # float8 has no index kernels: its bytes are copied
+            _as_bytes(buffer).index_copy_(2, cache_kwargs["cache_position"], _as_bytes(states))
         dtype = key_states.dtype
         return dequantize_kv(keys, key_scales, dtype), dequantize_kv(values, value_scales, dtype)
-
-    def keep_rows(self, index: torch.Tensor) -> None:
-        for buffers in (self.keys, self.values, self.key_scales, self.value_scales):
-            for buffer in buffers:
-                if buffer is not None:
-                    data = _as_bytes(buffer)
-                    data[: index.numel()].copy_(data.index_select(0, index.to(buffer.device)))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -206,13 +204,16 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
+# The K/V store of each `kv_cache_dtype` (`DiffusionGenerationConfig`): None keeps K/V in the model's dtype.
+KV_CACHE_CLASSES = {None: DiffusionKVCache, "fp8": FP8DiffusionKVCache}
+KV_CACHE_DTYPES = tuple(KV_CACHE_CLASSES)
+
+
 def new_kv_cache(num_layers: int, max_batch_size: int, max_length: int, kv_cache_dtype: str | None = None):
-    """The K/V store `kv_cache_dtype` names (`KV_CACHE_DTYPES`): `DiffusionKVCache` in the model's dtype, or
-    `FP8DiffusionKVCache`."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
+    """The K/V store `kv_cache_dtype` names (`KV_CACHE_CLASSES`)."""
+    if kv_cache_dtype not in KV_CACHE_CLASSES:
         raise ValueError(f"`kv_cache_dtype` must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}.")
-    cache_class = FP8DiffusionKVCache if kv_cache_dtype == "fp8" else DiffusionKVCache
-    return cache_class(num_layers, max_batch_size, max_length)
+    return KV_CACHE_CLASSES[kv_cache_dtype](num_layers, max_batch_size, max_length)
 
 
 def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

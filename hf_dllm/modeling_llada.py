@@ -270,17 +270,15 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             # As below, into an FP8 cache: the kernel quantizes what it writes. A forward over the whole cache (a
             # block start's refresh) attends to its own K/V as computed; any other reads the float8 K/V.
             cached = past_key_values.quantized_layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, value)
-            if q_len == past_key_values.length:
-                query, key = triton_ops.rotary_to_cache(
-                    query, key, value, cos, sin, *cached[:2], cache_position, *cached[2:], keys_out=True
-                )
-                query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            refresh = q_len == past_key_values.length
+            rotated = triton_ops.rotary_to_cache(
+                query, key, value, cos, sin, *cached[:2], cache_position, *cached[2:], keys_out=refresh
+            )
+            if refresh:
+                query, key, value = (t.transpose(1, 2) for t in (*rotated, value))
             else:
-                query = triton_ops.rotary_to_cache(
-                    query, key, value, cos, sin, *cached[:2], cache_position, *cached[2:]
-                )
                 key, value, fp8_kwargs = fp8_attention_inputs(self.config._attn_implementation, *cached, query.dtype)
-                query, kwargs = query.transpose(1, 2), {**kwargs, **fp8_kwargs}
+                query, kwargs = rotated.transpose(1, 2), {**kwargs, **fp8_kwargs}
         elif fused and self._rotary_kernel_applies() and isinstance(past_key_values, DiffusionKVCache):
             # RoPE, and the new keys/values written into the cache, in one kernel.
             cache_keys, cache_values = past_key_values.layer(

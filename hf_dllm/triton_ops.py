@@ -251,7 +251,8 @@ if TRITON_AVAILABLE:
         for first in range(group * HEADS, n_k_heads, GROUPS * HEADS):
             head = first + heads
             inside = (head < n_k_heads)[:, None]
-            cache = b * stride_cb + head[:, None] * stride_ch + column * stride_cn + offs[None, :]
+            vectors = b * stride_cb + head[:, None] * stride_ch + column * stride_cn
+            cache = vectors + offs[None, :]
             v_src = v_ptr + b * stride_vb + pos * stride_vl + head[:, None] * stride_vh + offs[None, :]
             src = k_ptr + b * stride_kb + pos * stride_kl + head[:, None] * stride_kh + offs[None, :]
             x1 = tl.load(src, mask=inside).to(tl.float32)
@@ -260,7 +261,6 @@ if TRITON_AVAILABLE:
             if QUANTIZE:
                 # An FP8 cache (`cache.FP8DiffusionKVCache`): the rotated keys rounded to the activations' dtype
                 # first, as the module path hands them to `quantize_kv`.
-                vectors = b * stride_cb + head[:, None] * stride_ch + column * stride_cn
                 scales = b * stride_sb + head * stride_sh + column
                 act = k_ptr.dtype.element_ty
                 y1, y2 = y1.to(act).to(tl.float32), y2.to(act).to(tl.float32)
