@@ -9,6 +9,7 @@ while waiting and while running, slot reuse, mixed settings, the width limit, a 
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 from pathlib import Path
@@ -238,6 +239,38 @@ def test_block_causal_random_model_mixed_settings_equal_generate_alone(random_ll
     engine = ContinuousBatcher(random_llada2, max_batch_size=4)
     boundaries = drive(engine, requests, [rng.randrange(0, 10) for _ in prompts])
     assert engine.layouts > boundaries  # some boundaries decoded several layouts
+    assert_alone(random_llada2, requests)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_causal_layouts_hold_the_visible_columns_in_power_of_two_widths(random_llada2, seed, monkeypatch):
+    """With `width_granularity > 1` (CUDA's default: graphs), a block-causal layout holds only the columns up to
+    its block's end (its steps see no later column), rounded up to a power-of-two multiple of the granularity and
+    capped at `max_batch_width`, so few step shapes arise; rows that end early (an EOS) before their canvas fits the
+    layout keep the rest of their canvas filled as `generate()` fills it; each row is `generate()` alone."""
+    widths = []
+    decode_block = LayoutRun.decode_block
+
+    def recorded(self, rows, width):
+        starts = [row.plan.blocks[row.block][0] for row in rows]
+        visible = max(starts) + max(end - start for start, end in (row.plan.blocks[row.block] for row in rows))
+        canvas = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
+        widths.append((width, visible, canvas))
+        return decode_block(self, rows, width)
+
+    monkeypatch.setattr(LayoutRun, "decode_block", recorded)
+    rng = random.Random(40 + seed)
+    prompts = random_prompts(rng, 8, 4, 100, longest=60)
+    # Frequent tokens as EOS, so rows end early at blocks whose layout is narrower than their canvas.
+    kinds = [dict(LLADA2_KINDS[i % 3], eos_early_stop=True, eos_token_id=[14, 37, 83]) for i in range(len(prompts))]
+    requests = [request(random_llada2, prompt, **kind) for prompt, kind in zip(prompts, kinds, strict=True)]
+    engine = ContinuousBatcher(random_llada2, max_batch_size=4, max_batch_width=120, width_granularity=8)
+    drive(engine, requests, [rng.randrange(0, 6) for _ in prompts])
+    for width, visible, _ in widths:
+        assert width == min(8 * 2 ** math.ceil(math.log2(visible / 8)), 120) or width == visible, (width, visible)
+    assert any(width < canvas for width, _, canvas in widths)  # the canvases' rest is left out
+    ended_early = [req for req in requests if req.block < len(req.plan.blocks)]
+    assert ended_early, "no row ended at an EOS before its last block"
     assert_alone(random_llada2, requests)
 
 

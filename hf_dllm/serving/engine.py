@@ -11,7 +11,8 @@ alone).
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
-  to `width_granularity` columns, so few shapes (CUDA graphs) are needed.
+  to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths), so few
+  shapes (CUDA graphs) are needed.
 
 `ContinuousBatcher` owns the running rows: `submit()` queues requests (any thread), `decode_boundary()` admits
 waiting requests that fit, decodes one block of every running row and reports each row's new tokens to its
@@ -194,10 +195,24 @@ class ContinuousBatcher:
     # -- layouts ----------------------------------------------------------------------------------------------
     def layout_width(self, rows: list[EngineRequest]) -> int:
         """Columns of the layout of `rows`: their current blocks aligned at the latest block start, plus the
-        longest rest of a canvas after it, rounded up to `width_granularity` (at most `max_batch_width`)."""
+        longest rest of a canvas after it, rounded up to `width_granularity` (at most `max_batch_width`).
+
+        Block-causal rows with `width_granularity > 1` (CUDA graphs): only the columns up to the block's end, as a
+        power-of-two multiple of `width_granularity`. Their steps never see a later column (the block-causal mask,
+        and the split-KV kernel reads no key past the last one visible), so the rest of the canvases would only
+        multiply the step shapes: with widths in steps of 64 a server met a new shape at every other boundary and
+        ran a fifth of its steps eagerly or capturing (H100, LLaDA2.0-mini shape; RESULTS.md, continuous batching,
+        session 16). With
+        granularity 1 (off CUDA) the layout keeps whole canvases: a row alone is then laid out as `generate()`
+        lays it out, so its float32 arithmetic is exactly `generate()`'s."""
         starts = [row.plan.blocks[row.block][0] for row in rows]
+        granularity = self.width_granularity
+        if self.block_causal and granularity > 1:
+            visible = max(starts) + max(end - start for start, end in (row.plan.blocks[row.block] for row in rows))
+            units = -(-visible // granularity)
+            return max(visible, min(granularity << (units - 1).bit_length(), self.max_batch_width))
         width = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
-        rounded = -(-width // self.width_granularity) * self.width_granularity
+        rounded = -(-width // granularity) * granularity
         return max(width, min(rounded, self.max_batch_width))
 
     def _admit(self) -> None:

@@ -153,8 +153,10 @@ class LayoutRun(BlockDiffusionRun):
         updates = [None] * n
         for i, row in enumerate(rows):
             start, shift, prompt = int(starts[i]), int(shifts[i]), int(prompt_lengths[i])
-            if bool(ended[i]):
-                row.tokens = self.x[i, shift : shift + row.tokens.shape[0]].clone()
+            if bool(ended[i]):  # as `filled` shows it: the fill token after the layout's columns too
+                own = min(row.tokens.shape[0], width - shift)
+                row.tokens = torch.full_like(row.tokens, self.fill_id)
+                row.tokens[:own] = self.x[i, shift : shift + own]
             else:
                 row.tokens[start : start + length] = self.x[i, block_start:block_end]
             previous = row.committed
