@@ -202,9 +202,8 @@ class ContinuousBatcher:
         and the split-KV kernel reads no key past the last one visible), so the rest of the canvases would only
         multiply the step shapes: with widths in steps of 64 a server met a new shape at every other boundary and
         ran a fifth of its steps eagerly or capturing (H100, LLaDA2.0-mini shape; RESULTS.md, continuous batching,
-        session 16). With
-        granularity 1 (off CUDA) the layout keeps whole canvases: a row alone is then laid out as `generate()`
-        lays it out, so its float32 arithmetic is exactly `generate()`'s."""
+        session 16). With granularity 1 (off CUDA) the layout keeps whole canvases: a row alone is then laid out as
+        `generate()` lays it out, so its float32 arithmetic is exactly `generate()`'s."""
         starts = [row.plan.blocks[row.block][0] for row in rows]
         granularity = self.width_granularity
         if self.block_causal and granularity > 1:
