@@ -196,12 +196,13 @@ def trace_boundaries(batcher) -> list[dict]:
 
     def decode_block(run, rows, width):
         joined = [request_key(row.prompt_ids) for row in rows if row.block == 0]
-        eager = engine.graph_counts()["eager"]
+        eager, start = engine.graph_counts()["eager"], time.monotonic()
         try:
             return original_block(run, rows, width)
         finally:
             trace[-1]["layouts"].append(
                 dict(
+                    start=start,
                     end=time.monotonic(),
                     rows=len(rows),
                     width=width,
@@ -223,9 +224,10 @@ def trace_boundaries(batcher) -> list[dict]:
 
 def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
     """Each answered request's time to first block, split at the server's boundaries: `before` (from sending to
-    the start of the boundary it joined: the boundary under way when it arrived, and any it waited through,
-    `passed`), `own` (that boundary's start to the end of the layout that decoded its first block) and `after`
-    (from there to the first streamed text: the scheduler's hand-off, HTTP, the client)."""
+    where it joined: the start of the boundary it joined, or of its layout if it joined between a boundary's
+    layouts; the boundary under way when it arrived, and any it waited through, `passed`), `own` (from there to
+    the end of the layout that decoded its first block) and `after` (from there to the first streamed text: the
+    scheduler's hand-off, HTTP, the client)."""
     joined = {}
     for boundary in trace:
         for layout in boundary["layouts"]:
@@ -236,18 +238,19 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
         if "first_at" not in record:
             continue
         sent = record["sent_at"]
-        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if b["start"] >= sent), None)
+        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if lay["start"] >= sent), None)
         if found is None:
             continue
         boundary, layout = found
+        joined_at = boundary["start"] if boundary["start"] >= sent else layout["start"]
         passed = [b for b in trace if sent <= b["start"] < boundary["start"]]
         under_way = [b for b in trace if b["start"] < sent <= b["end"]]
         parts.append(
             dict(
                 first_block=record["first_at"] - sent,
-                before=boundary["start"] - sent,
+                before=joined_at - sent,
                 passed=len(passed),
-                own=layout["end"] - boundary["start"],
+                own=layout["end"] - joined_at,
                 after=record["first_at"] - layout["end"],
                 rows=sum(lay["rows"] for lay in boundary["layouts"]),
                 layout_rows=layout["rows"],

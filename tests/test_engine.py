@@ -662,3 +662,103 @@ def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with attention_without_shape_plans("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def drive_within_boundaries(engine: ContinuousBatcher, requests: list[EngineRequest], arrivals: list[tuple]) -> None:
+    """Submit request i at `arrivals[i] = (boundary, k)`: before that boundary (k = 0) or through its `intake`
+    after its k-th layout (at the next boundary's start if it has fewer); decode until all are done."""
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    now = [0, 0]  # (boundary, layouts decoded in it)
+
+    def submit_until(limit):
+        while order and arrivals[order[0]] <= limit:
+            engine.submit(requests[order.pop(0)])
+
+    def intake():
+        now[1] += 1
+        submit_until(tuple(now))
+
+    while order or engine.has_work():
+        now[1] = 0
+        submit_until(tuple(now))
+        engine.decode_boundary(intake=intake)
+        submit_until((now[0], float("inf")))
+        now[0] += 1
+
+
+def submit_once(engine: ContinuousBatcher, req: EngineRequest):
+    """An `intake` that submits `req` at its first call."""
+    sent = []
+
+    def intake():
+        if not sent:
+            sent.append(req)
+            engine.submit(req)
+
+    return intake
+
+
+# Two settings groups, so that a boundary decodes (at least) two layouts.
+WITHIN_A = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False)
+WITHIN_B = dict(max_new_tokens=32, block_length=8, threshold=0.7, use_cache=True, eos_early_stop=False)
+
+
+@pytest.mark.parametrize("joining", ["A", "B"])
+def test_requests_join_between_the_layouts_of_a_boundary(trained, joining, monkeypatch):
+    """A request that arrives while a boundary's first layout runs does not wait for the boundary's end: it
+    decodes its first block in that boundary, in a layout of its own right away when its cohort's layout has
+    passed (A), or in its cohort's layout still to come (B). With `join_layout_min_rows=None` it waits for the
+    next boundary. Every row is `generate()` alone."""
+    layouts = recorded_layouts(monkeypatch)
+    prompts = random_prompts(random.Random(50), 3, 4, 60)
+    for rule in (2, None):
+        layouts.clear()
+        first_a, first_b = request(trained, prompts[0], **WITHIN_A), request(trained, prompts[1], **WITHIN_B)
+        late = request(trained, prompts[2], **(WITHIN_A if joining == "A" else WITHIN_B))
+        engine = ContinuousBatcher(trained, max_batch_size=4, join_layout_min_rows=rule)
+        engine.submit(first_a)
+        engine.submit(first_b)
+        engine.decode_boundary()
+        engine.decode_boundary(intake=submit_once(engine, late))
+        if rule is None:  # no intake between layouts: the request arrives for the next boundary
+            assert engine.last_layout_sizes == [1, 1] and not engine.pending()
+            engine.submit(late)
+        elif joining == "A":  # A's layout had run: its own layout, before B's
+            assert engine.last_layout_sizes == [1, 1, 1] and len(late.on_block.updates) == 1
+            assert layouts[-2] == [(id(late), 0)]
+        else:  # into B's layout, which was still to come
+            assert engine.last_layout_sizes == [1, 2] and len(late.on_block.updates) == 1
+        engine.run_until_done()
+        assert_alone(trained, [first_a, first_b, late])
+
+
+def test_a_place_freed_in_a_boundary_is_taken_within_it(trained):
+    """The batch is full; a row ends in the boundary's first layout, and a request waiting for a place takes it
+    in the same boundary (the ended row's slot), before the boundary's other layout."""
+    short = request(trained, [5, 6, 7], **dict(WITHIN_A, max_new_tokens=8))  # one block: ends at its first
+    long, late = request(trained, [8, 9], **WITHIN_B), request(trained, [10, 11, 12], **WITHIN_A)
+    engine = ContinuousBatcher(trained, max_batch_size=2, join_layout_min_rows=2)
+    engine.submit(short)
+    engine.submit(long)
+    engine.submit(late)  # waits: no place
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [1, 1, 1] and len(late.on_block.updates) == 1
+    assert short.on_block.updates[-1].ended and late.slot == short.slot
+    engine.run_until_done()
+    assert_alone(trained, [short, long, late])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rows_joining_within_boundaries_equal_generate_alone(trained, random_llada2, seed):
+    """Random arrivals between layouts, for LLaDA (two settings groups) and block-causal LLaDA2 (mixed block
+    lengths and editing: a joining row's K/V slot may be the one a row ended in the same boundary left)."""
+    rng = random.Random(60 + seed)
+    cases = [(trained, [WITHIN_A, WITHIN_B], 60), (random_llada2, LLADA2_KINDS, 100)]
+    for model, kinds, vocab in cases:
+        prompts = random_prompts(rng, 10, 4, vocab, longest=40)
+        requests = [
+            request(model, prompt, **dict(kinds[rng.randrange(len(kinds))], eos_early_stop=False)) for prompt in prompts
+        ]
+        engine = ContinuousBatcher(model, max_batch_size=3, join_layout_min_rows=1)
+        drive_within_boundaries(engine, requests, [(rng.randrange(0, 8), rng.randrange(0, 3)) for _ in prompts])
+        assert_alone(model, requests)
