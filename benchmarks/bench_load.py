@@ -196,13 +196,12 @@ def trace_boundaries(batcher) -> list[dict]:
 
     def decode_block(run, rows, width):
         joined = [request_key(row.prompt_ids) for row in rows if row.block == 0]
-        eager, start = engine.graph_counts()["eager"], time.monotonic()
+        eager = engine.graph_counts()["eager"]
         try:
             return original_block(run, rows, width)
         finally:
             trace[-1]["layouts"].append(
                 dict(
-                    start=start,
                     end=time.monotonic(),
                     rows=len(rows),
                     width=width,
@@ -224,10 +223,9 @@ def trace_boundaries(batcher) -> list[dict]:
 
 def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
     """Each answered request's time to first block, split at the server's boundaries: `before` (from sending to
-    where it joined: the start of the boundary it joined, or of its layout if it joined between a boundary's
-    layouts; the boundary under way when it arrived, and any it waited through, `passed`), `own` (from there to
-    the end of the layout that decoded its first block) and `after` (from there to the first streamed text: the
-    scheduler's hand-off, HTTP, the client)."""
+    the start of the boundary it joined: the boundary under way when it arrived, and any it waited through,
+    `passed`), `own` (that boundary's start to the end of the layout that decoded its first block) and `after`
+    (from there to the first streamed text: the scheduler's hand-off, HTTP, the client)."""
     joined = {}
     for boundary in trace:
         for layout in boundary["layouts"]:
@@ -238,19 +236,18 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
         if "first_at" not in record:
             continue
         sent = record["sent_at"]
-        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if lay["start"] >= sent), None)
+        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if b["start"] >= sent), None)
         if found is None:
             continue
         boundary, layout = found
-        joined_at = boundary["start"] if boundary["start"] >= sent else layout["start"]
         passed = [b for b in trace if sent <= b["start"] < boundary["start"]]
         under_way = [b for b in trace if b["start"] < sent <= b["end"]]
         parts.append(
             dict(
                 first_block=record["first_at"] - sent,
-                before=joined_at - sent,
+                before=boundary["start"] - sent,
                 passed=len(passed),
-                own=layout["end"] - joined_at,
+                own=layout["end"] - boundary["start"],
                 after=record["first_at"] - layout["end"],
                 rows=sum(lay["rows"] for lay in boundary["layouts"]),
                 layout_rows=layout["rows"],

@@ -3,9 +3,8 @@ batch at block boundaries (`engine.ContinuousBatcher`).
 
 Every prompt of a request becomes a `RowRequest` carrying its resolved settings (`model.resolve_generation_config`
 of the fields the request named: the checkpoint's `generation_config.json` supplies the rest). One scheduler
-thread owns the model and the engine: it queues submitted rows, and at every block boundary (and between its
-layouts, `_intake`) the engine admits waiting rows (oldest first, as long as a row and the cache's width are
-free), decodes one block of every running
+thread owns the model and the engine: it queues submitted rows, and at every block boundary the engine admits
+waiting rows (oldest first, as long as a row and the cache's width are free), decodes one block of every running
 row (rows whose settings differ only in `max_new_tokens` share a layout; other settings groups are decoded after
 it at the same boundary) and reports each row's new tokens. A row's tokens and forwards are those of
 `generate()` for its prompt alone (greedy settings; padding is masked, nothing else is shared).
@@ -226,7 +225,6 @@ class Batcher:
         self.stats = BatchStats()
         self._submitted: deque[RowRequest] = deque()
         self._trackers: dict[int, RowTracker] = {}  # id(EngineRequest) -> its row's tracker
-        self._taken_in: list[EngineRequest] = []  # requests handed to the engine during the current boundary
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -279,7 +277,7 @@ class Batcher:
         with self._cond:
             self._cond.notify_all()
 
-    def _enqueue(self, row: RowRequest) -> EngineRequest | None:
+    def _enqueue(self, row: RowRequest) -> None:
         """Hand a submitted row to the engine (in the scheduler thread, which owns it)."""
         config = row.generation_config
         if self.block_causal and self.stop_token_ids:
@@ -296,7 +294,6 @@ class Batcher:
             return
         self._trackers[id(request)] = tracker
         request.on_cancel = tracker.end
-        return request
 
     def _serve(self) -> None:
         while True:
@@ -305,41 +302,30 @@ class Batcher:
                     self._cond.wait()
                 if self._stopping:
                     return
-            self._intake()
+                submitted = list(self._submitted)
+                self._submitted.clear()
+            for row in submitted:
+                self._enqueue(row)
             self.decode_boundary()
-
-    def _intake(self) -> None:
-        """Hand the rows submitted so far to the engine (before a boundary, and between its layouts)."""
-        with self._cond:
-            submitted = list(self._submitted)
-            self._submitted.clear()
-        for row in submitted:
-            request = self._enqueue(row)
-            if request is not None:
-                self._taken_in.append(request)
 
     def decode_boundary(self) -> None:
         """One block boundary of the engine; a failing layout gives its rows an error and the server keeps
         serving."""
         engine = self.engine
         forwards, positions, started = engine.forwards, engine.first_step_positions, time.monotonic()
-        running, self._taken_in = list(engine.running) + list(engine.waiting), []
+        running = list(engine.running) + list(engine.waiting)
         try:
-            engine.decode_boundary(intake=self._intake)
-            failure = None
+            engine.decode_boundary()
         except Exception as error:
             logger.exception("generation failed for a layout of rows")
-            failure = error
-        running += self._taken_in  # rows that joined between the boundary's layouts
-        if failure is not None:
             with self.stats._lock:
                 self.stats.errors += 1
-            status = 400 if isinstance(failure, (ValueError, TypeError)) else 500
+            status = 400 if isinstance(error, (ValueError, TypeError)) else 500
             for request in running:
                 tracker = self._trackers.get(id(request))
                 if request.error is not None and tracker is not None and not tracker.ended:
                     tracker.ended = True
-                    tracker.row.sink(("error", tracker.row.index, status, f"Generation failed: {failure}"))
+                    tracker.row.sink(("error", tracker.row.index, status, f"Generation failed: {error}"))
         for size in engine.last_layout_sizes:
             self.stats.record_layout(size)
         with self.stats._lock:

@@ -13,13 +13,11 @@ alone).
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
   to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths), so few
   shapes (CUDA graphs) are needed.
-- A boundary's layouts are also admission points: a request that arrives while one runs joins after it (its own
-  block boundary is its first block's start), so it waits for one layout, not for the whole boundary.
 
 `ContinuousBatcher` owns the running rows: `submit()` queues requests (any thread), `decode_boundary()` admits
 waiting requests that fit, decodes one block of every running row and reports each row's new tokens to its
 `on_block` callback, which may end the row (a stop string, a disconnected client); rows that ended leave and
-their places are taken after their layout. `serving.batching` runs it in a thread for `hf-dllm serve`.
+their places are taken at the next boundary. `serving.batching` runs it in a thread for `hf-dllm serve`.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import contextlib
 import json
 import threading
 from collections import deque
-from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -96,14 +93,9 @@ class ContinuousBatcher:
             left waiting, joining rows decode their first block in a layout of their own, before the others, when
             at least n other rows of their cohort are running. Their first block then streams after their prefill
             and one block of steps at their own batch size, not the whole batch's; the others wait that long, and
-            the boundary makes one more layout. Requests also join between a boundary's layouts
-            (`decode_boundary`). None: joining rows always decode their first block in their cohort's layout, and
-            join at a boundary's start only.
+            the boundary makes one more layout. None: joining rows always decode their first block in their
+            cohort's layout.
     """
-
-    # Whether requests may join between the layouts of a boundary (`decode_boundary`); engines whose every rank
-    # must take the same decisions from the boundary's start (`serving.tensor_parallel.MirroredEngine`) say no.
-    joins_within_boundary = True
 
     def __init__(
         self,
@@ -287,25 +279,15 @@ class ContinuousBatcher:
             self.cache = self.model._diffusion_new_cache(rows, self.max_batch_width)
         return self.cache
 
-    def decode_boundary(self, intake: Callable[[], None] | None = None) -> int:
+    def decode_boundary(self) -> int:
         """One block boundary: admit waiting requests, decode one block of every running row, report each row's
         update to its `on_block` and drop the rows that ended. Returns the number of rows decoded. A layout that
-        fails (an exception in the model) ends its rows with the exception re-raised after the others ran.
-
-        With `join_layout_min_rows` set, requests also join between the boundary's layouts: after each layout,
-        `intake()` (if given) submits what arrived meanwhile, and the waiting requests that fit (rows that ended
-        in the layout free their places at once) join a layout of their cohort still to come in this boundary,
-        or decode their first block in a layout of their own next. A request then waits for the layout under way
-        when it arrives, not for the whole boundary: at the LLaDA2.0-mini shape (H100) a boundary of a layout
-        of joining rows and one of 10-30 continuing rows took up to 0.5 s, and that wait set the tail of the
-        time to first block (RESULTS.md, continuous batching, session 16)."""
+        fails (an exception in the model) ends its rows with the exception re-raised after the others ran."""
         self.running = [row for row in self.running if not self._drop_cancelled(row)]
         self._admit()
         decoded, failure = 0, None
         self.last_layout_sizes = []
-        layouts = self._cohorts()
-        while layouts:
-            rows = layouts.pop(0)
+        for rows in self._cohorts():
             try:
                 run = self._run_for(rows[0])
                 before, positions = run.nfe, run.first_step_positions
@@ -317,20 +299,15 @@ class ContinuousBatcher:
                     row.ended = True
                     row.error = error
                 failure = failure or error
-            else:
-                self.forwards += run.nfe - before
-                self.first_step_positions += run.first_step_positions - positions
-                self.layouts += 1
-                self.last_layout_sizes.append(len(rows))
-                decoded += len(rows)
-                for row, update in zip(rows, updates, strict=True):
-                    stop = row.on_block(update)
-                    row.ended = update.ended or bool(stop) or row.cancelled.is_set()
-            if layouts and self.joins_within_boundary and self.join_layout_min_rows is not None:
-                if intake is not None:
-                    intake()
-                if self.pending():
-                    layouts = self._join_within_boundary(layouts)
+                continue
+            self.forwards += run.nfe - before
+            self.first_step_positions += run.first_step_positions - positions
+            self.layouts += 1
+            self.last_layout_sizes.append(len(rows))
+            decoded += len(rows)
+            for row, update in zip(rows, updates, strict=True):
+                stop = row.on_block(update)
+                row.ended = update.ended or bool(stop) or row.cancelled.is_set()
         self.running = [row for row in self.running if not row.ended]
         groups = {row.settings for row in self.running}
         for settings in [settings for settings in self.runs if settings not in groups]:
@@ -338,26 +315,6 @@ class ContinuousBatcher:
         if failure is not None:
             raise failure
         return decoded
-
-    def _join_within_boundary(self, layouts: list[list[EngineRequest]]) -> list[list[EngineRequest]]:
-        """Admit waiting requests between two layouts of a boundary (`decode_boundary`); returns the layouts left
-        to decode: each joining row in its cohort's layout still to come where the width allows, the others in
-        layouts of their own, first."""
-        # Rows that ended in the layouts decoded so far leave now (their places are free); a running row cancelled
-        # meanwhile is still in a layout to come, and leaves at the next boundary.
-        self.running = [row for row in self.running if not row.ended]
-        running = set(map(id, self.running))
-        self._admit()
-        apart: dict[tuple, list[EngineRequest]] = {}
-        for row in self.running:
-            if id(row) in running:
-                continue
-            layout = next((rows for rows in layouts if cohort_key(rows[0]) == cohort_key(row)), None)
-            if layout is not None and self.layout_width([*layout, row]) <= self.max_batch_width:
-                layout.append(row)
-            else:
-                apart.setdefault(cohort_key(row), []).append(row)
-        return [layout for rows in apart.values() for layout in self._within_width(rows)] + layouts
 
     @staticmethod
     def _drop_cancelled(row: EngineRequest) -> bool:

@@ -40,9 +40,6 @@ class MirroredEngine(ContinuousBatcher):
     """`ContinuousBatcher` whose decisions rank 0 shares with the other ranks of `group` (module doc). On rank 0
     it is the server's engine (`Batcher(engine=...)`); on the others `follow()` decodes until rank 0 shuts down."""
 
-    # The other ranks learn of requests at a boundary's start only: nobody joins between its layouts.
-    joins_within_boundary = False
-
     def __init__(self, model, group, **kwargs):
         super().__init__(model, **kwargs)
         self.group = group
@@ -78,7 +75,7 @@ class MirroredEngine(ContinuousBatcher):
             self._live[number] = request
         super().submit(request)
 
-    def decode_boundary(self, intake=None) -> int:
+    def decode_boundary(self) -> int:
         if not self.leader:
             raise RuntimeError("the other ranks decode boundaries in follow()")
         with self.lock:
