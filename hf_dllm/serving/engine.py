@@ -207,11 +207,11 @@ class ContinuousBatcher:
         starts = [row.plan.blocks[row.block][0] for row in rows]
         granularity = self.width_granularity
         if self.block_causal and granularity > 1:
-            visible = max(starts) + max(end - start for start, end in (row.plan.blocks[row.block] for row in rows))
-            units = -(-visible // granularity)
-            return max(visible, min(granularity << (units - 1).bit_length(), self.max_batch_width))
-        width = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
-        rounded = -(-width // granularity) * granularity
+            width = max(starts) + max(end - start for start, end in (row.plan.blocks[row.block] for row in rows))
+            rounded = granularity << (-(-width // granularity) - 1).bit_length()
+        else:
+            width = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
+            rounded = -(-width // granularity) * granularity
         return max(width, min(rounded, self.max_batch_width))
 
     def _admit(self) -> None:
