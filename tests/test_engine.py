@@ -274,6 +274,74 @@ def test_block_causal_layouts_hold_the_visible_columns_in_power_of_two_widths(ra
     assert_alone(random_llada2, requests)
 
 
+def recorded_forward_rows(monkeypatch) -> list[int]:
+    """The rows of every forward a layout runs through its step function (what a CUDA graph's shape holds)."""
+    rows = []
+    step = LayoutRun.step
+
+    def recorded(self, tokens, *args, **kwargs):
+        rows.append(tokens.shape[0])
+        return step(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(LayoutRun, "step", recorded)
+    return rows
+
+
+@pytest.mark.parametrize(
+    "family, settings",
+    [
+        ("llada", dict(LLADA_SETTINGS[1], eos_early_stop=False)),  # dual cache, every step known in advance
+        ("llada", dict(LLADA_SETTINGS[3], eos_early_stop=False)),  # threshold: steps until no row has a mask
+        ("llada", dict(LLADA_SETTINGS[0], eos_early_stop=False)),  # no cache: every step packed (eager)
+        ("llada2", None),  # every LLaDA2 kind (editing, in-block EOS stop) with EOS tokens frequent
+    ],
+    ids=["llada-dual", "llada-threshold-eos", "llada-no-cache", "llada2-kinds"],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bucketed_rows_pad_every_stepped_forward_and_change_no_row(
+    trained, random_llada2, family, settings, seed, monkeypatch
+):
+    """`bucket_rows=True` (CUDA's default, for few graph shapes): every forward a layout steps runs with 1, 2, 4,
+    8 or a multiple of 8 rows (at most `max_batch_size`), the layout padded with rows that commit nothing; each row
+    is still `generate()` alone, with its forwards, and no padding row delays a layout (the same forwards as
+    without padding)."""
+    from hf_dllm.serving.engine import bucketed_rows
+
+    model = trained if family == "llada" else random_llada2
+    rng = random.Random(50 + seed)
+    prompts = random_prompts(rng, 14, 4, 100, longest=40)
+    if family == "llada":
+        kinds = [settings] * len(prompts)
+    else:
+        eos = dict(eos_early_stop=True, eos_token_id=[14, 37, 83])
+        kinds = [dict(LLADA2_KINDS[i % len(LLADA2_KINDS)], **eos) for i in range(len(prompts))]
+    arrivals = sorted(rng.randrange(0, 8) for _ in prompts)
+    forwards = {}
+    for bucket in (False, True):
+        rows = recorded_forward_rows(monkeypatch)
+        requests = [request(model, prompt, **kind) for prompt, kind in zip(prompts, kinds, strict=True)]
+        engine = ContinuousBatcher(model, max_batch_size=12, bucket_rows=bucket, width_granularity=8)
+        drive(engine, requests, arrivals)
+        forwards[bucket] = engine.forwards
+        assert_alone(model, requests)
+        if bucket:
+            assert rows and all(count in (1, 2, 4, 8, 12) for count in rows), sorted(set(rows))
+            assert any(bucketed_rows(count, 12) != count for count in range(1, 13))
+        else:
+            unpadded = sorted(set(rows))
+    assert any(count not in (1, 2, 4, 8, 12) for count in unpadded), "no layout needed padding"
+    assert forwards[True] == forwards[False]
+
+
+def test_bucketed_rows():
+    from hf_dllm.serving.engine import bucketed_rows
+
+    assert [bucketed_rows(k, 32) for k in range(11)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, 16, 16]
+    assert [bucketed_rows(k, 32) for k in (16, 17, 24, 25, 32)] == [16, 24, 24, 32, 32]
+    assert [bucketed_rows(k, 20) for k in (9, 17, 20)] == [16, 20, 20]
+    assert bucketed_rows(3, 3) == 3
+
+
 def exact_kv(model, tokens: torch.Tensor, length: int, block_length: int):
     """The K/V of a row's first `length` columns (whole blocks of committed tokens), from one plain forward."""
     cache = model._diffusion_new_cache(1, length)

@@ -51,6 +51,19 @@ _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 # 4-5 % more p99 latency than in the layout.
 JOIN_LAYOUT_MIN_ROWS = 8
 
+# With bucketed rows (CUDA graphs), a layout's forwards run with 1, 2, 4 or 8 rows, then a multiple of this many.
+ROW_BUCKET_STEP = 8
+
+
+def bucketed_rows(rows: int, max_rows: int) -> int:
+    """The rows a forward of `rows` layout rows runs with when rows are bucketed (`ContinuousBatcher.bucket_rows`):
+    the next of 1, 2, 4, 8, 16, 24, ... (multiples of `ROW_BUCKET_STEP`), at most `max_rows`; 0 for 0."""
+    if rows <= ROW_BUCKET_STEP:
+        bucket = 1 << (rows - 1).bit_length() if rows else 0
+    else:
+        bucket = -(-rows // ROW_BUCKET_STEP) * ROW_BUCKET_STEP
+    return max(rows, min(bucket, max_rows))
+
 
 def attention_without_shape_plans(device: torch.device | str):
     """A context in which sdpa on `device` skips backends that plan per shape (cuDNN); a no-op off CUDA. torch's
@@ -95,6 +108,10 @@ class ContinuousBatcher:
             and one block of steps at their own batch size, not the whole batch's; the others wait that long, and
             the boundary makes one more layout. None: joining rows always decode their first block in their
             cohort's layout.
+        bucket_rows: whether a layout's forwards run with a bucketed number of rows (`bucketed_rows`; the layout
+            gets padding rows that commit nothing), so that CUDA graphs are captured for few row counts rather than
+            for every one from 1 to `max_batch_size`. Default: on CUDA (graphs), off elsewhere (a padding row changes
+            nothing in a row's tokens, but costs its arithmetic).
     """
 
     def __init__(
@@ -105,10 +122,15 @@ class ContinuousBatcher:
         max_batch_width: int | None = None,
         width_granularity: int | None = None,
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
+        bucket_rows: bool | None = None,
     ):
         self.device = model.get_input_embeddings().weight.device
         if width_granularity is None:
             width_granularity = 64 if self.device.type == "cuda" else 1
+        if bucket_rows is None:
+            bucket_rows = self.device.type == "cuda"
+        if not isinstance(bucket_rows, bool):
+            raise ValueError(f"`bucket_rows` must be None, True or False, got {bucket_rows!r}.")
         for name, value in (("max_batch_size", max_batch_size), ("width_granularity", width_granularity)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
@@ -125,6 +147,7 @@ class ContinuousBatcher:
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
         self.join_layout_min_rows = join_layout_min_rows
+        self.bucket_rows = bucket_rows
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         if self.block_causal and not model.diffusion_packed_rows:
             # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
@@ -270,6 +293,7 @@ class ContinuousBatcher:
                 self.device,
                 self._shared_cache,
                 self.store,
+                (lambda rows: bucketed_rows(rows, self.max_batch_size)) if self.bucket_rows else None,
             )
             self.runs[row.settings] = run
         return run

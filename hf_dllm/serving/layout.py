@@ -32,6 +32,8 @@ position at a block's first step; a block-causal model's earlier blocks hold com
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..block_loop import BlockDiffusionRun
@@ -60,10 +62,12 @@ class LayoutRun(BlockDiffusionRun):
         device,
         shared_cache,
         store: RowKVStore | None = None,
+        row_bucket: Callable[[int], int] | None = None,
     ):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
-        between blocks (used when the config caches)."""
+        between blocks (used when the config caches); `row_bucket(k)` (None: no padding rows), the rows a forward
+        of `k` rows runs with, `k <= row_bucket(k) <= max_rows` (`_with_padding_rows`)."""
         block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.store = store if block_causal and config.use_cache else None
         cache_policy = StoredBlockCache() if self.store is not None else None
@@ -72,6 +76,8 @@ class LayoutRun(BlockDiffusionRun):
         self.streamer = None
         self.stopping_criteria = []
         self.max_width = max_width
+        self.max_rows = max_rows
+        self.row_bucket = row_bucket
         self._shared_cache = shared_cache
         self._setup_cache(max_rows, ENGINE_MAX_GRAPHS)
         self._setup_rules()
@@ -97,25 +103,37 @@ class LayoutRun(BlockDiffusionRun):
         every step without a cache; a block-causal row's prefill) run on the rows packed end to end
         (`_packed_forward`), so no row pays for the others' lengths or misalignment in the block's most expensive
         forward. Block-causal rows keep their K/V in the store (`_first_step_from_store`): only the rows at their
-        first block are prefilled (packed), the others recompute their previous block in the aligned layout."""
+        first block are prefilled (packed), the others recompute their previous block in the aligned layout.
+
+        With `row_bucket` the layout gets padding rows (`_with_padding_rows`) so that every step it runs through
+        the model has a bucketed number of rows (few CUDA-graph shapes)."""
         order = list(range(len(rows)))
         if self.store is not None:  # the rows that continue first, then those at their first block (joining)
             order.sort(key=lambda i: rows[i].block == 0)
             rows = [rows[i] for i in order]
-        device, n = self.device, len(rows)
-        starts = torch.tensor([row.plan.blocks[row.block][0] for row in rows])
-        length = rows[0].plan.blocks[rows[0].block][1] - int(starts[0])
-        block_start = int(starts.max())
+        layout = self._with_padding_rows(rows)
+        where = [i for i, row in enumerate(layout) if row is not None]  # each of `rows`' place in the layout
+        device, n = self.device, len(layout)
+        first_real = rows[0]
+        length = first_real.plan.blocks[first_real.block][1] - first_real.plan.blocks[first_real.block][0]
+        block_start = max(row.plan.blocks[row.block][0] for row in rows)
+        block_end = block_start + length
+        # A padding row is all prompt (no mask, nothing generated: it commits nothing, never ends, never adds a
+        # step) at unshifted columns, seeing the columns up to the block's end (finite attention).
+        starts = torch.tensor([block_start if row is None else row.plan.blocks[row.block][0] for row in layout])
         shifts = block_start - starts
+        prompt_lengths = torch.tensor([width if row is None else int(row.plan.prompt_end[0]) for row in layout])
         self.x = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
         self.key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
-        for i, row in enumerate(rows):
+        for i, row in enumerate(layout):
+            if row is None:
+                self.key_mask[i, :block_end] = 1
+                continue
             shift, own = int(shifts[i]), min(row.tokens.shape[0], width - int(shifts[i]))
             self.x[i, shift : shift + own] = row.tokens[:own]
             self.key_mask[i, shift : shift + own] = 1
         columns = torch.arange(width, device=device)
         self.position_ids = (columns - shifts.to(device).unsqueeze(-1)).clamp(min=0)
-        prompt_lengths = torch.tensor([int(row.plan.prompt_end[0]) for row in rows])
         self.host_prompt_end = shifts + prompt_lengths
         self.prompt_end = self.host_prompt_end.to(device)
         self.seq_len = width
@@ -128,18 +146,23 @@ class LayoutRun(BlockDiffusionRun):
         self.packed = None
         if self.store is not None:
             self.joining = sum(row.block == 0 for row in rows)
-            self.slots, self.shifts, self.starts = torch.tensor([row.slot for row in rows]), shifts, starts
+            self.continuing = len(rows) - self.joining
+            # Layout rows of the continuing rows' first-step forward (theirs and their padding), then the joining
+            # rows'. A padding row loads the first row's slot (any finite K/V do) and saves nothing.
+            self.first_step_rows = where[self.continuing] if self.joining else n
+            self.joining_rows = slice(self.first_step_rows, self.first_step_rows + self.joining)
+            self.slots = torch.tensor([(first_real if row is None else row).slot for row in layout])
+            self.shifts, self.starts = shifts, starts
             if self.joining:  # their prefill: prompt and first block, each at its own columns
-                self.packed = self._packed_layout(rows, shifts, length, block_start + length, n - self.joining)
+                self.packed = self._packed_layout(layout, shifts, length, block_end, self.joining_rows)
         elif self.model.diffusion_packed_rows and not self.cfg:
-            first, end = self.cache_policy.query_range(block_start, block_start + length, width, first_step=True)
+            first, end = self.cache_policy.query_range(block_start, block_end, width, first_step=True)
             if first == 0:  # the whole canvas (bidirectional), or up to the block (block-causal, no cache)
-                self.packed = self._packed_layout(rows, shifts, length, end)
-        steps = torch.stack([row.plan.block_steps[0, row.block] for row in rows])
-        block_end = block_start + length
-        self.denoise_block(steps, block_start, block_end)
+                self.packed = self._packed_layout(layout, shifts, length, end, slice(0, len(rows)))
+        steps = first_real.plan.block_steps[0, first_real.block]  # one cohort: every row's steps are equal
+        self.denoise_block(steps.expand(n).clone(), block_start, block_end)
 
-        last = torch.tensor([row.block == int(row.plan.last_block[0]) for row in rows])
+        last = torch.tensor([row is not None and row.block == int(row.plan.last_block[0]) for row in layout])
         ended = (
             self.finished_rows(last, block_end).cpu()
             if self._rows_can_finish(last)
@@ -150,8 +173,8 @@ class LayoutRun(BlockDiffusionRun):
             self.x[rows_ended] = self.filled(self.x[rows_ended], self._generated_part(block_end)[rows_ended], block_end)
         block = self.x[:, block_start:block_end].cpu()  # the one copy to the host of this block
         nfe = self.nfe_per_row.tolist()
-        updates = [None] * n
-        for i, row in enumerate(rows):
+        updates = [None] * len(rows)
+        for k, (i, row) in enumerate(zip(where, rows, strict=True)):
             start, shift, prompt = int(starts[i]), int(shifts[i]), int(prompt_lengths[i])
             if bool(ended[i]):  # as `filled` shows it: the fill token after the layout's columns too
                 own = min(row.tokens.shape[0], width - shift)
@@ -164,20 +187,42 @@ class LayoutRun(BlockDiffusionRun):
             row.nfe += nfe[i]
             row.block += 1
             new = block[i, previous + prompt - start : row.committed + prompt - start].tolist()
-            updates[order[i]] = BlockUpdate(new, bool(ended[i]), row.nfe)
+            updates[order[k]] = BlockUpdate(new, bool(ended[i]), row.nfe)
         return updates
 
-    def _packed_layout(self, rows, shifts: torch.Tensor, length: int, end: int, first_row: int = 0) -> dict:
-        """The rows `rows[first_row:]` for a forward over their columns before `end` (an aligned column), packed
-        end to end, made once per block: their `packing` (`packed.PackedRows`: no padding, and where their K/V go),
+    def _with_padding_rows(self, rows: list[EngineRequest]) -> list[EngineRequest | None]:
+        """The layout's rows, None for a padding row: `rows` as they are without `row_bucket`; with it, padding
+        rows after the rows of each forward that steps them, so that each has `row_bucket(k)` rows (at most
+        `max_rows`). Block-causal rows with a store run two such forwards: the first step of the continuing rows
+        (the layout's first rows) and the later steps of all rows; the joining rows' prefill is packed (no
+        padding)."""
+        if self.row_bucket is None:
+            return list(rows)
+        joining = sum(row.block == 0 for row in rows) if self.store is not None else 0
+        continuing = len(rows) - joining
+        first = self.row_bucket(continuing) if continuing and joining else continuing
+        if first + joining > self.max_rows:  # no room to pad both forwards: pad the later steps only
+            first = continuing
+        total = max(self.row_bucket(first + joining), first + joining)
+        return [
+            *rows[:continuing],
+            *[None] * (first - continuing),
+            *rows[continuing:],
+            *[None] * (total - first - joining),
+        ]
+
+    def _packed_layout(self, layout, shifts: torch.Tensor, length: int, end: int, packed_rows: slice) -> dict:
+        """The layout rows `layout[packed_rows]` (no padding row among them) for a forward over their columns before
+        `end` (an aligned column), packed end to end, made once per block: their `packing` (`packed.PackedRows`: no
+        padding, and where their K/V go),
         `(T,)` device tensors `rows` and `columns` (each packed position's row and column in `self.x`),
         `positions` (its column in its row's own canvas, also its RoPE position), `cache_position` (`[0, T)`), and
         `logits_index`
         `(rows * length,)` (the packed positions whose logits the block's step reads)."""
         lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
         block_columns = torch.arange(length)
-        for i in range(first_row, len(rows)):
-            shift, row = int(shifts[i]), rows[i]
+        for i in range(packed_rows.start, packed_rows.stop):
+            shift, row = int(shifts[i]), layout[i]
             own = min(row.tokens.shape[0], end - shift)
             lengths.append(own)
             row_index.append(torch.full((own,), i))
@@ -195,7 +240,7 @@ class LayoutRun(BlockDiffusionRun):
             packing=PackedRows(
                 lengths, self.cache, cache_columns if self.cache is not None else None, kept_per_row=length
             ),
-            layout_rows=slice(first_row, len(rows)),
+            layout_rows=packed_rows,
             rows=row_index,
             columns=columns,
             positions=positions,
@@ -240,7 +285,9 @@ class LayoutRun(BlockDiffusionRun):
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
         if self.packed is not None and (step == 0 or (self.cache is None and self.graphs is None)):
-            new_block, edited = self._packed_forward(block_start, block_end, step, active, generated)
+            rows = self.packed["layout_rows"]  # all of the layout's rows but padding rows
+            new_block, edited = self.x[:, block_start:block_end].clone(), self.stopped.clone()
+            new_block[rows], edited[rows] = self._packed_forward(block_start, block_end, step, active, generated)
             self.x[:, block_start:block_end] = new_block
             return new_block, edited
         return super().run_step(block_start, block_end, step, active, generated)
@@ -253,8 +300,9 @@ class LayoutRun(BlockDiffusionRun):
         return inputs, key
 
     def _first_step_from_store(self, block_start, block_end, active, generated):
-        """The block's first step with the rows' K/V kept in the store (block-causal models; rows ordered as in
-        `decode_block`: `continuing` rows that decoded a block before, then `joining` rows at their first block).
+        """The block's first step with the rows' K/V kept in the store (block-causal models; layout rows as in
+        `decode_block`: the `continuing` rows that decoded a block before and their padding rows, the first
+        `first_step_rows`, then the `joining` rows at their first block, `joining_rows`, then padding rows).
 
         1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), packed
            (`_packed_forward`), written to the cache's first rows; their prompt's K/V (exact: columns before the
@@ -263,20 +311,20 @@ class LayoutRun(BlockDiffusionRun):
         3. The continuing rows' forward (`StoredBlockCache`: previous block and block, on the cache's first rows);
            the previous block's K/V (exact now) go to their slots.
         Returns the new block `(rows, L)` and the rows that edited a committed token, as `run_step`."""
-        n, joining = self.x.shape[0], self.joining
-        continuing, length = n - joining, block_end - block_start
+        n, continuing, length = self.x.shape[0], self.continuing, block_end - block_start
         new_block = self.x[:, block_start:block_end].clone()
         edited = torch.zeros(n, dtype=torch.bool, device=self.device)
-        if joining:
-            rows = slice(continuing, n)
+        if self.joining:
+            rows = self.joining_rows
             new_block[rows], edited[rows] = self._packed_forward(block_start, block_end, 0, active, generated)
-            prefix = torch.arange(int(self.starts[rows].max())).expand(joining, -1)
+            prefix = torch.arange(int(self.starts[rows].max())).expand(self.joining, -1)
             self.store.save(self.cache, self.slots[rows], prefix, prefix)
         self.store.load(self.cache, self.slots, self.shifts, block_start)
         if continuing:
             # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
-            inputs, key = self._step_inputs(block_start, block_end, 0, active, generated, continuing)
-            new_block[:continuing], _, edited[:continuing] = self._step_of(inputs, key)
+            first = self.first_step_rows
+            inputs, key = self._step_inputs(block_start, block_end, 0, active, generated, first)
+            new_block[:first], _, edited[:first] = self._step_of(inputs, key)
             self.nfe += 1
             previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
             self.store.save(self.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])
