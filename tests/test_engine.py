@@ -302,7 +302,7 @@ def test_bucketed_rows_pad_every_stepped_forward_and_change_no_row(
     trained, random_llada2, family, settings, seed, monkeypatch
 ):
     """`bucket_rows=True` (CUDA's default, for few graph shapes): every forward a layout steps runs with 1, 2, 4,
-    8 or a multiple of 8 rows (at most `max_batch_size`), the layout padded with rows that commit nothing; each row
+    8 or a multiple of 4 rows (at most `max_batch_size`), the layout padded with rows that commit nothing; each row
     is still `generate()` alone, with its forwards, and no padding row delays a layout (the same forwards as
     without padding)."""
     from hf_dllm.serving.engine import bucketed_rows
@@ -336,9 +336,9 @@ def test_bucketed_rows_pad_every_stepped_forward_and_change_no_row(
 def test_bucketed_rows():
     from hf_dllm.serving.engine import bucketed_rows
 
-    assert [bucketed_rows(k, 32) for k in range(11)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, 16, 16]
-    assert [bucketed_rows(k, 32) for k in (16, 17, 24, 25, 32)] == [16, 24, 24, 32, 32]
-    assert [bucketed_rows(k, 20) for k in (9, 17, 20)] == [16, 20, 20]
+    assert [bucketed_rows(k, 32) for k in range(14)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 16]
+    assert [bucketed_rows(k, 32) for k in (16, 17, 24, 25, 32)] == [16, 20, 24, 28, 32]
+    assert [bucketed_rows(k, 18) for k in (13, 17, 18)] == [16, 18, 18]
     assert bucketed_rows(3, 3) == 3
 
 

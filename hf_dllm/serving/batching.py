@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from .engine import ContinuousBatcher
+from .engine import DEFAULT_MAX_BATCH_SIZE, ContinuousBatcher
 from .rows import BlockUpdate, EngineRequest
 
 logger = logging.getLogger("hf_dllm.serve")
@@ -211,7 +211,7 @@ class Batcher:
         tokenizer,
         *,
         stop_token_ids: set[int],
-        max_batch_size: int = 16,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_batch_width: int | None = None,
         engine: ContinuousBatcher | None = None,
     ):

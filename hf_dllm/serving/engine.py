@@ -51,14 +51,21 @@ _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 # 4-5 % more p99 latency than in the layout.
 JOIN_LAYOUT_MIN_ROWS = 8
 
+# Rows decoded at once by default (`ContinuousBatcher`, `hf-dllm serve --max-batch-size`).
+DEFAULT_MAX_BATCH_SIZE = 16
+
 # With bucketed rows (CUDA graphs), a layout's forwards run with 1, 2, 4 or 8 rows, then a multiple of this many.
-ROW_BUCKET_STEP = 8
+# Measured on an H100 (LLaDA2.0-mini shape, `benchmarks/bench_load.py`; RESULTS.md, continuous batching, session
+# 17): at max batch 32, steps of 4 and 8 gave the same peak (2,984 and 2,983-3,041 tokens/s, against 2,703 with
+# no buckets); at max batch 16, where 9 rows pad to 16 with steps of 8, the peak was 2,403 tokens/s with 4 and
+# 2,271 with 8 (2,434 with no buckets).
+ROW_BUCKET_STEP = 4
 
 
 def bucketed_rows(rows: int, max_rows: int) -> int:
     """The rows a forward of `rows` layout rows runs with when rows are bucketed (`ContinuousBatcher.bucket_rows`):
-    the next of 1, 2, 4, 8, 16, 24, ... (multiples of `ROW_BUCKET_STEP`), at most `max_rows`; 0 for 0."""
-    if rows <= ROW_BUCKET_STEP:
+    the next of 1, 2, 4, 8, then multiples of `ROW_BUCKET_STEP` (12, 16, ...), at most `max_rows`; 0 for 0."""
+    if rows <= 8:
         bucket = 1 << (rows - 1).bit_length() if rows else 0
     else:
         bucket = -(-rows // ROW_BUCKET_STEP) * ROW_BUCKET_STEP
@@ -118,7 +125,7 @@ class ContinuousBatcher:
         self,
         model,
         *,
-        max_batch_size: int = 16,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_batch_width: int | None = None,
         width_granularity: int | None = None,
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,

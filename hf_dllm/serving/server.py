@@ -76,7 +76,7 @@ from contextlib import asynccontextmanager
 from ..cli.completion_text import stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
-from .engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher
+from .engine import DEFAULT_MAX_BATCH_SIZE, JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher
 from .protocol import (
     APIError,
     check_block_causal_steps,
@@ -113,7 +113,7 @@ class Server:
         model,
         tokenizer,
         model_name: str,
-        max_batch_size: int = 16,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
         engine=None,
@@ -419,7 +419,7 @@ def create_app(
     model,
     tokenizer,
     model_name: str = "model",
-    max_batch_size: int = 16,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_batch_width: int | None = None,
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="rows decoding at once")
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="rows decoding at once")
     parser.add_argument(
         "--max-batch-width",
         type=int,
