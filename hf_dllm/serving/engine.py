@@ -11,8 +11,9 @@ alone).
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
-  to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths), so few
-  shapes (CUDA graphs) are needed.
+  to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths) and, on
+  CUDA, its rows to a bucket (`bucketed_rows`: padding rows that commit nothing), so few shapes (CUDA graphs) are
+  needed.
 
 `ContinuousBatcher` owns the running rows: `submit()` queues requests (any thread), `decode_boundary()` admits
 waiting requests that fit, decodes one block of every running row and reports each row's new tokens to its
