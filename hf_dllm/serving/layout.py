@@ -111,7 +111,8 @@ class LayoutRun(BlockDiffusionRun):
         if self.store is not None:  # the rows that continue first, then those at their first block (joining)
             order.sort(key=lambda i: rows[i].block == 0)
             rows = [rows[i] for i in order]
-        layout = self._with_padding_rows(rows)
+        joining = sum(row.block == 0 for row in rows) if self.store is not None else 0  # rows at their first block
+        layout = self._with_padding_rows(rows, joining)
         where = [i for i, row in enumerate(layout) if row is not None]  # each of `rows`' place in the layout
         device, n = self.device, len(layout)
         first_real = rows[0]
@@ -145,16 +146,15 @@ class LayoutRun(BlockDiffusionRun):
             self.cache.set_length(width)
         self.packed = None
         if self.store is not None:
-            self.joining = sum(row.block == 0 for row in rows)
-            self.continuing = len(rows) - self.joining
+            self.joining, self.continuing = joining, len(rows) - joining
             # Layout rows of the continuing rows' first-step forward (theirs and their padding), then the joining
             # rows'. A padding row loads the first row's slot (any finite K/V do) and saves nothing.
-            self.first_step_rows = where[self.continuing] if self.joining else n
-            self.joining_rows = slice(self.first_step_rows, self.first_step_rows + self.joining)
+            self.first_step_rows = where[self.continuing] if joining else n
             self.slots = torch.tensor([(first_real if row is None else row).slot for row in layout])
             self.shifts, self.starts = shifts, starts
-            if self.joining:  # their prefill: prompt and first block, each at its own columns
-                self.packed = self._packed_layout(layout, shifts, length, block_end, self.joining_rows)
+            if joining:  # their prefill: prompt and first block, each at its own columns
+                joining_rows = slice(self.first_step_rows, self.first_step_rows + joining)
+                self.packed = self._packed_layout(layout, shifts, length, block_end, joining_rows)
         elif self.model.diffusion_packed_rows and not self.cfg:
             first, end = self.cache_policy.query_range(block_start, block_end, width, first_step=True)
             if first == 0:  # the whole canvas (bidirectional), or up to the block (block-causal, no cache)
@@ -190,20 +190,19 @@ class LayoutRun(BlockDiffusionRun):
             updates[order[k]] = BlockUpdate(new, bool(ended[i]), row.nfe)
         return updates
 
-    def _with_padding_rows(self, rows: list[EngineRequest]) -> list[EngineRequest | None]:
+    def _with_padding_rows(self, rows: list[EngineRequest], joining: int) -> list[EngineRequest | None]:
         """The layout's rows, None for a padding row: `rows` as they are without `row_bucket`; with it, padding
         rows after the rows of each forward that steps them, so that each has `row_bucket(k)` rows (at most
-        `max_rows`). Block-causal rows with a store run two such forwards: the first step of the continuing rows
-        (the layout's first rows) and the later steps of all rows; the joining rows' prefill is packed (no
-        padding)."""
+        `max_rows`). Block-causal rows with a store run two such forwards: the first step of the `len(rows) -
+        joining` continuing rows (the layout's first rows) and the later steps of all rows; the last `joining` rows'
+        prefill is packed (no padding)."""
         if self.row_bucket is None:
             return list(rows)
-        joining = sum(row.block == 0 for row in rows) if self.store is not None else 0
         continuing = len(rows) - joining
         first = self.row_bucket(continuing) if continuing and joining else continuing
         if first + joining > self.max_rows:  # no room to pad both forwards: pad the later steps only
             first = continuing
-        total = max(self.row_bucket(first + joining), first + joining)
+        total = self.row_bucket(first + joining)
         return [
             *rows[:continuing],
             *[None] * (first - continuing),
@@ -250,8 +249,8 @@ class LayoutRun(BlockDiffusionRun):
 
     def _packed_forward(self, block_start, block_end, step, active, generated):
         """Step `step` of the packed rows (`self.packed`), on their canvases packed end to end, so no padding
-        column is computed (their K/V go where `_packed_layout` says). Returns the packed rows' new block `(n, L)`
-        and whether each edited a committed token `(n,)`."""
+        column is computed (their K/V go where `_packed_layout` says). Returns every layout row's block `(rows, L)`
+        (the packed rows' new one, the others' as it is) and whether each edited a committed token `(rows,)`."""
         packed, length = self.packed, block_end - block_start
         packing, rows = packed["packing"], packed["layout_rows"]
         tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
@@ -267,7 +266,9 @@ class LayoutRun(BlockDiffusionRun):
             **self.forward_kwargs,
         ).to(self.device)
         scheduled = self.unmasking.scheduled_counts(step, self.x.shape[0], self.device)[rows]
-        new_block, _, edited = self.decide(
+        new_block = self.x[:, block_start:block_end].clone()
+        edited = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.device)
+        new_block[rows], _, edited[rows] = self.decide(
             self.x[rows, block_start:block_end],
             logits.view(len(packing.lengths), length, -1),
             scheduled,
@@ -285,9 +286,7 @@ class LayoutRun(BlockDiffusionRun):
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
         if self.packed is not None and (step == 0 or (self.cache is None and self.graphs is None)):
-            rows = self.packed["layout_rows"]  # all of the layout's rows but padding rows
-            new_block, edited = self.x[:, block_start:block_end].clone(), self.stopped.clone()
-            new_block[rows], edited[rows] = self._packed_forward(block_start, block_end, step, active, generated)
+            new_block, edited = self._packed_forward(block_start, block_end, step, active, generated)
             self.x[:, block_start:block_end] = new_block
             return new_block, edited
         return super().run_step(block_start, block_end, step, active, generated)
@@ -302,7 +301,7 @@ class LayoutRun(BlockDiffusionRun):
     def _first_step_from_store(self, block_start, block_end, active, generated):
         """The block's first step with the rows' K/V kept in the store (block-causal models; layout rows as in
         `decode_block`: the `continuing` rows that decoded a block before and their padding rows, the first
-        `first_step_rows`, then the `joining` rows at their first block, `joining_rows`, then padding rows).
+        `first_step_rows`, then the `joining` rows at their first block (the packed rows), then padding rows).
 
         1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), packed
            (`_packed_forward`), written to the cache's first rows; their prompt's K/V (exact: columns before the
@@ -311,14 +310,15 @@ class LayoutRun(BlockDiffusionRun):
         3. The continuing rows' forward (`StoredBlockCache`: previous block and block, on the cache's first rows);
            the previous block's K/V (exact now) go to their slots.
         Returns the new block `(rows, L)` and the rows that edited a committed token, as `run_step`."""
-        n, continuing, length = self.x.shape[0], self.continuing, block_end - block_start
-        new_block = self.x[:, block_start:block_end].clone()
-        edited = torch.zeros(n, dtype=torch.bool, device=self.device)
+        continuing, length = self.continuing, block_end - block_start
         if self.joining:
-            rows = self.joining_rows
-            new_block[rows], edited[rows] = self._packed_forward(block_start, block_end, 0, active, generated)
+            rows = self.packed["layout_rows"]
+            new_block, edited = self._packed_forward(block_start, block_end, 0, active, generated)
             prefix = torch.arange(int(self.starts[rows].max())).expand(self.joining, -1)
             self.store.save(self.cache, self.slots[rows], prefix, prefix)
+        else:
+            new_block = self.x[:, block_start:block_end].clone()
+            edited = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.device)
         self.store.load(self.cache, self.slots, self.shifts, block_start)
         if continuing:
             # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
