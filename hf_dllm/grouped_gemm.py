@@ -97,6 +97,23 @@ def _prune_grouped(configs, named_args, **kwargs):
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
+# Rows (pairs) up to which every power of two is an autotuning key of its own (`rows_bucket`).
+FINE_ROWS_BUCKETS = 1 << 16
+
+
+def rows_bucket(pairs: int) -> int:
+    """The autotuner's row key for `pairs` rows: the next power of two up to `FINE_ROWS_BUCKETS`, above it the next
+    power of 16. Each new key makes the autotuner time every config (~0.1 s each: ~2-4 s per product), and a
+    serving engine's packed prefills have any number of rows: with a key per power of two a server met new keys
+    long after its warm-up, one stalled boundary each (4-6 s on an H100, LLaDA2.0-mini shape at max batch 128;
+    RESULTS.md, continuous batching, session 18). Above 2**16 rows the pruned configs no longer change with the
+    key (tiles of 64 or 128 rows for any expert count up to 256), so few keys are enough. The next power of 16
+    still bounds the row tiles for `_prune_grouped`'s grid check."""
+    exponent = max(0, pairs - 1).bit_length()
+    if 1 << exponent <= FINE_ROWS_BUCKETS:
+        return 1 << exponent
+    return 1 << -(-exponent // 4) * 4
+
 
 def _shared_memory_bytes(device: torch.device) -> int:
     """Shared memory a program may use on `device` (opt-in maximum; 99 KiB where it cannot be asked)."""
@@ -309,7 +326,7 @@ def grouped_matmul(
         out.stride(0),
         n_out,
         up_scale_rows,
-        triton.next_power_of_2(pairs),
+        rows_bucket(pairs),
         GATHER=rows_of is not None,
         GATED=gated,
         HAS_SCALE=has_scale,

@@ -238,6 +238,30 @@ def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypat
             assert grouped_gemm.footprint_bytes(extra, 4, 4, 128, True) <= 232448
 
 
+def test_rows_bucket_gives_few_autotuning_keys_that_bound_the_rows():
+    """The grouped kernels' autotuning key (`grouped_gemm.rows_bucket`): never below the rows (the prune's grid
+    check counts tiles from it), a power of two each, and from 2**16 rows on only powers of 16, so a serving
+    engine's packed prefills of any size meet few new keys (each one times every config)."""
+    import torch
+
+    from hf_dllm import grouped_gemm
+
+    buckets = {pairs: grouped_gemm.rows_bucket(pairs) for pairs in range(1, 1 << 21, 997)}
+    assert all(pairs <= bucket < 16 * pairs + 16 for pairs, bucket in buckets.items())
+    assert all(bucket & (bucket - 1) == 0 for bucket in buckets.values())
+    large = {bucket for pairs, bucket in buckets.items() if pairs > grouped_gemm.FINE_ROWS_BUCKETS}
+    assert large == {1 << 20, 1 << 24}
+    assert grouped_gemm.rows_bucket(grouped_gemm.FINE_ROWS_BUCKETS) == grouped_gemm.FINE_ROWS_BUCKETS
+    # Above the fine buckets the pruned configs are the same for every key (64- and 128-row tiles).
+    named = dict(x_ptr=torch.empty(1, dtype=torch.bfloat16), w_ptr=torch.empty(1, dtype=torch.bfloat16), n_groups=256)
+    configs = grouped_gemm.grouped_configs()
+    kept = [
+        {str(c) for c in grouped_gemm._prune_grouped(configs, dict(named, ROWS_BUCKET=key), BLOCK_K=128, GATED=True)}
+        for key in (1 << 17, 1 << 20, 1 << 24)
+    ]
+    assert kept[0] == kept[1] and kept[2] <= kept[1]
+
+
 def test_attention_tiles_and_key_splits_follow_the_measured_rules():
     """The split-KV attention's tiles and key splits (`triton_attention.default_tiles`, `plan_splits`) as measured
     on an H100 (132 SMs): grouped queries (LLaDA2.0-mini's 4 x 32 rows in 64-row tiles) keep their keys split below
