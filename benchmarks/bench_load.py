@@ -137,7 +137,7 @@ def serve(args) -> None:
     config = model.config
     tokenizer = word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
     accepted = inspect.signature(create_app).parameters
-    kwargs = dict(model_name="bench", max_batch_size=args.max_batch_size)
+    kwargs = dict(model_name="bench", max_batch_size=args.max_batch_size or None)
     if "max_batch_width" in accepted:
         kwargs["max_batch_width"] = args.max_batch_width
     if "batch_window_ms" in accepted:
@@ -176,12 +176,23 @@ def request_key(prompt: list[int]) -> str:
     return ",".join(str(token) for token in prompt[-4:])
 
 
+def _autotuned_kernels() -> list:
+    """The package's Triton autotuners (none without Triton)."""
+    from hf_dllm import fp8, grouped_gemm
+
+    names = ("_grouped_kernel", "_weight_only_kernel", "_w8a8_kernel", "_block_scaled_kernel")
+    return [getattr(module, name) for module in (grouped_gemm, fp8) for name in names if hasattr(module, name)]
+
+
 def trace_boundaries(batcher) -> list[dict]:
     """Record every block boundary of the server's engine (benchmark only): its start and end, and for each layout its
     end, rows, the rows that decoded their first block in it (`request_key`) and the steps the CUDA-graph runner
     ran eagerly for a new shape meanwhile; and the boundary's new entries in Triton's kernel cache (kernels
     compiled). Times are `time.monotonic()`, which the load process shares."""
+    import gc
     import time
+
+    import torch
 
     from hf_dllm.serving.layout import LayoutRun
 
@@ -192,29 +203,59 @@ def trace_boundaries(batcher) -> list[dict]:
     def compiled() -> int:
         return len(os.listdir(triton_cache)) if triton_cache.is_dir() else 0
 
+    # What else can stall a boundary: an autotuner timing its configs for a new key (it runs every config, each
+    # for ~0.1 s), the CUDA caching allocator calling cudaMalloc (or freeing its cache and retrying: a device
+    # sync), and Python's garbage collector (it holds the GIL).
+    autotuned = [kernel for kernel in _autotuned_kernels() if hasattr(kernel, "cache")]
+    gc_state = dict(started=None, seconds=0.0)
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_state["started"] = time.perf_counter()
+        elif gc_state["started"] is not None:
+            gc_state["seconds"] += time.perf_counter() - gc_state["started"]
+            gc_state["started"] = None
+
+    gc.callbacks.append(on_gc)
+
+    def stalls() -> dict:
+        memory = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        return dict(
+            tuned=sum(len(kernel.cache) for kernel in autotuned),
+            device_allocs=memory.get("num_device_alloc", 0),
+            alloc_retries=memory.get("num_alloc_retries", 0),
+            gc_s=gc_state["seconds"],
+        )
+
     original_block, original_boundary = LayoutRun.decode_block, batcher.decode_boundary
 
     def decode_block(run, rows, width):
         joined = [request_key(row.prompt_ids) for row in rows if row.block == 0]
-        eager = engine.graph_counts()["eager"]
+        joined_tokens = sum(len(row.prompt_ids) for row in rows if row.block == 0)
+        eager, started = engine.graph_counts()["eager"], time.monotonic()
         try:
             return original_block(run, rows, width)
         finally:
             trace[-1]["layouts"].append(
                 dict(
                     end=time.monotonic(),
+                    s=time.monotonic() - started,
                     rows=len(rows),
                     width=width,
                     joined=joined,
+                    joined_tokens=joined_tokens,
                     new_shapes=engine.graph_counts()["eager"] - eager,
                 )
             )
 
     def decode_boundary():
         trace.append(dict(start=time.monotonic(), waiting=engine.pending() + len(batcher._submitted), layouts=[]))
-        kernels = compiled()
+        kernels, before = compiled(), stalls()
         original_boundary()
-        trace[-1].update(end=time.monotonic(), compiled=compiled() - kernels)
+        after = stalls()
+        trace[-1].update(
+            end=time.monotonic(), compiled=compiled() - kernels, **{k: after[k] - before[k] for k in after}
+        )
 
     LayoutRun.decode_block = decode_block
     batcher.decode_boundary = decode_boundary
@@ -259,6 +300,11 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
     return parts
 
 
+# What `trace_boundaries` counts per boundary besides compiles: new autotuner keys, cudaMalloc calls, allocator
+# retries (cache freed: a device sync), seconds in Python's garbage collector.
+STALLS = ("tuned", "device_allocs", "alloc_retries", "gc_s")
+
+
 def trace_summary(records: list[dict], trace: list[dict]) -> dict:
     """The parts of the time to first block (`first_block_parts`): their means, and the five slowest requests;
     boundary seconds (p50, p90, max) and how many boundaries ran a new step shape eagerly."""
@@ -274,13 +320,17 @@ def trace_summary(records: list[dict], trace: list[dict]) -> dict:
         boundary_s={q: percentile(seconds, q) for q in (50, 90, 100)},
         boundaries_with_new_shapes=sum(any(lay["new_shapes"] for lay in b["layouts"]) for b in trace),
         kernels_compiled=sum(b["compiled"] for b in trace),
+        stalls={name: round(sum(b.get(name, 0) for b in trace), 3) for name in STALLS},
         slowest_boundaries=[
             dict(
                 s=round(b["end"] - b["start"], 3),
                 rows=[lay["rows"] for lay in b["layouts"]],
                 width=[lay["width"] for lay in b["layouts"]],
+                layout_s=[round(lay["s"], 3) for lay in b["layouts"] if "s" in lay],
+                joined_tokens=[lay.get("joined_tokens") for lay in b["layouts"]],
                 new_shapes=sum(lay["new_shapes"] for lay in b["layouts"]),
                 compiled=b["compiled"],
+                **{name: round(b[name], 3) for name in STALLS if name in b},
             )
             for b in sorted(trace, key=lambda b: b["start"] - b["end"])[:3]
         ],
@@ -527,11 +577,15 @@ def measure(args) -> dict:
                     summary["first_block_parts"] = trace_summary(
                         records, server.get(f"/bench-trace?since={traced}")["boundaries"]
                     )
-                summary["batching"] = server.get("/health").get("batching")
+                health = server.get("/health")
+                summary["batching"] = health.get("batching")
+                summary["max_batch_size"] = health.get("max_batch_size", args.max_batch_size)
                 summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
                 if kind != "window" and args.check:
                     summary["check"] = check_answers(args, items, records, args.check)
-                results[(kind, rate)] = summary
+                # A rate measured again (e.g. the cold start, then the warm peak) keeps both: "16.0", "16.0#2".
+                repeat = sum(k == kind and str(r).split("#")[0] == str(rate) for k, r in results)
+                results[(kind, rate if not repeat else f"{rate}#{repeat + 1}")] = summary
                 print(
                     f"{kind} rate {rate}: {json.dumps({k: v for k, v in summary.items() if k != 'batching'})}",
                     flush=True,
@@ -550,7 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default=None, help="comma-separated request rates (requests/s)")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate")
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--max-batch-size", type=int, default=16, help="0: the continuous server's default (from the GPU's memory)"
+    )
     parser.add_argument("--max-batch-width", type=int, default=None)
     parser.add_argument("--width-granularity", type=int, default=0, help="0: the engine's default")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="the window server's window")
