@@ -339,7 +339,53 @@ def test_bucketed_rows():
     assert [bucketed_rows(k, 32) for k in range(14)] == [0, 1, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 16]
     assert [bucketed_rows(k, 32) for k in (16, 17, 24, 25, 32)] == [16, 20, 24, 28, 32]
     assert [bucketed_rows(k, 18) for k in (13, 17, 18)] == [16, 18, 18]
+    assert [bucketed_rows(k, 128) for k in (33, 40, 41, 64, 65, 81, 128)] == [40, 40, 48, 64, 80, 96, 128]
+    assert len({bucketed_rows(k, 128) for k in range(1, 129)}) == 4 + 6 + 4 + 4  # 36 with steps of 4 throughout
+    assert all(k <= bucketed_rows(k, 256) <= k * 4 // 3 + 2 for k in range(9, 257))
     assert bucketed_rows(3, 3) == 3
+
+
+@pytest.mark.parametrize("family", ["llada", "llada2", "dream"])
+def test_kv_bytes_per_position_is_what_the_cache_holds(trained, random_llada2, family):
+    """`kv_bytes_per_position` (the memory-derived batch size's unit) equals the bytes of every layer's K/V buffers
+    of a cache a forward filled, per row and column."""
+    from hf_dllm.serving.engine import kv_bytes_per_position
+
+    if family == "dream":
+        model = DreamModel.from_pretrained(FIXTURES / "dream-tiny-ref").eval()
+    else:
+        model = trained if family == "llada" else random_llada2
+    engine = ContinuousBatcher(model, max_batch_size=3)
+    settings = dict(use_cache=True) if family == "dream" else {}
+    rows = [request(model, [5, 6, 7, 8], max_new_tokens=8, block_length=4, steps=4, **settings) for _ in range(2)]
+    for row in rows:
+        engine.submit(row)
+    engine.run_until_done()
+    cache = engine.cache
+    held = sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values] if t is not None)
+    assert held == cache.max_batch_size * cache.max_length * kv_bytes_per_position(model)
+
+
+def test_default_max_batch_size_from_free_memory(trained, random_llada2, monkeypatch):
+    """No `max_batch_size`: 16 off CUDA; on CUDA the rows whose K/V of `max_batch_width` columns (block-causal:
+    twice, the row store) fit in `AUTO_BATCH_MEMORY_SHARE` of the free memory, between 1 and `MAX_AUTO_BATCH_SIZE`."""
+    from hf_dllm.serving import engine as engine_module
+
+    assert ContinuousBatcher(trained).max_batch_size == engine_module.DEFAULT_MAX_BATCH_SIZE == 16
+    cuda = torch.device("cuda")
+    for model, copies in ((trained, 1), (random_llada2, 2)):
+        row = copies * engine_module.kv_bytes_per_position(model) * 100
+        for free, rows in ((row * 10, 6), (row * 1000, 128), (row // 2, 1)):
+            monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+            assert engine_module.default_max_batch_size(model, 100, cuda) == rows
+    # The mirrored engines of tensor parallelism agree on one size; it changes only while no row runs.
+    engine = ContinuousBatcher(random_llada2)
+    engine.set_max_batch_size(5)
+    assert engine.max_batch_size == engine.store.slots == 5
+    engine.submit(request(random_llada2, [5, 6, 7], max_new_tokens=8, block_length=4, steps=4))
+    engine.decode_boundary()
+    with pytest.raises(RuntimeError, match="batch size"):
+        engine.set_max_batch_size(4)
 
 
 def exact_kv(model, tokens: torch.Tensor, length: int, block_length: int):

@@ -8,6 +8,7 @@ process (uvicorn in a thread, free loopback port); one test starts the real `hf-
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import math
 import os
@@ -28,10 +29,11 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+import hf_dllm.serving.server as server_module  # noqa: E402
 from hf_dllm.serving.batching import Batcher, RowRequest  # noqa: E402
 from hf_dllm.serving.engine import JOIN_LAYOUT_MIN_ROWS  # noqa: E402
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
-from hf_dllm.serving.server import create_app, load_model  # noqa: E402
+from hf_dllm.serving.server import create_app, frozen_heap, load_model  # noqa: E402
 
 MODEL_NAME = "tiny"
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"
@@ -189,6 +191,32 @@ def test_models_and_health(server, client):
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     health = httpx.get(f"{server.base_url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_the_heap_is_frozen_while_an_app_serves(model_dir, server):
+    """While an app serves, the objects of its start-up are frozen (no full collection walks them); the last app
+    to stop unfreezes them, and one stopping while another serves does not."""
+    assert gc.get_freeze_count() > 0  # the module's server runs
+    second = RunningServer(model_dir, max_batch_size=2)
+    frozen = gc.get_freeze_count()
+    second.stop()
+    assert gc.get_freeze_count() >= frozen > 0
+
+
+def test_frozen_heap_unfreezes_when_the_last_app_stops():
+    serving, server_module._serving_apps = server_module._serving_apps, 0
+    gc.unfreeze()
+    try:
+        with frozen_heap():
+            assert gc.get_freeze_count() > 0
+            with frozen_heap():
+                pass
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0
+    finally:
+        server_module._serving_apps = serving
+        if serving:
+            gc.freeze()
 
 
 def test_completion_equals_generate(server, client):

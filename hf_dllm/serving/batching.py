@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..cli.completion_text import CompletionText
 from ..generation_config import DiffusionGenerationConfig
-from .engine import DEFAULT_MAX_BATCH_SIZE, ContinuousBatcher
+from .engine import ContinuousBatcher
 from .rows import BlockUpdate, EngineRequest
 
 logger = logging.getLogger("hf_dllm.serve")
@@ -200,8 +200,9 @@ class BatchStats:
 
 class Batcher:
     """Owns the model: queues `RowRequest`s and decodes them with the continuous-batching engine in one scheduler
-    thread (see module doc). `max_batch_size` rows run at once; `max_batch_width` bounds a layout's columns (the
-    K/V cache holds `max_batch_size x max_batch_width` positions; default: the model's context). An `engine` made by
+    thread (see module doc). `max_batch_size` rows run at once (default: `engine.default_max_batch_size`);
+    `max_batch_width` bounds a layout's columns (the K/V cache holds `max_batch_size x max_batch_width` positions;
+    default: the model's context). An `engine` made by
     the caller (`hf-dllm serve`, with every engine option; a tensor-parallel server's `MirroredEngine`) is used as
     made, with its own limits."""
 
@@ -211,7 +212,7 @@ class Batcher:
         tokenizer,
         *,
         stop_token_ids: set[int],
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_size: int | None = None,
         max_batch_width: int | None = None,
         engine: ContinuousBatcher | None = None,
     ):

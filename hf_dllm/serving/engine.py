@@ -52,10 +52,23 @@ _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 # 4-5 % more p99 latency than in the layout.
 JOIN_LAYOUT_MIN_ROWS = 8
 
-# Rows decoded at once by default (`ContinuousBatcher`, `hf-dllm serve --max-batch-size`).
+# Rows decoded at once by default (`ContinuousBatcher`, `hf-dllm serve --max-batch-size`) off CUDA.
 DEFAULT_MAX_BATCH_SIZE = 16
 
-# With bucketed rows (CUDA graphs), a layout's forwards run with 1, 2, 4 or 8 rows, then a multiple of this many.
+# On CUDA the default is as many rows as the engine's K/V for `max_batch_width` columns each (the layout cache, and a
+# block-causal model's row store as much again) fit in this share of the device's free memory, at most
+# `MAX_AUTO_BATCH_SIZE` rows: the rest is left for activations and CUDA graphs. A batch that fills makes arrivals
+# wait whole boundaries for a place, so the time to first block is bounded only while the batch has room.
+# Measured on an H100 (LLaDA2.0-mini shape, random bf16 weights, 2560 columns; RESULTS.md, continuous batching,
+# session 18): max batch 128 (26.8 GB of K/V) peaked at 5,668 tokens/s with 61.4 GB in use, and at 77 % of that
+# peak its p99 time to first block was 0.97 s against 3 boundaries (1.12 s); with max batch 16 the peak was 2,403
+# tokens/s and at 76 % of it the p99 time to first block 0.98 s against 0.46 s (session 17).
+AUTO_BATCH_MEMORY_SHARE = 0.6
+MAX_AUTO_BATCH_SIZE = 128
+
+# With bucketed rows (CUDA graphs), a layout's forwards run with 1, 2, 4 or 8 rows, then a multiple of this many
+# up to 32 rows, and above 32 four buckets per doubling (steps of 8 up to 64, of 16 up to 128, ...), so that a large
+# max batch does not multiply the captured shapes (a bucket every 4 rows up to 128 rows meant 36 row counts).
 # Measured on an H100 (LLaDA2.0-mini shape, `benchmarks/bench_load.py`; RESULTS.md, continuous batching, session
 # 17): at max batch 32, steps of 4 and 8 gave the same peak (2,984 and 2,983-3,041 tokens/s, against 2,703 with
 # no buckets); at max batch 16, where 9 rows pad to 16 with steps of 8, the peak was 2,403 tokens/s with 4 and
@@ -65,12 +78,33 @@ ROW_BUCKET_STEP = 4
 
 def bucketed_rows(rows: int, max_rows: int) -> int:
     """The rows a forward of `rows` layout rows runs with when rows are bucketed (`ContinuousBatcher.bucket_rows`):
-    the next of 1, 2, 4, 8, then multiples of `ROW_BUCKET_STEP` (12, 16, ...), at most `max_rows`; 0 for 0."""
+    the next of 1, 2, 4, 8, then multiples of `ROW_BUCKET_STEP` (12, 16, ..., 32), then of an eighth of the power
+    of two above `rows` (40, 48, 56, 64, 80, 96, ...), at most `max_rows`; 0 for 0."""
     if rows <= 8:
         bucket = 1 << (rows - 1).bit_length() if rows else 0
     else:
-        bucket = -(-rows // ROW_BUCKET_STEP) * ROW_BUCKET_STEP
+        step = max(ROW_BUCKET_STEP, 1 << ((rows - 1).bit_length() - 3))
+        bucket = -(-rows // step) * step
     return max(rows, min(bucket, max_rows))
+
+
+def kv_bytes_per_position(model) -> int:
+    """Bytes of keys and values one position of one row takes in the model's K/V cache: every layer's
+    `num_key_value_heads x head_dim`, twice, in the model's dtype."""
+    config = model.config
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
+
+
+def default_max_batch_size(model, max_batch_width: int, device: torch.device) -> int:
+    """`ContinuousBatcher`'s `max_batch_size` when none is given: off CUDA `DEFAULT_MAX_BATCH_SIZE`; on CUDA the rows
+    whose K/V (`max_batch_width` columns each; block-causal models: the row store's as much again) fit in
+    `AUTO_BATCH_MEMORY_SHARE` of the device's free memory now, from 1 to `MAX_AUTO_BATCH_SIZE`."""
+    if device.type != "cuda":
+        return DEFAULT_MAX_BATCH_SIZE
+    free, _ = torch.cuda.mem_get_info(device)
+    copies = 2 if getattr(model, "diffusion_block_causal", False) else 1
+    row_bytes = copies * kv_bytes_per_position(model) * max_batch_width
+    return max(1, min(MAX_AUTO_BATCH_SIZE, int(AUTO_BATCH_MEMORY_SHARE * free) // row_bytes))
 
 
 def attention_without_shape_plans(device: torch.device | str):
@@ -101,7 +135,9 @@ class ContinuousBatcher:
 
     Args:
         model: a `DiffusionGenerationMixin` model.
-        max_batch_size: rows decoded at once (at most; rows of different settings groups count together).
+        max_batch_size: rows decoded at once (at most; rows of different settings groups count together). Default
+            (None): `default_max_batch_size`, on CUDA from the device's free memory (up to `MAX_AUTO_BATCH_SIZE`),
+            elsewhere `DEFAULT_MAX_BATCH_SIZE`.
         max_batch_width: the widest layout (columns); the K/V cache holds `max_batch_size x max_batch_width`
             positions (block-causal models: as many again in the rows' K/V store, `row_cache.RowKVStore`).
             Default: the model's context (`max_sequence_length` / `max_position_embeddings`), so any request that
@@ -126,7 +162,7 @@ class ContinuousBatcher:
         self,
         model,
         *,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_size: int | None = None,
         max_batch_width: int | None = None,
         width_granularity: int | None = None,
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
@@ -139,9 +175,8 @@ class ContinuousBatcher:
             bucket_rows = self.device.type == "cuda"
         if not isinstance(bucket_rows, bool):
             raise ValueError(f"`bucket_rows` must be None, True or False, got {bucket_rows!r}.")
-        for name, value in (("max_batch_size", max_batch_size), ("width_granularity", width_granularity)):
-            if not is_int(value) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if not is_int(width_granularity) or width_granularity < 1:
+            raise ValueError(f"`width_granularity` must be None or an integer >= 1, got {width_granularity!r}.")
         if join_layout_min_rows is not None and not (is_int(join_layout_min_rows) and join_layout_min_rows >= 1):
             raise ValueError(f"`join_layout_min_rows` must be None or an integer >= 1, got {join_layout_min_rows!r}.")
         if max_batch_width is None:
@@ -150,8 +185,9 @@ class ContinuousBatcher:
             )
         if not isinstance(max_batch_width, int) or isinstance(max_batch_width, bool) or max_batch_width < 1:
             raise ValueError(f"`max_batch_width` must be an integer >= 1, got {max_batch_width!r}.")
+        if max_batch_size is None:
+            max_batch_size = default_max_batch_size(model, max_batch_width, self.device)
         self.model = model
-        self.max_batch_size = max_batch_size
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
         self.join_layout_min_rows = join_layout_min_rows
@@ -167,8 +203,7 @@ class ContinuousBatcher:
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
         self.cache = None
-        # Block-causal rows' exact K/V between blocks, a slot per running row (buffers allocated at first use).
-        self.store = RowKVStore(max_batch_size, max_batch_width) if self.block_causal else None
+        self.set_max_batch_size(max_batch_size)
         self.lock = threading.Lock()
         self.forwards = 0  # model forwards made (one batched forward counts once)
         # Positions fed to the model by blocks' first steps (packed rows: their own; a layout's rows: rows x
@@ -176,6 +211,16 @@ class ContinuousBatcher:
         self.first_step_positions = 0
         self.layouts = 0  # layouts decoded (one per cohort per boundary)
         self.last_layout_sizes: list[int] = []  # rows of each layout of the last boundary
+
+    def set_max_batch_size(self, rows: int) -> None:
+        """Decode at most `rows` rows at once (before any request runs)."""
+        if not is_int(rows) or rows < 1:
+            raise ValueError(f"`max_batch_size` must be None or an integer >= 1, got {rows!r}.")
+        if self.running:
+            raise RuntimeError("the batch size cannot change while rows run")
+        self.max_batch_size = rows
+        # Block-causal rows' exact K/V between blocks, a slot per running row (buffers allocated at first use).
+        self.store = RowKVStore(rows, self.max_batch_width) if self.block_causal else None
 
     # -- requests ---------------------------------------------------------------------------------------------
     def prepare(self, request: EngineRequest) -> EngineRequest:

@@ -63,20 +63,28 @@ fastapi and uvicorn are imported only here (the `serve` extra), so `import hf_dl
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 from ..cli.completion_text import stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
-from .engine import DEFAULT_MAX_BATCH_SIZE, JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher
+from .engine import (
+    AUTO_BATCH_MEMORY_SHARE,
+    DEFAULT_MAX_BATCH_SIZE,
+    JOIN_LAYOUT_MIN_ROWS,
+    MAX_AUTO_BATCH_SIZE,
+    ContinuousBatcher,
+)
 from .protocol import (
     APIError,
     check_block_causal_steps,
@@ -113,7 +121,7 @@ class Server:
         model,
         tokenizer,
         model_name: str,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_size: int | None = None,
         max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
         engine=None,
@@ -415,11 +423,37 @@ async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, by
     await send({"type": "http.response.body", "body": payload})
 
 
+_serving_apps = 0  # apps inside `frozen_heap`
+_serving_apps_lock = threading.Lock()
+
+
+@contextmanager
+def frozen_heap():
+    """While any app serves: Python's objects of that time (the model, torch, transformers, the app) frozen
+    (`gc.freeze`), so that a full garbage collection no longer walks them. A collection holds the GIL and so stops
+    the scheduler thread mid-boundary: 0.41 s once on an H100 under load (LLaDA2.0-mini shape; RESULTS.md,
+    continuous batching, session 18). vLLM freezes its heap after start-up for the same reason. Unfrozen when the
+    last app stops (tests start several in one process)."""
+    global _serving_apps
+    with _serving_apps_lock:
+        if _serving_apps == 0:
+            gc.collect()
+            gc.freeze()
+        _serving_apps += 1
+    try:
+        yield
+    finally:
+        with _serving_apps_lock:
+            _serving_apps -= 1
+            if _serving_apps == 0:
+                gc.unfreeze()
+
+
 def create_app(
     model,
     tokenizer,
     model_name: str = "model",
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_batch_size: int | None = None,
     max_batch_width: int | None = None,
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
@@ -445,12 +479,13 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app):
-        server.batcher.start()
-        try:
-            yield
-        finally:
-            server.batcher.stop()
-            server.pool.shutdown(wait=False, cancel_futures=True)
+        with frozen_heap():
+            server.batcher.start()
+            try:
+                yield
+            finally:
+                server.batcher.stop()
+                server.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hf-dllm", lifespan=lifespan)
     app.state.server = server
@@ -595,7 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="rows decoding at once")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="rows decoding at once (default: on CUDA as many as fit their K/V of max-batch-width columns each in "
+        f"{AUTO_BATCH_MEMORY_SHARE:.0%} of the GPU's free memory, at most {MAX_AUTO_BATCH_SIZE}; elsewhere "
+        f"{DEFAULT_MAX_BATCH_SIZE})",
+    )
     parser.add_argument(
         "--max-batch-width",
         type=int,
@@ -646,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("hf-dllm serve needs fastapi and uvicorn: pip install 'hf-dllm[serve]'", file=sys.stderr)
         return 2
-    if args.max_batch_size < 1 or (args.max_batch_width is not None and args.max_batch_width < 1):
+    if any(value is not None and value < 1 for value in (args.max_batch_size, args.max_batch_width)):
         print("hf-dllm serve: --max-batch-size and --max-batch-width must be >= 1.", file=sys.stderr)
         return 2
     if args.max_body_bytes is not None and args.max_body_bytes < 1:

@@ -22,6 +22,7 @@ import itertools
 import threading
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .engine import ContinuousBatcher
@@ -42,6 +43,11 @@ class MirroredEngine(ContinuousBatcher):
 
     def __init__(self, model, group, **kwargs):
         super().__init__(model, **kwargs)
+        # Every rank lays out the same rows: a batch size derived from each rank's free memory
+        # (`default_max_batch_size`) may differ between ranks, so all take the smallest.
+        rows = torch.tensor([self.max_batch_size])
+        dist.all_reduce(rows, op=dist.ReduceOp.MIN, group=group)
+        self.set_max_batch_size(int(rows))
         self.group = group
         self.leader = dist.get_rank(group) == 0
         self.source = dist.get_global_rank(group, 0)
