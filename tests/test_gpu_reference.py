@@ -112,6 +112,29 @@ def test_llada2_graph_path_tokens_equal_eager(attn, use_cache, rule):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_llada2_device_map_auto_splits_over_two_gpus_and_generates_the_same_tokens(tmp_path):
+    """`device_map="auto"` (accelerate's placement by `_no_split_modules`) with GPU 0 given room for about half of
+    the model: the decoder layers land on both GPUs, and generation (threshold, steps, LLaDA2.1 editing; the exact
+    block-causal cache) gives the one-GPU tokens."""
+    model = gpu_llada2(dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_memory = {0: weights // 2, 1: 4 * weights}
+    split = hf_dllm.LLaDA2MoeModelLM.from_pretrained(tmp_path, device_map="auto", max_memory=max_memory).eval()
+    layers = {
+        device for name, device in split.hf_device_map.items() if name.startswith("model.layers") or name == "model"
+    }
+    assert {0, 1} <= layers, split.hf_device_map
+    ids, mask = padded_prompts([7, 13])
+    for kwargs in (dict(threshold=0.7), dict(steps=20), dict(threshold=0.7, editing_threshold=0.8)):
+        common = dict(max_new_tokens=40, block_length=8, **kwargs)
+        assert torch.equal(
+            split.generate(ids, attention_mask=mask, **common).cpu(),
+            model.generate(ids, attention_mask=mask, **common).cpu(),
+        ), kwargs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_llada2_split_over_two_gpus_generates_the_same_tokens(tmp_path):
     model = gpu_llada2(dtype=torch.float32)
     model.save_pretrained(tmp_path)
