@@ -44,7 +44,8 @@ class MirroredEngine(ContinuousBatcher):
     def __init__(self, model, group, **kwargs):
         super().__init__(model, **kwargs)
         # Every rank lays out the same rows: a batch size derived from each rank's free memory
-        # (`default_max_batch_size`) may differ between ranks, so all take the smallest.
+        # (`default_max_batch_size`) may differ between ranks, so all take the smallest. (It counts every K/V head,
+        # where a rank holds 1/N of them: on the safe side.)
         rows = torch.tensor([self.max_batch_size])
         dist.all_reduce(rows, op=dist.ReduceOp.MIN, group=group)
         self.set_max_batch_size(int(rows))
