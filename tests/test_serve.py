@@ -856,6 +856,17 @@ def test_web_framework_imported_only_inside_serve():
             assert not {name.split(".")[0] for name in names} & web, f"{path.name} imports {names} at module level"
 
 
+def test_cli_serve_help_prints_the_defaults(capsys):
+    """`hf-dllm serve --help` prints every option with its default (argparse formats each help with `%`)."""
+    from hf_dllm.serving.server import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "60 % of the GPU's free memory, at most 128; elsewhere 16" in text
+
+
 def test_cli_serve_command(model_dir):
     """`python -m hf_dllm serve MODEL --port P` answers on 127.0.0.1 and stops on SIGTERM."""
     port = free_port()

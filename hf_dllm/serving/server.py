@@ -635,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="rows decoding at once (default: on CUDA as many as fit their K/V of max-batch-width columns each in "
-        f"{AUTO_BATCH_MEMORY_SHARE:.0%} of the GPU's free memory, at most {MAX_AUTO_BATCH_SIZE}; elsewhere "
+        f"{AUTO_BATCH_MEMORY_SHARE * 100:.0f} %% of the GPU's free memory, at most {MAX_AUTO_BATCH_SIZE}; elsewhere "
         f"{DEFAULT_MAX_BATCH_SIZE})",
     )
     parser.add_argument(
