@@ -177,11 +177,11 @@ def request_key(prompt: list[int]) -> str:
 
 
 def _autotuned_kernels() -> list:
-    """The package's Triton autotuners (none without Triton)."""
+    """The package's Triton autotuners (none without Triton: the modules then define no kernels)."""
     from hf_dllm import fp8, grouped_gemm
 
-    names = ("_grouped_kernel", "_weight_only_kernel", "_w8a8_kernel", "_block_scaled_kernel")
-    return [getattr(module, name) for module in (grouped_gemm, fp8) for name in names if hasattr(module, name)]
+    kernels = [(grouped_gemm, "_grouped_kernel"), (fp8, "_weight_only_kernel"), (fp8, "_w8a8_kernel")]
+    return [getattr(module, name) for module, name in kernels if hasattr(getattr(module, name, None), "cache")]
 
 
 def trace_boundaries(batcher) -> list[dict]:
@@ -206,7 +206,7 @@ def trace_boundaries(batcher) -> list[dict]:
     # What else can stall a boundary: an autotuner timing its configs for a new key (it runs every config, each
     # for ~0.1 s), the CUDA caching allocator calling cudaMalloc (or freeing its cache and retrying: a device
     # sync), and Python's garbage collector (it holds the GIL).
-    autotuned = [kernel for kernel in _autotuned_kernels() if hasattr(kernel, "cache")]
+    autotuned = _autotuned_kernels()
     gc_state = dict(started=None, seconds=0.0)
 
     def on_gc(phase, info):
@@ -236,10 +236,11 @@ def trace_boundaries(batcher) -> list[dict]:
         try:
             return original_block(run, rows, width)
         finally:
+            ended = time.monotonic()
             trace[-1]["layouts"].append(
                 dict(
-                    end=time.monotonic(),
-                    s=time.monotonic() - started,
+                    end=ended,
+                    s=ended - started,
                     rows=len(rows),
                     width=width,
                     joined=joined,

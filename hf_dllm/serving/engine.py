@@ -215,7 +215,7 @@ class ContinuousBatcher:
     def set_max_batch_size(self, rows: int) -> None:
         """Decode at most `rows` rows at once (before any request runs)."""
         if not is_int(rows) or rows < 1:
-            raise ValueError(f"`max_batch_size` must be None or an integer >= 1, got {rows!r}.")
+            raise ValueError(f"`max_batch_size` must be an integer >= 1 (or None for the default), got {rows!r}.")
         if self.running:
             raise RuntimeError("the batch size cannot change while rows run")
         self.max_batch_size = rows
