@@ -146,6 +146,8 @@ def serve(args) -> None:
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
         engine.width_granularity = args.width_granularity
+    if engine is not None and args.max_refresh_positions is not None:
+        engine.max_refresh_positions = args.max_refresh_positions or None
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
     if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
@@ -239,6 +241,7 @@ def trace_boundaries(batcher) -> list[dict]:
             ended = time.monotonic()
             trace[-1]["layouts"].append(
                 dict(
+                    start=started,
                     end=ended,
                     s=ended - started,
                     rows=len(rows),
@@ -265,9 +268,11 @@ def trace_boundaries(batcher) -> list[dict]:
 
 def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
     """Each answered request's time to first block, split at the server's boundaries: `before` (from sending to
-    the start of the boundary it joined: the boundary under way when it arrived, and any it waited through,
-    `passed`), `own` (that boundary's start to the end of the layout that decoded its first block) and `after`
-    (from there to the first streamed text: the scheduler's hand-off, HTTP, the client)."""
+    its admission: the start of the boundary it joined, having waited out the boundary under way when it arrived
+    and any others, `passed`; or, joining a boundary under way, the start of its first layout after the request
+    was sent), `own` (from its admission to the end of the layout that decoded its first block), `mid_boundary`
+    (whether it joined a boundary under way) and `after` (from there to the first streamed text: the scheduler's
+    hand-off, HTTP, the client)."""
     joined = {}
     for boundary in trace:
         for layout in boundary["layouts"]:
@@ -278,23 +283,35 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
         if "first_at" not in record:
             continue
         sent = record["sent_at"]
-        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if b["start"] >= sent), None)
+        # The same prompts recur at every rate: the first layout that started after this request was sent.
+        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if lay["start"] >= sent), None)
         if found is None:
             continue
         boundary, layout = found
+        mid_boundary = boundary["start"] < sent
+        admitted = (
+            min(lay["start"] for lay in boundary["layouts"] if lay["start"] >= sent)
+            if mid_boundary
+            else boundary["start"]
+        )
         passed = [b for b in trace if sent <= b["start"] < boundary["start"]]
         under_way = [b for b in trace if b["start"] < sent <= b["end"]]
         parts.append(
             dict(
                 first_block=record["first_at"] - sent,
-                before=boundary["start"] - sent,
+                before=admitted - sent,
                 passed=len(passed),
-                own=layout["end"] - boundary["start"],
+                mid_boundary=mid_boundary,
+                own=layout["end"] - admitted,
                 after=record["first_at"] - layout["end"],
                 rows=sum(lay["rows"] for lay in boundary["layouts"]),
                 layout_rows=layout["rows"],
-                new_shapes=sum(lay["new_shapes"] for b in [*under_way, *passed, boundary] for lay in b["layouts"]),
-                compiled=sum(b["compiled"] for b in [*under_way, *passed, boundary]),
+                new_shapes=sum(
+                    lay["new_shapes"]
+                    for b in {id(b): b for b in [*under_way, *passed, boundary]}.values()
+                    for lay in b["layouts"]
+                ),
+                compiled=sum(b["compiled"] for b in {id(b): b for b in [*under_way, *passed, boundary]}.values()),
                 waiting=boundary["waiting"],
             )
         )
@@ -316,6 +333,7 @@ def trace_summary(records: list[dict], trace: list[dict]) -> dict:
     return dict(
         traced=len(parts),
         mean={name: sum(p[name] for p in parts) / len(parts) for name in ("before", "own", "after")} if parts else {},
+        joined_mid_boundary=sum(p["mid_boundary"] for p in parts),
         slowest=[{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in slowest],
         boundaries=len(seconds),
         boundary_s={q: percentile(seconds, q) for q in (50, 90, 100)},
@@ -419,6 +437,8 @@ class ServerProcess:
         if args.cpu:
             command.append("--cpu")
         command += ["--server-kind", kind, "--join-layout-min-rows", str(args.join_layout_min_rows)]
+        if args.max_refresh_positions is not None:
+            command += ["--max-refresh-positions", str(args.max_refresh_positions)]
         self.process = subprocess.Popen(command, env=env, cwd=code)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -623,6 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--join-layout-min-rows", type=int, default=4, help="the continuous-join-apart server's join_layout_min_rows"
+    )
+    parser.add_argument(
+        "--max-refresh-positions",
+        type=int,
+        default=None,
+        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's; 0: no slices)",
     )
     parser.add_argument("--server-kind", choices=SERVER_KINDS, default="continuous", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)

@@ -19,7 +19,12 @@ import torch
 from conftest import FIXTURES, tiny_model
 
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
-from hf_dllm.serving.engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher, attention_without_shape_plans
+from hf_dllm.serving.engine import (
+    JOIN_LAYOUT_MIN_ROWS,
+    MAX_REFRESH_POSITIONS,
+    ContinuousBatcher,
+    attention_without_shape_plans,
+)
 from hf_dllm.serving.layout import LayoutRun
 from hf_dllm.serving.rows import BlockUpdate, EngineRequest
 
@@ -626,6 +631,8 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
         (dict(width_granularity=-1), "width_granularity"),
         (dict(join_layout_min_rows=0), "join_layout_min_rows"),
         (dict(join_layout_min_rows=2.0), "join_layout_min_rows"),
+        (dict(max_refresh_positions=0), "max_refresh_positions"),
+        (dict(max_refresh_positions="64"), "max_refresh_positions"),
     ],
 )
 def test_bad_arguments_are_refused(trained, kwargs, name):
@@ -776,3 +783,91 @@ def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with attention_without_shape_plans("cpu"):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize(
+    "settings", [JOIN_DUAL, dict(max_new_tokens=24, block_length=8, steps=12)], ids=["dual", "none"]
+)
+def test_large_layouts_are_cut_into_slices_of_bounded_refresh(trained, monkeypatch, settings):
+    """`max_refresh_positions`: a layout whose canvases hold more positions is decoded as slices, each within the
+    budget (or one row), cut in order into about equal parts; every row is still `generate()` alone. The default is
+    `MAX_REFRESH_POSITIONS`; block-causal models are not sliced."""
+    from test_llada2_integration import tiny_llada2
+
+    assert ContinuousBatcher(trained).max_refresh_positions == MAX_REFRESH_POSITIONS
+    assert ContinuousBatcher(tiny_llada2(seed=0), max_refresh_positions=8).max_refresh_positions is None
+    layouts = recorded_layouts(monkeypatch)
+    prompts = random_prompts(random.Random(7), 8, 4, 60, longest=30)
+    requests = [request(trained, prompt, **settings) for prompt in prompts]
+    budget = 150
+    engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=None, max_refresh_positions=budget)
+    boundaries = drive(engine, requests, [0] * 8)
+    assert_alone(trained, requests)
+    canvas = {id(req): req.plan.canvas_width for req in requests}
+    sizes = [sum(canvas[key] for key, _ in layout) for layout in layouts]
+    assert len(layouts) > boundaries, "no layout was cut"
+    assert all(size <= budget or len(layout) == 1 for size, layout in zip(sizes, layouts, strict=True)), sizes
+    # The first boundary decodes all 8 rows in the fewest slices the budget allows, about equal.
+    total = sum(canvas.values())
+    first = sizes[: -(-total // budget)]
+    assert sum(first) == total and max(first) - min(first) <= max(canvas.values()), sizes
+
+
+def test_waiting_requests_join_the_layouts_still_to_decode(trained, monkeypatch):
+    """Between two layouts of a boundary the engine calls `intake` (the server's new requests) and waiting
+    requests join the next layout of their cohort that their width fits: requests submitted during a boundary
+    decode their first block in that boundary, in order, each `generate()` alone; a row cancelled meanwhile leaves
+    the layouts still to decode at once."""
+    layouts = recorded_layouts(monkeypatch)
+    prompts = random_prompts(random.Random(11), 6, 4, 60, longest=30)
+    running = [request(trained, prompt, **JOIN_DUAL) for prompt in prompts[:4]]
+    late = [request(trained, prompt, **JOIN_DUAL) for prompt in prompts[4:]]
+    # Canvases of 33-61 columns: no two rows fit 60 positions, so each slice is one row.
+    engine = ContinuousBatcher(trained, max_batch_size=6, join_layout_min_rows=None, max_refresh_positions=60)
+    for req in running:
+        engine.submit(req)
+    calls = []
+
+    def intake():
+        calls.append(len(layouts))
+        if len(calls) == 1:  # after the boundary's first layout: two requests arrive, a running row is cancelled
+            for req in late:
+                engine.submit(req)
+            running[-1].cancelled.set()
+
+    engine.intake = intake
+    engine.decode_boundary()
+    assert calls[0] == 1 and layouts[0] == [(id(running[0]), 0)]
+    joined = [key for layout in layouts[1:] for key, block in layout if block == 0]
+    assert [key for key in joined if key in {id(req) for req in late}] == [id(req) for req in late]
+    assert id(running[-1]) not in joined and running[-1].ended and running[-1].nfe == 0
+    assert [len(req.on_block.updates) for req in late] == [1, 1]
+    engine.run_until_done()
+    assert_alone(trained, running[:-1] + late)
+
+
+def test_a_request_that_fits_no_queued_layout_waits_for_the_next_boundary(trained, monkeypatch):
+    """A request whose settings no layout still to decode shares (another cohort) joins at the next boundary, and
+    the requests behind it wait too (oldest first)."""
+    recorded_layouts(monkeypatch)
+    running = [request(trained, [5 + i] * 30, **JOIN_DUAL) for i in range(3)]
+    other = request(trained, [9, 9], max_new_tokens=16, block_length=4, steps=8)
+    behind = request(trained, [8, 8], **JOIN_DUAL)
+    engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=None, max_refresh_positions=70)
+    for req in running:
+        engine.submit(req)
+    submitted = []
+
+    def intake():
+        if not submitted:
+            submitted.append(True)
+            engine.submit(other)
+            engine.submit(behind)
+
+    engine.intake = intake
+    engine.decode_boundary()
+    assert len(engine.last_layout_sizes) == 3 and not other.on_block.updates and not behind.on_block.updates
+    engine.decode_boundary()
+    assert len(other.on_block.updates) == 1 and len(behind.on_block.updates) == 1
+    engine.run_until_done()
+    assert_alone(trained, [*running, other, behind])

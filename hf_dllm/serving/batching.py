@@ -221,10 +221,12 @@ class Batcher:
         if engine is None:
             engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
         self.engine = engine
+        engine.intake = self._intake  # requests submitted during a boundary join its layouts still to decode
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.stats = BatchStats()
         self._submitted: deque[RowRequest] = deque()
-        self._trackers: dict[int, RowTracker] = {}  # id(EngineRequest) -> its row's tracker
+        # id(EngineRequest) -> the request and its row's tracker, until the row leaves the engine
+        self._trackers: dict[int, tuple[EngineRequest, RowTracker]] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -259,7 +261,7 @@ class Batcher:
         with self._cond:
             dropped = list(self._submitted)
             self._submitted.clear()
-        dropped += [tracker.row for tracker in self._trackers.values() if not tracker.ended]
+        dropped += [tracker.row for _, tracker in self._trackers.values() if not tracker.ended]
         self._trackers.clear()
         self.engine.abandon()
         return dropped
@@ -292,7 +294,7 @@ class Batcher:
         except (ValueError, TypeError) as error:  # what generate() would refuse: this row only
             row.sink(("error", row.index, 400, f"Generation failed: {error}"))
             return
-        self._trackers[id(request)] = tracker
+        self._trackers[id(request)] = (request, tracker)
         request.on_cancel = tracker.end
 
     def _serve(self) -> None:
@@ -308,12 +310,19 @@ class Batcher:
                 self._enqueue(row)
             self.decode_boundary()
 
+    def _intake(self) -> None:
+        """Hand the rows submitted meanwhile to the engine (its `intake`, between two layouts of a boundary)."""
+        with self._cond:
+            submitted = list(self._submitted)
+            self._submitted.clear()
+        for row in submitted:
+            self._enqueue(row)
+
     def decode_boundary(self) -> None:
         """One block boundary of the engine; a failing layout gives its rows an error and the server keeps
         serving."""
         engine = self.engine
         forwards, positions, started = engine.forwards, engine.first_step_positions, time.monotonic()
-        running = list(engine.running) + list(engine.waiting)
         try:
             engine.decode_boundary()
         except Exception as error:
@@ -321,9 +330,8 @@ class Batcher:
             with self.stats._lock:
                 self.stats.errors += 1
             status = 400 if isinstance(error, (ValueError, TypeError)) else 500
-            for request in running:
-                tracker = self._trackers.get(id(request))
-                if request.error is not None and tracker is not None and not tracker.ended:
+            for request, tracker in self._trackers.values():
+                if request.error is not None and not tracker.ended:
                     tracker.ended = True
                     tracker.row.sink(("error", tracker.row.index, status, f"Generation failed: {error}"))
         for size in engine.last_layout_sizes:
@@ -336,6 +344,5 @@ class Batcher:
             self.stats.graph_steps = engine.graph_counts()
             self.stats.running_rows = len(engine.running)
             self.stats.pending = len(self._submitted) + len(engine.waiting)
-        for request in running:
-            if request.ended:
-                self._trackers.pop(id(request), None)
+        for key in [key for key, (request, _) in self._trackers.items() if request.ended]:
+            del self._trackers[key]

@@ -27,6 +27,7 @@ import contextlib
 import json
 import threading
 from collections import deque
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -51,6 +52,12 @@ _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 # in the layout and 1.90 s with 4 (which slowed the others enough to fill the batch, so arrivals queued), for
 # 4-5 % more p99 latency than in the layout.
 JOIN_LAYOUT_MIN_ROWS = 8
+
+# A layout whose block-start forward recomputes its rows' whole canvases (a bidirectional model: the prefix/dual
+# cache's refresh, every step without a cache) is cut into slices of at most this many positions, each decoded as a
+# layout of its own, and waiting requests join the slices still to decode (`ContinuousBatcher.max_refresh_positions`):
+# an arrival then waits out one slice, not the whole batch's refresh. (Placeholder, measured below.)
+MAX_REFRESH_POSITIONS = 16384
 
 # Rows decoded at once by default (`ContinuousBatcher`, `hf-dllm serve --max-batch-size`) off CUDA.
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -156,6 +163,16 @@ class ContinuousBatcher:
             gets padding rows that commit nothing), so that CUDA graphs are captured for few row counts rather than
             for every one from 1 to `max_batch_size`. Default: on CUDA (graphs), off elsewhere (a padding row changes
             nothing in a row's tokens, but costs its arithmetic).
+        max_refresh_positions: an integer >= 1 (default `MAX_REFRESH_POSITIONS`) or None. The rows of a
+            bidirectional model recompute their whole canvases at every block's first step (the refresh); a layout
+            whose canvases hold more positions than this is cut into slices of about equal positions, none above
+            it (unless one row alone is), each decoded as a layout of its own. Between two layouts of a boundary,
+            waiting requests join the layouts still to decode (`intake` brings the server's new requests first),
+            so an arrival waits out one slice rather than the whole batch's refresh. Block-causal models' layouts
+            recompute two blocks per row (their K/V are stored) and are not cut. None: no slices.
+
+    `intake`: None, or a callable (set by the server) that hands the requests submitted since it was last called to
+    `submit`; the engine calls it between two layouts of a boundary.
     """
 
     def __init__(
@@ -167,6 +184,7 @@ class ContinuousBatcher:
         width_granularity: int | None = None,
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         bucket_rows: bool | None = None,
+        max_refresh_positions: int | None = MAX_REFRESH_POSITIONS,
     ):
         self.device = model.get_input_embeddings().weight.device
         if width_granularity is None:
@@ -179,6 +197,8 @@ class ContinuousBatcher:
             raise ValueError(f"`width_granularity` must be None or an integer >= 1, got {width_granularity!r}.")
         if join_layout_min_rows is not None and not (is_int(join_layout_min_rows) and join_layout_min_rows >= 1):
             raise ValueError(f"`join_layout_min_rows` must be None or an integer >= 1, got {join_layout_min_rows!r}.")
+        if max_refresh_positions is not None and not (is_int(max_refresh_positions) and max_refresh_positions >= 1):
+            raise ValueError(f"`max_refresh_positions` must be None or an integer >= 1, got {max_refresh_positions!r}.")
         if max_batch_width is None:
             max_batch_width = getattr(model.config, "max_sequence_length", None) or getattr(
                 model.config, "max_position_embeddings", None
@@ -193,6 +213,8 @@ class ContinuousBatcher:
         self.join_layout_min_rows = join_layout_min_rows
         self.bucket_rows = bucket_rows
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        self.max_refresh_positions = None if self.block_causal else max_refresh_positions
+        self.intake: Callable[[], None] | None = None
         if self.block_causal and not model.diffusion_packed_rows:
             # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
             raise ValueError(
@@ -305,6 +327,40 @@ class ContinuousBatcher:
                 head.slot = free.pop(0)
                 self.running.append(self.waiting.popleft())
 
+    def _between_layouts(self) -> None:
+        """Between two layouts of a boundary: the server's new requests reach `waiting` (`intake`)."""
+        if self.intake is not None:
+            self.intake()
+
+    def _join_queued(self, queue: list[list[EngineRequest]]) -> list[list[EngineRequest]]:
+        """Between two layouts of a boundary: cancelled rows leave the layouts still to decode (`queue`), and
+        waiting requests join them, oldest first, each the first layout of its cohort that its width still fits,
+        while a row is free; the oldest that fits none waits for the next boundary, and so do those after it (no
+        passing). Returns the queue without layouts left empty."""
+        queue = [[row for row in rows if not self._drop_cancelled(row)] for rows in queue]
+        queue = [rows for rows in queue if rows]
+        with self.lock:
+            if any(row.cancelled.is_set() for row in self.waiting):
+                self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
+            free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
+            while self.waiting and free and queue:
+                head = self.waiting[0]
+                key = cohort_key(head)
+                rows = next(
+                    (
+                        rows
+                        for rows in queue
+                        if cohort_key(rows[0]) == key and self.layout_width([*rows, head]) <= self.max_batch_width
+                    ),
+                    None,
+                )
+                if rows is None:
+                    break
+                head.slot = free.pop(0)
+                self.running.append(self.waiting.popleft())
+                rows.append(head)
+        return queue
+
     def _cohorts(self) -> list[list[EngineRequest]]:
         """The running rows grouped into layouts (cohorts), each split further where it would exceed the cache's
         width; in order of their oldest row, except that joining rows decoding apart (`join_layout_min_rows`)
@@ -317,13 +373,14 @@ class ContinuousBatcher:
         for rows in groups.values():
             joining = [row for row in rows if row.block == 0]
             if apart and joining and len(rows) - len(joining) >= self.join_layout_min_rows:
-                first += self._within_width(joining)
+                first += self._split(joining)
                 rows = [row for row in rows if row.block > 0]
-            layouts += self._within_width(rows)
+            layouts += self._split(rows)
         return first + layouts
 
-    def _within_width(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
-        """`rows` in order, split into layouts that fit `max_batch_width`."""
+    def _split(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
+        """`rows` in order, split into layouts that fit `max_batch_width`, each cut further into slices of about
+        equal refresh positions (`max_refresh_positions`)."""
         layouts, current = [], []
         for row in rows:
             if current and self.layout_width([*current, row]) > self.max_batch_width:
@@ -331,7 +388,32 @@ class ContinuousBatcher:
                 current = []
             current.append(row)
         layouts.append(current)
-        return layouts
+        return [piece for layout in layouts for piece in self._slices(layout)]
+
+    def _slices(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
+        """`rows` (one layout) in order, cut into slices whose canvases hold at most `max_refresh_positions`
+        positions (a row alone may hold more), of about equal positions: the k-th slice ends where the running
+        total reaches k shares, a share being the total over the fewest slices the budget allows."""
+        budget = self.max_refresh_positions
+        positions = [row.plan.canvas_width for row in rows]
+        total = sum(positions)
+        if budget is None or total <= budget:
+            return [rows]
+        share = total / -(-total // budget)
+        slices, current, held, done = [], [], 0, 0
+        for row, size in zip(rows, positions, strict=True):
+            if current and held + size > budget:
+                slices.append(current)
+                current, held = [], 0
+            current.append(row)
+            held += size
+            done += size
+            if done >= share * (len(slices) + 1):  # cut at the running total's shares, so slices stay even
+                slices.append(current)
+                current, held = [], 0
+        if current:
+            slices.append(current)
+        return slices
 
     def _run_for(self, row: EngineRequest) -> LayoutRun:
         """The decoding state of the row's settings group (made when the group appears; the first group holds the
@@ -364,7 +446,9 @@ class ContinuousBatcher:
         self._admit()
         decoded, failure = 0, None
         self.last_layout_sizes = []
-        for rows in self._cohorts():
+        queue = self._cohorts()
+        while queue:
+            rows = queue.pop(0)
             try:
                 run = self._run_for(rows[0])
                 before, positions = run.nfe, run.first_step_positions
@@ -385,6 +469,9 @@ class ContinuousBatcher:
             for row, update in zip(rows, updates, strict=True):
                 stop = row.on_block(update)
                 row.ended = update.ended or bool(stop) or row.cancelled.is_set()
+            if queue:
+                self._between_layouts()
+                queue = self._join_queued(queue)
         self.running = [row for row in self.running if not row.ended]
         groups = {row.settings for row in self.running}
         for settings in [settings for settings in self.runs if settings not in groups]:

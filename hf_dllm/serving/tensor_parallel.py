@@ -5,8 +5,9 @@ Every rank must run the same forwards in the same order (each forward's collecti
 continuous-batching engine (`engine.ContinuousBatcher`) is deterministic given three things that only rank 0 sees,
 so rank 0 sends them over a gloo group (CPU messages; the GPUs' NCCL group carries only the model's collectives):
 
-1. at every block boundary, before anything is decided: the requests submitted since the last boundary (prompt
-   ids and resolved settings, in submission order) and the requests cancelled since then;
+1. at every block boundary, before anything is decided, and between two layouts of a boundary (where waiting
+   requests may join the layouts still to decode): the requests submitted since the last such message (prompt ids
+   and resolved settings, in submission order) and the requests cancelled since then;
 2. after every block of every row: whether the row ends there (`on_block`'s answer on rank 0: a stop string,
    `max_tokens`, a client gone);
 3. at shutdown: a message that ends the followers' loop.
@@ -85,6 +86,15 @@ class MirroredEngine(ContinuousBatcher):
     def decode_boundary(self) -> int:
         if not self.leader:
             raise RuntimeError("the other ranks decode boundaries in follow()")
+        self._announce()
+        try:
+            return super().decode_boundary()
+        finally:
+            self._forget_ended()
+
+    def _announce(self) -> None:
+        """Rank 0: tell the other ranks what was submitted and cancelled since the last message (and cancel
+        those here now, at the same point of the schedule)."""
         with self.lock:
             submitted, self._unsent = self._unsent, []
             cancelled = [n for n, event in self._client_cancelled.items() if event.is_set() and n in self._live]
@@ -92,10 +102,13 @@ class MirroredEngine(ContinuousBatcher):
             self._live[number].cancelled.set()
             del self._client_cancelled[number]
         self._send({"submitted": submitted, "cancelled": cancelled})
-        try:
-            return super().decode_boundary()
-        finally:
-            self._forget_ended()
+
+    def _between_layouts(self) -> None:
+        if self.leader:
+            super()._between_layouts()  # the server's new requests: `submit` queues them to announce
+            self._announce()
+        else:
+            self._apply(self._send(None))
 
     def abandon(self) -> None:
         if self.leader:
@@ -108,18 +121,22 @@ class MirroredEngine(ContinuousBatcher):
         if self.leader:
             raise RuntimeError("rank 0 serves; follow() is for the other ranks")
         while (message := self._send(None)) is not None:
-            for number, prompt_ids, config in message["submitted"]:
-                request = EngineRequest(prompt_ids, config, lambda update: self._send(None))
-                self._live[number] = request
-                ContinuousBatcher.submit(self, request)
-            for number in message["cancelled"]:
-                self._live[number].cancelled.set()
+            self._apply(message)
             try:
                 ContinuousBatcher.decode_boundary(self)
             except Exception:  # rank 0 failed the same layout: it reports the error, the followers go on
                 pass
             self._forget_ended()
         ContinuousBatcher.abandon(self)
+
+    def _apply(self, message: dict) -> None:
+        """Another rank: queue the requests rank 0 announced and cancel those it cancelled."""
+        for number, prompt_ids, config in message["submitted"]:
+            request = EngineRequest(prompt_ids, config, lambda update: self._send(None))
+            self._live[number] = request
+            ContinuousBatcher.submit(self, request)
+        for number in message["cancelled"]:
+            self._live[number].cancelled.set()
 
     def _forget_ended(self) -> None:
         for number in [n for n, request in self._live.items() if request.ended]:
