@@ -871,3 +871,22 @@ def test_a_request_that_fits_no_queued_layout_waits_for_the_next_boundary(traine
     assert len(other.on_block.updates) == 1 and len(behind.on_block.updates) == 1
     engine.run_until_done()
     assert_alone(trained, [*running, other, behind])
+
+
+def test_only_slices_take_requests_during_a_boundary(trained, monkeypatch):
+    """A layout that was not cut (here: one per settings group, no budget) takes no request during its boundary:
+    a request arriving after the first group's layout waits for the next boundary even though its group's layout is
+    still to decode."""
+    layouts = recorded_layouts(monkeypatch)
+    first = request(trained, [5, 6, 7], max_new_tokens=16, block_length=4, steps=8)
+    second = request(trained, [8, 9], **JOIN_DUAL)
+    late = request(trained, [7, 7], **JOIN_DUAL)
+    engine = ContinuousBatcher(trained, max_batch_size=4, join_layout_min_rows=None, max_refresh_positions=None)
+    engine.submit(first)
+    engine.submit(second)
+    arrivals = [late]
+    engine.intake = lambda: arrivals and engine.submit(arrivals.pop())
+    engine.decode_boundary()
+    assert layouts == [[(id(first), 0)], [(id(second), 0)]] and late in engine.waiting
+    engine.run_until_done()
+    assert_alone(trained, [first, second, late])

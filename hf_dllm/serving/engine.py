@@ -137,6 +137,13 @@ def cohort_key(row: EngineRequest) -> tuple:
     return (row.settings, end - start, int(row.plan.block_steps[0, row.block]))
 
 
+class Slice(list):
+    """The rows of a layout cut from a larger one (`ContinuousBatcher._slices`): waiting requests may join it while
+    its boundary runs. (Other layouts take no one mid-boundary: a joining row would wait out a whole cohort's
+    layout, and a block-causal layout, never cut, would take its joining rows' prefill into the continuing rows'
+    block; measured slower for both model kinds, RESULTS.md, continuous batching, session 19.)"""
+
+
 class ContinuousBatcher:
     """The running rows of one model and the requests waiting to join them (see the module doc).
 
@@ -334,10 +341,10 @@ class ContinuousBatcher:
 
     def _join_queued(self, queue: list[list[EngineRequest]]) -> list[list[EngineRequest]]:
         """Between two layouts of a boundary: cancelled rows leave the layouts still to decode (`queue`), and
-        waiting requests join them, oldest first, each the first layout of its cohort that its width still fits,
-        while a row is free; the oldest that fits none waits for the next boundary, and so do those after it (no
-        passing). Returns the queue without layouts left empty."""
-        queue = [[row for row in rows if not self._drop_cancelled(row)] for rows in queue]
+        waiting requests join the slices among them (`Slice`), oldest first, each the first slice of its cohort
+        that its width still fits, while a row is free; the oldest that fits none waits for the next boundary, and
+        so do those after it (no passing). Returns the queue without layouts left empty."""
+        queue = [type(rows)(row for row in rows if not self._drop_cancelled(row)) for rows in queue]
         queue = [rows for rows in queue if rows]
         with self.lock:
             if any(row.cancelled.is_set() for row in self.waiting):
@@ -350,7 +357,9 @@ class ContinuousBatcher:
                     (
                         rows
                         for rows in queue
-                        if cohort_key(rows[0]) == key and self.layout_width([*rows, head]) <= self.max_batch_width
+                        if isinstance(rows, Slice)
+                        and cohort_key(rows[0]) == key
+                        and self.layout_width([*rows, head]) <= self.max_batch_width
                     ),
                     None,
                 )
@@ -413,7 +422,7 @@ class ContinuousBatcher:
                 current, held = [], 0
         if current:
             slices.append(current)
-        return slices
+        return [Slice(rows) for rows in slices] if len(slices) > 1 else slices
 
     def _run_for(self, row: EngineRequest) -> LayoutRun:
         """The decoding state of the row's settings group (made when the group appears; the first group holds the
