@@ -146,8 +146,8 @@ def serve(args) -> None:
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
         engine.width_granularity = args.width_granularity
-    if engine is not None and args.max_refresh_positions is not None:
-        engine.max_refresh_positions = args.max_refresh_positions or None
+    if engine is not None and args.max_refresh_positions is not None and not engine.block_causal:
+        engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
     if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
@@ -648,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-refresh-positions",
         type=int,
         default=None,
-        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's; 0: no slices)",
+        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's, no slices; 0: no "
+        "slices)",
     )
     parser.add_argument("--server-kind", choices=SERVER_KINDS, default="continuous", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)

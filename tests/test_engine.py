@@ -21,7 +21,6 @@ from conftest import FIXTURES, tiny_model
 from hf_dllm import DreamModel, LLaDA2MoeModelLM, LLaDAModelLM
 from hf_dllm.serving.engine import (
     JOIN_LAYOUT_MIN_ROWS,
-    MAX_REFRESH_POSITIONS,
     ContinuousBatcher,
     attention_without_shape_plans,
 )
@@ -790,11 +789,11 @@ def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
 )
 def test_large_layouts_are_cut_into_slices_of_bounded_refresh(trained, monkeypatch, settings):
     """`max_refresh_positions`: a layout whose canvases hold more positions is decoded as slices, each within the
-    budget (or one row), cut in order into about equal parts; every row is still `generate()` alone. The default is
-    `MAX_REFRESH_POSITIONS`; block-causal models are not sliced."""
+    budget (or one row), cut in order into about equal parts; every row is still `generate()` alone. Off by default;
+    block-causal models are not sliced."""
     from test_llada2_integration import tiny_llada2
 
-    assert ContinuousBatcher(trained).max_refresh_positions == MAX_REFRESH_POSITIONS
+    assert ContinuousBatcher(trained).max_refresh_positions is None
     assert ContinuousBatcher(tiny_llada2(seed=0), max_refresh_positions=8).max_refresh_positions is None
     layouts = recorded_layouts(monkeypatch)
     prompts = random_prompts(random.Random(7), 8, 4, 60, longest=30)
@@ -875,8 +874,8 @@ def test_a_request_that_fits_no_queued_layout_waits_for_the_next_boundary(traine
 
 def test_only_slices_take_requests_during_a_boundary(trained, monkeypatch):
     """A layout that was not cut (here: one per settings group, no budget) takes no request during its boundary:
-    a request arriving after the first group's layout waits for the next boundary even though its group's layout is
-    still to decode."""
+    with no slice still to decode the engine does not even ask for new requests (`intake`), and a request arriving
+    meanwhile decodes at the next boundary although its group's layout was still to decode."""
     layouts = recorded_layouts(monkeypatch)
     first = request(trained, [5, 6, 7], max_new_tokens=16, block_length=4, steps=8)
     second = request(trained, [8, 9], **JOIN_DUAL)
@@ -887,6 +886,9 @@ def test_only_slices_take_requests_during_a_boundary(trained, monkeypatch):
     arrivals = [late]
     engine.intake = lambda: arrivals and engine.submit(arrivals.pop())
     engine.decode_boundary()
-    assert layouts == [[(id(first), 0)], [(id(second), 0)]] and late in engine.waiting
+    assert layouts == [[(id(first), 0)], [(id(second), 0)]] and arrivals == [late]
+    engine.submit(late)
+    engine.decode_boundary()
+    assert len(late.on_block.updates) == 1
     engine.run_until_done()
     assert_alone(trained, [first, second, late])

@@ -924,12 +924,19 @@ def test_cli_serve_command(model_dir):
 
 
 @pytest.mark.parametrize(
-    ("flag", "expected"),
-    [([], JOIN_LAYOUT_MIN_ROWS), (["--join-layout-min-rows", "3"], 3), (["--join-layout-min-rows", "off"], None)],
+    ("flag", "name", "expected"),
+    [
+        ([], "join_layout_min_rows", JOIN_LAYOUT_MIN_ROWS),
+        (["--join-layout-min-rows", "3"], "join_layout_min_rows", 3),
+        (["--join-layout-min-rows", "off"], "join_layout_min_rows", None),
+        ([], "max_refresh_positions", None),
+        (["--max-refresh-positions", "4096"], "max_refresh_positions", 4096),
+        (["--max-refresh-positions", "off"], "max_refresh_positions", None),
+    ],
 )
-def test_cli_join_layout_min_rows_reaches_the_engine(model_dir, monkeypatch, flag, expected):
-    """`hf-dllm serve --join-layout-min-rows {N,off}` (default: the engine's) is the engine's rule for joining
-    rows."""
+def test_cli_engine_options_reach_the_engine(model_dir, monkeypatch, flag, name, expected):
+    """`hf-dllm serve --join-layout-min-rows {N,off}` and `--max-refresh-positions {N,off}` (default: the engine's
+    rule, and no slices) set the engine's rules for joining rows and for slicing layouts."""
     import uvicorn
 
     from hf_dllm.serving import server as server_module
@@ -938,15 +945,16 @@ def test_cli_join_layout_min_rows_reaches_the_engine(model_dir, monkeypatch, fla
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
     argv = [str(model_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu", *flag]
     assert server_module.main(argv) == 0
-    assert apps[0].state.server.batcher.engine.join_layout_min_rows == expected
+    assert getattr(apps[0].state.server.batcher.engine, name) == expected
 
 
+@pytest.mark.parametrize("flag", ["--join-layout-min-rows", "--max-refresh-positions"])
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", ""])
-def test_cli_join_layout_min_rows_refuses_other_values(value, capsys):
+def test_cli_engine_options_refuse_other_values(flag, value, capsys):
     from hf_dllm.serving.server import build_parser
 
     with pytest.raises(SystemExit) as raised:
-        build_parser().parse_args(["model", "--join-layout-min-rows", value])
+        build_parser().parse_args(["model", flag, value])
     assert raised.value.code == 2
     error = capsys.readouterr().err
-    assert "--join-layout-min-rows" in error and "an integer >= 1 or 'off'" in error
+    assert flag in error and "an integer >= 1 or 'off'" in error

@@ -102,10 +102,14 @@ def post(port: int, body: dict) -> dict | str:
     return text if body.get("stream") else json.loads(text)
 
 
-def launch_server(sharded: bool, log: Path, taken: tuple[int, ...] = ()) -> tuple[subprocess.Popen, int]:
-    """The server started, not yet answering (see `wait_for_server`), on a free port not in `taken`."""
+def launch_server(
+    sharded: bool, log: Path, taken: tuple[int, ...] = (), options: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, int]:
+    """The server started, not yet answering (see `wait_for_server`), on a free port not in `taken`, with `options`
+    (more `hf-dllm serve` flags)."""
     port = free_port(taken)
     args = ["-m", "hf_dllm", "serve", str(TRAINED), "--port", str(port), "--threads", "1", "--log-level", "warning"]
+    args += list(options)
     command = [*TORCHRUN, *args, "--tp-plan", "auto"] if sharded else [sys.executable, *args]
     with open(log, "w") as output:  # a file, not a pipe: a full pipe would block the server
         process = subprocess.Popen(command, env=environment(), stdout=output, stderr=subprocess.STDOUT)
@@ -152,8 +156,11 @@ def requests() -> list[dict]:
 def test_serve_sharded_answers_what_one_process_answers(tmp_path):
     expected = []
     # Both servers start at once (their start-ups overlap); the sharded one is first asked once the other has
-    # answered and stopped.
-    sharded_server = launch_server(sharded=True, log=tmp_path / "sharded.log")
+    # answered and stopped. The sharded one decodes in slices of one row (canvases of ~60 positions), so its ranks
+    # also agree on what joins between two layouts of a boundary; each row's answer is still the one-process one.
+    sharded_server = launch_server(
+        sharded=True, log=tmp_path / "sharded.log", options=("--max-refresh-positions", "64")
+    )
     try:
         process, port = start_server(sharded=False, log=tmp_path / "one.log", taken=(sharded_server[1],))
         try:
