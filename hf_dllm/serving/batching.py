@@ -221,7 +221,7 @@ class Batcher:
         if engine is None:
             engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
         self.engine = engine
-        engine.intake = self._intake  # requests submitted during a boundary join its layouts still to decode
+        engine.intake = self._intake  # requests submitted during a boundary may join its slices still to decode
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.stats = BatchStats()
         self._submitted: deque[RowRequest] = deque()

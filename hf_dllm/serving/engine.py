@@ -10,6 +10,9 @@ alone).
 - Rows step together within a block, so the rows of one layout must agree on the block's length, its number of
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
+- Optionally (`max_refresh_positions`, off by default), a bidirectional model's layout whose canvases hold more
+  positions is cut into slices (`Slice`), and requests that arrive during the boundary join the slices still to
+  decode.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
   to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths) and, on
   CUDA, its rows to a bucket (`bucketed_rows`: padding rows that commit nothing), so few shapes (CUDA graphs) are
