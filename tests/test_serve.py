@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 
 import hf_dllm.serving.server as server_module  # noqa: E402
 from hf_dllm.serving.batching import Batcher, RowRequest  # noqa: E402
-from hf_dllm.serving.engine import JOIN_LAYOUT_MIN_ROWS  # noqa: E402
+from hf_dllm.serving.engine import JOIN_LAYOUT_MIN_ROWS, ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.protocol import APIError, parse_generation_params  # noqa: E402
 from hf_dllm.serving.server import create_app, frozen_heap, load_model  # noqa: E402
 
@@ -766,6 +766,44 @@ def test_a_short_request_joins_a_running_long_one_and_leaves_first(model_dir):
     assert finished == [("short", "done"), ("long", "done")]
     sizes = batcher.stats.snapshot()["layout_sizes"]
     assert sizes.get("2") == 1 and sum(sizes.values()) == 12  # one block together; 12 blocks of the long row
+
+
+def test_a_row_submitted_during_a_sliced_boundary_joins_it_and_is_delivered(model_dir):
+    """With slices (`--max-refresh-positions`), a row the server receives while a boundary runs is handed to the
+    engine between two slices (`Batcher._intake`), decodes its first block in that boundary, and, a one-block row,
+    is delivered and forgotten there (no tracker left); its text is `generate()`'s alone."""
+    model, tokenizer = load_model(str(model_dir), dtype="float32", device="cpu")
+    engine = ContinuousBatcher(model, max_batch_size=4, max_refresh_positions=16, join_layout_min_rows=None)
+    batcher = Batcher(model, tokenizer, stop_token_ids={EOS, EOT}, engine=engine)
+    events: dict[str, list] = {"long0": [], "long1": [], "short": []}
+
+    def sink(name):
+        return events[name].append
+
+    for i in range(2):  # canvases of 35 positions: a slice each
+        batcher._enqueue(RowRequest([5 + i, 6, 7], settings(model, 32, block_length=8), 32, sink(f"long{i}")))
+    short = RowRequest([8, 9], settings(model, 8, block_length=8), 8, sink("short"))
+    intake = engine.intake
+    arrivals = [short]
+
+    def arriving():  # the client's request comes in while the first slice decodes
+        if arrivals:
+            batcher.submit([arrivals.pop()])
+        intake()
+
+    engine.intake = arriving
+    batcher.decode_boundary()
+    assert [event[0] for event in events["short"]] == ["done"] and not arrivals
+    assert len(batcher._trackers) == 2  # the long rows' only
+    while engine.has_work():
+        batcher.decode_boundary()
+    out = model.generate(
+        torch.tensor([[8, 9]]), return_dict_in_generate=True, **generate_kwargs(model, 8, block_length=8)
+    )
+    tokens = out.sequences[0, 2:].tolist()
+    end = next((i for i, token in enumerate(tokens) if token in (EOS, EOT)), 8)
+    assert events["short"][0][2].text == tokenizer.decode(tokens[:end], skip_special_tokens=True)
+    assert not batcher._trackers and all(events[f"long{i}"][-1][0] == "done" for i in range(2))
 
 
 def test_load_32_concurrent_clients(load_server):
