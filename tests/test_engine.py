@@ -790,11 +790,12 @@ def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
 def test_large_layouts_are_cut_into_slices_of_bounded_refresh(trained, monkeypatch, settings):
     """`max_refresh_positions`: a layout whose canvases hold more positions is decoded as slices, each within the
     budget (or one row), cut in order into about equal parts; every row is still `generate()` alone. Off by default;
-    block-causal models are not sliced."""
+    block-causal models (never sliced) refuse it."""
     from test_llada2_integration import tiny_llada2
 
     assert ContinuousBatcher(trained).max_refresh_positions is None
-    assert ContinuousBatcher(tiny_llada2(seed=0), max_refresh_positions=8).max_refresh_positions is None
+    with pytest.raises(ValueError, match="max_refresh_positions.*block-causal"):
+        ContinuousBatcher(tiny_llada2(seed=0), max_refresh_positions=8)
     layouts = recorded_layouts(monkeypatch)
     prompts = random_prompts(random.Random(7), 8, 4, 60, longest=30)
     requests = [request(trained, prompt, **settings) for prompt in prompts]

@@ -173,7 +173,7 @@ class ContinuousBatcher:
             one row alone is), each decoded as a layout of its own, and between two layouts of a boundary waiting
             requests join the slices still to decode (`intake` brings the server's new requests first): an arrival
             waits out one slice rather than the whole batch's refresh. Block-causal models' layouts recompute two
-            blocks per row (their K/V are stored) and are not cut. Off by default: measured on an H100 (LLaDA-8B
+            blocks per row (their K/V are stored), never whole canvases: they refuse it (ValueError). Off by default: measured on an H100 (LLaDA-8B
             shape, 80-85 % of the peak; RESULTS.md, continuous batching, session 19), slices of 16,384 positions
             kept the p99 time to first block within 3 boundaries in 7 of 8 rates against 1 of 2 without, but
             mostly because the boundaries grew (more layouts, each with its own steps): the p99 time to first block
@@ -222,7 +222,12 @@ class ContinuousBatcher:
         self.join_layout_min_rows = join_layout_min_rows
         self.bucket_rows = bucket_rows
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        self.max_refresh_positions = None if self.block_causal else max_refresh_positions
+        if self.block_causal and max_refresh_positions is not None:
+            raise ValueError(
+                f"`max_refresh_positions` applies to bidirectional models; {type(model).__name__} is block-causal (its "
+                "layouts recompute two blocks per row, never whole canvases): use None."
+            )
+        self.max_refresh_positions = max_refresh_positions
         self.intake: Callable[[], None] | None = None
         if self.block_causal and not model.diffusion_packed_rows:
             # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
@@ -321,20 +326,25 @@ class ContinuousBatcher:
             rounded = -(-width // granularity) * granularity
         return max(width, min(rounded, self.max_batch_width))
 
-    def _admit(self) -> None:
-        """Waiting requests join, oldest first, while there is a free row and their layout fits the cache; the
-        oldest waits for room rather than be passed (no starvation)."""
+    def _admit(self, place: Callable[[EngineRequest], bool] | None = None) -> None:
+        """Waiting requests join, oldest first, while there is a free row and `place(head)` takes the oldest
+        (default: its layout fits the cache); the oldest waits for room rather than be passed (no starvation)."""
+        if place is None:
+            place = self._fits_partners
         with self.lock:
             if any(row.cancelled.is_set() for row in self.waiting):
                 self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
-            free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running})
-            while self.waiting and len(self.running) < self.max_batch_size:
-                head = self.waiting[0]
-                partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
-                if partners and self.layout_width([*partners, head]) > self.max_batch_width:
-                    break
+            # Rows that ended earlier in this boundary (`_join_queued`) no longer hold their place.
+            free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
+            while self.waiting and free and place(self.waiting[0]):
+                head = self.waiting.popleft()
                 head.slot = free.pop(0)
-                self.running.append(self.waiting.popleft())
+                self.running.append(head)
+
+    def _fits_partners(self, head: EngineRequest) -> bool:
+        """Whether `head` and the running rows of its cohort fit one layout of `max_batch_width` columns."""
+        partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
+        return not partners or self.layout_width([*partners, head]) <= self.max_batch_width
 
     def _between_layouts(self) -> None:
         """Between two layouts of a boundary: the server's new requests reach `waiting` (`intake`)."""
@@ -344,32 +354,23 @@ class ContinuousBatcher:
     def _join_queued(self, queue: list[list[EngineRequest]]) -> list[list[EngineRequest]]:
         """Between two layouts of a boundary: cancelled rows leave the layouts still to decode (`queue`), and
         waiting requests join the slices among them (`Slice`), oldest first, each the first slice of its cohort
-        that its width still fits, while a row is free; the oldest that fits none waits for the next boundary, and
-        so do those after it (no passing). Returns the queue without layouts left empty."""
+        that its width still fits, while a row is free (`_admit`). Returns the queue without layouts left empty."""
         queue = [type(rows)(row for row in rows if not self._drop_cancelled(row)) for rows in queue]
         queue = [rows for rows in queue if rows]
-        with self.lock:
-            if any(row.cancelled.is_set() for row in self.waiting):
-                self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
-            free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
-            while self.waiting and free and queue:
-                head = self.waiting[0]
-                key = cohort_key(head)
-                rows = next(
-                    (
-                        rows
-                        for rows in queue
-                        if isinstance(rows, Slice)
-                        and cohort_key(rows[0]) == key
-                        and self.layout_width([*rows, head]) <= self.max_batch_width
-                    ),
-                    None,
-                )
-                if rows is None:
-                    break
-                head.slot = free.pop(0)
-                self.running.append(self.waiting.popleft())
-                rows.append(head)
+
+        def into_a_slice(head: EngineRequest) -> bool:
+            key = cohort_key(head)
+            for rows in queue:
+                if (
+                    isinstance(rows, Slice)
+                    and cohort_key(rows[0]) == key
+                    and self.layout_width([*rows, head]) <= self.max_batch_width
+                ):
+                    rows.append(head)
+                    return True
+            return False
+
+        self._admit(into_a_slice)
         return queue
 
     def _cohorts(self) -> list[list[EngineRequest]]:

@@ -722,16 +722,20 @@ def main(argv: list[str] | None = None) -> int:
         join_layout_min_rows=args.join_layout_min_rows,
         max_refresh_positions=args.max_refresh_positions,
     )
-    if args.tp_plan is not None:
-        # Tensor parallel: rank 0 serves HTTP; the other ranks decode the same layouts (serving/tensor_parallel.py).
-        from .tensor_parallel import MirroredEngine, control_group
+    try:
+        if args.tp_plan is not None:
+            # Tensor parallel: rank 0 serves HTTP; the other ranks decode the same layouts (serving/tensor_parallel.py).
+            from .tensor_parallel import MirroredEngine, control_group
 
-        engine = MirroredEngine(model, control_group(), **engine_options)
-        if not engine.leader:
-            engine.follow()
-            return 0
-    else:
-        engine = ContinuousBatcher(model, **engine_options)
+            engine = MirroredEngine(model, control_group(), **engine_options)
+        else:
+            engine = ContinuousBatcher(model, **engine_options)
+    except ValueError as error:  # an engine option this model does not take
+        print(f"hf-dllm serve: {error}", file=sys.stderr)
+        return 2
+    if args.tp_plan is not None and not engine.leader:
+        engine.follow()
+        return 0
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = create_app(
         model,
