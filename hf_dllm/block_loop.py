@@ -19,6 +19,7 @@ from .cache import CachePolicy, make_cache_policy, padding_aware_position_ids
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig
 from .graphs import MAX_GRAPHS, StepGraphs
+from .kernels import upload
 from .tensor_parallel import agree_across_ranks
 
 # Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
@@ -538,7 +539,7 @@ class BlockDiffusionRun:
             for step in range(known_steps):
                 self.run_step(block_start, block_end, step)
             # A row that needed fewer steps (LLaDA2's first block, partly prompt) had no mask left: unchanged.
-            self.nfe_per_row[self.rows] += self.unmasking.steps_per_row().to(self.device)
+            self.nfe_per_row[self.rows] += upload(self.unmasking.steps_per_row(), self.device)
             return
         step = 0
         while True:
@@ -578,7 +579,7 @@ class BlockDiffusionRun:
         finished = self.stopped[self.rows].clone()
         if self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal):
             finished |= (torch.isin(self.x, self.eos_ids) & self._generated_part(block_end)).any(dim=-1)
-        finished |= last_block.to(finished.device)
+        finished |= upload(last_block, finished.device)
         return finished
 
     def _rows_can_finish(self, last_block: torch.Tensor) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_ops
-from .kernels import use_fused_kernels
+from .kernels import upload, use_fused_kernels
 
 # Confidence of positions that are not masked: they can never be chosen.
 NOT_MASKED = float("-inf")
@@ -157,7 +157,7 @@ class UnmaskingPolicy:
     def steps_on(self, device: torch.device) -> torch.Tensor:
         """`num_steps` on `device`, copied once per block (not once per step)."""
         if self._device_steps is None or self._device_steps.device != device:
-            self._device_steps = self.num_steps.to(device)
+            self._device_steps = upload(self.num_steps, device)
         return self._device_steps
 
     def scheduled_count(self, step: int) -> int:

@@ -5,18 +5,21 @@
 - The CUDA-graph path gives exactly the tokens of the eager path (`disable_compile=True`) of the same dtype, for
   every cache mode and unmasking rule, with left padding.
 - Repeated `generate()` calls do not grow GPU memory.
+- Where every block's steps are known in advance, the host never waits for the GPU between blocks.
 """
 
 from __future__ import annotations
 
 import math
+import time
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hf_dllm
-from hf_dllm import triton_ops
+from hf_dllm import kernels, triton_ops
 from hf_dllm.modeling_llada import LLaDARMSNorm, apply_rotary_pos_emb, rotary_cos_sin
 from hf_dllm.triton_attention import block_attention
 
@@ -294,3 +297,54 @@ def test_greedy_propose_matches_torch(dtype, rows, vocab):
     exact = torch.softmax(logits.double(), -1).gather(-1, expected[:, None])[:, 0]
     theirs = torch.exp(logits.float().gather(-1, expected[:, None])[:, 0] - torch.logsumexp(logits.float(), -1))
     assert (probability.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-7
+
+
+def count_host_syncs(fn) -> int:
+    """How many times `fn()` made the host wait for the GPU (torch's sync debug mode warns at each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+def test_upload_does_not_wait_for_the_gpu():
+    """`kernels.upload` returns while queued GPU work still runs; a plain `.to("cuda")` of pageable memory waits."""
+    host, device = torch.arange(7), torch.device("cuda")
+    kernels.upload(host, device)  # the first pinned buffer is allocated here; later uploads reuse cached ones
+
+    def host_seconds(copy) -> tuple[float, torch.Tensor]:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2 * 10**8)  # ~0.1 s of queued GPU work
+        start = time.perf_counter()
+        copied = copy()
+        return time.perf_counter() - start, copied
+
+    uploaded_after, uploaded = host_seconds(lambda: kernels.upload(host, device))
+    pageable_after, _ = host_seconds(lambda: host.to(device))
+    assert uploaded.is_cuda and torch.equal(uploaded.cpu(), host)
+    assert pageable_after > 0.05 and uploaded_after < pageable_after / 10, (uploaded_after, pageable_after)
+
+
+@pytest.mark.parametrize("cache", [(False, False), (True, True)], ids=["none", "dual"])
+def test_no_host_synchronisation_between_blocks(cache):
+    """A fixed schedule without EOS stop knows every block's steps in advance: a call of 8 blocks makes the host
+    wait for the GPU as often as a call of 2 (the uploads at block boundaries go through pinned memory)."""
+    model = gpu_model()
+    ids, mask = padded_prompts([40, 33])
+    use_cache, dual_cache = cache
+
+    def call(blocks: int):
+        return lambda: model.generate(
+            ids, attention_mask=mask, max_new_tokens=32 * blocks, block_length=32, steps=32 * blocks,
+            use_cache=use_cache, dual_cache=dual_cache, eos_early_stop=False,
+        )  # fmt: skip
+
+    for blocks in (2, 8, 2, 8):  # capture every step's graph first
+        call(blocks)()
+    # Steady state (min of 3): growing the cache of pinned buffers may synchronise once in a while.
+    assert min(count_host_syncs(call(8)) for _ in range(3)) == min(count_host_syncs(call(2)) for _ in range(3))

@@ -9,12 +9,14 @@
 - A bfloat16 model's logits through the fused path (prefill and a cached block step) err against the float32 PyTorch
   path within twice the bfloat16 PyTorch path's error, and `generate()` with CUDA graphs gives exactly the tokens of
   the same path run eagerly.
+- Without an EOS id, a call of 8 blocks makes the host wait for the GPU as often as a call of 2.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_gpu import count_host_syncs
 
 import hf_dllm
 from hf_dllm import kernels, triton_moe
@@ -249,14 +251,34 @@ def test_graphs_equal_eager_through_the_fused_path():
     assert torch.equal(graphs, eager)
 
 
+def test_no_host_synchronisation_between_blocks_without_eos():
+    """Block-causal rows end after a block holding an EOS (one host check per block); without an EOS id every
+    block's steps are known in advance and the host never waits for the GPU between blocks."""
+    torch.manual_seed(0)
+    model = hf_dllm.LLaDA2MoeModelLM(tiny_config(eos_token_id=None)).to("cuda", torch.bfloat16).eval()
+    prompts = torch.randint(0, 500, (2, 40), device="cuda")
+
+    def call(blocks: int):
+        return lambda: model.generate(
+            prompts, max_new_tokens=32 * blocks, block_length=32, steps=32 * blocks, mask_token_id=511,
+            eos_early_stop=False,
+        )  # fmt: skip
+
+    for blocks in (2, 8, 2, 8):  # capture every step's graph first
+        call(blocks)()
+    # Steady state (min of 3): growing the cache of pinned buffers may synchronise once in a while.
+    assert min(count_host_syncs(call(8)) for _ in range(3)) == min(count_host_syncs(call(2)) for _ in range(3))
+
+
 @pytest.mark.parametrize("tokens", [32, 1024])
 def test_every_grouped_config_in_bf16_within_twice_torch_error(tokens):
     """The experts' grouped bf16 products (`grouped_gemm.grouped_matmul`, every config the autotuner may pick that
     fits the shared memory in bf16, in both grid orders, and its own choice) at LLaDA2.0-mini's widths (64 experts,
     top-8; gate/up with the SiLU gate and the rows gathered, down): the error against the float32 product within
     twice PyTorch's bf16 per-group products' error."""
-    from hf_dllm import grouped_gemm
     from test_fp8 import grouped_errors
+
+    from hf_dllm import grouped_gemm
 
     configs = [None, *grouped_gemm.grouped_configs()]
     for gated, k_in, n_out in ((True, 2048, 512), (False, 512, 2048)):
