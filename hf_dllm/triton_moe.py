@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_attention import num_sms
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
@@ -240,7 +241,7 @@ if TRITON_AVAILABLE:
         residual_ptr,
         out_ptr,
         hidden,
-        top_k,
+        TOP_K: tl.constexpr,
         HAS_SHARED: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -249,18 +250,20 @@ if TRITON_AVAILABLE:
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         in_row = cols < hidden
-        per_token = top_k + 1 if HAS_SHARED else top_k
+        per_token = TOP_K + 1 if HAS_SHARED else TOP_K
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k in range(0, top_k):
+        # Unrolled, so the top-k rows' loads (each behind a load of its row index) are in flight together; the sum
+        # keeps PyTorch's order (k = 0, 1, ...).
+        for k in tl.static_range(TOP_K):
             row = tl.load(row_index_ptr + token * per_token + k).to(tl.int64)
-            w = tl.load(weight_ptr + token * top_k + k)
+            w = tl.load(weight_ptr + token * TOP_K + k)
             y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
             acc += y * w
         # PyTorch: the float32 weighted sum rounded to the activation dtype, plus the shared expert (rounded), plus
         # the residual (rounded).
         out = acc.to(out_ptr.dtype.element_ty)
         if HAS_SHARED:
-            row = tl.load(row_index_ptr + token * per_token + top_k).to(tl.int64)
+            row = tl.load(row_index_ptr + token * per_token + TOP_K).to(tl.int64)
             shared = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0)
             out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
@@ -388,7 +391,9 @@ def route(
         BLOCK_S=triton.next_power_of_2(group_size),
         BLOCK_K=triton.next_power_of_2(top_k),
         LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
-        num_warps=4,
+        # One warp: its reductions (about thirty per token) are shuffles without a barrier. On an H100, 32 / 1,024
+        # tokens: 3.8 / 4.6 us against 5.3 / 8.4 with four warps, the same experts and weights.
+        num_warps=1,
     )
     return index, weight
 
@@ -508,6 +513,10 @@ def combine(
     if tokens == 0:
         return out
     block = min(2048, triton.next_power_of_2(hidden))
+    # Chunks of the hidden size small enough to give every multiprocessor two programs (a batch-1 block step has
+    # 32 tokens; on an H100 one program per token was a 6 us kernel), at least 256 columns each.
+    while block > 256 and tokens * triton.cdiv(hidden, block) < 2 * num_sms(expert_rows.device):
+        block //= 2
     residual = residual.contiguous() if residual is not None else out
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         expert_rows.contiguous(),
@@ -516,7 +525,7 @@ def combine(
         residual,
         out,
         hidden,
-        top_k,
+        TOP_K=top_k,
         HAS_SHARED=shared_expert,
         HAS_RESIDUAL=residual is not out,
         BLOCK_H=block,
