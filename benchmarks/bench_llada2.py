@@ -6,7 +6,9 @@ with random bf16 weights built on the GPU; prompt 512, 256 new tokens, block 32,
 step (`steps=256`) and 4 tokens per step (`steps=64`), `eos_early_stop=False`, the exact block cache, CUDA graphs.
 
 Also measured:
-- the latency of one block step (CUDA events around single replays after warm-up) and its **weight-read floor**:
+- one block step (CUDA events around steps replayed back to back after warm-up, as the loop queues them; also
+  each step timed alone from an idle GPU, `step_alone_ms`, which adds the host's preparation of the step) and its
+  **weight-read floor**:
   the bytes of every weight the step reads (attention, dense layer, shared experts, final norm, LM head, and the
   distinct routed experts the step actually selected, counted by hooks on the routers during one eager step of the
   same block) over the measured copy bandwidth (read + write of a 4 GiB buffer);
@@ -133,9 +135,15 @@ def copy_bandwidth(device: torch.device, gib: float = 4.0) -> float:
 
 
 @torch.no_grad()
-def block_step(model, prompts, config, device, repeats: int = 30):
-    """(median ms of one block step after the block's first step, distinct routed experts per MoE layer in one
-    step of that block). The first step prefills the prompt; the timed steps run on the block only."""
+def block_step(model, prompts, config, device, repeats: int = 30, in_a_row: int = 10):
+    """(ms of one block step after the block's first step, ms of one such step timed alone, distinct routed
+    experts per MoE layer in one step of that block). The first step prefills the prompt; the timed steps run on the
+    block only.
+
+    The first figure is the median over `repeats` runs of `in_a_row` steps queued back to back (per step), as the
+    loop queues a block's steps: the host prepares step n + 1 while the GPU runs step n. The second times each step
+    from an idle GPU to its end, so it also holds the host's preparation of that step (inputs, graph launch: ~0.3
+    ms at batch 1 on an H100), which the loop hides; earlier tables of RESULTS.md report this one."""
     run = BlockDiffusionRun(model, config, prompts, None, None)
     try:
         start, end = run.plan.blocks[0]
@@ -157,20 +165,25 @@ def block_step(model, prompts, config, device, repeats: int = 30):
         distinct = [int(chosen.unique().numel()) for chosen in experts]
         for _ in range(3):  # warm-up and capture
             run.run_step(start, end, 1)
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                run.run_step(start, end, 1)
-                finish.record()
-                finish.synchronize()
-                times.append(begin.elapsed_time(finish))
-            else:
+
+        def timed_steps(count: int) -> float:
+            if device.type != "cuda":
                 t0 = time.perf_counter()
+                for _ in range(count):
+                    run.run_step(start, end, 1)
+                return 1000 * (time.perf_counter() - t0) / count
+            sync(device)
+            begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(count):
                 run.run_step(start, end, 1)
-                times.append(1000 * (time.perf_counter() - t0))
-        return statistics.median(times), distinct
+            finish.record()
+            finish.synchronize()
+            return begin.elapsed_time(finish) / count
+
+        alone = statistics.median(timed_steps(1) for _ in range(repeats))
+        in_row = statistics.median(timed_steps(in_a_row) for _ in range(max(3, repeats // in_a_row)))
+        return in_row, alone, distinct
     finally:
         StepGraphs.release_to(model)
 
@@ -366,13 +379,14 @@ def main(argv: list[str] | None = None) -> int:
                 row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
             if per_step == 1:
                 config = tested.resolve_generation_config(**kwargs)
-                row["step_ms"], distinct = block_step(tested, prompts, config, device)
+                row["step_ms"], row["step_alone_ms"], distinct = block_step(tested, prompts, config, device)
                 row["distinct_experts_per_layer"] = round(statistics.mean(distinct), 1)
                 if gpu:
                     bandwidth = summary.setdefault("copy_bandwidth_tb_s", copy_bandwidth(device) / 1e12)
                     row["step_weight_gb"] = step_weight_bytes(tested, distinct) / 1e9
                     row["floor_ms"] = row["step_weight_gb"] / bandwidth
                     row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+                    row["step_alone_over_floor"] = row["step_alone_ms"] / row["floor_ms"]
             if batch == 1 and per_step == 1 and quantization == "none":
                 summary["ours_batch1_output"] = out.sequences[0, prompt_len:].tolist()
             rows.append(row)
@@ -430,17 +444,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{device_name}, {dtype}, LLaDA2.0-mini shape, prompt {prompt_len}, {new_tokens} new tokens, block {block}")
     print(
-        f"{'quant':>6}{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}{'step ms':>9}{'floor ms':>9}{'peak GB':>9}"
+        f"{'quant':>6}{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}{'step ms':>9}{'alone ms':>9}{'floor ms':>9}{'peak GB':>9}"
     )
     for r in rows:
         if "error" in r:
             print(f"{r['quantization']:>6}{r['batch']:>6}{r['tokens_per_step']:>9}  {r['error']}")
             continue
         step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
+        alone = f"{r['step_alone_ms']:.2f}" if "step_alone_ms" in r else "-"
         floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else "-"
         print(
             f"{r['quantization']:>6}{r['batch']:>6}{r['tokens_per_step']:>9}{r['nfe']:>6}{r['ms_per_forward']:>9.2f}"
-            f"{r['tokens_per_s']:>10.1f}{step:>9}{floor:>9}{r['peak_gb']:>9.2f}"
+            f"{r['tokens_per_s']:>10.1f}{step:>9}{alone:>9}{floor:>9}{r['peak_gb']:>9.2f}"
         )
     if "reference" in summary:
         ref = summary["reference"]
