@@ -304,14 +304,12 @@ class Batcher:
                     self._cond.wait()
                 if self._stopping:
                     return
-                submitted = list(self._submitted)
-                self._submitted.clear()
-            for row in submitted:
-                self._enqueue(row)
+            self._intake()
             self.decode_boundary()
 
     def _intake(self) -> None:
-        """Hand the rows submitted meanwhile to the engine (its `intake`, between two layouts of a boundary)."""
+        """Hand the rows submitted meanwhile to the engine: before each boundary, and between two layouts of a
+        boundary (the engine's `intake`)."""
         with self._cond:
             submitted = list(self._submitted)
             self._submitted.clear()
