@@ -1,5 +1,6 @@
-"""Which FP8 matrix product for which shape (issue #13): the GEMMs of an LLaDA-8B block step and refresh forward,
-FP8 weights with 128x128 block scales (transformers' `FineGrainedFP8Config` layout) against bf16 `F.linear`.
+"""Which FP8 matrix product for which shape (issue #13): the GEMMs of an LLaDA-8B block step and refresh forward
+(and of LLaDA2.0-mini's attention and dense first layer), FP8 weights with 128x128 block scales (transformers'
+`FineGrainedFP8Config` layout) against bf16 `F.linear`.
 
 Kernels (`hf_dllm/fp8.py`): `weight_only` (FP8 weight scaled in registers, bf16 MMA), `w8a8_triton` (activations
 quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled_mm` (the same quantization, cuBLASLt's
@@ -28,12 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dllm import fp8  # noqa: E402
 
-SHAPES = {  # name: (N, K) of LLaDA-8B
+SHAPES = {  # name: (N, K) of LLaDA-8B, then of LLaDA2.0-mini's attention and dense first layer
     "q/o": (4096, 4096),
     "qkv": (12288, 4096),
     "gate_up": (24576, 4096),
     "down": (4096, 12288),
     "lm_head": (126464, 4096),
+    "llada2_qkv": (3072, 2048),
+    "llada2_o": (2048, 2048),
+    "llada2_gate_up": (10240, 2048),
+    "llada2_down": (2048, 5120),
 }
 
 
@@ -82,6 +87,13 @@ def rowwise_scaled_mm(x, weight):
     return run
 
 
+def scaled_mm_gemm_only(x, w8, scale, block):
+    """cuBLASLt's block-scaled product alone, the activations quantized beforehand (`w8a8_scaled_mm` less its
+    quantization kernel, which a norm or SiLU kernel could write fused)."""
+    a, a_scale = fp8.quantize_rows(x, block[1], scales_column_major=True)
+    return lambda: fp8._scaled_mm_blockwise(a, a_scale, w8, scale, None, x.dtype)
+
+
 def candidate_kernels(x, weight, w8, scale, block) -> dict:
     """name -> a call computing `x @ weight.T` (bf16) or with the FP8 weight `w8` and its block scales."""
     return {
@@ -89,6 +101,7 @@ def candidate_kernels(x, weight, w8, scale, block) -> dict:
         "weight_only": lambda: fp8.weight_only_matmul(x, w8, scale, block),
         "w8a8_triton": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
         "w8a8_scaled_mm": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
+        "scaled_mm_gemm_only": scaled_mm_gemm_only(x, w8, scale, block),
         "transformers_hub": lambda: _transformers_linear(x, w8, scale, block),
         "rowwise_scaled_mm": rowwise_scaled_mm(x, weight),
     }
@@ -100,6 +113,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--kernels", default=None, help="comma list of the kernels to run (default: all)")
+    parser.add_argument(
+        "--weight-copies",
+        type=int,
+        default=1,
+        help="weights (and their FP8 copies) taken in turn, so that a product reads its weight from memory, not L2 "
+        "(a step reads each weight once; 4 x 16 MB exceeds the H100's 50 MB L2)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -109,10 +129,13 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         n_out, k_in = SHAPES[name]
         torch.manual_seed(0)
-        weight = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16) * 0.02
-        w8, scale = fp8.quantize_blocks(weight, block)
+        weights = [
+            torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(args.weight_copies)
+        ]
+        quantized = [fp8.quantize_blocks(w, block) for w in weights]
+        weight, (w8, scale) = weights[0], quantized[0]
         for rows in [int(r) for r in args.rows.split(",")]:
-            if name == "lm_head" and rows > 1024:
+            if name.endswith("lm_head") and rows > 1024:
                 continue  # the head runs on the block's positions only
             x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
             exact = x.float() @ weight.float().t()
@@ -127,6 +150,7 @@ def main(argv=None) -> int:
             }
             del w_deq, x_deq
             kernels = candidate_kernels(x, weight, w8, scale, block)
+            copies = [candidate_kernels(x, w, *q, block) for w, q in zip(weights[1:], quantized[1:], strict=True)]
             for kernel, fn in kernels.items():
                 if args.kernels and kernel not in args.kernels.split(","):
                     continue
@@ -134,7 +158,7 @@ def main(argv=None) -> int:
                 try:
                     out = fn()
                     row["rel_error"] = (out.float() - exact).norm().item() / exact.norm().item()
-                    row["us"] = timed_us(fn, args.repeats)
+                    row["us"] = timed_us([fn, *(calls[kernel] for calls in copies)], args.repeats)
                 except Exception as error:  # noqa: BLE001  (an unavailable kernel is a result here)
                     row["error"] = f"{type(error).__name__}: {error}"[:160]
                     results.append(row)
@@ -148,7 +172,7 @@ def main(argv=None) -> int:
                     row["torch_ref_error"] = ref_error[ref_kind]
                 results.append(row)
                 print(json.dumps(row), flush=True)
-            del x, exact
+            del x, exact, kernels, copies
 
     print()
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: us (weight TB/s | TFLOP/s) [rel. error]")

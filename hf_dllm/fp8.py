@@ -10,13 +10,14 @@ matrix. Here, with shapes `x (..., K)`, `weight (N, K)`, `weight_scale_inv (ceil
 - few rows (a block step: 32 x batch rows): `weight_only`, a Triton kernel that reads the FP8 weight tile, scales
   each 128-column slice of the partial product in registers and multiplies in bfloat16. The step is bound by reading
   weights, so half the bytes of bfloat16 is the whole gain, and the activations stay unquantized (no extra error).
+  Wide weights (fused q/k/v, gate/up, the head) take the w8a8 path even there, where cuBLASLt streams them faster.
 - many rows (the full-sequence forwards): `w8a8`, activations quantized per token and 128 columns
   (`quantize_rows`), then FP8 tensor cores through cuBLASLt's block-scaled `torch._scaled_mm` where this torch and
   GPU have it, else a Triton block-scaled FP8 kernel (the scheme of DeepSeek-V3's inference code).
 - `torch` (CPU, autograd, `HF_DLLM_KERNELS=torch`): the weight dequantized to the activation dtype, then `F.linear`.
 
 Which runs follows `kernels.use_fused_kernels` (Triton on CUDA; on the CPU with `TRITON_INTERPRET=1` in tests), and
-`WEIGHT_ONLY_MAX_ROWS` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
+`weight_only_applies` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
 Every path is free of host syncs and keeps static shapes, so block steps stay CUDA-graph capturable.
 
 This file is exported as Hub remote code: Triton is imported inside `try:`.
@@ -39,10 +40,18 @@ from .triton_ops import (  # None without Triton (CPU-only installs)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
-# Rows up to which the weight-only kernel runs (a product this small is bound by reading the weight); the w8a8 path
-# above it: on an H100 cuBLASLt's block-scaled FP8 was faster than the weight-only kernel from 256 rows on
+# Rows up to which the weight-only kernel may run (a product this small is bound by reading the weight); the w8a8
+# path above it: on an H100 cuBLASLt's block-scaled FP8 was faster than the weight-only kernel from 128 rows on
 # (benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
 WEIGHT_ONLY_MAX_ROWS = 64
+# Up to `WEIGHT_ONLY_MAX_ROWS` rows, a weight at least this many times wider (N) than deep (K) still goes to
+# cuBLASLt's block-scaled FP8 where it is available: it streams such weights faster than the weight-only kernel, the
+# activations' quantization included. On an H100 at 32 / 64 rows, each product reading its weight from memory
+# (`python benchmarks/bench_fp8_gemm.py --rows 32,64 --weight-copies 4`): LLaDA-8B's fused q/k/v (12288 x 4096)
+# 24.3 / 24.7 us against 27.7 / 40.9, gate/up (24576 x 4096) 45.0 / 45.5 against 48.8 / 66.9, the head (126464 x
+# 4096) 201 / 210 against 208 / 275; square and deep weights stay weight-only (the 4096 x 4096 output projection 13.6
+# / 15.7 against 16.5 / 19.4, down 4096 x 12288 31.5 / 37.2 against 37.1 / 37.2).
+W8A8_MIN_WIDTH_RATIO = 3
 
 
 # `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
@@ -117,11 +126,20 @@ def fp8_linear(
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+    n_out, cols = weight.shape
+    cublaslt = x2.is_cuda and scaled_mm_fits(n_out, cols, block_size) and _scaled_mm_block_scaling(x2.device.index or 0)
+    if weight_only_applies(x2.shape[0], n_out, cols, cublaslt):
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
     else:
         out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias)
     return out.view(*shape[:-1], weight.shape[0])
+
+
+def weight_only_applies(rows: int, n_out: int, cols: int, cublaslt: bool) -> bool:
+    """Whether `fp8_linear` multiplies `rows` rows by an `(n_out, cols)` FP8 weight with the weight-only kernel (else
+    w8a8): few rows, unless the weight is wide and cuBLASLt's block-scaled product (`cublaslt`) can take it
+    (`WEIGHT_ONLY_MAX_ROWS`, `W8A8_MIN_WIDTH_RATIO`)."""
+    return rows <= WEIGHT_ONLY_MAX_ROWS and not (cublaslt and n_out >= W8A8_MIN_WIDTH_RATIO * cols)
 
 
 def fp8_kernel_supports(weight: torch.Tensor, block_size) -> bool:

@@ -351,6 +351,21 @@ def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
         assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
 
 
+def test_weight_only_kernel_takes_few_rows_of_weights_not_much_wider_than_deep():
+    """The measured rule (`fp8.W8A8_MIN_WIDTH_RATIO`): up to `WEIGHT_ONLY_MAX_ROWS` rows the weight-only kernel,
+    except for weights at least three times wider than deep where cuBLASLt's block-scaled product is available;
+    beyond, always w8a8."""
+    rows = fp8.WEIGHT_ONLY_MAX_ROWS
+    assert fp8.weight_only_applies(32, 4096, 4096, cublaslt=True)  # LLaDA-8B's output projection
+    assert fp8.weight_only_applies(rows, 4096, 12288, cublaslt=True)  # down
+    assert fp8.weight_only_applies(32, 3072, 2048, cublaslt=True)  # LLaDA2.0-mini's fused q/k/v: 1.5x
+    assert not fp8.weight_only_applies(32, 12288, 4096, cublaslt=True)  # LLaDA-8B's fused q/k/v: 3x
+    assert not fp8.weight_only_applies(rows, 24576, 4096, cublaslt=True)  # gate/up
+    assert fp8.weight_only_applies(32, 24576, 4096, cublaslt=False)  # no cuBLASLt block scaling: the Triton kernel
+    assert not fp8.weight_only_applies(rows + 1, 4096, 4096, cublaslt=True)
+    assert not fp8.weight_only_applies(rows + 1, 4096, 4096, cublaslt=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 32, 200])
 def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows):
@@ -361,7 +376,13 @@ def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows):
     out = fp8.fp8_linear(x, w8, scale, BLOCK, bias)
     expected = fp8.fp8_linear(x, w8, scale, BLOCK, bias, use_triton=False)
     assert out.shape == (2, rows, 640)
-    tolerance = 0.02 if 2 * rows <= fp8.WEIGHT_ONLY_MAX_ROWS else 0.15  # w8a8 also quantizes the activations
+    # A wide weight (4x) at few rows: cuBLASLt's block-scaled product on SM90, within w8a8's tolerance.
+    wide8, wide_scale = fp8.quantize_blocks(torch.randn(2048, 512, device="cuda") * 0.02, BLOCK)
+    wide = fp8.fp8_linear(x, wide8, wide_scale, BLOCK)
+    wide_expected = fp8.fp8_linear(x, wide8, wide_scale, BLOCK, use_triton=False)
+    assert (wide.float() - wide_expected.float()).abs().max() < 0.15 * wide_expected.float().abs().max()
+    weight_only = fp8.weight_only_applies(2 * rows, 640, 512, cublaslt=True)  # 640 x 512: not wide
+    tolerance = 0.02 if weight_only else 0.15  # w8a8 also quantizes the activations
     assert (out.float() - expected.float()).abs().max() < tolerance * expected.float().abs().max()
 
 
