@@ -444,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{device_name}, {dtype}, LLaDA2.0-mini shape, prompt {prompt_len}, {new_tokens} new tokens, block {block}")
     print(
-        f"{'quant':>6}{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}{'step ms':>9}{'alone ms':>9}{'floor ms':>9}{'peak GB':>9}"
+        f"{'quant':>6}{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}"
+        f"{'step ms':>9}{'alone ms':>9}{'floor ms':>9}{'peak GB':>9}"
     )
     for r in rows:
         if "error" in r:

@@ -648,8 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-refresh-positions",
         type=int,
         default=None,
-        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's, no slices; 0: no "
-        "slices)",
+        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's, no slices; "
+        "0: no slices)",
     )
     parser.add_argument("--server-kind", choices=SERVER_KINDS, default="continuous", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)

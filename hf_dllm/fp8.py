@@ -130,8 +130,8 @@ def fp8_linear(
     cublaslt = x2.is_cuda and scaled_mm_fits(n_out, cols, block_size) and _scaled_mm_block_scaling(x2.device.index or 0)
     if weight_only_applies(x2.shape[0], n_out, cols, cublaslt):
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
-    else:
-        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias)
+    else:  # the backend `auto` would pick, decided above once
+        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, "scaled_mm" if cublaslt else "triton")
     return out.view(*shape[:-1], weight.shape[0])
 
 

@@ -173,12 +173,12 @@ class ContinuousBatcher:
             one row alone is), each decoded as a layout of its own, and between two layouts of a boundary waiting
             requests join the slices still to decode (`intake` brings the server's new requests first): an arrival
             waits out one slice rather than the whole batch's refresh. Block-causal models' layouts recompute two
-            blocks per row (their K/V are stored), never whole canvases: they refuse it (ValueError). Off by default: measured on an H100 (LLaDA-8B
-            shape, 80-85 % of the peak; RESULTS.md, continuous batching, session 19), slices of 16,384 positions
-            kept the p99 time to first block within 3 boundaries in 7 of 8 rates against 1 of 2 without, but
-            mostly because the boundaries grew (more layouts, each with its own steps): the p99 time to first block
-            itself was no shorter (0.78-1.75 s against 0.85-0.90 s), p50 latency rose 13-41 % and the peak fell
-            1-5 %; slices of 8,192 lost 8 % of the peak.
+            blocks per row (their K/V are stored), never whole canvases: they refuse it (ValueError). Off by
+            default: measured on an H100 (LLaDA-8B shape, 80-85 % of the peak; RESULTS.md, continuous batching,
+            session 19), slices of 16,384 positions kept the p99 time to first block within 3 boundaries in 7 of 8
+            rates against 1 of 2 without, but mostly because the boundaries grew (more layouts, each with its own
+            steps): the p99 time to first block itself was no shorter (0.78-1.75 s against 0.85-0.90 s), p50
+            latency rose 13-41 % and the peak fell 1-5 %; slices of 8,192 lost 8 % of the peak.
 
     `intake`: None, or a callable (set by the server) that hands the requests submitted since it was last called to
     `submit`; the engine calls it between two layouts of a boundary.

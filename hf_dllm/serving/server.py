@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.tp_plan is not None:
-            # Tensor parallel: rank 0 serves HTTP; the other ranks decode the same layouts (serving/tensor_parallel.py).
+            # Tensor parallel: rank 0 serves HTTP; the other ranks decode the same layouts (tensor_parallel.py).
             from .tensor_parallel import MirroredEngine, control_group
 
             engine = MirroredEngine(model, control_group(), **engine_options)
