@@ -2,8 +2,9 @@
 `hf_dllm/fp8.py`'s `_weight_only_kernel` over tile widths, split-K, warps, pipeline stages and its two
 formulations, at the LLaDA-8B products' shapes and a block step's rows.
 
-`weight_only_matmul` reads the FP8 weight (128x128 block scales, transformers' `FineGrainedFP8Config` layout) and
-multiplies in bf16 after scaling each 128-column slice of the partial product. Formulations:
+`weight_only_matmul` reads the FP8 weight (128x128 block scales, transformers' `FineGrainedFP8Config` layout), scales
+each weight tile in registers and multiplies in bf16 (until session 22 it scaled each tile's partial product
+instead, the configuration session 10's run timed). Formulations:
 
 - `SWAP=False`: `dot(x (BLOCK_M x K), w^T)`: at 32 rows Triton uses Ampere-style MMAs.
 - `SWAP=True`: `dot(w (BLOCK_N x K), x^T)`, the weight's rows as the MMA's M, the transposed tile stored.

@@ -8,8 +8,9 @@ launches per layer, where the fused q/k/v and gate/up products of `kernels.Conca
 matrix. Here, with shapes `x (..., K)`, `weight (N, K)`, `weight_scale_inv (ceil(N / bn), ceil(K / bk))`:
 
 - few rows (a block step: 32 x batch rows): `weight_only`, a Triton kernel that reads the FP8 weight tile, scales
-  each 128-column slice of the partial product in registers and multiplies in bfloat16. The step is bound by reading
-  weights, so half the bytes of bfloat16 is the whole gain, and the activations stay unquantized (no extra error).
+  it in registers (float32, rounded once to the activations' dtype, where the `torch` path rounds its dequantized
+  weight too) and multiplies in bfloat16. Half the bytes of bfloat16 is the gain, and the activations stay
+  unquantized (no extra error).
   Wide weights (fused q/k/v, gate/up, the head) take the w8a8 path even there, where cuBLASLt streams them faster.
 - many rows (the full-sequence forwards): `w8a8`, activations quantized per token and 128 columns
   (`quantize_rows`), then FP8 tensor cores through cuBLASLt's block-scaled `torch._scaled_mm` where this torch and
@@ -152,9 +153,10 @@ def fp8_kernel_supports(weight: torch.Tensor, block_size) -> bool:
 def weight_only_configs() -> list:
     # SPLIT_K > 1 splits K over programs (partial sums reduced by a second kernel): at a block step's 32 rows an
     # N of 4096 gives too few (row, column) tiles to keep every SM streaming weights. SWAP multiplies the weight
-    # tile by the transposed activations (the weight's rows as the MMA's M): at 32 rows it streamed LLaDA-8B's
-    # gate/up weight 4-8 % faster, and 3 pipeline stages beat 4 and 6 at BLOCK_N 64
-    # (benchmarks/sweep_fp8_weight_only.py, benchmarks/RESULTS.md).
+    # tile by the transposed activations (the weight's rows as the MMA's M). With the weight scaled before the
+    # MMA, the fastest at 32 rows were (H100, benchmarks/RESULTS.md, FP8, session 22): BLOCK_N 128 split 4 with
+    # SWAP (LLaDA-8B's o, LLaDA2.0-mini's q/k/v), BLOCK_N 64 split 1-2 without (wide weights), split 4-8 for deep
+    # ones (down); 3 or 4 stages.
     return [
         triton.Config(
             {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "SWAP": swap},
@@ -162,9 +164,9 @@ def weight_only_configs() -> list:
             num_stages=stages,
         )
         for block_m in (16, 32, 64, 128)
-        for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 4), (256, 8, 3))
-        for split in ((1, 2, 4) if block_m <= 64 else (1,))
-        for swap in ((False, True) if block_m <= 64 and block_n == 64 else (False,))
+        for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4), (256, 8, 3))
+        for split in ((1, 2, 4, 8) if block_m <= 64 else (1,))
+        for swap in ((False, True) if block_m <= 64 and block_n <= 128 else (False,))
     ]
 
 
@@ -209,10 +211,15 @@ if TRITON_AVAILABLE:
         SPLIT_K: tl.constexpr,
         SWAP: tl.constexpr,
     ):
-        # out[m, n] = sum over k tiles of (x[m, k] @ w[n, k]^T) * scale[n // SCALE_N, k // SCALE_K]: one scale per
-        # column of a partial product, since a k tile (BLOCK_K <= SCALE_K) lies inside one scale block. Program
-        # (n, m, s) sums the s-th of SPLIT_K ranges of k tiles; with SPLIT_K > 1 it writes float32 partial sums
-        # `(SPLIT_K, M, N)` that `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
+        # out[m, n] = sum over k tiles of x[m, k] @ (w[n, k] * scale[n // SCALE_N, k // SCALE_K])^T: one scale per
+        # weight row of a k tile (BLOCK_K <= SCALE_K, so a tile lies inside one scale block), applied to the tile
+        # in float32 and rounded once to the activations' dtype before the product, so the MMA accumulates in
+        # place. (Scaling each tile's partial product instead, as this kernel did until session 22, made every k
+        # tile wait for its MMA's result: at 32 rows the product was bound by that wait, not by the weight's bytes,
+        # its best config 5-9 % slower on LLaDA-8B's and LLaDA2.0-mini's shapes; RESULTS.md, FP8, session 22.)
+        # Program (n, m, s) sums the s-th of SPLIT_K ranges of k tiles; with SPLIT_K > 1 it writes float32 partial
+        # sums `(SPLIT_K, M, N)` that `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike
+        # atomics).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -238,10 +245,11 @@ if TRITON_AVAILABLE:
             x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
             scale = tl.load(scale_ptrs + (k * BLOCK_K) // SCALE_K, mask=in_n, other=0.0)
+            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
             if SWAP:
-                acc += tl.dot(w.to(x.dtype), tl.trans(x)) * scale[:, None]
+                acc = tl.dot(w, tl.trans(x), acc)
             else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
+                acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if SWAP:

@@ -142,20 +142,23 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _product(x, w, scale_ptrs, in_n, acc, HAS_SCALE: tl.constexpr, SWAP: tl.constexpr):
-        # acc += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, times one scale per weight row (read at
-        # `scale_ptrs`) if HAS_SCALE: a k tile lies inside one scale block. SWAP: acc is (BLOCK_N, BLOCK_M), the
-        # same sums transposed.
+        # acc += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, each weight row times its scale (read at
+        # `scale_ptrs`) if HAS_SCALE: a k tile lies inside one scale block. The scaled tile is rounded once to x's
+        # dtype before the product, so the MMA accumulates in place (as `fp8._weight_only_kernel` does: scaling
+        # the partial product made each k tile wait for its MMA). SWAP: acc is (BLOCK_N, BLOCK_M), the same sums
+        # transposed.
         if HAS_SCALE:
             scale = tl.load(scale_ptrs, mask=in_n, other=0.0)
-        if SWAP:
-            part = tl.dot(w.to(x.dtype), tl.trans(x))
-            if HAS_SCALE:
-                part = part * scale[:, None]
+            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
         else:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
-            if HAS_SCALE:
-                part = part * scale[None, :]
-        return acc + part
+            w = w.to(x.dtype)
+        # One return after the branches: Triton's compiler also builds the statements after a constexpr branch
+        # that returns.
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        return acc
 
     @triton.autotune(
         configs=grouped_configs(),
