@@ -128,7 +128,7 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n_out, cols = weight.shape
-    cublaslt = x2.is_cuda and scaled_mm_fits(n_out, cols, block_size) and _scaled_mm_block_scaling(x2.device.index or 0)
+    cublaslt = cublaslt_takes(x2, n_out, cols, block_size)
     if weight_only_applies(x2.shape[0], n_out, cols, cublaslt):
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
     else:  # the backend `auto` would pick, decided above once
@@ -182,6 +182,28 @@ def _prune_weight_only(configs, named_args, **kwargs):
 
 if TRITON_AVAILABLE:
 
+    @triton.jit
+    def tile_product(x, w, scale_ptrs, in_n, acc, HAS_SCALE: tl.constexpr, SWAP: tl.constexpr):
+        # acc += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, each weight row times its scale (read at
+        # `scale_ptrs`) if HAS_SCALE: a k tile lies inside one scale block. The tile is scaled in float32 and rounded
+        # once to x's dtype before the product, so the MMA accumulates in place. (Scaling each tile's partial product
+        # instead, as the FP8 kernels did until session 22, made every k tile wait for its MMA's result: at 32 rows
+        # the products were bound by that wait, not by the weight's bytes, their best configs 5-9 % slower on
+        # LLaDA-8B's and LLaDA2.0-mini's shapes; RESULTS.md, FP8, session 22.) SWAP: acc is (BLOCK_N, BLOCK_M), the
+        # same sums transposed. Used by `_weight_only_kernel` and `grouped_gemm`'s experts.
+        if HAS_SCALE:
+            scale = tl.load(scale_ptrs, mask=in_n, other=0.0)
+            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
+        else:
+            w = w.to(x.dtype)
+        # One return after the branches: Triton's compiler also builds the statements after a constexpr branch
+        # that returns.
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        return acc
+
     @triton.autotune(
         configs=weight_only_configs(),
         key=["M", "N", "K"],
@@ -211,15 +233,10 @@ if TRITON_AVAILABLE:
         SPLIT_K: tl.constexpr,
         SWAP: tl.constexpr,
     ):
-        # out[m, n] = sum over k tiles of x[m, k] @ (w[n, k] * scale[n // SCALE_N, k // SCALE_K])^T: one scale per
-        # weight row of a k tile (BLOCK_K <= SCALE_K, so a tile lies inside one scale block), applied to the tile
-        # in float32 and rounded once to the activations' dtype before the product, so the MMA accumulates in
-        # place. (Scaling each tile's partial product instead, as this kernel did until session 22, made every k
-        # tile wait for its MMA's result: at 32 rows the product was bound by that wait, not by the weight's bytes,
-        # its best config 5-9 % slower on LLaDA-8B's and LLaDA2.0-mini's shapes; RESULTS.md, FP8, session 22.)
-        # Program (n, m, s) sums the s-th of SPLIT_K ranges of k tiles; with SPLIT_K > 1 it writes float32 partial
-        # sums `(SPLIT_K, M, N)` that `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike
-        # atomics).
+        # out[m, n] = sum over k tiles of x[m, k] @ (w[n, k] * scale[n // SCALE_N, k // SCALE_K])^T (`tile_product`:
+        # BLOCK_K <= SCALE_K, so a k tile lies inside one scale block). Program (n, m, s) sums the s-th of SPLIT_K
+        # ranges of k tiles; with SPLIT_K > 1 it writes float32 partial sums `(SPLIT_K, M, N)` that
+        # `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -244,12 +261,7 @@ if TRITON_AVAILABLE:
             in_k = offs_k < K - k * BLOCK_K
             x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            scale = tl.load(scale_ptrs + (k * BLOCK_K) // SCALE_K, mask=in_n, other=0.0)
-            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            acc = tile_product(x, w, scale_ptrs + (k * BLOCK_K) // SCALE_K, in_n, acc, True, SWAP)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if SWAP:
@@ -496,6 +508,12 @@ def scaled_mm_fits(n_out: int, cols: int, block_size) -> bool:
     return tuple(block_size) == (128, 128) and cols % 512 == 0 and n_out % 128 == 0
 
 
+def cublaslt_takes(x: torch.Tensor, n_out: int, cols: int, block_size) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 product can multiply `x` by an `(n_out, cols)` weight: `x` on a GPU
+    where this torch runs it (`_scaled_mm_block_scaling`) and a weight it takes (`scaled_mm_fits`)."""
+    return x.is_cuda and scaled_mm_fits(n_out, cols, block_size) and _scaled_mm_block_scaling(x.device.index or 0)
+
+
 def _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, out_dtype):
     # cuBLASLt's block-scaled FP8 GEMM: a (M, K) with (M, K/128) scales laid out column-major, the weight
     # (N, K) with (N/128, K/128) scales, passed transposed as the (K, N) operand.
@@ -512,12 +530,7 @@ def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None
     block_n, block_k = block_size
     if backend not in ("auto", "scaled_mm", "triton"):
         raise ValueError(f"backend must be 'auto', 'scaled_mm' or 'triton', got {backend!r}.")
-    if backend == "scaled_mm" or (
-        backend == "auto"
-        and x.is_cuda
-        and scaled_mm_fits(n_out, cols, block_size)
-        and _scaled_mm_block_scaling(x.device.index or 0)
-    ):
+    if backend == "scaled_mm" or (backend == "auto" and cublaslt_takes(x, n_out, cols, block_size)):
         # Rows padded to a multiple of 16 (zeros): a one-row product disagreed with the reference in a GPU test;
         # the benchmarked shapes (multiples of 16) run unpadded.
         padded = -(-rows // 16) * 16

@@ -122,6 +122,7 @@ def _shared_memory_bytes(device: torch.device) -> int:
 
 
 if TRITON_AVAILABLE:
+    from .fp8 import tile_product
 
     @triton.jit
     def _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
@@ -139,26 +140,6 @@ if TRITON_AVAILABLE:
         first_row = tl.sum(tl.where(mine, starts, 0), 0) + (tile - first_tile) * BLOCK_M
         end_row = tl.sum(tl.where(mine, ends, 0), 0)
         return group, first_row, end_row
-
-    @triton.jit
-    def _product(x, w, scale_ptrs, in_n, acc, HAS_SCALE: tl.constexpr, SWAP: tl.constexpr):
-        # acc += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, each weight row times its scale (read at
-        # `scale_ptrs`) if HAS_SCALE: a k tile lies inside one scale block. The scaled tile is rounded once to x's
-        # dtype before the product, so the MMA accumulates in place (as `fp8._weight_only_kernel` does: scaling
-        # the partial product made each k tile wait for its MMA). SWAP: acc is (BLOCK_N, BLOCK_M), the same sums
-        # transposed.
-        if HAS_SCALE:
-            scale = tl.load(scale_ptrs, mask=in_n, other=0.0)
-            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
-        else:
-            w = w.to(x.dtype)
-        # One return after the branches: Triton's compiler also builds the statements after a constexpr branch
-        # that returns.
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-        return acc
 
     @triton.autotune(
         configs=grouped_configs(),
@@ -226,10 +207,10 @@ if TRITON_AVAILABLE:
             x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
             scale_k = (k * BLOCK_K) // SCALE_K
-            acc = _product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
+            acc = tile_product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
             if GATED:
                 w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                acc_up = _product(
+                acc_up = tile_product(
                     x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
                 )
             x_ptrs += BLOCK_K

@@ -326,7 +326,7 @@ def test_kernel_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
     x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n_out, k_in, device="cuda") * 0.02
     kernels = {"weight_only": None, "w8a8": "triton"}
-    if fp8._scaled_mm_block_scaling(0) and fp8.scaled_mm_fits(n_out, k_in, BLOCK):
+    if fp8.cublaslt_takes(x, n_out, k_in, BLOCK):
         kernels["w8a8:scaled_mm"] = "scaled_mm"
     for name, (error, reference) in kernel_errors(x, weight, BLOCK, kernels).items():
         # bf16 output rounding (2^-9) is added to the float32 reference's error.
