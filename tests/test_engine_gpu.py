@@ -120,3 +120,46 @@ def test_block_causal_graph_engine_equals_eager_engine_and_generate(dtype):
     counts = engine.graph_counts()
     assert counts["captured"] > 0 and counts["replayed"] > 0, counts
     assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype)
+
+
+def decode_interleaved(model, prompts, settings):
+    """Each prompt's tokens and forwards through the engine, the first two submitted before the first boundary and
+    each later one at every third point between two forwards (`interleave_rows`), so that they decode their first
+    block in interleaved layouts while another layout's CUDA graphs are held."""
+    engine = ContinuousBatcher(model, max_batch_size=4, max_batch_width=256, interleave_rows=2)
+    requests = [request(model, prompt, **settings) for prompt in prompts]
+    pending, calls = list(requests[2:]), []
+    for req in requests[:2]:
+        engine.submit(req)
+
+    def intake():
+        calls.append(None)
+        if pending and len(calls) % 3 == 0:
+            engine.submit(pending.pop(0))
+
+    engine.intake = intake
+    while pending or engine.has_work():
+        if not engine.has_work():
+            engine.submit(pending.pop(0))
+        engine.decode_boundary()
+    assert engine.interleaved_layouts > 0
+    return [req.on_block.tokens for req in requests], [req.nfe for req in requests], engine
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interleaved_rows_on_cuda_equal_eager_engine_and_generate(dtype):
+    """Rows that join between two forwards of a captured layout decode eagerly in the interleaved cache (the host
+    waits for the device at each such point, `ContinuousBatcher._between_forwards`): the graph engine's tokens and
+    forwards equal the eager engine's under the same interleaving, and in float32 `generate()` alone's."""
+    model = LLaDAModelLM.from_pretrained(FIXTURES / "llada-tiny-trained", dtype=dtype).cuda().eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 60) for _ in range(rng.randrange(1, 30))] for _ in range(8)]
+    settings = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False)
+    graphs, graph_nfe, engine = decode_interleaved(model, prompts, settings)
+    assert engine.graph_counts()["replayed"] > 0
+    eager, eager_nfe, _ = decode_interleaved(model, prompts, dict(settings, disable_compile=True))
+    assert graphs == eager and graph_nfe == eager_nfe
+    if dtype == torch.float32:
+        for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
+            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
+            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])
