@@ -336,13 +336,9 @@ class BlockDiffusionRun:
         self.rows_per_forward = rows * (2 if self.cfg else 1)
         self.graphs = None
         if self._graphs_allowed():
-            self.graphs = self._acquire_graphs((*self._graph_shape(), *self._graph_signature()), max_graphs)
+            signature = (*self._graph_shape(), *self._graph_signature())
+            self.graphs = StepGraphs.acquire(self.model, signature, self._new_cache, max_graphs)
         self.cache = self.graphs.cache if self.graphs is not None else self._new_cache()
-
-    def _acquire_graphs(self, signature: tuple, max_graphs: int) -> StepGraphs | None:
-        """The CUDA-graph runner for `signature`: the model's (`StepGraphs.acquire`; None while another run holds
-        it)."""
-        return StepGraphs.acquire(self.model, signature, self._new_cache, max_graphs)
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Duplicate per-row tensors for the unconditional branch of classifier-free guidance."""

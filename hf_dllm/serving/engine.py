@@ -175,9 +175,9 @@ class ContinuousBatcher:
             nothing in a row's tokens, but costs its arithmetic).
         interleave_rows: None or an integer n >= 1 (default `INTERLEAVE_ROWS`): between two forwards of a layout
             (before each of its steps after the first, and between two chunks of a packed forward), up to n waiting
-            requests of one cohort, oldest first, decode their first block in a layout of their own (in a K/V cache
-            of n rows of `max_batch_width` columns, allocated at first use, with CUDA graphs of their own), and the
-            interrupted layout goes on: a request that arrives during a boundary streams its first block after about one forward of
+            requests of one cohort, oldest first, decode their first block in a layout of their own (eagerly, in a
+            K/V cache of n rows of `max_batch_width` columns, allocated at first use), and the interrupted layout
+            goes on: a request that arrives during a boundary streams its first block after about one forward of
             the boundary under way, not after the whole boundary. On CUDA the engine then keeps the host at most one
             forward ahead of the device (an event per forward), so that it sees arrivals when the device does. None:
             requests join at the next boundary only.
@@ -244,8 +244,6 @@ class ContinuousBatcher:
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
         self.interleaved_runs: dict[str, LayoutRun] = {}  # per settings group: its interleaved layouts' decoding
-        # The interleaved layouts' CUDA-graph runners, by signature (the model's own runner is the other layouts').
-        self.interleaved_graphs: dict[tuple, object] = {}
         self.cache = None
         self.interleaved_cache = None
         self._device_mark = None  # CUDA: an event at the last point where requests could join (`_between_forwards`)
@@ -445,9 +443,8 @@ class ContinuousBatcher:
 
     def _interleaved_run_for(self, row: EngineRequest) -> LayoutRun:
         """The decoding state of the row's settings group for layouts decoded between two forwards of another
-        (`interleave_rows`): in the interleaved K/V cache, with CUDA graphs of the engine's own
-        (`interleaved_graphs`: the interrupted layout's run holds the model's runner and its cache), taking no
-        one in turn."""
+        (`interleave_rows`): in the interleaved K/V cache, eagerly (the interrupted layout's run holds the CUDA
+        graphs and their cache), taking no one in turn."""
         run = self.interleaved_runs.get(row.settings)
         if run is None:
             run = LayoutRun(
@@ -458,9 +455,9 @@ class ContinuousBatcher:
                 self.device,
                 self._interleaved_cache,
                 self.store,
-                (lambda rows: bucketed_rows(rows, self.interleave_rows)) if self.bucket_rows else None,
+                None,
                 self.max_refresh_positions,
-                own_graphs=self.interleaved_graphs,
+                graphs=False,
             )
             self.interleaved_runs[row.settings] = run
         return run
@@ -532,13 +529,10 @@ class ContinuousBatcher:
         return row.ended
 
     def graph_counts(self) -> dict[str, int]:
-        """Steps the CUDA-graph runners (the model's, and the interleaved layouts' own) ran eagerly, captured and
-        replayed (zeros without graphs): how often the engine's layouts hit a captured shape."""
-        counts = {"eager": 0, "captured": 0, "replayed": 0}
-        for runner in [getattr(self.model, "_hf_dllm_step_graphs", None), *self.interleaved_graphs.values()]:
-            for name, count in (runner.counts if runner is not None else {}).items():
-                counts[name] += count
-        return counts
+        """Steps the model's CUDA-graph runner ran eagerly, captured and replayed (zeros without graphs): how
+        often the engine's layouts hit a captured shape."""
+        runner = getattr(self.model, "_hf_dllm_step_graphs", None)
+        return dict(runner.counts) if runner is not None else {"eager": 0, "captured": 0, "replayed": 0}
 
     def abandon(self) -> None:
         """Forget every waiting and running row (the server is shutting down: their owners are told) and give the

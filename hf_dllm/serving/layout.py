@@ -65,16 +65,14 @@ class LayoutRun(BlockDiffusionRun):
         store: RowKVStore | None = None,
         row_bucket: Callable[[int], int] | None = None,
         max_packed_positions: int | None = None,
-        own_graphs: dict | None = None,
+        graphs: bool = True,
     ):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
         between blocks (used when the config caches); `row_bucket(k)` (None: no padding rows), the rows a forward
         of `k` rows runs with, `k <= row_bucket(k) <= max_rows` (`_with_padding_rows`); `max_packed_positions`
         (None: no limit), the most positions one packed forward computes: the rows of a larger one run in chunks
-        (`_packed_chunks`); `own_graphs` (None: the model's CUDA-graph runner, shared with `generate()` and held by
-        one run at a time), a dict of runners of the caller's, by signature, one of which (made at first use) is this
-        run's: a run that decodes while another holds the model's runner (`ContinuousBatcher.interleave_rows`).
+        (`_packed_chunks`); `graphs=False`: every step eager (a run decoding while another holds the CUDA graphs).
 
         `between_forwards`: None, or a callable the run calls between two forwards of a block (before each step
         after the first, and between two chunks of a packed forward): the engine decodes requests that arrived
@@ -90,7 +88,7 @@ class LayoutRun(BlockDiffusionRun):
         self.max_rows = max_rows
         self.row_bucket = row_bucket
         self.max_packed_positions = max_packed_positions
-        self.own_graphs = own_graphs
+        self.graphs_wanted = graphs
         self.between_forwards: Callable[[], None] | None = None
         self._shared_cache = shared_cache
         self._setup_cache(max_rows, ENGINE_MAX_GRAPHS)
@@ -99,22 +97,17 @@ class LayoutRun(BlockDiffusionRun):
     def _new_cache(self):
         return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
 
-    def _acquire_graphs(self, signature: tuple, max_graphs: int) -> StepGraphs | None:
-        if self.own_graphs is None:
-            return super()._acquire_graphs(signature, max_graphs)
-        runner = self.own_graphs.get(signature)
-        if runner is None:
-            runner = self.own_graphs[signature] = StepGraphs(signature, self._new_cache(), max_graphs)
-        return runner
+    def _graphs_allowed(self) -> bool:
+        return self.graphs_wanted and super()._graphs_allowed()
 
     def _graph_shape(self) -> tuple:
         # Layouts of every row count and width share the runner (rows and width are in each step's key).
         return ("continuous", self.rows_per_forward, self.max_width)
 
     def release(self) -> None:
-        if self.graphs is not None and self.own_graphs is None:
+        if self.graphs is not None:
             StepGraphs.release_to(self.model)
-        self.graphs = None
+            self.graphs = None
 
     def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
         """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
