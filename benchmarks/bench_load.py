@@ -146,15 +146,8 @@ def serve(args) -> None:
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
         engine.width_granularity = args.width_granularity
-    if engine is not None and args.max_refresh_positions is not None:
-        engine.max_refresh_positions = args.max_refresh_positions or None
-    if engine is not None and args.interleave_rows is not None:
-        from hf_dllm.serving.engine import default_max_batch_size
-
-        engine.interleave_rows = args.interleave_rows or None
-        if not args.max_batch_size:  # the default batch, with this many interleaved rows' K/V beside it
-            rows = default_max_batch_size(model, engine.max_batch_width, engine.device, args.interleave_rows)
-            engine.set_max_batch_size(rows)
+    if engine is not None and args.max_refresh_positions is not None and not engine.block_causal:
+        engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
     if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
@@ -446,8 +439,6 @@ class ServerProcess:
         command += ["--server-kind", kind, "--join-layout-min-rows", str(args.join_layout_min_rows)]
         if args.max_refresh_positions is not None:
             command += ["--max-refresh-positions", str(args.max_refresh_positions)]
-        if args.interleave_rows is not None:
-            command += ["--interleave-rows", str(args.interleave_rows)]
         self.process = subprocess.Popen(command, env=env, cwd=code)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -657,15 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-refresh-positions",
         type=int,
         default=None,
-        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's; 0: one "
-        "forward, no chunks)",
-    )
-    parser.add_argument(
-        "--interleave-rows",
-        type=int,
-        default=None,
-        help="the continuous servers' `ContinuousBatcher.interleave_rows` (default: the engine's; 0: none, requests "
-        "join at boundaries only)",
+        help="the continuous servers' `ContinuousBatcher.max_refresh_positions` (default: the engine's, no slices; "
+        "0: no slices)",
     )
     parser.add_argument("--server-kind", choices=SERVER_KINDS, default="continuous", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-range", type=int, nargs=2, default=None)

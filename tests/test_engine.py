@@ -632,8 +632,6 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
         (dict(join_layout_min_rows=2.0), "join_layout_min_rows"),
         (dict(max_refresh_positions=0), "max_refresh_positions"),
         (dict(max_refresh_positions="64"), "max_refresh_positions"),
-        (dict(interleave_rows=0), "interleave_rows"),
-        (dict(interleave_rows=1.5), "interleave_rows"),
     ],
 )
 def test_bad_arguments_are_refused(trained, kwargs, name):
@@ -786,176 +784,112 @@ def test_attention_without_shape_plans_turns_off_cudnn_on_cuda_only():
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
-def recorded_packed_forwards(monkeypatch) -> list[list[int]]:
-    """The rows' lengths of every packed forward a layout makes (`PackedRows.lengths`), in order."""
-    from hf_dllm import packed as packed_module
-
-    forwards = []
-    init = packed_module.PackedRows.__init__
-
-    def recorded(self, lengths, *args, **kwargs):
-        init(self, lengths, *args, **kwargs)
-        forwards.append(list(lengths))
-
-    monkeypatch.setattr(packed_module.PackedRows, "__init__", recorded)
-    return forwards
-
-
 @pytest.mark.parametrize(
     "settings", [JOIN_DUAL, dict(max_new_tokens=24, block_length=8, steps=12)], ids=["dual", "none"]
 )
-def test_packed_forwards_run_in_chunks_of_bounded_positions(trained, monkeypatch, settings):
-    """`max_refresh_positions`: a packed forward over more positions (the dual cache's refresh; every step without
-    a cache) runs in chunks of consecutive rows, each within the budget (or one row); every row is still
-    `generate()` alone, and its forwards (NFE) are not multiplied by the chunks."""
-    chunks = recorded_packed_forwards(monkeypatch)
+def test_large_layouts_are_cut_into_slices_of_bounded_refresh(trained, monkeypatch, settings):
+    """`max_refresh_positions`: a layout whose canvases hold more positions is decoded as slices, each within the
+    budget (or one row), cut in order into about equal parts; every row is still `generate()` alone. Off by default;
+    block-causal models (never sliced) refuse it."""
+    from test_llada2_integration import tiny_llada2
+
+    assert ContinuousBatcher(trained).max_refresh_positions is None
+    with pytest.raises(ValueError, match="max_refresh_positions.*block-causal"):
+        ContinuousBatcher(tiny_llada2(seed=0), max_refresh_positions=8)
+    layouts = recorded_layouts(monkeypatch)
     prompts = random_prompts(random.Random(7), 8, 4, 60, longest=30)
     requests = [request(trained, prompt, **settings) for prompt in prompts]
     budget = 150
-    engine = ContinuousBatcher(
-        trained, max_batch_size=8, join_layout_min_rows=None, interleave_rows=None, max_refresh_positions=budget
-    )
-    drive(engine, requests, [0] * 8)
+    engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=None, max_refresh_positions=budget)
+    boundaries = drive(engine, requests, [0] * 8)
     assert_alone(trained, requests)
-    assert all(sum(lengths) <= budget or len(lengths) == 1 for lengths in chunks), chunks
-    # The first boundary's refresh packs all 8 whole canvases: in chunks that cover them, in order.
-    total = sum(req.plan.canvas_width for req in requests)
-    first, covered = [], 0
-    for lengths in chunks:
-        first.append(lengths)
-        covered += sum(lengths)
-        if covered >= total:
-            break
-    assert covered == total and len(first) > 1, chunks
-    assert [length for lengths in first for length in lengths] == [req.plan.canvas_width for req in requests]
+    canvas = {id(req): req.plan.canvas_width for req in requests}
+    sizes = [sum(canvas[key] for key, _ in layout) for layout in layouts]
+    assert len(layouts) > boundaries, "no layout was cut"
+    assert all(size <= budget or len(layout) == 1 for size, layout in zip(sizes, layouts, strict=True)), sizes
+    # The first boundary decodes all 8 rows in the fewest slices the budget allows, about equal.
+    total = sum(canvas.values())
+    first = sizes[: -(-total // budget)]
+    assert sum(first) == total and max(first) - min(first) <= max(canvas.values()), sizes
 
 
-def test_block_causal_prefill_runs_in_chunks(random_llada2, monkeypatch):
-    """Joining block-causal rows' packed prefill runs in chunks too; each chunk's prompt K/V reach the rows' slots,
-    so every row is still `generate()` alone."""
-    chunks = recorded_packed_forwards(monkeypatch)
-    prompts = random_prompts(random.Random(5), 6, 4, 60, longest=40)
-    settings = dict(max_new_tokens=24, block_length=8, steps=12)
-    requests = [request(random_llada2, prompt, **settings) for prompt in prompts]
-    engine = ContinuousBatcher(random_llada2, max_batch_size=6, interleave_rows=None, max_refresh_positions=50)
-    drive(engine, requests, [0] * 6)
-    assert_alone(random_llada2, requests)
-    assert len(chunks[0]) < len(requests) and all(sum(c) <= 50 or len(c) == 1 for c in chunks), chunks
-
-
-def test_requests_arriving_during_a_boundary_decode_between_its_forwards(trained, monkeypatch):
-    """`interleave_rows`: between two forwards of a layout the engine calls `intake` (the server's new requests),
-    and waiting requests decode their first block in a layout of their own there, before the interrupted layout
-    ends; each row is `generate()` alone. A row cancelled meanwhile leaves at the next layout."""
+def test_waiting_requests_join_the_layouts_still_to_decode(trained, monkeypatch):
+    """Between two layouts of a boundary the engine calls `intake` (the server's new requests) and waiting
+    requests join the next layout of their cohort that their width fits: requests submitted during a boundary
+    decode their first block in that boundary, in order, each `generate()` alone; a row cancelled meanwhile leaves
+    the layouts still to decode at once."""
     layouts = recorded_layouts(monkeypatch)
     prompts = random_prompts(random.Random(11), 6, 4, 60, longest=30)
     running = [request(trained, prompt, **JOIN_DUAL) for prompt in prompts[:4]]
     late = [request(trained, prompt, **JOIN_DUAL) for prompt in prompts[4:]]
+    # Canvases of 33-61 columns: no two rows fit 60 positions, so each slice is one row.
     engine = ContinuousBatcher(trained, max_batch_size=6, join_layout_min_rows=None, max_refresh_positions=60)
-    for req in running[:3]:
+    for req in running:
         engine.submit(req)
-    engine.decode_boundary()  # three rows run; the fourth has another cohort's block below
-    events = []
-    for req in [*running, *late]:
-        recorder = req.on_block
-
-        def on_block(update, req=req, recorder=recorder):
-            events.append(id(req))
-            return recorder(update)
-
-        req.on_block = on_block
-    engine.submit(running[3])
     calls = []
 
     def intake():
         calls.append(len(layouts))
-        if len(calls) == 2:  # during the boundary's first layout: two requests arrive, a running row is cancelled
+        if len(calls) == 1:  # after the boundary's first layout: two requests arrive, a running row is cancelled
             for req in late:
                 engine.submit(req)
-            running[0].cancelled.set()
+            running[-1].cancelled.set()
 
     engine.intake = intake
-    layouts.clear()
     engine.decode_boundary()
-    assert engine.interleaved_layouts == 1
-    # The interleaved layout (both late rows at their first block) was recorded inside the first one.
-    assert layouts[1] == [(id(late[0]), 0), (id(late[1]), 0)], layouts
-    assert events.index(id(late[0])) < events.index(id(running[1])), "the interrupted layout ended first"
-    assert [len(req.on_block.__defaults__[1].updates) for req in late] == [1, 1]
-    assert running[0].ended and running[0].nfe > 0
-    engine.intake = None
+    assert calls[0] == 1 and layouts[0] == [(id(running[0]), 0)]
+    joined = [key for layout in layouts[1:] for key, block in layout if block == 0]
+    assert [key for key in joined if key in {id(req) for req in late}] == [id(req) for req in late]
+    assert id(running[-1]) not in joined and running[-1].ended and running[-1].nfe == 0
+    assert [len(req.on_block.updates) for req in late] == [1, 1]
     engine.run_until_done()
-    for req in [*running, *late]:
-        req.on_block = req.on_block.__defaults__[1]
-    assert_alone(trained, running[1:] + late)
+    assert_alone(trained, running[:-1] + late)
 
 
-def test_interleaved_layouts_take_one_cohort_oldest_first_up_to_n(trained, monkeypatch):
-    """At one point between two forwards at most `interleave_rows` requests join, all of the oldest one's cohort;
-    a request of another cohort waits for the next point, and the requests behind it wait too (oldest first): past
-    the layout's last point, for the next boundary."""
-    layouts = recorded_layouts(monkeypatch)
+def test_a_request_that_fits_no_queued_layout_waits_for_the_next_boundary(trained, monkeypatch):
+    """A request whose settings no layout still to decode shares (another cohort) joins at the next boundary, and
+    the requests behind it wait too (oldest first)."""
+    recorded_layouts(monkeypatch)
     running = [request(trained, [5 + i] * 30, **JOIN_DUAL) for i in range(3)]
-    late = [request(trained, [8, 8 + i], **JOIN_DUAL) for i in range(3)]
     other = request(trained, [9, 9], max_new_tokens=16, block_length=4, steps=8)
-    behind = request(trained, [7, 7], **JOIN_DUAL)
-    engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=None, interleave_rows=2)
+    behind = request(trained, [8, 8], **JOIN_DUAL)
+    engine = ContinuousBatcher(trained, max_batch_size=8, join_layout_min_rows=None, max_refresh_positions=70)
     for req in running:
         engine.submit(req)
-    arrivals = [[*late, other, behind]]
-    engine.intake = lambda: arrivals and [engine.submit(req) for req in arrivals.pop()]
-    engine.decode_boundary()
-    joined = [[key for key, block in layout] for layout in layouts[1:] if all(block == 0 for _, block in layout)]
-    ids = lambda reqs: [id(req) for req in reqs]  # noqa: E731
-    # The running layout makes 4 forwards (a refresh and 3 steps): 3 points, one interleaved layout at each.
-    assert joined == [ids(late[:2]), ids(late[2:]), ids([other])], joined
-    assert engine.interleaved_layouts == 3 and list(engine.waiting) == [behind]
-    engine.intake = None
-    engine.run_until_done()
-    assert_alone(trained, [*running, *late, other, behind])
-
-
-def test_without_interleaving_arrivals_wait_for_the_next_boundary(trained, monkeypatch):
-    """`interleave_rows=None`: the engine never asks for new requests during a boundary (`intake`), and a request
-    waiting meanwhile joins at the next boundary."""
-    layouts = recorded_layouts(monkeypatch)
-    first = request(trained, [5, 6, 7], **JOIN_DUAL)
-    late = request(trained, [7, 7], **JOIN_DUAL)
-    engine = ContinuousBatcher(trained, max_batch_size=4, interleave_rows=None)
-    engine.submit(first)
-    asked = []
-    engine.intake = lambda: asked.append(True)
-    engine.decode_boundary()
-    engine.submit(late)
-    assert not asked and layouts == [[(id(first), 0)]]
-    engine.decode_boundary()
-    assert len(late.on_block.updates) == 1 and engine.interleaved_layouts == 0
-    engine.intake = None
-    engine.run_until_done()
-    assert_alone(trained, [first, late])
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_block_causal_rows_interleaved_mid_boundary_equal_generate_alone(random_llada2, seed):
-    """Block-causal rows that join between two forwards prefill into the interleaved cache and keep their K/V in
-    their slots like any joining row: under arrivals at random forwards, every row is `generate()` alone."""
-    rng = random.Random(seed)
-    prompts = random_prompts(rng, 8, 4, 60, longest=30)
-    settings = [dict(max_new_tokens=24, block_length=8, steps=12), dict(max_new_tokens=16, block_length=8, steps=4)]
-    requests = [request(random_llada2, prompt, **rng.choice(settings)) for prompt in prompts]
-    engine = ContinuousBatcher(random_llada2, max_batch_size=5, interleave_rows=2)
-    pending = list(requests[2:])
-    for req in requests[:2]:
-        engine.submit(req)
+    submitted = []
 
     def intake():
-        if pending and rng.random() < 0.3:
-            engine.submit(pending.pop(0))
+        if not submitted:
+            submitted.append(True)
+            engine.submit(other)
+            engine.submit(behind)
 
     engine.intake = intake
-    while pending or engine.has_work():
-        if not engine.has_work():  # nothing runs, so no forward to arrive between
-            engine.submit(pending.pop(0))
-        engine.decode_boundary()
-    assert engine.interleaved_layouts > 0
-    assert_alone(random_llada2, requests)
+    engine.decode_boundary()
+    assert len(engine.last_layout_sizes) == 3 and not other.on_block.updates and not behind.on_block.updates
+    engine.decode_boundary()
+    assert len(other.on_block.updates) == 1 and len(behind.on_block.updates) == 1
+    engine.run_until_done()
+    assert_alone(trained, [*running, other, behind])
+
+
+def test_only_slices_take_requests_during_a_boundary(trained, monkeypatch):
+    """A layout that was not cut (here: one per settings group, no budget) takes no request during its boundary:
+    with no slice still to decode the engine does not even ask for new requests (`intake`), and a request arriving
+    meanwhile decodes at the next boundary although its group's layout was still to decode."""
+    layouts = recorded_layouts(monkeypatch)
+    first = request(trained, [5, 6, 7], max_new_tokens=16, block_length=4, steps=8)
+    second = request(trained, [8, 9], **JOIN_DUAL)
+    late = request(trained, [7, 7], **JOIN_DUAL)
+    engine = ContinuousBatcher(trained, max_batch_size=4, join_layout_min_rows=None, max_refresh_positions=None)
+    engine.submit(first)
+    engine.submit(second)
+    arrivals = [late]
+    engine.intake = lambda: arrivals and engine.submit(arrivals.pop())
+    engine.decode_boundary()
+    assert layouts == [[(id(first), 0)], [(id(second), 0)]] and arrivals == [late]
+    engine.submit(late)
+    engine.decode_boundary()
+    assert len(late.on_block.updates) == 1
+    engine.run_until_done()
+    assert_alone(trained, [first, second, late])

@@ -227,16 +227,15 @@ def test_steps_with_threshold_accepted_for_llada2_refused_for_llada(server):
         assert error.value.status == 400 and error.value.param == param, fields
 
 
-def test_cli_chunks_and_interleaving_reach_a_block_causal_engine(llada2_dir, monkeypatch):
-    """`--max-refresh-positions` (chunks of joining rows' packed prefill) and `--interleave-rows` apply to a
-    block-causal model's engine as to a bidirectional one's."""
+def test_cli_refuses_slices_for_a_block_causal_model(llada2_dir, monkeypatch, capsys):
+    """`--max-refresh-positions` cuts bidirectional models' layouts; a block-causal model's layouts recompute two
+    blocks per row, so the option is refused with a clear message (exit 2), not ignored."""
     import uvicorn
 
     from hf_dllm.serving import server as server_module
 
-    apps = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("the server started"))
     argv = [str(llada2_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu"]
-    assert server_module.main([*argv, "--max-refresh-positions", "4096", "--interleave-rows", "2"]) == 0
-    engine = apps[0].state.server.batcher.engine
-    assert engine.block_causal and engine.max_refresh_positions == 4096 and engine.interleave_rows == 2
+    assert server_module.main([*argv, "--max-refresh-positions", "4096"]) == 2
+    error = capsys.readouterr().err
+    assert "max_refresh_positions" in error and "block-causal" in error

@@ -156,8 +156,8 @@ def requests() -> list[dict]:
 def test_serve_sharded_answers_what_one_process_answers(tmp_path):
     expected = []
     # Both servers start at once (their start-ups overlap); the sharded one is first asked once the other has
-    # answered and stopped. The sharded one refreshes in chunks of one row (canvases of ~60 positions), so its ranks
-    # also agree on what joins between two forwards of a layout; each row's answer is still the one-process one.
+    # answered and stopped. The sharded one decodes in slices of one row (canvases of ~60 positions), so its ranks
+    # also agree on what joins between two layouts of a boundary; each row's answer is still the one-process one.
     sharded_server = launch_server(
         sharded=True, log=tmp_path / "sharded.log", options=("--max-refresh-positions", "64")
     )

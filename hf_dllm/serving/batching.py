@@ -153,7 +153,6 @@ class BatchStats:
         self.graph_steps: dict[str, int] = {}  # the engine's `graph_counts()` at the last boundary
         self.errors = 0
         self.layout_sizes: dict[int, int] = {}
-        self.interleaved_layouts = 0  # layouts decoded between two forwards of another (the engine's counter)
         self.boundaries = 0  # block boundaries decoded (every running row advanced one block)
         self.boundary_seconds = 0.0
         self.pending = 0
@@ -180,7 +179,6 @@ class BatchStats:
                 if layouts
                 else 0.0,
                 layout_sizes={str(k): v for k, v in sorted(self.layout_sizes.items())},
-                interleaved_layouts=self.interleaved_layouts,
                 boundaries=self.boundaries,
                 mean_boundary_s=self.boundary_seconds / self.boundaries if self.boundaries else 0.0,
                 cancelled_rows=self.cancelled_rows,
@@ -223,7 +221,7 @@ class Batcher:
         if engine is None:
             engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
         self.engine = engine
-        engine.intake = self._intake  # requests submitted during a boundary may decode between its forwards
+        engine.intake = self._intake  # requests submitted during a boundary may join its slices still to decode
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.stats = BatchStats()
         self._submitted: deque[RowRequest] = deque()
@@ -310,8 +308,8 @@ class Batcher:
             self.decode_boundary()
 
     def _intake(self) -> None:
-        """Hand the rows submitted meanwhile to the engine: before each boundary, and between two forwards of a
-        layout (the engine's `intake`)."""
+        """Hand the rows submitted meanwhile to the engine: before each boundary, and between two layouts of a
+        boundary (the engine's `intake`)."""
         with self._cond:
             submitted = list(self._submitted)
             self._submitted.clear()
@@ -342,7 +340,6 @@ class Batcher:
             self.stats.forwards += engine.forwards - forwards
             self.stats.first_step_positions += engine.first_step_positions - positions
             self.stats.graph_steps = engine.graph_counts()
-            self.stats.interleaved_layouts = engine.interleaved_layouts
             self.stats.running_rows = len(engine.running)
             self.stats.pending = len(self._submitted) + len(engine.waiting)
         for key in [key for key, (request, _) in self._trackers.items() if request.ended]:

@@ -10,11 +10,9 @@ alone).
 - Rows step together within a block, so the rows of one layout must agree on the block's length, its number of
   steps and every setting except `max_new_tokens` and `steps` (which only shape a row's own plan): a `cohort`.
   Rows that differ are decoded in separate layouts at the same boundary, one after the other.
-- A request that arrives while a boundary runs need not wait for its end: between two forwards of the layout under
-  way (its steps, and chunks of rows of its packed forwards, `max_refresh_positions`), up to `interleave_rows`
-  waiting requests decode their first block in a layout of their own, in a K/V cache of their own, and the
-  interrupted layout goes on. A bidirectional model's refresh over every row's whole canvas (the dual cache's
-  block start) is most of a boundary, so an arrival waits about one chunk of it, not the whole batch's block.
+- Optionally (`max_refresh_positions`, off by default), a bidirectional model's layout whose canvases hold more
+  positions is cut into slices (`Slice`), and requests that arrive during the boundary join the slices still to
+  decode.
 - One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
   to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths) and, on
   CUDA, its rows to a bucket (`bucketed_rows`: padding rows that commit nothing), so few shapes (CUDA graphs) are
@@ -57,15 +55,6 @@ _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTE
 # in the layout and 1.90 s with 4 (which slowed the others enough to fill the batch, so arrivals queued), for
 # 4-5 % more p99 latency than in the layout.
 JOIN_LAYOUT_MIN_ROWS = 8
-
-# Requests that arrive while a boundary runs decode their first block between two forwards of the layout under way,
-# at most this many at a time (`ContinuousBatcher.interleave_rows`, `hf-dllm serve --interleave-rows`); their K/V
-# cache holds as many rows of `max_batch_width` columns.
-INTERLEAVE_ROWS = 4
-
-# A packed forward over more positions than this (a bidirectional layout's refresh, joining rows' prefill) runs in
-# chunks of rows, and interleaved requests may decode between two chunks (`ContinuousBatcher.max_refresh_positions`).
-REFRESH_CHUNK_POSITIONS = 8192
 
 # Rows decoded at once by default (`ContinuousBatcher`, `hf-dllm serve --max-batch-size`) off CUDA.
 DEFAULT_MAX_BATCH_SIZE = 16
@@ -110,18 +99,16 @@ def kv_bytes_per_position(model) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
 
 
-def default_max_batch_size(model, max_batch_width: int, device: torch.device, interleave_rows: int = 0) -> int:
+def default_max_batch_size(model, max_batch_width: int, device: torch.device) -> int:
     """`ContinuousBatcher`'s `max_batch_size` when none is given: off CUDA `DEFAULT_MAX_BATCH_SIZE`; on CUDA the rows
     whose K/V (`max_batch_width` columns each; block-causal models: the row store's as much again) fit in
-    `AUTO_BATCH_MEMORY_SHARE` of the device's free memory now, besides the interleaved rows' cache
-    (`interleave_rows` rows of `max_batch_width` columns), from 1 to `MAX_AUTO_BATCH_SIZE`."""
+    `AUTO_BATCH_MEMORY_SHARE` of the device's free memory now, from 1 to `MAX_AUTO_BATCH_SIZE`."""
     if device.type != "cuda":
         return DEFAULT_MAX_BATCH_SIZE
     free, _ = torch.cuda.mem_get_info(device)
     copies = 2 if getattr(model, "diffusion_block_causal", False) else 1
-    column_bytes = kv_bytes_per_position(model) * max_batch_width
-    budget = int(AUTO_BATCH_MEMORY_SHARE * free) - interleave_rows * column_bytes
-    return max(1, min(MAX_AUTO_BATCH_SIZE, budget // (copies * column_bytes)))
+    row_bytes = copies * kv_bytes_per_position(model) * max_batch_width
+    return max(1, min(MAX_AUTO_BATCH_SIZE, int(AUTO_BATCH_MEMORY_SHARE * free) // row_bytes))
 
 
 def attention_without_shape_plans(device: torch.device | str):
@@ -145,6 +132,13 @@ def cohort_key(row: EngineRequest) -> tuple:
     of the same length and number of steps."""
     start, end = row.plan.blocks[row.block]
     return (row.settings, end - start, int(row.plan.block_steps[0, row.block]))
+
+
+class Slice(list):
+    """The rows of a layout cut from a larger one (`ContinuousBatcher._slices`): waiting requests may join it while
+    its boundary runs. (Other layouts take no one mid-boundary: a joining row would wait out a whole cohort's
+    layout, and a block-causal layout, never cut, would take its joining rows' prefill into the continuing rows'
+    block; measured slower for both model kinds, RESULTS.md, continuous batching, session 19.)"""
 
 
 class ContinuousBatcher:
@@ -173,22 +167,21 @@ class ContinuousBatcher:
             gets padding rows that commit nothing), so that CUDA graphs are captured for few row counts rather than
             for every one from 1 to `max_batch_size`. Default: on CUDA (graphs), off elsewhere (a padding row changes
             nothing in a row's tokens, but costs its arithmetic).
-        interleave_rows: None or an integer n >= 1 (default `INTERLEAVE_ROWS`): between two forwards of a layout
-            (before each of its steps after the first, and between two chunks of a packed forward), up to n waiting
-            requests of one cohort, oldest first, decode their first block in a layout of their own (eagerly, in a
-            K/V cache of n rows of `max_batch_width` columns, allocated at first use), and the interrupted layout
-            goes on: a request that arrives during a boundary streams its first block after about one forward of
-            the boundary under way, not after the whole boundary. On CUDA the engine then keeps the host at most one
-            forward ahead of the device (an event per forward), so that it sees arrivals when the device does. None:
-            requests join at the next boundary only.
-        max_refresh_positions: None or an integer >= 1 (default `REFRESH_CHUNK_POSITIONS`): the most positions one
-            packed forward computes (a bidirectional layout's block start over every row's whole canvas; joining
-            block-causal rows' prefill); the rows of a larger one run in chunks of consecutive rows (a row alone
-            may hold more), between which interleaved requests may decode. None: one forward. A row's tokens do not
-            depend on the chunks (each packed row attends to itself only).
+        max_refresh_positions: None (default: no slices) or an integer >= 1. The rows of a bidirectional model
+            recompute their whole canvases at every block's first step (the refresh); a layout whose canvases hold
+            more positions than this is cut into slices (`Slice`) of about equal positions, none above it (unless
+            one row alone is), each decoded as a layout of its own, and between two layouts of a boundary waiting
+            requests join the slices still to decode (`intake` brings the server's new requests first): an arrival
+            waits out one slice rather than the whole batch's refresh. Block-causal models' layouts recompute two
+            blocks per row (their K/V are stored), never whole canvases: they refuse it (ValueError). Off by
+            default: measured on an H100 (LLaDA-8B shape, 80-85 % of the peak; RESULTS.md, continuous batching,
+            session 19), slices of 16,384 positions kept the p99 time to first block within 3 boundaries in 7 of 8
+            rates against 1 of 2 without, but mostly because the boundaries grew (more layouts, each with its own
+            steps): the p99 time to first block itself was no shorter (0.78-1.75 s against 0.85-0.90 s), p50
+            latency rose 13-41 % and the peak fell 1-5 %; slices of 8,192 lost 8 % of the peak.
 
     `intake`: None, or a callable (set by the server) that hands the requests submitted since it was last called to
-    `submit`; the engine calls it wherever requests may join during a boundary (`interleave_rows`).
+    `submit`; the engine calls it between two layouts of a boundary.
     """
 
     def __init__(
@@ -200,8 +193,7 @@ class ContinuousBatcher:
         width_granularity: int | None = None,
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         bucket_rows: bool | None = None,
-        interleave_rows: int | None = INTERLEAVE_ROWS,
-        max_refresh_positions: int | None = REFRESH_CHUNK_POSITIONS,
+        max_refresh_positions: int | None = None,
     ):
         self.device = model.get_input_embeddings().weight.device
         if width_granularity is None:
@@ -214,9 +206,8 @@ class ContinuousBatcher:
             raise ValueError(f"`width_granularity` must be None or an integer >= 1, got {width_granularity!r}.")
         if join_layout_min_rows is not None and not (is_int(join_layout_min_rows) and join_layout_min_rows >= 1):
             raise ValueError(f"`join_layout_min_rows` must be None or an integer >= 1, got {join_layout_min_rows!r}.")
-        for name, value in (("interleave_rows", interleave_rows), ("max_refresh_positions", max_refresh_positions)):
-            if value is not None and not (is_int(value) and value >= 1):
-                raise ValueError(f"`{name}` must be None or an integer >= 1, got {value!r}.")
+        if max_refresh_positions is not None and not (is_int(max_refresh_positions) and max_refresh_positions >= 1):
+            raise ValueError(f"`max_refresh_positions` must be None or an integer >= 1, got {max_refresh_positions!r}.")
         if max_batch_width is None:
             max_batch_width = getattr(model.config, "max_sequence_length", None) or getattr(
                 model.config, "max_position_embeddings", None
@@ -224,14 +215,18 @@ class ContinuousBatcher:
         if not isinstance(max_batch_width, int) or isinstance(max_batch_width, bool) or max_batch_width < 1:
             raise ValueError(f"`max_batch_width` must be an integer >= 1, got {max_batch_width!r}.")
         if max_batch_size is None:
-            max_batch_size = default_max_batch_size(model, max_batch_width, self.device, interleave_rows or 0)
+            max_batch_size = default_max_batch_size(model, max_batch_width, self.device)
         self.model = model
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
         self.join_layout_min_rows = join_layout_min_rows
         self.bucket_rows = bucket_rows
         self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        self.interleave_rows = interleave_rows
+        if self.block_causal and max_refresh_positions is not None:
+            raise ValueError(
+                f"`max_refresh_positions` applies to bidirectional models; {type(model).__name__} is block-causal (its "
+                "layouts recompute two blocks per row, never whole canvases): use None."
+            )
         self.max_refresh_positions = max_refresh_positions
         self.intake: Callable[[], None] | None = None
         if self.block_causal and not model.diffusion_packed_rows:
@@ -243,19 +238,14 @@ class ContinuousBatcher:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
-        self.interleaved_runs: dict[str, LayoutRun] = {}  # per settings group: its interleaved layouts' decoding
         self.cache = None
-        self.interleaved_cache = None
-        self._device_mark = None  # CUDA: an event at the last point where requests could join (`_between_forwards`)
-        self._failure = None  # the first error of a layout of the boundary under way
         self.set_max_batch_size(max_batch_size)
         self.lock = threading.Lock()
         self.forwards = 0  # model forwards made (one batched forward counts once)
         # Positions fed to the model by blocks' first steps (packed rows: their own; a layout's rows: rows x
         # columns, padding included): what rows recompute of their prefix (and joining rows' prefill).
         self.first_step_positions = 0
-        self.layouts = 0  # layouts decoded (one per cohort per boundary, and each interleaved one)
-        self.interleaved_layouts = 0  # layouts decoded between two forwards of another (`interleave_rows`)
+        self.layouts = 0  # layouts decoded (one per cohort per boundary)
         self.last_layout_sizes: list[int] = []  # rows of each layout of the last boundary
 
     def set_max_batch_size(self, rows: int) -> None:
@@ -344,7 +334,7 @@ class ContinuousBatcher:
         with self.lock:
             if any(row.cancelled.is_set() for row in self.waiting):
                 self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
-            # Rows that ended earlier in this boundary (an earlier layout) no longer hold their place.
+            # Rows that ended earlier in this boundary (`_join_queued`) no longer hold their place.
             free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
             while self.waiting and free and place(self.waiting[0]):
                 head = self.waiting.popleft()
@@ -353,44 +343,35 @@ class ContinuousBatcher:
 
     def _fits_partners(self, head: EngineRequest) -> bool:
         """Whether `head` and the running rows of its cohort fit one layout of `max_batch_width` columns."""
-        partners = [row for row in self.running if not row.ended and cohort_key(row) == cohort_key(head)]
+        partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
         return not partners or self.layout_width([*partners, head]) <= self.max_batch_width
 
-    def _take_arrivals(self) -> None:
-        """Where requests may join during a boundary: the server's new requests reach `waiting` (`intake`)."""
+    def _between_layouts(self) -> None:
+        """Between two layouts of a boundary: the server's new requests reach `waiting` (`intake`)."""
         if self.intake is not None:
             self.intake()
 
-    def _between_forwards(self) -> None:
-        """Called by the layout under way between two of its forwards (`LayoutRun.between_forwards`): up to
-        `interleave_rows` waiting requests of the oldest one's cohort, oldest first, join and decode their first
-        block now, in a layout of their own (`_interleaved_run_for`), while a row is free and their layout fits."""
-        if self.device.type == "cuda":
-            # The host queues a layout's forwards ahead of the device; wait until the device reaches the previous
-            # such point, so that the requests seen here are those that arrived about one forward ago, not whole
-            # layouts ago, and the device still has that forward queued meanwhile.
-            if self._device_mark is not None:
-                self._device_mark.synchronize()
-            self._device_mark = torch.cuda.Event()
-            self._device_mark.record()
-        self._take_arrivals()
-        joining: list[EngineRequest] = []
+    def _join_queued(self, queue: list[list[EngineRequest]]) -> list[list[EngineRequest]]:
+        """Between two layouts of a boundary: cancelled rows leave the layouts still to decode (`queue`), and
+        waiting requests join the slices among them (`Slice`), oldest first, each the first slice of its cohort
+        that its width still fits, while a row is free (`_admit`). Returns the queue without layouts left empty."""
+        queue = [type(rows)(row for row in rows if not self._drop_cancelled(row)) for rows in queue]
+        queue = [rows for rows in queue if rows]
 
-        def into_interleaved_layout(head: EngineRequest) -> bool:
-            fits = (
-                len(joining) < self.interleave_rows
-                and (not joining or cohort_key(head) == cohort_key(joining[0]))
-                and self.layout_width([*joining, head]) <= self.max_batch_width
-                and self._fits_partners(head)
-            )
-            if fits:
-                joining.append(head)
-            return fits
+        def into_a_slice(head: EngineRequest) -> bool:
+            key = cohort_key(head)
+            for rows in queue:
+                if (
+                    isinstance(rows, Slice)
+                    and cohort_key(rows[0]) == key
+                    and self.layout_width([*rows, head]) <= self.max_batch_width
+                ):
+                    rows.append(head)
+                    return True
+            return False
 
-        self._admit(into_interleaved_layout)
-        if joining:
-            self.interleaved_layouts += 1
-            self._decode_layout(self._interleaved_run_for(joining[0]), joining)
+        self._admit(into_a_slice)
+        return queue
 
     def _cohorts(self) -> list[list[EngineRequest]]:
         """The running rows grouped into layouts (cohorts), each split further where it would exceed the cache's
@@ -410,7 +391,8 @@ class ContinuousBatcher:
         return first + layouts
 
     def _split(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
-        """`rows` in order, split into layouts that fit `max_batch_width`."""
+        """`rows` in order, split into layouts that fit `max_batch_width`, each cut further into slices of about
+        equal refresh positions (`max_refresh_positions`)."""
         layouts, current = [], []
         for row in rows:
             if current and self.layout_width([*current, row]) > self.max_batch_width:
@@ -418,7 +400,32 @@ class ContinuousBatcher:
                 current = []
             current.append(row)
         layouts.append(current)
-        return layouts
+        return [piece for layout in layouts for piece in self._slices(layout)]
+
+    def _slices(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
+        """`rows` (one layout) in order, cut into slices whose canvases hold at most `max_refresh_positions`
+        positions (a row alone may hold more), of about equal positions: the k-th slice ends where the running
+        total reaches k shares, a share being the total over the fewest slices the budget allows."""
+        budget = self.max_refresh_positions
+        positions = [row.plan.canvas_width for row in rows]
+        total = sum(positions)
+        if budget is None or total <= budget:
+            return [rows]
+        share = total / -(-total // budget)
+        slices, current, held, done = [], [], 0, 0
+        for row, size in zip(rows, positions, strict=True):
+            if current and held + size > budget:
+                slices.append(current)
+                current, held = [], 0
+            current.append(row)
+            held += size
+            done += size
+            if done >= share * (len(slices) + 1):  # cut at the running total's shares, so slices stay even
+                slices.append(current)
+                current, held = [], 0
+        if current:
+            slices.append(current)
+        return [Slice(rows) for rows in slices] if len(slices) > 1 else slices
 
     def _run_for(self, row: EngineRequest) -> LayoutRun:
         """The decoding state of the row's settings group (made when the group appears; the first group holds the
@@ -434,32 +441,8 @@ class ContinuousBatcher:
                 self._shared_cache,
                 self.store,
                 (lambda rows: bucketed_rows(rows, self.max_batch_size)) if self.bucket_rows else None,
-                self.max_refresh_positions,
             )
-            if self.interleave_rows is not None:
-                run.between_forwards = self._between_forwards
             self.runs[row.settings] = run
-        return run
-
-    def _interleaved_run_for(self, row: EngineRequest) -> LayoutRun:
-        """The decoding state of the row's settings group for layouts decoded between two forwards of another
-        (`interleave_rows`): in the interleaved K/V cache, eagerly (the interrupted layout's run holds the CUDA
-        graphs and their cache), taking no one in turn."""
-        run = self.interleaved_runs.get(row.settings)
-        if run is None:
-            run = LayoutRun(
-                self.model,
-                row.config,
-                self.interleave_rows,
-                self.max_batch_width,
-                self.device,
-                self._interleaved_cache,
-                self.store,
-                None,
-                self.max_refresh_positions,
-                graphs=False,
-            )
-            self.interleaved_runs[row.settings] = run
         return run
 
     def _shared_cache(self, rows: int):
@@ -467,57 +450,47 @@ class ContinuousBatcher:
             self.cache = self.model._diffusion_new_cache(rows, self.max_batch_width)
         return self.cache
 
-    def _interleaved_cache(self, rows: int):
-        if self.interleaved_cache is None or self.interleaved_cache.max_batch_size < rows:
-            self.interleaved_cache = self.model._diffusion_new_cache(rows, self.max_batch_width)
-        return self.interleaved_cache
-
     def decode_boundary(self) -> int:
-        """One block boundary: admit waiting requests, decode one block of every running row (and, between two
-        forwards, the first block of requests that join meanwhile: `interleave_rows`), report each row's update
-        to its `on_block` and drop the rows that ended. Returns the number of rows decoded. A layout that fails
-        (an exception in the model) ends its rows with the exception re-raised after the others ran."""
+        """One block boundary: admit waiting requests, decode one block of every running row, report each row's
+        update to its `on_block` and drop the rows that ended. Returns the number of rows decoded. A layout that
+        fails (an exception in the model) ends its rows with the exception re-raised after the others ran."""
         self.running = [row for row in self.running if not self._drop_cancelled(row)]
         self._admit()
-        self.decoded, self._failure = 0, None
+        decoded, failure = 0, None
         self.last_layout_sizes = []
-        for rows in self._cohorts():
-            rows = [row for row in rows if not self._drop_cancelled(row)]  # cancelled during the boundary
-            if rows:
-                self._device_mark = None
-                self._decode_layout(self._run_for(rows[0]), rows)
+        queue = self._cohorts()
+        while queue:
+            rows = queue.pop(0)
+            try:
+                run = self._run_for(rows[0])
+                before, positions = run.nfe, run.first_step_positions
+                # Layouts change shape at every join and leave: no attention backend that plans per shape.
+                with torch.no_grad(), attention_without_shape_plans(run.device):
+                    updates = run.decode_block(rows, self.layout_width(rows))
+            except Exception as error:  # the other layouts still decode; these rows end with the error
+                for row in rows:
+                    row.ended = True
+                    row.error = error
+                failure = failure or error
+                continue
+            self.forwards += run.nfe - before
+            self.first_step_positions += run.first_step_positions - positions
+            self.layouts += 1
+            self.last_layout_sizes.append(len(rows))
+            decoded += len(rows)
+            for row, update in zip(rows, updates, strict=True):
+                stop = row.on_block(update)
+                row.ended = update.ended or bool(stop) or row.cancelled.is_set()
+            if any(isinstance(layout, Slice) for layout in queue):
+                self._between_layouts()
+                queue = self._join_queued(queue)
         self.running = [row for row in self.running if not row.ended]
         groups = {row.settings for row in self.running}
-        for runs in (self.runs, self.interleaved_runs):
-            for settings in [settings for settings in runs if settings not in groups]:
-                runs.pop(settings).release()
-        failure, self._failure = self._failure, None
+        for settings in [settings for settings in self.runs if settings not in groups]:
+            self.runs.pop(settings).release()
         if failure is not None:
             raise failure
-        return self.decoded
-
-    def _decode_layout(self, run: LayoutRun, rows: list[EngineRequest]) -> None:
-        """Decode one block of `rows` (one cohort) with `run`, report each row's update to its `on_block` and mark
-        the rows that end; a failure ends these rows with the error (`_failure`, re-raised by `decode_boundary`)."""
-        try:
-            before, positions = run.nfe, run.first_step_positions
-            # Layouts change shape at every join and leave: no attention backend that plans per shape.
-            with torch.no_grad(), attention_without_shape_plans(run.device):
-                updates = run.decode_block(rows, self.layout_width(rows))
-        except Exception as error:  # the other layouts still decode; these rows end with the error
-            for row in rows:
-                row.ended = True
-                row.error = error
-            self._failure = self._failure or error
-            return
-        self.forwards += run.nfe - before
-        self.first_step_positions += run.first_step_positions - positions
-        self.layouts += 1
-        self.last_layout_sizes.append(len(rows))
-        self.decoded += len(rows)
-        for row, update in zip(rows, updates, strict=True):
-            stop = row.on_block(update)
-            row.ended = update.ended or bool(stop) or row.cancelled.is_set()
+        return decoded
 
     @staticmethod
     def _drop_cancelled(row: EngineRequest) -> bool:
@@ -545,9 +518,9 @@ class ContinuousBatcher:
     def release(self) -> None:
         """Give the model's CUDA-graph runner back (the captured graphs stay with the model for the next run of
         the same signature)."""
-        for run in [*self.runs.values(), *self.interleaved_runs.values()]:
+        for run in self.runs.values():
             run.release()
-        self.runs, self.interleaved_runs = {}, {}
+        self.runs = {}
 
     def run_until_done(self) -> None:
         """Decode boundaries until no row runs or waits (tests, offline use)."""

@@ -32,7 +32,6 @@ position at a block's first step; a block-causal model's earlier blocks hold com
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -64,19 +63,11 @@ class LayoutRun(BlockDiffusionRun):
         shared_cache,
         store: RowKVStore | None = None,
         row_bucket: Callable[[int], int] | None = None,
-        max_packed_positions: int | None = None,
-        graphs: bool = True,
     ):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
         between blocks (used when the config caches); `row_bucket(k)` (None: no padding rows), the rows a forward
-        of `k` rows runs with, `k <= row_bucket(k) <= max_rows` (`_with_padding_rows`); `max_packed_positions`
-        (None: no limit), the most positions one packed forward computes: the rows of a larger one run in chunks
-        (`_packed_chunks`); `graphs=False`: every step eager (a run decoding while another holds the CUDA graphs).
-
-        `between_forwards`: None, or a callable the run calls between two forwards of a block (before each step
-        after the first, and between two chunks of a packed forward): the engine decodes requests that arrived
-        meanwhile there (`ContinuousBatcher.interleave_rows`)."""
+        of `k` rows runs with, `k <= row_bucket(k) <= max_rows` (`_with_padding_rows`)."""
         block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.store = store if block_causal and config.use_cache else None
         cache_policy = StoredBlockCache() if self.store is not None else None
@@ -87,18 +78,12 @@ class LayoutRun(BlockDiffusionRun):
         self.max_width = max_width
         self.max_rows = max_rows
         self.row_bucket = row_bucket
-        self.max_packed_positions = max_packed_positions
-        self.graphs_wanted = graphs
-        self.between_forwards: Callable[[], None] | None = None
         self._shared_cache = shared_cache
         self._setup_cache(max_rows, ENGINE_MAX_GRAPHS)
         self._setup_rules()
 
     def _new_cache(self):
         return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
-
-    def _graphs_allowed(self) -> bool:
-        return self.graphs_wanted and super()._graphs_allowed()
 
     def _graph_shape(self) -> tuple:
         # Layouts of every row count and width share the runner (rows and width are in each step's key).
@@ -169,11 +154,11 @@ class LayoutRun(BlockDiffusionRun):
             self.shifts, self.starts = shifts, starts
             if joining:  # their prefill: prompt and first block, each at its own columns
                 joining_rows = slice(self.first_step_rows, self.first_step_rows + joining)
-                self.packed = self._packed_chunks(layout, shifts, length, block_end, joining_rows)
+                self.packed = self._packed_layout(layout, shifts, length, block_end, joining_rows)
         elif self.model.diffusion_packed_rows and not self.cfg:
             first, end = self.cache_policy.query_range(block_start, block_end, width, first_step=True)
             if first == 0:  # the whole canvas (bidirectional), or up to the block (block-causal, no cache)
-                self.packed = self._packed_chunks(layout, shifts, length, end, slice(0, len(rows)))
+                self.packed = self._packed_layout(layout, shifts, length, end, slice(0, len(rows)))
         steps = first_real.plan.block_steps[0, first_real.block]  # one cohort: every row's steps are equal
         self.denoise_block(steps.expand(n).clone(), block_start, block_end)
 
@@ -225,22 +210,6 @@ class LayoutRun(BlockDiffusionRun):
             *[None] * (total - first - joining),
         ]
 
-    def _packed_chunks(self, layout, shifts: torch.Tensor, length: int, end: int, packed_rows: slice) -> list[dict]:
-        """The layout rows `layout[packed_rows]` packed for forwards over their columns before `end`
-        (`_packed_layout`), in chunks of consecutive rows of at most `max_packed_positions` positions each (a row
-        alone may hold more): one chunk without a limit. Between two chunks the run calls `between_forwards`, so a
-        request that arrives during a large refresh waits out one chunk, not the whole forward."""
-        own = [min(layout[i].tokens.shape[0], end - int(shifts[i])) for i in range(packed_rows.start, packed_rows.stop)]
-        budget = self.max_packed_positions
-        cuts, held = [packed_rows.start], 0
-        for i, size in zip(range(packed_rows.start, packed_rows.stop), own, strict=True):
-            if budget is not None and held and held + size > budget:
-                cuts.append(i)
-                held = 0
-            held += size
-        cuts.append(packed_rows.stop)
-        return [self._packed_layout(layout, shifts, length, end, slice(a, b)) for a, b in itertools.pairwise(cuts)]
-
     def _packed_layout(self, layout, shifts: torch.Tensor, length: int, end: int, packed_rows: slice) -> dict:
         """The layout rows `layout[packed_rows]` (no padding row among them) for a forward over their columns before
         `end` (an aligned column), packed end to end, made once per block: their `packing` (`packed.PackedRows`: no
@@ -263,18 +232,12 @@ class LayoutRun(BlockDiffusionRun):
         columns = torch.cat(columns).to(device)
         row_index = torch.cat(row_index).to(device)
         positions = columns - shifts.to(device)[row_index]
-        # K/V go to a bidirectional row's aligned columns of its own layout row (the block's later steps read them
-        # there), a block-causal joining row's own columns of the cache's first rows (`_first_step_from_store` saves
-        # them to its slot after each chunk).
-        block_causal = self.store is not None
-        cache_columns = positions if block_causal else columns
+        # K/V go to a bidirectional row's aligned columns (the block's later steps read them there), a block-causal
+        # joining row's own columns of the cache's first rows (`_first_step_from_store` saves them to its slot).
+        cache_columns = positions if self.store is not None else columns
         return dict(
             packing=PackedRows(
-                lengths,
-                self.cache,
-                cache_columns if self.cache is not None else None,
-                kept_per_row=length,
-                first_row=0 if block_causal else packed_rows.start,
+                lengths, self.cache, cache_columns if self.cache is not None else None, kept_per_row=length
             ),
             layout_rows=packed_rows,
             rows=row_index,
@@ -284,45 +247,35 @@ class LayoutRun(BlockDiffusionRun):
             logits_index=torch.cat(logits_index).to(device),
         )
 
-    def _between_forwards(self) -> None:
-        if self.between_forwards is not None:
-            self.between_forwards()
-
-    def _packed_forward(self, block_start, block_end, step, active, generated, after_chunk=None):
-        """Step `step` of the packed rows (`self.packed`, chunks of rows), on their canvases packed end to end, so no
-        padding column is computed (their K/V go where `_packed_layout` says); `after_chunk(chunk)` is called after
-        each chunk's forward. Returns every layout row's block `(rows, L)` (the packed rows' new one, the others'
-        as it is) and whether each edited a committed token `(rows,)`."""
-        length = block_end - block_start
-        scheduled = self.unmasking.scheduled_counts(step, self.x.shape[0], self.device)
+    def _packed_forward(self, block_start, block_end, step, active, generated):
+        """Step `step` of the packed rows (`self.packed`), on their canvases packed end to end, so no padding
+        column is computed (their K/V go where `_packed_layout` says). Returns every layout row's block `(rows, L)`
+        (the packed rows' new one, the others' as it is) and whether each edited a committed token `(rows,)`."""
+        packed, length = self.packed, block_end - block_start
+        packing, rows = packed["packing"], packed["layout_rows"]
+        tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
+        if step == 0:
+            self.first_step_positions += tokens.shape[1]
+        logits = self.model._diffusion_forward(
+            tokens,
+            packing,
+            packed["positions"].unsqueeze(0),
+            packing,
+            packed["cache_position"],
+            packed["logits_index"],
+            **self.forward_kwargs,
+        ).to(self.device)
+        scheduled = self.unmasking.scheduled_counts(step, self.x.shape[0], self.device)[rows]
         new_block = self.x[:, block_start:block_end].clone()
         edited = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.device)
-        for index, chunk in enumerate(self.packed):
-            if index:
-                self._between_forwards()
-            packing, rows = chunk["packing"], chunk["layout_rows"]
-            tokens = self.x[chunk["rows"], chunk["columns"]].unsqueeze(0)
-            if step == 0:
-                self.first_step_positions += tokens.shape[1]
-            logits = self.model._diffusion_forward(
-                tokens,
-                packing,
-                chunk["positions"].unsqueeze(0),
-                packing,
-                chunk["cache_position"],
-                chunk["logits_index"],
-                **self.forward_kwargs,
-            ).to(self.device)
-            new_block[rows], _, edited[rows] = self.decide(
-                self.x[rows, block_start:block_end],
-                logits.view(len(packing.lengths), length, -1),
-                scheduled[rows],
-                None if generated is None else generated[rows],
-                None if active is None else active[rows],
-            )
-            self.nfe += 1
-            if after_chunk is not None:
-                after_chunk(chunk)
+        new_block[rows], _, edited[rows] = self.decide(
+            self.x[rows, block_start:block_end],
+            logits.view(len(packing.lengths), length, -1),
+            scheduled,
+            None if generated is None else generated[rows],
+            None if active is None else active[rows],
+        )
+        self.nfe += 1
         return new_block, edited
 
     def run_step(self, block_start, block_end, step, active=None, generated=None):
@@ -330,8 +283,6 @@ class LayoutRun(BlockDiffusionRun):
         canvases runs packed (`_packed_forward`) where the model takes packed rows: the block's first step, and
         without a cache every step where no CUDA graphs run it (on a GPU the captured aligned step is kept: it was
         measured, the packed eager one is not)."""
-        if step > 0:
-            self._between_forwards()
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
         if self.packed is not None and (step == 0 or (self.cache is None and self.graphs is None)):
@@ -361,13 +312,10 @@ class LayoutRun(BlockDiffusionRun):
         Returns the new block `(rows, L)` and the rows that edited a committed token, as `run_step`."""
         continuing, length = self.continuing, block_end - block_start
         if self.joining:
-
-            def save_prompts(chunk):  # the chunk's rows' prompt K/V, in the cache's first rows, go to their slots
-                rows = chunk["layout_rows"]
-                prefix = torch.arange(int(self.starts[rows].max())).expand(rows.stop - rows.start, -1)
-                self.store.save(self.cache, self.slots[rows], prefix, prefix)
-
-            new_block, edited = self._packed_forward(block_start, block_end, 0, active, generated, save_prompts)
+            rows = self.packed["layout_rows"]
+            new_block, edited = self._packed_forward(block_start, block_end, 0, active, generated)
+            prefix = torch.arange(int(self.starts[rows].max())).expand(self.joining, -1)
+            self.store.save(self.cache, self.slots[rows], prefix, prefix)
         else:
             new_block = self.x[:, block_start:block_end].clone()
             edited = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.device)

@@ -32,11 +32,10 @@ forwards each prompt took part in: the run's `nfe_per_row` for the row when it e
 Batching (`batching.py`, `engine.py`): continuous. Up to `--max-batch-size` rows decode at once; a request joins
 the running batch at the next block boundary (no waiting for a batch to finish) and each row leaves as soon as it
 ends (EOS, stop string, `max_tokens`, disconnect), its place taken at the next boundary. Rows whose settings differ
-only in `max_new_tokens` share a layout; other settings groups decode in turn at each boundary. A request that
-arrives while a boundary runs decodes its first block between two forwards of the layout under way (up to
-`--interleave-rows` at a time), so it waits about one forward, not the whole boundary; a packed forward over more
-than `--max-refresh-positions` positions (a bidirectional model's refresh of every row's canvas at a block start)
-runs in chunks of rows, between which it may join. A layout is at most
+only in `max_new_tokens` share a layout; other settings groups decode in turn at each boundary. A bidirectional
+model's layout holding more than `--max-refresh-positions` positions (off by default) decodes in slices, and a
+request that arrives meanwhile joins the slices still to decode (its wait is one slice, not the whole batch's
+refresh). A layout is at most
 `--max-batch-width` columns (each row's prompt and output, aligned at its current block; the K/V cache holds
 `max-batch-size x max-batch-width` positions, twice for block-causal models (LLaDA2.x), whose rows keep their exact
 K/V between blocks: `row_cache.py`). On a small CPU, `--threads 1` keeps OpenMP threads from spinning
@@ -85,10 +84,8 @@ from .batching import Batcher, RowRequest
 from .engine import (
     AUTO_BATCH_MEMORY_SHARE,
     DEFAULT_MAX_BATCH_SIZE,
-    INTERLEAVE_ROWS,
     JOIN_LAYOUT_MIN_ROWS,
     MAX_AUTO_BATCH_SIZE,
-    REFRESH_CHUNK_POSITIONS,
     ContinuousBatcher,
 )
 from .protocol import (
@@ -617,7 +614,7 @@ def create_app(
 
 
 def integer_or_off(value: str) -> int | None:
-    """`--join-layout-min-rows`, `--interleave-rows`, `--max-refresh-positions`: an integer >= 1, or `off` (None)."""
+    """`--join-layout-min-rows`, `--max-refresh-positions`: an integer >= 1, or `off` (None)."""
     if value == "off":
         return None
     try:
@@ -661,22 +658,15 @@ def build_parser() -> argparse.ArgumentParser:
         "others); off: always in the running rows' layout",
     )
     parser.add_argument(
-        "--interleave-rows",
-        type=integer_or_off,
-        default=INTERLEAVE_ROWS,
-        metavar="{N,off}",
-        help="up to N requests that arrive while a boundary runs decode their first block between two forwards of "
-        "the layout under way, in a K/V cache of N rows of max-batch-width columns (a wait of about one forward, "
-        "not a whole boundary); off: they join at the next boundary",
-    )
-    parser.add_argument(
         "--max-refresh-positions",
         type=integer_or_off,
-        default=REFRESH_CHUNK_POSITIONS,
+        default=None,
         metavar="{N,off}",
-        help="a packed forward over more positions (a bidirectional model's refresh of every row's whole canvas at "
-        "a block start, joining rows' prefill) runs in chunks of rows of at most N positions, between which "
-        "arriving requests may decode (--interleave-rows); off: one forward",
+        help="bidirectional models (LLaDA, Dream) recompute every row's whole canvas at each block start: a layout "
+        "holding more positions is decoded in slices of at most N, and requests that arrive meanwhile join the "
+        "slices still to decode (a wait of one slice, not the whole batch's refresh, at the cost of more, smaller "
+        "layouts: on an H100 at the LLaDA-8B shape, N=16384 did not shorten the p99 time to first block and added "
+        "13-41 %% to p50 latency; RESULTS.md); off (default): one layout per settings group",
     )
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
@@ -730,7 +720,6 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         max_batch_width=args.max_batch_width,
         join_layout_min_rows=args.join_layout_min_rows,
-        interleave_rows=args.interleave_rows,
         max_refresh_positions=args.max_refresh_positions,
     )
     try:

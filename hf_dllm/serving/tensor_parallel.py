@@ -5,9 +5,9 @@ Every rank must run the same forwards in the same order (each forward's collecti
 continuous-batching engine (`engine.ContinuousBatcher`) is deterministic given three things that only rank 0 sees,
 so rank 0 sends them over a gloo group (CPU messages; the GPUs' NCCL group carries only the model's collectives):
 
-1. at every block boundary, before anything is decided, and between two forwards of a layout (where waiting
-   requests may decode their first block, `ContinuousBatcher.interleave_rows`): the requests submitted since the
-   last such message (prompt ids and resolved settings, in submission order) and the requests cancelled since then;
+1. at every block boundary, before anything is decided, and between two layouts of a boundary while a slice is still
+   to decode (where waiting requests may join it, `engine.Slice`): the requests submitted since the last such
+   message (prompt ids and resolved settings, in submission order) and the requests cancelled since then;
 2. after every block of every row: whether the row ends there (`on_block`'s answer on rank 0: a stop string,
    `max_tokens`, a client gone);
 3. at shutdown: a message that ends the followers' loop.
@@ -103,9 +103,9 @@ class MirroredEngine(ContinuousBatcher):
             del self._client_cancelled[number]
         self._send({"submitted": submitted, "cancelled": cancelled})
 
-    def _take_arrivals(self) -> None:
+    def _between_layouts(self) -> None:
         if self.leader:
-            super()._take_arrivals()  # the server's new requests: `submit` queues them to announce
+            super()._between_layouts()  # the server's new requests: `submit` queues them to announce
             self._announce()
         else:
             self._apply(self._send(None))
