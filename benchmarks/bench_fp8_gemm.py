@@ -95,15 +95,16 @@ def scaled_mm_gemm_only(x, w8, scale, block):
 
 
 def candidate_kernels(x, weight, w8, scale, block) -> dict:
-    """name -> a call computing `x @ weight.T` (bf16) or with the FP8 weight `w8` and its block scales."""
+    """name -> a maker of a call computing `x @ weight.T` (bf16) or with the FP8 weight `w8` and its block scales.
+    Makers, not calls: some prepare operands (quantized copies), which only the kernels that run should pay for."""
     return {
-        "bf16": lambda: torch.nn.functional.linear(x, weight),
-        "weight_only": lambda: fp8.weight_only_matmul(x, w8, scale, block),
-        "w8a8_triton": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
-        "w8a8_scaled_mm": lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
-        "scaled_mm_gemm_only": scaled_mm_gemm_only(x, w8, scale, block),
-        "transformers_hub": lambda: _transformers_linear(x, w8, scale, block),
-        "rowwise_scaled_mm": rowwise_scaled_mm(x, weight),
+        "bf16": lambda: lambda: torch.nn.functional.linear(x, weight),
+        "weight_only": lambda: lambda: fp8.weight_only_matmul(x, w8, scale, block),
+        "w8a8_triton": lambda: lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
+        "w8a8_scaled_mm": lambda: lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
+        "scaled_mm_gemm_only": lambda: scaled_mm_gemm_only(x, w8, scale, block),
+        "transformers_hub": lambda: lambda: _transformers_linear(x, w8, scale, block),
+        "rowwise_scaled_mm": lambda: rowwise_scaled_mm(x, weight),
     }
 
 
@@ -123,6 +124,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    selected = None if args.kernels is None else set(args.kernels.split(","))
     device = torch.device("cuda")
     block = (128, 128)
     results = []
@@ -149,16 +151,17 @@ def main(argv=None) -> int:
                 "w8a8": ((x_deq @ w_deq.t()) - exact).norm().item() / exact.norm().item(),
             }
             del w_deq, x_deq
-            kernels = candidate_kernels(x, weight, w8, scale, block)
+            makers = candidate_kernels(x, weight, w8, scale, block)
             copies = [candidate_kernels(x, w, *q, block) for w, q in zip(weights[1:], quantized[1:], strict=True)]
-            for kernel, fn in kernels.items():
-                if args.kernels and kernel not in args.kernels.split(","):
+            for kernel, make in makers.items():
+                if selected is not None and kernel not in selected:
                     continue
                 row = dict(shape=name, rows=rows, n=n_out, k=k_in, kernel=kernel)
-                try:
+                try:  # a kernel this GPU or torch lacks fails in its maker or its call: a result here
+                    fn = make()
                     out = fn()
                     row["rel_error"] = (out.float() - exact).norm().item() / exact.norm().item()
-                    row["us"] = timed_us([fn, *(calls[kernel] for calls in copies)], args.repeats)
+                    row["us"] = timed_us([fn, *(others[kernel]() for others in copies)], args.repeats)
                 except Exception as error:  # noqa: BLE001  (an unavailable kernel is a result here)
                     row["error"] = f"{type(error).__name__}: {error}"[:160]
                     results.append(row)
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
                     row["torch_ref_error"] = ref_error[ref_kind]
                 results.append(row)
                 print(json.dumps(row), flush=True)
-            del x, exact, kernels, copies
+            del x, exact, makers, copies
 
     print()
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: us (weight TB/s | TFLOP/s) [rel. error]")

@@ -133,7 +133,7 @@ def fp8_linear(
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
     else:  # the backend `auto` would pick, decided above once
         out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, "scaled_mm" if cublaslt else "triton")
-    return out.view(*shape[:-1], weight.shape[0])
+    return out.view(*shape[:-1], n_out)
 
 
 def weight_only_applies(rows: int, n_out: int, cols: int, cublaslt: bool) -> bool:
