@@ -14,7 +14,9 @@ matrix. Here, with shapes `x (..., K)`, `weight (N, K)`, `weight_scale_inv (ceil
   Wide weights (fused q/k/v, gate/up, the head) take the w8a8 path even there, where cuBLASLt streams them faster.
 - many rows (the full-sequence forwards): `w8a8`, activations quantized per token and 128 columns
   (`quantize_rows`), then FP8 tensor cores through cuBLASLt's block-scaled `torch._scaled_mm` where this torch and
-  GPU have it, else a Triton block-scaled FP8 kernel (the scheme of DeepSeek-V3's inference code).
+  GPU have it, else a Triton block-scaled FP8 kernel (the scheme of DeepSeek-V3's inference code). Where the
+  kernel producing the activations is hf_dllm's RMSNorm or SiLU gate, it writes them already quantized
+  (`QuantizedRows`, `quantized_input_group`): the same bits, one pass over the activations fewer.
 - `torch` (CPU, autograd, `HF_DLLM_KERNELS=torch`): the weight dequantized to the activation dtype, then `F.linear`.
 
 Which runs follows `kernels.use_fused_kernels` (Triton on CUDA; on the CPU with `TRITON_INTERPRET=1` in tests), and
@@ -27,10 +29,12 @@ This file is exported as Hub remote code: Triton is imported inside `try:`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from . import triton_ops
 from .triton_ops import (  # None without Triton (CPU-only installs)
     TRITON_AVAILABLE,
     launch,
@@ -38,6 +42,9 @@ from .triton_ops import (  # None without Triton (CPU-only installs)
     tl,
     triton,
 )
+
+if TRITON_AVAILABLE:
+    from .triton_ops import fp8_row_groups
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -120,7 +127,12 @@ def fp8_linear(
     use_triton: bool = True,
 ) -> torch.Tensor:
     """`x (..., K) @ dequantize(weight).T + bias` -> `(..., N)` in `x.dtype` (see the module docstring for the
-    kernels). `use_triton=False` forces the PyTorch path."""
+    kernels). `use_triton=False` forces the PyTorch path. `x` may be `QuantizedRows` (written for cuBLASLt by their
+    producer, where `quantized_input_group` said this product runs there)."""
+    if isinstance(x, QuantizedRows):
+        rows = x.shape[:-1].numel()
+        out = _scaled_mm_blockwise(x.values, x.scales, weight, weight_scale_inv, bias, x.dtype)[:rows]
+        return out.view(*x.shape[:-1], weight.shape[0])
     if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
         return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
     shape = x.shape
@@ -307,7 +319,8 @@ if TRITON_AVAILABLE:
         ROWS: tl.constexpr,
         GROUP: tl.constexpr,
     ):
-        # One program per (ROWS rows, group of GROUP columns): per row, scale = amax / FP8 max, q = x / scale.
+        # One program per (ROWS rows, group of GROUP columns), quantized by `fp8_row_groups` (per row: scale =
+        # amax / FP8 max, q = x / scale), the helper the fused producers (`rms_norm_to_fp8`, `silu_mul_to_fp8`) call.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         group = tl.program_id(1)
         cols = group * GROUP + tl.arange(0, GROUP)
@@ -315,8 +328,7 @@ if TRITON_AVAILABLE:
         mask = in_rows[:, None] & (cols < K)[None, :]
         rows64 = rows.to(tl.int64)
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        q, scale = fp8_row_groups(x)
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows64 * stride_sm + group * stride_sk, scale, mask=in_rows)
 
@@ -454,22 +466,29 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
     return out
 
 
+def activation_buffers(
+    rows: int, cols: int, group: int, device: torch.device, scales_column_major: bool = False, row_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty FP8 activations `(padded, cols)` and float32 scales `(padded, ceil(cols / group))` for `rows` rows
+    padded to a multiple of `row_multiple`. `scales_column_major`: the scales' memory is `(groups, padded)`, its
+    leading dimension a multiple of 4 (16 bytes), as cuBLASLt's block-scaled `_scaled_mm` wants it."""
+    padded = -(-rows // row_multiple) * row_multiple
+    groups = -(-cols // group)
+    values = torch.empty(padded, cols, device=device, dtype=FP8_DTYPE)
+    if scales_column_major:
+        lead = -(-padded // 4) * 4
+        return values, torch.empty(groups, lead, device=device, dtype=torch.float32)[:, :padded].t()
+    return values, torch.empty(padded, groups, device=device, dtype=torch.float32)
+
+
 @on_tensor_device
 def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool = False):
     """`x (M, K)` -> FP8 `(M, K)` and float32 scales `(M, ceil(K / group))` (one per row and `group` columns, the
-    activation side of block-scaled FP8). `scales_column_major`: the scales' memory is `(groups, M)`, as cuBLASLt's
-    block-scaled `_scaled_mm` wants it."""
+    activation side of block-scaled FP8). `scales_column_major`: laid out for cuBLASLt (`activation_buffers`)."""
     rows, cols = x.shape
-    groups = triton.cdiv(cols, group)
-    q = torch.empty(rows, cols, device=x.device, dtype=FP8_DTYPE)
-    if scales_column_major:
-        # Leading dimension padded to a multiple of 4 (16 bytes), as cuBLASLt wants scale matrices aligned.
-        padded = -(-rows // 4) * 4
-        scales = torch.empty(groups, padded, device=x.device, dtype=torch.float32)[:, :rows].t()
-    else:
-        scales = torch.empty(rows, groups, device=x.device, dtype=torch.float32)
+    q, scales = activation_buffers(rows, cols, group, x.device, scales_column_major)
     tile_rows = 16
-    _quantize_rows_kernel[(triton.cdiv(rows, tile_rows), groups)](
+    _quantize_rows_kernel[(triton.cdiv(rows, tile_rows), scales.shape[1])](
         x,
         q,
         scales,
@@ -483,6 +502,63 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
         GROUP=group,
     )
     return q, scales
+
+
+# Rows of a product through cuBLASLt are padded to a multiple of this (zero rows): a one-row product disagreed with
+# the reference in a GPU test; the benchmarked shapes (multiples of 16) run unpadded.
+SCALED_MM_ROW_MULTIPLE = 16
+
+
+class QuantizedRows(NamedTuple):
+    """Activations written already quantized for a cuBLASLt w8a8 product (`rms_norm_to_fp8`, `silu_mul_to_fp8`):
+    the bits `w8a8_matmul` would quantize them to, without the pass over the activations that quantizing takes.
+    `values` FP8 `(padded rows, K)` and `scales` float32 `(padded rows, K / group)` laid out for cuBLASLt; `shape`
+    the activations' `(..., K)` (its rows are the real ones) and `dtype` theirs, the product's output dtype."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+# Whether the kernels producing a cuBLASLt product's activations (RMSNorm, SiLU-mul) write them quantized
+# (`quantized_input_group`). The same bits either way; tests compare the two.
+FUSE_ACTIVATION_QUANTIZATION = True
+
+
+def quantized_input_group(x: torch.Tensor, n_out: int, cols: int, block_size) -> int | None:
+    """The column group in which `fp8_linear` would quantize `x (..., cols)` to multiply it by an `(n_out, cols)`
+    FP8 weight through cuBLASLt (the w8a8 path), so that the kernel producing `x` can write it as `QuantizedRows`;
+    None where another kernel would run (or `FUSE_ACTIVATION_QUANTIZATION` is off)."""
+    if not FUSE_ACTIVATION_QUANTIZATION or not TRITON_AVAILABLE or not x.is_cuda:
+        return None
+    rows = x.numel() // x.shape[-1]
+    if not cublaslt_takes(x, n_out, cols, block_size) or weight_only_applies(rows, n_out, cols, True):
+        return None
+    return block_size[1]
+
+
+def _quantized_buffers(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    rows = x.numel() // x.shape[-1]
+    values, scales = activation_buffers(rows, x.shape[-1], group, x.device, True, SCALED_MM_ROW_MULTIPLE)
+    return values, scales, group
+
+
+def rms_norm_to_fp8(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, group: int, residual: torch.Tensor | None = None
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """`triton_ops.rms_norm` with the normed rows written only quantized: `(QuantizedRows, x + residual)`; the
+    values `quantize_rows(rms_norm(...))` gives, in one pass (`group`: from `quantized_input_group`)."""
+    buffers = _quantized_buffers(x, group)
+    _, total = triton_ops.rms_norm(x, weight, eps, residual=residual, fp8_out=buffers)
+    return QuantizedRows(buffers[0], buffers[1], x.shape, x.dtype), total
+
+
+def silu_mul_to_fp8(gate: torch.Tensor, up: torch.Tensor, group: int) -> QuantizedRows:
+    """`triton_ops.silu_mul(gate, up)` written only quantized, the values `quantize_rows` would give it."""
+    buffers = _quantized_buffers(gate, group)
+    triton_ops.silu_mul_fp8(gate, up, buffers)
+    return QuantizedRows(buffers[0], buffers[1], gate.shape, gate.dtype)
 
 
 @functools.cache
@@ -531,9 +607,7 @@ def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None
     if backend not in ("auto", "scaled_mm", "triton"):
         raise ValueError(f"backend must be 'auto', 'scaled_mm' or 'triton', got {backend!r}.")
     if backend == "scaled_mm" or (backend == "auto" and cublaslt_takes(x, n_out, cols, block_size)):
-        # Rows padded to a multiple of 16 (zeros): a one-row product disagreed with the reference in a GPU test;
-        # the benchmarked shapes (multiples of 16) run unpadded.
-        padded = -(-rows // 16) * 16
+        padded = -(-rows // SCALED_MM_ROW_MULTIPLE) * SCALED_MM_ROW_MULTIPLE
         if padded != rows:
             x = nn.functional.pad(x, (0, 0, 0, padded - rows))
         a, a_scale = quantize_rows(x, block_k, scales_column_major=True)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .fp8 import fp8_linear, is_fp8_linear
-from .tensor_parallel import local_tensor
+from .fp8 import QuantizedRows, fp8_linear, is_fp8_linear, quantized_input_group
+from .tensor_parallel import is_sharded, local_tensor
 from .triton_ops import TRITON_AVAILABLE
 
 logger = logging.get_logger(__name__)
@@ -78,12 +78,24 @@ def use_fused_kernels(tensor: torch.Tensor) -> bool:
     return chosen
 
 
-def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     """`layer(x)` for an `nn.Linear`; for transformers' `FP8Linear` (FP8 weights with block scales) the product runs
-    through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight otherwise."""
+    through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight otherwise. `x`
+    may be `QuantizedRows` where `linear_input_group` gave a group."""
+    if isinstance(x, QuantizedRows):
+        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias)
     if is_fp8_linear(layer):
         return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias, use_fused_kernels(x))
     return layer(x)
+
+
+def linear_input_group(layer: nn.Module, x: torch.Tensor) -> int | None:
+    """The column group in which the kernel producing `x` may write it quantized (`fp8.QuantizedRows`) for
+    `linear(layer, x)`: an unsharded FP8 layer whose product runs through cuBLASLt (`fp8.quantized_input_group`);
+    else None."""
+    if not is_fp8_linear(layer) or is_sharded(layer.weight):
+        return None
+    return quantized_input_group(x, *layer.weight.shape, tuple(layer.block_size))
 
 
 class ConcatenatedProjections(nn.Module):
@@ -162,17 +174,41 @@ class ConcatenatedProjections(nn.Module):
             raise ValueError(f"{names}: all or none of the layers must have a bias to be concatenated.")
         return self._concatenated_parameter(names, "weight"), self._concatenated_parameter(names, "bias")
 
-    def project(self, x: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
-        """`x (..., in)` times the layers `names` as one layer -> `(..., sum of their out sizes)`."""
+    @staticmethod
+    def _fp8_block(layers: list[nn.Module]) -> tuple[int, int] | None:
+        """The block size of FP8 layers that multiply as one concatenated FP8 matrix (the same blocks, every output
+        size a multiple of the block's rows), else None."""
+        if not is_fp8_linear(layers[0]):
+            return None
+        block = tuple(layers[0].block_size)
+        if all(
+            is_fp8_linear(layer) and tuple(layer.block_size) == block and layer.weight.shape[0] % block[0] == 0
+            for layer in layers
+        ):
+            return block
+        return None
+
+    def project(self, x: torch.Tensor | QuantizedRows, names: tuple[str, ...]) -> torch.Tensor:
+        """`x (..., in)` times the layers `names` as one layer -> `(..., sum of their out sizes)`. `x` may be
+        `QuantizedRows` where `quantized_input_group` gave a group."""
         layers = [self._modules[name] for name in names]  # not getattr (slow), as in `concatenated`
         if not any(is_fp8_linear(layer) for layer in layers):
             weight, bias = self.concatenated(names)
             return nn.functional.linear(x, weight, bias)
-        block = tuple(layers[0].block_size)
-        if all(is_fp8_linear(layer) and tuple(layer.block_size) == block for layer in layers) and all(
-            layer.weight.shape[0] % block[0] == 0 for layer in layers
-        ):
+        block = self._fp8_block(layers)
+        if block is not None:
             weight, bias = self.concatenated(names)
             scale = self._concatenated_parameter(names, "weight_scale_inv")
-            return fp8_linear(x, weight, scale, block, bias, use_fused_kernels(x))
+            fused = isinstance(x, QuantizedRows) or use_fused_kernels(x)
+            return fp8_linear(x, weight, scale, block, bias, fused)
         return torch.cat([linear(layer, x) for layer in layers], dim=-1)
+
+    def quantized_input_group(self, x: torch.Tensor, names: tuple[str, ...]) -> int | None:
+        """The column group in which the kernel producing `x` may write it quantized (`fp8.QuantizedRows`) for
+        `project(x, names)`: FP8 layers multiplied as one matrix through cuBLASLt (`fp8.quantized_input_group`, on
+        this rank's slices under tensor parallelism); else None."""
+        block = self._fp8_block([self._modules[name] for name in names])
+        if block is None:
+            return None
+        weight = self.concatenated(names)[0]
+        return quantized_input_group(x, weight.shape[0], weight.shape[1], block)

@@ -29,12 +29,13 @@ from . import triton_ops
 from .attention import TRITON_ATTENTION, fp8_attention_inputs, register_attention_backends
 from .cache import KV_CACHE_DTYPES, DiffusionKVCache, FP8DiffusionKVCache, resolve_forward_positions
 from .configuration_llada import LLaDAConfig
+from .fp8 import QuantizedRows, rms_norm_to_fp8, silu_mul_to_fp8
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import ConcatenatedProjections, linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, linear_input_group, use_fused_kernels
 from .llada_lean import LeanBlockWeights, lean_block, lean_rotary, select_rows
 from .packed import PackedRows, run_attention
 from .tensor_parallel import LocalHeadCounts, is_sharded
@@ -61,7 +62,11 @@ class LLaDARMSNorm(nn.Module):
     def _fused(self, hidden_states: torch.Tensor) -> bool:
         return self.bias is None and use_fused_kernels(hidden_states)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, fp8_group: int | None = None) -> torch.Tensor | QuantizedRows:
+        """The normed `hidden_states`; with `fp8_group` (fused kernels only) written as `QuantizedRows` for an FP8
+        product through cuBLASLt (`kernels.linear_input_group`)."""
+        if fp8_group is not None:
+            return rms_norm_to_fp8(hidden_states, self.weight, self.eps, fp8_group)[0]
         if self._fused(hidden_states):
             return triton_ops.rms_norm(hidden_states, self.weight, self.eps)[0]
         if hidden_states.dtype == torch.float32 and self.bias is None:
@@ -77,8 +82,13 @@ class LLaDARMSNorm(nn.Module):
                 x = x + self.bias
         return x
 
-    def add_and_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(norm(hidden_states + residual), hidden_states + residual)`, in one kernel where fused kernels run."""
+    def add_and_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, fp8_group: int | None = None
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """`(norm(hidden_states + residual), hidden_states + residual)`, in one kernel where fused kernels run (the
+        first as `QuantizedRows` with `fp8_group`, as in `forward`)."""
+        if fp8_group is not None:
+            return rms_norm_to_fp8(hidden_states, self.weight, self.eps, fp8_group, residual=residual)
         if self._fused(hidden_states):
             return triton_ops.rms_norm(hidden_states, self.weight, self.eps, residual=residual)
         total = hidden_states + residual
@@ -263,7 +273,7 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         kernels)."""
         batch, q_len, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states)
-        x = self.attn_norm(hidden_states)
+        x = self.attn_norm(hidden_states, self._fp8_input_group(self.attn_norm, hidden_states, self._QKV, fused))
         query, key, value = self._project_qkv(x, fused)
         cos, sin = position_embeddings
         if fused and self._rotary_kernel_applies() and isinstance(past_key_values, FP8DiffusionKVCache):
@@ -312,10 +322,21 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             scaling=self.scaling,
             **kwargs,
         )
-        x, hidden_states = self.ff_norm.add_and_norm(
-            self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1))), hidden_states
-        )
+        attn = self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1)))
+        group = self._fp8_input_group(self.ff_norm, attn, self._GATE_UP, fused)
+        x, hidden_states = self.ff_norm.add_and_norm(attn, hidden_states, group)
         return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
+
+    _QKV = ("q_proj", "k_proj", "v_proj")
+    _GATE_UP = ("ff_proj", "up_proj")
+
+    def _fp8_input_group(self, norm: LLaDARMSNorm, x: torch.Tensor, names: tuple[str, ...], fused: bool) -> int | None:
+        """Where the fused kernels run: the group in which `norm` may write its output quantized for the FP8
+        product of the layers `names` (`ConcatenatedProjections.quantized_input_group`), saving the pass that
+        would quantize it; else None (also when the norm has hooks, which expect a tensor)."""
+        if not fused or self.training or not norm._fused(x) or _has_hooks(norm):
+            return None
+        return self.quantized_input_group(x, names)
 
     def _lean_call_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
         """Whether a forward can run its blocks as `llada_lean.lean_block` (the call's part, the same for every
@@ -400,14 +421,16 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             value.view(batch, q_len, self.num_kv_heads, self.head_dim),
         )
 
-    def _gated_activation(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
-        """`act(W_gate x) * W_up x` `(..., intermediate_size)`."""
+    def _gated_activation(self, x: torch.Tensor | QuantizedRows, fused: bool) -> torch.Tensor | QuantizedRows:
+        """`act(W_gate x) * W_up x` `(..., intermediate_size)`; as `QuantizedRows` where `ff_out`'s FP8 product
+        runs through cuBLASLt (`kernels.linear_input_group`)."""
         if fused:
-            gate, up = self.project(x, ("ff_proj", "up_proj")).chunk(2, dim=-1)
+            gate, up = self.project(x, self._GATE_UP).chunk(2, dim=-1)
         else:
             gate, up = linear(self.ff_proj, x), linear(self.up_proj, x)
         if fused and self.config.activation_type == "silu":
-            return triton_ops.silu_mul(gate, up)
+            group = None if self.training else linear_input_group(self.ff_out, gate)
+            return triton_ops.silu_mul(gate, up) if group is None else silu_mul_to_fp8(gate, up, group)
         return self.act(gate) * up
 
     def _rotary_kernel_applies(self) -> bool:

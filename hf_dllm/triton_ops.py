@@ -64,6 +64,15 @@ def launch(kernel, grid, interpreter_config: dict, *args, config: triton.Config 
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def fp8_row_groups(x):
+        # Rows of a float32 tile `x (R, G)` as w8a8 activations (`fp8.quantize_rows`, the products' activation side):
+        # per row the scale max|x| / 448 (at least 1e-12 / 448, so a zero row stays finite) and x / scale clamped to
+        # +-448, in float32 for the caller's cast to float8 e4m3. Every kernel that quantizes activations for the
+        # products calls this, so a fused producer writes the bits `quantize_rows` would.
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        return tl.clamp(x / scale[:, None], -448.0, 448.0), scale
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         residual_ptr,
@@ -71,17 +80,26 @@ if TRITON_AVAILABLE:
         out_ptr,
         sum_ptr,
         wide_ptr,
+        q_ptr,
+        scale_ptr,
+        n_rows,
         n_cols,
         eps,
+        stride_scale_row,
+        stride_scale_group,
         HAS_RESIDUAL: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,
         WIDE: tl.constexpr,
+        FP8_GROUP: tl.constexpr,
+        TILE_GROUPS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # One program per row of a contiguous (rows, n_cols) tensor.
+        # One program per row of a contiguous (rows, n_cols) tensor. With FP8_GROUP > 0 the normed rows are
+        # written only quantized, as `fp8.quantize_rows` would quantize them (groups of FP8_GROUP columns), and the
+        # grid may hold rows past n_rows: zero rows, the padding cuBLASLt's product wants.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        in_row = cols < n_cols
+        in_row = cols < tl.where(row < n_rows, n_cols, 0)  # (a row past n_rows loads and stores nothing)
         offsets = row * n_cols + cols
         x = tl.load(x_ptr + offsets, mask=in_row, other=0.0)
         if HAS_RESIDUAL:
@@ -91,11 +109,34 @@ if TRITON_AVAILABLE:
             tl.store(sum_ptr + offsets, x, mask=in_row)
         x = x.to(tl.float32)
         variance = tl.sum(x * x, axis=0) / n_cols
-        normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
-            normed = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offsets, normed, mask=in_row)
+        if FP8_GROUP > 0:
+            # A second pass over the row, by tiles of (TILE_GROUPS, FP8_GROUP) read again (from cache) and normed
+            # elementwise as below, so the same bits; a tile's rows are the quantization groups. (Reshaping the
+            # row held in registers into groups instead made the kernel ~10x slower on an H100.)
+            rstd = tl.rsqrt(variance + eps)
+            groups = tl.arange(0, TILE_GROUPS)
+            for start in range(0, BLOCK, TILE_GROUPS * FP8_GROUP):
+                tile_cols = start + groups[:, None] * FP8_GROUP + tl.arange(0, FP8_GROUP)[None, :]
+                tile_in = tile_cols < tl.where(row < n_rows, n_cols, 0)
+                xt = tl.load(x_ptr + row * n_cols + tile_cols, mask=tile_in, other=0.0)
+                if HAS_RESIDUAL:
+                    rt = tl.load(residual_ptr + row * n_cols + tile_cols, mask=tile_in, other=0.0)
+                    xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                yt = (xt.to(tl.float32) * rstd).to(out_ptr.dtype.element_ty)
+                if HAS_WEIGHT:
+                    wt = tl.load(weight_ptr + tile_cols, mask=tile_in, other=0.0)  # (zero rows stay +0)
+                    yt = (wt.to(tl.float32) * yt.to(tl.float32)).to(out_ptr.dtype.element_ty)
+                q, scale = fp8_row_groups(yt.to(tl.float32))
+                tl.store(q_ptr + row * n_cols + tile_cols, q.to(q_ptr.dtype.element_ty), mask=tile_cols < n_cols)
+                group_index = start // FP8_GROUP + groups
+                scale_at = scale_ptr + row * stride_scale_row + group_index * stride_scale_group
+                tl.store(scale_at, scale, mask=group_index * FP8_GROUP < n_cols)
+        else:
+            normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+                normed = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offsets, normed, mask=in_row)
         if WIDE:
             # The output widened to float32 (exact), for a float32 consumer (LLaDA2's router): no cast kernel.
             tl.store(wide_ptr + offsets, normed.to(tl.float32), mask=in_row)
@@ -356,16 +397,53 @@ if TRITON_AVAILABLE:
         tl.store(dst + HALF + offs, (a2 + b2).to(dtype), mask=write)
 
     @triton.jit
+    def _silu_mul_values(g, u, dtype: tl.constexpr):
+        # silu(g) * u as PyTorch computes it in `dtype`: float32 math, silu's output rounded to `dtype` before the
+        # product, the product rounded again.
+        g = g.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (s * u.to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, stride_row, BLOCK: tl.constexpr):
         # gate/up are (rows, width) with a row stride (views of one fused projection); out is contiguous.
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < n
         src = (offs // width) * stride_row + offs % width
-        g = tl.load(gate_ptr + src, mask=in_range, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + src, mask=in_range, other=0.0).to(tl.float32)
-        # PyTorch rounds silu's output to the activation dtype before the product.
-        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + offs, (s * u).to(out_ptr.dtype.element_ty), mask=in_range)
+        g = tl.load(gate_ptr + src, mask=in_range, other=0.0)
+        u = tl.load(up_ptr + src, mask=in_range, other=0.0)
+        tl.store(out_ptr + offs, _silu_mul_values(g, u, out_ptr.dtype.element_ty), mask=in_range)
+
+    @triton.jit
+    def _silu_mul_fp8_kernel(
+        gate_ptr,
+        up_ptr,
+        q_ptr,
+        scale_ptr,
+        n_rows,
+        n_padded,
+        width,
+        stride_row,
+        stride_scale_row,
+        stride_scale_group,
+        ROWS: tl.constexpr,
+        GROUP: tl.constexpr,
+    ):
+        # One program per (ROWS rows, GROUP columns): silu(gate) * up in the activations' dtype, then written only
+        # quantized (`fp8_row_groups`); rows from n_rows to n_padded are zero rows (cuBLASLt's padding).
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+        in_cols = cols < width
+        rows64 = rows.to(tl.int64)
+        src = rows64[:, None] * stride_row + cols[None, :]
+        loaded = (rows < n_rows)[:, None] & in_cols[None, :]
+        g = tl.load(gate_ptr + src, mask=loaded, other=0.0)
+        u = tl.load(up_ptr + src, mask=loaded, other=0.0)
+        q, scale = fp8_row_groups(_silu_mul_values(g, u, gate_ptr.dtype.element_ty).to(tl.float32))
+        written = rows < n_padded
+        dst = q_ptr + rows64[:, None] * width + cols[None, :]
+        tl.store(dst, q.to(q_ptr.dtype.element_ty), mask=written[:, None] & in_cols[None, :])
+        tl.store(scale_ptr + rows64 * stride_scale_row + tl.program_id(1) * stride_scale_group, scale, mask=written)
 
     @triton.jit
     def _greedy_propose_kernel(
@@ -432,36 +510,53 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     float_copy: bool = False,
+    fp8_out: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """`norm(x + residual)` over the last dim. x, residual `(..., d)`; weight `(d,)` or None.
 
     Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None), and with `float_copy` a third
-    tensor, `normed.float()` written by the same kernel."""
+    tensor, `normed.float()` written by the same kernel. With `fp8_out = (values, scales, group)` (the buffers of
+    `fp8.activation_buffers`: float8 `(padded rows, d)`, float32 `(padded rows, d / group)`) the normed rows are
+    written there only, quantized as `fp8.quantize_rows` quantizes them, and `normed` is None."""
     d = x.shape[-1]
     x2 = x.contiguous().view(-1, d)
-    out = torch.empty_like(x2)
+    rows = x2.shape[0]
     total = torch.empty_like(x2) if residual is not None else x2
     r2 = residual.contiguous().view(-1, d) if residual is not None else x2
-    wide = torch.empty(x2.shape, dtype=torch.float32, device=x2.device) if float_copy else out
+    if fp8_out is not None:
+        values, scales, group = fp8_out
+        out, grid_rows = None, values.shape[0]
+    else:
+        values, scales, group = x2, x2, 0
+        out, grid_rows = torch.empty_like(x2), rows
+    wide = torch.empty(x2.shape, dtype=torch.float32, device=x2.device) if float_copy else x2
     block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(x2.shape[0],)](
+    _rms_norm_kernel[(grid_rows,)](
         x2,
         r2,
         weight if weight is not None else x2,
-        out,
+        out if out is not None else x2,
         total,
         wide,
+        values,
+        scales,
+        rows,
         d,
         eps,
+        scales.stride(0),
+        scales.stride(1),
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
         WIDE=float_copy,
+        FP8_GROUP=group,
+        TILE_GROUPS=max(1, min(8, block // group)) if group else 1,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
+    normed = out.view(x.shape) if out is not None else None
     if float_copy:
-        return out.view(x.shape), total.view(x.shape), wide.view(x.shape)
-    return out.view(x.shape), total.view(x.shape)
+        return normed, total.view(x.shape), wide.view(x.shape)
+    return normed, total.view(x.shape)
 
 
 @on_tensor_device
@@ -679,3 +774,30 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(triton.cdiv(n, block),)](gate2, up2, out, n, width, gate2.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+@on_tensor_device
+def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_out: tuple[torch.Tensor, torch.Tensor, int]) -> None:
+    """`silu(gate) * up` (as `silu_mul` computes it), written only quantized into `fp8_out = (values, scales,
+    group)` (`fp8.activation_buffers`: float8 `(padded rows, I)`, float32 `(padded rows, I / group)`), as
+    `fp8.quantize_rows` would quantize `silu_mul`'s output. gate/up `(..., I)` as for `silu_mul`."""
+    width = gate.shape[-1]
+    gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
+    if gate2.stride(-1) != 1 or up2.stride(-1) != 1 or gate2.stride(0) != up2.stride(0):
+        gate2, up2 = gate2.contiguous(), up2.contiguous()
+    values, scales, group = fp8_out
+    tile_rows = 16
+    _silu_mul_fp8_kernel[(triton.cdiv(values.shape[0], tile_rows), triton.cdiv(width, group))](
+        gate2,
+        up2,
+        values,
+        scales,
+        gate2.shape[0],
+        values.shape[0],
+        width,
+        gate2.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        ROWS=tile_rows,
+        GROUP=group,
+    )

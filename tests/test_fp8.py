@@ -171,6 +171,39 @@ def kernel_errors(x, weight, block, kernels):
     return results
 
 
+def fused_quantization_differences(device: str, dtype: torch.dtype) -> list[str]:
+    """The kernels that write a w8a8 product's activations already quantized (`fp8.rms_norm_to_fp8` with and
+    without the residual, `fp8.silu_mul_to_fp8`) against `fp8.quantize_rows` of the unfused kernels' outputs padded
+    as `w8a8_matmul` pads them (zero rows up to a multiple of 16): the outputs whose bits differ, by name."""
+    from hf_dllm import triton_ops
+
+    differences = []
+    for rows, width in [(5, 512), (32, 1024)]:
+        padding = (0, 0, 0, -rows % fp8.SCALED_MM_ROW_MULTIPLE)
+        x = torch.randn(rows, width, device=device, dtype=dtype) * 3
+        weight = torch.randn(width, device=device, dtype=dtype)
+        for residual in (None, torch.randn_like(x)):
+            (values, scales, shape, out_dtype), total = fp8.rms_norm_to_fp8(x, weight, 1e-5, 128, residual=residual)
+            normed, expected_total = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
+            expected = fp8.quantize_rows(torch.nn.functional.pad(normed, padding), 128, scales_column_major=True)
+            name = f"rms_norm rows={rows} residual={residual is not None}"
+            if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
+                differences.append(f"{name}: values")
+            if not torch.equal(scales, expected[1]) or scales.stride() != expected[1].stride():
+                differences.append(f"{name}: scales")
+            if not torch.equal(total, expected_total) or shape != x.shape or out_dtype != dtype:
+                differences.append(f"{name}: sum, shape or dtype")
+        gate, up = (torch.randn(rows, 2 * width, device=device, dtype=dtype) * 4).chunk(2, dim=-1)
+        values, scales, _, _ = fp8.silu_mul_to_fp8(gate, up, 128)
+        silu = torch.nn.functional.pad(triton_ops.silu_mul(gate, up), padding)
+        expected = fp8.quantize_rows(silu, 128, scales_column_major=True)
+        if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
+            differences.append(f"silu_mul rows={rows}: values")
+        if not torch.equal(scales, expected[1]):
+            differences.append(f"silu_mul rows={rows}: scales")
+    return differences
+
+
 def per_group_products(rows, weight, offsets, gated, dtype):
     """Each group's rows `(pairs, K)` times its weight `(groups, N, K)` with both in `dtype` (`offsets`: each group's
     end row; gated: `silu(gate) * up` of the weight's two halves), as float32."""
@@ -262,6 +295,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ]:
             (error,), reference = grouped_errors(tokens, experts, top_k, k_in, n_out, gated, torch.float16)
             assert error <= 2 * reference + 1e-3, ("grouped", tile, tokens, experts, gated, error, reference)
+    # RMSNorm and SiLU-mul writing their output quantized: the bits quantize_rows gives their unfused output.
+    from tests.test_fp8 import fused_quantization_differences
+    assert not fused_quantization_differences("cpu", torch.bfloat16), fused_quantization_differences("cpu", torch.bfloat16)
 
     print("ok")
     """
@@ -408,6 +444,55 @@ def test_gpu_quantized_generate_graph_equals_eager_and_torch_path():
         graphed = quantized.generate(prompts, **kwargs)
         eager = quantized.generate(prompts, disable_compile=True, **kwargs)
         assert torch.equal(graphed, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_activation_quantization_writes_quantize_rows_bits():
+    for dtype in (torch.bfloat16, torch.float16):
+        assert not fused_quantization_differences("cuda", dtype), dtype
+
+
+@pytest.mark.gpu
+def test_gpu_fused_activation_quantization_changes_no_logit_and_no_token(monkeypatch):
+    """LLaDA with widths cuBLASLt's block-scaled product takes: the norms and the SiLU gate write the w8a8 products'
+    activations quantized (counted: the fused producers really run, in the full forward and in graph-captured steps
+    of a batch large enough for w8a8), and the logits and tokens are those of the unfused path, bit for bit."""
+    from hf_dllm import modeling_llada
+
+    config = tiny_config(d_model=512, n_heads=4, n_kv_heads=2, mlp_hidden_size=1024)
+    _, quantized = quantized_model(config, "cuda")
+    if not fp8.cublaslt_takes(torch.zeros(1, device="cuda"), 1024, 512, BLOCK):
+        pytest.skip("cuBLASLt's block-scaled FP8 product is not available on this GPU / torch")
+    calls = {"norm": 0, "silu": 0}
+    for name, key in (("rms_norm_to_fp8", "norm"), ("silu_mul_to_fp8", "silu")):
+        original = getattr(modeling_llada, name)
+
+        def counted(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(modeling_llada, name, counted)
+    ids = torch.randint(0, 400, (2, 40), device="cuda")
+    prompts = torch.randint(0, 400, (4, 21), device="cuda")
+    kwargs = dict(max_new_tokens=32, block_length=16, steps=16, use_cache=True, dual_cache=True)
+    results = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(fp8, "FUSE_ACTIVATION_QUANTIZATION", fuse)
+        with torch.no_grad():
+            logits = quantized(ids).logits
+        results[fuse] = (
+            logits,
+            quantized.generate(prompts, **kwargs),
+            quantized.generate(prompts, disable_compile=True, **kwargs),
+        )
+        if fuse:
+            # Two norms and one gate per layer in the forward over 80 rows, and in the generation's forwards.
+            assert calls["norm"] > 2 * config.n_layers and calls["silu"] > config.n_layers, calls
+            fused_calls = dict(calls)
+    assert calls == fused_calls, "unfused runs must not call the fused producers"
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[True][2])  # graphs and eager, fused
+    assert torch.equal(results[True][1], results[False][1])
 
 
 def save_with_tokenizer(model, path: Path) -> Path:
