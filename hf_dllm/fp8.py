@@ -130,9 +130,7 @@ def fp8_linear(
     kernels). `use_triton=False` forces the PyTorch path. `x` may be `QuantizedRows` (written for cuBLASLt by their
     producer, where `quantized_input_group` said this product runs there)."""
     if isinstance(x, QuantizedRows):
-        rows = x.shape[:-1].numel()
-        out = _scaled_mm_blockwise(x.values, x.scales, weight, weight_scale_inv, bias, x.dtype)[:rows]
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return scaled_mm_rows(x, weight, weight_scale_inv, bias)
     if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
         return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
     shape = x.shape
@@ -311,6 +309,7 @@ if TRITON_AVAILABLE:
         q_ptr,
         scale_ptr,
         M,
+        M_PADDED,
         K,
         stride_xm,
         stride_qm,
@@ -321,16 +320,18 @@ if TRITON_AVAILABLE:
     ):
         # One program per (ROWS rows, group of GROUP columns), quantized by `fp8_row_groups` (per row: scale =
         # amax / FP8 max, q = x / scale), the helper the fused producers (`rms_norm_to_fp8`, `silu_mul_to_fp8`) call.
+        # Rows from M to M_PADDED are written as zero rows, the padding cuBLASLt's product wants.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         group = tl.program_id(1)
         cols = group * GROUP + tl.arange(0, GROUP)
-        in_rows = rows < M
-        mask = in_rows[:, None] & (cols < K)[None, :]
+        in_cols = (cols < K)[None, :]
+        written = rows < M_PADDED
         rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q, scale = fp8_row_groups(x)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + rows64 * stride_sm + group * stride_sk, scale, mask=in_rows)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None] & in_cols, other=0.0)
+        q, scale = fp8_row_groups(x.to(tl.float32))
+        q_at = q_ptr + rows64[:, None] * stride_qm + cols[None, :]
+        tl.store(q_at, q.to(q_ptr.dtype.element_ty), mask=written[:, None] & in_cols)
+        tl.store(scale_ptr + rows64 * stride_sm + group * stride_sk, scale, mask=written)
 
     @triton.autotune(
         configs=[
@@ -482,17 +483,19 @@ def activation_buffers(
 
 
 @on_tensor_device
-def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool = False):
+def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool = False, row_multiple: int = 1):
     """`x (M, K)` -> FP8 `(M, K)` and float32 scales `(M, ceil(K / group))` (one per row and `group` columns, the
-    activation side of block-scaled FP8). `scales_column_major`: laid out for cuBLASLt (`activation_buffers`)."""
+    activation side of block-scaled FP8). `scales_column_major`: laid out for cuBLASLt (`activation_buffers`).
+    `row_multiple`: both padded with zero rows (x padded with zeros, quantized) to a multiple of it."""
     rows, cols = x.shape
-    q, scales = activation_buffers(rows, cols, group, x.device, scales_column_major)
+    q, scales = activation_buffers(rows, cols, group, x.device, scales_column_major, row_multiple)
     tile_rows = 16
-    _quantize_rows_kernel[(triton.cdiv(rows, tile_rows), scales.shape[1])](
+    _quantize_rows_kernel[(triton.cdiv(q.shape[0], tile_rows), scales.shape[1])](
         x,
         q,
         scales,
         rows,
+        q.shape[0],
         cols,
         x.stride(0),
         q.stride(0),
@@ -510,15 +513,22 @@ SCALED_MM_ROW_MULTIPLE = 16
 
 
 class QuantizedRows(NamedTuple):
-    """Activations written already quantized for a cuBLASLt w8a8 product (`rms_norm_to_fp8`, `silu_mul_to_fp8`):
-    the bits `w8a8_matmul` would quantize them to, without the pass over the activations that quantizing takes.
-    `values` FP8 `(padded rows, K)` and `scales` float32 `(padded rows, K / group)` laid out for cuBLASLt; `shape`
-    the activations' `(..., K)` (its rows are the real ones) and `dtype` theirs, the product's output dtype."""
+    """Activations quantized for cuBLASLt's w8a8 product (`scaled_mm_rows`): by `quantize_rows`, or written so by
+    the kernel that produces them (`rms_norm_to_fp8`, `silu_mul_to_fp8`: the same bits, without the pass over the
+    activations that quantizing takes). `values` FP8 `(padded rows, K)` and `scales` float32 `(padded rows, K /
+    group)` laid out for cuBLASLt; `shape` the activations' `(..., K)` (its rows are the real ones) and `dtype`
+    theirs, the product's output dtype."""
 
     values: torch.Tensor
     scales: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
+
+
+def scaled_mm_rows(x: QuantizedRows, weight, weight_scale_inv, bias=None) -> torch.Tensor:
+    """`x`'s real rows times the FP8 weight through cuBLASLt's block-scaled product -> `(..., N)` in `x.dtype`."""
+    out = _scaled_mm_blockwise(x.values, x.scales, weight, weight_scale_inv, bias, x.dtype)
+    return out[: x.shape[:-1].numel()].view(*x.shape[:-1], weight.shape[0])
 
 
 # Whether the kernels producing a cuBLASLt product's activations (RMSNorm, SiLU-mul) write them quantized
@@ -538,7 +548,8 @@ def quantized_input_group(x: torch.Tensor, n_out: int, cols: int, block_size) ->
     return block_size[1]
 
 
-def _quantized_buffers(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _scaled_mm_buffers(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Empty `(values, scales, group)` for `x (..., K)` quantized for cuBLASLt (`QuantizedRows`' layout)."""
     rows = x.numel() // x.shape[-1]
     values, scales = activation_buffers(rows, x.shape[-1], group, x.device, True, SCALED_MM_ROW_MULTIPLE)
     return values, scales, group
@@ -549,14 +560,14 @@ def rms_norm_to_fp8(
 ) -> tuple[QuantizedRows, torch.Tensor]:
     """`triton_ops.rms_norm` with the normed rows written only quantized: `(QuantizedRows, x + residual)`; the
     values `quantize_rows(rms_norm(...))` gives, in one pass (`group`: from `quantized_input_group`)."""
-    buffers = _quantized_buffers(x, group)
+    buffers = _scaled_mm_buffers(x, group)
     _, total = triton_ops.rms_norm(x, weight, eps, residual=residual, fp8_out=buffers)
     return QuantizedRows(buffers[0], buffers[1], x.shape, x.dtype), total
 
 
 def silu_mul_to_fp8(gate: torch.Tensor, up: torch.Tensor, group: int) -> QuantizedRows:
     """`triton_ops.silu_mul(gate, up)` written only quantized, the values `quantize_rows` would give it."""
-    buffers = _quantized_buffers(gate, group)
+    buffers = _scaled_mm_buffers(gate, group)
     triton_ops.silu_mul_fp8(gate, up, buffers)
     return QuantizedRows(buffers[0], buffers[1], gate.shape, gate.dtype)
 
@@ -607,11 +618,8 @@ def w8a8_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None
     if backend not in ("auto", "scaled_mm", "triton"):
         raise ValueError(f"backend must be 'auto', 'scaled_mm' or 'triton', got {backend!r}.")
     if backend == "scaled_mm" or (backend == "auto" and cublaslt_takes(x, n_out, cols, block_size)):
-        padded = -(-rows // SCALED_MM_ROW_MULTIPLE) * SCALED_MM_ROW_MULTIPLE
-        if padded != rows:
-            x = nn.functional.pad(x, (0, 0, 0, padded - rows))
-        a, a_scale = quantize_rows(x, block_k, scales_column_major=True)
-        return _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, x.dtype)[:rows]
+        a, a_scale = quantize_rows(x, block_k, scales_column_major=True, row_multiple=SCALED_MM_ROW_MULTIPLE)
+        return scaled_mm_rows(QuantizedRows(a, a_scale, x.shape, x.dtype), weight, weight_scale_inv, bias)
     a, a_scale = quantize_rows(x, block_k)
     out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
 

@@ -21,7 +21,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .fp8 import QuantizedRows, fp8_linear, is_fp8_linear, quantized_input_group
-from .tensor_parallel import is_sharded, local_tensor
+from .tensor_parallel import is_sharded, local_shape, local_tensor
 from .triton_ops import TRITON_AVAILABLE
 
 logger = logging.get_logger(__name__)
@@ -207,8 +207,9 @@ class ConcatenatedProjections(nn.Module):
         """The column group in which the kernel producing `x` may write it quantized (`fp8.QuantizedRows`) for
         `project(x, names)`: FP8 layers multiplied as one matrix through cuBLASLt (`fp8.quantized_input_group`, on
         this rank's slices under tensor parallelism); else None."""
-        block = self._fp8_block([self._modules[name] for name in names])
+        layers = [self._modules[name] for name in names]
+        block = self._fp8_block(layers)
         if block is None:
             return None
-        weight = self.concatenated(names)[0]
-        return quantized_input_group(x, weight.shape[0], weight.shape[1], block)
+        shapes = [local_shape(layer.weight) for layer in layers]
+        return quantized_input_group(x, sum(shape[0] for shape in shapes), shapes[0][1], block)

@@ -217,6 +217,10 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
     `layer_idx` and `scaling` on it.
     """
 
+    # The layers multiplied as one matrix where the fused kernels run (`ConcatenatedProjections`).
+    _QKV = ("q_proj", "k_proj", "v_proj")
+    _GATE_UP = ("ff_proj", "up_proj")
+
     def __init__(self, config: LLaDAConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -327,16 +331,14 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         x, hidden_states = self.ff_norm.add_and_norm(attn, hidden_states, group)
         return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
 
-    _QKV = ("q_proj", "k_proj", "v_proj")
-    _GATE_UP = ("ff_proj", "up_proj")
-
     def _fp8_input_group(self, norm: LLaDARMSNorm, x: torch.Tensor, names: tuple[str, ...], fused: bool) -> int | None:
         """Where the fused kernels run: the group in which `norm` may write its output quantized for the FP8
         product of the layers `names` (`ConcatenatedProjections.quantized_input_group`), saving the pass that
         would quantize it; else None (also when the norm has hooks, which expect a tensor)."""
-        if not fused or self.training or not norm._fused(x) or _has_hooks(norm):
+        if not fused or self.training:
             return None
-        return self.quantized_input_group(x, names)
+        group = self.quantized_input_group(x, names)  # None at once for layers that are not FP8
+        return None if group is None or norm.bias is not None or _has_hooks(norm) else group
 
     def _lean_call_applies(self, hidden_states: torch.Tensor, past_key_values, kwargs: dict) -> bool:
         """Whether a forward can run its blocks as `llada_lean.lean_block` (the call's part, the same for every
@@ -382,8 +384,8 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
             applies = applies and type(norm) is LLaDARMSNorm and norm.weight is not None and norm.bias is None
         if not applies:
             return None
-        qkv, qkv_bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
-        gate_up, gate_up_bias = self.concatenated(("ff_proj", "up_proj"))
+        qkv, qkv_bias = self.concatenated(self._QKV)
+        gate_up, gate_up_bias = self.concatenated(self._GATE_UP)
         attn_out, ff_out = modules["attn_out"], modules["ff_out"]
         return LeanBlockWeights(
             layer_idx=self.layer_idx,
@@ -410,7 +412,7 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         batch, q_len, _ = x.shape
         if fused:
             kv_width = self.num_kv_heads * self.head_dim
-            query, key, value = self.project(x, ("q_proj", "k_proj", "v_proj")).split(
+            query, key, value = self.project(x, self._QKV).split(
                 [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
             )
         else:

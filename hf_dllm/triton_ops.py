@@ -73,6 +73,26 @@ if TRITON_AVAILABLE:
         return tl.clamp(x / scale[:, None], -448.0, 448.0), scale
 
     @triton.jit
+    def _rms_norm_input(x_ptrs, residual_ptrs, mask, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        # The norm's input: x, or x + residual as PyTorch adds two activations (in float32, the sum rounded to the
+        # activation dtype). Masked-out elements are 0 (a zero row for rows past the tensor's).
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptrs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        return x
+
+    @triton.jit
+    def _rms_normed(x, rstd, weight_ptrs, mask, dtype: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        # LLaDA's norm of x (float32) given its row's 1 / rms: rounded to `dtype`, then times the weight in float32,
+        # rounded again. A masked-out weight is 0, so a zero row stays +0.
+        normed = (x.to(tl.float32) * rstd).to(dtype)
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptrs, mask=mask, other=0.0)
+            normed = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        return normed
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         residual_ptr,
@@ -99,43 +119,34 @@ if TRITON_AVAILABLE:
         # grid may hold rows past n_rows: zero rows, the padding cuBLASLt's product wants.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        in_row = cols < tl.where(row < n_rows, n_cols, 0)  # (a row past n_rows loads and stores nothing)
+        row_cols = tl.where(row < n_rows, n_cols, 0)  # a row past n_rows loads and stores nothing
+        in_row = cols < row_cols
         offsets = row * n_cols + cols
-        x = tl.load(x_ptr + offsets, mask=in_row, other=0.0)
+        x = _rms_norm_input(x_ptr + offsets, residual_ptr + offsets, in_row, sum_ptr.dtype.element_ty, HAS_RESIDUAL)
         if HAS_RESIDUAL:
-            # PyTorch adds two activations in float32 and rounds the sum to the activation dtype.
-            r = tl.load(residual_ptr + offsets, mask=in_row, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
             tl.store(sum_ptr + offsets, x, mask=in_row)
         x = x.to(tl.float32)
-        variance = tl.sum(x * x, axis=0) / n_cols
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         if FP8_GROUP > 0:
             # A second pass over the row, by tiles of (TILE_GROUPS, FP8_GROUP) read again (from cache) and normed
-            # elementwise as below, so the same bits; a tile's rows are the quantization groups. (Reshaping the
-            # row held in registers into groups instead made the kernel ~10x slower on an H100.)
-            rstd = tl.rsqrt(variance + eps)
+            # by the same helpers, so the same bits; a tile's rows are the quantization groups. (Reshaping the row
+            # held in registers into groups instead made the kernel ~10x slower on an H100.)
             groups = tl.arange(0, TILE_GROUPS)
             for start in range(0, BLOCK, TILE_GROUPS * FP8_GROUP):
                 tile_cols = start + groups[:, None] * FP8_GROUP + tl.arange(0, FP8_GROUP)[None, :]
-                tile_in = tile_cols < tl.where(row < n_rows, n_cols, 0)
-                xt = tl.load(x_ptr + row * n_cols + tile_cols, mask=tile_in, other=0.0)
-                if HAS_RESIDUAL:
-                    rt = tl.load(residual_ptr + row * n_cols + tile_cols, mask=tile_in, other=0.0)
-                    xt = (xt.to(tl.float32) + rt.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-                yt = (xt.to(tl.float32) * rstd).to(out_ptr.dtype.element_ty)
-                if HAS_WEIGHT:
-                    wt = tl.load(weight_ptr + tile_cols, mask=tile_in, other=0.0)  # (zero rows stay +0)
-                    yt = (wt.to(tl.float32) * yt.to(tl.float32)).to(out_ptr.dtype.element_ty)
+                tile_in = tile_cols < row_cols
+                tile_at = row * n_cols + tile_cols
+                xt = _rms_norm_input(
+                    x_ptr + tile_at, residual_ptr + tile_at, tile_in, sum_ptr.dtype.element_ty, HAS_RESIDUAL
+                )
+                yt = _rms_normed(xt, rstd, weight_ptr + tile_cols, tile_in, out_ptr.dtype.element_ty, HAS_WEIGHT)
                 q, scale = fp8_row_groups(yt.to(tl.float32))
-                tl.store(q_ptr + row * n_cols + tile_cols, q.to(q_ptr.dtype.element_ty), mask=tile_cols < n_cols)
+                tl.store(q_ptr + tile_at, q.to(q_ptr.dtype.element_ty), mask=tile_cols < n_cols)
                 group_index = start // FP8_GROUP + groups
                 scale_at = scale_ptr + row * stride_scale_row + group_index * stride_scale_group
                 tl.store(scale_at, scale, mask=group_index * FP8_GROUP < n_cols)
         else:
-            normed = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
-                normed = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            normed = _rms_normed(x, rstd, weight_ptr + cols, in_row, out_ptr.dtype.element_ty, HAS_WEIGHT)
             tl.store(out_ptr + offsets, normed, mask=in_row)
         if WIDE:
             # The output widened to float32 (exact), for a float32 consumer (LLaDA2's router): no cast kernel.

@@ -173,8 +173,9 @@ def kernel_errors(x, weight, block, kernels):
 
 def fused_quantization_differences(device: str, dtype: torch.dtype) -> list[str]:
     """The kernels that write a w8a8 product's activations already quantized (`fp8.rms_norm_to_fp8` with and
-    without the residual, `fp8.silu_mul_to_fp8`) against `fp8.quantize_rows` of the unfused kernels' outputs padded
-    as `w8a8_matmul` pads them (zero rows up to a multiple of 16): the outputs whose bits differ, by name."""
+    without the residual, `fp8.silu_mul_to_fp8`), and `quantize_rows`' own padding rows, against `fp8.quantize_rows`
+    of the unfused kernels' outputs padded with zero rows to a multiple of 16 (cuBLASLt's padding): the outputs whose
+    bits differ, by name."""
     from hf_dllm import triton_ops
 
     differences = []
@@ -187,6 +188,12 @@ def fused_quantization_differences(device: str, dtype: torch.dtype) -> list[str]
             normed, expected_total = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
             expected = fp8.quantize_rows(torch.nn.functional.pad(normed, padding), 128, scales_column_major=True)
             name = f"rms_norm rows={rows} residual={residual is not None}"
+            # quantize_rows' own zero rows (the w8a8 path's padding) against the zero-padded input's.
+            padded = fp8.quantize_rows(normed, 128, scales_column_major=True, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE)
+            if not torch.equal(padded[0].view(torch.uint8), expected[0].view(torch.uint8)):
+                differences.append(f"quantize_rows rows={rows}: padded values")
+            if not torch.equal(padded[1], expected[1]) or padded[1].stride() != expected[1].stride():
+                differences.append(f"quantize_rows rows={rows}: padded scales")
             if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
                 differences.append(f"{name}: values")
             if not torch.equal(scales, expected[1]) or scales.stride() != expected[1].stride():
