@@ -3,10 +3,13 @@
 `FineGrainedFP8Config` layout) against bf16 `F.linear`.
 
 Kernels (`hf_dllm/fp8.py`): `weight_only` (FP8 weight scaled in registers, bf16 MMA), `w8a8_triton` (activations
-quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled_mm` (the same quantization, cuBLASLt's
-block-scaled `torch._scaled_mm`), and, for reference, transformers' own `finegrained_fp8_linear` (a Hub kernel:
-reported as unavailable when it cannot be fetched) and `torch._scaled_mm` with row-wise scales (a different weight
-quantization: the best cuBLASLt FP8 does on these shapes). Rows: 32 x batch (block steps at batch 1 / 8 / 32) and
+quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled_mm` (the same quantization,
+cuBLASLt's block-scaled `torch._scaled_mm`), `w8a8_few_rows` (the same quantization, hf_dllm's Triton FP8 kernel for
+a block step's few rows: split-K, the weight tile as the MMA's M), the last two also without the quantization
+(`scaled_mm_gemm_only`, `few_rows_gemm_only`: activations quantized beforehand, as LLaDA's RMSNorm and SiLU gate
+write them), and, for reference, transformers' own `finegrained_fp8_linear` (a Hub kernel: reported as unavailable
+when it cannot be fetched) and `torch._scaled_mm` with row-wise scales (a different weight quantization: the best
+cuBLASLt FP8 does on these shapes). Rows: 32 x batch (block steps at batch 1 / 8 / 32) and
 the full-sequence refresh forwards (768 x batch). Times: GPU time per call, `--repeats` calls captured in one CUDA
 graph (the way a block step runs them), median of 5 replays.
 
@@ -94,6 +97,21 @@ def scaled_mm_gemm_only(x, w8, scale, block):
     return lambda: fp8._scaled_mm_blockwise(a, a_scale, w8, scale, None, x.dtype)
 
 
+def few_rows(x, w8, scale, block, prequantized: bool):
+    """hf_dllm's few-rows w8a8 kernel, with the activations' quantization (`quantize_rows`) or without it (the
+    activations quantized beforehand, as LLaDA's RMSNorm and SiLU gate write them)."""
+    if prequantized:
+        rows = fp8.QuantizedRows(*fp8.quantize_rows(x, block[1]), x.shape, x.dtype)
+        return lambda: fp8.few_rows_w8a8_matmul(rows, w8, scale, block)
+
+    def run():
+        return fp8.few_rows_w8a8_matmul(
+            fp8.QuantizedRows(*fp8.quantize_rows(x, block[1]), x.shape, x.dtype), w8, scale, block
+        )
+
+    return run
+
+
 def candidate_kernels(x, weight, w8, scale, block) -> dict:
     """name -> a maker of a call computing `x @ weight.T` (bf16) or with the FP8 weight `w8` and its block scales.
     Makers, not calls: some prepare operands (quantized copies), which only the kernels that run should pay for."""
@@ -103,6 +121,8 @@ def candidate_kernels(x, weight, w8, scale, block) -> dict:
         "w8a8_triton": lambda: lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
         "w8a8_scaled_mm": lambda: lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
         "scaled_mm_gemm_only": lambda: scaled_mm_gemm_only(x, w8, scale, block),
+        "w8a8_few_rows": lambda: few_rows(x, w8, scale, block, prequantized=False),
+        "few_rows_gemm_only": lambda: few_rows(x, w8, scale, block, prequantized=True),
         "transformers_hub": lambda: lambda: _transformers_linear(x, w8, scale, block),
         "rowwise_scaled_mm": lambda: rowwise_scaled_mm(x, weight),
     }

@@ -11,7 +11,9 @@ matrix. Here, with shapes `x (..., K)`, `weight (N, K)`, `weight_scale_inv (ceil
   it in registers (float32, rounded once to the activations' dtype, where the `torch` path rounds its dequantized
   weight too) and multiplies in bfloat16. Half the bytes of bfloat16 is the gain, and the activations stay
   unquantized (no extra error).
-  Wide weights (fused q/k/v, gate/up, the head) take the w8a8 path even there, where cuBLASLt streams them faster.
+  Wide weights (fused q/k/v, the head) take the w8a8 path even there, where cuBLASLt streams them faster; deep
+  ones (down) and the widest (gate/up) a Triton w8a8 kernel made for these few rows (`few_rows_w8a8`: FP8 tensor
+  cores, split-K), faster there than either.
 - many rows (the full-sequence forwards): `w8a8`, activations quantized per token and 128 columns
   (`quantize_rows`), then FP8 tensor cores through cuBLASLt's block-scaled `torch._scaled_mm` where this torch and
   GPU have it, else a Triton block-scaled FP8 kernel (the scheme of DeepSeek-V3's inference code). Where the
@@ -28,6 +30,7 @@ This file is exported as Hub remote code: Triton is imported inside `try:`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -60,6 +63,18 @@ WEIGHT_ONLY_MAX_ROWS = 64
 # 4096) 201 / 210 against 208 / 275; square and deep weights stay weight-only (the 4096 x 4096 output projection 13.6
 # / 15.7 against 16.5 / 19.4, down 4096 x 12288 31.5 / 37.2 against 37.1 / 37.2).
 W8A8_MIN_WIDTH_RATIO = 3
+# Up to this many rows, a weight of 128 x 128 blocks deeper (K) than wide (N), or at least
+# `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, runs hf_dllm's few-rows w8a8 kernel (`few_rows_w8a8_applies`):
+# FP8 tensor cores, split-K, the activations quantized by the kernel that produces them where that is LLaDA's
+# RMSNorm or SiLU gate. On an H100 at 32 / 64 rows, each product reading its weight from memory, the activations
+# quantized beforehand (`python benchmarks/bench_fp8_gemm.py --rows 32,64 --weight-copies 4`; RESULTS.md, FP8,
+# session 25): LLaDA-8B's down (4096 x 12288) 26.4 / 30.0 us against the weight-only kernel's 28.7 / 31.8, gate/up
+# (24576 x 4096) 41.3 / 42.7 against cuBLASLt's 43.5 / 44.0; fused q/k/v (3x) stays with cuBLASLt (24.2 against
+# 25.8 at 32 rows), the square output projection with the weight-only kernel (13.2 against 14.3 with its
+# activations' quantization, which no kernel before it writes fused). An FP8 head (31x; transformers' default keeps
+# it bf16) would take it too: not measured.
+FEW_ROWS_W8A8_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
+FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
 
 
 # `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
@@ -127,10 +142,10 @@ def fp8_linear(
     use_triton: bool = True,
 ) -> torch.Tensor:
     """`x (..., K) @ dequantize(weight).T + bias` -> `(..., N)` in `x.dtype` (see the module docstring for the
-    kernels). `use_triton=False` forces the PyTorch path. `x` may be `QuantizedRows` (written for cuBLASLt by their
-    producer, where `quantized_input_group` said this product runs there)."""
+    kernels). `use_triton=False` forces the PyTorch path. `x` may be `QuantizedRows` (written by their producer,
+    where `quantized_input_group` said this product runs w8a8)."""
     if isinstance(x, QuantizedRows):
-        return scaled_mm_rows(x, weight, weight_scale_inv, bias)
+        return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias)
     if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
         return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
     shape = x.shape
@@ -139,7 +154,12 @@ def fp8_linear(
         x2 = x2.contiguous()
     n_out, cols = weight.shape
     cublaslt = cublaslt_takes(x2, n_out, cols, block_size)
-    if weight_only_applies(x2.shape[0], n_out, cols, cublaslt):
+    if few_rows_w8a8_applies(x2, n_out, cols, block_size):
+        values, scales = quantize_rows(x2, block_size[1])
+        out = few_rows_w8a8_matmul(
+            QuantizedRows(values, scales, x2.shape, x2.dtype), weight, weight_scale_inv, block_size, bias
+        )
+    elif weight_only_applies(x2.shape[0], n_out, cols, cublaslt):
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
     else:  # the backend `auto` would pick, decided above once
         out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, "scaled_mm" if cublaslt else "triton")
@@ -151,6 +171,27 @@ def weight_only_applies(rows: int, n_out: int, cols: int, cublaslt: bool) -> boo
     w8a8): few rows, unless the weight is wide and cuBLASLt's block-scaled product (`cublaslt`) can take it
     (`WEIGHT_ONLY_MAX_ROWS`, `W8A8_MIN_WIDTH_RATIO`)."""
     return rows <= WEIGHT_ONLY_MAX_ROWS and not (cublaslt and n_out >= W8A8_MIN_WIDTH_RATIO * cols)
+
+
+def few_rows_w8a8_applies(x: torch.Tensor, n_out: int, cols: int, block_size) -> bool:
+    """Whether `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with the few-rows w8a8 kernel
+    (`few_rows_w8a8_matmul`): up to `FEW_ROWS_W8A8_MAX_ROWS` rows, 128 x 128 weight blocks, a weight deeper than
+    wide or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, on a GPU with FP8 tensor cores (compute
+    capability 8.9 or more)."""
+    rows = x.numel() // x.shape[-1]
+    return (
+        TRITON_AVAILABLE
+        and x.is_cuda
+        and rows <= FEW_ROWS_W8A8_MAX_ROWS
+        and tuple(block_size) == (128, 128)
+        and (cols > n_out or n_out >= FEW_ROWS_W8A8_MIN_WIDTH_RATIO * cols)
+        and _fp8_tensor_cores(x.device.index or 0)
+    )
+
+
+@functools.cache
+def _fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def fp8_kernel_supports(weight: torch.Tensor, block_size) -> bool:
@@ -190,6 +231,26 @@ def _prune_weight_only(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] in allowed and (rows <= 64 or c.kwargs["SPLIT_K"] == 1)]
 
 
+def few_rows_w8a8_configs() -> list:
+    # The weight tile is always the MMA's M (64 or 128 weight rows), the few activation rows its N. SPLIT_K as in
+    # `weight_only_configs`: at 32 rows an N of 4096 gives too few tiles to keep every SM streaming weights.
+    return [
+        triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split}, num_warps=4, num_stages=stages)
+        for block_m in (16, 32, 64)
+        for block_n in (64, 128)
+        for split in (1, 2, 4, 8)
+        for stages in (3, 4, 5)
+    ]
+
+
+def _prune_few_rows(configs, named_args, **kwargs):
+    # BLOCK_M: the smallest tile >= the rows (min 16), at most 64 (more rows take several row tiles).
+    wanted = 16
+    while wanted < named_args["M"] and wanted < 64:
+        wanted *= 2
+    return [c for c in configs if c.kwargs["BLOCK_M"] == wanted]
+
+
 if TRITON_AVAILABLE:
 
     @triton.jit
@@ -213,6 +274,43 @@ if TRITON_AVAILABLE:
         else:
             acc = tl.dot(x, tl.trans(w), acc)
         return acc
+
+    @triton.jit
+    def _split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_k):
+        # The k tiles [first, last) that split `pid_k` of SPLIT_K sums (the last splits may get fewer, or none).
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = pid_k * per_split
+        return k_first, tl.minimum(k_first + per_split, k_tiles)
+
+    @triton.jit
+    def _store_split_product(
+        result,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        pid_k,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        # A (BLOCK_M, BLOCK_N) float32 product tile: with SPLIT_K 1 (+ bias) rounded into out; else split pid_k's
+        # float32 partial sums `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds up in a fixed order (deterministic,
+        # unlike atomics).
+        in_n = offs_n < N
+        mask = (offs_m < M)[:, None] & in_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                result += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
+            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+            tl.store(partial_ptrs, result, mask=mask)
 
     @triton.autotune(
         configs=weight_only_configs(),
@@ -245,15 +343,11 @@ if TRITON_AVAILABLE:
     ):
         # out[m, n] = sum over k tiles of x[m, k] @ (w[n, k] * scale[n // SCALE_N, k // SCALE_K])^T (`tile_product`:
         # BLOCK_K <= SCALE_K, so a k tile lies inside one scale block). Program (n, m, s) sums the s-th of SPLIT_K
-        # ranges of k tiles; with SPLIT_K > 1 it writes float32 partial sums `(SPLIT_K, M, N)` that
-        # `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
+        # ranges of k tiles (`_split_k_range`, `_store_split_product`).
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
-        k_first = pid_k * per_split
-        k_last = tl.minimum(k_first + per_split, k_tiles)
+        k_first, k_last = _split_k_range(K, BLOCK_K, SPLIT_K, pid_k)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -278,15 +372,9 @@ if TRITON_AVAILABLE:
             result = tl.trans(acc)
         else:
             result = acc
-        mask = in_m[:, None] & in_n[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                result += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-            tl.store(partial_ptrs, result, mask=mask)
+        _store_split_product(
+            result, offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, stride_om, HAS_BIAS, SPLIT_K
+        )
 
     # The largest split any config makes: room for its partial sums is allocated where splits may run.
     _MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _weight_only_kernel.configs)
@@ -401,10 +489,73 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
+    @triton.autotune(
+        configs=few_rows_w8a8_configs(),
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_few_rows},
+    )
+    @triton.jit
+    def _few_rows_w8a8_kernel(
+        a_ptr,
+        a_scale_ptr,
+        w_ptr,
+        w_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_asm,
+        stride_ask,
+        stride_wn,
+        stride_wsn,
+        stride_om,
+        SCALE_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        # out[m, n] = sum over k tiles of (w[n, tile] @ a[m, tile]^T)^T * a_scale[m, k] * w_scale[n // SCALE_N, k]:
+        # FP8 operands on FP8 tensor cores, the weight tile as the MMA's M. A k tile is one scale block of both
+        # (BLOCK_K = the weight's and the activations' block of columns), and BLOCK_N divides SCALE_N, so one
+        # weight scale per program and k tile. Program (n, m, s) sums the s-th of SPLIT_K ranges of k tiles, as in
+        # `_weight_only_kernel`.
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        k_first, k_last = _split_k_range(K, BLOCK_K, SPLIT_K, pid_k)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        in_m = offs_m < M
+        in_n = offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] + k_first * BLOCK_K
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] + k_first * BLOCK_K
+        a_scale_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
+        w_scale_row = w_scale_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_first, k_last):
+            in_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            a_scale = tl.load(a_scale_ptrs + k * stride_ask, mask=in_m, other=0.0)
+            acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * tl.load(w_scale_row + k))
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        _store_split_product(
+            tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, stride_om, HAS_BIAS, SPLIT_K
+        )
+
+    _MAX_FEW_ROWS_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_w8a8_kernel.configs)
 
 # The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
 INTERPRETER_CONFIGS = {
     "weight_only": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "SWAP": False},
+    "few_rows_w8a8": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2},
     "w8a8": {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2},
 }
 
@@ -452,19 +603,75 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
         HAS_BIAS=bias is not None,
         config=config,
     )
-    if ran["SPLIT_K"] > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
-            partials,
+    _add_up_splits(partials, bias, out, ran["SPLIT_K"])
+    return out
+
+
+def _add_up_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
+    """Where a split-K product ran with `splits` > 1: `out (M, N)` = the sum of its float32 partial sums
+    `partials[:splits]` (+ bias), in a fixed order (`_sum_splits_kernel`)."""
+    if splits == 1:
+        return
+    rows, n_out = out.shape
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
+        partials,
+        bias if bias is not None else out,
+        out,
+        rows,
+        n_out,
+        splits,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+    )
+
+
+def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, config=None):
+    """`x`'s real rows times the FP8 weight on FP8 tensor cores with hf_dllm's few-rows kernel -> `(..., N)` in
+    `x.dtype`: the product of `scaled_mm_rows` (the same block-scaled arithmetic up to the order of float32 sums),
+    made for a block step's rows, where cuBLASLt streams the weight slower (`few_rows_w8a8_applies`). `x`'s group and
+    the weight's block of columns must both be 128 (`block_size` (128, 128)). `config`: one of
+    `few_rows_w8a8_configs()` instead of the autotuner's choice (tests)."""
+    values, scales = x.values, x.scales
+    rows, cols = x.shape[:-1].numel(), x.shape[-1]
+    n_out = weight.shape[0]
+    if tuple(block_size) != (128, 128) or scales.shape[1] != -(-cols // 128):
+        raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
+    with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
+        out = torch.empty(rows, n_out, device=values.device, dtype=x.dtype)
+        splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_FEW_ROWS_SPLIT_K
+        partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=values.device, dtype=torch.float32)
+
+        def grid(meta):
+            return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
+
+        ran = launch(
+            _few_rows_w8a8_kernel,
+            grid,
+            INTERPRETER_CONFIGS["few_rows_w8a8"],
+            values,
+            scales,
+            weight,
+            weight_scale_inv,
             bias if bias is not None else out,
             out,
+            partials,
             rows,
             n_out,
-            ran["SPLIT_K"],
+            cols,
+            values.stride(0),
+            scales.stride(0),
+            scales.stride(1),
+            weight.stride(0),
+            weight_scale_inv.stride(0),
+            out.stride(0),
+            SCALE_N=block_size[0],
+            BLOCK_K=block_size[1],
             HAS_BIAS=bias is not None,
-            BLOCK=block,
+            config=config,
         )
-    return out
+        _add_up_splits(partials, bias, out, ran["SPLIT_K"])
+    return out.view(*x.shape[:-1], n_out)
 
 
 def activation_buffers(
@@ -525,6 +732,14 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
+def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
+    """`x`'s real rows times the FP8 weight -> `(..., N)` in `x.dtype`: the few-rows kernel where it applies
+    (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
+    if few_rows_w8a8_applies(x.values[: x.shape[:-1].numel()], *weight.shape, block_size):
+        return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
+    return scaled_mm_rows(x, weight, weight_scale_inv, bias)
+
+
 def scaled_mm_rows(x: QuantizedRows, weight, weight_scale_inv, bias=None) -> torch.Tensor:
     """`x`'s real rows times the FP8 weight through cuBLASLt's block-scaled product -> `(..., N)` in `x.dtype`."""
     out = _scaled_mm_blockwise(x.values, x.scales, weight, weight_scale_inv, bias, x.dtype)
@@ -538,10 +753,12 @@ FUSE_ACTIVATION_QUANTIZATION = True
 
 def quantized_input_group(x: torch.Tensor, n_out: int, cols: int, block_size) -> int | None:
     """The column group in which `fp8_linear` would quantize `x (..., cols)` to multiply it by an `(n_out, cols)`
-    FP8 weight through cuBLASLt (the w8a8 path), so that the kernel producing `x` can write it as `QuantizedRows`;
-    None where another kernel would run (or `FUSE_ACTIVATION_QUANTIZATION` is off)."""
+    FP8 weight (the w8a8 paths: cuBLASLt, or the few-rows kernel), so that the kernel producing `x` can write it as
+    `QuantizedRows`; None where another kernel would run (or `FUSE_ACTIVATION_QUANTIZATION` is off)."""
     if not FUSE_ACTIVATION_QUANTIZATION or not TRITON_AVAILABLE or not x.is_cuda:
         return None
+    if few_rows_w8a8_applies(x, n_out, cols, block_size):
+        return block_size[1]
     rows = x.numel() // x.shape[-1]
     if not cublaslt_takes(x, n_out, cols, block_size) or weight_only_applies(rows, n_out, cols, True):
         return None

@@ -155,7 +155,7 @@ def kernel_errors(x, weight, block, kernels):
     exact = x.float() @ weight.float().t()
     w8, scale = fp8.quantize_blocks(weight, block)
     w_deq = fp8.dequantize(w8, scale, block, torch.float32)
-    a8, a_scale = fp8.quantize_rows(x, block[1]) if "w8a8" in kernels else (None, None)
+    a8, a_scale = fp8.quantize_rows(x, block[1]) if any(n.startswith("w8a8") for n in kernels) else (None, None)
     norm = exact.norm()
     refs = {"weight_only": ((x.float() @ w_deq.t()) - exact).norm() / norm}
     if a8 is not None:
@@ -165,10 +165,20 @@ def kernel_errors(x, weight, block, kernels):
     for name, backend in kernels.items():
         if name == "weight_only":
             out = fp8.weight_only_matmul(x, w8, scale, block)
+        elif backend == "few_rows":
+            rows = fp8.QuantizedRows(*fp8.quantize_rows(x, block[1]), x.shape, x.dtype)
+            out = fp8.few_rows_w8a8_matmul(rows, w8, scale, block)
         else:
             out = fp8.w8a8_matmul(x, w8, scale, block, backend=backend)
         results[name] = ((out.float() - exact).norm() / norm).item(), refs[name.split(":")[0]].item()
     return results
+
+
+def block_magnitudes(n_out: int, k_in: int) -> torch.Tensor:
+    """`(n_out, k_in)` factors, one per 128 x 128 block, from 0.002 to 0.2 over the blocks: weights whose block
+    scales differ, so that a kernel applying the wrong block's scale is far off."""
+    blocks = torch.logspace(-2.7, -0.7, -(-n_out // 128) * -(-k_in // 128)).view(-(-n_out // 128), -(-k_in // 128))
+    return blocks[torch.randperm(blocks.shape[0])].repeat_interleave(128, 0)[:n_out].repeat_interleave(128, 1)[:, :k_in]
 
 
 def fused_quantization_differences(device: str, dtype: torch.dtype) -> list[str]:
@@ -274,13 +284,25 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
     from hf_dllm import fp8
-    from tests.test_fp8 import kernel_errors
+    from tests.test_fp8 import block_magnitudes, kernel_errors
     torch.manual_seed(0)
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
         x = torch.randn(rows, k_in, dtype=torch.float16)
         weight = torch.randn(n_out, k_in) * 0.02
-        for name, (error, reference) in kernel_errors(x, weight, (128, 128), {"weight_only": None, "w8a8": "triton"}).items():
+        kernels = {"weight_only": None, "w8a8": "triton", "w8a8:few_rows": "few_rows"}
+        for name, (error, reference) in kernel_errors(x, weight, (128, 128), kernels).items():
             assert error <= 2 * reference + 1e-3, (name, rows, error, reference)
+    # The few-rows w8a8 kernel without a split, with 128-row weight tiles and several row tiles, and with a split of
+    # more parts than some ranges have k tiles.
+    for config, (rows, n_out, k_in) in [
+        ({"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 1}, (20, 384, 256)),
+        ({"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 4}, (3, 128, 640)),
+    ]:
+        fp8.INTERPRETER_CONFIGS["few_rows_w8a8"] = config
+        x = torch.randn(rows, k_in, dtype=torch.float16)
+        weight = torch.randn(n_out, k_in) * block_magnitudes(n_out, k_in)
+        error, reference = kernel_errors(x, weight, (128, 128), {"w8a8:few_rows": "few_rows"})["w8a8:few_rows"]
+        assert error <= 2 * reference + 1e-3, ("few_rows", config, error, reference)
     # The weight-only kernel's other formulation (weight tile times transposed activations) and no split.
     fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
@@ -371,6 +393,8 @@ def test_kernel_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
     kernels = {"weight_only": None, "w8a8": "triton"}
     if fp8.cublaslt_takes(x, n_out, k_in, BLOCK):
         kernels["w8a8:scaled_mm"] = "scaled_mm"
+    if rows <= fp8.FEW_ROWS_W8A8_MAX_ROWS:
+        kernels["w8a8:few_rows"] = "few_rows"
     for name, (error, reference) in kernel_errors(x, weight, BLOCK, kernels).items():
         # bf16 output rounding (2^-9) is added to the float32 reference's error.
         assert error <= 2 * reference + 2e-3, (name, error, reference)
@@ -394,6 +418,50 @@ def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
         assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [32, 64, 5])
+@pytest.mark.parametrize("n_out,k_in", [(4096, 4096), (640, 1536)])
+def test_every_few_rows_w8a8_config_within_twice_torch_fp8_reference(rows, n_out, k_in):
+    """Each config the autotuner may pick for a block step's rows (every tile and split), compiled, against
+    PyTorch's w8a8 reference (activations and weight quantized, dequantized, multiplied in float32)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n_out, k_in, device="cuda") * block_magnitudes(n_out, k_in).cuda()
+    exact = x.float() @ weight.float().t()
+    w8, scale = fp8.quantize_blocks(weight, BLOCK)
+    values, scales = fp8.quantize_rows(x, 128)
+    x_deq = (values.float().unflatten(1, (-1, 128)) * scales[:, :, None]).flatten(1)
+    reference = ((x_deq @ fp8.dequantize(w8, scale, BLOCK, torch.float32).t()) - exact).norm() / exact.norm()
+    quantized = fp8.QuantizedRows(values, scales, x.shape, x.dtype)
+    configs = fp8._prune_few_rows(fp8.few_rows_w8a8_configs(), {"M": rows})
+    assert {c.kwargs["SPLIT_K"] for c in configs} == {1, 2, 4, 8} and {c.kwargs["BLOCK_N"] for c in configs} == {
+        64,
+        128,
+    }
+    for config in configs:
+        out = fp8.few_rows_w8a8_matmul(quantized, w8, scale, BLOCK, config=config)
+        error = (out.float() - exact).norm() / exact.norm()
+        assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
+
+
+@pytest.mark.gpu
+def test_few_rows_w8a8_applies_to_few_rows_of_deep_or_widest_weights():
+    """The measured rule: up to `FEW_ROWS_W8A8_MAX_ROWS` rows, 128 x 128 blocks, weights deeper than wide (LLaDA's
+    down) or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep (gate/up), FP8 tensor cores."""
+    x = torch.zeros(32, 4096, device="cuda", dtype=torch.bfloat16)
+    fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
+    deep = torch.zeros(32, 12288, device="cuda", dtype=torch.bfloat16)
+    assert fp8.few_rows_w8a8_applies(deep, 4096, 12288, BLOCK) == fp8_cores  # down
+    assert fp8.few_rows_w8a8_applies(x, 24576, 4096, BLOCK) == fp8_cores  # gate/up: 6x
+    assert fp8.few_rows_w8a8_applies(x[:1], 24576, 4096, BLOCK) == fp8_cores
+    assert not fp8.few_rows_w8a8_applies(x, 12288, 4096, BLOCK)  # fused q/k/v: 3x, cuBLASLt
+    assert not fp8.few_rows_w8a8_applies(x, 4096, 4096, BLOCK)  # output projection: weight-only
+    rows = fp8.FEW_ROWS_W8A8_MAX_ROWS
+    assert not fp8.few_rows_w8a8_applies(torch.zeros(rows + 1, 12288, device="cuda"), 4096, 12288, BLOCK)
+    assert not fp8.few_rows_w8a8_applies(deep, 4096, 12288, (64, 64))
+    assert not fp8.few_rows_w8a8_applies(deep.cpu(), 4096, 12288, BLOCK)
+
+
 def test_weight_only_kernel_takes_few_rows_of_weights_not_much_wider_than_deep():
     """The measured rule (`fp8.W8A8_MIN_WIDTH_RATIO`): up to `WEIGHT_ONLY_MAX_ROWS` rows the weight-only kernel,
     except for weights at least three times wider than deep where cuBLASLt's block-scaled product is available;
@@ -411,20 +479,34 @@ def test_weight_only_kernel_takes_few_rows_of_weights_not_much_wider_than_deep()
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [3, 32, 200])
-def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows):
+@pytest.mark.parametrize("n_out,k_in", [(640, 512), (256, 1024)])
+def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows, n_out, k_in, monkeypatch):
     torch.manual_seed(0)
-    x = torch.randn(2, rows, 512, device="cuda", dtype=torch.bfloat16)
-    w8, scale = fp8.quantize_blocks(torch.randn(640, 512, device="cuda") * 0.02, BLOCK)
-    bias = torch.randn(640, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, rows, k_in, device="cuda", dtype=torch.bfloat16)
+    w8, scale = fp8.quantize_blocks(torch.randn(n_out, k_in, device="cuda") * 0.02, BLOCK)
+    bias = torch.randn(n_out, device="cuda", dtype=torch.bfloat16)
+    few_rows_calls = []
+    original = fp8.few_rows_w8a8_matmul
+
+    def counted(*args, **kwargs):
+        few_rows_calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fp8, "few_rows_w8a8_matmul", counted)
     out = fp8.fp8_linear(x, w8, scale, BLOCK, bias)
+    monkeypatch.undo()
+    few_rows = fp8.few_rows_w8a8_applies(x, n_out, k_in, BLOCK)
+    fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
+    assert few_rows == (2 * rows <= fp8.FEW_ROWS_W8A8_MAX_ROWS and k_in > n_out and fp8_cores)
+    assert few_rows_calls == ([(2 * rows, k_in)] if few_rows else [])
     expected = fp8.fp8_linear(x, w8, scale, BLOCK, bias, use_triton=False)
-    assert out.shape == (2, rows, 640)
+    assert out.shape == (2, rows, n_out)
     # A wide weight (4x) at few rows: cuBLASLt's block-scaled product on SM90, within w8a8's tolerance.
-    wide8, wide_scale = fp8.quantize_blocks(torch.randn(2048, 512, device="cuda") * 0.02, BLOCK)
+    wide8, wide_scale = fp8.quantize_blocks(torch.randn(4 * k_in, k_in, device="cuda") * 0.02, BLOCK)
     wide = fp8.fp8_linear(x, wide8, wide_scale, BLOCK)
     wide_expected = fp8.fp8_linear(x, wide8, wide_scale, BLOCK, use_triton=False)
     assert (wide.float() - wide_expected.float()).abs().max() < 0.15 * wide_expected.float().abs().max()
-    weight_only = fp8.weight_only_applies(2 * rows, 640, 512, cublaslt=True)  # 640 x 512: not wide
+    weight_only = not few_rows and fp8.weight_only_applies(2 * rows, n_out, k_in, cublaslt=True)  # neither is wide
     tolerance = 0.02 if weight_only else 0.15  # w8a8 also quantizes the activations
     assert (out.float() - expected.float()).abs().max() < tolerance * expected.float().abs().max()
 
