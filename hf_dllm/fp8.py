@@ -30,7 +30,6 @@ This file is exported as Hub remote code: Triton is imported inside `try:`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -153,17 +152,31 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n_out, cols = weight.shape
-    cublaslt = cublaslt_takes(x2, n_out, cols, block_size)
-    if few_rows_w8a8_applies(x2, n_out, cols, block_size):
+    kernel = fp8_product_kernel(x2, n_out, cols, block_size)
+    if kernel == "few_rows":
         values, scales = quantize_rows(x2, block_size[1])
         out = few_rows_w8a8_matmul(
             QuantizedRows(values, scales, x2.shape, x2.dtype), weight, weight_scale_inv, block_size, bias
         )
-    elif weight_only_applies(x2.shape[0], n_out, cols, cublaslt):
+    elif kernel == "weight_only":
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
-    else:  # the backend `auto` would pick, decided above once
-        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, "scaled_mm" if cublaslt else "triton")
+    else:  # `scaled_mm` or `triton`, the backend `auto` would pick, decided once
+        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, kernel)
     return out.view(*shape[:-1], n_out)
+
+
+def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> str:
+    """Which of hf_dllm's kernels `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with where
+    the fused kernels run: `few_rows` (`few_rows_w8a8_applies`), `weight_only` (`weight_only_applies`), or the
+    w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or Triton (`triton`). The one rule that
+    `fp8_linear` runs and `quantized_input_group` reads."""
+    rows = x.numel() // x.shape[-1]
+    if few_rows_w8a8_applies(rows, n_out, cols, block_size, x.device):
+        return "few_rows"
+    cublaslt = cublaslt_takes(x, n_out, cols, block_size)
+    if weight_only_applies(rows, n_out, cols, cublaslt):
+        return "weight_only"
+    return "scaled_mm" if cublaslt else "triton"
 
 
 def weight_only_applies(rows: int, n_out: int, cols: int, cublaslt: bool) -> bool:
@@ -173,19 +186,18 @@ def weight_only_applies(rows: int, n_out: int, cols: int, cublaslt: bool) -> boo
     return rows <= WEIGHT_ONLY_MAX_ROWS and not (cublaslt and n_out >= W8A8_MIN_WIDTH_RATIO * cols)
 
 
-def few_rows_w8a8_applies(x: torch.Tensor, n_out: int, cols: int, block_size) -> bool:
-    """Whether `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with the few-rows w8a8 kernel
-    (`few_rows_w8a8_matmul`): up to `FEW_ROWS_W8A8_MAX_ROWS` rows, 128 x 128 weight blocks, a weight deeper than
-    wide or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, on a GPU with FP8 tensor cores (compute
-    capability 8.9 or more)."""
-    rows = x.numel() // x.shape[-1]
+def few_rows_w8a8_applies(rows: int, n_out: int, cols: int, block_size, device: torch.device) -> bool:
+    """Whether `fp8_linear` multiplies `rows` rows by an `(n_out, cols)` FP8 weight on `device` with the few-rows
+    w8a8 kernel (`few_rows_w8a8_matmul`): up to `FEW_ROWS_W8A8_MAX_ROWS` rows, 128 x 128 weight blocks, a weight
+    deeper than wide or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, on a GPU with FP8 tensor
+    cores (compute capability 8.9 or more)."""
     return (
         TRITON_AVAILABLE
-        and x.is_cuda
+        and device.type == "cuda"
         and rows <= FEW_ROWS_W8A8_MAX_ROWS
         and tuple(block_size) == (128, 128)
         and (cols > n_out or n_out >= FEW_ROWS_W8A8_MIN_WIDTH_RATIO * cols)
-        and _fp8_tensor_cores(x.device.index or 0)
+        and _fp8_tensor_cores(device.index or 0)
     )
 
 
@@ -632,46 +644,51 @@ def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size,
     made for a block step's rows, where cuBLASLt streams the weight slower (`few_rows_w8a8_applies`). `x`'s group and
     the weight's block of columns must both be 128 (`block_size` (128, 128)). `config`: one of
     `few_rows_w8a8_configs()` instead of the autotuner's choice (tests)."""
-    values, scales = x.values, x.scales
-    rows, cols = x.shape[:-1].numel(), x.shape[-1]
-    n_out = weight.shape[0]
-    if tuple(block_size) != (128, 128) or scales.shape[1] != -(-cols // 128):
+    cols = x.shape[-1]
+    if tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
         raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
-    with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
-        out = torch.empty(rows, n_out, device=values.device, dtype=x.dtype)
-        splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_FEW_ROWS_SPLIT_K
-        partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=values.device, dtype=torch.float32)
+    out = _few_rows_w8a8(x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
-        def grid(meta):
-            return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
 
-        ran = launch(
-            _few_rows_w8a8_kernel,
-            grid,
-            INTERPRETER_CONFIGS["few_rows_w8a8"],
-            values,
-            scales,
-            weight,
-            weight_scale_inv,
-            bias if bias is not None else out,
-            out,
-            partials,
-            rows,
-            n_out,
-            cols,
-            values.stride(0),
-            scales.stride(0),
-            scales.stride(1),
-            weight.stride(0),
-            weight_scale_inv.stride(0),
-            out.stride(0),
-            SCALE_N=block_size[0],
-            BLOCK_K=block_size[1],
-            HAS_BIAS=bias is not None,
-            config=config,
-        )
-        _add_up_splits(partials, bias, out, ran["SPLIT_K"])
-    return out.view(*x.shape[:-1], n_out)
+@on_tensor_device
+def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, config) -> torch.Tensor:
+    # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` -> `(rows, N)` in `dtype`.
+    n_out, cols = weight.shape
+    out = torch.empty(rows, n_out, device=values.device, dtype=dtype)
+    splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_FEW_ROWS_SPLIT_K
+    partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=values.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
+
+    ran = launch(
+        _few_rows_w8a8_kernel,
+        grid,
+        INTERPRETER_CONFIGS["few_rows_w8a8"],
+        values,
+        scales,
+        weight,
+        weight_scale_inv,
+        bias if bias is not None else out,
+        out,
+        partials,
+        rows,
+        n_out,
+        cols,
+        values.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        weight.stride(0),
+        weight_scale_inv.stride(0),
+        out.stride(0),
+        SCALE_N=128,
+        BLOCK_K=128,
+        HAS_BIAS=bias is not None,
+        config=config,
+    )
+    _add_up_splits(partials, bias, out, ran["SPLIT_K"])
+    return out
 
 
 def activation_buffers(
@@ -720,10 +737,10 @@ SCALED_MM_ROW_MULTIPLE = 16
 
 
 class QuantizedRows(NamedTuple):
-    """Activations quantized for cuBLASLt's w8a8 product (`scaled_mm_rows`): by `quantize_rows`, or written so by
-    the kernel that produces them (`rms_norm_to_fp8`, `silu_mul_to_fp8`: the same bits, without the pass over the
-    activations that quantizing takes). `values` FP8 `(padded rows, K)` and `scales` float32 `(padded rows, K /
-    group)` laid out for cuBLASLt; `shape` the activations' `(..., K)` (its rows are the real ones) and `dtype`
+    """Activations quantized for a w8a8 product (`w8a8_rows_matmul`: cuBLASLt or the few-rows kernel): by
+    `quantize_rows`, or written so by the kernel that produces them (`rms_norm_to_fp8`, `silu_mul_to_fp8`: the same
+    bits, without the pass over the activations that quantizing takes). `values` FP8 `(padded rows, K)` and `scales`
+    float32 `(padded rows, K / group)` laid out for cuBLASLt (the few-rows kernel reads any strides); `shape` the activations' `(..., K)` (its rows are the real ones) and `dtype`
     theirs, the product's output dtype."""
 
     values: torch.Tensor
@@ -735,7 +752,7 @@ class QuantizedRows(NamedTuple):
 def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
     """`x`'s real rows times the FP8 weight -> `(..., N)` in `x.dtype`: the few-rows kernel where it applies
     (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
-    if few_rows_w8a8_applies(x.values[: x.shape[:-1].numel()], *weight.shape, block_size):
+    if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
         return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
     return scaled_mm_rows(x, weight, weight_scale_inv, bias)
 
@@ -757,12 +774,7 @@ def quantized_input_group(x: torch.Tensor, n_out: int, cols: int, block_size) ->
     `QuantizedRows`; None where another kernel would run (or `FUSE_ACTIVATION_QUANTIZATION` is off)."""
     if not FUSE_ACTIVATION_QUANTIZATION or not TRITON_AVAILABLE or not x.is_cuda:
         return None
-    if few_rows_w8a8_applies(x, n_out, cols, block_size):
-        return block_size[1]
-    rows = x.numel() // x.shape[-1]
-    if not cublaslt_takes(x, n_out, cols, block_size) or weight_only_applies(rows, n_out, cols, True):
-        return None
-    return block_size[1]
+    return block_size[1] if fp8_product_kernel(x, n_out, cols, block_size) in ("few_rows", "scaled_mm") else None
 
 
 def _scaled_mm_buffers(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:

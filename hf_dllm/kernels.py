@@ -91,7 +91,7 @@ def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
 
 def linear_input_group(layer: nn.Module, x: torch.Tensor) -> int | None:
     """The column group in which the kernel producing `x` may write it quantized (`fp8.QuantizedRows`) for
-    `linear(layer, x)`: an unsharded FP8 layer whose product runs through cuBLASLt (`fp8.quantized_input_group`);
+    `linear(layer, x)`: an unsharded FP8 layer whose product runs w8a8 (`fp8.quantized_input_group`);
     else None."""
     if not is_fp8_linear(layer) or is_sharded(layer.weight):
         return None
@@ -205,7 +205,7 @@ class ConcatenatedProjections(nn.Module):
 
     def quantized_input_group(self, x: torch.Tensor, names: tuple[str, ...]) -> int | None:
         """The column group in which the kernel producing `x` may write it quantized (`fp8.QuantizedRows`) for
-        `project(x, names)`: FP8 layers multiplied as one matrix through cuBLASLt (`fp8.quantized_input_group`, on
+        `project(x, names)`: FP8 layers multiplied as one w8a8 matrix product (`fp8.quantized_input_group`, on
         this rank's slices under tensor parallelism); else None."""
         layers = [self._modules[name] for name in names]
         block = self._fp8_block(layers)

@@ -64,7 +64,7 @@ class LLaDARMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, fp8_group: int | None = None) -> torch.Tensor | QuantizedRows:
         """The normed `hidden_states`; with `fp8_group` (fused kernels only) written as `QuantizedRows` for an FP8
-        product through cuBLASLt (`kernels.linear_input_group`)."""
+        w8a8 product (`kernels.linear_input_group`)."""
         if fp8_group is not None:
             return rms_norm_to_fp8(hidden_states, self.weight, self.eps, fp8_group)[0]
         if self._fused(hidden_states):
@@ -425,7 +425,7 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
 
     def _gated_activation(self, x: torch.Tensor | QuantizedRows, fused: bool) -> torch.Tensor | QuantizedRows:
         """`act(W_gate x) * W_up x` `(..., intermediate_size)`; as `QuantizedRows` where `ff_out`'s FP8 product
-        runs through cuBLASLt (`kernels.linear_input_group`)."""
+        runs w8a8 (`kernels.linear_input_group`)."""
         if fused:
             gate, up = self.project(x, self._GATE_UP).chunk(2, dim=-1)
         else:

@@ -447,19 +447,27 @@ def test_every_few_rows_w8a8_config_within_twice_torch_fp8_reference(rows, n_out
 @pytest.mark.gpu
 def test_few_rows_w8a8_applies_to_few_rows_of_deep_or_widest_weights():
     """The measured rule: up to `FEW_ROWS_W8A8_MAX_ROWS` rows, 128 x 128 blocks, weights deeper than wide (LLaDA's
-    down) or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep (gate/up), FP8 tensor cores."""
-    x = torch.zeros(32, 4096, device="cuda", dtype=torch.bfloat16)
+    down) or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep (gate/up), FP8 tensor cores; and the
+    kernel `fp8_product_kernel` names for the others."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
     fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
-    deep = torch.zeros(32, 12288, device="cuda", dtype=torch.bfloat16)
-    assert fp8.few_rows_w8a8_applies(deep, 4096, 12288, BLOCK) == fp8_cores  # down
-    assert fp8.few_rows_w8a8_applies(x, 24576, 4096, BLOCK) == fp8_cores  # gate/up: 6x
-    assert fp8.few_rows_w8a8_applies(x[:1], 24576, 4096, BLOCK) == fp8_cores
-    assert not fp8.few_rows_w8a8_applies(x, 12288, 4096, BLOCK)  # fused q/k/v: 3x, cuBLASLt
-    assert not fp8.few_rows_w8a8_applies(x, 4096, 4096, BLOCK)  # output projection: weight-only
+    assert fp8.few_rows_w8a8_applies(32, 4096, 12288, BLOCK, cuda) == fp8_cores  # down
+    assert fp8.few_rows_w8a8_applies(32, 24576, 4096, BLOCK, cuda) == fp8_cores  # gate/up: 6x
+    assert fp8.few_rows_w8a8_applies(1, 24576, 4096, BLOCK, cuda) == fp8_cores
+    assert not fp8.few_rows_w8a8_applies(32, 12288, 4096, BLOCK, cuda)  # fused q/k/v: 3x, cuBLASLt
+    assert not fp8.few_rows_w8a8_applies(32, 4096, 4096, BLOCK, cuda)  # output projection: weight-only
     rows = fp8.FEW_ROWS_W8A8_MAX_ROWS
-    assert not fp8.few_rows_w8a8_applies(torch.zeros(rows + 1, 12288, device="cuda"), 4096, 12288, BLOCK)
-    assert not fp8.few_rows_w8a8_applies(deep, 4096, 12288, (64, 64))
-    assert not fp8.few_rows_w8a8_applies(deep.cpu(), 4096, 12288, BLOCK)
+    assert not fp8.few_rows_w8a8_applies(rows + 1, 4096, 12288, BLOCK, cuda)
+    assert not fp8.few_rows_w8a8_applies(32, 4096, 12288, (64, 64), cuda)
+    assert not fp8.few_rows_w8a8_applies(32, 4096, 12288, BLOCK, cpu)
+    x = torch.zeros(32, 4096, device="cuda", dtype=torch.bfloat16)
+    assert fp8.fp8_product_kernel(x, 4096, 4096, BLOCK) == "weight_only"
+    if fp8.cublaslt_takes(x, 12288, 4096, BLOCK):
+        assert fp8.fp8_product_kernel(x, 12288, 4096, BLOCK) == "scaled_mm"
+    if fp8_cores:
+        assert fp8.fp8_product_kernel(x, 24576, 4096, BLOCK) == "few_rows"
+        assert fp8.quantized_input_group(x, 24576, 4096, BLOCK) == 128
+    assert fp8.quantized_input_group(x, 4096, 4096, BLOCK) is None  # the weight-only kernel takes bf16 rows
 
 
 def test_weight_only_kernel_takes_few_rows_of_weights_not_much_wider_than_deep():
@@ -495,7 +503,7 @@ def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows, n_out, k_in, mon
     monkeypatch.setattr(fp8, "few_rows_w8a8_matmul", counted)
     out = fp8.fp8_linear(x, w8, scale, BLOCK, bias)
     monkeypatch.undo()
-    few_rows = fp8.few_rows_w8a8_applies(x, n_out, k_in, BLOCK)
+    few_rows = fp8.few_rows_w8a8_applies(2 * rows, n_out, k_in, BLOCK, x.device)
     fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
     assert few_rows == (2 * rows <= fp8.FEW_ROWS_W8A8_MAX_ROWS and k_in > n_out and fp8_cores)
     assert few_rows_calls == ([(2 * rows, k_in)] if few_rows else [])
