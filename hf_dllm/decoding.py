@@ -38,10 +38,6 @@ NOT_MASKED = float("-inf")
 # every real probability, so they are committed last, yet above NOT_MASKED, so a scheduled commit still lands on a
 # masked position.
 DEFERRED = -1.0
-# Rows (block positions x batch) from which the one-pass Triton proposal beats PyTorch's: on an H100 with LLaDA-8B's
-# 126k vocabulary it was 0.2-0.3 ms slower per step at 32 rows (one program per row leaves most SMs idle) and faster
-# at 256 rows (batch 8: +2.4% tokens/s) and at 1024 (LLaDA2, batch 32); between them it is not measured.
-MIN_FUSED_PROPOSE_ROWS = 128
 
 
 def propose_tokens(
@@ -75,10 +71,12 @@ def propose_tokens(
         temperature == 0
         and remasking == "low_confidence"
         and suppressed_token_ids is None
-        and logits[..., 0].numel() >= MIN_FUSED_PROPOSE_ROWS
         and use_fused_kernels(logits)
     ):
-        # The same greedy choice and probability in one pass over the vocabulary (`triton_ops.greedy_propose`).
+        # The same greedy choice and probability in one pass over the vocabulary (`triton_ops.greedy_propose`; with
+        # few rows the vocabulary is split among programs). On an H100 it took a batch-1 block step from 3.18 to
+        # 3.06 ms (LLaDA2.0-mini shape) and the FP8 LLaDA-8B call from 4.95 to 4.83 ms per forward (RESULTS.md,
+        # session 26); with one program per row it was slower than PyTorch's passes below 128 rows.
         x0, confidence = triton_ops.greedy_propose(logits, mask_token_id)
         if deferred_token_ids is not None:
             confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)

@@ -281,15 +281,20 @@ def test_graphs_replayed_by_a_later_call_keep_their_constants():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,vocab", [(32, 126464), (1024, 157184), (7, 1000)])
-def test_greedy_propose_matches_torch(dtype, rows, vocab):
+@pytest.mark.parametrize(
+    "rows,vocab,n_splits", [(32, 126464, None), (32, 157184, 1), (1024, 157184, None), (7, 1000, None)]
+)
+def test_greedy_propose_matches_torch(dtype, rows, vocab, n_splits):
     """Same argmax as torch (first index on ties, the excluded id never chosen); the probability's error against
-    a float64 softmax within 2x of torch's float32 error (plus float32 rounding of the result)."""
+    a float64 softmax within 2x of torch's float32 error (plus float32 rounding of the result). Few rows split the
+    vocabulary (`greedy_propose_splits`), or run one program per row (`n_splits=1`)."""
     torch.manual_seed(rows)
     logits = (torch.randn(rows, vocab, device="cuda") * 6).to(dtype)
     logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
     logits[1, :] = 0.5  # all tied: the first index
-    tokens, probability = triton_ops.greedy_propose(logits, 5)
+    if rows > 2:
+        logits[2, vocab - 1] = logits[2, 3] = logits[2].max() + 1  # tied in the first and last split: the first
+    tokens, probability = triton_ops.greedy_propose(logits, 5, n_splits=n_splits)
     candidates = logits.float().clone()
     candidates[:, 5] = float("-inf")
     expected = candidates.argmax(-1)

@@ -112,17 +112,23 @@ KERNELS_SCRIPT = textwrap.dedent(
     # The greedy proposal against PyTorch: the same token (first index on ties, the excluded id never chosen) and the
     # probability within float32 rounding, over several chunks of the vocabulary and a partial last one, including
     # a row whose first chunk is all -inf (its online softmax once gave nan there).
-    for dtype in (torch.float32, torch.float16):
-        logits = (torch.randn(4, 9000) * 6).to(dtype)
+    # The vocabulary in one program per row and split among 2 or 3 programs (merged by a second kernel): ties
+    # across two splits go to the first index, a split whose columns are all -inf merges as nothing.
+    for dtype, n_splits in ((torch.float32, 1), (torch.float16, 1), (torch.float32, 2), (torch.float16, None)):
+        logits = (torch.randn(6, 9000) * 6).to(dtype)
         logits[0, 5] = logits[0].max() + 1  # the excluded id is the best: the runner-up must be chosen
         logits[1, :] = 0.5  # all tied: the first index
         logits[2, :4500] = float("-inf")
-        tokens, probability = triton_ops.greedy_propose(logits, 5)
+        logits[3, 8500] = logits[3].max() + 2  # the best in the last chunk
+        logits[4, 4096] = logits[4, 100] = logits[4].max() + 1  # tied in two chunks: the first
+        logits[5, :8192] = float("-inf")  # only the last chunk holds finite logits
+        tokens, probability = triton_ops.greedy_propose(logits, 5, n_splits=n_splits)
         candidates = logits.float().clone()
         candidates[:, 5] = float("-inf")
-        assert torch.equal(tokens, candidates.argmax(-1)), "greedy token"
+        assert torch.equal(tokens, candidates.argmax(-1)), f"greedy token, {n_splits} splits"
         exact = torch.softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
-        assert (probability.double() - exact).abs().max() < 1e-6, "greedy probability"
+        assert (probability.double() - exact).abs().max() < 1e-6, f"greedy probability, {n_splits} splits"
+    assert triton_ops.greedy_propose_splits(6, 9000) == 3 and triton_ops.greedy_propose_splits(2048, 9000) == 1
 
     # Dream's recorded Fast-dLLM prefix-cache case (with the dual-cache case in the other script: here the two scripts
     # take about as long).
