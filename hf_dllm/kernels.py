@@ -60,8 +60,11 @@ def kernel_mode() -> str:
     return _mode
 
 
-def use_fused_kernels(tensor: torch.Tensor) -> bool:
-    """Whether the fused Triton kernels handle this activation tensor."""
+def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
+    """Whether the fused Triton kernels handle this activation tensor. `QuantizedRows` exist only where they run
+    (a fused kernel wrote them for the FP8 product that takes them)."""
+    if isinstance(tensor, QuantizedRows):
+        return True
     mode = kernel_mode()
     if mode == "torch" or not TRITON_AVAILABLE:
         chosen = False
@@ -82,8 +85,6 @@ def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     """`layer(x)` for an `nn.Linear`; for transformers' `FP8Linear` (FP8 weights with block scales) the product runs
     through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight otherwise. `x`
     may be `QuantizedRows` where `linear_input_group` gave a group."""
-    if isinstance(x, QuantizedRows):
-        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias)
     if is_fp8_linear(layer):
         return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias, use_fused_kernels(x))
     return layer(x)
@@ -199,8 +200,7 @@ class ConcatenatedProjections(nn.Module):
         if block is not None:
             weight, bias = self.concatenated(names)
             scale = self._concatenated_parameter(names, "weight_scale_inv")
-            fused = isinstance(x, QuantizedRows) or use_fused_kernels(x)
-            return fp8_linear(x, weight, scale, block, bias, fused)
+            return fp8_linear(x, weight, scale, block, bias, use_fused_kernels(x))
         return torch.cat([linear(layer, x) for layer in layers], dim=-1)
 
     def quantized_input_group(self, x: torch.Tensor, names: tuple[str, ...]) -> int | None:
