@@ -233,12 +233,15 @@ def weight_only_configs() -> list:
     ]
 
 
+def _row_tile(rows: int, largest: int) -> int:
+    """The smallest power-of-two row tile (BLOCK_M) holding `rows`, from 16 to `largest`."""
+    return min(largest, max(16, triton.next_power_of_2(rows)))
+
+
 def _prune_weight_only(configs, named_args, **kwargs):
     # BLOCK_M: the smallest tile >= the rows (min 16), or the two largest at many rows: a larger one only wastes work.
     rows = named_args["M"]
-    wanted = 16
-    while wanted < rows and wanted < 128:
-        wanted *= 2
+    wanted = _row_tile(rows, 128)
     allowed = {wanted, wanted // 2} if rows > 64 else {wanted}
     return [c for c in configs if c.kwargs["BLOCK_M"] in allowed and (rows <= 64 or c.kwargs["SPLIT_K"] == 1)]
 
@@ -257,10 +260,7 @@ def few_rows_w8a8_configs() -> list:
 
 def _prune_few_rows(configs, named_args, **kwargs):
     # BLOCK_M: the smallest tile >= the rows (min 16), at most 64 (more rows take several row tiles).
-    wanted = 16
-    while wanted < named_args["M"] and wanted < 64:
-        wanted *= 2
-    return [c for c in configs if c.kwargs["BLOCK_M"] == wanted]
+    return [c for c in configs if c.kwargs["BLOCK_M"] == _row_tile(named_args["M"], 64)]
 
 
 if TRITON_AVAILABLE:
@@ -288,12 +288,24 @@ if TRITON_AVAILABLE:
         return acc
 
     @triton.jit
-    def _split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, pid_k):
-        # The k tiles [first, last) that split `pid_k` of SPLIT_K sums (the last splits may get fewer, or none).
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        per_split = tl.cdiv(k_tiles, SPLIT_K)
+    def _split_k_program(
+        M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr
+    ):
+        # Program (n, m, s) of a split-K product of an (M, K) by a (N, K) matrix: its output rows and columns with
+        # their in-bounds masks, its split s, and the k tiles [k_first, k_last) it sums (the last splits may get
+        # fewer, or none).
+        pid_k = tl.program_id(2)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
         k_first = pid_k * per_split
-        return k_first, tl.minimum(k_first + per_split, k_tiles)
+        k_last = tl.minimum(k_first + per_split, tl.cdiv(K, BLOCK_K))
+        return offs_m, offs_n, offs_m < M, offs_n < N, pid_k, k_first, k_last
+
+    @triton.jit
+    def _k_tile_ptrs(ptr, offs, stride, k_first, BLOCK_K: tl.constexpr):
+        # Pointers to the (len(offs), BLOCK_K) tile of rows `offs` of a row-major matrix at k tile `k_first`.
+        return ptr + offs[:, None].to(tl.int64) * stride + tl.arange(0, BLOCK_K)[None, :] + k_first * BLOCK_K
 
     @triton.jit
     def _store_split_product(
@@ -355,18 +367,13 @@ if TRITON_AVAILABLE:
     ):
         # out[m, n] = sum over k tiles of x[m, k] @ (w[n, k] * scale[n // SCALE_N, k // SCALE_K])^T (`tile_product`:
         # BLOCK_K <= SCALE_K, so a k tile lies inside one scale block). Program (n, m, s) sums the s-th of SPLIT_K
-        # ranges of k tiles (`_split_k_range`, `_store_split_product`).
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        k_first, k_last = _split_k_range(K, BLOCK_K, SPLIT_K, pid_k)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # ranges of k tiles (`_split_k_program`, `_store_split_product`).
+        offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
         offs_k = tl.arange(0, BLOCK_K)
-        in_m = offs_m < M
-        in_n = offs_n < N
-        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] + k_first * BLOCK_K
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] + k_first * BLOCK_K
+        x_ptrs = _k_tile_ptrs(x_ptr, offs_m, stride_xm, k_first, BLOCK_K)
+        w_ptrs = _k_tile_ptrs(w_ptr, offs_n, stride_wn, k_first, BLOCK_K)
         scale_ptrs = scale_ptr + (offs_n // SCALE_N) * stride_sn
         # SWAP: the same sums as (BLOCK_N, BLOCK_M) tiles, `w @ x^T`, transposed once at the end.
         if SWAP:
@@ -536,19 +543,14 @@ if TRITON_AVAILABLE:
         # (BLOCK_K = the weight's and the activations' block of columns), and BLOCK_N divides SCALE_N, so one
         # weight scale per program and k tile. Program (n, m, s) sums the s-th of SPLIT_K ranges of k tiles, as in
         # `_weight_only_kernel`.
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        k_first, k_last = _split_k_range(K, BLOCK_K, SPLIT_K, pid_k)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
         offs_k = tl.arange(0, BLOCK_K)
-        in_m = offs_m < M
-        in_n = offs_n < N
-        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] + k_first * BLOCK_K
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] + k_first * BLOCK_K
+        a_ptrs = _k_tile_ptrs(a_ptr, offs_m, stride_am, k_first, BLOCK_K)
+        w_ptrs = _k_tile_ptrs(w_ptr, offs_n, stride_wn, k_first, BLOCK_K)
         a_scale_ptrs = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
-        w_scale_row = w_scale_ptr + ((pid_n * BLOCK_N) // SCALE_N) * stride_wsn
+        w_scale_row = w_scale_ptr + ((tl.program_id(0) * BLOCK_N) // SCALE_N) * stride_wsn
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(k_first, k_last):
             in_k = offs_k < K - k * BLOCK_K

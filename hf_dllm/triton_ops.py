@@ -577,9 +577,8 @@ def greedy_propose(
     split_width = triton.cdiv(chunks, max(1, min(wanted, chunks))) * GREEDY_PROPOSE_BLOCK
     splits = triton.cdiv(vocab, split_width)
     if splits > 1:
-        best = torch.empty(n_rows, splits, dtype=torch.float32, device=logits.device)
+        best, split_max, split_sum = torch.empty(3, n_rows, splits, dtype=torch.float32, device=logits.device)
         index = torch.empty(n_rows, splits, dtype=torch.long, device=logits.device)
-        split_max, split_sum = torch.empty_like(best), torch.empty_like(best)
     else:
         best = index = split_max = split_sum = probability  # never written
     _greedy_propose_kernel[(n_rows, splits)](
