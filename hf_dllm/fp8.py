@@ -139,14 +139,17 @@ def fp8_linear(
     block_size,
     bias: torch.Tensor | None = None,
     use_triton: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x (..., K) @ dequantize(weight).T + bias` -> `(..., N)` in `x.dtype` (see the module docstring for the
-    kernels). `use_triton=False` forces the PyTorch path. `x` may be `QuantizedRows` (written by their producer,
-    where `quantized_input_group` said this product runs w8a8)."""
+    kernels), plus `residual (..., N)` if given: `residual + product` bit for bit, added by the few-rows kernels as
+    they store the product (one kernel fewer at a block step). `use_triton=False` forces the PyTorch path. `x` may be
+    `QuantizedRows` (written by their producer, where `quantized_input_group` said this product runs w8a8)."""
     if isinstance(x, QuantizedRows):
-        return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias)
+        return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias, residual)
     if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
-        return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
+        out = nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
+        return out if residual is None else residual + out
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -155,13 +158,14 @@ def fp8_linear(
     kernel = fp8_product_kernel(x2, n_out, cols, block_size)
     if kernel == "few_rows":
         values, scales = quantize_rows(x2, block_size[1])
-        out = few_rows_w8a8_matmul(
-            QuantizedRows(values, scales, x2.shape, x2.dtype), weight, weight_scale_inv, block_size, bias
-        )
+        rows = QuantizedRows(values, scales, x2.shape, x2.dtype)
+        out = few_rows_w8a8_matmul(rows, weight, weight_scale_inv, block_size, bias, residual=residual)
     elif kernel == "weight_only":
-        out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
+        out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias, residual=residual)
     else:  # `scaled_mm` or `triton`, the backend `auto` would pick, decided once
         out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, kernel)
+        if residual is not None:
+            out = residual.reshape(out.shape) + out
     return out.view(*shape[:-1], n_out)
 
 
@@ -308,6 +312,16 @@ if TRITON_AVAILABLE:
         return ptr + offs[:, None].to(tl.int64) * stride + tl.arange(0, BLOCK_K)[None, :] + k_first * BLOCK_K
 
     @triton.jit
+    def _rounded_sum(total, out_ptrs, residual_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
+        # Float32 sums rounded once into out; with a residual, added after that rounding as PyTorch adds two
+        # activations (`residual + linear(x)`: in float32, rounded again), so the result has the unfused add's bits.
+        value = total.to(out_ptrs.dtype.element_ty)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptrs, mask=mask, other=0.0)
+            value = (value.to(tl.float32) + residual.to(tl.float32)).to(out_ptrs.dtype.element_ty)
+        tl.store(out_ptrs, value, mask=mask)
+
+    @triton.jit
     def _store_split_product(
         result,
         offs_m,
@@ -316,22 +330,26 @@ if TRITON_AVAILABLE:
         N,
         pid_k,
         bias_ptr,
+        residual_ptr,
         out_ptr,
         partial_ptr,
         stride_om,
+        stride_rm,
         HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):
-        # A (BLOCK_M, BLOCK_N) float32 product tile: with SPLIT_K 1 (+ bias) rounded into out; else split pid_k's
-        # float32 partial sums `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds up in a fixed order (deterministic,
-        # unlike atomics).
+        # A (BLOCK_M, BLOCK_N) float32 product tile: with SPLIT_K 1 (+ bias) rounded into out (+ residual,
+        # `_rounded_sum`); else split pid_k's float32 partial sums `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds
+        # up in a fixed order (deterministic, unlike atomics).
         in_n = offs_n < N
         mask = (offs_m < M)[:, None] & in_n[None, :]
+        rows = offs_m[:, None].to(tl.int64)
         if SPLIT_K == 1:
             if HAS_BIAS:
                 result += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+            out_ptrs = out_ptr + rows * stride_om + offs_n[None, :]
+            _rounded_sum(result, out_ptrs, residual_ptr + rows * stride_rm + offs_n[None, :], mask, HAS_RESIDUAL)
         else:
             partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
             tl.store(partial_ptrs, result, mask=mask)
@@ -347,6 +365,7 @@ if TRITON_AVAILABLE:
         w_ptr,
         scale_ptr,
         bias_ptr,
+        residual_ptr,
         out_ptr,
         partial_ptr,
         M,
@@ -356,10 +375,12 @@ if TRITON_AVAILABLE:
         stride_wn,
         stride_sn,
         stride_om,
+        stride_rm,
         SCALE_N: tl.constexpr,
         SCALE_K: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
@@ -392,15 +413,41 @@ if TRITON_AVAILABLE:
         else:
             result = acc
         _store_split_product(
-            result, offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, stride_om, HAS_BIAS, SPLIT_K
+            result,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            pid_k,
+            bias_ptr,
+            residual_ptr,
+            out_ptr,
+            partial_ptr,
+            stride_om,
+            stride_rm,
+            HAS_BIAS,
+            HAS_RESIDUAL,
+            SPLIT_K,
         )
 
     # The largest split any config makes: room for its partial sums is allocated where splits may run.
     _MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _weight_only_kernel.configs)
 
     @triton.jit
-    def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once.
+    def _sum_splits_kernel(
+        partial_ptr,
+        bias_ptr,
+        residual_ptr,
+        out_ptr,
+        M,
+        N,
+        SPLITS,
+        HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once (+ residual (M, N)
+        # contiguous, `_rounded_sum`).
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < M * N
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -408,7 +455,7 @@ if TRITON_AVAILABLE:
             total += tl.load(partial_ptr + split * M * N + offs, mask=inside, other=0.0)
         if HAS_BIAS:
             total += tl.load(bias_ptr + offs % N, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=inside)
+        _rounded_sum(total, out_ptr + offs, residual_ptr + offs, inside, HAS_RESIDUAL)
 
     @triton.jit
     def _quantize_rows_kernel(
@@ -520,6 +567,7 @@ if TRITON_AVAILABLE:
         w_ptr,
         w_scale_ptr,
         bias_ptr,
+        residual_ptr,
         out_ptr,
         partial_ptr,
         M,
@@ -531,9 +579,11 @@ if TRITON_AVAILABLE:
         stride_wn,
         stride_wsn,
         stride_om,
+        stride_rm,
         SCALE_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
@@ -561,7 +611,21 @@ if TRITON_AVAILABLE:
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         _store_split_product(
-            tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, stride_om, HAS_BIAS, SPLIT_K
+            tl.trans(acc),
+            offs_m,
+            offs_n,
+            M,
+            N,
+            pid_k,
+            bias_ptr,
+            residual_ptr,
+            out_ptr,
+            partial_ptr,
+            stride_om,
+            stride_rm,
+            HAS_BIAS,
+            HAS_RESIDUAL,
+            SPLIT_K,
         )
 
     _MAX_FEW_ROWS_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_w8a8_kernel.configs)
@@ -575,10 +639,13 @@ INTERPRETER_CONFIGS = {
 
 
 @on_tensor_device
-def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, config=None) -> torch.Tensor:
-    """`x (M, K)` (last dim contiguous) @ dequantized `weight (N, K)`.T -> `(M, N)` in `x.dtype`, the weight read
-    in FP8 and scaled in registers. `config`: one of `weight_only_configs()` to run instead of the autotuner's
-    choice (tests)."""
+def weight_only_matmul(
+    x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, config=None, residual=None
+) -> torch.Tensor:
+    """`x (M, K)` (last dim contiguous) @ dequantized `weight (N, K)`.T (+ bias) -> `(M, N)` in `x.dtype`, the
+    weight read in FP8 and scaled in registers; `residual (M, N)`: added to the rounded product by the kernel that
+    stores it (`residual + product` bit for bit). `config`: one of `weight_only_configs()` to run instead of the
+    autotuner's choice (tests)."""
     rows, cols = x.shape
     n_out = weight.shape[0]
     block_n, block_k = block_size
@@ -587,6 +654,7 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
     # few rows only; see _prune_weight_only).
     splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_SPLIT_K if rows <= 64 else 1
     partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=x.device, dtype=torch.float32)
+    residual = _residual_rows(residual, rows, n_out, x.dtype)
 
     def grid(meta):
         return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
@@ -602,6 +670,7 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
         weight,
         weight_scale_inv,
         bias if bias is not None else out,
+        residual if residual is not None else out,
         out,
         partials,
         rows,
@@ -611,19 +680,35 @@ def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bi
         weight.stride(0),
         weight_scale_inv.stride(0),
         out.stride(0),
+        n_out,
         SCALE_N=block_n,
         SCALE_K=block_k,
         BLOCK_K=min(block_k, 128),
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
         config=config,
     )
-    _add_up_splits(partials, bias, out, ran["SPLIT_K"])
+    _add_up_splits(partials, bias, residual, out, ran["SPLIT_K"])
     return out
 
 
-def _add_up_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
+def _residual_rows(residual: torch.Tensor | None, rows: int, n_out: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A product's residual `(..., N)` as the contiguous `(rows, N)` its kernels read."""
+    if residual is None:
+        return None
+    if residual.shape[-1] != n_out or residual.numel() != rows * n_out or residual.dtype != dtype:
+        raise ValueError(
+            f"residual must hold ({rows}, {n_out}) values in {dtype} like the product, got "
+            f"{tuple(residual.shape)} {residual.dtype}."
+        )
+    return residual.reshape(rows, n_out).contiguous()
+
+
+def _add_up_splits(
+    partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor, splits: int
+) -> None:
     """Where a split-K product ran with `splits` > 1: `out (M, N)` = the sum of its float32 partial sums
-    `partials[:splits]` (+ bias), in a fixed order (`_sum_splits_kernel`)."""
+    `partials[:splits]` (+ bias), in a fixed order (`_sum_splits_kernel`), plus `residual (M, N)` if given."""
     if splits == 1:
         return
     rows, n_out = out.shape
@@ -631,30 +716,35 @@ def _add_up_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
     _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
         partials,
         bias if bias is not None else out,
+        residual if residual is not None else out,
         out,
         rows,
         n_out,
         splits,
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
         BLOCK=block,
     )
 
 
-def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, config=None):
+def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, config=None, residual=None):
     """`x`'s real rows times the FP8 weight on FP8 tensor cores with hf_dllm's few-rows kernel -> `(..., N)` in
     `x.dtype`: the product of `scaled_mm_rows` (the same block-scaled arithmetic up to the order of float32 sums),
     made for a block step's rows, where cuBLASLt streams the weight slower (`few_rows_w8a8_applies`). `x`'s group and
-    the weight's block of columns must both be 128 (`block_size` (128, 128)). `config`: one of
-    `few_rows_w8a8_configs()` instead of the autotuner's choice (tests)."""
+    the weight's block of columns must both be 128 (`block_size` (128, 128)). `residual (..., N)`: added to the
+    rounded product as it is stored (`residual + product` bit for bit). `config`: one of `few_rows_w8a8_configs()`
+    instead of the autotuner's choice (tests)."""
     cols = x.shape[-1]
     if tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
         raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
-    out = _few_rows_w8a8(x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config)
+    rows = x.shape[:-1].numel()
+    residual = _residual_rows(residual, rows, weight.shape[0], x.dtype)
+    out = _few_rows_w8a8(x.values, x.scales, rows, x.dtype, weight, weight_scale_inv, bias, residual, config)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @on_tensor_device
-def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, config) -> torch.Tensor:
+def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, residual, config) -> torch.Tensor:
     # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` -> `(rows, N)` in `dtype`.
     n_out, cols = weight.shape
     out = torch.empty(rows, n_out, device=values.device, dtype=dtype)
@@ -673,6 +763,7 @@ def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, b
         weight,
         weight_scale_inv,
         bias if bias is not None else out,
+        residual if residual is not None else out,
         out,
         partials,
         rows,
@@ -684,12 +775,14 @@ def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, b
         weight.stride(0),
         weight_scale_inv.stride(0),
         out.stride(0),
+        n_out,
         SCALE_N=128,
         BLOCK_K=128,
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
         config=config,
     )
-    _add_up_splits(partials, bias, out, ran["SPLIT_K"])
+    _add_up_splits(partials, bias, residual, out, ran["SPLIT_K"])
     return out
 
 
@@ -751,12 +844,13 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
-def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
-    """`x`'s real rows times the FP8 weight -> `(..., N)` in `x.dtype`: the few-rows kernel where it applies
-    (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
+def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, residual=None) -> torch.Tensor:
+    """`x`'s real rows times the FP8 weight (+ `residual (..., N)`, as in `fp8_linear`) -> `(..., N)` in `x.dtype`:
+    the few-rows kernel where it applies (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
     if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
-        return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
-    return scaled_mm_rows(x, weight, weight_scale_inv, bias)
+        return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias, residual=residual)
+    out = scaled_mm_rows(x, weight, weight_scale_inv, bias)
+    return out if residual is None else residual.reshape(out.shape) + out
 
 
 def scaled_mm_rows(x: QuantizedRows, weight, weight_scale_inv, bias=None) -> torch.Tensor:

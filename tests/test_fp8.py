@@ -303,6 +303,29 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         weight = torch.randn(n_out, k_in) * block_magnitudes(n_out, k_in)
         error, reference = kernel_errors(x, weight, (128, 128), {"w8a8:few_rows": "few_rows"})["w8a8:few_rows"]
         assert error <= 2 * reference + 1e-3, ("few_rows", config, error, reference)
+    # A residual added by the few-rows kernels as they store the product: `residual + product` bit for bit, with
+    # and without a split (then added by the kernel summing the splits).
+    for split in (1, 3):
+        fp8.INTERPRETER_CONFIGS["few_rows_w8a8"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split}
+        fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": split, "SWAP": split > 1}
+        x = torch.randn(2, 10, 640, dtype=torch.float16)
+        weight = torch.randn(192, 640) * block_magnitudes(192, 640)
+        w8, scale = fp8.quantize_blocks(weight, (128, 128))
+        bias, residual = torch.randn(192, dtype=torch.float16), torch.randn(2, 10, 192, dtype=torch.float16)
+        rows = fp8.QuantizedRows(*fp8.quantize_rows(x.flatten(0, 1), 128), x.shape, x.dtype)
+        products = {
+            "weight_only": lambda r: fp8.weight_only_matmul(x.flatten(0, 1), w8, scale, (128, 128), bias, residual=r),
+            "few_rows": lambda r: fp8.few_rows_w8a8_matmul(rows, w8, scale, (128, 128), bias, residual=r),
+        }
+        for name, product in products.items():
+            fused, alone = product(residual), product(None)
+            assert torch.equal(fused.view(residual.shape), residual + alone.view(residual.shape)), (name, split)
+    try:
+        fp8.weight_only_matmul(x.flatten(0, 1), w8, scale, (128, 128), residual=residual.float())
+    except ValueError as error:
+        assert "residual" in str(error), error
+    else:
+        raise AssertionError("a float32 residual of a float16 product accepted")
     # The weight-only kernel's other formulation (weight tile times transposed activations) and no split.
     fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
@@ -412,10 +435,14 @@ def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
     reference = ((x.float() @ fp8.dequantize(w8, scale, BLOCK, torch.float32).t()) - exact).norm() / exact.norm()
     configs = [c for c in fp8.weight_only_configs() if c.kwargs["BLOCK_M"] == 32]
     assert {c.kwargs["SWAP"] for c in configs} == {False, True}
+    residual = torch.randn(32, n_out, device="cuda", dtype=torch.bfloat16)
     for config in configs:
         out = fp8.weight_only_matmul(x, w8, scale, BLOCK, config=config)
         error = (out.float() - exact).norm() / exact.norm()
         assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
+        assert_split_products_exact(
+            lambda r, c=config: fp8.weight_only_matmul(x, w8, scale, BLOCK, config=c, residual=r), out, residual
+        )
 
 
 @pytest.mark.gpu
@@ -438,10 +465,24 @@ def test_every_few_rows_w8a8_config_within_twice_torch_fp8_reference(rows, n_out
         64,
         128,
     }
+    residual = torch.randn(rows, n_out, device="cuda", dtype=torch.bfloat16)
     for config in configs:
         out = fp8.few_rows_w8a8_matmul(quantized, w8, scale, BLOCK, config=config)
         error = (out.float() - exact).norm() / exact.norm()
         assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
+        assert_split_products_exact(
+            lambda r, c=config: fp8.few_rows_w8a8_matmul(quantized, w8, scale, BLOCK, config=c, residual=r),
+            out,
+            residual,
+        )
+
+
+def assert_split_products_exact(product, out, residual):
+    """A few-rows product (`product(residual)`) run again gives `out` bit for bit (splits are added up in a fixed
+    order), and with a residual `residual + out` bit for bit."""
+    for _ in range(2):
+        assert torch.equal(product(None), out)
+    assert torch.equal(product(residual), residual + out)
 
 
 @pytest.mark.gpu
