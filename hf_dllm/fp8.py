@@ -149,7 +149,7 @@ def fp8_linear(
         return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias, residual)
     if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
         out = nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
-        return out if residual is None else residual + out
+        return _plus_residual(out, residual)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -163,9 +163,7 @@ def fp8_linear(
     elif kernel == "weight_only":
         out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias, residual=residual)
     else:  # `scaled_mm` or `triton`, the backend `auto` would pick, decided once
-        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, kernel)
-        if residual is not None:
-            out = residual.reshape(out.shape) + out
+        out = _plus_residual(w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, kernel), residual)
     return out.view(*shape[:-1], n_out)
 
 
@@ -312,14 +310,15 @@ if TRITON_AVAILABLE:
         return ptr + offs[:, None].to(tl.int64) * stride + tl.arange(0, BLOCK_K)[None, :] + k_first * BLOCK_K
 
     @triton.jit
-    def _rounded_sum(total, out_ptrs, residual_ptrs, mask, HAS_RESIDUAL: tl.constexpr):
-        # Float32 sums rounded once into out; with a residual, added after that rounding as PyTorch adds two
-        # activations (`residual + linear(x)`: in float32, rounded again), so the result has the unfused add's bits.
-        value = total.to(out_ptrs.dtype.element_ty)
+    def _rounded_sum(total, offsets, out_ptr, residual_ptr, mask, HAS_RESIDUAL: tl.constexpr):
+        # Float32 sums rounded once into out at `offsets`; with a residual (read at the same offsets), added after
+        # that rounding as PyTorch adds two activations (`residual + linear(x)`: in float32, rounded again), so the
+        # result has the unfused add's bits.
+        value = total.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
-            residual = tl.load(residual_ptrs, mask=mask, other=0.0)
-            value = (value.to(tl.float32) + residual.to(tl.float32)).to(out_ptrs.dtype.element_ty)
-        tl.store(out_ptrs, value, mask=mask)
+            residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+            value = (value.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, value, mask=mask)
 
     @triton.jit
     def _store_split_product(
@@ -333,26 +332,22 @@ if TRITON_AVAILABLE:
         residual_ptr,
         out_ptr,
         partial_ptr,
-        stride_om,
-        stride_rm,
         HAS_BIAS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):
-        # A (BLOCK_M, BLOCK_N) float32 product tile: with SPLIT_K 1 (+ bias) rounded into out (+ residual,
-        # `_rounded_sum`); else split pid_k's float32 partial sums `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds
-        # up in a fixed order (deterministic, unlike atomics).
+        # A (BLOCK_M, BLOCK_N) float32 product tile of out `(M, N)` (contiguous, as the residual): with SPLIT_K 1
+        # (+ bias) rounded into out (+ residual, `_rounded_sum`); else split pid_k's float32 partial sums
+        # `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
         in_n = offs_n < N
         mask = (offs_m < M)[:, None] & in_n[None, :]
-        rows = offs_m[:, None].to(tl.int64)
+        offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         if SPLIT_K == 1:
             if HAS_BIAS:
                 result += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            out_ptrs = out_ptr + rows * stride_om + offs_n[None, :]
-            _rounded_sum(result, out_ptrs, residual_ptr + rows * stride_rm + offs_n[None, :], mask, HAS_RESIDUAL)
+            _rounded_sum(result, offsets, out_ptr, residual_ptr, mask, HAS_RESIDUAL)
         else:
-            partial_ptrs = partial_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-            tl.store(partial_ptrs, result, mask=mask)
+            tl.store(partial_ptr + pid_k * M * N + offsets, result, mask=mask)
 
     @triton.autotune(
         configs=weight_only_configs(),
@@ -374,8 +369,6 @@ if TRITON_AVAILABLE:
         stride_xm,
         stride_wn,
         stride_sn,
-        stride_om,
-        stride_rm,
         SCALE_N: tl.constexpr,
         SCALE_K: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -423,8 +416,6 @@ if TRITON_AVAILABLE:
             residual_ptr,
             out_ptr,
             partial_ptr,
-            stride_om,
-            stride_rm,
             HAS_BIAS,
             HAS_RESIDUAL,
             SPLIT_K,
@@ -455,7 +446,7 @@ if TRITON_AVAILABLE:
             total += tl.load(partial_ptr + split * M * N + offs, mask=inside, other=0.0)
         if HAS_BIAS:
             total += tl.load(bias_ptr + offs % N, mask=inside, other=0.0).to(tl.float32)
-        _rounded_sum(total, out_ptr + offs, residual_ptr + offs, inside, HAS_RESIDUAL)
+        _rounded_sum(total, offs, out_ptr, residual_ptr, inside, HAS_RESIDUAL)
 
     @triton.jit
     def _quantize_rows_kernel(
@@ -578,8 +569,6 @@ if TRITON_AVAILABLE:
         stride_ask,
         stride_wn,
         stride_wsn,
-        stride_om,
-        stride_rm,
         SCALE_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -621,8 +610,6 @@ if TRITON_AVAILABLE:
             residual_ptr,
             out_ptr,
             partial_ptr,
-            stride_om,
-            stride_rm,
             HAS_BIAS,
             HAS_RESIDUAL,
             SPLIT_K,
@@ -647,28 +634,61 @@ def weight_only_matmul(
     stores it (`residual + product` bit for bit). `config`: one of `weight_only_configs()` to run instead of the
     autotuner's choice (tests)."""
     rows, cols = x.shape
-    n_out = weight.shape[0]
     block_n, block_k = block_size
-    out = torch.empty(rows, n_out, device=x.device, dtype=x.dtype)
-    # Room for the split's partial sums: the given config's, or the largest the autotuner may choose (splits run at
-    # few rows only; see _prune_weight_only).
-    splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_SPLIT_K if rows <= 64 else 1
-    partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=x.device, dtype=torch.float32)
-    residual = _residual_rows(residual, rows, n_out, x.dtype)
+    few = rows <= 64  # splits run at few rows only (`_prune_weight_only`)
+    return _split_k_product(
+        _weight_only_kernel,
+        dict(INTERPRETER_CONFIGS["weight_only"], **({} if few else {"SPLIT_K": 1})),
+        (x, weight, weight_scale_inv),
+        (x.stride(0), weight.stride(0), weight_scale_inv.stride(0)),
+        rows,
+        weight.shape[0],
+        cols,
+        x.dtype,
+        bias,
+        residual,
+        _MAX_SPLIT_K if few else 1,
+        config,
+        SCALE_N=block_n,
+        SCALE_K=block_k,
+        BLOCK_K=min(block_k, 128),
+    )
+
+
+def _split_k_product(
+    kernel,
+    interpreter_config,
+    operands,
+    operand_strides,
+    rows,
+    n_out,
+    cols,
+    dtype,
+    bias,
+    residual,
+    max_split,
+    config,
+    **constexprs,
+) -> torch.Tensor:
+    """Launch a split-K product kernel (`_weight_only_kernel`, `_few_rows_w8a8_kernel`, whose arguments are
+    `operands`, bias, residual, out, partials, M, N, K, `operand_strides`, then `constexprs`) over (column tiles,
+    row tiles, splits) -> `(rows, n_out)` in `dtype`; where the kernel split K, `_sum_splits_kernel` adds the
+    partial sums up (+ bias, + residual). `max_split`: the largest split the autotuner may choose (room for its
+    partial sums); `config`: the config to run instead (tests)."""
+    device = operands[0].device
+    out = torch.empty(rows, n_out, device=device, dtype=dtype)
+    splits = config.kwargs["SPLIT_K"] if config is not None else max_split
+    partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=device, dtype=torch.float32)
+    residual = _residual_rows(residual, rows, n_out, dtype)
 
     def grid(meta):
         return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
 
     ran = launch(
-        _weight_only_kernel,
+        kernel,
         grid,
-        dict(
-            INTERPRETER_CONFIGS["weight_only"],
-            SPLIT_K=INTERPRETER_CONFIGS["weight_only"]["SPLIT_K"] if rows <= 64 else 1,
-        ),
-        x,
-        weight,
-        weight_scale_inv,
+        interpreter_config,
+        *operands,
         bias if bias is not None else out,
         residual if residual is not None else out,
         out,
@@ -676,17 +696,11 @@ def weight_only_matmul(
         rows,
         n_out,
         cols,
-        x.stride(0),
-        weight.stride(0),
-        weight_scale_inv.stride(0),
-        out.stride(0),
-        n_out,
-        SCALE_N=block_n,
-        SCALE_K=block_k,
-        BLOCK_K=min(block_k, 128),
+        *operand_strides,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         config=config,
+        **constexprs,
     )
     _add_up_splits(partials, bias, residual, out, ran["SPLIT_K"])
     return out
@@ -702,6 +716,11 @@ def _residual_rows(residual: torch.Tensor | None, rows: int, n_out: int, dtype: 
             f"{tuple(residual.shape)} {residual.dtype}."
         )
     return residual.reshape(rows, n_out).contiguous()
+
+
+def _plus_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """`residual + out` as PyTorch adds them, where no kernel of ours added the residual while storing `out`."""
+    return out if residual is None else residual.reshape(out.shape) + out
 
 
 def _add_up_splits(
@@ -737,53 +756,31 @@ def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size,
     cols = x.shape[-1]
     if tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
         raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
-    rows = x.shape[:-1].numel()
-    residual = _residual_rows(residual, rows, weight.shape[0], x.dtype)
-    out = _few_rows_w8a8(x.values, x.scales, rows, x.dtype, weight, weight_scale_inv, bias, residual, config)
+    out = _few_rows_w8a8(
+        x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, residual, config
+    )
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @on_tensor_device
 def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, residual, config) -> torch.Tensor:
-    # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` -> `(rows, N)` in `dtype`.
-    n_out, cols = weight.shape
-    out = torch.empty(rows, n_out, device=values.device, dtype=dtype)
-    splits = config.kwargs["SPLIT_K"] if config is not None else _MAX_FEW_ROWS_SPLIT_K
-    partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=values.device, dtype=torch.float32)
-
-    def grid(meta):
-        return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
-
-    ran = launch(
+    # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` (on their device) -> `(rows, N)`.
+    return _split_k_product(
         _few_rows_w8a8_kernel,
-        grid,
         INTERPRETER_CONFIGS["few_rows_w8a8"],
-        values,
-        scales,
-        weight,
-        weight_scale_inv,
-        bias if bias is not None else out,
-        residual if residual is not None else out,
-        out,
-        partials,
+        (values, scales, weight, weight_scale_inv),
+        (values.stride(0), scales.stride(0), scales.stride(1), weight.stride(0), weight_scale_inv.stride(0)),
         rows,
-        n_out,
-        cols,
-        values.stride(0),
-        scales.stride(0),
-        scales.stride(1),
-        weight.stride(0),
-        weight_scale_inv.stride(0),
-        out.stride(0),
-        n_out,
+        weight.shape[0],
+        weight.shape[1],
+        dtype,
+        bias,
+        residual,
+        _MAX_FEW_ROWS_SPLIT_K,
+        config,
         SCALE_N=128,
         BLOCK_K=128,
-        HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None,
-        config=config,
     )
-    _add_up_splits(partials, bias, residual, out, ran["SPLIT_K"])
-    return out
 
 
 def activation_buffers(
@@ -849,8 +846,7 @@ def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bia
     the few-rows kernel where it applies (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
     if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
         return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias, residual=residual)
-    out = scaled_mm_rows(x, weight, weight_scale_inv, bias)
-    return out if residual is None else residual.reshape(out.shape) + out
+    return _plus_residual(scaled_mm_rows(x, weight, weight_scale_inv, bias), residual)
 
 
 def scaled_mm_rows(x: QuantizedRows, weight, weight_scale_inv, bias=None) -> torch.Tensor:
