@@ -10,7 +10,8 @@ and, with `--check-eager`, that the CUDA-graph fast path gives the same tokens a
 
 `--quantization none,fp8` (issue #13) runs the same settings with the bf16 model and with its FP8 copy, quantized
 on the GPU through transformers' API (`from_pretrained(..., quantization_config=FineGrainedFP8Config())`, 128x128
-weight blocks; the LM head stays bf16, as transformers leaves output embeddings) and prints per quantization the
+weight blocks; `fp8-tensor`: `FineGrainedFP8Config(weight_block_size=None)`, one scale per matrix; the LM head stays
+bf16, as transformers leaves output embeddings) and prints per quantization the
 weights one step reads, their read floor at `--bandwidth` TB/s and the bandwidth the batch-1 dual step achieves;
 then the FP8 logits' error against bf16 over one full-sequence forward (per position: top-1 agreement).
 `--tokens-per-forward 1,4` also runs 4 tokens per forward (steps = new tokens / 4). `--kv-cache-dtypes auto,fp8`
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # llada_reference.py
 
 import hf_dllm  # noqa: E402
+from hf_dllm.fp8 import FP8_SCHEMES  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
 
@@ -67,16 +69,17 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, attn: str
     return model.eval()
 
 
-def quantize_fp8(model, device: torch.device, attn: str | None):
-    """An FP8 copy of `model` (LLaDA, LLaDA2.x) made by transformers' quantizer with the config `--quantization fp8`
-    loads with (`fp8_quantization_config`), the way `from_pretrained` quantizes a checkpoint."""
+def quantize_fp8(model, device: torch.device, attn: str | None, scheme: str = "fp8"):
+    """An FP8 copy of `model` (LLaDA, LLaDA2.x) made by transformers' quantizer with the config `--quantization
+    SCHEME` loads with (`fp8_quantization_config`: "fp8" 128 x 128 block scales, "fp8-tensor" one per matrix), the
+    way `from_pretrained` quantizes a checkpoint."""
     from hf_dllm.fp8 import fp8_quantization_config
 
     quantized = type(model).from_pretrained(
         None,
         config=model.config,
         state_dict=model.state_dict(),
-        quantization_config=fp8_quantization_config(model.config.model_type),
+        quantization_config=fp8_quantization_config(model.config.model_type, scheme),
         dtype=torch.bfloat16,
         device_map=str(device),
         attn_implementation=attn,
@@ -87,12 +90,12 @@ def quantize_fp8(model, device: torch.device, attn: str | None):
 @torch.no_grad()
 def load_dequantized_(model, quantized) -> None:
     """Overwrite `model`'s weights, in place, with the FP8 weights of `quantized` dequantized to bf16."""
-    from hf_dllm.fp8 import dequantize, is_fp8_linear
+    from hf_dllm.fp8 import dequantize, fp8_block_size, fp8_scales, is_fp8_linear
 
     for name, module in quantized.named_modules():
         if is_fp8_linear(module):
             target = model.get_submodule(name).weight
-            target.copy_(dequantize(module.weight, module.weight_scale_inv, module.block_size, target.dtype))
+            target.copy_(dequantize(module.weight, fp8_scales(module), fp8_block_size(module), target.dtype))
 
 
 def step_weight_bytes(model) -> int:
@@ -281,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
     parser.add_argument("--check-eager-max-batch", type=int, default=8)
     parser.add_argument(
-        "--quantization", default="none", help="comma list of none (the dtype's weights) and fp8 (GPU only)"
+        "--quantization",
+        default="none",
+        help="comma list of none (the dtype's weights), fp8 (128 x 128 block scales) and fp8-tensor (one scale per "
+        "matrix; both GPU only)",
     )
     parser.add_argument("--tokens-per-forward", default="1", help="comma list; steps = new tokens / this")
     parser.add_argument(
@@ -310,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, summary = [], {"device": device_name, "torch": torch.__version__, "dtype": str(dtype)}
     summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, weight_read=WEIGHT_READ)
     quantizations = args.quantization.split(",")
-    if any(q not in ("none", "fp8") for q in quantizations):
-        parser.error(f"--quantization takes a comma list of none and fp8, got {args.quantization!r}")
-    if "fp8" in quantizations and not gpu:
+    if any(q not in ("none", *FP8_SCHEMES) for q in quantizations):
+        parser.error(f"--quantization takes a comma list of none, {', '.join(FP8_SCHEMES)}, got {args.quantization!r}")
+    schemes = [q for q in quantizations if q in FP8_SCHEMES]
+    if schemes and not gpu:
         parser.error("--quantization fp8 needs a GPU (transformers quantizes FP8 on CUDA or XPU only)")
     tokens_per_forward = [int(t) for t in args.tokens_per_forward.split(",")]
     if any(t < 1 or new_tokens % t for t in tokens_per_forward):
@@ -327,47 +334,46 @@ def main(argv: list[str] | None = None) -> int:
     settings.update(shape=shape, device=device, gpu=gpu, prompt_len=prompt_len, new_tokens=new_tokens)
     settings.update(block_length=block_length)
     for attn in args.attn.split(","):
-        model = build_model(shape, dtype, device, attn)
-        probe = None
-        if "fp8" in quantizations:
+        if "none" in quantizations:
+            model = build_model(shape, dtype, device, attn)
+            rows += measure(model, attn, "none", settings)
+            del model
+        for scheme in schemes:  # each from the same random bf16 weights (the seed), built again
+            model = build_model(shape, dtype, device, attn)
             torch.manual_seed(1)
             probe = torch.randint(0, shape["vocab_size"] - 512, (1, prompt_len + new_tokens), device=device)
-        if "none" in quantizations:
-            rows += measure(model, attn, "none", settings)
-        if "fp8" in quantizations:
             reference = full_logits(model, probe)
-            quantized = quantize_fp8(model, device, attn)
+            quantized = quantize_fp8(model, device, attn, scheme)
             logits = full_logits(quantized, probe)
             agreement = logit_agreement(reference, logits)
             # Against bf16 running the FP8 weights dequantized: the same weights, so what differs is the kernels'
             # arithmetic and, above WEIGHT_ONLY_MAX_ROWS rows (this 768-row forward), the activations' FP8 rounding.
             load_dequantized_(model, quantized)
             agreement["vs_dequantized_weights"] = logit_agreement(full_logits(model, probe), logits)
-            summary["fp8_vs_bf16_logits"] = agreement
-            print(json.dumps(agreement), flush=True)
-            del reference, logits, model
-            model = quantized  # the bf16 model is freed: peak memory is the FP8 model's
+            summary[f"{scheme}_vs_bf16_logits"] = agreement
+            print(json.dumps({scheme: agreement}), flush=True)
+            del reference, logits, model  # the bf16 model is freed: peak memory is the FP8 model's
             torch.cuda.empty_cache()
-            rows += measure(model, attn, "fp8", settings)
-        del model
+            rows += measure(quantized, attn, scheme, settings)
+            del quantized
         if gpu:
             torch.cuda.empty_cache()
 
     print()
     header = (
-        f"{'attn':<13}{'quant':>6}{'kv':>5}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}"
+        f"{'attn':<13}{'quant':>11}{'kv':>5}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}"
         f"{'step ms':>9}{'peak GB':>9}{'=eager':>8}{'=kv auto':>9}"
     )
     print(f"{device_name}, {dtype}, prompt {prompt_len}, {new_tokens} new tokens, block {block_length}")
     print(header)
     for r in rows:
         if "error" in r:
-            print(f"{r['attn']:<13}{r['quant']:>6}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
+            print(f"{r['attn']:<13}{r['quant']:>11}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
             continue
         step = f"{r['dual_step_ms']:.2f}" if "dual_step_ms" in r else "-"
         same = str(r.get("tokens_equal_eager", "-"))
         print(
-            f"{r['attn']:<13}{r['quant']:>6}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}"
+            f"{r['attn']:<13}{r['quant']:>11}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}"
             f"{r['nfe']:>6}{r['ms_per_forward']:>9.2f}{r['tokens_per_s']:>9.1f}{step:>9}{r['peak_gb']:>9.2f}{same:>8}"
             f"{str(r.get('same_tokens', '-')):>9}"
         )

@@ -183,8 +183,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "fp8"),
-        help="fp8: FP8 weights with 128x128 block scales (transformers' FineGrainedFP8Config; CUDA only)",
+        choices=("none", "fp8", "fp8-tensor"),
+        help="fp8: FP8 weights with 128x128 block scales (transformers' FineGrainedFP8Config; CUDA only); "
+        "fp8-tensor: one scale per matrix (FineGrainedFP8Config(weight_block_size=None))",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -193,18 +194,22 @@ def main(argv=None) -> int:
         help="fp8: the cached settings keep K/V as float8 e4m3 with a scale per position and head (kv_cache_dtype)",
     )
     args = p.parse_args(argv)
-    if args.quantization == "fp8" and not args.device.startswith("cuda"):
-        p.error("--quantization fp8 needs --device cuda (transformers quantizes FP8 on CUDA or XPU only)")
+    if args.quantization != "none" and not args.device.startswith("cuda"):
+        p.error(
+            f"--quantization {args.quantization} needs --device cuda (transformers quantizes FP8 on CUDA or XPU only)"
+        )
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     load = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
-    if args.quantization == "fp8":
-        from transformers import FineGrainedFP8Config
+    if args.quantization != "none":
+        from hf_dllm.fp8 import fp8_quantization_config
 
-        load.update(quantization_config=FineGrainedFP8Config(), device_map=args.device)
+        config = AutoConfig.from_pretrained(args.model)
+        load.update(quantization_config=fp8_quantization_config(config.model_type, args.quantization))
+        load.update(device_map=args.device)
         model = AutoModel.from_pretrained(args.model, **load).eval()
     else:
         model = AutoModel.from_pretrained(args.model, **load).to(args.device).eval()

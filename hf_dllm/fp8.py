@@ -21,6 +21,13 @@ matrix. Here, with shapes `x (..., K)`, `weight (N, K)`, `weight_scale_inv (ceil
   (`QuantizedRows`, `quantized_input_group`): the same bits, one pass over the activations fewer.
 - `torch` (CPU, autograd, `HF_DLLM_KERNELS=torch`): the weight dequantized to the activation dtype, then `F.linear`.
 
+Per-tensor FP8 layers (`FineGrainedFP8Config(weight_block_size=None)`: one `weight_scale_inv` per matrix,
+activations quantized per token) count as rows scaled one by one, block size `(1, K)` (`fp8_block_size`), their scale
+repeated over the rows (`fp8_scales`), so fused q/k/v and gate/up layers concatenate into one row-scaled matrix. On
+GPUs with FP8 tensor cores they multiply through `torch._scaled_mm` with one scale per activation row and per weight
+row and fast accumulation (`rowwise`): no per-128-column rescaling inside the product, ~15-20 % faster than the
+block-scaled product at a refresh forward's and a batch-32 step's rows on an H100 (RESULTS.md, FP8, session 28).
+
 Which runs follows `kernels.use_fused_kernels` (Triton on CUDA; on the CPU with `TRITON_INTERPRET=1` in tests), and
 `weight_only_applies` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
 Every path is free of host syncs and keeps static shapes, so block steps stay CUDA-graph capturable.
@@ -85,23 +92,75 @@ FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
 FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts$"]}
 
 
-def fp8_quantization_config(model_type: str):
-    """transformers' `FineGrainedFP8Config` for a model of `model_type` (its defaults, with the modules of
-    `FP8_MODULES_TO_NOT_CONVERT` kept): what `--quantization fp8` loads with and `hf-dllm export` writes."""
+# The FP8 values of `--quantization` (cli/loading.py), each a `FineGrainedFP8Config` setting: "fp8" transformers'
+# default, one scale per 128 x 128 block (the Hub's layout); "fp8-tensor" one scale per matrix, run as row-scaled
+# products (faster at many rows; RESULTS.md, FP8, session 28).
+FP8_SCHEMES = {"fp8": {}, "fp8-tensor": {"weight_block_size": None}}
+
+
+def fp8_quantization_config(model_type: str, scheme: str = "fp8"):
+    """transformers' `FineGrainedFP8Config` for a model of `model_type` and an `FP8_SCHEMES` name (its defaults,
+    with the modules of `FP8_MODULES_TO_NOT_CONVERT` kept): what `--quantization` loads with and `hf-dllm export`
+    writes."""
     from transformers import FineGrainedFP8Config
 
-    return FineGrainedFP8Config(modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type))
+    if scheme not in FP8_SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(FP8_SCHEMES)}, got {scheme!r}.")
+    return FineGrainedFP8Config(
+        modules_to_not_convert=FP8_MODULES_TO_NOT_CONVERT.get(model_type), **FP8_SCHEMES[scheme]
+    )
 
 
 def is_fp8_linear(layer: nn.Module) -> bool:
-    """Whether `layer` holds FP8 weights with block scales (transformers' `FP8Linear` after loading)."""
+    """Whether `layer` holds FP8 weights with block scales, or one scale for the whole matrix (transformers'
+    `FP8Linear` after loading, `block_size` None)."""
     weight = getattr(layer, "weight", None)
-    return (
-        weight is not None
-        and weight.dtype == FP8_DTYPE
-        and getattr(layer, "weight_scale_inv", None) is not None
-        and getattr(layer, "block_size", None) is not None
-    )
+    scale = getattr(layer, "weight_scale_inv", None)
+    if weight is None or weight.dtype != FP8_DTYPE or scale is None:
+        return False
+    return getattr(layer, "block_size", None) is not None or scale.numel() == 1
+
+
+def fp8_block_size(layer: nn.Module) -> tuple[int, int]:
+    """The `(rows, columns)` an FP8 layer's scales cover: its `block_size`, or `(1, K)` for a per-tensor layer,
+    whose scale `fp8_scales` repeats over the rows (rows scaled one by one: what a row-scaled product takes, and
+    what concatenated per-tensor layers are)."""
+    if layer.block_size is not None:
+        return tuple(layer.block_size)
+    return (1, layer.weight.shape[-1])
+
+
+def fp8_scales(layer: nn.Module) -> torch.Tensor:
+    """An FP8 layer's scales laid out for `fp8_block_size`: its `weight_scale_inv`, or for a per-tensor layer that
+    one scale repeated per row, float32 `(N, 1)`, cached on the layer until the scale is replaced or changed in
+    place."""
+    scale = layer.weight_scale_inv
+    if layer.block_size is not None:
+        return scale
+    rows = layer.weight.shape[0]
+    stamp = (scale.data_ptr(), _version(scale), rows)
+    cached = layer.__dict__.get("_hf_dllm_row_scales")
+    if cached is not None and cached[0] is scale and cached[1] == stamp:
+        return cached[2]
+    with torch.inference_mode(False):  # usable outside inference mode too (as the concatenated weights)
+        expanded = scale.detach().float().reshape(1, 1).expand(rows, 1).contiguous()
+    layer.__dict__["_hf_dllm_row_scales"] = (scale, stamp, expanded)
+    return expanded
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    # In-place changes bump a tensor's version; inference tensors have none (they cannot be changed outside
+    # inference mode, and a scale is not changed inside it).
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+def is_row_scaled(block_size, cols: int) -> bool:
+    """Whether scales of `block_size` over a weight of `cols` columns are one per row (per-tensor layers,
+    `fp8_block_size`): the row-scaled product (`rowwise_matmul`) multiplies them."""
+    return block_size[0] == 1 and block_size[1] >= cols
 
 
 def dequantize(weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size, dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +215,11 @@ def fp8_linear(
         x2 = x2.contiguous()
     n_out, cols = weight.shape
     kernel = fp8_product_kernel(x2, n_out, cols, block_size)
-    if kernel == "few_rows":
+    if kernel == "rowwise":
+        values, scales = quantize_rows(x2, cols, row_multiple=SCALED_MM_ROW_MULTIPLE)
+        rows = QuantizedRows(values, scales, x2.shape, x2.dtype)
+        out = _plus_residual(rowwise_matmul(rows, weight, weight_scale_inv, bias), residual)
+    elif kernel == "few_rows":
         values, scales = quantize_rows(x2, block_size[1])
         rows = QuantizedRows(values, scales, x2.shape, x2.dtype)
         out = few_rows_w8a8_matmul(rows, weight, weight_scale_inv, block_size, bias, residual=residual)
@@ -169,9 +232,11 @@ def fp8_linear(
 
 def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> str:
     """Which of hf_dllm's kernels `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with where
-    the fused kernels run: `few_rows` (`few_rows_w8a8_applies`), `weight_only` (`weight_only_applies`), or the
-    w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or Triton (`triton`). The one rule that
-    `fp8_linear` runs and `quantized_input_group` reads."""
+    the fused kernels run: `rowwise` (row-scaled weights, `rowwise_matmul`), `few_rows` (`few_rows_w8a8_applies`),
+    `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or
+    Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take them. The one rule that `fp8_linear` runs and `quantized_input_group` reads."""
+    if is_row_scaled(block_size, cols):
+        return "rowwise" if _rowwise_runs(x.device, n_out, cols) else "torch"
     rows = x.numel() // x.shape[-1]
     if few_rows_w8a8_applies(rows, n_out, cols, block_size, x.device):
         return "few_rows"
@@ -209,7 +274,12 @@ def _fp8_tensor_cores(device_index: int) -> bool:
 
 
 def fp8_kernel_supports(weight: torch.Tensor, block_size) -> bool:
-    """Whether hf_dllm's FP8 kernels take this weight: power-of-two blocks of at least 16, last dim contiguous."""
+    """Whether hf_dllm's FP8 kernels take this weight: power-of-two blocks of at least 16, last dim contiguous; or
+    row scales (`is_row_scaled`) where `torch._scaled_mm` multiplies them (`_rowwise_runs`)."""
+    if block_size is None:
+        return False
+    if is_row_scaled(block_size, weight.shape[-1]):
+        return weight.stride(-1) == 1 and _rowwise_runs(weight.device, *weight.shape)
     block_n, block_k = block_size
     power_of_two = all(b >= 16 and b & (b - 1) == 0 for b in (block_n, block_k))
     return power_of_two and weight.stride(-1) == 1
@@ -805,7 +875,7 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
     `row_multiple`: both padded with zero rows (x padded with zeros, quantized) to a multiple of it."""
     rows, cols = x.shape
     q, scales = activation_buffers(rows, cols, group, x.device, scales_column_major, row_multiple)
-    tile_rows = 16
+    loaded, tile_rows, warps = triton_ops.fp8_group_tiling(group, cols)
     _quantize_rows_kernel[(triton.cdiv(q.shape[0], tile_rows), scales.shape[1])](
         x,
         q,
@@ -818,7 +888,8 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
         scales.stride(0),
         scales.stride(1),
         ROWS=tile_rows,
-        GROUP=group,
+        GROUP=loaded,
+        num_warps=warps,
     )
     return q, scales
 
@@ -843,7 +914,10 @@ class QuantizedRows(NamedTuple):
 
 def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, residual=None) -> torch.Tensor:
     """`x`'s real rows times the FP8 weight (+ `residual (..., N)`, as in `fp8_linear`) -> `(..., N)` in `x.dtype`:
-    the few-rows kernel where it applies (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
+    the row-scaled product for row scales (`rowwise_matmul`), the few-rows kernel where it applies
+    (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
+    if is_row_scaled(block_size, weight.shape[1]):
+        return _plus_residual(rowwise_matmul(x, weight, weight_scale_inv, bias), residual)
     if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
         return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias, residual=residual)
     return _plus_residual(scaled_mm_rows(x, weight, weight_scale_inv, bias), residual)
@@ -866,7 +940,10 @@ def quantized_input_group(x: torch.Tensor, n_out: int, cols: int, block_size) ->
     `QuantizedRows`; None where another kernel would run (or `FUSE_ACTIVATION_QUANTIZATION` is off)."""
     if not FUSE_ACTIVATION_QUANTIZATION or not TRITON_AVAILABLE or not x.is_cuda:
         return None
-    return block_size[1] if fp8_product_kernel(x, n_out, cols, block_size) in ("few_rows", "scaled_mm") else None
+    kernel = fp8_product_kernel(x, n_out, cols, block_size)
+    if kernel == "rowwise":
+        return cols  # one scale per row
+    return block_size[1] if kernel in ("few_rows", "scaled_mm") else None
 
 
 def _scaled_mm_buffers(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -920,6 +997,56 @@ def cublaslt_takes(x: torch.Tensor, n_out: int, cols: int, block_size) -> bool:
     """Whether cuBLASLt's block-scaled FP8 product can multiply `x` by an `(n_out, cols)` weight: `x` on a GPU
     where this torch runs it (`_scaled_mm_block_scaling`) and a weight it takes (`scaled_mm_fits`)."""
     return x.is_cuda and scaled_mm_fits(n_out, cols, block_size) and _scaled_mm_block_scaling(x.device.index or 0)
+
+
+# Row-scaled products accumulate in the FP8 tensor cores' own precision, as torchao's and vLLM's FP8 inference do:
+# with one scale per row there is nothing to rescale inside the product, and this is where its speed comes from (on an
+# H100 at 24,576 rows 15-17 % faster than without; the error against float32 the same, 3.75e-2, in every shape of
+# RESULTS.md, FP8, session 28).
+ROWWISE_FAST_ACCUMULATION = True
+
+
+def rowwise_matmul(x: QuantizedRows, weight, row_scales, bias=None) -> torch.Tensor:
+    """`x`'s real rows (quantized one scale per row: `quantize_rows(x, K)`) times an FP8 weight with one scale per
+    row, `row_scales` float32 `(N, 1)` (`fp8_scales`), through `torch._scaled_mm` -> `(..., N)` in `x.dtype`."""
+    if x.scales.shape[1] != 1 or row_scales.shape != (weight.shape[0], 1):
+        raise ValueError(
+            f"rowwise_matmul needs one activation scale per row and row_scales of shape {(weight.shape[0], 1)}, got "
+            f"{tuple(x.scales.shape)} and {tuple(row_scales.shape)}."
+        )
+    out = torch._scaled_mm(
+        x.values,
+        weight.t(),
+        scale_a=x.scales,
+        scale_b=row_scales.view(1, -1),
+        out_dtype=x.dtype,
+        use_fast_accum=ROWWISE_FAST_ACCUMULATION,
+    )
+    out = out[: x.shape[:-1].numel()].view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+@functools.cache
+def _scaled_mm_row_scaling(device_index: int) -> bool:
+    """Whether this torch and GPU run `torch._scaled_mm` with one scale per row of each operand (FP8 tensor cores:
+    compute capability 8.9 or more)."""
+    try:
+        if torch.cuda.get_device_capability(device_index) < (8, 9):
+            return False
+        device = torch.device("cuda", device_index)
+        a = torch.zeros(16, 32, device=device).to(FP8_DTYPE)
+        w = torch.zeros(16, 32, device=device).to(FP8_DTYPE)
+        ones = torch.ones(16, 1, device=device)
+        rowwise_matmul(QuantizedRows(a, ones, a.shape, torch.bfloat16), w, ones)
+        return True
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
+def _rowwise_runs(device: torch.device, n_out: int, cols: int) -> bool:
+    """Whether `rowwise_matmul` can multiply an `(n_out, cols)` row-scaled FP8 weight on `device`: a GPU where
+    `torch._scaled_mm` runs row scales, both dims multiples of 16 (its alignment)."""
+    return device.type == "cuda" and n_out % 16 == 0 and cols % 16 == 0 and _scaled_mm_row_scaling(device.index or 0)
 
 
 def _scaled_mm_blockwise(a, a_scale, weight, weight_scale_inv, bias, out_dtype):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .fp8 import QuantizedRows, fp8_linear, is_fp8_linear, quantized_input_group
+from .fp8 import QuantizedRows, fp8_block_size, fp8_linear, fp8_scales, is_fp8_linear, quantized_input_group
 from .tensor_parallel import is_sharded, local_shape, local_tensor
 from .triton_ops import TRITON_AVAILABLE
 
@@ -83,12 +83,12 @@ def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
 
 def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`layer(x)` for an `nn.Linear`, plus `residual` if given (`residual + layer(x)`); for transformers' `FP8Linear`
-    (FP8 weights with block scales) the product runs through `fp8.fp8_linear`: hf_dllm's kernels where the fused
+    (FP8 weights with block or per-tensor scales) the product runs through `fp8.fp8_linear`: hf_dllm's kernels where the fused
     kernels run (which add the residual as they store the product), the dequantized weight otherwise. `x` may be
     `QuantizedRows` where `linear_input_group` gave a group."""
     if is_fp8_linear(layer):
         fused = use_fused_kernels(x)
-        return fp8_linear(x, layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias, fused, residual)
+        return fp8_linear(x, layer.weight, fp8_scales(layer), fp8_block_size(layer), layer.bias, fused, residual)
     out = layer(x)
     return out if residual is None else residual + out
 
@@ -99,7 +99,7 @@ def linear_input_group(layer: nn.Module, x: torch.Tensor) -> int | None:
     else None."""
     if not is_fp8_linear(layer) or is_sharded(layer.weight):
         return None
-    return quantized_input_group(x, *layer.weight.shape, tuple(layer.block_size))
+    return quantized_input_group(x, *layer.weight.shape, fp8_block_size(layer))
 
 
 class ConcatenatedProjections(nn.Module):
@@ -116,11 +116,11 @@ class ConcatenatedProjections(nn.Module):
     `project(x, names)` is that product. FP8 layers (transformers' `FineGrainedFP8Config`) are concatenated the same
     way, their FP8 weights and their block scales `weight_scale_inv` both along the output dim, which is exact when
     every layer's output size is a multiple of the scale block (128 for the Hub's checkpoints); otherwise each layer
-    runs its own product."""
+    runs its own product. Per-tensor FP8 layers concatenate into one matrix with a scale per row (`fp8.fp8_scales`)."""
 
     def __init__(self):
         super().__init__()
-        self._concatenated: dict[tuple, torch.Tensor | None] = {}
+        self._concatenated: dict[tuple, torch.Tensor | tuple | None] = {}
 
     def _apply(self, fn, *args, **kwargs):
         # `.to()`, `.cuda()`, `.half()` give the parameters new storage: drop the old concatenations with them.
@@ -184,13 +184,28 @@ class ConcatenatedProjections(nn.Module):
         size a multiple of the block's rows), else None."""
         if not is_fp8_linear(layers[0]):
             return None
-        block = tuple(layers[0].block_size)
+        block = fp8_block_size(layers[0])
         if all(
-            is_fp8_linear(layer) and tuple(layer.block_size) == block and layer.weight.shape[0] % block[0] == 0
+            is_fp8_linear(layer) and fp8_block_size(layer) == block and layer.weight.shape[0] % block[0] == 0
             for layer in layers
         ):
             return block
         return None
+
+    def _concatenated_scales(self, names: tuple[str, ...], layers: list[nn.Module]) -> torch.Tensor:
+        """The FP8 layers' scales concatenated along the output dim: their block scales (views, as the weights), or
+        for per-tensor layers their per-row scales (`fp8.fp8_scales`), cached until one of those is rebuilt."""
+        if layers[0].block_size is not None:
+            return self._concatenated_parameter(names, "weight_scale_inv")
+        parts = [fp8_scales(layer) for layer in layers]
+        key = (names, "row_scales")
+        cached = self._concatenated.get(key)
+        if cached is not None and all(a is b for a, b in zip(cached[0], parts, strict=True)):
+            return cached[1]
+        with torch.inference_mode(False):
+            fused = torch.cat(parts)
+        self._concatenated[key] = (parts, fused)
+        return fused
 
     def project(self, x: torch.Tensor | QuantizedRows, names: tuple[str, ...]) -> torch.Tensor:
         """`x (..., in)` times the layers `names` as one layer -> `(..., sum of their out sizes)`. `x` may be
@@ -202,8 +217,7 @@ class ConcatenatedProjections(nn.Module):
         block = self._fp8_block(layers)
         if block is not None:
             weight, bias = self.concatenated(names)
-            scale = self._concatenated_parameter(names, "weight_scale_inv")
-            return fp8_linear(x, weight, scale, block, bias, use_fused_kernels(x))
+            return fp8_linear(x, weight, self._concatenated_scales(names, layers), block, bias, use_fused_kernels(x))
         return torch.cat([linear(layer, x) for layer in layers], dim=-1)
 
     def quantized_input_group(self, x: torch.Tensor, names: tuple[str, ...]) -> int | None:

@@ -27,7 +27,7 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_moe, triton_ops
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
-from .fp8 import fp8_kernel_supports, is_fp8_linear
+from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
 from .grouped_gemm import grouped_matmul
 from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
@@ -363,7 +363,8 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     def use_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
         """Whether the routed experts can run as `grouped_gemm.py`'s products for this input: grouped runs are
         allowed (`_grouped_allowed`), the fused kernels apply, and the experts hold weights in the activations'
-        dtype or FP8 weights the kernel takes (not sharded: FP8 and tensor parallelism are not combined)."""
+        dtype or FP8 weights the kernel takes (block scales; not sharded: FP8 and tensor parallelism are not
+        combined). Per-tensor FP8 experts run one by one (`kernels.linear`)."""
         layer = self.experts[0].gate_proj
         if not self._grouped_allowed() or not use_fused_kernels(hidden_states):
             return False
@@ -450,8 +451,9 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
 
 def _fp8_block_size(layer: nn.Linear) -> tuple[int, int] | None:
-    """An FP8 layer's block size (transformers' `FP8Linear`), None for a layer in a floating dtype."""
-    return tuple(layer.block_size) if is_fp8_linear(layer) else None
+    """An FP8 layer's block size (transformers' `FP8Linear`; `(1, K)` per tensor), None for a layer in a floating
+    dtype."""
+    return fp8_block_size(layer) if is_fp8_linear(layer) else None
 
 
 def _stack_parameters(experts: list[LLaDA2MoeMLP], name: str) -> tuple[torch.Tensor, torch.Tensor]:

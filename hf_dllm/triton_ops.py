@@ -548,6 +548,16 @@ GREEDY_PROPOSE_BLOCK = 4096
 GREEDY_PROPOSE_PROGRAMS = 1024
 
 
+def fp8_group_tiling(group: int, cols: int) -> tuple[int, int, int]:
+    """How the kernels that quantize activations (`fp8.quantize_rows`, `silu_mul_fp8`) tile groups of `group` of
+    `cols` columns: `(columns a program loads per row, rows per program, warps)`. A group of at least `cols` columns
+    is the whole row (one scale per row, for row-scaled products): its columns padded to a power of two, masked
+    (zeros leave the row's max unchanged), one row per program past 1,024 columns so that the tile stays small."""
+    loaded = group if group < cols else triton.next_power_of_2(cols)
+    rows = 16 if loaded <= 1024 else 1
+    return loaded, rows, 8 if loaded >= 8192 else 4
+
+
 def greedy_propose_splits(rows: int, vocab: int) -> int:
     """Programs per row (`greedy_propose`): enough for `GREEDY_PROPOSE_PROGRAMS` in all, at most one per chunk of
     `GREEDY_PROPOSE_BLOCK` columns."""
@@ -658,7 +668,7 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
         WIDE=float_copy,
-        FP8_GROUP=group,
+        FP8_GROUP=group if group < d else block,  # a whole-row group: the row's power-of-two block, masked
         TILE_GROUPS=max(1, min(8, block // group)) if group else 1,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
@@ -896,7 +906,7 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_out: tuple[torch.Tens
     if gate2.stride(-1) != 1 or up2.stride(-1) != 1 or gate2.stride(0) != up2.stride(0):
         gate2, up2 = gate2.contiguous(), up2.contiguous()
     values, scales, group = fp8_out
-    tile_rows = 16
+    loaded, tile_rows, warps = fp8_group_tiling(group, width)
     _silu_mul_fp8_kernel[(triton.cdiv(values.shape[0], tile_rows), triton.cdiv(width, group))](
         gate2,
         up2,
@@ -909,5 +919,6 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_out: tuple[torch.Tens
         scales.stride(0),
         scales.stride(1),
         ROWS=tile_rows,
-        GROUP=group,
+        GROUP=loaded,
+        num_warps=warps,
     )

@@ -146,7 +146,7 @@ def test_llada2_export_quantizes_each_expert_and_keeps_the_head_in_bf16(tmp_path
 
 def test_bad_quantization_requests_are_refused_before_writing(tmp_path, llada_export):
     src, dst = llada_export
-    with pytest.raises(ExportError, match=r"--quantization must be one of none, fp8, got 'int4'"):
+    with pytest.raises(ExportError, match=r"--quantization must be one of none, fp8, fp8-tensor, got 'int4'"):
         export_checkpoint(src, tmp_path / "a", quantization="int4")
     with pytest.raises(ExportError, match="--link cannot be combined"):
         export_checkpoint(src, tmp_path / "b", quantization="fp8", link=True)
@@ -196,6 +196,34 @@ def test_gpu_export_loads_as_fp8_layers_like_an_on_the_fly_quantized_load(llada_
         expected = source.cuda()(ids).logits.float()
         got = loaded(ids).logits.float()
     assert (got - expected).abs().max() <= 0.1 * expected.abs().max()
+
+
+def test_per_tensor_export_is_transformers_arithmetic_and_reloads(tmp_path):
+    """`--quantization fp8-tensor`: one scale per matrix (`FineGrainedFP8Config(weight_block_size=None)`), the
+    bits transformers' quantizer writes; the export reloads (dequantized on a CPU) close to the source, and
+    re-exports unchanged (its `(1, 1)` scales are expected tensors)."""
+    finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers import FineGrainedFP8Config
+
+    src = llada_source(tmp_path / "src")
+    assert export_main([str(src), str(tmp_path / "dst"), "--quantization", "fp8-tensor"]) == 0
+    original, exported = tensors(src), tensors(tmp_path / "dst")
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] is None
+    quantizer = type("Quantizer", (), {"quantization_config": FineGrainedFP8Config(weight_block_size=None)})
+    name = "model.transformer.blocks.1.ff_proj.weight"
+    expected = finegrained.Fp8Quantize(quantizer).convert({name: original[name]})
+    assert torch.equal(exported[name].view(torch.uint8), expected[name].view(torch.uint8))
+    assert torch.equal(exported[scale_name(name)], expected[scale_name(name)].reshape(1, 1))
+    assert all(exported[scale_name(n)].shape == (1, 1) for n in exported if exported[n].dtype == FP8_DTYPE)
+    ids = torch.randint(0, 380, (1, 24), generator=torch.Generator().manual_seed(0))
+    source = hf_dllm.LLaDAModelLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    loaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want, got = source(ids).logits.float(), loaded(ids).logits.float()
+    assert not torch.equal(want, got) and (got - want).abs().max() <= 0.1 * want.abs().max()
+    export_checkpoint(tmp_path / "dst", tmp_path / "again")
+    assert tensors(tmp_path / "again").keys() == exported.keys()
 
 
 def test_an_fp8_checkpoint_is_checked_with_its_own_block_size():

@@ -45,8 +45,9 @@ def tiny_config(**overrides) -> hf_dllm.LLaDAConfig:
     return hf_dllm.LLaDAConfig(**(values | overrides))
 
 
-def quantized_model(config, device: str, monkeypatch=None):
-    """A random bf16 LLaDA and its FP8 copy made by transformers' quantizer (`from_pretrained` with a state dict)."""
+def quantized_model(config, device: str, monkeypatch=None, weight_block_size=BLOCK):
+    """A random bf16 LLaDA and its FP8 copy made by transformers' quantizer (`from_pretrained` with a state dict);
+    `weight_block_size=None`: one scale per matrix (per-tensor)."""
     from transformers import FineGrainedFP8Config
 
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def quantized_model(config, device: str, monkeypatch=None):
         None,
         config=config,
         state_dict=model.state_dict(),
-        quantization_config=FineGrainedFP8Config(),
+        quantization_config=FineGrainedFP8Config(weight_block_size=weight_block_size),
         dtype=torch.bfloat16,
         device_map=device,
     ).eval()
@@ -78,7 +79,8 @@ def dequantized_state(quantized) -> dict[str, torch.Tensor]:
             continue
         if tensor.dtype == fp8.FP8_DTYPE:
             scale = state[name.removesuffix("weight") + "weight_scale_inv"]
-            tensor = fp8.dequantize(tensor, scale, BLOCK, torch.bfloat16)
+            block = tuple(tensor.shape) if scale.numel() == 1 else BLOCK  # per-tensor: one block
+            tensor = fp8.dequantize(tensor, scale.reshape(1, 1) if scale.numel() == 1 else scale, block, torch.bfloat16)
         plain[name] = tensor
     return plain
 
@@ -141,7 +143,66 @@ def test_fused_projection_concatenates_fp8_weights_and_scales(monkeypatch):
 
 
 def _fp8_args(layer):
-    return layer.weight, layer.weight_scale_inv, layer.block_size, layer.bias
+    return layer.weight, fp8.fp8_scales(layer), fp8.fp8_block_size(layer), layer.bias
+
+
+def test_per_tensor_quantized_llada_matches_dequantized_weights(monkeypatch):
+    """`FineGrainedFP8Config(weight_block_size=None)`: one scale per matrix, run by hf_dllm (transformers' own
+    `FP8Linear.forward` would fetch a Hub kernel) as rows scaled one by one."""
+    config = tiny_config()
+    model, quantized = quantized_model(config, "cpu", monkeypatch, weight_block_size=None)
+    layer = quantized.model.transformer.blocks[0].ff_out
+    assert layer.weight.dtype == fp8.FP8_DTYPE and layer.block_size is None and layer.weight_scale_inv.numel() == 1
+    assert fp8.is_fp8_linear(layer) and fp8.fp8_block_size(layer) == (1, 384)
+    reference = dequantized_copy(quantized, config, "cpu")
+    ids = torch.randint(0, 400, (2, 24))
+    with torch.no_grad():
+        logits = quantized(ids).logits.float()
+        expected = reference(ids).logits.float()
+        original = model(ids).logits.float()
+    assert torch.allclose(logits, expected, atol=1e-2, rtol=0), (logits - expected).abs().max()
+    assert 0 < (logits - original).abs().max() < 0.25 * original.abs().max()
+
+
+def test_fused_projection_concatenates_per_tensor_scales_per_row(monkeypatch):
+    config = tiny_config()
+    _, quantized = quantized_model(config, "cpu", monkeypatch, weight_block_size=None)
+    block = quantized.model.transformer.blocks[0]
+    names = ("q_proj", "k_proj", "v_proj")
+    layers = [getattr(block, n) for n in names]
+    x = torch.randn(3, 5, config.d_model, dtype=torch.bfloat16)
+
+    def separate():
+        return torch.cat([fp8.fp8_linear(x, *_fp8_args(layer), use_triton=False) for layer in layers], dim=-1)
+
+    assert torch.equal(block.project(x, names), separate())
+    scales = block._concatenated_scales(names, layers)
+    assert scales.shape == (512, 1) and scales.dtype == torch.float32
+    for start, layer in zip((0, 256, 384), layers, strict=True):
+        rows = scales[start : start + layer.weight.shape[0]]
+        assert torch.equal(rows, layer.weight_scale_inv.float().reshape(1, 1).expand_as(rows))
+    # A scale changed in place, or replaced, reaches the next product.
+    with torch.no_grad():
+        block.k_proj.weight_scale_inv.mul_(2)
+    assert torch.equal(block.project(x, names), separate())
+    block.v_proj.weight_scale_inv = torch.nn.Parameter(block.v_proj.weight_scale_inv.detach() * 3)
+    assert torch.equal(block.project(x, names), separate())
+    assert block._concatenated_scales(names, layers)[384:].unique().item() == block.v_proj.weight_scale_inv.item()
+
+
+def test_row_scaled_products_need_a_gpu_with_fp8_tensor_cores():
+    """Row scales (per-tensor layers) run `torch._scaled_mm` on GPUs that have it; elsewhere the PyTorch path, and
+    no producer is asked to quantize activations for them."""
+    x = torch.randn(4, 256)
+    assert fp8.is_row_scaled((1, 256), 256) and not fp8.is_row_scaled((128, 128), 256)
+    assert fp8.fp8_product_kernel(x, 128, 256, (1, 256)) == "torch"
+    assert not fp8.fp8_kernel_supports(torch.zeros(128, 256).to(fp8.FP8_DTYPE), (1, 256))
+    assert not fp8.fp8_kernel_supports(torch.zeros(128, 256).to(fp8.FP8_DTYPE), None)
+    assert fp8.quantized_input_group(x, 128, 256, (1, 256)) is None
+    w8 = (torch.randn(128, 256) * 100).to(fp8.FP8_DTYPE)
+    scales = torch.full((128, 1), 0.01)
+    out = fp8.fp8_linear(x, w8, scales, (1, 256))
+    assert torch.allclose(out, x @ (w8.float() * 0.01).t(), atol=1e-5)
 
 
 def test_bad_backend_is_refused():
@@ -185,39 +246,47 @@ def fused_quantization_differences(device: str, dtype: torch.dtype) -> list[str]
     """The kernels that write a w8a8 product's activations already quantized (`fp8.rms_norm_to_fp8` with and
     without the residual, `fp8.silu_mul_to_fp8`), and `quantize_rows`' own padding rows, against `fp8.quantize_rows`
     of the unfused kernels' outputs padded with zero rows to a multiple of 16 (cuBLASLt's padding): the outputs whose
-    bits differ, by name."""
+    bits differ, by name. Groups of 128 columns and of the whole row (row-scaled products), widths of a power of two
+    and not."""
+    differences = []
+    for rows, width, group in [(5, 512, 128), (32, 1024, 128), (5, 512, 512), (3, 640, 640), (17, 2560, 2560)]:
+        found = _fused_quantization_differences(device, dtype, rows, width, group)
+        differences += [f"{name} group={group}" for name in found]
+    return differences
+
+
+def _fused_quantization_differences(device, dtype, rows: int, width: int, group: int) -> list[str]:
     from hf_dllm import triton_ops
 
     differences = []
-    for rows, width in [(5, 512), (32, 1024)]:
-        padding = (0, 0, 0, -rows % fp8.SCALED_MM_ROW_MULTIPLE)
-        x = torch.randn(rows, width, device=device, dtype=dtype) * 3
-        weight = torch.randn(width, device=device, dtype=dtype)
-        for residual in (None, torch.randn_like(x)):
-            (values, scales, shape, out_dtype), total = fp8.rms_norm_to_fp8(x, weight, 1e-5, 128, residual=residual)
-            normed, expected_total = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
-            expected = fp8.quantize_rows(torch.nn.functional.pad(normed, padding), 128, scales_column_major=True)
-            name = f"rms_norm rows={rows} residual={residual is not None}"
-            # quantize_rows' own zero rows (the w8a8 path's padding) against the zero-padded input's.
-            padded = fp8.quantize_rows(normed, 128, scales_column_major=True, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE)
-            if not torch.equal(padded[0].view(torch.uint8), expected[0].view(torch.uint8)):
-                differences.append(f"quantize_rows rows={rows}: padded values")
-            if not torch.equal(padded[1], expected[1]) or padded[1].stride() != expected[1].stride():
-                differences.append(f"quantize_rows rows={rows}: padded scales")
-            if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
-                differences.append(f"{name}: values")
-            if not torch.equal(scales, expected[1]) or scales.stride() != expected[1].stride():
-                differences.append(f"{name}: scales")
-            if not torch.equal(total, expected_total) or shape != x.shape or out_dtype != dtype:
-                differences.append(f"{name}: sum, shape or dtype")
-        gate, up = (torch.randn(rows, 2 * width, device=device, dtype=dtype) * 4).chunk(2, dim=-1)
-        values, scales, _, _ = fp8.silu_mul_to_fp8(gate, up, 128)
-        silu = torch.nn.functional.pad(triton_ops.silu_mul(gate, up), padding)
-        expected = fp8.quantize_rows(silu, 128, scales_column_major=True)
+    padding = (0, 0, 0, -rows % fp8.SCALED_MM_ROW_MULTIPLE)
+    x = torch.randn(rows, width, device=device, dtype=dtype) * 3
+    weight = torch.randn(width, device=device, dtype=dtype)
+    for residual in (None, torch.randn_like(x)):
+        (values, scales, shape, out_dtype), total = fp8.rms_norm_to_fp8(x, weight, 1e-5, group, residual=residual)
+        normed, expected_total = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
+        expected = fp8.quantize_rows(torch.nn.functional.pad(normed, padding), group, scales_column_major=True)
+        name = f"rms_norm rows={rows} residual={residual is not None}"
+        # quantize_rows' own zero rows (the w8a8 path's padding) against the zero-padded input's.
+        padded = fp8.quantize_rows(normed, group, scales_column_major=True, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE)
+        if not torch.equal(padded[0].view(torch.uint8), expected[0].view(torch.uint8)):
+            differences.append(f"quantize_rows rows={rows}: padded values")
+        if not torch.equal(padded[1], expected[1]) or padded[1].stride() != expected[1].stride():
+            differences.append(f"quantize_rows rows={rows}: padded scales")
         if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
-            differences.append(f"silu_mul rows={rows}: values")
-        if not torch.equal(scales, expected[1]):
-            differences.append(f"silu_mul rows={rows}: scales")
+            differences.append(f"{name}: values")
+        if not torch.equal(scales, expected[1]) or scales.stride() != expected[1].stride():
+            differences.append(f"{name}: scales")
+        if not torch.equal(total, expected_total) or shape != x.shape or out_dtype != dtype:
+            differences.append(f"{name}: sum, shape or dtype")
+    gate, up = (torch.randn(rows, 2 * width, device=device, dtype=dtype) * 4).chunk(2, dim=-1)
+    values, scales, _, _ = fp8.silu_mul_to_fp8(gate, up, group)
+    silu = torch.nn.functional.pad(triton_ops.silu_mul(gate, up), padding)
+    expected = fp8.quantize_rows(silu, group, scales_column_major=True)
+    if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
+        differences.append(f"silu_mul rows={rows}: values")
+    if not torch.equal(scales, expected[1]):
+        differences.append(f"silu_mul rows={rows}: scales")
     return differences
 
 
@@ -347,6 +416,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ]:
             (error,), reference = grouped_errors(tokens, experts, top_k, k_in, n_out, gated, torch.float16)
             assert error <= 2 * reference + 1e-3, ("grouped", tile, tokens, experts, gated, error, reference)
+    # One scale per row (row-scaled products): max |x| / 448 of the whole row, widths of a power of two and not.
+    for rows, cols in [(7, 640), (20, 256), (2, 3000)]:
+        x = torch.randn(rows, cols, dtype=torch.bfloat16) * torch.logspace(-2, 2, rows)[:, None]
+        values, scales = fp8.quantize_rows(x, cols)
+        assert scales.shape == (rows, 1) and values.shape == x.shape, (scales.shape, values.shape)
+        expected = x.float().abs().amax(1, keepdim=True) / 448.0
+        assert torch.allclose(scales, expected, rtol=1e-6, atol=0), (scales - expected).abs().max()
     # RMSNorm and SiLU-mul writing their output quantized: the bits quantize_rows gives their unfused output.
     from tests.test_fp8 import fused_quantization_differences
     assert not fused_quantization_differences("cpu", torch.bfloat16), fused_quantization_differences("cpu", torch.bfloat16)
@@ -404,6 +480,34 @@ def test_kernels_in_triton_interpreter():
     commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
     for name, result in run_side_by_side(commands, timeout=300, cwd=ROOT, env=env).items():
         assert result.returncode == 0 and "ok" in result.stdout, (name, result.stderr[-3000:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32, 200, 2048])
+@pytest.mark.parametrize("n_out,k_in", [(4096, 4096), (384, 256), (640, 1536), (1024, 12288)])
+def test_row_scaled_product_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
+    """Per-tensor weights (row scales) times activations quantized per row through `torch._scaled_mm` with fast
+    accumulation, against the float32 product of the unquantized operands: within twice PyTorch's own error (the
+    same quantized operands dequantized and multiplied in float32), bias and residual added."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n_out, k_in, device="cuda") * 0.02
+    bias, residual = (
+        torch.randn(n_out, device="cuda", dtype=torch.bfloat16),
+        torch.randn_like(x[:, :1]).expand(-1, n_out),
+    )
+    if fp8.fp8_product_kernel(x, n_out, k_in, (1, k_in)) != "rowwise":
+        pytest.skip("torch's row-scaled FP8 product is not available on this GPU / torch")
+    scale = weight.abs().amax() / fp8.FP8_MAX
+    w8 = (weight / scale).to(fp8.FP8_DTYPE)
+    row_scales = scale.reshape(1, 1).expand(n_out, 1).contiguous()
+    exact = x.float() @ weight.float().t() + bias.float() + residual.float()
+    a8, a_scale = fp8.quantize_rows(x, k_in)
+    x_deq = a8.float() * a_scale
+    reference = ((x_deq @ (w8.float() * scale).t() + bias.float() + residual.float()) - exact).norm() / exact.norm()
+    out = fp8.fp8_linear(x, w8, row_scales, (1, k_in), bias, residual=residual.contiguous())
+    error = (out.float() - exact).norm() / exact.norm()
+    assert error <= 2 * reference + 1e-3, (error.item(), reference.item())
 
 
 @pytest.mark.gpu
@@ -561,9 +665,10 @@ def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows, n_out, k_in, mon
 
 
 @pytest.mark.gpu
-def test_gpu_quantized_generate_graph_equals_eager_and_torch_path():
+@pytest.mark.parametrize("weight_block_size", [BLOCK, None], ids=["blocks", "per_tensor"])
+def test_gpu_quantized_generate_graph_equals_eager_and_torch_path(weight_block_size):
     config = tiny_config()
-    _, quantized = quantized_model(config, "cuda")
+    _, quantized = quantized_model(config, "cuda", weight_block_size=weight_block_size)
     reference = dequantized_copy(quantized, config, "cuda")
     ids = torch.randint(0, 400, (2, 40), device="cuda")
     with torch.no_grad():
@@ -591,16 +696,18 @@ def test_gpu_fused_activation_quantization_writes_quantize_rows_bits():
 
 
 @pytest.mark.gpu
-def test_gpu_fused_activation_quantization_changes_no_logit_and_no_token(monkeypatch):
+@pytest.mark.parametrize("weight_block_size", [BLOCK, None], ids=["blocks", "per_tensor"])
+def test_gpu_fused_activation_quantization_changes_no_logit_and_no_token(monkeypatch, weight_block_size):
     """LLaDA with widths cuBLASLt's block-scaled product takes: the norms and the SiLU gate write the w8a8 products'
     activations quantized (counted: the fused producers really run, in the full forward and in graph-captured steps
     of a batch large enough for w8a8), and the logits and tokens are those of the unfused path, bit for bit."""
     from hf_dllm import modeling_llada
 
     config = tiny_config(d_model=512, n_heads=4, n_kv_heads=2, mlp_hidden_size=1024)
-    _, quantized = quantized_model(config, "cuda")
-    if not fp8.cublaslt_takes(torch.zeros(1, device="cuda"), 1024, 512, BLOCK):
-        pytest.skip("cuBLASLt's block-scaled FP8 product is not available on this GPU / torch")
+    _, quantized = quantized_model(config, "cuda", weight_block_size=weight_block_size)
+    block = BLOCK if weight_block_size else (1, 512)
+    if fp8.fp8_product_kernel(torch.zeros(64, 512, device="cuda"), 1024, 512, block) not in ("scaled_mm", "rowwise"):
+        pytest.skip("cuBLASLt's block-scaled or torch's row-scaled FP8 product is not available on this GPU / torch")
     calls = {"norm": 0, "silu": 0}
     for name, key in (("rms_norm_to_fp8", "norm"), ("silu_mul_to_fp8", "silu")):
         original = getattr(modeling_llada, name)
@@ -657,17 +764,18 @@ def test_loading_flag_refuses_cpu_and_unknown_values(tmp_path):
         ),
         tmp_path / "ckpt",
     )
-    with pytest.raises(ValueError, match="--quantization must be one of none, fp8"):
+    with pytest.raises(ValueError, match="--quantization must be one of none, fp8, fp8-tensor"):
         load_model(folder, device="cpu", quantization="int4")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         load_model(folder, device="cpu", quantization="fp8")
 
 
-def test_prequantized_checkpoint_round_trip(tmp_path, monkeypatch):
+@pytest.mark.parametrize("weight_block_size", [BLOCK, None], ids=["blocks", "per_tensor"])
+def test_prequantized_checkpoint_round_trip(tmp_path, monkeypatch, weight_block_size):
     # A checkpoint saved quantized (the Hub's `weight` + `weight_scale_inv` layout) reloads without a config: on
     # the CPU transformers dequantizes it to bf16, which must equal our dequantization.
     config = tiny_config()
-    _, quantized = quantized_model(config, "cpu", monkeypatch)
+    _, quantized = quantized_model(config, "cpu", monkeypatch, weight_block_size=weight_block_size)
     quantized.save_pretrained(tmp_path / "fp8")
     monkeypatch.undo()
     reloaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).eval()

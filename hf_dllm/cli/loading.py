@@ -18,9 +18,9 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEFAULT_THREADS = None
 # `--quantization`: "none" loads the checkpoint's weights as they are; "fp8" quantizes them at load time through
 # transformers' `FineGrainedFP8Config` (FP8 weights, one scale per 128x128 block; CUDA GPUs of compute capability
-# >= 8.9), run by hf_dllm's FP8 kernels (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such
-# without the flag.
-QUANTIZATION_CHOICES = ("none", "fp8")
+# >= 8.9), "fp8-tensor" with one scale per matrix (`fp8.FP8_SCHEMES`), run by hf_dllm's FP8 kernels
+# (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such without the flag.
+QUANTIZATION_CHOICES = ("none", "fp8", "fp8-tensor")
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -142,8 +142,8 @@ def load_model(
             parallelism, the model config's `base_model_tp_plan`); each process gets its GPU (`LOCAL_RANK`).
         num_processes: processes of a data-parallel launch (`accelerate launch`); each holds a replica, so
             `device_map` is refused there.
-        quantization: `"none"` or `"fp8"` (see `QUANTIZATION_CHOICES`): FP8 quantizes on the target GPU while
-            loading.
+        quantization: `"none"`, `"fp8"` or `"fp8-tensor"` (see `QUANTIZATION_CHOICES`): FP8 quantizes on the
+            target GPU while loading.
 
     Returns `(model, tokenizer)`, the model in eval mode. Raises `ValueError` for a bad flag value and
     `FileNotFoundError` for a local path that does not exist, before anything is loaded.
@@ -180,16 +180,16 @@ def load_model(
             )
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}.")
-    if quantization == "fp8" and tp_plan is not None:
+    if quantization != "none" and tp_plan is not None:
         raise ValueError(
-            "--quantization fp8 and --tp-plan cannot be combined yet: the FP8 products multiply whole weights, not "
+            f"--quantization {quantization} and --tp-plan cannot be combined yet: the FP8 products multiply whole weights, not "
             "tensor-parallel shards. Use one of them."
         )
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    if quantization == "fp8":
+    if quantization != "none":
         if device_map is None and resolve_device(device).type != "cuda":
             raise ValueError(
-                "--quantization fp8 needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
+                f"--quantization {quantization} needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
                 f"only), but the model would load on {resolve_device(device)}."
             )
         from transformers import AutoConfig
@@ -199,7 +199,7 @@ def load_model(
         model_type = AutoConfig.from_pretrained(
             path, trust_remote_code=trust_remote_code, **({"revision": revision} if revision else {})
         ).model_type
-        kwargs["quantization_config"] = fp8_quantization_config(model_type)
+        kwargs["quantization_config"] = fp8_quantization_config(model_type, quantization)
     if revision is not None:
         kwargs["revision"] = revision
     if attn_implementation is not None:
@@ -213,7 +213,7 @@ def load_model(
         target = resolve_device(device)
         if target.type == "cuda" and target.index is not None:
             torch.cuda.set_device(target)  # kernels launch on the current device
-        if quantization == "fp8":
+        if quantization != "none":
             # Quantized where it loads: on the GPU, without a full-precision copy on the host first.
             loaded = AutoModelForCausalLM.from_pretrained(path, device_map={"": target}, **kwargs).eval()
         else:

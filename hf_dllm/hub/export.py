@@ -646,7 +646,8 @@ def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], di
 
         quantization_config = FineGrainedFP8Config.from_dict(quantization)
         names = fp8_weight_names(model_class, config_class.from_dict(config), quantization_config)
-        required.update(scale_shapes(shapes, names, tuple(quantization_config.weight_block_size)))
+        block = quantization_config.weight_block_size
+        required.update(scale_shapes(shapes, names, None if block is None else tuple(block)))
     return required, tied
 
 
@@ -810,8 +811,8 @@ EXPORT_QUANTIZATION_CHOICES = QUANTIZATION_CHOICES
 
 
 def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] | None:
-    """For `quantization="fp8"`: the weights to store as FP8 (and `config` gets their `quantization_config`);
-    None for `"none"`. ExportError for what cannot be exported quantized."""
+    """For `quantization="fp8"` / `"fp8-tensor"`: the weights to store as FP8 (and `config` gets their
+    `quantization_config`); None for `"none"`. ExportError for what cannot be exported quantized."""
     if quantization not in EXPORT_QUANTIZATION_CHOICES:
         raise ExportError(
             f"--quantization must be one of {', '.join(EXPORT_QUANTIZATION_CHOICES)}, got {quantization!r}."
@@ -822,21 +823,25 @@ def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] |
         method = (config["quantization_config"] or {}).get("quant_method", "?")
         raise ExportError(f"SRC is already quantized (quant_method {method!r}); export it without --quantization.")
     if link:
-        raise ExportError("--link cannot be combined with --quantization fp8: the quantized weights are new files.")
+        raise ExportError(
+            f"--link cannot be combined with --quantization {quantization}: the quantized weights are new files."
+        )
     from ..fp8 import fp8_quantization_config
     from .quantize import fp8_weight_names
 
     config_class, model_class = model_family(config["model_type"]).classes()
-    quantization_config = fp8_quantization_config(config["model_type"])
+    quantization_config = fp8_quantization_config(config["model_type"], quantization)
     names = fp8_weight_names(model_class, config_class.from_dict(config), quantization_config)
     if not names:
-        raise ExportError("--quantization fp8: transformers' FP8 quantizer converts no layer of this model.")
+        raise ExportError(
+            f"--quantization {quantization}: transformers' FP8 quantizer converts no layer of this model."
+        )
     required, _ = expected_tensor_shapes(config)
     block = quantization_config.weight_block_size
     uneven = [
         f"{name} {list(required[name])}"
         for name in names
-        if required[name][0] % block[0] or required[name][1] % block[1]
+        if block is not None and (required[name][0] % block[0] or required[name][1] % block[1])
     ]
     if uneven:
         raise ExportError(
@@ -946,7 +951,8 @@ def export_checkpoint(
             from .quantize import QuantizationError, write_fp8_weights
 
             try:
-                block = tuple(config["quantization_config"]["weight_block_size"])  # what the config says
+                block = config["quantization_config"].get("weight_block_size")  # what the config says
+                block = None if block is None else tuple(block)  # None: one scale per matrix
                 write_fp8_weights(src, staging, weights, fp8_names, block)
             except QuantizationError as error:
                 raise ExportError(str(error)) from error

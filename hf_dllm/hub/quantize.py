@@ -50,14 +50,14 @@ def fp8_weight_names(model_class, config, quantization_config) -> list[str]:
     )
 
 
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight (N, K)` -> `float8_e4m3fn (N, K)` and `weight_scale_inv (N / bn, K / bk)` float32: `fp8.quantize_blocks`
     (transformers' `Fp8Quantize` arithmetic) on whole blocks only. N and K must be multiples of the block
-    (QuantizationError otherwise: the caller names the tensor)."""
-    block_m, block_n = block
+    (QuantizationError otherwise: the caller names the tensor). `block` None: one scale per matrix, `(1, 1)`."""
+    block_m, block_n = _block(weight.shape, block)
     if weight.shape[0] % block_m or weight.shape[1] % block_n:
         raise QuantizationError(f"shape {list(weight.shape)} is not a multiple of the {block_m}x{block_n} FP8 block")
-    return quantize_blocks(weight, block)
+    return quantize_blocks(weight, (block_m, block_n))
 
 
 def scale_name(weight_name: str) -> str:
@@ -70,11 +70,21 @@ def scale_shapes(
     """The `weight_scale_inv` tensors a checkpoint with the FP8 weights `names` (blocks of `block`) holds, with
     their shapes."""
     return {
-        scale_name(name): tuple(size // b for size, b in zip(weight_shapes[name], block, strict=True)) for name in names
+        scale_name(name): tuple(
+            size // b for size, b in zip(weight_shapes[name], _block(weight_shapes[name], block), strict=True)
+        )
+        for name in names
     }
 
 
-def write_fp8_weights(src: Path, dst: Path, weight_files: list[str], names: list[str], block: tuple[int, int]) -> None:
+def _block(shape, block: tuple[int, int] | None) -> tuple[int, int]:
+    # `weight_block_size=None` (transformers' per-tensor FP8): the whole matrix is one block.
+    return tuple(shape[-2:]) if block is None else tuple(block)
+
+
+def write_fp8_weights(
+    src: Path, dst: Path, weight_files: list[str], names: list[str], block: tuple[int, int] | None
+) -> None:
     """Write SRC's safetensors weight files (`weight_files`, index first if any) into DST with the tensors `names`
     quantized in blocks of `block` (`quantize_fp8_blocks`) and their scales added beside them (same shard; the index lists them)."""
     from safetensors import safe_open
