@@ -679,7 +679,11 @@ def test_gpu_quantized_generate_graph_equals_eager_and_torch_path(weight_block_s
         finally:
             set_kernel_mode("auto")
         expected = reference(ids).logits.float()
-    assert (fused - expected).abs().max() < 0.05 * expected.abs().max()
+    # Per tensor the activations are quantized with one scale per row (256 columns here), not per 128 columns:
+    # a coarser rounding (measured 0.064 of the largest logit on an H100), checked per product against PyTorch's own
+    # FP8 reference in `test_row_scaled_product_error_within_twice_torch_fp8_reference`.
+    tolerance = 0.05 if weight_block_size else 0.08
+    assert (fused - expected).abs().max() < tolerance * expected.abs().max()
     assert (unfused - expected).abs().max() < 0.05 * expected.abs().max()
     prompts = torch.randint(0, 400, (3, 21), device="cuda")
     for dual in (False, True):
