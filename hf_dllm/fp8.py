@@ -234,7 +234,8 @@ def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> st
     """Which of hf_dllm's kernels `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with where
     the fused kernels run: `rowwise` (row-scaled weights, `rowwise_matmul`), `few_rows` (`few_rows_w8a8_applies`),
     `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or
-    Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take them. The one rule that `fp8_linear` runs and `quantized_input_group` reads."""
+    Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take them. The one rule that
+    `fp8_linear` runs and `quantized_input_group` reads."""
     if is_row_scaled(block_size, cols):
         return "rowwise" if _rowwise_runs(x.device, n_out, cols) else "torch"
     rows = x.numel() // x.shape[-1]
