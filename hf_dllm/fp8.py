@@ -206,15 +206,20 @@ def fp8_linear(
     `QuantizedRows` (written by their producer, where `quantized_input_group` said this product runs w8a8)."""
     if isinstance(x, QuantizedRows):
         return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias, residual)
-    if not (use_triton and TRITON_AVAILABLE) or not fp8_kernel_supports(weight, block_size):
+    n_out, cols = weight.shape
+    kernel = "torch"
+    if use_triton and TRITON_AVAILABLE:
+        # Row scales go to `torch._scaled_mm` (the rule says where it runs), block scales to hf_dllm's kernels.
+        row_scaled = is_row_scaled(block_size, cols)
+        if weight.stride(-1) == 1 if row_scaled else fp8_kernel_supports(weight, block_size):
+            kernel = fp8_product_kernel(x, n_out, cols, block_size)
+    if kernel == "torch":
         out = nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
         return _plus_residual(out, residual)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n_out, cols = weight.shape
-    kernel = fp8_product_kernel(x2, n_out, cols, block_size)
     if kernel == "rowwise":
         values, scales = quantize_rows(x2, cols, row_multiple=SCALED_MM_ROW_MULTIPLE)
         rows = QuantizedRows(values, scales, x2.shape, x2.dtype)
@@ -275,12 +280,10 @@ def _fp8_tensor_cores(device_index: int) -> bool:
 
 
 def fp8_kernel_supports(weight: torch.Tensor, block_size) -> bool:
-    """Whether hf_dllm's FP8 kernels take this weight: power-of-two blocks of at least 16, last dim contiguous; or
-    row scales (`is_row_scaled`) where `torch._scaled_mm` multiplies them (`_rowwise_runs`)."""
+    """Whether hf_dllm's block-scaled FP8 kernels take this weight: power-of-two blocks of at least 16, last dim
+    contiguous (row scales, `is_row_scaled`, run `torch._scaled_mm` instead: `fp8_product_kernel`)."""
     if block_size is None:
         return False
-    if is_row_scaled(block_size, weight.shape[-1]):
-        return weight.stride(-1) == 1 and _rowwise_runs(weight.device, *weight.shape)
     block_n, block_k = block_size
     power_of_two = all(b >= 16 and b & (b - 1) == 0 for b in (block_n, block_k))
     return power_of_two and weight.stride(-1) == 1

@@ -668,7 +668,7 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
         WIDE=float_copy,
-        FP8_GROUP=group if group < d else block,  # a whole-row group: the row's power-of-two block, masked
+        FP8_GROUP=fp8_group_tiling(group, d)[0] if group else 0,  # a whole-row group: the row's block, masked
         TILE_GROUPS=max(1, min(8, block // group)) if group else 1,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,

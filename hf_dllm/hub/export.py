@@ -646,8 +646,7 @@ def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], di
 
         quantization_config = FineGrainedFP8Config.from_dict(quantization)
         names = fp8_weight_names(model_class, config_class.from_dict(config), quantization_config)
-        block = quantization_config.weight_block_size
-        required.update(scale_shapes(shapes, names, None if block is None else tuple(block)))
+        required.update(scale_shapes(shapes, names, quantization_config.weight_block_size))
     return required, tied
 
 
@@ -951,8 +950,9 @@ def export_checkpoint(
             from .quantize import QuantizationError, write_fp8_weights
 
             try:
-                block = config["quantization_config"].get("weight_block_size")  # what the config says
-                block = None if block is None else tuple(block)  # None: one scale per matrix
+                block = config["quantization_config"].get(
+                    "weight_block_size"
+                )  # what the config says (None: per tensor)
                 write_fp8_weights(src, staging, weights, fp8_names, block)
             except QuantizationError as error:
                 raise ExportError(str(error)) from error

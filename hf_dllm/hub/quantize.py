@@ -65,10 +65,10 @@ def scale_name(weight_name: str) -> str:
 
 
 def scale_shapes(
-    weight_shapes: dict[str, tuple[int, ...]], names: list[str], block: tuple[int, int]
+    weight_shapes: dict[str, tuple[int, ...]], names: list[str], block: tuple[int, int] | None
 ) -> dict[str, tuple[int, ...]]:
-    """The `weight_scale_inv` tensors a checkpoint with the FP8 weights `names` (blocks of `block`) holds, with
-    their shapes."""
+    """The `weight_scale_inv` tensors a checkpoint with the FP8 weights `names` (blocks of `block`; None: one per
+    matrix) holds, with their shapes."""
     return {
         scale_name(name): tuple(
             size // b for size, b in zip(weight_shapes[name], _block(weight_shapes[name], block), strict=True)
@@ -77,7 +77,7 @@ def scale_shapes(
     }
 
 
-def _block(shape, block: tuple[int, int] | None) -> tuple[int, int]:
+def _block(shape, block) -> tuple[int, int]:
     # `weight_block_size=None` (transformers' per-tensor FP8): the whole matrix is one block.
     return tuple(shape[-2:]) if block is None else tuple(block)
 
