@@ -115,6 +115,8 @@ def test_llada_export_quantizes_the_block_linears_and_keeps_the_rest(llada_expor
 
 def test_llada_export_loads_with_transformers_close_to_the_source(llada_export):
     # On a CPU transformers dequantizes a pre-quantized FP8 checkpoint to bf16 (it cannot run FP8 here).
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the export loads in FP8 (the GPU test below)")
     src, dst = llada_export
     ids = torch.randint(0, 380, (1, 24), generator=torch.Generator().manual_seed(0))
     # (bf16: transformers' CPU dequantization gives bf16 weights whatever `dtype` asks.)
