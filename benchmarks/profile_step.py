@@ -7,10 +7,11 @@ steps' CUDA-graph replay times. Then times the block's matrix products alone (se
 vs. concatenated weights) to show how close cuBLAS gets to the memory-bandwidth floor at small M. Ends with one
 JSON line.
 
-    python benchmarks/profile_step.py [--batch 1] [--shape llada-8b|dream-7b] [--quantization fp8]
+    python benchmarks/profile_step.py [--batch 1] [--shape llada-8b|dream-7b] [--quantization fp8|fp8-tensor]
 
-`--quantization fp8`: the LLaDA-8B model quantized by transformers' `FineGrainedFP8Config` (as bench_generate.py
-does), so the breakdown is the FP8 step's and refresh's (the GEMM bandwidth table stays bf16's).
+`--quantization fp8` (128 x 128 block scales) or `fp8-tensor` (one scale per matrix): the LLaDA-8B model quantized
+by transformers' `FineGrainedFP8Config` (as bench_generate.py does), so the breakdown is the FP8 step's and
+refresh's (the GEMM bandwidth table stays bf16's).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_generate import LLADA_8B, build_model, quantize_fp8  # noqa: E402
 
+from hf_dllm.fp8 import FP8_SCHEMES  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
 
@@ -125,11 +127,14 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument(
-        "--quantization", choices=("none", "fp8"), default="none", help="fp8: the LLaDA-8B model quantized (issue #13)"
+        "--quantization",
+        choices=("none", *FP8_SCHEMES),
+        default="none",
+        help="an FP8 scheme: the LLaDA-8B model quantized (issue #13)",
     )
     args = parser.parse_args(argv)
-    if args.quantization == "fp8" and args.shape != "llada-8b":
-        parser.error("--quantization fp8 is measured at the llada-8b shape")
+    if args.quantization != "none" and args.shape != "llada-8b":
+        parser.error(f"--quantization {args.quantization} is measured at the llada-8b shape")
     device = torch.device("cuda")
     if args.shape == "dream-7b":
         from bench_dream import DREAM_7B
@@ -139,8 +144,8 @@ def main(argv=None) -> int:
         vocab, hidden, mlp, kv_width = DREAM_7B["vocab_size"], 3584, 18944, 2 * 4 * 128
     else:
         model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
-        if args.quantization == "fp8":
-            model = quantize_fp8(model, device, args.attn)
+        if args.quantization != "none":
+            model = quantize_fp8(model, device, args.attn, args.quantization)
             torch.cuda.empty_cache()
         vocab, hidden, mlp, kv_width = LLADA_8B["vocab_size"], 4096, 12288, 2 * 4096
     prompts = torch.randint(0, 120000, (args.batch, args.prompt_len), device=device)

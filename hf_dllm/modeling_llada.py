@@ -271,13 +271,22 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         cache_position: torch.Tensor | None = None,
+        *,
+        residual: torch.Tensor | None = None,
+        defer_residual: bool = False,
         **kwargs,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`forward` through the block's modules (the reference; quantized, sharded or hooked layers; the fused GPU
-        kernels)."""
+        kernels). With `residual` the block's input is `hidden_states + residual`, added by the attention norm as it
+        reads them; with `defer_residual` the block returns `(mlp_out, stream)`, whose sum is its output, for the
+        next norm to add (`residual_stream_forward`)."""
         batch, q_len, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states)
-        x = self.attn_norm(hidden_states, self._fp8_input_group(self.attn_norm, hidden_states, self._QKV, fused))
+        group = self._fp8_input_group(self.attn_norm, hidden_states, self._QKV, fused)
+        if residual is None:
+            x = self.attn_norm(hidden_states, group)
+        else:
+            x, hidden_states = self.attn_norm.add_and_norm(hidden_states, residual, group)
         query, key, value = self._project_qkv(x, fused)
         cos, sin = position_embeddings
         if fused and self._rotary_kernel_applies() and isinstance(past_key_values, FP8DiffusionKVCache):
@@ -329,10 +338,39 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         attn = self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1)))
         group = self._fp8_input_group(self.ff_norm, attn, self._GATE_UP, fused)
         x, hidden_states = self.ff_norm.add_and_norm(attn, hidden_states, group)
+        if defer_residual:
+            return self.dropout(linear(self.ff_out, self._gated_activation(x, fused))), hidden_states
         if self.training:  # dropout between the product and the residual add
             return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
         # The residual added by the product's kernel where it can (FP8 at a block step's rows): one launch fewer.
         return linear(self.ff_out, self._gated_activation(x, fused), residual=hidden_states)
+
+    def residual_stream_forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the residual stream `hidden_states + residual` (`residual` None: `hidden_states` alone),
+        `(batch, q_len, d_model)` each, without its last residual add: returns `(mlp_out, stream)`, whose sum is what
+        `forward` returns. The next block's attention norm (or the final norm) adds the two as it reads them
+        (`LLaDARMSNorm.add_and_norm`), so the sum is never written and read back by a kernel of its own: one pass
+        over the hidden states fewer per block, a launch fewer at every block step, the same values (the norm
+        rounds the sum to the hidden states' dtype before norming it, as a separate add would)."""
+        return self._module_forward(
+            hidden_states,
+            position_embeddings,
+            attention_mask,
+            past_key_values,
+            cache_position,
+            residual=residual,
+            defer_residual=True,
+            **kwargs,
+        )
 
     def _fp8_input_group(self, norm: LLaDARMSNorm, x: torch.Tensor, names: tuple[str, ...], fused: bool) -> int | None:
         """Where the fused kernels run: the group in which `norm` may write its output quantized for the FP8
@@ -608,6 +646,10 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if emb_drop.training or _has_hooks(emb_drop):  # otherwise the identity
             hidden_states = emb_drop(hidden_states)
         all_hidden_states = () if output_hidden_states else None
+        # Where the fused kernels run, each block leaves its last residual add to the next norm
+        # (`residual_stream_forward`); `residual` is the part of the hidden states not yet added to `hidden_states`.
+        defer_residual = use_fused_kernels(hidden_states) and not output_hidden_states
+        residual = None
         last_index = len(blocks) - 1
         position_embeddings = rotary = None  # RoPE tables, made once per forward for the blocks that need them
         for index, block in enumerate(blocks):
@@ -632,6 +674,19 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 continue
             if position_embeddings is None:
                 position_embeddings = self._rotary_cos_sin(position_ids)
+            if defer_residual and not _has_hooks(block):
+                hidden_states, residual = block.residual_stream_forward(
+                    hidden_states,
+                    residual,
+                    position_embeddings,
+                    attention_mask=attention_mask,
+                    past_key_values=past_key_values,
+                    cache_position=cache_position,
+                    **kwargs,
+                )
+                continue
+            if residual is not None:  # a hooked block sees, and returns, the whole hidden states
+                hidden_states, residual = hidden_states + residual, None
             # Where the lean path was asked and refused, the block's modules, without asking again.
             run_block = block._module_forward if lean_call and not _has_hooks(block) else block
             hidden_states = run_block(
@@ -644,7 +699,12 @@ class LLaDAModel(LLaDAPreTrainedModel):
             )
         if positions_to_keep is not None:
             hidden_states = select_rows(hidden_states, positions_to_keep)
-        hidden_states = self.transformer.ln_f(hidden_states)
+            residual = None if residual is None else select_rows(residual, positions_to_keep)
+        ln_f = self.transformer.ln_f
+        if residual is not None and not _has_hooks(ln_f):
+            hidden_states = ln_f.add_and_norm(hidden_states, residual)[0]
+        else:
+            hidden_states = ln_f(hidden_states if residual is None else hidden_states + residual)
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return hidden_states, past_key_values if use_cache else None, all_hidden_states

@@ -735,6 +735,49 @@ def test_gpu_fused_activation_quantization_changes_no_logit_and_no_token(monkeyp
     assert torch.equal(results[True][1], results[False][1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_block_size", ["bf16", BLOCK, None], ids=["bf16", "blocks", "per_tensor"])
+def test_gpu_residual_adds_left_to_the_next_norm_change_no_logit_and_no_token(weight_block_size, monkeypatch):
+    """Each block leaves its last residual add to the next norm (`residual_stream_forward`, counted); a hooked block
+    is called whole. Logits (80 rows: w8a8 products) and tokens (batch 1, blocks of 16: the few-rows kernels that add
+    the residual as they store the product; batch 4) are those of the hooked model, bit for bit."""
+    from hf_dllm.modeling_llada import LLaDALlamaBlock
+
+    deferred_calls = []
+    original = LLaDALlamaBlock.residual_stream_forward
+    monkeypatch.setattr(
+        LLaDALlamaBlock, "residual_stream_forward", lambda *a, **k: deferred_calls.append(1) or original(*a, **k)
+    )
+    config = tiny_config(d_model=512, n_heads=4, n_kv_heads=2, mlp_hidden_size=1024)
+    if weight_block_size == "bf16":
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = hf_dllm.LLaDAModelLM._from_config(config, dtype=torch.bfloat16).eval()
+    else:
+        _, model = quantized_model(config, "cuda", weight_block_size=weight_block_size)
+    ids = torch.randint(0, 400, (2, 40), device="cuda")
+    kwargs = dict(max_new_tokens=32, block_length=16, steps=16, use_cache=True, dual_cache=True)
+    results = []
+    for hooked in (False, True):
+        blocks = model.model.transformer.blocks if hooked else []
+        hooks = [block.register_forward_hook(lambda *args: None) for block in blocks]
+        with torch.no_grad():
+            outputs = [model(ids).logits, model(ids, logits_to_keep=slice(5, 21)).logits]
+        for batch in (1, 4):
+            prompts = torch.randint(
+                0, 400, (batch, 21), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+            )
+            outputs += [model.generate(prompts, **kwargs), model.generate(prompts, disable_compile=True, **kwargs)]
+        for hook in hooks:
+            hook.remove()
+        results.append(outputs)
+        assert (len(deferred_calls) == 0) == hooked, len(deferred_calls)
+        deferred_calls.clear()
+    assert torch.equal(results[0][1], results[0][0][:, 5:21])
+    for deferred, whole in zip(*results, strict=True):
+        assert torch.equal(deferred, whole)
+
+
 def save_with_tokenizer(model, path: Path) -> Path:
     from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 

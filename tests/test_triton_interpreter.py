@@ -158,10 +158,18 @@ MODELS_SCRIPT = textwrap.dedent(
     mask[0, :4] = 0
     with torch.no_grad():
         ours = model(ids, attention_mask=mask).logits
+        kept = model(ids, attention_mask=mask, logits_to_keep=slice(3, 9)).logits
+        # A hooked block is called whole (the others leave their last residual add to the next norm,
+        # `residual_stream_forward`): the same logits, bit for bit.
+        hooks = [block.register_forward_hook(lambda *args: None) for block in model.model.transformer.blocks[1:]]
+        hooked = model(ids, attention_mask=mask).logits
+        for hook in hooks:
+            hook.remove()
         hf_dllm.kernels.set_kernel_mode("torch")
         model.set_attn_implementation("sdpa")
         ref = model(ids, attention_mask=mask).logits
     assert (ours - ref)[mask.bool()].abs().max() < 1e-4, "model logits"
+    assert torch.equal(ours, hooked) and torch.equal(kept, ours[:, 3:9]), "residual adds left to the next norm"
 
     # A recorded reference case through the fused path with the dual cache (RoPE writing K/V into the cache).
     from safetensors.torch import load_file
