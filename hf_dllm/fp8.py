@@ -356,8 +356,14 @@ if TRITON_AVAILABLE:
         else:
             w = w.to(x.dtype)
         # One return after the branches: Triton's compiler also builds the statements after a constexpr branch
-        # that returns.
-        if SWAP:
+        # that returns. float32 operands are multiplied in full float32: tl.dot would round them to TF32 (~1e-3
+        # relative error), enough to flip near-tied tokens against a float32 reference.
+        if x.dtype == tl.float32:
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        elif SWAP:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)

@@ -90,6 +90,11 @@ def _prune_grouped(configs, named_args, **kwargs):
     # need twice bf16's): the autotuner skips configs that fail to launch, but were all to fail it would launch one
     # of them anyway.
     sizes = (named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size(), kwargs["BLOCK_K"], kwargs["GATED"])
+    if named_args["x_ptr"].dtype == torch.float32:
+        # float32 runs for exactness, not speed (`tile_product` multiplies it in full float32, on the CUDA cores):
+        # one config, the one of the smallest footprint (it surely fits the shared memory), instead of compiling
+        # and timing every one of them for each new row key (minutes).
+        return [min(configs, key=lambda c: footprint_bytes(c, *sizes))]
     if not any(fits_shared_memory(c, *sizes, named_args["x_ptr"].device) for c in kept):
         kept.append(min(configs, key=lambda c: footprint_bytes(c, *sizes)))
     return kept
