@@ -517,6 +517,21 @@ def test_kernel_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
         assert error <= 2 * reference + 2e-3, (name, error, reference)
 
 
+@pytest.mark.parametrize("rows", [5, 32, 200])
+def test_weight_only_autotuning_times_one_unsplit_config_in_float32(rows):
+    """float32 activations are multiplied in full float32 (CUDA cores, for exactness): the autotuner gets one
+    unsplit config of the rows' tiles; bfloat16 keeps every config of those tiles (splits only at few rows)."""
+    configs = fp8.weight_only_configs()
+    for dtype in (torch.float32, torch.bfloat16):
+        kept = fp8._prune_weight_only(configs, {"M": rows, "x_ptr": torch.empty(1, dtype=dtype)})
+        assert {c.kwargs["BLOCK_M"] for c in kept} <= {fp8._row_tile(rows, 128), fp8._row_tile(rows, 128) // 2}
+        if dtype == torch.float32:
+            (config,) = kept
+            assert config.kwargs["SPLIT_K"] == 1
+        else:
+            assert len(kept) > 1 and (rows <= 64) == any(c.kwargs["SPLIT_K"] > 1 for c in kept)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_out,k_in", [(4096, 4096), (640, 1536)])
 def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
