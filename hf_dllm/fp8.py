@@ -198,24 +198,21 @@ def fp8_linear(
     block_size,
     bias: torch.Tensor | None = None,
     use_triton: bool = True,
-    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x (..., K) @ dequantize(weight).T + bias` -> `(..., N)` in `x.dtype` (see the module docstring for the
-    kernels), plus `residual (..., N)` if given: `residual + product` bit for bit, added by the few-rows kernels as
-    they store the product (one kernel fewer at a block step). `use_triton=False` forces the PyTorch path. `x` may be
-    `QuantizedRows` (written by their producer, where `quantized_input_group` said this product runs w8a8)."""
+    kernels). `use_triton=False` forces the PyTorch path. `x` may be `QuantizedRows` (written by their producer,
+    where `quantized_input_group` said this product runs w8a8)."""
     if isinstance(x, QuantizedRows):
-        return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias, residual)
+        return w8a8_rows_matmul(x, weight, weight_scale_inv, block_size, bias)
     n_out, cols = weight.shape
     kernel = "torch"
-    if use_triton and TRITON_AVAILABLE:
-        # Row scales go to `torch._scaled_mm` (the rule says where it runs), block scales to hf_dllm's kernels.
-        row_scaled = is_row_scaled(block_size, cols)
-        if weight.stride(-1) == 1 if row_scaled else fp8_kernel_supports(weight, block_size):
+    # Row scales go to `torch._scaled_mm` (the rule says where it runs), block scales to hf_dllm's kernels; both
+    # read the weight's rows contiguous.
+    if use_triton and TRITON_AVAILABLE and weight.stride(-1) == 1:
+        if is_row_scaled(block_size, cols) or fp8_kernel_supports(weight, block_size):
             kernel = fp8_product_kernel(x, n_out, cols, block_size)
     if kernel == "torch":
-        out = nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
-        return _plus_residual(out, residual)
+        return nn.functional.linear(x, dequantize(weight, weight_scale_inv, block_size, x.dtype), bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -223,15 +220,15 @@ def fp8_linear(
     if kernel == "rowwise":
         values, scales = quantize_rows(x2, cols, row_multiple=SCALED_MM_ROW_MULTIPLE)
         rows = QuantizedRows(values, scales, x2.shape, x2.dtype)
-        out = _plus_residual(rowwise_matmul(rows, weight, weight_scale_inv, bias), residual)
+        out = rowwise_matmul(rows, weight, weight_scale_inv, bias)
     elif kernel == "few_rows":
         values, scales = quantize_rows(x2, block_size[1])
         rows = QuantizedRows(values, scales, x2.shape, x2.dtype)
-        out = few_rows_w8a8_matmul(rows, weight, weight_scale_inv, block_size, bias, residual=residual)
+        out = few_rows_w8a8_matmul(rows, weight, weight_scale_inv, block_size, bias)
     elif kernel == "weight_only":
-        out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias, residual=residual)
+        out = weight_only_matmul(x2, weight, weight_scale_inv, block_size, bias)
     else:  # `scaled_mm` or `triton`, the backend `auto` would pick, decided once
-        out = _plus_residual(w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, kernel), residual)
+        out = w8a8_matmul(x2, weight, weight_scale_inv, block_size, bias, kernel)
     return out.view(*shape[:-1], n_out)
 
 
@@ -395,17 +392,6 @@ if TRITON_AVAILABLE:
         return ptr + offs[:, None].to(tl.int64) * stride + tl.arange(0, BLOCK_K)[None, :] + k_first * BLOCK_K
 
     @triton.jit
-    def _rounded_sum(total, offsets, out_ptr, residual_ptr, mask, HAS_RESIDUAL: tl.constexpr):
-        # Float32 sums rounded once into out at `offsets`; with a residual (read at the same offsets), added after
-        # that rounding as PyTorch adds two activations (`residual + linear(x)`: in float32, rounded again), so the
-        # result has the unfused add's bits.
-        value = total.to(out_ptr.dtype.element_ty)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
-            value = (value.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offsets, value, mask=mask)
-
-    @triton.jit
     def _store_split_product(
         result,
         offs_m,
@@ -414,23 +400,21 @@ if TRITON_AVAILABLE:
         N,
         pid_k,
         bias_ptr,
-        residual_ptr,
         out_ptr,
         partial_ptr,
         HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):
-        # A (BLOCK_M, BLOCK_N) float32 product tile of out `(M, N)` (contiguous, as the residual): with SPLIT_K 1
-        # (+ bias) rounded into out (+ residual, `_rounded_sum`); else split pid_k's float32 partial sums
-        # `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds up in a fixed order (deterministic, unlike atomics).
+        # A (BLOCK_M, BLOCK_N) float32 product tile of out `(M, N)` (contiguous): with SPLIT_K 1 (+ bias) rounded
+        # into out; else split pid_k's float32 partial sums `(SPLIT_K, M, N)`, which `_sum_splits_kernel` adds up in
+        # a fixed order (deterministic, unlike atomics).
         in_n = offs_n < N
         mask = (offs_m < M)[:, None] & in_n[None, :]
         offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         if SPLIT_K == 1:
             if HAS_BIAS:
                 result += tl.load(bias_ptr + offs_n, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            _rounded_sum(result, offsets, out_ptr, residual_ptr, mask, HAS_RESIDUAL)
+            tl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(partial_ptr + pid_k * M * N + offsets, result, mask=mask)
 
@@ -445,7 +429,6 @@ if TRITON_AVAILABLE:
         w_ptr,
         scale_ptr,
         bias_ptr,
-        residual_ptr,
         out_ptr,
         partial_ptr,
         M,
@@ -458,7 +441,6 @@ if TRITON_AVAILABLE:
         SCALE_K: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
@@ -498,11 +480,9 @@ if TRITON_AVAILABLE:
             N,
             pid_k,
             bias_ptr,
-            residual_ptr,
             out_ptr,
             partial_ptr,
             HAS_BIAS,
-            HAS_RESIDUAL,
             SPLIT_K,
         )
 
@@ -510,20 +490,8 @@ if TRITON_AVAILABLE:
     _MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _weight_only_kernel.configs)
 
     @triton.jit
-    def _sum_splits_kernel(
-        partial_ptr,
-        bias_ptr,
-        residual_ptr,
-        out_ptr,
-        M,
-        N,
-        SPLITS,
-        HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once (+ residual (M, N)
-        # contiguous, `_rounded_sum`).
+    def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < M * N
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -531,7 +499,7 @@ if TRITON_AVAILABLE:
             total += tl.load(partial_ptr + split * M * N + offs, mask=inside, other=0.0)
         if HAS_BIAS:
             total += tl.load(bias_ptr + offs % N, mask=inside, other=0.0).to(tl.float32)
-        _rounded_sum(total, offs, out_ptr, residual_ptr, inside, HAS_RESIDUAL)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _quantize_rows_kernel(
@@ -643,7 +611,6 @@ if TRITON_AVAILABLE:
         w_ptr,
         w_scale_ptr,
         bias_ptr,
-        residual_ptr,
         out_ptr,
         partial_ptr,
         M,
@@ -657,7 +624,6 @@ if TRITON_AVAILABLE:
         SCALE_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
@@ -692,11 +658,9 @@ if TRITON_AVAILABLE:
             N,
             pid_k,
             bias_ptr,
-            residual_ptr,
             out_ptr,
             partial_ptr,
             HAS_BIAS,
-            HAS_RESIDUAL,
             SPLIT_K,
         )
 
@@ -711,12 +675,9 @@ INTERPRETER_CONFIGS = {
 
 
 @on_tensor_device
-def weight_only_matmul(
-    x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, config=None, residual=None
-) -> torch.Tensor:
+def weight_only_matmul(x: torch.Tensor, weight, weight_scale_inv, block_size, bias=None, config=None) -> torch.Tensor:
     """`x (M, K)` (last dim contiguous) @ dequantized `weight (N, K)`.T (+ bias) -> `(M, N)` in `x.dtype`, the
-    weight read in FP8 and scaled in registers; `residual (M, N)`: added to the rounded product by the kernel that
-    stores it (`residual + product` bit for bit). `config`: one of `weight_only_configs()` to run instead of the
+    weight read in FP8 and scaled in registers. `config`: one of `weight_only_configs()` to run instead of the
     autotuner's choice (tests)."""
     rows, cols = x.shape
     block_n, block_k = block_size
@@ -731,7 +692,6 @@ def weight_only_matmul(
         cols,
         x.dtype,
         bias,
-        residual,
         _MAX_SPLIT_K if few else 1,
         config,
         SCALE_N=block_n,
@@ -750,21 +710,19 @@ def _split_k_product(
     cols,
     dtype,
     bias,
-    residual,
     max_split,
     config,
     **constexprs,
 ) -> torch.Tensor:
     """Launch a split-K product kernel (`_weight_only_kernel`, `_few_rows_w8a8_kernel`, whose arguments are
-    `operands`, bias, residual, out, partials, M, N, K, `operand_strides`, then `constexprs`) over (column tiles,
-    row tiles, splits) -> `(rows, n_out)` in `dtype`; where the kernel split K, `_sum_splits_kernel` adds the
-    partial sums up (+ bias, + residual). `max_split`: the largest split the autotuner may choose (room for its
+    `operands`, bias, out, partials, M, N, K, `operand_strides`, then `constexprs`) over (column tiles, row tiles,
+    splits) -> `(rows, n_out)` in `dtype`; where the kernel split K, `_sum_splits_kernel` adds the partial sums up
+    (+ bias). `max_split`: the largest split the autotuner may choose (room for its
     partial sums); `config`: the config to run instead (tests)."""
     device = operands[0].device
     out = torch.empty(rows, n_out, device=device, dtype=dtype)
     splits = config.kwargs["SPLIT_K"] if config is not None else max_split
     partials = torch.empty(splits if splits > 1 else 0, rows, n_out, device=device, dtype=torch.float32)
-    residual = _residual_rows(residual, rows, n_out, dtype)
 
     def grid(meta):
         return (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]), meta["SPLIT_K"])
@@ -775,7 +733,6 @@ def _split_k_product(
         interpreter_config,
         *operands,
         bias if bias is not None else out,
-        residual if residual is not None else out,
         out,
         partials,
         rows,
@@ -783,36 +740,16 @@ def _split_k_product(
         cols,
         *operand_strides,
         HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None,
         config=config,
         **constexprs,
     )
-    _add_up_splits(partials, bias, residual, out, ran["SPLIT_K"])
+    _add_up_splits(partials, bias, out, ran["SPLIT_K"])
     return out
 
 
-def _residual_rows(residual: torch.Tensor | None, rows: int, n_out: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """A product's residual `(..., N)` as the contiguous `(rows, N)` its kernels read."""
-    if residual is None:
-        return None
-    if residual.shape[-1] != n_out or residual.numel() != rows * n_out or residual.dtype != dtype:
-        raise ValueError(
-            f"residual must hold ({rows}, {n_out}) values in {dtype} like the product, got "
-            f"{tuple(residual.shape)} {residual.dtype}."
-        )
-    return residual.reshape(rows, n_out).contiguous()
-
-
-def _plus_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """`residual + out` as PyTorch adds them, where no kernel of ours added the residual while storing `out`."""
-    return out if residual is None else residual.reshape(out.shape) + out
-
-
-def _add_up_splits(
-    partials: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor, splits: int
-) -> None:
+def _add_up_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
     """Where a split-K product ran with `splits` > 1: `out (M, N)` = the sum of its float32 partial sums
-    `partials[:splits]` (+ bias), in a fixed order (`_sum_splits_kernel`), plus `residual (M, N)` if given."""
+    `partials[:splits]` (+ bias), in a fixed order (`_sum_splits_kernel`)."""
     if splits == 1:
         return
     rows, n_out = out.shape
@@ -820,35 +757,30 @@ def _add_up_splits(
     _sum_splits_kernel[(triton.cdiv(rows * n_out, block),)](
         partials,
         bias if bias is not None else out,
-        residual if residual is not None else out,
         out,
         rows,
         n_out,
         splits,
         HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None,
         BLOCK=block,
     )
 
 
-def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, config=None, residual=None):
+def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, config=None):
     """`x`'s real rows times the FP8 weight on FP8 tensor cores with hf_dllm's few-rows kernel -> `(..., N)` in
     `x.dtype`: the product of `scaled_mm_rows` (the same block-scaled arithmetic up to the order of float32 sums),
     made for a block step's rows, where cuBLASLt streams the weight slower (`few_rows_w8a8_applies`). `x`'s group and
-    the weight's block of columns must both be 128 (`block_size` (128, 128)). `residual (..., N)`: added to the
-    rounded product as it is stored (`residual + product` bit for bit). `config`: one of `few_rows_w8a8_configs()`
-    instead of the autotuner's choice (tests)."""
+    the weight's block of columns must both be 128 (`block_size` (128, 128)). `config`: one of
+    `few_rows_w8a8_configs()` instead of the autotuner's choice (tests)."""
     cols = x.shape[-1]
     if tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
         raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
-    out = _few_rows_w8a8(
-        x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, residual, config
-    )
+    out = _few_rows_w8a8(x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @on_tensor_device
-def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, residual, config) -> torch.Tensor:
+def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, config) -> torch.Tensor:
     # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` (on their device) -> `(rows, N)`.
     return _split_k_product(
         _few_rows_w8a8_kernel,
@@ -860,7 +792,6 @@ def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, b
         weight.shape[1],
         dtype,
         bias,
-        residual,
         _MAX_FEW_ROWS_SPLIT_K,
         config,
         SCALE_N=128,
@@ -927,15 +858,15 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
-def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None, residual=None) -> torch.Tensor:
-    """`x`'s real rows times the FP8 weight (+ `residual (..., N)`, as in `fp8_linear`) -> `(..., N)` in `x.dtype`:
-    the row-scaled product for row scales (`rowwise_matmul`), the few-rows kernel where it applies
-    (`few_rows_w8a8_applies`), else cuBLASLt (`scaled_mm_rows`)."""
+def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
+    """`x`'s real rows times the FP8 weight -> `(..., N)` in `x.dtype`: the row-scaled product for row scales
+    (`rowwise_matmul`), the few-rows kernel where it applies (`few_rows_w8a8_applies`), else cuBLASLt
+    (`scaled_mm_rows`)."""
     if is_row_scaled(block_size, weight.shape[1]):
-        return _plus_residual(rowwise_matmul(x, weight, weight_scale_inv, bias), residual)
+        return rowwise_matmul(x, weight, weight_scale_inv, bias)
     if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
-        return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias, residual=residual)
-    return _plus_residual(scaled_mm_rows(x, weight, weight_scale_inv, bias), residual)
+        return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
+    return scaled_mm_rows(x, weight, weight_scale_inv, bias)
 
 
 def scaled_mm_rows(x: QuantizedRows, weight, weight_scale_inv, bias=None) -> torch.Tensor:

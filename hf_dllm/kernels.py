@@ -81,16 +81,14 @@ def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
     return chosen
 
 
-def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`layer(x)` for an `nn.Linear`, plus `residual` if given (`residual + layer(x)`); for transformers' `FP8Linear`
-    (FP8 weights with block or per-tensor scales) the product runs through `fp8.fp8_linear`: hf_dllm's kernels where the fused
-    kernels run (which add the residual as they store the product), the dequantized weight otherwise. `x` may be
-    `QuantizedRows` where `linear_input_group` gave a group."""
+def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    """`layer(x)` for an `nn.Linear`; for transformers' `FP8Linear` (FP8 weights with block or per-tensor scales) the
+    product runs through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight
+    otherwise. `x` may be `QuantizedRows` where `linear_input_group` gave a group."""
     if is_fp8_linear(layer):
         fused = use_fused_kernels(x)
-        return fp8_linear(x, layer.weight, fp8_scales(layer), fp8_block_size(layer), layer.bias, fused, residual)
-    out = layer(x)
-    return out if residual is None else residual + out
+        return fp8_linear(x, layer.weight, fp8_scales(layer), fp8_block_size(layer), layer.bias, fused)
+    return layer(x)
 
 
 def linear_input_group(layer: nn.Module, x: torch.Tensor) -> int | None:

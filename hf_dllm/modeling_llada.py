@@ -271,15 +271,32 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         cache_position: torch.Tensor | None = None,
-        *,
-        residual: torch.Tensor | None = None,
-        defer_residual: bool = False,
         **kwargs,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """`forward` through the block's modules (the reference; quantized, sharded or hooked layers; the fused GPU
-        kernels). With `residual` the block's input is `hidden_states + residual`, added by the attention norm as it
-        reads them; with `defer_residual` the block returns `(mlp_out, stream)`, whose sum is its output, for the
-        next norm to add (`residual_stream_forward`)."""
+        kernels): `residual_stream_forward`'s two parts added."""
+        mlp_out, stream = self.residual_stream_forward(
+            hidden_states, None, position_embeddings, attention_mask, past_key_values, cache_position, **kwargs
+        )
+        return stream + mlp_out
+
+    def residual_stream_forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the residual stream `hidden_states + residual` (`residual` None: `hidden_states` alone),
+        `(batch, q_len, d_model)` each, without its last residual add: returns `(mlp_out, stream)`, whose sum is what
+        `forward` returns. Where the fused kernels run, the model hands both to the next block's attention norm (or
+        the final norm), which adds them as it reads them (`LLaDARMSNorm.add_and_norm`), so the sum is never written
+        and read back by a kernel of its own: one pass over the hidden states fewer per block, a launch fewer at
+        every block step, the same values (the norm rounds the sum to the hidden states' dtype before norming it, as
+        a separate add would)."""
         batch, q_len, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states)
         group = self._fp8_input_group(self.attn_norm, hidden_states, self._QKV, fused)
@@ -338,39 +355,8 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         attn = self.dropout(linear(self.attn_out, attn.reshape(batch, q_len, -1)))
         group = self._fp8_input_group(self.ff_norm, attn, self._GATE_UP, fused)
         x, hidden_states = self.ff_norm.add_and_norm(attn, hidden_states, group)
-        if defer_residual:
-            return self.dropout(linear(self.ff_out, self._gated_activation(x, fused))), hidden_states
-        if self.training:  # dropout between the product and the residual add
-            return hidden_states + self.dropout(linear(self.ff_out, self._gated_activation(x, fused)))
-        # The residual added by the product's kernel where it can (FP8 at a block step's rows): one launch fewer.
-        return linear(self.ff_out, self._gated_activation(x, fused), residual=hidden_states)
-
-    def residual_stream_forward(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        cache_position: torch.Tensor | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on the residual stream `hidden_states + residual` (`residual` None: `hidden_states` alone),
-        `(batch, q_len, d_model)` each, without its last residual add: returns `(mlp_out, stream)`, whose sum is what
-        `forward` returns. The next block's attention norm (or the final norm) adds the two as it reads them
-        (`LLaDARMSNorm.add_and_norm`), so the sum is never written and read back by a kernel of its own: one pass
-        over the hidden states fewer per block, a launch fewer at every block step, the same values (the norm
-        rounds the sum to the hidden states' dtype before norming it, as a separate add would)."""
-        return self._module_forward(
-            hidden_states,
-            position_embeddings,
-            attention_mask,
-            past_key_values,
-            cache_position,
-            residual=residual,
-            defer_residual=True,
-            **kwargs,
-        )
+        mlp_out = linear(self.ff_out, self._gated_activation(x, fused))
+        return (self.dropout(mlp_out) if self.training else mlp_out), hidden_states
 
     def _fp8_input_group(self, norm: LLaDARMSNorm, x: torch.Tensor, names: tuple[str, ...], fused: bool) -> int | None:
         """Where the fused kernels run: the group in which `norm` may write its output quantized for the FP8

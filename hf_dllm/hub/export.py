@@ -950,9 +950,8 @@ def export_checkpoint(
             from .quantize import QuantizationError, write_fp8_weights
 
             try:
-                block = config["quantization_config"].get(
-                    "weight_block_size"
-                )  # what the config says (None: per tensor)
+                # What the config says (None: one scale per matrix).
+                block = config["quantization_config"].get("weight_block_size")
                 write_fp8_weights(src, staging, weights, fp8_names, block)
             except QuantizationError as error:
                 raise ExportError(str(error)) from error
