@@ -472,19 +472,7 @@ if TRITON_AVAILABLE:
             result = tl.trans(acc)
         else:
             result = acc
-        _store_split_product(
-            result,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            pid_k,
-            bias_ptr,
-            out_ptr,
-            partial_ptr,
-            HAS_BIAS,
-            SPLIT_K,
-        )
+        _store_split_product(result, offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K)
 
     # The largest split any config makes: room for its partial sums is allocated where splits may run.
     _MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _weight_only_kernel.configs)
@@ -651,17 +639,7 @@ if TRITON_AVAILABLE:
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         _store_split_product(
-            tl.trans(acc),
-            offs_m,
-            offs_n,
-            M,
-            N,
-            pid_k,
-            bias_ptr,
-            out_ptr,
-            partial_ptr,
-            HAS_BIAS,
-            SPLIT_K,
+            tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K
         )
 
     _MAX_FEW_ROWS_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_w8a8_kernel.configs)
