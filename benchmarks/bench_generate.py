@@ -11,7 +11,8 @@ and, with `--check-eager`, that the CUDA-graph fast path gives the same tokens a
 `--quantization none,fp8` (issue #13) runs the same settings with the bf16 model and with its FP8 copy, quantized
 on the GPU through transformers' API (`from_pretrained(..., quantization_config=FineGrainedFP8Config())`, 128x128
 weight blocks; `fp8-tensor`: `FineGrainedFP8Config(weight_block_size=None)`, one scale per matrix; the LM head stays
-bf16, as transformers leaves output embeddings) and prints per quantization the
+bf16, as transformers leaves output embeddings, unless the scheme ends in `+head`, e.g. `fp8+head`:
+`modules_to_not_convert=[]`) and prints per quantization the
 weights one step reads, their read floor at `--bandwidth` TB/s and the bandwidth the batch-1 dual step achieves;
 then the FP8 logits' error against bf16 over one full-sequence forward (per position: top-1 agreement).
 `--tokens-per-forward 1,4` also runs 4 tokens per forward (steps = new tokens / 4). `--kv-cache-dtypes auto,fp8`
@@ -71,20 +72,30 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, attn: str
 
 def quantize_fp8(model, device: torch.device, attn: str | None, scheme: str = "fp8"):
     """An FP8 copy of `model` (LLaDA, LLaDA2.x) made by transformers' quantizer with the config `--quantization
-    SCHEME` loads with (`fp8_quantization_config`: "fp8" 128 x 128 block scales, "fp8-tensor" one per matrix), the
-    way `from_pretrained` quantizes a checkpoint."""
+    SCHEME` loads with (`fp8_quantization_config`: "fp8" 128 x 128 block scales, "fp8-tensor" one per matrix; with
+    the suffix `+head` the output head too), the way `from_pretrained` quantizes a checkpoint."""
     from hf_dllm.fp8 import fp8_quantization_config
 
+    base, head = split_head_suffix(scheme)
     quantized = type(model).from_pretrained(
         None,
         config=model.config,
         state_dict=model.state_dict(),
-        quantization_config=fp8_quantization_config(model.config.model_type, scheme),
+        quantization_config=fp8_quantization_config(model.config.model_type, base, quantize_head=head),
         dtype=torch.bfloat16,
         device_map=str(device),
         attn_implementation=attn,
     )
     return quantized.eval()
+
+
+HEAD_SUFFIX = "+head"
+
+
+def split_head_suffix(scheme: str) -> tuple[str, bool]:
+    """`fp8+head` -> ("fp8", True): an `FP8_SCHEMES` name, and whether the output head is quantized too."""
+    base = scheme.removesuffix(HEAD_SUFFIX)
+    return base, base != scheme
 
 
 @torch.no_grad()
@@ -287,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization",
         default="none",
         help="comma list of none (the dtype's weights), fp8 (128 x 128 block scales) and fp8-tensor (one scale per "
-        "matrix; both GPU only)",
+        "matrix; both GPU only), each FP8 one optionally with the suffix +head (the output head in FP8 too)",
     )
     parser.add_argument("--tokens-per-forward", default="1", help="comma list; steps = new tokens / this")
     parser.add_argument(
@@ -316,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, summary = [], {"device": device_name, "torch": torch.__version__, "dtype": str(dtype)}
     summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, weight_read=WEIGHT_READ)
     quantizations = args.quantization.split(",")
-    if any(q not in ("none", *FP8_SCHEMES) for q in quantizations):
-        parser.error(f"--quantization takes a comma list of none, {', '.join(FP8_SCHEMES)}, got {args.quantization!r}")
-    schemes = [q for q in quantizations if q in FP8_SCHEMES]
+    if any(q != "none" and split_head_suffix(q)[0] not in FP8_SCHEMES for q in quantizations):
+        parser.error(
+            f"--quantization takes a comma list of none, {', '.join(FP8_SCHEMES)} (each FP8 one optionally with "
+            f"{HEAD_SUFFIX}), got {args.quantization!r}"
+        )
+    schemes = [q for q in quantizations if q != "none"]
     if schemes and not gpu:
         parser.error("--quantization fp8 needs a GPU (transformers quantizes FP8 on CUDA or XPU only)")
     tokens_per_forward = [int(t) for t in args.tokens_per_forward.split(",")]
@@ -361,19 +375,19 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     header = (
-        f"{'attn':<13}{'quant':>11}{'kv':>5}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}"
+        f"{'attn':<13}{'quant':>16}{'kv':>5}{'batch':>6}{'mode':>8}{'tok/fwd':>8}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>9}"
         f"{'step ms':>9}{'peak GB':>9}{'=eager':>8}{'=kv auto':>9}"
     )
     print(f"{device_name}, {dtype}, prompt {prompt_len}, {new_tokens} new tokens, block {block_length}")
     print(header)
     for r in rows:
         if "error" in r:
-            print(f"{r['attn']:<13}{r['quant']:>11}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
+            print(f"{r['attn']:<13}{r['quant']:>16}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}  {r['error']}")
             continue
         step = f"{r['dual_step_ms']:.2f}" if "dual_step_ms" in r else "-"
         same = str(r.get("tokens_equal_eager", "-"))
         print(
-            f"{r['attn']:<13}{r['quant']:>11}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}"
+            f"{r['attn']:<13}{r['quant']:>16}{r['kv']:>5}{r['batch']:>6}{r['mode']:>8}{r['tokens_per_forward']:>8}"
             f"{r['nfe']:>6}{r['ms_per_forward']:>9.2f}{r['tokens_per_s']:>9.1f}{step:>9}{r['peak_gb']:>9.2f}{same:>8}"
             f"{str(r.get('same_tokens', '-')):>9}"
         )

@@ -101,7 +101,7 @@ def profile_call(model, prompts, kwargs) -> dict:
 @torch.no_grad()
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quantization", default="none,fp8")
+    parser.add_argument("--quantization", default="none,fp8", help="comma list of none and bench_generate's schemes")
     parser.add_argument("--attn", default="llada_triton")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=256, help="total steps (256: one token per forward)")
@@ -121,10 +121,11 @@ def main(argv=None) -> int:
     )
     results = {}
     for quant in args.quantization.split(","):
-        if quant == "fp8":
-            model = quantize_fp8(model, device, args.attn)
-            torch.cuda.empty_cache()
-        result = profile_call(model, prompts, kwargs)
+        # Each FP8 scheme (`bench_generate.py`'s names, `+head` included) quantized from the bf16 model.
+        run = model if quant == "none" else quantize_fp8(model, device, args.attn, quant)
+        result = profile_call(run, prompts, kwargs)
+        del run
+        torch.cuda.empty_cache()
         results[quant] = result
         print(
             f"\n== {quant}: wall {result['wall_ms']:.1f} ms for {result['nfe']} forwards "

@@ -7,7 +7,7 @@ steps' CUDA-graph replay times. Then times the block's matrix products alone (se
 vs. concatenated weights) to show how close cuBLAS gets to the memory-bandwidth floor at small M. Ends with one
 JSON line.
 
-    python benchmarks/profile_step.py [--batch 1] [--shape llada-8b|dream-7b] [--quantization fp8|fp8-tensor]
+    python benchmarks/profile_step.py [--batch 1] [--shape llada-8b|dream-7b] [--quantization fp8|fp8-tensor[+head]]
 
 `--quantization fp8` (128 x 128 block scales) or `fp8-tensor` (one scale per matrix): the LLaDA-8B model quantized
 by transformers' `FineGrainedFP8Config` (as bench_generate.py does), so the breakdown is the FP8 step's and
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_generate import LLADA_8B, build_model, quantize_fp8  # noqa: E402
+from bench_generate import HEAD_SUFFIX, LLADA_8B, build_model, quantize_fp8  # noqa: E402
 
 from hf_dllm.fp8 import FP8_SCHEMES  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
@@ -128,9 +128,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument(
         "--quantization",
-        choices=("none", *FP8_SCHEMES),
+        choices=("none", *FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES)),
         default="none",
-        help="an FP8 scheme: the LLaDA-8B model quantized (issue #13)",
+        help="an FP8 scheme: the LLaDA-8B model quantized (issue #13); with the suffix +head the output head too",
     )
     args = parser.parse_args(argv)
     if args.quantization != "none" and args.shape != "llada-8b":

@@ -45,9 +45,10 @@ def tiny_config(**overrides) -> hf_dllm.LLaDAConfig:
     return hf_dllm.LLaDAConfig(**(values | overrides))
 
 
-def quantized_model(config, device: str, monkeypatch=None, weight_block_size=BLOCK):
+def quantized_model(config, device: str, monkeypatch=None, weight_block_size=BLOCK, quantize_head=False):
     """A random bf16 LLaDA and its FP8 copy made by transformers' quantizer (`from_pretrained` with a state dict);
-    `weight_block_size=None`: one scale per matrix (per-tensor)."""
+    `weight_block_size=None`: one scale per matrix (per-tensor); `quantize_head`: the output head too
+    (`modules_to_not_convert=[]`)."""
     from transformers import FineGrainedFP8Config
 
     torch.manual_seed(0)
@@ -63,7 +64,9 @@ def quantized_model(config, device: str, monkeypatch=None, weight_block_size=BLO
         None,
         config=config,
         state_dict=model.state_dict(),
-        quantization_config=FineGrainedFP8Config(weight_block_size=weight_block_size),
+        quantization_config=FineGrainedFP8Config(
+            weight_block_size=weight_block_size, modules_to_not_convert=[] if quantize_head else None
+        ),
         dtype=torch.bfloat16,
         device_map=device,
     ).eval()
@@ -105,12 +108,26 @@ def test_cpu_quantization_names_the_devices():
         )
 
 
+def test_quantization_config_quantizes_the_head_only_when_asked():
+    """`fp8_quantization_config(..., quantize_head=True)` names no head among the modules to keep: transformers then
+    drops its default skip of the output embeddings; a model type's other skips (LLaDA2's expert lists) stay."""
+    assert fp8.fp8_quantization_config("llada").modules_to_not_convert is None  # transformers' defaults: head kept
+    assert fp8.fp8_quantization_config("llada", quantize_head=True).modules_to_not_convert == []
+    llada2 = fp8.fp8_quantization_config("llada2_moe", "fp8-tensor", quantize_head=True)
+    assert llada2.modules_to_not_convert == [r".*\.experts$"] and llada2.weight_block_size is None
+    assert "lm_head" in fp8.fp8_quantization_config("llada2_moe").modules_to_not_convert
+    with pytest.raises(TypeError, match="quantize_head"):
+        fp8.fp8_quantization_config("llada", quantize_head="yes")
+
+
+@pytest.mark.parametrize("quantize_head", [False, True], ids=["bf16_head", "fp8_head"])
 @pytest.mark.parametrize("weight_block_size", [BLOCK, None], ids=["blocks", "per_tensor"])
-def test_quantized_llada_matches_dequantized_weights(monkeypatch, weight_block_size):
+def test_quantized_llada_matches_dequantized_weights(monkeypatch, weight_block_size, quantize_head):
     """Block scales, or one scale per matrix (`FineGrainedFP8Config(weight_block_size=None)`, run by hf_dllm as rows
-    scaled one by one; transformers' own `FP8Linear.forward` would fetch a Hub kernel)."""
+    scaled one by one; transformers' own `FP8Linear.forward` would fetch a Hub kernel); the output head in bf16
+    (transformers' default) or in FP8 too (`modules_to_not_convert=[]`)."""
     config = tiny_config()
-    model, quantized = quantized_model(config, "cpu", monkeypatch, weight_block_size=weight_block_size)
+    model, quantized = quantized_model(config, "cpu", monkeypatch, weight_block_size, quantize_head)
     layers = quantized.model.transformer.blocks[0]
     assert layers.q_proj.weight.dtype == fp8.FP8_DTYPE and fp8.is_fp8_linear(layers.ff_out)
     if weight_block_size:
@@ -118,7 +135,8 @@ def test_quantized_llada_matches_dequantized_weights(monkeypatch, weight_block_s
     else:
         assert layers.ff_out.block_size is None and layers.ff_out.weight_scale_inv.numel() == 1
         assert fp8.fp8_block_size(layers.ff_out) == (1, 384)
-    assert quantized.model.transformer.ff_out.weight.dtype == torch.bfloat16  # transformers keeps the head
+    head = quantized.model.transformer.ff_out
+    assert fp8.is_fp8_linear(head) == quantize_head, head  # transformers keeps the head unless told otherwise
     reference = dequantized_copy(quantized, config, "cpu")
     ids = torch.randint(0, 400, (2, 24))
     with torch.no_grad():
@@ -507,6 +525,23 @@ def test_weight_only_autotuning_times_one_unsplit_config_in_float32(rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [5, 32, 200])
+def test_gpu_weight_only_product_of_float32_activations_is_float32_exact(rows):
+    """A float32 model with FP8 weights: the weight-only kernel multiplies float32 activations by the dequantized
+    weight in full float32 (`input_precision="ieee"`), not TF32 (10 mantissa bits, a relative error near 1e-3 at
+    these sizes), through the autotuner's one unsplit config (`_prune_weight_only`)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1536, device="cuda")
+    w8, scale = fp8.quantize_blocks(torch.randn(640, 1536, device="cuda") * 0.02, BLOCK)
+    bias = torch.randn(640, device="cuda")
+    out = fp8.weight_only_matmul(x, w8, scale, BLOCK, bias)
+    assert out.dtype == torch.float32
+    exact = x.double() @ fp8.dequantize(w8, scale, BLOCK, torch.float64).t() + bias.double()
+    error = ((out.double() - exact).norm() / exact.norm()).item()
+    assert error < 1e-5, error
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_out,k_in", [(4096, 4096), (640, 1536)])
 def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
     """Each config the autotuner may pick at a block step's rows (both formulations, every split), compiled."""
@@ -634,10 +669,12 @@ def test_fp8_linear_dispatch_with_bias_matches_torch_path(rows, n_out, k_in, mon
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantize_head", [False, True], ids=["bf16_head", "fp8_head"])
 @pytest.mark.parametrize("weight_block_size", [BLOCK, None], ids=["blocks", "per_tensor"])
-def test_gpu_quantized_generate_graph_equals_eager_and_torch_path(weight_block_size):
+def test_gpu_quantized_generate_graph_equals_eager_and_torch_path(weight_block_size, quantize_head):
     config = tiny_config()
-    _, quantized = quantized_model(config, "cuda", weight_block_size=weight_block_size)
+    _, quantized = quantized_model(config, "cuda", weight_block_size=weight_block_size, quantize_head=quantize_head)
+    assert fp8.is_fp8_linear(quantized.model.transformer.ff_out) == quantize_head
     reference = dequantized_copy(quantized, config, "cuda")
     ids = torch.randint(0, 400, (2, 40), device="cuda")
     with torch.no_grad():
@@ -650,8 +687,9 @@ def test_gpu_quantized_generate_graph_equals_eager_and_torch_path(weight_block_s
         expected = reference(ids).logits.float()
     # Per tensor the activations are quantized with one scale per row (256 columns here), not per 128 columns:
     # a coarser rounding (measured 0.064 of the largest logit on an H100), checked per product against PyTorch's own
-    # FP8 reference in `test_row_scaled_product_error_within_twice_torch_fp8_reference`.
-    tolerance = 0.05 if weight_block_size else 0.08
+    # FP8 reference in `test_row_scaled_product_error_within_twice_torch_fp8_reference`. An FP8 head quantizes the
+    # final hidden states too, an error no later layer averages (block scales: 0.050 measured on an H100).
+    tolerance = 0.05 if weight_block_size and not quantize_head else 0.08
     assert (fused - expected).abs().max() < tolerance * expected.abs().max()
     assert (unfused - expected).abs().max() < 0.05 * expected.abs().max()
     prompts = torch.randint(0, 400, (3, 21), device="cuda")
