@@ -27,6 +27,22 @@ This file is exported verbatim as Hub remote code.
 from __future__ import annotations
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# transformers renamed the model outputs' cache field from `past_key_values` to `cache` (5.2x; the old name still
+# works, with a deprecation warning when an output is built or read with it): hf_dllm's models build and read their
+# outputs under the installed version's name (`cache_output`, `output_cache`).
+OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_output(cache) -> dict:
+    """`{OUTPUT_CACHE_FIELD: cache}`: the keyword a model output (`BaseModelOutputWithPast`, ...) takes its cache by."""
+    return {OUTPUT_CACHE_FIELD: cache}
+
+
+def output_cache(output):
+    """The cache a model output holds (None if none), by the installed transformers' field name."""
+    return getattr(output, OUTPUT_CACHE_FIELD)
 
 
 class DiffusionKVCache:

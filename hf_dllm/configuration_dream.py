@@ -55,7 +55,9 @@ class DreamConfig(PretrainedConfig):
     """
 
     model_type = "Dream"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The outputs' cache, which `Trainer` leaves out of evaluation logits: `cache` since transformers 5.2x,
+    # `past_key_values` before.
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun), Megatron-style as transformers'
     # Qwen2: q/k/v (and their biases) and gate/up split by output rows (whole heads per rank: num_attention_heads
     # and num_key_value_heads must divide by the number of ranks), o_proj and down_proj by input columns (each

@@ -53,7 +53,9 @@ class LLaDAConfig(PretrainedConfig):
     """
 
     model_type = "llada"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The outputs' cache, which `Trainer` leaves out of evaluation logits: `cache` since transformers 5.2x,
+    # `past_key_values` before.
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun), Megatron-style as transformers'
     # Llama: q/k/v and the gate/up projections split by output rows (whole heads per rank; n_heads and n_kv_heads
     # must divide by the number of ranks), attention output and ff_out by input columns (each rank's partial sum is

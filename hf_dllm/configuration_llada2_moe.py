@@ -109,7 +109,9 @@ class LLaDA2MoeConfig(PretrainedConfig):
     """
 
     model_type = "llada2_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # The outputs' cache, which `Trainer` leaves out of evaluation logits: `cache` since transformers 5.2x,
+    # `past_key_values` before.
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun). The fused `query_key_value`
     # (rows: all query heads, then keys, then values) is split by rows and its output gathered: each rank then keeps
     # its own query heads and the key/value heads they read (grouped-query aware, also when there are fewer

@@ -45,7 +45,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache, resolve_forward_positions
+from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_dream import DreamConfig
 from .decoding import UnmaskingPolicy
 from .decoding_dream import DREAM_ALGS, make_dream_policy
@@ -408,8 +408,8 @@ class DreamBaseModel(DreamPreTrainedModel):
             all_hidden_states += (hidden_states,)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden_states,
+            **cache_output(past_key_values if use_cache else None),
         )
 
 
@@ -499,7 +499,7 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
         )
         logits = self.lm_head(select_positions(outputs.last_hidden_state, logits_to_keep))
         output = CausalLMOutputWithPast(
-            logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            logits=logits, hidden_states=outputs.hidden_states, **cache_output(output_cache(outputs))
         )
         use_return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if use_return_dict else output.to_tuple()

@@ -27,7 +27,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import triton_ops
 from .attention import TRITON_ATTENTION, fp8_attention_inputs, register_attention_backends
-from .cache import KV_CACHE_DTYPES, DiffusionKVCache, FP8DiffusionKVCache, resolve_forward_positions
+from .cache import (
+    KV_CACHE_DTYPES,
+    DiffusionKVCache,
+    FP8DiffusionKVCache,
+    cache_output,
+    output_cache,
+    resolve_forward_positions,
+)
 from .configuration_llada import LLaDAConfig
 from .fp8 import QuantizedRows, rms_norm_to_fp8, silu_mul_to_fp8
 from .generation_utils import (
@@ -589,7 +596,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
             **kwargs,
         )
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values, hidden_states=all_hidden_states
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, **cache_output(past_key_values)
         )
 
     def _forward_hidden(
@@ -760,7 +767,7 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
         )
         logits = self._kept_logits(outputs.last_hidden_state, logits_to_keep, keep)
         output = CausalLMOutputWithPast(
-            logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states
+            logits=logits, hidden_states=outputs.hidden_states, **cache_output(output_cache(outputs))
         )
         use_return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if use_return_dict else output.to_tuple()

@@ -49,7 +49,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache, resolve_forward_positions
+from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada2_moe import LLaDA2MoeConfig
 from .generation_utils import (
     DiffusionGenerationConfig,
@@ -704,9 +704,9 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             all_hidden_states += (hidden_states,)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden_states,
             router_logits=all_router_logits,
+            **cache_output(past_key_values if use_cache else None),
         )
 
     def _block_causal_mask(
@@ -837,9 +837,9 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
             logits = logits.float()
         output = MoeCausalLMOutputWithPast(
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
+            **cache_output(output_cache(outputs)),
         )
         use_return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if use_return_dict else output.to_tuple()

@@ -8,6 +8,7 @@ from conftest import tiny_model
 from transformers.cache_utils import DynamicCache
 
 from hf_dllm import DiffusionKVCache
+from hf_dllm.cache import OUTPUT_CACHE_FIELD, output_cache
 
 ATOL = 2e-5  # float32
 
@@ -190,11 +191,40 @@ def test_dynamic_cache_append_one_layer_equals_full_forward():
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :9], use_cache=True)
-        assert isinstance(out.past_key_values, DynamicCache)
-        assert out.past_key_values.get_seq_length() == 9
-        appended = model(ids[:, 9:], past_key_values=out.past_key_values, use_cache=True)
-    assert appended.past_key_values.get_seq_length() == 14
+        assert isinstance(output_cache(out), DynamicCache)
+        assert output_cache(out).get_seq_length() == 9
+        appended = model(ids[:, 9:], past_key_values=output_cache(out), use_cache=True)
+    assert output_cache(appended).get_seq_length() == 14
     torch.testing.assert_close(appended.logits, full[:, 9:], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "llada2"])
+def test_outputs_hold_the_cache_under_the_installed_transformers_name(family, monkeypatch):
+    """transformers renamed the outputs' `past_key_values` to `cache` (5.2x), warning when the old name builds or
+    reads an output: the models' outputs (base model and LM) carry the cache under the installed name, without
+    that warning, in `generate()` too."""
+    from pathlib import Path
+
+    from transformers import AutoModel
+    from transformers.utils import generic
+
+    warnings = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda message, *a, **k: warnings.append(message))
+    fixtures = Path(__file__).parent / "fixtures"
+    model = {
+        "llada": lambda: tiny_model(n_layers=1),
+        "dream": lambda: AutoModel.from_pretrained(fixtures / "dream-tiny-ref").eval(),
+        "llada2": lambda: AutoModel.from_pretrained(fixtures / "llada2-tiny-ref").eval(),
+    }[family]()
+    ids = random_ids(1, 8)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        base = model.base_model(ids, use_cache=True)
+    assert OUTPUT_CACHE_FIELD in out.keys() and OUTPUT_CACHE_FIELD in base.keys()
+    assert output_cache(out) is not None and output_cache(out).get_seq_length() == 8
+    # (The LLaDA2 fixture's mask id is the Hub model's, outside its tiny vocabulary.)
+    model.generate(ids, max_new_tokens=8, block_length=8, steps=8, mask_token_id=model.config.vocab_size - 1)
+    assert not [message for message in warnings if "deprecated" in message], warnings
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
@@ -212,7 +242,7 @@ def test_dynamic_cache_append_equals_prefix_blind_mask(model, attn_implementatio
         with torch.no_grad():
             expected = model(ids, attention_mask=mask4d).logits
             first = model(ids[:, :prefix], use_cache=True)
-            appended = model(ids[:, prefix:], past_key_values=first.past_key_values, use_cache=True).logits
+            appended = model(ids[:, prefix:], past_key_values=output_cache(first), use_cache=True).logits
             full = model(ids).logits
     finally:
         model.set_attn_implementation(previous)
