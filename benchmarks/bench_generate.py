@@ -90,6 +90,8 @@ def quantize_fp8(model, device: torch.device, attn: str | None, scheme: str = "f
 
 
 HEAD_SUFFIX = "+head"
+# `--quantization` values: the model's dtype, every FP8 scheme, and each with its output head in FP8 too.
+QUANTIZATIONS = ("none", *FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES))
 
 
 def split_head_suffix(scheme: str) -> tuple[str, bool]:
@@ -327,11 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, summary = [], {"device": device_name, "torch": torch.__version__, "dtype": str(dtype)}
     summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, weight_read=WEIGHT_READ)
     quantizations = args.quantization.split(",")
-    if any(q != "none" and split_head_suffix(q)[0] not in FP8_SCHEMES for q in quantizations):
-        parser.error(
-            f"--quantization takes a comma list of none, {', '.join(FP8_SCHEMES)} (each FP8 one optionally with "
-            f"{HEAD_SUFFIX}), got {args.quantization!r}"
-        )
+    if any(q not in QUANTIZATIONS for q in quantizations):
+        parser.error(f"--quantization takes a comma list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
     schemes = [q for q in quantizations if q != "none"]
     if schemes and not gpu:
         parser.error("--quantization fp8 needs a GPU (transformers quantizes FP8 on CUDA or XPU only)")

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hf_dllm  # noqa: E402,F401  (registers the LLaDA classes with the Auto classes)
+from hf_dllm.cli.loading import QUANTIZATION_CHOICES  # noqa: E402
 from hf_dllm.tiny_model import tasks as st  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "llada-tiny-trained"
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "fp8", "fp8-tensor"),
+        choices=QUANTIZATION_CHOICES,
         help="fp8: FP8 weights with 128x128 block scales (transformers' FineGrainedFP8Config; CUDA only); "
         "fp8-tensor: one scale per matrix (FineGrainedFP8Config(weight_block_size=None))",
     )

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_generate import LLADA_8B, build_model, quantize_fp8  # noqa: E402
+from bench_generate import LLADA_8B, QUANTIZATIONS, build_model, quantize_fp8  # noqa: E402
 
 RUNTIME_CALLS = (
     "cudaGraphLaunch",
@@ -101,11 +101,13 @@ def profile_call(model, prompts, kwargs) -> dict:
 @torch.no_grad()
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quantization", default="none,fp8", help="comma list of none and bench_generate's schemes")
+    parser.add_argument("--quantization", default="none,fp8", help=f"comma list of {', '.join(QUANTIZATIONS)}")
     parser.add_argument("--attn", default="llada_triton")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=256, help="total steps (256: one token per forward)")
     args = parser.parse_args(argv)
+    if any(q not in QUANTIZATIONS for q in args.quantization.split(",")):
+        parser.error(f"--quantization takes a comma list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
     device = torch.device("cuda")
     model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
     torch.manual_seed(1)

@@ -26,9 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_generate import HEAD_SUFFIX, LLADA_8B, build_model, quantize_fp8  # noqa: E402
+from bench_generate import LLADA_8B, QUANTIZATIONS, build_model, quantize_fp8  # noqa: E402
 
-from hf_dllm.fp8 import FP8_SCHEMES  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
 
@@ -128,7 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument(
         "--quantization",
-        choices=("none", *FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES)),
+        choices=QUANTIZATIONS,
         default="none",
         help="an FP8 scheme: the LLaDA-8B model quantized (issue #13); with the suffix +head the output head too",
     )

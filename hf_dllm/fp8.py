@@ -362,18 +362,17 @@ if TRITON_AVAILABLE:
             w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
         else:
             w = w.to(x.dtype)
+        if SWAP:
+            lhs, rhs = w, tl.trans(x)
+        else:
+            lhs, rhs = x, tl.trans(w)
         # One return after the branches: Triton's compiler also builds the statements after a constexpr branch
         # that returns. float32 operands are multiplied in full float32: tl.dot would round them to TF32 (~1e-3
         # relative error), enough to flip near-tied tokens against a float32 reference.
         if x.dtype == tl.float32:
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        elif SWAP:
-            acc = tl.dot(w, tl.trans(x), acc)
+            acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(lhs, rhs, acc)
         return acc
 
     @triton.jit

@@ -10,17 +10,19 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..fp8 import FP8_SCHEMES
+
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # torch's CPU threads unless a command is told otherwise (`--threads`, lm-eval's `threads`): None keeps torch's
 # default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py,
 # benchmarks/RESULTS.md); one thread is faster only while other processes hold the cores.
 DEFAULT_THREADS = None
-# `--quantization`: "none" loads the checkpoint's weights as they are; "fp8" quantizes them at load time through
-# transformers' `FineGrainedFP8Config` (FP8 weights, one scale per 128x128 block; CUDA GPUs of compute capability
-# >= 8.9), "fp8-tensor" with one scale per matrix (`fp8.FP8_SCHEMES`), run by hf_dllm's FP8 kernels
-# (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such without the flag.
-QUANTIZATION_CHOICES = ("none", "fp8", "fp8-tensor")
+# `--quantization`: "none" loads the checkpoint's weights as they are; an `fp8.FP8_SCHEMES` name quantizes them at
+# load time through transformers' `FineGrainedFP8Config` ("fp8": one scale per 128x128 block, "fp8-tensor": one per
+# matrix; CUDA GPUs of compute capability >= 8.9), run by hf_dllm's FP8 kernels (`hf_dllm/fp8.py`). A checkpoint
+# saved already quantized loads as such without the flag.
+QUANTIZATION_CHOICES = ("none", *FP8_SCHEMES)
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -182,15 +184,15 @@ def load_model(
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}.")
     if quantization != "none" and tp_plan is not None:
         raise ValueError(
-            f"--quantization {quantization} and --tp-plan cannot be combined yet: the FP8 products multiply whole weights, not "
-            "tensor-parallel shards. Use one of them."
+            f"--quantization {quantization} and --tp-plan cannot be combined yet: the FP8 products multiply whole "
+            "weights, not tensor-parallel shards. Use one of them."
         )
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if quantization != "none":
         if device_map is None and resolve_device(device).type != "cuda":
             raise ValueError(
-                f"--quantization {quantization} needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU devices "
-                f"only), but the model would load on {resolve_device(device)}."
+                f"--quantization {quantization} needs a CUDA GPU (transformers quantizes FP8 weights on CUDA or XPU "
+                f"devices only), but the model would load on {resolve_device(device)}."
             )
         from transformers import AutoConfig
 
