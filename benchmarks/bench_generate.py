@@ -94,6 +94,15 @@ HEAD_SUFFIX = "+head"
 QUANTIZATIONS = ("none", *FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES))
 
 
+def parse_quantizations(parser: argparse.ArgumentParser, value: str) -> list[str]:
+    """`--quantization`'s comma list, each a `QUANTIZATIONS` name (else the parser's error, before any model is
+    built)."""
+    quantizations = value.split(",")
+    if any(q not in QUANTIZATIONS for q in quantizations):
+        parser.error(f"--quantization takes a comma list of {', '.join(QUANTIZATIONS)}, got {value!r}")
+    return quantizations
+
+
 def split_head_suffix(scheme: str) -> tuple[str, bool]:
     """`fp8+head` -> ("fp8", True): an `FP8_SCHEMES` name, and whether the output head is quantized too."""
     base = scheme.removesuffix(HEAD_SUFFIX)
@@ -328,9 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, summary = [], {"device": device_name, "torch": torch.__version__, "dtype": str(dtype)}
     summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, weight_read=WEIGHT_READ)
-    quantizations = args.quantization.split(",")
-    if any(q not in QUANTIZATIONS for q in quantizations):
-        parser.error(f"--quantization takes a comma list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
+    quantizations = parse_quantizations(parser, args.quantization)
     schemes = [q for q in quantizations if q != "none"]
     if schemes and not gpu:
         parser.error("--quantization fp8 needs a GPU (transformers quantizes FP8 on CUDA or XPU only)")

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_generate import LLADA_8B, QUANTIZATIONS, build_model, quantize_fp8  # noqa: E402
+from bench_generate import LLADA_8B, QUANTIZATIONS, build_model, parse_quantizations, quantize_fp8  # noqa: E402
 
 RUNTIME_CALLS = (
     "cudaGraphLaunch",
@@ -106,8 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=256, help="total steps (256: one token per forward)")
     args = parser.parse_args(argv)
-    if any(q not in QUANTIZATIONS for q in args.quantization.split(",")):
-        parser.error(f"--quantization takes a comma list of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
+    quantizations = parse_quantizations(parser, args.quantization)
     device = torch.device("cuda")
     model = build_model(LLADA_8B, torch.bfloat16, device, args.attn)
     torch.manual_seed(1)
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
         return_dict_in_generate=True,
     )
     results = {}
-    for quant in args.quantization.split(","):
+    for quant in quantizations:
         # Each FP8 scheme (`bench_generate.py`'s names, `+head` included) quantized from the bf16 model.
         run = model if quant == "none" else quantize_fp8(model, device, args.attn, quant)
         result = profile_call(run, prompts, kwargs)

@@ -75,6 +75,12 @@ def fits_shared_memory(config, x_bytes: int, w_bytes: int, block_k: int, gated: 
 
 
 def _prune_grouped(configs, named_args, **kwargs):
+    sizes = (named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size(), kwargs["BLOCK_K"], kwargs["GATED"])
+    smallest = min(configs, key=lambda c: footprint_bytes(c, *sizes))  # surely fits the shared memory
+    if named_args["x_ptr"].dtype == torch.float32:
+        # float32 runs for exactness, not speed (`tile_product` multiplies it in full float32, on the CUDA cores):
+        # that one config, instead of compiling and timing every one of them for each new row key (minutes).
+        return [smallest]
     # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
     per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
     allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
@@ -86,17 +92,10 @@ def _prune_grouped(configs, named_args, **kwargs):
         if not c.kwargs["N_FASTEST"]
         or named_args["ROWS_BUCKET"] // c.kwargs["BLOCK_M"] + named_args["n_groups"] <= MAX_GRID_Y
     ]
-    # A config that surely fits the shared memory is kept too where none of those does (float32 rows and weights
-    # need twice bf16's): the autotuner skips configs that fail to launch, but were all to fail it would launch one
-    # of them anyway.
-    sizes = (named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size(), kwargs["BLOCK_K"], kwargs["GATED"])
-    if named_args["x_ptr"].dtype == torch.float32:
-        # float32 runs for exactness, not speed (`tile_product` multiplies it in full float32, on the CUDA cores):
-        # one config, the one of the smallest footprint (it surely fits the shared memory), instead of compiling
-        # and timing every one of them for each new row key (minutes).
-        return [min(configs, key=lambda c: footprint_bytes(c, *sizes))]
+    # The smallest config is kept too where none of those fits the shared memory: the autotuner skips configs that
+    # fail to launch, but were all to fail it would launch one of them anyway.
     if not any(fits_shared_memory(c, *sizes, named_args["x_ptr"].device) for c in kept):
-        kept.append(min(configs, key=lambda c: footprint_bytes(c, *sizes)))
+        kept.append(smallest)
     return kept
 
 
