@@ -146,6 +146,8 @@ def serve(args) -> None:
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
         engine.width_granularity = args.width_granularity
+    if engine is not None and args.max_batch_positions:
+        engine.set_max_batch_positions(args.max_batch_positions)
     if engine is not None and args.max_refresh_positions is not None and not engine.block_causal:
         engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
@@ -202,8 +204,16 @@ def trace_boundaries(batcher) -> list[dict]:
     # Triton's kernel cache: an entry more means a kernel was compiled during the boundary.
     triton_cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
-    def compiled() -> int:
-        return len(os.listdir(triton_cache)) if triton_cache.is_dir() else 0
+    def compiled() -> set[str]:
+        return set(os.listdir(triton_cache)) if triton_cache.is_dir() else set()
+
+    def kernel_names(entries: set[str]) -> list[str]:
+        """The kernels of new cache entries (each entry's folder holds `<kernel>.json` beside its binaries)."""
+        names = []
+        for entry in sorted(entries):
+            folder = triton_cache / entry
+            names += [f[: -len(".json")] for f in os.listdir(folder) if f.endswith(".json") and not f.startswith("__")]
+        return names
 
     # What else can stall a boundary: an autotuner timing its configs for a new key (it runs every config, each
     # for ~0.1 s), the CUDA caching allocator calling cudaMalloc (or freeing its cache and retrying: a device
@@ -256,9 +266,12 @@ def trace_boundaries(batcher) -> list[dict]:
         trace.append(dict(start=time.monotonic(), waiting=engine.pending() + len(batcher._submitted), layouts=[]))
         kernels, before = compiled(), stalls()
         original_boundary()
-        after = stalls()
+        after, new = stalls(), compiled() - kernels
         trace[-1].update(
-            end=time.monotonic(), compiled=compiled() - kernels, **{k: after[k] - before[k] for k in after}
+            end=time.monotonic(),
+            compiled=len(new),
+            compiled_kernels=kernel_names(new) if new else [],
+            **{k: after[k] - before[k] for k in after},
         )
 
     LayoutRun.decode_block = decode_block
@@ -339,6 +352,7 @@ def trace_summary(records: list[dict], trace: list[dict]) -> dict:
         boundary_s={q: percentile(seconds, q) for q in (50, 90, 100)},
         boundaries_with_new_shapes=sum(any(lay["new_shapes"] for lay in b["layouts"]) for b in trace),
         kernels_compiled=sum(b["compiled"] for b in trace),
+        compiled_kernels=sorted({name for b in trace for name in b.get("compiled_kernels", [])}),
         stalls={name: round(sum(b.get(name, 0) for b in trace), 3) for name in STALLS},
         slowest_boundaries=[
             dict(
@@ -434,6 +448,8 @@ class ServerProcess:
         ]
         if args.max_batch_width:
             command += ["--max-batch-width", str(args.max_batch_width)]
+        if args.max_batch_positions and kind != "window":
+            command += ["--max-batch-positions", str(args.max_batch_positions)]
         if args.cpu:
             command.append("--cpu")
         command += ["--server-kind", kind, "--join-layout-min-rows", str(args.join_layout_min_rows)]
@@ -601,6 +617,7 @@ def measure(args) -> dict:
                 health = server.get("/health")
                 summary["batching"] = health.get("batching")
                 summary["max_batch_size"] = health.get("max_batch_size", args.max_batch_size)
+                summary["max_batch_positions"] = health.get("max_batch_positions")
                 summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
                 if kind != "window" and args.check:
                     summary["check"] = check_answers(args, items, records, args.check)
@@ -629,6 +646,13 @@ def main(argv: list[str] | None = None) -> int:
         "--max-batch-size", type=int, default=16, help="0: the continuous server's default (from the GPU's memory)"
     )
     parser.add_argument("--max-batch-width", type=int, default=None)
+    parser.add_argument(
+        "--max-batch-positions",
+        type=int,
+        default=0,
+        help="the continuous servers' K/V budget (`ContinuousBatcher.max_batch_positions`; 0: the engine's default, "
+        "which with --max-batch-size 0 on CUDA is from the GPU's memory, else none)",
+    )
     parser.add_argument("--width-granularity", type=int, default=0, help="0: the engine's default")
     parser.add_argument("--batch-window-ms", type=float, default=10.0, help="the window server's window")
     parser.add_argument("--window-code", default=None, help="folder holding the window-batching hf_dllm package")

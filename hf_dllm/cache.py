@@ -26,6 +26,8 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
@@ -46,7 +48,7 @@ def output_cache(output):
 
 
 class DiffusionKVCache:
-    """Per-layer K/V buffers `(batch, kv_heads, max_length, head_dim)`, written in place at `cache_position`.
+    """Per-layer K/V buffers `(buffer_rows, kv_heads, max_length, head_dim)`, written in place at `cache_position`.
 
     Attention of every forward covers the whole buffer (positions `[0, max_length)`), which is what the prefix
     and dual caches need: the full forward at a block start fills all positions, later steps overwrite the
@@ -56,20 +58,36 @@ class DiffusionKVCache:
     Buffers are allocated at the first write of each layer, on that layer's device and dtype, so models split
     over several devices (`device_map="auto"`) keep each layer's cache next to its weights.
 
-    `length` (default `max_length`) is the sequence the forwards see: a continuous batch whose canvas is narrower
-    than the buffers (`set_length`) uses a view of their first `length` columns, so the buffers keep their addresses.
+    `length` (default `max_length`) is the sequence the forwards see: a continuous batch whose canvases are
+    narrower than the buffers (`set_length`) sees its rows of `length` columns laid end to end from the buffers'
+    start (a contiguous view of their first `batch x length` positions), so the buffers keep their addresses and
+    narrow rows take only the positions they use.
+
+    `max_positions` (default `max_batch_size x max_length`): the positions (rows x columns) the buffers hold, when
+    fewer than that: a continuous batch's K/V budget (`serving.engine.ContinuousBatcher(max_batch_positions=...)`),
+    where many narrow rows or a few wide ones fit (`rows_at_length`). The buffers then hold
+    `ceil(max_positions / max_length)` rows of `max_length` columns.
     """
 
-    def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
+    def __init__(self, num_layers: int, max_batch_size: int, max_length: int, max_positions: int | None = None):
+        if max_positions is not None and not max_length <= max_positions:
+            raise ValueError(
+                f"DiffusionKVCache: max_positions ({max_positions}) must be at least max_length ({max_length}): a "
+                "row of every column must fit."
+            )
         self.num_layers = num_layers
         self.max_batch_size = max_batch_size
         self.max_length = max_length
+        # Rows of `max_length` columns the buffers are allocated with.
+        self.buffer_rows = max_batch_size
+        if max_positions is not None:
+            self.buffer_rows = min(max_batch_size, -(-max_positions // max_length))
         self.length = max_length
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
     def set_length(self, length: int) -> None:
-        """Make forwards see the first `length` columns (`<= max_length`) of the buffers."""
+        """Make forwards see rows of `length` columns (`<= max_length`; see the class doc)."""
         if not 0 < length <= self.max_length:
             raise ValueError(f"DiffusionKVCache.set_length: length must be in [1, {self.max_length}], got {length}.")
         self.length = length
@@ -78,16 +96,32 @@ class DiffusionKVCache:
         """This layer's K/V buffers for the first `batch` rows and `length` columns `(batch, kv_heads, length,
         head_dim)`, allocated (`max_length` columns) at first use with the dtype and device of `like`."""
         if self.keys[layer_idx] is None:
-            shape = (self.max_batch_size, kv_heads, self.max_length, head_dim)
+            shape = (self.buffer_rows, kv_heads, self.max_length, head_dim)
             self.keys[layer_idx] = like.new_zeros(shape)
             self.values[layer_idx] = like.new_zeros(shape)
         return self._visible(self.keys[layer_idx], batch), self._visible(self.values[layer_idx], batch)
 
+    def rows_at_length(self) -> int:
+        """The most rows of `length` columns the buffers hold (at most `max_batch_size`)."""
+        return min(self.max_batch_size, self.buffer_rows * self.max_length // self.length)
+
+    def layer_rows(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """Views of every buffer of an allocated layer (keys, values; an FP8 cache adds their scales) over all
+        `rows_at_length()` rows of `length` columns: `(rows, kv_heads, length, ...)`."""
+        return tuple(self._visible(buffers[layer_idx], self.rows_at_length()) for buffers in self._buffer_lists())
+
     def _visible(self, buffer: torch.Tensor, batch: int) -> torch.Tensor:
-        """The first `batch` rows and `length` columns of a buffer `(max_batch_size, heads, max_length, ...)`."""
-        if batch > self.max_batch_size:
-            raise ValueError(f"DiffusionKVCache holds {self.max_batch_size} rows, got a batch of {batch}.")
-        return buffer[:batch] if self.length == self.max_length else buffer[:batch, :, : self.length]
+        """`batch` rows of `length` columns of a buffer `(buffer_rows, heads, max_length, ...)`: its first rows at
+        the full length, else rows of `length` columns laid end to end from its start (contiguous)."""
+        if batch > self.rows_at_length():
+            raise ValueError(
+                f"DiffusionKVCache holds {self.rows_at_length()} rows of {self.length} columns (max_batch_size "
+                f"{self.max_batch_size}, {self.buffer_rows * self.max_length} positions), got a batch of {batch}."
+            )
+        if self.length == self.max_length:
+            return buffer[:batch]
+        shape = (batch, buffer.shape[1], self.length, *buffer.shape[3:])
+        return buffer.view(-1)[: math.prod(shape)].view(shape)
 
     def update(
         self,
@@ -112,11 +146,11 @@ class DiffusionKVCache:
     def keep_rows(self, index: torch.Tensor) -> None:
         """Compact the rows in place: row i becomes old row `index[i]` (`index` `(n,)` long), so the buffers keep
         their addresses (captured CUDA graphs read them) while finished rows leave the batch."""
-        for buffers in self._buffer_lists():
-            for buffer in buffers:
-                if buffer is not None:
-                    data = _as_bytes(buffer)
-                    data[: index.numel()].copy_(data.index_select(0, index.to(buffer.device)))
+        for layer in range(self.num_layers):
+            if self.keys[layer] is not None:
+                for view in self.layer_rows(layer):
+                    data = _as_bytes(view)
+                    data[: index.numel()].copy_(data.index_select(0, index.to(view.device)))
 
     def _buffer_lists(self) -> tuple[list, ...]:
         """The per-layer buffer lists a row owns a slice of (its keys and values; an FP8 cache adds their scales)."""
@@ -157,16 +191,16 @@ class FP8DiffusionKVCache(DiffusionKVCache):
     of bfloat16 K/V plus 4 bytes per 128-value vector (`kv_cache_dtype="fp8"`). An approximation, as an FP8 K/V
     cache is in serving engines: each vector is rounded to 3 mantissa bits relative to its largest value.
 
-    Buffers: `keys`/`values` `(batch, kv_heads, max_length, head_dim)` float8, `key_scales`/`value_scales`
-    `(batch, kv_heads, max_length)` float32. `update` quantizes what it writes and returns the layer's K/V
+    Buffers: `keys`/`values` `(buffer_rows, kv_heads, max_length, head_dim)` float8, `key_scales`/`value_scales`
+    `(buffer_rows, kv_heads, max_length)` float32. `update` quantizes what it writes and returns the layer's K/V
     dequantized to the input's dtype (the reference path: any attention backend); the fused path writes through
     `quantized_layer` and hands the quantized K/V and their scales to the split-KV kernel, which reads them in place.
     A forward that computes every position's K/V (the prefix and dual caches' block-start refresh) attends to them
     as computed, on both paths: only later forwards read quantized K/V.
     """
 
-    def __init__(self, num_layers: int, max_batch_size: int, max_length: int):
-        super().__init__(num_layers, max_batch_size, max_length)
+    def __init__(self, num_layers: int, max_batch_size: int, max_length: int, max_positions: int | None = None):
+        super().__init__(num_layers, max_batch_size, max_length, max_positions)
         self.key_scales: list[torch.Tensor | None] = [None] * num_layers
         self.value_scales: list[torch.Tensor | None] = [None] * num_layers
 
@@ -175,7 +209,7 @@ class FP8DiffusionKVCache(DiffusionKVCache):
         columns: float8 `(batch, kv_heads, length, head_dim)` and float32 `(batch, kv_heads, length)`, allocated at
         first use on `like`'s device."""
         if self.keys[layer_idx] is None:
-            shape = (self.max_batch_size, kv_heads, self.max_length, head_dim)
+            shape = (self.buffer_rows, kv_heads, self.max_length, head_dim)
             self.keys[layer_idx] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=like.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=like.device)
             self.key_scales[layer_idx] = torch.ones(shape[:3], dtype=torch.float32, device=like.device)
@@ -225,11 +259,18 @@ KV_CACHE_CLASSES = {None: DiffusionKVCache, "fp8": FP8DiffusionKVCache}
 KV_CACHE_DTYPES = tuple(KV_CACHE_CLASSES)
 
 
-def new_kv_cache(num_layers: int, max_batch_size: int, max_length: int, kv_cache_dtype: str | None = None):
-    """The K/V store `kv_cache_dtype` names (`KV_CACHE_CLASSES`)."""
+def new_kv_cache(
+    num_layers: int,
+    max_batch_size: int,
+    max_length: int,
+    kv_cache_dtype: str | None = None,
+    max_positions: int | None = None,
+):
+    """The K/V store `kv_cache_dtype` names (`KV_CACHE_CLASSES`), holding `max_positions` positions (default: every
+    row at every column)."""
     if kv_cache_dtype not in KV_CACHE_CLASSES:
         raise ValueError(f"`kv_cache_dtype` must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}.")
-    return KV_CACHE_CLASSES[kv_cache_dtype](num_layers, max_batch_size, max_length)
+    return KV_CACHE_CLASSES[kv_cache_dtype](num_layers, max_batch_size, max_length, max_positions)
 
 
 def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

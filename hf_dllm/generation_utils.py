@@ -103,8 +103,8 @@ class DiffusionGenerationMixin:
       transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and, for block-causal
       models, `block_length`;
     - `_diffusion_step_capturable()`: whether a step can be captured in a CUDA graph (default True);
-    - `_diffusion_new_cache(batch_size, max_length, kv_cache_dtype=None)` returning a `DiffusionKVCache` (default:
-      one per layer of `config.num_hidden_layers`, `cache.new_kv_cache`), and `diffusion_kv_cache_dtypes`, the
+    - `_diffusion_new_cache(batch_size, max_length, kv_cache_dtype=None, max_positions=None)` returning a
+      `DiffusionKVCache` (default: one per layer of `config.num_hidden_layers`, `cache.new_kv_cache`), and `diffusion_kv_cache_dtypes`, the
       `kv_cache_dtype` values its attention layers read;
     - `_diffusion_attention_mask(key_mask, q_len)` turning the `(rows, seq_len)` padding mask into what the
       forward's attention backend takes, once per query length (default: transformers'
@@ -156,8 +156,10 @@ class DiffusionGenerationMixin:
         """Whether a denoising step can be captured in a CUDA graph (no host synchronisation in the forward)."""
         return True
 
-    def _diffusion_new_cache(self, batch_size: int, max_length: int, kv_cache_dtype: str | None = None):
-        return new_kv_cache(self.config.num_hidden_layers, batch_size, max_length, kv_cache_dtype)
+    def _diffusion_new_cache(
+        self, batch_size: int, max_length: int, kv_cache_dtype: str | None = None, max_positions: int | None = None
+    ):
+        return new_kv_cache(self.config.num_hidden_layers, batch_size, max_length, kv_cache_dtype, max_positions)
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
         shape_probe = torch.empty(key_mask.shape[0], q_len, 1, dtype=self.dtype, device=key_mask.device)

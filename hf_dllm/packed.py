@@ -75,9 +75,9 @@ class PackedRows:
         `rows[p]`, column `columns[p]`) and return them unchanged: each row attends to its own packed keys."""
         if self.cache is not None:
             _, kv_heads, _, head_dim = key_states.shape
-            self.cache.layer(layer_idx, len(self.lengths), kv_heads, head_dim, key_states)  # allocated at first use
-            for buffer, states in ((self.cache.keys, key_states), (self.cache.values, value_states)):
-                buffer[layer_idx][self.rows, :, self.columns] = states[0].transpose(0, 1).to(buffer[layer_idx].dtype)
+            views = self.cache.layer(layer_idx, len(self.lengths), kv_heads, head_dim, key_states)
+            for view, states in zip(views, (key_states, value_states), strict=True):
+                view[self.rows, :, self.columns] = states[0].transpose(0, 1).to(view.dtype)
         return key_states, value_states
 
     # -- as `attention_mask` -----------------------------------------------------------------------------------

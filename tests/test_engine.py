@@ -246,6 +246,29 @@ def test_block_causal_random_model_mixed_settings_equal_generate_alone(random_ll
     assert_alone(random_llada2, requests)
 
 
+def test_block_causal_rows_under_a_kv_budget_equal_generate_alone(random_llada2, monkeypatch):
+    """A K/V budget for a block-causal model: its layouts (the visible columns, in power-of-two widths) stay within
+    it, rows laid end to end in the cache are saved to and loaded from their slots at their own columns, and
+    each row is exactly `generate()` alone."""
+    rng = random.Random(31)
+    prompts = random_prompts(rng, 10, 4, 100, longest=60)
+    kinds = [dict(LLADA2_KINDS[i % len(LLADA2_KINDS)], eos_early_stop=False) for i in range(len(prompts))]
+    layouts = budget_layouts(monkeypatch)
+    requests = [request(random_llada2, prompt, **kind) for prompt, kind in zip(prompts, kinds, strict=True)]
+    engine = ContinuousBatcher(
+        random_llada2,
+        max_batch_size=8,
+        max_batch_width=128,
+        max_batch_positions=256,
+        width_granularity=8,
+        bucket_rows=True,
+    )
+    drive(engine, requests, [rng.randrange(0, 6) for _ in prompts])
+    assert_alone(random_llada2, requests)
+    assert all(padded * width <= 256 for _, padded, width in layouts), layouts
+    assert max(rows for rows, _, _ in layouts) > 2
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_block_causal_layouts_hold_the_visible_columns_in_power_of_two_widths(random_llada2, seed, monkeypatch):
     """With `width_granularity > 1` (CUDA's default: graphs), a block-causal layout holds only the columns up to
@@ -390,6 +413,153 @@ def test_default_max_batch_size_from_free_memory(trained, random_llada2, monkeyp
     engine.decode_boundary()
     with pytest.raises(RuntimeError, match="batch size"):
         engine.set_max_batch_size(4)
+
+
+def test_cache_budget_lays_narrow_rows_end_to_end():
+    """A `DiffusionKVCache` with `max_positions` holds rows of the current length end to end: as many rows as
+    the positions allow (at most `max_batch_size`), each row's K/V apart from the others', the views contiguous and
+    at the buffers' start; more rows than fit, or a budget below one full row, are refused."""
+    from hf_dllm.cache import DiffusionKVCache, FP8DiffusionKVCache
+
+    with pytest.raises(ValueError, match="max_positions"):
+        DiffusionKVCache(1, 8, 64, max_positions=63)
+    like = torch.zeros(1, 2, 1, 4)
+    for cache_class in (DiffusionKVCache, FP8DiffusionKVCache):
+        cache = cache_class(2, 8, 64, max_positions=200)  # 4 rows of 64 columns allocated (256 positions)
+        allocate = cache.quantized_layer if cache_class is FP8DiffusionKVCache else cache.layer
+        allocate(0, 1, 2, 4, like)
+        assert cache.keys[0].shape[:3] == (4, 2, 64) and cache.rows_at_length() == 4
+        buffers = [buffer[0] for buffer in cache._buffer_lists()]
+        for length, rows in ((64, 4), (32, 8), (20, 8), (50, 5)):
+            cache.set_length(length)
+            assert cache.rows_at_length() == rows
+            views = cache.layer_rows(0)
+            for view, buffer in zip(views, buffers, strict=True):
+                assert view.shape[:3] == (rows, 2, length) and view.is_contiguous()
+                assert view.data_ptr() == buffer.data_ptr()
+            with pytest.raises(ValueError, match=f"holds {rows} rows of {length} columns"):
+                allocate(0, rows + 1, 2, 4, like)
+            if cache_class is DiffusionKVCache:
+                views[0].copy_(torch.arange(rows).view(rows, 1, 1, 1).expand_as(views[0]))
+                assert [int(views[0][i].min()) for i in range(rows)] == list(range(rows))  # no two rows overlap
+
+
+def budget_layouts(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every layout the engine decodes: (rows, rows with padding, width)."""
+    layouts = []
+    with_padding = LayoutRun._with_padding_rows
+
+    def recorded(self, rows, joining, width):
+        layout = with_padding(self, rows, joining, width)
+        layouts.append((len(rows), len(layout), width))
+        return layout
+
+    monkeypatch.setattr(LayoutRun, "_with_padding_rows", recorded)
+    return layouts
+
+
+@pytest.mark.parametrize("bucket", [False, True], ids=["unpadded", "bucketed"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kv_budget_runs_more_narrow_rows_and_never_exceeds_it(trained, bucket, seed, monkeypatch):
+    """`max_batch_positions`: a layout's rows x width (padding rows included) never exceed the budget, so more
+    rows of short canvases run at once than the budget holds rows of `max_batch_width` columns; every row is still
+    `generate()` alone, tokens and forwards. (A layout over the budget would fail: the cache refuses the rows.)"""
+    rng = random.Random(70 + seed)
+    settings = dict(max_new_tokens=24, block_length=8, steps=24, use_cache=True, dual_cache=True, eos_early_stop=False)
+    # Mostly short prompts (canvases of ~26-48 columns) and a few long ones (up to 118).
+    prompts = [
+        [rng.randrange(4, 60) for _ in range(rng.choice([rng.randrange(2, 24)] * 3 + [rng.randrange(60, 95)]))]
+        for _ in range(14)
+    ]
+    layouts = budget_layouts(monkeypatch)
+    requests = [request(trained, prompt, **settings) for prompt in prompts]
+    engine = ContinuousBatcher(
+        trained,
+        max_batch_size=12,
+        max_batch_width=128,
+        max_batch_positions=256,
+        width_granularity=8,
+        bucket_rows=bucket,
+        join_layout_min_rows=None,
+    )
+    drive(engine, requests, sorted(rng.randrange(0, 4) for _ in prompts))
+    assert_alone(trained, requests)
+    assert layouts and all(padded * width <= 256 for _, padded, width in layouts), layouts
+    assert max(rows for rows, _, _ in layouts) > 256 // 128  # narrow rows share what two full rows would take
+    if bucket:  # padded to the row bucket, or to as many rows as the budget holds at the layout's width
+        from hf_dllm.serving.engine import bucketed_rows
+
+        fits = [min(12, 256 // width) for _, _, width in layouts]
+        buckets = [bucketed_rows(rows, 12) for rows, _, _ in layouts]
+        assert all(p in (b, f) for (_, p, _), b, f in zip(layouts, buckets, fits, strict=True)), layouts
+
+
+def test_kv_budget_caps_padding_rows(trained, monkeypatch):
+    """With bucketed rows, a layout is padded to its row bucket when the budget holds it at the layout's width,
+    else to as many rows as it holds; the rows stay `generate()` alone."""
+    settings = dict(max_new_tokens=16, block_length=8, steps=16, eos_early_stop=False)
+    layouts = budget_layouts(monkeypatch)
+    for count, prompt_length, padded in ((3, 20, 4), (5, 28, 5)):  # widths 36 -> 40 and 44 -> 48 columns
+        engine = ContinuousBatcher(
+            trained,
+            max_batch_size=12,
+            max_batch_width=64,
+            max_batch_positions=256,
+            width_granularity=8,
+            bucket_rows=True,
+        )
+        requests = [request(trained, list(range(4, 4 + prompt_length)), **settings) for _ in range(count)]
+        drive(engine, requests, [0] * count)
+        assert_alone(trained, requests)
+        assert {layout[:2] for layout in layouts} == {(count, padded)}, layouts  # bucket 4 x 40; 8 x 48 > 256
+        layouts.clear()
+
+
+def test_kv_budget_holds_back_what_does_not_fit(trained):
+    """The oldest waiting request that would take its cohort's layout over the budget waits (no one passes it)
+    until rows leave; classifier-free guidance counts twice the rows; a request that could not fit alone is
+    refused at submit."""
+    settings = dict(max_new_tokens=16, block_length=8, steps=16, eos_early_stop=False)
+    engine = ContinuousBatcher(trained, max_batch_size=8, max_batch_width=64, max_batch_positions=96)
+    first = request(trained, list(range(4, 34)), **settings)  # 30 + 16 columns
+    second = request(trained, [5, 6], **settings)  # aligned at the first row's block start: 2 x 48 = 96 fit
+    third = request(trained, [7, 8, 9], **settings)  # 3 rows would take 3 x 48 > 96
+    for row in (first, second, third):
+        engine.submit(row)
+    engine.decode_boundary()
+    assert engine.last_layout_sizes == [2] and engine.pending() == 1
+    engine.run_until_done()
+    assert_alone(trained, [first, second, third])
+    guided = dict(settings, cfg_scale=1.0)
+    with pytest.raises(ValueError, match="max_batch_positions"):  # 2 x (40 + 16) > 96
+        engine.submit(request(trained, list(range(4, 44)), **guided))
+    engine.submit(request(trained, [5, 6], **guided))  # 2 x 24 columns: fits
+    engine.run_until_done()
+
+
+def test_default_kv_budget_from_free_memory(trained, random_llada2, monkeypatch):
+    """No `max_batch_size` nor `max_batch_positions`: on CUDA a bidirectional model gets a budget of the positions
+    whose K/V fit in `AUTO_BATCH_MEMORY_SHARE` of the free memory (at least `max_batch_width`), with
+    `MAX_AUTO_BATCH_SIZE` rows; a block-causal model (rows keep K/V slots of `max_batch_width` columns) and any model
+    off CUDA get none (rows x width, as before). The budget changes only while no row runs."""
+    from hf_dllm.serving import engine as engine_module
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    per_position = engine_module.kv_bytes_per_position(trained)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (per_position * 1000, per_position * 2000))
+    assert engine_module.default_max_batch_positions(trained, cuda) == 600
+    assert engine_module.default_max_batch_positions(random_llada2, cuda) is None
+    assert engine_module.default_max_batch_positions(trained, cpu) is None
+    engine = ContinuousBatcher(trained, max_batch_width=64)
+    assert engine.max_batch_positions is None and engine.max_batch_size == engine_module.DEFAULT_MAX_BATCH_SIZE
+    engine.set_max_batch_positions(300)
+    assert engine.max_batch_positions == 300
+    with pytest.raises(ValueError, match="max_batch_positions"):
+        engine.set_max_batch_positions(63)
+    engine.submit(request(trained, [5, 6, 7], max_new_tokens=16, block_length=8, steps=16, eos_early_stop=False))
+    engine.decode_boundary()
+    with pytest.raises(RuntimeError, match="budget"):
+        engine.set_max_batch_positions(200)
 
 
 def exact_kv(model, tokens: torch.Tensor, length: int, block_length: int):
@@ -632,6 +802,8 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
         (dict(join_layout_min_rows=2.0), "join_layout_min_rows"),
         (dict(max_refresh_positions=0), "max_refresh_positions"),
         (dict(max_refresh_positions="64"), "max_refresh_positions"),
+        (dict(max_batch_width=64, max_batch_positions=63), "max_batch_positions"),
+        (dict(max_batch_width=64, max_batch_positions=100.0), "max_batch_positions"),
     ],
 )
 def test_bad_arguments_are_refused(trained, kwargs, name):

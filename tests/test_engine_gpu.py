@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from conftest import FIXTURES
-from test_engine import drive, request
+from test_engine import budget_layouts, drive, request
 
 from hf_dllm import LLaDAModelLM
 from hf_dllm.serving.engine import ContinuousBatcher
@@ -16,17 +16,18 @@ from hf_dllm.serving.engine import ContinuousBatcher
 pytestmark = pytest.mark.gpu
 
 
-def decode(model, prompts, arrivals, settings):
-    """Each prompt's tokens and forwards through the engine, requests arriving at the given boundaries."""
-    engine = ContinuousBatcher(model, max_batch_size=4, max_batch_width=256)
+def decode(model, prompts, arrivals, settings, **limits):
+    """Each prompt's tokens and forwards through the engine (`limits`: its batch limits, by default 4 rows of 256
+    columns), requests arriving at the given boundaries."""
+    engine = ContinuousBatcher(model, **(limits or dict(max_batch_size=4, max_batch_width=256)))
     requests = [request(model, prompt, **settings) for prompt in prompts]
     drive(engine, requests, arrivals)
     return [req.on_block.tokens for req in requests], [req.nfe for req in requests], engine
 
 
-def assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype):
+def assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype, **limits):
     """The CUDA-graph engine's tokens and forwards equal the eager engine's; in float32, `generate()` alone's."""
-    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True))
+    eager, eager_nfe, _ = decode(model, prompts, arrivals, dict(settings, disable_compile=True), **limits)
     assert graphs == eager and graph_nfe == eager_nfe
     if dtype == torch.float32:
         for prompt, got, nfe in zip(prompts, graphs, graph_nfe, strict=True):
@@ -120,3 +121,38 @@ def test_block_causal_graph_engine_equals_eager_engine_and_generate(dtype):
     counts = engine.graph_counts()
     assert counts["captured"] > 0 and counts["replayed"] > 0, counts
     assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["llada", "llada2"])
+def test_graph_engine_under_a_kv_budget_equals_eager_engine_and_generate(dtype, family, monkeypatch):
+    """A K/V budget (`max_batch_positions`): layouts of many narrow rows or few wide ones, laid end to end in the
+    cache, padded to their row bucket or to what the budget holds at their width; the CUDA-graph steps (captured
+    per rows x width, each over its own view of the buffers) give the eager engine's tokens and forwards, and
+    float32 rows equal `generate()` alone."""
+    from test_llada2_integration import tiny_llada2
+
+    if family == "llada":
+        model = LLaDAModelLM.from_pretrained(FIXTURES / "llada-tiny-trained", dtype=dtype).cuda().eval()
+        settings = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True)
+        longest = 60
+    else:
+        model = tiny_llada2(seed=4).to("cuda", dtype)
+        settings = dict(max_new_tokens=40, block_length=8, threshold=0.5)
+        longest = 90
+    settings = dict(settings, eos_early_stop=False)
+    limits = dict(max_batch_size=8, max_batch_width=256, max_batch_positions=512)
+    rng = random.Random(5)
+    prompts = [
+        [rng.randrange(4, 60) for _ in range(rng.choice([rng.randrange(1, 20)] * 3 + [longest]))] for _ in range(12)
+    ]
+    arrivals = [rng.randrange(0, 6) for _ in prompts]
+    layouts = budget_layouts(monkeypatch)
+    graphs, graph_nfe, engine = decode(model, prompts, arrivals, settings, **limits)
+    assert all(padded * width <= 512 for _, padded, width in layouts), layouts
+    assert max(rows for rows, _, _ in layouts) > 512 // 256  # narrow rows share what two full rows would take
+    again, again_nfe, engine = decode(model, prompts, arrivals, settings, **limits)  # replays what was captured
+    counts = engine.graph_counts()
+    assert counts["replayed"] > 0, counts
+    assert again == graphs and again_nfe == graph_nfe
+    assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype, **limits)

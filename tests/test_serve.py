@@ -191,6 +191,7 @@ def test_models_and_health(server, client):
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     health = httpx.get(f"{server.base_url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["max_batch_positions"] is None  # no K/V budget off CUDA by default
 
 
 def test_the_heap_is_frozen_while_an_app_serves(model_dir, server):
@@ -970,6 +971,8 @@ def test_cli_serve_command(model_dir):
         ([], "max_refresh_positions", None),
         (["--max-refresh-positions", "4096"], "max_refresh_positions", 4096),
         (["--max-refresh-positions", "off"], "max_refresh_positions", None),
+        ([], "max_batch_positions", None),  # off CUDA: no budget by default
+        (["--max-batch-width", "256", "--max-batch-positions", "1024"], "max_batch_positions", 1024),
     ],
 )
 def test_cli_engine_options_reach_the_engine(model_dir, monkeypatch, flag, name, expected):
@@ -984,6 +987,26 @@ def test_cli_engine_options_reach_the_engine(model_dir, monkeypatch, flag, name,
     argv = [str(model_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu", *flag]
     assert server_module.main(argv) == 0
     assert getattr(apps[0].state.server.batcher.engine, name) == expected
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-batch-positions", "0"], "--max-batch-positions must be >= 1"),
+        (["--max-batch-width", "256", "--max-batch-positions", "255"], "`max_batch_positions` must be None or an"),
+    ],
+)
+def test_cli_refuses_a_kv_budget_below_one_row(model_dir, monkeypatch, capsys, flags, message):
+    """`hf-dllm serve --max-batch-positions N` below 1, or below --max-batch-width (a row of every column must
+    fit), exits with 2 and says why, before serving."""
+    import uvicorn
+
+    from hf_dllm.serving import server as server_module
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: pytest.fail("served"))
+    argv = [str(model_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu", *flags]
+    assert server_module.main(argv) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--join-layout-min-rows", "--max-refresh-positions"])

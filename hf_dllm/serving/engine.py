@@ -13,10 +13,11 @@ alone).
 - Optionally (`max_refresh_positions`, off by default), a bidirectional model's layout whose canvases hold more
   positions is cut into slices (`Slice`), and requests that arrive during the boundary join the slices still to
   decode.
-- One K/V cache of `max_batch_size x max_batch_width` columns serves every layout; a layout's width is rounded up
-  to `width_granularity` columns (block-causal rows: only their visible columns, in power-of-two widths) and, on
-  CUDA, its rows to a bucket (`bucketed_rows`: padding rows that commit nothing), so few shapes (CUDA graphs) are
-  needed.
+- One K/V cache serves every layout: `max_batch_size x max_batch_width` positions, or a budget of
+  `max_batch_positions` (rows x columns: many narrow rows or few wide ones, the default for bidirectional models on
+  CUDA); a layout's width is rounded up to `width_granularity` columns (block-causal rows: only their visible
+  columns, in power-of-two widths) and, on CUDA, its rows to a bucket (`bucketed_rows`: padding rows that commit
+  nothing), so few shapes (CUDA graphs) are needed.
 
 `ContinuousBatcher` owns the running rows: `submit()` queues requests (any thread), `decode_boundary()` admits
 waiting requests that fit, decodes one block of every running row and reports each row's new tokens to its
@@ -61,7 +62,8 @@ DEFAULT_MAX_BATCH_SIZE = 16
 
 # On CUDA the default is as many rows as the engine's K/V for `max_batch_width` columns each (the layout cache, and a
 # block-causal model's row store as much again) fit in this share of the device's free memory, at most
-# `MAX_AUTO_BATCH_SIZE` rows: the rest is left for activations and CUDA graphs. A batch that fills makes arrivals
+# `MAX_AUTO_BATCH_SIZE` rows: the rest is left for activations and CUDA graphs. (A bidirectional model's default is
+# a budget of positions in that share instead, `default_max_batch_positions`.) A batch that fills makes arrivals
 # wait whole boundaries for a place, so the time to first block is bounded only while the batch has room.
 # Measured on an H100 (LLaDA2.0-mini shape, random bf16 weights, 2560 columns; RESULTS.md, continuous batching,
 # session 18): max batch 128 (26.8 GB of K/V) peaked at 5,668 tokens/s with 61.4 GB in use, and at 77 % of that
@@ -97,6 +99,20 @@ def kv_bytes_per_position(model) -> int:
     `num_key_value_heads x head_dim`, twice, in the model's dtype."""
     config = model.config
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
+
+
+def default_max_batch_positions(model, device: torch.device) -> int | None:
+    """`ContinuousBatcher`'s `max_batch_positions` when neither it nor `max_batch_size` is given: on CUDA, for a
+    bidirectional model, the positions whose K/V fit in `AUTO_BATCH_MEMORY_SHARE` of the device's free memory now;
+    otherwise None (no budget: `max_batch_size x max_batch_width`). A bidirectional layout's K/V live only for its
+    block (every block's first step recomputes them), so the cache holds the running layout's rows at its width:
+    rows of short canvases take fewer positions, and more of them fit than rows of `max_batch_width` columns each.
+    (Block-causal rows keep their K/V between blocks in slots of `max_batch_width` columns, `row_cache.RowKVStore`:
+    their batch is counted in rows.)"""
+    if device.type != "cuda" or getattr(model, "diffusion_block_causal", False):
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(AUTO_BATCH_MEMORY_SHARE * free) // kv_bytes_per_position(model)
 
 
 def default_max_batch_size(model, max_batch_width: int, device: torch.device) -> int:
@@ -150,9 +166,16 @@ class ContinuousBatcher:
             (None): `default_max_batch_size`, on CUDA from the device's free memory (up to `MAX_AUTO_BATCH_SIZE`),
             elsewhere `DEFAULT_MAX_BATCH_SIZE`.
         max_batch_width: the widest layout (columns); the K/V cache holds `max_batch_size x max_batch_width`
-            positions (block-causal models: as many again in the rows' K/V store, `row_cache.RowKVStore`).
-            Default: the model's context (`max_sequence_length` / `max_position_embeddings`), so any request that
-            fits the context can run, alone if need be.
+            positions unless `max_batch_positions` says otherwise (block-causal models: `max_batch_size x
+            max_batch_width` again in the rows' K/V store, `row_cache.RowKVStore`). Default: the model's context
+            (`max_sequence_length` / `max_position_embeddings`), so any request that fits the context can run, alone
+            if need be.
+        max_batch_positions: None or an integer >= `max_batch_width`: the K/V cache's positions, a budget that a
+            layout's rows x columns (padding rows included; twice the rows with classifier-free guidance) may not
+            exceed, so that many rows of short canvases run where few wide ones would. None: no budget beyond
+            `max_batch_size x max_batch_width`. Default (neither this nor `max_batch_size` given): on CUDA, for a
+            bidirectional model, `default_max_batch_positions` (from the free memory; `max_batch_size` then
+            `MAX_AUTO_BATCH_SIZE`), else None.
         width_granularity: layouts are rounded up to a multiple of this many columns, so that few CUDA-graph
             shapes are captured. Default: 64 on CUDA, 1 elsewhere (no graphs; and a row decoding alone then has no
             padding, so its float32 arithmetic is exactly `generate()`'s: masked padding columns change the order
@@ -190,6 +213,7 @@ class ContinuousBatcher:
         *,
         max_batch_size: int | None = None,
         max_batch_width: int | None = None,
+        max_batch_positions: int | None = None,
         width_granularity: int | None = None,
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         bucket_rows: bool | None = None,
@@ -214,9 +238,24 @@ class ContinuousBatcher:
             )
         if not isinstance(max_batch_width, int) or isinstance(max_batch_width, bool) or max_batch_width < 1:
             raise ValueError(f"`max_batch_width` must be an integer >= 1, got {max_batch_width!r}.")
+        if max_batch_positions is None and max_batch_size is None:
+            max_batch_positions = default_max_batch_positions(model, self.device)
+            if max_batch_positions is not None:  # the budget bounds the K/V; a layout of one row always fits
+                max_batch_positions = max(max_batch_positions, max_batch_width)
+        if max_batch_positions is not None and not (
+            is_int(max_batch_positions) and max_batch_positions >= max_batch_width
+        ):
+            raise ValueError(
+                f"`max_batch_positions` must be None or an integer >= max_batch_width ({max_batch_width}), got "
+                f"{max_batch_positions!r}."
+            )
         if max_batch_size is None:
-            max_batch_size = default_max_batch_size(model, max_batch_width, self.device)
+            if max_batch_positions is not None:
+                max_batch_size = MAX_AUTO_BATCH_SIZE if self.device.type == "cuda" else DEFAULT_MAX_BATCH_SIZE
+            else:
+                max_batch_size = default_max_batch_size(model, max_batch_width, self.device)
         self.model = model
+        self.max_batch_positions = max_batch_positions
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
         self.join_layout_min_rows = join_layout_min_rows
@@ -258,6 +297,18 @@ class ContinuousBatcher:
         # Block-causal rows' exact K/V between blocks, a slot per running row (buffers allocated at first use).
         self.store = RowKVStore(rows, self.max_batch_width) if self.block_causal else None
 
+    def set_max_batch_positions(self, positions: int | None) -> None:
+        """Hold at most `positions` K/V positions (None: no budget; before any request runs)."""
+        if positions is not None and not (is_int(positions) and positions >= self.max_batch_width):
+            raise ValueError(
+                f"`max_batch_positions` must be None or an integer >= max_batch_width ({self.max_batch_width}), got "
+                f"{positions!r}."
+            )
+        if self.running:
+            raise RuntimeError("the K/V budget cannot change while rows run")
+        self.max_batch_positions = positions
+        self.cache = None
+
     # -- requests ---------------------------------------------------------------------------------------------
     def prepare(self, request: EngineRequest) -> EngineRequest:
         """Plan `request` as `generate()` plans a lone prompt; raises ValueError for what generate() refuses."""
@@ -278,6 +329,17 @@ class ContinuousBatcher:
                 f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
                 f"columns, more than max_batch_width ({self.max_batch_width})."
             )
+        if self.max_batch_positions is not None:  # the widest layout of the row alone: at its last block
+            forward_rows = 2 if config.cfg_scale > 0 else 1  # classifier-free guidance: an unconditional row too
+            request.plan, request.block = plan, int(plan.last_block[0])
+            widest = self.layout_width([request])
+            request.plan, request.block = None, 0
+            if forward_rows * widest > self.max_batch_positions:
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} with cfg_scale "
+                    f"{config.cfg_scale} needs {forward_rows} x {widest} K/V positions, more than "
+                    f"max_batch_positions ({self.max_batch_positions})."
+                )
         # What the run's rules refuse (e.g. a setting the model family does not take) fails this request now,
         # not the layout it would join.
         decoding_policies(self.model, config)
@@ -341,10 +403,22 @@ class ContinuousBatcher:
                 head.slot = free.pop(0)
                 self.running.append(head)
 
+    def fits_one_layout(self, rows: list[EngineRequest]) -> bool:
+        """Whether `rows` (one cohort) fit one layout: at most `max_batch_width` columns and, with a budget,
+        `max_batch_positions` K/V positions (rows x columns, padding rows aside; twice the rows with classifier-free
+        guidance). One row always fits: `prepare` refuses a request that would not, alone."""
+        width = self.layout_width(rows)
+        if width > self.max_batch_width:
+            return False
+        if self.max_batch_positions is None:
+            return True
+        forward_rows = len(rows) * (2 if rows[0].config.cfg_scale > 0 else 1)
+        return forward_rows * width <= self.max_batch_positions
+
     def _fits_partners(self, head: EngineRequest) -> bool:
-        """Whether `head` and the running rows of its cohort fit one layout of `max_batch_width` columns."""
+        """Whether `head` and the running rows of its cohort fit one layout (`fits_one_layout`)."""
         partners = [row for row in self.running if cohort_key(row) == cohort_key(head)]
-        return not partners or self.layout_width([*partners, head]) <= self.max_batch_width
+        return not partners or self.fits_one_layout([*partners, head])
 
     def _between_layouts(self) -> None:
         """Between two layouts of a boundary: the server's new requests reach `waiting` (`intake`)."""
@@ -361,11 +435,7 @@ class ContinuousBatcher:
         def into_a_slice(head: EngineRequest) -> bool:
             key = cohort_key(head)
             for rows in queue:
-                if (
-                    isinstance(rows, Slice)
-                    and cohort_key(rows[0]) == key
-                    and self.layout_width([*rows, head]) <= self.max_batch_width
-                ):
+                if isinstance(rows, Slice) and cohort_key(rows[0]) == key and self.fits_one_layout([*rows, head]):
                     rows.append(head)
                     return True
             return False
@@ -391,11 +461,11 @@ class ContinuousBatcher:
         return first + layouts
 
     def _split(self, rows: list[EngineRequest]) -> list[list[EngineRequest]]:
-        """`rows` in order, split into layouts that fit `max_batch_width`, each cut further into slices of about
+        """`rows` in order, split into layouts that fit (`fits_one_layout`), each cut further into slices of about
         equal refresh positions (`max_refresh_positions`)."""
         layouts, current = [], []
         for row in rows:
-            if current and self.layout_width([*current, row]) > self.max_batch_width:
+            if current and not self.fits_one_layout([*current, row]):
                 layouts.append(current)
                 current = []
             current.append(row)
@@ -440,14 +510,17 @@ class ContinuousBatcher:
                 self.device,
                 self._shared_cache,
                 self.store,
-                (lambda rows: bucketed_rows(rows, self.max_batch_size)) if self.bucket_rows else None,
+                bucketed_rows if self.bucket_rows else None,
+                self.max_batch_positions,
             )
             self.runs[row.settings] = run
         return run
 
     def _shared_cache(self, rows: int):
         if self.cache is None or self.cache.max_batch_size < rows:
-            self.cache = self.model._diffusion_new_cache(rows, self.max_batch_width)
+            self.cache = self.model._diffusion_new_cache(
+                rows, self.max_batch_width, max_positions=self.max_batch_positions
+            )
         return self.cache
 
     def decode_boundary(self) -> int:

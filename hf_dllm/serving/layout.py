@@ -26,8 +26,9 @@ position at a block's first step; a block-causal model's earlier blocks hold com
   `generate()`'s first step), packed end to end, so continuing rows never pay for a joining row's prompt, nor a
   short prompt for a long one. A row takes part in one of
   the two forwards: its forwards (NFE) are still `generate()`'s; the engine makes one forward more.
-- One K/V cache of `max_batch_size x max_batch_width` columns serves every layout (a view of its first columns,
-  `DiffusionKVCache.set_length`), so captured CUDA graphs keep their addresses.
+- One K/V cache serves every layout (`max_batch_size x max_batch_width` positions, or the engine's budget of
+  positions): a layout sees its rows of its width laid end to end from the buffers' start
+  (`DiffusionKVCache.set_length`), so captured CUDA graphs keep their addresses.
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ class LayoutRun(BlockDiffusionRun):
         device,
         shared_cache,
         store: RowKVStore | None = None,
-        row_bucket: Callable[[int], int] | None = None,
+        row_bucket: Callable[[int, int], int] | None = None,
+        max_positions: int | None = None,
     ):
         """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
-        between blocks (used when the config caches); `row_bucket(k)` (None: no padding rows), the rows a forward
-        of `k` rows runs with, `k <= row_bucket(k) <= max_rows` (`_with_padding_rows`)."""
+        between blocks (used when the config caches); `row_bucket(k, limit)` (None: no padding rows), the rows a
+        forward of `k` rows runs with when at most `limit` fit, `k <= row_bucket(k, limit) <= limit`
+        (`_with_padding_rows`); `max_positions` (None: no budget), the K/V positions (rows x columns) the shared
+        cache holds, which caps a layout's padding rows at its width."""
         block_causal = bool(getattr(model, "diffusion_block_causal", False))
         self.store = store if block_causal and config.use_cache else None
         cache_policy = StoredBlockCache() if self.store is not None else None
@@ -78,6 +82,7 @@ class LayoutRun(BlockDiffusionRun):
         self.max_width = max_width
         self.max_rows = max_rows
         self.row_bucket = row_bucket
+        self.max_positions = max_positions
         self._shared_cache = shared_cache
         self._setup_cache(max_rows, ENGINE_MAX_GRAPHS)
         self._setup_rules()
@@ -112,7 +117,7 @@ class LayoutRun(BlockDiffusionRun):
             order.sort(key=lambda i: rows[i].block == 0)
             rows = [rows[i] for i in order]
         joining = sum(row.block == 0 for row in rows) if self.store is not None else 0  # rows at their first block
-        layout = self._with_padding_rows(rows, joining)
+        layout = self._with_padding_rows(rows, joining, width)
         where = [i for i, row in enumerate(layout) if row is not None]  # each of `rows`' place in the layout
         device, n = self.device, len(layout)
         first_real = rows[0]
@@ -190,19 +195,23 @@ class LayoutRun(BlockDiffusionRun):
             updates[order[k]] = BlockUpdate(new, bool(ended[i]), row.nfe)
         return updates
 
-    def _with_padding_rows(self, rows: list[EngineRequest], joining: int) -> list[EngineRequest | None]:
+    def _with_padding_rows(self, rows: list[EngineRequest], joining: int, width: int) -> list[EngineRequest | None]:
         """The layout's rows, None for a padding row: `rows` as they are without `row_bucket`; with it, padding
-        rows after the rows of each forward that steps them, so that each has `row_bucket(k)` rows (at most
-        `max_rows`). Block-causal rows with a store run two such forwards: the first step of the `len(rows) -
-        joining` continuing rows (the layout's first rows) and the later steps of all rows; the last `joining` rows'
-        prefill is packed (no padding)."""
+        rows after the rows of each forward that steps them, so that each has `row_bucket(k, limit)` rows, `limit`
+        the rows that fit: `max_rows`, and with `max_positions` the rows of `width` columns within it. Block-causal
+        rows with a store run two such forwards: the first step of the `len(rows) - joining` continuing rows (the
+        layout's first rows) and the later steps of all rows; the last `joining` rows' prefill is packed (no
+        padding)."""
         if self.row_bucket is None:
             return list(rows)
+        limit = self.max_rows
+        if self.max_positions is not None:  # the engine admitted `rows` within the budget: limit >= len(rows)
+            limit = min(limit, self.max_positions // (width * (2 if self.cfg else 1)))
         continuing = len(rows) - joining
-        first = self.row_bucket(continuing) if continuing and joining else continuing
-        if first + joining > self.max_rows:  # no room to pad both forwards: pad the later steps only
+        first = self.row_bucket(continuing, limit) if continuing and joining else continuing
+        if first + joining > limit:  # no room to pad both forwards: pad the later steps only
             first = continuing
-        total = self.row_bucket(first + joining)
+        total = self.row_bucket(first + joining, limit)
         return [
             *rows[:continuing],
             *[None] * (first - continuing),

@@ -48,9 +48,9 @@ class RowKVStore:
                 # A cache no forward wrote yet (another layout's): its buffers, like the store's.
                 stored = self.keys[layer]
                 cache.layer(layer, 1, stored.shape[2], stored.shape[3], stored)
-            keys, values = cache.keys[layer], cache.values[layer]
-            if keys is None:
+            if cache.keys[layer] is None:
                 continue
+            keys, values = cache.layer_rows(layer)  # the layout's rows at its width
             if self.keys[layer] is None:
                 shape = (self.slots, self.max_width, keys.shape[1], keys.shape[3])
                 self.keys[layer] = keys.new_zeros(shape)

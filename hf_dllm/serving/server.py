@@ -607,6 +607,7 @@ def create_app(
             "model": server.model_name,
             "max_batch_size": server.batcher.max_batch_size,
             "max_batch_width": server.batcher.max_batch_width,
+            "max_batch_positions": server.batcher.engine.max_batch_positions,
             "batching": server.batcher.stats.snapshot(),
         }
 
@@ -637,16 +638,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size",
         type=int,
         default=None,
-        help="rows decoding at once (default: on CUDA as many as fit their K/V of max-batch-width columns each in "
-        f"{AUTO_BATCH_MEMORY_SHARE * 100:.0f} %% of the GPU's free memory, at most {MAX_AUTO_BATCH_SIZE}; elsewhere "
-        f"{DEFAULT_MAX_BATCH_SIZE})",
+        help=f"rows decoding at once (default: on CUDA {MAX_AUTO_BATCH_SIZE} within the K/V budget of "
+        "--max-batch-positions for a bidirectional model, and for a block-causal one as many as fit their K/V of "
+        f"max-batch-width columns each in {AUTO_BATCH_MEMORY_SHARE * 100:.0f} %% of the GPU's free memory, at most "
+        f"{MAX_AUTO_BATCH_SIZE}; elsewhere {DEFAULT_MAX_BATCH_SIZE}). Given alone, the K/V cache holds "
+        "max-batch-size x max-batch-width positions",
     )
     parser.add_argument(
         "--max-batch-width",
         type=int,
         default=None,
-        help="columns of the widest layout (each row's prompt and output, aligned at its current block); the K/V "
-        "cache holds max-batch-size x max-batch-width positions (default: the model's context)",
+        help="columns of the widest layout (each row's prompt and output, aligned at its current block; default: "
+        "the model's context)",
+    )
+    parser.add_argument(
+        "--max-batch-positions",
+        type=int,
+        default=None,
+        help="K/V positions of the layout cache, a budget for a layout's rows x columns: many rows of short "
+        "requests or few long ones (default, with no --max-batch-size: on CUDA, for a bidirectional model, what "
+        f"fits in {AUTO_BATCH_MEMORY_SHARE * 100:.0f} %% of the GPU's free memory; otherwise max-batch-size x "
+        "max-batch-width); at least max-batch-width",
     )
     parser.add_argument(
         "--join-layout-min-rows",
@@ -702,8 +714,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("hf-dllm serve needs fastapi and uvicorn: pip install 'hf-dllm[serve]'", file=sys.stderr)
         return 2
-    if any(value is not None and value < 1 for value in (args.max_batch_size, args.max_batch_width)):
-        print("hf-dllm serve: --max-batch-size and --max-batch-width must be >= 1.", file=sys.stderr)
+    limits = (args.max_batch_size, args.max_batch_width, args.max_batch_positions)
+    if any(value is not None and value < 1 for value in limits):
+        print(
+            "hf-dllm serve: --max-batch-size, --max-batch-width and --max-batch-positions must be >= 1.",
+            file=sys.stderr,
+        )
         return 2
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         print("hf-dllm serve: --max-body-bytes must be >= 1.", file=sys.stderr)
@@ -719,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_options = dict(
         max_batch_size=args.max_batch_size,
         max_batch_width=args.max_batch_width,
+        max_batch_positions=args.max_batch_positions,
         join_layout_min_rows=args.join_layout_min_rows,
         max_refresh_positions=args.max_refresh_positions,
     )

@@ -44,12 +44,14 @@ class MirroredEngine(ContinuousBatcher):
 
     def __init__(self, model, group, **kwargs):
         super().__init__(model, **kwargs)
-        # Every rank lays out the same rows: a batch size derived from each rank's free memory
-        # (`default_max_batch_size`) may differ between ranks, so all take the smallest. (It counts every K/V head,
-        # where a rank holds 1/N of them: on the safe side.)
-        rows = torch.tensor([self.max_batch_size])
-        dist.all_reduce(rows, op=dist.ReduceOp.MIN, group=group)
-        self.set_max_batch_size(int(rows))
+        # Every rank lays out the same rows: a batch size or K/V budget derived from each rank's free memory
+        # (`default_max_batch_size`, `default_max_batch_positions`) may differ between ranks, so all take the
+        # smallest. (They count every K/V head, where a rank holds 1/N of them: on the safe side.) Every rank has a
+        # budget or none (the same options, the same kind of device): 0 stands for none.
+        limits = torch.tensor([self.max_batch_size, self.max_batch_positions or 0])
+        dist.all_reduce(limits, op=dist.ReduceOp.MIN, group=group)
+        self.set_max_batch_size(int(limits[0]))
+        self.set_max_batch_positions(int(limits[1]) or None)
         self.group = group
         self.leader = dist.get_rank(group) == 0
         self.source = dist.get_global_rank(group, 0)
