@@ -200,9 +200,9 @@ class BatchStats:
 
 class Batcher:
     """Owns the model: queues `RowRequest`s and decodes them with the continuous-batching engine in one scheduler
-    thread (see module doc). `max_batch_size` rows run at once (default: `engine.default_max_batch_size`);
-    `max_batch_width` bounds a layout's columns (the K/V cache holds `max_batch_size x max_batch_width` positions;
-    default: the model's context). An `engine` made by the caller (`hf-dllm serve`, with every engine option; a
+    thread (see module doc). `max_batch_size` rows run at once and `max_batch_width` bounds a layout's columns (the
+    engine's defaults: `engine.ContinuousBatcher`; given alone, `max_batch_size` makes the K/V cache hold
+    `max_batch_size x max_batch_width` positions). An `engine` made by the caller (`hf-dllm serve`, with every engine option; a
     tensor-parallel server's `MirroredEngine`) is used as made, with its own limits."""
 
     def __init__(
