@@ -111,15 +111,13 @@ class DiffusionKVCache:
         return tuple(self._visible(buffers[layer_idx], self.rows_at_length()) for buffers in self._buffer_lists())
 
     def _visible(self, buffer: torch.Tensor, batch: int) -> torch.Tensor:
-        """`batch` rows of `length` columns of a buffer `(buffer_rows, heads, max_length, ...)`: its first rows at
-        the full length, else rows of `length` columns laid end to end from its start (contiguous)."""
+        """`batch` rows of `length` columns of a buffer `(buffer_rows, heads, max_length, ...)`, laid end to end from
+        its start (contiguous; at the full length, its first `batch` rows)."""
         if batch > self.rows_at_length():
             raise ValueError(
                 f"DiffusionKVCache holds {self.rows_at_length()} rows of {self.length} columns (max_batch_size "
                 f"{self.max_batch_size}, {self.buffer_rows * self.max_length} positions), got a batch of {batch}."
             )
-        if self.length == self.max_length:
-            return buffer[:batch]
         shape = (batch, buffer.shape[1], self.length, *buffer.shape[3:])
         return buffer.view(-1)[: math.prod(shape)].view(shape)
 

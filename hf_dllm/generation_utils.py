@@ -104,8 +104,8 @@ class DiffusionGenerationMixin:
       models, `block_length`;
     - `_diffusion_step_capturable()`: whether a step can be captured in a CUDA graph (default True);
     - `_diffusion_new_cache(batch_size, max_length, kv_cache_dtype=None, max_positions=None)` returning a
-      `DiffusionKVCache` (default: one per layer of `config.num_hidden_layers`, `cache.new_kv_cache`), and `diffusion_kv_cache_dtypes`, the
-      `kv_cache_dtype` values its attention layers read;
+      `DiffusionKVCache` (default: one per layer of `config.num_hidden_layers`, `cache.new_kv_cache`), and
+      `diffusion_kv_cache_dtypes`, the `kv_cache_dtype` values its attention layers read;
     - `_diffusion_attention_mask(key_mask, q_len)` turning the `(rows, seq_len)` padding mask into what the
       forward's attention backend takes, once per query length (default: transformers'
       `create_bidirectional_mask`), so that no step builds masks (or synchronises with the host).

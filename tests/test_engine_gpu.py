@@ -156,3 +156,20 @@ def test_graph_engine_under_a_kv_budget_equals_eager_engine_and_generate(dtype, 
     assert counts["replayed"] > 0, counts
     assert again == graphs and again_nfe == graph_nfe
     assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype, **limits)
+
+
+def test_engines_of_other_budgets_do_not_share_a_graph_runners_cache():
+    """A model's CUDA-graph runner keeps the K/V cache its graphs read: an engine of a larger budget after one of a
+    smaller budget gets a runner (and cache) of its own, so its wider layouts fit, with the eager engine's tokens."""
+    model = LLaDAModelLM.from_pretrained(FIXTURES / "llada-tiny-trained", dtype=torch.bfloat16).cuda().eval()
+    settings = dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True, eos_early_stop=False)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(4, 60) for _ in range(rng.randrange(30, 60))] for _ in range(8)]  # 128 columns each
+    arrivals = [0] * len(prompts)
+    decode(model, prompts, arrivals, settings, max_batch_size=8, max_batch_width=256, max_batch_positions=256)
+    limits = dict(max_batch_size=8, max_batch_width=256, max_batch_positions=1024)
+    graphs, graph_nfe, engine = decode(model, prompts, arrivals, settings, **limits)
+    assert engine.last_layout_sizes == [8]  # 8 rows of 128 columns: four times the first engine's budget
+    assert_equals_eager_engine_and_generate(
+        model, prompts, arrivals, settings, graphs, graph_nfe, torch.bfloat16, **limits
+    )

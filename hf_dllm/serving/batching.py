@@ -202,8 +202,8 @@ class Batcher:
     """Owns the model: queues `RowRequest`s and decodes them with the continuous-batching engine in one scheduler
     thread (see module doc). `max_batch_size` rows run at once and `max_batch_width` bounds a layout's columns (the
     engine's defaults: `engine.ContinuousBatcher`; given alone, `max_batch_size` makes the K/V cache hold
-    `max_batch_size x max_batch_width` positions). An `engine` made by the caller (`hf-dllm serve`, with every engine option; a
-    tensor-parallel server's `MirroredEngine`) is used as made, with its own limits."""
+    `max_batch_size x max_batch_width` positions). An `engine` made by the caller (`hf-dllm serve`, with every
+    engine option; a tensor-parallel server's `MirroredEngine`) is used as made, with its own limits."""
 
     def __init__(
         self,
@@ -238,6 +238,10 @@ class Batcher:
     @property
     def max_batch_width(self) -> int:
         return self.engine.max_batch_width
+
+    @property
+    def max_batch_positions(self) -> int | None:
+        return self.engine.max_batch_positions
 
     def start(self) -> None:
         if self._thread is None:

@@ -94,6 +94,12 @@ def bucketed_rows(rows: int, max_rows: int) -> int:
     return max(rows, min(bucket, max_rows))
 
 
+def kv_positions(rows: int, width: int, config: DiffusionGenerationConfig) -> int:
+    """K/V positions a layout of `rows` rows of `width` columns takes in the model's batch: twice the rows with
+    classifier-free guidance (each row's unconditional copy, as the block loop's `rows_per_forward`)."""
+    return rows * (2 if config.cfg_scale > 0 else 1) * width
+
+
 def kv_bytes_per_position(model) -> int:
     """Bytes of keys and values one position of one row takes in the model's K/V cache: every layer's
     `num_key_value_heads x head_dim`, twice, in the model's dtype."""
@@ -114,6 +120,11 @@ def default_max_batch_positions(model, device: torch.device) -> int | None:
     (the batch no longer filled), p50 latency rose from 3.2-5.4 s to 4.6-6.8 s, the peak was unchanged."""
     if device.type != "cuda" or getattr(model, "diffusion_block_causal", False):
         return None
+    return _free_kv_positions(model, device)
+
+
+def _free_kv_positions(model, device: torch.device) -> int:
+    """Positions (of one row) whose K/V fit in `AUTO_BATCH_MEMORY_SHARE` of the CUDA device's free memory now."""
     free, _ = torch.cuda.mem_get_info(device)
     return int(AUTO_BATCH_MEMORY_SHARE * free) // kv_bytes_per_position(model)
 
@@ -124,10 +135,8 @@ def default_max_batch_size(model, max_batch_width: int, device: torch.device) ->
     `AUTO_BATCH_MEMORY_SHARE` of the device's free memory now, from 1 to `MAX_AUTO_BATCH_SIZE`."""
     if device.type != "cuda":
         return DEFAULT_MAX_BATCH_SIZE
-    free, _ = torch.cuda.mem_get_info(device)
     copies = 2 if getattr(model, "diffusion_block_causal", False) else 1
-    row_bytes = copies * kv_bytes_per_position(model) * max_batch_width
-    return max(1, min(MAX_AUTO_BATCH_SIZE, int(AUTO_BATCH_MEMORY_SHARE * free) // row_bytes))
+    return max(1, min(MAX_AUTO_BATCH_SIZE, _free_kv_positions(model, device) // (copies * max_batch_width)))
 
 
 def attention_without_shape_plans(device: torch.device | str):
@@ -245,20 +254,7 @@ class ContinuousBatcher:
             max_batch_positions = default_max_batch_positions(model, self.device)
             if max_batch_positions is not None:  # the budget bounds the K/V; a layout of one row always fits
                 max_batch_positions = max(max_batch_positions, max_batch_width)
-        if max_batch_positions is not None and not (
-            is_int(max_batch_positions) and max_batch_positions >= max_batch_width
-        ):
-            raise ValueError(
-                f"`max_batch_positions` must be None or an integer >= max_batch_width ({max_batch_width}), got "
-                f"{max_batch_positions!r}."
-            )
-        if max_batch_size is None:
-            if max_batch_positions is not None:
-                max_batch_size = MAX_AUTO_BATCH_SIZE if self.device.type == "cuda" else DEFAULT_MAX_BATCH_SIZE
-            else:
-                max_batch_size = default_max_batch_size(model, max_batch_width, self.device)
         self.model = model
-        self.max_batch_positions = max_batch_positions
         self.max_batch_width = max_batch_width
         self.width_granularity = width_granularity
         self.join_layout_min_rows = join_layout_min_rows
@@ -281,6 +277,12 @@ class ContinuousBatcher:
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
         self.cache = None
+        self.set_max_batch_positions(max_batch_positions)
+        if max_batch_size is None:
+            if max_batch_positions is not None:
+                max_batch_size = MAX_AUTO_BATCH_SIZE if self.device.type == "cuda" else DEFAULT_MAX_BATCH_SIZE
+            else:
+                max_batch_size = default_max_batch_size(model, max_batch_width, self.device)
         self.set_max_batch_size(max_batch_size)
         self.lock = threading.Lock()
         self.forwards = 0  # model forwards made (one batched forward counts once)
@@ -332,16 +334,14 @@ class ContinuousBatcher:
                 f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
                 f"columns, more than max_batch_width ({self.max_batch_width})."
             )
-        if self.max_batch_positions is not None:  # the widest layout of the row alone: at its last block
-            forward_rows = 2 if config.cfg_scale > 0 else 1  # classifier-free guidance: an unconditional row too
-            request.plan, request.block = plan, int(plan.last_block[0])
-            widest = self.layout_width([request])
-            request.plan, request.block = None, 0
-            if forward_rows * widest > self.max_batch_positions:
+        if self.max_batch_positions is not None:  # the row alone at its widest layout: its last block
+            last = plan.blocks[int(plan.last_block[0])]
+            alone = kv_positions(1, self._width_of([(*last, plan.canvas_width)]), config)
+            if alone > self.max_batch_positions:
                 raise ValueError(
                     f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} with cfg_scale "
-                    f"{config.cfg_scale} needs {forward_rows} x {widest} K/V positions, more than "
-                    f"max_batch_positions ({self.max_batch_positions})."
+                    f"{config.cfg_scale} needs {alone} K/V positions alone, more than max_batch_positions "
+                    f"({self.max_batch_positions})."
                 )
         # What the run's rules refuse (e.g. a setting the model family does not take) fails this request now,
         # not the layout it would join.
@@ -381,13 +381,17 @@ class ContinuousBatcher:
         ran a fifth of its steps eagerly or capturing (H100, LLaDA2.0-mini shape; RESULTS.md, continuous batching,
         session 16). With granularity 1 (off CUDA) the layout keeps whole canvases: a row alone is then laid out as
         `generate()` lays it out, so its float32 arithmetic is exactly `generate()`'s."""
-        starts = [row.plan.blocks[row.block][0] for row in rows]
+        return self._width_of([(*row.plan.blocks[row.block], row.plan.canvas_width) for row in rows])
+
+    def _width_of(self, spans: list[tuple[int, int, int]]) -> int:
+        """`layout_width` of rows given as `(block start, block end, canvas width)`, one per row."""
+        starts = [start for start, _, _ in spans]
         granularity = self.width_granularity
         if self.block_causal and granularity > 1:
-            width = max(starts) + max(end - start for start, end in (row.plan.blocks[row.block] for row in rows))
+            width = max(starts) + max(end - start for start, end, _ in spans)
             rounded = granularity << (-(-width // granularity) - 1).bit_length()
         else:
-            width = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
+            width = max(starts) + max(canvas - start for start, _, canvas in spans)
             rounded = -(-width // granularity) * granularity
         return max(width, min(rounded, self.max_batch_width))
 
@@ -413,10 +417,10 @@ class ContinuousBatcher:
         width = self.layout_width(rows)
         if width > self.max_batch_width:
             return False
-        if self.max_batch_positions is None:
-            return True
-        forward_rows = len(rows) * (2 if rows[0].config.cfg_scale > 0 else 1)
-        return forward_rows * width <= self.max_batch_positions
+        return (
+            self.max_batch_positions is None
+            or kv_positions(len(rows), width, rows[0].config) <= self.max_batch_positions
+        )
 
     def _fits_partners(self, head: EngineRequest) -> bool:
         """Whether `head` and the running rows of its cohort fit one layout (`fits_one_layout`)."""

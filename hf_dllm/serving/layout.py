@@ -91,8 +91,9 @@ class LayoutRun(BlockDiffusionRun):
         return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
 
     def _graph_shape(self) -> tuple:
-        # Layouts of every row count and width share the runner (rows and width are in each step's key).
-        return ("continuous", self.rows_per_forward, self.max_width)
+        # Layouts of every row count and width share the runner (rows and width are in each step's key); its cache
+        # holds `max_positions` (another engine's runner, of another budget, is not taken over).
+        return ("continuous", self.rows_per_forward, self.max_width, self.max_positions)
 
     def release(self) -> None:
         if self.graphs is not None:

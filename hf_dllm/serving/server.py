@@ -607,7 +607,7 @@ def create_app(
             "model": server.model_name,
             "max_batch_size": server.batcher.max_batch_size,
             "max_batch_width": server.batcher.max_batch_width,
-            "max_batch_positions": server.batcher.engine.max_batch_positions,
+            "max_batch_positions": server.batcher.max_batch_positions,
             "batching": server.batcher.stats.snapshot(),
         }
 
