@@ -56,10 +56,10 @@ def main() -> None:
     layouts = []  # per layout: rows' canvases, the compact width and the aligned width
     decode_block = LayoutRun.decode_block
 
-    def recorded(self, rows, width, join=None):
+    def recorded(self, rows, width):
         canvases = [row.plan.canvas_width for row in rows]
         layouts.append(dict(rows=len(rows), canvases=canvases, aligned_width=width))
-        return decode_block(self, rows, width, join)
+        return decode_block(self, rows, width)
 
     LayoutRun.decode_block = recorded
     engine = ContinuousBatcher(model, max_batch_size=args.max_batch_size, max_batch_width=args.max_batch_width)

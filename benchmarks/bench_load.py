@@ -154,8 +154,6 @@ def serve(args) -> None:
         engine.join_layout_min_rows = args.join_layout_min_rows
     if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
         engine.join_layout_min_rows = None
-    if args.server_kind == "continuous-no-refresh-join":  # the engine before session 31
-        engine.join_after_refresh = False
     trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
 
     @app.get("/bench-trace")
@@ -174,14 +172,7 @@ def serve(args) -> None:
 # -- the load ------------------------------------------------------------------------------------------------------
 
 
-SERVER_KINDS = (
-    "continuous",
-    "continuous-cudnn",
-    "continuous-join-in",
-    "continuous-join-apart",
-    "continuous-no-refresh-join",
-    "window",
-)
+SERVER_KINDS = ("continuous", "continuous-cudnn", "continuous-join-in", "continuous-join-apart", "window")
 
 
 def request_key(prompt: list[int]) -> str:
@@ -250,15 +241,14 @@ def trace_boundaries(batcher) -> list[dict]:
 
     original_block, original_boundary = LayoutRun.decode_block, batcher.decode_boundary
 
-    def decode_block(run, rows, width, join=None):
+    def decode_block(run, rows, width):
         joined = [request_key(row.prompt_ids) for row in rows if row.block == 0]
         joined_tokens = sum(len(row.prompt_ids) for row in rows if row.block == 0)
-        eager, started, laid_out = engine.graph_counts()["eager"], time.monotonic(), len(rows)
+        eager, started = engine.graph_counts()["eager"], time.monotonic()
         try:
-            return original_block(run, rows, width, join)
+            return original_block(run, rows, width)
         finally:
             ended = time.monotonic()
-            late = rows[laid_out:]  # joined after the layout's refresh (`LayoutRun.after_first_step`)
             trace[-1]["layouts"].append(
                 dict(
                     start=started,
@@ -266,9 +256,8 @@ def trace_boundaries(batcher) -> list[dict]:
                     s=ended - started,
                     rows=len(rows),
                     width=width,
-                    joined=joined + [request_key(row.prompt_ids) for row in late],
-                    joined_after_refresh=[request_key(row.prompt_ids) for row in late],
-                    joined_tokens=joined_tokens + sum(len(row.prompt_ids) for row in late),
+                    joined=joined,
+                    joined_tokens=joined_tokens,
                     new_shapes=engine.graph_counts()["eager"] - eager,
                 )
             )
@@ -307,25 +296,14 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
         if "first_at" not in record:
             continue
         sent = record["sent_at"]
-        # The same prompts recur at every rate: the first layout that started after this request was sent, or that
-        # it joined after that layout's refresh (then counted as admitted when sent).
-        found = next(
-            (
-                (b, lay)
-                for b, lay in joined.get(record["key"], [])
-                if lay["start"] >= sent or (record["key"] in lay["joined_after_refresh"] and lay["end"] >= sent)
-            ),
-            None,
-        )
+        # The same prompts recur at every rate: the first layout that started after this request was sent.
+        found = next(((b, lay) for b, lay in joined.get(record["key"], []) if lay["start"] >= sent), None)
         if found is None:
             continue
         boundary, layout = found
         mid_boundary = boundary["start"] < sent
-        after_refresh = layout["start"] < sent
         admitted = (
-            sent
-            if after_refresh
-            else min(lay["start"] for lay in boundary["layouts"] if lay["start"] >= sent)
+            min(lay["start"] for lay in boundary["layouts"] if lay["start"] >= sent)
             if mid_boundary
             else boundary["start"]
         )
@@ -337,7 +315,6 @@ def first_block_parts(records: list[dict], trace: list[dict]) -> list[dict]:
                 before=admitted - sent,
                 passed=len(passed),
                 mid_boundary=mid_boundary,
-                after_refresh=after_refresh,
                 own=layout["end"] - admitted,
                 after=record["first_at"] - layout["end"],
                 rows=sum(lay["rows"] for lay in boundary["layouts"]),
@@ -370,7 +347,6 @@ def trace_summary(records: list[dict], trace: list[dict]) -> dict:
         traced=len(parts),
         mean={name: sum(p[name] for p in parts) / len(parts) for name in ("before", "own", "after")} if parts else {},
         joined_mid_boundary=sum(p["mid_boundary"] for p in parts),
-        joined_after_refresh=sum(p["after_refresh"] for p in parts),
         slowest=[{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in slowest],
         boundaries=len(seconds),
         boundary_s={q: percentile(seconds, q) for q in (50, 90, 100)},
@@ -687,7 +663,6 @@ def main(argv: list[str] | None = None) -> int:
         "engine with cuDNN's attention allowed, which plans per shape), continuous-join-in (joining rows always "
         "decode their first block in the running rows' layout), continuous-join-apart (joining rows decode their "
         "first block apart once --join-layout-min-rows others run: `ContinuousBatcher.join_layout_min_rows`), "
-        "continuous-no-refresh-join (no request joins a layout after its refresh: `join_after_refresh=False`), "
         "window (needs --window-code)",
     )
     parser.add_argument(

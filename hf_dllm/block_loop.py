@@ -538,8 +538,6 @@ class BlockDiffusionRun:
             # Every row makes every step: no per-step bookkeeping, and no host synchronisation.
             for step in range(known_steps):
                 self.run_step(block_start, block_end, step)
-                if step == 0 and known_steps > 1:
-                    self.after_first_step(block_start, block_end)
             # A row that needed fewer steps (LLaDA2's first block, partly prompt) had no mask left: unchanged.
             self.nfe_per_row[self.rows] += upload(self.unmasking.steps_per_row(), self.device)
             return
@@ -555,21 +553,11 @@ class BlockDiffusionRun:
                 stop = self._eos_committed_after_all_masks(before, block, generated)
                 self.stopped[self.rows] |= stop
                 active = active & ~stop
-            if step == 1 and not freeze and (known_steps is None or known_steps > 1):
-                joined = self.after_first_step(block_start, block_end)
-                if joined is not None:  # rows that made their first step apart: active while masks are left
-                    active = active | (joined & (self.x[:, block_start:block_end] == self.mask_id).any(-1))
             if known_steps is not None:
                 if step >= known_steps:
                     break
             elif not bool(active.any()):
                 break
-
-    def after_first_step(self, block_start: int, block_end: int) -> torch.Tensor | None:
-        """Called between a block's first and second steps (when more may follow); returns None, or `(rows,)` bool
-        on the device: rows whose first step was made apart just now (they then take part in the block's other
-        steps). A `generate()` run has none; the serving engine's layouts admit rows here (`LayoutRun`)."""
-        return None
 
     def _eos_committed_after_all_masks(
         self, before: torch.Tensor, block: torch.Tensor, generated: torch.Tensor

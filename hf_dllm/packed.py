@@ -30,8 +30,7 @@ class PackedRows:
     Args:
         lengths: each row's positions (host ints, all >= 1).
         cache: where the rows' keys/values go (`DiffusionKVCache`), or None for a forward without a cache.
-        columns: `(T,)` long, each position's column in `cache` (its row is its packed row's index plus
-            `first_row`).
+        columns: `(T,)` long, each position's column in `cache` (its row is its packed row's index).
         kept_per_row: positions per row whose outputs the forward keeps (`logits_to_keep` as a `(rows * kept,)`
             index, rows in order): the attention of a model that computes only the kept queries in its last layer
             then attends each row's kept queries to that row's keys.
@@ -43,7 +42,6 @@ class PackedRows:
         cache=None,
         columns: torch.Tensor | None = None,
         kept_per_row: int | None = None,
-        first_row: int = 0,
     ):
         if not lengths or any(length < 1 for length in lengths):
             raise ValueError(f"PackedRows: every row needs at least one position, got lengths {lengths}.")
@@ -63,9 +61,7 @@ class PackedRows:
                 raise ValueError(f"PackedRows: `columns` must be ({self.length},), got {tuple(columns.shape)}.")
             self.columns = columns
             # Built on the host: repeats on a GPU would make repeat_interleave wait for the device to size its output.
-            rows = torch.repeat_interleave(torch.arange(first_row, first_row + len(lengths)), torch.tensor(lengths))
-            self.rows = rows.to(columns.device)
-            self.cache_rows = first_row + len(lengths)  # the cache's rows the views must hold
+            self.rows = torch.repeat_interleave(torch.tensor(self.lengths)).to(columns.device)
 
     # -- as `past_key_values` (what `resolve_forward_positions` and the attention layers call) ------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -79,7 +75,7 @@ class PackedRows:
         `rows[p]`, column `columns[p]`) and return them unchanged: each row attends to its own packed keys."""
         if self.cache is not None:
             _, kv_heads, _, head_dim = key_states.shape
-            views = self.cache.layer(layer_idx, self.cache_rows, kv_heads, head_dim, key_states)
+            views = self.cache.layer(layer_idx, len(self.lengths), kv_heads, head_dim, key_states)
             for view, states in zip(views, (key_states, value_states), strict=True):
                 view[self.rows, :, self.columns] = states[0].transpose(0, 1).to(view.dtype)
         return key_states, value_states

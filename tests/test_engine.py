@@ -278,12 +278,12 @@ def test_block_causal_layouts_hold_the_visible_columns_in_power_of_two_widths(ra
     widths = []
     decode_block = LayoutRun.decode_block
 
-    def recorded(self, rows, width, join=None):
+    def recorded(self, rows, width):
         starts = [row.plan.blocks[row.block][0] for row in rows]
         visible = max(starts) + max(end - start for start, end in (row.plan.blocks[row.block] for row in rows))
         canvas = max(starts) + max(row.plan.canvas_width - start for row, start in zip(rows, starts, strict=True))
         widths.append((width, visible, canvas))
-        return decode_block(self, rows, width, join)
+        return decode_block(self, rows, width)
 
     monkeypatch.setattr(LayoutRun, "decode_block", recorded)
     rng = random.Random(40 + seed)
@@ -778,10 +778,10 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
 
     original = engine_module.LayoutRun.decode_block
 
-    def failing(self, rows, width, join=None):
+    def failing(self, rows, width):
         if rows[0] is bad:
             raise RuntimeError("boom")
-        return original(self, rows, width, join)
+        return original(self, rows, width)
 
     monkeypatch.setattr(engine_module.LayoutRun, "decode_block", failing)
     with pytest.raises(RuntimeError, match="boom"):
@@ -804,7 +804,6 @@ def test_a_failing_layout_ends_only_its_rows(trained, monkeypatch):
         (dict(max_refresh_positions="64"), "max_refresh_positions"),
         (dict(max_batch_width=64, max_batch_positions=63), "max_batch_positions"),
         (dict(max_batch_width=64, max_batch_positions=100.0), "max_batch_positions"),
-        (dict(join_after_refresh=1), "join_after_refresh"),
     ],
 )
 def test_bad_arguments_are_refused(trained, kwargs, name):
@@ -871,9 +870,9 @@ def recorded_layouts(monkeypatch) -> list[list[tuple[int, int]]]:
     layouts = []
     decode_block = LayoutRun.decode_block
 
-    def recorded(self, rows, width, join=None):
+    def recorded(self, rows, width):
         layouts.append([(id(row), row.block) for row in rows])
-        return decode_block(self, rows, width, join)
+        return decode_block(self, rows, width)
 
     monkeypatch.setattr(LayoutRun, "decode_block", recorded)
     return layouts
@@ -1066,155 +1065,3 @@ def test_only_slices_take_requests_during_a_boundary(trained, monkeypatch):
     assert len(late.on_block.updates) == 1
     engine.run_until_done()
     assert_alone(trained, [first, second, late])
-
-
-# -- joining a layout after its refresh ---------------------------------------------------------------------------
-
-# Bidirectional settings with a whole-canvas refresh at each block's first step (prefix/dual cache): fixed steps,
-# threshold and factor rules; Dream with its logits shift.
-AFTER_REFRESH_CASES = [
-    ("llada", JOIN_DUAL),
-    ("llada", dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=False)),
-    ("llada", dict(max_new_tokens=32, block_length=8, threshold=0.7, use_cache=True, dual_cache=True)),
-    ("llada", dict(max_new_tokens=24, block_length=8, factor=1.0, use_cache=True, dual_cache=True)),
-    (
-        "dream",
-        dict(
-            max_new_tokens=24,
-            block_length=8,
-            use_cache=True,
-            dual_cache=True,
-            alg="confidence_threshold",
-            threshold=0.5,
-            temperature=0.0,
-        ),
-    ),
-]
-
-
-def joined_after_refresh(monkeypatch) -> list[int]:
-    """Rows that joined a layout after its refresh (`LayoutRun.after_first_step`), one count per join."""
-    counts = []
-    original = LayoutRun.after_first_step
-
-    def recorded(self, block_start, block_end):
-        joined = original(self, block_start, block_end)
-        if joined is not None:
-            counts.append(int(joined.sum()))
-        return joined
-
-    monkeypatch.setattr(LayoutRun, "after_first_step", recorded)
-    return counts
-
-
-def drive_through_intake(
-    engine: ContinuousBatcher, requests: list[EngineRequest], rng: random.Random, clock: list[int] | None = None
-) -> dict[int, int]:
-    """Requests arrive as at a server: 0-2 of them (in order) whenever the engine asks for new ones (`intake`)
-    and before each boundary; decode until all are done. Returns each request's boundary of arrival (by id);
-    `clock[0]` counts boundaries."""
-    clock = [0] if clock is None else clock
-    pending, submitted_at = list(requests), {}
-
-    def submit():
-        submitted_at[id(pending[0])] = clock[0]
-        engine.submit(pending.pop(0))
-
-    def intake():
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                submit()
-
-    engine.intake = intake
-    while pending or engine.has_work():
-        intake()
-        if not engine.has_work():
-            submit()
-        engine.decode_boundary()
-        clock[0] += 1
-    return submitted_at
-
-
-class BoundaryRecorder(Recorder):
-    """A `Recorder` that also notes the boundary (`clock[0]`) of the row's first update."""
-
-    def __init__(self, clock: list[int]):
-        super().__init__()
-        self.clock, self.first_boundary = clock, None
-
-    def __call__(self, update: BlockUpdate) -> bool:
-        if self.first_boundary is None:
-            self.first_boundary = self.clock[0]
-        return super().__call__(update)
-
-
-@pytest.mark.parametrize(
-    "family, settings", AFTER_REFRESH_CASES, ids=["dual", "prefix", "threshold", "factor", "dream"]
-)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_requests_join_a_layout_after_its_refresh(trained, family, settings, seed, monkeypatch):
-    """`join_after_refresh` (the default): requests that arrive while a layout runs its refresh (`intake`, called
-    after each layout's first step) take its padding rows (`bucket_rows`), make their first step apart and the
-    block's other steps with the layout, so their first block ends with it, in the boundary they arrived in.
-    Each row is still `generate()` alone, tokens and forwards, under random arrivals."""
-    model = trained if family == "llada" else DreamModel.from_pretrained(FIXTURES / "dream-tiny-ref").eval()
-    rng = random.Random(70 + seed)
-    prompts = random_prompts(rng, 12, 4, model.config.vocab_size - 10, longest=30)
-    clock = [0]  # the boundary under way
-    settings = dict(settings, eos_early_stop=False)
-    requests = [request(model, prompt, BoundaryRecorder(clock), **settings) for prompt in prompts]
-    joins = joined_after_refresh(monkeypatch)
-    engine = ContinuousBatcher(model, max_batch_size=8, bucket_rows=True, join_layout_min_rows=None)
-    assert engine.join_after_refresh
-    submitted_at = drive_through_intake(engine, requests, rng, clock)
-    assert_alone(model, requests)
-    assert joins, "no request joined after a refresh"
-    assert any(req.on_block.first_boundary == submitted_at[id(req)] for req in requests), "none joined mid-boundary"
-
-
-def test_no_request_joins_after_the_refresh_when_the_rule_is_off(trained, monkeypatch):
-    """`join_after_refresh=False`: a layout never asks for requests after its refresh (the same arrivals, which
-    join some layouts with the rule on, join only at boundaries), and rows are `generate()` alone either way."""
-    prompts = random_prompts(random.Random(71), 10, 4, 100, longest=30)
-    joins = joined_after_refresh(monkeypatch)
-    for rule in (True, False):
-        joins.clear()
-        requests = [request(trained, prompt, **JOIN_DUAL) for prompt in prompts]
-        engine = ContinuousBatcher(
-            trained, max_batch_size=8, bucket_rows=True, join_layout_min_rows=None, join_after_refresh=rule
-        )
-        drive_through_intake(engine, requests, random.Random(72))
-        assert_alone(trained, requests)
-        assert bool(joins) == rule, (rule, joins)
-
-
-def test_a_request_joins_after_the_refresh_only_where_it_fits(trained, monkeypatch):
-    """A request joins a layout after its refresh only at its first block, in the layout's cohort (block length,
-    steps per block, settings), with its prompt before the layout's block and its canvas within the layout's
-    columns, and while a padding row is free; otherwise it (and those behind it: oldest first) waits for the next
-    boundary."""
-    joins = joined_after_refresh(monkeypatch)
-    long_run = dict(JOIN_DUAL, max_new_tokens=128, steps=64)  # 16 blocks of 8, 4 steps each (JOIN_DUAL's)
-    running = [request(trained, [5 + i] * 20, **long_run) for i in range(3)]  # 3 rows: bucket 4, one spare
-    engine = ContinuousBatcher(trained, max_batch_size=8, bucket_rows=True, join_layout_min_rows=None)
-    for req in running:
-        engine.submit(req)
-    engine.decode_boundary()
-    misfits = [
-        [request(trained, [9] * 60, **JOIN_DUAL)],  # its prompt ends after the layout's block start (28)
-        [request(trained, [8] * 4, **dict(JOIN_DUAL, block_length=4, steps=32))],  # another cohort
-        [request(trained, [7] * 4, **long_run)],  # its canvas (128 generated) runs past the layout's columns
-        [request(trained, [9] * 60, **JOIN_DUAL), request(trained, [6] * 4, **JOIN_DUAL)],  # one that fits, behind
-    ]
-    for arrivals in misfits:
-        engine.intake = lambda arrivals=arrivals: [engine.submit(late) for late in arrivals]
-        engine.decode_boundary()
-        assert not any(late.on_block.updates for late in arrivals) and not joins, "a request joined a misfit"
-        engine.waiting.clear()
-    fits, second = request(trained, [6] * 4, **JOIN_DUAL), request(trained, [4] * 4, **JOIN_DUAL)
-    engine.intake = lambda: [engine.submit(fits), engine.submit(second)]
-    engine.decode_boundary()
-    assert joins == [1] and len(fits.on_block.updates) == 1 and not second.on_block.updates  # one padding row
-    engine.intake = None
-    engine.run_until_done()
-    assert_alone(trained, [*running, fits, second])

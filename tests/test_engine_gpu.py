@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from conftest import FIXTURES
-from test_engine import budget_layouts, drive, drive_through_intake, joined_after_refresh, request
+from test_engine import budget_layouts, drive, request
 
 from hf_dllm import LLaDAModelLM
 from hf_dllm.serving.engine import ContinuousBatcher
@@ -61,39 +61,6 @@ def test_graph_engine_equals_eager_engine_and_generate(dtype, settings):
     assert captured > 0 and counts["replayed"] > 0, counts
     assert again == graphs and again_nfe == graph_nfe
     assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(
-    "settings",
-    [
-        dict(max_new_tokens=32, block_length=8, steps=16, use_cache=True, dual_cache=True),
-        dict(max_new_tokens=32, block_length=8, threshold=0.9, use_cache=True, dual_cache=False),
-    ],
-)
-def test_graph_engine_rows_joining_after_the_refresh_equal_eager_engine_and_generate(dtype, settings, monkeypatch):
-    """Requests that arrive during a layout's refresh take its padding rows (`join_after_refresh`, rows bucketed
-    on CUDA) and step with it through the captured graphs: the same tokens and forwards as the eager engine, and
-    in float32 as `generate()` alone."""
-    model = LLaDAModelLM.from_pretrained(FIXTURES / "llada-tiny-trained", dtype=dtype).cuda().eval()
-    rng = random.Random(1)
-    prompts = [[rng.randrange(4, 60) for _ in range(rng.randrange(1, 30))] for _ in range(12)]
-    settings = dict(settings, eos_early_stop=False)
-    joins = joined_after_refresh(monkeypatch)
-    results = {}
-    for eager in (False, True):
-        joins.clear()
-        engine = ContinuousBatcher(model, max_batch_size=8, max_batch_width=256, join_layout_min_rows=None)
-        requests = [request(model, prompt, **dict(settings, disable_compile=eager)) for prompt in prompts]
-        drive_through_intake(engine, requests, random.Random(2))
-        results[eager] = [req.on_block.tokens for req in requests], [req.nfe for req in requests], list(joins)
-        if not eager:
-            assert engine.graph_counts()["replayed"] > 0
-    assert results[False] == results[True] and results[False][2], results[False][2]
-    if dtype == torch.float32:
-        for prompt, got, nfe in zip(prompts, *results[False][:2], strict=True):
-            out = model.generate(torch.tensor([prompt], device="cuda"), return_dict_in_generate=True, **settings)
-            assert got == out.sequences[0, len(prompt) :].tolist() and nfe == int(out.nfe_per_row[0])
 
 
 def cudnn_attention_kernels(run) -> list[str]:

@@ -230,7 +230,6 @@ class ContinuousBatcher:
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         bucket_rows: bool | None = None,
         max_refresh_positions: int | None = None,
-        join_after_refresh: bool = True,
     ):
         self.device = model.get_input_embeddings().weight.device
         if width_granularity is None:
@@ -239,8 +238,6 @@ class ContinuousBatcher:
             bucket_rows = self.device.type == "cuda"
         if not isinstance(bucket_rows, bool):
             raise ValueError(f"`bucket_rows` must be None, True or False, got {bucket_rows!r}.")
-        if not isinstance(join_after_refresh, bool):
-            raise ValueError(f"`join_after_refresh` must be True or False, got {join_after_refresh!r}.")
         if not is_int(width_granularity) or width_granularity < 1:
             raise ValueError(f"`width_granularity` must be None or an integer >= 1, got {width_granularity!r}.")
         if join_layout_min_rows is not None and not (is_int(join_layout_min_rows) and join_layout_min_rows >= 1):
@@ -269,7 +266,6 @@ class ContinuousBatcher:
                 "layouts recompute two blocks per row, never whole canvases): use None."
             )
         self.max_refresh_positions = max_refresh_positions
-        self.join_after_refresh = join_after_refresh
         self.intake: Callable[[], None] | None = None
         if self.block_causal and not model.diffusion_packed_rows:
             # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
@@ -399,42 +395,20 @@ class ContinuousBatcher:
             rounded = -(-width // granularity) * granularity
         return max(width, min(rounded, self.max_batch_width))
 
-    def _admit(self, place: Callable[[EngineRequest], bool] | None = None) -> list[EngineRequest]:
+    def _admit(self, place: Callable[[EngineRequest], bool] | None = None) -> None:
         """Waiting requests join, oldest first, while there is a free row and `place(head)` takes the oldest
-        (default: its layout fits the cache); the oldest waits for room rather than be passed (no starvation).
-        Returns the requests admitted."""
+        (default: its layout fits the cache); the oldest waits for room rather than be passed (no starvation)."""
         if place is None:
             place = self._fits_partners
-        admitted = []
         with self.lock:
             if any(row.cancelled.is_set() for row in self.waiting):
                 self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
-            free = self._free_slots()
+            # Rows that ended earlier in this boundary (`_join_queued`) no longer hold their place.
+            free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
             while self.waiting and free and place(self.waiting[0]):
                 head = self.waiting.popleft()
                 head.slot = free.pop(0)
                 self.running.append(head)
-                admitted.append(head)
-        return admitted
-
-    def _free_slots(self) -> list[int]:
-        """The places no running row holds (rows that ended earlier in this boundary no longer hold theirs)."""
-        return sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
-
-    def _joins_after_refresh(self, rows: list[EngineRequest]):
-        """The `join` of `LayoutRun.decode_block` for the layout of `rows`, or None where no request can join it
-        after its refresh (the rule is off, the model is block-causal, or every place is held): the server's new
-        requests reach `waiting` (`intake`), and those of the layout's cohort that the layout takes join it, oldest
-        first (`_admit`)."""
-        if not self.join_after_refresh or self.block_causal or not self._free_slots():
-            return None
-        key = cohort_key(rows[0])
-
-        def join(place: Callable[[EngineRequest], bool]) -> list[EngineRequest]:
-            self._between_layouts()
-            return self._admit(lambda head: cohort_key(head) == key and place(head))
-
-        return join
 
     def fits_one_layout(self, rows: list[EngineRequest]) -> bool:
         """Whether `rows` (one cohort) fit one layout: at most `max_batch_width` columns and, with a budget,
@@ -571,9 +545,8 @@ class ContinuousBatcher:
                 run = self._run_for(rows[0])
                 before, positions = run.nfe, run.first_step_positions
                 # Layouts change shape at every join and leave: no attention backend that plans per shape.
-                join = self._joins_after_refresh(rows)  # joining rows are appended to `rows`
                 with torch.no_grad(), attention_without_shape_plans(run.device):
-                    updates = run.decode_block(rows, self.layout_width(rows), join)
+                    updates = run.decode_block(rows, self.layout_width(rows))
             except Exception as error:  # the other layouts still decode; these rows end with the error
                 for row in rows:
                     row.ended = True

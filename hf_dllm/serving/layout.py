@@ -100,24 +100,10 @@ class LayoutRun(BlockDiffusionRun):
             StepGraphs.release_to(self.model)
             self.graphs = None
 
-    def decode_block(
-        self,
-        rows: list[EngineRequest],
-        width: int,
-        join: Callable[[Callable[[EngineRequest], bool]], list[EngineRequest]] | None = None,
-    ) -> list[BlockUpdate]:
+    def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
         """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
         of `width` columns (`layout_width`); returns each row's update (in the order of `rows`) and advances the
         rows.
-
-        `join` (None: no one joins): after the block's first step, when that step was the packed refresh of a
-        bidirectional model's prefix/dual cache and the layout has padding rows, the layout calls `join(place)`;
-        the engine admits waiting requests for which `place(request)` says yes (`_take_joiner`: a request at its
-        first block that fits the layout's columns, while a padding row is left) and returns them. Each takes a
-        padding row: its own first step (its refresh, `generate()`'s first step of its first block) runs packed
-        apart, and it then makes the block's other steps with the others (`after_first_step`), so its first block
-        ends with this layout's. Joining rows are appended to `rows` (the caller's list), and their updates
-        follow the others'.
 
         Forwards that start at a row's first column (the block's first step with a prefix/dual cache: the refresh;
         every step without a cache; a block-causal row's prefill) run on the rows packed end to end
@@ -159,8 +145,6 @@ class LayoutRun(BlockDiffusionRun):
         self.prompt_end = self.host_prompt_end.to(device)
         self.seq_len = width
         self.rows, self.host_rows = torch.arange(n, device=device), torch.arange(n)
-        self.layout, self.layout_rows, self.join = layout, rows, join
-        self.starts, self.shifts, self.prompt_lengths = starts, shifts, prompt_lengths
         self.stopped = torch.zeros(n, dtype=torch.bool, device=device)
         self.nfe_per_row = torch.zeros(n, dtype=torch.long, device=device)
         self.attention_masks = {}
@@ -173,6 +157,7 @@ class LayoutRun(BlockDiffusionRun):
             # rows'. A padding row loads the first row's slot (any finite K/V do) and saves nothing.
             self.first_step_rows = where[self.continuing] if joining else n
             self.slots = torch.tensor([(first_real if row is None else row).slot for row in layout])
+            self.shifts, self.starts = shifts, starts
             if joining:  # their prefill: prompt and first block, each at its own columns
                 joining_rows = slice(self.first_step_rows, self.first_step_rows + joining)
                 self.packed = self._packed_layout(layout, shifts, length, block_end, joining_rows)
@@ -182,10 +167,6 @@ class LayoutRun(BlockDiffusionRun):
                 self.packed = self._packed_layout(layout, shifts, length, end, slice(0, len(rows)))
         steps = first_real.plan.block_steps[0, first_real.block]  # one cohort: every row's steps are equal
         self.denoise_block(steps.expand(n).clone(), block_start, block_end)
-        self.join = None
-        if len(rows) > len(where):  # rows joined after the first step (`after_first_step`)
-            where = [i for i, row in enumerate(layout) if row is not None]
-            order = list(range(len(rows)))
 
         last = torch.tensor([row is not None and row.block == int(row.plan.last_block[0]) for row in layout])
         ended = (
@@ -266,12 +247,7 @@ class LayoutRun(BlockDiffusionRun):
         cache_columns = positions if self.store is not None else columns
         return dict(
             packing=PackedRows(
-                lengths,
-                self.cache,
-                cache_columns if self.cache is not None else None,
-                kept_per_row=length,
-                # A block-causal joining row's K/V go to the cache's first rows (the store takes them from there).
-                first_row=0 if self.store is not None else packed_rows.start,
+                lengths, self.cache, cache_columns if self.cache is not None else None, kept_per_row=length
             ),
             layout_rows=packed_rows,
             rows=row_index,
@@ -280,62 +256,6 @@ class LayoutRun(BlockDiffusionRun):
             cache_position=torch.arange(columns.shape[0], device=device),
             logits_index=torch.cat(logits_index).to(device),
         )
-
-    def after_first_step(self, block_start: int, block_end: int) -> torch.Tensor | None:
-        """Rows join between the block's first and second steps (see `decode_block`'s `join`): where the first
-        step was the packed refresh of every row's whole canvas (a bidirectional model's prefix/dual cache), a
-        request at its first block can take a padding row without changing anything for the others: its own
-        refresh (`generate()`'s first step of its block, packed, writing its K/V to its row of the cache) makes its
-        first step, and the block's later steps, which read the cache, take it along. On CUDA the host first waits
-        for the refresh, so that the requests that arrived while it ran can join (a refresh of many long rows is
-        most of a boundary). Returns `(rows,)` bool on the device, the rows that joined, or None."""
-        spare = [i for i, row in enumerate(self.layout) if row is None]
-        if self.join is None or not spare or self.store is not None or self.packed is None or self.cache is None:
-            return None
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        taken: list[EngineRequest] = []
-        length = block_end - block_start
-
-        def take(request: EngineRequest) -> bool:
-            start, end = request.plan.blocks[request.block]
-            fits = (
-                request.block == 0
-                and end - start == length
-                and start <= block_start
-                and request.plan.canvas_width - start <= self.seq_len - block_start
-            )
-            if fits and len(taken) < len(spare):
-                taken.append(request)
-                return True
-            return False
-
-        taken = self.join(take)  # the requests admitted: those `take` said yes to, in order
-        if not taken:
-            return None
-        device = self.device
-        for i, row in zip(spare, taken, strict=False):
-            start, prompt = row.plan.blocks[row.block][0], int(row.plan.prompt_end[0])
-            shift, own = block_start - start, row.tokens.shape[0]
-            self.layout[i] = row
-            self.layout_rows.append(row)
-            self.starts[i], self.shifts[i], self.prompt_lengths[i] = start, shift, prompt
-            self.host_prompt_end[i] = shift + prompt
-            self.x[i] = self.config.prompt_pad_token_id
-            self.x[i, shift : shift + own] = row.tokens
-            self.key_mask[i] = 0
-            self.key_mask[i, shift : shift + own] = 1
-            self.position_ids[i] = (torch.arange(self.seq_len, device=device) - shift).clamp(min=0)
-        self.prompt_end = self.host_prompt_end.to(device)
-        self.attention_masks = {}  # made again from the joined rows' key masks
-        joined_rows = slice(spare[0], spare[0] + len(taken))  # padding rows are the layout's last
-        end = self.cache_policy.query_range(block_start, block_end, self.seq_len, first_step=True)[1]
-        self.packed = self._packed_layout(self.layout, self.shifts, length, end, joined_rows)
-        new_block, _ = self._packed_forward(block_start, block_end, 0, None, None)
-        self.x[:, block_start:block_end] = new_block
-        joined = torch.zeros(len(self.layout), dtype=torch.bool)
-        joined[joined_rows] = True
-        return joined.to(device)
 
     def _packed_forward(self, block_start, block_end, step, active, generated):
         """Step `step` of the packed rows (`self.packed`), on their canvases packed end to end, so no padding
