@@ -118,6 +118,8 @@ class DiffusionKVCache:
                 f"DiffusionKVCache holds {self.rows_at_length()} rows of {self.length} columns (max_batch_size "
                 f"{self.max_batch_size}, {self.buffer_rows * self.max_length} positions), got a batch of {batch}."
             )
+        if self.length == self.max_length:  # the same view in one op: every forward of `generate()` asks for it
+            return buffer[:batch]
         shape = (batch, buffer.shape[1], self.length, *buffer.shape[3:])
         return buffer.view(-1)[: math.prod(shape)].view(shape)
 

@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..block_loop import decoding_policies
 from ..block_plan import plan_bidirectional, plan_block_causal
 from ..generation_config import DiffusionGenerationConfig, is_int
-from .layout import LayoutRun
+from .layout import LayoutRun, kv_positions
 from .row_cache import RowKVStore
 from .rows import EngineRequest
 
@@ -92,12 +92,6 @@ def bucketed_rows(rows: int, max_rows: int) -> int:
         step = max(ROW_BUCKET_STEP, 1 << ((rows - 1).bit_length() - 3))
         bucket = -(-rows // step) * step
     return max(rows, min(bucket, max_rows))
-
-
-def kv_positions(rows: int, width: int, config: DiffusionGenerationConfig) -> int:
-    """K/V positions a layout of `rows` rows of `width` columns takes in the model's batch: twice the rows with
-    classifier-free guidance (each row's unconditional copy, as the block loop's `rows_per_forward`)."""
-    return rows * (2 if config.cfg_scale > 0 else 1) * width
 
 
 def kv_bytes_per_position(model) -> int:

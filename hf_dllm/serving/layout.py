@@ -54,6 +54,12 @@ from .rows import BlockUpdate, EngineRequest
 ENGINE_MAX_GRAPHS = 512
 
 
+def kv_positions(rows: int, width: int, config: DiffusionGenerationConfig) -> int:
+    """K/V positions a layout of `rows` rows of `width` columns takes in the model's batch: twice the rows with
+    classifier-free guidance (each row's unconditional copy, as the block loop's `rows_per_forward`)."""
+    return rows * (2 if config.cfg_scale > 0 else 1) * width
+
+
 class LayoutRun(BlockDiffusionRun):
     """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
     with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
@@ -211,7 +217,7 @@ class LayoutRun(BlockDiffusionRun):
             return list(rows)
         limit = self.max_rows
         if self.max_positions is not None:  # the engine admitted `rows` within the budget: limit >= len(rows)
-            limit = min(limit, self.max_positions // (width * (2 if self.cfg else 1)))
+            limit = min(limit, self.max_positions // kv_positions(1, width, self.config))
         continuing = len(rows) - joining
         first = self.row_bucket(continuing, limit) if continuing and joining else continuing
         if first + joining > limit:  # no room to pad both forwards: pad the later steps only
