@@ -241,6 +241,8 @@ class BlockDiffusionRun:
         self.forward_kwargs = {"block_length": config.block_length} if self.block_causal else {}
         self.attention_masks: dict[tuple[int, int, int], object] = {}
         self._slot_tensors: dict[int, torch.Tensor] = {}  # `_logit_slots`' aranges, made once per size
+        # `_step_columns`' index tensors for the block under way, made once per block and query range.
+        self._block_columns: tuple[tuple[int, int], dict[tuple[int, int], tuple]] = ((-1, -1), {})
 
         eos = config.eos_token_ids
         self.eos_ids = torch.tensor(eos, device=device) if eos else None
@@ -468,12 +470,13 @@ class BlockDiffusionRun:
         device = self.device
         rows = self.x.shape[0] if rows is None else rows
         kv_len = self.seq_len if self.cache is not None else q_end
+        cache_position, logits_index, block_index = self._step_columns(block_start, block_end, q_start, q_end)
         inputs = dict(
             tokens=self.x[:rows, q_start:q_end],
             position_ids=self.position_ids[:rows, q_start:q_end],
-            cache_position=torch.arange(q_start, q_end, device=device),
-            logits_index=torch.arange(block_start - self.shift, block_end - self.shift, device=device) - q_start,
-            block_index=torch.arange(block_start, block_end, device=device) - q_start,
+            cache_position=cache_position,
+            logits_index=logits_index,
+            block_index=block_index,
             scheduled=self.unmasking.scheduled_counts(step, self.x.shape[0], device)[:rows],
             active=None if active is None else active[:rows],
             generated=None if generated is None else generated[:rows],
@@ -487,6 +490,26 @@ class BlockDiffusionRun:
         mask_fed = inputs["attention_mask"] is not None
         slots = None if inputs["logit_slots"] is None else inputs["logit_slots"].shape[0]
         return inputs, (rows, q_end - q_start, block_end - block_start, kv_len, mask_fed, slots)
+
+    def _step_columns(
+        self, block_start: int, block_end: int, q_start: int, q_end: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`step`'s column indices for the block `[block_start, block_end)` fed from column `q_start` to `q_end`:
+        cache_position `(q,)`, logits_index and block_index `(L,)`. Made once per block and query range (the same
+        tensors at every step of a block, so a CUDA-graph replay need not copy them again: `graphs.py`)."""
+        block, made = self._block_columns
+        if block != (block_start, block_end):
+            made = {}
+            self._block_columns = ((block_start, block_end), made)
+        columns = made.get((q_start, q_end))
+        if columns is None:
+            device = self.device
+            columns = made[(q_start, q_end)] = (
+                torch.arange(q_start, q_end, device=device),
+                torch.arange(block_start - self.shift - q_start, block_end - self.shift - q_start, device=device),
+                torch.arange(block_start - q_start, block_end - q_start, device=device),
+            )
+        return columns
 
     def _logit_slots(self, step: int, rows: int, length: int) -> torch.Tensor | None:
         """`arange(U)` on the device when step `step` of a block of `length` positions needs logits at only U < L

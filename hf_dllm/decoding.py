@@ -164,7 +164,16 @@ class UnmaskingPolicy:
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         """`(rows,)` long: the count of `scheduled_count` for every row."""
-        return torch.full((rows,), self.scheduled_count(step), dtype=torch.long, device=device)
+        return self.constant_counts(self.scheduled_count(step), rows, device)
+
+    def constant_counts(self, count: int, rows: int, device: torch.device) -> torch.Tensor:
+        """`(rows,)` long filled with `count`. One tensor per count and shape, kept: the same input at every step
+        with that count, which a CUDA-graph replay need not copy again (`graphs.py`)."""
+        made = self.__dict__.setdefault("_made_counts", {})
+        counts = made.get((count, rows, device))
+        if counts is None:
+            counts = made[(count, rows, device)] = torch.full((rows,), count, dtype=torch.long, device=device)
+        return counts
 
     def num_to_commit(self, sorted_confidence: torch.Tensor, scheduled: torch.Tensor) -> torch.Tensor:
         """`sorted_confidence` `(batch, L)` descending (non-masked = -inf); `scheduled` `(batch,)` the step's
@@ -328,6 +337,7 @@ class ScheduledThreshold(UnmaskingPolicy):
         number of forwards in advance when no threshold can end a block early."""
         super().start_block(block_length, num_steps)
         self.masked_counts = masked_counts
+        self._schedule_table: torch.Tensor | None = None
 
     def steps_for_block(self) -> int | None:
         """Without a threshold, a row with M masks needs the fewest steps whose quotas add up to M (at most its
@@ -349,7 +359,16 @@ class ScheduledThreshold(UnmaskingPolicy):
         return torch.minimum(needed, steps)
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
-        return schedule_counts(self.block_length, self.steps_on(device), step)
+        """`schedule_counts` of `step`: a row of the block's table of every step's counts, made at its first step
+        (one computation per block instead of one per step)."""
+        table = self.__dict__.get("_schedule_table")
+        if table is None or table.device != device or table.shape[0] <= step:
+            steps = self.steps_on(device)
+            every_step = torch.arange(max(step + 1, int(self.num_steps.max())), device=device)
+            table = every_step.view(-1, *[1] * steps.dim())
+            base, extra = self.block_length // steps, self.block_length % steps
+            table = self._schedule_table = base + (table < extra).long()
+        return table[step]
 
     max_masked = FixedSchedule.max_masked  # each step commits at least its quota, too
 
@@ -391,7 +410,7 @@ class TokenEditing(ScheduledThreshold):
         return None
 
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
-        return torch.full((rows,), self.num_to_transfer, dtype=torch.long, device=device)
+        return self.constant_counts(self.num_to_transfer, rows, device)
 
     def commit(self, proposal: "BlockProposal", scheduled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new_block, _ = super().commit(proposal, scheduled)

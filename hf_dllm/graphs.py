@@ -3,7 +3,8 @@
 A denoising step of an 8B model at batch 1 is ~10 ms of GPU work spread over ~500 kernels; launched from Python
 one by one, the launches alone take longer than the work. A step has fixed shapes within a call (the block, the
 cached sequence, the batch), so it is captured once as a CUDA graph and replayed: inputs are copied into the
-graph's static buffers, one replay runs every kernel, outputs land in static buffers (gpt-fast's recipe).
+graph's static buffers (only those that changed since the last replay: most are the same tensors at every step of
+a block), one replay runs every kernel, outputs land in static buffers (gpt-fast's recipe).
 
 Replays run exactly the kernels of the eager step, so outputs are identical with and without graphs. The first
 use of a shape runs the step eagerly (the warm-up: cuBLAS handles, Triton compilation and the K/V cache's
@@ -27,10 +28,43 @@ _RUNNER_LOCK = threading.Lock()
 
 
 class _CapturedStep:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, outputs: tuple[torch.Tensor, ...]):
+    """A captured step: its graph, static input buffers and outputs, and for each input the tensor last copied into
+    its buffer (`sources`)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, outputs: tuple[torch.Tensor, ...], sources: dict):
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
+        self.sources = sources
+
+    def load(self, name: str, value: torch.Tensor) -> None:
+        """Copy `value` into the input buffer `name`, unless that buffer already holds it: the tensor last copied
+        there, or a view of the same memory with the same shape and strides, unchanged since (autograd's version
+        counter, which every in-place PyTorch op bumps). Most of a step's inputs (positions, column indices, masks,
+        the schedule's count) are the same tensors at every step of a block: each skipped copy is a kernel less per
+        replay. The last source is kept referenced, so its memory cannot hold another tensor meanwhile."""
+        held = self.sources.get(name)
+        version = _version(value)
+        if (
+            held is not None
+            and version is not None
+            and held[1] == version
+            and held[0].data_ptr() == value.data_ptr()
+            and held[0].shape == value.shape
+            and held[0].stride() == value.stride()
+            and held[0].dtype == value.dtype
+        ):
+            return
+        self.inputs[name].copy_(value)
+        self.sources[name] = (value, version)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, or None where it has none (inference tensors): then it is always copied."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 # Captured shapes a `generate()` runner keeps (the least recently used one is dropped beyond it).
@@ -114,7 +148,7 @@ class StepGraphs:
         self.steps.move_to_end(key)
         for name, value in inputs.items():
             if value is not None:
-                captured.inputs[name].copy_(value)
+                captured.load(name, value)
         captured.graph.replay()
         return captured.outputs
 
@@ -125,6 +159,8 @@ class StepGraphs:
             outputs = step_fn(**static)
         if len(self.steps) >= self.max_graphs:
             self.steps.popitem(last=False)
-        captured = _CapturedStep(graph, static, tuple(outputs))
+        # The buffers hold the capture's inputs (cloned above; the graph reads them, never writes them).
+        sources = {name: (value, _version(value)) for name, value in inputs.items() if value is not None}
+        captured = _CapturedStep(graph, static, tuple(outputs), sources)
         self.steps[key] = captured
         return captured
