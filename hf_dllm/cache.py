@@ -27,6 +27,7 @@ This file is exported verbatim as Hub remote code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -68,6 +69,11 @@ class DiffusionKVCache:
     where many narrow rows or a few wide ones fit (`rows_at_length`). The buffers then hold
     `ceil(max_positions / max_length)` rows of `max_length` columns.
     """
+
+    # Whether every position id fed with this cache is below `max_length`: true of the caches that hf_dllm's block
+    # loop and serving engine make (their positions count the cache's columns), which lets a forward look its RoPE
+    # tables up (`PositionTables`) instead of computing them at every step; off for caches made elsewhere.
+    positions_below_length = False
 
     def __init__(self, num_layers: int, max_batch_size: int, max_length: int, max_positions: int | None = None):
         if max_positions is not None and not max_length <= max_positions:
@@ -277,6 +283,38 @@ def padding_aware_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """RoPE positions `(batch, len)` counted from each row's first real token (pads get 0), so a left-padded row
     sees the positions it has alone."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class PositionTables:
+    """Per-position tables (RoPE's cos and sin), computed once for positions `[0, n)` per device and dtype and
+    looked up by position ids, where a bound on the positions is known on the host without reading them
+    (`bound_of`: a `DiffusionKVCache` with `positions_below_length`). A step then gathers its rows (one kernel per
+    table) instead of computing them (~10 small kernels a forward, in every CUDA-graph replay too).
+
+    `compute(positions (1, n), dtype)` returns the tables `(1, n, ...)`; it must compute each position's row on its
+    own (elementwise), so that a looked-up row is the computed one bit for bit. Tables are only added, never
+    freed: a captured CUDA graph keeps reading the one it was captured with."""
+
+    def __init__(self, compute: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, ...]]):
+        self.compute = compute
+        self.tables: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+
+    @staticmethod
+    def bound_of(past_key_values) -> int | None:
+        """The host-side bound on a forward's position ids that `past_key_values` guarantees, or None."""
+        if isinstance(past_key_values, DiffusionKVCache) and past_key_values.positions_below_length:
+            return past_key_values.max_length
+        return None
+
+    def lookup(self, position_ids: torch.Tensor, bound: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The tables' rows at `position_ids` `(batch, q_len)` (every id below `bound`): `(batch, q_len, ...)`."""
+        made = self.tables.setdefault((position_ids.device, dtype), [])
+        if not made or made[-1][0].shape[0] < bound:
+            size = max(bound, 2 * made[-1][0].shape[0] if made else bound)
+            with torch.inference_mode(False), torch.no_grad():  # usable outside inference mode too
+                positions = torch.arange(size, device=position_ids.device).unsqueeze(0)
+                made.append(tuple(table[0] for table in self.compute(positions, dtype)))
+        return tuple(table[position_ids] for table in made[-1])
 
 
 def resolve_forward_positions(

@@ -31,6 +31,7 @@ from .cache import (
     KV_CACHE_DTYPES,
     DiffusionKVCache,
     FP8DiffusionKVCache,
+    PositionTables,
     cache_output,
     output_cache,
     resolve_forward_positions,
@@ -513,7 +514,13 @@ class LLaDAModel(LLaDAPreTrainedModel):
         # CPU RoPE tables: cos, sin `(n, head_dim)`, and `lean_rotary`'s cos and signed sin side by side `(n, 2,
         # head_dim)`.
         self._rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Other devices' tables, where the cache bounds the positions (`cache.PositionTables`).
+        self._device_rope_tables = PositionTables(self._rope_rows)
         self.post_init()
+
+    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary_cos_sin` of `positions` (float32 whatever `dtype`): what `_device_rope_tables` tabulates."""
+        return rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
@@ -521,14 +528,20 @@ class LLaDAModel(LLaDAPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.transformer.wte = value
 
-    def _rotary_cos_sin(self, position_ids: torch.Tensor, lean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary_cos_sin(
+        self, position_ids: torch.Tensor, lean: bool = False, bound: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rotary_cos_sin` for `position_ids` `(batch, q_len)`, or with `lean` the tables `lean_block` applies:
-        `lean_rotary`'s `(batch, q_len, 1, head_dim)`. On the CPU, rows of a table of positions `[0, n)` computed
-        once (the same float32 values; a step then costs one lookup instead of six operations); elsewhere computed
-        per call, since sizing the table would read the largest position on the host."""
+        `lean_rotary`'s `(batch, q_len, 1, head_dim)`. Rows of a table of positions `[0, n)` computed once (the same
+        float32 values; a step then costs a lookup instead of ~8 kernels): on the CPU, sized by the largest
+        position; elsewhere where `bound` (every position is below it, `PositionTables.bound_of`) sizes it without
+        reading the positions on the host, else computed per call."""
         head_dim, theta = self.config.head_dim, self.config.rope_theta
         if position_ids.device.type != "cpu":
-            cos_sin = rotary_cos_sin(position_ids, head_dim, theta)
+            if bound is None:
+                cos_sin = rotary_cos_sin(position_ids, head_dim, theta)
+            else:
+                cos_sin = self._device_rope_tables.lookup(position_ids, bound, torch.float32)
             return lean_rotary(*cos_sin) if lean else cos_sin
         needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
         table = self._rope_table
@@ -666,7 +679,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
                     positions_to_keep = None  # the block kept them
                 continue
             if position_embeddings is None:
-                position_embeddings = self._rotary_cos_sin(position_ids)
+                position_embeddings = self._rotary_cos_sin(position_ids, bound=PositionTables.bound_of(past_key_values))
             if defer_residual and not _has_hooks(block):
                 hidden_states, residual = block.residual_stream_forward(
                     hidden_states,

@@ -49,7 +49,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
+from .cache import DiffusionKVCache, PositionTables, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada2_moe import LLaDA2MoeConfig
 from .generation_utils import (
     DiffusionGenerationConfig,
@@ -590,7 +590,14 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         self.layers = nn.ModuleList([LLaDA2MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LLaDA2MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
+        # RoPE tables where the cache bounds the positions (`cache.PositionTables`; on GPUs: on the CPU a table's
+        # vectorised cos could round differently from the per-call one at a few positions).
+        self._rope_tables = PositionTables(self._rope_rows)
         self.post_init()
+
+    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary_cos_sin` of `positions` in `dtype`: what `_rope_tables` tabulates."""
+        return rotary_cos_sin(positions, self.config, dtype)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.word_embeddings
@@ -642,7 +649,11 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         past_key_values, cache_position, position_ids, mask_2d, kv_length = resolve_forward_positions(
             inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, cache_position
         )
-        position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
+        bound = PositionTables.bound_of(past_key_values)
+        if bound is None or position_ids.device.type == "cpu":
+            position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
+        else:  # rows of a table computed once (the same values): a lookup instead of ~12 kernels a step
+            position_embeddings = self._rope_tables.lookup(position_ids, bound, inputs_embeds.dtype)
 
         if isinstance(attention_mask, PackedRows):  # each packed row at its own columns [0, length), alone
             attention_mask = attention_mask.with_row_masks(

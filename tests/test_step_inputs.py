@@ -5,16 +5,24 @@ the GPU tests compare graph and eager tokens end to end).
   memory, same shape and strides) unchanged since, by its version counter; inference tensors are always copied.
 - The loop's column indices and the rules' scheduled counts are the same tensors at every step of a block, and
   new ones where a block starts; LLaDA2's schedule table gives `schedule_counts` at every step.
+- RoPE tables (`cache.PositionTables`) give the computed rows, grow without freeing the tables graphs read, and
+  are used only with the caches of the loop and the engine, whose positions the cache's length bounds (the GPU
+  tests compare them with the computed ones in LLaDA and LLaDA2).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 
+import hf_dllm
 from hf_dllm.block_loop import BlockDiffusionRun
+from hf_dllm.cache import DiffusionKVCache, PositionTables
 from hf_dllm.decoding import FixedSchedule, ScheduledThreshold, TokenEditing, schedule_counts
 from hf_dllm.graphs import _CapturedStep
+from hf_dllm.modeling_llada2_moe import rotary_cos_sin
+from hf_dllm.serving.engine import ContinuousBatcher
 
 SENTINEL = -7
 
@@ -131,3 +139,78 @@ def test_llada2_schedule_table_gives_schedule_counts():
     assert torch.equal(rule.scheduled_counts(1, 1, torch.device("cpu")), schedule_counts(16, torch.tensor(3), 1))
     rule.start_block(32, torch.tensor([4, 4, 4, 4]))  # a new block: a new table
     assert rule.scheduled_counts(0, 4, torch.device("cpu")).tolist() == [8] * 4
+
+
+def tiny_llada2_config() -> hf_dllm.LLaDA2MoeConfig:
+    return hf_dllm.LLaDA2MoeConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, num_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5,
+        use_qk_norm=True, mask_token_id=511, eos_token_id=510, pad_token_id=510,
+    )  # fmt: skip
+
+
+def affine_rows(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    values = positions.to(dtype).unsqueeze(-1) * torch.tensor([0.5, 2.0], dtype=dtype)
+    return values, -values
+
+
+def test_position_tables_look_up_the_computed_rows():
+    tables = PositionTables(affine_rows)
+    positions = torch.tensor([[0, 3, 7], [5, 5, 1]])
+    for got, expected in zip(
+        tables.lookup(positions, 8, torch.float32), affine_rows(positions, torch.float32), strict=True
+    ):
+        assert torch.equal(got, expected)
+    first = tables.tables[(positions.device, torch.float32)][-1]
+    tables.lookup(positions, 6, torch.float32)  # a smaller bound: the same table
+    assert tables.tables[(positions.device, torch.float32)][-1] is first
+    wide = torch.tensor([[20]])
+    assert torch.equal(tables.lookup(wide, 21, torch.float32)[0], affine_rows(wide, torch.float32)[0])
+    made = tables.tables[(positions.device, torch.float32)]
+    assert len(made) == 2 and made[0] is first and made[1][0].shape[0] == 21  # the old table is kept (graphs)
+    assert tables.lookup(positions, 8, torch.float64)[0].dtype == torch.float64  # one table per dtype
+
+
+def test_only_caches_of_the_loop_and_the_engine_bound_positions():
+    plain = DiffusionKVCache(2, 1, 16)
+    assert PositionTables.bound_of(plain) is None and PositionTables.bound_of(None) is None
+    model = tiny_model()
+    config = model.resolve_generation_config(max_new_tokens=16, block_length=8, use_cache=True, dual_cache=True)
+    run = BlockDiffusionRun(model, config, torch.randint(4, 100, (2, 6)), None)
+    assert PositionTables.bound_of(run.cache) == run.seq_len
+    engine = ContinuousBatcher(model, max_batch_size=2, max_batch_width=64)
+    assert PositionTables.bound_of(engine._shared_cache(2)) == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rope_tables_equal_the_computed_rope(dtype):
+    """LLaDA's and LLaDA2's tables give the per-call RoPE bit for bit on a GPU (the CPU keeps its own paths), and
+    a forward through a cache that bounds the positions gives the same logits as through one that does not."""
+    positions = torch.randint(0, 900, (3, 40), device="cuda")
+    llada = tiny_model().to("cuda", dtype)
+    for got, expected in zip(
+        llada.model._rotary_cos_sin(positions, bound=900), llada.model._rotary_cos_sin(positions), strict=True
+    ):
+        assert torch.equal(got, expected)
+    torch.manual_seed(0)
+    llada2 = hf_dllm.LLaDA2MoeModelLM(tiny_llada2_config()).to("cuda", dtype).eval()
+    expected = rotary_cos_sin(positions, llada2.config, dtype)
+    for got, want in zip(llada2.model._rope_tables.lookup(positions, 900, dtype), expected, strict=True):
+        assert torch.equal(got, want)
+    ids = torch.randint(0, 500, (2, 48), device="cuda")
+    logits = []
+    for bounded in (False, True):
+        cache = llada2._diffusion_new_cache(2, 48)
+        cache.positions_below_length = bounded
+        with torch.no_grad():
+            out = llada2(
+                ids,
+                past_key_values=cache,
+                use_cache=True,
+                block_length=16,
+                cache_position=torch.arange(48, device="cuda"),
+            )
+        logits.append(out.logits)
+    assert torch.equal(logits[0], logits[1])

@@ -522,6 +522,8 @@ class ContinuousBatcher:
             self.cache = self.model._diffusion_new_cache(
                 rows, self.max_batch_width, max_positions=self.max_batch_positions
             )
+            # A row's positions count its own columns, narrower than the cache's (`cache.PositionTables`).
+            self.cache.positions_below_length = True
         return self.cache
 
     def decode_boundary(self) -> int:
