@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .block_plan import plan_bidirectional, plan_block_causal
-from .cache import CachePolicy, DiffusionKVCache, make_cache_policy, padding_aware_position_ids
+from .cache import CachePolicy, make_cache_policy, padding_aware_position_ids
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig
 from .graphs import MAX_GRAPHS, StepGraphs
@@ -326,8 +326,7 @@ class BlockDiffusionRun:
         if not self.cache_policy.uses_cache:
             return None
         cache = self.model._diffusion_new_cache(self.rows_per_forward, self.seq_len, self.config.kv_cache_dtype)
-        if isinstance(cache, DiffusionKVCache):
-            cache.positions_below_length = True  # positions count the canvas' columns (`PositionTables`)
+        cache.positions_below_length = True  # positions count the canvas' columns (`cache.PositionTables`)
         return cache
 
     def _graph_shape(self) -> tuple:

@@ -306,15 +306,20 @@ class PositionTables:
             return past_key_values.max_length
         return None
 
-    def lookup(self, position_ids: torch.Tensor, bound: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The tables' rows at `position_ids` `(batch, q_len)` (every id below `bound`): `(batch, q_len, ...)`."""
-        made = self.tables.setdefault((position_ids.device, dtype), [])
+    def covering(self, bound: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The tables `(n, ...)` on `device` in `dtype` for positions `[0, n)`, `n >= bound` (made, or made larger
+        by at least doubling, when the last ones are shorter)."""
+        made = self.tables.setdefault((device, dtype), [])
         if not made or made[-1][0].shape[0] < bound:
             size = max(bound, 2 * made[-1][0].shape[0] if made else bound)
             with torch.inference_mode(False), torch.no_grad():  # usable outside inference mode too
-                positions = torch.arange(size, device=position_ids.device).unsqueeze(0)
+                positions = torch.arange(size, device=device).unsqueeze(0)
                 made.append(tuple(table[0] for table in self.compute(positions, dtype)))
-        return tuple(table[position_ids] for table in made[-1])
+        return made[-1]
+
+    def lookup(self, position_ids: torch.Tensor, bound: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The tables' rows at `position_ids` `(batch, q_len)` (every id below `bound`): `(batch, q_len, ...)`."""
+        return tuple(table[position_ids] for table in self.covering(bound, position_ids.device, dtype))
 
 
 def resolve_forward_positions(

@@ -225,10 +225,10 @@ class UnmaskingPolicy:
         return active & masked_after & (step < self.steps_on(active.device))
 
 
-def schedule_counts(block_length: int, num_steps: torch.Tensor, step: int) -> torch.Tensor:
+def schedule_counts(block_length: int, num_steps: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     """LLaDA's linear schedule for every row (`get_num_transfer_tokens`): `block_length // s` tokens per step, one
-    more for the first `block_length % s` steps; `num_steps` `(rows,)` -> `(rows,)` long. Arithmetic per step,
-    so no list of `steps` entries is ever built."""
+    more for the first `block_length % s` steps; `num_steps` `(rows,)` -> `(rows,)` long, or for a column of steps
+    `(S, 1)` every one of them `(S, rows)`. Arithmetic, so no list of `steps` entries is ever built."""
     base, extra = block_length // num_steps, block_length % num_steps
     return base + (step < extra).long()
 
@@ -331,13 +331,14 @@ class ScheduledThreshold(UnmaskingPolicy):
     def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
         self.masked_counts: torch.Tensor | None = None
+        self._schedule_table: torch.Tensor | None = None  # `scheduled_counts`' table for the block under way
 
     def start_block(self, block_length: int, num_steps, masked_counts: torch.Tensor | None = None) -> None:
         """`masked_counts` `(rows,)` (host): masked positions of each row's block at its start, which fixes the
         number of forwards in advance when no threshold can end a block early."""
         super().start_block(block_length, num_steps)
         self.masked_counts = masked_counts
-        self._schedule_table: torch.Tensor | None = None
+        self._schedule_table = None
 
     def steps_for_block(self) -> int | None:
         """Without a threshold, a row with M masks needs the fewest steps whose quotas add up to M (at most its
@@ -361,13 +362,12 @@ class ScheduledThreshold(UnmaskingPolicy):
     def scheduled_counts(self, step: int, rows: int, device: torch.device) -> torch.Tensor:
         """`schedule_counts` of `step`: a row of the block's table of every step's counts, made at its first step
         (one computation per block instead of one per step)."""
-        table = self.__dict__.get("_schedule_table")
+        table = self._schedule_table
         if table is None or table.device != device or table.shape[0] <= step:
             steps = self.steps_on(device)
             every_step = torch.arange(max(step + 1, int(self.num_steps.max())), device=device)
-            table = every_step.view(-1, *[1] * steps.dim())
-            base, extra = self.block_length // steps, self.block_length % steps
-            table = self._schedule_table = base + (table < extra).long()
+            table = schedule_counts(self.block_length, steps, every_step.view(-1, *[1] * steps.dim()))
+            self._schedule_table = table
         return table[step]
 
     max_masked = FixedSchedule.max_masked  # each step commits at least its quota, too

@@ -511,16 +511,16 @@ class LLaDAModel(LLaDAPreTrainedModel):
         if not config.weight_tying:
             modules["ff_out"] = nn.Linear(config.d_model, config.padded_vocab_size, bias=config.include_bias)
         self.transformer = nn.ModuleDict(modules)
-        # CPU RoPE tables: cos, sin `(n, head_dim)`, and `lean_rotary`'s cos and signed sin side by side `(n, 2,
-        # head_dim)`.
-        self._rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # Other devices' tables, where the cache bounds the positions (`cache.PositionTables`).
-        self._device_rope_tables = PositionTables(self._rope_rows)
+        # RoPE tables (`cache.PositionTables`): cos, sin `(n, head_dim)`, and `lean_rotary`'s cos and signed sin side
+        # by side `(n, 2, head_dim)`.
+        self._rope_tables = PositionTables(self._rope_rows)
         self.post_init()
 
-    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rotary_cos_sin` of `positions` (float32 whatever `dtype`): what `_device_rope_tables` tabulates."""
-        return rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What `_rope_tables` tabulates for `positions` `(1, n)`, in float32 whatever `dtype`: `rotary_cos_sin`'s
+        cos and sin, and `lean_rotary`'s tables side by side (one lookup for `lean`)."""
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        return cos, sin, torch.cat(lean_rotary(cos, sin), dim=2)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
@@ -532,30 +532,20 @@ class LLaDAModel(LLaDAPreTrainedModel):
         self, position_ids: torch.Tensor, lean: bool = False, bound: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`rotary_cos_sin` for `position_ids` `(batch, q_len)`, or with `lean` the tables `lean_block` applies:
-        `lean_rotary`'s `(batch, q_len, 1, head_dim)`. Rows of a table of positions `[0, n)` computed once (the same
-        float32 values; a step then costs a lookup instead of ~8 kernels): on the CPU, sized by the largest
-        position; elsewhere where `bound` (every position is below it, `PositionTables.bound_of`) sizes it without
-        reading the positions on the host, else computed per call."""
-        head_dim, theta = self.config.head_dim, self.config.rope_theta
-        if position_ids.device.type != "cpu":
-            if bound is None:
-                cos_sin = rotary_cos_sin(position_ids, head_dim, theta)
-            else:
-                cos_sin = self._device_rope_tables.lookup(position_ids, bound, torch.float32)
+        `lean_rotary`'s `(batch, q_len, 1, head_dim)`. Rows of tables of positions `[0, n)` computed once (the same
+        float32 values; a step then costs a lookup instead of ~8 kernels) where a bound on the positions is known:
+        on the CPU the largest position (reading it costs no device synchronisation there), elsewhere `bound`
+        (`PositionTables.bound_of`); without one, computed per call."""
+        if position_ids.device.type == "cpu":
+            bound = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        if bound is None:
+            cos_sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
             return lean_rotary(*cos_sin) if lean else cos_sin
-        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        table = self._rope_table
-        if table is None or table[0].shape[0] < needed:
-            size = max(needed, 2 * table[0].shape[0] if table is not None else 256)
-            with torch.inference_mode(False):  # kept on the model: usable outside inference mode too
-                cos, sin = rotary_cos_sin(torch.arange(size).unsqueeze(0), head_dim, theta)
-                # (n, 2, head_dim): cos and signed sin side by side, one lookup for `lean`.
-                lean_table = torch.cat(lean_rotary(cos, sin), dim=2)[0]
-            self._rope_table = table = (cos[0], sin[0], lean_table)
+        cos, sin, signed = self._rope_tables.covering(bound, position_ids.device, torch.float32)
         if lean:
-            rows = table[2][position_ids]
+            rows = signed[position_ids]
             return rows[:, :, :1], rows[:, :, 1:]
-        return table[0][position_ids], table[1][position_ids]
+        return cos[position_ids], sin[position_ids]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Final hidden states `(..., d_model)` -> logits `(..., embedding_size)`."""
@@ -658,13 +648,14 @@ class LLaDAModel(LLaDAPreTrainedModel):
         residual = None
         last_index = len(blocks) - 1
         position_embeddings = rotary = None  # RoPE tables, made once per forward for the blocks that need them
+        rope_bound = PositionTables.bound_of(past_key_values)
         for index, block in enumerate(blocks):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             weights = block.lean_weights() if lean_call and not _has_hooks(block) else None
             if weights is not None:
                 if rotary is None:
-                    rotary = self._rotary_cos_sin(position_ids, lean=True)
+                    rotary = self._rotary_cos_sin(position_ids, lean=True, bound=rope_bound)
                 last = index == last_index
                 hidden_states = lean_block(
                     weights,
@@ -679,7 +670,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
                     positions_to_keep = None  # the block kept them
                 continue
             if position_embeddings is None:
-                position_embeddings = self._rotary_cos_sin(position_ids, bound=PositionTables.bound_of(past_key_values))
+                position_embeddings = self._rotary_cos_sin(position_ids, bound=rope_bound)
             if defer_residual and not _has_hooks(block):
                 hidden_states, residual = block.residual_stream_forward(
                     hidden_states,

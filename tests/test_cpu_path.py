@@ -192,8 +192,10 @@ def test_positions_to_keep_refuses_hidden_states():
 
 def test_cpu_rope_table_is_the_computed_rope():
     model = tiny_model(seed=5, **MHA)
+    model.model._rotary_cos_sin(torch.tensor([[0, 5, 300]]))  # a first table, of 301 positions
     positions = torch.tensor([[0, 5, 300, 7], [1, 2, 3, 700]])  # 700 grows the table past its first size
     table = model.model._rotary_cos_sin(positions)
+    assert [t[0].shape[0] for t in model.model._rope_tables.tables[(positions.device, torch.float32)]] == [301, 701]
     computed = rotary_cos_sin(positions, model.config.head_dim, model.config.rope_theta)
     for a, b in zip(table, computed, strict=True):
         assert torch.equal(a, b)
