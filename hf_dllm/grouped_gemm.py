@@ -37,16 +37,6 @@ from .triton_ops import (
 )  # None without Triton (CPU-only installs)
 
 
-def _loops_flatten() -> bool:
-    """Whether this Triton flattens loop nests (`tl.range(..., flatten=True)`, Triton >= 3.3)."""
-    import inspect
-
-    return TRITON_AVAILABLE and "flatten" in inspect.signature(tl.range.__init__).parameters
-
-
-_LOOPS_FLATTEN = _loops_flatten()
-
-
 def grouped_configs() -> list:
     """The configs the autotuner times (`benchmarks/bench_llada2_moe_gemm.py --sweep` times each)."""
     # SWAP multiplies the weight tile by the transposed rows (the weight's rows as the MMA's M dimension), which
@@ -58,14 +48,9 @@ def grouped_configs() -> list:
     # N_FASTEST (the grid's order): a row tile's n blocks side by side, the empty tiles last. At a batch-32 step
     # (1,024 tokens, tiles of 32 or 64 rows) it streamed both products 3-8 % faster (`bench_llada2_moe_gemm.py
     # --sweep`); 16-row tiles (few rows) keep the tiles side by side.
-    # WAVES w > 0: w programs per SM, each running its (tile, n block) pairs as one flattened loop (`_grouped_kernel`).
-    # At a batch-1 step of LLaDA2.0-mini (~9 rows in each of ~29 groups) down's 4 k tiles per pair are too few for a
-    # program's pipeline to fill; the loop streams the next pair's tiles meanwhile: 25.5 against 27.4-28.7 us on an
-    # H100; gate/up (16 k tiles) and many rows per group gained nothing (RESULTS.md, LLaDA2.x speed, session 35).
-    # Offered at few rows per group only (`_prune_grouped`): session 13's persistent grid was slower at 1,024 tokens.
-    per_tile = [
+    return [
         triton.Config(
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "SWAP": swap, "N_FASTEST": n_fastest, "WAVES": 0},
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "SWAP": swap, "N_FASTEST": n_fastest},
             num_warps=warps,
             num_stages=stages,
         )
@@ -75,16 +60,6 @@ def grouped_configs() -> list:
         for swap in ((False, True) if block_m <= 32 else (False,))
         for n_fastest in ((False, True) if block_m >= 32 else (False,))
     ]
-    looped = [
-        triton.Config(
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "SWAP": True, "N_FASTEST": False, "WAVES": waves},
-            num_warps=4,
-            num_stages=stages,
-        )
-        for block_m in (16, 32)
-        for block_n, stages, waves in ((64, 3, 2), (64, 4, 2), (128, 3, 1))
-    ]
-    return per_tile + (looped if _LOOPS_FLATTEN else [])
 
 
 def footprint_bytes(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool) -> int:
@@ -101,8 +76,7 @@ def fits_shared_memory(config, x_bytes: int, w_bytes: int, block_k: int, gated: 
 
 def _prune_grouped(configs, named_args, **kwargs):
     sizes = (named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size(), kwargs["BLOCK_K"], kwargs["GATED"])
-    # Surely fits the shared memory (a program per tile, so any grid the rows make runs it).
-    smallest = min((c for c in configs if not c.kwargs["WAVES"]), key=lambda c: footprint_bytes(c, *sizes))
+    smallest = min(configs, key=lambda c: footprint_bytes(c, *sizes))  # surely fits the shared memory
     if named_args["x_ptr"].dtype == torch.float32:
         # float32 runs for exactness, not speed (`tile_product` multiplies it in full float32, on the CUDA cores):
         # that one config, instead of compiling and timing every one of them for each new row key (minutes).
@@ -110,7 +84,7 @@ def _prune_grouped(configs, named_args, **kwargs):
     # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
     per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
     allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] in allowed and (per_group <= 32 or not c.kwargs["WAVES"])]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
     # N_FASTEST puts the row tiles on the grid's second axis: not where there may be more than it takes.
     kept = [
         c
@@ -145,14 +119,6 @@ def rows_bucket(pairs: int) -> int:
     return 1 << -(-exponent // 4) * 4
 
 
-def multiprocessors(device: torch.device) -> int:
-    """SMs of the CUDA `device`; elsewhere (Triton's interpreter on the CPU) 2, so that looped programs take
-    several (tile, n block) pairs in the tests."""
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _shared_memory_bytes(device: torch.device) -> int:
     """Shared memory a program may use on `device` (opt-in maximum; 99 KiB where it cannot be asked)."""
     properties = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
@@ -163,19 +129,15 @@ if TRITON_AVAILABLE:
     from .fp8 import tile_product
 
     @triton.jit
-    def _group_tiles(offsets_ptr, n_groups, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
-        # Group `group` owns ceil(rows / BLOCK_M) consecutive tiles: per group (BLOCK_G lanes, those past n_groups
-        # empty) its start and end rows, its tiles and the prefix sum of the tiles.
+    def _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+        # Group `group` owns ceil(rows / BLOCK_M) consecutive tiles; `tile`'s group is the number of groups whose
+        # tiles all end at or before it (group >= n_groups: past the last tile). Returns the group, the tile's
+        # first row and the group's end row.
         g = tl.arange(0, BLOCK_G)
         ends = tl.load(offsets_ptr + g, mask=g < n_groups, other=0)
         starts = tl.load(offsets_ptr + g - 1, mask=(g >= 1) & (g < n_groups), other=0)
         tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-        return g, starts, ends, tiles, tl.cumsum(tiles, 0)
-
-    @triton.jit
-    def _tile_of(tile, g, starts, ends, tiles, tile_ends, BLOCK_M: tl.constexpr):
-        # `tile`'s group is the number of groups whose tiles all end at or before it (group >= n_groups: past the
-        # last tile). Returns the group, the tile's first row and the group's end row.
+        tile_ends = tl.cumsum(tiles, 0)
         group = tl.sum((tile_ends <= tile).to(tl.int32), 0)
         mine = g == group
         first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
@@ -183,17 +145,20 @@ if TRITON_AVAILABLE:
         end_row = tl.sum(tl.where(mine, ends, 0), 0)
         return group, first_row, end_row
 
+    @triton.autotune(
+        configs=grouped_configs(),
+        key=["ROWS_BUCKET", "N", "K", "GATED", "HAS_SCALE"],
+        prune_configs_by={"early_config_prune": _prune_grouped},
+    )
     @triton.jit
-    def _grouped_tile(
+    def _grouped_kernel(
         x_ptr,
         token_ptr,
+        offsets_ptr,
         w_ptr,
         scale_ptr,
         out_ptr,
-        group,
-        first_row,
-        end_row,
-        pid_n,
+        n_groups,
         N,
         K,
         stride_xm,
@@ -204,19 +169,26 @@ if TRITON_AVAILABLE:
         stride_om,
         up_rows,
         up_scale_rows,
+        ROWS_BUCKET,
         GATHER: tl.constexpr,
         GATED: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         SCALE_N: tl.constexpr,
         SCALE_K: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SWAP: tl.constexpr,
+        N_FASTEST: tl.constexpr,
     ):
-        # out[rows, n block] for one tile of rows of `group` (from `first_row`, before `end_row`) and the n block
-        # `pid_n`. GATED: the up product uses the weight's rows `up_rows` further on (and scale rows
-        # `up_scale_rows` further on).
+        # Program (tile, n): out[rows, n block] for the tile's rows of one group, the tile on the grid's first axis
+        # (or, N_FASTEST, its second). GATED: the up product uses the weight's rows `up_rows` further on (and scale
+        # rows `up_scale_rows` further on).
+        tile, pid_n = (tl.program_id(1), tl.program_id(0)) if N_FASTEST else (tl.program_id(0), tl.program_id(1))
+        group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
+        if group >= n_groups:
+            return
         rows = first_row + tl.arange(0, BLOCK_M)
         in_m = rows < end_row
         if GATHER:
@@ -258,75 +230,9 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
-    @triton.autotune(
-        configs=grouped_configs(),
-        key=["ROWS_BUCKET", "N", "K", "GATED", "HAS_SCALE"],
-        prune_configs_by={"early_config_prune": _prune_grouped},
-    )
-    @triton.jit
-    def _grouped_kernel(
-        x_ptr,
-        token_ptr,
-        offsets_ptr,
-        w_ptr,
-        scale_ptr,
-        out_ptr,
-        n_groups,
-        N,
-        K,
-        stride_xm,
-        stride_we,
-        stride_wn,
-        stride_se,
-        stride_sn,
-        stride_om,
-        up_rows,
-        up_scale_rows,
-        ROWS_BUCKET,
-        n_sms,
-        GATHER: tl.constexpr,
-        GATED: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        SCALE_N: tl.constexpr,
-        SCALE_K: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        SWAP: tl.constexpr,
-        N_FASTEST: tl.constexpr,
-        WAVES: tl.constexpr,
-    ):
-        # WAVES 0: program (tile, n) runs that tile and n block, the tile on the grid's first axis (or, N_FASTEST,
-        # its second). WAVES w > 0: `w * n_sms` programs, each running the (tile, n block) pairs w * n_sms apart as
-        # one flattened loop, so its pipeline streams the next pair's weight tiles while it finishes one (a down
-        # product's 4 k tiles at a batch-1 step are too few for a program's pipeline to fill).
-        if WAVES == 0:
-            tile, pid_n = (tl.program_id(1), tl.program_id(0)) if N_FASTEST else (tl.program_id(0), tl.program_id(1))
-            g, starts, ends, tiles, tile_ends = _group_tiles(offsets_ptr, n_groups, BLOCK_M, BLOCK_G)
-            group, first_row, end_row = _tile_of(tile, g, starts, ends, tiles, tile_ends, BLOCK_M)
-            if group < n_groups:
-                _grouped_tile(
-                    x_ptr, token_ptr, w_ptr, scale_ptr, out_ptr, group, first_row, end_row, pid_n, N, K,
-                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, up_rows, up_scale_rows,
-                    GATHER, GATED, HAS_SCALE, SCALE_N, SCALE_K, BLOCK_K, BLOCK_M, BLOCK_N, SWAP,
-                )  # fmt: skip
-        else:
-            g, starts, ends, tiles, tile_ends = _group_tiles(offsets_ptr, n_groups, BLOCK_M, BLOCK_G)
-            n_blocks = tl.cdiv(N, BLOCK_N)
-            pairs = tl.sum(tiles, 0) * n_blocks
-            for pair in tl.range(tl.program_id(0), pairs, WAVES * n_sms, flatten=True):
-                tile = pair // n_blocks
-                group, first_row, end_row = _tile_of(tile, g, starts, ends, tiles, tile_ends, BLOCK_M)
-                _grouped_tile(
-                    x_ptr, token_ptr, w_ptr, scale_ptr, out_ptr, group, first_row, end_row, pair % n_blocks, N, K,
-                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om, up_rows, up_scale_rows,
-                    GATHER, GATED, HAS_SCALE, SCALE_N, SCALE_K, BLOCK_K, BLOCK_M, BLOCK_N, SWAP,
-                )  # fmt: skip
-
 
 # The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False, "N_FASTEST": False, "WAVES": 0}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False, "N_FASTEST": False}
 
 
 @on_tensor_device
@@ -377,14 +283,10 @@ def grouped_matmul(
     scale = weight_scale_inv if has_scale else out  # an unused pointer without scales
     up_scale_rows = -(-n_out // block_n) if has_scale else 0
 
-    n_sms = multiprocessors(x.device)
-
     def grid(meta):
         # Tiles on the first axis (no 65,535 limit; a group's row tiles side by side share its weight tiles in L2),
-        # or on the second with N_FASTEST; WAVES programs per SM, at most one per (tile, n block).
+        # or on the second with N_FASTEST.
         tiles, n_blocks = triton.cdiv(pairs, meta["BLOCK_M"]) + min(groups, pairs), triton.cdiv(n_out, meta["BLOCK_N"])
-        if meta["WAVES"]:
-            return (min(meta["WAVES"] * n_sms, tiles * n_blocks),)
         if not meta["N_FASTEST"]:
             return (tiles, n_blocks)
         if tiles > MAX_GRID_Y:
@@ -413,7 +315,6 @@ def grouped_matmul(
         n_out,
         up_scale_rows,
         rows_bucket(pairs),
-        n_sms,
         GATHER=rows_of is not None,
         GATED=gated,
         HAS_SCALE=has_scale,

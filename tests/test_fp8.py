@@ -394,8 +394,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     # N_FASTEST: the grid's axes swapped.
     for tile in ({"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False}, {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True},
                  {"BLOCK_M": 32, "BLOCK_N": 32, "SWAP": False},
-                 {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "N_FASTEST": True},
-                 {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "N_FASTEST": False, "WAVES": 1}):
+                 {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "N_FASTEST": True}):
         grouped_gemm.INTERPRETER_CONFIG.update(tile)
         for tokens, experts, top_k, k_in, n_out, gated in [
             (7, 6, 2, 256, 128, True), (40, 5, 3, 128, 256, False), (40, 3, 2, 128, 128, True),
@@ -432,7 +431,7 @@ INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
     from hf_dllm.cache import DiffusionKVCache
     from tests.test_fp8 import llada2_config, llada2_quantized_model
     FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
-    grouped_gemm.INTERPRETER_CONFIG.update(BLOCK_M=16, BLOCK_N=64, SWAP=False, N_FASTEST=False, WAVES=0)
+    grouped_gemm.INTERPRETER_CONFIG.update(BLOCK_M=16, BLOCK_N=64, SWAP=False, N_FASTEST=False)
     config = llada2_config(num_experts=6, n_group=3, topk_group=2, num_hidden_layers=3)
     _, model = llada2_quantized_model(config, dtype=torch.float32)
     moe = model.model.layers[1].mlp

@@ -152,26 +152,6 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
         else:
             raise AssertionError(("bad kv_end accepted", bad.dtype, bad.shape))
 
-    # The grouped products' looped programs (WAVES > 0: each program runs several (tile, n block) pairs; the
-    # interpreter gives 2 SMs) give the bits of a program per tile, bf16 and FP8 weights, gate/up and down, with
-    # groups of several tiles, of one and empty ones.
-    import triton
-    from hf_dllm import fp8, grouped_gemm
-    for tokens, experts, top_k, k_in, n_out, gated in [(7, 6, 2, 256, 256, True), (40, 5, 3, 128, 256, False)]:
-        x = torch.randn(tokens, k_in, dtype=torch.bfloat16)
-        weight = (torch.randn(experts + 1, n_out, k_in) * 0.05).to(torch.bfloat16)
-        weight8, scales = fp8.quantize_blocks(weight, (128, 128))
-        topk = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
-        rows_of, offsets, _ = triton_moe.align_by_expert(topk, experts, True)
-        for weights in ((weight,), (weight8, scales, (128, 128))):
-            outs = [
-                grouped_gemm.grouped_matmul(x, offsets, *weights, rows_of=rows_of, gated=gated, config=triton.Config(
-                    dict(BLOCK_M=block_m, BLOCK_N=64, SWAP=True, N_FASTEST=False, WAVES=waves), num_warps=4))
-                for block_m, waves in ((16, 0), (16, 1), (32, 2))
-            ]  # fmt: skip
-            assert all(torch.equal(outs[0], out) for out in outs[1:]), ("looped grouped product", gated, len(weights))
-            assert outs[0].abs().sum() > 0
-
     print("ok")
     """
 )
@@ -257,28 +237,6 @@ def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypat
         if fallback:
             (extra,) = kept
             assert grouped_gemm.footprint_bytes(extra, 4, 4, 128, True) <= 232448
-
-
-def test_grouped_looped_programs_are_offered_at_few_rows_per_group_only():
-    """The grouped kernels' looped programs (`WAVES` > 0) are timed by the autotuner where each group holds few
-    rows (a batch-1 block step: ~288 pairs over LLaDA2.0-mini's 257 groups), never at many (a batch-32 step, where
-    session 13's persistent grid was slower), and never as the float32 fallback."""
-    import torch
-
-    from hf_dllm import grouped_gemm
-
-    configs = grouped_gemm.grouped_configs()
-    assert any(c.kwargs["WAVES"] for c in configs) == grouped_gemm._LOOPS_FLATTEN
-    bf16 = dict(x_ptr=torch.empty(1, dtype=torch.bfloat16), w_ptr=torch.empty(1, dtype=torch.bfloat16), n_groups=257)
-
-    def looped(named, rows_bucket):
-        kept = grouped_gemm._prune_grouped(configs, dict(named, ROWS_BUCKET=rows_bucket), BLOCK_K=128, GATED=False)
-        return [c for c in kept if c.kwargs["WAVES"]]
-
-    assert bool(looped(bf16, 512)) == grouped_gemm._LOOPS_FLATTEN
-    assert not looped(bf16, 16384)
-    float32 = dict(bf16, x_ptr=torch.empty(1), w_ptr=torch.empty(1))
-    assert not looped(float32, 512)
 
 
 def test_rows_bucket_gives_few_autotuning_keys_that_bound_the_rows():
