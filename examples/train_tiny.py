@@ -62,6 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-kv-heads", type=int, default=4)
     p.add_argument("--mlp-hidden-size", type=int, default=288)
     p.add_argument(
+        "--embedding-size",
+        type=int,
+        default=None,
+        help="rows of the embedding and the output head (default: the vocabulary's size). Larger pads both, as the "
+        "Hub's LLaDA checkpoints pad theirs; a multiple of 128 lets FP8 128 x 128 blocks quantize the head too",
+    )
+    p.add_argument(
         "--response-lengths",
         default="16,24,32",
         help="response lengths R (answer + <|eot_id|> + EOS padding), one per batch in turn",
@@ -159,7 +166,7 @@ def make_model(args, tokenizer) -> hf_dllm.LLaDAModelLM:
         mlp_hidden_size=args.mlp_hidden_size,
         mlp_ratio=max(1, args.mlp_hidden_size // args.d_model),
         vocab_size=len(tokenizer),
-        embedding_size=len(tokenizer),
+        embedding_size=len(tokenizer) if args.embedding_size is None else args.embedding_size,
         max_sequence_length=256,
         rope_theta=10000.0,
         mask_token_id=tokenizer.mask_token_id,

@@ -247,3 +247,12 @@ def test_training_is_deterministic(tmp_path):
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=0)
     other = train_tiny.train(train_tiny.parse_args(small + ["--seed", "1", "--output", str(tmp_path / "c")]))
     assert any(not torch.equal(weights[0][key], value) for key, value in load_file(other / "model.safetensors").items())
+    # --embedding-size pads the embedding and the output head (as the Hub's LLaDA checkpoints pad theirs: 128 rows
+    # let FP8 128 x 128 blocks take the head); fewer rows than the vocabulary are refused before training.
+    padded = train_tiny.train(
+        train_tiny.parse_args(small + ["--embedding-size", "128", "--output", str(tmp_path / "d")])
+    )
+    assert load_file(padded / "model.safetensors")["model.transformer.ff_out.weight"].shape == (128, 32)
+    with pytest.raises(ValueError, match="embedding_size"):
+        train_tiny.train(train_tiny.parse_args(small + ["--embedding-size", "50", "--output", str(tmp_path / "e")]))
+    assert not (tmp_path / "e").exists()
