@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # llada_reference.py
 
 import hf_dllm  # noqa: E402
-from hf_dllm.fp8 import FP8_SCHEMES  # noqa: E402
+from hf_dllm.fp8 import FP8_QUANTIZATIONS, split_head_suffix  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
 
@@ -89,9 +89,8 @@ def quantize_fp8(model, device: torch.device, attn: str | None, scheme: str = "f
     return quantized.eval()
 
 
-HEAD_SUFFIX = "+head"
 # `--quantization` values: the model's dtype, every FP8 scheme, and each with its output head in FP8 too.
-QUANTIZATIONS = ("none", *FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES))
+QUANTIZATIONS = ("none", *FP8_QUANTIZATIONS)
 
 
 def parse_quantizations(parser: argparse.ArgumentParser, value: str) -> list[str]:
@@ -101,12 +100,6 @@ def parse_quantizations(parser: argparse.ArgumentParser, value: str) -> list[str
     if any(q not in QUANTIZATIONS for q in quantizations):
         parser.error(f"--quantization takes a comma list of {', '.join(QUANTIZATIONS)}, got {value!r}")
     return quantizations
-
-
-def split_head_suffix(scheme: str) -> tuple[str, bool]:
-    """`fp8+head` -> ("fp8", True): an `FP8_SCHEMES` name, and whether the output head is quantized too."""
-    base = scheme.removesuffix(HEAD_SUFFIX)
-    return base, base != scheme
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hf_dllm  # noqa: E402,F401  (registers the LLaDA classes with the Auto classes)
-from hf_dllm.cli.loading import QUANTIZATION_CHOICES  # noqa: E402
+from hf_dllm.fp8 import FP8_QUANTIZATIONS  # noqa: E402
 from hf_dllm.tiny_model import tasks as st  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "llada-tiny-trained"
@@ -184,9 +184,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=QUANTIZATION_CHOICES,
+        choices=("none", *FP8_QUANTIZATIONS),
         help="fp8: FP8 weights with 128x128 block scales (transformers' FineGrainedFP8Config; CUDA only); "
-        "fp8-tensor: one scale per matrix (FineGrainedFP8Config(weight_block_size=None))",
+        "fp8-tensor: one scale per matrix (FineGrainedFP8Config(weight_block_size=None)); with +head the output "
+        "head too (its rows must be a multiple of 128, resp. 16)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -206,10 +207,11 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     load = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
     if args.quantization != "none":
-        from hf_dllm.fp8 import fp8_quantization_config
+        from hf_dllm.fp8 import fp8_quantization_config, split_head_suffix
 
         config = AutoConfig.from_pretrained(args.model)
-        load.update(quantization_config=fp8_quantization_config(config.model_type, args.quantization))
+        scheme, head = split_head_suffix(args.quantization)
+        load.update(quantization_config=fp8_quantization_config(config.model_type, scheme, quantize_head=head))
         load.update(device_map=args.device)
         model = AutoModel.from_pretrained(args.model, **load).eval()
     else:

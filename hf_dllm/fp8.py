@@ -97,6 +97,19 @@ FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts$"]}
 # products (faster at many rows; RESULTS.md, FP8, session 28).
 FP8_SCHEMES = {"fp8": {}, "fp8-tensor": {"weight_block_size": None}}
 
+# A scheme's name with this suffix quantizes the output head too (`fp8_quantization_config(quantize_head=True)`).
+HEAD_SUFFIX = "+head"
+FP8_QUANTIZATIONS = (*FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES))
+
+
+def split_head_suffix(name: str) -> tuple[str, bool]:
+    """An `FP8_QUANTIZATIONS` name -> (its `FP8_SCHEMES` name, whether the output head is quantized too):
+    `"fp8-tensor+head"` -> `("fp8-tensor", True)`."""
+    if name not in FP8_QUANTIZATIONS:
+        raise ValueError(f"an FP8 quantization must be one of {', '.join(FP8_QUANTIZATIONS)}, got {name!r}.")
+    scheme = name.removesuffix(HEAD_SUFFIX)
+    return scheme, scheme != name
+
 
 def fp8_quantization_config(model_type: str, scheme: str = "fp8", quantize_head: bool = False):
     """transformers' `FineGrainedFP8Config` for a model of `model_type` and an `FP8_SCHEMES` name (its defaults,
@@ -114,6 +127,25 @@ def fp8_quantization_config(model_type: str, scheme: str = "fp8", quantize_head:
     if quantize_head:  # naming any module (even none) drops transformers' default skip of the output head
         skipped = [name for name in skipped or () if name != "lm_head"]
     return FineGrainedFP8Config(modules_to_not_convert=skipped, **FP8_SCHEMES[scheme])
+
+
+def fp8_config_for(model_config, quantization: str):
+    """`fp8_quantization_config` for an `FP8_QUANTIZATIONS` name and a model's config (a `PretrainedConfig` or its
+    `config.json` dict): what `--quantization` loads with and `hf-dllm export` writes. ValueError for a `+head`
+    name where the output head is the input embedding (`tie_word_embeddings`, LLaDA's `weight_tying`): quantizing
+    the head would quantize the embedding the model reads its inputs from."""
+    scheme, head = split_head_suffix(quantization)
+    field = (
+        model_config.get
+        if isinstance(model_config, dict)
+        else lambda name, default: getattr(model_config, name, default)
+    )
+    if head and (field("tie_word_embeddings", False) or field("weight_tying", False)):
+        raise ValueError(
+            f"--quantization {quantization} quantizes the output head, but this model ties it to its input embedding "
+            f"(tie_word_embeddings); use --quantization {scheme}."
+        )
+    return fp8_quantization_config(field("model_type", ""), scheme, quantize_head=head)
 
 
 def is_fp8_linear(layer: nn.Module) -> bool:

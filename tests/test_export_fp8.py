@@ -148,7 +148,10 @@ def test_llada2_export_quantizes_each_expert_and_keeps_the_head_in_bf16(tmp_path
 
 def test_bad_quantization_requests_are_refused_before_writing(tmp_path, llada_export):
     src, dst = llada_export
-    with pytest.raises(ExportError, match=r"--quantization must be one of none, fp8, fp8-tensor, got 'int4'"):
+    with pytest.raises(
+        ExportError,
+        match=r"--quantization must be one of none, fp8, fp8-tensor, fp8\+head, fp8-tensor\+head, got 'int4'",
+    ):
         export_checkpoint(src, tmp_path / "a", quantization="int4")
     with pytest.raises(ExportError, match="--link cannot be combined"):
         export_checkpoint(src, tmp_path / "b", quantization="fp8", link=True)
@@ -240,3 +243,34 @@ def test_an_fp8_checkpoint_is_checked_with_its_own_block_size():
         config["quantization_config"] = dict(quant_method="fp8", weight_block_size=block)
         required, _ = expected_tensor_shapes(config)
         assert required["model.transformer.blocks.0.ff_proj.weight_scale_inv"] == (256 // block[0], 128 // block[1])
+
+
+def test_head_export_quantizes_the_output_head_too(tmp_path):
+    """`--quantization fp8+head`: the output head is stored in FP8 with its block scales as well (transformers'
+    `modules_to_not_convert=[]`, written to the export's config), and the export reloads close to the source; a head
+    tied to the input embedding is refused before anything is written."""
+    src = llada_source(tmp_path / "src")
+    assert export_main([str(src), str(tmp_path / "dst"), "--quantization", "fp8+head"]) == 0
+    original, exported = tensors(src), tensors(tmp_path / "dst")
+    head = "model.transformer.ff_out.weight"
+    assert exported[head].dtype == FP8_DTYPE
+    assert_within_half_a_step(exported[head], exported[scale_name(head)], original[head], head)
+    assert exported["model.transformer.wte.weight"].dtype == torch.bfloat16  # the embedding stays as it was
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == []
+    if not torch.cuda.is_available():  # on a CPU transformers dequantizes the FP8 layers, the head among them
+        ids = torch.randint(0, 380, (1, 24), generator=torch.Generator().manual_seed(0))
+        source = hf_dllm.LLaDAModelLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+        loaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            want, got = source(ids).logits.float(), loaded(ids).logits.float()
+        assert not torch.equal(want, got) and (got - want).abs().max() <= 0.1 * want.abs().max()
+
+    tied = tmp_path / "tied"
+    config = hf_dllm.LLaDA2MoeConfig.from_pretrained(llada2_source(tmp_path / "llada2"))
+    config.tie_word_embeddings = True
+    hf_dllm.LLaDA2MoeModelLM(config).to(torch.bfloat16).save_pretrained(tied)
+    with pytest.raises(ExportError, match="ties it to its input embedding"):
+        export_checkpoint(tied, tmp_path / "tied_dst", quantization="fp8+head")
+    assert not (tmp_path / "tied_dst").exists()
+    export_checkpoint(tied, tmp_path / "tied_body", quantization="fp8")  # the body alone is fine

@@ -1059,3 +1059,25 @@ def test_grouped_matmul_refuses_bad_operands():
         grouped_gemm.grouped_matmul(x, offsets, w8.to(torch.bfloat16))
     with pytest.raises(ValueError, match="weight_scale_inv has shape"):
         grouped_gemm.grouped_matmul(x, offsets, w8, scale, BLOCK, gated=True)  # gated: gate and up scale rows
+
+
+def test_head_suffixed_quantization_names():
+    """`FP8_QUANTIZATIONS` = the schemes and each with `+head` (the CLI's `--quantization`); `fp8_config_for` gives
+    transformers' config of the scheme, the head converted too with `+head`, and refuses `+head` on a head tied to
+    the input embedding (a config object or its `config.json` dict)."""
+    from hf_dllm.cli.loading import QUANTIZATION_CHOICES
+
+    assert fp8.FP8_QUANTIZATIONS == ("fp8", "fp8-tensor", "fp8+head", "fp8-tensor+head")
+    assert QUANTIZATION_CHOICES == ("none", *fp8.FP8_QUANTIZATIONS)
+    assert fp8.split_head_suffix("fp8-tensor+head") == ("fp8-tensor", True)
+    with pytest.raises(ValueError, match="fp8, fp8-tensor, fp8\\+head"):
+        fp8.split_head_suffix("fp8+tail")
+    untied = {"model_type": "llada2_moe", "tie_word_embeddings": False}
+    body = fp8.fp8_config_for(untied, "fp8-tensor")
+    assert body.weight_block_size is None and "lm_head" in body.modules_to_not_convert
+    with_head = fp8.fp8_config_for(hf_dllm.LLaDA2MoeConfig(tie_word_embeddings=False), "fp8+head")
+    assert "lm_head" not in with_head.modules_to_not_convert and with_head.weight_block_size == (128, 128)
+    for tied in ({"model_type": "llada", "weight_tying": True}, hf_dllm.LLaDA2MoeConfig(tie_word_embeddings=True)):
+        with pytest.raises(ValueError, match="ties it to its input embedding"):
+            fp8.fp8_config_for(tied, "fp8-tensor+head")
+        fp8.fp8_config_for(tied, "fp8-tensor")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..fp8 import FP8_SCHEMES
+from ..fp8 import FP8_QUANTIZATIONS
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -18,11 +18,11 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py,
 # benchmarks/RESULTS.md); one thread is faster only while other processes hold the cores.
 DEFAULT_THREADS = None
-# `--quantization`: "none" loads the checkpoint's weights as they are; an `fp8.FP8_SCHEMES` name quantizes them at
-# load time through transformers' `FineGrainedFP8Config` ("fp8": one scale per 128x128 block, "fp8-tensor": one per
-# matrix; CUDA GPUs of compute capability >= 8.9), run by hf_dllm's FP8 kernels (`hf_dllm/fp8.py`). A checkpoint
-# saved already quantized loads as such without the flag.
-QUANTIZATION_CHOICES = ("none", *FP8_SCHEMES)
+# `--quantization`: "none" loads the checkpoint's weights as they are; an `fp8.FP8_QUANTIZATIONS` name quantizes them
+# at load time through transformers' `FineGrainedFP8Config` ("fp8": one scale per 128x128 block, "fp8-tensor": one per
+# matrix; "+head": the output head too; CUDA GPUs of compute capability >= 8.9), run by hf_dllm's FP8 kernels
+# (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such without the flag.
+QUANTIZATION_CHOICES = ("none", *FP8_QUANTIZATIONS)
 
 
 def parse_dtype(value, flag: str = "--dtype"):
@@ -144,8 +144,8 @@ def load_model(
             parallelism, the model config's `base_model_tp_plan`); each process gets its GPU (`LOCAL_RANK`).
         num_processes: processes of a data-parallel launch (`accelerate launch`); each holds a replica, so
             `device_map` is refused there.
-        quantization: `"none"`, `"fp8"` or `"fp8-tensor"` (see `QUANTIZATION_CHOICES`): FP8 quantizes on the
-            target GPU while loading.
+        quantization: `"none"`, `"fp8"` or `"fp8-tensor"`, the latter two with `"+head"` to quantize the output
+            head too (see `QUANTIZATION_CHOICES`): FP8 quantizes on the target GPU while loading.
 
     Returns `(model, tokenizer)`, the model in eval mode. Raises `ValueError` for a bad flag value and
     `FileNotFoundError` for a local path that does not exist, before anything is loaded.
@@ -196,12 +196,12 @@ def load_model(
             )
         from transformers import AutoConfig
 
-        from hf_dllm.fp8 import fp8_quantization_config
+        from hf_dllm.fp8 import fp8_config_for
 
-        model_type = AutoConfig.from_pretrained(
+        model_config = AutoConfig.from_pretrained(
             path, trust_remote_code=trust_remote_code, **({"revision": revision} if revision else {})
-        ).model_type
-        kwargs["quantization_config"] = fp8_quantization_config(model_type, quantization)
+        )
+        kwargs["quantization_config"] = fp8_config_for(model_config, quantization)
     if revision is not None:
         kwargs["revision"] = revision
     if attn_implementation is not None:

@@ -810,8 +810,9 @@ EXPORT_QUANTIZATION_CHOICES = QUANTIZATION_CHOICES
 
 
 def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] | None:
-    """For `quantization="fp8"` / `"fp8-tensor"`: the weights to store as FP8 (and `config` gets their
-    `quantization_config`); None for `"none"`. ExportError for what cannot be exported quantized."""
+    """For `quantization="fp8"` / `"fp8-tensor"` (`+head`: the output head too): the weights to store as FP8 (and
+    `config` gets their `quantization_config`); None for `"none"`. ExportError for what cannot be exported
+    quantized."""
     if quantization not in EXPORT_QUANTIZATION_CHOICES:
         raise ExportError(
             f"--quantization must be one of {', '.join(EXPORT_QUANTIZATION_CHOICES)}, got {quantization!r}."
@@ -825,11 +826,14 @@ def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] |
         raise ExportError(
             f"--link cannot be combined with --quantization {quantization}: the quantized weights are new files."
         )
-    from ..fp8 import fp8_quantization_config
+    from ..fp8 import fp8_config_for
     from .quantize import fp8_weight_names
 
     config_class, model_class = model_family(config["model_type"]).classes()
-    quantization_config = fp8_quantization_config(config["model_type"], quantization)
+    try:
+        quantization_config = fp8_config_for(config, quantization)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
     names = fp8_weight_names(model_class, config_class.from_dict(config), quantization_config)
     if not names:
         raise ExportError(
