@@ -61,6 +61,17 @@ def llada2_source(path: Path) -> Path:
     return path
 
 
+def assert_reloads_close_to(src: Path, dst: Path) -> None:
+    """The LLaDA export `dst` (dequantized by transformers on a CPU) gives logits other than, and within 10 % of
+    the largest of, the source `src`'s."""
+    ids = torch.randint(0, 380, (1, 24), generator=torch.Generator().manual_seed(0))
+    source = hf_dllm.LLaDAModelLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    loaded = hf_dllm.LLaDAModelLM.from_pretrained(dst, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want, got = source(ids).logits.float(), loaded(ids).logits.float()
+    assert not torch.equal(want, got) and (got - want).abs().max() <= 0.1 * want.abs().max()
+
+
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(folder.glob("*.safetensors")):
@@ -221,12 +232,7 @@ def test_per_tensor_export_is_transformers_arithmetic_and_reloads(tmp_path):
     assert torch.equal(exported[name].view(torch.uint8), expected[name].view(torch.uint8))
     assert torch.equal(exported[scale_name(name)], expected[scale_name(name)].reshape(1, 1))
     assert all(exported[scale_name(n)].shape == (1, 1) for n in exported if exported[n].dtype == FP8_DTYPE)
-    ids = torch.randint(0, 380, (1, 24), generator=torch.Generator().manual_seed(0))
-    source = hf_dllm.LLaDAModelLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-    loaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        want, got = source(ids).logits.float(), loaded(ids).logits.float()
-    assert not torch.equal(want, got) and (got - want).abs().max() <= 0.1 * want.abs().max()
+    assert_reloads_close_to(src, tmp_path / "dst")
     export_checkpoint(tmp_path / "dst", tmp_path / "again")
     assert tensors(tmp_path / "again").keys() == exported.keys()
 
@@ -259,12 +265,7 @@ def test_head_export_quantizes_the_output_head_too(tmp_path):
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert config["quantization_config"]["modules_to_not_convert"] == []
     if not torch.cuda.is_available():  # on a CPU transformers dequantizes the FP8 layers, the head among them
-        ids = torch.randint(0, 380, (1, 24), generator=torch.Generator().manual_seed(0))
-        source = hf_dllm.LLaDAModelLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-        loaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path / "dst", dtype=torch.bfloat16).eval()
-        with torch.no_grad():
-            want, got = source(ids).logits.float(), loaded(ids).logits.float()
-        assert not torch.equal(want, got) and (got - want).abs().max() <= 0.1 * want.abs().max()
+        assert_reloads_close_to(src, tmp_path / "dst")
 
     tied = tmp_path / "tied"
     config = hf_dllm.LLaDA2MoeConfig.from_pretrained(llada2_source(tmp_path / "llada2"))
