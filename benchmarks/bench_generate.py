@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # llada_reference.py
 
 import hf_dllm  # noqa: E402
-from hf_dllm.fp8 import FP8_QUANTIZATIONS, split_head_suffix  # noqa: E402
+from hf_dllm.fp8 import FP8_QUANTIZATIONS  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
 
@@ -72,16 +72,15 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, attn: str
 
 def quantize_fp8(model, device: torch.device, attn: str | None, scheme: str = "fp8"):
     """An FP8 copy of `model` (LLaDA, LLaDA2.x) made by transformers' quantizer with the config `--quantization
-    SCHEME` loads with (`fp8_quantization_config`: "fp8" 128 x 128 block scales, "fp8-tensor" one per matrix; with
+    SCHEME` loads with (`fp8_config_for`: "fp8" 128 x 128 block scales, "fp8-tensor" one per matrix; with
     the suffix `+head` the output head too), the way `from_pretrained` quantizes a checkpoint."""
-    from hf_dllm.fp8 import fp8_quantization_config
+    from hf_dllm.fp8 import fp8_config_for
 
-    base, head = split_head_suffix(scheme)
     quantized = type(model).from_pretrained(
         None,
         config=model.config,
         state_dict=model.state_dict(),
-        quantization_config=fp8_quantization_config(model.config.model_type, base, quantize_head=head),
+        quantization_config=fp8_config_for(model.config, scheme),
         dtype=torch.bfloat16,
         device_map=str(device),
         attn_implementation=attn,

@@ -207,11 +207,9 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     load = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
     if args.quantization != "none":
-        from hf_dllm.fp8 import fp8_quantization_config, split_head_suffix
+        from hf_dllm.fp8 import fp8_config_for
 
-        config = AutoConfig.from_pretrained(args.model)
-        scheme, head = split_head_suffix(args.quantization)
-        load.update(quantization_config=fp8_quantization_config(config.model_type, scheme, quantize_head=head))
+        load.update(quantization_config=fp8_config_for(AutoConfig.from_pretrained(args.model), args.quantization))
         load.update(device_map=args.device)
         model = AutoModel.from_pretrained(args.model, **load).eval()
     else:

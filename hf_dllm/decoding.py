@@ -169,6 +169,7 @@ class UnmaskingPolicy:
     def constant_counts(self, count: int, rows: int, device: torch.device) -> torch.Tensor:
         """`(rows,)` long filled with `count`. One tensor per count and shape, kept: the same input at every step
         with that count, which a CUDA-graph replay need not copy again (`graphs.py`)."""
+        # Made on first use, not in an __init__: a rule of a user's (the policies are pluggable) need not call one.
         made = self.__dict__.setdefault("_made_counts", {})
         counts = made.get((count, rows, device))
         if counts is None:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from . import triton_ops
+from .graphs import tensor_version
 from .triton_ops import (  # None without Triton (CPU-only installs)
     TRITON_AVAILABLE,
     launch,
@@ -175,7 +176,9 @@ def fp8_scales(layer: nn.Module) -> torch.Tensor:
     if layer.block_size is not None:
         return scale
     rows = layer.weight.shape[0]
-    stamp = (scale.data_ptr(), _version(scale), rows)
+    # An inference tensor has no version (None): it cannot be changed outside inference mode, and a scale is not
+    # changed inside it.
+    stamp = (scale.data_ptr(), tensor_version(scale), rows)
     cached = layer.__dict__.get("_hf_dllm_row_scales")
     if cached is not None and cached[0] is scale and cached[1] == stamp:
         return cached[2]
@@ -183,15 +186,6 @@ def fp8_scales(layer: nn.Module) -> torch.Tensor:
         expanded = scale.detach().float().reshape(1, 1).expand(rows, 1).contiguous()
     layer.__dict__["_hf_dllm_row_scales"] = (scale, stamp, expanded)
     return expanded
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    # In-place changes bump a tensor's version; inference tensors have none (they cannot be changed outside
-    # inference mode, and a scale is not changed inside it).
-    try:
-        return tensor._version
-    except RuntimeError:
-        return None
 
 
 def is_row_scaled(block_size, cols: int) -> bool:

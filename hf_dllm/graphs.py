@@ -44,7 +44,7 @@ class _CapturedStep:
         the schedule's count) are the same tensors at every step of a block: each skipped copy is a kernel less per
         replay. The last source is kept referenced, so its memory cannot hold another tensor meanwhile."""
         held = self.sources.get(name)
-        version = _version(value)
+        version = tensor_version(value)
         if (
             held is not None
             and version is not None
@@ -59,8 +59,10 @@ class _CapturedStep:
         self.sources[name] = (value, version)
 
 
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter, or None where it has none (inference tensors): then it is always copied."""
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (every in-place PyTorch op bumps it), or None where it has none (inference
+    tensors): what tells a cached copy of a tensor (a replay's input buffer here, `fp8.fp8_scales`' per-row scales)
+    from a stale one."""
     try:
         return tensor._version
     except RuntimeError:
@@ -160,7 +162,7 @@ class StepGraphs:
         if len(self.steps) >= self.max_graphs:
             self.steps.popitem(last=False)
         # The buffers hold the capture's inputs (cloned above; the graph reads them, never writes them).
-        sources = {name: (value, _version(value)) for name, value in inputs.items() if value is not None}
+        sources = {name: (value, tensor_version(value)) for name, value in inputs.items() if value is not None}
         captured = _CapturedStep(graph, static, tuple(outputs), sources)
         self.steps[key] = captured
         return captured
