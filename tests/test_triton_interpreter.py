@@ -158,7 +158,14 @@ MODELS_SCRIPT = textwrap.dedent(
     mask[0, :4] = 0
     with torch.no_grad():
         ours = model(ids, attention_mask=mask).logits
+        # Kept positions: the last block computes its queries, attention and MLP only there (rows into its `ff_out`).
+        rows = []
+        hook = model.model.transformer.blocks[-1].ff_out.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1]))
         kept = model(ids, attention_mask=mask, logits_to_keep=slice(3, 9)).logits
+        indexed = model(ids, attention_mask=mask, logits_to_keep=torch.tensor([0, 5, 11])).logits
+        hook.remove()
+        assert rows == [6, 3], rows
+        assert (indexed - ours[:, [0, 5, 11]]).abs().max() < 1e-4, "kept positions by index"
         # A hooked block is called whole (the others leave their last residual add to the next norm,
         # `residual_stream_forward`): the same logits, bit for bit.
         hooks = [block.register_forward_hook(lambda *args: None) for block in model.model.transformer.blocks[1:]]
