@@ -305,11 +305,13 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         only those positions' queries, attention and MLP are computed (keys and values of all of them still are),
         and both outputs are `(batch, kept, d_model)`: the last block of a forward whose logits are wanted at a few
         positions, e.g. a dual-cache refresh over the whole sequence that needs the current block's logits (at the
-        LLaDA-8B shape, prompt 512 + 256: 86 % of the last block's products, 2.7 % of the forward's). Where the fused kernels run, the model hands both to the next block's attention norm (or
-        the final norm), which adds them as it reads them (`LLaDARMSNorm.add_and_norm`), so the sum is never written
-        and read back by a kernel of its own: one pass over the hidden states fewer per block, a launch fewer at
-        every block step, the same values (the norm rounds the sum to the hidden states' dtype before norming it, as
-        a separate add would)."""
+        LLaDA-8B shape, prompt 512 + 256: 86 % of the last block's products, 2.7 % of the forward's; at fewer rows
+        the products may take other kernels, so the kept logits equal the full forward's up to their rounding).
+        Where the fused kernels run, the model hands both to the next block's attention norm (or the final norm),
+        which adds them as it reads them (`LLaDARMSNorm.add_and_norm`), so the sum is never written and read back by
+        a kernel of its own: one pass over the hidden states fewer per block, a launch fewer at every block step, the
+        same values (the norm rounds the sum to the hidden states' dtype before norming it, as a separate add
+        would)."""
         batch, q_len, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states)
         group = self._fp8_input_group(self.attn_norm, hidden_states, self._QKV, fused)
