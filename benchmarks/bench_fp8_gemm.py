@@ -7,7 +7,9 @@ quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled
 cuBLASLt's block-scaled `torch._scaled_mm`), `w8a8_few_rows` (the same quantization, hf_dllm's Triton FP8 kernel for
 a block step's few rows: split-K, the weight tile as the MMA's M), the last two also without the quantization
 (`scaled_mm_gemm_only`, `few_rows_gemm_only`: activations quantized beforehand, as LLaDA's RMSNorm and SiLU gate
-write them), and, for reference, transformers' own `finegrained_fp8_linear` (a Hub kernel: reported as unavailable
+write them), `rowwise_gemm_only` / `few_rows_rowwise_gemm_only` (`--quantization fp8-tensor`'s row-scaled weights,
+activations quantized beforehand: cuBLASLt's `torch._scaled_mm`, or the few-rows kernel's row-scaled variant), and,
+for reference, transformers' own `finegrained_fp8_linear` (a Hub kernel: reported as unavailable
 when it cannot be fetched) and `torch._scaled_mm` with row-wise scales (a different weight quantization: the best
 cuBLASLt FP8 does on these shapes). Rows: 32 x batch (block steps at batch 1 / 8 / 32) and
 the full-sequence refresh forwards (768 x batch). Times: GPU time per call, `--repeats` calls captured in one CUDA
@@ -112,6 +114,18 @@ def few_rows(x, w8, scale, block, prequantized: bool):
     return run
 
 
+def row_scaled(x, weight, few_rows: bool):
+    """The products of `--quantization fp8-tensor` (one scale per weight row, activations one scale per row,
+    quantized beforehand as LLaDA's RMSNorm and SiLU gate write them): cuBLASLt's `torch._scaled_mm`
+    (`fp8.rowwise_matmul`) or the few-rows kernel's row-scaled variant."""
+    k_in = x.shape[1]
+    w8, row_scales = fp8.quantize_blocks(weight, (1, k_in))
+    rows = fp8.QuantizedRows(*fp8.quantize_rows(x, k_in, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE), x.shape, x.dtype)
+    if few_rows:
+        return lambda: fp8.few_rows_w8a8_matmul(rows, w8, row_scales, (1, k_in))
+    return lambda: fp8.rowwise_matmul(rows, w8, row_scales)
+
+
 def candidate_kernels(x, weight, w8, scale, block) -> dict:
     """name -> a maker of a call computing `x @ weight.T` (bf16) or with the FP8 weight `w8` and its block scales.
     Makers, not calls: some prepare operands (quantized copies), which only the kernels that run should pay for."""
@@ -125,6 +139,8 @@ def candidate_kernels(x, weight, w8, scale, block) -> dict:
         "few_rows_gemm_only": lambda: few_rows(x, w8, scale, block, prequantized=True),
         "transformers_hub": lambda: lambda: _transformers_linear(x, w8, scale, block),
         "rowwise_scaled_mm": lambda: rowwise_scaled_mm(x, weight),
+        "rowwise_gemm_only": lambda: row_scaled(x, weight, few_rows=False),
+        "few_rows_rowwise_gemm_only": lambda: row_scaled(x, weight, few_rows=True),
     }
 
 
@@ -191,6 +207,14 @@ def main(argv=None) -> int:
                 row["weight_tb_s"] = bytes_w / (row["us"] * 1e-6) / 1e12
                 row["tflop_s"] = 2 * rows * n_out * k_in / (row["us"] * 1e-6) / 1e12
                 ref_kind = "weight_only" if kernel == "weight_only" else "w8a8"
+                if kernel.startswith(("rowwise", "few_rows_rowwise")):
+                    ref_kind = "w8a8_row_scaled"
+                    if ref_kind not in ref_error:
+                        w8_rows, row_scales = fp8.quantize_blocks(weight, (1, k_in))
+                        v, s = fp8.quantize_rows(x, k_in)
+                        product = (v.float() * s) @ (w8_rows.float() * row_scales).t()
+                        ref_error[ref_kind] = (product - exact).norm().item() / exact.norm().item()
+                        del w8_rows, v, product
                 if kernel != "bf16":
                     row["torch_ref_error"] = ref_error[ref_kind]
                 results.append(row)
@@ -217,7 +241,7 @@ def main(argv=None) -> int:
         print(line)
     best = {}
     for (shape, rows), cells in by_key.items():
-        timed = {n: r["us"] for n, r in cells.items() if "us" in r and n not in ("bf16", "rowwise_scaled_mm")}
+        timed = {n: r["us"] for n, r in cells.items() if "us" in r and n != "bf16" and "rowwise" not in n}
         if timed:
             best[f"{shape}:{rows}"] = min(timed, key=timed.get)
     print(json.dumps({"device": torch.cuda.get_device_name(device), "best_block_fp8": best, "rows": results}))

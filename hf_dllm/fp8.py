@@ -26,7 +26,10 @@ activations quantized per token) count as rows scaled one by one, block size `(1
 repeated over the rows (`fp8_scales`), so fused q/k/v and gate/up layers concatenate into one row-scaled matrix. On
 GPUs with FP8 tensor cores they multiply through `torch._scaled_mm` with one scale per activation row and per weight
 row and fast accumulation (`rowwise`): no per-128-column rescaling inside the product, ~15-20 % faster than the
-block-scaled product at a refresh forward's and a batch-32 step's rows on an H100 (RESULTS.md, FP8, session 28).
+block-scaled product at a refresh forward's and a batch-32 step's rows on an H100 (RESULTS.md, FP8, session 28). At a
+block step's few rows they take the few-rows kernel's row-scaled variant instead (`few_rows_rowwise_applies`: the
+MMA accumulates in place over k tiles of up to 256 columns, the scales applied once; faster than cuBLASLt there on
+every LLaDA-8B shape, RESULTS.md, FP8, session 37).
 
 Which runs follows `kernels.use_fused_kernels` (Triton on CUDA; on the CPU with `TRITON_INTERPRET=1` in tests), and
 `weight_only_applies` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
@@ -82,6 +85,14 @@ W8A8_MIN_WIDTH_RATIO = 3
 # it bf16) takes it too: 191 us against cuBLASLt's 202 and the weight-only kernel's 199 at 32 rows (session 30).
 FEW_ROWS_W8A8_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
 FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
+# Row-scaled weights (`fp8-tensor`) up to `FEW_ROWS_W8A8_MAX_ROWS` rows: the few-rows kernel's row-scaled variant
+# (`few_rows_rowwise_applies`) instead of cuBLASLt's `torch._scaled_mm`. On an H100 at 32 rows, each product reading
+# its weight from memory, the activations quantized beforehand (`python benchmarks/bench_fp8_gemm.py --rows 32
+# --weight-copies 4 --kernels rowwise_gemm_only,few_rows_rowwise_gemm_only`; RESULTS.md, FP8, session 37): LLaDA-8B's
+# output projection 10.4 us against 13.7, fused q/k/v 21.6 against 23.7, gate/up 38.2 against 42.5, down 23.0
+# against 32.5, an FP8 head 178.4 against 200.3; at 64 rows 11.3 / 21.4 / 41.0 / 25.0 against 13.3 / 23.7 / 42.3 /
+# 31.8. A batch-1 `fp8-tensor+head` call: 4.80 -> 4.17 ms per forward.
+FEW_ROWS_ROWWISE = True
 
 
 # `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
@@ -269,9 +280,11 @@ def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> st
     `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or
     Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take them. The one rule that
     `fp8_linear` runs and `quantized_input_group` reads."""
-    if is_row_scaled(block_size, cols):
-        return "rowwise" if _rowwise_runs(x.device, n_out, cols) else "torch"
     rows = x.numel() // x.shape[-1]
+    if is_row_scaled(block_size, cols):
+        if few_rows_rowwise_applies(rows, x.device):
+            return "few_rows"
+        return "rowwise" if _rowwise_runs(x.device, n_out, cols) else "torch"
     if few_rows_w8a8_applies(rows, n_out, cols, block_size, x.device):
         return "few_rows"
     cublaslt = cublaslt_takes(x, n_out, cols, block_size)
@@ -298,6 +311,19 @@ def few_rows_w8a8_applies(rows: int, n_out: int, cols: int, block_size, device: 
         and rows <= FEW_ROWS_W8A8_MAX_ROWS
         and tuple(block_size) == (128, 128)
         and (cols > n_out or n_out >= FEW_ROWS_W8A8_MIN_WIDTH_RATIO * cols)
+        and _fp8_tensor_cores(device.index or 0)
+    )
+
+
+def few_rows_rowwise_applies(rows: int, device: torch.device) -> bool:
+    """Whether `fp8_linear` multiplies `rows` rows by a row-scaled FP8 weight (`is_row_scaled`) on `device` with the
+    few-rows kernel (`few_rows_w8a8_matmul`) instead of cuBLASLt's row-scaled product (`rowwise_matmul`): up to
+    `FEW_ROWS_W8A8_MAX_ROWS` rows on a GPU with FP8 tensor cores, where `FEW_ROWS_ROWWISE` is on."""
+    return (
+        FEW_ROWS_ROWWISE
+        and TRITON_AVAILABLE
+        and device.type == "cuda"
+        and rows <= FEW_ROWS_W8A8_MAX_ROWS
         and _fp8_tensor_cores(device.index or 0)
     )
 
@@ -370,6 +396,24 @@ def few_rows_w8a8_configs() -> list:
 def _prune_few_rows(configs, named_args, **kwargs):
     # BLOCK_M: the smallest tile >= the rows (min 16), at most 64 (more rows take several row tiles).
     return [c for c in configs if c.kwargs["BLOCK_M"] == _row_tile(named_args["M"], 64)]
+
+
+def few_rows_rowwise_configs() -> list:
+    # As `few_rows_w8a8_configs`, and BLOCK_K free of the scales: with one scale per row nothing is rescaled inside
+    # the product, so a k tile may span 256 columns (longer contiguous loads, half the loop's iterations). (Deeper
+    # pipelines, 5-6 stages of 64 x 256 tiles, won a 288-config sweep on LLaDA-8B's output projection and down by
+    # 1.3-1.6 us, but a batch-1 call with them was no faster: RESULTS.md, FP8, session 37.)
+    return [
+        triton.Config(
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split},
+            num_warps=4,
+            num_stages=stages,
+        )
+        for block_m in (16, 32, 64)
+        for block_n, block_k in ((64, 256), (128, 128), (128, 256))
+        for split in (1, 2, 4, 8)
+        for stages in (3, 4)
+    ]
 
 
 if TRITON_AVAILABLE:
@@ -674,10 +718,66 @@ if TRITON_AVAILABLE:
 
     _MAX_FEW_ROWS_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_w8a8_kernel.configs)
 
+    @triton.autotune(
+        configs=few_rows_rowwise_configs(),
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_few_rows},
+    )
+    @triton.jit
+    def _few_rows_rowwise_kernel(
+        a_ptr,
+        a_scale_ptr,
+        w_ptr,
+        w_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_asm,
+        stride_wn,
+        stride_wsn,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):
+        # out[m, n] = (sum over k of w[n, k] a[m, k]) * a_scale[m] * w_scale[n]: `_few_rows_w8a8_kernel` for one scale
+        # per row of each operand (`rowwise_matmul`'s arithmetic). The MMA accumulates in place across k tiles (the
+        # block-scaled kernel must scale every tile's product before adding it, which makes each k tile wait for its
+        # MMA), in the FP8 tensor cores' own precision as `rowwise_matmul`'s fast accumulation does; the scales apply
+        # once, to each program's (partial) sums, which `_sum_splits_kernel` adds up.
+        offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
+            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
+        )
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = _k_tile_ptrs(a_ptr, offs_m, stride_am, k_first, BLOCK_K)
+        w_ptrs = _k_tile_ptrs(w_ptr, offs_n, stride_wn, k_first, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_first, k_last):
+            in_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(a), acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        a_scale = tl.load(a_scale_ptr + offs_m.to(tl.int64) * stride_asm, mask=in_m, other=0.0)
+        w_scale = tl.load(w_scale_ptr + offs_n.to(tl.int64) * stride_wsn, mask=in_n, other=0.0)
+        acc = acc * w_scale[:, None] * a_scale[None, :]
+        _store_split_product(
+            tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K
+        )
+
+    _MAX_FEW_ROWS_ROWWISE_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_rowwise_kernel.configs)
+
 # The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
 INTERPRETER_CONFIGS = {
     "weight_only": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "SWAP": False},
     "few_rows_w8a8": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2},
+    "few_rows_rowwise": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
     "w8a8": {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2},
 }
 
@@ -778,9 +878,16 @@ def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size,
     """`x`'s real rows times the FP8 weight on FP8 tensor cores with hf_dllm's few-rows kernel -> `(..., N)` in
     `x.dtype`: the product of `scaled_mm_rows` (the same block-scaled arithmetic up to the order of float32 sums),
     made for a block step's rows, where cuBLASLt streams the weight slower (`few_rows_w8a8_applies`). `x`'s group and
-    the weight's block of columns must both be 128 (`block_size` (128, 128)). `config`: one of
-    `few_rows_w8a8_configs()` instead of the autotuner's choice (tests)."""
+    the weight's block of columns must both be 128 (`block_size` (128, 128)); or, for a row-scaled weight
+    (`is_row_scaled`), one scale per row of each: `rowwise_matmul`'s product (`few_rows_rowwise_applies`). `config`:
+    one of `few_rows_w8a8_configs()` (`few_rows_rowwise_configs()`) instead of the autotuner's choice (tests)."""
     cols = x.shape[-1]
+    if is_row_scaled(block_size, cols):
+        _check_row_scales(x, weight, weight_scale_inv, "few_rows_w8a8_matmul")
+        out = _few_rows_rowwise(
+            x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config
+        )
+        return out.view(*x.shape[:-1], weight.shape[0])
     if tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
         raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
     out = _few_rows_w8a8(x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config)
@@ -804,6 +911,24 @@ def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, b
         config,
         SCALE_N=128,
         BLOCK_K=128,
+    )
+
+
+@on_tensor_device
+def _few_rows_rowwise(values, scales, rows: int, dtype, weight, row_scales, bias, config) -> torch.Tensor:
+    # The row-scaled kernel's launch on the first `rows` rows of `values` (on their device) -> `(rows, N)`.
+    return _split_k_product(
+        _few_rows_rowwise_kernel,
+        INTERPRETER_CONFIGS["few_rows_rowwise"],
+        (values, scales, weight, row_scales),
+        (values.stride(0), scales.stride(0), weight.stride(0), row_scales.stride(0)),
+        rows,
+        weight.shape[0],
+        weight.shape[1],
+        dtype,
+        bias,
+        _MAX_FEW_ROWS_ROWWISE_SPLIT_K,
+        config,
     )
 
 
@@ -871,6 +996,8 @@ def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bia
     (`rowwise_matmul`), the few-rows kernel where it applies (`few_rows_w8a8_applies`), else cuBLASLt
     (`scaled_mm_rows`)."""
     if is_row_scaled(block_size, weight.shape[1]):
+        if few_rows_rowwise_applies(x.shape[:-1].numel(), x.values.device):
+            return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
         return rowwise_matmul(x, weight, weight_scale_inv, bias)
     if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
         return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
@@ -963,11 +1090,7 @@ ROWWISE_FAST_ACCUMULATION = True
 def rowwise_matmul(x: QuantizedRows, weight, row_scales, bias=None) -> torch.Tensor:
     """`x`'s real rows (quantized one scale per row: `quantize_rows(x, K)`) times an FP8 weight with one scale per
     row, `row_scales` float32 `(N, 1)` (`fp8_scales`), through `torch._scaled_mm` -> `(..., N)` in `x.dtype`."""
-    if x.scales.shape[1] != 1 or row_scales.shape != (weight.shape[0], 1):
-        raise ValueError(
-            f"rowwise_matmul needs one activation scale per row and row_scales of shape {(weight.shape[0], 1)}, got "
-            f"{tuple(x.scales.shape)} and {tuple(row_scales.shape)}."
-        )
+    _check_row_scales(x, weight, row_scales, "rowwise_matmul")
     out = torch._scaled_mm(
         x.values,
         weight.t(),
@@ -978,6 +1101,14 @@ def rowwise_matmul(x: QuantizedRows, weight, row_scales, bias=None) -> torch.Ten
     )
     out = out[: x.shape[:-1].numel()].view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
+
+
+def _check_row_scales(x: QuantizedRows, weight, row_scales, name: str) -> None:
+    if x.scales.shape[1] != 1 or row_scales.shape != (weight.shape[0], 1):
+        raise ValueError(
+            f"{name} needs one activation scale per row and row_scales of shape {(weight.shape[0], 1)}, got "
+            f"{tuple(x.scales.shape)} and {tuple(row_scales.shape)}."
+        )
 
 
 @functools.cache

@@ -243,6 +243,27 @@ def kernel_errors(x, weight, block, kernels):
     return results
 
 
+def rowwise_errors(x, weight, bias=None, config=None):
+    """The few-rows kernel's row-scaled product (`fp8.few_rows_w8a8_matmul` with block size `(1, K)`: one scale per
+    weight row and per activation row) against the exact float32 product, and PyTorch's own reference error (both
+    operands quantized the same way, dequantized, multiplied in float32)."""
+    k_in = x.shape[1]
+    exact = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
+    w8, row_scales = fp8.quantize_blocks(weight, (1, k_in))
+    values, scales = fp8.quantize_rows(x, k_in)
+    rows = fp8.QuantizedRows(values, scales, x.shape, x.dtype)
+    out = fp8.few_rows_w8a8_matmul(rows, w8, row_scales, (1, k_in), bias, config=config)
+    reference_out = (values.float() * scales) @ (w8.float() * row_scales).t() + (0 if bias is None else bias.float())
+    norm = exact.norm()
+    return ((out.float() - exact).norm() / norm).item(), ((reference_out - exact).norm() / norm).item(), out
+
+
+def row_magnitudes(rows: int) -> torch.Tensor:
+    """`(rows, 1)` factors from 0.002 to 0.2, shuffled: rows whose scales differ, so that a kernel applying another
+    row's scale is far off."""
+    return torch.logspace(-2.7, -0.7, rows)[torch.randperm(rows)][:, None]
+
+
 def block_magnitudes(n_out: int, k_in: int) -> torch.Tensor:
     """`(n_out, k_in)` factors, one per 128 x 128 block, from 0.002 to 0.2 over the blocks: weights whose block
     scales differ, so that a kernel applying the wrong block's scale is far off."""
@@ -380,6 +401,20 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         weight = torch.randn(n_out, k_in) * block_magnitudes(n_out, k_in)
         error, reference = kernel_errors(x, weight, (128, 128), {"w8a8:few_rows": "few_rows"})["w8a8:few_rows"]
         assert error <= 2 * reference + 1e-3, ("few_rows", config, error, reference)
+    # The few-rows kernel's row-scaled variant (one scale per weight row and per activation row, `fp8-tensor`): k tiles
+    # that do not divide K, a split with more parts than some ranges have k tiles, no split, several row tiles, a bias.
+    from tests.test_fp8 import row_magnitudes, rowwise_errors
+    for config, (rows, n_out, k_in), with_bias in [
+        ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2}, (5, 192, 320), False),
+        ({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}, (20, 256, 256), True),
+        ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4}, (3, 128, 96), True),
+    ]:
+        fp8.INTERPRETER_CONFIGS["few_rows_rowwise"] = config
+        x = (torch.randn(rows, k_in) * row_magnitudes(rows) * 50).to(torch.float16)
+        weight = torch.randn(n_out, k_in) * row_magnitudes(n_out)
+        bias = torch.randn(n_out, dtype=torch.float16) * 0.1 if with_bias else None
+        error, reference, _ = rowwise_errors(x, weight, bias)
+        assert error <= 2 * reference + 1e-3, ("few_rows rowwise", config, error, reference)
     # The weight-only kernel's other formulation (weight tile times transposed activations) and no split.
     fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
@@ -585,6 +620,46 @@ def test_every_few_rows_w8a8_config_within_twice_torch_fp8_reference(rows, n_out
         error = (out.float() - exact).norm() / exact.norm()
         assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
         assert_deterministic(lambda c=config: fp8.few_rows_w8a8_matmul(quantized, w8, scale, BLOCK, config=c), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [32, 64, 5])
+@pytest.mark.parametrize("n_out,k_in", [(4096, 4096), (640, 1536), (1024, 12288)])
+def test_every_few_rows_rowwise_config_within_twice_torch_fp8_reference(rows, n_out, k_in):
+    """Each config the autotuner may pick for the row-scaled few-rows kernel at a block step's rows (every tile,
+    k tile and split), compiled, against PyTorch's row-scaled w8a8 reference; a split's sums are added up in a fixed
+    order (the same bits again)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n_out, k_in, device="cuda") * row_magnitudes(n_out).cuda()
+    configs = fp8._prune_few_rows(fp8.few_rows_rowwise_configs(), {"M": rows})
+    assert {c.kwargs["SPLIT_K"] for c in configs} == {1, 2, 4, 8} and {c.kwargs["BLOCK_K"] for c in configs} == {
+        128,
+        256,
+    }
+    for config in configs:
+        error, reference, out = rowwise_errors(x, weight, config=config)
+        assert error <= 2 * reference + 2e-3, (config, error, reference)
+        assert_deterministic(lambda c=config: rowwise_errors(x, weight, config=c)[2], out)
+
+
+@pytest.mark.gpu
+def test_row_scaled_few_rows_go_to_the_few_rows_kernel():
+    """Row-scaled weights at a block step's rows take the few-rows kernel (activations quantized one scale per row
+    by their producer), above `FEW_ROWS_W8A8_MAX_ROWS` rows cuBLASLt's row-scaled product; `FEW_ROWS_ROWWISE` off
+    sends all of them to cuBLASLt."""
+    rows = fp8.FEW_ROWS_W8A8_MAX_ROWS
+    few, many = torch.zeros(rows, 4096, device="cuda"), torch.zeros(rows + 1, 4096, device="cuda")
+    fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
+    assert fp8.fp8_product_kernel(few, 12288, 4096, (1, 4096)) == ("few_rows" if fp8_cores else "torch")
+    assert fp8.fp8_product_kernel(many, 12288, 4096, (1, 4096)) == ("rowwise" if fp8_cores else "torch")
+    if fp8_cores:
+        assert fp8.quantized_input_group(few, 12288, 4096, (1, 4096)) == 4096
+    try:
+        fp8.FEW_ROWS_ROWWISE = False
+        assert fp8.fp8_product_kernel(few, 12288, 4096, (1, 4096)) == ("rowwise" if fp8_cores else "torch")
+    finally:
+        fp8.FEW_ROWS_ROWWISE = True
 
 
 def assert_deterministic(product, out):
