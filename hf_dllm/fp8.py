@@ -27,7 +27,7 @@ repeated over the rows (`fp8_scales`), so fused q/k/v and gate/up layers concate
 GPUs with FP8 tensor cores they multiply through `torch._scaled_mm` with one scale per activation row and per weight
 row and fast accumulation (`rowwise`): no per-128-column rescaling inside the product, ~15-20 % faster than the
 block-scaled product at a refresh forward's and a batch-32 step's rows on an H100 (RESULTS.md, FP8, session 28). At a
-block step's few rows they take the few-rows kernel's row-scaled variant instead (`few_rows_rowwise_applies`: the
+block step's few rows they take the few-rows kernel's row-scaled variant instead (`few_rows_w8a8_applies`: the
 MMA accumulates in place over k tiles of up to 256 columns, the scales applied once; faster than cuBLASLt there on
 every LLaDA-8B shape, RESULTS.md, FP8, session 37).
 
@@ -86,7 +86,7 @@ W8A8_MIN_WIDTH_RATIO = 3
 FEW_ROWS_W8A8_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
 FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
 # Row-scaled weights (`fp8-tensor`) up to `FEW_ROWS_W8A8_MAX_ROWS` rows: the few-rows kernel's row-scaled variant
-# (`few_rows_rowwise_applies`) instead of cuBLASLt's `torch._scaled_mm`. On an H100 at 32 rows, each product reading
+# (`few_rows_w8a8_applies`) instead of cuBLASLt's `torch._scaled_mm`. On an H100 at 32 rows, each product reading
 # its weight from memory, the activations quantized beforehand (`python benchmarks/bench_fp8_gemm.py --rows 32
 # --weight-copies 4 --kernels rowwise_gemm_only,few_rows_rowwise_gemm_only`; RESULTS.md, FP8, session 37): LLaDA-8B's
 # output projection 10.4 us against 13.7, fused q/k/v 21.6 against 23.7, gate/up 38.2 against 42.5, down 23.0
@@ -276,17 +276,16 @@ def fp8_linear(
 
 def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> str:
     """Which of hf_dllm's kernels `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with where
-    the fused kernels run: `rowwise` (row-scaled weights, `rowwise_matmul`), `few_rows` (`few_rows_w8a8_applies`),
+    the fused kernels run: `few_rows` (`few_rows_w8a8_applies`, block or row scales), `rowwise` (row-scaled weights
+    above its rows, `rowwise_matmul`),
     `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or
     Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take them. The one rule that
     `fp8_linear` runs and `quantized_input_group` reads."""
     rows = x.numel() // x.shape[-1]
-    if is_row_scaled(block_size, cols):
-        if few_rows_rowwise_applies(rows, x.device):
-            return "few_rows"
-        return "rowwise" if _rowwise_runs(x.device, n_out, cols) else "torch"
     if few_rows_w8a8_applies(rows, n_out, cols, block_size, x.device):
         return "few_rows"
+    if is_row_scaled(block_size, cols):
+        return "rowwise" if _rowwise_runs(x.device, n_out, cols) else "torch"
     cublaslt = cublaslt_takes(x, n_out, cols, block_size)
     if weight_only_applies(rows, n_out, cols, cublaslt):
         return "weight_only"
@@ -302,30 +301,17 @@ def weight_only_applies(rows: int, n_out: int, cols: int, cublaslt: bool) -> boo
 
 def few_rows_w8a8_applies(rows: int, n_out: int, cols: int, block_size, device: torch.device) -> bool:
     """Whether `fp8_linear` multiplies `rows` rows by an `(n_out, cols)` FP8 weight on `device` with the few-rows
-    w8a8 kernel (`few_rows_w8a8_matmul`): up to `FEW_ROWS_W8A8_MAX_ROWS` rows, 128 x 128 weight blocks, a weight
-    deeper than wide or at least `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, on a GPU with FP8 tensor
-    cores (compute capability 8.9 or more)."""
-    return (
-        TRITON_AVAILABLE
-        and device.type == "cuda"
-        and rows <= FEW_ROWS_W8A8_MAX_ROWS
-        and tuple(block_size) == (128, 128)
-        and (cols > n_out or n_out >= FEW_ROWS_W8A8_MIN_WIDTH_RATIO * cols)
-        and _fp8_tensor_cores(device.index or 0)
-    )
-
-
-def few_rows_rowwise_applies(rows: int, device: torch.device) -> bool:
-    """Whether `fp8_linear` multiplies `rows` rows by a row-scaled FP8 weight (`is_row_scaled`) on `device` with the
-    few-rows kernel (`few_rows_w8a8_matmul`) instead of cuBLASLt's row-scaled product (`rowwise_matmul`): up to
-    `FEW_ROWS_W8A8_MAX_ROWS` rows on a GPU with FP8 tensor cores, where `FEW_ROWS_ROWWISE` is on."""
-    return (
-        FEW_ROWS_ROWWISE
-        and TRITON_AVAILABLE
-        and device.type == "cuda"
-        and rows <= FEW_ROWS_W8A8_MAX_ROWS
-        and _fp8_tensor_cores(device.index or 0)
-    )
+    w8a8 kernel (`few_rows_w8a8_matmul`): up to `FEW_ROWS_W8A8_MAX_ROWS` rows on a GPU with FP8 tensor cores (compute
+    capability 8.9 or more), for 128 x 128 weight blocks a weight deeper than wide or at least
+    `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, for row scales (`is_row_scaled`) every weight where
+    `FEW_ROWS_ROWWISE` is on (else cuBLASLt's row-scaled product, `rowwise_matmul`)."""
+    if not (TRITON_AVAILABLE and device.type == "cuda" and rows <= FEW_ROWS_W8A8_MAX_ROWS):
+        return False
+    if is_row_scaled(block_size, cols):
+        shape_fits = FEW_ROWS_ROWWISE
+    else:
+        shape_fits = tuple(block_size) == (128, 128) and (cols > n_out or n_out >= FEW_ROWS_W8A8_MIN_WIDTH_RATIO * cols)
+    return shape_fits and _fp8_tensor_cores(device.index or 0)
 
 
 @functools.cache
@@ -661,13 +647,8 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
-    @triton.autotune(
-        configs=few_rows_w8a8_configs(),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune_few_rows},
-    )
     @triton.jit
-    def _few_rows_w8a8_kernel(
+    def _few_rows_kernel(
         a_ptr,
         a_scale_ptr,
         w_ptr,
@@ -689,12 +670,18 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        ROW_SCALED: tl.constexpr,
     ):
-        # out[m, n] = sum over k tiles of (w[n, tile] @ a[m, tile]^T)^T * a_scale[m, k] * w_scale[n // SCALE_N, k]:
-        # FP8 operands on FP8 tensor cores, the weight tile as the MMA's M. A k tile is one scale block of both
-        # (BLOCK_K = the weight's and the activations' block of columns), and BLOCK_N divides SCALE_N, so one
-        # weight scale per program and k tile. Program (n, m, s) sums the s-th of SPLIT_K ranges of k tiles, as in
-        # `_weight_only_kernel`.
+        # FP8 operands on FP8 tensor cores, the weight tile as the MMA's M. Program (n, m, s) sums the s-th of
+        # SPLIT_K ranges of k tiles, as in `_weight_only_kernel`.
+        # Block scales: out[m, n] = sum over k tiles of (w[n, tile] @ a[m, tile]^T)^T * a_scale[m, k] *
+        # w_scale[n // SCALE_N, k]. A k tile is one scale block of both (BLOCK_K = the weight's and the activations'
+        # block of columns), and BLOCK_N divides SCALE_N, so one weight scale per program and k tile; each tile's
+        # product is scaled before it is added, so every k tile waits for its MMA.
+        # ROW_SCALED (one scale per row of each operand, `rowwise_matmul`'s arithmetic): out[m, n] = (sum over k of
+        # w[n, k] a[m, k]) * a_scale[m] * w_scale[n]. The MMA accumulates in place across k tiles (of any width), in
+        # the FP8 tensor cores' own precision as `rowwise_matmul`'s fast accumulation does; the scales apply once, to
+        # each program's (partial) sums, which `_sum_splits_kernel` adds up.
         offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
             M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
         )
@@ -708,70 +695,38 @@ if TRITON_AVAILABLE:
             in_k = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            a_scale = tl.load(a_scale_ptrs + k * stride_ask, mask=in_m, other=0.0)
-            acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * tl.load(w_scale_row + k))
+            if ROW_SCALED:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                a_scale = tl.load(a_scale_ptrs + k * stride_ask, mask=in_m, other=0.0)
+                acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * tl.load(w_scale_row + k))
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if ROW_SCALED:
+            a_scale = tl.load(a_scale_ptrs, mask=in_m, other=0.0)
+            w_scale = tl.load(w_scale_ptr + offs_n.to(tl.int64) * stride_wsn, mask=in_n, other=0.0)
+            acc = acc * w_scale[:, None] * a_scale[None, :]
         _store_split_product(
             tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K
         )
 
-    _MAX_FEW_ROWS_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_w8a8_kernel.configs)
-
-    @triton.autotune(
+    # One kernel, two autotuners (each keeps its own choices): block scales fix the k tile at 128 columns, row scales
+    # leave it to the configs.
+    _few_rows_w8a8_kernel = triton.autotune(
+        configs=few_rows_w8a8_configs(),
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_few_rows},
+    )(_few_rows_kernel)
+    _few_rows_rowwise_kernel = triton.autotune(
         configs=few_rows_rowwise_configs(),
         key=["M", "N", "K"],
         prune_configs_by={"early_config_prune": _prune_few_rows},
+    )(_few_rows_kernel)
+    _MAX_FEW_ROWS_SPLIT_K = max(
+        config.kwargs["SPLIT_K"]
+        for kernel in (_few_rows_w8a8_kernel, _few_rows_rowwise_kernel)
+        for config in kernel.configs
     )
-    @triton.jit
-    def _few_rows_rowwise_kernel(
-        a_ptr,
-        a_scale_ptr,
-        w_ptr,
-        w_scale_ptr,
-        bias_ptr,
-        out_ptr,
-        partial_ptr,
-        M,
-        N,
-        K,
-        stride_am,
-        stride_asm,
-        stride_wn,
-        stride_wsn,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
-    ):
-        # out[m, n] = (sum over k of w[n, k] a[m, k]) * a_scale[m] * w_scale[n]: `_few_rows_w8a8_kernel` for one scale
-        # per row of each operand (`rowwise_matmul`'s arithmetic). The MMA accumulates in place across k tiles (the
-        # block-scaled kernel must scale every tile's product before adding it, which makes each k tile wait for its
-        # MMA), in the FP8 tensor cores' own precision as `rowwise_matmul`'s fast accumulation does; the scales apply
-        # once, to each program's (partial) sums, which `_sum_splits_kernel` adds up.
-        offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
-            M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
-        )
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = _k_tile_ptrs(a_ptr, offs_m, stride_am, k_first, BLOCK_K)
-        w_ptrs = _k_tile_ptrs(w_ptr, offs_n, stride_wn, k_first, BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(k_first, k_last):
-            in_k = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            acc = tl.dot(w, tl.trans(a), acc)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        a_scale = tl.load(a_scale_ptr + offs_m.to(tl.int64) * stride_asm, mask=in_m, other=0.0)
-        w_scale = tl.load(w_scale_ptr + offs_n.to(tl.int64) * stride_wsn, mask=in_n, other=0.0)
-        acc = acc * w_scale[:, None] * a_scale[None, :]
-        _store_split_product(
-            tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K
-        )
-
-    _MAX_FEW_ROWS_ROWWISE_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _few_rows_rowwise_kernel.configs)
 
 # The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
 INTERPRETER_CONFIGS = {
@@ -879,29 +834,32 @@ def few_rows_w8a8_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size,
     `x.dtype`: the product of `scaled_mm_rows` (the same block-scaled arithmetic up to the order of float32 sums),
     made for a block step's rows, where cuBLASLt streams the weight slower (`few_rows_w8a8_applies`). `x`'s group and
     the weight's block of columns must both be 128 (`block_size` (128, 128)); or, for a row-scaled weight
-    (`is_row_scaled`), one scale per row of each: `rowwise_matmul`'s product (`few_rows_rowwise_applies`). `config`:
+    (`is_row_scaled`), one scale per row of each: `rowwise_matmul`'s product. `config`:
     one of `few_rows_w8a8_configs()` (`few_rows_rowwise_configs()`) instead of the autotuner's choice (tests)."""
     cols = x.shape[-1]
-    if is_row_scaled(block_size, cols):
+    row_scaled = is_row_scaled(block_size, cols)
+    if row_scaled:
         _check_row_scales(x, weight, weight_scale_inv, "few_rows_w8a8_matmul")
-        out = _few_rows_rowwise(
-            x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config
-        )
-        return out.view(*x.shape[:-1], weight.shape[0])
-    if tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
+    elif tuple(block_size) != (128, 128) or x.scales.shape[1] != -(-cols // 128):
         raise ValueError(f"few_rows_w8a8_matmul needs 128 x 128 weight blocks and 128-column groups, got {block_size}.")
-    out = _few_rows_w8a8(x.values, x.scales, x.shape[:-1].numel(), x.dtype, weight, weight_scale_inv, bias, config)
+    rows = x.shape[:-1].numel()
+    out = _few_rows_w8a8(x.values, x.scales, rows, x.dtype, weight, weight_scale_inv, bias, config, row_scaled)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @on_tensor_device
-def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, bias, config) -> torch.Tensor:
-    # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` (on their device) -> `(rows, N)`.
+def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scales, bias, config, row_scaled: bool):
+    # `few_rows_w8a8_matmul`'s launch on the first `rows` rows of `values` (on their device) -> `(rows, N)`. Block
+    # scales fix the k tile at their 128 columns; with row scales it is the config's.
+    if row_scaled:
+        kernel, name, constexprs = _few_rows_rowwise_kernel, "few_rows_rowwise", dict(SCALE_N=1)
+    else:
+        kernel, name, constexprs = _few_rows_w8a8_kernel, "few_rows_w8a8", dict(SCALE_N=128, BLOCK_K=128)
     return _split_k_product(
-        _few_rows_w8a8_kernel,
-        INTERPRETER_CONFIGS["few_rows_w8a8"],
-        (values, scales, weight, weight_scale_inv),
-        (values.stride(0), scales.stride(0), scales.stride(1), weight.stride(0), weight_scale_inv.stride(0)),
+        kernel,
+        INTERPRETER_CONFIGS[name],
+        (values, scales, weight, weight_scales),
+        (values.stride(0), scales.stride(0), scales.stride(1), weight.stride(0), weight_scales.stride(0)),
         rows,
         weight.shape[0],
         weight.shape[1],
@@ -909,26 +867,8 @@ def _few_rows_w8a8(values, scales, rows: int, dtype, weight, weight_scale_inv, b
         bias,
         _MAX_FEW_ROWS_SPLIT_K,
         config,
-        SCALE_N=128,
-        BLOCK_K=128,
-    )
-
-
-@on_tensor_device
-def _few_rows_rowwise(values, scales, rows: int, dtype, weight, row_scales, bias, config) -> torch.Tensor:
-    # The row-scaled kernel's launch on the first `rows` rows of `values` (on their device) -> `(rows, N)`.
-    return _split_k_product(
-        _few_rows_rowwise_kernel,
-        INTERPRETER_CONFIGS["few_rows_rowwise"],
-        (values, scales, weight, row_scales),
-        (values.stride(0), scales.stride(0), weight.stride(0), row_scales.stride(0)),
-        rows,
-        weight.shape[0],
-        weight.shape[1],
-        dtype,
-        bias,
-        _MAX_FEW_ROWS_ROWWISE_SPLIT_K,
-        config,
+        ROW_SCALED=row_scaled,
+        **constexprs,
     )
 
 
@@ -992,15 +932,13 @@ class QuantizedRows(NamedTuple):
 
 
 def w8a8_rows_matmul(x: QuantizedRows, weight, weight_scale_inv, block_size, bias=None) -> torch.Tensor:
-    """`x`'s real rows times the FP8 weight -> `(..., N)` in `x.dtype`: the row-scaled product for row scales
-    (`rowwise_matmul`), the few-rows kernel where it applies (`few_rows_w8a8_applies`), else cuBLASLt
+    """`x`'s real rows times the FP8 weight -> `(..., N)` in `x.dtype`: the few-rows kernel where it applies
+    (`few_rows_w8a8_applies`, block or row scales), else cuBLASLt: row-scaled (`rowwise_matmul`) or block-scaled
     (`scaled_mm_rows`)."""
-    if is_row_scaled(block_size, weight.shape[1]):
-        if few_rows_rowwise_applies(x.shape[:-1].numel(), x.values.device):
-            return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
-        return rowwise_matmul(x, weight, weight_scale_inv, bias)
     if few_rows_w8a8_applies(x.shape[:-1].numel(), *weight.shape, block_size, x.values.device):
         return few_rows_w8a8_matmul(x, weight, weight_scale_inv, block_size, bias)
+    if is_row_scaled(block_size, weight.shape[1]):
+        return rowwise_matmul(x, weight, weight_scale_inv, bias)
     return scaled_mm_rows(x, weight, weight_scale_inv, bias)
 
 

@@ -644,7 +644,7 @@ def test_every_few_rows_rowwise_config_within_twice_torch_fp8_reference(rows, n_
 
 
 @pytest.mark.gpu
-def test_row_scaled_few_rows_go_to_the_few_rows_kernel():
+def test_row_scaled_few_rows_go_to_the_few_rows_kernel(monkeypatch):
     """Row-scaled weights at a block step's rows take the few-rows kernel (activations quantized one scale per row
     by their producer), above `FEW_ROWS_W8A8_MAX_ROWS` rows cuBLASLt's row-scaled product; `FEW_ROWS_ROWWISE` off
     sends all of them to cuBLASLt."""
@@ -655,11 +655,30 @@ def test_row_scaled_few_rows_go_to_the_few_rows_kernel():
     assert fp8.fp8_product_kernel(many, 12288, 4096, (1, 4096)) == ("rowwise" if fp8_cores else "torch")
     if fp8_cores:
         assert fp8.quantized_input_group(few, 12288, 4096, (1, 4096)) == 4096
-    try:
-        fp8.FEW_ROWS_ROWWISE = False
-        assert fp8.fp8_product_kernel(few, 12288, 4096, (1, 4096)) == ("rowwise" if fp8_cores else "torch")
-    finally:
-        fp8.FEW_ROWS_ROWWISE = True
+    monkeypatch.setattr(fp8, "FEW_ROWS_ROWWISE", False)
+    assert fp8.fp8_product_kernel(few, 12288, 4096, (1, 4096)) == ("rowwise" if fp8_cores else "torch")
+
+
+def test_few_rows_rule_for_block_and_row_scales(monkeypatch):
+    """`few_rows_w8a8_applies`, the one rule for both scalings, as on a GPU with FP8 tensor cores (faked, so that
+    it runs here): row scales take every shape up to `FEW_ROWS_W8A8_MAX_ROWS` rows (unless `FEW_ROWS_ROWWISE` is
+    off), block scales deep or much wider weights only; never on the CPU."""
+    monkeypatch.setattr(fp8, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(fp8, "_fp8_tensor_cores", lambda index: True)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    rows = fp8.FEW_ROWS_W8A8_MAX_ROWS
+    for n_out, k_in in [(4096, 4096), (12288, 4096), (24576, 4096), (4096, 12288)]:
+        per_row = (1, k_in)
+        assert fp8.few_rows_w8a8_applies(rows, n_out, k_in, per_row, cuda)
+        assert not fp8.few_rows_w8a8_applies(rows + 1, n_out, k_in, per_row, cuda)
+        assert not fp8.few_rows_w8a8_applies(rows, n_out, k_in, per_row, cpu)
+        deep_or_widest = k_in > n_out or n_out >= fp8.FEW_ROWS_W8A8_MIN_WIDTH_RATIO * k_in
+        assert fp8.few_rows_w8a8_applies(32, n_out, k_in, BLOCK, cuda) == deep_or_widest
+    monkeypatch.setattr(fp8, "FEW_ROWS_ROWWISE", False)
+    assert not fp8.few_rows_w8a8_applies(32, 4096, 4096, (1, 4096), cuda)
+    assert fp8.few_rows_w8a8_applies(32, 4096, 12288, BLOCK, cuda)
+    monkeypatch.setattr(fp8, "_fp8_tensor_cores", lambda index: False)
+    assert not fp8.few_rows_w8a8_applies(32, 4096, 12288, (1, 12288), cuda)
 
 
 def assert_deterministic(product, out):
