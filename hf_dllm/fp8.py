@@ -367,6 +367,17 @@ def _prune_weight_only(configs, named_args, **kwargs):
     return kept
 
 
+def _add_up_timed_splits(nargs: dict, exception=None) -> None:
+    """The split-K product kernels' autotuners' `post_hook`: Triton runs it inside each timed call of a config, so a
+    config that splits K is timed with the kernel that adds up its partial sums (`_add_up_splits`), as
+    `_split_k_product` runs it after the chosen config. Timed without it, splitting looked free and won
+    by margins within the timing noise over configs whose output needs no second kernel (H100, LLaDA-8B's q/k/v
+    at 32 rows: split 2 in one process, 1 in another; RESULTS.md, FP8, session 38)."""
+    if exception is None and nargs["SPLIT_K"] > 1:
+        bias = nargs["bias_ptr"] if nargs["HAS_BIAS"] else None
+        _add_up_splits(nargs["partial_ptr"], bias, nargs["out_ptr"], nargs["SPLIT_K"])
+
+
 def few_rows_w8a8_configs() -> list:
     # The weight tile is always the MMA's M (64 or 128 weight rows), the few activation rows its N. SPLIT_K as in
     # `weight_only_configs`: at 32 rows an N of 4096 gives too few tiles to keep every SM streaming weights.
@@ -386,9 +397,9 @@ def _prune_few_rows(configs, named_args, **kwargs):
 
 def few_rows_rowwise_configs() -> list:
     # As `few_rows_w8a8_configs`, and BLOCK_K free of the scales: with one scale per row nothing is rescaled inside
-    # the product, so a k tile may span 256 columns (longer contiguous loads, half the loop's iterations). (Deeper
-    # pipelines, 5-6 stages of 64 x 256 tiles, won a 288-config sweep on LLaDA-8B's output projection and down by
-    # 1.3-1.6 us, but a batch-1 call with them was no faster: RESULTS.md, FP8, session 37.)
+    # the product, so a k tile may span 256 columns (longer contiguous loads, half the loop's iterations). Deeper
+    # pipelines of 64 x 256 tiles (5-6 stages, unsplit or split in 2) won a 288-config sweep on LLaDA-8B's output
+    # projection and down by 1.3-1.6 us, timed with their split sums (RESULTS.md, FP8, sessions 37-38).
     return [
         triton.Config(
             {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split},
@@ -398,7 +409,7 @@ def few_rows_rowwise_configs() -> list:
         for block_m in (16, 32, 64)
         for block_n, block_k in ((64, 256), (128, 128), (128, 256))
         for split in (1, 2, 4, 8)
-        for stages in (3, 4)
+        for stages in ((3, 4, 5, 6) if (block_n, block_k) == (64, 256) and split <= 2 else (3, 4))
     ]
 
 
@@ -482,6 +493,7 @@ if TRITON_AVAILABLE:
         configs=weight_only_configs(),
         key=["M", "N", "K"],
         prune_configs_by={"early_config_prune": _prune_weight_only},
+        post_hook=_add_up_timed_splits,
     )
     @triton.jit
     def _weight_only_kernel(
@@ -716,11 +728,13 @@ if TRITON_AVAILABLE:
         configs=few_rows_w8a8_configs(),
         key=["M", "N", "K"],
         prune_configs_by={"early_config_prune": _prune_few_rows},
+        post_hook=_add_up_timed_splits,
     )(_few_rows_kernel)
     _few_rows_rowwise_kernel = triton.autotune(
         configs=few_rows_rowwise_configs(),
         key=["M", "N", "K"],
         prune_configs_by={"early_config_prune": _prune_few_rows},
+        post_hook=_add_up_timed_splits,
     )(_few_rows_kernel)
     _MAX_FEW_ROWS_SPLIT_K = max(
         config.kwargs["SPLIT_K"]

@@ -443,6 +443,21 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         assert scales.shape == (rows, 1) and values.shape == x.shape, (scales.shape, values.shape)
         expected = x.float().abs().amax(1, keepdim=True) / 448.0
         assert torch.allclose(scales, expected, rtol=1e-6, atol=0), (scales - expected).abs().max()
+    # The split-K products' autotuners time a config with the kernel adding up its partial sums (their post_hook, run
+    # inside each timed call): the sum of the split's partials (+ bias) into out, nothing for an unsplit config.
+    for kernel in (fp8._weight_only_kernel, fp8._few_rows_w8a8_kernel, fp8._few_rows_rowwise_kernel):
+        assert kernel.post_hook is fp8._add_up_timed_splits, kernel
+    partials, bias = torch.randn(4, 3, 10), torch.randn(10)
+    for split, has_bias in [(3, True), (2, False), (1, True)]:
+        out = torch.zeros(3, 10)
+        nargs = {"SPLIT_K": split, "HAS_BIAS": has_bias, "bias_ptr": bias, "partial_ptr": partials, "out_ptr": out}
+        fp8._add_up_timed_splits(nargs)
+        expected = torch.zeros(3, 10)
+        if split > 1:
+            for part in partials[:split]:
+                expected = expected + part
+            expected = expected + bias if has_bias else expected
+        assert torch.equal(out, expected), (split, has_bias, (out - expected).abs().max())
     # RMSNorm and SiLU-mul writing their output quantized: the bits quantize_rows gives their unfused output.
     from tests.test_fp8 import fused_quantization_differences
     assert not fused_quantization_differences("cpu", torch.bfloat16), fused_quantization_differences("cpu", torch.bfloat16)
