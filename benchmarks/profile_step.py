@@ -3,7 +3,8 @@
 For the LLaDA-8B or Dream-7B shape in bf16 on a GPU: runs a few eager block steps under the profiler (kernel
 durations are the same as in a CUDA-graph replay; only launch gaps differ), groups CUDA kernels by name, and prints
 the top ones with their share; the same for the block-start full forward (the dual cache's refresh), with both
-steps' CUDA-graph replay times. Then times the block's matrix products alone (separate q/k/v and gate/up products
+steps' CUDA-graph replay times and one replay of each kernel by kernel (durations and the time between kernels, and
+a layer's kernels in order). Then times the block's matrix products alone (separate q/k/v and gate/up products
 vs. concatenated weights) to show how close cuBLAS gets to the memory-bandwidth floor at small M. Ends with one
 JSON line.
 
@@ -104,6 +105,55 @@ def print_table(title: str, total: float, kernels: int, top: list, steps: int = 
         print(f"{ms:8.3f} {100 * ms / total:5.1f}% {count // steps:6d}  {name}")
 
 
+def replay_timeline(fn) -> list[tuple[str, float, float]]:
+    """`(kernel name, start us, end us)` of the GPU work of one call of `fn` (a CUDA-graph replay: the kernels as
+    they run back to back, with the time between them), in order of start."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return sorted(events, key=lambda event: event[1])
+
+
+HOST_WAIT_US = 50.0  # inside a graph kernels follow each other within ~0.1-1 us (H100)
+
+
+def print_timeline(title: str, events: list[tuple[str, float, float]], in_order: int = 40) -> dict:
+    """Per kernel name: total duration, total time since the previous kernel ended, count; then the first
+    `in_order` kernels after the first layer's norm one by one (a layer's sequence). A gap of more than
+    `HOST_WAIT_US` is the host preparing the replay (the inputs are copied before it), counted apart. Returns
+    `{"busy_us", "gaps_us", "host_wait_us", "kernels"}`."""
+    per_name = defaultdict(lambda: [0.0, 0.0, 0])
+    rows, previous_end = [], None
+    for name, start, end in events:
+        gap = 0.0 if previous_end is None else start - previous_end
+        previous_end = end
+        entry = per_name[name[:80]]
+        entry[0] += end - start
+        entry[1] += gap
+        entry[2] += 1
+        rows.append((name[:80], end - start, gap))
+    busy = sum(duration for _, duration, _ in rows)
+    gaps = sum(max(gap, 0.0) for _, _, gap in rows if gap <= HOST_WAIT_US)
+    host_wait = sum(gap for _, _, gap in rows if gap > HOST_WAIT_US)
+    print(f"{title}: {len(rows)} kernels, {busy:.1f} us busy, {gaps:.1f} us between them ({host_wait:.0f} host)")
+    print(f"{'us':>9} {'gap us':>8} {'count':>5}  kernel")
+    for name, (duration, gap, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:25]:
+        print(f"{duration:9.1f} {gap:8.1f} {count:5d}  {name}")
+    first_norm = next((i for i, row in enumerate(rows) if "norm" in row[0]), 0)
+    print(f"kernels {first_norm}-{first_norm + in_order - 1} in order (us, gap before):")
+    for name, duration, gap in rows[first_norm : first_norm + in_order]:
+        print(f"{duration:8.2f} {gap:7.2f}  {name}")
+    return {"busy_us": busy, "gaps_us": gaps, "host_wait_us": host_wait, "kernels": len(rows)}
+
+
 def replay_ms(fn, repeats: int = 20) -> float:
     """Median CUDA-event time of `fn()` (a step through the run's CUDA graphs)."""
     times = []
@@ -175,6 +225,17 @@ def main(argv=None) -> int:
             graph_run.run_step(start, end, 1)
         step_replay = replay_ms(lambda: graph_run.run_step(start, end, 1))
         refresh_replay = replay_ms(lambda: graph_run.run_step(start, end, 0), repeats=5)
+        # The replays' kernels one by one: the cost of each small kernel of a layer as it runs in the graph.
+        print()
+        step_timeline = print_timeline(
+            "block step, one CUDA-graph replay", replay_timeline(lambda: graph_run.run_step(start, end, 1))
+        )
+        print()
+        refresh_timeline = print_timeline(
+            "block-start full forward, one CUDA-graph replay",
+            replay_timeline(lambda: graph_run.run_step(start, end, 0)),
+            in_order=0,
+        )
     finally:
         StepGraphs.release_to(model)
     tokens = args.batch * (args.prompt_len + args.new_tokens)
@@ -219,6 +280,8 @@ def main(argv=None) -> int:
                 "refresh_kernel_ms": refresh_total,
                 "step_replay_ms": step_replay,
                 "refresh_replay_ms": refresh_replay,
+                "step_replay_timeline": step_timeline,
+                "refresh_replay_timeline": refresh_timeline,
                 "top": top[:10],
                 "gemm": results,
                 "attention_us": attention,
