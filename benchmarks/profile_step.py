@@ -49,29 +49,39 @@ def gemm_bandwidth(m: int, k: int, n: int, dtype=torch.bfloat16, repeats: int = 
     return ms, n * k * weights[0].element_size() / (ms / 1000) / 1e12
 
 
-def attention_ms(batch: int, padded: bool, impl: str, repeats: int = 100) -> float:
-    """One block-step attention at the 8B shape: 32 queries x 32 heads x 128 dims against 768 cached keys."""
+def attention_ms(
+    batch: int, padded: bool, impl: str, repeats: int = 96, n_splits: int | None = None, kv_copies: int = 1
+) -> float:
+    """One block-step attention at the 8B shape: 32 queries x 32 heads x 128 dims against 768 cached keys (Triton's
+    with `n_splits` key chunks, default its plan). `kv_copies` > 1: the calls take that many K/V copies in turn, so
+    that (with enough of them) each call reads its keys and values from memory, as a layer's step does."""
     from hf_dllm.triton_attention import block_attention
 
     q = torch.randn(batch, 32, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, 32, 768, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    kv = [
+        (
+            torch.randn(batch, 32, 768, 128, device="cuda", dtype=torch.bfloat16),
+            torch.randn(batch, 32, 768, 128, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(kv_copies)
+    ]
     mask = torch.ones(batch, 768, dtype=torch.bool, device="cuda")
     if padded:
         mask[:, :100] = False
 
-    def call():
+    def call(i):
+        k, v = kv[i % kv_copies]
         if impl == "triton":
-            return block_attention(q, k, v, mask if padded else None)
+            return block_attention(q, k, v, mask if padded else None, n_splits=n_splits)
         attn_mask = mask[:, None, None, :] if padded else None
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
-    for _ in range(3):
-        call()
+    for i in range(3):
+        call(i)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            call()
+        for i in range(repeats):
+            call(i)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
@@ -270,6 +280,12 @@ def main(argv=None) -> int:
             print(
                 f"  batch {batch:>2} {'padded' if padded else 'no pad':<7} triton {row['triton']:7.1f}  sdpa {row['sdpa']:7.1f}"
             )
+    if args.shape == "llada-8b":
+        # Batch 1: Triton's key chunks (the plan takes 6 at 768 keys) against fewer and more, K/V from memory (8
+        # copies: 100 MB), each with the merge kernel that a split adds.
+        chunks = {n: attention_ms(1, False, "triton", n_splits=n, kv_copies=8) for n in (1, 2, 3, 6, 12)}
+        attention["b1-key-chunks"] = chunks
+        print("  batch  1, K/V from memory, key chunks: " + ", ".join(f"{n}: {us:.1f}" for n, us in chunks.items()))
     print(
         json.dumps(
             {
