@@ -277,9 +277,9 @@ def fp8_linear(
 def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> str:
     """Which of hf_dllm's kernels `fp8_linear` multiplies `x (..., cols)` by an `(n_out, cols)` FP8 weight with where
     the fused kernels run: `few_rows` (`few_rows_w8a8_applies`, block or row scales), `rowwise` (row-scaled weights
-    above its rows, `rowwise_matmul`),
-    `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt (`scaled_mm`, `cublaslt_takes`) or
-    Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take them. The one rule that
+    above its rows, `rowwise_matmul`), `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt
+    (`scaled_mm`, `cublaslt_takes`) or Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take
+    them. The one rule that
     `fp8_linear` runs and `quantized_input_group` reads."""
     rows = x.numel() // x.shape[-1]
     if few_rows_w8a8_applies(rows, n_out, cols, block_size, x.device):
@@ -376,6 +376,23 @@ def _add_up_timed_splits(nargs: dict, exception=None) -> None:
     if exception is None and nargs["SPLIT_K"] > 1:
         bias = nargs["bias_ptr"] if nargs["HAS_BIAS"] else None
         _add_up_splits(nargs["partial_ptr"], bias, nargs["out_ptr"], nargs["SPLIT_K"])
+
+
+def _split_k_autotune(configs: list, prune):
+    """Triton's autotuner for a split-K product kernel (launched by `_split_k_product`): keyed by the product's
+    shape, `prune` keeping the configs for its rows, each split config timed with its sum (`_add_up_timed_splits`)."""
+    return triton.autotune(
+        configs=configs,
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": prune},
+        post_hook=_add_up_timed_splits,
+    )
+
+
+def _largest_split(*kernels) -> int:
+    """The largest SPLIT_K the autotuners `kernels` may choose: room for its partial sums is allocated where splits
+    may run."""
+    return max(config.kwargs["SPLIT_K"] for kernel in kernels for config in kernel.configs)
 
 
 def few_rows_w8a8_configs() -> list:
@@ -489,12 +506,7 @@ if TRITON_AVAILABLE:
         else:
             tl.store(partial_ptr + pid_k * M * N + offsets, result, mask=mask)
 
-    @triton.autotune(
-        configs=weight_only_configs(),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune_weight_only},
-        post_hook=_add_up_timed_splits,
-    )
+    @_split_k_autotune(weight_only_configs(), _prune_weight_only)
     @triton.jit
     def _weight_only_kernel(
         x_ptr,
@@ -546,8 +558,7 @@ if TRITON_AVAILABLE:
             result = acc
         _store_split_product(result, offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K)
 
-    # The largest split any config makes: room for its partial sums is allocated where splits may run.
-    _MAX_SPLIT_K = max(config.kwargs["SPLIT_K"] for config in _weight_only_kernel.configs)
+    _MAX_SPLIT_K = _largest_split(_weight_only_kernel)
 
     @triton.jit
     def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -724,23 +735,9 @@ if TRITON_AVAILABLE:
 
     # One kernel, two autotuners (each keeps its own choices): block scales fix the k tile at 128 columns, row scales
     # leave it to the configs.
-    _few_rows_w8a8_kernel = triton.autotune(
-        configs=few_rows_w8a8_configs(),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune_few_rows},
-        post_hook=_add_up_timed_splits,
-    )(_few_rows_kernel)
-    _few_rows_rowwise_kernel = triton.autotune(
-        configs=few_rows_rowwise_configs(),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune_few_rows},
-        post_hook=_add_up_timed_splits,
-    )(_few_rows_kernel)
-    _MAX_FEW_ROWS_SPLIT_K = max(
-        config.kwargs["SPLIT_K"]
-        for kernel in (_few_rows_w8a8_kernel, _few_rows_rowwise_kernel)
-        for config in kernel.configs
-    )
+    _few_rows_w8a8_kernel = _split_k_autotune(few_rows_w8a8_configs(), _prune_few_rows)(_few_rows_kernel)
+    _few_rows_rowwise_kernel = _split_k_autotune(few_rows_rowwise_configs(), _prune_few_rows)(_few_rows_kernel)
+    _MAX_FEW_ROWS_SPLIT_K = _largest_split(_few_rows_w8a8_kernel, _few_rows_rowwise_kernel)
 
 # The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
 INTERPRETER_CONFIGS = {
