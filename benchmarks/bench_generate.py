@@ -13,7 +13,8 @@ on the GPU through transformers' API (`from_pretrained(..., quantization_config=
 weight blocks; `fp8-tensor`: `FineGrainedFP8Config(weight_block_size=None)`, one scale per matrix; the LM head stays
 bf16, as transformers leaves output embeddings, unless the scheme ends in `+head`, e.g. `fp8+head`:
 `modules_to_not_convert=[]`) and prints per quantization the
-weights one step reads, their read floor at `--bandwidth` TB/s and the bandwidth the batch-1 dual step achieves;
+weights one step reads, their read floor at the device's copy bandwidth (measured: a 4 GiB device-to-device copy,
+each byte read and written; `--bandwidth` TB/s instead if given) and the bandwidth the batch-1 dual step achieves;
 then the FP8 logits' error against bf16 over one full-sequence forward (per position: top-1 agreement).
 `--tokens-per-forward 1,4` also runs 4 tokens per forward (steps = new tokens / 4). `--kv-cache-dtypes auto,fp8`
 runs each cached setting with K/V in the model's dtype and in FP8 (`kv_cache_dtype="fp8"`: float8 e4m3 with a scale
@@ -196,12 +197,30 @@ def _time_block_steps(run, config, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy (each byte read once and written once), the median of `repeats` timed
+    copies after one untimed: the rate a weight-read floor divides by."""
+    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * source.numel() / statistics.median(times)
+
+
 def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
     """The settings' rows (batch x cache mode x tokens per forward) for one model."""
     args, device, gpu, new_tokens = settings["args"], settings["device"], settings["gpu"], settings["new_tokens"]
     weight_bytes = step_weight_bytes(model)
     model_dtype_tokens = {}  # (batch, mode, tokens per forward) -> generated tokens with K/V in the model's dtype
-    floor = dict(gb=weight_bytes / 1e9, floor_ms=weight_bytes / (args.bandwidth * 1e12) * 1000)
+    floor = dict(gb=weight_bytes / 1e9)
+    if args.bandwidth is not None:  # measured on a GPU or given
+        floor["floor_ms"] = weight_bytes / (args.bandwidth * 1e12) * 1000
     WEIGHT_READ[quant] = floor
     rows = []
     for batch in settings["batch_sizes"]:
@@ -308,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-cache-dtypes", default="auto", help="comma list of auto (the model's dtype) and fp8 (cached modes)"
     )
-    parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the weight-read floor (H100)")
+    parser.add_argument(
+        "--bandwidth", type=float, default=None, help="TB/s for the weight-read floor (default: the measured copy's)"
+    )
     parser.add_argument("--reference", type=Path, default=None, help="Fast-dLLM's llada/ folder (CPU comparison)")
     parser.add_argument("--reference-threads", default="1,2", help="comma list of torch thread counts")
     parser.add_argument("--reference-prompts", type=int, default=6, help="held-out tiny-task prompts per setting")
@@ -329,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if gpu else "CPU"
 
     rows, summary = [], {"device": device_name, "torch": torch.__version__, "dtype": str(dtype)}
+    if gpu and args.bandwidth is None:
+        args.bandwidth = copy_bandwidth(device) / 1e12
+        summary["copy_bandwidth_tb_s"] = args.bandwidth
     summary.update(prompt_len=prompt_len, new_tokens=new_tokens, block_length=block_length, weight_read=WEIGHT_READ)
     quantizations = parse_quantizations(parser, args.quantization)
     schemes = [q for q in quantizations if q != "none"]
@@ -392,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{str(r.get('same_tokens', '-')):>9}"
         )
     for quant, floor in summary.get("weight_read", {}).items():
+        if "floor_ms" not in floor:  # CPU without --bandwidth: no floor
+            continue
         print(
             f"{quant}: a step reads {floor['gb']:.2f} GB of weights, floor {floor['floor_ms']:.2f} ms at "
-            f"{args.bandwidth} TB/s; batch-1 dual step achieved {floor.get('achieved_tb_s', float('nan')):.2f} TB/s"
+            f"{args.bandwidth:.2f} TB/s; batch-1 dual step achieved {floor.get('achieved_tb_s', float('nan')):.2f} TB/s"
         )
     summary["rows"] = rows
     print(json.dumps(summary))

@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_generate import logit_agreement, quantize_fp8  # noqa: E402  (this folder: the script's own)
+from bench_generate import copy_bandwidth, logit_agreement, quantize_fp8  # noqa: E402  (this folder: the script's own)
 
 import hf_dllm  # noqa: E402
 from hf_dllm.generation_utils import BlockDiffusionRun  # noqa: E402
@@ -124,14 +124,6 @@ def timed(fn, device, repeats: int):
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
     return statistics.median(times), result, peak
-
-
-def copy_bandwidth(device: torch.device, gib: float = 4.0) -> float:
-    """Bytes/s of a device-to-device copy (each byte read once and written once)."""
-    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    seconds, _, _ = timed(lambda: target.copy_(source), device, 10)
-    return 2 * gib * 2**30 / seconds
 
 
 @torch.no_grad()
