@@ -418,9 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     for quant, floor in summary.get("weight_read", {}).items():
         if "floor_ms" not in floor:  # CPU without --bandwidth: no floor
             continue
+        achieved = floor.get("achieved_tb_s")  # only with a batch-1 dual row
         print(
             f"{quant}: a step reads {floor['gb']:.2f} GB of weights, floor {floor['floor_ms']:.2f} ms at "
-            f"{args.bandwidth:.2f} TB/s; batch-1 dual step achieved {floor.get('achieved_tb_s', float('nan')):.2f} TB/s"
+            f"{args.bandwidth:.2f} TB/s"
+            + ("" if achieved is None else f"; batch-1 dual step achieved {achieved:.2f} TB/s")
         )
     summary["rows"] = rows
     print(json.dumps(summary))
