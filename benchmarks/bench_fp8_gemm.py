@@ -2,18 +2,17 @@
 (and of LLaDA2.0-mini's attention and dense first layer), FP8 weights with 128x128 block scales (transformers'
 `FineGrainedFP8Config` layout) against bf16 `F.linear`.
 
-Kernels (`hf_dllm/fp8.py`): `weight_only` (FP8 weight scaled in registers, bf16 MMA), `w8a8_triton` (activations
-quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled_mm` (the same quantization,
-cuBLASLt's block-scaled `torch._scaled_mm`), `w8a8_few_rows` (the same quantization, hf_dllm's Triton FP8 kernel for
-a block step's few rows: split-K, the weight tile as the MMA's M), the last two also without the quantization
-(`scaled_mm_gemm_only`, `few_rows_gemm_only`: activations quantized beforehand, as LLaDA's RMSNorm and SiLU gate
-write them), `rowwise_gemm_only` / `few_rows_rowwise_gemm_only` (`--quantization fp8-tensor`'s row-scaled weights,
-activations quantized beforehand: cuBLASLt's `torch._scaled_mm`, or the few-rows kernel's row-scaled variant), and,
-for reference, transformers' own `finegrained_fp8_linear` (a Hub kernel: reported as unavailable
-when it cannot be fetched) and `torch._scaled_mm` with row-wise scales (a different weight quantization: the best
-cuBLASLt FP8 does on these shapes). Rows: 32 x batch (block steps at batch 1 / 8 / 32) and
-the full-sequence refresh forwards (768 x batch). Times: GPU time per call, `--repeats` calls captured in one CUDA
-graph (the way a block step runs them), median of 5 replays.
+Kernels (`hf_dllm/fp8.py`, `hf_dllm/fp8_triton.py`): `weight_only` (FP8 weight scaled in registers, bf16 MMA),
+`w8a8_triton` (activations quantized per row and 128 columns, block-scaled FP8 MMA in Triton), `w8a8_scaled_mm` (the
+same quantization, cuBLASLt's block-scaled `torch._scaled_mm`), `w8a8_few_rows` (the same quantization, hf_dllm's Triton
+FP8 kernel for a block step's few rows: split-K, the weight tile as the MMA's M), the last two also without the
+quantization (`scaled_mm_gemm_only`, `few_rows_gemm_only`: activations quantized beforehand, as LLaDA's RMSNorm and SiLU
+gate write them), `rowwise_gemm_only` / `few_rows_rowwise_gemm_only` (`--quantization fp8-tensor`'s row-scaled weights,
+activations quantized beforehand: cuBLASLt's `torch._scaled_mm`, or the few-rows kernel's row-scaled variant), and, for
+reference, transformers' own `finegrained_fp8_linear` (a Hub kernel: reported as unavailable when it cannot be fetched)
+and `torch._scaled_mm` with row-wise scales (a different weight quantization: the best cuBLASLt FP8 does on these
+shapes). Rows: 32 x batch (block steps at batch 1 / 8 / 32) and the full-sequence refresh forwards (768 x batch). Times:
+GPU time per call, `--repeats` calls captured in one CUDA graph (the way a block step runs them), median of 5 replays.
 
 Prints a table (us, TB/s of weight bytes, TFLOP/s; error relative to the fp32 product) and ends with one JSON line.
 
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dllm import fp8  # noqa: E402
+from hf_dllm import fp8, fp8_triton  # noqa: E402
 
 SHAPES = {  # name: (N, K) of LLaDA-8B, then of LLaDA2.0-mini's attention and dense first layer
     "q/o": (4096, 4096),
@@ -95,7 +94,7 @@ def rowwise_scaled_mm(x, weight):
 def scaled_mm_gemm_only(x, w8, scale, block):
     """cuBLASLt's block-scaled product alone, the activations quantized beforehand (`w8a8_scaled_mm` less its
     quantization kernel, which a norm or SiLU kernel could write fused)."""
-    a, a_scale = fp8.quantize_rows(x, block[1], scales_column_major=True)
+    a, a_scale = fp8_triton.quantize_rows(x, block[1], scales_column_major=True)
     return lambda: fp8._scaled_mm_blockwise(a, a_scale, w8, scale, None, x.dtype)
 
 
@@ -103,12 +102,12 @@ def few_rows(x, w8, scale, block, prequantized: bool):
     """hf_dllm's few-rows w8a8 kernel, with the activations' quantization (`quantize_rows`) or without it (the
     activations quantized beforehand, as LLaDA's RMSNorm and SiLU gate write them)."""
     if prequantized:
-        rows = fp8.QuantizedRows(*fp8.quantize_rows(x, block[1]), x.shape, x.dtype)
+        rows = fp8.QuantizedRows(*fp8_triton.quantize_rows(x, block[1]), x.shape, x.dtype)
         return lambda: fp8.few_rows_w8a8_matmul(rows, w8, scale, block)
 
     def run():
         return fp8.few_rows_w8a8_matmul(
-            fp8.QuantizedRows(*fp8.quantize_rows(x, block[1]), x.shape, x.dtype), w8, scale, block
+            fp8.QuantizedRows(*fp8_triton.quantize_rows(x, block[1]), x.shape, x.dtype), w8, scale, block
         )
 
     return run
@@ -120,7 +119,9 @@ def row_scaled(x, weight, few_rows: bool):
     (`fp8.rowwise_matmul`) or the few-rows kernel's row-scaled variant."""
     k_in = x.shape[1]
     w8, row_scales = fp8.quantize_blocks(weight, (1, k_in))
-    rows = fp8.QuantizedRows(*fp8.quantize_rows(x, k_in, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE), x.shape, x.dtype)
+    rows = fp8.QuantizedRows(
+        *fp8_triton.quantize_rows(x, k_in, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE), x.shape, x.dtype
+    )
     if few_rows:
         return lambda: fp8.few_rows_w8a8_matmul(rows, w8, row_scales, (1, k_in))
     return lambda: fp8.rowwise_matmul(rows, w8, row_scales)
@@ -131,7 +132,7 @@ def candidate_kernels(x, weight, w8, scale, block) -> dict:
     Makers, not calls: some prepare operands (quantized copies), which only the kernels that run should pay for."""
     return {
         "bf16": lambda: lambda: torch.nn.functional.linear(x, weight),
-        "weight_only": lambda: lambda: fp8.weight_only_matmul(x, w8, scale, block),
+        "weight_only": lambda: lambda: fp8_triton.weight_only_matmul(x, w8, scale, block),
         "w8a8_triton": lambda: lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="triton"),
         "w8a8_scaled_mm": lambda: lambda: fp8.w8a8_matmul(x, w8, scale, block, backend="scaled_mm"),
         "scaled_mm_gemm_only": lambda: scaled_mm_gemm_only(x, w8, scale, block),
@@ -181,10 +182,10 @@ def main(argv=None) -> int:
             # activations quantized the same way (w8a8), both multiplied in fp32; the same with one scale per row
             # of each (the row-scaled kernels').
             w_deq = fp8.dequantize(w8, scale, block, torch.float32)
-            a8, a_scale = fp8.quantize_rows(x, 128)
+            a8, a_scale = fp8_triton.quantize_rows(x, 128)
             x_deq = (a8.float().unflatten(1, (-1, 128)) * a_scale[:, :, None]).flatten(1)
             w8_rows, row_scales = fp8.quantize_blocks(weight, (1, k_in))
-            a8_rows, a_row_scales = fp8.quantize_rows(x, k_in)
+            a8_rows, a_row_scales = fp8_triton.quantize_rows(x, k_in)
             row_scaled = (a8_rows.float() * a_row_scales) @ (w8_rows.float() * row_scales).t()
             ref_error = {
                 name: (product - exact).norm().item() / exact.norm().item()

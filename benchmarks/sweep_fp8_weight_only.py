@@ -1,5 +1,5 @@
 """Which weight-only FP8 kernel config for a block step's products (issue #13, item 2): a sweep of
-`hf_dllm/fp8.py`'s `_weight_only_kernel` over tile widths, split-K, warps, pipeline stages and its two
+`hf_dllm/fp8_triton.py`'s `_weight_only_kernel` over tile widths, split-K, warps, pipeline stages and its two
 formulations, at the LLaDA-8B products' shapes and a block step's rows.
 
 `weight_only_matmul` reads the FP8 weight (128x128 block scales, transformers' `FineGrainedFP8Config` layout), scales
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fp8_gemm import timed_us  # noqa: E402
 
-from hf_dllm import fp8  # noqa: E402
+from hf_dllm import fp8, fp8_triton  # noqa: E402
 from hf_dllm.triton_ops import triton  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -76,11 +76,11 @@ def main(argv=None) -> int:
             copies.append((weight, *fp8.quantize_blocks(weight, BLOCK)))
         for rows in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
-            reference = fp8.weight_only_matmul(x, copies[0][1], copies[0][2], BLOCK)
+            reference = fp8_triton.weight_only_matmul(x, copies[0][1], copies[0][2], BLOCK)
             base = dict(shape=name, rows=rows, floor_us=n_out * k_in / (args.bandwidth * 1e12) * 1e6)
             cublas = timed_us([functools.partial(torch.nn.functional.linear, x, w) for w, _, _ in copies], args.repeats)
             current = timed_us(
-                [functools.partial(fp8.weight_only_matmul, x, w8, s, BLOCK) for _, w8, s in copies], args.repeats
+                [functools.partial(fp8_triton.weight_only_matmul, x, w8, s, BLOCK) for _, w8, s in copies], args.repeats
             )
             results.append(dict(base, kernel="bf16_cublas", us=cublas, tb_s=2 * n_out * k_in / cublas / 1e6))
             results.append(dict(base, kernel="weight_only_autotuned", us=current, tb_s=n_out * k_in / current / 1e6))
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
             for config in configs(rows):
                 row = dict(base, kernel="sweep", cfg=describe(config))
                 try:
-                    got = fp8.weight_only_matmul(x, copies[0][1], copies[0][2], BLOCK, config=config)
+                    got = fp8_triton.weight_only_matmul(x, copies[0][1], copies[0][2], BLOCK, config=config)
                     row["error"] = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
                     calls = [
-                        functools.partial(fp8.weight_only_matmul, x, w8, scale, BLOCK, config=config)
+                        functools.partial(fp8_triton.weight_only_matmul, x, w8, scale, BLOCK, config=config)
                         for _, w8, scale in copies
                     ]
                     row["us"] = timed_us(calls, args.repeats)

@@ -40,7 +40,7 @@ from .triton_ops import (
 def grouped_configs() -> list:
     """The configs the autotuner times (`benchmarks/bench_llada2_moe_gemm.py --sweep` times each)."""
     # SWAP multiplies the weight tile by the transposed rows (the weight's rows as the MMA's M dimension), which
-    # streamed FP8 weights faster at few rows in the dense weight-only kernel (`fp8.weight_only_configs`).
+    # streamed FP8 weights faster at few rows in the dense weight-only kernel (`fp8_triton.weight_only_configs`).
     # BLOCK_N 32: more programs where few experts hold rows (a batch-1 block step of LLaDA2.0-mini selects ~28 of
     # 256 per layer: ~28 row tiles, 16 column tiles each of gate/up's 512 outputs at BLOCK_N 32).
     # Every config fits an H100's shared memory for FP8 gate/up (each stage holds a row tile in bf16 and two weight
@@ -126,7 +126,7 @@ def _shared_memory_bytes(device: torch.device) -> int:
 
 
 if TRITON_AVAILABLE:
-    from .fp8 import tile_product
+    from .fp8_triton import tile_product
 
     @triton.jit
     def _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):

@@ -19,8 +19,8 @@ import os
 
 import torch
 
-# The one place Triton is imported: the other kernel files (`triton_attention.py`, `triton_moe.py`, `fp8.py`) take
-# `triton`, `tl` and `TRITON_AVAILABLE` from here.
+# The one place Triton is imported: the other kernel files (`triton_attention.py`, `triton_moe.py`,
+# `fp8_triton.py`) take `triton`, `tl` and `TRITON_AVAILABLE` from here.
 try:
     import triton
     import triton.language as tl
@@ -46,7 +46,7 @@ def on_tensor_device(launcher):
 
 
 def launch(kernel, grid, interpreter_config: dict, *args, config: triton.Config | None = None, **kwargs) -> dict:
-    """Launch an autotuned kernel (`fp8.py`, `grouped_gemm.py`) on `grid(meta)`: with `config` (tests and sweeps)
+    """Launch an autotuned kernel (`fp8_triton.py`, `grouped_gemm.py`) on `grid(meta)`: with `config` (tests and sweeps)
     that config, else the autotuner's choice. Triton's interpreter (TRITON_INTERPRET=1, CPU tests) cannot time the
     autotuner's configs: it runs `interpreter_config`. Returns the parameters of the config that ran."""
     if config is not None:
@@ -65,9 +65,9 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def fp8_row_groups(x):
-        # Rows of a float32 tile `x (R, G)` as w8a8 activations (`fp8.quantize_rows`, the products' activation side):
-        # per row the scale max|x| / 448 (at least 1e-12 / 448, so a zero row stays finite) and x / scale clamped to
-        # +-448, in float32 for the caller's cast to float8 e4m3. Every kernel that quantizes activations for the
+        # Rows of a float32 tile `x (R, G)` as w8a8 activations (`fp8_triton.quantize_rows`, the products' activation
+        # side): per row the scale max|x| / 448 (at least 1e-12 / 448, so a zero row stays finite) and x / scale clamped
+        # to +-448, in float32 for the caller's cast to float8 e4m3. Every kernel that quantizes activations for the
         # products calls this, so a fused producer writes the bits `quantize_rows` would.
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
         return tl.clamp(x / scale[:, None], -448.0, 448.0), scale
@@ -115,8 +115,8 @@ if TRITON_AVAILABLE:
         BLOCK: tl.constexpr,
     ):
         # One program per row of a contiguous (rows, n_cols) tensor. With FP8_GROUP > 0 the normed rows are
-        # written only quantized, as `fp8.quantize_rows` would quantize them (groups of FP8_GROUP columns), and the
-        # grid may hold rows past n_rows: zero rows, the padding cuBLASLt's product wants.
+        # written only quantized, as `fp8_triton.quantize_rows` would quantize them (groups of FP8_GROUP columns), and
+        # the grid may hold rows past n_rows: zero rows, the padding cuBLASLt's product wants.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         row_cols = tl.where(row < n_rows, n_cols, 0)  # a row past n_rows loads and stores nothing
@@ -549,7 +549,7 @@ GREEDY_PROPOSE_PROGRAMS = 1024
 
 
 def fp8_group_tiling(group: int, cols: int) -> tuple[int, int, int]:
-    """How the kernels that quantize activations (`fp8.quantize_rows`, `silu_mul_fp8`) tile groups of `group` of
+    """How the kernels that quantize activations (`fp8_triton.quantize_rows`, `silu_mul_fp8`) tile groups of `group` of
     `cols` columns: `(columns a program loads per row, rows per program, warps)`. A group of at least `cols` columns
     is the whole row (one scale per row, for row-scaled products): its columns padded to a power of two, masked
     (zeros leave the row's max unchanged), one row per program past 1,024 columns so that the tile stays small."""
@@ -636,8 +636,8 @@ def rms_norm(
 
     Returns `(normed, x + residual)` (the sum is `x` itself when `residual` is None), and with `float_copy` a third
     tensor, `normed.float()` written by the same kernel. With `fp8_out = (values, scales, group)` (the buffers of
-    `fp8.activation_buffers`: float8 `(padded rows, d)`, float32 `(padded rows, d / group)`) the normed rows are
-    written there only, quantized as `fp8.quantize_rows` quantizes them, and `normed` is None."""
+    `fp8_triton.activation_buffers`: float8 `(padded rows, d)`, float32 `(padded rows, d / group)`) the normed rows are
+    written there only, quantized as `fp8_triton.quantize_rows` quantizes them, and `normed` is None."""
     d = x.shape[-1]
     x2 = x.contiguous().view(-1, d)
     rows = x2.shape[0]
@@ -899,8 +899,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @on_tensor_device
 def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_out: tuple[torch.Tensor, torch.Tensor, int]) -> None:
     """`silu(gate) * up` (as `silu_mul` computes it), written only quantized into `fp8_out = (values, scales,
-    group)` (`fp8.activation_buffers`: float8 `(padded rows, I)`, float32 `(padded rows, I / group)`), as
-    `fp8.quantize_rows` would quantize `silu_mul`'s output. gate/up `(..., I)` as for `silu_mul`."""
+    group)` (`fp8_triton.activation_buffers`: float8 `(padded rows, I)`, float32 `(padded rows, I / group)`), as
+    `fp8_triton.quantize_rows` would quantize `silu_mul`'s output. gate/up `(..., I)` as for `silu_mul`."""
     width = gate.shape[-1]
     gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
     if gate2.stride(-1) != 1 or up2.stride(-1) != 1 or gate2.stride(0) != up2.stride(0):

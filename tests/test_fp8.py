@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import hf_dllm
-from hf_dllm import fp8
+from hf_dllm import fp8, fp8_triton
 from hf_dllm.kernels import set_kernel_mode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def kernel_errors(x, weight, block, kernels):
     exact = x.float() @ weight.float().t()
     w8, scale = fp8.quantize_blocks(weight, block)
     w_deq = fp8.dequantize(w8, scale, block, torch.float32)
-    a8, a_scale = fp8.quantize_rows(x, block[1]) if any(n.startswith("w8a8") for n in kernels) else (None, None)
+    a8, a_scale = fp8_triton.quantize_rows(x, block[1]) if any(n.startswith("w8a8") for n in kernels) else (None, None)
     norm = exact.norm()
     refs = {"weight_only": ((x.float() @ w_deq.t()) - exact).norm() / norm}
     if a8 is not None:
@@ -233,9 +233,9 @@ def kernel_errors(x, weight, block, kernels):
     results = {}
     for name, backend in kernels.items():
         if name == "weight_only":
-            out = fp8.weight_only_matmul(x, w8, scale, block)
+            out = fp8_triton.weight_only_matmul(x, w8, scale, block)
         elif backend == "few_rows":
-            rows = fp8.QuantizedRows(*fp8.quantize_rows(x, block[1]), x.shape, x.dtype)
+            rows = fp8.QuantizedRows(*fp8_triton.quantize_rows(x, block[1]), x.shape, x.dtype)
             out = fp8.few_rows_w8a8_matmul(rows, w8, scale, block)
         else:
             out = fp8.w8a8_matmul(x, w8, scale, block, backend=backend)
@@ -250,7 +250,7 @@ def rowwise_errors(x, weight, bias=None, config=None):
     k_in = x.shape[1]
     exact = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
     w8, row_scales = fp8.quantize_blocks(weight, (1, k_in))
-    values, scales = fp8.quantize_rows(x, k_in)
+    values, scales = fp8_triton.quantize_rows(x, k_in)
     rows = fp8.QuantizedRows(values, scales, x.shape, x.dtype)
     out = fp8.few_rows_w8a8_matmul(rows, w8, row_scales, (1, k_in), bias, config=config)
     reference_out = (values.float() * scales) @ (w8.float() * row_scales).t() + (0 if bias is None else bias.float())
@@ -272,11 +272,11 @@ def block_magnitudes(n_out: int, k_in: int) -> torch.Tensor:
 
 
 def fused_quantization_differences(device: str, dtype: torch.dtype) -> list[str]:
-    """The kernels that write a w8a8 product's activations already quantized (`fp8.rms_norm_to_fp8` with and
-    without the residual, `fp8.silu_mul_to_fp8`), and `quantize_rows`' own padding rows, against `fp8.quantize_rows`
-    of the unfused kernels' outputs padded with zero rows to a multiple of 16 (cuBLASLt's padding): the outputs whose
-    bits differ, by name. Groups of 128 columns and of the whole row (row-scaled products), widths of a power of two
-    and not."""
+    """The kernels that write a w8a8 product's activations already quantized (`fp8.rms_norm_to_fp8` with and without
+    the residual, `fp8.silu_mul_to_fp8`), and `quantize_rows`' own padding rows, against `fp8_triton.quantize_rows`
+    of the unfused kernels' outputs padded with zero rows to a multiple of 16 (cuBLASLt's padding): the outputs
+    whose bits differ, by name. Groups of 128 columns and of the whole row (row-scaled products), widths of a power
+    of two and not."""
     differences = []
     for rows, width, group in [(5, 512, 128), (32, 1024, 128), (5, 512, 512), (3, 640, 640), (17, 2560, 2560)]:
         found = _fused_quantization_differences(device, dtype, rows, width, group)
@@ -294,10 +294,12 @@ def _fused_quantization_differences(device, dtype, rows: int, width: int, group:
     for residual in (None, torch.randn_like(x)):
         (values, scales, shape, out_dtype), total = fp8.rms_norm_to_fp8(x, weight, 1e-5, group, residual=residual)
         normed, expected_total = triton_ops.rms_norm(x, weight, 1e-5, residual=residual)
-        expected = fp8.quantize_rows(torch.nn.functional.pad(normed, padding), group, scales_column_major=True)
+        expected = fp8_triton.quantize_rows(torch.nn.functional.pad(normed, padding), group, scales_column_major=True)
         name = f"rms_norm rows={rows} residual={residual is not None}"
         # quantize_rows' own zero rows (the w8a8 path's padding) against the zero-padded input's.
-        padded = fp8.quantize_rows(normed, group, scales_column_major=True, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE)
+        padded = fp8_triton.quantize_rows(
+            normed, group, scales_column_major=True, row_multiple=fp8.SCALED_MM_ROW_MULTIPLE
+        )
         if not torch.equal(padded[0].view(torch.uint8), expected[0].view(torch.uint8)):
             differences.append(f"quantize_rows rows={rows}: padded values")
         if not torch.equal(padded[1], expected[1]) or padded[1].stride() != expected[1].stride():
@@ -311,7 +313,7 @@ def _fused_quantization_differences(device, dtype, rows: int, width: int, group:
     gate, up = (torch.randn(rows, 2 * width, device=device, dtype=dtype) * 4).chunk(2, dim=-1)
     values, scales, _, _ = fp8.silu_mul_to_fp8(gate, up, group)
     silu = torch.nn.functional.pad(triton_ops.silu_mul(gate, up), padding)
-    expected = fp8.quantize_rows(silu, group, scales_column_major=True)
+    expected = fp8_triton.quantize_rows(silu, group, scales_column_major=True)
     if not torch.equal(values.view(torch.uint8), expected[0].view(torch.uint8)):
         differences.append(f"silu_mul rows={rows}: values")
     if not torch.equal(scales, expected[1]):
@@ -381,7 +383,7 @@ def grouped_errors(tokens, experts, top_k, k_in, n_out, gated, dtype, device="cp
 INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
-    from hf_dllm import fp8
+    from hf_dllm import fp8, fp8_triton
     from tests.test_fp8 import block_magnitudes, kernel_errors
     torch.manual_seed(0)
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
@@ -396,7 +398,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ({"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 1}, (20, 384, 256)),
         ({"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 4}, (3, 128, 640)),
     ]:
-        fp8.INTERPRETER_CONFIGS["few_rows_w8a8"] = config
+        fp8_triton.INTERPRETER_CONFIGS["few_rows_w8a8"] = config
         x = torch.randn(rows, k_in, dtype=torch.float16)
         weight = torch.randn(n_out, k_in) * block_magnitudes(n_out, k_in)
         error, reference = kernel_errors(x, weight, (128, 128), {"w8a8:few_rows": "few_rows"})["w8a8:few_rows"]
@@ -409,14 +411,14 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         ({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}, (20, 256, 256), True),
         ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "SPLIT_K": 4}, (3, 128, 96), True),
     ]:
-        fp8.INTERPRETER_CONFIGS["few_rows_rowwise"] = config
+        fp8_triton.INTERPRETER_CONFIGS["few_rows_rowwise"] = config
         x = (torch.randn(rows, k_in) * row_magnitudes(rows) * 50).to(torch.float16)
         weight = torch.randn(n_out, k_in) * row_magnitudes(n_out)
         bias = torch.randn(n_out, dtype=torch.float16) * 0.1 if with_bias else None
         error, reference, _ = rowwise_errors(x, weight, bias)
         assert error <= 2 * reference + 1e-3, ("few_rows rowwise", config, error, reference)
     # The weight-only kernel's other formulation (weight tile times transposed activations) and no split.
-    fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
+    fp8_triton.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
     for rows, n_out, k_in in [(5, 256, 256), (33, 384, 128)]:
         x = torch.randn(rows, k_in, dtype=torch.float16)
         weight = torch.randn(n_out, k_in) * 0.02
@@ -439,19 +441,20 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     # One scale per row (row-scaled products): max |x| / 448 of the whole row, widths of a power of two and not.
     for rows, cols in [(7, 640), (20, 256), (2, 3000)]:
         x = torch.randn(rows, cols, dtype=torch.bfloat16) * torch.logspace(-2, 2, rows)[:, None]
-        values, scales = fp8.quantize_rows(x, cols)
+        values, scales = fp8_triton.quantize_rows(x, cols)
         assert scales.shape == (rows, 1) and values.shape == x.shape, (scales.shape, values.shape)
         expected = x.float().abs().amax(1, keepdim=True) / 448.0
         assert torch.allclose(scales, expected, rtol=1e-6, atol=0), (scales - expected).abs().max()
     # The split-K products' autotuners time a config with the kernel adding up its partial sums (their post_hook, run
     # inside each timed call): the sum of the split's partials (+ bias) into out, nothing for an unsplit config.
-    for kernel in (fp8._weight_only_kernel, fp8._few_rows_w8a8_kernel, fp8._few_rows_rowwise_kernel):
-        assert kernel.post_hook is fp8._add_up_timed_splits, kernel
+    split_k_kernels = ("_weight_only_kernel", "_few_rows_w8a8_kernel", "_few_rows_rowwise_kernel")
+    for kernel in (getattr(fp8_triton, name) for name in split_k_kernels):
+        assert kernel.post_hook is fp8_triton._add_up_timed_splits, kernel
     partials, bias = torch.randn(4, 3, 10), torch.randn(10)
     for split, has_bias in [(3, True), (2, False), (1, True)]:
         out = torch.zeros(3, 10)
         nargs = {"SPLIT_K": split, "HAS_BIAS": has_bias, "bias_ptr": bias, "partial_ptr": partials, "out_ptr": out}
-        fp8._add_up_timed_splits(nargs)
+        fp8_triton._add_up_timed_splits(nargs)
         expected = torch.zeros(3, 10)
         if split > 1:
             for part in partials[:split]:
@@ -469,10 +472,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
     """
     import torch
-    from hf_dllm import fp8, grouped_gemm
+    from hf_dllm import fp8, fp8_triton, grouped_gemm
     torch.manual_seed(0)
     # The weight-only config the kernels script ends with (one script once ran both).
-    fp8.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
+    fp8_triton.INTERPRETER_CONFIGS["weight_only"] = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 1, "SWAP": True}
 
     # A float32 LLaDA2 with FP8 experts: the fused path (routing kernels, the grouped FP8 products, the combine)
     # against the PyTorch path (each expert's layers, dequantized), prefill and a cached block step.
@@ -534,7 +537,7 @@ def test_row_scaled_product_error_within_twice_torch_fp8_reference(rows, n_out, 
     w8 = (weight / scale).to(fp8.FP8_DTYPE)
     row_scales = scale.reshape(1, 1).expand(n_out, 1).contiguous()
     exact = x.float() @ weight.float().t() + bias.float()
-    a8, a_scale = fp8.quantize_rows(x, k_in)
+    a8, a_scale = fp8_triton.quantize_rows(x, k_in)
     x_deq = a8.float() * a_scale
     reference = ((x_deq @ (w8.float() * scale).t() + bias.float()) - exact).norm() / exact.norm()
     out = fp8.fp8_linear(x, w8, row_scales, (1, k_in), bias)
@@ -563,10 +566,13 @@ def test_kernel_error_within_twice_torch_fp8_reference(rows, n_out, k_in):
 def test_weight_only_autotuning_times_one_unsplit_config_in_float32(rows):
     """float32 activations are multiplied in full float32 (CUDA cores, for exactness): the autotuner gets one
     unsplit config of the rows' tiles; bfloat16 keeps every config of those tiles (splits only at few rows)."""
-    configs = fp8.weight_only_configs()
+    configs = fp8_triton.weight_only_configs()
     for dtype in (torch.float32, torch.bfloat16):
-        kept = fp8._prune_weight_only(configs, {"M": rows, "x_ptr": torch.empty(1, dtype=dtype)})
-        assert {c.kwargs["BLOCK_M"] for c in kept} <= {fp8._row_tile(rows, 128), fp8._row_tile(rows, 128) // 2}
+        kept = fp8_triton._prune_weight_only(configs, {"M": rows, "x_ptr": torch.empty(1, dtype=dtype)})
+        assert {c.kwargs["BLOCK_M"] for c in kept} <= {
+            fp8_triton._row_tile(rows, 128),
+            fp8_triton._row_tile(rows, 128) // 2,
+        }
         if dtype == torch.float32:
             (config,) = kept
             assert config.kwargs["SPLIT_K"] == 1
@@ -584,7 +590,7 @@ def test_gpu_weight_only_product_of_float32_activations_is_float32_exact(rows):
     x = torch.randn(rows, 1536, device="cuda")
     w8, scale = fp8.quantize_blocks(torch.randn(640, 1536, device="cuda") * 0.02, BLOCK)
     bias = torch.randn(640, device="cuda")
-    out = fp8.weight_only_matmul(x, w8, scale, BLOCK, bias)
+    out = fp8_triton.weight_only_matmul(x, w8, scale, BLOCK, bias)
     assert out.dtype == torch.float32
     exact = x.double() @ fp8.dequantize(w8, scale, BLOCK, torch.float64).t() + bias.double()
     error = ((out.double() - exact).norm() / exact.norm()).item()
@@ -601,13 +607,13 @@ def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
     exact = x.float() @ weight.float().t()
     w8, scale = fp8.quantize_blocks(weight, BLOCK)
     reference = ((x.float() @ fp8.dequantize(w8, scale, BLOCK, torch.float32).t()) - exact).norm() / exact.norm()
-    configs = [c for c in fp8.weight_only_configs() if c.kwargs["BLOCK_M"] == 32]
+    configs = [c for c in fp8_triton.weight_only_configs() if c.kwargs["BLOCK_M"] == 32]
     assert {c.kwargs["SWAP"] for c in configs} == {False, True}
     for config in configs:
-        out = fp8.weight_only_matmul(x, w8, scale, BLOCK, config=config)
+        out = fp8_triton.weight_only_matmul(x, w8, scale, BLOCK, config=config)
         error = (out.float() - exact).norm() / exact.norm()
         assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
-        assert_deterministic(lambda c=config: fp8.weight_only_matmul(x, w8, scale, BLOCK, config=c), out)
+        assert_deterministic(lambda c=config: fp8_triton.weight_only_matmul(x, w8, scale, BLOCK, config=c), out)
 
 
 @pytest.mark.gpu
@@ -621,11 +627,11 @@ def test_every_few_rows_w8a8_config_within_twice_torch_fp8_reference(rows, n_out
     weight = torch.randn(n_out, k_in, device="cuda") * block_magnitudes(n_out, k_in).cuda()
     exact = x.float() @ weight.float().t()
     w8, scale = fp8.quantize_blocks(weight, BLOCK)
-    values, scales = fp8.quantize_rows(x, 128)
+    values, scales = fp8_triton.quantize_rows(x, 128)
     x_deq = (values.float().unflatten(1, (-1, 128)) * scales[:, :, None]).flatten(1)
     reference = ((x_deq @ fp8.dequantize(w8, scale, BLOCK, torch.float32).t()) - exact).norm() / exact.norm()
     quantized = fp8.QuantizedRows(values, scales, x.shape, x.dtype)
-    configs = fp8._prune_few_rows(fp8.few_rows_w8a8_configs(), {"M": rows})
+    configs = fp8_triton._prune_few_rows(fp8_triton.few_rows_w8a8_configs(), {"M": rows})
     assert {c.kwargs["SPLIT_K"] for c in configs} == {1, 2, 4, 8} and {c.kwargs["BLOCK_N"] for c in configs} == {
         64,
         128,
@@ -647,7 +653,7 @@ def test_every_few_rows_rowwise_config_within_twice_torch_fp8_reference(rows, n_
     torch.manual_seed(rows)
     x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n_out, k_in, device="cuda") * row_magnitudes(n_out).cuda()
-    configs = fp8._prune_few_rows(fp8.few_rows_rowwise_configs(), {"M": rows})
+    configs = fp8_triton._prune_few_rows(fp8_triton.few_rows_rowwise_configs(), {"M": rows})
     assert {c.kwargs["SPLIT_K"] for c in configs} == {1, 2, 4, 8} and {c.kwargs["BLOCK_K"] for c in configs} == {
         128,
         256,

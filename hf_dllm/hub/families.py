@@ -28,6 +28,7 @@ SHARED_REMOTE_CODE_FILES = (
     "triton_attention.py",
     "kernels.py",
     "fp8.py",
+    "fp8_triton.py",
     "triton_ops.py",
     "graphs.py",
     "tensor_parallel.py",
