@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_generate import copy_bandwidth  # the rate every benchmark's weight-read floor divides by
 from bench_llada2_kernels import graph_us  # the same timing as the kernel benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,13 +36,6 @@ from hf_dllm import fp8, grouped_gemm, triton_moe, triton_ops  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K = 256, 2048, 512, 8
 BLOCK = (128, 128)
-
-
-def copy_bandwidth(gib: int = 1) -> float:
-    """Bytes/s of a device-to-device copy (each byte read once and written once)."""
-    source = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    return 2 * gib * 2**30 / (graph_us(lambda: target.copy_(source), calls=5) / 1e6)
 
 
 def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
@@ -142,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU")
         return 1
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     summary["copy_bandwidth_tb_s"] = bandwidth / 1e12
     print(json.dumps(summary), flush=True)

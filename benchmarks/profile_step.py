@@ -90,19 +90,24 @@ def attention_ms(
     return start.elapsed_time(end) / repeats * 1000
 
 
-def kernel_table(step_fn, steps: int = 5) -> tuple[float, int, list]:
-    """(GPU kernel ms per call, kernels per call, top 25 [(name, (ms, count))]) of `step_fn()` under the profiler."""
+def cuda_kernels(fn, calls: int = 1) -> list:
+    """The CUDA kernel events (`torch.profiler`) of `calls` calls of `fn()`, in order of start."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step_fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
+    events = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda event: event.time_range.start)
+
+
+def kernel_table(step_fn, steps: int = 5) -> tuple[float, int, list]:
+    """(GPU kernel ms per call, kernels per call, top 25 [(name, (ms, count))]) of `step_fn()` under the profiler."""
     per_kernel = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_kernel[event.name[:90]]
-            entry[0] += event.device_time_total / 1000 / steps
-            entry[1] += 1
+    for event in cuda_kernels(step_fn, steps):
+        entry = per_kernel[event.name[:90]]
+        entry[0] += event.device_time_total / 1000 / steps
+        entry[1] += 1
     total = sum(ms for ms, _ in per_kernel.values())
     kernels = sum(c for _, c in per_kernel.values()) // steps
     return total, kernels, sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:25]
@@ -120,16 +125,7 @@ def replay_timeline(fn) -> list[tuple[str, float, float]]:
     they run back to back, with the time between them), in order of start."""
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = [
-        (event.name, event.time_range.start, event.time_range.end)
-        for event in prof.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    ]
-    return sorted(events, key=lambda event: event[1])
+    return [(event.name, event.time_range.start, event.time_range.end) for event in cuda_kernels(fn)]
 
 
 HOST_WAIT_US = 50.0  # inside a graph kernels follow each other within ~0.1-1 us (H100)

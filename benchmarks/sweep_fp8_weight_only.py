@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_fp8_gemm import timed_us  # noqa: E402
+from bench_generate import copy_bandwidth  # noqa: E402
 
 from hf_dllm import fp8, fp8_triton  # noqa: E402
 from hf_dllm.triton_ops import triton  # noqa: E402
@@ -63,9 +64,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="32,256")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s, for the floor column")
+    parser.add_argument(
+        "--bandwidth", type=float, default=None, help="TB/s for the floor column (default: the measured copy's)"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda")
+    if args.bandwidth is None:
+        args.bandwidth = copy_bandwidth(device) / 1e12
     results, started = [], time.time()
     for name in args.shapes.split(","):
         n_out, k_in = SHAPES[name]

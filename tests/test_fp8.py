@@ -447,8 +447,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         assert torch.allclose(scales, expected, rtol=1e-6, atol=0), (scales - expected).abs().max()
     # The split-K products' autotuners time a config with the kernel adding up its partial sums (their post_hook, run
     # inside each timed call): the sum of the split's partials (+ bias) into out, nothing for an unsplit config.
-    split_k_kernels = ("_weight_only_kernel", "_few_rows_w8a8_kernel", "_few_rows_rowwise_kernel")
-    for kernel in (getattr(fp8_triton, name) for name in split_k_kernels):
+    for kernel in (
+        fp8_triton._weight_only_kernel, fp8_triton._few_rows_w8a8_kernel, fp8_triton._few_rows_rowwise_kernel
+    ):
         assert kernel.post_hook is fp8_triton._add_up_timed_splits, kernel
     partials, bias = torch.randn(4, 3, 10), torch.randn(10)
     for split, has_bias in [(3, True), (2, False), (1, True)]:
