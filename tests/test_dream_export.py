@@ -25,7 +25,7 @@ from test_dream_reference import CASES as DREAM_REFERENCE_CASES
 from test_dream_reference import generate_kwargs as reference_kwargs
 
 import hf_dllm
-from hf_dllm.hub import export
+from hf_dllm.hub import cards, export
 from hf_dllm.hub.cards import CARD_PRESETS
 from hf_dllm.hub.export import check_remote_code, export_checkpoint
 from hf_dllm.hub.families import (
@@ -353,7 +353,7 @@ def test_dream_presets_have_committed_cards():
     }
     for name in ("dream-v0-instruct-7b", "dream-coder-v0-instruct-7b"):
         path = Path(__file__).parent.parent / "model_cards" / dream[name]["file"]
-        assert path.read_text() == export.render_preset_card(name)
+        assert path.read_text() == cards.render_preset_card(name)
 
 
 def test_dream_card(exported_dream):
@@ -371,7 +371,7 @@ def test_dream_card(exported_dream):
     assert "Dream's own sampler, as its `diffusion_generate()`" in card
     assert "Dream 7B: Diffusion Large Language Models" in card and "Fast-dLLM" in card
     assert not re.search(r"\d%", card)  # no benchmark figures
-    coder = export.render_preset_card("dream-coder-v0-instruct-7b")
+    coder = cards.render_preset_card("dream-coder-v0-instruct-7b")
     assert "base_model: Dream-org/Dream-Coder-v0-Instruct-7B" in coder and "license: other" in coder
     assert "Dream-Coder 7B: An Open Diffusion Language Model for Code" in coder and "temperature=0.1" in coder
     assert not re.search(r"\d%", coder)

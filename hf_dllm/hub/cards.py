@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from .families import MODEL_FAMILIES, ExportError, model_family
+from .generation_settings import resolve_generation_settings
 
 MODEL_CARDS_DIR = Path(__file__).resolve().parents[2] / "model_cards"  # of the hf_dllm source tree
 CARD_TEMPLATE = "template.md"
@@ -471,3 +472,25 @@ def read_card_template(name: str = CARD_TEMPLATE) -> str:
             "hf_dllm source tree (install hf_dllm from its repository, e.g. `pip install -e .`)."
         )
     return path.read_text(encoding="utf-8")
+
+
+def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "") -> str:
+    """The model card of preset `card` with its family's default generation settings (what `model_cards/<file>`
+    holds; an export renders the settings it writes)."""
+    preset = card_preset(card)
+    family = model_family(preset["model_type"])
+    name = preset["model_name"] or dst_name
+    repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
+    variables = card_variables(card, repo_id, dst_name, resolve_generation_settings(preset["model_type"]).fields)
+    return render_card(read_card_template(family.card_template), variables)
+
+
+def write_preset_cards() -> list[Path]:
+    """Regenerate `model_cards/<file>` of every preset that has one (after editing a template or a preset)."""
+    written = []
+    for card, preset in CARD_PRESETS.items():
+        if preset["file"]:
+            path = MODEL_CARDS_DIR / preset["file"]
+            path.write_text(render_preset_card(card), encoding="utf-8")
+            written.append(path)
+    return written

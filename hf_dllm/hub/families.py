@@ -8,10 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+from pathlib import Path
 
 
 class ExportError(ValueError):
     """Bad input to the exporter (SRC, DST, options) or package files that cannot run as remote code."""
+
+
+def read_json_object(path: Path, hint: str = "") -> dict:
+    """The JSON object in `path` (SRC's config.json, generation_config.json); an `ExportError` naming the file (and
+    `hint`, what to do) otherwise."""
+    suffix = f"; {hint}." if hint else "."
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{path} is not readable JSON: {error}{suffix}") from error
+    if not isinstance(value, dict):
+        raise ExportError(f"{path} must hold a JSON object{suffix}")
+    return value
 
 
 # Remote code every model family shares: the generation loop, its config, policies, caches, attention backends and
