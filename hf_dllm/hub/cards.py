@@ -1,6 +1,8 @@
 """Model cards of exported repos: the presets (`CARD_PRESETS`: a published checkpoint's name, license, description,
 usage and citations, or a generic card of a family), and their rendering into the family's template
-(`model_cards/template*.md`) with the generation settings the export writes (`card_variables`, `render_card`).
+(`model_cards/template*.md`) with the generation settings the export writes (`card_variables`, `render_card`). The
+committed `model_cards/<file>` are the presets rendered with their family's default settings (`render_preset_card`;
+`write_preset_cards` regenerates them).
 """
 
 from __future__ import annotations

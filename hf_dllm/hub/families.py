@@ -1,7 +1,8 @@
 """The model families `hf-dllm export` knows, keyed by a checkpoint's `model_type` (`MODEL_FAMILIES`): for each,
 the package files exported as remote code, the `auto_map` and architectures written to `config.json`, the
 generation defaults of `generation_config.json`, and the model-card template. Every other part of the exporter
-reads the family from here (`model_family`).
+reads the family from here (`model_family`). Also the exporter's error (`ExportError`) and its reader of SRC's JSON
+files (`read_json_object`), which every other hub module uses.
 """
 
 from __future__ import annotations
