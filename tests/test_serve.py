@@ -201,7 +201,9 @@ def test_the_heap_is_frozen_while_an_app_serves(model_dir, server):
     second = RunningServer(model_dir, max_batch_size=2)
     frozen = gc.get_freeze_count()
     second.stop()
-    assert gc.get_freeze_count() >= frozen > 0
+    # Not unfrozen (that empties the permanent generation). The count itself may fall a little: a frozen object
+    # freed by reference counting leaves it (CI once saw 779,322 -> 779,320).
+    assert gc.get_freeze_count() > frozen // 2 > 0
 
 
 def test_frozen_heap_unfreezes_when_the_last_app_stops():
