@@ -476,15 +476,18 @@ def read_card_template(name: str = CARD_TEMPLATE) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "") -> str:
-    """The model card of preset `card` with its family's default generation settings (what `model_cards/<file>`
-    holds; an export renders the settings it writes)."""
+def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = "", fields: dict | None = None) -> str:
+    """The model card of preset `card` in its family's template: what an export writes as README.md, with `fields`
+    the generation settings it writes (`GenerationSettings.fields`), and what `model_cards/<file>` holds, with the
+    family's default settings (`fields` None). `repo_id` (default `your-org/<name>-hf-dllm`) is the repo the usage
+    examples load; `dst_name` names a generic card's model."""
     preset = card_preset(card)
     family = model_family(preset["model_type"])
     name = preset["model_name"] or dst_name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
-    variables = card_variables(card, repo_id, dst_name, resolve_generation_settings(preset["model_type"]).fields)
-    return render_card(read_card_template(family.card_template), variables)
+    if fields is None:
+        fields = resolve_generation_settings(preset["model_type"]).fields
+    return render_card(read_card_template(family.card_template), card_variables(card, repo_id, dst_name, fields))
 
 
 def write_preset_cards() -> list[Path]:

@@ -27,7 +27,8 @@ receives (every rule is implemented once, here or in the module named, and is wh
   tokenizer (`special_token_ids`); serialised by transformers (`to_json_string`). The export prints the settings
   written and the origin of each (`GenerationSettings.summary`);
 - `README.md`: the family's model card template (`model_cards/template.md`, `model_cards/template-llada2.md`,
-  `model_cards/template-dream.md`) rendered with a preset of `cards.CARD_PRESETS`.
+  `model_cards/template-dream.md`) rendered with a preset of `cards.CARD_PRESETS` and the settings written
+  (`cards.render_preset_card`).
 
 Nothing is half-written: every input is checked first, the repo is assembled in a temporary folder next to DST
 (`.DST.export-PID-*`) and moved into place only when complete and verified (`verify.verify_export`: every
@@ -51,15 +52,7 @@ import warnings
 from pathlib import Path
 
 from ..cli.loading import QUANTIZATION_CHOICES
-from .cards import (
-    CARD_PRESETS,
-    DEFAULT_REPO_ORG,
-    card_preset,
-    card_variables,
-    read_card_template,
-    render_card,
-    resolve_card,
-)
+from .cards import CARD_PRESETS, card_preset, render_preset_card, resolve_card
 from .families import (
     MODEL_FAMILIES,
     ExportError,
@@ -96,7 +89,7 @@ _MOVED_NAMES = {
         ),
         "families",
     ),
-    **dict.fromkeys(("CARD_TEMPLATE", "describe_decoding", "render_preset_card", "write_preset_cards"), "cards"),
+    **dict.fromkeys(("CARD_TEMPLATE", "describe_decoding", "write_preset_cards"), "cards"),
     **dict.fromkeys(("PACKAGE_DIR", "REMOTE_CODE_DEPENDENCIES"), "remote_code"),
     **dict.fromkeys(("GENERATION_OPTIONS", "ORIGIN_TEXT"), "generation_settings"),
 }
@@ -439,7 +432,6 @@ def export_checkpoint(
     card_preset(card)  # an unknown preset is an error before anything else is read
     config = read_source_config(src)
     model_type = config["model_type"]
-    family = MODEL_FAMILIES[model_type]
     fp8_names = _fp8_export_plan(config, quantization, link)
     card = resolve_card(card, model_type)
     weights = find_weights(src)
@@ -455,11 +447,7 @@ def export_checkpoint(
         threshold=threshold,
     )
     generated = {"config.json": export_config(config), "generation_config.json": generation.to_json_string()}
-    name = CARD_PRESETS[card]["model_name"] or dst.resolve().name
-    repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
-    generated["README.md"] = render_card(
-        read_card_template(family.card_template), card_variables(card, repo_id, dst.resolve().name, generation.fields)
-    )
+    generated["README.md"] = render_preset_card(card, repo_id, dst.resolve().name, generation.fields)
 
     dst.resolve().parent.mkdir(parents=True, exist_ok=True)
     pid_prefix = f".{dst.resolve().name}.%s-{os.getpid()}-"
