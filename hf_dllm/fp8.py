@@ -279,8 +279,7 @@ def fp8_product_kernel(x: torch.Tensor, n_out: int, cols: int, block_size) -> st
     the fused kernels run: `few_rows` (`few_rows_w8a8_applies`, block or row scales), `rowwise` (row-scaled weights
     above its rows, `rowwise_matmul`), `weight_only` (`weight_only_applies`), or the w8a8 product through cuBLASLt
     (`scaled_mm`, `cublaslt_takes`) or Triton (`triton`); `torch` for row scales where `torch._scaled_mm` cannot take
-    them. The one rule that
-    `fp8_linear` runs and `quantized_input_group` reads."""
+    them. The one rule that `fp8_linear` runs and `quantized_input_group` reads."""
     rows = x.numel() // x.shape[-1]
     if few_rows_w8a8_applies(rows, n_out, cols, block_size, x.device):
         return "few_rows"

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops
 from .triton_ops import (  # None without Triton (CPU-only installs)
     TRITON_AVAILABLE,
+    fp8_group_tiling,
     launch,
     on_tensor_device,
     tl,
@@ -595,7 +595,7 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
     `row_multiple`: both padded with zero rows (x padded with zeros, quantized) to a multiple of it."""
     rows, cols = x.shape
     q, scales = activation_buffers(rows, cols, group, x.device, scales_column_major, row_multiple)
-    loaded, tile_rows, warps = triton_ops.fp8_group_tiling(group, cols)
+    loaded, tile_rows, warps = fp8_group_tiling(group, cols)
     _quantize_rows_kernel[(triton.cdiv(q.shape[0], tile_rows), scales.shape[1])](
         x,
         q,
