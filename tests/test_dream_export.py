@@ -251,6 +251,24 @@ def test_source_generation_config_is_kept(exported_kept, kept_source):
     )
 
 
+def test_source_generation_config_is_read_once(kept_source, monkeypatch):
+    """SRC's generation_config.json is read as JSON once: for whether it is Dream's own file and for the fields it
+    sets (the origins `summary` reports), which come from that one read."""
+    from hf_dllm.hub import generation_settings
+
+    reads = []
+    read = generation_settings.read_json_object
+    monkeypatch.setattr(
+        generation_settings, "read_json_object", lambda path, hint="": reads.append(path) or read(path, hint)
+    )
+    settings = generation_settings.resolve_generation_settings("Dream", kept_source)
+    assert reads == [kept_source / "generation_config.json"]
+    set_by_source = set(json.loads((kept_source / "generation_config.json").read_text()))
+    assert {name for name, origin in settings.origins.items() if origin == "source"} == set_by_source & set(
+        settings.origins
+    )
+
+
 def test_fast_generation_defaults(exported_kept, kept_source, dream_checkpoint, tmp_path, capsys):
     dst = tmp_path / "fast"
     assert export.main([str(kept_source), str(dst), "--generation-defaults", "fast", "--max-new-tokens", "64"]) == 0

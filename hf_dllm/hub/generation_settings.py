@@ -112,20 +112,18 @@ _SOURCE_GENERATION_HINT = (
 
 def _read_source_generation_config(src: Path, family: ModelFamily, model_class):
     """SRC's generation_config.json read as hf_dllm's model reads it (`DiffusionGenerationConfig.from_pretrained`),
-    validated for the family's model; returns `(config, the field names the file sets)`."""
+    validated for the family's model."""
     from ..generation_config import DiffusionGenerationConfig
 
-    path = src / "generation_config.json"
-    hint = _SOURCE_GENERATION_HINT
-    written = read_json_object(path, hint)
     try:
         config = DiffusionGenerationConfig.from_pretrained(src)
         _validate_for_model(config, model_class)
     except (OSError, TypeError, ValueError) as error:
         raise ExportError(
-            f"{path} is not a generation config a {family.name} model can use: {error} ({hint})."
+            f"{src / 'generation_config.json'} is not a generation config a {family.name} model can use: {error} "
+            f"({_SOURCE_GENERATION_HINT})."
         ) from error
-    return config, set(written)
+    return config
 
 
 def resolve_generation_settings(
@@ -179,8 +177,9 @@ def resolve_generation_settings(
     notes: list[str] = []
     source_path = Path(src) / "generation_config.json" if src is not None else None
     use_source = generation_defaults == "source" and source_path is not None and source_path.is_file()
+    # The fields the file sets (read once: whether it is the original code's own file, and each field's origin).
+    written = read_json_object(source_path, _SOURCE_GENERATION_HINT) if use_source else {}
     if use_source and family.original_generation_fields:
-        written = read_json_object(source_path, _SOURCE_GENERATION_HINT)
         original = sorted(set(written) & set(family.original_generation_fields))
         if original:  # the original code's own file (e.g. Dream's), not settings hf_dllm reads
             use_source = False
@@ -190,12 +189,12 @@ def resolve_generation_settings(
                 "(--generation-defaults fast for the fast ones)."
             )
     if use_source:
-        source, set_by_source = _read_source_generation_config(Path(src), family, model_class)
+        source = _read_source_generation_config(Path(src), family, model_class)
         base = source
         base_text = f"{source_path}"
 
         def base_origin(name: str) -> str:
-            return "source" if name in set_by_source else "default"
+            return "source" if name in written else "default"
 
     else:
         defaults = family.fast_defaults if generation_defaults == "fast" else family.generation_defaults
