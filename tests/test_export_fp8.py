@@ -239,7 +239,7 @@ def test_per_tensor_export_is_transformers_arithmetic_and_reloads(tmp_path):
 
 def test_an_fp8_checkpoint_is_checked_with_its_own_block_size():
     """A pre-quantized SRC with another `weight_block_size` than the default expects scales of that block."""
-    from hf_dllm.hub.export import expected_tensor_shapes
+    from hf_dllm.hub.verify import expected_tensor_shapes
 
     config = hf_dllm.LLaDAConfig(
         d_model=128, n_heads=2, n_kv_heads=2, n_layers=1, mlp_hidden_size=256, vocab_size=384, embedding_size=384,
