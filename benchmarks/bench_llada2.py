@@ -12,6 +12,12 @@ Also measured:
   the bytes of every weight the step reads (attention, dense layer, shared experts, final norm, LM head, and the
   distinct routed experts the step actually selected, counted by hooks on the routers during one eager step of the
   same block) over the measured copy bandwidth (read + write of a 4 GiB buffer);
+- the whole generation's floor (GPU): each forward's weight bytes as above, its routed experts counted in one eager
+  run of the same call (`generation_routing`; `tokens_equal_eager` says whether it decoded the timed run's tokens),
+  summed over the forwards, and the timed generation over it (`forward_over_floor`: ms per forward over the mean
+  floor per forward). A block's first steps select the fewest experts (its positions are nearly all masks); as its
+  positions are committed, its steps select more (random weights: ~28 -> ~80 of 256 per layer in a CPU check of
+  the shape), so the one timed step above is the least favourable to the floor;
 - the reference `generate()` (the Hub's `modeling_llada2_moe.py`, batch 1, same weights shared in place), when
   `--reference-code DIR` names a folder holding the Hub's `modeling_llada2_moe.py` and `configuration_llada2_moe.py`
   (not shipped with hf_dllm). It is transformers-4 code: `patch_transformers_for_reference` adds the two names it
@@ -202,6 +208,29 @@ def profile_block_step(model, prompts, config, top: int = 25) -> str:
         StepGraphs.release_to(model)
 
 
+@torch.no_grad()
+def generation_routing(model, prompts, kwargs: dict) -> tuple[torch.Tensor, list[list[int]]]:
+    """(sequences, the distinct routed experts of each MoE layer in every forward) of one eager `generate()` with
+    `kwargs`: a pre-hook on the decoder starts each forward's list, hooks on the routers add each layer's count (CUDA
+    graph replays would run neither). Where the eager run's tokens equal the timed run's, its routing is the timed
+    run's, forward by forward."""
+    forwards: list[list[int]] = []
+    handles = [model.model.register_forward_pre_hook(lambda module, args: forwards.append([]))]
+    handles += [
+        layer.mlp.gate.register_forward_hook(
+            lambda module, args, out: forwards[-1].append(int(out[0].unique().numel()))
+        )
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
+    try:
+        out = model.generate(prompts, **dict(kwargs, disable_compile=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out.sequences, forwards
+
+
 def step_weight_bytes(model, distinct_experts: list[int]) -> int:
     """Bytes of the weights one block step reads: every weight but the routed experts and the input embedding (a
     step gathers a few of its rows), plus one expert's bytes for each routed expert the step selected."""
@@ -274,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     parser.add_argument("--profile", default=None, help="comma list of batch sizes: profile one block step each")
-    parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
+    parser.add_argument(
+        "--check-eager",
+        action="store_true",
+        help="compare tokens with disable_compile=True on the CPU too (always on a GPU)",
+    )
     parser.add_argument("--attn", default=None, help="attn_implementation (default: the model's, llada_triton)")
     parser.add_argument(
         "--quantization", default="none", help="comma list of none (the dtype's weights) and fp8 (GPU only)"
@@ -366,9 +399,21 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=seconds,
                 peak_gb=peak / 1e9,
             )
-            if args.check_eager and batch <= 8:
-                eager = tested.generate(prompts, **dict(kwargs, disable_compile=True))
-                row["tokens_equal_eager"] = bool(torch.equal(eager.sequences, out.sequences))
+            if gpu or args.check_eager:
+                # One eager run, its routing counted in every forward: the floor of the whole generation (its steps
+                # route more tokens to more experts as a block's positions are committed; `block_step` times one
+                # step near the start of a block, where the fewest experts are selected).
+                eager_sequences, routing = generation_routing(tested, prompts, kwargs)
+                row["tokens_equal_eager"] = bool(torch.equal(eager_sequences, out.sequences))
+                row["forwards_counted"] = len(routing)
+                row["generation_distinct_experts_per_layer"] = round(
+                    statistics.mean(count for forward in routing for count in forward), 1
+                )
+                if gpu:
+                    bandwidth = summary.setdefault("copy_bandwidth_tb_s", copy_bandwidth(device) / 1e12)
+                    floor_s = sum(step_weight_bytes(tested, forward) for forward in routing) / (bandwidth * 1e12)
+                    row["generation_floor_ms_per_forward"] = 1000 * floor_s / len(routing)
+                    row["forward_over_floor"] = seconds / floor_s
             if per_step == 1:
                 config = tested.resolve_generation_config(**kwargs)
                 row["step_ms"], row["step_alone_ms"], distinct = block_step(tested, prompts, config, device)
@@ -437,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device_name}, {dtype}, LLaDA2.0-mini shape, prompt {prompt_len}, {new_tokens} new tokens, block {block}")
     print(
         f"{'quant':>6}{'batch':>6}{'tok/step':>9}{'NFE':>6}{'ms/fwd':>9}{'tok/s':>10}"
-        f"{'step ms':>9}{'alone ms':>9}{'floor ms':>9}{'peak GB':>9}"
+        f"{'step ms':>9}{'alone ms':>9}{'floor ms':>9}{'gen floor':>10}{'fwd/floor':>10}{'peak GB':>9}"
     )
     for r in rows:
         if "error" in r:
@@ -446,9 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
         alone = f"{r['step_alone_ms']:.2f}" if "step_alone_ms" in r else "-"
         floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else "-"
+        gen_floor = f"{r['generation_floor_ms_per_forward']:.2f}" if "generation_floor_ms_per_forward" in r else "-"
+        over = f"{r['forward_over_floor']:.2f}x" if "forward_over_floor" in r else "-"
         print(
             f"{r['quantization']:>6}{r['batch']:>6}{r['tokens_per_step']:>9}{r['nfe']:>6}{r['ms_per_forward']:>9.2f}"
-            f"{r['tokens_per_s']:>10.1f}{step:>9}{alone:>9}{floor:>9}{r['peak_gb']:>9.2f}"
+            f"{r['tokens_per_s']:>10.1f}{step:>9}{alone:>9}{floor:>9}{gen_floor:>10}{over:>10}{r['peak_gb']:>9.2f}"
         )
     if "reference" in summary:
         ref = summary["reference"]
