@@ -18,7 +18,7 @@ from .block_plan import plan_bidirectional, plan_block_causal
 from .cache import CachePolicy, make_cache_policy, padding_aware_position_ids
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
 from .generation_config import DiffusionGenerationConfig
-from .graphs import MAX_GRAPHS, StepGraphs
+from .graphs import MAX_GRAPHS, StepGraphs, spans_devices
 from .kernels import upload
 from .tensor_parallel import agree_across_ranks
 
@@ -287,7 +287,7 @@ class BlockDiffusionRun:
             or config.disable_compile
             or not self._greedy_without_guidance()
             or self.model.config._attn_implementation == "flex_attention"  # BlockMask inputs are not tensors
-            or len({parameter.device for parameter in self.model.parameters()}) > 1  # a graph is one device's
+            or spans_devices(self.model)  # a graph is one device's
             or not self._step_capturable()
             or self.unmasking.graph_key() is None  # a policy that does not say its step is capturable
         )

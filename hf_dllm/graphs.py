@@ -69,6 +69,30 @@ def tensor_version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def spans_devices(model: torch.nn.Module) -> bool:
+    """Whether the model's weights lie on more than one device (no CUDA graph then: a graph is one device's).
+
+    A model split over devices runs through accelerate's hooks, which move the activations from layer to layer;
+    its dispatch (`from_pretrained(..., device_map=...)`, `accelerate.dispatch_model`) records the split in
+    `hf_device_map`, and that is read here, with the input and output embeddings' devices (a model moved by hand
+    part by part, whose forward then needs hooks of its own). Walking every parameter instead took ~45 ms per
+    `generate()` call for LLaDA2.0-mini's ~15,000 (each expert's three layers are parameters of their own; RESULTS.md,
+    session 42)."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if len(set(device_map.values())) > 1:
+        return True
+    devices = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):  # a model of the mixin that is not a transformers model
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            devices.add(weight.device)
+    return len(devices) > 1
+
+
 # Captured shapes a `generate()` runner keeps (the least recently used one is dropped beyond it).
 MAX_GRAPHS = 32
 

@@ -8,6 +8,8 @@ the GPU tests compare graph and eager tokens end to end).
 - RoPE tables (`cache.PositionTables`) give the computed rows, grow without freeing the tables graphs read, and
   are used only with the caches of the loop and the engine, whose positions the cache's length bounds (the GPU
   tests compare them with the computed ones in LLaDA and LLaDA2).
+- `graphs.spans_devices` (whether a run may capture graphs: a graph is one device's) reads accelerate's
+  `hf_device_map` and the embeddings' devices, without walking every parameter.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import hf_dllm
 from hf_dllm.block_loop import BlockDiffusionRun
 from hf_dllm.cache import DiffusionKVCache, PositionTables
 from hf_dllm.decoding import FixedSchedule, ScheduledThreshold, TokenEditing, schedule_counts
-from hf_dllm.graphs import _CapturedStep
+from hf_dllm.graphs import _CapturedStep, spans_devices
 from hf_dllm.modeling_llada2_moe import rotary_cos_sin
 from hf_dllm.serving.engine import ContinuousBatcher
 
@@ -214,3 +216,20 @@ def test_gpu_rope_tables_equal_the_computed_rope(dtype):
             )
         logits.append(out.logits)
     assert torch.equal(logits[0], logits[1])
+
+
+def test_spans_devices_reads_the_device_map_and_the_embeddings(monkeypatch):
+    """A split recorded in `hf_device_map` (accelerate's dispatch) or embeddings on two devices span devices; a
+    model on one device, a one-device map and a module that is not a transformers model do not. The parameters are
+    not walked (LLaDA2.0-mini has ~15,000: ~45 ms per `generate()`)."""
+    model = tiny_model()
+    monkeypatch.setattr(type(model), "parameters", lambda self, recurse=True: iter(()))  # a walk would see nothing
+    assert not spans_devices(model)
+    model.hf_device_map = {"": 0}
+    assert not spans_devices(model)
+    model.hf_device_map = {"model.transformer.wte": 0, "model.transformer.blocks.0": 0, "model.transformer.blocks.1": 1}
+    assert spans_devices(model)
+    del model.hf_device_map
+    model.get_output_embeddings().to("meta")  # the head alone moved (its forward would need hooks of its own)
+    assert spans_devices(model)
+    assert not spans_devices(torch.nn.Linear(2, 2))
