@@ -41,6 +41,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import statistics
@@ -149,18 +150,11 @@ def block_step(model, prompts, config, device, repeats: int = 30, in_a_row: int 
         run.unmasking.start_block(end - start, steps)
         run.cache_policy.start_block(start)
         run.run_step(start, end, 0)
-        experts: list[torch.Tensor] = []
-        hooks = [
-            layer.mlp.gate.register_forward_hook(lambda module, args, out: experts.append(out[0].flatten()))
-            for layer in model.model.layers
-            if hasattr(layer.mlp, "gate")
-        ]
         graphs, run.graphs = run.graphs, None  # one eager step, so the hooks see the routing
-        run.run_step(start, end, 1)
+        with routed_expert_counts(model) as forwards:
+            run.run_step(start, end, 1)
         run.graphs = graphs
-        for hook in hooks:
-            hook.remove()
-        distinct = [int(chosen.unique().numel()) for chosen in experts]
+        distinct = forwards[-1]
         for _ in range(3):  # warm-up and capture
             run.run_step(start, end, 1)
 
@@ -208,12 +202,11 @@ def profile_block_step(model, prompts, config, top: int = 25) -> str:
         StepGraphs.release_to(model)
 
 
-@torch.no_grad()
-def generation_routing(model, prompts, kwargs: dict) -> tuple[torch.Tensor, list[list[int]]]:
-    """(sequences, the distinct routed experts of each MoE layer in every forward) of one eager `generate()` with
-    `kwargs`: a pre-hook on the decoder starts each forward's list, hooks on the routers add each layer's count (CUDA
-    graph replays would run neither). Where the eager run's tokens equal the timed run's, its routing is the timed
-    run's, forward by forward."""
+@contextlib.contextmanager
+def routed_expert_counts(model):
+    """Yields a list that gets, for every forward run inside the block, the distinct routed experts of each MoE
+    layer (a list per forward): a pre-hook on the decoder starts each forward's list, hooks on the routers add each
+    layer's count. Eager forwards only: CUDA graph replays run no hooks."""
     forwards: list[list[int]] = []
     handles = [model.model.register_forward_pre_hook(lambda module, args: forwards.append([]))]
     handles += [
@@ -224,10 +217,19 @@ def generation_routing(model, prompts, kwargs: dict) -> tuple[torch.Tensor, list
         if hasattr(layer.mlp, "gate")
     ]
     try:
-        out = model.generate(prompts, **dict(kwargs, disable_compile=True))
+        yield forwards
     finally:
         for handle in handles:
             handle.remove()
+
+
+@torch.no_grad()
+def generation_routing(model, prompts, kwargs: dict) -> tuple[torch.Tensor, list[list[int]]]:
+    """(sequences, the distinct routed experts of each MoE layer in every forward) of one eager `generate()` with
+    `kwargs` (`routed_expert_counts`). Where the eager run's tokens equal the timed run's, its routing is the timed
+    run's, forward by forward."""
+    with routed_expert_counts(model) as forwards:
+        out = model.generate(prompts, **dict(kwargs, disable_compile=True))
     return out.sequences, forwards
 
 
@@ -361,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{quantization}, batch {batch}:\n{profile_block_step(tested, prompts, config)}", flush=True)
         return 0
 
+    if gpu:  # the weight-read floors' rate, measured once
+        summary["copy_bandwidth_tb_s"] = copy_bandwidth(device) / 1e12
     rows = []
     for (quantization, tested), batch in ((item, batch) for item in models.items() for batch in batch_sizes):
         torch.manual_seed(batch)
@@ -410,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
                     statistics.mean(count for forward in routing for count in forward), 1
                 )
                 if gpu:
-                    bandwidth = summary.setdefault("copy_bandwidth_tb_s", copy_bandwidth(device) / 1e12)
-                    floor_s = sum(step_weight_bytes(tested, forward) for forward in routing) / (bandwidth * 1e12)
+                    floor_s = sum(step_weight_bytes(tested, forward) for forward in routing) / (
+                        summary["copy_bandwidth_tb_s"] * 1e12
+                    )
                     row["generation_floor_ms_per_forward"] = 1000 * floor_s / len(routing)
                     row["forward_over_floor"] = seconds / floor_s
             if per_step == 1:
@@ -419,9 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["step_ms"], row["step_alone_ms"], distinct = block_step(tested, prompts, config, device)
                 row["distinct_experts_per_layer"] = round(statistics.mean(distinct), 1)
                 if gpu:
-                    bandwidth = summary.setdefault("copy_bandwidth_tb_s", copy_bandwidth(device) / 1e12)
                     row["step_weight_gb"] = step_weight_bytes(tested, distinct) / 1e9
-                    row["floor_ms"] = row["step_weight_gb"] / bandwidth
+                    row["floor_ms"] = row["step_weight_gb"] / summary["copy_bandwidth_tb_s"]
                     row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
                     row["step_alone_over_floor"] = row["step_alone_ms"] / row["floor_ms"]
             if batch == 1 and per_step == 1 and quantization == "none":
