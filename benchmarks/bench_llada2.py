@@ -233,10 +233,12 @@ def generation_routing(model, prompts, kwargs: dict) -> tuple[torch.Tensor, list
     return out.sequences, forwards
 
 
-def step_weight_bytes(model, distinct_experts: list[int]) -> int:
-    """Bytes of the weights one block step reads: every weight but the routed experts and the input embedding (a
-    step gathers a few of its rows), plus one expert's bytes for each routed expert the step selected."""
-    shared = sum(
+def weight_read_bytes(model) -> tuple[int, int]:
+    """(bytes of the weights every forward reads, bytes of one routed expert): every weight but the routed experts
+    and the input embedding (a forward gathers a few of its rows), and one expert's three matrices. A forward's
+    floor is the first plus the second times the distinct routed experts it selected (`floor_bytes`). Walks every
+    parameter (~15,000 in LLaDA2.0-mini), so it is read once per model, not per forward."""
+    every_forward = sum(
         p.numel() * p.element_size()
         for name, p in model.named_parameters()
         if ".mlp.experts." not in name and "word_embeddings" not in name
@@ -247,7 +249,14 @@ def step_weight_bytes(model, distinct_experts: list[int]) -> int:
         for name, p in model.named_parameters()
         if name.startswith(f"model.layers.{first_moe}.mlp.experts.0.")
     )
-    return shared + expert * sum(distinct_experts)
+    return every_forward, expert
+
+
+def floor_bytes(read_bytes: tuple[int, int], distinct_experts: list[int]) -> int:
+    """Bytes one forward reads at the least: `weight_read_bytes`'s pair and the distinct routed experts each MoE
+    layer selected in it."""
+    every_forward, expert = read_bytes
+    return every_forward + expert * sum(distinct_experts)
 
 
 def patch_transformers_for_reference() -> None:
@@ -363,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{quantization}, batch {batch}:\n{profile_block_step(tested, prompts, config)}", flush=True)
         return 0
 
-    if gpu:  # the weight-read floors' rate, measured once
+    if gpu:  # the weight-read floors' rate and each model's weight bytes, measured once
         summary["copy_bandwidth_tb_s"] = copy_bandwidth(device) / 1e12
+        read_bytes = {quantization: weight_read_bytes(tested) for quantization, tested in models.items()}
     rows = []
     for (quantization, tested), batch in ((item, batch) for item in models.items() for batch in batch_sizes):
         torch.manual_seed(batch)
@@ -414,17 +424,16 @@ def main(argv: list[str] | None = None) -> int:
                     statistics.mean(count for forward in routing for count in forward), 1
                 )
                 if gpu:
-                    floor_s = sum(step_weight_bytes(tested, forward) for forward in routing) / (
-                        summary["copy_bandwidth_tb_s"] * 1e12
-                    )
-                    row["generation_floor_ms_per_forward"] = 1000 * floor_s / len(routing)
-                    row["forward_over_floor"] = seconds / floor_s
+                    floor_gb = sum(floor_bytes(read_bytes[quantization], forward) for forward in routing) / 1e9
+                    row["generation_floor_ms_per_forward"] = floor_gb / summary["copy_bandwidth_tb_s"] / len(routing)
+                    # Per forward, not the call's totals: the eager run may make other forwards where its tokens differ.
+                    row["forward_over_floor"] = row["ms_per_forward"] / row["generation_floor_ms_per_forward"]
             if per_step == 1:
                 config = tested.resolve_generation_config(**kwargs)
                 row["step_ms"], row["step_alone_ms"], distinct = block_step(tested, prompts, config, device)
                 row["distinct_experts_per_layer"] = round(statistics.mean(distinct), 1)
                 if gpu:
-                    row["step_weight_gb"] = step_weight_bytes(tested, distinct) / 1e9
+                    row["step_weight_gb"] = floor_bytes(read_bytes[quantization], distinct) / 1e9
                     row["floor_ms"] = row["step_weight_gb"] / summary["copy_bandwidth_tb_s"]
                     row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
                     row["step_alone_over_floor"] = row["step_alone_ms"] / row["floor_ms"]
