@@ -223,7 +223,12 @@ def test_spans_devices_reads_the_device_map_and_the_embeddings(monkeypatch):
     model on one device, a one-device map and a module that is not a transformers model do not. The parameters are
     not walked (LLaDA2.0-mini has ~15,000: ~45 ms per `generate()`)."""
     model = tiny_model()
-    monkeypatch.setattr(type(model), "parameters", lambda self, recurse=True: iter(()))  # a walk would see nothing
+
+    def walked(self, *args, **kwargs):
+        raise AssertionError("spans_devices walked the parameters")
+
+    # `parameters()` walks through `named_parameters()`: either walk fails the test.
+    monkeypatch.setattr(type(model), "named_parameters", walked)
     assert not spans_devices(model)
     model.hf_device_map = {"": 0}
     assert not spans_devices(model)
