@@ -105,6 +105,9 @@ class LLaDA2MoeConfig(PretrainedConfig):
             `True`, `False`, `False`, `False`; other values are rejected. `sliding_window` and `max_window_layers`
             are kept for round-tripping.
         mask_token_id (`int`): id of the mask token (156895, `<|mask|>` of the LLaDA2 tokenizer).
+        delete_token_id, split_token_id (`int`, *optional*): LLaDA2.2's edit tokens (156930 / 156931 on the Hub):
+            a checkpoint that has them decodes with LLaDA2.2's Levenshtein editing (`levenshtein_editing.py`), where
+            writing DELETE removes a block position and SPLIT inserts a mask before it. None (LLaDA2.0 / 2.1): none.
         pad_token_id, eos_token_id, bos_token_id (`int`): special token ids.
     """
 
@@ -186,6 +189,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         max_window_layers: int | None = 28,
         use_cache: bool = False,
         mask_token_id: int | None = 156895,
+        delete_token_id: int | None = None,
+        split_token_id: int | None = None,
         pad_token_id: int | None = 156892,
         eos_token_id: int | list[int] | None = 156892,
         bos_token_id: int | None = None,
@@ -238,6 +243,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         # transformers 5 dropped `use_cache` from the base config; the Hub's config.json carries it, keep it.
         self.use_cache = use_cache
         self.mask_token_id = mask_token_id
+        self.delete_token_id = delete_token_id
+        self.split_token_id = split_token_id
         # Before the base class's own checks, which read sizes such as `head_dim`.
         self.validate_llada2()
         super().__init__(
@@ -302,6 +309,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
             not isinstance(self.mask_token_id, int) or isinstance(self.mask_token_id, bool) or self.mask_token_id < 0
         ):
             raise ValueError(f"{name}.mask_token_id must be None or an integer >= 0, got {self.mask_token_id!r}.")
+        self._validate_edit_tokens(name)
 
         layers = self.num_hidden_layers
         first_dense = self.first_k_dense_replace
@@ -318,6 +326,26 @@ class LLaDA2MoeConfig(PretrainedConfig):
                 )
         if self.num_experts is not None:
             self._validate_moe(name)
+
+    def _validate_edit_tokens(self, name: str) -> None:
+        """LLaDA2.2's `delete_token_id` / `split_token_id`: None, or ids in [0, vocab_size) distinct from each other
+        and from `mask_token_id`."""
+        seen = {"mask_token_id": self.mask_token_id}
+        for field in ("delete_token_id", "split_token_id"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.vocab_size:
+                raise ValueError(
+                    f"{name}.{field} must be None or an integer in [0, vocab_size={self.vocab_size}), got {value!r}."
+                )
+            for other, other_value in seen.items():
+                if other_value == value:
+                    raise ValueError(f"{name}.{field} ({value}) must differ from {other} ({other_value}).")
+            seen[field] = value
+        if (self.delete_token_id is None) != (self.split_token_id is None):
+            missing = "split_token_id" if self.split_token_id is None else "delete_token_id"
+            raise ValueError(f"{name}.{missing} must be set too: LLaDA2.2's editing needs both edit tokens.")
 
     def _validate_rope_scaling(self, name: str) -> None:
         scaling = self.rope_scaling
