@@ -249,9 +249,10 @@ class DiffusionGenerationConfig(GenerationConfig):
         if not is_int(self.minimal_topk) or self.minimal_topk <= 0:
             raise ValueError(f"`minimal_topk` must be a positive integer, got {self.minimal_topk!r}.")
         if self.editing_threshold is not None and (
-            not is_number(self.editing_threshold) or not 0 < self.editing_threshold <= 1
+            not is_number(self.editing_threshold) or not 0 <= self.editing_threshold <= 1
         ):
-            raise ValueError(f"`editing_threshold` must be None or a number in (0, 1], got {self.editing_threshold!r}.")
+            # 0 edits wherever the prediction differs (SGLang's LLaDA2.2 default).
+            raise ValueError(f"`editing_threshold` must be None or a number in [0, 1], got {self.editing_threshold!r}.")
         for name in ("max_post_steps", "num_to_transfer"):
             value = getattr(self, name)
             if not is_int(value) or value < (0 if name == "max_post_steps" else 1):
