@@ -101,6 +101,11 @@ class LLaDA2MoeConfig(PretrainedConfig):
             the scores for choosing experts only, not for weighting them).
         router_dtype (`str`, *optional*): dtype the router runs in (`"fp32"`; `None` = float32).
         output_router_logits (`bool`): return every MoE layer's router logits.
+        block_size, expert_capacity (`int`, *optional*): LLaDA2.2's block routing (its config.json: 32 and 48): per
+            block of `block_size` positions (absolute positions, in multiples of `block_size`), only the
+            `expert_capacity` experts with the highest block-max choice score may be chosen, then each token takes
+            its top-k among them (`llada2_moe_layer.block_limited_topk`). Both set or neither; None (LLaDA2.0 /
+            2.1): plain group-limited routing.
         use_rmsnorm, norm_head, norm_softmax, use_sliding_window (`bool`): Ling switches LLaDA2.x keeps at
             `True`, `False`, `False`, `False`; other values are rejected. `sliding_window` and `max_window_layers`
             are kept for round-tripping.
@@ -181,6 +186,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         moe_router_enable_expert_bias: bool = True,
         router_dtype: str | None = "fp32",
         output_router_logits: bool = False,
+        block_size: int | None = None,
+        expert_capacity: int | None = None,
         use_rmsnorm: bool = True,
         norm_head: bool = False,
         norm_softmax: bool = False,
@@ -234,6 +241,8 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
         self.router_dtype = router_dtype
         self.output_router_logits = output_router_logits
+        self.block_size = block_size
+        self.expert_capacity = expert_capacity
         self.use_rmsnorm = use_rmsnorm
         self.norm_head = norm_head
         self.norm_softmax = norm_softmax
@@ -326,6 +335,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
                 )
         if self.num_experts is not None:
             self._validate_moe(name)
+        self._validate_block_routing(name)
 
     def _validate_edit_tokens(self, name: str) -> None:
         """LLaDA2.2's `delete_token_id` / `split_token_id`: None, or ids in [0, vocab_size) distinct from each other
@@ -346,6 +356,35 @@ class LLaDA2MoeConfig(PretrainedConfig):
         if (self.delete_token_id is None) != (self.split_token_id is None):
             missing = "split_token_id" if self.split_token_id is None else "delete_token_id"
             raise ValueError(f"{name}.{missing} must be set too: LLaDA2.2's editing needs both edit tokens.")
+
+    def uses_block_routing(self) -> bool:
+        """Whether the MoE layers route by blocks (LLaDA2.2: `block_size` and `expert_capacity` set)."""
+        return self.block_size is not None and self.expert_capacity is not None
+
+    def _validate_block_routing(self, name: str) -> None:
+        """LLaDA2.2's `block_size` / `expert_capacity`: both None, or both positive integers with `expert_capacity`
+        in [num_experts_per_tok, num_experts]."""
+        size, capacity = self.block_size, self.expert_capacity
+        for field, value in (("block_size", size), ("expert_capacity", capacity)):
+            if value is not None and not _is_positive_int(value):
+                raise ValueError(f"{name}.{field} must be None or a positive integer, got {value!r}.")
+        if (size is None) != (capacity is None):
+            missing = "expert_capacity" if capacity is None else "block_size"
+            raise ValueError(
+                f"{name}.{missing} must be set too: block routing needs both block_size and expert_capacity "
+                f"(got block_size={size!r}, expert_capacity={capacity!r})."
+            )
+        if capacity is None:
+            return
+        if self.num_experts is None:
+            raise ValueError(
+                f"{name}.expert_capacity ({capacity}) needs routed experts, but num_experts is None (a dense model)."
+            )
+        if not self.num_experts_per_tok <= capacity <= self.num_experts:
+            raise ValueError(
+                f"{name}.expert_capacity must be an integer in [num_experts_per_tok={self.num_experts_per_tok}, "
+                f"num_experts={self.num_experts}], got {capacity!r}."
+            )
 
     def _validate_rope_scaling(self, name: str) -> None:
         scaling = self.rope_scaling
