@@ -1,0 +1,506 @@
+"""LLaDA-MoE masked-diffusion MoE language model for transformers 5.
+
+inclusionAI's LLaDA-MoE (`inclusionAI/LLaDA-MoE-7B-A1B-Base`, `-Instruct`, `-Instruct-TD`): a bidirectional mask
+predictor, decoded like LLaDA, on an OLMoE-style MoE body. The module tree reproduces the Hub checkpoints' parameter
+names (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `self_attn.{q,k}_norm`,
+`model.layers.{i}.mlp.gate.weight`, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, dense layers'
+`mlp.{gate,up,down}_proj`, the shared expert `model.layers.{i}.shared_expert.*`, `model.norm.weight`,
+`lm_head.weight`), so `from_pretrained` reads the Hub's safetensors unchanged. The math follows the original
+`modeling_lladamoe.py`:
+
+- each layer `h = x + o_proj(attn(input_layernorm(x)))`, then `h + mlp(post_attention_layernorm(h))` (plus the
+  shared expert of the same normed input in MoE layers, when there is one); RMS norms normalise in float32, cast
+  back to the input dtype, then scale;
+- attention: per-head RMS norm of queries and keys (`qk_layernorm`, one weight of size `head_dim` each) before
+  RoPE, optional clamping (`clip_qkv`), partial rotate-half RoPE on the first `int(head_dim *
+  partial_rotary_factor)` dims (cos/sin computed in float32, applied in the model dtype), grouped-query attention,
+  **bidirectional** (no causal mask; a 2D padding mask hides padded keys), scale `1/sqrt(head_dim)`;
+- MoE: router logits `gate(x)`, softmax in float32 (plus `expert_bias` if the config enables it), the
+  `num_experts_per_tok` largest probabilities weight their experts' SwiGLU outputs **unnormalised** (the original
+  hard-codes `norm_topk_prob` off), summed in the model dtype.
+
+The routed experts run as a plain loop over the experts the tokens selected (`LLaDAMoESparseMoeBlock`): each
+expert on its own tokens, its output times the routing weight added in place, exactly the original's arithmetic.
+(It reads the selected experts on the host: a generation step is not captured in a CUDA graph.)
+
+Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS` (`eager` is this file's reference function,
+`sdpa`, `flex_attention`, `flash_attention_2`, ...). Padding: a 2D `attention_mask` masks padded keys and RoPE
+positions count from each row's first real token, so a left-padded row computes what it computes alone. Caches: a
+`DiffusionKVCache` (`past_key_values`, written in place at `cache_position`, attention over the whole sequence) gives
+`generate()` the prefix and dual caches of Fast-dLLM; a transformers `DynamicCache` is appended to.
+
+This file is exported verbatim as Hub remote code: relative imports only.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
+from .configuration_llada_moe import LLaDAMoEConfig
+from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
+
+
+class LLaDAMoERMSNorm(nn.Module):
+    """RMS norm as in the original (OLMoE's): normalise in float32, cast back to the input dtype, then scale."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, config: LLaDAMoEConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for `position_ids` `(batch, q_len)`: cos, sin `(batch, q_len, rotary_dim)` in `dtype`.
+
+    As the original rotary embedding (transformers' default RoPE): inverse frequencies
+    `rope_theta ** (-arange(0, dim, 2) / dim)` and angles in float32 (`dim` = `int(head_dim * partial_rotary_factor)`),
+    cast to the model dtype afterwards. Linear `rope_scaling` divides the frequencies by its factor."""
+    dim = config.rotary_embedding_dim()
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=position_ids.device).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_partial_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first `cos.shape[-1]` dims of each head of q `(b, h, L, d)` and k `(b, h_kv, L, d)`; the
+    remaining dims pass through. cos, sin `(b, L, rotary_dim)`."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_rot = q_rot * cos + rotate_half(q_rot) * sin
+    k_rot = k_rot * cos + rotate_half(k_rot) * sin
+    return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`(batch, kv_heads, len, dim)` -> `(batch, kv_heads * n_rep, len, dim)` for grouped-query attention: key/value
+    head j serves query heads `j * n_rep .. j * n_rep + n_rep - 1`."""
+    if n_rep == 1:
+        return hidden_states
+    batch, kv_heads, length, dim = hidden_states.shape
+    hidden_states = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, length, dim)
+    return hidden_states.reshape(batch, kv_heads * n_rep, length, dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention. query `(b, h, q, d)`, key/value `(b, h_kv, k, d)`, mask `(b, 1, q, k)` (bool, True =
+    attend, or additive float). Returns the output `(b, q, h, d)` and the weights `(b, h, q, k)`. No causal mask:
+    LLaDA-MoE is bidirectional."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return output, weights
+
+
+class LLaDAMoEAttention(nn.Module):
+    """Bidirectional multi-head attention with per-head q/k RMS norms, optional q/k/v clamping and partial RoPE.
+
+    It is the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`, `layer_idx`
+    and `scaling` on it."""
+
+    def __init__(self, config: LLaDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        # A mask predictor sees the whole sequence: no backend may add a causal mask of its own.
+        self.is_causal = False
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout or 0.0
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if config.qk_layernorm:
+            self.q_norm = LLaDAMoERMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = LLaDAMoERMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask=None,
+        past_key_values: Cache | DiffusionKVCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
+        batch, q_len, _ = hidden_states.shape
+        query = self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
+        if self.config.qk_layernorm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        clip = self.config.clip_qkv
+        if clip is not None:
+            query, key, value = (t.clamp(min=-clip, max=clip) for t in (query, key, value))
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_partial_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn, _ = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return self.o_proj(attn.reshape(batch, q_len, -1))
+
+
+class LLaDAMoEMLP(nn.Module):
+    """SwiGLU MLP `down_proj(act(gate_proj(x)) * up_proj(x))`: a routed expert, the shared expert or a dense layer's."""
+
+    def __init__(self, config: LLaDAMoEConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LLaDAMoESparseMoeBlock(nn.Module):
+    """The routed experts of a MoE layer: `gate` (the router, `num_experts x hidden`, no bias) and `experts`.
+
+    Routing as the original: softmax of the router logits in float32, plus `expert_bias` where the config enables
+    it (a buffer, saved with the weights), the `num_experts_per_tok` largest values and their experts; those values,
+    cast to the model dtype and **not renormalised**, weight the experts' outputs."""
+
+    def __init__(self, config: LLaDAMoEConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            [LLaDAMoEMLP(config, config.expert_intermediate_size) for _ in range(self.num_experts)]
+        )
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+        else:
+            self.expert_bias = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `(tokens, hidden)` -> routing weights `(tokens, top_k)` in x's dtype, the chosen experts `(tokens,
+        top_k)` (most probable first) and the router logits `(tokens, num_experts)`."""
+        router_logits = self.gate(x)
+        probabilities = nn.functional.softmax(router_logits, dim=-1, dtype=torch.float32)
+        if self.expert_bias is not None:
+            probabilities = probabilities + self.expert_bias
+        weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
+        return weights.to(x.dtype), experts, router_logits
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states `(batch, q_len, hidden)` -> (the weighted sum of the chosen experts' outputs, same shape;
+        the router logits `(batch * q_len, num_experts)`)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, experts, router_logits = self.route(x)
+        out = torch.zeros_like(x)
+        # Each expert that some token chose, in index order (the order the original adds them in), on its tokens.
+        for expert_idx in experts.unique().tolist():
+            tokens, slots = torch.nonzero(experts == expert_idx, as_tuple=True)
+            expert_out = self.experts[expert_idx](x[tokens]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, expert_out.to(x.dtype))
+        return out.view(shape), router_logits
+
+
+class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
+    """`h = x + Attn(norm(x))`, then `h + MLP(norm(h))`: the routed experts (plus `shared_expert` when configured)
+    where `moe_layer_freq[layer_idx]` is not 0, else a dense MLP."""
+
+    def __init__(self, config: LLaDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LLaDAMoEAttention(config, layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.mlp = LLaDAMoESparseMoeBlock(config)
+            if config.shared_expert_intermediate_size is not None:
+                # On the layer, not under `mlp` (the Hub's key names).
+                self.shared_expert = LLaDAMoEMLP(config, config.shared_expert_intermediate_size)
+        else:
+            self.mlp = LLaDAMoEMLP(config, config.dense_intermediate_size)
+        self.input_layernorm = LLaDAMoERMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = LLaDAMoERMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask=None,
+        past_key_values: Cache | DiffusionKVCache | None = None,
+        cache_position: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers)."""
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            cache_position=cache_position,
+            **kwargs,
+        )
+        normed = self.post_attention_layernorm(hidden_states)
+        router_logits = None
+        if self.is_moe:
+            mlp_out, router_logits = self.mlp(normed)
+            shared = getattr(self, "shared_expert", None)
+            if shared is not None:
+                mlp_out = mlp_out + shared(normed)
+        else:
+            mlp_out = self.mlp(normed)
+        return hidden_states + mlp_out, router_logits
+
+
+class LLaDAMoEPreTrainedModel(PreTrainedModel):
+    config_class = LLaDAMoEConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LLaDAMoEDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, LLaDAMoESparseMoeBlock) and module.expert_bias is not None:
+            init.zeros_(module.expert_bias)
+
+
+class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
+    """The transformer: `embed_tokens`, `layers`, `norm`."""
+
+    def __init__(self, config: LLaDAMoEConfig):
+        super().__init__(config)
+        pad = config.pad_token_id
+        padding_idx = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx)
+        self.layers = nn.ModuleList([LLaDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LLaDAMoERMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | DiffusionKVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        r"""
+        Args:
+            input_ids: `(batch, q_len)` token ids of the positions computed in this call.
+            attention_mask: `(batch, kv_len)` with 1 for real tokens and 0 for padding, where `kv_len` counts every
+                key this call attends to (cached ones included); or a prepared 4D mask, used as given.
+            position_ids: `(batch, q_len)` RoPE positions; by default counted from each row's first real token.
+            past_key_values: a `DynamicCache` (new keys are appended, as in transformers) or a `DiffusionKVCache`
+                (new keys are written in place at `cache_position`, and attention covers the whole pre-allocated
+                sequence, as the prefix/dual caches of Fast-dLLM need).
+            cache_position: `(q_len,)` columns of the full sequence the inputs sit at.
+            output_router_logits: also return each MoE layer's router logits `(batch * q_len, num_experts)`.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("LLaDAMoEModel.forward needs exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        past_key_values, cache_position, position_ids, mask_2d, _ = resolve_forward_positions(
+            inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, cache_position
+        )
+        if mask_2d is not None:
+            attention_mask = create_bidirectional_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=mask_2d
+            )
+        position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
+
+        hidden_states = inputs_embeds
+        all_hidden_states = () if output_hidden_states else None
+        all_router_logits = () if output_router_logits else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, router_logits = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                cache_position=cache_position,
+                **kwargs,
+            )
+            if output_router_logits and router_logits is not None:
+                all_router_logits += (router_logits,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return MoeModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+            router_logits=all_router_logits,
+            **cache_output(past_key_values if use_cache else None),
+        )
+
+
+class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
+    """LLaDA-MoE with its output head and the diffusion `generate()` (see `DiffusionGenerationMixin`): one block
+    loop with every LLaDA decoding option (fixed steps, `threshold`, `factor`, `cfg_scale`, no / prefix / dual
+    cache, left-padded batches).
+
+    `forward` returns logits (in the model dtype, as the original) for every position or those selected by
+    `logits_to_keep`; the logits at position i predict the token at position i itself (no shift)."""
+
+    generation_config_class = DiffusionGenerationConfig
+    # Interface of DiffusionGenerationMixin: position i predicts token i (as LLaDA); every position attends to every
+    # other, so blocks start at the prompt's end and the prefix / dual caches are Fast-dLLM's approximations.
+    diffusion_logits_shift = 0
+    diffusion_block_causal = False
+    diffusion_packed_rows = False
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LLaDAMoEConfig):
+        super().__init__(config)
+        self.model = LLaDAMoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | DiffusionKVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        logits_to_keep: int | slice | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast | tuple:
+        r"""
+        Same arguments as `LLaDAMoEModel.forward`, plus `logits_to_keep`: an `int` keeps the last n positions (0
+        keeps all), a `slice` or a 1D index tensor selects positions, so the `(…, vocab)` head runs only where logits
+        are needed. Returns `MoeCausalLMOutputWithPast` with `logits` `(batch, kept, vocab)`.
+        """
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            cache_position=cache_position,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        logits = self.lm_head(select_positions(outputs.last_hidden_state, logits_to_keep))
+        output = MoeCausalLMOutputWithPast(
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits,
+            **cache_output(output_cache(outputs)),
+        )
+        use_return_dict = return_dict if return_dict is not None else self.config.return_dict
+        return output if use_return_dict else output.to_tuple()
+
+    def _diffusion_step_capturable(self) -> bool:
+        """The expert loop reads the selected experts on the host: a step cannot be captured in a CUDA graph."""
+        return not any(layer.is_moe for layer in self.model.layers)
+
+
+__all__ = ["LLaDAMoEModel", "LLaDAMoEModelLM", "LLaDAMoEPreTrainedModel"]
