@@ -20,6 +20,7 @@ from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_st
 from .generation_config import DiffusionGenerationConfig
 from .graphs import MAX_GRAPHS, StepGraphs, spans_devices
 from .kernels import upload
+from .levenshtein_editing import levenshtein_policy
 from .tensor_parallel import agree_across_ranks
 
 # Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
@@ -131,6 +132,8 @@ def decoding_policies(
     block_causal = bool(getattr(model, "diffusion_block_causal", False))
     cache = make_cache_policy(config.use_cache, config.dual_cache, block_causal, policy=cache_policy)
     model_policy = model._diffusion_unmasking_policy(config) if unmasking_policy is None else None
+    if unmasking_policy is None and model_policy is None:
+        model_policy = levenshtein_policy(model.config, config)  # LLaDA2.2: the config has DELETE / SPLIT ids
     unmasking = make_unmasking_policy(
         config.threshold,
         config.factor,
@@ -267,6 +270,8 @@ class BlockDiffusionRun:
         """The step's decoding rules, once `graphs` is known (captured graphs read the runner's copies of the
         constant token-id tensors)."""
         if self.graphs is not None:
+            if hasattr(self.unmasking, "keep_state_in"):  # a rule with device state its graphs read by address
+                self.unmasking.keep_state_in(self.graphs)
             self.suppressed_ids = self.graphs.constant("suppressed_ids", self.suppressed_ids)
             self.deferred_ids = self.graphs.constant("deferred_ids", self.deferred_ids)
         self.rules = StepRules(
@@ -550,6 +555,8 @@ class BlockDiffusionRun:
             self.unmasking.start_block(block_end - block_start, steps, generated_columns)
         else:
             self.unmasking.start_block(block_end - block_start, steps)
+        if hasattr(self.unmasking, "prepare_block"):  # a rule with per-block device state resets it here
+            self.unmasking.prepare_block(rows, self.device)
         self.cache_policy.start_block(block_start)
         # Rows that stop while their block still holds masks (in-block EOS stop) or that may edit committed tokens
         # are frozen by an `active` mask inside the step; otherwise a row that is done has nothing left to commit,
