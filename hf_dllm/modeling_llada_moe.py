@@ -49,6 +49,13 @@ from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward
 from .configuration_llada_moe import LLaDAMoEConfig
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
 
+try:  # hf_dllm versions whose generation rules live in family objects (`family.py`): LLaDA-MoE's
+    from .family_llada_moe import LLADA_MOE
+
+    DIFFUSION_FAMILIES: tuple = (LLADA_MOE,)
+except ImportError:  # earlier versions read the model's `diffusion_*` class attributes instead
+    DIFFUSION_FAMILIES = ()
+
 
 class LLaDAMoERMSNorm(nn.Module):
     """RMS norm as in the original (OLMoE's): normalise in float32, cast back to the input dtype, then scale."""
@@ -436,6 +443,8 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
     diffusion_logits_shift = 0
     diffusion_block_causal = False
     diffusion_packed_rows = False
+    # Where hf_dllm resolves those rules through family objects: LLaDA-MoE's (a bidirectional LLaDA-style family).
+    diffusion_families = DIFFUSION_FAMILIES
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: LLaDAMoEConfig):
@@ -497,6 +506,21 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
         )
         use_return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if use_return_dict else output.to_tuple()
+
+    @property
+    def diffusion_family(self):
+        """The model's family object (hf_dllm versions with `family.py`): the one of `diffusion_families` its config
+        describes, or, where this class names none, the registered family that describes its config (the registry
+        tells LLaDA-MoE from dense LLaDA by `architectures` / `auto_map`, both saying `model_type` "llada")."""
+        from .family import family_for_config
+
+        found = family_for_config(self.config, self.diffusion_families or None)
+        if found is None:
+            raise ValueError(
+                f"{type(self).__name__}: no registered diffusion family describes this config (architectures "
+                f"{self.config.architectures}); LLaDA-MoE's family must be registered (`import hf_dllm`)."
+            )
+        return found
 
     def _diffusion_step_capturable(self) -> bool:
         """The expert loop reads the selected experts on the host: a step cannot be captured in a CUDA graph."""
