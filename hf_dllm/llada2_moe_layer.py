@@ -14,6 +14,10 @@ weighted combine with the shared expert and the residual are Triton kernels (`tr
 synchronisation, also on tensor-parallel shards (the partial sums of the experts' slices reduced once per layer);
 elsewhere the grouped products are `torch._grouped_mm` where torch provides it.
 
+LLaDA2.2's *block routing* (config `block_size` and `expert_capacity`, `block_limited_topk`): per block of
+`block_size` positions only `expert_capacity` experts may be chosen, so a block's tokens touch at most that many
+experts; the grouped products take the routed expert ids as they are, and skip the experts no token chose.
+
 This file is exported verbatim as Hub remote code (with `modeling_llada2_moe.py`): relative imports only.
 """
 
@@ -66,9 +70,73 @@ def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, sil
 _MM_OUT_DTYPE = is_torch_greater_or_equal("2.9", accept_dev=True)
 
 
+class RoutingBlocks(NamedTuple):
+    """The routing block of each token of a forward (LLaDA2.2's block routing): ids `(tokens,)` long in
+    `[0, count)`, the tokens of one block sharing one id, and count, a bound on the number of blocks known on the
+    host (some ids may hold no token: such blocks choose experts that no token uses). Made once per forward
+    (`routing_blocks_for_columns`, `routing_blocks_for_packed`) and read by every MoE layer."""
+
+    ids: torch.Tensor
+    count: int
+
+
+def routing_blocks_for_columns(columns: torch.Tensor, batch: int, block_size: int) -> RoutingBlocks:
+    """The routing blocks of a `(batch, q_len)` forward whose inputs sit at the consecutive columns `columns`
+    `(q_len,)` (`cache_position`) of every row: column c is in block `c // block_size` of its row (absolute
+    positions, in multiples of `block_size`; a forward that starts or ends inside a block has that block's tokens
+    of this forward only). Blocks never span rows. No host synchronisation (`columns[0]` stays on the device)."""
+    q_len = columns.shape[0]
+    per_row = (q_len - 1) // block_size + 2 if q_len else 1  # blocks a run of q_len columns can touch
+    local = columns // block_size - columns[:1] // block_size
+    rows = torch.arange(batch, device=columns.device)[:, None] * per_row
+    return RoutingBlocks((rows + local).reshape(-1), batch * per_row)
+
+
+def routing_blocks_for_packed(
+    lengths: list[int], columns: torch.Tensor | None, block_size: int, device: torch.device
+) -> RoutingBlocks:
+    """The routing blocks of rows of `lengths` positions packed end to end (`packed.PackedRows`): each row's
+    positions sit at its consecutive `columns` `(sum(lengths),)` (None: columns `[0, length)` of each row) and
+    are blocked as `routing_blocks_for_columns` blocks a row alone."""
+    per_row = [(length - 1) // block_size + 2 for length in lengths]
+    first_block = [sum(per_row[:row]) for row in range(len(lengths))]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+    if columns is None:
+        columns = torch.cat([torch.arange(length) for length in lengths]).to(device)
+    starts = torch.tensor([sum(lengths[:row]) for row in range(len(lengths))], device=device)
+    local = columns // block_size - (columns[starts] // block_size)[rows]
+    return RoutingBlocks(torch.tensor(first_block, device=device)[rows] + local, sum(per_row))
+
+
+def block_limited_topk(choice: torch.Tensor, blocks: RoutingBlocks, capacity: int, top_k: int) -> torch.Tensor:
+    """LLaDA2.2's block routing: indices `(tokens, top_k)` of each token's best experts (descending choice score)
+    among the `capacity` experts allowed in its block.
+
+    choice `(tokens, E)`: the scores experts are chosen by (sigmoid or softmax scores plus `expert_bias`). Per
+    block (`blocks`), an expert's block score is the max of its choice scores over the block's tokens; the
+    `capacity` experts of highest block score are allowed; each token then takes its top-k of the allowed experts
+    (the others masked to -inf). Group-limited routing (`n_group` / `topk_group`) is not applied, as in SGLang's
+    implementation and the released LLaDA2.2 code as SGLang's reviewers describe it (see
+    `LLaDA2MoeGate.block_routing_topk`, the one place to change that). Ties: as `torch.topk`.
+
+    Written with scatter / top-k / gather over all blocks at once: no host synchronisation, and each block
+    touches at most `capacity` experts."""
+    n_experts = choice.shape[1]
+    block_scores = choice.new_full((blocks.count, n_experts), float("-inf"))
+    block_scores.scatter_reduce_(0, blocks.ids[:, None].expand(-1, n_experts), choice, reduce="amax")
+    allowed_idx = block_scores.topk(capacity, dim=-1).indices
+    allowed = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(1, allowed_idx, True)
+    masked = choice.masked_fill(~allowed[blocks.ids], float("-inf"))
+    return masked.topk(top_k, dim=-1).indices
+
+
 class LLaDA2MoeGate(nn.Module):
     """The router: `weight` `(num_experts, hidden)` and, with `moe_router_enable_expert_bias`, the buffer
-    `expert_bias` `(num_experts,)` (updated by load balancing in training, never by gradients)."""
+    `expert_bias` `(num_experts,)` (updated by load balancing in training, never by gradients).
+
+    With the config's `block_size` and `expert_capacity` (LLaDA2.2, `block_routing`) the experts are chosen by
+    `block_limited_topk` per routing block (`RoutingBlocks`; without them, the tokens of the call in order, in
+    blocks of `block_size`) instead of by group-limited top-k; the weights are computed as without it."""
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
@@ -78,6 +146,9 @@ class LLaDA2MoeGate(nn.Module):
         self.topk_group = config.topk_group
         self.routed_scaling_factor = config.routed_scaling_factor
         self.score_function = config.score_function
+        self.block_size = getattr(config, "block_size", None)
+        self.expert_capacity = getattr(config, "expert_capacity", None)
+        self.block_routing = self.block_size is not None and self.expert_capacity is not None
         self.norm_topk_prob = config.norm_topk_prob
         self.router_dtype = getattr(torch, ROUTER_DTYPES[config.router_dtype])
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
@@ -98,6 +169,15 @@ class LLaDA2MoeGate(nn.Module):
             expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, -1)
             scores = scores.masked_fill(~expert_mask, float("-inf"))
         return scores.topk(self.top_k, dim=-1).indices
+
+    def block_routing_topk(self, choice: torch.Tensor, routing_blocks: RoutingBlocks | None) -> torch.Tensor:
+        """Indices `(tokens, top_k)` under block routing (`block_limited_topk`); `routing_blocks` None: the tokens
+        of this call in order, in blocks of `block_size` (the last one partial)."""
+        if routing_blocks is None:
+            tokens = choice.shape[0]
+            ids = torch.arange(tokens, device=choice.device) // self.block_size
+            routing_blocks = RoutingBlocks(ids, max(1, -(-tokens // self.block_size)))
+        return block_limited_topk(choice, routing_blocks, self.expert_capacity, self.top_k)
 
     def takes_input_dtype(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `router_logits` multiplies inputs of `dtype` as they are: a float32 router whose weight has that
@@ -129,11 +209,16 @@ class LLaDA2MoeGate(nn.Module):
             return torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
         return nn.functional.linear(hidden_states.to(self.router_dtype), self.weight.to(self.router_dtype))
 
-    def fused_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fused_forward(
+        self, hidden_states: torch.Tensor, routing_blocks: RoutingBlocks | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
         ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
-        hooks see it)."""
+        hooks see it). Under block routing the routing after the logits is `route`'s (a few PyTorch kernels, no
+        host synchronisation): its expert ids feed the same fused alignment and grouped products."""
         logits = self.router_logits(hidden_states)
+        if self.block_routing:
+            return (*self.route(logits, routing_blocks), logits)
         index, weight = triton_moe.route(
             logits,
             self.expert_bias,
@@ -147,25 +232,35 @@ class LLaDA2MoeGate(nn.Module):
         return index, weight, logits
 
     def forward(
-        self, hidden_states: torch.Tensor, fused: bool = False
+        self, hidden_states: torch.Tensor, fused: bool = False, routing_blocks: RoutingBlocks | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states `(tokens, hidden)` -> expert indices `(tokens, top_k)`, their weights `(tokens, top_k)`
         and the router logits `(tokens, num_experts)`, both in the router dtype (float32). `fused`: through
-        `fused_forward`."""
+        `fused_forward`. routing_blocks: the tokens' routing blocks under block routing (ignored without it)."""
         if fused:
-            return self.fused_forward(hidden_states)
+            return self.fused_forward(hidden_states, routing_blocks)
         logits = self.router_logits(hidden_states)
+        return (*self.route(logits, routing_blocks), logits)
+
+    def route(
+        self, logits: torch.Tensor, routing_blocks: RoutingBlocks | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference routing after the logits product: logits `(tokens, num_experts)` -> expert indices and
+        weights `(tokens, top_k)`."""
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits.float()).to(logits.dtype)
         else:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
         # The bias steers which experts are chosen (load balancing) but not how much they weigh.
         choice = scores if self.expert_bias is None else scores + self.expert_bias
-        topk_idx = self.group_limited_topk(choice)
+        if self.block_routing:
+            topk_idx = self.block_routing_topk(choice, routing_blocks)
+        else:
+            topk_idx = self.group_limited_topk(choice)
         topk_weight = scores.gather(1, topk_idx)
         if self.top_k > 1 and self.norm_topk_prob:
             topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_idx, topk_weight * self.routed_scaling_factor, logits
+        return topk_idx, topk_weight * self.routed_scaling_factor
 
 
 class ExpertStacks(NamedTuple):
@@ -332,12 +427,29 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
             return is_torch_greater_or_equal("2.9", accept_dev=True)
         return False
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def routing_blocks(self, hidden_states: torch.Tensor, routing_blocks: RoutingBlocks | None) -> RoutingBlocks | None:
+        """The routing blocks the gate takes for hidden_states `(batch, len, hidden)`: None without block routing;
+        `routing_blocks` as given (the model makes them from the inputs' columns); else each row's positions
+        from 0 (`routing_blocks_for_columns` over `arange(len)`)."""
+        if not self.gate.block_routing:
+            return None
+        if routing_blocks is not None:
+            return routing_blocks
+        batch, length, _ = hidden_states.shape
+        columns = torch.arange(length, device=hidden_states.device)
+        return routing_blocks_for_columns(columns, batch, self.gate.block_size)
+
+    def forward(
+        self, hidden_states: torch.Tensor, routing_blocks: RoutingBlocks | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states `(batch, len, hidden)` -> output `(batch, len, hidden)` and router logits
-        `(batch * len, num_experts)`."""
+        `(batch * len, num_experts)`. routing_blocks: the tokens' routing blocks under block routing (see
+        `routing_blocks`)."""
         batch, length, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate(x)
+        topk_idx, topk_weight, router_logits = self.gate(
+            x, routing_blocks=self.routing_blocks(hidden_states, routing_blocks)
+        )
         flat_idx = topk_idx.reshape(-1)  # (tokens * top_k,): the expert of each (token, choice) pair
         order = flat_idx.argsort(stable=True)
         sorted_tokens = x[order // self.top_k]
@@ -392,7 +504,11 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return hidden_states.dtype == torch.bfloat16 and self.use_grouped_mm(hidden_states)
 
     def fused_forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor, router_input: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        router_input: torch.Tensor | None = None,
+        routing_blocks: RoutingBlocks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual + forward(hidden_states)[0]` and the router logits, through the Triton kernels of
         `triton_moe.py` (router, alignment by expert, weighted combine with the shared expert and the residual) and
@@ -409,7 +525,8 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         batch, length, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
         router_x = x if router_input is None else router_input.reshape(-1, hidden)
-        topk_idx, topk_weight, router_logits = self.gate(router_x, fused=True)
+        blocks = self.routing_blocks(hidden_states, routing_blocks)
+        topk_idx, topk_weight, router_logits = self.gate(router_x, fused=True, routing_blocks=blocks)
         stacks = self.stacked_weights()
         stacked_shared = stacks.gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided with the stacks
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)

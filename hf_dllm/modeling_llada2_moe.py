@@ -10,8 +10,10 @@ unchanged. The math follows the original `modeling_llada2_moe.py` (arXiv:2512.15
   computed in float32 and applied in the model dtype;
 - grouped-query attention with a fused `query_key_value` projection (q, k, v rows in that order);
 - layers `>= first_k_dense_replace` are MoE (`llada2_moe_layer.py`): a float32 router (sigmoid or softmax scores;
-  `expert_bias` added for choosing experts only; group-limited top-k; normalised weights times
-  `routed_scaling_factor`), the chosen experts' outputs combined in float32, plus the shared experts;
+  `expert_bias` added for choosing experts only; group-limited top-k, or LLaDA2.2's block routing where the config
+  sets `block_size` / `expert_capacity`, each row's blocks of `block_size` absolute columns made once per forward;
+  normalised weights times `routed_scaling_factor`), the chosen experts' outputs combined in float32, plus the
+  shared experts;
 - **block-causal attention**: position i sees position j iff `j // block_length <= i // block_length`, the mask
   LLaDA2 is trained and decoded with (a block attends to itself and to every earlier block).
 
@@ -63,6 +65,9 @@ from .llada2_moe_layer import (
     LLaDA2MoeGate,
     LLaDA2MoeMLP,
     LLaDA2MoeSparseMoeBlock,
+    RoutingBlocks,
+    routing_blocks_for_columns,
+    routing_blocks_for_packed,
 )
 from .packed import PackedRows, run_attention
 from .tensor_parallel import local_tensor, shard_range
@@ -491,9 +496,12 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         attention_mask=None,
         past_key_values: Cache | DiffusionKVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        routing_blocks: RoutingBlocks | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers)."""
+        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers).
+        routing_blocks: the tokens' MoE routing blocks (LLaDA2.2's block routing; the model makes them)."""
+        moe_kwargs = {"routing_blocks": routing_blocks} if isinstance(self.mlp, LLaDA2MoeSparseMoeBlock) else {}
         if use_fused_kernels(hidden_states):
             # The residual adds fused into the post-attention norm and into the MoE's combine kernel.
             attn = self.attention(
@@ -513,8 +521,8 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
                 attn, norm.weight, norm.variance_epsilon, residual=hidden_states, float_copy=wide
             )
             if fused_moe:
-                return self.mlp.fused_forward(normed, hidden_states, router_input[0] if wide else None)
-            mlp_out = self.mlp(normed)
+                return self.mlp.fused_forward(normed, hidden_states, router_input[0] if wide else None, **moe_kwargs)
+            mlp_out = self.mlp(normed, **moe_kwargs)
             router_logits = None
             if isinstance(mlp_out, tuple):
                 mlp_out, router_logits = mlp_out
@@ -527,7 +535,7 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
             cache_position=cache_position,
             **kwargs,
         )
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states), **moe_kwargs)
         router_logits = None
         if isinstance(mlp_out, tuple):
             mlp_out, router_logits = mlp_out
@@ -655,6 +663,17 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         else:  # rows of a table computed once (the same values): a lookup instead of ~12 kernels a step
             position_embeddings = self._rope_tables.lookup(position_ids, bound, inputs_embeds.dtype)
 
+        if getattr(self.config, "block_size", None) is not None and getattr(self.config, "expert_capacity", None):
+            # LLaDA2.2's block routing: each row's blocks of `block_size` absolute columns (once per forward).
+            if isinstance(attention_mask, PackedRows):
+                columns = attention_mask.columns if attention_mask.cache is not None else None
+                kwargs["routing_blocks"] = routing_blocks_for_packed(
+                    attention_mask.lengths, columns, self.config.block_size, inputs_embeds.device
+                )
+            else:
+                kwargs["routing_blocks"] = routing_blocks_for_columns(
+                    cache_position, inputs_embeds.shape[0], self.config.block_size
+                )
         if isinstance(attention_mask, PackedRows):  # each packed row at its own columns [0, length), alone
             attention_mask = attention_mask.with_row_masks(
                 lambda length: self._block_causal_mask(
