@@ -148,6 +148,14 @@ class LLaDAMoEConfig(PretrainedConfig):
         **kwargs,
     ):
         head_dim = kwargs.pop("head_dim", None)
+        # Dense LLaDA's config.json says `model_type` "llada" too: read with this class it would silently take the
+        # defaults for every size it names differently.
+        dense_fields = sorted({"d_model", "n_layers", "n_heads", "mlp_hidden_size"} & kwargs.keys())
+        if dense_fields:
+            raise ValueError(
+                f"{type(self).__name__}: {dense_fields} are fields of a dense LLaDA config (`LLaDAConfig`, also "
+                "model_type 'llada'), not of LLaDA-MoE's: load that checkpoint with LLaDAConfig / LLaDAModelLM."
+            )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers

@@ -563,6 +563,13 @@ def test_bad_config_values_are_refused(field, overrides):
         LLaDAMoEConfig(**{**fields, **overrides})
 
 
+def test_dense_llada_config_is_refused():
+    """Dense LLaDA's config.json says `model_type` "llada" too; read as LLaDA-MoE's it would take default sizes."""
+    dense = Path(__file__).parent / "fixtures" / "llada-tiny-ref"
+    with pytest.raises(ValueError, match="d_model"):
+        LLaDAMoEConfig.from_pretrained(dense)
+
+
 def test_bad_config_file_is_refused_when_loading(tmp_path):
     config = dict(FIXTURE_CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     (tmp_path / "config.json").write_text(json.dumps(config))
