@@ -59,6 +59,16 @@ class LevenshteinEditing(UnmaskingPolicy):
         delete_token_id: int,
         split_token_id: int,
     ) -> None:
+        if isinstance(max_post_steps, bool) or not isinstance(max_post_steps, int) or max_post_steps < 0:
+            raise ValueError(f"max_post_steps must be a non-negative integer, got {max_post_steps!r}.")
+        for name, value in (("delete_token_id", delete_token_id), ("split_token_id", split_token_id)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"LevenshteinEditing needs an integer {name}, got {value!r}.")
+        if len({mask_token_id, delete_token_id, split_token_id}) != 3:
+            raise ValueError(
+                f"mask_token_id ({mask_token_id}), delete_token_id ({delete_token_id}) and split_token_id "
+                f"({split_token_id}) must be distinct."
+            )
         self.threshold = 1.0 if threshold is None else float(threshold)
         self.editing_threshold = float(editing_threshold)
         self.max_post_steps = int(max_post_steps)
@@ -79,8 +89,13 @@ class LevenshteinEditing(UnmaskingPolicy):
             self.split_token_id,
         )
 
+    def max_regular_updates(self, block_length: int) -> int:
+        """SGLang's `max_regular_update_steps`: the step after this many is the final cleanup at the latest."""
+        return block_length + self.max_post_steps
+
     def max_updates(self, block_length: int) -> int:
-        """Steps a block can take at most (its last one is the final cleanup): the state's history depth."""
+        """SGLang's `max_steps`: regular updates, the final cleanup and its persist forward (which this loop does
+        not make); the depth of the state's history."""
         return block_length + self.max_post_steps + 2
 
     # ----- state (host side, outside any captured step) -----
@@ -107,6 +122,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         depth = self.max_updates(length)
         state = {
             "orig": self._buffer("orig", (rows, length), torch.bool, device),
+            "started": self._buffer("started", (rows,), torch.bool, device),
             "updates": self._buffer("updates", (rows,), torch.long, device),
             "post": self._buffer("post", (rows,), torch.long, device),
             "finished": self._buffer("finished", (rows,), torch.bool, device),
@@ -117,7 +133,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         for name, buffer in state.items():
             buffer.fill_(-1 if name == "hist" else 0)
         if self._totals is None:
-            # DELETE, SPLIT written and anti-loop changes over the call (all rows): what the fixtures count.
+            # DELETE and SPLIT written and anti-loop re-samples over the call (all rows): what the fixtures count.
             self._totals = self._buffer("totals", (3,), torch.long, device)
             self._totals.zero_()
         self._state = state
@@ -129,6 +145,17 @@ class LevenshteinEditing(UnmaskingPolicy):
             return {"deletes": 0, "splits": 0, "anti_loop": 0}
         deletes, splits, anti_loop = self._totals.tolist()
         return {"deletes": deletes, "splits": splits, "anti_loop": anti_loop}
+
+    def init_state(self, block: torch.Tensor, generated: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The block's state before its first step, as SGLang's `init_step_state` (for driving `step` by hand):
+        every generated MASK position is an original mask. Resets the buffers (`start_block` must have run)."""
+        rows, length = block.shape
+        if getattr(self, "block_length", None) != length:
+            self.start_block(length, 1)
+        self.prepare_block(rows, block.device)
+        self._state["orig"].copy_(generated & (block == self.mask_token_id))
+        self._state["started"].fill_(True)
+        return self._state
 
     def start_block(self, block_length: int, num_steps) -> None:
         super().start_block(block_length, num_steps)
@@ -169,8 +196,8 @@ class LevenshteinEditing(UnmaskingPolicy):
         positions = torch.arange(length, device=device)
 
         live = ~state["finished"]
-        first = state["updates"] == 0
-        orig = torch.where(first.unsqueeze(-1), generated & (block == mask_id), state["orig"])
+        # Original masks: the block's generated MASK positions before its first step (SGLang's `init_step_state`).
+        orig = torch.where(state["started"].unsqueeze(-1), state["orig"], generated & (block == mask_id))
 
         # 1. Greedy token and its probability.
         probabilities = logits.softmax(-1)
@@ -247,9 +274,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         chosen_logits[:, mask_id] = torch.where(chosen_original, NEG_INF, chosen_logits[:, mask_id])
         resampled = chosen_logits.argmax(-1)
         at_chosen = loop.unsqueeze(-1) & (positions == chosen.unsqueeze(-1))
-        previous = x
         x = torch.where(at_chosen, resampled.unsqueeze(-1), x)
-        loop_changed = (at_chosen & (x != previous)).any(-1)
 
         # ... and the current content joins `seen` (every step that writes).
         slot = seen_count.clamp(max=depth - 1).view(rows, 1, 1).expand(rows, 1, length)
@@ -270,20 +295,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         # token (SPLIT) or its new token; the result is cut to B or padded with MASK (flags false).
         deleted = write & (x == delete_id)
         split = write & (x == split_id)
-        indel = (deleted | split).any(-1)
-        emitted = torch.where(deleted, 0, torch.where(split, 2, 1))
-        start = emitted.cumsum(-1) - emitted
-        dump = 2 * length  # a slot past the kept ones, for what emits nothing
-        first_slot = torch.where(emitted > 0, start, dump)
-        second_slot = torch.where(split, start + 1, dump)
-        rebuilt = torch.full((rows, dump + 1), mask_id, dtype=block.dtype, device=device)
-        rebuilt_orig = torch.zeros((rows, dump + 1), dtype=torch.bool, device=device)
-        rebuilt.scatter_(1, first_slot, torch.where(split, mask_id, new))
-        rebuilt_orig.scatter_(1, first_slot, orig & ~split)
-        rebuilt.scatter_(1, second_slot, block)
-        rebuilt_orig.scatter_(1, second_slot, orig)
-        new = torch.where(indel.unsqueeze(-1), rebuilt[:, :length], new)
-        new_orig = torch.where(indel.unsqueeze(-1), rebuilt_orig[:, :length], orig)
+        new, new_orig = apply_edit_operations(new, block, orig, generated, mask_id, delete_id, split_id)
 
         # 14. The final cleanup, or a step with nothing to write, finishes the block (no persist forward: the
         # cache writes a finished block's K/V from its final tokens).
@@ -292,6 +304,7 @@ class LevenshteinEditing(UnmaskingPolicy):
 
         live_rows = live.unsqueeze(-1)
         state["orig"].copy_(torch.where(live_rows, new_orig, state["orig"]))
+        state["started"].fill_(True)
         state["updates"].copy_(updates)
         state["post"].copy_(post)
         state["finished"].copy_(finished)
@@ -305,11 +318,43 @@ class LevenshteinEditing(UnmaskingPolicy):
                     [
                         (deleted & counted.unsqueeze(-1)).sum(),
                         (split & counted.unsqueeze(-1)).sum(),
-                        (loop_changed & writes).sum(),
+                        loop.sum(),
                     ]
                 )
             )
         return new, new_orig, (new != block).any(-1)
+
+
+def apply_edit_operations(
+    new: torch.Tensor,
+    old: torch.Tensor,
+    orig: torch.Tensor,
+    generated: torch.Tensor,
+    mask_token_id: int,
+    delete_token_id: int,
+    split_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DELETE / SPLIT on a block (SGLang's `_apply_edit_operations`, for every row at once): `new` `(R, B)` holds
+    the step's written tokens, `old` the block before it, `orig` its original-mask flags, `generated` its
+    non-prompt positions. Prompt positions keep their old token and flag; in the generated part DELETE emits
+    nothing, SPLIT emits MASK (flag false) then the old token (its flag), anything else the new token (its flag).
+    The result is cut to B or padded with MASK (flag false). Rows without DELETE or SPLIT come back unchanged."""
+    rows, length = new.shape
+    deleted = generated & (new == delete_token_id)
+    split = generated & (new == split_token_id)
+    emitted = torch.where(deleted, 0, torch.where(split, 2, 1))
+    start = emitted.cumsum(-1) - emitted
+    dump = 2 * length  # a slot past the kept ones, for what emits nothing
+    first_slot = torch.where(emitted > 0, start, dump)
+    second_slot = torch.where(split, start + 1, dump)
+    tokens = torch.full((rows, dump + 1), mask_token_id, dtype=new.dtype, device=new.device)
+    flags = torch.zeros((rows, dump + 1), dtype=torch.bool, device=new.device)
+    tokens.scatter_(1, first_slot, torch.where(split, mask_token_id, torch.where(generated, new, old)))
+    flags.scatter_(1, first_slot, orig & ~split)
+    tokens.scatter_(1, second_slot, old)
+    flags.scatter_(1, second_slot, orig)
+    indel = (deleted | split).any(-1, keepdim=True)
+    return torch.where(indel, tokens[:, :length], new), torch.where(indel, flags[:, :length], orig)
 
 
 def levenshtein_policy(model_config, generation_config) -> LevenshteinEditing | None:
