@@ -74,38 +74,51 @@ class RoutingBlocks(NamedTuple):
     """The routing block of each token of a forward (LLaDA2.2's block routing): ids `(tokens,)` long in
     `[0, count)`, the tokens of one block sharing one id, and count, a bound on the number of blocks known on the
     host (some ids may hold no token: such blocks choose experts that no token uses). Made once per forward
-    (`routing_blocks_for_columns`, `routing_blocks_for_packed`) and read by every MoE layer."""
+    (`routing_blocks_for_positions`, `routing_blocks_for_packed`) and read by every MoE layer."""
 
     ids: torch.Tensor
     count: int
 
 
-def routing_blocks_for_columns(columns: torch.Tensor, batch: int, block_size: int) -> RoutingBlocks:
-    """The routing blocks of a `(batch, q_len)` forward whose inputs sit at the consecutive columns `columns`
-    `(q_len,)` (`cache_position`) of every row: column c is in block `c // block_size` of its row (absolute
-    positions, in multiples of `block_size`; a forward that starts or ends inside a block has that block's tokens
-    of this forward only). Blocks never span rows. No host synchronisation (`columns[0]` stays on the device)."""
-    q_len = columns.shape[0]
-    per_row = (q_len - 1) // block_size + 2 if q_len else 1  # blocks a run of q_len columns can touch
-    local = columns // block_size - columns[:1] // block_size
-    rows = torch.arange(batch, device=columns.device)[:, None] * per_row
-    return RoutingBlocks((rows + local).reshape(-1), batch * per_row)
-
-
-def routing_blocks_for_packed(
-    lengths: list[int], columns: torch.Tensor | None, block_size: int, device: torch.device
+def routing_blocks_for_positions(
+    positions: torch.Tensor, block_size: int, real: torch.Tensor | None = None
 ) -> RoutingBlocks:
-    """The routing blocks of rows of `lengths` positions packed end to end (`packed.PackedRows`): each row's
-    positions sit at its consecutive `columns` `(sum(lengths),)` (None: columns `[0, length)` of each row) and
-    are blocked as `routing_blocks_for_columns` blocks a row alone."""
-    per_row = [(length - 1) // block_size + 2 for length in lengths]
-    first_block = [sum(per_row[:row]) for row in range(len(lengths))]
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
-    if columns is None:
-        columns = torch.cat([torch.arange(length) for length in lengths]).to(device)
-    starts = torch.tensor([sum(lengths[:row]) for row in range(len(lengths))], device=device)
-    local = columns // block_size - (columns[starts] // block_size)[rows]
-    return RoutingBlocks(torch.tensor(first_block, device=device)[rows] + local, sum(per_row))
+    """The routing blocks of a `(batch, q_len)` forward: the token at position p of row r is in block
+    `(r, p // block_size)` (absolute positions, in multiples of `block_size`, each row on its own; a forward that
+    starts or ends inside a block holds that block's tokens of this forward only). positions `(batch, q_len)`: the
+    RoPE positions (consecutive over each row's real tokens); real `(batch, q_len)` bool or None: False for padding,
+    which gets a block of its own per row, so that a left-padded row routes as it does alone. No host
+    synchronisation."""
+    batch, q_len = positions.shape
+    rows = torch.arange(batch, device=positions.device)[:, None].expand(batch, q_len)
+    return _routing_blocks(rows.reshape(-1), positions.reshape(-1), None if real is None else real.reshape(-1),
+                           batch, q_len, block_size)  # fmt: skip
+
+
+def routing_blocks_for_packed(lengths: list[int], positions: torch.Tensor, block_size: int) -> RoutingBlocks:
+    """The routing blocks of rows of `lengths` positions packed end to end (`packed.PackedRows`), positions
+    `(sum(lengths),)` each row's own (RoPE) positions: blocked as `routing_blocks_for_positions` blocks the row
+    alone. The rows' index is made on the host (like `PackedRows.rows`) and copied once per forward."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(positions.device)
+    return _routing_blocks(rows, positions, None, len(lengths), max(lengths), block_size)
+
+
+def _routing_blocks(
+    rows: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None, num_rows: int, length: int, block: int
+) -> RoutingBlocks:
+    """Token t (of row `rows[t]`, at `positions[t]`) -> id `row * per_row + positions[t] // block - first`, `first`
+    the row's first block of a real token; padding -> the row's last id. `per_row`: the blocks that `length`
+    consecutive positions can touch, plus the padding's (a row's blocks past that bound, which consecutive positions
+    never reach, share its last real block)."""
+    per_row = (length - 1) // block + 3 if length else 2
+    block_of = positions.long() // block
+    if real is None:
+        real = torch.ones_like(block_of, dtype=torch.bool)
+    sentinel = torch.iinfo(torch.long).max
+    first = torch.full((num_rows,), sentinel, dtype=torch.long, device=positions.device)
+    first.scatter_reduce_(0, rows, block_of.masked_fill(~real, sentinel), reduce="amin")
+    local = (block_of - first[rows]).clamp(0, per_row - 2).masked_fill(~real, per_row - 1)
+    return RoutingBlocks(rows * per_row + local, num_rows * per_row)
 
 
 def block_limited_topk(choice: torch.Tensor, blocks: RoutingBlocks, capacity: int, top_k: int) -> torch.Tensor:
@@ -115,12 +128,32 @@ def block_limited_topk(choice: torch.Tensor, blocks: RoutingBlocks, capacity: in
     choice `(tokens, E)`: the scores experts are chosen by (sigmoid or softmax scores plus `expert_bias`). Per
     block (`blocks`), an expert's block score is the max of its choice scores over the block's tokens; the
     `capacity` experts of highest block score are allowed; each token then takes its top-k of the allowed experts
-    (the others masked to -inf). Group-limited routing (`n_group` / `topk_group`) is not applied, as in SGLang's
-    implementation and the released LLaDA2.2 code as SGLang's reviewers describe it (see
-    `LLaDA2MoeGate.block_routing_topk`, the one place to change that). Ties: as `torch.topk`.
+    (the others masked to -inf). The caller (`LLaDA2MoeGate.route`) weighs them by their unbiased scores,
+    normalised (`norm_topk_prob`) and times `routed_scaling_factor`, as without block routing.
 
-    Written with scatter / top-k / gather over all blocks at once: no host synchronisation, and each block
-    touches at most `capacity` experts."""
+    Sources. SGLang, sgl-project/sglang commit 3af84232856d59bfa1e4275adc6beb003ed1bcdc,
+    `python/sglang/srt/models/llada2.py` (`_block_aggregation_kernel`, `_token_topk_kernel`, `block_topk_triton`,
+    `LLaDA2MoeSparseMoeBlock._forward_router_experts`) and `test/manual/layers/moe/test_block_topk_triton.py`
+    (PRs #31743 / #31768, "LLaDA2.2 Block Routing MoE support"): block score = max over the block of
+    `sigmoid(logit) + expert_bias`; `expert_capacity` experts per block; per-token top-k among them by the same
+    biased score; weights = the unbiased sigmoid scores of the chosen, sum-normalised, times
+    `routed_scaling_factor` (applied by SGLang's MoE runner); `n_group` / `topk_group` not applied; the last block
+    may be partial. The #31768 review (2026-07-28) describes the released `inclusionAI/LLaDA2.2-flash`
+    `modeling_llada2_moe.py` (lines 244-275) the same way: `torch.topk` on the unmodified biased scores for the
+    block capacity and the tokens, disallowed experts masked with -inf, the unbiased sigmoid weights normalised
+    by their sum (SGLang's kernels subtract `3e-7 * expert index` to break ties, which the review found changes
+    the chosen experts; not done here).
+
+    Readings of ours where the sources are silent or differ: blocks are each row's absolute positions
+    `position // block_size`, padding apart (`RoutingBlocks`; SGLang chunks the flattened tokens of a forward in
+    order and asserts whole blocks, which is the same for forwards of whole position-aligned blocks per request,
+    as LLaDA2.2 decodes with `block_length = block_size`); a forward over part of a block (a prompt's tail, a `block_length` smaller than
+    `block_size`) routes that block by its tokens in the forward; softmax scores are handled as sigmoid ones
+    (LLaDA2.2 uses sigmoid); group-limited routing is dropped under block routing (to restore it, restrict
+    `masked` below with `LLaDA2MoeGate.group_limited_topk`'s group mask, keeping at least `top_k` experts).
+
+    Written with scatter / top-k / gather over all blocks at once: no host synchronisation (CUDA-graph
+    capturable), and each block touches at most `capacity` experts."""
     n_experts = choice.shape[1]
     block_scores = choice.new_full((blocks.count, n_experts), float("-inf"))
     block_scores.scatter_reduce_(0, blocks.ids[:, None].expand(-1, n_experts), choice, reduce="amax")
@@ -429,15 +462,15 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
     def routing_blocks(self, hidden_states: torch.Tensor, routing_blocks: RoutingBlocks | None) -> RoutingBlocks | None:
         """The routing blocks the gate takes for hidden_states `(batch, len, hidden)`: None without block routing;
-        `routing_blocks` as given (the model makes them from the inputs' columns); else each row's positions
-        from 0 (`routing_blocks_for_columns` over `arange(len)`)."""
+        `routing_blocks` as given (the model makes them from the inputs' positions); else each row at positions
+        `[0, len)` (`routing_blocks_for_positions`)."""
         if not self.gate.block_routing:
             return None
         if routing_blocks is not None:
             return routing_blocks
         batch, length, _ = hidden_states.shape
-        columns = torch.arange(length, device=hidden_states.device)
-        return routing_blocks_for_columns(columns, batch, self.gate.block_size)
+        positions = torch.arange(length, device=hidden_states.device).expand(batch, length)
+        return routing_blocks_for_positions(positions, self.gate.block_size)
 
     def forward(
         self, hidden_states: torch.Tensor, routing_blocks: RoutingBlocks | None = None

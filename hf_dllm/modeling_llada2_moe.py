@@ -11,7 +11,7 @@ unchanged. The math follows the original `modeling_llada2_moe.py` (arXiv:2512.15
 - grouped-query attention with a fused `query_key_value` projection (q, k, v rows in that order);
 - layers `>= first_k_dense_replace` are MoE (`llada2_moe_layer.py`): a float32 router (sigmoid or softmax scores;
   `expert_bias` added for choosing experts only; group-limited top-k, or LLaDA2.2's block routing where the config
-  sets `block_size` / `expert_capacity`, each row's blocks of `block_size` absolute columns made once per forward;
+  sets `block_size` / `expert_capacity`, each row's blocks of `block_size` absolute positions made once per forward;
   normalised weights times `routed_scaling_factor`), the chosen experts' outputs combined in float32, plus the
   shared experts;
 - **block-causal attention**: position i sees position j iff `j // block_length <= i // block_length`, the mask
@@ -66,8 +66,8 @@ from .llada2_moe_layer import (
     LLaDA2MoeMLP,
     LLaDA2MoeSparseMoeBlock,
     RoutingBlocks,
-    routing_blocks_for_columns,
     routing_blocks_for_packed,
+    routing_blocks_for_positions,
 )
 from .packed import PackedRows, run_attention
 from .tensor_parallel import local_tensor, shard_range
@@ -664,16 +664,19 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             position_embeddings = self._rope_tables.lookup(position_ids, bound, inputs_embeds.dtype)
 
         if getattr(self.config, "block_size", None) is not None and getattr(self.config, "expert_capacity", None):
-            # LLaDA2.2's block routing: each row's blocks of `block_size` absolute columns (once per forward).
+            # LLaDA2.2's block routing: each row's blocks of `block_size` absolute positions, padding apart (made
+            # once per forward, without host synchronisation).
             if isinstance(attention_mask, PackedRows):
-                columns = attention_mask.columns if attention_mask.cache is not None else None
                 kwargs["routing_blocks"] = routing_blocks_for_packed(
-                    attention_mask.lengths, columns, self.config.block_size, inputs_embeds.device
+                    attention_mask.lengths, position_ids[0], self.config.block_size
                 )
             else:
-                kwargs["routing_blocks"] = routing_blocks_for_columns(
-                    cache_position, inputs_embeds.shape[0], self.config.block_size
-                )
+                real = None
+                if mask_2d is not None:
+                    real = mask_2d if past_key_values is None else mask_2d[:, cache_position]
+                    real = real.to(device=inputs_embeds.device, dtype=torch.bool)
+                positions = position_ids.expand(inputs_embeds.shape[0], -1)
+                kwargs["routing_blocks"] = routing_blocks_for_positions(positions, self.config.block_size, real)
         if isinstance(attention_mask, PackedRows):  # each packed row at its own columns [0, length), alone
             attention_mask = attention_mask.with_row_masks(
                 lambda length: self._block_causal_mask(

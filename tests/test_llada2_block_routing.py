@@ -10,7 +10,7 @@ Semantics (SGLang PR #31768 / #31743 and the released LLaDA2.2 code as its revie
 of an expert is the max over the block's tokens of its choice score (sigmoid score plus `expert_bias`); the
 `expert_capacity` best experts of a block are allowed; each token takes its top-k of the allowed by choice score;
 weights are the unbiased scores, normalised (`norm_topk_prob`) and times `routed_scaling_factor`; `n_group` /
-`topk_group` are not applied. Blocks: each row's absolute columns, `column // block_size`.
+`topk_group` are not applied. Blocks: each row's absolute positions, `position // block_size`, padding apart.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from hf_dllm.llada2_moe_layer import (
     LLaDA2MoeGate,
     LLaDA2MoeSparseMoeBlock,
     RoutingBlocks,
-    routing_blocks_for_columns,
     routing_blocks_for_packed,
+    routing_blocks_for_positions,
 )
 from hf_dllm.packed import PackedRows
 
@@ -67,8 +67,8 @@ def moe_config(**overrides) -> LLaDA2MoeConfig:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def reference_route(logits, bias, config, rows_columns):
-    """Expert lists and weights per token. logits `(tokens, E)`; rows_columns: per token, (row, absolute column),
+def reference_route(logits, bias, config, rows_positions):
+    """Expert lists and weights per token. logits `(tokens, E)`; rows_positions: per token, (row, absolute position),
     the tokens of a row in order. Returns `(indices, weights)` as nested lists, tokens in order."""
     if config.score_function == "sigmoid":
         scores = torch.sigmoid(logits.float())
@@ -78,9 +78,9 @@ def reference_route(logits, bias, config, rows_columns):
     scores, choice = scores.tolist(), choice.tolist()
     n_experts = len(scores[0])
     blocks: dict[tuple[int, int], list[int]] = {}
-    for token, (row, column) in enumerate(rows_columns):
-        blocks.setdefault((row, column // config.block_size), []).append(token)
-    indices, weights = [None] * len(rows_columns), [None] * len(rows_columns)
+    for token, (row, position) in enumerate(rows_positions):
+        blocks.setdefault((row, position // config.block_size), []).append(token)
+    indices, weights = [None] * len(rows_positions), [None] * len(rows_positions)
     for tokens in blocks.values():
         block_score = [max(choice[t][e] for t in tokens) for e in range(n_experts)]
         allowed = sorted(range(n_experts), key=lambda e: -block_score[e])[: config.expert_capacity]
@@ -95,7 +95,7 @@ def reference_route(logits, bias, config, rows_columns):
     return indices, weights
 
 
-def rows_columns_of(batch: int, columns: list[int]) -> list[tuple[int, int]]:
+def rows_positions_of(batch: int, columns: list[int]) -> list[tuple[int, int]]:
     return [(row, column) for row in range(batch) for column in columns]
 
 
@@ -143,13 +143,13 @@ def test_gate_matches_the_loop_reference(experts, top_k, capacity, block, groups
     gate = random_gate(config, seed=experts + block + length)
     x = torch.randn(batch * length, config.hidden_size)
     columns = torch.arange(start, start + length)  # partial first block (start) and last block
-    blocks = routing_blocks_for_columns(columns, batch, block)
+    blocks = routing_blocks_for_positions(columns.expand(batch, -1), block)
     index, weight, logits = gate(x, routing_blocks=blocks)
-    ref = reference_route(logits, gate.expert_bias, config, rows_columns_of(batch, columns.tolist()))
+    ref = reference_route(logits, gate.expert_bias, config, rows_positions_of(batch, columns.tolist()))
     assert_routing(index, weight, *ref)
     # Without routing blocks: the tokens of the call in order, in blocks of `block_size` (one row from column 0).
     index, weight, _ = gate(x)
-    assert_routing(index, weight, *reference_route(logits, gate.expert_bias, config, rows_columns_of(1, range(len(x)))))
+    assert_routing(index, weight, *reference_route(logits, gate.expert_bias, config, rows_positions_of(1, range(len(x)))))
 
 
 def test_block_touches_at_most_capacity_experts_and_fewer_than_plain_routing():
@@ -158,7 +158,7 @@ def test_block_touches_at_most_capacity_experts_and_fewer_than_plain_routing():
     )
     gate = random_gate(config, seed=1)
     batch, length = 3, 40
-    blocks = routing_blocks_for_columns(torch.arange(length), batch, 16)
+    blocks = routing_blocks_for_positions(torch.arange(length).expand(batch, -1), 16)
     index, _, logits = gate(torch.randn(batch * length, config.hidden_size), routing_blocks=blocks)
     plain = logits.sigmoid().add(gate.expert_bias).topk(4, dim=-1).indices
     touched, touched_plain = [], []
@@ -183,22 +183,23 @@ def test_capacity_of_all_experts_is_plain_routing():
         gate, plain_gate = random_gate(blocked, seed=3), random_gate(plain, seed=3)
         assert gate.block_routing and not plain_gate.block_routing
         x = torch.randn(21, BASE["hidden_size"])
-        blocks = routing_blocks_for_columns(torch.arange(3, 10), 3, 4)
+        blocks = routing_blocks_for_positions(torch.arange(3, 10).expand(3, -1), 4)
         for got, want in zip(gate(x, routing_blocks=blocks), plain_gate(x), strict=True):
             assert torch.equal(got, want)
 
 
-def test_routing_blocks_of_columns_and_packed_rows():
-    blocks = routing_blocks_for_columns(torch.arange(6, 13), 2, 4)  # columns 6..12: blocks [6, 8), [8, 12), [12]
-    assert blocks.count == 2 * 3
-    assert blocks.ids.tolist() == [0, 0, 1, 1, 1, 1, 2, 3, 3, 4, 4, 4, 4, 5]
-    aligned = routing_blocks_for_columns(torch.arange(8), 1, 4)
-    assert aligned.ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and aligned.count == 3  # a bound: block 2 is empty
-    packed = routing_blocks_for_packed([5, 3], None, 4, torch.device("cpu"))  # each row from column 0
-    assert packed.ids.tolist() == [0, 0, 0, 0, 1, 3, 3, 3] and packed.count == 3 + 2
-    columns = torch.tensor([2, 3, 4, 5, 6, 9, 10])  # rows at columns [2, 7) and [9, 11) of a cache
-    packed = routing_blocks_for_packed([5, 2], columns, 4, torch.device("cpu"))
-    assert packed.ids.tolist() == [0, 0, 1, 1, 1, 3, 3]
+def test_routing_blocks_of_positions_padding_and_packed_rows():
+    blocks = routing_blocks_for_positions(torch.arange(6, 13).expand(2, -1), 4)  # blocks [6, 8), [8, 12), [12]
+    assert blocks.ids.tolist() == [0, 0, 1, 1, 1, 1, 2, 4, 4, 5, 5, 5, 5, 6] and blocks.count == 2 * 4
+    # Left padding (positions counted from the first real token, pads at 0): the pads get a block of their own.
+    real = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    positions = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]])
+    blocks = routing_blocks_for_positions(positions, 2, real)
+    assert blocks.ids.tolist() == [0, 0, 1, 1, 2, 9, 9, 5, 5, 6] and blocks.count == 2 * 5
+    packed = routing_blocks_for_packed([5, 3], torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]), 4)  # each row from 0
+    assert packed.ids.tolist() == [0, 0, 0, 0, 1, 4, 4, 4] and packed.count == 2 * 4
+    packed = routing_blocks_for_packed([5, 2], torch.tensor([2, 3, 4, 5, 6, 9, 10]), 4)
+    assert packed.ids.tolist() == [0, 0, 1, 1, 1, 4, 4]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,11 +221,11 @@ def randomized_model(config, seed: int = 0) -> LLaDA2MoeModelLM:
     return model
 
 
-def direct_moe(mlp: LLaDA2MoeSparseMoeBlock, hidden_states: torch.Tensor, rows_columns) -> torch.Tensor:
+def direct_moe(mlp: LLaDA2MoeSparseMoeBlock, hidden_states: torch.Tensor, rows_positions) -> torch.Tensor:
     """The MoE layer token by token: reference routing, each chosen expert called on the token alone."""
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     logits = torch.nn.functional.linear(x.float(), mlp.gate.weight.float())
-    indices, weights = reference_route(logits, mlp.gate.expert_bias, mlp.config, rows_columns)
+    indices, weights = reference_route(logits, mlp.gate.expert_bias, mlp.config, rows_positions)
     out = []
     for t in range(len(x)):
         routed = sum(w * mlp.experts[e](x[t : t + 1]).float() for e, w in zip(indices[t], weights[t], strict=True))
@@ -238,7 +239,7 @@ def test_moe_layer_grouped_and_loop_match_the_direct_computation():
     model = randomized_model(config)
     mlp = model.model.layers[1].mlp
     hidden = torch.randn(2, 9, config.hidden_size)
-    want = direct_moe(mlp, hidden, rows_columns_of(2, list(range(9))))
+    want = direct_moe(mlp, hidden, rows_positions_of(2, list(range(9))))
     for experts in ("grouped_mm", "eager"):
         config._experts_implementation = experts
         with torch.no_grad():
@@ -258,9 +259,9 @@ def capture_moe(model):
 
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
-def test_model_forward_routes_by_absolute_column_blocks(experts):
+def test_model_forward_routes_by_absolute_position_blocks(experts):
     """A prefill of 10 columns and a cached step at columns [10, 17) (not aligned to blocks of 4): each MoE layer's
-    output equals the per-token computation with blocks of each row's absolute columns."""
+    output equals the per-token computation with blocks of each row's absolute positions."""
     config = moe_config(num_shared_experts=1)
     model = randomized_model(config)
     model.set_experts_implementation(experts)
@@ -280,26 +281,33 @@ def test_model_forward_routes_by_absolute_column_blocks(experts):
     assert len(records) == 2 * layers
     for i, (module, hidden, out) in enumerate(records):
         columns = list(range(10)) if i < layers else list(range(10, 17))
-        torch.testing.assert_close(out, direct_moe(module, hidden, rows_columns_of(2, columns)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(out, direct_moe(module, hidden, rows_positions_of(2, columns)), atol=ATOL, rtol=0)
 
 
-def test_left_padded_row_and_packed_rows_route_as_the_row_alone():
-    """A row left-padded by a whole block routes (and computes) what it computes alone; so do packed rows."""
+@pytest.mark.parametrize("pad, block_length", [(4, 4), (3, 1)])
+def test_left_padded_row_and_packed_rows_route_as_the_row_alone(pad, block_length):
+    """A left-padded row routes (and computes) what it computes alone: its blocks follow its positions, and the
+    padding is in none of them (padding of 3 with causal attention: only the routing could tell it apart). So do
+    packed rows (the second at an offset of 10, not a multiple of the block)."""
     config = moe_config()
     model = randomized_model(config, seed=2)
-    long, short = torch.randint(2, 59, (2, 12), generator=torch.Generator().manual_seed(1))
-    short = short[:8]
-    ids = torch.stack([long, torch.cat([torch.zeros(4, dtype=torch.long), short])])
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
+    long, short = torch.randint(2, 59, (2, 10), generator=torch.Generator().manual_seed(1))
+    short = short[: 10 - pad]
+    ids = torch.stack([long, torch.cat([torch.zeros(pad, dtype=torch.long), short])])
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :pad] = 0
     with torch.no_grad():
-        batched = model(ids, attention_mask=mask, block_length=4).logits
-        alone = model(short[None], block_length=4).logits[0]
-        torch.testing.assert_close(batched[1, 4:], alone, atol=ATOL, rtol=0)
-        torch.testing.assert_close(batched[0], model(long[None], block_length=4).logits[0], atol=ATOL, rtol=0)
-        packing = PackedRows([12, 8])
-        packed = model(torch.cat([long, short])[None], attention_mask=packing, past_key_values=packing, block_length=4)
-    torch.testing.assert_close(packed.logits[0, 12:], alone, atol=ATOL, rtol=0)
+        batched = model(ids, attention_mask=mask, block_length=block_length).logits
+        alone = model(short[None], block_length=block_length).logits[0]
+        torch.testing.assert_close(batched[1, pad:], alone, atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            batched[0], model(long[None], block_length=block_length).logits[0], atol=ATOL, rtol=0
+        )
+        packing = PackedRows([10, 10 - pad])
+        positions = torch.cat([torch.arange(10), torch.arange(10 - pad)])[None]
+        packed = model(torch.cat([long, short])[None], attention_mask=packing, past_key_values=packing,
+                       position_ids=positions, block_length=block_length)  # fmt: skip
+    torch.testing.assert_close(packed.logits[0, 10:], alone, atol=ATOL, rtol=0)
 
 
 def test_model_with_capacity_of_all_experts_equals_the_plain_model():
@@ -332,7 +340,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     import torch, hf_dllm
     from hf_dllm import kernels
     from hf_dllm.cache import DiffusionKVCache
-    from hf_dllm.llada2_moe_layer import LLaDA2MoeGate, LLaDA2MoeSparseMoeBlock, routing_blocks_for_columns
+    from hf_dllm.llada2_moe_layer import LLaDA2MoeGate, LLaDA2MoeSparseMoeBlock, routing_blocks_for_positions
 
     fused_calls = []
     fused_forward = LLaDA2MoeSparseMoeBlock.fused_forward
@@ -351,7 +359,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     gate.weight.data.normal_()
     gate.expert_bias.normal_(0, 0.1)
     x = torch.randn(2 * 7, 32)
-    blocks = routing_blocks_for_columns(torch.arange(6, 13), 2, 4)
+    blocks = routing_blocks_for_positions(torch.arange(6, 13).expand(2, -1), 4)
     for got, want in zip(gate.fused_forward(x, blocks), gate(x, routing_blocks=blocks)):
         assert torch.equal(got, want), "gate"
 
