@@ -77,8 +77,9 @@ class LLaDAMoEConfig(PretrainedConfig):
         rms_norm_eps (`float`): epsilon of every RMS norm.
         rope_theta (`float`): RoPE base.
         rope_scaling (`dict`, *optional*): see the module docstring.
-        partial_rotary_factor (`float`): RoPE rotates the first `int(head_dim * partial_rotary_factor)` dims of
-            each head (rotate-half style); the rest pass through.
+        partial_rotary_factor (`float`): RoPE's `dim = int(head_dim * partial_rotary_factor)`: frequencies
+            `rope_theta ** (-arange(0, dim, 2) / dim)` rotate (rotate-half style) the first `rotary_width()` dims of
+            each head (`dim` rounded up to even, as the original code does); the rest pass through.
         max_position_embeddings (`int`): longest trained context (RoPE itself is not limited by it).
         num_experts (`int`): routed experts per MoE layer.
         num_experts_per_tok (`int`): experts chosen per token (top-k).
@@ -213,8 +214,13 @@ class LLaDAMoEConfig(PretrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
     def rotary_embedding_dim(self) -> int:
-        """Dims of each head that RoPE rotates: `int(head_dim * partial_rotary_factor)`, as the original code."""
+        """RoPE's `dim`, `int(head_dim * partial_rotary_factor)`: the frequencies are `rope_theta ** (-arange(0, dim,
+        2) / dim)`, as the original code (transformers' default RoPE) computes them."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def rotary_width(self) -> int:
+        """Dims of each head that RoPE rotates: two per frequency, `rotary_embedding_dim()` rounded up to even."""
+        return 2 * -(-self.rotary_embedding_dim() // 2)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has routed experts (`moe_layer_freq[layer_idx] != 0`), else a dense MLP."""
@@ -271,11 +277,11 @@ class LLaDAMoEConfig(PretrainedConfig):
         factor = self.partial_rotary_factor
         if not _is_number(factor) or not 0 < factor <= 1:
             raise ValueError(f"{name}.partial_rotary_factor must be in (0, 1], got {factor!r}.")
-        rotary = self.rotary_embedding_dim()
-        if rotary < 2 or rotary % 2:
+        if self.rotary_width() > self.head_dim:
             raise ValueError(
                 f"{name}.partial_rotary_factor: int(head_dim * partial_rotary_factor) = int({self.head_dim} * "
-                f"{factor}) = {rotary} must be an even number >= 2 (the dims RoPE rotates)."
+                f"{factor}) = {self.rotary_embedding_dim()} frequencies' dims (rounded up to even: "
+                f"{self.rotary_width()}) exceed the head size {self.head_dim}."
             )
         scaling = self.rope_scaling
         if scaling is None:

@@ -78,11 +78,12 @@ class LLaDAMoERMSNorm(nn.Module):
 def rotary_cos_sin(
     position_ids: torch.Tensor, config: LLaDAMoEConfig, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables for `position_ids` `(batch, q_len)`: cos, sin `(batch, q_len, rotary_dim)` in `dtype`.
+    """RoPE tables for `position_ids` `(batch, q_len)`: cos, sin `(batch, q_len, rotary_width)` in `dtype`.
 
     As the original rotary embedding (transformers' default RoPE): inverse frequencies
-    `rope_theta ** (-arange(0, dim, 2) / dim)` and angles in float32 (`dim` = `int(head_dim * partial_rotary_factor)`),
-    cast to the model dtype afterwards. Linear `rope_scaling` divides the frequencies by its factor."""
+    `rope_theta ** (-arange(0, dim, 2) / dim)` and angles in float32 (`dim` = `int(head_dim * partial_rotary_factor)`;
+    an odd `dim` gives `dim + 1` rotated dims, as there), cast to the model dtype afterwards. Linear `rope_scaling`
+    divides the frequencies by its factor."""
     dim = config.rotary_embedding_dim()
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=position_ids.device).to(torch.float32) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
@@ -106,6 +107,8 @@ def apply_partial_rotary_pos_emb(
     remaining dims pass through. cos, sin `(b, L, rotary_dim)`."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rotary_dim = cos.shape[-1]
+    if rotary_dim == 0:  # `int(head_dim * partial_rotary_factor)` = 0: no frequency, nothing rotates
+        return q, k
     q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
     q_rot = q_rot * cos + rotate_half(q_rot) * sin

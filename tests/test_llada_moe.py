@@ -57,8 +57,9 @@ def _swiglu(weights: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, position: int, rotary: int, theta: float, factor: float) -> torch.Tensor:
-    """Rotate-half RoPE on the first `rotary` dims of one head's vector `x`."""
-    half = rotary // 2
+    """Rotate-half RoPE of one head's vector `x` with the frequencies `theta ** (-arange(0, rotary, 2) / rotary)` (an
+    odd `rotary` has `(rotary + 1) / 2` of them, each rotating two dims, as in the reference)."""
+    half = -(-rotary // 2)
     out = x.clone()
     for i in range(half):
         angle = position * theta ** (-(2 * i) / rotary) / factor
@@ -156,6 +157,8 @@ RANDOM_CONFIGS = {
         norm_topk_prob=True,
         num_key_value_heads=1,
     ),
+    # An odd RoPE `dim` (int(8 * 0.7) = 5: three frequencies rotate six dims, as the reference's tables do).
+    "odd_rotary_dim": dict(hidden_size=32, num_attention_heads=4, partial_rotary_factor=0.7, moe_layer_freq=[1, 1, 0]),
 }
 
 
@@ -539,7 +542,7 @@ BAD_CONFIGS = [
     ("head_dim", dict(head_dim=32)),
     ("partial_rotary_factor", dict(partial_rotary_factor=0.0)),
     ("partial_rotary_factor", dict(partial_rotary_factor=1.5)),
-    ("partial_rotary_factor", dict(partial_rotary_factor=0.05)),
+    ("partial_rotary_factor", dict(hidden_size=60, partial_rotary_factor=1.0)),  # head size 15: 16 rotated dims
     ("rope_theta", dict(rope_theta=0)),
     ("hidden_act", dict(hidden_act="swish_typo")),
     ("rms_norm_eps", dict(rms_norm_eps=-1.0)),
