@@ -271,11 +271,22 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         weights, experts, router_logits = self.route(x)
         out = torch.zeros_like(x)
+        # The (token, choice) pairs sorted by expert (stably: each expert's tokens in order), and how many each expert
+        # got (read on the host once per layer).
+        chosen = experts.reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        pair_tokens = order // self.top_k
+        pair_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
+        start = 0
         # Each expert that some token chose, in index order (the order the original adds them in), on its tokens.
-        for expert_idx in experts.unique().tolist():
-            tokens, slots = torch.nonzero(experts == expert_idx, as_tuple=True)
-            expert_out = self.experts[expert_idx](x[tokens]) * weights[tokens, slots, None]
+        for expert_idx, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens, token_weights = pair_tokens[start : start + count], pair_weights[start : start + count]
+            expert_out = self.experts[expert_idx](x[tokens]) * token_weights[:, None]
             out.index_add_(0, tokens, expert_out.to(x.dtype))
+            start += count
         return out.view(shape), router_logits
 
 
