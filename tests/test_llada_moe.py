@@ -297,6 +297,25 @@ def test_norm_topk_prob_is_ignored_as_by_the_hub_code():
     assert torch.equal(on, off)
 
 
+def test_bfloat16_model_follows_the_float32_one(expected):
+    """In bfloat16 (router softmax in float32, weights and combine in bfloat16, as the Hub code) the logits stay close
+    to float32's and generation with each cache decodes every position."""
+    model = LLaDAMoEModelLM.from_pretrained(FIXTURE, dtype=torch.bfloat16).eval()
+    assert model.dtype == torch.bfloat16
+    ids = expected["logits.input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16
+    reference = expected["logits.expected"]
+    assert (logits.float().argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+    assert float((logits.float() - reference).abs().max()) < 0.1 * float(reference.abs().max())
+    for settings in CACHE_MODES.values():
+        out = model.generate(
+            ids[:, :12], max_new_tokens=16, block_length=8, threshold=0.9, mask_token_id=MASK, **settings
+        )
+        assert out.shape == (1, 28) and not (out == MASK).any()
+
+
 def test_router_logits_are_returned_per_moe_layer():
     model = random_model(random_config(moe_layer_freq=[1, 0, 1]))
     ids = torch.randint(0, 90, (2, 5), generator=torch.Generator().manual_seed(4))
