@@ -16,7 +16,8 @@ elsewhere the grouped products are `torch._grouped_mm` where torch provides it.
 
 LLaDA2.2's *block routing* (config `block_size` and `expert_capacity`, `block_limited_topk`): per block of
 `block_size` positions only `expert_capacity` experts may be chosen, so a block's tokens touch at most that many
-experts; the grouped products take the routed expert ids as they are, and skip the experts no token chose.
+experts; the grouped products take the routed expert ids as they are, and skip the experts no token chose. Where
+the fused kernels run, its router is `fused_block_route` (three launches, no host synchronisation).
 
 This file is exported verbatim as Hub remote code (with `modeling_llada2_moe.py`): relative imports only.
 """
@@ -36,6 +37,7 @@ from .grouped_gemm import grouped_matmul
 from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
+from .triton_ops import on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
 EXPERTS_EAGER = "eager"
@@ -163,6 +165,134 @@ def block_limited_topk(choice: torch.Tensor, blocks: RoutingBlocks, capacity: in
     return masked.topk(top_k, dim=-1).indices
 
 
+if MOE_KERNELS_AVAILABLE:
+
+    @triton.jit
+    def _choice_scores(logits_ptr, bias_ptr, expert, valid, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       LIBDEVICE: tl.constexpr):  # fmt: skip
+        # One token's scores and choice scores, as `triton_moe.route` computes them (PyTorch's sigmoid bit for bit).
+        x = tl.load(logits_ptr + expert, mask=valid, other=float("-inf"))
+        if SIGMOID:
+            if LIBDEVICE:
+                e = tl.extra.libdevice.exp(-x)
+            else:
+                e = tl.exp(-x)
+            scores = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + e)
+        else:
+            shifted = x - tl.max(x, axis=0)
+            if LIBDEVICE:
+                shifted = tl.extra.libdevice.exp(shifted)
+            else:
+                shifted = tl.exp(shifted)
+            scores = shifted / tl.sum(shifted, axis=0)
+        scores = tl.where(valid, scores, float("-inf"))
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+        return scores, tl.where(valid, choice, float("-inf"))
+
+    @triton.jit
+    def _block_max_kernel(logits_ptr, bias_ptr, ids_ptr, block_ptr, n_experts, SIGMOID: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+        # One program per token: its choice scores into its block's maxima (float atomic max: order-independent).
+        token = tl.program_id(0).to(tl.int64)
+        expert = tl.arange(0, BLOCK_E)
+        valid = expert < n_experts
+        _, choice = _choice_scores(
+            logits_ptr + token * n_experts, bias_ptr, expert, valid, SIGMOID, HAS_BIAS, LIBDEVICE
+        )
+        block = tl.load(ids_ptr + token).to(tl.int64)
+        tl.atomic_max(block_ptr + block * n_experts + expert, choice, mask=valid)
+
+    @triton.jit
+    def _block_route_kernel(logits_ptr, bias_ptr, ids_ptr, block_ptr, index_ptr, weight_ptr, n_experts, capacity,
+                            scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
+                            NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                            LIBDEVICE: tl.constexpr):  # fmt: skip
+        # One program per token: its block's `capacity` best experts by block maximum (ties: the lowest index), then
+        # its top-k of them by choice score and their weights, as `triton_moe.route`'s top-k.
+        token = tl.program_id(0).to(tl.int64)
+        expert = tl.arange(0, BLOCK_E)
+        valid = expert < n_experts
+        scores, choice = _choice_scores(
+            logits_ptr + token * n_experts, bias_ptr, expert, valid, SIGMOID, HAS_BIAS, LIBDEVICE
+        )
+        block = tl.load(ids_ptr + token).to(tl.int64)
+        block_score = tl.load(block_ptr + block * n_experts + expert, mask=valid, other=float("-inf"))
+        lanes = tl.where(valid, expert, 2147483647)
+        allowed = expert < 0
+        for _ in range(capacity):
+            best = tl.max(block_score, axis=0)
+            top = tl.min(tl.where(block_score == best, lanes, 2147483647), axis=0)
+            allowed = allowed | (lanes == top)
+            block_score = tl.where(lanes == top, float("-inf"), block_score)
+        choice = tl.where(allowed, choice, float("-inf"))
+        ks = tl.arange(0, BLOCK_K)
+        chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
+        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            top_score = tl.max(choice, axis=0)
+            top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=0)
+            picked = lanes == top
+            chosen = tl.where(ks == k, top.to(tl.int64), chosen)
+            weights = tl.where(ks == k, tl.sum(tl.where(picked, scores, 0.0), axis=0), weights)
+            choice = tl.where(picked, float("-inf"), choice)
+        if NORMALIZE:
+            total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
+            weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
+        weights = weights * scale
+        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
+        tl.store(weight_ptr + token * TOP_K + ks, weights, mask=ks < TOP_K)
+
+
+@on_tensor_device
+def fused_block_route(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    blocks: RoutingBlocks,
+    capacity: int,
+    top_k: int,
+    score_function: str,
+    normalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_limited_topk` and the weights of `LLaDA2MoeGate.route` in three launches (the block maxima's
+    buffer, a per-token kernel of atomic maxima, a per-token selection kernel) instead of ~17 PyTorch kernels, no
+    host synchronisation: the fused path's router under block routing. logits `(tokens, E)` float32 -> indices
+    `(tokens, top_k)` int64 in descending choice score (ties: the lowest index, here and in a block's capacity)
+    and weights `(tokens, top_k)` float32, as `triton_moe.route`."""
+    tokens, n_experts = logits.shape
+    logits = logits.contiguous().float()
+    index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+    weight = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    if tokens == 0:
+        return index, weight
+    block_scores = torch.full((blocks.count, n_experts), float("-inf"), dtype=torch.float32, device=logits.device)
+    bias = expert_bias.contiguous() if expert_bias is not None else logits  # read in its dtype: no cast kernel
+    ids = blocks.ids.contiguous()
+    flags = dict(SIGMOID=score_function == "sigmoid", HAS_BIAS=expert_bias is not None, LIBDEVICE=logits.is_cuda)
+    block_e = triton.next_power_of_2(n_experts)
+    _block_max_kernel[(tokens,)](logits, bias, ids, block_scores, n_experts, BLOCK_E=block_e, num_warps=1, **flags)
+    _block_route_kernel[(tokens,)](
+        logits,
+        bias,
+        ids,
+        block_scores,
+        index,
+        weight,
+        n_experts,
+        capacity,
+        float(routed_scaling_factor),
+        TOP_K=top_k,
+        NORMALIZE=normalize and top_k > 1,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=1,
+        **flags,
+    )
+    return index, weight
+
+
 class LLaDA2MoeGate(nn.Module):
     """The router: `weight` `(num_experts, hidden)` and, with `moe_router_enable_expert_bias`, the buffer
     `expert_bias` `(num_experts,)` (updated by load balancing in training, never by gradients).
@@ -206,11 +336,17 @@ class LLaDA2MoeGate(nn.Module):
     def block_routing_topk(self, choice: torch.Tensor, routing_blocks: RoutingBlocks | None) -> torch.Tensor:
         """Indices `(tokens, top_k)` under block routing (`block_limited_topk`); `routing_blocks` None: the tokens
         of this call in order, in blocks of `block_size` (the last one partial)."""
-        if routing_blocks is None:
-            tokens = choice.shape[0]
-            ids = torch.arange(tokens, device=choice.device) // self.block_size
-            routing_blocks = RoutingBlocks(ids, max(1, -(-tokens // self.block_size)))
-        return block_limited_topk(choice, routing_blocks, self.expert_capacity, self.top_k)
+        blocks = self.default_routing_blocks(choice.shape[0], choice.device, routing_blocks)
+        return block_limited_topk(choice, blocks, self.expert_capacity, self.top_k)
+
+    def default_routing_blocks(
+        self, tokens: int, device: torch.device, routing_blocks: RoutingBlocks | None
+    ) -> RoutingBlocks:
+        """`routing_blocks`, or for None the `tokens` of the call in order, in blocks of `block_size`."""
+        if routing_blocks is not None:
+            return routing_blocks
+        ids = torch.arange(tokens, device=device) // self.block_size
+        return RoutingBlocks(ids, max(1, -(-tokens // self.block_size)))
 
     def takes_input_dtype(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `router_logits` multiplies inputs of `dtype` as they are: a float32 router whose weight has that
@@ -247,11 +383,21 @@ class LLaDA2MoeGate(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As `forward`, with everything after the logits product in one Triton kernel (`triton_moe.route`; on
         ties the lowest expert index wins). Needs a float32 router; `forward(..., fused=True)` calls it (so module
-        hooks see it). Under block routing the routing after the logits is `route`'s (a few PyTorch kernels, no
-        host synchronisation): its expert ids feed the same fused alignment and grouped products."""
+        hooks see it). Under block routing, `fused_block_route` (three launches, no host synchronisation): its
+        expert ids feed the same fused alignment and grouped products."""
         logits = self.router_logits(hidden_states)
         if self.block_routing:
-            return (*self.route(logits, routing_blocks), logits)
+            index, weight = fused_block_route(
+                logits,
+                self.expert_bias,
+                self.default_routing_blocks(logits.shape[0], logits.device, routing_blocks),
+                self.expert_capacity,
+                self.top_k,
+                self.score_function,
+                self.norm_topk_prob,
+                self.routed_scaling_factor,
+            )
+            return index, weight, logits
         index, weight = triton_moe.route(
             logits,
             self.expert_bias,

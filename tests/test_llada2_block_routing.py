@@ -4,7 +4,8 @@ sizes and capacities, partial first and last blocks, batches, with and without g
 and expert bias, sigmoid and softmax), the MoE layer (grouped and loop experts) and whole-model forwards (prefill,
 a cached block step at columns that are not block-aligned, a left-padded row, packed rows) against a per-token
 computation; capacity = num_experts equals plain routing; at most `expert_capacity` experts per block; the fused
-path (Triton interpreter) equals the reference; config validation.
+path (its router `fused_block_route` and a model's prefill and cached step, Triton interpreter) equals the PyTorch
+path; config validation.
 
 Semantics (SGLang PR #31768 / #31743 and the released LLaDA2.2 code as its review describes it): the block score
 of an expert is the max over the block's tokens of its choice score (sigmoid score plus `expert_bias`); the
@@ -149,7 +150,9 @@ def test_gate_matches_the_loop_reference(experts, top_k, capacity, block, groups
     assert_routing(index, weight, *ref)
     # Without routing blocks: the tokens of the call in order, in blocks of `block_size` (one row from column 0).
     index, weight, _ = gate(x)
-    assert_routing(index, weight, *reference_route(logits, gate.expert_bias, config, rows_positions_of(1, range(len(x)))))
+    assert_routing(
+        index, weight, *reference_route(logits, gate.expert_bias, config, rows_positions_of(1, range(len(x))))
+    )
 
 
 def test_block_touches_at_most_capacity_experts_and_fewer_than_plain_routing():
@@ -354,14 +357,35 @@ INTERPRETER_SCRIPT = textwrap.dedent(
                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, first_k_dense_replace=1,
                 num_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2, block_size=4, expert_capacity=5,
                 mask_token_id=60, pad_token_id=0, eos_token_id=1)
-    config = hf_dllm.LLaDA2MoeConfig(**base)
-    gate = LLaDA2MoeGate(config)
-    gate.weight.data.normal_()
-    gate.expert_bias.normal_(0, 0.1)
-    x = torch.randn(2 * 7, 32)
-    blocks = routing_blocks_for_positions(torch.arange(6, 13).expand(2, -1), 4)
-    for got, want in zip(gate.fused_forward(x, blocks), gate(x, routing_blocks=blocks)):
-        assert torch.equal(got, want), "gate"
+    # The fused router (`fused_block_route`) against the PyTorch one: expert counts that are not powers of two,
+    # sigmoid / softmax, with and without bias (and a bfloat16 one), capacity = top-k and = all experts, partial
+    # blocks, padding, the tokens of the call in order.
+    for experts, top_k, capacity, block, score, bias in [
+        (16, 3, 5, 4, "sigmoid", True), (24, 4, 4, 8, "sigmoid", True), (12, 2, 12, 3, "softmax", False),
+        (20, 1, 6, 1, "sigmoid", False), (16, 8, 9, 5, "sigmoid", True),
+    ]:
+        config = hf_dllm.LLaDA2MoeConfig(**dict(base, num_experts=experts, num_experts_per_tok=top_k,
+            expert_capacity=capacity, block_size=block, score_function=score, moe_router_enable_expert_bias=bias,
+            n_group=4, topk_group=4))
+        gate = LLaDA2MoeGate(config)
+        gate.weight.data.normal_()
+        if bias:
+            gate.expert_bias.normal_(0, 0.1)
+        x = torch.randn(2 * 7, 32)
+        positions = torch.arange(6, 13).expand(2, -1)
+        real = torch.ones(2, 7, dtype=torch.bool)
+        real[1, :2] = False
+        for blocks in (routing_blocks_for_positions(positions, block, real), None):
+            (index, weight, logits), (ref_index, ref_weight, ref_logits) = (
+                gate.fused_forward(x, blocks), gate(x, routing_blocks=blocks))
+            assert torch.equal(index, ref_index), ("index", experts, capacity, block)
+            assert torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), ("weight", experts, capacity, block)
+            assert torch.equal(logits, ref_logits)
+        if bias:
+            gate.expert_bias = gate.expert_bias.bfloat16()
+            index, weight, _ = gate.fused_forward(x)
+            ref_index, ref_weight, _ = gate(x)
+            assert torch.equal(index, ref_index) and torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), "bf16"
 
     for shared in (1, 2):  # the shared expert stacked with the routed ones (1) or apart (2)
         model = hf_dllm.LLaDA2MoeModelLM(hf_dllm.LLaDA2MoeConfig(**dict(base, num_shared_experts=shared))).eval()
