@@ -265,9 +265,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         chosen = torch.where(changing, p, float("inf")).argmin(-1)
         history = state["hist"].gather(1, chosen.view(rows, 1, 1).expand(rows, 1, depth)).squeeze(1)
         vocab = logits.shape[-1]
-        excluded = torch.zeros(rows, vocab, device=device).scatter_add_(
-            1, history.clamp(min=0), (history >= 0).float()
-        )
+        excluded = torch.zeros(rows, vocab, device=device).scatter_add_(1, history.clamp(min=0), (history >= 0).float())
         chosen_logits = logits.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, vocab)).squeeze(1)
         chosen_logits = chosen_logits.masked_fill(excluded > 0, NEG_INF)
         chosen_original = original.gather(1, chosen.unsqueeze(-1)).squeeze(-1)

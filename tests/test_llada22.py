@@ -322,7 +322,17 @@ def test_streamer_sees_only_committed_tokens(model, expected):
         (dict(delete_token_id=9), "split_token_id"),
         (dict(split_token_id=10), "delete_token_id"),
     ],
-    ids=["bool", "float", "negative", "upper_bound", "same", "delete_is_mask", "split_is_mask", "no_split", "no_delete"],
+    ids=[
+        "bool",
+        "float",
+        "negative",
+        "upper_bound",
+        "same",
+        "delete_is_mask",
+        "split_is_mask",
+        "no_split",
+        "no_delete",
+    ],
 )
 def test_bad_edit_token_ids_raise(fields, name):
     """SGLang's `test_invalid_checkpoint_edit_token_ids_are_rejected` / `..._incomplete_...`: a ValueError naming
@@ -631,7 +641,9 @@ def test_sglang_fdfo_budget_zero_cleans_up_while_resolving_last_original_mask():
     assert new[1].tolist() == [3, 6, 7]
     assert int(state["updates"][1]) == 1 and int(state["post"][1]) == 0
     assert bool(state["finished"][1])
-    again, done = step(rule, new, generated, state, torch.cat([make_logits([[3], [4], [5]]), make_logits([[3], [6], [7]])]))
+    again, done = step(
+        rule, new, generated, state, torch.cat([make_logits([[3], [4], [5]]), make_logits([[3], [6], [7]])])
+    )
     assert done == [True, True]
     assert torch.equal(again, new)
 
