@@ -97,11 +97,20 @@ def routing_blocks_for_positions(
                            batch, q_len, block_size)  # fmt: skip
 
 
-def routing_blocks_for_packed(lengths: list[int], positions: torch.Tensor, block_size: int) -> RoutingBlocks:
+def routing_blocks_for_packed(
+    lengths: list[int], positions: torch.Tensor, block_size: int, rows: torch.Tensor | None = None
+) -> RoutingBlocks:
     """The routing blocks of rows of `lengths` positions packed end to end (`packed.PackedRows`), positions
     `(sum(lengths),)` each row's own (RoPE) positions: blocked as `routing_blocks_for_positions` blocks the row
-    alone. The rows' index is made on the host (like `PackedRows.rows`) and copied once per forward."""
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(positions.device)
+    alone. rows: each position's row `(sum(lengths),)` (`PackedRows.rows`), or None: made on the device (one fill
+    per row, no host-to-device copy, so a captured forward may make it)."""
+    if rows is None:
+        rows = torch.cat(
+            [
+                torch.full((length,), row, dtype=torch.long, device=positions.device)
+                for row, length in enumerate(lengths)
+            ]
+        )
     return _routing_blocks(rows, positions, None, len(lengths), max(lengths), block_size)
 
 

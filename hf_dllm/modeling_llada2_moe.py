@@ -667,8 +667,9 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             # LLaDA2.2's block routing: each row's blocks of `block_size` absolute positions, padding apart (made
             # once per forward, without host synchronisation).
             if isinstance(attention_mask, PackedRows):
+                rows = getattr(attention_mask, "rows", None)  # made with its cache's columns, else here
                 kwargs["routing_blocks"] = routing_blocks_for_packed(
-                    attention_mask.lengths, position_ids[0], self.config.block_size
+                    attention_mask.lengths, position_ids[0], self.config.block_size, rows
                 )
             else:
                 real = None

@@ -310,6 +310,12 @@ def test_left_padded_row_and_packed_rows_route_as_the_row_alone(pad, block_lengt
         positions = torch.cat([torch.arange(10), torch.arange(10 - pad)])[None]
         packed = model(torch.cat([long, short])[None], attention_mask=packing, past_key_values=packing,
                        position_ids=positions, block_length=block_length)  # fmt: skip
+        torch.testing.assert_close(packed.logits[0, 10:], alone, atol=ATOL, rtol=0)
+        # Packed rows writing a cache (their `rows` made with it).
+        cache = DiffusionKVCache(config.num_hidden_layers, 2, 10)
+        packing = PackedRows([10, 10 - pad], cache, positions[0])
+        packed = model(torch.cat([long, short])[None], attention_mask=packing, past_key_values=packing,
+                       position_ids=positions, block_length=block_length)  # fmt: skip
     torch.testing.assert_close(packed.logits[0, 10:], alone, atol=ATOL, rtol=0)
 
 
