@@ -158,10 +158,12 @@ def block_limited_topk(choice: torch.Tensor, blocks: RoutingBlocks, capacity: in
     Readings of ours where the sources are silent or differ: blocks are each row's absolute positions
     `position // block_size`, padding apart (`RoutingBlocks`; SGLang chunks the flattened tokens of a forward in
     order and asserts whole blocks, which is the same for forwards of whole position-aligned blocks per request,
-    as LLaDA2.2 decodes with `block_length = block_size`); a forward over part of a block (a prompt's tail, a `block_length` smaller than
-    `block_size`) routes that block by its tokens in the forward; softmax scores are handled as sigmoid ones
-    (LLaDA2.2 uses sigmoid); group-limited routing is dropped under block routing (to restore it, restrict
-    `masked` below with `LLaDA2MoeGate.group_limited_topk`'s group mask, keeping at least `top_k` experts).
+    as LLaDA2.2 decodes with `block_length = block_size`); a forward over part of a block (a prefill ending in a
+    prompt's tail, a `block_length` smaller than `block_size`) routes that block by its tokens in the forward;
+    softmax scores are handled as sigmoid ones (LLaDA2.2 uses sigmoid); group-limited routing is dropped under
+    block routing (to restore it, restrict `masked` below with `LLaDA2MoeGate.group_limited_topk`'s group mask,
+    keeping at least `top_k` experts, and the same in `_block_route_kernel`); ties as `torch.topk` here, the
+    lowest index in `fused_block_route`.
 
     Written with scatter / top-k / gather over all blocks at once: no host synchronisation (CUDA-graph
     capturable), and each block touches at most `capacity` experts."""
