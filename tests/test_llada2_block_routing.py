@@ -431,6 +431,46 @@ def test_fused_path_matches_the_reference_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 1024])  # LLaDA2.2-mini's block step at batch 1 and 32
+def test_fused_router_on_cuda_matches_pytorch_without_host_syncs_and_captures(tokens):
+    """On a GPU at LLaDA2.2-mini's router shape (256 experts, top-8, capacity 48, blocks of 32): `fused_block_route`
+    (two Triton kernels) equals the PyTorch router, never makes the host wait, and replays in a CUDA graph."""
+    import warnings
+
+    config = moe_config(num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, block_size=32,
+                        expert_capacity=48)  # fmt: skip
+    gate = random_gate(config, seed=5).cuda()
+    logits = torch.randn(tokens, 256, device="cuda")
+    blocks = routing_blocks_for_positions(torch.arange(tokens, device="cuda").view(-1, 32) % 32 + 64, 32)
+    ref_index, ref_weight = gate.route(logits, blocks)
+    from hf_dllm.llada2_moe_layer import fused_block_route
+
+    def fused():
+        return fused_block_route(logits, gate.expert_bias, blocks, 48, 8, "sigmoid", True, config.routed_scaling_factor)
+
+    index, weight = fused()
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(weight, ref_weight, atol=1e-6, rtol=1e-6)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fused()
+            gate.route(logits, blocks)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not [w for w in caught if "synchroniz" in str(w.message)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused()
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    ref_index, _ = gate.route(logits, blocks)
+    assert torch.equal(captured[0], ref_index)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The config
 # ----------------------------------------------------------------------------------------------------------------
