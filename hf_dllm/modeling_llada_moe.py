@@ -234,15 +234,41 @@ class LLaDAMoEMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
+EXPERTS_EAGER = "eager"
+EXPERTS_GROUPED_MM = "grouped_mm"
+EXPERTS_IMPLEMENTATIONS = (EXPERTS_EAGER, EXPERTS_GROUPED_MM)
+
+
+def _grouped_mm_function() -> Callable | None:
+    """torch's grouped GEMM (`nn.functional.grouped_mm`, `torch._grouped_mm` before), or None where torch has none."""
+    return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 class LLaDAMoESparseMoeBlock(nn.Module):
     """The routed experts of a MoE layer: `gate` (the router, `num_experts x hidden`, no bias) and `experts`.
 
     Routing as the original: softmax of the router logits in float32, plus `expert_bias` where the config enables
     it (a buffer, saved with the weights), the `num_experts_per_tok` largest values and their experts; those values,
-    cast to the model dtype and **not renormalised**, weight the experts' outputs."""
+    cast to the model dtype and **not renormalised**, weight the experts' outputs, which are added up per token in
+    expert order.
+
+    The experts run in one of two ways that compute the same thing:
+
+    - the loop (the reference, and always in float32, so a float32 model is the original's arithmetic): each
+      expert that tokens chose, on its tokens; the per-expert counts are read on the host once per layer;
+    - grouped (half-precision activations, `grouped_mm_dtypes`, on a GPU where torch's grouped GEMM runs, without
+      autograd): the (token, choice) pairs sorted by expert, two grouped GEMMs over the experts' weights stacked
+      (the Hub-named parameters re-pointed to views of the stacks: no second copy; `save_pretrained` still writes
+      one tensor per name), no host synchronisation. `experts_implementation="eager"` keeps the loop.
+    """
+
+    # Activation dtypes whose experts run grouped where torch's grouped GEMM can (float32 runs the loop).
+    grouped_mm_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
     def __init__(self, config: LLaDAMoEConfig):
         super().__init__()
+        self.config = config
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
@@ -253,6 +279,13 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(self.num_experts))
         else:
             self.expert_bias = None
+        # (gate_up (E, 2I, H), down (E, H, I), the first and last expert weights they were made from): see `stacks`.
+        self._stacks: tuple | None = None
+
+    def _apply(self, fn, *args, **kwargs):
+        # `.to()`, `.cuda()`, `.half()` give the parameters new storage: the stacks are made again from it.
+        self._stacks = None
+        return super()._apply(fn, *args, **kwargs)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `(tokens, hidden)` -> routing weights `(tokens, top_k)` in x's dtype, the chosen experts `(tokens,
@@ -270,6 +303,11 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         weights, experts, router_logits = self.route(x)
+        run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
+        return run(x, weights, experts).view(shape), router_logits
+
+    def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The reference: `(tokens, hidden)` outputs, each expert run on the tokens that chose it."""
         out = torch.zeros_like(x)
         # The (token, choice) pairs sorted by expert (stably: each expert's tokens in order), and how many each expert
         # got (read on the host once per layer).
@@ -287,7 +325,78 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             expert_out = self.experts[expert_idx](x[tokens]) * token_weights[:, None]
             out.index_add_(0, tokens, expert_out.to(x.dtype))
             start += count
-        return out.view(shape), router_logits
+        return out
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop
+        (`experts_implementation="eager"`), a dtype of `grouped_mm_dtypes` that the experts' weights have, no
+        autograd graph to record, plain `nn.Linear` experts without hooks (not quantized or offloaded), row strides
+        of 16 bytes, and torch's grouped GEMM for the device (CUDA: Hopper or newer; the CPU's)."""
+        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER or _grouped_mm_function() is None:
+            return False
+        first = self.experts[0]
+        weight = first.gate_proj.weight
+        if x.dtype not in self.grouped_mm_dtypes or weight.dtype != x.dtype or weight.device != x.device:
+            return False
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return False
+        layers = (first, first.gate_proj, first.up_proj, first.down_proj)
+        if any(type(layer) not in (LLaDAMoEMLP, nn.Linear) or "_hf_hook" in layer.__dict__ for layer in layers):
+            return False
+        size = weight.element_size()
+        if (weight.shape[1] * size) % 16 or (weight.shape[0] * size) % 16:
+            return False
+        if x.device.type == "cuda":
+            return torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.device.type == "cpu"
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights stacked: gate_up `(E, 2I, H)` (each expert's gate rows, then its up rows) and down
+        `(E, H, I)`. Made at the first grouped forward and again after `.to()` or when the first or last expert's
+        weights were replaced: each expert's parameters are then re-pointed to views of the stacks (no copy is kept;
+        in-place updates such as `load_state_dict` reach the stacks)."""
+        experts = self.experts
+        current = (experts[0].gate_proj.weight, experts[-1].down_proj.weight)
+        if self._stacks is not None:
+            gate_up, down, made_from = self._stacks
+            if all(a is b and a.data_ptr() == pointer for a, (b, pointer) in zip(current, made_from, strict=True)):
+                return gate_up, down
+        with torch.no_grad():
+            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+            down = torch.stack([e.down_proj.weight for e in experts])
+            rows = experts[0].gate_proj.weight.shape[0]
+            for index, expert in enumerate(experts):
+                expert.gate_proj.weight.data = gate_up[index, :rows]
+                expert.up_proj.weight.data = gate_up[index, rows:]
+                expert.down_proj.weight.data = down[index]
+        made_from = tuple((weight, weight.data_ptr()) for weight in current)
+        self._stacks = (gate_up, down, made_from)
+        return gate_up, down
+
+    def _experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """`_experts_loop`'s outputs from two grouped GEMMs over `stacks()`, with no host synchronisation; each
+        token's weighted expert outputs added in expert order, as the loop adds them."""
+        grouped_mm = _grouped_mm_function()
+        gate_up, down = self.stacks()
+        tokens, hidden = x.shape
+        chosen = experts.reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        projected = grouped_mm(x[order // self.top_k], gate_up.transpose(1, 2), offs=offsets)
+        gate, up = projected.chunk(2, dim=-1)
+        activated = self.experts[0].act_fn(gate) * up
+        sorted_out = grouped_mm(activated, down.transpose(1, 2), offs=offsets)
+        # Back to (token, choice) order, weighted, then each token's choices in expert order.
+        pairs = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out).view(tokens, self.top_k, hidden)
+        pairs = pairs * weights.unsqueeze(-1)
+        by_expert = experts.argsort(dim=-1)
+        pairs = pairs.gather(1, by_expert.unsqueeze(-1).expand(-1, -1, hidden))
+        out = torch.zeros_like(x)
+        for choice in range(self.top_k):
+            out = out + pairs[:, choice]
+        return out
 
 
 class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
@@ -355,6 +464,24 @@ class LLaDAMoEPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, LLaDAMoESparseMoeBlock) and module.expert_bias is not None:
             init.zeros_(module.expert_bias)
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers detects its own experts decorator; this model selects its experts path itself
+        # (`LLaDAMoESparseMoeBlock.uses_grouped_mm`).
+        return True
+
+    def _check_and_adjust_experts_implementation(self, experts_implementation: str | None) -> str:
+        """`experts_implementation`: "grouped_mm" (the default) runs the experts grouped where that applies (half
+        precision on a GPU with torch's grouped GEMM; float32 runs the loop), "eager" always as the loop."""
+        if experts_implementation is None:
+            return EXPERTS_GROUPED_MM
+        if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{type(self).__name__} supports experts_implementation in {EXPERTS_IMPLEMENTATIONS}, got "
+                f"{experts_implementation!r}."
+            )
+        return experts_implementation
 
 
 class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
@@ -537,8 +664,14 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
         return found
 
     def _diffusion_step_capturable(self) -> bool:
-        """The expert loop reads the selected experts on the host: a step cannot be captured in a CUDA graph."""
-        return not any(layer.is_moe for layer in self.model.layers)
+        """Whether a denoising step can be captured in a CUDA graph: only where the experts run grouped for the
+        model's activations (`LLaDAMoESparseMoeBlock.uses_grouped_mm`); the loop reads the per-expert counts on the
+        host."""
+        blocks = [layer.mlp for layer in self.model.layers if layer.is_moe]
+        if not blocks:
+            return True
+        embedding = self.model.embed_tokens.weight  # the activations' dtype and device
+        return all(block.uses_grouped_mm(embedding.new_empty(0, embedding.shape[1])) for block in blocks)
 
 
 __all__ = ["LLaDAMoEModel", "LLaDAMoEModelLM", "LLaDAMoEPreTrainedModel"]

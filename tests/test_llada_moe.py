@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from hf_dllm.cache import CachePolicy, DiffusionKVCache, padding_aware_position_ids
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.generation_config import DiffusionGenerationConfig
-from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
+from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, LLaDAMoESparseMoeBlock
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lladamoe-tiny-ref"
 CASES = json.loads((FIXTURE / "cases.json").read_text())["cases"]
@@ -314,6 +314,56 @@ def test_bfloat16_model_follows_the_float32_one(expected):
             ids[:, :12], max_new_tokens=16, block_length=8, threshold=0.9, mask_token_id=MASK, **settings
         )
         assert out.shape == (1, 28) and not (out == MASK).any()
+
+
+@pytest.fixture
+def grouped_float32(monkeypatch):
+    """Run the experts grouped in float32 too (torch's grouped GEMM runs on the CPU), to compare with the loop."""
+    monkeypatch.setattr(LLaDAMoESparseMoeBlock, "grouped_mm_dtypes", (torch.float32, torch.bfloat16))
+
+
+def test_grouped_experts_equal_the_loop(expected, grouped_float32, tmp_path):
+    """The grouped experts (two grouped GEMMs over stacked views of the Hub-named weights) give the loop's logits and
+    the reference tokens; the model still saves one tensor per Hub name, with the same values."""
+    grouped = LLaDAMoEModelLM.from_pretrained(FIXTURE).eval()
+    loop = LLaDAMoEModelLM.from_pretrained(FIXTURE, experts_implementation="eager").eval()
+    ids = expected["logits.input_ids"]
+    block = grouped.model.layers[0].mlp
+    with torch.no_grad():
+        assert block.uses_grouped_mm(ids.new_empty(0, 64, dtype=torch.float32))
+        assert not loop.model.layers[0].mlp.uses_grouped_mm(ids.new_empty(0, 64, dtype=torch.float32))
+        torch.testing.assert_close(grouped(ids).logits, loop(ids).logits, atol=1e-5, rtol=0)
+    gate_up, down = block.stacks()
+    assert block.experts[3].up_proj.weight.data_ptr() == gate_up[3, 24:].data_ptr()  # views, not copies
+    for case in CASES[::9]:
+        prompt = expected[f"prompt.{case['prompt']}"]
+        out = grouped.generate(prompt, **generate_kwargs(case))
+        assert torch.equal(out.sequences, expected[f"case.{case['name']}"]), case["name"]
+    grouped.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    for key, tensor in load_file(FIXTURE / "model.safetensors").items():
+        assert torch.equal(stored[key], tensor), key
+
+
+@pytest.mark.parametrize("name", list(RANDOM_CONFIGS))
+def test_grouped_experts_equal_the_loop_on_random_configs(name, grouped_float32):
+    config = random_config(**RANDOM_CONFIGS[name])
+    model = random_model(config)
+    ids = torch.randint(0, 90, (2, 11), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        grouped = model(ids, attention_mask=mask).logits
+        model.config._experts_implementation = "eager"
+        loop = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(grouped, loop, atol=1e-5 * float(loop.abs().max()), rtol=0)
+    # `.to()` gives the weights new storage: the stacks follow.
+    model.config._experts_implementation = None
+    model.to(torch.float64).to(torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).logits, loop, atol=1e-5 * float(loop.abs().max()), rtol=0
+        )
 
 
 def test_router_logits_are_returned_per_moe_layer():
