@@ -19,9 +19,10 @@ names (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.w
   `num_experts_per_tok` largest probabilities weight their experts' SwiGLU outputs **unnormalised** (the original
   hard-codes `norm_topk_prob` off), summed in the model dtype.
 
-The routed experts run as a plain loop over the experts the tokens selected (`LLaDAMoESparseMoeBlock`): each
-expert on its own tokens, its output times the routing weight added in place, exactly the original's arithmetic.
-(It reads the selected experts on the host: a generation step is not captured in a CUDA graph.)
+The routed experts (`LLaDAMoESparseMoeBlock`) run as a plain loop over the experts the tokens selected (each expert
+on its own tokens, its output times the routing weight added in place: the original's arithmetic; always in
+float32), or, in half precision where torch's grouped GEMM runs, as two grouped GEMMs over stacked views of the
+same weights, without host synchronisation (`generate()` then captures its steps in CUDA graphs).
 
 Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS` (`eager` is this file's reference function,
 `sdpa`, `flex_attention`, `flash_attention_2`, ...). Padding: a 2D `attention_mask` masks padded keys and RoPE
