@@ -25,10 +25,12 @@ float32), or, in half precision where torch's grouped GEMM runs, as two grouped 
 same weights, without host synchronisation (`generate()` then captures its steps in CUDA graphs).
 
 Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS` (`eager` is this file's reference function,
-`sdpa`, `flex_attention`, `flash_attention_2`, ...). Padding: a 2D `attention_mask` masks padded keys and RoPE
-positions count from each row's first real token, so a left-padded row computes what it computes alone. Caches: a
-`DiffusionKVCache` (`past_key_values`, written in place at `cache_position`, attention over the whole sequence) gives
-`generate()` the prefix and dual caches of Fast-dLLM; a transformers `DynamicCache` is appended to.
+`sdpa`, `flex_attention`, `flash_attention_2`, ...; by default `llada_triton`, LLaDA's: the split-KV kernel on CUDA
+block steps, sdpa elsewhere); a `packed.PackedRows` mask runs it once per packed row. Padding: a 2D
+`attention_mask` masks padded keys and RoPE positions count from each row's first real token, so a left-padded row
+computes what it computes alone. Caches: a `DiffusionKVCache` (`past_key_values`, written in place at
+`cache_position`, attention over the whole sequence) gives `generate()` the prefix and dual caches of Fast-dLLM; a
+transformers `DynamicCache` is appended to.
 
 This file is exported verbatim as Hub remote code: relative imports only.
 """
@@ -46,9 +48,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada_moe import LLaDAMoEConfig
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
+from .packed import run_attention
 
 try:  # hf_dllm versions whose generation rules live in family objects (`family.py`): LLaDA-MoE's
     from .family_llada_moe import LLADA_MOE
@@ -56,6 +60,8 @@ try:  # hf_dllm versions whose generation rules live in family objects (`family.
     DIFFUSION_FAMILIES: tuple = (LLADA_MOE,)
 except ImportError:  # earlier versions read the model's `diffusion_*` class attributes instead
     DIFFUSION_FAMILIES = ()
+
+register_attention_backends()
 
 
 class LLaDAMoERMSNorm(nn.Module):
@@ -208,7 +214,8 @@ class LLaDAMoEAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn, _ = attention_interface(
+        attn = run_attention(  # a `PackedRows` mask: once per packed row, each row attending to itself
+            attention_interface,
             self,
             query,
             key,
@@ -466,6 +473,13 @@ class LLaDAMoEPreTrainedModel(PreTrainedModel):
         if isinstance(module, LLaDAMoESparseMoeBlock) and module.expert_bias is not None:
             init.zeros_(module.expert_bias)
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # Unless asked otherwise, LLaDA-MoE runs hf_dllm's backend, as LLaDA does: the split-KV Triton kernel with
+        # the key padding mask where it pays (block steps on CUDA), transformers' sdpa everywhere else (attention.py).
+        if attn_implementation is None:
+            attn_implementation = TRITON_ATTENTION
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers detects its own experts decorator; this model selects its experts path itself
@@ -584,7 +598,8 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
     # other, so blocks start at the prompt's end and the prefix / dual caches are Fast-dLLM's approximations.
     diffusion_logits_shift = 0
     diffusion_block_causal = False
-    diffusion_packed_rows = False
+    # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
+    diffusion_packed_rows = True
     # Where hf_dllm resolves those rules through family objects: LLaDA-MoE's (a bidirectional LLaDA-style family).
     diffusion_families = DIFFUSION_FAMILIES
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -24,6 +24,7 @@ from hf_dllm.cache import CachePolicy, DiffusionKVCache, padding_aware_position_
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.generation_config import DiffusionGenerationConfig
 from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, LLaDAMoESparseMoeBlock
+from hf_dllm.packed import PackedRows
 
 FIXTURE = Path(__file__).parent / "fixtures" / "lladamoe-tiny-ref"
 CASES = json.loads((FIXTURE / "cases.json").read_text())["cases"]
@@ -475,6 +476,40 @@ def test_cached_forwards_equal_the_full_forward(model, expected):
             cache_position=torch.arange(length - 8, length),
         ).logits
         torch.testing.assert_close(explicit, full[:, -8:], atol=1e-5, rtol=0)
+
+
+def test_default_attention_is_lladas_backend(model, expected):
+    """As LLaDA's, the default backend is `llada_triton` (the split-KV kernel on CUDA block steps, sdpa elsewhere)."""
+    assert model.config._attn_implementation == "llada_triton"
+    sdpa = LLaDAMoEModelLM.from_pretrained(FIXTURE, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(expected["logits.input_ids"]).logits, sdpa(expected["logits.input_ids"]).logits
+        )
+
+
+def test_packed_rows_compute_what_each_row_computes_alone(model, expected):
+    """Rows packed end to end (`PackedRows`, the serving engine's padding-free forwards) each attend to themselves
+    only and write their K/V at their own row and columns of the cache."""
+    rows = [torch.cat([expected[f"prompt.{name}"][0], torch.full((8,), MASK)]) for name in ("p5", "p19", "p12")]
+    lengths = [len(row) for row in rows]
+    width = max(lengths)
+    cache = DiffusionKVCache(model.config.num_hidden_layers, len(rows), width)
+    columns = torch.cat([torch.arange(length) for length in lengths])
+    packed = PackedRows(lengths, cache=cache, columns=columns)
+    with torch.no_grad():
+        logits = model(
+            torch.cat(rows)[None], attention_mask=packed, past_key_values=packed, position_ids=columns[None]
+        ).logits[0]
+        start = 0
+        for index, row in enumerate(rows):
+            alone_cache = DiffusionKVCache(model.config.num_hidden_layers, 1, len(row))
+            alone = model(row[None], past_key_values=alone_cache, use_cache=True).logits[0]
+            torch.testing.assert_close(logits[start : start + len(row)], alone, atol=1e-5, rtol=0)
+            for layer in range(model.config.num_hidden_layers):
+                keys = cache.keys[layer][index, :, : len(row)]
+                torch.testing.assert_close(keys, alone_cache.keys[layer][0], atol=1e-5, rtol=0)
+            start += len(row)
 
 
 class RefreshEveryStep(CachePolicy):
