@@ -49,7 +49,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
+from .cache import KV_CACHE_DTYPES, DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada_moe import LLaDAMoEConfig
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
 from .packed import run_attention
@@ -600,6 +600,8 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
     diffusion_block_causal = False
     # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
     diffusion_packed_rows = True
+    # The attention reads any cache through `update` (an FP8 cache's K/V dequantized): `kv_cache_dtype="fp8"` works.
+    diffusion_kv_cache_dtypes = KV_CACHE_DTYPES
     # Where hf_dllm resolves those rules through family objects: LLaDA-MoE's (a bidirectional LLaDA-style family).
     diffusion_families = DIFFUSION_FAMILIES
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
