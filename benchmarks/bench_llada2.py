@@ -25,7 +25,7 @@ Also measured:
   (default 64: two blocks, shorter sequences than ours, which favours the reference).
 
 `--quantization none,fp8` (issue #13) runs the same settings with the bf16 model and with its FP8 copy, quantized on
-the GPU through transformers' API (`from_pretrained(..., quantization_config=fp8_quantization_config("llada2_moe"))`:
+the GPU through transformers' API (`from_pretrained(..., quantization_config=fp8_quantization_config("llada2"))`:
 128x128 weight blocks for attention, the dense layer and every expert's layers; the head stays bf16), and prints the
 FP8 copy's logit error and top-1 agreement against bf16 over one prompt (`bench_generate.logit_agreement`).
 

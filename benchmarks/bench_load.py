@@ -148,7 +148,7 @@ def serve(args) -> None:
         engine.width_granularity = args.width_granularity
     if engine is not None and args.max_batch_positions:
         engine.set_max_batch_positions(args.max_batch_positions)
-    if engine is not None and args.max_refresh_positions is not None and not engine.block_causal:
+    if engine is not None and args.max_refresh_positions is not None and not engine.keeps_row_kv:
         engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
@@ -415,7 +415,7 @@ def engine_requests(model, items: list[dict]) -> list:
     """The workload's requests for `ContinuousBatcher` directly (no server), with `request_settings`."""
     from hf_dllm.serving.rows import EngineRequest
 
-    block_causal = bool(getattr(model, "diffusion_block_causal", False))
+    block_causal = model.diffusion_family.topology == "block-causal"
     return [
         EngineRequest(
             item["prompt"], model.resolve_generation_config(**request_settings(item, block_causal)), lambda u: None
@@ -579,7 +579,7 @@ def check_answers(args, items: list[dict], records: list[dict], count: int) -> d
     import torch
 
     model = build_model(args.shape, "cpu", "float32")
-    block_causal = bool(getattr(model, "diffusion_block_causal", False))
+    block_causal = model.diffusion_family.topology == "block-causal"
     config = model.config
     tokenizer = word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
     checked = equal = 0

@@ -1,8 +1,9 @@
 """hf_dllm: masked-diffusion language models (LLaDA, LLaDA2.x, ...) in Hugging Face transformers.
 
-`import hf_dllm` registers the LLaDA (`model_type="llada"`), LLaDA2.x MoE (`"llada2_moe"`) and Dream (`"Dream"`) classes with
-`AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, so a local checkpoint of either loads with
-`AutoModel.from_pretrained(path)` and generates with `.generate(...)`.
+`import hf_dllm` registers every model family's classes (LLaDA, LLaDA-MoE, LLaDA2.0/2.1/2.2, Dream: one family object
+each, `family.py`) with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, so a local checkpoint of any loads with
+`AutoModel.from_pretrained(path)` and generates with `.generate(...)`; a `model_type` two families share (LLaDA-MoE's
+Hub config says "llada") is told apart by `architectures` / `auto_map` / fields.
 
 Layout: the flat files of this folder are the ones exported verbatim as Hub remote code (models, configs, the
 generation loop and its policies, caches, attention backends, kernels). The applications built on them live in
@@ -23,6 +24,7 @@ from .cache import CachePolicy, DiffusionKVCache, DualCache, ExactBlockCache, No
 from .configuration_dream import DreamConfig
 from .configuration_llada import LLaDAConfig
 from .configuration_llada2_moe import LLaDA2MoeConfig
+from .configuration_llada_moe import LLaDAMoEConfig
 from .decoding import (
     ConfidenceFactor,
     ConfidenceThreshold,
@@ -31,6 +33,7 @@ from .decoding import (
     TokenEditing,
     UnmaskingPolicy,
 )
+from .family import FAMILIES, DiffusionFamily, family_for_config, register_family
 from .generation_utils import (
     BlockDiffusionRun,
     BlockEvent,
@@ -43,6 +46,7 @@ from .generation_utils import (
 from .modeling_dream import DreamBaseModel, DreamModel, DreamPreTrainedModel
 from .modeling_llada import LLaDAModel, LLaDAModelLM, LLaDAPreTrainedModel
 from .modeling_llada2_moe import LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2MoePreTrainedModel
+from .modeling_llada_moe import LLaDAMoEModel, LLaDAMoEModelLM, LLaDAMoEPreTrainedModel
 
 __version__ = "0.1.0"
 
@@ -94,18 +98,46 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
 if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _MovedModuleFinder())
 
-AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
-AutoModel.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
-AutoModelForCausalLM.register(LLaDAConfig, LLaDAModelLM, exist_ok=True)
-# LLaDA2's Hub auto_map sends AutoModel to the backbone; hf_dllm maps it to the model with the LM head and the
-# diffusion generate(), as for LLaDA (users call AutoModel.from_pretrained(...).generate(...)).
-AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)
-AutoModel.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
-AutoModelForCausalLM.register(LLaDA2MoeConfig, LLaDA2MoeModelLM, exist_ok=True)
-# Dream (`model_type="Dream"`): as on the Hub, AutoModel gives `DreamModel`, the model with the LM head.
-AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
-AutoModel.register(DreamConfig, DreamModel, exist_ok=True)
-AutoModelForCausalLM.register(DreamConfig, DreamModel, exist_ok=True)
+
+def _dispatching_config(model_type: str, config_classes: list[type]) -> type:
+    """A config class for AutoConfig's `model_type` entry shared by families with different config classes
+    (LLaDA-MoE's Hub config says "llada", as dense LLaDA's does): `from_dict` builds the class of the family the
+    config describes (`family_for_config`: `architectures`, `auto_map`, then fields); built directly
+    (`AutoConfig.for_model`), it is the first family's class. Either way no instance of the dispatcher exists."""
+
+    def from_dict(cls, config_dict, **kwargs):
+        family = family_for_config(config_dict)
+        config_class = family.classes()[0] if family is not None else config_classes[0]
+        return config_class.from_dict(config_dict, **kwargs)
+
+    base = config_classes[0]
+
+    def __new__(cls, *args, **kwargs):
+        return base(*args, **kwargs)
+
+    return type(
+        base.__name__, (base,), {"from_dict": classmethod(from_dict), "__new__": __new__, "__module__": base.__module__}
+    )
+
+
+def register_auto_classes() -> None:
+    """Register every family's config and model with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, so that
+    `AutoModel.from_pretrained(path)` gives hf_dllm's model with the diffusion `generate()` (LLaDA2's Hub auto_map
+    sends AutoModel to the backbone: hf_dllm maps it to the model with the LM head, as for LLaDA and Dream)."""
+    by_type: dict[str, list[type]] = {}
+    for family in FAMILIES.values():
+        config_class, model_class = family.classes()
+        AutoModel.register(config_class, model_class, exist_ok=True)
+        AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+        classes = by_type.setdefault(config_class.model_type, [])
+        if config_class not in classes:
+            classes.append(config_class)
+    for model_type, classes in by_type.items():
+        config_class = classes[0] if len(classes) == 1 else _dispatching_config(model_type, classes)
+        AutoConfig.register(model_type, config_class, exist_ok=True)
+
+
+register_auto_classes()
 
 __all__ = [
     "BlockDiffusionRun",
@@ -129,6 +161,14 @@ __all__ = [
     "LLaDA2MoeModelLM",
     "LLaDA2MoePreTrainedModel",
     "LLaDAConfig",
+    "LLaDAMoEConfig",
+    "LLaDAMoEModel",
+    "LLaDAMoEModelLM",
+    "LLaDAMoEPreTrainedModel",
+    "DiffusionFamily",
+    "FAMILIES",
+    "family_for_config",
+    "register_family",
     "LLaDAModel",
     "LLaDAModelLM",
     "LLaDAPreTrainedModel",

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .block_plan import plan_bidirectional, plan_block_causal
-from .cache import CachePolicy, make_cache_policy, padding_aware_position_ids
-from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step, make_unmasking_policy
+from .cache import CachePolicy
+from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step
+from .family import plan_for
 from .generation_config import DiffusionGenerationConfig
 from .graphs import MAX_GRAPHS, StepGraphs, spans_devices
 from .kernels import upload
-from .levenshtein_editing import levenshtein_policy
 from .tensor_parallel import agree_across_ranks
 
 # Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
@@ -126,23 +125,17 @@ def decoding_policies(
     unmasking_policy: UnmaskingPolicy | None = None,
     cache_policy: CachePolicy | None = None,
 ) -> tuple[CachePolicy, UnmaskingPolicy]:
-    """The cache and unmasking policies a run of `config` on `model` decodes with: the objects given, else those the
-    settings name. A policy object (the call's, or the model family's own `_diffusion_unmasking_policy`) replaces
-    the config's rule. Raises ValueError for settings the family's rules refuse."""
-    block_causal = bool(getattr(model, "diffusion_block_causal", False))
-    cache = make_cache_policy(config.use_cache, config.dual_cache, block_causal, policy=cache_policy)
-    model_policy = model._diffusion_unmasking_policy(config) if unmasking_policy is None else None
-    if unmasking_policy is None and model_policy is None:
-        model_policy = levenshtein_policy(model.config, config)  # LLaDA2.2: the config has DELETE / SPLIT ids
-    unmasking = make_unmasking_policy(
-        config.threshold,
-        config.factor,
-        block_causal,
-        config.editing_threshold,
-        config.num_to_transfer,
-        config.max_post_steps,
-        policy=unmasking_policy if unmasking_policy is not None else model_policy,
-    )
+    """The cache and unmasking policies a run of `config` on `model` decodes with: the objects given (a new rule or
+    cache is one `UnmaskingPolicy` / `CachePolicy` subclass), else those the model's family chooses for the
+    settings (`DiffusionFamily.cache_policy`, `unmasking_policy`). Raises ValueError for settings the family's
+    rules refuse, TypeError for a policy object of the wrong kind."""
+    family = model.diffusion_family
+    if cache_policy is not None and not isinstance(cache_policy, CachePolicy):
+        raise TypeError(f"`cache_policy` must be a CachePolicy, got {type(cache_policy).__name__}.")
+    if unmasking_policy is not None and not isinstance(unmasking_policy, UnmaskingPolicy):
+        raise TypeError(f"`unmasking_policy` must be an UnmaskingPolicy, got {type(unmasking_policy).__name__}.")
+    cache = cache_policy if cache_policy is not None else family.cache_policy(config)
+    unmasking = unmasking_policy if unmasking_policy is not None else family.unmasking_policy(config, model.config)
     return cache, unmasking
 
 
@@ -178,35 +171,9 @@ class BlockDiffusionRun:
         self.stopping_criteria = list(stopping_criteria or [])
         self.input_ids = input_ids
 
-        pad_id = config.prompt_pad_token_id
-        if self.block_causal:
-            if attention_mask is None:
-                prompts = list(input_ids)
-            else:
-                prompts = [row[keep.bool()] for row, keep in zip(input_ids, attention_mask, strict=True)]
-            self.plan = plan_block_causal([len(p) for p in prompts], self.prompt_len, config, device)
-            self.seq_len = self.plan.canvas_width
-            self.x = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
-            columns = torch.arange(self.seq_len, device=device)
-            self.x[columns < self.plan.prompt_start.unsqueeze(-1)] = pad_id
-            for row, prompt in enumerate(prompts):
-                start = int(self.plan.prompt_start[row])
-                self.x[row, start : start + len(prompt)] = prompt
-            padded = bool((self.plan.prompt_start > 0).any())
-            self.key_mask = (columns >= self.plan.prompt_start.unsqueeze(-1)).long() if padded else None
-            self.position_ids = (columns - self.plan.prompt_start.unsqueeze(-1)).clamp(min=0)
-        else:
-            self.plan = plan_bidirectional(self.prompt_len, batch, config, device)
-            self.seq_len = self.plan.canvas_width
-            self.x = torch.full((batch, self.seq_len), self.mask_id, dtype=torch.long, device=device)
-            self.x[:, : self.prompt_len] = input_ids
-            if attention_mask is None:
-                self.key_mask = None
-                self.position_ids = torch.arange(self.seq_len, device=device).expand(batch, -1)
-            else:
-                generated = torch.ones(batch, config.max_new_tokens, dtype=attention_mask.dtype, device=device)
-                self.key_mask = torch.cat([attention_mask, generated], dim=1)
-                self.position_ids = padding_aware_position_ids(self.key_mask)
+        self.plan = plan_for(self.family, input_ids, attention_mask, config)
+        self.seq_len = self.plan.canvas_width
+        self.x, self.key_mask, self.position_ids = self.family.lay_out(input_ids, attention_mask, self.plan, config)
         self.canvas = self.x.clone()
         self.sequences = torch.full(
             (batch, self.prompt_len + config.max_new_tokens), self.mask_id, dtype=torch.long, device=device
@@ -238,10 +205,10 @@ class BlockDiffusionRun:
         self.config = config
         self.device = device
         self.mask_id = config.mask_token_id
-        self.shift = model.diffusion_logits_shift
-        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        self.family = model.diffusion_family
+        self.shift = self.family.logits_shift
         self.cfg = config.cfg_scale > 0
-        self.forward_kwargs = {"block_length": config.block_length} if self.block_causal else {}
+        self.forward_kwargs = self.family.forward_kwargs(config)
         self.attention_masks: dict[tuple[int, int, int], object] = {}
         self._slot_tensors: dict[int, torch.Tensor] = {}  # `_logit_slots`' aranges, made once per size
         # `_step_columns`' index tensors for the block under way, made once per block and query range.
@@ -261,9 +228,7 @@ class BlockDiffusionRun:
                 f"{type(self.cache_policy).__name__} keeps none."
             )
         # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
-        self.eos_stop_in_block = (
-            self.block_causal and config.eos_early_stop and not self.unmasking.edits and self.eos_ids is not None
-        )
+        self.eos_stop_in_block = self.family.stops_inside_block(config, self.unmasking)
         self.nfe = 0
 
     def _setup_rules(self) -> None:
@@ -609,7 +574,7 @@ class BlockDiffusionRun:
         whose later blocks cannot change what comes before), that stopped inside the block, or that decoded their
         last block (`last_block`, `(active_rows,)` bool, host)."""
         finished = self.stopped[self.rows].clone()
-        if self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal):
+        if self.eos_ids is not None and self.family.eos_ends_row(self.config):
             finished |= (torch.isin(self.x, self.eos_ids) & self._generated_part(block_end)).any(dim=-1)
         finished |= upload(last_block, finished.device)
         return finished
@@ -617,7 +582,7 @@ class BlockDiffusionRun:
     def _rows_can_finish(self, last_block: torch.Tensor) -> bool:
         """Whether any row may finish after this block (host-side facts only: `last_block` `(active_rows,)` bool):
         checking on the GPU costs a host synchronisation, which stalls the next block's first step."""
-        eos_stop = self.eos_ids is not None and (self.config.eos_early_stop or self.block_causal)
+        eos_stop = self.eos_ids is not None and self.family.eos_ends_row(self.config)
         return eos_stop or self.eos_stop_in_block or bool(last_block.any())
 
     def _generated_part(self, block_end: int) -> torch.Tensor:
@@ -652,7 +617,7 @@ class BlockDiffusionRun:
         `generated_part` `(k, canvas)` bool marks the generated columns decoded so far."""
         rows = rows.clone()
         rows[:, block_end:] = self.fill_id
-        if self.block_causal and self.eos_ids is not None:
+        if self.family.cut_after_first_eos and self.eos_ids is not None:
             is_eos = torch.isin(rows, self.eos_ids) & generated_part
             after_first = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
             rows[after_first] = self.fill_id

@@ -475,20 +475,3 @@ class StoredBlockCache(CachePolicy):
         if not first_step:
             return block_start, block_end
         return max(0, 2 * block_start - block_end), block_end
-
-
-def make_cache_policy(
-    use_cache: bool, dual_cache: bool, block_causal: bool = False, policy: CachePolicy | None = None
-) -> CachePolicy:
-    """The cache a config names, or `policy` when one is given (`generate(..., cache_policy=...)`: a new cache is
-    one `CachePolicy` subclass). For block-causal models the prefix and dual caches are the same exact cache (the
-    suffix is never attended), so `dual_cache` does not matter for them."""
-    if policy is not None:
-        if not isinstance(policy, CachePolicy):
-            raise TypeError(f"`cache_policy` must be a CachePolicy, got {type(policy).__name__}.")
-        return policy
-    if block_causal:
-        return ExactBlockCache() if use_cache else BlockCausalNoCache()
-    if not use_cache:
-        return NoCache()
-    return DualCache() if dual_cache else PrefixCache()

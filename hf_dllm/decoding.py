@@ -429,34 +429,6 @@ class TokenEditing(ScheduledThreshold):
         return active & (masked_before | edited) & within
 
 
-def make_unmasking_policy(
-    threshold: float | None,
-    factor: float | None,
-    block_causal: bool = False,
-    editing_threshold: float | None = None,
-    num_to_transfer: int = 1,
-    max_post_steps: int = 16,
-    policy: UnmaskingPolicy | None = None,
-) -> UnmaskingPolicy:
-    """The rule a config names, or `policy` when one is given (a new rule is one `UnmaskingPolicy` subclass, passed
-    as `generate(..., unmasking_policy=...)` or returned by a model's `_diffusion_unmasking_policy`). Block-causal
-    models (LLaDA2) use their reference's scheduled threshold (and LLaDA2.1's token editing); bidirectional models
-    (LLaDA) use LLaDA's schedule or Fast-dLLM's rules."""
-    if policy is not None:
-        if not isinstance(policy, UnmaskingPolicy):
-            raise TypeError(f"`unmasking_policy` must be an UnmaskingPolicy, got {type(policy).__name__}.")
-        return policy
-    if factor is not None:
-        return ConfidenceFactor(factor)
-    if block_causal:
-        if editing_threshold is not None:
-            return TokenEditing(threshold, editing_threshold, num_to_transfer, max_post_steps)
-        return ScheduledThreshold(threshold)
-    if threshold is not None:
-        return ConfidenceThreshold(threshold)
-    return FixedSchedule()
-
-
 @dataclass
 class BlockProposal:
     """What one forward proposes for the current block (all `(rows, L)`): the block's tokens before the step,

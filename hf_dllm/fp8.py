@@ -95,15 +95,6 @@ FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
 FEW_ROWS_ROWWISE = True
 
 
-# `FineGrainedFP8Config(modules_to_not_convert=...)` per model type, where transformers' defaults do not fit:
-# transformers replaces every module named `*.experts` with its fused `FP8Experts` (one 3D tensor per projection),
-# which LLaDA2's `experts` list of per-expert `{e}.{gate,up,down}_proj` layers (the Hub's names) is not: the list
-# itself is skipped, the layers in it are quantized one by one (as the Hub's pre-quantized MoE checkpoints store
-# them) and run stacked by `grouped_gemm.py`. Naming any module drops transformers' default skips, hence the output
-# head named again.
-FP8_MODULES_TO_NOT_CONVERT = {"llada2_moe": ["lm_head", r".*\.experts$"]}
-
-
 # The FP8 values of `--quantization` (cli/loading.py), each a `FineGrainedFP8Config` setting: "fp8" transformers'
 # default, one scale per 128 x 128 block (the Hub's layout); "fp8-tensor" one scale per matrix, run as row-scaled
 # products (faster at many rows; RESULTS.md, FP8, session 28).
@@ -123,10 +114,10 @@ def split_head_suffix(name: str) -> tuple[str, bool]:
     return scheme, scheme != name
 
 
-def fp8_quantization_config(model_type: str, scheme: str = "fp8", quantize_head: bool = False):
-    """transformers' `FineGrainedFP8Config` for a model of `model_type` and an `FP8_SCHEMES` name (its defaults,
-    with the modules of `FP8_MODULES_TO_NOT_CONVERT` kept): what `--quantization` loads with and `hf-dllm export`
-    writes. `quantize_head=True` quantizes the output head too (`modules_to_not_convert` without it; transformers
+def fp8_quantization_config(family=None, scheme: str = "fp8", quantize_head: bool = False):
+    """transformers' `FineGrainedFP8Config` for a model family (a `family.DiffusionFamily` or its registered name;
+    None: transformers' defaults) and an `FP8_SCHEMES` name, keeping the family's `fp8_modules_to_not_convert`
+    unquantized: what `--quantization` loads with and `hf-dllm export` writes. `quantize_head=True` quantizes the output head too (`modules_to_not_convert` without it; transformers
     keeps it in the model's dtype by default): the largest single weight a block step reads (LLaDA-8B: 1.04 GB in
     bf16)."""
     from transformers import FineGrainedFP8Config
@@ -135,7 +126,13 @@ def fp8_quantization_config(model_type: str, scheme: str = "fp8", quantize_head:
         raise ValueError(f"scheme must be one of {', '.join(FP8_SCHEMES)}, got {scheme!r}.")
     if not isinstance(quantize_head, bool):
         raise TypeError(f"quantize_head must be True or False, got {quantize_head!r}.")
-    skipped = FP8_MODULES_TO_NOT_CONVERT.get(model_type)
+    from .family import registered_family
+
+    if isinstance(family, str):
+        family = registered_family(family)
+    skipped = (
+        None if family is None or family.fp8_modules_to_not_convert is None else list(family.fp8_modules_to_not_convert)
+    )
     if quantize_head:  # naming any module (even none) drops transformers' default skip of the output head
         skipped = [name for name in skipped or () if name != "lm_head"]
     return FineGrainedFP8Config(modules_to_not_convert=skipped, **FP8_SCHEMES[scheme])
@@ -157,7 +154,9 @@ def fp8_config_for(model_config, quantization: str):
             f"--quantization {quantization} quantizes the output head, but this model ties it to its input embedding "
             f"(tie_word_embeddings); use --quantization {scheme}."
         )
-    return fp8_quantization_config(field("model_type", ""), scheme, quantize_head=head)
+    from .family import family_for_config
+
+    return fp8_quantization_config(family_for_config(model_config), scheme, quantize_head=head)
 
 
 def is_fp8_linear(layer: nn.Module) -> bool:

@@ -18,10 +18,6 @@ from transformers import GenerationConfig
 from .cache import KV_CACHE_DTYPES
 
 REMASKING_STRATEGIES = ("low_confidence", "random")
-# Dream's decoding algorithms (`alg`): its own four and Fast-dLLM's threshold variant of its sampler.
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
-# Dream's fields: models without Dream's rules reject them (`DiffusionGenerationMixin._diffusion_unmasking_policy`).
-DREAM_FIELDS = ("alg", "alg_temp", "top_p", "top_k", "eps")
 # Upper bound of `max_new_tokens` and `steps`: far beyond any model's context (LLaDA: 4096 positions), yet small
 # enough that a typo such as 10**9 is an error naming the field instead of a multi-gigabyte allocation.
 MAX_GENERATION_LENGTH = 1 << 20
@@ -55,13 +51,11 @@ _GENERATION_DEFAULTS = {
     "bos_token_id": None,
     "return_dict_in_generate": False,
     "disable_compile": False,
-    # Dream's sampler (arXiv:2508.15487): read by models whose `_diffusion_unmasking_policy` implements them.
-    "alg": None,
-    "alg_temp": None,
-    "top_p": None,
-    "top_k": None,
-    "eps": 1e-3,
 }
+_CORE_FIELDS = frozenset(_GENERATION_DEFAULTS)
+# Validators of the fields a family's own sampler adds (`register_generation_fields`), by owner; each field's owner.
+_FIELD_VALIDATORS: dict = {}
+FIELD_OWNERS: dict[str, str] = {}
 # LLaDA2.1 token editing (block-causal models only); non-default values need `editing_threshold`.
 EDITING_FIELDS = ("editing_threshold", "max_post_steps", "num_to_transfer")
 SPECIAL_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
@@ -74,6 +68,38 @@ def is_int(value) -> bool:
 
 def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite(value) -> bool:
+    """A finite int or float: NaN passes every comparison unnoticed (`nan < 0` is False) and inf turns logits into
+    NaN; an int beyond float range makes math.isfinite raise OverflowError."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def register_generation_fields(owner: str, defaults: dict, validate) -> None:
+    """Add the generation fields of a family's own sampler (`defaults`: name -> default) to
+    `DiffusionGenerationConfig`, with `validate(config)` raising a `ValueError` for bad values of them. Registering
+    `owner` again replaces its fields. A family that does not own them refuses them away from their defaults
+    (`DiffusionFamily.validate`)."""
+    clash = sorted(set(defaults) & _CORE_FIELDS)
+    if clash:
+        raise ValueError(f"{owner}: {clash} are DiffusionGenerationConfig's own fields.")
+    _GENERATION_DEFAULTS.update(defaults)
+    _FIELD_VALIDATORS[owner] = validate
+    FIELD_OWNERS.update(dict.fromkeys(defaults, owner))
+
+
+def generation_field_defaults(exclude_core: bool = False) -> dict:
+    """Every field of `DiffusionGenerationConfig` with its default (`exclude_core`: only the fields families
+    registered)."""
+    return {
+        name: copy.deepcopy(default)
+        for name, default in _GENERATION_DEFAULTS.items()
+        if not (exclude_core and name in _CORE_FIELDS)
+    }
 
 
 class DiffusionGenerationConfig(GenerationConfig):
@@ -134,16 +160,8 @@ class DiffusionGenerationConfig(GenerationConfig):
         return_dict_in_generate (`bool`, False): return a `DiffusionGenerateOutput` (`sequences`, `nfe`).
         disable_compile (`bool`, False): turn off CUDA-graph capture of the denoising step (debugging).
 
-    Dream's sampler (arXiv:2508.15487; models with Dream's rules only, others reject them):
-        alg (`str`, *optional*): one of `DREAM_ALGS`: `"maskgit_plus"` (confidence = top-1 probability),
-            `"topk_margin"` (top-1 minus top-2 probability), `"entropy"` (negative entropy), `"origin"` (each
-            masked position committed with the schedule's probability), each on Dream's timestep schedule
-            (`steps`, `eps`); or `"confidence_threshold"` (Fast-dLLM's threshold, with `threshold`).
-        alg_temp (`float`, *optional*): > 0 samples the committed positions from softmax(confidence / alg_temp)
-            instead of taking the most confident ones.
-        top_p (`float`, *optional*), top_k (`int`, *optional*): nucleus / top-k filtering of the token
-            distribution before sampling and before the confidences are computed.
-        eps (`float`, 1e-3): end of Dream's timestep schedule `linspace(1, eps, steps + 1)`, in (0, 1).
+    A family's own sampler adds fields of its own (`register_generation_fields`; Dream's `alg`, `alg_temp`,
+    `top_p`, `top_k`, `eps`: `family_dream.py`); the other families refuse them away from their defaults.
 
     Special tokens: `mask_token_id`, `eos_token_id` (int or list), `eot_token_id`, `pad_token_id`, `bos_token_id`.
     """
@@ -193,6 +211,16 @@ class DiffusionGenerationConfig(GenerationConfig):
     def field_names() -> tuple[str, ...]:
         return tuple(_GENERATION_DEFAULTS)
 
+    def to_dict(self) -> dict:
+        """As `GenerationConfig.to_dict`, without the fields of a family's own sampler (`register_generation_fields`)
+        left at their defaults: a saved config then loads where that family is not installed (a Hub repo of
+        another family's remote code)."""
+        output = super().to_dict()
+        for name, default in generation_field_defaults(exclude_core=True).items():
+            if name in output and output[name] == default:
+                del output[name]
+        return output
+
     def to_diff_dict(self) -> dict:
         # Every diffusion field counts as set: `pipeline()` adds its own defaults (do_sample=True,
         # temperature=0.7, max_new_tokens=256) for fields missing here, which would silently switch to sampling.
@@ -201,20 +229,12 @@ class DiffusionGenerationConfig(GenerationConfig):
     def get_generation_mode(self, *args, **kwargs):
         raise NotImplementedError("DiffusionGenerationConfig has a single mode: block diffusion.")
 
-    def validate(
-        self,
-        strict: bool = False,
-        block_causal: bool | None = None,
-        sampler_fields: tuple[str, ...] | None = None,
-        **kwargs,
-    ) -> None:
+    def validate(self, strict: bool = False, **kwargs) -> None:
         """Raise a `ValueError` naming the field and its allowed values for any invalid value or contradiction.
 
-        `block_causal` is the model's attention (`DiffusionGenerationMixin.diffusion_block_causal`) and
-        `sampler_fields` the fields of a family's own sampler the model uses
-        (`DiffusionGenerationMixin.diffusion_sampler_fields`, e.g. Dream's `alg`); the rules that depend on them
-        (whether `steps` combines with `threshold`, token editing, fields a model would ignore) are checked only
-        when they are known (not None): a config file is model-agnostic, the model checks it before generating."""
+        These are the model-agnostic checks (a config file fits any model); the rules of a model's family (whether
+        `steps` combines with `threshold`, token editing, fields of another family's sampler) are its family's
+        (`DiffusionFamily.validate`), checked when a model resolves a call's settings."""
         for name in ("max_new_tokens", "block_length"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
@@ -225,15 +245,6 @@ class DiffusionGenerationConfig(GenerationConfig):
             value = getattr(self, name)
             if value is not None and value > MAX_GENERATION_LENGTH:
                 raise ValueError(f"`{name}` must be at most {MAX_GENERATION_LENGTH} (2**20), got {value!r}.")
-
-        def finite(value) -> bool:
-            # NaN passes every comparison below unnoticed (`nan < 0` is False) and inf turns logits into NaN; an int
-            # beyond float range makes math.isfinite raise OverflowError.
-            try:
-                return is_number(value) and math.isfinite(value)
-            except OverflowError:
-                return False
-
         if not finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"`temperature` must be a finite number >= 0 (0 = greedy), got {self.temperature!r}.")
         if not finite(self.cfg_scale) or self.cfg_scale < 0:
@@ -262,45 +273,19 @@ class DiffusionGenerationConfig(GenerationConfig):
             for name in EDITING_FIELDS[1:]:
                 if getattr(self, name) != _GENERATION_DEFAULTS[name]:
                     raise ValueError(f"`{name}` only applies to token editing: set `editing_threshold` too.")
-        adaptive = "threshold" if self.threshold is not None else "factor" if self.factor is not None else None
-        steps_combine = block_causal and adaptive == "threshold" and self.editing_threshold is None
-        model_known = block_causal is not None
-        if adaptive and self.steps is not None and (adaptive == "factor" or (model_known and not steps_combine)):
-            raise ValueError(
-                f"`steps` must be None with `{adaptive}`: confidence decides how many steps a block takes."
-            )
-        if self.editing_threshold is not None and block_causal is not None:
-            if not block_causal:
-                raise ValueError(
-                    "`editing_threshold` (token editing, LLaDA2.1) is only supported by block-causal models "
-                    "(LLaDA2); this model attends bidirectionally."
-                )
-            if self.steps is not None:
-                raise ValueError("`steps` must be None with `editing_threshold`: `num_to_transfer` sets the pace.")
-            if self.factor is not None:
-                raise ValueError("`factor` cannot be combined with `editing_threshold`; use `threshold`.")
-        if block_causal is False and self.minimal_topk != _GENERATION_DEFAULTS["minimal_topk"]:
-            raise ValueError("`minimal_topk` only applies to block-causal models (LLaDA2).")
+        if self.factor is not None and self.steps is not None:
+            raise ValueError("`steps` must be None with `factor`: confidence decides how many steps a block takes.")
         if self.editing_threshold is not None and self.remasking != "low_confidence":
             raise ValueError("`editing_threshold` needs remasking='low_confidence' (it compares model confidences).")
+        adaptive = "threshold" if self.threshold is not None else "factor" if self.factor is not None else None
         if adaptive and self.remasking != "low_confidence":
             raise ValueError(f"`{adaptive}` needs remasking='low_confidence' (it compares model confidences).")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"`kv_cache_dtype` must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}.")
         if self.kv_cache_dtype is not None and self.use_cache is False:
             raise ValueError(f"`kv_cache_dtype={self.kv_cache_dtype!r}` needs `use_cache=True` (no K/V is cached).")
-        self._validate_dream_fields(finite)
-        if sampler_fields is not None:
-            unused = [
-                name
-                for name in DREAM_FIELDS
-                if name not in sampler_fields and getattr(self, name) != _GENERATION_DEFAULTS[name]
-            ]
-            if unused:
-                raise ValueError(
-                    f"{unused} are settings of Dream's sampler, which this model does not use: leave them unset "
-                    "(this model's rules are `steps`, `threshold` and `factor`)."
-                )
+        for validate_fields in _FIELD_VALIDATORS.values():
+            validate_fields(self)
         for name in (
             "do_sample",
             "use_cache",
@@ -333,34 +318,6 @@ class DiffusionGenerationConfig(GenerationConfig):
                 "mistaken for positions to denoise."
             )
 
-    def _validate_dream_fields(self, finite) -> None:
-        """Dream's fields: values, and their contradictions with the other rules."""
-        if self.alg is not None and self.alg not in DREAM_ALGS:
-            raise ValueError(f"`alg` must be None or one of {DREAM_ALGS}, got {self.alg!r}.")
-        if self.alg_temp is not None and (not finite(self.alg_temp) or self.alg_temp < 0):
-            raise ValueError(
-                f"`alg_temp` must be None or a finite number >= 0 (0 = most confident), got {self.alg_temp!r}."
-            )
-        if self.top_p is not None and (not finite(self.top_p) or not 0 < self.top_p <= 1):
-            raise ValueError(f"`top_p` must be None or a number in (0, 1], got {self.top_p!r}.")
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k <= 0):
-            raise ValueError(f"`top_k` must be None or a positive integer, got {self.top_k!r}.")
-        if not finite(self.eps) or not 0 < self.eps < 1:
-            raise ValueError(
-                f"`eps` must be a number in (0, 1) (the end of Dream's timestep schedule), got {self.eps!r}."
-            )
-        if self.alg == "confidence_threshold" and self.threshold is None:
-            raise ValueError("`alg='confidence_threshold'` needs `threshold` (a number in (0, 1]).")
-        if self.threshold is not None and self.alg not in (None, "confidence_threshold"):
-            raise ValueError(
-                f"`threshold` is the rule of `alg='confidence_threshold'`; it contradicts `alg={self.alg!r}` "
-                "(set alg to None or 'confidence_threshold', or drop threshold)."
-            )
-        if self.factor is not None and self.alg is not None:
-            raise ValueError(f"`factor` is its own rule: it contradicts `alg={self.alg!r}` (set alg to None).")
-        if self.alg_temp and (self.threshold is not None or self.factor is not None):
-            raise ValueError("`alg_temp` > 0 applies to Dream's scheduled algs only: not with `threshold`/`factor`.")
-
     @property
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
@@ -376,4 +333,9 @@ class DiffusionGenerationConfig(GenerationConfig):
         return (self.eos_token_ids or [0])[0]
 
 
-__all__ = ["DREAM_ALGS", "DiffusionGenerationConfig", "REMASKING_STRATEGIES"]
+__all__ = [
+    "DiffusionGenerationConfig",
+    "REMASKING_STRATEGIES",
+    "generation_field_defaults",
+    "register_generation_fields",
+]

@@ -10,10 +10,9 @@ pluggable pieces decide the rest:
 
 The loop itself is `block_loop.py` (`BlockDiffusionRun`), where it decodes is `block_plan.py`; this file holds the
 model interface and `generate()`, and re-exports their names. The generation parameters are
-`DiffusionGenerationConfig` (`generation_config.py`, re-exported here). The model is
-reached through a small interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`,
-`diffusion_logits_shift`, `_diffusion_forward` and `_diffusion_new_cache`. LLaDA implements it in
-`modeling_llada.py`; a Dream-style model (logits shifted by one) only sets `diffusion_logits_shift = 1`.
+`DiffusionGenerationConfig` (`generation_config.py`, re-exported here). The model is reached through a small
+interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`, its family object (`family.py`: every
+rule in which families differ), `_diffusion_forward` and `_diffusion_new_cache`.
 
 This file is exported verbatim as Hub remote code.
 """
@@ -31,6 +30,7 @@ from .block_loop import BlockDiffusionRun, BlockEvent, apply_stopping_criteria, 
 from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal, plan_blocks
 from .cache import CachePolicy, DiffusionKVCache, new_kv_cache
 from .decoding import UnmaskingPolicy
+from .family import family_for_config
 from .generation_config import DiffusionGenerationConfig, is_number
 
 logger = logging.get_logger(__name__)
@@ -87,21 +87,17 @@ class DiffusionGenerationMixin:
     """`generate()` for masked-diffusion LMs. A model using it provides:
 
     - `generation_config` (a `DiffusionGenerationConfig`) with `mask_token_id`;
-    - `diffusion_logits_shift`: 0 if logits at position i predict token i (LLaDA), 1 if they predict i + 1 (Dream);
-    - `diffusion_block_causal`: False if every position attends to every other (LLaDA), True if each block
-      attends to itself and earlier blocks (LLaDA2): blocks are then aligned to absolute positions, the KV cache
-      is exact, and `steps` combines with `threshold` (see `plan_block_causal`, `ExactBlockCache`,
-      `ScheduledThreshold`);
+    - `diffusion_families`: the family objects (`family.DiffusionFamily`) its class serves, of which
+      `diffusion_family` is the one its config describes (LLaDA2.2 over LLaDA2.x, say). Everything that differs
+      between families (topology and block planning, legal fields and their rules, default policies, logits
+      shift) is asked of that object;
     - `diffusion_packed_rows`: whether the forward takes a `packed.PackedRows` as its `attention_mask` and
       `past_key_values` (rows of different lengths end to end in one row; default False): the continuous-batching
       engine then computes a block's full forward without padding;
-    - `diffusion_sampler_fields`: the generation fields of the family's own sampler the model uses (Dream's `alg`,
-      `alg_temp`, `top_p`, `top_k`, `eps`; default none), with `_diffusion_unmasking_policy(config)` returning
-      the family's rule;
     - `_diffusion_forward(input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **kw)`
       returning logits `(batch, L, vocab)` for the kept positions; the default calls `self(...)` with
-      transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and, for block-causal
-      models, `block_length`;
+      transformers' arguments (`past_key_values`, `cache_position`, `logits_to_keep`) and the family's
+      `forward_kwargs` (block-causal models: `block_length`);
     - `_diffusion_step_capturable()`: whether a step can be captured in a CUDA graph (default True);
     - `_diffusion_new_cache(batch_size, max_length, kv_cache_dtype=None, max_positions=None)` returning a
       `DiffusionKVCache` (default: one per layer of `config.num_hidden_layers`, `cache.new_kv_cache`), and
@@ -111,20 +107,22 @@ class DiffusionGenerationMixin:
       `create_bidirectional_mask`), so that no step builds masks (or synchronises with the host).
     """
 
-    diffusion_logits_shift = 0
-    # True for block-causal models (LLaDA2): blocks aligned to absolute positions, an exact KV cache, and the
-    # forward takes `block_length` (see `BlockDiffusionRun`).
-    diffusion_block_causal = False
+    # The families this model class serves, most specific first (`family_for_config` picks by the config).
+    diffusion_families: tuple = ()
     # True where the attention layers run `packed.PackedRows` (padding-free forwards of several rows).
     diffusion_packed_rows = False
-    # Generation fields of a family's own sampler that the model uses (Dream: `alg`, `top_k`, ...); the others'
-    # are refused by `validate()`, where the config's rules would silently ignore them.
-    diffusion_sampler_fields: tuple[str, ...] = ()
-    # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
-    # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
-    diffusion_original_generation_fields: dict = {}
     # `kv_cache_dtype` values the model's layers can read (None: the model's dtype; "fp8": `FP8DiffusionKVCache`).
     diffusion_kv_cache_dtypes: tuple = (None,)
+
+    @property
+    def diffusion_family(self):
+        """The model's family object (`family.DiffusionFamily`): the one of `diffusion_families` its config
+        describes."""
+        found = family_for_config(self.config, self.diffusion_families)
+        if found is None:
+            names = [family.display_name for family in self.diffusion_families]
+            raise ValueError(f"{type(self).__name__}'s config describes none of its families {names}.")
+        return found
 
     def _diffusion_forward(
         self,
@@ -146,11 +144,6 @@ class DiffusionGenerationMixin:
             logits_to_keep=logits_slice,
             **forward_kwargs,
         ).logits
-
-    def _diffusion_unmasking_policy(self, config: DiffusionGenerationConfig) -> UnmaskingPolicy | None:
-        """The model family's own unmasking rule for `config`, or None for the rule the config names
-        (`make_unmasking_policy`). A family with rules of its own (e.g. Dream's `alg`) overrides this."""
-        return None
 
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph (no host synchronisation in the forward)."""
@@ -185,21 +178,21 @@ class DiffusionGenerationMixin:
             logger.info("No generation_config.json found: using the defaults derived from the model config.")
             return
         except ValueError:
-            if not self.diffusion_original_generation_fields:
+            if not self.diffusion_family.original_generation_fields:
                 raise
             loaded = self._original_generation_config(pretrained_model_name_or_path, loading)
         # Special token ids a foreign generation_config.json leaves unset still come from the model config.
         loaded.inherit_special_tokens(self.generation_config)
-        loaded.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
+        self.diffusion_family.validate(loaded)
         self.generation_config = loaded
 
     def _original_generation_config(self, pretrained_model_name_or_path, loading: dict) -> DiffusionGenerationConfig:
         """A generation_config.json written by the family's original implementation (e.g. Dream's
         `DreamGenerationConfig`, as on the Hub): its fields that hf_dllm does not provide
-        (`diffusion_original_generation_fields`) are accepted at their no-op values and refused otherwise, the rest
+        (`DiffusionFamily.original_generation_fields`) are accepted at their no-op values and refused otherwise, the rest
         are read as usual."""
         fields = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **loading).to_diff_dict()
-        for name, no_op in self.diffusion_original_generation_fields.items():
+        for name, no_op in self.diffusion_family.original_generation_fields.items():
             if name in fields and fields.pop(name) != no_op:
                 raise ValueError(
                     f"{pretrained_model_name_or_path}: generation_config.json sets `{name}`, a setting of the original "
@@ -243,7 +236,7 @@ class DiffusionGenerationMixin:
             fields["do_sample"] = fields["temperature"] > 0 if is_number(fields["temperature"]) else False
         for key, value in fields.items():
             setattr(config, key, value)
-        config.validate(block_causal=self.diffusion_block_causal, sampler_fields=self.diffusion_sampler_fields)
+        self.diffusion_family.validate(config)
         if config.kv_cache_dtype not in self.diffusion_kv_cache_dtypes:
             raise ValueError(
                 f"`kv_cache_dtype={config.kv_cache_dtype!r}` is not supported by {type(self).__name__}: its attention "
@@ -376,10 +369,6 @@ class DiffusionGenerationMixin:
                     f"`{name}` ({token}) must differ from `mask_token_id`: every undecoded position would read as "
                     "the end of the text."
                 )
-        if config.cfg_scale > 0 and self.diffusion_logits_shift:
-            raise ValueError("`cfg_scale` > 0 is only supported for models with unshifted logits.")
-        if config.cfg_scale > 0 and self.diffusion_block_causal:
-            raise ValueError("`cfg_scale` > 0 is not supported for block-causal models (LLaDA2): set it to 0.")
 
         if input_ids is None:
             start = [] if config.bos_token_id is None else [config.bos_token_id]
@@ -424,7 +413,7 @@ class DiffusionGenerationMixin:
                 )
             if bool(attention_mask.all()):
                 attention_mask = None
-        shift = self.diffusion_logits_shift
+        shift = self.diffusion_family.logits_shift
         if shift and input_ids.shape[1] < shift:
             raise ValueError(
                 f"This model predicts token i from position i - {shift}: the prompt needs {shift} token(s)."

@@ -19,8 +19,8 @@ fixed-shape device tensors updated in place without host synchronisation, so the
 capturable; where the run has a graph runner, the buffers are the runner's (`StepGraphs.constant`), so graphs that
 outlive one `generate()` call keep reading live memory.
 
-`levenshtein_policy(model_config, generation_config)` is the one place that decides whether a model uses this rule
-(its config has both edit tokens).
+Which models use it is their family's decision (`family_llada2.LLaDA22Family`: a config with both edit tokens);
+`check_settings` is what the rule refuses.
 
 This file is exported as Hub remote code (relative imports only).
 """
@@ -355,17 +355,10 @@ def apply_edit_operations(
     return torch.where(indel, tokens[:, :length], new), torch.where(indel, flags[:, :length], orig)
 
 
-def levenshtein_policy(model_config, generation_config) -> LevenshteinEditing | None:
-    """The family decision: a model whose config has `delete_token_id` and `split_token_id` (LLaDA2.2) decodes
-    with `LevenshteinEditing`, whether or not the call sets `editing_threshold` (without it, SGLang's default 0.0:
-    plain LLaDA2.0 / 2.1 rules would let DELETE / SPLIT ids through as text); any other model gets None (its rules
-    are unchanged). Raises ValueError for settings this rule cannot honour."""
-    delete_id = getattr(model_config, "delete_token_id", None)
-    split_id = getattr(model_config, "split_token_id", None)
-    if delete_id is None or split_id is None:
-        return None
-    config = generation_config
-    rule = "LLaDA2.2's Levenshtein editing (the model's config has delete_token_id / split_token_id)"
+def check_settings(config) -> None:
+    """`ValueError` naming the setting for generation settings this rule cannot honour: it is greedy, with a
+    confidence threshold (`threshold`), `editing_threshold` and `max_post_steps` only (no `steps` schedule, no
+    `factor`, one masked position at least per step)."""
     refused = {
         "steps": config.steps is not None,
         "factor": config.factor is not None,
@@ -378,14 +371,6 @@ def levenshtein_policy(model_config, generation_config) -> LevenshteinEditing | 
     for name, bad in refused.items():
         if bad:
             raise ValueError(
-                f"`{name}={getattr(config, name)!r}` is not supported by {rule}: it is greedy, with a confidence "
-                "threshold (`threshold`), `editing_threshold` and `max_post_steps` only."
+                f"`{name}={getattr(config, name)!r}` is not supported by LLaDA2.2's Levenshtein editing: it is "
+                "greedy, with a confidence threshold (`threshold`), `editing_threshold` and `max_post_steps` only."
             )
-    mask_id = config.mask_token_id
-    if mask_id in (delete_id, split_id):
-        raise ValueError(
-            f"`mask_token_id` ({mask_id}) must differ from the model's delete_token_id ({delete_id}) and "
-            f"split_token_id ({split_id})."
-        )
-    editing = 0.0 if config.editing_threshold is None else config.editing_threshold
-    return LevenshteinEditing(config.threshold, editing, config.max_post_steps, mask_id, delete_id, split_id)

@@ -10,8 +10,8 @@ As on the Hub, `DreamModel` is the model with the LM head (what the Hub's `auto_
 
 The math is Qwen2's: RMS norms in float32, rotate-half RoPE with float32 angles applied in the model dtype, q/k/v
 projections with biases, a SiLU-gated MLP, but **bidirectional** attention, and logits shifted by one: Dream was
-adapted from an autoregressive model, so the logits at position i predict token i + 1 (`diffusion_logits_shift =
-1`; the generation loop reads the prediction of position j from position j - 1). Attention dispatches through
+adapted from an autoregressive model, so the logits at position i predict token i + 1 (its family's `logits_shift`
+= 1; the generation loop reads the prediction of position j from position j - 1). Attention dispatches through
 transformers' `ALL_ATTENTION_FUNCTIONS` (`"eager"`, the reference below; `"sdpa"`; `"flex_attention"`; and
 hf_dllm's `"llada_triton"`, the default, which runs a split-KV kernel for block steps on CUDA and sdpa elsewhere).
 
@@ -26,7 +26,7 @@ Padding: a 2D `attention_mask` masks padded keys, and RoPE positions are counted
 so a left-padded row computes what it computes alone.
 
 Decoding rules (Dream's `alg`s and Fast-dLLM's block variant of Dream's sampler, arXiv:2505.22618) are unmasking
-policies in `decoding_dream.py`; `DreamModel._diffusion_unmasking_policy` picks one from the generation settings
+policies in `decoding_dream.py`; the Dream family (`family_dream.py`) picks one from the generation settings
 and `DreamModel.diffusion_generate` keeps Dream's own entry point and argument names.
 
 This file is exported verbatim as Hub remote code: relative imports only.
@@ -47,9 +47,8 @@ from . import triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_dream import DreamConfig
-from .decoding import UnmaskingPolicy
-from .decoding_dream import DREAM_ALGS, make_dream_policy
-from .generation_config import DREAM_FIELDS
+from .decoding_dream import DREAM_ALGS
+from .family_dream import DREAM
 from .generation_utils import (
     DiffusionGenerateOutput,
     DiffusionGenerationConfig,
@@ -426,16 +425,14 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
     """Dream with its output head and the diffusion `generate()` (see `DiffusionGenerationMixin`).
 
     `forward` returns logits for every position (or those selected by `logits_to_keep`): Dream's logits at
-    position i predict the token at position i + 1 (`diffusion_logits_shift = 1`).
+    position i predict the token at position i + 1 (the family's `logits_shift` = 1).
     """
 
     generation_config_class = DiffusionGenerationConfig
-    # Interface of DiffusionGenerationMixin: Dream predicts position i + 1 from position i (LLaDA predicts i).
-    diffusion_logits_shift = 1
-    # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
+    # Interface of DiffusionGenerationMixin: the family (Dream predicts position i + 1 from position i; its own
+    # sampler), and attention layers that attend within each packed row (`packed.PackedRows`).
+    diffusion_families = (DREAM,)
     diffusion_packed_rows = True
-    diffusion_sampler_fields = DREAM_FIELDS
-    diffusion_original_generation_fields = {"output_history": False, "num_return_sequences": 1}
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Tensor parallelism (see `DreamConfig.base_model_tp_plan`): the head split by vocabulary rows, the logits
     # gathered so that every rank unmasks from the same logits.
@@ -531,12 +528,6 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
             cache_read_only=read_only,
             **forward_kwargs,
         )
-
-    def _diffusion_unmasking_policy(self, config: DiffusionGenerationConfig) -> UnmaskingPolicy | None:
-        """Dream's rules (`decoding_dream.make_dream_policy`): `alg` (`maskgit_plus`, `topk_margin`, `entropy`,
-        `origin`) with Dream's timestep schedule, `confidence_threshold` (or `threshold` alone) with Fast-dLLM's
-        threshold; with `use_cache`, each block starts as Fast-dLLM's Dream sampler does (see there)."""
-        return make_dream_policy(config)
 
     @torch.no_grad()
     def diffusion_generate(

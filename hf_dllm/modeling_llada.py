@@ -37,6 +37,7 @@ from .cache import (
     resolve_forward_positions,
 )
 from .configuration_llada import LLaDAConfig
+from .family_llada import LLADA
 from .fp8 import QuantizedRows, rms_norm_to_fp8, silu_mul_to_fp8
 from .generation_utils import (
     DiffusionGenerationConfig,
@@ -732,8 +733,8 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionGenerationMixin):
     """
 
     generation_config_class = DiffusionGenerationConfig
-    # Interface of DiffusionGenerationMixin: LLaDA predicts position i from position i (Dream predicts i + 1).
-    diffusion_logits_shift = 0
+    # Interface of DiffusionGenerationMixin: the family (bidirectional, position i predicts token i).
+    diffusion_families = (LLADA,)
     # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
     diffusion_packed_rows = True
     # Every attention path reads an FP8 cache: the fused one through `rotary_to_cache` and the split-KV kernel,

@@ -53,6 +53,7 @@ from . import triton_moe, triton_ops
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, PositionTables, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada2_moe import LLaDA2MoeConfig
+from .family_llada2 import LLADA2, LLADA22
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
@@ -800,10 +801,9 @@ class LLaDA2MoeModelLM(LLaDA2MoePreTrainedModel, DiffusionGenerationMixin):
     """
 
     generation_config_class = DiffusionGenerationConfig
-    # Interface of DiffusionGenerationMixin: position i predicts token i; attention is block-causal, so the
-    # generation loop passes its block length and never needs keys after the current block.
-    diffusion_logits_shift = 0
-    diffusion_block_causal = True
+    # Interface of DiffusionGenerationMixin: the family (block-causal attention: the generation loop passes its
+    # block length and never needs keys after the current block; position i predicts token i).
+    diffusion_families = (LLADA2, LLADA22)
     # Attention layers attend within each packed row (`packed.PackedRows`), each with its block-causal mask.
     diffusion_packed_rows = True
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}

@@ -51,15 +51,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import KV_CACHE_DTYPES, DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada_moe import LLaDAMoEConfig
+from .family_llada_moe import LLADA_MOE
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
 from .packed import run_attention
-
-try:  # hf_dllm versions whose generation rules live in family objects (`family.py`): LLaDA-MoE's
-    from .family_llada_moe import LLADA_MOE
-
-    DIFFUSION_FAMILIES: tuple = (LLADA_MOE,)
-except ImportError:  # earlier versions read the model's `diffusion_*` class attributes instead
-    DIFFUSION_FAMILIES = ()
 
 register_attention_backends()
 
@@ -594,16 +588,12 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
     `logits_to_keep`; the logits at position i predict the token at position i itself (no shift)."""
 
     generation_config_class = DiffusionGenerationConfig
-    # Interface of DiffusionGenerationMixin: position i predicts token i (as LLaDA); every position attends to every
-    # other, so blocks start at the prompt's end and the prefix / dual caches are Fast-dLLM's approximations.
-    diffusion_logits_shift = 0
-    diffusion_block_causal = False
+    # Interface of DiffusionGenerationMixin: the family (bidirectional, position i predicts token i, decoded as LLaDA).
+    diffusion_families = (LLADA_MOE,)
     # Attention layers attend within each packed row (`packed.PackedRows`): padding-free engine refresh forwards.
     diffusion_packed_rows = True
     # The attention reads any cache through `update` (an FP8 cache's K/V dequantized): `kv_cache_dtype="fp8"` works.
     diffusion_kv_cache_dtypes = KV_CACHE_DTYPES
-    # Where hf_dllm resolves those rules through family objects: LLaDA-MoE's (a bidirectional LLaDA-style family).
-    diffusion_families = DIFFUSION_FAMILIES
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: LLaDAMoEConfig):
@@ -665,21 +655,6 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
         )
         use_return_dict = return_dict if return_dict is not None else self.config.return_dict
         return output if use_return_dict else output.to_tuple()
-
-    @property
-    def diffusion_family(self):
-        """The model's family object (hf_dllm versions with `family.py`): the one of `diffusion_families` its config
-        describes, or, where this class names none, the registered family that describes its config (the registry
-        tells LLaDA-MoE from dense LLaDA by `architectures` / `auto_map`, both saying `model_type` "llada")."""
-        from .family import family_for_config
-
-        found = family_for_config(self.config, self.diffusion_families or None)
-        if found is None:
-            raise ValueError(
-                f"{type(self).__name__}: no registered diffusion family describes this config (architectures "
-                f"{self.config.architectures}); LLaDA-MoE's family must be registered (`import hf_dllm`)."
-            )
-        return found
 
     def _diffusion_step_capturable(self) -> bool:
         """Whether a denoising step can be captured in a CUDA graph: only where the experts run grouped for the

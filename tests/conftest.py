@@ -80,6 +80,16 @@ def char_tokenizer():
     return build_char_tokenizer()
 
 
+def with_remote_code_files(monkeypatch, name: str, files: tuple[str, ...]) -> None:
+    """Make the registered family `name` export exactly `files` as remote code (for the duration of a test)."""
+    from hf_dllm.family import FAMILIES
+
+    family = FAMILIES[name]
+    patched = type(family).__new__(type(type(family).__name__, (type(family),), {"remote_code_files": files}))
+    patched.__dict__.update(family.__dict__)
+    monkeypatch.setitem(FAMILIES, name, patched)
+
+
 def tiny_config(vocab_size: int = 103, **overrides) -> hf_dllm.LLaDAConfig:
     """A small LLaDA config (GQA 4 query / 2 kv heads) sized for the character tokenizer's vocabulary."""
     fields = dict(
@@ -187,7 +197,7 @@ CHILD_PRELUDE = textwrap.dedent(
                 "class_module": type(model).__module__,
                 "config_module": type(model.config).__module__,
                 "has_generate": hasattr(model, "generate"),
-                "block_causal": getattr(model, "diffusion_block_causal", None),
+                "family": model.diffusion_family.name,
                 "generation_config_class": type(config).__name__,
                 "generation_config_module": type(config).__module__,
                 "generation_config": {name: getattr(config, name) for name in type(config).field_names()},

@@ -31,8 +31,14 @@ NORM_NAMES = ("attn_norm", "ff_norm")
 
 
 def test_import_registers_llada_with_the_auto_classes():
-    assert CONFIG_MAPPING["llada"] is LLaDAConfig
-    assert isinstance(AutoConfig.for_model("llada"), LLaDAConfig)
+    # "llada" is dense LLaDA's and LLaDA-MoE's model_type: AutoConfig's entry builds the class of the family a
+    # config describes (by architectures / auto_map / fields), LLaDA's by default.
+    assert issubclass(CONFIG_MAPPING["llada"], LLaDAConfig)
+    assert type(AutoConfig.for_model("llada")) is LLaDAConfig
+    assert type(CONFIG_MAPPING["llada"].from_dict(REFERENCE_CONFIG)) is LLaDAConfig
+    moe = json.loads((REFERENCE_DIR.parent / "lladamoe-tiny-ref" / "config.json").read_text())
+    assert type(CONFIG_MAPPING["llada"].from_dict(moe)) is hf_dllm.LLaDAMoEConfig
+    assert MODEL_MAPPING[hf_dllm.LLaDAMoEConfig] is hf_dllm.LLaDAMoEModelLM
     assert MODEL_MAPPING[LLaDAConfig] is LLaDAModelLM
     assert MODEL_FOR_CAUSAL_LM_MAPPING[LLaDAConfig] is LLaDAModelLM
     assert hf_dllm.LLaDAConfig is LLaDAConfig
@@ -64,7 +70,7 @@ def test_importing_the_package_registers_the_auto_classes():
         MODEL_FOR_CAUSAL_LM_MAPPING._extra_content.pop(LLaDAConfig)
         assert "llada" not in CONFIG_MAPPING
         importlib.reload(hf_dllm)
-        assert CONFIG_MAPPING["llada"] is LLaDAConfig
+        assert type(CONFIG_MAPPING["llada"].from_dict(REFERENCE_CONFIG)) is LLaDAConfig
         assert MODEL_MAPPING[LLaDAConfig] is LLaDAModelLM
         assert MODEL_FOR_CAUSAL_LM_MAPPING[LLaDAConfig] is LLaDAModelLM
     finally:

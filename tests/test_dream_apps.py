@@ -128,7 +128,7 @@ def test_dreams_fields_are_resolved_for_dream_and_refused_for_llada(server):
         ({"threshold": 0.9}, "threshold", "contradicts `alg='topk_margin'`"),  # the checkpoint's alg
         ({"alg": "confidence_threshold"}, "alg", "needs `threshold`"),
         ({"minimal_topk": 2}, "minimal_topk", "only applies to block-causal models"),
-        ({"cfg_scale": 1.0}, "cfg_scale", "not supported by this model"),
+        ({"cfg_scale": 1.0}, "cfg_scale", "not supported by Dream models"),
     ]:
         with pytest.raises(APIError) as error:
             parse_generation_params(fields, dream, chat=False)
@@ -278,7 +278,7 @@ def test_hf_dllm_eval_refuses_dreams_options_for_llada(model_dir, tmp_path, caps
     dataset.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
     args = [str(model_dir), "--dataset", str(dataset), "--output-dir", str(tmp_path / "out"), "--quiet"]
     assert evaluate.main([*args, "--top-k", "5"]) == 2
-    assert "['top_k'] are settings of Dream's sampler, which this model does not use" in capsys.readouterr().err
+    assert "['top_k'] are settings of Dream's sampler, which LLaDA models do not use" in capsys.readouterr().err
 
 
 def test_lm_eval_runs_dream(dream_dir, loaded):

@@ -9,7 +9,6 @@ exports: `tests/test_export.py`, `tests/test_llada2_export.py`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import generate_cases, run_without_hf_dllm, save_checkpoint
+from conftest import generate_cases, run_without_hf_dllm, save_checkpoint, with_remote_code_files
 from safetensors.torch import load_file, save_file
 from test_dream_generation import char_dream
 from test_dream_reference import CASES as DREAM_REFERENCE_CASES
@@ -29,8 +28,6 @@ from hf_dllm.hub import cards, export
 from hf_dllm.hub.cards import CARD_PRESETS
 from hf_dllm.hub.export import check_remote_code, export_checkpoint
 from hf_dllm.hub.families import (
-    DREAM_FAST_GENERATION_DEFAULTS,
-    DREAM_GENERATION_DEFAULTS,
     MODEL_FAMILIES,
     SHARED_REMOTE_CODE_FILES,
     ExportError,
@@ -39,7 +36,9 @@ from hf_dllm.hub.families import (
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
 FIXTURES = Path(__file__).parent / "fixtures"
 DREAM_REF = FIXTURES / "dream-tiny-ref"
-FAMILY = MODEL_FAMILIES["Dream"]
+FAMILY = MODEL_FAMILIES["dream"]
+DREAM_GENERATION_DEFAULTS = FAMILY.generation_defaults
+DREAM_FAST_GENERATION_DEFAULTS = FAMILY.fast_generation_defaults
 DREAM_FILES = FAMILY.remote_code_files
 TOKENIZER_SAVED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MASK, EOS, BOS = 3, 0, 1  # the character tokenizer's (EOS is also its pad)
@@ -131,10 +130,11 @@ def test_dream_remote_code_is_closed():
     assert DREAM_FILES == (
         "configuration_dream.py",
         "modeling_dream.py",
+        "family_dream.py",
         "decoding_dream.py",
         *SHARED_REMOTE_CODE_FILES,
     )
-    assert check_remote_code(model_type="Dream") == [PACKAGE_DIR / name for name in DREAM_FILES]
+    assert check_remote_code(family="dream") == [PACKAGE_DIR / name for name in DREAM_FILES]
     assert {entry.split(".")[0] + ".py" for entry in FAMILY.auto_map.values()} <= set(DREAM_FILES)
 
 
@@ -152,9 +152,9 @@ def test_dream_remote_code_is_closed():
     ids=["missing", "unreached"],
 )
 def test_dream_remote_code_list_must_be_closed(monkeypatch, files, message):
-    monkeypatch.setitem(MODEL_FAMILIES, "Dream", dataclasses.replace(FAMILY, remote_code_files=files))
+    with_remote_code_files(monkeypatch, "dream", files)
     with pytest.raises(ExportError, match=message):
-        check_remote_code(model_type="Dream")
+        check_remote_code(family="dream")
 
 
 def test_dream_export_contents(exported_dream, dream_checkpoint, exported_ref):
@@ -203,8 +203,8 @@ def test_dream_family_defaults_are_dreams_own_sampler_and_fast_is_fast_dllms():
     fast = DREAM_FAST_GENERATION_DEFAULTS
     assert (fast["use_cache"], fast["dual_cache"], fast["threshold"], fast["block_length"]) == (True, True, 0.9, 32)
     # The families without fast defaults of their own write the same with either choice.
-    for model_type in ("llada", "llada2_moe"):
-        assert MODEL_FAMILIES[model_type].fast_defaults is MODEL_FAMILIES[model_type].generation_defaults
+    for name in ("llada", "llada2"):
+        assert MODEL_FAMILIES[name].fast_defaults is MODEL_FAMILIES[name].generation_defaults
 
 
 def test_dreams_own_generation_config_is_not_read_but_reported(exported_dream, dream_checkpoint, tmp_path, capsys):
@@ -261,7 +261,7 @@ def test_source_generation_config_is_read_once(kept_source, monkeypatch):
     monkeypatch.setattr(
         generation_settings, "read_json_object", lambda path, hint="": reads.append(path) or read(path, hint)
     )
-    settings = generation_settings.resolve_generation_settings("Dream", kept_source)
+    settings = generation_settings.resolve_generation_settings("dream", kept_source)
     assert reads == [kept_source / "generation_config.json"]
     set_by_source = set(json.loads((kept_source / "generation_config.json").read_text()))
     assert {name for name, origin in settings.origins.items() if origin == "source"} == set_by_source & set(
@@ -302,7 +302,7 @@ def test_options_override_single_fields(kept_source, exported_ref, tmp_path):
     written = written_fields(tmp_path / "threshold")
     assert (written["threshold"], written["steps"], written["alg"]) == (0.8, None, None)
     model = hf_dllm.DreamModel.from_pretrained(tmp_path / "threshold").eval()
-    assert type(model._diffusion_unmasking_policy(model.generation_config)).__name__ == "DreamThreshold"
+    assert type(model.diffusion_family.unmasking_policy(model.generation_config)).__name__ == "DreamThreshold"
 
 
 @pytest.mark.parametrize(
@@ -363,7 +363,7 @@ def test_invalid_source_generation_config_is_refused(kept_source, tmp_path, fiel
 def test_dream_presets_have_committed_cards():
     """`test_export.test_committed_model_cards_are_the_rendered_template` covers every preset with a file: the Dream
     ones are among them."""
-    dream = {name: preset for name, preset in CARD_PRESETS.items() if preset["model_type"] == "Dream"}
+    dream = {name: preset for name, preset in CARD_PRESETS.items() if preset["family"] == "dream"}
     assert {name: preset["file"] for name, preset in dream.items()} == {
         "dream-v0-instruct-7b": "Dream-v0-Instruct-7B.md",
         "dream-coder-v0-instruct-7b": "Dream-Coder-v0-Instruct-7B.md",
@@ -424,7 +424,7 @@ def test_card_of_another_family_is_refused(tmp_path, dream_checkpoint, src, card
     [
         ({"use_sliding_window": True}, "not a Dream config hf_dllm can run.*use_sliding_window"),
         ({"num_key_value_heads": 3}, "not a Dream config hf_dllm can run.*num_key_value_heads"),
-        ({"model_type": "dream"}, r"model_type 'dream'.*'Dream' \(Dream: Dream-org/Dream-v0-Instruct-7B"),
+        ({"model_type": "dream"}, r"model_type 'dream'.*Dream \(Dream-org/Dream-v0-Instruct-7B"),
         ({"intermediate_size": 96}, r"mlp.gate_proj.weight is \[128, 64\], the config gives \[96, 64\]"),
     ],
     ids=["sliding-window", "kv-heads", "model-type", "shapes"],
@@ -625,7 +625,7 @@ def fresh_process(tmp_path_factory, exported_dream, exported_ref, exported_kept)
 def test_remote_dream_loads_as_the_model_with_generate(fresh_process):
     for loaded in ("auto_model", "auto_causal", "reference_model"):
         info = fresh_process[loaded]
-        assert info["class"] == "DreamModel" and info["has_generate"] and info["block_causal"] is False
+        assert info["class"] == "DreamModel" and info["has_generate"] and info["family"] == "dream"
         assert info["class_module"].startswith("transformers_modules.")
         assert info["class_module"].endswith(".modeling_dream")
         assert info["config_module"].endswith(".configuration_dream")
@@ -675,7 +675,7 @@ def test_remote_dream_validates(fresh_process):
     errors = fresh_process["errors_validation"]
     expected = {
         "remasking": "`remasking='random'` is LLaDA's",
-        "cfg_scale": "`cfg_scale` > 0 is only supported for models with unshifted logits",
+        "cfg_scale": "`cfg_scale` > 0 is not supported by Dream models",
         "logits_eos_inf": "`logits_eos_inf` is a LLaDA option",
         "minimal_topk": "`minimal_topk` only applies to block-causal models",
         "editing": "only supported by block-causal models",

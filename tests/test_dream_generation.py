@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import pipeline
 from transformers.generation.streamers import BaseStreamer
 
-from hf_dllm import DreamConfig, DreamModel, FixedSchedule, left_pad
+from hf_dllm import ConfidenceFactor, DreamConfig, DreamModel, FixedSchedule, left_pad
 from hf_dllm.decoding_dream import (
     FIRST_POSITION,
     DreamSchedule,
@@ -258,14 +258,16 @@ def test_transfer_counts_follow_the_reference_arithmetic(first_position, eps):
 
 def test_policies_follow_the_settings(dream):
     config = dream.resolve_generation_config(alg="topk_margin", steps=8, use_cache=False)
-    policy = dream._diffusion_unmasking_policy(config)
+    policy = dream.diffusion_family.unmasking_policy(config)
     assert isinstance(policy, DreamSchedule) and policy.alg == "topk_margin" and not policy.first_position
     config = dream.resolve_generation_config(threshold=0.8)
-    policy = dream._diffusion_unmasking_policy(config)
+    policy = dream.diffusion_family.unmasking_policy(config)
     assert isinstance(policy, DreamThreshold) and policy.threshold == 0.8 and policy.first_position
-    default = dream._diffusion_unmasking_policy(dream.resolve_generation_config())
+    default = dream.diffusion_family.unmasking_policy(dream.resolve_generation_config())
     assert isinstance(default, DreamSchedule) and default.alg == "entropy"
-    assert dream._diffusion_unmasking_policy(dream.resolve_generation_config(factor=1.0)) is None
+    assert isinstance(
+        dream.diffusion_family.unmasking_policy(dream.resolve_generation_config(factor=1.0)), ConfidenceFactor
+    )
 
 
 def test_greedy_rules_are_capturable_and_random_ones_are_not(dream):
@@ -274,7 +276,7 @@ def test_greedy_rules_are_capturable_and_random_ones_are_not(dream):
     rules that draw random numbers (`origin`, `alg_temp` > 0, `temperature` > 0) and subclasses run eagerly."""
 
     def key(**settings):
-        return dream._diffusion_unmasking_policy(dream.resolve_generation_config(**settings)).graph_key()
+        return dream.diffusion_family.unmasking_policy(dream.resolve_generation_config(**settings)).graph_key()
 
     for alg in ("maskgit_plus", "topk_margin", "entropy"):
         assert key(alg=alg, steps=8) == ("DreamSchedule", alg, None, None, MASK)

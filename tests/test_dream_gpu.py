@@ -95,7 +95,7 @@ def assert_graphs_used(model: DreamModel, settings: dict) -> None:
     policy's graph key)."""
     runner = getattr(model, "_hf_dllm_step_graphs", None)
     assert runner is not None and runner.steps, "the fast path captured no CUDA graph"
-    policy = model._diffusion_unmasking_policy(model.resolve_generation_config(**settings))
+    policy = model.diffusion_family.unmasking_policy(model.resolve_generation_config(**settings))
     assert policy.graph_key() in runner.signature
 
 

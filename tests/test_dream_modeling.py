@@ -84,7 +84,7 @@ def test_hub_format_loads_through_the_auto_classes(dream, tmp_path):
     config = AutoConfig.from_pretrained(DREAM)
     assert type(config) is DreamConfig and config.model_type == "Dream" and config.head_dim == 16
     assert type(dream) is DreamModel and type(AutoModelForCausalLM.from_pretrained(DREAM)) is DreamModel
-    assert dream.diffusion_logits_shift == 1
+    assert dream.diffusion_family.name == "dream" and dream.diffusion_family.logits_shift == 1
     assert dream.generation_config.mask_token_id == 310 and dream.generation_config.eos_token_id == 301
     # Saving gives the Hub's format back: the same tensor names and config fields.
     dream.save_pretrained(tmp_path)
@@ -275,11 +275,11 @@ def test_loads_as_remote_code_without_hf_dllm(tmp_path):
     """The Hub's auto_map (`configuration_dream.DreamConfig`, `modeling_dream.DreamModel`) resolves to these files
     in a process where hf_dllm cannot be imported: transformers' dynamic-module loader follows their relative
     imports to the shared files."""
-    from hf_dllm.hub.families import SHARED_REMOTE_CODE_FILES
+    from hf_dllm.hub.families import MODEL_FAMILIES
 
     repo = tmp_path / "dream-remote"
     shutil.copytree(DREAM, repo)
-    for name in ("configuration_dream.py", "modeling_dream.py", "decoding_dream.py", *SHARED_REMOTE_CODE_FILES):
+    for name in MODEL_FAMILIES["dream"].remote_code_files:
         shutil.copy(PACKAGE / name, repo / name)
     (tmp_path / "child.py").write_text(REMOTE_CHILD)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "PYTHON", "TRANSFORMERS_"))}

@@ -11,7 +11,6 @@ exported module imports on its own.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import conftest
 import pytest
 import torch
 from conftest import REFERENCE_DIR, generate_cases, run_without_hf_dllm, save_checkpoint, tiny_model
@@ -29,8 +29,11 @@ import hf_dllm
 from hf_dllm.hub import cards, export
 from hf_dllm.hub.cards import CARD_PRESETS
 from hf_dllm.hub.export import check_remote_code, export_checkpoint
-from hf_dllm.hub.families import AUTO_MAP, FAST_GENERATION_DEFAULTS, REMOTE_CODE_FILES, ExportError
+from hf_dllm.hub.families import FAST_GENERATION_DEFAULTS, MODEL_FAMILIES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
+
+REMOTE_CODE_FILES = MODEL_FAMILIES["llada"].remote_code_files
+AUTO_MAP = MODEL_FAMILIES["llada"].auto_map
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
 MODEL_CARDS_DIR = Path(__file__).parent.parent / "model_cards"
@@ -147,7 +150,9 @@ def test_exported_generation_config_follows_the_rules(exported, exported_chat, c
     assert FAST_GENERATION_DEFAULTS["use_cache"] and FAST_GENERATION_DEFAULTS["dual_cache"]
     assert FAST_GENERATION_DEFAULTS["do_sample"] is False and FAST_GENERATION_DEFAULTS["threshold"] == 0.9
     defaults = hf_dllm.DiffusionGenerationConfig().to_dict()
-    common = {key: defaults[key] for key in hf_dllm.DiffusionGenerationConfig.field_names()}
+    # Another family's sampler fields (Dream's) at their defaults are not written: LLaDA's remote code lacks them.
+    assert not {"alg", "eps"} & defaults.keys()
+    common = {key: defaults[key] for key in hf_dllm.DiffusionGenerationConfig.field_names() if key in defaults}
     expected = {
         **common,
         "max_new_tokens": 256,
@@ -371,7 +376,7 @@ def copy_source(tmp_path: Path, name: str = "src") -> Path:
     [
         ("no-config", "has no config.json"),
         ("no-weights", "has no weights"),
-        ("not-llada", "model_type 'llama': not a model family hf-dllm export supports"),
+        ("not-llada", "model_type 'llama' and architectures .* is not of a model family hf-dllm export supports"),
         ("unsupported", "alibi"),
         ("bad-json", "not readable JSON"),
         ("missing-shard", "names shard(s) missing"),
@@ -614,9 +619,8 @@ def test_remote_code_violations_are_reported(tmp_path, new, message):
             check_remote_code(package)
 
 
-def with_remote_code_files(monkeypatch, files: tuple[str, ...], model_type: str = "llada") -> None:
-    family = export.MODEL_FAMILIES[model_type]
-    monkeypatch.setitem(export.MODEL_FAMILIES, model_type, dataclasses.replace(family, remote_code_files=files))
+def with_remote_code_files(monkeypatch, files: tuple[str, ...], family: str = "llada") -> None:
+    conftest.with_remote_code_files(monkeypatch, family, files)
 
 
 def test_missing_or_unreachable_remote_code_file(tmp_path, monkeypatch):
@@ -851,7 +855,7 @@ def test_names_that_moved_out_of_export_still_import_with_a_warning():
     from hf_dllm.hub import families, generation_settings, remote_code, verify
 
     with pytest.warns(FutureWarning, match="hf_dllm.hub.families"):
-        assert export.REMOTE_CODE_FILES is families.REMOTE_CODE_FILES
+        assert export.SHARED_REMOTE_CODE_FILES is families.SHARED_REMOTE_CODE_FILES
     with pytest.warns(FutureWarning, match="hf_dllm.hub.cards"):
         from hf_dllm.hub.export import describe_decoding
     assert describe_decoding is cards.describe_decoding

@@ -27,7 +27,7 @@ from hf_dllm.hub.quantize import FP8_DTYPE, quantize_fp8_blocks, scale_name
 BLOCK_WIDE = dict(mask_token_id=383, eos_token_id=382, pad_token_id=381)  # a vocabulary of 384 = 3 blocks
 
 # The block an FP8 export writes: transformers' FineGrainedFP8Config default, as hf_dllm's config gives it.
-FP8_BLOCK = tuple(fp8_quantization_config("").weight_block_size)
+FP8_BLOCK = tuple(fp8_quantization_config().weight_block_size)
 
 
 def assert_within_half_a_step(weight: torch.Tensor, scale: torch.Tensor, original: torch.Tensor, name: str) -> None:

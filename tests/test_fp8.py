@@ -113,9 +113,9 @@ def test_quantization_config_quantizes_the_head_only_when_asked():
     drops its default skip of the output embeddings; a model type's other skips (LLaDA2's expert lists) stay."""
     assert fp8.fp8_quantization_config("llada").modules_to_not_convert is None  # transformers' defaults: head kept
     assert fp8.fp8_quantization_config("llada", quantize_head=True).modules_to_not_convert == []
-    llada2 = fp8.fp8_quantization_config("llada2_moe", "fp8-tensor", quantize_head=True)
+    llada2 = fp8.fp8_quantization_config("llada2", "fp8-tensor", quantize_head=True)
     assert llada2.modules_to_not_convert == [r".*\.experts$"] and llada2.weight_block_size is None
-    assert "lm_head" in fp8.fp8_quantization_config("llada2_moe").modules_to_not_convert
+    assert "lm_head" in fp8.fp8_quantization_config("llada2").modules_to_not_convert
     with pytest.raises(TypeError, match="quantize_head"):
         fp8.fp8_quantization_config("llada", quantize_head="yes")
 
@@ -1037,7 +1037,7 @@ def llada2_quantized_model(config, dtype=torch.bfloat16, device: str = "cpu"):
         None,
         config=config,
         state_dict=model.state_dict(),
-        quantization_config=fp8.fp8_quantization_config("llada2_moe"),
+        quantization_config=fp8.fp8_quantization_config("llada2"),
         dtype=dtype,
         device_map=device,
     ).eval()

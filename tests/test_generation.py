@@ -11,6 +11,8 @@ from conftest import REFERENCE_DIR, tiny_model
 from transformers import AutoModel, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from hf_dllm import DiffusionGenerationConfig, LLaDAModelLM, plan_blocks
+from hf_dllm.family_llada import LLADA, LLaDAFamily
+from hf_dllm.family_llada2 import LLADA2
 
 MASK, EOS = 310, 301  # reference fixture
 CACHE_MODES = {
@@ -110,7 +112,7 @@ INVALID_GENERATION_CONFIGS = [
     ("remasking", dict(remasking="top_k")),
     ("steps", dict(steps=8, factor=1.0)),
     ("minimal_topk", dict(minimal_topk=0)),
-    ("editing_threshold", dict(editing_threshold=0.0)),
+    ("editing_threshold", dict(editing_threshold=-0.1)),
     ("editing_threshold", dict(editing_threshold=1.5)),
     ("max_post_steps", dict(max_post_steps=-1, editing_threshold=0.9)),
     ("num_to_transfer", dict(num_to_transfer=0, editing_threshold=0.9)),
@@ -140,21 +142,21 @@ def test_generation_config_rejects_invalid_values(field, fields):
         DiffusionGenerationConfig(**fields)
 
 
-def test_steps_with_threshold_depends_on_the_model():
+def test_steps_with_threshold_depends_on_the_family():
     """A config file is model-agnostic: `steps` with `threshold` is LLaDA2's rule (they combine) and a contradiction
-    for bidirectional models, so the model's `validate(block_causal=...)` decides."""
+    for bidirectional models, so the model's family (`DiffusionFamily.validate`) decides."""
     config = DiffusionGenerationConfig(steps=8, threshold=0.9)
-    config.validate(block_causal=True)
+    LLADA2.validate(config)
     with pytest.raises(ValueError, match=r"\bsteps\b.*threshold"):
-        config.validate(block_causal=False)
+        LLADA.validate(config)
     editing = DiffusionGenerationConfig(editing_threshold=0.9, threshold=0.9)
-    editing.validate(block_causal=True)
+    LLADA2.validate(editing)
     with pytest.raises(ValueError, match=r"editing_threshold.*block-causal"):
-        editing.validate(block_causal=False)
+        LLADA.validate(editing)
     with pytest.raises(ValueError, match=r"\bsteps\b.*editing_threshold"):
-        DiffusionGenerationConfig(editing_threshold=0.9, steps=8).validate(block_causal=True)
+        LLADA2.validate(DiffusionGenerationConfig(editing_threshold=0.9, steps=8))
     with pytest.raises(ValueError, match=r"minimal_topk"):
-        DiffusionGenerationConfig(minimal_topk=2).validate(block_causal=False)
+        LLADA.validate(DiffusionGenerationConfig(minimal_topk=2))
 
 
 @pytest.mark.parametrize(
@@ -596,10 +598,16 @@ def test_logits_eos_inf_never_produces_eos(reference_model):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class ShiftedLLaDAFamily(LLaDAFamily):
+    """LLaDA with Dream's logits shift: a family differs from another in its family object only."""
+
+    logits_shift = 1
+
+
 class ShiftedLLaDA(LLaDAModelLM):
     """Logits at position i predict token i + 1: logits'[i] = logits[i + 1] (the last position has none: NaN)."""
 
-    diffusion_logits_shift = 1
+    diffusion_families = (ShiftedLLaDAFamily(),)
 
     def forward(self, *args, logits_to_keep=0, return_dict=None, **kwargs):
         out = super().forward(*args, logits_to_keep=0, return_dict=True, **kwargs)

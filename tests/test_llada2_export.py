@@ -7,27 +7,27 @@ streamer). LLaDA's export is unchanged: `tests/test_export.py`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import generate_cases, run_without_hf_dllm
+from conftest import generate_cases, run_without_hf_dllm, with_remote_code_files
 from safetensors.torch import load_file, save_file
 from test_llada2_integration import tiny_llada2
 
 import hf_dllm
 from hf_dllm.hub import export
 from hf_dllm.hub.export import check_remote_code, export_checkpoint
-from hf_dllm.hub.families import LLADA2_GENERATION_DEFAULTS, MODEL_FAMILIES, SHARED_REMOTE_CODE_FILES, ExportError
+from hf_dllm.hub.families import MODEL_FAMILIES, SHARED_REMOTE_CODE_FILES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
 FIXTURES = Path(__file__).parent / "fixtures"
 LLADA21_REF = FIXTURES / "llada21-tiny-ref"
-FAMILY = MODEL_FAMILIES["llada2_moe"]
+FAMILY = MODEL_FAMILIES["llada2"]
+LLADA2_GENERATION_DEFAULTS = FAMILY.generation_defaults
 LLADA2_FILES = FAMILY.remote_code_files
 TOKENIZER_SAVED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MASK, EOS = 3, 0  # the character tokenizer's
@@ -68,9 +68,15 @@ def exported_llada21_ref(tmp_path_factory) -> Path:
 
 def test_llada2_remote_code_is_closed():
     assert LLADA2_FILES[:2] == ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
-    assert LLADA2_FILES[2:5] == ("llada2_moe_layer.py", "triton_moe.py", "grouped_gemm.py")
-    assert LLADA2_FILES[5:] == SHARED_REMOTE_CODE_FILES == MODEL_FAMILIES["llada"].remote_code_files[3:]
-    assert check_remote_code(model_type="llada2_moe") == [PACKAGE_DIR / name for name in LLADA2_FILES]
+    assert LLADA2_FILES[2:7] == (
+        "family_llada2.py",
+        "llada2_moe_layer.py",
+        "triton_moe.py",
+        "grouped_gemm.py",
+        "levenshtein_editing.py",
+    )
+    assert LLADA2_FILES[7:] == SHARED_REMOTE_CODE_FILES == MODEL_FAMILIES["llada"].remote_code_files[4:]
+    assert check_remote_code(family="llada2") == [PACKAGE_DIR / name for name in LLADA2_FILES]
 
 
 @pytest.mark.parametrize(
@@ -84,9 +90,9 @@ def test_llada2_remote_code_is_closed():
     ids=["missing", "unreached"],
 )
 def test_llada2_remote_code_list_must_be_closed(monkeypatch, files, message):
-    monkeypatch.setitem(MODEL_FAMILIES, "llada2_moe", dataclasses.replace(FAMILY, remote_code_files=files))
+    with_remote_code_files(monkeypatch, "llada2", files)
     with pytest.raises(ExportError, match=message):
-        check_remote_code(model_type="llada2_moe")
+        check_remote_code(family="llada2")
 
 
 def test_llada2_export_contents(exported_llada2, llada2_checkpoint):
@@ -122,7 +128,7 @@ def test_llada2_config_auto_map_and_architectures(exported_llada2, exported_llad
 def test_llada2_generation_config_defaults(exported_llada2, exported_llada21_ref):
     assert LLADA2_GENERATION_DEFAULTS["threshold"] == 0.95 and LLADA2_GENERATION_DEFAULTS["steps"] is None
     defaults = hf_dllm.DiffusionGenerationConfig().to_dict()
-    common = {key: defaults[key] for key in hf_dllm.DiffusionGenerationConfig.field_names()}
+    common = {key: defaults[key] for key in hf_dllm.DiffusionGenerationConfig.field_names() if key in defaults}
     expected = {
         **common,
         "max_new_tokens": 256,
@@ -235,7 +241,7 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path):
     (src / "config.json").write_text(json.dumps({**config, "model_type": "bailing_moe"}))
     with pytest.raises(ExportError, match="model_type 'bailing_moe'") as error:
         export_checkpoint(src, tmp_path / "out")
-    assert "'llada' (LLaDA" in str(error.value) and "'llada2_moe' (LLaDA2.x" in str(error.value)
+    assert "LLaDA (GSAI-ML" in str(error.value) and "LLaDA2.x (inclusionAI" in str(error.value)
     (src / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
     with pytest.raises(ExportError, match="not a LLaDA2.x config hf_dllm can run.*use_sliding_window"):
         export_checkpoint(src, tmp_path / "out")
@@ -412,7 +418,7 @@ def fresh_process(tmp_path_factory, exported_llada2, exported_llada21_ref) -> di
 def test_remote_llada2_loads_as_the_lm_with_diffusion_generate(fresh_process):
     for loaded in ("auto_model", "auto_causal", "reference_model"):
         info = fresh_process[loaded]
-        assert info["class"] == "LLaDA2MoeModelLM" and info["block_causal"] is True
+        assert info["class"] == "LLaDA2MoeModelLM" and info["family"] == "llada2"
         assert info["class_module"].startswith("transformers_modules.")
         assert info["class_module"].endswith(".modeling_llada2_moe")
         assert info["config_module"].endswith(".configuration_llada2_moe")

@@ -220,7 +220,7 @@ BAD_LLADA2_INPUTS = [
     (dict(steps=3, max_new_tokens=32, block_length=8), "steps"),  # 4 blocks need at least 4 steps
     (dict(editing_threshold=0.9, steps=8), "steps"),
     (dict(minimal_topk=64, max_new_tokens=32), "minimal_topk"),
-    (dict(editing_threshold=0.0), "editing_threshold"),
+    (dict(editing_threshold=1.5), "editing_threshold"),
     (dict(num_to_transfer=2), "num_to_transfer"),
     (dict(factor=1.0, editing_threshold=0.9), "factor"),
 ]

@@ -291,7 +291,10 @@ def test_training_backward_reaches_router_and_experts(model):
 
 
 def test_diffusion_generation_hooks(model):
-    assert model.diffusion_block_causal is True and model.diffusion_logits_shift == 0
+    assert model.diffusion_family.name == "llada2" and model.diffusion_family.committed_kv_exact
+    assert model.diffusion_family.logits_shift == 0 and model.diffusion_family.forward_kwargs(
+        model.resolve_generation_config(block_length=8)
+    ) == {"block_length": 8}
     key_mask = torch.ones(2, 24, dtype=torch.long)
     key_mask[1, :8] = 0
     assert model._diffusion_attention_mask(key_mask, 8) is key_mask

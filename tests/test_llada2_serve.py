@@ -200,7 +200,7 @@ def test_server_keeps_serving_after_refused_steps(server, client):
     assert out.choices[0].text == direct(server, prompt_ids(server, "abcd"), 8, **fields)[0]
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=MODEL_NAME, prompt=["abcd", "abcde"], max_tokens=8, extra_body=fields)
-    assert error.value.status_code == 400 and "5-token prompt decodes (3" in error.value.message
+    assert error.value.status_code == 400 and "a prompt of 5 tokens decodes (3" in error.value.message
     assert server.stats["errors"] == 0
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from ..cache import KV_CACHE_DTYPES
 from ..cli.completion_text import CompletionText, stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
-from ..generation_config import DREAM_ALGS
+from ..family import FAMILIES
 from ..generation_utils import left_pad
 from .data import SCORERS, build_prompt, format_prompt, load_examples, process_state, score, shard_batches
 
@@ -72,18 +72,14 @@ GENERATION_OPTIONS: dict[str, type] = {
     "editing_threshold": float,
     "max_post_steps": int,
     "num_to_transfer": int,
-    # Dream's sampler (models with its rules; the others refuse them): `--alg`, `--alg-temp`, `--top-p`, ...
-    "alg": str,
-    "alg_temp": float,
-    "top_p": float,
-    "top_k": int,
-    "eps": float,
+    # The fields of families' own samplers (models of other families refuse them): Dream's `--alg`, `--top-p`, ...
+    **{name: kind for family in FAMILIES.values() for name, kind in family.own_generation_field_types.items()},
 }
 # Options with a fixed set of values.
 CHOICES = {
     "remasking": ("low_confidence", "random"),
-    "alg": DREAM_ALGS,
     "kv_cache_dtype": tuple(name for name in KV_CACHE_DTYPES if name is not None),
+    **{name: values for family in FAMILIES.values() for name, values in family.own_generation_field_choices.items()},
 }
 # Decoding-rule options that also take `none` (the field set to None: no such rule), as `hf-dllm export` does.
 NONE_OPTIONS = ("steps", "threshold", "factor")

@@ -137,14 +137,15 @@ def mc_loglikelihood(
     Returns:
         One float per request (the estimate of the log-likelihood, <= 0 in expectation).
     """
-    if getattr(model, "diffusion_block_causal", False):
+    family = model.diffusion_family
+    if not family.scores_likelihood:
         # The bound needs every masked position to see the whole (partly masked) continuation; a block-causal
-        # model (LLaDA2.x) attends only to its own and earlier blocks (causally, without a block length), so this
-        # estimate would be a different, unvalidated quantity.
+        # model (LLaDA2.x) attends only to its own and earlier blocks, so this estimate would be a different,
+        # unvalidated quantity.
         raise NotImplementedError(
-            f"{type(model).__name__} is a block-causal (block-diffusion) model: LLaDA's Monte-Carlo log-likelihood "
-            "assumes bidirectional attention and is not implemented for it. Evaluate it on generation tasks "
-            "(lm-eval `generate_until`, `hf-dllm eval`)."
+            f"{type(model).__name__} is a {family.topology} {family.display_name} model: LLaDA's Monte-Carlo "
+            "log-likelihood assumes bidirectional attention and is not implemented for it. Evaluate it on generation tasks (lm-eval "
+            "`generate_until`, `hf-dllm eval`)."
         )
     if num_samples < 1 or batch_size < 1:
         raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}.")
@@ -155,7 +156,7 @@ def mc_loglikelihood(
         raise ValueError("mask_token_id is not set (pass it or set it in the model's generation config).")
     if pad_token_id is None:
         pad_token_id = generation_config.prompt_pad_token_id if generation_config is not None else 0
-    shift = getattr(model, "diffusion_logits_shift", 0)
+    shift = family.logits_shift
 
     samples: list[_Sample] = []
     for index, (prompt, continuation) in enumerate(requests):

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from .families import MODEL_FAMILIES, ExportError, model_family
+from .families import ExportError, model_family
 from .generation_settings import resolve_generation_settings
 
 MODEL_CARDS_DIR = Path(__file__).resolve().parents[2] / "model_cards"  # of the hf_dllm source tree
@@ -120,13 +120,13 @@ _DREAM_CHAT_PIPELINE = """messages = [{"role": "user", "content": "Write a haiku
 print(generator(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])"""
 _DREAM_PLAIN_PIPELINE = """print(generator("The three primary colors are", max_new_tokens=64)[0]["generated_text"])"""
 
-# Model-card presets: the values the card template of the preset's family (`model_type`: `ModelFamily.card_template`)
+# Model-card presets: the values the card template of the preset's family (`family`: `DiffusionFamily.card_template`)
 # is rendered with (plus the generation defaults, the repo id and hf_dllm's version, filled in by `card_variables`).
 # `model_cards/<file>` is the preset rendered with the family's default options; a test keeps those files equal to
-# the rendering. `--card generic` means the generic preset of SRC's family (`ModelFamily.generic_card`).
+# the rendering. `--card generic` means the generic preset of SRC's family (`DiffusionFamily.generic_card`).
 CARD_PRESETS: dict[str, dict[str, str]] = {
     "llada-8b-instruct": {
-        "model_type": "llada",
+        "family": "llada",
         "file": "LLaDA-8B-Instruct.md",
         "model_name": "LLaDA-8B-Instruct",
         "base_model": "GSAI-ML/LLaDA-8B-Instruct",
@@ -144,7 +144,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "llada-8b-base": {
-        "model_type": "llada",
+        "family": "llada",
         "file": "LLaDA-8B-Base.md",
         "model_name": "LLaDA-8B-Base",
         "base_model": "GSAI-ML/LLaDA-8B-Base",
@@ -162,7 +162,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "llada-1.5": {
-        "model_type": "llada",
+        "family": "llada",
         "file": "LLaDA-1.5.md",
         "model_name": "LLaDA-1.5",
         "base_model": "GSAI-ML/LLaDA-1.5",
@@ -180,7 +180,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_15_CITATION, _LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "generic": {
-        "model_type": "llada",
+        "family": "llada",
         "file": "",
         "model_name": "",  # filled with DST's folder name
         "base_model": "",
@@ -197,7 +197,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_LLADA_CITATION, _FAST_DLLM_CITATION]),
     },
     "llada2.0-mini": {
-        "model_type": "llada2_moe",
+        "family": "llada2",
         "file": "LLaDA2.0-mini.md",
         "model_name": "LLaDA2.0-mini",
         "base_model": "inclusionAI/LLaDA2.0-mini",
@@ -215,7 +215,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": _LLADA2_CITATION,
     },
     "llada2.0-flash": {
-        "model_type": "llada2_moe",
+        "family": "llada2",
         "file": "LLaDA2.0-flash.md",
         "model_name": "LLaDA2.0-flash",
         "base_model": "inclusionAI/LLaDA2.0-flash",
@@ -233,7 +233,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": _LLADA2_CITATION,
     },
     "llada2.1-mini": {
-        "model_type": "llada2_moe",
+        "family": "llada2",
         "file": "LLaDA2.1-mini.md",
         "model_name": "LLaDA2.1-mini",
         "base_model": "inclusionAI/LLaDA2.1-mini",
@@ -253,7 +253,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": _LLADA2_CITATION,
     },
     "generic-llada2": {
-        "model_type": "llada2_moe",
+        "family": "llada2",
         "file": "",
         "model_name": "",  # filled with DST's folder name
         "base_model": "",
@@ -272,7 +272,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": _LLADA2_CITATION,
     },
     "dream-v0-instruct-7b": {
-        "model_type": "Dream",
+        "family": "dream",
         "file": "Dream-v0-Instruct-7B.md",
         "model_name": "Dream-v0-Instruct-7B",
         "base_model": "Dream-org/Dream-v0-Instruct-7B",
@@ -291,7 +291,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_DREAM_CITATION, _FAST_DLLM_CITATION]),
     },
     "dream-coder-v0-instruct-7b": {
-        "model_type": "Dream",
+        "family": "dream",
         "file": "Dream-Coder-v0-Instruct-7B.md",
         "model_name": "Dream-Coder-v0-Instruct-7B",
         "base_model": "Dream-org/Dream-Coder-v0-Instruct-7B",
@@ -313,7 +313,7 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "citations": "\n\n".join([_DREAM_CODER_CITATION, _DREAM_CITATION, _FAST_DLLM_CITATION]),
     },
     "generic-dream": {
-        "model_type": "Dream",
+        "family": "dream",
         "file": "",
         "model_name": "",  # filled with DST's folder name
         "base_model": "",
@@ -339,25 +339,26 @@ def card_preset(card: str) -> dict[str, str]:
     return CARD_PRESETS[card]
 
 
-def resolve_card(card: str, model_type: str) -> str:
-    """The `CARD_PRESETS` entry for `--card card` and a SRC of `model_type`: `generic` is the family's generic
-    preset; a preset of another family is an error (its card would describe another model)."""
-    family = model_family(model_type)
+def resolve_card(card: str, family: str) -> str:
+    """The `CARD_PRESETS` entry for `--card card` and a SRC of the family named `family`: `generic` is the family's
+    generic preset; a preset of another family is an error (its card would describe another model)."""
+    source = model_family(family)
     if card == "generic":
-        return family.generic_card
-    preset_type = card_preset(card)["model_type"]
-    if preset_type != model_type:
-        fitting = sorted(name for name, preset in CARD_PRESETS.items() if preset["model_type"] == model_type)
+        return source.generic_card
+    preset_family = card_preset(card)["family"]
+    if preset_family != family:
+        fitting = sorted(name for name, preset in CARD_PRESETS.items() if preset["family"] == family)
+        choices = ", ".join(dict.fromkeys(["generic", *fitting]))
         raise ExportError(
-            f"model card {card!r} describes a {MODEL_FAMILIES[preset_type].name} model (model_type "
-            f"{preset_type!r}), but SRC is a {family.name} checkpoint ({model_type!r}); choose one of "
-            f"{', '.join(['generic', *fitting])}."
+            f"model card {card!r} describes a {model_family(preset_family).display_name} model (family "
+            f"{preset_family!r}), but SRC is a {source.display_name} checkpoint (family {family!r}); choose one of "
+            f"{choices}."
         )
     return card
 
 
 # Keys of a preset that are not template variables.
-_PRESET_KEYS = ("file", "model_type")
+_PRESET_KEYS = ("file", "family")
 
 
 def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict[str, str]:
@@ -366,7 +367,6 @@ def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict
     from .. import __version__
 
     preset = card_preset(card)
-    model_type = preset["model_type"]
     variables = {key: value for key, value in preset.items() if key not in _PRESET_KEYS}
     variables["model_name"] = variables["model_name"] or dst_name
     variables["base_model_line"] = f"base_model: {variables['base_model']}\n" if variables["base_model"] else ""
@@ -379,79 +379,14 @@ def card_variables(card: str, repo_id: str, dst_name: str, fields: dict) -> dict
     variables["hf_dllm_version"] = __version__
     for name, value in fields.items():  # the table of settings: every field as generation_config.json holds it
         variables[name] = json.dumps(value) if isinstance(value, str) else str(value)
-    variables["decoding_default"] = describe_decoding(fields, model_type)
+    variables["decoding_default"] = describe_decoding(fields, preset["family"])
     return variables
 
 
-def describe_decoding(fields: dict, model_type: str) -> str:
+def describe_decoding(fields: dict, family: str) -> str:
     """The decoding `fields` (generation_config.json's, besides special tokens) give, in words, for the card's
-    sentence "This repository's default is ..."."""
-    if model_type == "Dream":
-        return _describe_dream_decoding(fields)
-    threshold, factor, steps = fields["threshold"], fields["factor"], fields["steps"]
-    sampling = "greedy" if not fields["do_sample"] else f"sampling at temperature {fields['temperature']}"
-    blocks = f"in blocks of {fields['block_length']}"
-    if model_type == "llada2_moe":
-        if fields["editing_threshold"] is not None:
-            rule = (
-                f"LLaDA2.1 token editing (`editing_threshold={fields['editing_threshold']}`, `threshold={threshold}`, "
-                f"at least `num_to_transfer={fields['num_to_transfer']}` tokens per step)"
-            )
-        elif threshold is not None:
-            schedule = "`steps=None`: at least one token per step" if steps is None else f"`steps={steps}`"
-            rule = f"LLaDA2's threshold decoding (`threshold={threshold}`, {schedule})"
-        elif steps is not None:
-            rule = f"the schedule alone (`threshold=None`, the reference's threshold 1.0, `steps={steps}`)"
-        else:
-            rule = "one token per step (`threshold=None`, the reference's threshold 1.0)"
-        cache = "" if fields["use_cache"] else ", without a cache"
-        return f"{rule}{cache}, {sampling}, {blocks}"
-    if threshold is not None:
-        rule = f"threshold decoding (`threshold={threshold}`)"
-    elif factor is not None:
-        rule = f"factor decoding (`factor={factor}`)"
-    elif steps is not None:
-        rule = f"LLaDA's fixed schedule (`steps={steps}` in all; `threshold=None`)"
-    else:
-        rule = "LLaDA's fixed schedule (one token per step; `threshold=None`)"
-    cache = ("the dual cache" if fields["dual_cache"] else "the prefix cache") if fields["use_cache"] else "no cache"
-    fast = threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]
-    return f"{rule} with {cache}, {sampling}, {blocks}" + (": the fast setting of Fast-dLLM" if fast else "")
-
-
-def _describe_dream_decoding(fields: dict) -> str:
-    """`describe_decoding` for Dream: its rules (`alg` on its timestep schedule, or Fast-dLLM's threshold / factor),
-    its cache, sampling (`temperature`, `top_p`, `top_k`) and blocks."""
-    from ..decoding_dream import DEFAULT_DREAM_ALG
-
-    threshold, factor, steps, alg = fields["threshold"], fields["factor"], fields["steps"], fields["alg"]
-    if threshold is not None:
-        rule = f"Fast-dLLM's threshold rule (`threshold={threshold}`)"
-    elif factor is not None:
-        rule = f"Fast-dLLM's factor rule (`factor={factor}`)"
-    else:
-        named = f'`alg="{alg}"`' if alg is not None else f'`alg=None`: "{DEFAULT_DREAM_ALG}"'
-        schedule = "one token per step" if steps is None else f"`steps={steps}` in all"
-        positions = f", positions sampled at `alg_temp={fields['alg_temp']}`" if fields["alg_temp"] else ""
-        rule = f"Dream's timestep schedule ({named}, {schedule}{positions})"
-    if fields["use_cache"]:
-        cache = "the dual cache" if fields["dual_cache"] else "the prefix cache"
-    else:
-        cache = "no KV cache"
-    if fields["do_sample"]:
-        filters = "".join(f", `{name}={fields[name]}`" for name in ("top_p", "top_k") if fields[name] is not None)
-        sampling = f"sampling at temperature {fields['temperature']}{filters}"
-    else:
-        sampling = "greedy"
-    one_block = fields["block_length"] >= fields["max_new_tokens"]
-    blocks = "the whole answer as one block" if one_block else f"in blocks of {fields['block_length']}"
-    if threshold is not None and fields["use_cache"] and fields["dual_cache"] and not fields["do_sample"]:
-        setting = ": the fast setting of Fast-dLLM"
-    elif threshold is None and factor is None and not fields["use_cache"] and one_block:
-        setting = ": Dream's own sampler, as its `diffusion_generate()`"
-    else:
-        setting = ""
-    return f"{rule} with {cache}, {sampling}, {blocks}{setting}"
+    sentence "This repository's default is ...": the family's own words (`describe_decoding` of its object)."""
+    return model_family(family).describe_decoding(fields)
 
 
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
@@ -482,11 +417,11 @@ def render_preset_card(card: str, repo_id: str | None = None, dst_name: str = ""
     family's default settings (`fields` None). `repo_id` (default `your-org/<name>-hf-dllm`) is the repo the usage
     examples load; `dst_name` names a generic card's model."""
     preset = card_preset(card)
-    family = model_family(preset["model_type"])
+    family = model_family(preset["family"])
     name = preset["model_name"] or dst_name
     repo_id = repo_id or f"{DEFAULT_REPO_ORG}/{name}-hf-dllm"
     if fields is None:
-        fields = resolve_generation_settings(preset["model_type"]).fields
+        fields = resolve_generation_settings(preset["family"]).fields
     return render_card(read_card_template(family.card_template), card_variables(card, repo_id, dst_name, fields))
 
 

@@ -4,8 +4,8 @@ code as remote code.
 A user who has never installed hf_dllm then loads the repo with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and gets hf_dllm's model and diffusion `generate()`.
 
-What is exported depends on SRC's `model_type`, through one table, `families.MODEL_FAMILIES` (`"llada"`: LLaDA-8B and its
-family; `"llada2_moe"`: LLaDA2.0-mini / -flash, LLaDA2.1; `"Dream"`: Dream 7B and Dream-Coder 7B). What DST
+What is exported depends on SRC's model family (`families.checkpoint_family`: its `architectures`, `auto_map`, then
+`model_type`), whose family object (`hf_dllm.family.DiffusionFamily`) holds every export fact. What DST
 receives (every rule is implemented once, here or in the module named, and is what `tests/test_export.py`,
 `tests/test_llada2_export.py` and `tests/test_dream_export.py` check):
 
@@ -13,7 +13,7 @@ receives (every rule is implemented once, here or in the module named, and is wh
   `pytorch_model.bin[.index.json]` when SRC has no safetensors); copied, or hard-linked with `--link`;
 - the tokenizer files of SRC that exist (`TOKENIZER_FILES`), copied unchanged;
 - `config.json`: SRC's `config.json` with every field kept, except `auto_map` and `architectures`, which are the
-  family's (`ModelFamily.auto_map`, `ModelFamily.architectures`); written with sorted keys and an indent of 2;
+  family's (`DiffusionFamily.auto_map`, its `model_class`); written with sorted keys and an indent of 2;
 - the remote code: the package's files named in the family's `remote_code_files`, copied byte for byte (never
   edited, never generated), after `remote_code.check_remote_code` verified that transformers' dynamic-module loader
   accepts them and that the list is closed under their imports;
@@ -22,7 +22,7 @@ receives (every rule is implemented once, here or in the module named, and is wh
   `generation_config.json` (validated for the family, as the model would read it) > the family's defaults
   (`generation_defaults`: Fast-dLLM's threshold 0.9 with the dual cache for LLaDA, LLaDA2's threshold 0.95 for
   LLaDA2.x, Dream's own sampler for Dream; used when SRC has no generation_config.json hf_dllm reads) or, with
-  `--generation-defaults fast`, the family's fast defaults (`ModelFamily.fast_defaults`: the same for LLaDA and
+  `--generation-defaults fast`, the family's fast defaults (`DiffusionFamily.fast_defaults`: the same for LLaDA and
   LLaDA2.x, Fast-dLLM's for Dream); special token ids from SRC's generation_config.json, else SRC's config.json and
   tokenizer (`special_token_ids`); serialised by transformers (`to_json_string`). The export prints the settings
   written and the origin of each (`GenerationSettings.summary`);
@@ -53,13 +53,7 @@ from pathlib import Path
 
 from ..cli.loading import QUANTIZATION_CHOICES
 from .cards import CARD_PRESETS, card_preset, render_preset_card, resolve_card
-from .families import (
-    MODEL_FAMILIES,
-    ExportError,
-    _supported_types,
-    model_family,
-    read_json_object,
-)
+from .families import MODEL_FAMILIES, ExportError, checkpoint_family, read_json_object
 from .generation_settings import (
     DEFAULT_GENERATION_DEFAULTS,
     GENERATION_DEFAULTS_CHOICES,
@@ -76,17 +70,7 @@ from .verify import expected_tensor_shapes, listing, verify_export
 # export itself uses, e.g. `check_remote_code`, `resolve_generation_settings`, `verify_export`, are imported above.)
 _MOVED_NAMES = {
     **dict.fromkeys(
-        (
-            "ARCHITECTURES",
-            "AUTO_MAP",
-            "DREAM_FAST_GENERATION_DEFAULTS",
-            "DREAM_GENERATION_DEFAULTS",
-            "EOT_TOKEN",
-            "FAST_GENERATION_DEFAULTS",
-            "LLADA2_GENERATION_DEFAULTS",
-            "REMOTE_CODE_FILES",
-            "SHARED_REMOTE_CODE_FILES",
-        ),
+        ("FAST_GENERATION_DEFAULTS", "SHARED_REMOTE_CODE_FILES"),
         "families",
     ),
     **dict.fromkeys(("CARD_TEMPLATE", "describe_decoding", "write_preset_cards"), "cards"),
@@ -133,23 +117,21 @@ logger = logging.getLogger(__name__)  # hf_dllm.hub.export
 
 
 def read_source_config(src: Path) -> dict:
-    """SRC's `config.json` as a dict, after checking that its `model_type` is one of `MODEL_FAMILIES` and that
+    """SRC's `config.json` as a dict, after checking that it is of a registered family (`checkpoint_family`) and that
     hf_dllm's config class of that family accepts it (a config the model cannot run is refused here)."""
     path = src / "config.json"
     if not path.is_file():
         raise ExportError(f"{src} has no config.json: SRC must be a LLaDA, LLaDA2.x or Dream checkpoint folder.")
     config = read_json_object(path)
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in MODEL_FAMILIES:
-        raise ExportError(
-            f"{path} has model_type {model_type!r}: not a model family hf-dllm export supports ({_supported_types()})."
-        )
-    family = MODEL_FAMILIES[model_type]
+    try:
+        family = checkpoint_family(config)
+    except ExportError as error:
+        raise ExportError(f"{path}: {error}") from None
     config_class, _ = family.classes()
     try:
         config_class.from_dict(config)
     except (TypeError, ValueError) as error:
-        raise ExportError(f"{path} is not a {family.name} config hf_dllm can run: {error}") from error
+        raise ExportError(f"{path} is not a {family.display_name} config hf_dllm can run: {error}") from error
     return config
 
 
@@ -213,7 +195,7 @@ def special_token_ids(src: Path, config: dict) -> dict:
     `eot_token_id` is the id of the family's end-of-turn token (LLaDA's `<|eot_id|>`) in SRC's `tokenizer.json` when
     it has that token.
     """
-    family = model_family(config.get("model_type"))
+    family = checkpoint_family(config)
     ids = {
         name: config[name]
         for name in ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
@@ -239,11 +221,11 @@ def special_token_ids(src: Path, config: dict) -> dict:
 
 def export_config(config: dict) -> str:
     """config.json of the exported repo: SRC's fields, with `auto_map` and `architectures` set to those of its
-    family (`MODEL_FAMILIES[config["model_type"]]`)."""
-    family = model_family(config.get("model_type"))
+    family (`checkpoint_family`)."""
+    family = checkpoint_family(config)
     exported = dict(config)
     exported["auto_map"] = family.auto_map
-    exported["architectures"] = family.architectures
+    exported["architectures"] = [family.model_class]
     return json.dumps(exported, indent=2, sort_keys=True) + "\n"
 
 
@@ -340,7 +322,7 @@ def _fp8_export_plan(config: dict, quantization: str, link: bool) -> list[str] |
     from ..fp8 import fp8_config_for
     from .quantize import fp8_weight_names
 
-    config_class, model_class = model_family(config["model_type"]).classes()
+    config_class, model_class = checkpoint_family(config).classes()
     try:
         quantization_config = fp8_config_for(config, quantization)
     except ValueError as error:
@@ -397,7 +379,7 @@ def export_checkpoint(
     remote code.
 
     Args:
-        src: a local checkpoint in the Hub's format: `config.json` with a `model_type` of `MODEL_FAMILIES`
+        src: a local checkpoint in the Hub's format: `config.json` of a registered family (`checkpoint_family`)
             (`"llada"`, `"llada2_moe"`, `"Dream"`), the weights, and usually the tokenizer.
         dst: the folder to create. It may exist if empty; a non-empty one is replaced only with `overwrite`.
         link: hard-link the weights instead of copying them (same file system only).
@@ -408,7 +390,7 @@ def export_checkpoint(
         repo_id: the Hub repo id the card's usage examples load (default `your-org/<name>-hf-dllm`).
         generation_defaults: where generation_config.json's settings come from: "source" (SRC's
             generation_config.json, the family's defaults when SRC has none hf_dllm reads) or "fast" (the family's
-            fast defaults, `ModelFamily.fast_defaults`, whatever SRC has).
+            fast defaults, `DiffusionFamily.fast_defaults`, whatever SRC has).
         max_new_tokens, block_length, threshold: override that one field of generation_config.json (not given: the
             value of SRC's generation_config.json or the family's). `threshold=None` writes no threshold (LLaDA's
             fixed schedule; for LLaDA2.x one token per step); naming `threshold` replaces the base's decoding rule
@@ -431,14 +413,14 @@ def export_checkpoint(
     _check_dst(src, dst, overwrite)
     card_preset(card)  # an unknown preset is an error before anything else is read
     config = read_source_config(src)
-    model_type = config["model_type"]
+    family = checkpoint_family(config).name
     fp8_names = _fp8_export_plan(config, quantization, link)
-    card = resolve_card(card, model_type)
+    card = resolve_card(card, family)
     weights = find_weights(src)
-    code = check_remote_code(model_type=model_type)
+    code = check_remote_code(family=family)
     tokenizer_files = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     generation = resolve_generation_settings(
-        model_type,
+        family,
         src,
         special_ids=special_token_ids(src, config),
         generation_defaults=generation_defaults,
@@ -514,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "src",
         metavar="SRC",
-        help="checkpoint folder (config.json with model_type llada, llada2_moe or Dream + weights [+ tokenizer])",
+        help="checkpoint folder of a supported family (config.json + weights [+ tokenizer])",
     )
     parser.add_argument("dst", metavar="DST", help="folder to create (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--link", action="store_true", help="hard-link the weights instead of copying them")
@@ -540,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def per_family(name: str, fast_defaults: bool) -> str:
         return ", ".join(
-            f"{family.name} {(family.fast_defaults if fast_defaults else family.generation_defaults)[name]}"
+            f"{family.display_name} {(family.fast_defaults if fast_defaults else family.generation_defaults)[name]}"
             for family in families
         )
 

@@ -11,7 +11,7 @@ import os
 import types
 from pathlib import Path
 
-from .families import DEFAULT_MODEL_TYPE, ExportError, ModelFamily, model_family, read_json_object
+from .families import DEFAULT_FAMILY, ExportError, model_family, read_json_object
 
 
 class Unset:
@@ -54,7 +54,7 @@ class GenerationSettings:
 
     config: object
     origins: dict[str, str]
-    family: str  # `ModelFamily.name`, for messages
+    family: str  # `DiffusionFamily.display_name`, for messages
     headline: tuple[str, ...]  # the fields `summary` always lists (those of the family's defaults)
     notes: tuple[str, ...] = ()  # what `summary` says after the fields (e.g. a SRC file that was not read)
 
@@ -96,13 +96,6 @@ class GenerationSettings:
         return "\n".join(lines)
 
 
-def _validate_for_model(config, model_class) -> None:
-    """`config.validate()` with what the family's model class says about its rules (attention, own sampler)."""
-    config.validate(
-        block_causal=model_class.diffusion_block_causal, sampler_fields=model_class.diffusion_sampler_fields
-    )
-
-
 # What an error about SRC's generation_config.json says to do.
 _SOURCE_GENERATION_HINT = (
     "fix or remove it, or pass --generation-defaults fast (generation_defaults='fast') to write the family's "
@@ -110,24 +103,24 @@ _SOURCE_GENERATION_HINT = (
 )
 
 
-def _read_source_generation_config(src: Path, family: ModelFamily, model_class):
+def _read_source_generation_config(src: Path, family):
     """SRC's generation_config.json read as hf_dllm's model reads it (`DiffusionGenerationConfig.from_pretrained`),
-    validated for the family's model."""
+    validated for the family (`DiffusionFamily.validate`)."""
     from ..generation_config import DiffusionGenerationConfig
 
     try:
         config = DiffusionGenerationConfig.from_pretrained(src)
-        _validate_for_model(config, model_class)
+        family.validate(config)
     except (OSError, TypeError, ValueError) as error:
         raise ExportError(
-            f"{src / 'generation_config.json'} is not a generation config a {family.name} model can use: {error} "
+            f"{src / 'generation_config.json'} is not a generation config a {family.display_name} model can use: {error} "
             f"({_SOURCE_GENERATION_HINT})."
         ) from error
     return config
 
 
 def resolve_generation_settings(
-    model_type: str = DEFAULT_MODEL_TYPE,
+    family: str = DEFAULT_FAMILY,
     src: str | os.PathLike | None = None,
     *,
     special_ids: dict | None = None,
@@ -136,7 +129,7 @@ def resolve_generation_settings(
     block_length: int | None | Unset = UNSET,
     threshold: float | None | Unset = UNSET,
 ) -> GenerationSettings:
-    """The generation_config.json of an export of the `model_type` checkpoint `src`, and where each field came from:
+    """The generation_config.json of an export of `src`, a checkpoint of the model family named `family`, and where each field came from:
     the one place its settings are decided.
 
     Per field: an export option (`max_new_tokens`, `block_length`, `threshold`; None or `UNSET` = not given, except
@@ -171,7 +164,7 @@ def resolve_generation_settings(
         except ValueError as error:
             raise ExportError(f"{GENERATION_OPTIONS[name]} ({name}={value!r}): {error}") from error
 
-    family = model_family(model_type)
+    family = model_family(family)
     _, model_class = family.classes()
     source = None
     notes: list[str] = []
@@ -184,12 +177,12 @@ def resolve_generation_settings(
         if original:  # the original code's own file (e.g. Dream's), not settings hf_dllm reads
             use_source = False
             notes.append(
-                f"{source_path} is the original {family.name} code's generation config (it has {original}), for "
-                f"its own sampler, not hf_dllm's: the {family.name} family's defaults were written instead "
+                f"{source_path} is the original {family.display_name} code's generation config (it has {original}), "
+                f"for its own sampler, not hf_dllm's: the {family.display_name} family's defaults were written instead "
                 "(--generation-defaults fast for the fast ones)."
             )
     if use_source:
-        source = _read_source_generation_config(Path(src), family, model_class)
+        source = _read_source_generation_config(Path(src), family)
         base = source
         base_text = f"{source_path}"
 
@@ -199,7 +192,7 @@ def resolve_generation_settings(
     else:
         defaults = family.fast_defaults if generation_defaults == "fast" else family.generation_defaults
         base = DiffusionGenerationConfig(**defaults)
-        base_text = f"the {family.name} family's {'fast ' if generation_defaults == 'fast' else ''}defaults"
+        base_text = f"the {family.display_name} family's {'fast ' if generation_defaults == 'fast' else ''}defaults"
 
         def base_origin(name: str) -> str:
             return "family default" if name in defaults else "default"
@@ -207,8 +200,7 @@ def resolve_generation_settings(
     # The model's resolver reads only these attributes of the model: run it on the base config alone.
     holder = types.SimpleNamespace(
         generation_config=base,
-        diffusion_block_causal=model_class.diffusion_block_causal,
-        diffusion_sampler_fields=model_class.diffusion_sampler_fields,
+        diffusion_family=family,
         diffusion_kv_cache_dtypes=model_class.diffusion_kv_cache_dtypes,
     )
     flags = " ".join(f"{GENERATION_OPTIONS[name]} {value}" for name, value in options.items())
@@ -240,8 +232,10 @@ def resolve_generation_settings(
             ids[name], origins[name] = special_ids[name], "checkpoint"
     try:
         config = DiffusionGenerationConfig(**fields, **ids)
-        _validate_for_model(config, model_class)
+        family.validate(config)
     except ValueError as error:
         raise ExportError(f"invalid generation settings for {base_text}: {error}") from error
     headline = tuple(dict.fromkeys([*family.generation_defaults, *family.fast_defaults]))
-    return GenerationSettings(config=config, origins=origins, family=family.name, headline=headline, notes=tuple(notes))
+    return GenerationSettings(
+        config=config, origins=origins, family=family.display_name, headline=headline, notes=tuple(notes)
+    )

@@ -7,7 +7,7 @@ FP8 checkpoints (e.g. the DeepSeek-V3 family) use, which `from_pretrained` loads
 - each selected `<module>.weight` `(N, K)` stored as `float8_e4m3fn`, and `<module>.weight_scale_inv`
   `(N / 128, K / 128)` float32 beside it (the weight is `fp8 * weight_scale_inv` per block);
 - `config.json`'s `quantization_config`: the `FineGrainedFP8Config` that loading with `--quantization fp8` uses
-  (`hf_dllm.fp8.FP8_MODULES_TO_NOT_CONVERT`: LLaDA2.x keeps its head in bf16 and quantizes each expert's layers).
+  (the family's `fp8_modules_to_not_convert`: LLaDA2.x keeps its head in bf16 and quantizes each expert's layers).
 
 Which weights: exactly those transformers' own FP8 quantizer converts, asked on the family's model built on the
 meta device (`fp8_weight_names`), so an exported checkpoint and an on-the-fly quantized load hold the same FP8

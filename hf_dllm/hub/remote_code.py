@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from .families import DEFAULT_MODEL_TYPE, ExportError, model_family
+from .families import DEFAULT_FAMILY, ExportError, model_family
 
 # Packages the remote code may import outside a `try:` block: those every transformers user has. Anything else
 # (triton, flash_attn, ...) must sit in `try:` (or under an `if is_..._available():` check), or transformers'
@@ -20,8 +20,9 @@ REMOTE_CODE_DEPENDENCIES = ("torch", "transformers")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the flat package: the files exported as remote code
 
 
-def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: str = DEFAULT_MODEL_TYPE) -> list[Path]:
-    """Check the package files exported as remote code for `model_type` (its `ModelFamily.remote_code_files`);
+def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, family: str = DEFAULT_FAMILY) -> list[Path]:
+    """Check the package files exported as remote code for the model family named `family` (its
+    `DiffusionFamily.remote_code_files`);
     return their paths in that order.
 
     transformers copies a Hub repo's code into its module cache and imports it as a package, so each file must:
@@ -36,14 +37,15 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: 
     from transformers.dynamic_module_utils import get_imports, get_relative_imports
 
     package_dir = Path(package_dir)
-    family = model_family(model_type)
+    name_of_family = family
+    family = model_family(family)
     files = family.remote_code_files
     missing = [name for name in files if not (package_dir / name).is_file()]
     if missing:
         raise ExportError(
             f"remote-code file(s) missing from the package ({package_dir}): {', '.join(missing)}. "
-            f"The exported remote code of {family.name} is {', '.join(files)} "
-            f"(hf_dllm.hub.families.MODEL_FAMILIES[{model_type!r}].remote_code_files)."
+            f"The exported remote code of {family.display_name} is {', '.join(files)} "
+            f"({type(family).__name__}.own_remote_code_files and family.SHARED_REMOTE_CODE_FILES)."
         )
     modules = {name.removesuffix(".py") for name in files}
     allowed = set(sys.stdlib_module_names) | set(REMOTE_CODE_DEPENDENCIES)
@@ -90,7 +92,7 @@ def check_remote_code(package_dir: str | os.PathLike = PACKAGE_DIR, model_type: 
             problems.append(
                 f"{name}: transformers sees relative imports of {unknown} (it scans the text, docstrings "
                 f"included), which are not exported files {sorted(modules)}; if they belong to the remote code, "
-                f"add them to hf_dllm.hub.families.MODEL_FAMILIES[{model_type!r}].remote_code_files."
+                f"add them to the {name_of_family!r} family's own_remote_code_files."
             )
         graph[name.removesuffix(".py")] = relative & modules
     if not problems:

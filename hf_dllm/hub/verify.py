@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .families import ExportError, model_family
+from .families import ExportError, checkpoint_family
 
 
 def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -18,7 +18,7 @@ def expected_tensor_shapes(config: dict) -> tuple[dict[str, tuple[int, ...]], di
     checkpoint may store or leave out (`save_pretrained` leaves them out; transformers ties them on loading)."""
     import torch
 
-    config_class, model_class = model_family(config.get("model_type")).classes()
+    config_class, model_class = checkpoint_family(config).classes()
     with torch.device("meta"):
         model = model_class(config_class.from_dict(config))
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}

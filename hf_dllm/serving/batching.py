@@ -222,7 +222,7 @@ class Batcher:
             engine = ContinuousBatcher(model, max_batch_size=max_batch_size, max_batch_width=max_batch_width)
         self.engine = engine
         engine.intake = self._intake  # requests submitted during a boundary may join its slices still to decode
-        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        self.family = model.diffusion_family
         self.stats = BatchStats()
         self._submitted: deque[RowRequest] = deque()
         # id(EngineRequest) -> the request and its row's tracker, until the row leaves the engine
@@ -286,9 +286,9 @@ class Batcher:
     def _enqueue(self, row: RowRequest) -> None:
         """Hand a submitted row to the engine (in the scheduler thread, which owns it)."""
         config = row.generation_config
-        if self.block_causal and self.stop_token_ids:
-            # A block-causal model stops a row inside a block at its EOS and fills the row with it after the first
-            # one: with every stop token as EOS, an EOT ends the row there too and costs no more forwards. (For a
+        if self.family.cut_after_first_eos and self.stop_token_ids:
+            # A family that cuts a row after its first EOS (block-causal: LLaDA2.x) may also stop it inside a block:
+            # with every stop token as EOS, an EOT ends the row there too and costs no more forwards. (For a
             # bidirectional model this changes nothing: the tracker already ends such rows after the block.)
             config = self.model.resolve_generation_config(config, eos_token_id=sorted(self.stop_token_ids))
         tracker = RowTracker(row, self.tokenizer, self.stop_token_ids, self.stats)

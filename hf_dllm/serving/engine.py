@@ -37,7 +37,6 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..block_loop import decoding_policies
-from ..block_plan import plan_bidirectional, plan_block_causal
 from ..generation_config import DiffusionGenerationConfig, is_int
 from .layout import LayoutRun, kv_positions
 from .row_cache import RowKVStore
@@ -112,7 +111,7 @@ def default_max_batch_positions(model, device: torch.device) -> int | None:
     RESULTS.md, continuous batching, session 32): the same memory held 19 rows of full width, or 78,204 positions in
     which up to 48 rows ran; at ~80 % of the peak the p99 time to first block fell from 2.00-3.19 s to 1.00-1.21 s
     (the batch no longer filled), p50 latency rose from 3.2-5.4 s to 4.6-6.8 s, the peak was unchanged."""
-    if device.type != "cuda" or getattr(model, "diffusion_block_causal", False):
+    if device.type != "cuda" or model.diffusion_family.committed_kv_exact:
         return None
     return _free_kv_positions(model, device)
 
@@ -129,7 +128,7 @@ def default_max_batch_size(model, max_batch_width: int, device: torch.device) ->
     `AUTO_BATCH_MEMORY_SHARE` of the device's free memory now, from 1 to `MAX_AUTO_BATCH_SIZE`."""
     if device.type != "cuda":
         return DEFAULT_MAX_BATCH_SIZE
-    copies = 2 if getattr(model, "diffusion_block_causal", False) else 1
+    copies = 2 if model.diffusion_family.committed_kv_exact else 1
     return max(1, min(MAX_AUTO_BATCH_SIZE, _free_kv_positions(model, device) // (copies * max_batch_width)))
 
 
@@ -253,18 +252,23 @@ class ContinuousBatcher:
         self.width_granularity = width_granularity
         self.join_layout_min_rows = join_layout_min_rows
         self.bucket_rows = bucket_rows
-        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        if self.block_causal and max_refresh_positions is not None:
+        self.family = model.diffusion_family
+        # Families whose committed K/V are exact (block-causal: LLaDA2.x) keep each row's K/V between blocks
+        # (`row_cache.RowKVStore`) and lay out only the columns a block sees; the others recompute a row's canvas
+        # at each block start.
+        self.keeps_row_kv = self.family.committed_kv_exact
+        if self.keeps_row_kv and max_refresh_positions is not None:
             raise ValueError(
-                f"`max_refresh_positions` applies to bidirectional models; {type(model).__name__} is block-causal (its "
-                "layouts recompute two blocks per row, never whole canvases): use None."
+                f"`max_refresh_positions` applies to models that refresh whole canvases; {type(model).__name__} is "
+                f"{self.family.topology} and keeps its rows' exact K/V (its layouts recompute two blocks per row, never "
+                "whole canvases): use None."
             )
         self.max_refresh_positions = max_refresh_positions
         self.intake: Callable[[], None] | None = None
-        if self.block_causal and not model.diffusion_packed_rows:
-            # Joining block-causal rows are prefilled packed (`LayoutRun._packed_forward`).
+        if self.keeps_row_kv and not model.diffusion_packed_rows:
+            # Joining rows whose K/V are kept are prefilled packed (`LayoutRun._packed_forward`).
             raise ValueError(
-                f"{type(model).__name__} is block-causal, and its forward does not take packed rows "
+                f"{type(model).__name__} keeps its rows' K/V, and its forward does not take packed rows "
                 "(`diffusion_packed_rows`): continuous batching prefills such rows packed."
             )
         self.waiting: deque[EngineRequest] = deque()
@@ -294,7 +298,7 @@ class ContinuousBatcher:
             raise RuntimeError("the batch size cannot change while rows run")
         self.max_batch_size = rows
         # Block-causal rows' exact K/V between blocks, a slot per running row (buffers allocated at first use).
-        self.store = RowKVStore(rows, self.max_batch_width) if self.block_causal else None
+        self.store = RowKVStore(rows, self.max_batch_width) if self.keeps_row_kv else None
 
     def set_max_batch_positions(self, positions: int | None) -> None:
         """Hold at most `positions` K/V positions (None: no budget; before any request runs)."""
@@ -319,10 +323,7 @@ class ContinuousBatcher:
                 f"`kv_cache_dtype={config.kv_cache_dtype!r}`: the serving engine keeps K/V in the model's dtype "
                 "(rows' K/V move between layouts); use kv_cache_dtype=None."
             )
-        if self.block_causal:
-            plan = plan_block_causal([len(prompt)], len(prompt), config, torch.device("cpu"))
-        else:
-            plan = plan_bidirectional(len(prompt), 1, config, torch.device("cpu"))
+        plan = self.family.plan([len(prompt)], len(prompt), config, torch.device("cpu"))
         if plan.canvas_width > self.max_batch_width:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
@@ -381,7 +382,7 @@ class ContinuousBatcher:
         """`layout_width` of rows given as `(block start, block end, canvas width)`, one per row."""
         starts = [start for start, _, _ in spans]
         granularity = self.width_granularity
-        if self.block_causal and granularity > 1:
+        if self.keeps_row_kv and granularity > 1:
             width = max(starts) + max(end - start for start, end, _ in spans)
             rounded = granularity << (-(-width // granularity) - 1).bit_length()
         else:

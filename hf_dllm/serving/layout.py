@@ -82,8 +82,7 @@ class LayoutRun(BlockDiffusionRun):
         forward of `k` rows runs with when at most `limit` fit, `k <= row_bucket(k, limit) <= limit`
         (`_with_padding_rows`); `max_positions` (None: no budget), the K/V positions (rows x columns) the shared
         cache holds, which caps a layout's padding rows at its width."""
-        block_causal = bool(getattr(model, "diffusion_block_causal", False))
-        self.store = store if block_causal and config.use_cache else None
+        self.store = store if model.diffusion_family.committed_kv_exact and config.use_cache else None
         cache_policy = StoredBlockCache() if self.store is not None else None
         self._setup_decoding(model, config, device, None, cache_policy)
         self.first_step_positions = 0  # positions (rows x columns) fed to the model by blocks' first steps

@@ -11,7 +11,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..block_plan import plan_blocks
+import torch
+
 from ..generation_config import DiffusionGenerationConfig, is_int
 
 MAX_ERROR_MESSAGE = 2000
@@ -89,8 +90,9 @@ COMMON_FIELDS = {
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_format", "metadata", "store"}
-# Besides these, a request takes the fields of the served model's own sampler (`model.diffusion_sampler_fields`,
-# Dream's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`), under their generation-config names: `sampler_fields`.
+# Besides these, a request takes the fields of the served model's own sampler (its family's
+# `own_generation_fields`: Dream's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`), under their generation-config names:
+# `sampler_fields`.
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 # Deepest JSON nesting a request may have: OpenAI's schema needs 4 (messages -> message -> content -> part); deeper
@@ -202,10 +204,10 @@ def _resolve(model, fields: dict, aliases: dict[str, str]) -> DiffusionGeneratio
 
 
 def sampler_fields(model) -> tuple[str, ...]:
-    """The request fields of the served model's own sampler: its `diffusion_sampler_fields` (Dream's `alg`,
+    """The request fields of the served model's own sampler: its family's `own_generation_fields` (Dream's `alg`,
     `alg_temp`, `top_p`, `top_k`, `eps`; none for LLaDA and LLaDA2.x). An OpenAI field among them (`top_p`) is then
     the sampler's setting, passed on, instead of a field accepted only with its neutral value."""
-    return tuple(getattr(model, "diffusion_sampler_fields", ()))
+    return tuple(model.diffusion_family.own_generation_fields)
 
 
 def parse_generation_params(body: dict, model, chat: bool, max_length: int | None = None) -> GenerationParams:
@@ -213,18 +215,18 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     `model.resolve_generation_config(**fields the request named)`, so a field the request leaves out comes from the
     checkpoint's `generation_config.json` (then `DiffusionGenerationConfig`'s defaults), exactly as for
     `model.generate()` without that keyword; the resolver's rules (`temperature` sets `do_sample`, naming one
-    decoding rule replaces the checkpoint's) and its checks for the model's attention (`diffusion_block_causal`:
-    LLaDA2 combines `steps` with `threshold` and takes the LLaDA2-only fields) apply. A bad value is a 400 naming
-    the request's field.
+    decoding rule replaces the checkpoint's) and its family's checks (`DiffusionFamily.validate`: LLaDA2 combines
+    `steps` with `threshold` and takes the LLaDA2-only fields) apply. A bad value is a 400 naming the request's
+    field.
 
     The model's own sampler fields (`sampler_fields`: Dream's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`) are
     request fields too, resolved the same way; other models refuse them as unknown arguments.
 
     `max_tokens` (chat: or `max_completion_tokens`) caps the returned tokens; absent, it is the resolved
-    `max_new_tokens` and the run is that of `generate()`. Given, a bidirectional model (LLaDA) decodes it rounded
-    up to whole blocks (`block_length`) and the completion is cut back to `max_tokens` tokens (`steps` counts the
-    steps of the rounded length); a block-causal model (LLaDA2.x) decodes `max_tokens` as it is (its blocks are
-    aligned to absolute positions and the last one is decoded whole anyway). With `max_length` (the model's
+    `max_new_tokens` and the run is that of `generate()`. Given, the model decodes its family's
+    `decoded_length` of it (a bidirectional model, LLaDA: rounded up to whole blocks of `block_length`, and the
+    completion cut back to `max_tokens` tokens, `steps` counting the steps of the rounded length; a block-causal
+    model, LLaDA2.x: `max_tokens` as it is, its blocks aligned to absolute positions). With `max_length` (the model's
     context), the decoded length is checked against it before anything is planned.
     """
     own_fields = sampler_fields(model)
@@ -247,7 +249,7 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise APIError(400, "Only response_format {'type': 'text'} is supported.", param="response_format")
-    block_causal = bool(getattr(model, "diffusion_block_causal", False))
+    family = model.diffusion_family
 
     max_tokens = body.get("max_tokens")
     max_name = "max_tokens"
@@ -275,9 +277,8 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
             # Before validate(): its bound on max_new_tokens (2**20) would hide that the context is what is exceeded.
             raise context_error(max_length, f"You requested {max_tokens} tokens (`{max_name}`).", prompt_param)
         config = _resolve(model, {**fields, "max_new_tokens": max_tokens}, aliases)
-        if not block_causal:
-            # Integer arithmetic: a float division loses exactness past 2**53 (block_length can be any JSON integer).
-            rounded = -(-max_tokens // config.block_length) * config.block_length
+        rounded = family.decoded_length(max_tokens, config)
+        if rounded != max_tokens:
             if max_length is not None and rounded > max_length:
                 raise context_error(
                     max_length,
@@ -296,21 +297,10 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
                 f"The model's generation config decodes {max_tokens} tokens (`max_new_tokens`).",
                 prompt_param,
             )
-    decoded = config.max_new_tokens
-    # What the run itself would refuse (failing every row batched with this one) is refused here, per request.
-    if block_causal and config.minimal_topk > decoded:
-        raise APIError(
-            400,
-            f"`minimal_topk` ({config.minimal_topk}) must be at most `{max_name}` ({decoded}): it caps a block's "
-            f"steps at {max_name} // minimal_topk.",
-            param=aliases.get("minimal_topk", "minimal_topk"),
-        )
-    if not block_causal:
-        try:  # steps >= the number of blocks; linear, bounded by the checks above
-            plan_blocks(decoded, config.block_length, config.steps)
-        except ValueError as error:
-            message = str(error).replace("max_new_tokens", max_name)
-            raise APIError(400, message, param=aliases.get("steps", "steps")) from None
+    # What the run itself would refuse for any prompt (failing every row batched with this one) is refused here,
+    # per request: the plan of a prompt of one whole block, which decodes the fewest blocks (`check_prompt_plan`
+    # checks each prompt's own).
+    check_plan(family, config.block_length, config, max_name, aliases)
     needs_eos = [
         name for name in ("eos_early_stop", "logits_eos_inf", "confidence_eos_eot_inf") if getattr(config, name)
     ]
@@ -320,8 +310,6 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
             f"`{needs_eos[0]}` needs an EOS token, and the model has none: set it to false.",
             param=aliases.get(needs_eos[0], needs_eos[0]),
         )
-    if config.cfg_scale > 0 and (block_causal or getattr(model, "diffusion_logits_shift", 0)):
-        raise APIError(400, "`cfg_scale` > 0 is not supported by this model: set it to 0.", param="cfg_scale")
 
     stop = body.get("stop")
     if stop is None:
@@ -349,28 +337,16 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     return GenerationParams(config, fields, max_tokens, stop, stream, include_usage)
 
 
-def block_causal_blocks(prompt_length: int, max_new_tokens: int, block_length: int) -> int:
-    """Blocks a block-causal model (LLaDA2.x) decodes for a prompt: its blocks are aligned to absolute positions,
-    from the one holding the prompt's last token to the one holding the last generated position."""
-    return -(-(prompt_length + max_new_tokens) // block_length) - prompt_length // block_length
-
-
-def check_block_causal_steps(prompt_length: int, config: DiffusionGenerationConfig, param: str) -> None:
-    """A block-causal model splits `steps` over the blocks a prompt decodes, which depends on the prompt's length
-    (one more block when the prompt ends inside one): fewer steps than blocks is a 400 naming `steps`, before the
-    row could fail the run of its whole batch."""
-    steps = config.steps
-    if steps is None:
-        return
-    blocks = block_causal_blocks(prompt_length, config.max_new_tokens, config.block_length)
-    if steps < blocks:
-        raise APIError(
-            400,
-            f"`steps` ({steps}) must be at least the number of blocks this {prompt_length}-token {param} decodes "
-            f"({blocks}: blocks of {config.block_length} are aligned to absolute positions, from the "
-            "one holding the prompt's last token): each block needs a step.",
-            param="steps",
-        )
+def check_plan(family, prompt_length: int, config: DiffusionGenerationConfig, max_name: str, aliases: dict) -> None:
+    """Plan a prompt of `prompt_length` tokens as `generate()` would (`DiffusionFamily.plan`: `steps` at least the
+    blocks it decodes, LLaDA2's `minimal_topk` at most `max_new_tokens`): what it refuses is a 400 naming the
+    field, before the row could fail the run of its whole batch."""
+    try:
+        family.plan([prompt_length], prompt_length, config, torch.device("cpu"))
+    except ValueError as error:
+        message = str(error).replace("max_new_tokens", max_name)
+        name = "minimal_topk" if "`minimal_topk`" in message else "steps"
+        raise APIError(400, message, param=aliases.get(name, name)) from None
 
 
 def _token_ids(value, vocab_size: int) -> list[int] | None:

@@ -12,7 +12,7 @@ and the row stops decoding), `n` (1 only), `user` (ignored). dLLM fields, e.g. t
 `extra_body`: `steps`, `block_length`, `threshold`, `factor`, `use_cache`, `dual_cache` (alias
 `use_dual_cache`), `remasking`, `cfg_scale`, `eos_early_stop`, for LLaDA2.x (block-causal) models
 `minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`, and for models with a sampler of their own
-its fields (`model.diffusion_sampler_fields`; Dream: `alg`, `alg_temp`, `top_p`, `top_k`, `eps`).
+its fields (its family's `own_generation_fields`; Dream: `alg`, `alg_temp`, `top_p`, `top_k`, `eps`).
 
 Defaults: the server has none of its own. A request's settings are `model.resolve_generation_config(**the fields
 it named)`: what it leaves out comes from the checkpoint's `generation_config.json`, then from
@@ -90,7 +90,7 @@ from .engine import (
 )
 from .protocol import (
     APIError,
-    check_block_causal_steps,
+    check_plan,
     check_prompt_chars,
     convert_messages,
     encode_prompts,
@@ -134,9 +134,9 @@ class Server:
         self.model_name = model_name
         self.created = int(time.time())
         self.base_config = model.generation_config
-        # Block-causal models (LLaDA2.x) split `steps` over the blocks of each prompt (`check_block_causal_steps`)
-        # and decode `max_tokens` without rounding it up to whole blocks (`parse_generation_params`).
-        self.block_causal = bool(getattr(model, "diffusion_block_causal", False))
+        # Each prompt is planned as generate() plans it (`check_plan`: block-causal models split `steps` over the
+        # blocks of each prompt, which depend on its length).
+        self.family = model.diffusion_family
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
             model.config, "max_position_embeddings", None
@@ -183,16 +183,14 @@ class Server:
                     "which only the server may place.",
                     param=param,
                 )
-            if self.block_causal:
-                check_block_causal_steps(len(ids), params.config, param)
+            check_plan(self.family, len(ids), params.config, "max_tokens", {})
             total = len(ids) + params.config.max_new_tokens
             if self.max_length is not None and total > self.max_length:
                 raise APIError(
                     400,
                     f"This model's maximum context length is {self.max_length} tokens. The prompt has {len(ids)} "
                     f"tokens and decoding max_tokens={params.max_tokens} takes "
-                    f"{params.config.max_new_tokens} positions"
-                    f"{'' if self.block_causal else ' (whole blocks)'}: {total} in all.",
+                    f"{params.config.max_new_tokens} positions: {total} in all.",
                     param=param,
                     code="context_length_exceeded",
                 )

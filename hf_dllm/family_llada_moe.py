@@ -1,0 +1,45 @@
+"""The LLaDA-MoE family (inclusionAI/LLaDA-MoE-7B-A1B-Base, -Instruct, -Instruct-TD): a bidirectional masked
+diffusion model with an OLMoE-style MoE body, decoded as LLaDA is (LLaDA's fixed schedule, Fast-dLLM's threshold
+and factor rules, prefix / dual caches, classifier-free guidance).
+
+Its Hub `config.json` says `model_type` "llada", as dense LLaDA's does: the registry tells them apart by
+`architectures` (`LLaDAMoEModelLM`) and `auto_map` (`configuration_lladamoe.LLaDAConfig`), then by fields
+(`num_experts`).
+
+This file is exported verbatim as Hub remote code.
+"""
+
+from __future__ import annotations
+
+from .family import FAST_GENERATION_DEFAULTS, register_family
+from .family_llada import LLaDAFamily
+
+
+class LLaDAMoEFamily(LLaDAFamily):
+    name = "llada_moe"
+    display_name = "LLaDA-MoE"
+    checkpoints = "inclusionAI/LLaDA-MoE-7B-A1B-Base, LLaDA-MoE-7B-A1B-Instruct, LLaDA-MoE-7B-A1B-Instruct-TD"
+    architectures = ("LLaDAMoEModelLM",)
+    auto_map_configs = ("configuration_lladamoe.LLaDAConfig", "configuration_llada_moe.LLaDAMoEConfig")
+    model_types = ("llada",)
+
+    config_module, config_class = "configuration_llada_moe", "LLaDAMoEConfig"
+    model_module, model_class = "modeling_llada_moe", "LLaDAMoEModelLM"
+    own_remote_code_files = (
+        "configuration_llada_moe.py",
+        "modeling_llada_moe.py",
+        "family_llada_moe.py",
+        "family_llada.py",
+    )
+    generation_defaults = FAST_GENERATION_DEFAULTS
+    eot_token = None  # the Hub tokenizer's end of turn is its EOS
+    card_template = "template.md"
+    generic_card = "generic"
+
+    def describes(self, config: dict) -> bool:
+        return "num_experts" in config
+
+
+LLADA_MOE = register_family(LLaDAMoEFamily())
+
+__all__ = ["LLADA_MOE", "LLaDAMoEFamily"]
