@@ -34,7 +34,7 @@ class LLaDAMoEFamily(LLaDAFamily):
     generation_defaults = FAST_GENERATION_DEFAULTS
     eot_token = None  # the Hub tokenizer's end of turn is its EOS
     card_template = "template.md"
-    generic_card = "generic"
+    generic_card = "generic-llada-moe"
 
     def describes(self, config: dict) -> bool:
         return "num_experts" in config
