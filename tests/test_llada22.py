@@ -720,3 +720,76 @@ def test_cuda_graphs_match_eager_and_fixtures(expected):
             out = gpu_model.generate(prompt, **generate_kwargs(case, disable_compile=disable_compile))
             assert_case(out.sequences[0, prompt.shape[1] :].cpu(), out.nfe, case, expected)
         assert gpu_model._hf_dllm_step_graphs.counts["replayed"] > 0
+
+
+# ----- export: the LLaDA2.2 fields survive, and the repo decodes with Levenshtein editing as remote code -----
+
+EXPORT_CHILD = r"""
+from transformers import AutoModelForCausalLM
+
+record("no_hf_dllm", no_hf_dllm)
+model = AutoModelForCausalLM.from_pretrained(spec["repo"], trust_remote_code=True).eval()
+out["model"] = describe(model)
+out["tokens"] = generate_cases(model, spec["cases"])
+"""
+
+
+@pytest.mark.slow
+def test_export_keeps_the_edit_tokens_and_decodes_as_remote_code(model, expected, tmp_path):
+    from conftest import generate_cases, run_without_hf_dllm
+
+    from hf_dllm.hub.export import export_checkpoint
+
+    repo = tmp_path / "llada22-export"
+    export_checkpoint(FIXTURES / "llada22-tiny-ref", repo)
+    config = json.loads((repo / "config.json").read_text())
+    assert (config["delete_token_id"], config["split_token_id"]) == (DELETE, SPLIT)
+    assert family_for_config(config).name == "llada2.2" and (repo / "levenshtein_editing.py").is_file()
+    chosen = [case for case in CASES if case["deletes"] and case["splits"]][:3]
+    cases = [
+        {
+            "name": case["name"],
+            "input_ids": expected[f"prompt.{case['prompt']}"].tolist(),
+            "kwargs": generate_kwargs(case),
+        }
+        for case in chosen
+    ]
+    (tmp_path / "child").mkdir()
+    result = run_without_hf_dllm(tmp_path / "child", EXPORT_CHILD, {"repo": str(repo), "cases": cases})
+    assert result["no_hf_dllm"] and not result["errors"], result["errors"]
+    assert result["model"]["family"] == "llada2.2"
+    assert result["tokens"] == generate_cases(model, cases)
+    for case in chosen:
+        prompt = expected[f"prompt.{case['prompt']}"]
+        tokens = torch.tensor(result["tokens"][case["name"]]["sequences"][0][prompt.shape[1] :])
+        assert_case(tokens, result["tokens"][case["name"]]["nfe"], case, expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_rows_equal_generate_alone(model, seed):
+    """The serving engine's continuous batching (rows joining at block boundaries, laid out per block) gives each
+    LLaDA2.2 row the tokens and forwards of `generate()` alone."""
+    import random
+
+    from test_engine import assert_alone, drive, request
+
+    from hf_dllm.serving.engine import ContinuousBatcher
+
+    rng = random.Random(seed)
+    settings = [
+        dict(max_new_tokens=32, block_length=8, threshold=0.7),
+        dict(max_new_tokens=32, block_length=8, threshold=0.5, editing_threshold=0.5, max_post_steps=2),
+        dict(max_new_tokens=16, block_length=16, threshold=0.95, editing_threshold=0.9, use_cache=False),
+    ]
+    requests = [
+        request(
+            model,
+            [rng.randrange(3, 300) for _ in range(rng.randrange(2, 20))],
+            mask_token_id=MASK,
+            eos_token_id=EOS,
+            **kw,
+        )
+        for kw in settings
+    ]
+    drive(ContinuousBatcher(model, max_batch_size=2), requests, [rng.randrange(0, 3) for _ in requests])
+    assert_alone(model, requests)
