@@ -338,7 +338,10 @@ def family_for_config(config, families=None) -> DiffusionFamily | None:
     every registered one) those naming one of its `architectures`, else its `auto_map["AutoConfig"]`, else its
     `model_type`; of those, the most specific one that `describes` it. A config's `model_type`, when it has one,
     must be one of the family's (an architecture name alone does not make a `llama` config a LLaDA one)."""
-    config = config if isinstance(config, dict) else config.to_dict()
+    if not isinstance(config, dict):
+        # The instance's own fields (no deep copy, unlike `to_dict()`: a model asks at every call) and its class's
+        # `model_type`.
+        config = {**vars(config), "model_type": getattr(config, "model_type", None)}
     model_type = config.get("model_type")
     candidates = [
         family
