@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import family_dream, family_llada, family_llada2  # noqa: F401  (each registers its family)
 from ..family import FAMILIES, FAST_GENERATION_DEFAULTS, SHARED_REMOTE_CODE_FILES, DiffusionFamily, family_for_config
 
 
