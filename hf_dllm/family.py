@@ -148,6 +148,18 @@ class DiffusionFamily:
         model = getattr(importlib.import_module(f".{self.model_module}", __package__), self.model_class)
         return config, model
 
+    def context_length(self, model_config) -> int | None:
+        """Positions a model of this family runs on (prompt + generated), from its config: `max_position_embeddings`
+        (None: no limit known), times a RoPE scaling `factor` where the config declares one (it extrapolates)."""
+        limit = getattr(model_config, self.context_length_field, None)
+        scaling = getattr(model_config, "rope_scaling", None)
+        if limit is not None and isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
+            limit = int(limit * max(1.0, scaling["factor"]))
+        return limit
+
+    # The config field naming the trained context.
+    context_length_field = "max_position_embeddings"
+
     def describes(self, config: dict) -> bool:
         """Whether a checkpoint config (as a dict) that matches this family's identity is this family's (e.g.
         LLaDA2.2: LLaDA2's architecture with `delete_token_id` / `split_token_id`)."""

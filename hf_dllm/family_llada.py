@@ -30,6 +30,7 @@ class LLaDAFamily(Bidirectional, DiffusionFamily):
     )
     generation_defaults = FAST_GENERATION_DEFAULTS
     eot_token = EOT_TOKEN
+    context_length_field = "max_sequence_length"  # LLaDA's config names it as OLMo does
 
     def describes(self, config: dict) -> bool:
         # Dense LLaDA's config names its sizes as OLMo does (`d_model`, `n_layers`); LLaDA-MoE's Hub config has the

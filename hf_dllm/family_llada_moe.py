@@ -32,6 +32,7 @@ class LLaDAMoEFamily(LLaDAFamily):
         "family_llada.py",
     )
     generation_defaults = FAST_GENERATION_DEFAULTS
+    context_length_field = "max_position_embeddings"
     eot_token = None  # the Hub tokenizer's end of turn is its EOS
     card_template = "template.md"
     generic_card = "generic-llada-moe"

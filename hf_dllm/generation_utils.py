@@ -418,10 +418,12 @@ class DiffusionGenerationMixin:
             raise ValueError(
                 f"This model predicts token i from position i - {shift}: the prompt needs {shift} token(s)."
             )
-        max_len = getattr(self.config, "max_sequence_length", None)
-        if max_len is not None and input_ids.shape[1] + config.max_new_tokens > max_len:
-            logger.warning_once(
-                f"Prompt + max_new_tokens exceeds the model's max_sequence_length ({max_len}); quality may degrade."
+        limit = self.diffusion_family.context_length(self.config)
+        if limit is not None and input_ids.shape[1] + config.max_new_tokens > limit:
+            raise ValueError(
+                f"The prompt ({input_ids.shape[1]} tokens) and `max_new_tokens` ({config.max_new_tokens}) take "
+                f"{input_ids.shape[1] + config.max_new_tokens} positions, more than the model's context of {limit} "
+                "positions: shorten the prompt or lower max_new_tokens."
             )
         # A call whose token canvas and K/V cache alone exceed the device's total memory is refused here, instead
         # of failing in an allocation deep inside the loop (or swapping the machine to a halt).

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 from transformers import GenerationConfig
 
 VOCAB = 103  # tiny model: mask 3, eos 0, pad 0
@@ -99,10 +97,10 @@ BAD_INPUTS = [
     ("steps=10**9", dict(steps=10**9), ValueError, r"steps.*at most 1048576"),
     # Lengths no machine could allocate: 65536 rows x 2**20 positions of K/V cache.
     (
-        "beyond_memory",
+        "beyond_context",
         dict(inputs=torch.full((65536, 5), 7), max_new_tokens=2**20, block_length=2**20),
         ValueError,
-        r"max_new_tokens.*GiB",
+        r"max_new_tokens.*context of 512 positions",
     ),
     # Special tokens that collide with the mask token.
     ("eos==mask", dict(eos_token_id=3), ValueError, r"eos_token_id\[0\].*mask_token_id"),
@@ -187,30 +185,40 @@ def test_model_state_is_unchanged_by_rejected_calls(model):
     assert model.generation_config.to_dict() == before
 
 
-def _length_warnings(records) -> list[logging.LogRecord]:
-    return [r for r in records if r.levelno == logging.WARNING and "max_sequence_length" in r.getMessage()]
-
-
-def test_exceeding_max_sequence_length_warns_once(caplog):
+def test_exceeding_the_context_is_refused_before_any_forward(monkeypatch):
+    """The model's context (its family's `context_length`: LLaDA's `max_sequence_length`) bounds prompt +
+    max_new_tokens: beyond it generate() raises a ValueError naming both numbers before any forward."""
     model = tiny_model(max_sequence_length=17)
     prompt = torch.randint(4, VOCAB, (1, 6))
-    with caplog.at_level(logging.WARNING):
-        short = model.generate(prompt, max_new_tokens=8, block_length=4)  # 14 <= 17: no warning
-        assert not _length_warnings(caplog.records)
-        long = model.generate(prompt, max_new_tokens=12, block_length=4)  # 18 > 17
-        assert len(_length_warnings(caplog.records)) == 1
-        assert "17" in _length_warnings(caplog.records)[0].getMessage()
-        model.generate(prompt, max_new_tokens=16, block_length=4)  # the same call site again: no new warning
-        assert len(_length_warnings(caplog.records)) == 1
-    assert short.shape == (1, 14) and long.shape == (1, 18)  # generation still happens
+    assert model.generate(prompt, max_new_tokens=8, block_length=4).shape == (1, 14)  # 14 <= 17
+    assert model.generate(prompt, max_new_tokens=11, block_length=4).shape == (1, 17)  # exactly the context
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward ran")
+
+    monkeypatch.setattr(model, "_diffusion_forward", no_forward)
+    for new in (12, 10**6):
+        with pytest.raises(ValueError, match=rf"6 tokens.*max_new_tokens.*\({new}\).*context of 17 positions"):
+            model.generate(prompt, max_new_tokens=new, block_length=4)
 
 
-def test_other_length_limit_warns_again(caplog):
-    model = tiny_model(max_sequence_length=19)
-    with caplog.at_level(logging.WARNING):
-        model.generate(torch.randint(4, VOCAB, (1, 6)), max_new_tokens=16, block_length=4)
-    warnings = _length_warnings(caplog.records)
-    assert len(warnings) == 1 and "19" in warnings[0].getMessage()
+def test_beyond_memory_is_refused_before_any_forward(monkeypatch):
+    """Lengths within the context that no machine could allocate (65536 rows x 2**20 positions of K/V cache)."""
+    model = tiny_model(max_sequence_length=2**21)
+    monkeypatch.setattr(model, "_diffusion_forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("forward")))
+    with pytest.raises(ValueError, match=r"max_new_tokens.*GiB"):
+        model.generate(torch.full((65536, 5), 7), max_new_tokens=2**20, block_length=2**20)
+
+
+def test_rope_scaling_extends_the_context():
+    """A config that declares RoPE scaling (a `factor`) may run that many times its trained context."""
+    from hf_dllm import DreamConfig
+    from hf_dllm.family_dream import DREAM
+    from hf_dllm.family_llada import LLADA
+
+    assert LLADA.context_length(tiny_config(max_sequence_length=17)) == 17
+    dream = DreamConfig(max_position_embeddings=100, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert DREAM.context_length(dream) == 400
 
 
 def test_prompt_pad_token_id_falls_back_to_the_first_eos_then_zero():

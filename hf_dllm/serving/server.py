@@ -138,9 +138,7 @@ class Server:
         # blocks of each prompt, which depend on its length).
         self.family = model.diffusion_family
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        self.max_length = getattr(model.config, "max_sequence_length", None) or getattr(
-            model.config, "max_position_embeddings", None
-        )
+        self.max_length = self.family.context_length(model.config)
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_length)
         self.max_chars_per_token = longest_token_chars(tokenizer)
         # JSON parsing, chat templates and tokenization run here, off the event loop: a large request then delays
