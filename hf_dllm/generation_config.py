@@ -220,6 +220,9 @@ class DiffusionGenerationConfig(GenerationConfig):
     A family's own sampler adds fields of its own (`register_generation_fields`; Dream's `alg`, `alg_temp`,
     `top_p`, `top_k`, `eps`: `family_dream.py`); the other families refuse them away from their defaults.
 
+    Each field's type, default, values and one-line help are written once, in `GENERATION_FIELDS`; the command
+    lines, the server's request fields, lm-eval's `model_args` and the exporter's options derive from it.
+
     Special tokens: `mask_token_id`, `eos_token_id` (int or list), `eot_token_id`, `pad_token_id`, `bos_token_id`.
     """
 

@@ -6,6 +6,8 @@ registers (`register_generation_fields`) appears in each of them."""
 from __future__ import annotations
 
 import argparse
+import ast
+import re
 
 import pytest
 from conftest import tiny_model
@@ -59,6 +61,19 @@ def test_schema_describes_every_field_of_the_config():
     assert schema.SPECIAL_TOKEN_FIELDS == tuple(n for n, f in GENERATION_FIELDS.items() if f.special_token)
     assert {name for name, field in GENERATION_FIELDS.items() if field.owner == "Dream"} == set(DREAM_FIELDS)
     assert DREAM.own_generation_fields == tuple(DREAM_FIELDS)
+
+
+def test_the_configs_docstring_agrees_with_the_schema():
+    """`DiffusionGenerationConfig`'s docstring documents the fields in prose, as `name (`type`, default)`: each type
+    and default it states is the schema's."""
+    documented = re.findall(r"^\s+(\w+) \(`(\w+)`(?:, ([^)]*?))?\):", DiffusionGenerationConfig.__doc__, re.M)
+    assert len(documented) >= 20
+    for name, type_name, default in documented:
+        field = GENERATION_FIELDS[name]
+        assert type_name == field.type.__name__, name
+        if default:
+            expected = None if default == "*optional*" else ast.literal_eval(default.strip("`"))
+            assert expected == field.default, name
 
 
 def assert_options_are_the_schemas(parser: argparse.ArgumentParser, extra: dict | None = None):
