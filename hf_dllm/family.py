@@ -34,7 +34,7 @@ from .cache import (
     padding_aware_position_ids,
 )
 from .decoding import ConfidenceFactor, ConfidenceThreshold, FixedSchedule, UnmaskingPolicy
-from .generation_config import FIELD_OWNERS, DiffusionGenerationConfig, generation_field_defaults
+from .generation_config import GENERATION_FIELDS, DiffusionGenerationConfig, generation_field_defaults
 
 # Remote code every family shares: the generation loop, its config, the family objects, policies, caches, attention
 # backends and kernels, reached from the model files through relative imports.
@@ -114,12 +114,9 @@ class DiffusionFamily:
     # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
     # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
     original_generation_fields: dict = {}
-    # Generation fields of the family's own sampler (`generation_config.register_generation_fields`): the family
-    # accepts them; every other family refuses them away from their defaults.
+    # Generation fields of the family's own sampler (`generation_config.register_generation_fields`, which describes
+    # them for every application): the family accepts them; every other family refuses them away from their defaults.
     own_generation_fields: tuple[str, ...] = ()
-    # Their types and fixed sets of values, for command lines (`hf-dllm eval`).
-    own_generation_field_types: dict = {}
-    own_generation_field_choices: dict = {}
 
     @property
     def remote_code_files(self) -> tuple[str, ...]:
@@ -176,7 +173,7 @@ class DiffusionFamily:
             if name not in self.own_generation_fields and getattr(config, name) != default
         ]
         if foreign:
-            owners = " and ".join(sorted({FIELD_OWNERS[name] for name in foreign}))
+            owners = " and ".join(sorted({GENERATION_FIELDS[name].owner for name in foreign}))
             raise ValueError(
                 f"{foreign} are settings of {owners}'s sampler, which {self.display_name} models do not use: leave "
                 "them unset (this model's rules are `steps`, `threshold` and `factor`)."

@@ -10,19 +10,25 @@ from __future__ import annotations
 
 from .decoding_dream import DEFAULT_DREAM_ALG, DREAM_ALGS, make_dream_policy
 from .family import FAST_GENERATION_DEFAULTS, Bidirectional, DiffusionFamily, fast_dllm_policy, register_family
-from .generation_config import finite, is_int, register_generation_fields
+from .generation_config import GenerationField, finite, is_int, register_generation_fields
 
-# Dream's sampler (arXiv:2508.15487), as generation fields with their defaults:
-#     alg (`str`, *optional*): one of `DREAM_ALGS`: `"maskgit_plus"` (confidence = top-1 probability),
-#         `"topk_margin"` (top-1 minus top-2 probability), `"entropy"` (negative entropy), `"origin"` (each masked
-#         position committed with the schedule's probability), each on Dream's timestep schedule (`steps`, `eps`);
-#         or `"confidence_threshold"` (Fast-dLLM's threshold, with `threshold`).
-#     alg_temp (`float`, *optional*): > 0 samples the committed positions from softmax(confidence / alg_temp)
-#         instead of taking the most confident ones.
-#     top_p (`float`, *optional*), top_k (`int`, *optional*): nucleus / top-k filtering of the token distribution
-#         before sampling and before the confidences are computed.
-#     eps (`float`, 1e-3): end of Dream's timestep schedule `linspace(1, eps, steps + 1)`, in (0, 1).
-DREAM_FIELDS = {"alg": None, "alg_temp": None, "top_p": None, "top_k": None, "eps": 1e-3}
+# Dream's sampler (arXiv:2508.15487), as generation fields (registered below, `register_generation_fields`):
+#     alg: one of `DREAM_ALGS`: `"maskgit_plus"` (confidence = top-1 probability), `"topk_margin"` (top-1 minus
+#         top-2 probability), `"entropy"` (negative entropy), `"origin"` (each masked position committed with the
+#         schedule's probability), each on Dream's timestep schedule (`steps`, `eps`); or `"confidence_threshold"`
+#         (Fast-dLLM's threshold, with `threshold`).
+#     alg_temp: > 0 samples the committed positions from softmax(confidence / alg_temp) instead of taking the most
+#         confident ones.
+#     top_p, top_k: nucleus / top-k filtering of the token distribution before sampling and before the confidences
+#         are computed.
+#     eps: end of Dream's timestep schedule `linspace(1, eps, steps + 1)`, in (0, 1).
+_DREAM_FIELDS = (
+    GenerationField("alg", str, None, "Dream's unmasking algorithm (default: entropy)", choices=DREAM_ALGS),
+    GenerationField("alg_temp", float, None, "Dream: > 0 samples the committed positions (confidence / alg_temp)"),
+    GenerationField("top_p", float, None, "Dream: nucleus filtering before sampling and confidences"),
+    GenerationField("top_k", int, None, "Dream: top-k filtering before sampling and confidences"),
+    GenerationField("eps", float, 1e-3, "Dream: end of the timestep schedule, in (0, 1)"),
+)
 
 
 def validate_dream_fields(config) -> None:
@@ -54,7 +60,8 @@ def validate_dream_fields(config) -> None:
         raise ValueError("`alg_temp` > 0 applies to Dream's scheduled algs only: not with `threshold`/`factor`.")
 
 
-register_generation_fields("Dream", DREAM_FIELDS, validate_dream_fields)
+# Dream's fields by name (`GenerationField`s, owned by "Dream").
+DREAM_FIELDS = register_generation_fields("Dream", _DREAM_FIELDS, validate_dream_fields)
 
 
 class DreamFamily(Bidirectional, DiffusionFamily):
@@ -87,8 +94,6 @@ class DreamFamily(Bidirectional, DiffusionFamily):
     logits_shift = 1
     supports_cfg = False  # LLaDA's guidance masks the prompt of a mask predictor; Dream's logits are shifted
     own_generation_fields = tuple(DREAM_FIELDS)
-    own_generation_field_types = {"alg": str, "alg_temp": float, "top_p": float, "top_k": int, "eps": float}
-    own_generation_field_choices = {"alg": DREAM_ALGS}
     # Fields of Dream's own `DreamGenerationConfig` that hf_dllm does not provide, at their no-op values.
     original_generation_fields = {"output_history": False, "num_return_sequences": 1}
 

@@ -10,6 +10,7 @@ This file is exported verbatim as Hub remote code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import transformers
@@ -22,43 +23,93 @@ REMASKING_STRATEGIES = ("low_confidence", "random")
 # enough that a typo such as 10**9 is an error naming the field instead of a multi-gigabyte allocation.
 MAX_GENERATION_LENGTH = 1 << 20
 
-# Every field of DiffusionGenerationConfig with its default. Nothing else is accepted, by the config or by
-# `generate()`: an unknown name is an error, never a silent no-op.
-_GENERATION_DEFAULTS = {
-    "max_new_tokens": 128,
-    "steps": None,
-    "block_length": 32,
-    "temperature": 0.0,
-    "do_sample": False,
-    "remasking": "low_confidence",
-    "threshold": None,
-    "factor": None,
-    "use_cache": True,
-    "dual_cache": True,
-    "kv_cache_dtype": None,
-    "cfg_scale": 0.0,
-    "minimal_topk": 1,
-    "editing_threshold": None,
-    "max_post_steps": 16,
-    "num_to_transfer": 1,
-    "eos_early_stop": True,
-    "logits_eos_inf": False,
-    "confidence_eos_eot_inf": False,
-    "mask_token_id": None,
-    "eos_token_id": None,
-    "eot_token_id": None,
-    "pad_token_id": None,
-    "bos_token_id": None,
-    "return_dict_in_generate": False,
-    "disable_compile": False,
+
+@dataclasses.dataclass(frozen=True)
+class GenerationField:
+    """One field of `DiffusionGenerationConfig`, described once for every application that exposes it: the command
+    lines (`hf-dllm eval` / `generate` options, `hf-dllm export`'s), lm-eval's `model_args`, the server's request
+    fields (`GENERATION_FIELDS`).
+
+    name: the field (a command-line flag is `--` + name with `-` for `_`).
+    type: `int`, `float`, `str` or `bool`: what a command line's text is parsed as.
+    default: the value of a config that does not set it.
+    help: one line, for `--help`.
+    choices: the fixed set of values other than None it takes (empty: any value of `type` that `validate` accepts).
+    none_option: a command line may give `none` for None (e.g. `--threshold none`: no threshold rule).
+    special_token: a special token id (the model's, from its config and tokenizer; no application option).
+    option: a setting a run chooses: an option of the command lines, a `model_args` of lm-eval and a request field
+        of the server. False for special token ids, for `do_sample` (it follows `temperature`) and for
+        `return_dict_in_generate` (the form of `generate()`'s output).
+    request: with `option`, also a request field of `hf-dllm serve`.
+    owner: the family whose sampler the field belongs to (`register_generation_fields`); None for the fields of
+        `DiffusionGenerationConfig` itself.
+    """
+
+    name: str
+    type: type
+    default: object
+    help: str
+    choices: tuple = ()
+    none_option: bool = False
+    special_token: bool = False
+    option: bool = True
+    request: bool = True
+    owner: str | None = None
+
+
+_F = GenerationField
+# Every field of DiffusionGenerationConfig. Nothing else is accepted, by the config or by `generate()`: an unknown
+# name is an error, never a silent no-op. Families add the fields of their own samplers (`register_generation_fields`).
+GENERATION_FIELDS: dict[str, GenerationField] = {
+    field.name: field
+    for field in (
+        _F("max_new_tokens", int, 128, "generated positions"),
+        _F("steps", int, None, "denoising steps over all blocks ('none': one token per step)", none_option=True),
+        _F("block_length", int, 32, "positions per block, decoded left to right"),
+        _F("temperature", float, 0.0, "0 = greedy; > 0 samples (Gumbel-max)"),
+        _F("do_sample", bool, False, "sample (True iff temperature > 0; follows temperature)", option=False),
+        _F("remasking", str, "low_confidence", "which masked positions a step commits", choices=REMASKING_STRATEGIES),
+        _F(
+            "threshold",
+            float,
+            None,
+            "Fast-dLLM threshold decoding, 0 < tau <= 1 ('none': no threshold rule)",
+            none_option=True,
+        ),
+        _F("factor", float, None, "Fast-dLLM factor decoding, > 0 ('none': no factor rule)", none_option=True),
+        _F("use_cache", bool, True, "reuse K/V outside the block"),
+        _F("dual_cache", bool, True, "with use_cache, also reuse the suffix's K/V"),
+        _F(
+            "kv_cache_dtype",
+            str,
+            None,
+            "store cached K/V as fp8 (default: the model's dtype)",
+            choices=tuple(name for name in KV_CACHE_DTYPES if name is not None),
+            request=False,  # the serving engine keeps K/V in the model's dtype (rows' K/V move between layouts)
+        ),
+        _F("cfg_scale", float, 0.0, "classifier-free guidance scale (0 = off)"),
+        _F("minimal_topk", int, 1, "block-causal models: steps of a block at most max_new_tokens // minimal_topk"),
+        _F("editing_threshold", float, None, "LLaDA2.1 token editing: re-decode above this probability"),
+        _F("max_post_steps", int, 16, "token editing: forwards after a block's last mask"),
+        _F("num_to_transfer", int, 1, "token editing: masked positions a step commits at least"),
+        _F("eos_early_stop", bool, True, "a row stops once its committed blocks hold an EOS"),
+        _F("logits_eos_inf", bool, False, "EOS logits set to -inf (never proposed)", request=False),
+        _F("confidence_eos_eot_inf", bool, False, "EOS/EOT candidates committed last", request=False),
+        *(
+            _F(name, int, None, f"special token id: {name}", special_token=True, option=False)
+            for name in ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
+        ),
+        _F("return_dict_in_generate", bool, False, "return a DiffusionGenerateOutput", option=False),
+        # A process-wide debugging switch: not per request.
+        _F("disable_compile", bool, False, "no CUDA-graph capture of the denoising step (debugging)", request=False),
+    )
 }
-_CORE_FIELDS = frozenset(_GENERATION_DEFAULTS)
-# Validators of the fields a family's own sampler adds (`register_generation_fields`), by owner; each field's owner.
+_CORE_FIELDS = frozenset(GENERATION_FIELDS)
+# Validators of the fields a family's own sampler adds (`register_generation_fields`), by owner.
 _FIELD_VALIDATORS: dict = {}
-FIELD_OWNERS: dict[str, str] = {}
 # LLaDA2.1 token editing (block-causal models only); non-default values need `editing_threshold`.
 EDITING_FIELDS = ("editing_threshold", "max_post_steps", "num_to_transfer")
-SPECIAL_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "eot_token_id", "pad_token_id", "bos_token_id")
+SPECIAL_TOKEN_FIELDS = tuple(name for name, field in GENERATION_FIELDS.items() if field.special_token)
 _METADATA_FIELDS = ("transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash")
 
 
@@ -79,25 +130,31 @@ def finite(value) -> bool:
         return False
 
 
-def register_generation_fields(owner: str, defaults: dict, validate) -> None:
-    """Add the generation fields of a family's own sampler (`defaults`: name -> default) to
-    `DiffusionGenerationConfig`, with `validate(config)` raising a `ValueError` for bad values of them. Registering
-    `owner` again replaces its fields. A family that does not own them refuses them away from their defaults
-    (`DiffusionFamily.validate`)."""
-    clash = sorted(set(defaults) & _CORE_FIELDS)
+def register_generation_fields(owner: str, fields, validate) -> dict[str, GenerationField]:
+    """Add the generation fields of a family's own sampler (`fields`: `GenerationField`s, their `owner` set here to
+    `owner`) to `DiffusionGenerationConfig` and to every application's options, with `validate(config)` raising a
+    `ValueError` for bad values of them. Registering `owner` again replaces its fields. A family that does not own
+    them refuses them away from their defaults (`DiffusionFamily.validate`). Returns the registered fields by name."""
+    fields = {field.name: dataclasses.replace(field, owner=owner) for field in fields}
+    clash = sorted(set(fields) & _CORE_FIELDS)
     if clash:
         raise ValueError(f"{owner}: {clash} are DiffusionGenerationConfig's own fields.")
-    _GENERATION_DEFAULTS.update(defaults)
+    taken = sorted(name for name in fields if name in GENERATION_FIELDS and GENERATION_FIELDS[name].owner != owner)
+    if taken:
+        raise ValueError(f"{owner}: {taken} are registered by {GENERATION_FIELDS[taken[0]].owner} already.")
+    for name in [name for name, field in GENERATION_FIELDS.items() if field.owner == owner]:
+        del GENERATION_FIELDS[name]
+    GENERATION_FIELDS.update(fields)
     _FIELD_VALIDATORS[owner] = validate
-    FIELD_OWNERS.update(dict.fromkeys(defaults, owner))
+    return fields
 
 
 def generation_field_defaults(exclude_core: bool = False) -> dict:
     """Every field of `DiffusionGenerationConfig` with its default (`exclude_core`: only the fields families
     registered)."""
     return {
-        name: copy.deepcopy(default)
-        for name, default in _GENERATION_DEFAULTS.items()
+        name: copy.deepcopy(field.default)
+        for name, field in GENERATION_FIELDS.items()
         if not (exclude_core and name in _CORE_FIELDS)
     }
 
@@ -163,21 +220,24 @@ class DiffusionGenerationConfig(GenerationConfig):
     A family's own sampler adds fields of its own (`register_generation_fields`; Dream's `alg`, `alg_temp`,
     `top_p`, `top_k`, `eps`: `family_dream.py`); the other families refuse them away from their defaults.
 
+    Each field's type, default, values and one-line help are written once, in `GENERATION_FIELDS`; the command
+    lines, the server's request fields, lm-eval's `model_args` and the exporter's options derive from it.
+
     Special tokens: `mask_token_id`, `eos_token_id` (int or list), `eot_token_id`, `pad_token_id`, `bos_token_id`.
     """
 
     def __init__(self, **kwargs):
         # GenerationConfig.__init__ is not called on purpose: its autoregressive fields (beams, top-k, ...) would
         # be accepted and silently ignored by the diffusion loop.
-        for name, default in _GENERATION_DEFAULTS.items():
-            setattr(self, name, kwargs.pop(name, copy.deepcopy(default)))
+        for name, field in GENERATION_FIELDS.items():
+            setattr(self, name, kwargs.pop(name, copy.deepcopy(field.default)))
         self._from_model_config = kwargs.pop("_from_model_config", False)
         self._commit_hash = kwargs.pop("_commit_hash", None)
         self.transformers_version = kwargs.pop("transformers_version", transformers.__version__)
         if kwargs:
             raise ValueError(
                 f"DiffusionGenerationConfig got unknown fields {sorted(kwargs)}; "
-                f"the fields are {sorted(_GENERATION_DEFAULTS)}."
+                f"the fields are {sorted(GENERATION_FIELDS)}."
             )
         self.validate()
 
@@ -209,7 +269,7 @@ class DiffusionGenerationConfig(GenerationConfig):
 
     @staticmethod
     def field_names() -> tuple[str, ...]:
-        return tuple(_GENERATION_DEFAULTS)
+        return tuple(GENERATION_FIELDS)
 
     def to_dict(self) -> dict:
         """As `GenerationConfig.to_dict`, without the fields of a family's own sampler (`register_generation_fields`)
@@ -271,7 +331,7 @@ class DiffusionGenerationConfig(GenerationConfig):
                 raise ValueError(f"`{name}` must be an integer {bound}, got {value!r}.")
         if self.editing_threshold is None:
             for name in EDITING_FIELDS[1:]:
-                if getattr(self, name) != _GENERATION_DEFAULTS[name]:
+                if getattr(self, name) != GENERATION_FIELDS[name].default:
                     raise ValueError(f"`{name}` only applies to token editing: set `editing_threshold` too.")
         if self.factor is not None and self.steps is not None:
             raise ValueError("`steps` must be None with `factor`: confidence decides how many steps a block takes.")
@@ -286,16 +346,7 @@ class DiffusionGenerationConfig(GenerationConfig):
             raise ValueError(f"`kv_cache_dtype={self.kv_cache_dtype!r}` needs `use_cache=True` (no K/V is cached).")
         for validate_fields in _FIELD_VALIDATORS.values():
             validate_fields(self)
-        for name in (
-            "do_sample",
-            "use_cache",
-            "dual_cache",
-            "eos_early_stop",
-            "logits_eos_inf",
-            "confidence_eos_eot_inf",
-            "return_dict_in_generate",
-            "disable_compile",
-        ):
+        for name in (name for name, field in GENERATION_FIELDS.items() if field.type is bool and not field.owner):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.do_sample != (self.temperature > 0):
@@ -334,7 +385,9 @@ class DiffusionGenerationConfig(GenerationConfig):
 
 
 __all__ = [
+    "GENERATION_FIELDS",
     "DiffusionGenerationConfig",
+    "GenerationField",
     "REMASKING_STRATEGIES",
     "generation_field_defaults",
     "register_generation_fields",

@@ -268,7 +268,6 @@ def test_cli_reports_bad_arguments(checkpoint, tmp_path, capsys):
         == 2
     )
     assert "threshold" in capsys.readouterr().err
-    assert set(evaluate.GENERATION_OPTIONS) <= set(DiffusionGenerationConfig.field_names())
     # Loading flags are the shared ones (`hf_dllm.cli.loading`): same names, same errors.
     common = [str(checkpoint), "--dataset", dataset, "--limit", "2", "--output-dir", str(tmp_path)]
     assert evaluate.main([*common, "--dtype", "int8"]) == 2

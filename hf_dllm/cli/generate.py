@@ -16,18 +16,8 @@ import os
 import sys
 
 from .completion_text import CompletionText, stop_token_ids
+from .generation_options import add_generation_arguments, generation_arguments
 from .loading import add_model_arguments, load_model, model_arguments
-
-# Flag -> `DiffusionGenerationConfig` field; a flag left out leaves the field to the checkpoint's generation config.
-SETTINGS = {
-    "max_new_tokens": int,
-    "block_length": int,
-    "steps": int,
-    "threshold": float,
-    "temperature": float,
-    "cfg_scale": float,
-    "remasking": str,
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    for name, kind in SETTINGS.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"generation `{name}`")
-    parser.add_argument("--no-cache", action="store_true", help="use_cache=False (recompute every position)")
+    settings = parser.add_argument_group(
+        "generation (DiffusionGenerationConfig fields; unset = the checkpoint's generation_config.json)"
+    )
+    add_generation_arguments(settings)
+    # The flag's first name (before every field had its option): --no-use-cache.
+    settings.add_argument(
+        "--no-cache", dest="use_cache", action="store_false", default=argparse.SUPPRESS, help="--no-use-cache"
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed torch's random draws (sampling)")
     parser.add_argument("--stream", action="store_true", help="print each row's text block by block")
     add_model_arguments(parser)
@@ -72,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream and len(args.prompt) > 1:
         print("hf-dllm generate: --stream prints one row's text as it comes: give one --prompt.", file=sys.stderr)
         return 2
-    settings = {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
-    if args.no_cache:
-        settings["use_cache"] = False
+    settings = generation_arguments(args)
     try:
         model, tokenizer = load_model(args.model, **model_arguments(args))
         prompts = encode(tokenizer, args.prompt, args.chat)

@@ -43,59 +43,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..cache import KV_CACHE_DTYPES
 from ..cli.completion_text import CompletionText, stop_token_ids
+from ..cli.generation_options import add_generation_arguments, generation_arguments
 from ..cli.loading import add_model_arguments, load_model, model_arguments
-from ..family import FAMILIES
 from ..generation_utils import left_pad
 from .data import SCORERS, build_prompt, format_prompt, load_examples, process_state, score, shard_batches
-
-# Generation-config fields exposed as options (`--max-new-tokens`, `--no-use-cache`, ...).
-GENERATION_OPTIONS: dict[str, type] = {
-    "max_new_tokens": int,
-    "block_length": int,
-    "steps": int,
-    "threshold": float,
-    "factor": float,
-    "temperature": float,
-    "remasking": str,
-    "cfg_scale": float,
-    "use_cache": bool,
-    "dual_cache": bool,
-    "kv_cache_dtype": str,
-    "eos_early_stop": bool,
-    "logits_eos_inf": bool,
-    "confidence_eos_eot_inf": bool,
-    "disable_compile": bool,
-    # LLaDA2.x (block-causal models): `--steps` combines with `--threshold` there; token editing (LLaDA2.1).
-    "minimal_topk": int,
-    "editing_threshold": float,
-    "max_post_steps": int,
-    "num_to_transfer": int,
-    # The fields of families' own samplers (models of other families refuse them): Dream's `--alg`, `--top-p`, ...
-    **{name: kind for family in FAMILIES.values() for name, kind in family.own_generation_field_types.items()},
-}
-# Options with a fixed set of values.
-CHOICES = {
-    "remasking": ("low_confidence", "random"),
-    "kv_cache_dtype": tuple(name for name in KV_CACHE_DTYPES if name is not None),
-    **{name: values for family in FAMILIES.values() for name, values in family.own_generation_field_choices.items()},
-}
-# Decoding-rule options that also take `none` (the field set to None: no such rule), as `hf-dllm export` does.
-NONE_OPTIONS = ("steps", "threshold", "factor")
-
-
-def _number_or_none(kind: type):
-    def parse(value: str):
-        if value.lower() == "none":
-            return None
-        try:
-            return kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a {kind.__name__} or 'none', got {value!r}") from None
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,30 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         "generation (DiffusionGenerationConfig fields; unset = the checkpoint's generation_config.json, then the "
         "library's defaults)"
     )
-    for name, kind in GENERATION_OPTIONS.items():
-        flag = "--" + name.replace("_", "-")
-        aliases = [flag, "--gen-length"] if name == "max_new_tokens" else [flag]
-        # SUPPRESS: an option left out is absent from the namespace, so `--threshold none` (None) stays distinct.
-        if kind is bool:
-            gen.add_argument(*aliases, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        elif name in CHOICES:
-            gen.add_argument(flag, dest=name, choices=CHOICES[name], default=argparse.SUPPRESS)
-        elif name in NONE_OPTIONS:
-            gen.add_argument(
-                flag,
-                dest=name,
-                type=_number_or_none(kind),
-                default=argparse.SUPPRESS,
-                help="a number, or 'none' for no such rule (e.g. `--threshold none`: LLaDA's fixed schedule)",
-            )
-        else:
-            gen.add_argument(*aliases, dest=name, type=kind, default=argparse.SUPPRESS)
+    add_generation_arguments(gen)
     return parser
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
     """The generation fields given on the command line (`--threshold none` gives `threshold=None`)."""
-    return {name: getattr(args, name) for name in GENERATION_OPTIONS if hasattr(args, name)}
+    return generation_arguments(args)
 
 
 def versions() -> dict:

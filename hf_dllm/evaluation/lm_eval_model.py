@@ -48,6 +48,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from ..cli.completion_text import CompletionText, stop_token_ids
+from ..cli.generation_options import coerce_field_values, option_fields
 from ..cli.loading import DEFAULT_THREADS, load_model, parse_dtype
 from ..generation_utils import DiffusionGenerationConfig, left_pad
 from .data import process_state
@@ -56,12 +57,14 @@ from .likelihood import greedy_matches, mc_loglikelihood
 MODEL_NAME = "hf_dllm"
 logger = logging.getLogger(__name__)
 
-# Generation-config fields a user may set in model_args or in a task's generation_kwargs.
-_GENERATION_FIELDS = tuple(
-    name
-    for name in DiffusionGenerationConfig.field_names()
-    if not name.endswith("_token_id") and name not in ("return_dict_in_generate", "do_sample", "max_new_tokens")
-)
+
+def generation_fields() -> tuple[str, ...]:
+    """The generation fields a user may set in model_args or in a task's generation_kwargs: the settings of
+    `hf-dllm eval`'s options (`option_fields()`, those of registered families included), but `max_new_tokens`, which
+    is `DiffusionEvalLM`'s own argument (with its name in LLaDA's evaluation, `gen_length`)."""
+    return tuple(name for name in option_fields() if name != "max_new_tokens")
+
+
 # Autoregressive sampling options lm-eval tasks may carry; meaningless for block diffusion, ignored with a warning.
 _IGNORED_REQUEST_KWARGS = ("top_p", "top_k", "min_p", "num_beams", "repetition_penalty", "typical_p", "seed")
 
@@ -110,15 +113,18 @@ class DiffusionEvalLM(LM):
         super().__init__()
         from transformers import PreTrainedModel
 
-        unknown = sorted(set(generation_kwargs) - set(_GENERATION_FIELDS))
+        accepted = generation_fields()
+        unknown = sorted(set(generation_kwargs) - set(accepted))
         if unknown:
             raise ValueError(
                 f"hf_dllm: unknown model_args {unknown}. Accepted: pretrained, model_path, tokenizer, dtype, device, "
                 "device_map, trust_remote_code, revision, attn_implementation, threads, quantization, batch_size, "
                 "mc_num, "
                 "mc_batch_size, is_check_greedy, cfg, add_bos_token, max_length, seed, gen_length, max_new_tokens "
-                f"and the generation fields {sorted(_GENERATION_FIELDS)}."
+                f"and the generation fields {sorted(accepted)}."
             )
+        # Typed as the command line's options (text given through Python's API: `threshold="none"`, `steps="64"`).
+        generation_kwargs = coerce_field_values(generation_kwargs)
         if gen_length is not None and max_new_tokens is not None and int(gen_length) != int(max_new_tokens):
             raise ValueError(
                 f"hf_dllm: gen_length ({gen_length}) and max_new_tokens ({max_new_tokens}) are the same setting; "
@@ -284,8 +290,9 @@ class DiffusionEvalLM(LM):
         # temperature 0 here; the resolver derives do_sample from a temperature.
         if gen_kwargs.get("do_sample") is False:
             gen_kwargs["temperature"] = 0.0
+        accepted = generation_fields()
         for key in list(gen_kwargs):
-            if key in _GENERATION_FIELDS or key == "do_sample":
+            if key in accepted or key == "do_sample":
                 fields[key] = gen_kwargs.pop(key)
             elif key in _IGNORED_REQUEST_KWARGS:
                 gen_kwargs.pop(key)
@@ -293,9 +300,9 @@ class DiffusionEvalLM(LM):
         if gen_kwargs:
             raise ValueError(
                 f"hf_dllm: unknown generation_kwargs {sorted(gen_kwargs)}; accepted: until, max_gen_toks, do_sample, "
-                f"temperature and {sorted(_GENERATION_FIELDS)}."
+                f"temperature and {sorted(accepted)}."
             )
-        return until, fields
+        return until, coerce_field_values(fields)
 
     def request_config(self, fields: dict) -> DiffusionGenerationConfig:
         """The settings of a request naming `fields`: the model's resolver over `base_config` (model_args >

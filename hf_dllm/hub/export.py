@@ -51,11 +51,14 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from ..cli.generation_options import add_generation_argument
 from ..cli.loading import QUANTIZATION_CHOICES
+from ..generation_config import GENERATION_FIELDS
 from .cards import CARD_PRESETS, card_preset, render_preset_card, resolve_card
 from .families import MODEL_FAMILIES, ExportError, checkpoint_family, read_json_object
 from .generation_settings import (
     DEFAULT_GENERATION_DEFAULTS,
+    EXPORT_FIELDS,
     GENERATION_DEFAULTS_CHOICES,
     UNSET,
     GenerationSettings,
@@ -477,15 +480,6 @@ def export_checkpoint(
 # --- command line ----------------------------------------------------------------------------------------------
 
 
-def _threshold(value: str) -> float | None:
-    if value.lower() == "none":
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] or 'none', got {value!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-dllm export",
@@ -542,16 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
             f"{name} written to generation_config.json (default: SRC's, else the family's: {per_family(name, False)})"
         )
 
-    parser.add_argument("--max-new-tokens", type=int, default=UNSET, help=option_help("max_new_tokens"))
-    parser.add_argument("--block-length", type=int, default=UNSET, help=option_help("block_length"))
-    parser.add_argument(
-        "--threshold",
-        type=_threshold,
-        default=UNSET,
-        help=option_help("threshold") + "; 'none' = no threshold: LLaDA's fixed schedule, for LLaDA2.x one token per "
-        "step, for Dream its timestep schedule (alg). It replaces SRC's decoding rule (steps, factor), as "
-        "generate(threshold=...) does",
-    )
+    # Each option is the field's command-line option (its flag and type: `cli.generation_options`).
+    extra_help = {
+        "threshold": "; 'none' = no threshold: LLaDA's fixed schedule, for LLaDA2.x one token per step, for Dream its "
+        "timestep schedule (alg). It replaces SRC's decoding rule (steps, factor), as generate(threshold=...) does"
+    }
+    for name in EXPORT_FIELDS:
+        help_text = option_help(name) + extra_help.get(name, "")
+        add_generation_argument(parser, GENERATION_FIELDS[name], default=UNSET, help=help_text, aliases=False)
     return parser
 
 

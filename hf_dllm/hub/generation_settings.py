@@ -11,6 +11,7 @@ import os
 import types
 from pathlib import Path
 
+from ..cli.generation_options import flag
 from .families import DEFAULT_FAMILY, ExportError, model_family, read_json_object
 
 
@@ -28,12 +29,11 @@ UNSET = Unset()
 # when SRC has none hf_dllm reads; "fast": the family's fast defaults (`ModelFamily.fast_defaults`), whatever SRC has.
 GENERATION_DEFAULTS_CHOICES = ("source", "fast")
 DEFAULT_GENERATION_DEFAULTS = "source"
-# The exporter's options that set one field of generation_config.json: field -> command-line option.
-GENERATION_OPTIONS = {
-    "max_new_tokens": "--max-new-tokens",
-    "block_length": "--block-length",
-    "threshold": "--threshold",
-}
+# The fields of generation_config.json the exporter has an option for; each option is the field's command-line
+# option (`cli.generation_options`: its flag and its type, from `GENERATION_FIELDS`).
+EXPORT_FIELDS = ("max_new_tokens", "block_length", "threshold")
+# Field -> command-line option.
+GENERATION_OPTIONS = {name: flag(name) for name in EXPORT_FIELDS}
 
 
 # Where a field of the exported generation_config.json came from (`GenerationSettings.origins`), besides
@@ -144,7 +144,7 @@ def resolve_generation_settings(
 
     Raises `ExportError` naming the option or the file for an invalid value, before anything is written.
     """
-    from ..generation_config import SPECIAL_TOKEN_FIELDS, DiffusionGenerationConfig
+    from ..generation_config import GENERATION_FIELDS, SPECIAL_TOKEN_FIELDS, DiffusionGenerationConfig
     from ..generation_utils import DECODING_RULE_FIELDS
 
     if generation_defaults not in GENERATION_DEFAULTS_CHOICES:
@@ -152,11 +152,12 @@ def resolve_generation_settings(
             f"--generation-defaults (generation_defaults) must be one of {', '.join(GENERATION_DEFAULTS_CHOICES)}, "
             f"got {generation_defaults!r}."
         )
-    given = {"max_new_tokens": max_new_tokens, "block_length": block_length, "threshold": threshold}
+    given = dict(zip(EXPORT_FIELDS, (max_new_tokens, block_length, threshold), strict=True))
+    # None is "not given" but where None is a value of the field (`threshold=None`: no threshold).
     options = {
         name: value
         for name, value in given.items()
-        if value is not UNSET and (value is not None or name == "threshold")
+        if value is not UNSET and (value is not None or GENERATION_FIELDS[name].none_option)
     }
     for name, value in options.items():
         try:

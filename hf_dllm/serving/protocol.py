@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation_config import DiffusionGenerationConfig, is_int
+from ..generation_config import GENERATION_FIELDS, DiffusionGenerationConfig, is_int
 
 MAX_ERROR_MESSAGE = 2000
 
@@ -41,23 +41,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# Request field -> DiffusionGenerationConfig field. `use_dual_cache` is the name hand-written LLaDA servers use.
+# The request fields of the generation settings: every field of `DiffusionGenerationConfig` that is a request field
+# (`GenerationField.request`; its type and values are the config's), under its own name, except `max_new_tokens`
+# (OpenAI's `max_tokens`, below). The fields of a family's own sampler are the served model's (`sampler_fields`).
+_OWN_NAMES = ("max_new_tokens",)
 DLLM_FIELDS = {
-    "steps": "steps",
-    "block_length": "block_length",
-    "threshold": "threshold",
-    "factor": "factor",
-    "use_cache": "use_cache",
-    "dual_cache": "dual_cache",
-    "use_dual_cache": "dual_cache",
-    "remasking": "remasking",
-    "cfg_scale": "cfg_scale",
-    "eos_early_stop": "eos_early_stop",
-    "minimal_topk": "minimal_topk",
-    "editing_threshold": "editing_threshold",
-    "max_post_steps": "max_post_steps",
-    "num_to_transfer": "num_to_transfer",
+    name: name
+    for name, field in GENERATION_FIELDS.items()
+    if field.option and field.request and field.owner is None and name not in _OWN_NAMES
 }
+# Other names of request fields: `use_dual_cache` is the name hand-written LLaDA servers use.
+REQUEST_ALIASES = {"use_dual_cache": "dual_cache"}
+DLLM_FIELDS.update(REQUEST_ALIASES)
 # OpenAI fields accepted only with their neutral value (anything else: 400 naming the field).
 NEUTRAL = {
     "n": (None, 1),
@@ -79,7 +74,6 @@ NEUTRAL = {
 COMMON_FIELDS = {
     "model",
     "max_tokens",
-    "temperature",
     "stream",
     "stream_options",
     "stop",
@@ -268,8 +262,6 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
         if body.get(name) is not None:
             fields[target] = body[name]
             aliases[target] = name
-    if body.get("temperature") is not None:
-        fields["temperature"] = body["temperature"]
 
     prompt_param = "messages" if chat else "prompt"
     if max_tokens is not None:
