@@ -26,12 +26,13 @@ from transformers import GenerationConfig
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
-from .block_loop import BlockDiffusionRun, BlockEvent, apply_stopping_criteria, decoding_policies
+from .block_loop import BlockDiffusionRun, BlockEvent, apply_stopping_criteria
 from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal, plan_blocks
 from .cache import CachePolicy, DiffusionKVCache, new_kv_cache
 from .decoding import UnmaskingPolicy
 from .family import family_for_config
 from .generation_config import DiffusionGenerationConfig, is_number
+from .step_machine import decoding_policies
 
 logger = logging.get_logger(__name__)
 
