@@ -160,6 +160,9 @@ class BlockDiffusionRun:
         self.machine = StepMachine(
             model, config, device, policies, batch, self._new_cache, self._graph_shape, MAX_GRAPHS, drafts
         )
+        # The machine's objects that callers read of the run (fixed for the run).
+        self.unmasking, self.cache_policy = self.machine.unmasking, self.machine.cache_policy
+        self.rules, self.cache = self.machine.rules, self.machine.cache
         self.block_end = self.plan.blocks[0][0] if self.plan.blocks else self.seq_len
 
     def _new_cache(self, rows: int):
@@ -173,7 +176,7 @@ class BlockDiffusionRun:
         starts with them)."""
         return (rows, self.seq_len, self.canvas.key_mask is None)
 
-    # What tests, benchmarks and callers read of the run: the machine's and the canvas' state.
+    # What callers read of the run that changes as it goes: the machine's and the canvas' state.
     @property
     def x(self) -> torch.Tensor:
         """`(active_rows, canvas)`: the active rows' canvas."""
@@ -188,22 +191,6 @@ class BlockDiffusionRun:
     def nfe_per_row(self) -> torch.Tensor:
         """`(batch,)` long: forwards each row took part in so far."""
         return self.canvas.nfe_per_row
-
-    @property
-    def unmasking(self) -> UnmaskingPolicy:
-        return self.machine.unmasking
-
-    @property
-    def cache_policy(self) -> CachePolicy:
-        return self.machine.cache_policy
-
-    @property
-    def rules(self):
-        return self.machine.rules
-
-    @property
-    def cache(self):
-        return self.machine.cache
 
     @property
     def graphs(self):

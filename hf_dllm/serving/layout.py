@@ -173,6 +173,7 @@ class LayoutRun:
         return ("continuous", rows, self.max_width, self.max_positions)
 
     def release(self) -> None:
+        """Give the model's CUDA-graph runner back (`StepMachine.release`): the settings group left."""
         self.machine.release()
 
     def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
