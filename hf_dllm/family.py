@@ -42,6 +42,7 @@ SHARED_REMOTE_CODE_FILES = (
     "generation_utils.py",
     "block_loop.py",
     "block_plan.py",
+    "step_machine.py",
     "generation_config.py",
     "family.py",
     "decoding.py",

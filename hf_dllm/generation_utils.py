@@ -8,11 +8,11 @@ pluggable pieces decide the rest:
 - a cache policy (`cache.py`): which positions a step recomputes (no cache / prefix cache / dual cache);
 - an unmasking policy (`decoding.py`): how many positions a step commits (fixed schedule / threshold / factor).
 
-The loop itself is `block_loop.py` (`BlockDiffusionRun`), where it decodes is `block_plan.py`; this file holds the
-model interface and `generate()`, and re-exports their names. The generation parameters are
-`DiffusionGenerationConfig` (`generation_config.py`, re-exported here). The model is reached through a small
-interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`, its family object (`family.py`: every
-rule in which families differ), `_diffusion_forward` and `_diffusion_new_cache`.
+The loop itself is `block_loop.py` (`BlockDiffusionRun`), its steps `step_machine.py` (`StepMachine`), where it
+decodes is `block_plan.py`; this file holds the model interface and `generate()`, and re-exports their names. The
+generation parameters are `DiffusionGenerationConfig` (`generation_config.py`, re-exported here). The model is
+reached through a small interface (`DiffusionGenerationMixin`): `generation_config.mask_token_id`, its family
+object (`family.py`: every rule in which families differ), `_diffusion_forward` and `_diffusion_new_cache`.
 
 This file is exported verbatim as Hub remote code.
 """
@@ -26,12 +26,13 @@ from transformers import GenerationConfig
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import ModelOutput, logging
 
-from .block_loop import BlockDiffusionRun, BlockEvent, apply_stopping_criteria, decoding_policies
+from .block_loop import BlockDiffusionRun, BlockEvent, apply_stopping_criteria
 from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal, plan_blocks
 from .cache import CachePolicy, DiffusionKVCache, new_kv_cache
 from .decoding import UnmaskingPolicy
 from .family import family_for_config
 from .generation_config import DiffusionGenerationConfig, is_number
+from .step_machine import decoding_policies
 
 logger = logging.get_logger(__name__)
 
@@ -456,8 +457,8 @@ class DiffusionGenerationMixin:
         return input_ids, attention_mask
 
 
-# The generation API, with the loop's and the plan's names (`block_loop.py`, `block_plan.py`) for importers of this
-# module.
+# The generation API, with the loop's, its steps' and the plan's names (`block_loop.py`, `step_machine.py`,
+# `block_plan.py`) for importers of this module.
 __all__ = [
     "DECODING_RULE_FIELDS",
     "BlockDiffusionRun",

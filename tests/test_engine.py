@@ -26,6 +26,7 @@ from hf_dllm.serving.engine import (
 )
 from hf_dllm.serving.layout import LayoutRun
 from hf_dllm.serving.rows import BlockUpdate, EngineRequest
+from hf_dllm.step_machine import StepMachine
 
 TRAINED_DIR = FIXTURES / "llada-tiny-trained"
 
@@ -130,7 +131,7 @@ def test_full_forwards_run_packed_without_padding(trained, use_cache):
     assert short.plan.canvas_width + long.plan.canvas_width == 37 + 64
     assert engine.first_step_positions - before == 37 + 64
     # The aligned layout of the block's other steps: `short`'s block (at 21) moved to `long`'s (at 40), 2 x 64.
-    assert engine.runs[short.settings].x.shape == (2, 64)
+    assert engine.runs[short.settings].canvas.x.shape == (2, 64)
     engine.run_until_done()
     assert_alone(trained, [short, long])
 
@@ -304,13 +305,13 @@ def test_block_causal_layouts_hold_the_visible_columns_in_power_of_two_widths(ra
 def recorded_forward_rows(monkeypatch) -> list[int]:
     """The rows of every forward a layout runs through its step function (what a CUDA graph's shape holds)."""
     rows = []
-    step = LayoutRun.step
+    step = StepMachine.step
 
     def recorded(self, tokens, *args, **kwargs):
         rows.append(tokens.shape[0])
         return step(self, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(LayoutRun, "step", recorded)
+    monkeypatch.setattr(StepMachine, "step", recorded)
     return rows
 
 
@@ -862,7 +863,7 @@ def test_step_capturability_is_asked_without_autograd():
         run = LayoutRun(
             model, config, max_rows=2, max_width=32, device=torch.device("cpu"), shared_cache=lambda r: None
         )
-        assert run._step_capturable()
+        assert run.machine.step_capturable()
 
 
 def recorded_layouts(monkeypatch) -> list[list[tuple[int, int]]]:

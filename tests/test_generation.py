@@ -671,17 +671,17 @@ def test_shifted_model_no_cache_two_layers(reference_model):
 def test_every_block_start_full_forward_has_one_graph_key(reference_model, monkeypatch, cache):
     """A CUDA graph is keyed by its step's shapes only (every column index is an input), so the full forward at
     each block start (the same shapes in every block) is one graph, captured once and replayed by later blocks."""
-    from hf_dllm.generation_utils import BlockDiffusionRun
+    from hf_dllm.step_machine import StepMachine
 
     keys: dict[int, set] = {0: set(), 1: set()}
-    original = BlockDiffusionRun._step_inputs
+    original = StepMachine.step_inputs
 
-    def recording(self, block_start, block_end, step, active, generated):
-        inputs, key = original(self, block_start, block_end, step, active, generated)
+    def recording(self, canvas, block_start, block_end, step, active, generated, rows=None):
+        inputs, key = original(self, canvas, block_start, block_end, step, active, generated, rows)
         keys[min(step, 1)].add(key)
         return inputs, key
 
-    monkeypatch.setattr(BlockDiffusionRun, "_step_inputs", recording)
+    monkeypatch.setattr(StepMachine, "step_inputs", recording)
     out = reference_model.generate(
         random_prompt(9, 3), max_new_tokens=32, block_length=8, steps=16, eos_early_stop=False,
         return_dict_in_generate=True, **CACHE_MODES[cache],

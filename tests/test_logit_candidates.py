@@ -1,4 +1,4 @@
-"""Logits only where masks can be left (`BlockDiffusionRun._logit_slots`): when the unmasking rule bounds how many
+"""Logits only where masks can be left (`StepMachine._logit_slots`): when the unmasking rule bounds how many
 masked positions an active row can still hold (`UnmaskingPolicy.masked_bound`), a block step computes the LM head
 at that many positions per row (its masked ones first) instead of the whole block. The tokens and forwards must be
 exactly those of the full-block logits (float32, CPU), for every rule that bounds its masks; rules that read other
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_dllm import LLaDA2MoeModelLM, block_loop
+from hf_dllm import LLaDA2MoeModelLM, step_machine
 from hf_dllm.decoding import ConfidenceFactor, ConfidenceThreshold, FixedSchedule, ScheduledThreshold, TokenEditing
 from hf_dllm.generation_utils import left_pad
 
@@ -40,8 +40,8 @@ def generate_both_ways(model, monkeypatch, input_ids, **kwargs):
     """(full-block run, candidate run): each `(output, logits positions per forward)`."""
     runs = []
     for minimum, granularity in ((10**9, 8), (0, 1)):
-        monkeypatch.setattr(block_loop, "MIN_CANDIDATE_POSITIONS", minimum)
-        monkeypatch.setattr(block_loop, "CANDIDATE_GRANULARITY", granularity)
+        monkeypatch.setattr(step_machine, "MIN_CANDIDATE_POSITIONS", minimum)
+        monkeypatch.setattr(step_machine, "CANDIDATE_GRANULARITY", granularity)
         with monkeypatch.context() as patch:
             seen = record_logit_rows(model, patch)
             out = model.generate(input_ids, return_dict_in_generate=True, **kwargs)

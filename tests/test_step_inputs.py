@@ -102,19 +102,20 @@ def test_step_inputs_reuse_a_blocks_columns_and_counts():
     run = BlockDiffusionRun(model, generation, prompts, None)
     (start, end), next_block = run.plan.blocks[0], run.plan.blocks[1]
     run.unmasking.start_block(end - start, 8)
-    first, _ = run._step_inputs(start, end, 1, None, None)
-    second, _ = run._step_inputs(start, end, 2, None, None)
+    first, _ = run.machine.step_inputs(run.canvas, start, end, 1, None, None)
+    second, _ = run.machine.step_inputs(run.canvas, start, end, 2, None, None)
     fed = {name: value for name, value in first.items() if value is not None}
     replay = captured_step(**fed)
     unchanged = ("position_ids", "cache_position", "logits_index", "block_index", "scheduled")
     for name in unchanged:  # a replay of the second step copies none of these again
         assert not copied(replay, name, second[name]), name
     run.x[:, start] = 5  # the block's tokens changed: copied
-    assert copied(replay, "tokens", run._step_inputs(start, end, 3, None, None)[0]["tokens"])
-    refresh, _ = run._step_inputs(start, end, 0, None, None)  # the block start's full forward: its own columns
+    assert copied(replay, "tokens", run.machine.step_inputs(run.canvas, start, end, 3, None, None)[0]["tokens"])
+    # The block start's full forward: its own columns.
+    refresh, _ = run.machine.step_inputs(run.canvas, start, end, 0, None, None)
     assert refresh["cache_position"] is not first["cache_position"]
     assert torch.equal(refresh["cache_position"], torch.arange(run.seq_len))
-    later, _ = run._step_inputs(*next_block, 1, None, None)
+    later, _ = run.machine.step_inputs(run.canvas, *next_block, 1, None, None)
     assert torch.equal(later["cache_position"], torch.arange(*next_block))
     assert torch.equal(first["cache_position"], torch.arange(start, end))  # the earlier block's are unchanged
     assert torch.equal(later["block_index"], torch.arange(8))

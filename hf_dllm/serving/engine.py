@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..block_loop import decoding_policies
 from ..generation_config import DiffusionGenerationConfig, is_int
+from ..step_machine import decoding_policies
 from .layout import LayoutRun, kv_positions
 from .row_cache import RowKVStore
 from .rows import EngineRequest
@@ -266,7 +266,7 @@ class ContinuousBatcher:
         self.max_refresh_positions = max_refresh_positions
         self.intake: Callable[[], None] | None = None
         if self.keeps_row_kv and not model.diffusion_packed_rows:
-            # Joining rows whose K/V are kept are prefilled packed (`LayoutRun._packed_forward`).
+            # Joining rows whose K/V are kept are prefilled packed (`layout.PackedLayout`).
             raise ValueError(
                 f"{type(model).__name__} keeps its rows' K/V, and its forward does not take packed rows "
                 "(`diffusion_packed_rows`): continuous batching prefills such rows packed."
@@ -540,7 +540,7 @@ class ContinuousBatcher:
             rows = queue.pop(0)
             try:
                 run = self._run_for(rows[0])
-                before, positions = run.nfe, run.first_step_positions
+                before, positions = run.machine.nfe, run.machine.first_step_positions
                 # Layouts change shape at every join and leave: no attention backend that plans per shape.
                 with torch.no_grad(), attention_without_shape_plans(run.device):
                     updates = run.decode_block(rows, self.layout_width(rows))
@@ -550,8 +550,8 @@ class ContinuousBatcher:
                     row.error = error
                 failure = failure or error
                 continue
-            self.forwards += run.nfe - before
-            self.first_step_positions += run.first_step_positions - positions
+            self.forwards += run.machine.nfe - before
+            self.first_step_positions += run.machine.first_step_positions - positions
             self.layouts += 1
             self.last_layout_sizes.append(len(rows))
             decoded += len(rows)

@@ -1,6 +1,6 @@
 """One layout of a continuous batch: the running rows of one settings group, laid out anew before each block and
-decoded by the one block loop (`LayoutRun`, a `BlockDiffusionRun`). The scheduler that forms layouts is
-`engine.ContinuousBatcher`.
+decoded by the steps of `generate()` (`LayoutRun`, which holds a `step_machine.StepMachine` as `generate()`'s
+`BlockDiffusionRun` does). The scheduler that forms layouts is `engine.ContinuousBatcher`.
 
 Between two blocks nothing ties a row to its place in the batch (a bidirectional model's caches recompute every
 position at a block's first step; a block-causal model's earlier blocks hold committed tokens only), so:
@@ -9,7 +9,7 @@ position at a block's first step; a block-causal model's earlier blocks hold com
   from its first prompt token). Before a block, every row is shifted right so that its *current* block starts at
   one shared column `C` (rows of different requests are at different blocks of their own plans); columns before
   a row's prompt and after its canvas are padding, masked as keys, and each row's RoPE positions are its own. The
-  block is then decoded by the one loop (`BlockDiffusionRun.denoise_block`: the same steps, policies, caches and
+  block is then decoded by the one loop (`step_machine.Canvas.denoise_block`: the same steps, policies, caches and
   CUDA graphs as `generate()`), and each row's block is copied back into its own canvas. In float32 a row's
   tokens and forwards are those of `generate()` alone: padding is masked, nothing else is shared.
 - A block's forwards over whole canvases (the prefix/dual cache's refresh at the block's first step, the dual
@@ -37,11 +37,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..block_loop import BlockDiffusionRun
 from ..cache import StoredBlockCache
 from ..generation_config import DiffusionGenerationConfig
-from ..graphs import StepGraphs
 from ..packed import PackedRows
+from ..step_machine import Canvas, StepMachine, decoding_policies
 from .row_cache import RowKVStore
 from .rows import BlockUpdate, EngineRequest
 
@@ -60,9 +59,82 @@ def kv_positions(rows: int, width: int, config: DiffusionGenerationConfig) -> in
     return rows * (2 if config.cfg_scale > 0 else 1) * width
 
 
-class LayoutRun(BlockDiffusionRun):
-    """The decoding state of one settings group: `BlockDiffusionRun`'s rules, policies, cache and CUDA graphs,
-    with rows laid out anew before each block (`decode_block`) instead of one canvas for the whole call."""
+class PackedLayout:
+    """Layout rows `layout[layout_rows]` (no padding row among them) for a forward over their columns before `end`
+    (an aligned column), packed end to end, made once per block so that no padding column is computed.
+
+    Attributes:
+        packing (`packed.PackedRows`): the rows' lengths, and where their K/V go in the cache.
+        layout_rows (`slice`): the packed rows among the layout's.
+        rows, columns (`torch.LongTensor` `(T,)`, device): each packed position's row and column in the canvas.
+        positions (`torch.LongTensor` `(T,)`): its column in its row's own canvas, also its RoPE position.
+        cache_position (`torch.LongTensor` `(T,)`): `[0, T)`.
+        logits_index (`torch.LongTensor` `(rows * length,)`): the packed positions whose logits the block's step
+            reads.
+    """
+
+    def __init__(
+        self, machine: StepMachine, layout, shifts: torch.Tensor, length: int, end: int, layout_rows: slice, own: bool
+    ):
+        """`shifts` `(n,)`: each layout row's shift; `own`: K/V go to each row's own columns of the cache's first
+        rows (a block-causal joining row: `LayoutRun._first_step_from_store` saves them to its slot), else to its
+        aligned columns (a bidirectional row: the block's later steps read them there)."""
+        lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
+        block_columns = torch.arange(length)
+        for i in range(layout_rows.start, layout_rows.stop):
+            shift, row = int(shifts[i]), layout[i]
+            own_columns = min(row.tokens.shape[0], end - shift)
+            lengths.append(own_columns)
+            row_index.append(torch.full((own_columns,), i))
+            columns.append(torch.arange(shift, shift + own_columns))
+            logits_index.append(offset + row.plan.blocks[row.block][0] - machine.shift + block_columns)
+            offset += own_columns
+        device = machine.device
+        self.columns = torch.cat(columns).to(device)
+        self.rows = torch.cat(row_index).to(device)
+        self.positions = self.columns - shifts.to(device)[self.rows]
+        cache_columns = self.positions if own else self.columns
+        cache = machine.cache
+        self.packing = PackedRows(lengths, cache, cache_columns if cache is not None else None, kept_per_row=length)
+        self.layout_rows = layout_rows
+        self.cache_position = torch.arange(self.columns.shape[0], device=device)
+        self.logits_index = torch.cat(logits_index).to(device)
+
+    def step(self, machine: StepMachine, canvas: Canvas, block_start, block_end, step, active, generated):
+        """Step `step` of the packed rows, on their canvases packed end to end (their K/V go where `packing`
+        says); counts the forward. Returns every layout row's block `(rows, L)` (the packed rows' new one, the
+        others' as it is) and whether each edited a committed token `(rows,)`."""
+        x, device, rows, packing = canvas.x, machine.device, self.layout_rows, self.packing
+        tokens = x[self.rows, self.columns].unsqueeze(0)
+        if step == 0:
+            machine.first_step_positions += tokens.shape[1]
+        logits = machine.model._diffusion_forward(
+            tokens,
+            packing,
+            self.positions.unsqueeze(0),
+            packing,
+            self.cache_position,
+            self.logits_index,
+            **machine.forward_kwargs,
+        ).to(device)
+        scheduled = machine.unmasking.scheduled_counts(step, x.shape[0], device)[rows]
+        new_block = x[:, block_start:block_end].clone()
+        edited = torch.zeros(x.shape[0], dtype=torch.bool, device=device)
+        new_block[rows], _, edited[rows] = machine.decide(
+            x[rows, block_start:block_end],
+            logits.view(len(packing.lengths), block_end - block_start, -1),
+            scheduled,
+            None if generated is None else generated[rows],
+            None if active is None else active[rows],
+        )
+        machine.nfe += 1
+        return new_block, edited
+
+
+class LayoutRun:
+    """The decoding state of one settings group: a `StepMachine` (the rules, policies, cache and CUDA graphs of
+    `generate()`'s run), with rows laid out anew on a `Canvas` before each block (`decode_block`) instead of one
+    canvas for the whole call."""
 
     def __init__(
         self,
@@ -76,38 +148,33 @@ class LayoutRun(BlockDiffusionRun):
         row_bucket: Callable[[int, int], int] | None = None,
         max_positions: int | None = None,
     ):
-        """`shared_cache()` gives the engine's K/V cache (one for every settings group: layouts are decoded one
+        """`shared_cache(rows)` gives the engine's K/V cache (one for every settings group: layouts are decoded one
         after the other and no K/V survives in it between blocks); `store` keeps block-causal rows' exact K/V
         between blocks (used when the config caches); `row_bucket(k, limit)` (None: no padding rows), the rows a
         forward of `k` rows runs with when at most `limit` fit, `k <= row_bucket(k, limit) <= limit`
         (`_with_padding_rows`); `max_positions` (None: no budget), the K/V positions (rows x columns) the shared
         cache holds, which caps a layout's padding rows at its width."""
         self.store = store if model.diffusion_family.committed_kv_exact and config.use_cache else None
-        cache_policy = StoredBlockCache() if self.store is not None else None
-        self._setup_decoding(model, config, device, None, cache_policy)
-        self.first_step_positions = 0  # positions (rows x columns) fed to the model by blocks' first steps
-        self.streamer = None
-        self.stopping_criteria = []
+        policies = decoding_policies(model, config, None, StoredBlockCache() if self.store is not None else None)
+        self.model, self.config, self.device = model, config, device
         self.max_width = max_width
         self.max_rows = max_rows
         self.row_bucket = row_bucket
         self.max_positions = max_positions
-        self._shared_cache = shared_cache
-        self._setup_cache(max_rows, ENGINE_MAX_GRAPHS)
-        self._setup_rules()
+        self.canvas: Canvas | None = None  # the layout of the block under way (`decode_block`)
+        self.packed: PackedLayout | None = None
+        self.machine = StepMachine(
+            model, config, device, policies, max_rows, shared_cache, self._graph_shape, ENGINE_MAX_GRAPHS
+        )
 
-    def _new_cache(self):
-        return self._shared_cache(self.rows_per_forward) if self.cache_policy.uses_cache else None
-
-    def _graph_shape(self) -> tuple:
+    def _graph_shape(self, rows: int) -> tuple:
         # Layouts of every row count and width share the runner (rows and width are in each step's key); its cache
         # holds `max_positions` (another engine's runner, of another budget, is not taken over).
-        return ("continuous", self.rows_per_forward, self.max_width, self.max_positions)
+        return ("continuous", rows, self.max_width, self.max_positions)
 
     def release(self) -> None:
-        if self.graphs is not None:
-            StepGraphs.release_to(self.model)
-            self.graphs = None
+        """Give the model's CUDA-graph runner back (`StepMachine.release`): the settings group left."""
+        self.machine.release()
 
     def decode_block(self, rows: list[EngineRequest], width: int) -> list[BlockUpdate]:
         """Decode the current block of every row in `rows` (one cohort: equal block length and steps) on a canvas
@@ -116,7 +183,7 @@ class LayoutRun(BlockDiffusionRun):
 
         Forwards that start at a row's first column (the block's first step with a prefix/dual cache: the refresh;
         every step without a cache; a block-causal row's prefill) run on the rows packed end to end
-        (`_packed_forward`), so no row pays for the others' lengths or misalignment in the block's most expensive
+        (`PackedLayout`), so no row pays for the others' lengths or misalignment in the block's most expensive
         forward. Block-causal rows keep their K/V in the store (`_first_step_from_store`): only the rows at their
         first block are prefilled (packed), the others recompute their previous block in the aligned layout.
 
@@ -129,80 +196,97 @@ class LayoutRun(BlockDiffusionRun):
         joining = sum(row.block == 0 for row in rows) if self.store is not None else 0  # rows at their first block
         layout = self._with_padding_rows(rows, joining, width)
         where = [i for i, row in enumerate(layout) if row is not None]  # each of `rows`' place in the layout
-        device, n = self.device, len(layout)
         first_real = rows[0]
         length = first_real.plan.blocks[first_real.block][1] - first_real.plan.blocks[first_real.block][0]
         block_start = max(row.plan.blocks[row.block][0] for row in rows)
         block_end = block_start + length
-        # A padding row is all prompt (no mask, nothing generated: it commits nothing, never ends, never adds a
-        # step) at unshifted columns, seeing the columns up to the block's end (finite attention).
+        canvas = self._lay_out(layout, width, block_start, block_end)
+        self._plan_first_step(layout, where, len(rows), joining, block_start, block_end)
+        steps = first_real.plan.block_steps[0, first_real.block]  # one cohort: every row's steps are equal
+        canvas.denoise_block(self.machine, steps.expand(len(layout)).clone(), block_start, block_end, self.run_step)
+
+        last = torch.tensor([row is not None and row.block == int(row.plan.last_block[0]) for row in layout])
+        ended = canvas.finished_rows(self.machine, last, block_end)
+        ended = torch.zeros(len(layout), dtype=torch.bool) if ended is None else ended.cpu()
+        if bool(ended.any()):  # as generate() shows ended rows: EOS after the block (and after a block-causal EOS)
+            canvas.fill_ended(self.machine, ended.to(self.device), block_end)
+        updates = [None] * len(rows)
+        for k, update in enumerate(self._advance(rows, where, ended, block_start, block_end)):
+            updates[order[k]] = update
+        return updates
+
+    def _lay_out(self, layout: list[EngineRequest | None], width: int, block_start: int, block_end: int) -> Canvas:
+        """The canvas of `layout` (`canvas`, also returned): every row shifted right so that its current block
+        starts at `block_start`, its own RoPE positions, padding masked as keys. A padding row (None) is all prompt
+        (no mask, nothing generated: it commits nothing, never ends, never adds a step) at unshifted columns, seeing
+        the columns up to the block's end (finite attention). Sets each layout row's `starts` (its block's start in
+        its own canvas), `shifts` and `prompt_lengths` (`(n,)` long, host)."""
+        device, n = self.device, len(layout)
         starts = torch.tensor([block_start if row is None else row.plan.blocks[row.block][0] for row in layout])
         shifts = block_start - starts
         prompt_lengths = torch.tensor([width if row is None else int(row.plan.prompt_end[0]) for row in layout])
-        self.x = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
-        self.key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
+        x = torch.full((n, width), self.config.prompt_pad_token_id, dtype=torch.long, device=device)
+        key_mask = torch.zeros((n, width), dtype=torch.long, device=device)
         for i, row in enumerate(layout):
             if row is None:
-                self.key_mask[i, :block_end] = 1
+                key_mask[i, :block_end] = 1
                 continue
             shift, own = int(shifts[i]), min(row.tokens.shape[0], width - int(shifts[i]))
-            self.x[i, shift : shift + own] = row.tokens[:own]
-            self.key_mask[i, shift : shift + own] = 1
+            x[i, shift : shift + own] = row.tokens[:own]
+            key_mask[i, shift : shift + own] = 1
         columns = torch.arange(width, device=device)
-        self.position_ids = (columns - shifts.to(device).unsqueeze(-1)).clamp(min=0)
-        self.host_prompt_end = shifts + prompt_lengths
-        self.prompt_end = self.host_prompt_end.to(device)
-        self.seq_len = width
-        self.rows, self.host_rows = torch.arange(n, device=device), torch.arange(n)
-        self.stopped = torch.zeros(n, dtype=torch.bool, device=device)
-        self.nfe_per_row = torch.zeros(n, dtype=torch.long, device=device)
-        self.attention_masks = {}
-        if self.cache is not None:  # every policy here recomputes all of it at the block's first step
-            self.cache.set_length(width)
+        position_ids = (columns - shifts.to(device).unsqueeze(-1)).clamp(min=0)
+        host_prompt_end = shifts + prompt_lengths
+        self.canvas = Canvas(x, position_ids, key_mask, host_prompt_end.to(device), host_prompt_end)
+        self.starts, self.shifts, self.prompt_lengths = starts, shifts, prompt_lengths
+        if self.machine.cache is not None:  # every policy here recomputes all of it at the block's first step
+            self.machine.cache.set_length(width)
+        return self.canvas
+
+    def _plan_first_step(self, layout, where: list[int], real: int, joining: int, block_start: int, block_end: int):
+        """How the block's first step runs (`run_step`): packed rows (`packed`), and with a store the continuing and
+        joining rows (`_first_step_from_store`). `where`: the layout row of each of the `real` rows (the others
+        are padding), the last `joining` of them at their first block."""
         self.packed = None
+        length = block_end - block_start
         if self.store is not None:
-            self.joining, self.continuing = joining, len(rows) - joining
+            self.joining, self.continuing = joining, real - joining
             # Layout rows of the continuing rows' first-step forward (theirs and their padding), then the joining
             # rows'. A padding row loads the first row's slot (any finite K/V do) and saves nothing.
-            self.first_step_rows = where[self.continuing] if joining else n
+            self.first_step_rows = where[self.continuing] if joining else len(layout)
+            first_real = layout[where[0]]
             self.slots = torch.tensor([(first_real if row is None else row).slot for row in layout])
-            self.shifts, self.starts = shifts, starts
             if joining:  # their prefill: prompt and first block, each at its own columns
                 joining_rows = slice(self.first_step_rows, self.first_step_rows + joining)
-                self.packed = self._packed_layout(layout, shifts, length, block_end, joining_rows)
-        elif self.model.diffusion_packed_rows and not self.cfg:
-            first, end = self.cache_policy.query_range(block_start, block_end, width, first_step=True)
+                self.packed = PackedLayout(self.machine, layout, self.shifts, length, block_end, joining_rows, True)
+        elif self.model.diffusion_packed_rows and not self.machine.cfg:
+            width = self.canvas.width
+            first, end = self.machine.cache_policy.query_range(block_start, block_end, width, first_step=True)
             if first == 0:  # the whole canvas (bidirectional), or up to the block (block-causal, no cache)
-                self.packed = self._packed_layout(layout, shifts, length, end, slice(0, len(rows)))
-        steps = first_real.plan.block_steps[0, first_real.block]  # one cohort: every row's steps are equal
-        self.denoise_block(steps.expand(n).clone(), block_start, block_end)
+                self.packed = PackedLayout(self.machine, layout, self.shifts, length, end, slice(0, real), False)
 
-        last = torch.tensor([row is not None and row.block == int(row.plan.last_block[0]) for row in layout])
-        ended = (
-            self.finished_rows(last, block_end).cpu()
-            if self._rows_can_finish(last)
-            else torch.zeros(n, dtype=torch.bool)
-        )
-        if bool(ended.any()):  # as generate() shows ended rows: EOS after the block (and after a block-causal EOS)
-            rows_ended = ended.to(device)
-            self.x[rows_ended] = self.filled(self.x[rows_ended], self._generated_part(block_end)[rows_ended], block_end)
-        block = self.x[:, block_start:block_end].cpu()  # the one copy to the host of this block
-        nfe = self.nfe_per_row.tolist()
-        updates = [None] * len(rows)
-        for k, (i, row) in enumerate(zip(where, rows, strict=True)):
-            start, shift, prompt = int(starts[i]), int(shifts[i]), int(prompt_lengths[i])
-            if bool(ended[i]):  # as `filled` shows it: the fill token after the layout's columns too
+    def _advance(self, rows, where: list[int], ended: torch.Tensor, block_start: int, block_end: int):
+        """Copy each row's decoded block (an ended row: its whole canvas, as `fill_ended` shows it) back into its
+        own canvas and advance it; returns each row's `BlockUpdate`, in the order of `rows` (`where`: each one's
+        layout row; `ended` `(n,)` bool, host)."""
+        x, width, length = self.canvas.x, self.canvas.width, block_end - block_start
+        block = x[:, block_start:block_end].cpu()  # the one copy to the host of this block
+        nfe = self.canvas.nfe_per_row.tolist()
+        updates = []
+        for i, row in zip(where, rows, strict=True):
+            start, shift, prompt = int(self.starts[i]), int(self.shifts[i]), int(self.prompt_lengths[i])
+            if bool(ended[i]):  # as `fill_ended` shows it: the fill token after the layout's columns too
                 own = min(row.tokens.shape[0], width - shift)
-                row.tokens = torch.full_like(row.tokens, self.fill_id)
-                row.tokens[:own] = self.x[i, shift : shift + own]
+                row.tokens = torch.full_like(row.tokens, self.machine.fill_id)
+                row.tokens[:own] = x[i, shift : shift + own]
             else:
-                row.tokens[start : start + length] = self.x[i, block_start:block_end]
+                row.tokens[start : start + length] = x[i, block_start:block_end]
             previous = row.committed
             row.committed = max(0, min(start + length - prompt, row.config.max_new_tokens))
             row.nfe += nfe[i]
             row.block += 1
             new = block[i, previous + prompt - start : row.committed + prompt - start].tolist()
-            updates[order[k]] = BlockUpdate(new, bool(ended[i]), row.nfe)
+            updates.append(BlockUpdate(new, bool(ended[i]), row.nfe))
         return updates
 
     def _with_padding_rows(self, rows: list[EngineRequest], joining: int, width: int) -> list[EngineRequest | None]:
@@ -229,93 +313,22 @@ class LayoutRun(BlockDiffusionRun):
             *[None] * (total - first - joining),
         ]
 
-    def _packed_layout(self, layout, shifts: torch.Tensor, length: int, end: int, packed_rows: slice) -> dict:
-        """The layout rows `layout[packed_rows]` (no padding row among them) for a forward over their columns before
-        `end` (an aligned column), packed end to end, made once per block: their `packing` (`packed.PackedRows`: no
-        padding, and where their K/V go),
-        `(T,)` device tensors `rows` and `columns` (each packed position's row and column in `self.x`),
-        `positions` (its column in its row's own canvas, also its RoPE position), `cache_position` (`[0, T)`), and
-        `logits_index`
-        `(rows * length,)` (the packed positions whose logits the block's step reads)."""
-        lengths, row_index, columns, logits_index, offset = [], [], [], [], 0
-        block_columns = torch.arange(length)
-        for i in range(packed_rows.start, packed_rows.stop):
-            shift, row = int(shifts[i]), layout[i]
-            own = min(row.tokens.shape[0], end - shift)
-            lengths.append(own)
-            row_index.append(torch.full((own,), i))
-            columns.append(torch.arange(shift, shift + own))
-            logits_index.append(offset + row.plan.blocks[row.block][0] - self.shift + block_columns)
-            offset += own
-        device = self.device
-        columns = torch.cat(columns).to(device)
-        row_index = torch.cat(row_index).to(device)
-        positions = columns - shifts.to(device)[row_index]
-        # K/V go to a bidirectional row's aligned columns (the block's later steps read them there), a block-causal
-        # joining row's own columns of the cache's first rows (`_first_step_from_store` saves them to its slot).
-        cache_columns = positions if self.store is not None else columns
-        return dict(
-            packing=PackedRows(
-                lengths, self.cache, cache_columns if self.cache is not None else None, kept_per_row=length
-            ),
-            layout_rows=packed_rows,
-            rows=row_index,
-            columns=columns,
-            positions=positions,
-            cache_position=torch.arange(columns.shape[0], device=device),
-            logits_index=torch.cat(logits_index).to(device),
-        )
-
-    def _packed_forward(self, block_start, block_end, step, active, generated):
-        """Step `step` of the packed rows (`self.packed`), on their canvases packed end to end, so no padding
-        column is computed (their K/V go where `_packed_layout` says). Returns every layout row's block `(rows, L)`
-        (the packed rows' new one, the others' as it is) and whether each edited a committed token `(rows,)`."""
-        packed, length = self.packed, block_end - block_start
-        packing, rows = packed["packing"], packed["layout_rows"]
-        tokens = self.x[packed["rows"], packed["columns"]].unsqueeze(0)
-        if step == 0:
-            self.first_step_positions += tokens.shape[1]
-        logits = self.model._diffusion_forward(
-            tokens,
-            packing,
-            packed["positions"].unsqueeze(0),
-            packing,
-            packed["cache_position"],
-            packed["logits_index"],
-            **self.forward_kwargs,
-        ).to(self.device)
-        scheduled = self.unmasking.scheduled_counts(step, self.x.shape[0], self.device)[rows]
-        new_block = self.x[:, block_start:block_end].clone()
-        edited = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.device)
-        new_block[rows], _, edited[rows] = self.decide(
-            self.x[rows, block_start:block_end],
-            logits.view(len(packing.lengths), length, -1),
-            scheduled,
-            None if generated is None else generated[rows],
-            None if active is None else active[rows],
-        )
-        self.nfe += 1
-        return new_block, edited
-
     def run_step(self, block_start, block_end, step, active=None, generated=None):
-        """`BlockDiffusionRun.run_step`; with a store, the first step is `_first_step_from_store`. A step over whole
-        canvases runs packed (`_packed_forward`) where the model takes packed rows: the block's first step, and
-        without a cache every step where no CUDA graphs run it (on a GPU the captured aligned step is kept: it was
-        measured, the packed eager one is not)."""
+        """The layout's step `step` of the block (`Canvas.denoise_block`'s `run_step`), written into the canvas:
+        `StepMachine.step_rows`, but with a store the first step is `_first_step_from_store`, and a step over whole
+        canvases runs packed (`PackedLayout`) where the model takes packed rows: the block's first step, and without
+        a cache every step where no CUDA graphs run it (on a GPU the captured aligned step is kept: it was measured,
+        the packed eager one is not). Returns the new block `(rows, L)` and whether each row edited a committed
+        token `(rows,)`."""
+        machine, canvas = self.machine, self.canvas
         if step == 0 and self.store is not None:
             return self._first_step_from_store(block_start, block_end, active, generated)
-        if self.packed is not None and (step == 0 or (self.cache is None and self.graphs is None)):
-            new_block, edited = self._packed_forward(block_start, block_end, step, active, generated)
-            self.x[:, block_start:block_end] = new_block
-            return new_block, edited
-        return super().run_step(block_start, block_end, step, active, generated)
-
-    def _step_inputs(self, block_start, block_end, step, active, generated, rows=None):
-        """`BlockDiffusionRun._step_inputs`, counting the positions of blocks' first steps (`first_step_positions`)."""
-        inputs, key = super()._step_inputs(block_start, block_end, step, active, generated, rows)
-        if step == 0:
-            self.first_step_positions += inputs["tokens"].numel()
-        return inputs, key
+        if self.packed is not None and (step == 0 or (machine.cache is None and machine.graphs is None)):
+            new_block, edited = self.packed.step(machine, canvas, block_start, block_end, step, active, generated)
+        else:
+            new_block, _, edited = machine.step_rows(canvas, block_start, block_end, step, active, generated)
+        canvas.x[:, block_start:block_end] = new_block
+        return new_block, edited
 
     def _first_step_from_store(self, block_start, block_end, active, generated):
         """The block's first step with the rows' K/V kept in the store (block-causal models; layout rows as in
@@ -323,29 +336,29 @@ class LayoutRun(BlockDiffusionRun):
         `first_step_rows`, then the `joining` rows at their first block (the packed rows), then padding rows).
 
         1. The joining rows' prefill: prompt and block at their own columns (`generate()`'s first step), packed
-           (`_packed_forward`), written to the cache's first rows; their prompt's K/V (exact: columns before the
+           (`PackedLayout`), written to the cache's first rows; their prompt's K/V (exact: columns before the
            block) go to their slots.
         2. Every row's slot is copied into the aligned layout at the row's columns.
         3. The continuing rows' forward (`StoredBlockCache`: previous block and block, on the cache's first rows);
            the previous block's K/V (exact now) go to their slots.
         Returns the new block `(rows, L)` and the rows that edited a committed token, as `run_step`."""
         continuing, length = self.continuing, block_end - block_start
+        machine, canvas = self.machine, self.canvas
         if self.joining:
-            rows = self.packed["layout_rows"]
-            new_block, edited = self._packed_forward(block_start, block_end, 0, active, generated)
+            rows = self.packed.layout_rows
+            new_block, edited = self.packed.step(machine, canvas, block_start, block_end, 0, active, generated)
             prefix = torch.arange(int(self.starts[rows].max())).expand(self.joining, -1)
-            self.store.save(self.cache, self.slots[rows], prefix, prefix)
+            self.store.save(machine.cache, self.slots[rows], prefix, prefix)
         else:
-            new_block = self.x[:, block_start:block_end].clone()
-            edited = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.device)
-        self.store.load(self.cache, self.slots, self.shifts, block_start)
+            new_block = canvas.x[:, block_start:block_end].clone()
+            edited = torch.zeros(canvas.x.shape[0], dtype=torch.bool, device=self.device)
+        self.store.load(machine.cache, self.slots, self.shifts, block_start)
         if continuing:
             # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
             first = self.first_step_rows
-            inputs, key = self._step_inputs(block_start, block_end, 0, active, generated, first)
-            new_block[:first], _, edited[:first] = self._step_of(inputs, key)
-            self.nfe += 1
+            step = machine.step_rows(canvas, block_start, block_end, 0, active, generated, first)
+            new_block[:first], _, edited[:first] = step
             previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
-            self.store.save(self.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])
-        self.x[:, block_start:block_end] = new_block
+            self.store.save(machine.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])
+        canvas.x[:, block_start:block_end] = new_block
         return new_block, edited
