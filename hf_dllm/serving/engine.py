@@ -173,7 +173,7 @@ class ContinuousBatcher:
         max_batch_width: the widest layout (columns); the K/V cache holds `max_batch_size x max_batch_width`
             positions unless `max_batch_positions` says otherwise (block-causal models: `max_batch_size x
             max_batch_width` again in the rows' K/V store, `row_cache.RowKVStore`). Default: the model's context
-            (`max_sequence_length` / `max_position_embeddings`), so any request that fits the context can run, alone
+            (its family's `context_length`), so any request that fits the context can run, alone
             if need be.
         max_batch_positions: None or an integer >= `max_batch_width`: the K/V cache's positions, a budget that a
             layout's rows x columns (padding rows included; twice the rows with classifier-free guidance) may not
@@ -238,9 +238,7 @@ class ContinuousBatcher:
         if max_refresh_positions is not None and not (is_int(max_refresh_positions) and max_refresh_positions >= 1):
             raise ValueError(f"`max_refresh_positions` must be None or an integer >= 1, got {max_refresh_positions!r}.")
         if max_batch_width is None:
-            max_batch_width = getattr(model.config, "max_sequence_length", None) or getattr(
-                model.config, "max_position_embeddings", None
-            )
+            max_batch_width = model.diffusion_family.context_length(model.config)
         if not isinstance(max_batch_width, int) or isinstance(max_batch_width, bool) or max_batch_width < 1:
             raise ValueError(f"`max_batch_width` must be an integer >= 1, got {max_batch_width!r}.")
         if max_batch_positions is None and max_batch_size is None:
