@@ -99,7 +99,7 @@ if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, _MovedModuleFinder())
 
 
-def _dispatching_config(model_type: str, config_classes: list[type]) -> type:
+def _dispatching_config(config_classes: list[type]) -> type:
     """A config class for AutoConfig's `model_type` entry shared by families with different config classes
     (LLaDA-MoE's Hub config says "llada", as dense LLaDA's does): `from_dict` builds the class of the family the
     config describes (`family_for_config`: `architectures`, `auto_map`, then fields); built directly
@@ -133,7 +133,7 @@ def register_auto_classes() -> None:
         if config_class not in classes:
             classes.append(config_class)
     for model_type, classes in by_type.items():
-        config_class = classes[0] if len(classes) == 1 else _dispatching_config(model_type, classes)
+        config_class = classes[0] if len(classes) == 1 else _dispatching_config(classes)
         AutoConfig.register(model_type, config_class, exist_ok=True)
 
 

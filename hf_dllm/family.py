@@ -23,7 +23,7 @@ import importlib
 
 import torch
 
-from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal, plan_blocks
+from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal
 from .cache import (
     BlockCausalNoCache,
     CachePolicy,
@@ -34,7 +34,7 @@ from .cache import (
     padding_aware_position_ids,
 )
 from .decoding import ConfidenceFactor, ConfidenceThreshold, FixedSchedule, UnmaskingPolicy
-from .generation_config import GENERATION_FIELDS, DiffusionGenerationConfig, generation_field_defaults
+from .generation_config import GENERATION_FIELDS, DiffusionGenerationConfig
 
 # Remote code every family shares: the generation loop, its config, the family objects, policies, caches, attention
 # backends and kernels, reached from the model files through relative imports.
@@ -169,12 +169,15 @@ class DiffusionFamily:
         model-agnostic checks (`config.validate()`), then the family's own rules."""
         config.validate()
         foreign = [
-            name
-            for name, default in generation_field_defaults(exclude_core=True).items()
-            if name not in self.own_generation_fields and getattr(config, name) != default
+            field
+            for field in GENERATION_FIELDS.values()
+            if field.owner is not None
+            and field.name not in self.own_generation_fields
+            and getattr(config, field.name) != field.default
         ]
         if foreign:
-            owners = " and ".join(sorted({GENERATION_FIELDS[name].owner for name in foreign}))
+            owners = " and ".join(sorted({field.owner for field in foreign}))
+            foreign = [field.name for field in foreign]
             raise ValueError(
                 f"{foreign} are settings of {owners}'s sampler, which {self.display_name} models do not use: leave "
                 "them unset (this model's rules are `steps`, `threshold` and `factor`)."
@@ -218,7 +221,7 @@ class Bidirectional:
         rule = "threshold" if config.threshold is not None else None
         if rule and config.steps is not None:
             raise ValueError(f"`steps` must be None with `{rule}`: confidence decides how many steps a block takes.")
-        if config.minimal_topk != generation_field_defaults()["minimal_topk"]:
+        if config.minimal_topk != GENERATION_FIELDS["minimal_topk"].default:
             raise ValueError("`minimal_topk` only applies to block-causal models (LLaDA2).")
         if config.editing_threshold is not None:
             raise ValueError(
@@ -396,7 +399,6 @@ __all__ = [
     "DiffusionFamily",
     "family_for_config",
     "fast_dllm_policy",
-    "plan_blocks",
     "plan_for",
     "register_family",
     "registered_family",
