@@ -5,7 +5,7 @@ prompts here are the first 48 of its held-out set (16 per task, never seen in tr
 alone (batch size 1), so NFE is that prompt's own number of forwards. Greedy decoding, max_new_tokens 32,
 block length 8. The full grid of settings is `benchmarks/bench_quality.py`.
 
-What this model shows (see benchmarks/results_quality.md): threshold 0.9 with the dual cache stays within 2 points
+What this model shows (`benchmarks/RESULTS.md`, "bench_quality.py"): threshold 0.9 with the dual cache stays within 2 points
 of one token per step, whether the baseline decodes without a cache (Fast-dLLM's baseline, LLaDA's own sampler) or
 with the same dual cache, with at most 40% of its forwards.
 """
@@ -188,7 +188,7 @@ def test_eos_early_stop_lowers_nfe_and_changes_no_answer(trained, setting):
 def test_factor_decoding_nfe_between_threshold_and_one_token_per_step(trained, factor):
     """Fast-dLLM's factor rule (commit the n most confident tokens while (n + 1)(1 - c_n) < f) lies between
     threshold 0.9 and one token per step in forwards, in one block of 32 (Fast-dLLM's block length). In blocks of 8
-    this model is so confident that every rule takes about one forward per block (results_quality.md)."""
+    this model is so confident that every rule takes about one forward per block (`benchmarks/bench_quality.py`)."""
     base = decode_all(trained, block_length=32, **ONE_TOKEN_DUAL)
     threshold = decode_all(trained, block_length=32, **THRESHOLD_09_DUAL)
     fast = decode_all(trained, block_length=32, threshold=None, factor=factor, use_cache=True, dual_cache=True)
