@@ -7,7 +7,7 @@ of the block's tensors (views of its parameters, gathered once by the block and 
 few microseconds), with the fewest operations that compute LLaDA's block (arXiv:2502.09992):
 q/k/v and gate/up as one product each (the concatenated views the GPU path also uses), RoPE on q and k together,
 the residual additions inside the output products (`addmm`), sdpa called directly. The module path (`forward` of
-`LLaDALlamaBlock`) stays the reference; `tests/test_cpu_path.py` compares the two.
+`LLaDALlamaBlock`) stays the reference; `tests/models/llada/test_cpu_path.py` compares the two.
 
 This file is exported verbatim as Hub remote code.
 """
