@@ -15,10 +15,14 @@ sum in another order, so greedy choices between near-tied tokens may differ), wh
 step takes (`fused`; on the shards too), and the goal
 **TP=2 batch-1 step <= 0.65x the single-GPU step**.
 
+Also: the collectives per forward of each run (`CollectiveCounter`, over one eager `generate()`; the token
+agreement's broadcast included).
+
 Prints a table and ends with one JSON line. NVLink multicast (NVLS) is turned off for NCCL (`NCCL_NVLS_ENABLE=0`).
 
     python benchmarks/bench_tp.py                           # both shapes, TP=2, batch 1 and 8
     python benchmarks/bench_tp.py --models llada --tp 2
+    python benchmarks/bench_tp.py --cpu                     # tiny float32 shapes, 2 gloo processes: seconds
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,9 +52,13 @@ GOAL = 0.65  # TP=2 batch-1 step / single-GPU step
 MODELS = ("llada", "llada2")
 ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default backend
 CACHE_NAME = {"llada": "dual", "llada2": "exact"}
+# (GPU default, `--cpu` default) of the options whose default depends on the mode: the CPU run takes seconds.
+DEFAULTS = dict(batch_sizes=("1,8", "1"), prompt_len=(512, 16), new_tokens=(256, 8), block_length=(32, 4), repeats=(2, 1))
 
 
-def generate_kwargs(name: str, new_tokens: int, block: int, disable_compile: bool = False) -> dict:
+def generate_kwargs(
+    name: str, new_tokens: int, block: int, disable_compile: bool = False, mask_id: int = 0, eos_id: int = 0
+) -> dict:
     kwargs = dict(
         disable_compile=disable_compile,
         max_new_tokens=new_tokens,
@@ -62,7 +71,7 @@ def generate_kwargs(name: str, new_tokens: int, block: int, disable_compile: boo
     if name == "llada":
         kwargs["dual_cache"] = True
     else:
-        kwargs.update(threshold=None, mask_token_id=bench_llada2.MASK_ID, eos_token_id=bench_llada2.EOS_ID)
+        kwargs.update(threshold=None, mask_token_id=mask_id, eos_token_id=eos_id)
     return kwargs
 
 
@@ -94,19 +103,62 @@ def fused_paths(model, name: str, device: torch.device) -> str:
     return "+".join(path for path, on in taken.items() if on) or "none"
 
 
+# Communication ops, by operator namespace, that `CollectiveCounter` counts (waits and autograd wrappers are not
+# collectives of their own). `symm_mem`: the symmetric-memory all-reduces of `hf_dllm.tensor_parallel`.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "symm_mem")
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives (`c10d` ops: `torch.distributed`'s calls, DTensor's functional collectives, the
+    symmetric-memory all-reduces) that run while it is active, by op name: a counting wrapper around every
+    `torch.distributed` entry point at the dispatcher, which each of them goes through. Eager only (a CUDA graph
+    replay dispatches nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = str(func).partition(".")
+        if namespace in COLLECTIVE_NAMESPACES and not name.startswith(NOT_COLLECTIVES):
+            op = f"{namespace}.{name.split('.')[0]}"
+            self.calls[op] = self.calls.get(op, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def collectives_per_forward(model, prompts, kwargs) -> tuple[float, dict]:
+    """(collectives per forward of an eager `generate()` with `kwargs`, the counts by op over the whole call). Each
+    forward is one denoising step here (`steps=new_tokens`, cached), so this is the collectives per step, the token
+    agreement's broadcast included."""
+    with CollectiveCounter() as counter:
+        out = model.generate(prompts, **dict(kwargs, disable_compile=True))
+    return counter.total / out.nfe, dict(sorted(counter.calls.items()))
+
+
 @torch.no_grad()
 def measure(model, name: str, args, device: torch.device) -> list[dict]:
-    """Rows (one per batch size): tokens/s, ms per forward, block-step ms, the generated tokens."""
+    """Rows (one per batch size): tokens/s, ms per forward, block-step ms, collectives per forward, the generated
+    tokens."""
     rows = []
+    config = model.config
+    timing = dict(repeats=3) if args.cpu else {}  # step medians: a few steps check the script on the CPU
     for batch in args.batch_sizes:
         prompts = prompts_for(batch, args.prompt_len, vocab_of(model), device)
-        kwargs = generate_kwargs(name, args.new_tokens, args.block_length, args.disable_compile)
+        kwargs = generate_kwargs(
+            name, args.new_tokens, args.block_length, args.disable_compile, config.mask_token_id, config.eos_token_id
+        )
         seconds, out, peak, _ = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
         if name == "llada":
-            step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device)
+            step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device, **timing)
         else:
-            config = model.resolve_generation_config(**kwargs)
-            step_ms, _ = bench_llada2.block_step(model, prompts, config, device)
+            resolved = model.resolve_generation_config(**kwargs)
+            step_ms, _, _ = bench_llada2.block_step(model, prompts, resolved, device, **timing, in_a_row=2 if args.cpu else 10)
+        per_forward, by_op = collectives_per_forward(model, prompts, kwargs)
         rows.append(
             dict(
                 batch=batch,
@@ -117,25 +169,39 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
                 peak_gb=peak / 1e9,
                 graphs=bool(getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps),
                 fused=fused_paths(model, name, device),
+                collectives_per_forward=per_forward,
+                collectives=by_op,
                 sequences=out.sequences[:, args.prompt_len :].cpu(),
             )
         )
         print(
-            f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s",
+            f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s, "
+            f"{per_forward:.1f} collectives/forward {by_op}",
             flush=True,
         )
     return rows
 
 
+# `--cpu`: float32 shapes that run in seconds (a small vocabulary: the head is most of a tiny model's work).
+CPU_SHAPES = {
+    "llada": bench_generate.SMALL,
+    "llada2": dict(bench_llada2.SMALL, vocab_size=1024, mask_token_id=1000, eos_token_id=999, pad_token_id=999),
+}
+
+
 def build_and_save(name: str, directory: Path, device: torch.device, cpu: bool):
-    """The model with random weights (bf16; float32 and a small shape with `--cpu`) on `device`, also saved
+    """The model with random weights (bf16; float32 and `CPU_SHAPES` with `--cpu`) on `device`, also saved
     (safetensors) to `directory`."""
     dtype = torch.float32 if cpu else torch.bfloat16
     if name == "llada":
-        shape = bench_generate.SMALL if cpu else bench_generate.LLADA_8B
+        shape = CPU_SHAPES[name] if cpu else bench_generate.LLADA_8B
         model = bench_generate.build_model(shape, dtype, device, ATTENTION[name])
+    elif cpu:
+        torch.manual_seed(0)
+        config = hf_dllm.LLaDA2MoeConfig(**CPU_SHAPES[name])
+        model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation=ATTENTION[name]).eval()
     else:
-        model = bench_llada2.build_model(bench_llada2.SMALL if cpu else bench_llada2.LLADA2_MINI, dtype, device)
+        model = bench_llada2.build_model(bench_llada2.LLADA2_MINI, dtype, device)
     model.save_pretrained(directory)  # before any forward: the fused/stacked weight views do not exist yet
     return model
 
@@ -196,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of: llada, llada2")
     parser.add_argument("--tp", type=int, default=2, help="GPUs of the tensor-parallel run")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--block-length", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-sizes", default=None, help="comma list (default 1,8; --cpu: 1)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (--cpu: 16)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (--cpu: 8)")
+    parser.add_argument("--block-length", type=int, default=None, help="default 32 (--cpu: 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed generate() calls (default 2; --cpu: 1)")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where the random checkpoints go (default: a temp dir)"
     )
@@ -209,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for field, (gpu, cpu) in DEFAULTS.items():
+        if getattr(args, field) is None:
+            setattr(args, field, cpu if args.cpu else gpu)
     args.models = args.models.split(",")
     unknown = set(args.models) - set(MODELS)
     if unknown:
@@ -220,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench_tp.py needs {args.tp} CUDA devices (--tp), found {torch.cuda.device_count()}.")
 
     device = torch.device("cpu" if args.cpu else "cuda:0")
+    if args.cpu:
+        torch.set_num_threads(1)  # as each rank of the sharded run (OMP_NUM_THREADS=1): comparable CPU timings
     cleanup = args.workdir is None
     if cleanup:
         shm = Path("/dev/shm")
