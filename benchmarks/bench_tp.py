@@ -231,7 +231,9 @@ def worker(args) -> int:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, row["sequences"])
             row["ranks_agree"] = all(torch.equal(other, gathered[0]) for other in gathered)
-        results[name] = dict(rows=rows, weight_gb_per_gpu=weight_gb(model), load_s=load_s)
+        results[name] = dict(
+            rows=rows, weight_gb_per_gpu=weight_gb(model), load_s=load_s, layers=model.config.num_hidden_layers
+        )
         del model
         if not args.cpu:
             torch.cuda.empty_cache()
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = (
         f"{'model':<8}{'cache':>7}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}{'tok/s':>8}"
-        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}  fused"
+        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}{'coll/fwd':>9}  fused"
     )
     print(header)
     results = []
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.2f}"
                     f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
                     + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
+                    + f"{row['collectives_per_forward']:>9.1f}"
                     + f"  {row['fused']}"
                 )
             results.append(
@@ -357,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     single_fused=one["fused"],
                     tp_fused=tp["fused"],
                     ranks_agree=tp["ranks_agree"],
+                    layers=sharded[name]["layers"],
+                    tp_collectives_per_forward=tp["collectives_per_forward"],
+                    tp_collectives=tp["collectives"],
                     tokens_equal_single_gpu=same,
                     nfe=(one["nfe"], tp["nfe"]),
                 )

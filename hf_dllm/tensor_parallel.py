@@ -9,7 +9,9 @@ holds the few things the models add on top, because they multiply weights withou
 - `local_tensor` / `local_shape`: a parameter's local slice (the tensor itself when not sharded), for products that
   multiply local weights directly; shapes read from it give per-rank head counts and widths.
 - `shard_range`: which rows/columns of the full tensor the local slice holds.
-- `all_reduce_partial`: sum partial results across the ranks of a sharded weight (no-op when not sharded).
+- `all_reduce_partial`: sum partial results across the ranks of a sharded weight (no-op when not sharded), through
+  `all_reduce`: PyTorch's symmetric-memory one-shot / two-shot kernels where they beat NCCL, NCCL / gloo elsewhere.
+- `row_parallel_linear`: a row-wise sharded linear layer's product and its all-reduce, through `all_reduce`.
 - `agree_across_ranks`: every rank takes the first rank's copy of a denoising step's outputs, so ranks cannot
   diverge (sampling with per-rank random states, or collectives that are not bitwise identical on every rank).
 - `tensor_parallel_group`: the model's tensor-parallel process group (None when it is not sharded).
@@ -76,11 +78,127 @@ def tensor_parallel_group(model: torch.nn.Module):
 
 def all_reduce_partial(partial: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Sum `partial` (each rank's share of a result computed from its slice of `like`, a weight) over the ranks
-    `like` is split across, in place; unchanged when `like` is not sharded."""
+    `like` is split across (`all_reduce`); unchanged when `like` is not sharded."""
     if not is_sharded(like):
         return partial
-    dist.all_reduce(partial, group=like.device_mesh.get_group())
-    return partial
+    return all_reduce(partial, like.device_mesh.get_group())
+
+
+# -- all-reduce: PyTorch's symmetric-memory kernels where they beat NCCL --------------------------------------------
+# A tensor-parallel step all-reduces small activations (a block of 32 tokens x 4096 in bf16 is 256 KiB) twice per
+# layer, where NCCL's ~30 us per call dominates. PyTorch's symmetric-memory all-reduces (`torch.ops.symm_mem`) read
+# the peers' buffers directly over NVLink: one-shot (every rank reads every peer's whole buffer; the lowest latency)
+# for the smallest tensors, two-shot (reduce-scatter then all-gather through peer loads) up to a few MiB, NCCL
+# beyond. Both work without NVLink multicast (NVLS), which stays off (`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`,
+# `NCCL_NVLS_ENABLE=0`): `multimem_all_reduce_`, which needs it, is never used. They capture in CUDA graphs.
+ALL_REDUCE_ENV = "HF_DLLM_ALL_REDUCE"  # auto (the rule of `all_reduce_algorithm`), nccl, one_shot, two_shot
+ALL_REDUCE_CHOICES = ("auto", "nccl", "one_shot", "two_shot")
+ONE_SHOT_MAX_BYTES = 512 * 1024  # at most this: one-shot; benchmarks/bench_allreduce.py measures the crossovers
+TWO_SHOT_MAX_BYTES = 16 * 1024 * 1024  # at most this: two-shot; larger: NCCL (also the symmetric buffer's size)
+SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes both kernels reduce
+_symmetric_buffers: dict[str, torch.Tensor | None] = {}  # group name -> its rendezvoused buffer (None: refused)
+
+
+def all_reduce_choice() -> str:
+    """`HF_DLLM_ALL_REDUCE` (default `auto`), validated."""
+    import os
+
+    choice = os.environ.get(ALL_REDUCE_ENV, "auto")
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"{ALL_REDUCE_ENV} must be one of {ALL_REDUCE_CHOICES}, got {choice!r}.")
+    return choice
+
+
+def symmetric_memory_available(device: torch.device) -> bool:
+    """Whether PyTorch's symmetric-memory all-reduces can run on `device`: a CUDA device and a torch build with the
+    one-shot and two-shot operators."""
+    if device.type != "cuda" or dist is None:
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+    except ImportError:
+        return False
+    ops = getattr(torch.ops, "symm_mem", None)
+    return all(hasattr(ops, name) for name in ("one_shot_all_reduce_copy", "two_shot_all_reduce_out"))
+
+
+def all_reduce_algorithm(nbytes: int, dtype: torch.dtype, world_size: int, choice: str, symmetric: bool) -> str:
+    """Which all-reduce sums a tensor of `nbytes` bytes of `dtype` over `world_size` ranks: `one_shot`,
+    `two_shot` (the symmetric-memory kernels) or `collective` (the process group's own: NCCL, gloo).
+
+    `choice`: `HF_DLLM_ALL_REDUCE`; `symmetric`: whether the group has a symmetric buffer (a CUDA group whose
+    rendezvous succeeded). The symmetric kernels take bf16 / float32 tensors of whole 16-byte words that fit the
+    buffer (two-shot: split in 16-byte words per rank); elsewhere, or with `choice="nccl"`, the collective. `auto`
+    picks by size (`ONE_SHOT_MAX_BYTES`, `TWO_SHOT_MAX_BYTES`); `one_shot` / `two_shot` force that kernel wherever
+    it can run."""
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"choice must be one of {ALL_REDUCE_CHOICES}, got {choice!r}.")
+    fits = symmetric and world_size > 1 and dtype in SYMMETRIC_DTYPES and 0 < nbytes <= TWO_SHOT_MAX_BYTES
+    if choice == "nccl" or not fits or nbytes % 16:
+        return "collective"
+    two_shot_fits = nbytes % (16 * world_size) == 0
+    if choice == "one_shot" or (choice == "auto" and nbytes <= ONE_SHOT_MAX_BYTES):
+        return "one_shot"
+    return "two_shot" if two_shot_fits else "collective"
+
+
+def symmetric_buffer(group, device: torch.device) -> torch.Tensor | None:
+    """The group's symmetric-memory buffer (`TWO_SHOT_MAX_BYTES` bytes), allocated and rendezvoused on first use:
+    a collective call, so every rank makes it at the same all-reduce (they run the same forwards). None where the
+    kernels are not available, while a CUDA graph is being captured (no rendezvous inside a capture: the eager
+    warm-up step makes the buffer first), or where the rendezvous fails (the collective serves that group)."""
+    name = group.group_name
+    if name in _symmetric_buffers:
+        return _symmetric_buffers[name]
+    if not symmetric_memory_available(device) or torch.cuda.is_current_stream_capturing():
+        return None
+    import os
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # only the P2P kernels are used
+    try:
+        buffer = symm_mem.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buffer, name)
+    except RuntimeError:  # e.g. no P2P access between the GPUs
+        buffer = None
+    _symmetric_buffers[name] = buffer
+    return buffer
+
+
+def all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `tensor` over the ranks of `group`: through the symmetric-memory kernel that
+    `all_reduce_algorithm` picks (one-shot returns a new tensor), else the group's collective (NCCL, gloo; in
+    place). Use the returned tensor."""
+    choice = all_reduce_choice()
+    buffer = None if choice == "nccl" else symmetric_buffer(group, tensor.device)
+    nbytes = tensor.numel() * tensor.element_size()
+    algorithm = all_reduce_algorithm(nbytes, tensor.dtype, group.size(), choice, buffer is not None)
+    if algorithm == "collective" or not tensor.is_contiguous():
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    flat = tensor.view(-1)
+    staging = buffer[:nbytes].view(tensor.dtype)
+    if algorithm == "one_shot":  # the kernel copies `flat` into the buffer itself
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, flat, "sum", group.group_name).view_as(tensor)
+    else:
+        staging.copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", group.group_name, flat)
+    return tensor
+
+
+def row_parallel_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer(x)` for a row-wise sharded `nn.Linear` (weight split by input columns, as transformers' `rowwise`
+    plan style): this rank's partial product, summed by `all_reduce` (so every tensor-parallel all-reduce of the
+    models takes the same path), then the bias once. None when `layer`'s weight is not split by columns. x `(...,
+    in_features / ranks)` -> `(..., out_features)`."""
+    weight = _weight(layer)
+    if not is_sharded(weight) or weight.placements[0].dim % weight.dim() != weight.dim() - 1:
+        return None
+    out = torch.nn.functional.linear(x, local_tensor(weight))
+    out = all_reduce(out, weight.device_mesh.get_group())
+    bias = layer._parameters.get("bias")
+    return out if bias is None else out + local_tensor(bias)
 
 
 def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
@@ -141,10 +259,13 @@ class LocalHeadCounts:
 __all__ = [
     "LocalHeadCounts",
     "agree_across_ranks",
+    "all_reduce",
+    "all_reduce_algorithm",
     "all_reduce_partial",
     "is_sharded",
     "local_shape",
     "local_tensor",
+    "row_parallel_linear",
     "shard_range",
     "tensor_parallel_group",
 ]
