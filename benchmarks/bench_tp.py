@@ -12,8 +12,7 @@ step (CUDA events around single steps after warm-up), first on one GPU (this pro
 `torchrun` child that loads the same checkpoint with `tp_plan="auto"`). Also reported: weight memory per GPU, whether
 the ranks produced identical tokens (they must), the share of generated tokens equal to one GPU's (bf16: the shards
 sum in another order, so greedy choices between near-tied tokens may differ), which of LLaDA2's fused paths the
-step takes (`fused`; on the shards too), and the goal
-**TP=2 batch-1 step <= 0.65x the single-GPU step**.
+step takes (`fused`; on the shards too), and issue #64's goals for `--tp 2` / `--tp 4` (`GOALS`, met or not).
 
 Also: the collectives per forward of each run (`CollectiveCounter`, over one eager `generate()`; the token
 agreement's broadcast included).
@@ -48,7 +47,14 @@ import bench_llada2  # noqa: E402
 
 import hf_dllm  # noqa: E402,F401
 
-GOAL = 0.65  # TP=2 batch-1 step / single-GPU step
+# Issue #64's goals: (model, batch, GPUs) -> (figure, bound, whether the figure must stay at most / at least it).
+# `step_ratio`: the sharded block step over one GPU's; `speedup`: the sharded run's tokens/s over one GPU's.
+GOALS = {
+    ("llada", 1, 2): ("step_ratio", 0.60, "max"),
+    ("llada", 1, 4): ("step_ratio", 0.40, "max"),
+    ("llada2", 1, 4): ("step_ratio", 0.75, "max"),
+    ("llada2", 8, 4): ("speedup", 1.8, "min"),
+}
 MODELS = ("llada", "llada2")
 ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default backend
 CACHE_NAME = {"llada": "dual", "llada2": "exact"}
@@ -367,11 +373,18 @@ def main(argv: list[str] | None = None) -> int:
                     nfe=(one["nfe"], tp["nfe"]),
                 )
             )
-    goal_rows = [r for r in results if r["model"] == "llada" and r["batch"] == 1]
-    if goal_rows and args.tp == 2:
-        summary["goal_llada_batch1_step_ratio"] = dict(value=goal_rows[0]["step_ratio"], goal=GOAL)
-        summary["goal_met"] = goal_rows[0]["step_ratio"] <= GOAL
-        print(f"\nLLaDA-8B batch-1 step, TP=2 / 1 GPU: {goal_rows[0]['step_ratio']:.2f} (goal <= {GOAL})")
+    summary["goals"] = {}
+    for row in results:
+        goal = GOALS.get((row["model"], row["batch"], args.tp))
+        if goal is None:
+            continue
+        figure, bound, kind = goal
+        value = row["step_ratio"] if figure == "step_ratio" else row["tp_tokens_per_s"] / row["single_tokens_per_s"]
+        met = value <= bound if kind == "max" else value >= bound
+        name = f"{row['model']}_batch{row['batch']}_tp{args.tp}_{figure}"
+        summary["goals"][name] = dict(value=value, goal=bound, kind=kind, met=met)
+        sign = "<=" if kind == "max" else ">="
+        print(f"goal {name}: {value:.2f} (goal {sign} {bound}) {'met' if met else 'NOT met'}")
     summary["total_s"] = round(time.perf_counter() - started, 1)
     summary["rows"] = results
     print(json.dumps(summary))
