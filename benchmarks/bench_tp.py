@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     summary["goals"] = {}
     for row in results:
-        goal = GOALS.get((row["model"], row["batch"], args.tp))
+        goal = None if args.cpu else GOALS.get((row["model"], row["batch"], args.tp))
         if goal is None:
             continue
         figure, bound, kind = goal

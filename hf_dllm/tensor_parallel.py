@@ -12,6 +12,8 @@ holds the few things the models add on top, because they multiply weights withou
 - `all_reduce_partial`: sum partial results across the ranks of a sharded weight (no-op when not sharded), through
   `all_reduce`: PyTorch's symmetric-memory one-shot / two-shot kernels where they beat NCCL, NCCL / gloo elsewhere.
 - `row_parallel_linear`: a row-wise sharded linear layer's product and its all-reduce, through `all_reduce`.
+- `vocab_shard`, `local_head_logits`: a step's logits kept as this rank's vocabulary slice, reduced to the proposal
+  before a small gather (`decoding.propose_tokens_sharded`) instead of gathering the whole vocabulary's logits.
 - `agree_across_ranks`: every rank takes the first rank's copy of a denoising step's outputs, so ranks cannot
   diverge (sampling with per-rank random states, or collectives that are not bitwise identical on every rank).
 - `tensor_parallel_group`: the model's tensor-parallel process group (None when it is not sharded).
@@ -21,6 +23,10 @@ Every function is a no-op on models that are not sharded. This file is exported 
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import NamedTuple
 
 import torch
 
@@ -224,6 +230,61 @@ def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
     return tuple(synced)
 
 
+# -- the output head's logits reduced to the step's proposal before any gather ---------------------------------------
+# The head is split by vocabulary rows (`colwise_gather_output`): its hook gathers `(rows, L, vocab)` logits on every
+# rank, 8 MiB per step for a batch-1 block of 32 over LLaDA's 126464-token vocabulary. A greedy low-confidence step
+# needs only each position's best token and its probability, which each rank can reduce from its own vocabulary
+# slice: (best logit, its id, log-sum-exp) per position, gathered (12 bytes per position) and combined
+# (`decoding.propose_tokens_sharded`).
+_LOCAL_HEAD = contextvars.ContextVar("hf_dllm_local_head", default=None)
+
+
+class VocabShard(NamedTuple):
+    """This rank's slice `[start, start + size)` of the vocabulary (the output head's rows) and the group the head is
+    split across."""
+
+    start: int
+    size: int
+    group: object
+
+
+def vocab_shard(model: torch.nn.Module) -> VocabShard | None:
+    """The vocabulary slice of `model`'s output head on this rank when tensor parallelism splits the head by rows,
+    else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = None if head is None else head._parameters.get("weight")
+    if weight is None or not is_sharded(weight) or weight.placements[0].dim % weight.dim() != 0:
+        return None
+    start, stop = shard_range(weight, 0)
+    return VocabShard(start, stop - start, weight.device_mesh.get_group())
+
+
+@contextlib.contextmanager
+def local_head_logits(head: torch.nn.Module):
+    """While active, `kernels.linear(head, x)` returns this rank's vocabulary slice of the logits `(..., size)`
+    (`VocabShard`) instead of the gathered logits `(..., vocab)`."""
+    token = _LOCAL_HEAD.set(head)
+    try:
+        yield
+    finally:
+        _LOCAL_HEAD.reset(token)
+
+
+def local_head_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer`'s product with its local rows when `layer` is the head `local_head_logits` names, else None."""
+    if _LOCAL_HEAD.get() is not layer:
+        return None
+    bias = layer._parameters.get("bias")
+    return torch.nn.functional.linear(x, local_tensor(_weight(layer)), None if bias is None else local_tensor(bias))
+
+
+def all_gather_stacked(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`(ranks, *tensor.shape)`: every rank's `tensor`, stacked in rank order."""
+    gathered = tensor.new_empty((group.size() * tensor.shape[0], *tensor.shape[1:]))  # gloo: concatenated on dim 0
+    dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
+    return gathered.view(group.size(), *tensor.shape)
+
+
 def _weight(module: torch.nn.Module) -> torch.Tensor:
     # `_parameters` first: nn.Module.__getattr__ costs about a microsecond per name, and the layers ask per forward.
     weight = module._parameters.get("weight")
@@ -258,14 +319,19 @@ class LocalHeadCounts:
 
 __all__ = [
     "LocalHeadCounts",
+    "VocabShard",
     "agree_across_ranks",
     "all_reduce",
     "all_reduce_algorithm",
+    "all_gather_stacked",
     "all_reduce_partial",
     "is_sharded",
+    "local_head_linear",
+    "local_head_logits",
     "local_shape",
     "local_tensor",
     "row_parallel_linear",
     "shard_range",
     "tensor_parallel_group",
+    "vocab_shard",
 ]
