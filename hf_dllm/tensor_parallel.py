@@ -197,9 +197,12 @@ def row_parallel_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor
     """`layer(x)` for a row-wise sharded `nn.Linear` (weight split by input columns, as transformers' `rowwise`
     plan style): this rank's partial product, summed by `all_reduce` (so every tensor-parallel all-reduce of the
     models takes the same path), then the bias once. None when `layer`'s weight is not split by columns. x `(...,
-    in_features / ranks)` -> `(..., out_features)`."""
+    in_features / ranks)` -> `(..., out_features)`. Inference only (the all-reduce has no backward): None while
+    autograd records, where the plan's hook (DTensor) keeps the gradients right."""
     weight = _weight(layer)
     if not is_sharded(weight) or weight.placements[0].dim % weight.dim() != weight.dim() - 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
     out = torch.nn.functional.linear(x, local_tensor(weight))
     out = all_reduce(out, weight.device_mesh.get_group())
