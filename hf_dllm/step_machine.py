@@ -436,22 +436,20 @@ class StepMachine:
             unconditional = torch.where(in_prompt, self.mask_id, tokens)
             model_tokens = torch.cat([tokens, unconditional], dim=0)
             model_positions = self._model_rows(position_ids)
-        # Under tensor parallelism with a `vocab_shard`, this rank's slice of the vocabulary's logits.
-        head = self.model.get_output_embeddings() if self.rules.vocab_shard is not None else None
-        with local_head_logits(head):
-            logits = self.model._diffusion_forward(
-                model_tokens,
-                attention_mask,
-                model_positions,
-                self.cache,
-                cache_position,
-                logits_index,
-                **self.forward_kwargs,
-            ).to(tokens.device)  # a model split over GPUs returns logits on its last device
+        logits = self.forward_logits(
+            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index
+        ).to(tokens.device)  # a model split over GPUs returns logits on its last device
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
         return self.decide(block, logits, scheduled, generated, active, candidates)
+
+    def forward_logits(self, *args) -> torch.Tensor:
+        """The model's `_diffusion_forward(*args, **forward_kwargs)`: the logits `decide` takes, which are this
+        rank's slice of the vocabulary's under tensor parallelism with a `rules.vocab_shard`."""
+        head = self.model.get_output_embeddings() if self.rules.vocab_shard is not None else None
+        with local_head_logits(head):
+            return self.model._diffusion_forward(*args, **self.forward_kwargs)
 
     def decide(
         self,
@@ -463,7 +461,8 @@ class StepMachine:
         candidates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U,
-        vocab)` at the positions `candidates` `(rows, U)`), the rest as in `step`; returns what `step` returns."""
+        vocab)` at the positions `candidates` `(rows, U)`; from `forward_logits`), the rest as in `step`; returns what
+        `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
         return agree_across_ranks(
             self.model, denoise_step(block, logits, self.rules, scheduled, generated, active, candidates)
