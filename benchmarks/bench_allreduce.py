@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{device} x{args.gpus}: microseconds per all-reduce (captured in a CUDA graph on GPUs)")
     print(f"{'bytes':>10}{'nccl':>9}{'one_shot':>10}{'two_shot':>10}{'fastest':>10}{'auto':>10}{'auto/best':>10}")
     for row in rows:
-        cells = "".join(f"{'-' if row[name] is None else f'{row[name]:.1f}':>{w}}" for name, w in zip(ALGORITHMS, (9, 10, 10)))
+        cells = "".join(
+            f"{'-' if row[name] is None else f'{row[name]:.1f}':>{w}}"
+            for name, w in zip(ALGORITHMS, (9, 10, 10), strict=True)
+        )
         print(f"{row['bytes']:>10}{cells}{row['fastest']:>10}{row['auto']:>10}{row['auto_within']:>10.2f}")
     from hf_dllm.tensor_parallel import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES
 

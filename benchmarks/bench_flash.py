@@ -163,7 +163,12 @@ def worker(args) -> int:
         prompts = bench_tp.prompts_for(batch, args.prompt_len, model.config.vocab_size, device)
         for per_step in args.tokens_per_step:
             kwargs = bench_tp.generate_kwargs(
-                "llada2", args.new_tokens, args.block_length, False, model.config.mask_token_id, model.config.eos_token_id
+                "llada2",
+                args.new_tokens,
+                args.block_length,
+                False,
+                model.config.mask_token_id,
+                model.config.eos_token_id,
             )
             kwargs["steps"] = args.new_tokens // per_step
             if not args.cpu:

@@ -59,7 +59,9 @@ MODELS = ("llada", "llada2")
 ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default backend
 CACHE_NAME = {"llada": "dual", "llada2": "exact"}
 # (GPU default, `--cpu` default) of the options whose default depends on the mode: the CPU run takes seconds.
-DEFAULTS = dict(batch_sizes=("1,8", "1"), prompt_len=(512, 16), new_tokens=(256, 8), block_length=(32, 4), repeats=(2, 1))
+DEFAULTS = dict(
+    batch_sizes=("1,8", "1"), prompt_len=(512, 16), new_tokens=(256, 8), block_length=(32, 4), repeats=(2, 1)
+)
 
 
 def generate_kwargs(
@@ -163,7 +165,9 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
             step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device, **timing)
         else:
             resolved = model.resolve_generation_config(**kwargs)
-            step_ms, _, _ = bench_llada2.block_step(model, prompts, resolved, device, **timing, in_a_row=2 if args.cpu else 10)
+            step_ms, _, _ = bench_llada2.block_step(
+                model, prompts, resolved, device, **timing, in_a_row=2 if args.cpu else 10
+            )
         per_forward, by_op = collectives_per_forward(model, prompts, kwargs)
         rows.append(
             dict(

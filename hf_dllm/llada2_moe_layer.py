@@ -66,7 +66,9 @@ class LLaDA2MoeMLP(nn.Module):
         experts); `forward` itself when not sharded. x `(..., hidden)` -> `(..., hidden)`."""
         gate = nn.functional.linear(x, local_tensor(self.gate_proj.weight))
         up = nn.functional.linear(x, local_tensor(self.up_proj.weight))
-        return nn.functional.linear(gated_activation(self.act_fn, gate, up, self.silu), local_tensor(self.down_proj.weight))
+        return nn.functional.linear(
+            gated_activation(self.act_fn, gate, up, self.silu), local_tensor(self.down_proj.weight)
+        )
 
 
 def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, silu: bool) -> torch.Tensor:

@@ -67,9 +67,14 @@ def test_sharded_proposal_equals_the_whole_vocabulary(monkeypatch, suppressed, d
     logits = torch.randn(2, 5, 30, generator=generator)
     logits[0, 0, 7] = logits[0, 0, 21] = logits[0, 0].max() + 1  # a tie across slices: the lower id wins
     logits[1, 2, 11] = logits[1, 2, 12] = logits[1, 2].max() + 2  # the best token is the mask (one mask id)
-    as_ids = lambda ids: None if ids is None else torch.tensor(ids)  # noqa: E731
     masked = torch.rand(2, 5, generator=generator) > 0.3
-    expected = decoding.propose_tokens(logits, masked, 0.0, "low_confidence", as_ids(suppressed), as_ids(deferred), mask_id)
+
+    def as_ids(ids):
+        return None if ids is None else torch.tensor(ids)
+
+    expected = decoding.propose_tokens(
+        logits, masked, 0.0, "low_confidence", as_ids(suppressed), as_ids(deferred), mask_id
+    )
     bounds = [(0, 10), (10, 21), (21, 30)]
     stats = []
 
@@ -78,14 +83,11 @@ def test_sharded_proposal_equals_the_whole_vocabulary(monkeypatch, suppressed, d
         return tensor.unsqueeze(0).expand(len(bounds), *tensor.shape)
 
     monkeypatch.setattr(tensor_parallel, "all_gather_stacked", record)
-    arguments = lambda start, stop: (  # noqa: E731
-        logits[..., start:stop],
-        tensor_parallel.VocabShard(start, stop - start, None),
-        masked,
-        as_ids(suppressed),
-        as_ids(deferred),
-        mask_id,
-    )
+
+    def arguments(start: int, stop: int) -> tuple:
+        shard = tensor_parallel.VocabShard(start, stop - start, None)
+        return logits[..., start:stop], shard, masked, as_ids(suppressed), as_ids(deferred), mask_id
+
     for start, stop in bounds:
         decoding.propose_tokens_sharded(*arguments(start, stop))
     monkeypatch.setattr(tensor_parallel, "all_gather_stacked", lambda tensor, group: torch.stack(stats))

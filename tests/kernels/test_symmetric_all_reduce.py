@@ -54,7 +54,7 @@ def test_no_symmetric_memory_off_cuda():
     assert not tensor_parallel.symmetric_memory_available(torch.device("cpu"))
 
 
-GPU_WORKER = '''
+GPU_WORKER = """
 import os, torch, torch.distributed as dist
 from hf_dllm import tensor_parallel
 rank = int(os.environ["LOCAL_RANK"]); torch.cuda.set_device(rank)
@@ -76,7 +76,7 @@ for numel in (32 * 4096, 8 * 32 * 4096, 2 ** 23):
 assert tensor_parallel._symmetric_buffers[group.group_name] is not None
 print("OK", rank, flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.gpu
