@@ -159,11 +159,16 @@ def symmetric_buffer(group, device: torch.device) -> torch.Tensor | None:
     if not symmetric_memory_available(device) or torch.cuda.is_current_stream_capturing():
         return None
     import os
+    import warnings
 
     import torch.distributed._symmetric_memory as symm_mem
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # only the P2P kernels are used
     try:
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a deprecated no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(name)
         buffer = symm_mem.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, name)
     except RuntimeError:  # e.g. no P2P access between the GPUs
