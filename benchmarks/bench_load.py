@@ -453,7 +453,9 @@ def tensor_parallel_command(args, port: int) -> list[str]:
     command users run, with the engine options of the in-process server."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp)]
     command += ["-m", "hf_dllm", "serve", str(args.checkpoint), "--tp-plan", "auto", "--port", str(port)]
-    command += ["--served-model-name", "bench", "--log-level", "warning", "--attn-implementation", "sdpa"]
+    command += ["--served-model-name", "bench", "--log-level", "warning"]
+    if args.shape in LLADA2_SHAPES:  # as `build_model` builds them for the in-process server
+        command += ["--attn-implementation", "sdpa"]
     if args.max_batch_size:
         command += ["--max-batch-size", str(args.max_batch_size)]
     if args.max_batch_width:
