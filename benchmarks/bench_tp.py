@@ -17,7 +17,9 @@ step takes (`fused`; on the shards too), and issue #64's goals for `--tp 2` / `-
 Also: the collectives per forward of each run (`CollectiveCounter`, over one eager `generate()`; the token
 agreement's broadcast included).
 
-Prints a table and ends with one JSON line. NVLink multicast (NVLS) is turned off for NCCL (`NCCL_NVLS_ENABLE=0`).
+Prints a table and ends with one JSON line. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`,
+`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`); `HF_DLLM_ALL_REDUCE=nccl` measures the sharded run without the
+symmetric-memory all-reduces (hf_dllm/tensor_parallel.py).
 
     python benchmarks/bench_tp.py                           # both shapes, TP=2, batch 1 and 8
     python benchmarks/bench_tp.py --models llada --tp 2
@@ -255,7 +257,7 @@ def worker(args) -> int:
 
 
 def launch_tp(args, out: Path) -> dict:
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     command = [
