@@ -169,8 +169,11 @@ def symmetric_buffer(group, device: torch.device) -> torch.Tensor | None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(name)
-        buffer = symm_mem.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, name)
+        # Never an inference tensor (the first all-reduce may run under `torch.inference_mode()`): later steps
+        # write it in place outside that mode.
+        with torch.inference_mode(False):
+            buffer = symm_mem.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+            symm_mem.rendezvous(buffer, name)
     except RuntimeError:  # e.g. no P2P access between the GPUs
         buffer = None
     _symmetric_buffers[name] = buffer
