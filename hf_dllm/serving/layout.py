@@ -108,14 +108,8 @@ class PackedLayout:
         tokens = x[self.rows, self.columns].unsqueeze(0)
         if step == 0:
             machine.first_step_positions += tokens.shape[1]
-        logits = machine.model._diffusion_forward(
-            tokens,
-            packing,
-            self.positions.unsqueeze(0),
-            packing,
-            self.cache_position,
-            self.logits_index,
-            **machine.forward_kwargs,
+        logits = machine.forward_logits(
+            tokens, packing, self.positions.unsqueeze(0), packing, self.cache_position, self.logits_index
         ).to(device)
         scheduled = machine.unmasking.scheduled_counts(step, x.shape[0], device)[rows]
         new_block = x[:, block_start:block_end].clone()
