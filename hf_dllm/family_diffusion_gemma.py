@@ -151,8 +151,9 @@ class EncoderDecoderBlocks:
         return False
 
     def fill_token_id(self, config) -> int:
-        """What follows a row's first EOS, and its later canvases: padding (transformers' `pad_token_id`)."""
-        return config.pad_token_id
+        """What follows a row's first EOS, and its later canvases: padding (transformers' `pad_token_id`, which an
+        EOS needs; without an EOS no row ends before the last canvas, and undecoded columns keep their mark)."""
+        return config.pad_token_id if config.pad_token_id is not None else config.mask_token_id
 
 
 class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
