@@ -114,6 +114,13 @@ class EntropyBoundSampler(UnmaskingPolicy):
         confident = token_entropy(logits).mean(dim=-1) < self.confidence_threshold
         return stable & confident
 
+    def accept(self, entropy: torch.Tensor) -> torch.Tensor:
+        """`(rows, C)` bool from the entropies `(rows, C)`: per row, lowest entropy first, a position is accepted
+        while the sum of the entropies below it is <= `entropy_bound` (the lowest is always accepted)."""
+        sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+        accepted_sorted = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= self.entropy_bound
+        return torch.scatter(torch.zeros_like(accepted_sorted), -1, order, accepted_sorted)
+
     def denoise(self, block, logits, rules, scheduled, generated=None, active=None, candidates=None):
         """One step on the canvas `block` `(B, C)` from the decoder's `logits` `(B, C, vocab)`; returns the next
         canvas, the draft (the argmax) and no edit."""
@@ -124,11 +131,7 @@ class EntropyBoundSampler(UnmaskingPolicy):
         probabilities = torch.softmax(processed, dim=-1, dtype=torch.float32)
         sample = torch.multinomial(probabilities.view(-1, probabilities.shape[-1]), num_samples=1).view(rows, length)
         argmax = torch.argmax(processed, dim=-1)
-        # Entropy-bound acceptance: per row, lowest entropy first, while the sum of the lower ones is <= the bound.
-        entropy = token_entropy(processed)
-        sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
-        accepted_sorted = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= self.entropy_bound
-        accepted = torch.scatter(torch.zeros_like(accepted_sorted), -1, order, accepted_sorted)
+        accepted = self.accept(token_entropy(processed))
         noise = torch.randint(0, self.vocab_size, (rows, length), device=block.device)
         canvas = torch.where(accepted, sample, noise)
         if self.stops:

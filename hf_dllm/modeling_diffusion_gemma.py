@@ -25,13 +25,13 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .family_diffusion_gemma import DIFFUSION_GEMMA
@@ -39,6 +39,14 @@ from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
+
+
+@dataclass
+class DiffusionGemmaOutput(ModelOutput):
+    """`logits` `(batch, canvas_length, vocab)` (float32, soft-capped) and the encoder `cache` the forward wrote."""
+
+    logits: torch.Tensor | None = None
+    cache: object = None
 
 
 class DiffusionGemmaRMSNorm(nn.Module):
@@ -468,10 +476,10 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder_input_ids: torch.LongTensor | None = None,
         self_conditioning_logits: torch.Tensor | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> DiffusionGemmaOutput:
         """transformers' call: encode `input_ids` `(B, T)` (left-padded per `attention_mask`) into `cache` (a
         fresh one by default), then denoise `decoder_input_ids` `(B, C)` (required: hf_dllm draws no canvas here)
-        at the positions after the cached ones. Returns `logits` `(B, C, vocab)` and the cache (`past_key_values`)."""
+        at the positions after the cached ones. Returns `logits` `(B, C, vocab)` and the `cache`."""
         images = sorted(name for name in IMAGE_INPUTS if kwargs.get(name) is not None)
         if images:
             raise ValueError(f"{images}: hf_dllm's DiffusionGemma runs text only (the vision tower is not loaded).")
@@ -495,7 +503,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         length = decoder_input_ids.shape[1]
         columns = torch.arange(cache.length, cache.length + length, device=decoder_input_ids.device)
         logits = self.decode(decoder_input_ids, columns, cache, self_conditioning_logits, padded=padded)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return DiffusionGemmaOutput(logits=logits, cache=cache)
 
     # -- hf_dllm's loop ---------------------------------------------------------------------------------------
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
@@ -542,14 +550,18 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return DIFFUSION_GEMMA.complete(super().resolve_generation_config(generation_config, **fields), self.config, fields)
 
     @torch.no_grad()
-    def generate(self, inputs=None, generation_config=None, streamer=None, stopping_criteria=None, **kwargs):
+    def generate(
+        self, inputs=None, generation_config=None, streamer=None, stopping_criteria=None, unmasking_policy=None, **kwargs
+    ):
         """hf_dllm's `generate()` (the block loop) with DiffusionGemma's sampler: every argument of transformers'
         `DiffusionGemmaForBlockDiffusion.generate` that hf_dllm provides (`max_new_tokens`, `max_denoising_steps`,
         `sampler_config`, `t_min`, `t_max`, `stability_threshold`, `confidence_threshold`, `eos_token_id`,
         `pad_token_id`, `attention_mask`, `return_dict_in_generate`, `streamer`). Reproduces transformers' draws
         under the same seed. Sequences stop at the last canvas decoded (every row ended at an EOS: fewer canvases),
-        as transformers'."""
-        run = self.generate_blocks(inputs, generation_config, streamer, stopping_criteria, **kwargs)
+        as transformers'. `unmasking_policy`: a sampler object replacing the family's (`EntropyBoundSampler`)."""
+        run = self.generate_blocks(
+            inputs, generation_config, streamer, stopping_criteria, unmasking_policy=unmasking_policy, **kwargs
+        )
         sequences = run.run()[:, : run.block_end]
         if run.config.return_dict_in_generate:
             from .generation_utils import DiffusionGenerateOutput
