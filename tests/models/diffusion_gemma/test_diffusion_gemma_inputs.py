@@ -1,0 +1,91 @@
+"""DiffusionGemma's settings and inputs: transformers' argument forms accepted, bad values and other families'
+fields refused before any forward, its fields refused by other families; streamers get one canvas at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
+CASES = {case["name"]: case for case in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"]}
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return AutoModel.from_pretrained(GEMMA_DIR).eval()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return load_file(GEMMA_DIR / "expected.safetensors")
+
+
+def test_transformers_sampler_config_object_and_canvas_rounding(gemma, expected):
+    """`sampler_config=EntropyBoundSamplerConfig(...)` (transformers' object) works as its dict, and
+    `max_new_tokens=24` decodes two whole canvases (32 tokens), as transformers."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    case = CASES["p5.g24.eb05.s2"]
+    kwargs = {**case["kwargs"], "sampler_config": EntropyBoundSamplerConfig(entropy_bound=0.5)}
+    torch.manual_seed(case["seed"])
+    out = gemma.generate(expected["prompt.p5"], **kwargs)
+    assert out.sequences.shape[1] == 5 + 32
+    assert torch.equal(out.sequences, expected[f"case.{case['name']}"])
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"threshold": 0.9}, "LLaDA / Fast-dLLM"),
+        ({"steps": 8}, "LLaDA / Fast-dLLM"),
+        ({"temperature": 0.5}, "LLaDA / Fast-dLLM"),
+        ({"alg": "entropy"}, "Dream"),
+        ({"sampler_config": {"entropy_bound": -1.0}}, "entropy_bound"),
+        ({"sampler_config": {"top_k": 3}}, "sampler_config"),
+        ({"t_min": 0.9, "t_max": 0.5}, "t_max"),
+        ({"max_denoising_steps": 0}, "max_denoising_steps"),
+        ({"stability_threshold": -1}, "stability_threshold"),
+        ({"confidence_threshold": 0.0}, "confidence_threshold"),
+        ({"block_length": 8}, "canvas_length"),
+        ({"eos_token_id": 1}, "pad_token_id"),
+        ({"pixel_values": torch.zeros(1, 3, 8, 8)}, "text only"),
+    ],
+)
+def test_bad_settings_refused(gemma, expected, fields, message):
+    with pytest.raises(ValueError, match=message):
+        gemma.generate(expected["prompt.p5"], max_new_tokens=16, **fields)
+
+
+def test_gemma_fields_refused_by_other_families(reference_model):
+    with pytest.raises(ValueError, match="DiffusionGemma"):
+        reference_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, block_length=8, max_denoising_steps=4)
+
+
+def test_streamer_gets_each_canvas_when_accepted(gemma, expected):
+    """A streamer receives the prompt, then each canvas (16 tokens) as it is committed, then `end()`; a draft
+    streamer also sees every step's argmax canvas; the streamed tokens are the returned ones."""
+    puts, drafts, ended = [], [], []
+
+    class Streamer:
+        def put(self, value):
+            puts.append(value.clone())
+
+        def put_draft(self, value):
+            drafts.append(value.clone())
+
+        def end(self):
+            ended.append(True)
+
+    case = CASES["p11.g32.eb05.s1"]
+    torch.manual_seed(case["seed"])
+    out = gemma.generate(expected["prompt.p11"], streamer=Streamer(), **case["kwargs"])
+    assert [tuple(put.shape) for put in puts] == [(1, 11), (1, 16), (1, 16)]
+    assert torch.equal(torch.cat(puts, dim=1), out.sequences)
+    assert len(drafts) == case["nfe"] and all(draft.shape == (1, 16) for draft in drafts)
+    assert ended == [True]
