@@ -89,3 +89,24 @@ def test_streamer_gets_each_canvas_when_accepted(gemma, expected):
     assert torch.equal(torch.cat(puts, dim=1), out.sequences)
     assert len(drafts) == case["nfe"] and all(draft.shape == (1, 16) for draft in drafts)
     assert ended == [True]
+
+
+def test_pipeline_chat(gemma, char_tokenizer):
+    """`pipeline("text-generation")` with chat messages: the pipeline's call is the model's `generate()` on the
+    chat template's tokens (same seed, same text)."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=gemma, tokenizer=char_tokenizer)
+    messages = [{"role": "user", "content": "Hi"}]
+    settings = dict(max_new_tokens=16, max_denoising_steps=4)
+    torch.manual_seed(0)
+    result = pipe(messages, **settings)
+    reply = result[0]["generated_text"][-1]
+    assert reply["role"] == "assistant"
+    encoded = char_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    torch.manual_seed(0)
+    out = gemma.generate(**encoded, **settings)
+    generated = out.sequences[0, encoded["input_ids"].shape[1] :]
+    assert reply["content"] == char_tokenizer.decode(generated, skip_special_tokens=True)
