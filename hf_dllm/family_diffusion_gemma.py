@@ -173,7 +173,16 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         "decoding_diffusion_gemma.py",
     )
     generation_defaults = {"max_new_tokens": 256, **{name: None for name in SAMPLER_DEFAULTS}}
+    # Shared files its model never reaches (the masked-diffusion models' attention backends and packed rows):
+    # transformers' remote-code loader downloads only what relative imports reach.
+    unreached_shared_files = ("packed.py", "attention.py", "triton_attention.py")
+
+    @property
+    def remote_code_files(self) -> tuple[str, ...]:
+        return tuple(name for name in super().remote_code_files if name not in self.unreached_shared_files)
     supports_cfg = False
+    card_template = "template-diffusion-gemma.md"
+    generic_card = "generic-diffusion-gemma"
     own_generation_fields = tuple(DIFFUSION_GEMMA_FIELDS)
 
     def validate(self, config) -> None:

@@ -547,7 +547,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         images = sorted(name for name in IMAGE_INPUTS if name in fields)
         if images:
             raise ValueError(f"{images}: hf_dllm's DiffusionGemma runs text only (image inputs are not supported).")
-        return DIFFUSION_GEMMA.complete(super().resolve_generation_config(generation_config, **fields), self.config, fields)
+        config = DiffusionGenerationMixin.resolve_generation_config(self, generation_config, **fields)
+        # The exporter resolves settings on a stand-in without a model config: it writes them as set (unset sampler
+        # fields stay None, transformers' defaults at call time).
+        model_config = getattr(self, "config", None)
+        return config if model_config is None else DIFFUSION_GEMMA.complete(config, model_config, fields)
 
     @torch.no_grad()
     def generate(
