@@ -118,6 +118,9 @@ class DiffusionFamily:
     # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
     # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
     original_generation_fields: dict = {}
+    # Fields whose default in the family's original implementation differs from hf_dllm's, applied where a
+    # checkpoint's generation_config.json leaves them unset (DiffusionGemma: transformers' `max_new_tokens=256`).
+    original_defaults: dict = {}
     # Generation fields of the family's own sampler (`generation_config.register_generation_fields`, which describes
     # them for every application): the family accepts them; every other family refuses them away from their defaults.
     own_generation_fields: tuple[str, ...] = ()

@@ -181,6 +181,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
     def remote_code_files(self) -> tuple[str, ...]:
         return tuple(name for name in super().remote_code_files if name not in self.unreached_shared_files)
     supports_cfg = False
+    original_defaults = {"max_new_tokens": 256}
     card_template = "template-diffusion-gemma.md"
     generic_card = "generic-diffusion-gemma"
     own_generation_fields = tuple(DIFFUSION_GEMMA_FIELDS)

@@ -25,13 +25,15 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, cached_file
 
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .family_diffusion_gemma import DIFFUSION_GEMMA
@@ -506,6 +508,22 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return DiffusionGemmaOutput(logits=logits, cache=cache)
 
     # -- hf_dllm's loop ---------------------------------------------------------------------------------------
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs):
+        """As `DiffusionGenerationMixin.adjust_generation_fn`; fields a generation_config.json leaves unset take
+        transformers' defaults where they differ from hf_dllm's (`original_defaults`: `max_new_tokens` 256)."""
+        super().adjust_generation_fn(
+            generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+        )
+        if generation_config is None and pretrained_model_name_or_path is not None:
+            loading = {k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision", "subfolder") if k in kwargs}
+            path = cached_file(
+                pretrained_model_name_or_path, "generation_config.json", _raise_exceptions_for_missing_entries=False, **loading
+            )
+            written = json.loads(Path(path).read_text()) if path is not None else {}
+            for name, value in DIFFUSION_GEMMA.original_defaults.items():
+                if written.get(name) is None:
+                    setattr(self.generation_config, name, value)
+
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
         return self.new_encoder_cache()
 
