@@ -110,3 +110,29 @@ def test_pipeline_chat(gemma, char_tokenizer):
     out = gemma.generate(**encoded, **settings)
     generated = out.sequences[0, encoded["input_ids"].shape[1] :]
     assert reply["content"] == char_tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def test_lm_eval_generate_until(gemma, char_tokenizer):
+    """lm-eval's adapter: `generate_until` runs DiffusionGemma's sampler (its fields as model_args), cut at
+    `until`; the LLaDA Monte-Carlo log-likelihood is refused with a clear error."""
+    pytest.importorskip("lm_eval")
+    from hf_dllm.evaluation.lm_eval_model import DiffusionEvalLM
+
+    class Request:
+        def __init__(self, *args):
+            self.args = args
+
+    lm = DiffusionEvalLM(
+        pretrained=gemma, tokenizer=char_tokenizer, device="cpu", batch_size=2, threads=1, max_denoising_steps=4
+    )
+    assert lm.base_config.max_denoising_steps == 4
+    outputs = lm.generate_until(
+        [Request("add 1+2", {"until": ["b"], "max_gen_toks": 20}), Request("copy", {"max_gen_toks": 8, "do_sample": False})],
+        disable_tqdm=True,
+    )
+    assert len(outputs) == 2 and all(isinstance(text, str) for text in outputs)
+    assert "b" not in outputs[0]
+    with pytest.raises(ValueError, match="LLaDA / Fast-dLLM"):
+        lm.generate_until([Request("x", {"threshold": 0.9})], disable_tqdm=True)
+    with pytest.raises(NotImplementedError, match="DiffusionGemma"):
+        lm.loglikelihood([Request("a", "b")], disable_tqdm=True)
