@@ -154,21 +154,16 @@ class EntropyBoundSampler(UnmaskingPolicy):
 
 class EncoderPrefixCache(CachePolicy):
     """The cache of encoder-decoder block diffusion (DiffusionGemma): the columns before a canvas are encoded once
-    by a separate encoder pass, fed with the canvas' first step (`query_range`: from the first column not yet
-    encoded); later steps feed the canvas alone, which the decoder reads without writing the cache."""
+    by a separate encoder pass at the canvas' first step, which is fed the whole prefix (views of the canvas; the
+    model encodes only the columns its cache does not hold yet, so a cache emptied between blocks, as the serving
+    engine's layouts do, is filled again); later steps feed the canvas alone, which the decoder reads without
+    writing the cache."""
 
     name = "encoder"
     uses_cache = True
 
-    def __init__(self):
-        self.encoded = 0  # columns encoded before the current canvas' first step
-        self.encode_from = 0
-
-    def start_block(self, block_start: int) -> None:
-        self.encode_from, self.encoded = self.encoded, block_start
-
     def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
-        return (self.encode_from, block_end) if first_step else (block_start, block_end)
+        return (0, block_end) if first_step else (block_start, block_end)
 
     def keep_rows(self, cache, index: torch.Tensor) -> None:
         if cache is not None:

@@ -112,7 +112,9 @@ class EncoderDecoderBlocks:
     shifts a row's positions, as transformers does); an EOS ends its row and what follows it is padding."""
 
     topology = "encoder-decoder"
-    committed_kv_exact = True
+    # The encoder's K/V of committed columns are exact, but the serving engine keeps no row store of this cache
+    # (sliding layers): it re-encodes a row's prefix at each block's first step, as for bidirectional models.
+    committed_kv_exact = False
     scores_likelihood = False
     cut_after_first_eos = True
     # The canvas starts from the sampler's tokens, not from a mask token (`DiffusionFamily.masked_canvas`).

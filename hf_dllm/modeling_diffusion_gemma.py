@@ -112,17 +112,18 @@ class DiffusionGemmaAttention(nn.Module):
         self.v_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
-        """hidden_states `(B, T, hidden)`; cos, sin `(T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
+        """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
         (every key); `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V
         (encoder) or only read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
         query = self.q_norm(self.q_proj(hidden_states).view(shape))
-        query = (query * cos[:, None] + rotate_half(query) * sin[:, None]).transpose(1, 2)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
         raw_key = self.k_proj(hidden_states).view(shape)
         value = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else raw_key
         key = self.k_norm(raw_key)
-        key = (key * cos[:, None] + rotate_half(key) * sin[:, None]).transpose(1, 2)
+        key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
         value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
@@ -260,7 +261,15 @@ class DiffusionGemmaEncoderCache:
         self.values: list = [None] * layers
         self.columns: list = [None] * layers
         self.valid: list = [None] * layers
-        self.length = 0  # positions encoded so far
+        self.length = 0  # columns encoded so far
+        self.max_batch_size = 1 << 30  # rows are the inputs' (the serving engine asks)
+
+    def set_length(self, width: int) -> None:
+        """A new layout of rows (the serving engine's, before each block): nothing cached yet, every prefix is
+        encoded again at the block's first step."""
+        layers = len(self.sliding)
+        self.keys, self.values, self.columns, self.valid = ([None] * layers for _ in range(4))
+        self.length = 0
 
     def keys_values(self, layer: int, key, value, write: bool):
         if self.keys[layer] is not None:
@@ -340,8 +349,9 @@ class DiffusionGemmaDecoder(nn.Module):
         return torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=self.embed_tokens.weight.device)
 
     def rope(self, positions: torch.Tensor, layer_type: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `(T, head_dim)` at `positions` `(T,)`."""
-        frequencies = positions[:, None].float() * getattr(self, f"{layer_type}_inv_freq").float()
+        """cos, sin `(B, T, head_dim)` at `positions` `(B, T)` (or `(T,)`, shared: `(1, T, head_dim)`)."""
+        positions = positions if positions.dim() == 2 else positions.unsqueeze(0)
+        frequencies = positions[..., None].float() * getattr(self, f"{layer_type}_inv_freq").float()
         angles = torch.cat((frequencies, frequencies), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -421,13 +431,15 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return self.lm_head
 
     # -- the two passes ---------------------------------------------------------------------------------------
-    def encode(self, input_ids: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, cache) -> None:
-        """Encoder pass: run the text transformer causally on `input_ids` `(B, T)` at positions `columns` `(T,)`
-        (each token's column: left padding shifts a row's positions, as transformers), keys `valid` `(B, T)`
-        bool, appending every layer's K/V to `cache`."""
+    def encode(self, input_ids, columns, valid, cache, positions=None) -> None:
+        """Encoder pass: run the text transformer causally on `input_ids` `(B, T)` at columns `columns` `(T,)`
+        (causality and sliding windows count columns), keys `valid` `(B, T)` bool, RoPE at `positions` `(B, T)`
+        (default: the columns; transformers' positions, left padding shifting a row's), appending every layer's
+        K/V to `cache`."""
         decoder, text = self.model.decoder, self.config.text_config
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
-        rope = {kind: decoder.rope(columns, kind, x.dtype) for kind in set(text.layer_types)}
+        positions = columns if positions is None else positions
+        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
@@ -443,9 +455,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             x = layer(x, *rope[kind], cache, mask, True, scalar, attention_only=index == last)
         cache.record(columns, valid)
 
-    def decode(self, canvas: torch.Tensor, columns: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
+    def decode(self, canvas: torch.Tensor, positions: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
         """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
-        `columns` `(C,)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
+        `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
         `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal)."""
         decoder, text = self.model.decoder, self.config.text_config
         weight = decoder.embed_tokens.weight
@@ -456,7 +468,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             soft = self_conditioning_logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
             signal = torch.matmul(soft, weight) * scale.to(x.dtype)
         x = decoder.self_conditioning(x, signal)
-        rope = {kind: decoder.rope(columns, kind, x.dtype) for kind in set(text.layer_types)}
+        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
         for index, layer in enumerate(decoder.layers):
             mask = None
@@ -537,22 +549,24 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def _diffusion_forward(
         self, input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
     ) -> torch.Tensor:
-        """A step of the loop (`DiffusionGemmaEncoderCache` policy): `input_ids` `(B, q)` are the columns
-        `cache_position` `(q,)`, the canvas being its last `canvas_length`; the ones before it (a canvas' first step:
-        the prompt, or the previous canvas) are encoded into the cache first. `attention_mask` `(B, width)` bool:
-        real tokens (None: all); `self_conditioning_logits` in `forward_kwargs` (the sampler's)."""
+        """A step of the loop (`EncoderPrefixCache`): `input_ids` and `position_ids` `(B, q)` are the columns
+        `cache_position` `(q,)`, the canvas being the last `canvas_length`; at a canvas' first step the columns
+        before it that the cache does not hold yet (the prompt, the previous canvas; after the serving engine's
+        `set_length`, the whole prefix) are encoded first. `attention_mask` `(B, width)` bool: real tokens (None:
+        all); `self_conditioning_logits` in `forward_kwargs` (the sampler's)."""
         length = self.config.canvas_length
-        if input_ids.shape[1] > length:
-            columns = cache_position[:-length]
+        start = cache.length - int(cache_position[0]) if input_ids.shape[1] > length else None
+        if start is not None and start < input_ids.shape[1] - length:
+            columns = cache_position[start:-length]
             valid = (
                 attention_mask[:, columns]
                 if attention_mask is not None
                 else torch.ones(input_ids.shape[0], len(columns), dtype=torch.bool, device=input_ids.device)
             )
-            self.encode(input_ids[:, :-length], columns, valid, cache)
+            self.encode(input_ids[:, start:-length], columns, valid, cache, position_ids[:, start:-length])
         return self.decode(
             input_ids[:, -length:],
-            cache_position[-length:],
+            position_ids[:, -length:],
             cache,
             forward_kwargs.get("self_conditioning_logits"),
             padded=attention_mask is not None,
