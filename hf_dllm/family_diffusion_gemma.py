@@ -215,7 +215,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         `canvas_length` (`block_length` may only repeat it), `max_new_tokens` rounded up to whole canvases,
         transformers' defaults for the sampler fields left unset, the placeholder of undecoded columns
         (`mask_token_id` = vocab size: never fed to the model), and the EOS rule (an EOS always ends its row, the
-        rest of the row being `pad_token_id`)."""
+        rest of the row being `pad_token_id`: the text config's when the call sets none)."""
         canvas = model_config.canvas_length
         if "block_length" in fields and fields["block_length"] != canvas:
             raise ValueError(
@@ -237,9 +237,10 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
             )
         config.eos_early_stop = has_eos
         if has_eos and config.pad_token_id is None:
-            raise ValueError(
-                "`eos_token_id` needs `pad_token_id` for DiffusionGemma: the tokens after a row's EOS become padding."
-            )
+            # transformers would keep decoding an ended row's later canvases and show them; hf_dllm ends the row
+            # and shows padding (the text config's), else its EOS.
+            pad = model_config.text_config.pad_token_id
+            config.pad_token_id = pad if pad is not None else config.eos_token_ids[0]
         return config
 
     def unmasking_policy(self, config, model_config=None):

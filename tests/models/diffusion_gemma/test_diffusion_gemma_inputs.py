@@ -53,7 +53,6 @@ def test_transformers_sampler_config_object_and_canvas_rounding(gemma, expected)
         ({"stability_threshold": -1}, "stability_threshold"),
         ({"confidence_threshold": 0.0}, "confidence_threshold"),
         ({"block_length": 8}, "canvas_length"),
-        ({"eos_token_id": 1}, "pad_token_id"),
         ({"pixel_values": torch.zeros(1, 3, 8, 8)}, "text only"),
     ],
 )
