@@ -24,9 +24,7 @@ SAMPLER_CLASS = "EntropyBoundSamplerConfig"
 _FIELDS = (
     GenerationField("max_denoising_steps", int, None, "DiffusionGemma: denoising steps per canvas at most (48)"),
     # transformers' `EntropyBoundSamplerConfig(entropy_bound=x)`, or its serialized dict; kept as that dict.
-    GenerationField(
-        "sampler_config", dict, None, "DiffusionGemma: the sampler ({'entropy_bound': 0.1})", option=False
-    ),
+    GenerationField("sampler_config", dict, None, "DiffusionGemma: the sampler ({'entropy_bound': 0.1})", option=False),
     GenerationField("t_min", float, None, "DiffusionGemma: temperature at the last denoising step (0.4)"),
     GenerationField("t_max", float, None, "DiffusionGemma: temperature at the first denoising step (0.8)"),
     GenerationField("stability_threshold", int, None, "DiffusionGemma: steps the argmax must be unchanged (1)"),
@@ -182,6 +180,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
     @property
     def remote_code_files(self) -> tuple[str, ...]:
         return tuple(name for name in super().remote_code_files if name not in self.unreached_shared_files)
+
     supports_cfg = False
     original_defaults = {"max_new_tokens": 256}
     card_template = "template-diffusion-gemma.md"
@@ -190,9 +189,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
 
     def validate(self, config) -> None:
         super().validate(config)
-        foreign = [
-            name for name in FOREIGN_CORE_FIELDS if getattr(config, name) != GENERATION_FIELDS[name].default
-        ]
+        foreign = [name for name in FOREIGN_CORE_FIELDS if getattr(config, name) != GENERATION_FIELDS[name].default]
         if foreign:
             raise ValueError(
                 f"{foreign} are settings of LLaDA / Fast-dLLM decoding, which DiffusionGemma models do not use: leave "
@@ -256,7 +253,10 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
 
     def describe_decoding(self, fields: dict) -> str:
         """The decoding `fields` (generation_config.json's) give, in words, for a model card."""
-        values = {name: fields.get(name) if fields.get(name) is not None else SAMPLER_DEFAULTS[name] for name in SAMPLER_DEFAULTS}
+        values = {
+            name: fields.get(name) if fields.get(name) is not None else SAMPLER_DEFAULTS[name]
+            for name in SAMPLER_DEFAULTS
+        }
         return (
             f"DiffusionGemma's sampler: at most {values['max_denoising_steps']} denoising steps per canvas, entropy "
             f"bound {values['sampler_config']['entropy_bound']}, temperature {values['t_max']} -> {values['t_min']}, "

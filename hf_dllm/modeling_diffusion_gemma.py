@@ -105,7 +105,9 @@ class DiffusionGemmaAttention(nn.Module):
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=False) if self.is_sliding else None
+        self.v_proj = (
+            nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=False) if self.is_sliding else None
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -244,7 +246,9 @@ class DiffusionGemmaSelfConditioning(nn.Module):
         if signal is None:  # a canvas' first step: the zero signal adds exactly zero
             return self.post_norm(inputs_embeds)
         normed = self.pre_norm(signal)
-        return self.post_norm(inputs_embeds + self.down_proj(self.act_fn(self.gate_proj(normed)) * self.up_proj(normed)))
+        return self.post_norm(
+            inputs_embeds + self.down_proj(self.act_fn(self.gate_proj(normed)) * self.up_proj(normed))
+        )
 
 
 class DiffusionGemmaEncoderCache:
@@ -497,7 +501,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         images = sorted(name for name in IMAGE_INPUTS if kwargs.get(name) is not None)
         if images:
             raise ValueError(f"{images}: hf_dllm's DiffusionGemma runs text only (the vision tower is not loaded).")
-        unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in ("use_cache", "return_dict"))
+        unknown = sorted(
+            name for name, value in kwargs.items() if value is not None and name not in ("use_cache", "return_dict")
+        )
         if unknown:
             raise TypeError(f"DiffusionGemmaForBlockDiffusion.forward() got unexpected arguments {unknown}.")
         if decoder_input_ids is None:
@@ -520,16 +526,23 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return DiffusionGemmaOutput(logits=logits, cache=cache)
 
     # -- hf_dllm's loop ---------------------------------------------------------------------------------------
-    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs):
+    def adjust_generation_fn(
+        self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+    ):
         """As `DiffusionGenerationMixin.adjust_generation_fn`; fields a generation_config.json leaves unset take
         transformers' defaults where they differ from hf_dllm's (`original_defaults`: `max_new_tokens` 256)."""
         super().adjust_generation_fn(
             generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
         )
         if generation_config is None and pretrained_model_name_or_path is not None:
-            loading = {k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision", "subfolder") if k in kwargs}
+            loading = {
+                k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision", "subfolder") if k in kwargs
+            }
             path = cached_file(
-                pretrained_model_name_or_path, "generation_config.json", _raise_exceptions_for_missing_entries=False, **loading
+                pretrained_model_name_or_path,
+                "generation_config.json",
+                _raise_exceptions_for_missing_entries=False,
+                **loading,
             )
             written = json.loads(Path(path).read_text()) if path is not None else {}
             for name, value in DIFFUSION_GEMMA.original_defaults.items():
@@ -587,7 +600,13 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
 
     @torch.no_grad()
     def generate(
-        self, inputs=None, generation_config=None, streamer=None, stopping_criteria=None, unmasking_policy=None, **kwargs
+        self,
+        inputs=None,
+        generation_config=None,
+        streamer=None,
+        stopping_criteria=None,
+        unmasking_policy=None,
+        **kwargs,
     ):
         """hf_dllm's `generate()` (the block loop) with DiffusionGemma's sampler: every argument of transformers'
         `DiffusionGemmaForBlockDiffusion.generate` that hf_dllm provides (`max_new_tokens`, `max_denoising_steps`,

@@ -516,7 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def per_family(name: str, fast_defaults: bool) -> str:
         # Families whose decoding has no such field (DiffusionGemma's sampler: no threshold) are left out.
-        chosen = ((family, family.fast_defaults if fast_defaults else family.generation_defaults) for family in families)
+        chosen = (
+            (family, family.fast_defaults if fast_defaults else family.generation_defaults) for family in families
+        )
         return ", ".join(f"{family.display_name} {defaults[name]}" for family, defaults in chosen if name in defaults)
 
     parser.add_argument(

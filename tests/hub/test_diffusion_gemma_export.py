@@ -42,9 +42,7 @@ def test_export_runs_without_hf_dllm(tmp_path):
         assert (dst / name).is_file()
     card = (dst / "README.md").read_text()
     assert "DiffusionGemma" in card and "LLaDA" not in card.split("## Citation")[0]
-    case = next(
-        c for c in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"] if c["name"] == "b2.g24.eos.s1"
-    )
+    case = next(c for c in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"] if c["name"] == "b2.g24.eos.s1")
     spec = {"repo": str(dst), "expected": str(GEMMA_DIR / "expected.safetensors"), "case": case}
     out = run_without_hf_dllm(tmp_path, CHILD, spec)
     assert not out["errors"], out["errors"]

@@ -15,7 +15,9 @@ from hf_dllm.serving.rows import EngineRequest
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
-SETTINGS = dict(max_new_tokens=32, max_denoising_steps=6, sampler_config={"entropy_bound": 0.5}, confidence_threshold=1.0)
+SETTINGS = dict(
+    max_new_tokens=32, max_denoising_steps=6, sampler_config={"entropy_bound": 0.5}, confidence_threshold=1.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,11 @@ def test_shifted_layout_forward_is_each_row_alone(gemma):
             alone_tokens = torch.cat([prompt, canvases[row]])[None]
             alone_cache = gemma._diffusion_new_cache(1, len(alone_tokens[0]))
             alone = gemma._diffusion_forward(
-                alone_tokens, None, torch.arange(alone_tokens.shape[1])[None], alone_cache,
-                torch.arange(alone_tokens.shape[1]), None,
+                alone_tokens,
+                None,
+                torch.arange(alone_tokens.shape[1])[None],
+                alone_cache,
+                torch.arange(alone_tokens.shape[1]),
+                None,
             )
             torch.testing.assert_close(shared[row], alone[0], rtol=1e-4, atol=1e-4)

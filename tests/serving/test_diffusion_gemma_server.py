@@ -52,6 +52,8 @@ def test_streamed_chat_one_chunk_per_canvas(client):
     out = client.post("/v1/chat/completions", json=body)
     assert out.status_code == 200
     chunks = [json.loads(line[6:]) for line in out.text.splitlines() if line.startswith("data: {")]
-    content = [chunk for chunk in chunks if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None]
+    content = [
+        chunk for chunk in chunks if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None
+    ]
     assert 1 <= len(content) <= 2  # at most one chunk per canvas of 16 tokens
     assert chunks[-1]["usage"]["completion_tokens"] <= 32

@@ -29,8 +29,8 @@ def expected():
 def test_transformers_sampler_config_object_and_canvas_rounding(gemma, expected):
     """`sampler_config=EntropyBoundSamplerConfig(...)` (transformers' object) works as its dict, and
     `max_new_tokens=24` decodes two whole canvases (32 tokens), as transformers."""
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
-
+    reference = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")  # >= 5.24
+    EntropyBoundSamplerConfig = reference.EntropyBoundSamplerConfig
     case = CASES["p5.g24.eb05.s2"]
     kwargs = {**case["kwargs"], "sampler_config": EntropyBoundSamplerConfig(entropy_bound=0.5)}
     torch.manual_seed(case["seed"])
@@ -126,7 +126,10 @@ def test_lm_eval_generate_until(gemma, char_tokenizer):
     )
     assert lm.base_config.max_denoising_steps == 4
     outputs = lm.generate_until(
-        [Request("add 1+2", {"until": ["b"], "max_gen_toks": 20}), Request("copy", {"max_gen_toks": 8, "do_sample": False})],
+        [
+            Request("add 1+2", {"until": ["b"], "max_gen_toks": 20}),
+            Request("copy", {"max_gen_toks": 8, "do_sample": False}),
+        ],
         disable_tqdm=True,
     )
     assert len(outputs) == 2 and all(isinstance(text, str) for text in outputs)
