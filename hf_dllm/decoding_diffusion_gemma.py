@@ -135,7 +135,7 @@ class EntropyBoundSampler(UnmaskingPolicy):
         noise = torch.randint(0, self.vocab_size, (rows, length), device=block.device)
         canvas = torch.where(accepted, sample, noise)
         if self.stops:
-            if self.argmax is not None and bool(self.finished.any()):
+            if self.argmax is not None:  # rows finished earlier keep their canvas (no host synchronisation)
                 frozen = self.finished[:, None]
                 argmax = torch.where(frozen, self.argmax, argmax)
                 canvas = torch.where(frozen, block, canvas)
