@@ -138,3 +138,19 @@ def test_lm_eval_generate_until(gemma, char_tokenizer):
         lm.generate_until([Request("x", {"threshold": 0.9})], disable_tqdm=True)
     with pytest.raises(NotImplementedError, match="DiffusionGemma"):
         lm.loglikelihood([Request("a", "b")], disable_tqdm=True)
+
+
+def test_block_events_per_canvas(gemma, expected):
+    """`generate_blocks()` yields one `BlockEvent` per canvas (its 16 tokens per row), and a row that ends at an
+    EOS is reported ended while it stays in the batch; the run's sequences are `generate()`'s."""
+    case = CASES["b2.g32.eos.s3"]
+    kwargs = {**case["kwargs"], "attention_mask": expected["attention_mask.b2"]}
+    torch.manual_seed(case["seed"])
+    run = gemma.generate_blocks(expected["prompt.b2"], **kwargs)
+    events = [(event.block, [len(tokens) for tokens in event.new_tokens()], event.ended.tolist()) for event in run]
+    reference = expected[f"case.{case['name']}"]
+    canvases = (reference.shape[1] - 13) // 16
+    assert [block for block, _, _ in events] == list(range(canvases))
+    assert all(lengths == [16, 16] for _, lengths, _ in events)
+    assert events[-1][2] == [True, True]
+    assert torch.equal(run.sequences[:, : reference.shape[1]], reference)

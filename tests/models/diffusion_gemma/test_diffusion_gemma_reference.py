@@ -131,3 +131,36 @@ def test_deliberate_bugs_break_cases(gemma, expected, bug):
         buggy = _run(gemma, expected, case, unmasking_policy=bug(**arguments)).sequences
         changed += not torch.equal(buggy, faithful)
     assert changed == len(names)
+
+
+@pytest.fixture(scope="module")
+def transformers_gemma():
+    reference = pytest.importorskip("transformers.models.diffusion_gemma")  # transformers >= 5.24
+    return reference.DiffusionGemmaForBlockDiffusion.from_pretrained(GEMMA_DIR).eval()
+
+
+@pytest.mark.parametrize("eos, seed", [(191, 0), (18, 4)])
+def test_row_ending_while_the_batch_goes_on_matches_transformers(gemma, transformers_gemma, expected, eos, seed):
+    """Against transformers' own generate(), run here: in a padded batch one row ends at an EOS canvases before the
+    other (it stays in the batch, decoded and drawing, its canvases padding), and (18, 4) the call ends early when
+    every row has ended. Tokens and per-row forwards (as transformers' `tokens_per_forward`) agree."""
+    kwargs = dict(
+        max_new_tokens=48,
+        max_denoising_steps=8,
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=0.5,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    prompt, mask = expected["prompt.b2"], expected["attention_mask.b2"]
+    torch.manual_seed(seed)
+    want = transformers_gemma.generate(prompt, attention_mask=mask, **kwargs)
+    torch.manual_seed(seed)
+    out = gemma.generate(prompt, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, want.sequences)
+    ended_early = (out.sequences[:, -16:] == 0).all(-1)
+    assert bool(ended_early.any())
+    tokens = (out.sequences[:, prompt.shape[1] :] != 0).sum(-1)
+    torch.testing.assert_close(tokens / out.nfe_per_row, want.tokens_per_forward.float())
