@@ -58,8 +58,8 @@ class EntropyBoundSampler(UnmaskingPolicy):
         vocab_size: int,
         max_denoising_steps: int,
         entropy_bound: float,
-        t_min: float,
-        t_max: float,
+        t_min: float | None,
+        t_max: float | None,
         stability_threshold: int | None,
         confidence_threshold: float | None,
     ):
@@ -127,7 +127,9 @@ class EntropyBoundSampler(UnmaskingPolicy):
         steps_left = self.max_denoising_steps - self.step_index
         self.step_index += 1
         rows, length = block.shape
-        processed = logits / self.temperature(steps_left).to(logits.device)
+        processed = logits
+        if self.t_min is not None and self.t_max is not None:  # no schedule: the logits as they are
+            processed = logits / self.temperature(steps_left).to(logits.device)
         probabilities = torch.softmax(processed, dim=-1, dtype=torch.float32)
         sample = torch.multinomial(probabilities.view(-1, probabilities.shape[-1]), num_samples=1).view(rows, length)
         argmax = torch.argmax(processed, dim=-1)

@@ -21,6 +21,9 @@ from .family import DiffusionFamily, register_family
 from .generation_config import GENERATION_FIELDS, GenerationField, finite, is_int, register_generation_fields
 
 SAMPLER_CLASS = "EntropyBoundSamplerConfig"
+# Fields a call may set to None: no temperature schedule (either of t_min / t_max: the logits as they are), no
+# stable-and-confident stop (either threshold: every canvas takes `max_denoising_steps` steps).
+OPTIONAL_SAMPLER_FIELDS = ("t_min", "t_max", "stability_threshold", "confidence_threshold")
 _FIELDS = (
     GenerationField("max_denoising_steps", int, None, "DiffusionGemma: denoising steps per canvas at most (48)"),
     # transformers' `EntropyBoundSamplerConfig(entropy_bound=x)`, or its serialized dict; kept as that dict.
@@ -87,10 +90,10 @@ def validate_diffusion_gemma_fields(config) -> None:
         value = getattr(config, name)
         if value is not None and (not finite(value) or value < 0):
             raise ValueError(f"`{name}` must be None or a finite number >= 0, got {value!r}.")
-    t_min = SAMPLER_DEFAULTS["t_min"] if config.t_min is None else config.t_min
-    t_max = SAMPLER_DEFAULTS["t_max"] if config.t_max is None else config.t_max
-    if (config.t_min is not None or config.t_max is not None) and not t_max > t_min:
-        raise ValueError(f"`t_max` ({t_max}) must be greater than `t_min` ({t_min}): the schedule cools down.")
+    if config.t_min is not None and config.t_max is not None and not config.t_max > config.t_min:
+        raise ValueError(
+            f"`t_max` ({config.t_max}) must be greater than `t_min` ({config.t_min}): the schedule cools down."
+        )
     if config.stability_threshold is not None and (
         not is_int(config.stability_threshold) or config.stability_threshold < 0
     ):
@@ -222,9 +225,11 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         config.block_length = canvas
         config.max_new_tokens = -(-config.max_new_tokens // canvas) * canvas
         for name, default in SAMPLER_DEFAULTS.items():
-            if getattr(config, name) is None:
+            # A call that names None turns the schedule or the stopping rule off, as in transformers (where None in
+            # generation_config.json means the default); the steps and the sampler cannot be off.
+            if getattr(config, name) is None and not (name in OPTIONAL_SAMPLER_FIELDS and name in fields):
                 setattr(config, name, dict(default) if isinstance(default, dict) else default)
-        if config.t_max <= config.t_min:
+        if config.t_min is not None and config.t_max is not None and config.t_max <= config.t_min:
             raise ValueError(f"`t_max` ({config.t_max}) must be greater than `t_min` ({config.t_min}).")
         config.mask_token_id = model_config.text_config.vocab_size
         has_eos = bool(config.eos_token_ids)

@@ -164,3 +164,14 @@ def test_row_ending_while_the_batch_goes_on_matches_transformers(gemma, transfor
     assert bool(ended_early.any())
     tokens = (out.sequences[:, prompt.shape[1] :] != 0).sum(-1)
     torch.testing.assert_close(tokens / out.nfe_per_row, want.tokens_per_forward.float())
+
+
+def test_none_turns_schedule_and_stop_off_as_transformers(gemma, transformers_gemma, expected):
+    """A call naming `t_min=None` (no temperature schedule) and `stability_threshold=None` (no stable-and-confident
+    stop) decodes as transformers' generate() does with them (None in generation_config.json means the default)."""
+    kwargs = dict(max_new_tokens=32, max_denoising_steps=6, t_min=None, stability_threshold=None)
+    torch.manual_seed(1)
+    want = transformers_gemma.generate(expected["prompt.p11"], **kwargs)
+    torch.manual_seed(1)
+    out = gemma.generate(expected["prompt.p11"], return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, want.sequences) and out.nfe == 12
