@@ -58,14 +58,17 @@ def _run(model, expected, case, **overrides):
     return model.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
 
 
-def test_loads_as_hf_dllm_model_without_warnings(caplog):
+def test_loads_as_hf_dllm_model_without_warnings(capfd):
+    """transformers' load report (missing / unexpected keys, on stderr) stays silent: the vision tower's tensors are
+    ignored by name, every other tensor is the model's."""
     from transformers import AutoModelForCausalLM
 
-    with caplog.at_level("WARNING"):
-        model = AutoModelForCausalLM.from_pretrained(GEMMA_DIR)
+    capfd.readouterr()
+    model = AutoModelForCausalLM.from_pretrained(GEMMA_DIR)
+    err = capfd.readouterr().err
     assert type(model) is hf_dllm.DiffusionGemmaForBlockDiffusion
     assert model.diffusion_family.name == "diffusion_gemma"
-    assert not [record for record in caplog.records if record.levelname == "WARNING"], caplog.text
+    assert not any(word in err for word in ("LOAD REPORT", "UNEXPECTED", "MISSING", "Warning", "warning")), err
     # The encoder's own buffers load (not tied to the decoder's), the head is the embedding.
     assert model.lm_head.weight.data_ptr() == model.model.decoder.embed_tokens.weight.data_ptr()
 
