@@ -186,6 +186,37 @@ class UnmaskingPolicy:
     # Whether this class's step can be captured in a CUDA graph. Read on the class itself, never inherited: a
     # subclass that changes the step (or a new policy) runs eagerly unless it says so.
     capturable = False
+    # Whether rows that ended stay in the batch (decoded, their output the fill token) until every row has ended,
+    # instead of leaving it: a rule whose random draws span the whole batch (DiffusionGemma's) needs them.
+    keeps_ended_rows = False
+
+    def initial_block(self, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """The block's tokens before its first step `(rows, length)`, or None: its positions stay masked. Called
+        at the start of every block (a rule with per-block state resets it here)."""
+        return None
+
+    def final_block(self) -> torch.Tensor | None:
+        """What the block commits after its last step `(rows, L)`, or None: the block as the steps left it."""
+        return None
+
+    def forward_inputs(self) -> dict:
+        """Extra inputs of the model's forward at the next step (state the rule carries between steps, e.g.
+        DiffusionGemma's self-conditioning logits)."""
+        return {}
+
+    def denoise(
+        self,
+        block: torch.Tensor,
+        logits: torch.Tensor,
+        rules: "StepRules",
+        scheduled: torch.Tensor,
+        generated: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+        candidates: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's decision from the block's logits (`denoise_step`: propose, then `commit`); a rule that is not
+        mask-based replaces it whole. Returns the new block, the draft and the edit flags."""
+        return denoise_step(block, logits, rules, scheduled, generated, active, candidates)
 
     def graph_key(self) -> tuple | None:
         """What identifies this policy's captured step (its class and the constants the step bakes in), or None

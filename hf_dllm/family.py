@@ -112,9 +112,15 @@ class DiffusionFamily:
     logits_shift = 0
     # Classifier-free guidance with a masked prompt (LLaDA App. B.3).
     supports_cfg = True
+    # Whether undecoded positions are the mask token, which prompts must not hold (False: the sampler starts a block
+    # from tokens of its own, `UnmaskingPolicy.initial_block`, and `mask_token_id` only marks undecoded columns).
+    masked_canvas = True
     # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
     # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
     original_generation_fields: dict = {}
+    # Fields whose default in the family's original implementation differs from hf_dllm's, applied where a
+    # checkpoint's generation_config.json leaves them unset (DiffusionGemma: transformers' `max_new_tokens=256`).
+    original_defaults: dict = {}
     # Generation fields of the family's own sampler (`generation_config.register_generation_fields`, which describes
     # them for every application): the family accepts them; every other family refuses them away from their defaults.
     own_generation_fields: tuple[str, ...] = ()
@@ -198,6 +204,11 @@ class DiffusionFamily:
 
     def cache_policy(self, config: DiffusionGenerationConfig) -> CachePolicy:
         raise NotImplementedError
+
+    def fill_token_id(self, config: DiffusionGenerationConfig) -> int:
+        """What an ended row shows after its end: its first EOS id, else `pad_token_id`, else the mask id."""
+        eos = config.eos_token_ids
+        return eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else config.mask_token_id
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -31,7 +31,8 @@ class GenerationField:
     fields (`GENERATION_FIELDS`).
 
     name: the field (a command-line flag is `--` + name with `-` for `_`).
-    type: `int`, `float`, `str` or `bool`: what a command line's text is parsed as.
+    type: `int`, `float`, `str` or `bool`: what a command line's text is parsed as (`dict` for a structured value,
+        which is then no `option`: DiffusionGemma's `sampler_config`).
     default: the value of a config that does not set it.
     help: one line, for `--help`.
     choices: the fixed set of values other than None it takes (empty: any value of `type` that `validate` accepts).

@@ -349,12 +349,16 @@ class DiffusionGenerationMixin:
         device = self.get_input_embeddings().weight.device
         if device.type == "meta":
             raise ValueError("The model's weights are on the meta device (shapes without data): load real weights.")
+        # A family whose sampler starts blocks from tokens of its own has no mask token (`masked_canvas`): its
+        # `mask_token_id` only marks undecoded columns and is never fed to the model.
+        masked = self.diffusion_family.masked_canvas
         if config.mask_token_id is None:
             raise ValueError(
                 "`mask_token_id` is not set: pass it to generate() or set it in the generation config "
                 f"(an integer in [0, {vocab_size}))."
             )
-        special = {"mask_token_id": config.mask_token_id, "eot_token_id": config.eot_token_id}
+        special = {"mask_token_id": config.mask_token_id} if masked else {}
+        special["eot_token_id"] = config.eot_token_id
         special.update({f"eos_token_id[{i}]": token for i, token in enumerate(config.eos_token_ids)})
         for name, token in special.items():
             if token is not None and not 0 <= token < vocab_size:
@@ -391,7 +395,7 @@ class DiffusionGenerationMixin:
         input_ids = input_ids.to(device=device, dtype=torch.long)
         if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab_size)).all()):
             raise ValueError(f"`input_ids` must hold token ids in [0, {vocab_size}).")
-        if bool((input_ids == config.mask_token_id).any()):
+        if masked and bool((input_ids == config.mask_token_id).any()):
             row, column = (input_ids == config.mask_token_id).nonzero()[0].tolist()
             raise ValueError(
                 f"`input_ids` holds the mask token ({config.mask_token_id}) at row {row}, position {column}: a prompt "

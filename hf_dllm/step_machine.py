@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import CachePolicy
-from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step
+from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy
 from .generation_config import DiffusionGenerationConfig
 from .graphs import StepGraphs, spans_devices
 from .kernels import upload
@@ -76,6 +76,8 @@ class Canvas:
             started with, which index `host_prompt_end`, `stopped` and `nfe_per_row` (rows are dropped, `keep`).
         host_prompt_end (`torch.LongTensor` `(batch,)`, host): `prompt_end` of every row the canvas started with.
         stopped (`torch.BoolTensor` `(batch,)`): rows that stopped inside their block (in-block EOS stop).
+        ended (`torch.BoolTensor` `(rows,)`): rows that ended but stay in the batch (`keeps_ended_rows`): still
+            decoded, counted in no forward, their blocks shown as the fill token.
         nfe_per_row (`torch.LongTensor` `(batch,)`): forwards each row took part in.
         attention_masks: the key mask in the model's format, per `(rows, q_len, kv_len)` (`StepMachine`).
     """
@@ -88,6 +90,7 @@ class Canvas:
         self.rows = torch.arange(batch, device=device)
         self.host_rows = torch.arange(batch)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_masks: dict[tuple[int, int, int], object] = {}
 
@@ -106,6 +109,7 @@ class Canvas:
         self.x, self.rows, self.position_ids = self.x[keep], self.rows[keep], self.position_ids[keep]
         self.host_rows = self.host_rows[keep.cpu()]
         self.prompt_end = self.prompt_end[keep]
+        self.ended = self.ended[keep]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[keep]
 
@@ -123,6 +127,9 @@ class Canvas:
             unmasking.start_block(block_end - block_start, steps)
         if hasattr(unmasking, "prepare_block"):  # a rule with per-block device state resets it here
             unmasking.prepare_block(rows, device)
+        initial = unmasking.initial_block(rows, block_end - block_start, device)
+        if initial is not None:  # a rule that starts from tokens of its own (DiffusionGemma: random ones)
+            self.x[:, block_start:block_end] = initial
         machine.cache_policy.start_block(block_start)
         # Rows that stop while their block still holds masks (in-block EOS stop) or that may edit committed tokens
         # are frozen by an `active` mask inside the step; otherwise a row that is done has nothing left to commit,
@@ -138,13 +145,15 @@ class Canvas:
                 run_step(block_start, block_end, step, None, None)
             # A row that needed fewer steps (LLaDA2's first block, partly prompt) had no mask left: unchanged.
             self.nfe_per_row[self.rows] += upload(unmasking.steps_per_row(), device)
+            self._finish_block(machine, block_start, block_end)
             return
         step, mask_id = 0, machine.mask_id
+        counted = ~self.ended  # rows that ended but stay in the batch cost no forward of their own
         while True:
             before = self.x[:, block_start:block_end].clone() if freeze else None
             masked_before = (before == mask_id).any(-1) if freeze else None
             block, edited = run_step(block_start, block_end, step, active if freeze else None, generated)
-            self.nfe_per_row.index_add_(0, self.rows, active.long())
+            self.nfe_per_row.index_add_(0, self.rows, (active & counted).long())
             step += 1
             active = unmasking.still_active(active, masked_before, (block == mask_id).any(-1), edited, step)
             if machine.eos_stop_in_block:
@@ -156,6 +165,18 @@ class Canvas:
                     break
             elif not bool(active.any()):
                 break
+        self._finish_block(machine, block_start, block_end)
+
+    def _finish_block(self, machine: StepMachine, block_start: int, block_end: int) -> None:
+        """The rule's committed block (`final_block`, where it has one), and the fill token in the blocks of rows
+        that ended but stay in the batch."""
+        final = machine.unmasking.final_block()
+        if final is not None:
+            self.x[:, block_start:block_end] = final
+        if machine.unmasking.keeps_ended_rows:
+            self.x[:, block_start:block_end] = torch.where(
+                self.ended.unsqueeze(-1), machine.fill_id, self.x[:, block_start:block_end]
+            )
 
     @staticmethod
     def _eos_committed_after_all_masks(
@@ -289,7 +310,7 @@ class StepMachine:
         self.suppressed_ids = self.eos_ids if config.logits_eos_inf else None
         deferred = eos + ([config.eot_token_id] if config.eot_token_id is not None else [])
         self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
-        self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
+        self.fill_id = self.family.fill_token_id(config)
 
         self.cache_policy, self.unmasking = policies
         # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
@@ -437,19 +458,21 @@ class StepMachine:
             model_tokens = torch.cat([tokens, unconditional], dim=0)
             model_positions = self._model_rows(position_ids)
         logits = self.forward_logits(
-            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index
+            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index,
+            **self.unmasking.forward_inputs(),
         ).to(tokens.device)  # a model split over GPUs returns logits on its last device
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
         return self.decide(block, logits, scheduled, generated, active, candidates)
 
-    def forward_logits(self, *args) -> torch.Tensor:
-        """The model's `_diffusion_forward(*args, **forward_kwargs)`: the logits `decide` takes, which are this
-        rank's slice of the vocabulary's under tensor parallelism with a `rules.vocab_shard`."""
+    def forward_logits(self, *args, **inputs) -> torch.Tensor:
+        """The model's `_diffusion_forward(*args, **forward_kwargs, **inputs)` (`inputs`: the unmasking policy's
+        extra forward inputs): the logits `decide` takes, which are this rank's slice of the vocabulary's under
+        tensor parallelism with a `rules.vocab_shard`."""
         head = self.model.get_output_embeddings() if self.rules.vocab_shard is not None else None
         with local_head_logits(head):
-            return self.model._diffusion_forward(*args, **self.forward_kwargs)
+            return self.model._diffusion_forward(*args, **self.forward_kwargs, **inputs)
 
     def decide(
         self,
@@ -465,7 +488,7 @@ class StepMachine:
         `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
         return agree_across_ranks(
-            self.model, denoise_step(block, logits, self.rules, scheduled, generated, active, candidates)
+            self.model, self.unmasking.denoise(block, logits, self.rules, scheduled, generated, active, candidates)
         )
 
     def step_rows(

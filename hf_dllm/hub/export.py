@@ -206,7 +206,7 @@ def special_token_ids(src: Path, config: dict) -> dict:
     }
     if "mask_token_id" not in ids:
         config_class, _ = family.classes()
-        mask = config_class.from_dict(config).mask_token_id
+        mask = getattr(config_class.from_dict(config), "mask_token_id", None)  # DiffusionGemma has no mask token
         if mask is not None:
             ids["mask_token_id"] = mask
     if "bos_token_id" not in ids:
@@ -515,10 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
     fast = ", ".join(f"{name}={value}" for name, value in llada.items() if name != "threshold")
 
     def per_family(name: str, fast_defaults: bool) -> str:
-        return ", ".join(
-            f"{family.display_name} {(family.fast_defaults if fast_defaults else family.generation_defaults)[name]}"
-            for family in families
+        # Families whose decoding has no such field (DiffusionGemma's sampler: no threshold) are left out.
+        chosen = (
+            (family, family.fast_defaults if fast_defaults else family.generation_defaults) for family in families
         )
+        return ", ".join(f"{family.display_name} {defaults[name]}" for family, defaults in chosen if name in defaults)
 
     parser.add_argument(
         "--generation-defaults",

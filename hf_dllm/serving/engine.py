@@ -95,8 +95,9 @@ def bucketed_rows(rows: int, max_rows: int) -> int:
 
 def kv_bytes_per_position(model) -> int:
     """Bytes of keys and values one position of one row takes in the model's K/V cache: every layer's
-    `num_key_value_heads x head_dim`, twice, in the model's dtype."""
-    config = model.config
+    `num_key_value_heads x head_dim`, twice, in the model's dtype (a composite config's text model's:
+    DiffusionGemma)."""
+    config = model.config.get_text_config()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
 
 
