@@ -155,6 +155,17 @@ class DiffusionFamily:
             limit = int(limit * max(1.0, scaling["factor"]))
         return limit
 
+    def empty_prompt(self, config: DiffusionGenerationConfig) -> list[int]:
+        """The prompt a call with an empty one (or none) decodes from: the BOS token (`bos_token_id`), as the
+        family's tokenizer starts every text with it; a `ValueError` when the settings name no BOS (a model never
+        trained to start from nothing would decode noise, silently)."""
+        if config.bos_token_id is None:
+            raise ValueError(
+                f"The prompt is empty and `bos_token_id` is not set: {self.display_name} models need at least one "
+                "prompt token (pass a prompt, or set bos_token_id to start from the BOS token)."
+            )
+        return [config.bos_token_id]
+
     # The config field naming the trained context.
     context_length_field = "max_position_embeddings"
 
