@@ -189,7 +189,8 @@ HTTP_CASES = [
         param="messages",
         path="/v1/chat/completions",
     ),
-    Case("block_length=10**18", completion(block_length=10**18), code="context_length_exceeded", param="block_length"),
+    Case("block_length=10**18", completion(block_length=10**18), param="block_length"),  # past 2**20
+    Case("block_length=4096", completion(block_length=4096), code="context_length_exceeded", param="block_length"),
     Case("steps=10**8", completion(steps=10**8), param="steps"),
     Case("steps=10**9", completion(steps=10**9), param="steps"),
     Case("steps=1e9", completion(steps=1e9), param="steps"),

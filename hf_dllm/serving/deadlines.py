@@ -11,16 +11,14 @@ long as it liked (slowloris). `deadline_protocol` gives uvicorn's h11 protocol t
 
 Past either, the client gets `408 Request Timeout` with an OpenAI-style error body and the connection is closed; a
 handler still reading that body sees the client as gone (`http.disconnect`). Both are total deadlines, not idle
-ones: a trickle of one byte per second does not extend them.
+ones: a trickle of one byte per second does not extend them. uvicorn and h11 are imported by `deadline_protocol`
+only (the `serve` extra).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger("hf_dllm.serve")
 
@@ -47,79 +45,80 @@ def timeout_response(what: str, seconds: float) -> bytes:
     return head.encode() + body
 
 
-class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a head and a body deadline (module docstring). Subclassed per server by
-    `deadline_protocol`, which sets the two timeouts."""
-
-    header_timeout = DEFAULT_HEADER_TIMEOUT
-    body_timeout = DEFAULT_BODY_TIMEOUT
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._deadline = None
-        self._arm("head", self.header_timeout)
-
-    def data_received(self, data: bytes) -> None:
-        if self._deadline is None and self.conn.their_state is h11.IDLE:
-            self._arm("head", self.header_timeout)  # the first byte of a request on a kept-alive connection
-        super().data_received(data)
-        self._follow_state()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._follow_state()
-
-    def connection_lost(self, exc) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _follow_state(self) -> None:
-        """Move the deadline along with the client's side of the connection: head -> body -> none."""
-        state = self.conn.their_state
-        if self._deadline is None:
-            return
-        if self._deadline[0] == "head" and state is not h11.IDLE:
-            self._disarm()
-            if state is h11.SEND_BODY:
-                self._arm("body", self.body_timeout)
-        elif self._deadline[0] == "body" and state is not h11.SEND_BODY:
-            self._disarm()
-
-    def _arm(self, what: str, seconds: float) -> None:
-        self._disarm()
-        self._deadline = (what, self.loop.call_later(seconds, self._expire, what, seconds))
-
-    def _disarm(self) -> None:
-        deadline, self._deadline = getattr(self, "_deadline", None), None
-        if deadline is not None:
-            deadline[1].cancel()
-
-    def _expire(self, what: str, seconds: float) -> None:
-        self._deadline = None
-        if self.transport.is_closing():
-            return
-        expected = h11.IDLE if what == "head" else h11.SEND_BODY
-        if self.conn.their_state is not expected:
-            return
-        cycle = self.cycle if what == "body" else None
-        answered = cycle is not None and cycle.response_started
-        logger.info("closing a connection from %s: its request %s did not arrive within %g s", self.client, what, seconds)
-        if cycle is not None:
-            cycle.disconnected = True  # the handler's later sends are dropped; its receive() says the client left
-            cycle.message_event.set()
-        if not answered:
-            self.transport.write(timeout_response(what, seconds))
-        self.transport.close()
-
-
 def deadline_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT):
     """The protocol class to pass as uvicorn's `http` (`uvicorn.run(app, http=...)`), with these deadlines in
     seconds (each > 0)."""
     for name, value in (("header_timeout", header_timeout), ("body_timeout", body_timeout)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
             raise ValueError(f"`{name}` must be a number of seconds > 0, got {value!r}.")
-    return type(
-        "DeadlineH11Protocol",
-        (DeadlineH11Protocol,),
-        {"header_timeout": float(header_timeout), "body_timeout": float(body_timeout)},
-    )
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    head_seconds, body_seconds = float(header_timeout), float(body_timeout)
+
+    class DeadlineH11Protocol(H11Protocol):
+        """uvicorn's h11 protocol with a head and a body deadline (module docstring)."""
+
+        header_timeout = head_seconds
+        body_timeout = body_seconds
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = None
+            self._arm("head", self.header_timeout)
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and self.conn.their_state is h11.IDLE:
+                self._arm("head", self.header_timeout)  # the first byte of a request on a kept-alive connection
+            super().data_received(data)
+            self._follow_state()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._follow_state()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _follow_state(self) -> None:
+            """Move the deadline along with the client's side of the connection: head -> body -> none."""
+            state = self.conn.their_state
+            if self._deadline is None:
+                return
+            if self._deadline[0] == "head" and state is not h11.IDLE:
+                self._disarm()
+                if state is h11.SEND_BODY:
+                    self._arm("body", self.body_timeout)
+            elif self._deadline[0] == "body" and state is not h11.SEND_BODY:
+                self._disarm()
+
+        def _arm(self, what: str, seconds: float) -> None:
+            self._disarm()
+            self._deadline = (what, self.loop.call_later(seconds, self._expire, what, seconds))
+
+        def _disarm(self) -> None:
+            deadline, self._deadline = getattr(self, "_deadline", None), None
+            if deadline is not None:
+                deadline[1].cancel()
+
+        def _expire(self, what: str, seconds: float) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            expected = h11.IDLE if what == "head" else h11.SEND_BODY
+            if self.conn.their_state is not expected:
+                return
+            cycle = self.cycle if what == "body" else None
+            answered = cycle is not None and cycle.response_started
+            logger.info(
+                "closing a connection from %s: its request %s did not arrive within %g s", self.client, what, seconds
+            )
+            if cycle is not None:
+                cycle.disconnected = True  # the handler's later sends are dropped; its receive() says the client left
+                cycle.message_event.set()
+            if not answered:
+                self.transport.write(timeout_response(what, seconds))
+            self.transport.close()
+
+    return DeadlineH11Protocol

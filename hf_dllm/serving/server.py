@@ -86,6 +86,7 @@ from contextlib import asynccontextmanager, contextmanager
 from ..cli.completion_text import stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
+from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, deadline_protocol
 from .engine import (
     AUTO_BATCH_MEMORY_SHARE,
     DEFAULT_MAX_BATCH_SIZE,
@@ -93,7 +94,6 @@ from .engine import (
     MAX_AUTO_BATCH_SIZE,
     ContinuousBatcher,
 )
-from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, deadline_protocol
 from .protocol import (
     MAX_PROMPTS,
     APIError,
