@@ -116,6 +116,11 @@ API_KEY_ENV = "HF_DLLM_API_KEY"
 # ids), at least 4 MiB. Larger bodies get 413 before they are read.
 BODY_BYTES_PER_CONTEXT_TOKEN = 64
 MIN_MAX_BODY_BYTES = 4 << 20
+# torch's CPU threads of `hf-dllm serve` unless `--threads` says otherwise. One per core (torch's default) collapses
+# when other processes share the cores: OpenMP threads wait on each other at every op while the scheduler runs
+# someone else (benchmarks/bench_load.py --cpu --cpu-hogs 2 on a shared 2-core machine: p50 latency 70.3 s with two
+# threads against 3.3 s with one, 21.1 s against 1.1 s per block boundary). A quiet many-core CPU server may pass more.
+SERVE_THREADS = 1
 # Paths served without the API key (load balancers' health checks).
 OPEN_PATHS = frozenset({"/health"})
 
@@ -721,7 +726,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"larger request bodies get 413 unread (default: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token of the "
         f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
     )
-    loading = add_model_arguments(parser)
+    loading = add_model_arguments(
+        parser,
+        threads=SERVE_THREADS,
+        threads_help=f"CPU threads of torch (default {SERVE_THREADS}: more collapse when other processes share the "
+        "cores, e.g. p50 latency 70.3 s with 2 threads against 3.3 s with 1 beside two busy processes on 2 cores, "
+        "benchmarks/bench_load.py --cpu --cpu-hogs 2; a quiet many-core CPU server may pass more; matters only on "
+        "the CPU)",
+    )
     # The flag's old name (before the commands shared their loading flags).
     loading.add_argument("--num-threads", dest="threads", type=int, help="the old name of --threads")
     parser.add_argument(
