@@ -490,10 +490,11 @@ def test_export_verifies_what_it_writes(tmp_path, breakage, message, capsys):
         (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         weights.unlink()
     dst = tmp_path / "out"
+    tokenizer = breakage == "bad-tokenizer"  # the reference fixture has no tokenizer of its own
     with pytest.raises(ExportError, match=message):
-        export_checkpoint(src, dst, tokenizer=False)
+        export_checkpoint(src, dst, tokenizer=tokenizer)
     assert not dst.exists() and no_staging_left(tmp_path)
-    assert export.main([str(src), str(dst), "--no-tokenizer"]) == 1
+    assert export.main([str(src), str(dst), *([] if tokenizer else ["--no-tokenizer"])]) == 1
     assert "hf-dllm export: error:" in capsys.readouterr().err
     assert not dst.exists() and no_staging_left(tmp_path)
 

@@ -269,7 +269,8 @@ class ContinuousBatcher:
                 f"{type(model).__name__} keeps its rows' K/V, and its forward does not take packed rows "
                 "(`diffusion_packed_rows`): continuous batching prefills such rows packed."
             )
-        self.waiting = RoundRobinQueue()  # the admission order: rows of different requests in turns
+        # The admission order: rows of different requests in turns, each request within its share of the rows.
+        self.waiting = RoundRobinQueue(lambda: self.max_batch_size)
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
         self.cache = None

@@ -20,7 +20,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from conftest import tiny_model  # noqa: E402
 
-from hf_dllm.serving.admission import RoundRobinQueue  # noqa: E402
+from hf_dllm.serving.admission import RoundRobinQueue, request_share  # noqa: E402
 from hf_dllm.serving.deadlines import deadline_protocol  # noqa: E402
 from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.rows import EngineRequest  # noqa: E402
@@ -216,9 +216,27 @@ def test_round_robin_queue_admits_requests_in_turns():
     assert [queue.popleft().prompt_ids[0] for _ in range(2)] == [2, 4] and not queue
 
 
+def test_a_request_holds_at_most_its_share_of_the_rows():
+    """With 16 rows, one request may hold 14 (`request_share`): two stay free for other requests' rows."""
+    assert [request_share(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 7, 14, 56]
+    queue = RoundRobinQueue(lambda: 16)
+    rows = [EngineRequest([i], None, None, group="big") for i in range(20)]
+    for row in rows:
+        queue.append(row)
+    taken = []
+    while queue:
+        taken.append(queue.popleft())
+    assert len(taken) == 14 and len(queue) == 6 and not queue
+    late = EngineRequest([99], None, None, group="late")
+    queue.append(late)
+    assert queue[0] is late and queue.popleft() is late
+    taken[0].ended = True  # a row of the big request finishes: its next row may join
+    assert queue[0] is rows[14]
+
+
 def test_a_one_prompt_request_is_not_held_behind_a_many_prompt_one():
-    """8 rows of one request, then one of another, on an engine of 2 rows: the late request joins after one more
-    row of the first (in turns), and finishes long before the first request's last row."""
+    """8 rows of one request, then one of another, on an engine of 2 rows: the first request holds one row (its
+    share), so the late request joins at the next boundary and finishes long before the first request's last row."""
     model = tiny_model(seed=0)
     engine = ContinuousBatcher(model, max_batch_size=2)
     config = model.resolve_generation_config(max_new_tokens=8, block_length=4, eos_early_stop=False)
