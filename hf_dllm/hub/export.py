@@ -453,7 +453,6 @@ def export_checkpoint(
     fp8_names = _fp8_export_plan(config, quantization, link)
     card = resolve_card(card, family)
     weights = find_weights(src)
-    code = check_remote_code(family=family)
     tokenizer_files = [name for name in TOKENIZER_FILES if tokenizer and (src / name).is_file()]
     if tokenizer and not tokenizer_files:
         raise ExportError(
@@ -470,6 +469,7 @@ def export_checkpoint(
         threshold=threshold,
     )
     check_token_ids(config, generation.config)
+    code = check_remote_code(family=family)  # the slowest check (seconds): after the cheap ones
     generated = {"config.json": export_config(config), "generation_config.json": generation.to_json_string()}
     generated["README.md"] = render_preset_card(card, repo_id, dst.resolve().name, generation.fields)
 

@@ -22,6 +22,17 @@ FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests"
 
 
 @pytest.fixture(scope="module")
+def remote_code() -> list[Path]:
+    return export.check_remote_code(family="llada")
+
+
+@pytest.fixture(autouse=True)
+def checked_remote_code(monkeypatch, remote_code):
+    """The remote-code check (seconds per export, tested in tests/test_export.py) made once for the module."""
+    monkeypatch.setattr(export, "check_remote_code", lambda family: remote_code)
+
+
+@pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """A tiny random LLaDA with the character tokenizer (and its chat template)."""
     return save_checkpoint(tiny_model(seed=0), tmp_path_factory.mktemp("src") / "llada")
