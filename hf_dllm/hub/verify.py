@@ -134,7 +134,13 @@ _SAFETENSORS_DTYPES = {
 def check_chat_template(folder: Path, tokenizer) -> None:
     """`ExportError` when a chat template of the repo (the tokenizer's, and a `chat_template.jinja` file) is not
     valid Jinja as transformers compiles it: such a repo loads, then fails at the first chat request."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    try:  # transformers' own compiler (its sandbox and extensions): what a chat request will run
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers that moved it: jinja2's sandbox parses the same syntax
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def _compile_jinja_template(text):
+            return ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(text)
 
     templates = {}
     template = getattr(tokenizer, "chat_template", None)
