@@ -6,7 +6,7 @@ and what the server's memory and latency do.
 
 In this process:
 
-1. bad `generate()` inputs (`tests/test_inputs.py`'s and `tests/generation/test_generate_limits.py`'s cases):
+1. bad `generate()` inputs (`tests/generation/test_inputs.py`'s and the issue's):
    refused with a ValueError / TypeError before any forward, N of N (forwards counted by hooks);
 2. export faults (`tests/hub/test_export_limits.py`'s: NaN / inf weights, no tokenizer, a chat template that does not
    parse, a token id outside the vocabulary, a read-only or full destination): refused with nothing left at the
@@ -15,7 +15,7 @@ In this process:
 Against `python -m hf_dllm serve MODEL --api-key KEY` started as a subprocess on a free loopback port (127.0.0.1
 only), measuring from outside the server process's resident memory (VmRSS of /proc/PID/status):
 
-3. `HTTP_CASES` of `tests/test_hostile.py` (malformed JSON, NaN / huge numbers, 1 MiB prompts, 100k-deep nesting,
+3. `HTTP_CASES` of `tests/serving/test_hostile.py` (malformed JSON, NaN / huge numbers, 1 MiB prompts, 100k-deep nesting,
    forged chat roles, unbounded stop strings, wrong content types, oversized bodies, ...), `--rounds` times on one
    keep-alive connection, plus the same without the API key (401), then each case once more on a fresh connection
    followed by a health check (/health and a valid completion): every status 4xx, the server healthy after each;
@@ -45,11 +45,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for folder in ("tests", "tests/hub"):
-    sys.path.insert(0, str(REPO / folder))
+sys.path.insert(0, str(REPO))
 
 from bench_serve import free_port, tiny_random_checkpoint  # noqa: E402
-from test_hostile import API_KEY, HTTP_CASES, JSON, MODEL_NAME, Connection, completion, rss_bytes  # noqa: E402
+
+from tests.serving.test_hostile import API_KEY, HTTP_CASES, JSON, MODEL_NAME, Connection, completion, rss_bytes  # noqa: E402
 
 
 def mib(n: int) -> float:
@@ -92,8 +92,9 @@ def declared(port: int, size: int, key: dict) -> dict:
 def generate_refusals() -> dict:
     """Every bad `generate()` input of the tests, on the tiny model: refused before any forward?"""
     import torch
-    from conftest import tiny_model
-    from test_inputs import BAD_INPUTS, BAD_PROMPTS, GEN, PROMPT
+
+    from tests.conftest import tiny_model
+    from tests.generation.test_inputs import BAD_INPUTS, BAD_PROMPTS, GEN, PROMPT
 
     model = tiny_model()
     forwards = {"n": 0}
@@ -129,10 +130,9 @@ def export_refusals() -> dict:
     import shutil
     from unittest import mock
 
-    from conftest import save_checkpoint, tiny_model
-    from test_export_limits import FAULTS
-
     from hf_dllm.hub import export
+    from tests.conftest import save_checkpoint, tiny_model
+    from tests.hub.test_export_limits import FAULTS
 
     refused, failures = 0, []
     with tempfile.TemporaryDirectory() as folder:

@@ -126,7 +126,7 @@ def serve(args) -> None:
 
     if (
         args.server_kind == "continuous-cudnn"
-    ):  # the engine as before session 8: sdpa may pick cuDNN (a plan per new shape)
+    ):  # the engine before its planless attention: sdpa may pick cuDNN (a plan per new shape)
         import contextlib
 
         import hf_dllm.serving.engine
@@ -159,7 +159,7 @@ def serve(args) -> None:
         engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
         engine.join_layout_min_rows = args.join_layout_min_rows
-    if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
+    if args.server_kind == "continuous-join-in":  # the engine's rule before joining rows decoded apart
         engine.join_layout_min_rows = None
     trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
 

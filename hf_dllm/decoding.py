@@ -75,8 +75,9 @@ def propose_tokens(
     ):
         # The same greedy choice and probability in one pass over the vocabulary (`triton_ops.greedy_propose`; with
         # few rows the vocabulary is split among programs). On an H100 it took a batch-1 block step from 3.18 to
-        # 3.06 ms (LLaDA2.0-mini shape) and the FP8 LLaDA-8B call from 4.95 to 4.83 ms per forward (RESULTS.md,
-        # session 26); with one program per row it was slower than PyTorch's passes below 128 rows.
+        # 3.06 ms (LLaDA2.0-mini shape) and the FP8 LLaDA-8B call from 4.95 to 4.83 ms per forward
+        # (`benchmarks/bench_llada2.py`, `bench_generate.py`); with one program per row it was slower than PyTorch's
+        # passes below 128 rows.
         x0, confidence = triton_ops.greedy_propose(logits, mask_token_id)
         if deferred_token_ids is not None:
             confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)

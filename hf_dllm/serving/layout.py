@@ -46,8 +46,8 @@ from .rows import BlockUpdate, EngineRequest
 
 # Captured step shapes the engine keeps: its layouts vary in rows and width (`ContinuousBatcher.width_granularity`),
 # far more than one `generate()` call's shapes, and a shape dropped from the cache is captured again at its next use.
-# Measured on an H100 (LLaDA-8B shape, K/V budget, `benchmarks/bench_load.py`; RESULTS.md, continuous batching,
-# session 33): a server met ~300 shapes; keeping 128, it captured 152 steps at 2.35 requests/s where 41 shapes were
+# Measured on an H100 (LLaDA-8B shape, K/V budget, `benchmarks/bench_load.py`): a
+# server met ~300 shapes; keeping 128, it captured 152 steps at 2.35 requests/s where 41 shapes were
 # new (the rest evicted ones again), and keeping 512, 40 for 39; p50 latency 5.5 / 2.7 s against 8.2 / 4.7 at
 # 2.45 / 2.35 requests/s in the same lease, the same peak GPU memory.
 ENGINE_MAX_GRAPHS = 512

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_checkpoint, tiny_model
 from safetensors.torch import load_file, save_file
 
 from hf_dllm.hub import export
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import ExportError
+from tests.conftest import save_checkpoint, tiny_model
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 
@@ -28,7 +28,7 @@ def remote_code() -> list[Path]:
 
 @pytest.fixture(autouse=True)
 def checked_remote_code(monkeypatch, remote_code):
-    """The remote-code check (seconds per export, tested in tests/test_export.py) made once for the module."""
+    """The remote-code check (seconds per export, tested in tests/hub/test_export.py) made once for the module."""
     monkeypatch.setattr(export, "check_remote_code", lambda family: remote_code)
 
 

@@ -18,13 +18,12 @@ import torch
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from conftest import tiny_model  # noqa: E402
-
 from hf_dllm.serving.admission import RoundRobinQueue, request_share  # noqa: E402
 from hf_dllm.serving.deadlines import deadline_protocol  # noqa: E402
 from hf_dllm.serving.engine import ContinuousBatcher  # noqa: E402
 from hf_dllm.serving.rows import EngineRequest  # noqa: E402
 from hf_dllm.serving.server import create_app, load_model  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
 
 HEADER_TIMEOUT, BODY_TIMEOUT = 0.5, 0.6
 SLACK = 1.5  # seconds past a deadline within which the 408 must have come (2 shared cores)
