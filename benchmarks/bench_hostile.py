@@ -312,7 +312,7 @@ def main() -> int:
                 for outcome in slow.values()
             )
             healthy_after_slow = healthy(port, key)
-            fair = fairness(port, key, repeats=1 if args.cpu else 3)
+            fair = fairness(port, key, repeats=3)
 
             large = {}
             if not args.cpu:
