@@ -139,6 +139,13 @@ def serve(args) -> None:
         import hf_dllm.serving.engine
 
         hf_dllm.serving.engine.attention_without_shape_plans = lambda device: contextlib.nullcontext()
+    try:
+        from hf_dllm.serving.server import SERVE_THREADS
+    except ImportError:  # an older package (--window-code): torch's default
+        SERVE_THREADS = None
+    threads = SERVE_THREADS if args.threads is None else args.threads
+    if threads:  # 0: torch's default, one per core
+        torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = build_model(args.shape, device, "bfloat16" if device == "cuda" else "float32")
     config = model.config
@@ -499,6 +506,8 @@ class ServerProcess:
             command += ["--max-batch-positions", str(args.max_batch_positions)]
         if args.cpu:
             command.append("--cpu")
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
         command += ["--server-kind", kind, "--join-layout-min-rows", str(args.join_layout_min_rows)]
         if args.max_refresh_positions is not None:
             command += ["--max-refresh-positions", str(args.max_refresh_positions)]
@@ -744,6 +753,18 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="serve with `torchrun --nproc-per-node TP -m hf_dllm serve --tp-plan auto` (GPUs; gloo with --cpu)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the server (default: hf-dllm serve's, 1; 0: torch's, one per core)",
+    )
+    parser.add_argument(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        help="busy-looping processes run beside the server while it is measured (other load on the cores)",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--start-timeout", type=float, default=600)
     args = parser.parse_args(argv)
@@ -769,15 +790,24 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or (16 if args.cpu else 48)
     args.prompt_range = args.prompt_range or (CPU_PROMPT_RANGE if args.cpu else PROMPT_RANGE)
     args.output_range = args.output_range or (CPU_OUTPUT_RANGE if args.cpu else OUTPUT_RANGE)
-    if args.tp > 1:
-        import tempfile
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL)
+        for _ in range(args.cpu_hogs)
+    ]
+    try:
+        if args.tp > 1:
+            import tempfile
 
-        with tempfile.TemporaryDirectory(prefix="bench_load_tp_") as directory:
-            args.checkpoint = Path(directory)
-            save_checkpoint(args, args.checkpoint)
+            with tempfile.TemporaryDirectory(prefix="bench_load_tp_") as directory:
+                args.checkpoint = Path(directory)
+                save_checkpoint(args, args.checkpoint)
+                results = measure(args)
+        else:
             results = measure(args)
-    else:
-        results = measure(args)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     print()
     header = [
         "server",
@@ -821,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         shape=args.shape,
         tp=args.tp,
         max_batch_size=args.max_batch_size,
+        threads=args.threads,
+        cpu_hogs=args.cpu_hogs,
         prompt_range=args.prompt_range,
         output_range=args.output_range,
         block_length=BLOCK,

@@ -161,6 +161,38 @@ class DiffusionFamily:
             limit = int(limit * max(1.0, scaling["factor"]))
         return limit
 
+    def empty_prompt(self, config: DiffusionGenerationConfig) -> list[int]:
+        """The prompt a call with an empty one (or none) decodes from: the BOS token (`bos_token_id`), as the
+        family's tokenizer starts every text with it; a `ValueError` when the settings name no BOS (a model never
+        trained to start from nothing would decode noise, silently)."""
+        if config.bos_token_id is None:
+            raise ValueError(
+                f"The prompt is empty and `bos_token_id` is not set: {self.display_name} models need at least one "
+                "prompt token (pass a prompt, or set bos_token_id to start from the BOS token)."
+            )
+        return [config.bos_token_id]
+
+    # Fields of a model config holding token ids; each must be in the vocabulary (`check_token_ids`).
+    token_id_fields: tuple[str, ...] = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
+
+    def vocabulary_size(self, model_config) -> int:
+        """Rows of the model's embedding: the token ids it can read (`vocab_size`)."""
+        return model_config.vocab_size
+
+    def check_token_ids(self, model_config, others: dict | None = None) -> None:
+        """`ValueError` naming the field, for a token id of `model_config` (`token_id_fields`) or of `others` (a
+        label naming the field, to an id or a list of ids: a generation config's) outside the vocabulary: a default id of the full-size
+        model (LLaDA2's mask 156895) in a config with a small vocabulary would only fail at generate() time."""
+        vocabulary = self.vocabulary_size(model_config)
+        fields = {f"`{name}`": getattr(model_config, name, None) for name in self.token_id_fields}
+        for name, value in {**fields, **(others or {})}.items():
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and not (isinstance(token, int) and 0 <= token < vocabulary):
+                    raise ValueError(
+                        f"{name} is {value!r}, outside the vocabulary of {vocabulary} tokens (ids 0 to "
+                        f"{vocabulary - 1}): set it to the id of that token in this model's vocabulary."
+                    )
+
     # The config field naming the trained context.
     context_length_field = "max_position_embeddings"
 

@@ -376,8 +376,7 @@ class DiffusionGenerationMixin:
                 )
 
         if input_ids is None:
-            start = [] if config.bos_token_id is None else [config.bos_token_id]
-            input_ids = torch.tensor([start], dtype=torch.long, device=device)
+            input_ids = torch.tensor([self.diffusion_family.empty_prompt(config)], dtype=torch.long, device=device)
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"`input_ids` must be a torch.LongTensor, got {type(input_ids).__name__}.")
         if input_ids.dim() == 1:
@@ -393,6 +392,9 @@ class DiffusionGenerationMixin:
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
                 raise ValueError(f"`{name}` is on the meta device (a shape without data): pass real token ids.")
         input_ids = input_ids.to(device=device, dtype=torch.long)
+        if input_ids.shape[1] == 0:  # empty prompts: the family's start (its BOS) or a ValueError
+            start = torch.tensor(self.diffusion_family.empty_prompt(config), dtype=torch.long, device=device)
+            input_ids, attention_mask = start.expand(input_ids.shape[0], -1), None
         if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab_size)).all()):
             raise ValueError(f"`input_ids` must hold token ids in [0, {vocab_size}).")
         if masked and bool((input_ids == config.mask_token_id).any()):
@@ -429,6 +431,12 @@ class DiffusionGenerationMixin:
                 f"The prompt ({input_ids.shape[1]} tokens) and `max_new_tokens` ({config.max_new_tokens}) take "
                 f"{input_ids.shape[1] + config.max_new_tokens} positions, more than the model's context of {limit} "
                 "positions: shorten the prompt or lower max_new_tokens."
+            )
+        if limit is not None and config.block_length > limit:
+            raise ValueError(
+                f"`block_length` ({config.block_length}) is longer than the model's context of {limit} positions: "
+                "a block must fit the context (a block_length above max_new_tokens is clamped to it on "
+                "bidirectional models only)."
             )
         # A call whose token canvas and K/V cache alone exceed the device's total memory is refused here, instead
         # of failing in an allocation deep inside the loop (or swapping the machine to a halt).

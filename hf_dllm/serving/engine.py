@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -38,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..generation_config import DiffusionGenerationConfig, is_int
 from ..step_machine import decoding_policies
+from .admission import RoundRobinQueue
 from .layout import LayoutRun, kv_positions
 from .row_cache import RowKVStore
 from .rows import EngineRequest
@@ -270,7 +270,8 @@ class ContinuousBatcher:
                 f"{type(model).__name__} keeps its rows' K/V, and its forward does not take packed rows "
                 "(`diffusion_packed_rows`): continuous batching prefills such rows packed."
             )
-        self.waiting: deque[EngineRequest] = deque()
+        # The admission order: rows of different requests in turns, each request within its share of the rows.
+        self.waiting = RoundRobinQueue(lambda: self.max_batch_size)
         self.running: list[EngineRequest] = []
         self.runs: dict[str, LayoutRun] = {}
         self.cache = None
@@ -390,13 +391,14 @@ class ContinuousBatcher:
         return max(width, min(rounded, self.max_batch_width))
 
     def _admit(self, place: Callable[[EngineRequest], bool] | None = None) -> None:
-        """Waiting requests join, oldest first, while there is a free row and `place(head)` takes the oldest
-        (default: its layout fits the cache); the oldest waits for room rather than be passed (no starvation)."""
+        """Waiting rows join in their admission order (`waiting`: the rows of different requests in turns), while
+        there is a free row and `place(head)` takes the head (default: its layout fits the cache); the head waits for
+        room rather than be passed (no starvation)."""
         if place is None:
             place = self._fits_partners
         with self.lock:
             if any(row.cancelled.is_set() for row in self.waiting):
-                self.waiting = deque(row for row in self.waiting if not self._drop_cancelled(row))
+                self.waiting.discard_if(self._drop_cancelled)
             # Rows that ended earlier in this boundary (`_join_queued`) no longer hold their place.
             free = sorted(set(range(self.max_batch_size)) - {row.slot for row in self.running if not row.ended})
             while self.waiting and free and place(self.waiting[0]):

@@ -61,7 +61,7 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 def exported(tmp_path_factory) -> Path:
     """The reference fixture (Hub format, no tokenizer) exported with the default options."""
     dst = tmp_path_factory.mktemp("export") / "exported"
-    export_checkpoint(REFERENCE_DIR, dst)
+    export_checkpoint(REFERENCE_DIR, dst, tokenizer=False)
     return dst
 
 
@@ -199,10 +199,10 @@ def test_exported_tokenizer_and_card(exported_chat, chat_checkpoint):
 def test_export_is_deterministic_and_link_shares_weights(exported, tmp_path):
     again = tmp_path / "again" / exported.name  # the generic card is named after DST's folder
     linked = tmp_path / "linked" / exported.name
-    export_checkpoint(REFERENCE_DIR, again)
+    export_checkpoint(REFERENCE_DIR, again, tokenizer=False)
     assert tree_bytes(again) == tree_bytes(exported)
     src = copy_source(tmp_path)  # hard links need SRC and DST on one file system
-    export_checkpoint(src, linked, link=True)
+    export_checkpoint(src, linked, link=True, tokenizer=False)
     assert tree_bytes(linked) == tree_bytes(exported)
     assert (linked / "model.safetensors").stat().st_ino == (src / "model.safetensors").stat().st_ino
 
@@ -211,7 +211,7 @@ def test_sharded_weights_are_exported_with_their_index(tmp_path):
     src = tmp_path / "sharded"
     tiny_model().save_pretrained(src, max_shard_size="100KB")
     assert (src / "model.safetensors.index.json").is_file()
-    export_checkpoint(src, tmp_path / "out")
+    export_checkpoint(src, tmp_path / "out", tokenizer=False)
     shards = set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"].values())
     weights = {p.name for p in (tmp_path / "out").iterdir() if "safetensors" in p.name}
     assert weights == shards | {"model.safetensors.index.json"} and len(shards) > 1
@@ -229,7 +229,7 @@ def test_committed_model_cards_are_the_rendered_template(card):
 def test_cli_export_and_console_dispatch(tmp_path, exported, capsys):
     from hf_dllm.cli import main as cli_main
 
-    assert cli_main(["export", str(REFERENCE_DIR), str(tmp_path / exported.name)]) == 0
+    assert cli_main(["export", str(REFERENCE_DIR), str(tmp_path / exported.name), "--no-tokenizer"]) == 0
     assert tree_bytes(tmp_path / exported.name) == tree_bytes(exported)
     assert "Exported" in capsys.readouterr().out
     assert export.main(["--help"]) == 0
@@ -417,21 +417,21 @@ def test_non_empty_destination_needs_overwrite(tmp_path, exported):
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="exists and is not empty"):
-        export_checkpoint(REFERENCE_DIR, dst)
+        export_checkpoint(REFERENCE_DIR, dst, tokenizer=False)
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
-    export_checkpoint(REFERENCE_DIR, dst, overwrite=True)
+    export_checkpoint(REFERENCE_DIR, dst, overwrite=True, tokenizer=False)
     assert tree_bytes(dst) == tree_bytes(exported) and no_staging_left(tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
-    export_checkpoint(REFERENCE_DIR, empty)  # an existing empty folder is fine
+    export_checkpoint(REFERENCE_DIR, empty, tokenizer=False)  # an existing empty folder is fine
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportError, match="not a folder"):
-        export_checkpoint(REFERENCE_DIR, tmp_path / "file", overwrite=True)
+        export_checkpoint(REFERENCE_DIR, tmp_path / "file", overwrite=True, tokenizer=False)
     src = copy_source(tmp_path, "self")
     with pytest.raises(ExportError, match="is SRC"):
-        export_checkpoint(src, src, overwrite=True)
+        export_checkpoint(src, src, overwrite=True, tokenizer=False)
     with pytest.raises(ExportError, match="contains SRC"):
-        export_checkpoint(src, tmp_path, overwrite=True)
+        export_checkpoint(src, tmp_path, overwrite=True, tokenizer=False)
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
@@ -442,8 +442,9 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "old.txt").write_text("old")
-    with pytest.raises(OSError, match="disk full"):
-        export_checkpoint(REFERENCE_DIR, dst, overwrite=True)
+    # One line naming the destination (an ExportError, printed without a traceback), the old DST kept.
+    with pytest.raises(ExportError, match=r"cannot write .*out: disk full \(.*out is left as it was\)"):
+        export_checkpoint(REFERENCE_DIR, dst, overwrite=True, tokenizer=False)
     assert [p.name for p in dst.iterdir()] == ["old.txt"] and no_staging_left(tmp_path)
 
 
@@ -497,10 +498,11 @@ def test_export_verifies_what_it_writes(tmp_path, breakage, message, capsys):
         (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         weights.unlink()
     dst = tmp_path / "out"
+    tokenizer = breakage == "bad-tokenizer"  # the reference fixture has no tokenizer of its own
     with pytest.raises(ExportError, match=message):
-        export_checkpoint(src, dst)
+        export_checkpoint(src, dst, tokenizer=tokenizer)
     assert not dst.exists() and no_staging_left(tmp_path)
-    assert export.main([str(src), str(dst)]) == 1
+    assert export.main([str(src), str(dst), *([] if tokenizer else ["--no-tokenizer"])]) == 1
     assert "hf-dllm export: error:" in capsys.readouterr().err
     assert not dst.exists() and no_staging_left(tmp_path)
 
@@ -512,12 +514,12 @@ def test_pytorch_bin_weights_are_verified(tmp_path):
     src = copy_source(tmp_path)
     torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
     (src / "model.safetensors").unlink()
-    export_checkpoint(src, tmp_path / "out")
+    export_checkpoint(src, tmp_path / "out", tokenizer=False)
     assert (tmp_path / "out" / "pytorch_model.bin").read_bytes() == (src / "pytorch_model.bin").read_bytes()
     data = (src / "pytorch_model.bin").read_bytes()
     (src / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(ExportError, match="pytorch_model.bin is not a readable PyTorch weights file"):
-        export_checkpoint(src, tmp_path / "out2")
+        export_checkpoint(src, tmp_path / "out2", tokenizer=False)
     assert not (tmp_path / "out2").exists() and no_staging_left(tmp_path)
 
 
@@ -535,7 +537,7 @@ def test_killed_export_leaves_nothing_a_later_export_does_not_remove(tmp_path, e
         import os, signal, sys
         from hf_dllm.hub import export
         export.verify_export = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # die with the repo half-made
-        export.export_checkpoint(sys.argv[1], sys.argv[2])
+        export.export_checkpoint(sys.argv[1], sys.argv[2], tokenizer=False)
         """
     )
     dst = tmp_path / exported.name
@@ -550,7 +552,7 @@ def test_killed_export_leaves_nothing_a_later_export_does_not_remove(tmp_path, e
     live.mkdir()
     unnamed.mkdir()
     with caplog.at_level("WARNING", logger="hf_dllm.hub.export"):
-        export_checkpoint(REFERENCE_DIR, dst)
+        export_checkpoint(REFERENCE_DIR, dst, tokenizer=False)
     assert tree_bytes(dst) == tree_bytes(exported)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted([live.name, unnamed.name])
     notes = caplog.text
@@ -568,12 +570,12 @@ def test_export_killed_while_swapping_folders_is_repaired(tmp_path, exported, ca
     staging = tmp_path / f".{dst.name}.export-{pid}-z3w4"
     staging.mkdir()
     with caplog.at_level("WARNING", logger="hf_dllm.hub.export"), pytest.raises(ExportError, match="not empty"):
-        export_checkpoint(REFERENCE_DIR, dst)
+        export_checkpoint(REFERENCE_DIR, dst, tokenizer=False)
     assert tree_bytes(dst) == tree_bytes(exported) and no_staging_left(tmp_path)
     assert f"restored {dst} from {old}" in caplog.text
     # With DST present, a stale `.old-` copy is simply removed.
     shutil.copytree(exported, old)
-    export_checkpoint(REFERENCE_DIR, dst, overwrite=True)
+    export_checkpoint(REFERENCE_DIR, dst, overwrite=True, tokenizer=False)
     assert no_staging_left(tmp_path) and tree_bytes(dst) == tree_bytes(exported)
 
 
@@ -583,9 +585,9 @@ def test_cli_errors(tmp_path, capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert export.main([str(tmp_path / "nowhere"), str(dst)]) == 1
     assert "is not a folder" in capsys.readouterr().err
-    assert export.main([str(REFERENCE_DIR), str(dst), "--threshold", "2"]) == 1
+    assert export.main([str(REFERENCE_DIR), str(dst), "--no-tokenizer", "--threshold", "2"]) == 1
     assert "--threshold (threshold=2.0)" in capsys.readouterr().err
-    assert export.main([str(REFERENCE_DIR), str(dst), "--generation-defaults", "slow"]) == 2
+    assert export.main([str(REFERENCE_DIR), str(dst), "--no-tokenizer", "--generation-defaults", "slow"]) == 2
     assert "invalid choice: 'slow'" in capsys.readouterr().err
     assert not dst.exists() and no_staging_left(tmp_path)
 
@@ -644,7 +646,7 @@ def test_missing_or_unreachable_remote_code_file(tmp_path, monkeypatch):
     dst = tmp_path / "out"
     with_remote_code_files(monkeypatch, (*REMOTE_CODE_FILES, "not_written_yet.py"))
     with pytest.raises(ExportError, match="not_written_yet.py"):
-        export_checkpoint(REFERENCE_DIR, dst)
+        export_checkpoint(REFERENCE_DIR, dst, tokenizer=False)
     assert not dst.exists()
 
 

@@ -101,7 +101,7 @@ def test_block_quantization_is_transformers_arithmetic(shape):
 def llada_export(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("fp8")
     src = llada_source(root / "src")
-    assert export_main([str(src), str(root / "dst"), "--quantization", "fp8"]) == 0
+    assert export_main([str(src), str(root / "dst"), "--quantization", "fp8", "--no-tokenizer"]) == 0
     return src, root / "dst"
 
 
@@ -143,7 +143,7 @@ def test_llada_export_loads_with_transformers_close_to_the_source(llada_export):
 
 def test_llada2_export_quantizes_each_expert_and_keeps_the_head_in_bf16(tmp_path):
     src = llada2_source(tmp_path / "src")
-    export_checkpoint(src, tmp_path / "dst", quantization="fp8")
+    export_checkpoint(src, tmp_path / "dst", quantization="fp8", tokenizer=False)
     exported = tensors(tmp_path / "dst")
     fp8 = {name for name, tensor in exported.items() if tensor.dtype == FP8_DTYPE}
     assert fp8, "nothing was quantized"
@@ -163,22 +163,24 @@ def test_bad_quantization_requests_are_refused_before_writing(tmp_path, llada_ex
         ExportError,
         match=r"--quantization must be one of none, fp8, fp8-tensor, fp8\+head, fp8-tensor\+head, got 'int4'",
     ):
-        export_checkpoint(src, tmp_path / "a", quantization="int4")
+        export_checkpoint(src, tmp_path / "a", quantization="int4", tokenizer=False)
     with pytest.raises(ExportError, match="--link cannot be combined"):
-        export_checkpoint(src, tmp_path / "b", quantization="fp8", link=True)
+        export_checkpoint(src, tmp_path / "b", quantization="fp8", link=True, tokenizer=False)
     with pytest.raises(ExportError, match="already quantized"):
-        export_checkpoint(dst, tmp_path / "c", quantization="fp8")
+        export_checkpoint(dst, tmp_path / "c", quantization="fp8", tokenizer=False)
     narrow = llada_source(tmp_path / "narrow", d_model=64, n_heads=2, mlp_hidden_size=128)
     with pytest.raises(ExportError, match=r"not multiples of it: .*blocks\.0\.q_proj\.weight \[64, 64\]"):
-        export_checkpoint(narrow, tmp_path / "d", quantization="fp8")
+        export_checkpoint(narrow, tmp_path / "d", quantization="fp8", tokenizer=False)
     assert not any((tmp_path / name).exists() for name in "abcd")
-    assert export_main([str(src), str(tmp_path / "e"), "--quantization", "int4"]) == 2  # argparse's usage error
+    assert (
+        export_main([str(src), str(tmp_path / "e"), "--quantization", "int4", "--no-tokenizer"]) == 2
+    )  # argparse's usage error
 
 
 def test_exported_fp8_checkpoint_reexports_unchanged(tmp_path, llada_export):
     # A pre-quantized SRC exports as it is (its block scales are expected tensors, not unknown ones).
     _, dst = llada_export
-    export_checkpoint(dst, tmp_path / "again")
+    export_checkpoint(dst, tmp_path / "again", tokenizer=False)
     assert tensors(tmp_path / "again").keys() == tensors(dst).keys()
 
 
@@ -222,7 +224,7 @@ def test_per_tensor_export_is_transformers_arithmetic_and_reloads(tmp_path):
     from transformers import FineGrainedFP8Config
 
     src = llada_source(tmp_path / "src")
-    assert export_main([str(src), str(tmp_path / "dst"), "--quantization", "fp8-tensor"]) == 0
+    assert export_main([str(src), str(tmp_path / "dst"), "--quantization", "fp8-tensor", "--no-tokenizer"]) == 0
     original, exported = tensors(src), tensors(tmp_path / "dst")
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] is None
@@ -233,7 +235,7 @@ def test_per_tensor_export_is_transformers_arithmetic_and_reloads(tmp_path):
     assert torch.equal(exported[scale_name(name)], expected[scale_name(name)].reshape(1, 1))
     assert all(exported[scale_name(n)].shape == (1, 1) for n in exported if exported[n].dtype == FP8_DTYPE)
     assert_reloads_close_to(src, tmp_path / "dst")
-    export_checkpoint(tmp_path / "dst", tmp_path / "again")
+    export_checkpoint(tmp_path / "dst", tmp_path / "again", tokenizer=False)
     assert tensors(tmp_path / "again").keys() == exported.keys()
 
 
@@ -256,7 +258,7 @@ def test_head_export_quantizes_the_output_head_too(tmp_path):
     `modules_to_not_convert=[]`, written to the export's config), and the export reloads close to the source; a head
     tied to the input embedding is refused before anything is written."""
     src = llada_source(tmp_path / "src")
-    assert export_main([str(src), str(tmp_path / "dst"), "--quantization", "fp8+head"]) == 0
+    assert export_main([str(src), str(tmp_path / "dst"), "--quantization", "fp8+head", "--no-tokenizer"]) == 0
     original, exported = tensors(src), tensors(tmp_path / "dst")
     head = "model.transformer.ff_out.weight"
     assert exported[head].dtype == FP8_DTYPE
@@ -272,6 +274,6 @@ def test_head_export_quantizes_the_output_head_too(tmp_path):
     config.tie_word_embeddings = True
     hf_dllm.LLaDA2MoeModelLM(config).to(torch.bfloat16).save_pretrained(tied)
     with pytest.raises(ExportError, match="ties it to its input embedding"):
-        export_checkpoint(tied, tmp_path / "tied_dst", quantization="fp8+head")
+        export_checkpoint(tied, tmp_path / "tied_dst", quantization="fp8+head", tokenizer=False)
     assert not (tmp_path / "tied_dst").exists()
-    export_checkpoint(tied, tmp_path / "tied_body", quantization="fp8")  # the body alone is fine
+    export_checkpoint(tied, tmp_path / "tied_body", quantization="fp8", tokenizer=False)  # the body alone is fine

@@ -106,7 +106,7 @@ def exported_dream(tmp_path_factory, dream_checkpoint) -> Path:
 def exported_ref(tmp_path_factory) -> Path:
     """The Dream reference fixture (the Hub's config.json and weights, no tokenizer, no generation config)."""
     dst = tmp_path_factory.mktemp("dream-ref-export") / "exported_ref"
-    export_checkpoint(DREAM_REF, dst)
+    export_checkpoint(DREAM_REF, dst, tokenizer=False)
     return dst
 
 
@@ -297,7 +297,7 @@ def test_options_override_single_fields(kept_source, exported_ref, tmp_path):
         "option --block-length"
     )
     # On the family's defaults (alg None) a threshold is Fast-dLLM's rule.
-    export_checkpoint(DREAM_REF, tmp_path / "threshold", threshold=0.8)
+    export_checkpoint(DREAM_REF, tmp_path / "threshold", threshold=0.8, tokenizer=False)
     written = written_fields(tmp_path / "threshold")
     assert (written["threshold"], written["steps"], written["alg"]) == (0.8, None, None)
     model = hf_dllm.DreamModel.from_pretrained(tmp_path / "threshold").eval()
@@ -434,7 +434,7 @@ def test_bad_dream_config_is_refused(tmp_path, change, message):
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ExportError, match=message):
-        export_checkpoint(src, tmp_path / "out")
+        export_checkpoint(src, tmp_path / "out", tokenizer=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -444,11 +444,11 @@ def test_dream_weights_are_verified_tied_or_not(tmp_path):
     tensors = load_file(src / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, src / "model.safetensors")
     with pytest.raises(ExportError, match="missing from the weights: lm_head.weight"):
-        export_checkpoint(src, tmp_path / "out")
+        export_checkpoint(src, tmp_path / "out", tokenizer=False)
     # With tie_word_embeddings the head is the embedding: save_pretrained leaves it out.
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    export_checkpoint(src, tmp_path / "tied")
+    export_checkpoint(src, tmp_path / "tied", tokenizer=False)
     tied = hf_dllm.DreamModel.from_pretrained(tmp_path / "tied")
     assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
 

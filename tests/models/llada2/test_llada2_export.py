@@ -8,6 +8,7 @@ streamer). LLaDA's export is unchanged: `tests/hub/test_export.py`.
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -54,11 +55,27 @@ def exported_llada2(tmp_path_factory, llada2_checkpoint) -> Path:
     return dst
 
 
+def llada21_with_mask(folder: Path) -> Path:
+    """The LLaDA2.1 reference fixture (the Hub's config.json and weights, no tokenizer) with the mask id of its
+    320-token vocabulary (310) in config.json: the Hub's config has none, and the config class's default (156895,
+    the full model's `<|mask|>`) is outside that vocabulary, which the export refuses."""
+    shutil.copytree(LLADA21_REF, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mask_token_id": 310}))
+    return folder
+
+
 @pytest.fixture(scope="module")
-def exported_llada21_ref(tmp_path_factory) -> Path:
-    """The LLaDA2.1 reference fixture (the Hub's config.json and weights, no tokenizer) exported as it is."""
+def llada21_source(tmp_path_factory) -> Path:
+    return llada21_with_mask(tmp_path_factory.mktemp("llada21-src") / "llada21")
+
+
+@pytest.fixture(scope="module")
+def exported_llada21_ref(tmp_path_factory, llada21_source) -> Path:
+    """`llada21_with_mask` exported without a tokenizer."""
+    source = llada21_source
     dst = tmp_path_factory.mktemp("llada21-export") / "exported_llada21"
-    export_checkpoint(LLADA21_REF, dst)
+    export_checkpoint(source, dst, tokenizer=False)
     return dst
 
 
@@ -104,7 +121,7 @@ def test_llada2_export_contents(exported_llada2, llada2_checkpoint):
         assert (exported_llada2 / name).read_bytes() == (llada2_checkpoint / name).read_bytes(), name
 
 
-def test_llada2_config_auto_map_and_architectures(exported_llada2, exported_llada21_ref):
+def test_llada2_config_auto_map_and_architectures(exported_llada2, exported_llada21_ref, llada21_source):
     auto_map = {
         "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
         "AutoModel": "modeling_llada2_moe.LLaDA2MoeModelLM",  # the Hub's maps AutoModel to the backbone
@@ -112,7 +129,7 @@ def test_llada2_config_auto_map_and_architectures(exported_llada2, exported_llad
     }
     source = json.loads((LLADA21_REF / "config.json").read_text())
     assert source["auto_map"]["AutoModel"] == "modeling_llada2_moe.LLaDA2MoeModel"
-    for folder, source_dir in ((exported_llada21_ref, LLADA21_REF), (exported_llada2, None)):
+    for folder, source_dir in ((exported_llada21_ref, llada21_source), (exported_llada2, None)):
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"] == auto_map and config["architectures"] == ["LLaDA2MoeModelLM"]
         assert (folder / "config.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
@@ -147,9 +164,8 @@ def test_llada2_generation_config_defaults(exported_llada2, exported_llada21_ref
     assert {k: v for k, v in written.items() if k not in metadata} == {
         k: v for k, v in expected.items() if v is not None
     }
-    # The Hub's LLaDA2 config.json has no mask_token_id: the config class's (LLaDA2's <|mask|>) is written.
     written = json.loads((exported_llada21_ref / "generation_config.json").read_text())
-    assert (written["mask_token_id"], written["eos_token_id"], written["threshold"]) == (156895, 301, 0.95)
+    assert (written["mask_token_id"], written["eos_token_id"], written["threshold"]) == (310, 301, 0.95)
     assert "eot_token_id" not in written  # LLaDA's <|eot_id|> lookup is LLaDA's
 
 
@@ -195,7 +211,7 @@ def test_llada2_source_generation_config_is_kept(tmp_path):
 def test_llada2_threshold_none_and_fast_defaults_over_a_source_config(tmp_path, capsys):
     src = save_llada2(tmp_path / "src", tokenizer=False)
     hf_dllm.DiffusionGenerationConfig(max_new_tokens=16, block_length=8, threshold=0.6, steps=4).save_pretrained(src)
-    assert export.main([str(src), str(tmp_path / "none"), "--threshold", "none"]) == 0
+    assert export.main([str(src), str(tmp_path / "none"), "--threshold", "none", "--no-tokenizer"]) == 0
     written = json.loads((tmp_path / "none" / "generation_config.json").read_text())
     assert (written["max_new_tokens"], written["block_length"], written.get("threshold"), written.get("steps")) == (
         16,
@@ -205,7 +221,7 @@ def test_llada2_threshold_none_and_fast_defaults_over_a_source_config(tmp_path, 
     )
     assert "one token per step (`threshold=None`" in (tmp_path / "none" / "README.md").read_text()
     assert "threshold = None" in capsys.readouterr().out
-    export_checkpoint(src, tmp_path / "fast", generation_defaults="fast")
+    export_checkpoint(src, tmp_path / "fast", generation_defaults="fast", tokenizer=False)
     written = json.loads((tmp_path / "fast" / "generation_config.json").read_text())
     assert {key: written.get(key) for key in LLADA2_GENERATION_DEFAULTS} == LLADA2_GENERATION_DEFAULTS
 
@@ -255,15 +271,15 @@ def test_tied_llada2_exports_with_or_without_the_head(tmp_path):
     checkpoint that stores it anyway is accepted too (shape checked)."""
     src = save_llada2(tmp_path / "tied", tie_word_embeddings=True, tokenizer=False)
     assert "lm_head.weight" not in load_file(src / "model.safetensors")
-    export_checkpoint(src, tmp_path / "out")
+    export_checkpoint(src, tmp_path / "out", tokenizer=False)
     loaded = hf_dllm.LLaDA2MoeModelLM.from_pretrained(tmp_path / "out")
     assert loaded.lm_head.weight.data_ptr() == loaded.model.word_embeddings.weight.data_ptr()
     tensors = load_file(src / "model.safetensors")
     save_file({**tensors, "lm_head.weight": tensors["model.word_embeddings.weight"].clone()}, src / "model.safetensors")
-    export_checkpoint(src, tmp_path / "out_with_head")
+    export_checkpoint(src, tmp_path / "out_with_head", tokenizer=False)
     save_file({**tensors, "lm_head.weight": torch.zeros(7, 48)}, src / "model.safetensors")
     with pytest.raises(ExportError, match=r"lm_head.weight is \[7, 48\], the config gives \[103, 48\]"):
-        export_checkpoint(src, tmp_path / "out_bad_head")
+        export_checkpoint(src, tmp_path / "out_bad_head", tokenizer=False)
 
 
 @pytest.mark.parametrize(
@@ -285,7 +301,7 @@ def test_untied_llada2_weights_are_verified(tmp_path, breakage, message):
     elif breakage == "fewer-experts":
         (src / "config.json").write_text(json.dumps({**config, "num_experts": 4, "n_group": 2, "topk_group": 1}))
     with pytest.raises(ExportError, match=message):
-        export_checkpoint(src, tmp_path / "out")
+        export_checkpoint(src, tmp_path / "out", tokenizer=False)
     assert not (tmp_path / "out").exists()
 
 
