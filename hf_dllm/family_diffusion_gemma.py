@@ -200,6 +200,24 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
                 "stability_threshold and confidence_threshold)."
             )
 
+    # The composite config's own token ids (its text config's are checked through `check_token_ids`).
+    token_id_fields = ("boi_token_id", "eoi_token_id", "image_token_id")
+
+    def vocabulary_size(self, model_config) -> int:
+        return model_config.text_config.vocab_size
+
+    def check_token_ids(self, model_config, others: dict | None = None) -> None:
+        """As `DiffusionFamily.check_token_ids`, over the text config's EOS / pad / BOS too; the generation
+        settings' `mask_token_id` is left out: this family has no mask token, and its undecoded mark is
+        `vocab_size` (outside the vocabulary on purpose)."""
+        text = model_config.text_config
+        fields = {
+            f"text_config's `{name}`": getattr(text, name, None)
+            for name in ("eos_token_id", "pad_token_id", "bos_token_id")
+        }
+        kept = {label: value for label, value in (others or {}).items() if "mask_token_id" not in label}
+        super().check_token_ids(model_config, {**fields, **kept})
+
     def model_generation_defaults(self, model_config) -> dict:
         """A model's generation config before any generation_config.json: transformers' `max_new_tokens`, no EOS
         (transformers' `generate()` does not read the text config's), canvases of `canvas_length`."""

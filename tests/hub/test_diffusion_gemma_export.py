@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_without_hf_dllm
+from tests.conftest import run_without_hf_dllm
 
 from hf_dllm.hub.export import main as export_main
 
@@ -34,7 +34,7 @@ record("refused", lambda: expect_error(lambda: model.generate(expected["prompt.p
 
 def test_export_runs_without_hf_dllm(tmp_path):
     dst = tmp_path / "repo"
-    assert export_main([str(GEMMA_DIR), str(dst)]) == 0
+    assert export_main([str(GEMMA_DIR), str(dst), "--no-tokenizer"]) == 0
     config = json.loads((dst / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_diffusion_gemma.DiffusionGemmaForBlockDiffusion"
     assert config["text_config"]["per_layer_config"] == {"2": {"head_dim": 32, "num_key_value_heads": 1}}
@@ -50,3 +50,17 @@ def test_export_runs_without_hf_dllm(tmp_path):
     assert out["model"]["class_module"].startswith("transformers_modules.")
     assert out["equal"] and out["nfe"] <= case["nfe"]
     assert "LLaDA / Fast-dLLM" in out["refused"]
+
+
+def test_export_refuses_a_text_config_token_id_outside_the_vocabulary(tmp_path, capsys):
+    """The ids live in the nested text config (its vocabulary): an EOS past it is refused, naming the field."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(GEMMA_DIR, src)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = config["text_config"]["vocab_size"] + 5
+    (src / "config.json").write_text(json.dumps(config))
+    assert export_main([str(src), str(tmp_path / "repo"), "--no-tokenizer"]) != 0
+    assert "text_config's `eos_token_id`" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
