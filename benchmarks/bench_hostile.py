@@ -83,7 +83,7 @@ def main() -> int:
         model = tiny_random_checkpoint(folder)
         port = free_port()
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "hf_dllm", "serve", model, "--port", str(port), "--num-threads", "1"]
+        command = [sys.executable, "-m", "hf_dllm", "serve", model, "--port", str(port), "--threads", "1"]
         command += ["--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--log-level", "warning"]
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:

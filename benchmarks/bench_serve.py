@@ -221,7 +221,7 @@ def check(model_dir: str, workload: list[dict], results: dict, max_tokens: int) 
 
 def measure(args, model: str, max_batch_size: int) -> dict:
     workload = make_workload(args)
-    extra = ["--num-threads", str(args.num_threads)] if args.num_threads else []
+    extra = ["--threads", str(args.num_threads)] if args.num_threads else []
     server = ServerProcess(model, max_batch_size, extra, args.timeout)
     try:
         # Warm-up (not measured): one request per parameter group.

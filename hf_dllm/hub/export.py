@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -48,7 +47,6 @@ import re
 import shutil
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 from ..cli.generation_options import add_generation_argument
@@ -67,32 +65,6 @@ from .generation_settings import (
 )
 from .remote_code import check_remote_code
 from .verify import expected_tensor_shapes, listing, verify_export
-
-# Names this module held before the family table, the card rendering and the remote-code check moved out: they
-# still import from here, with a FutureWarning (as the old module names do, `hf_dllm.MOVED_MODULES`). (The names the
-# export itself uses, e.g. `check_remote_code`, `resolve_generation_settings`, `verify_export`, are imported above.)
-_MOVED_NAMES = {
-    **dict.fromkeys(
-        ("FAST_GENERATION_DEFAULTS", "SHARED_REMOTE_CODE_FILES"),
-        "families",
-    ),
-    **dict.fromkeys(("CARD_TEMPLATE", "describe_decoding", "write_preset_cards"), "cards"),
-    **dict.fromkeys(("PACKAGE_DIR", "REMOTE_CODE_DEPENDENCIES"), "remote_code"),
-    **dict.fromkeys(("GENERATION_OPTIONS", "ORIGIN_TEXT"), "generation_settings"),
-}
-
-
-def __getattr__(name: str):
-    module = _MOVED_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"`{__name__}.{name}` moved to `{__package__}.{module}`; import it from there (the old name will be removed).",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(f".{module}", __package__), name)
-
 
 # Weight layouts, in order of preference: (index file, single file). Shards are the files the index names.
 WEIGHT_LAYOUTS = (

@@ -41,8 +41,7 @@ refresh). A layout is at most
 K/V between blocks: `row_cache.py`). On a small CPU, `--threads 1` keeps OpenMP threads from spinning
 against each other.
 Model loading takes the flags every command shares (`--dtype`, `--device`, `--device-map`,
-`--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`; `--num-threads` is
-the old name of `--threads`).
+`--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`).
 
 Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason`, then `data: [DONE]`.
 Usage comes once: in the last `finish_reason` chunk, or, with `stream_options.include_usage`, only in a final chunk
@@ -696,9 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"larger request bodies get 413 unread (default: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token of the "
         f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
     )
-    loading = add_model_arguments(parser)
-    # The flag's old name (before the commands shared their loading flags).
-    loading.add_argument("--num-threads", dest="threads", type=int, help="the old name of --threads")
+    add_model_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
