@@ -623,12 +623,10 @@ def integer_or_off(value: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-dllm serve", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="hf-dllm serve", description=__doc__.split("\n")[0])
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
         "--max-batch-size",
         type=int,
@@ -662,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{N,off}",
         help="a joining request decodes its first block in a layout of its own, before the running rows, when at "
         "least N others run and none waits (a shorter time to first block, for a little more latency of the "
-        "others); off: always in the running rows' layout",
+        f"others); off: always in the running rows' layout (default: {JOIN_LAYOUT_MIN_ROWS})",
     )
     parser.add_argument(
         "--max-refresh-positions",
@@ -678,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
         "--api-key",
-        default=None,  # not the environment's key here: --help prints defaults
+        default=None,  # not the environment's key: the key stays out of --help and the process list
         help=f"require `Authorization: Bearer KEY` on every route but /health (default: ${API_KEY_ENV}, which keeps "
         "the key out of the process list; unset: no key)",
     )
@@ -696,7 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
     )
     add_model_arguments(parser)
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's and the server's log level (default: info)",
+    )
     return parser
 
 
