@@ -69,3 +69,25 @@ def test_threshold_null_request_matches_generate_threshold_none(trained):
     stops = [t for t in (0, 2) if t in tokens]
     end = min(tokens.index(t) for t in stops) if stops else len(tokens)
     assert null["choices"][0]["text"] == tokenizer.decode(tokens[:end], skip_special_tokens=True)
+
+
+# Dream's own sampler fields (request fields of a Dream model), each set by the checkpoint here.
+DREAM_CHECKPOINT = {"alg": "topk_margin", "alg_temp": 0.5, "top_p": 0.9, "top_k": 5}
+
+
+@pytest.fixture(scope="module")
+def dream():
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(TRAINED.parent / "dream-tiny-ref", dtype=torch.float32).eval()
+    for name, value in DREAM_CHECKPOINT.items():
+        setattr(model.generation_config, name, value)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(DREAM_CHECKPOINT))
+def test_null_switches_off_a_dream_sampler_field(dream, name):
+    assert GENERATION_FIELDS[name].default is None and name in dream.diffusion_family.own_generation_fields
+    config = parse_generation_params({"prompt": "a", name: None}, dream, chat=False).config
+    assert config == dream.resolve_generation_config(**{name: None})
+    assert {field: getattr(config, field) for field in DREAM_CHECKPOINT} == {**DREAM_CHECKPOINT, name: None}
