@@ -658,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-code", default=None, help="folder holding the window-batching hf_dllm package")
     parser.add_argument(
         "--servers",
-        default="continuous,window",
-        help="which servers to measure, in order: continuous (hf-dllm serve's defaults), continuous-cudnn (the same "
+        default=None,
+        help="which servers to measure (default: continuous,window with --window-code, else continuous), in order: continuous (hf-dllm serve's defaults), continuous-cudnn (the same "
         "engine with cuDNN's attention allowed, which plans per shape), continuous-join-in (joining rows always "
         "decode their first block in the running rows' layout), continuous-join-apart (joining rows decode their "
         "first block apart once --join-layout-min-rows others run: `ContinuousBatcher.join_layout_min_rows`), "
@@ -687,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "server":
         serve(args)  # the package comes from PYTHONPATH (this checkout, or --window-code's)
         return 0
+    args.servers = args.servers or ("continuous,window" if args.window_code else "continuous")
     servers = args.servers.split(",")
     unknown = sorted(set(servers) - set(SERVER_KINDS))
     if unknown:
