@@ -25,6 +25,9 @@ def test_serve_help_prints_each_default_once():
     assert not [dest for dest, text in helps.items() if text.count("(default") > 1]
     assert "(default: None)" not in parser.format_help()
     assert "(default: 8000)" in helps["port"] and "(default: info)" in helps["log_level"]
+    # With no formatter adding them, each option with a default worth printing states it in its help.
+    stated = {action.dest for action in parser._actions if action.default not in (None, False, argparse.SUPPRESS)}
+    assert not [dest for dest in stated if "default" not in helps.get(dest, "default")]
 
 
 def test_export_help_names_every_family():
