@@ -23,7 +23,5 @@ def test_ruff_check_is_clean():
     command = ruff_command()
     if command is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
-    done = subprocess.run(
-        [*command, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([*command, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
