@@ -5,7 +5,7 @@
 Starts `python -m hf_dllm serve MODEL --api-key KEY` as a subprocess on a free loopback port (127.0.0.1 only) and
 measures, from outside, the server process's resident memory (VmRSS of /proc/PID/status):
 
-1. `HTTP_CASES` of `tests/test_hostile.py` (malformed JSON, NaN / huge numbers, 1 MiB prompts, 100k-deep nesting,
+1. `HTTP_CASES` of `tests/serving/test_hostile.py` (malformed JSON, NaN / huge numbers, 1 MiB prompts, 100k-deep nesting,
    surrogates, wrong content types, oversized bodies, ...), `--rounds` times on one keep-alive connection, plus the
    same without the API key (401): every status, the slowest answer, memory before and after;
 2. the largest bodies: a declared Content-Length of 1 GiB and 64 GiB whose body is never sent (time to the 413),
@@ -31,10 +31,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
 from bench_serve import free_port, tiny_random_checkpoint  # noqa: E402
-from test_hostile import API_KEY, HTTP_CASES, JSON, MODEL_NAME, Connection, completion, rss_bytes  # noqa: E402
+
+from tests.serving.test_hostile import API_KEY, HTTP_CASES, JSON, MODEL_NAME, Connection, completion, rss_bytes  # noqa: E402
 
 
 def mib(n: int) -> float:

@@ -24,7 +24,7 @@ from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_st
 from .generation_config import DiffusionGenerationConfig
 from .graphs import StepGraphs, spans_devices
 from .kernels import upload
-from .tensor_parallel import agree_across_ranks
+from .tensor_parallel import agree_across_ranks, local_head_logits, vocab_shard
 
 # Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
 # (`UnmaskingPolicy.masked_bound`), rounded up to `CANDIDATE_GRANULARITY` positions per row so that few step shapes
@@ -327,7 +327,16 @@ class StepMachine:
             self.config.remasking,
             self.suppressed_ids,
             self.deferred_ids,
+            self.proposal_vocab_shard(),
         )
+
+    def proposal_vocab_shard(self):
+        """This rank's `tensor_parallel.VocabShard` when the step's proposal is reduced from it before any gather:
+        the model's output head is split by vocabulary rows (tensor parallelism), the proposal is greedy
+        low-confidence without guidance, and the policy does not read the logits; else None (full logits)."""
+        if not self._greedy_without_guidance() or self.unmasking.reads_logits:
+            return None
+        return vocab_shard(self.model)
 
     def release(self) -> None:
         """Give the model's CUDA-graph runner back (the captured graphs stay with the model for the next run of
@@ -377,6 +386,7 @@ class StepMachine:
             self.model.config._attn_implementation,
             self.model.dtype,
             self.device,
+            self.proposal_vocab_shard() is not None,  # the step reduces its logits to the proposal, then gathers
         )
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -426,19 +436,20 @@ class StepMachine:
             unconditional = torch.where(in_prompt, self.mask_id, tokens)
             model_tokens = torch.cat([tokens, unconditional], dim=0)
             model_positions = self._model_rows(position_ids)
-        logits = self.model._diffusion_forward(
-            model_tokens,
-            attention_mask,
-            model_positions,
-            self.cache,
-            cache_position,
-            logits_index,
-            **self.forward_kwargs,
+        logits = self.forward_logits(
+            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index
         ).to(tokens.device)  # a model split over GPUs returns logits on its last device
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
         return self.decide(block, logits, scheduled, generated, active, candidates)
+
+    def forward_logits(self, *args) -> torch.Tensor:
+        """The model's `_diffusion_forward(*args, **forward_kwargs)`: the logits `decide` takes, which are this
+        rank's slice of the vocabulary's under tensor parallelism with a `rules.vocab_shard`."""
+        head = self.model.get_output_embeddings() if self.rules.vocab_shard is not None else None
+        with local_head_logits(head):
+            return self.model._diffusion_forward(*args, **self.forward_kwargs)
 
     def decide(
         self,
@@ -450,7 +461,8 @@ class StepMachine:
         candidates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U,
-        vocab)` at the positions `candidates` `(rows, U)`), the rest as in `step`; returns what `step` returns."""
+        vocab)` at the positions `candidates` `(rows, U)`; from `forward_logits`), the rest as in `step`; returns what
+        `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
         return agree_across_ranks(
             self.model, denoise_step(block, logits, self.rules, scheduled, generated, active, candidates)

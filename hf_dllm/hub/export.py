@@ -6,8 +6,8 @@ A user who has never installed hf_dllm then loads the repo with
 
 What is exported depends on SRC's model family (`families.checkpoint_family`: its `architectures`, `auto_map`, then
 `model_type`), whose family object (`hf_dllm.family.DiffusionFamily`) holds every export fact. What DST
-receives (every rule is implemented once, here or in the module named, and is what `tests/test_export.py`,
-`tests/test_llada2_export.py` and `tests/test_dream_export.py` check):
+receives (every rule is implemented once, here or in the module named, and is what `tests/hub/test_export.py`,
+`tests/models/llada2/test_llada2_export.py` and `tests/models/dream/test_dream_export.py` check):
 
 - the weights: `model.safetensors`, or `model.safetensors.index.json` and every shard it names (likewise
   `pytorch_model.bin[.index.json]` when SRC has no safetensors); copied, or hard-linked with `--link`;

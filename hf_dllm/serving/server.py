@@ -429,8 +429,8 @@ _serving_apps_lock = threading.Lock()
 def frozen_heap():
     """While any app serves: Python's objects of that time (the model, torch, transformers, the app) frozen
     (`gc.freeze`), so that a full garbage collection no longer walks them. A collection holds the GIL and so stops
-    the scheduler thread mid-boundary: 0.41 s once on an H100 under load (LLaDA2.0-mini shape; RESULTS.md,
-    continuous batching, session 18). vLLM freezes its heap after start-up for the same reason. Unfrozen when the
+    the scheduler thread mid-boundary: 0.41 s once on an H100 under load (LLaDA2.0-mini shape,
+    `benchmarks/bench_load.py`). vLLM freezes its heap after start-up for the same reason. Unfrozen when the
     last app stops (tests start several in one process)."""
     global _serving_apps
     with _serving_apps_lock:
@@ -671,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
         "holding more positions is decoded in slices of at most N, and requests that arrive meanwhile join the "
         "slices still to decode (a wait of one slice, not the whole batch's refresh, at the cost of more, smaller "
         "layouts: on an H100 at the LLaDA-8B shape, N=16384 did not shorten the p99 time to first block and added "
-        "13-41 %% to p50 latency; RESULTS.md); off (default): one layout per settings group",
+        "13-41 %% to p50 latency; benchmarks/bench_load.py); off (default): one layout per settings group",
     )
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(

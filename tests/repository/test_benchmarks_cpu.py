@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_side_by_side
+
+from tests.conftest import run_side_by_side
 
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
 BENCHMARKS = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
