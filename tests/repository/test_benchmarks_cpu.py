@@ -16,16 +16,14 @@ from tests.conftest import run_side_by_side
 
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
 BENCHMARKS = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
-# Benchmarks with no CPU run: GPU kernels only, or multi-GPU (their --cpu modes need more than this test gives).
+# Benchmarks not run here: GPU kernels only, no --cpu mode, or a --cpu mode too slow for the suite.
 NOT_ON_CPU = {
     "bench_fp8_gemm.py": "FP8 GEMM kernels: CUDA only (compute capability >= 8.9), no CPU path",
     "bench_llada2_kernels.py": "Triton kernels captured in CUDA graphs: CUDA only",
     "bench_llada2_moe_gemm.py": "grouped GEMM kernels (Triton, torch._grouped_mm) in CUDA graphs: CUDA only",
-    "bench_multigpu.py": "multi-GPU benchmark (owned with bench_tp.py by the multi-GPU work): not in CPU CI yet",
-    "bench_tp.py": "tensor parallelism under torchrun (gloo on CPU): not in CPU CI yet",
     "bench_hostile.py": "no --cpu mode yet (its default run is on the CPU: rounds of hostile requests to a server)",
-    "bench_llada2.py": "its --cpu mode took 413 s (133 s of CPU) on the 2-core test machine (logits over a 157184-token vocabulary at every forward, batch 1 "
-    "and 4, 3 repeats): too slow for the suite until it gets a smaller CPU setting",
+    "bench_llada2.py": "its --cpu mode took 413 s (133 s of CPU) on the 2-core test machine (logits over a "
+    "157184-token vocabulary at every forward, batch 1 and 4, 3 repeats): too slow for the suite",
 }
 ON_CPU = [name for name in BENCHMARKS if name not in NOT_ON_CPU]
 
