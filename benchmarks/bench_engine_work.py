@@ -45,7 +45,10 @@ def main() -> None:
     parser.add_argument("--prompt-range", type=int, nargs=2, default=list(PROMPT_RANGE))
     parser.add_argument("--output-range", type=int, nargs=2, default=list(OUTPUT_RANGE))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu", action="store_true", help="quick check (CI): 12 requests")
     args = parser.parse_args()
+    if args.cpu:
+        args.requests = min(args.requests, 12)
 
     model = build_model("small", "cpu", "float32")
     items = workload(model.config.vocab_size, args.requests, args.seed, args.prompt_range, args.output_range)

@@ -725,8 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-code", default=None, help="folder holding the window-batching hf_dllm package")
     parser.add_argument(
         "--servers",
-        default="continuous,window",
-        help="which servers to measure, in order: continuous (hf-dllm serve's defaults), continuous-cudnn (the same "
+        default=None,
+        help="which servers to measure (default: continuous,window with --window-code, else continuous), in order: continuous (hf-dllm serve's defaults), continuous-cudnn (the same "
         "engine with cuDNN's attention allowed, which plans per shape), continuous-join-in (joining rows always "
         "decode their first block in the running rows' layout), continuous-join-apart (joining rows decode their "
         "first block apart once --join-layout-min-rows others run: `ContinuousBatcher.join_layout_min_rows`), "
@@ -775,10 +775,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
     if args.tp > 1:  # `hf-dllm serve` itself, sharded: the continuous server only
-        if args.servers == parser.get_default("servers"):
+        if args.servers is None:
             args.servers = "continuous"
         elif args.servers != "continuous":
             parser.error("--tp serves this checkout's `hf-dllm serve`: --servers continuous only")
+    args.servers = args.servers or ("continuous,window" if args.window_code else "continuous")
     servers = args.servers.split(",")
     unknown = sorted(set(servers) - set(SERVER_KINDS))
     if unknown:

@@ -195,7 +195,10 @@ def main(argv=None) -> int:
         choices=("fp8",),
         help="fp8: the cached settings keep K/V as float8 e4m3 with a scale per position and head (kv_cache_dtype)",
     )
+    p.add_argument("--cpu", action="store_true", help="quick check (CI): 3 prompts, block length 8, no plot")
     args = p.parse_args(argv)
+    if args.cpu:
+        args.n, args.block_lengths, args.no_plot = min(args.n, 3), "8", True
     if args.quantization != "none" and not args.device.startswith("cuda"):
         p.error(
             f"--quantization {args.quantization} needs --device cuda (transformers quantizes FP8 on CUDA or XPU only)"

@@ -221,7 +221,7 @@ def check(model_dir: str, workload: list[dict], results: dict, max_tokens: int) 
 
 def measure(args, model: str, max_batch_size: int) -> dict:
     workload = make_workload(args)
-    extra = ["--num-threads", str(args.num_threads)] if args.num_threads else []
+    extra = ["--threads", str(args.num_threads)] if args.num_threads else []
     server = ServerProcess(model, max_batch_size, extra, args.timeout)
     try:
         # Warm-up (not measured): one request per parameter group.
@@ -273,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-unbatched", action="store_true", help="also run with --max-batch-size 1")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with model.generate()")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound on each phase, seconds")
+    parser.add_argument("--cpu", action="store_true", help="quick check (CI): 4 clients x 1 request, one thread")
     args = parser.parse_args(argv)
+    if args.cpu:
+        args.clients, args.requests, args.num_threads = min(args.clients, 4), 1, args.num_threads or 1
     if args.num_threads:
         import torch
 

@@ -60,7 +60,10 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--examples", type=int, default=48)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--cpu", action="store_true", help="quick check (CI): 1 repeat, batch 8, 8 examples")
     args = parser.parse_args()
+    if args.cpu:
+        args.repeats, args.batch_sizes, args.examples = 1, "8", min(args.examples, 8)
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     thread_counts = [int(x) for x in args.threads.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

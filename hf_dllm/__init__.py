@@ -12,12 +12,6 @@ subpackages and are never exported: `serving/` (`hf-dllm serve`), `evaluation/` 
 `tiny_model/` (the tasks and tokenizer of the project's tiny trained model).
 """
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
-
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import CachePolicy, DiffusionKVCache, DualCache, ExactBlockCache, NoCache, PrefixCache
@@ -51,55 +45,6 @@ from .modeling_llada2_moe import LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2MoePreT
 from .modeling_llada_moe import LLaDAMoEModel, LLaDAMoEModelLM, LLaDAMoEPreTrainedModel
 
 __version__ = "0.1.0"
-
-# Modules that moved into the application subpackages: the old names still import, with a FutureWarning.
-MOVED_MODULES = {
-    "serve": "serving.server",
-    "serve_batching": "serving.batching",
-    "serve_protocol": "serving.protocol",
-    "evaluate": "evaluation.evaluate",
-    "eval_data": "evaluation.data",
-    "eval_likelihood": "evaluation.likelihood",
-    "lm_eval_model": "evaluation.lm_eval_model",
-    "export": "hub.export",
-    "synthetic_tasks": "tiny_model.tasks",
-    "char_tokenizer": "tiny_model.char_tokenizer",
-}
-
-
-class _MovedModuleLoader(importlib.abc.Loader):
-    def __init__(self, new_name: str):
-        self.new_name = new_name
-
-    def create_module(self, spec):
-        warnings.warn(
-            f"`{spec.name}` moved to `{self.new_name}`; import it from there (the old name will be removed).",
-            FutureWarning,
-            stacklevel=4,
-        )
-        module = importlib.import_module(self.new_name)
-        self.original_attributes = {name: getattr(module, name) for name in ("__spec__", "__loader__")}
-        return module
-
-    def exec_module(self, module) -> None:
-        # The module is already executed; the import system stamped the old name's spec on it: undo that.
-        for name, value in self.original_attributes.items():
-            setattr(module, name, value)
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """`import hf_dllm.serve` (an old module name) gives the module at its new place."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        package, _, name = fullname.rpartition(".")
-        if package != __name__ or name not in MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, _MovedModuleLoader(f"{__name__}.{MOVED_MODULES[name]}"))
-
-
-if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModuleFinder())
-
 
 def _dispatching_config(config_classes: list[type]) -> type:
     """A config class for AutoConfig's `model_type` entry shared by families with different config classes

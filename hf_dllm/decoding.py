@@ -607,28 +607,3 @@ def denoise_step(
     draft = torch.where(new_block == rules.mask_token_id, x0, new_block)
     return new_block, draft, edited
 
-
-def denoise_block_step(
-    block: torch.Tensor,
-    logits: torch.Tensor,
-    policy: UnmaskingPolicy,
-    scheduled: torch.Tensor,
-    mask_token_id: int,
-    temperature: float = 0.0,
-    remasking: str = "low_confidence",
-    suppressed_token_ids: torch.Tensor | None = None,
-    deferred_token_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deprecated: `denoise_step(block, logits, StepRules(...), scheduled)` (one rules object instead of loose
-    arguments). Returns the new block and the draft."""
-    import warnings
-
-    warnings.warn(
-        "denoise_block_step() is deprecated: use denoise_step(block, logits, StepRules(policy, mask_token_id, ...), "
-        "scheduled), which also returns whether the step edited a committed token.",
-        FutureWarning,
-        stacklevel=2,
-    )
-    rules = StepRules(policy, mask_token_id, temperature, remasking, suppressed_token_ids, deferred_token_ids)
-    new_block, draft, _ = denoise_step(block, logits, rules, scheduled)
-    return new_block, draft

@@ -8,7 +8,10 @@ import sys
 # subcommand -> (module, one-line help). Modules are imported only when their command runs, so optional
 # dependencies (fastapi, datasets, lm-eval) are needed only by the command that uses them.
 COMMANDS = {
-    "export": ("hf_dllm.hub.export", "turn a local LLaDA checkpoint into a Hub repo with hf_dllm's remote code"),
+    "export": (
+        "hf_dllm.hub.export",
+        "turn a local checkpoint of any family into a Hub repo that runs hf_dllm's remote code",
+    ),
     "generate": (
         "hf_dllm.cli.generate",
         "decode prompts from the command line (one device, or sharded under torchrun)",

@@ -1,6 +1,7 @@
 """lm-evaluation-harness model `hf_dllm`: masked-diffusion LMs through hf_dllm's `generate()`.
 
-    lm_eval --model hf_dllm --model_args pretrained=DIR,threshold=0.9,block_length=32,gen_length=256 --tasks gsm8k
+    hf-dllm lm-eval --model hf_dllm --model_args pretrained=DIR,threshold=0.9,block_length=32,gen_length=256 \
+        --tasks gsm8k
 
 - `generate_until`: batched runs (prompts sorted by length, left-padded) consumed block by block: each row's
   committed tokens feed the shared `CompletionText` (`hf_dllm.cli.completion_text`), which cuts the text at the
@@ -10,11 +11,11 @@
   model_args' one; `do_sample: false` means temperature 0). `max_gen_toks` becomes `max_new_tokens` unless
   `gen_length` / `max_new_tokens` is given in `model_args` (the canvas, as in LLaDA's evaluation); with neither,
   the checkpoint's `max_new_tokens` holds.
-- `loglikelihood`: LLaDA's Monte-Carlo estimate (`hf_dllm.eval_likelihood`), `mc_num` samples per request,
+- `loglikelihood`: LLaDA's Monte-Carlo estimate (`hf_dllm.evaluation.likelihood`), `mc_num` samples per request,
   `mc_batch_size` (default `batch_size`) rows per forward; `is_check_greedy=True` also runs LLaDA's greedy check.
 - `loglikelihood_rolling`: the same estimate over disjoint windows of `max_length` tokens (a lower bound).
-- Data parallel: `accelerate launch -m hf_dllm.lm_eval_model --model hf_dllm ...` (one model replica per process;
-  lm-eval shards the requests by rank). `device_map=auto` instead splits one model over the visible GPUs.
+- Data parallel: `accelerate launch -m hf_dllm.evaluation.lm_eval_model --model hf_dllm ...` (one model replica
+  per process; lm-eval shards the requests by rank). `device_map=auto` instead splits one model over the visible GPUs.
 
 `model_args`: `pretrained` (or LLaDA's `model_path`), `tokenizer`, `dtype` (`auto`, `bfloat16`, ...), `device`,
 `device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `threads`, `quantization` (the loading flags
@@ -27,19 +28,25 @@ its sampler's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`, also in a task's gener
 LLaDA2.x (block-causal) models run `generate_until` tasks; the log-likelihood estimator is LLaDA's, for
 bidirectional models only (a block-causal model raises `NotImplementedError` naming the alternative).
 
-Registration: lm-eval resolves `--model` from a fixed table and discovers no plugins (0.4.13, and its main branch
-as of 2026-08; EleutherAI/lm-evaluation-harness#3282 asks for plugins). `pip install hf-dllm` therefore installs
-`hf_dllm_lm_eval.pth`, which loads the tiny `_hf_dllm_lm_eval` hook at interpreter start: when lm-eval imports its
-model table, the hook adds `hf_dllm` as a lazy placeholder for `DiffusionEvalLM`, so the plain
-`lm_eval --model hf_dllm ...` works (`HF_DLLM_LM_EVAL_HOOK=0` turns the hook off). Importing this module also
-registers the model, for `simple_evaluate(model="hf_dllm", ...)` in a process started without the hook.
-`python -m hf_dllm.lm_eval_model ARGS` and `hf-dllm lm-eval ARGS` take `lm_eval`'s arguments without relying on the
-hook (`accelerate launch -m hf_dllm.lm_eval_model ARGS` for several processes).
+Registration, through lm-eval's own registry (`lm_eval.api.registry.register_model`, its documented way for models
+defined outside lm-eval): importing this module registers `hf_dllm`. lm-eval discovers no plugins (0.4.13: no entry
+points are read; EleutherAI/lm-evaluation-harness#3282), so lm-eval's bare `lm_eval` command does not know the name;
+`hf-dllm lm-eval ARGS` and `python -m hf_dllm.evaluation.lm_eval_model ARGS` are lm-eval's command line with it
+registered (exactly `lm_eval`'s arguments; `accelerate launch -m hf_dllm.evaluation.lm_eval_model ARGS` for several
+processes), and `import hf_dllm.evaluation.lm_eval_model` before `lm_eval.simple_evaluate(model="hf_dllm", ...)` in
+Python. lm-eval records the `git describe` of the working directory in its results; outside a git checkout git
+printed `fatal: not a git repository` on every run: the registration also silences that git's stderr
+(`quiet_git_hash`; the recorded value is unchanged).
+
+The tiny trained model's tasks ship with the package (`hf_dllm/tiny_model/lm_eval_tasks`: `tiny_synthetic_gen`,
+`tiny_synthetic_mc`, built offline from its held-out examples): `docs/evaluation.md` has a command that runs them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 
 import torch
@@ -445,12 +452,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ != "__main__":
+def quiet_git_hash(get_git_commit_hash):
+    """lm-eval's `get_git_commit_hash` (`git describe --always` in the working directory, else a hash read from
+    `.git`) with git's stderr discarded: outside a checkout git prints `fatal: not a git repository`, which lm-eval
+    leaves on the terminal though it handles the failure. Same return value."""
+
+    @functools.wraps(get_git_commit_hash)
+    def quiet():
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), 2)
+                return get_git_commit_hash()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    quiet.quiet_git = True
+    return quiet
+
+
+def register() -> None:
+    """Register `hf_dllm` with lm-eval's model registry (idempotent) and quiet its git call."""
+    import lm_eval.evaluator
+
     try:
         register_model(MODEL_NAME)(DiffusionEvalLM)
     # Already registered with another class object (a reloaded module); a placeholder is upgraded, not an error.
     except (ValueError, AttributeError) as error:
         logger.debug("hf_dllm: lm-eval registration skipped: %s", error)
+    if not getattr(lm_eval.evaluator.get_git_commit_hash, "quiet_git", False):
+        lm_eval.evaluator.get_git_commit_hash = quiet_git_hash(lm_eval.evaluator.get_git_commit_hash)
+
+
+if __name__ != "__main__":
+    register()
 
 
 if __name__ == "__main__":

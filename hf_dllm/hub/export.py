@@ -1,5 +1,5 @@
-"""`hf-dllm export SRC DST`: turn a local LLaDA, LLaDA2.x or Dream checkpoint into a Hub repo that runs hf_dllm's
-code as remote code.
+"""`hf-dllm export SRC DST`: turn a local checkpoint of any registered family (LLaDA, LLaDA-MoE, LLaDA2.x, Dream)
+into a Hub repo that runs hf_dllm's code as remote code.
 
 A user who has never installed hf_dllm then loads the repo with
 `AutoModel.from_pretrained(repo, trust_remote_code=True)` and gets hf_dllm's model and diffusion `generate()`.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -48,14 +47,13 @@ import re
 import shutil
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 from ..cli.generation_options import add_generation_argument
 from ..cli.loading import QUANTIZATION_CHOICES
 from ..generation_config import GENERATION_FIELDS
 from .cards import CARD_PRESETS, card_preset, render_preset_card, resolve_card
-from .families import MODEL_FAMILIES, ExportError, checkpoint_family, read_json_object
+from .families import MODEL_FAMILIES, ExportError, checkpoint_family, read_json_object, supported_families
 from .generation_settings import (
     DEFAULT_GENERATION_DEFAULTS,
     EXPORT_FIELDS,
@@ -67,32 +65,6 @@ from .generation_settings import (
 )
 from .remote_code import check_remote_code
 from .verify import expected_tensor_shapes, listing, verify_export
-
-# Names this module held before the family table, the card rendering and the remote-code check moved out: they
-# still import from here, with a FutureWarning (as the old module names do, `hf_dllm.MOVED_MODULES`). (The names the
-# export itself uses, e.g. `check_remote_code`, `resolve_generation_settings`, `verify_export`, are imported above.)
-_MOVED_NAMES = {
-    **dict.fromkeys(
-        ("FAST_GENERATION_DEFAULTS", "SHARED_REMOTE_CODE_FILES"),
-        "families",
-    ),
-    **dict.fromkeys(("CARD_TEMPLATE", "describe_decoding", "write_preset_cards"), "cards"),
-    **dict.fromkeys(("PACKAGE_DIR", "REMOTE_CODE_DEPENDENCIES"), "remote_code"),
-    **dict.fromkeys(("GENERATION_OPTIONS", "ORIGIN_TEXT"), "generation_settings"),
-}
-
-
-def __getattr__(name: str):
-    module = _MOVED_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"`{__name__}.{name}` moved to `{__package__}.{module}`; import it from there (the old name will be removed).",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(f".{module}", __package__), name)
-
 
 # Weight layouts, in order of preference: (index file, single file). Shards are the files the index names.
 WEIGHT_LAYOUTS = (
@@ -124,7 +96,7 @@ def read_source_config(src: Path) -> dict:
     hf_dllm's config class of that family accepts it (a config the model cannot run is refused here)."""
     path = src / "config.json"
     if not path.is_file():
-        raise ExportError(f"{src} has no config.json: SRC must be a LLaDA, LLaDA2.x or Dream checkpoint folder.")
+        raise ExportError(f"{src} has no config.json: SRC must be a checkpoint folder ({supported_families()}).")
     config = read_json_object(path)
     try:
         family = checkpoint_family(config)
@@ -407,8 +379,8 @@ def export_checkpoint(
     quantization: str = "none",
     tokenizer: bool = True,
 ) -> ExportResult:
-    """Export the LLaDA, LLaDA2.x or Dream checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's
-    remote code.
+    """Export the checkpoint folder `src` (any registered family) as a Hub repo folder `dst` running hf_dllm's remote
+    code.
 
     Args:
         src: a local checkpoint in the Hub's format: `config.json` of a registered family (`checkpoint_family`)
@@ -442,7 +414,7 @@ def export_checkpoint(
     """
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
-        raise ExportError(f"SRC ({src}) is not a folder: pass a LLaDA, LLaDA2.x or Dream checkpoint folder.")
+        raise ExportError(f"SRC ({src}) is not a folder: pass a checkpoint folder ({supported_families()}).")
     # Before DST is checked: a killed run may have moved DST aside (restored here).
     for note in clean_stale_staging(dst):
         logger.warning(note)
@@ -527,7 +499,9 @@ def export_checkpoint(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-dllm export",
-        description="Turn a local LLaDA, LLaDA2.x or Dream checkpoint folder into a Hub repo folder that runs "
+        description="Turn a local checkpoint folder of a registered family ("
+        + ", ".join(family.display_name for family in MODEL_FAMILIES.values())
+        + ") into a Hub repo folder that runs "
         "hf_dllm's code as remote code: AutoModel.from_pretrained(repo, trust_remote_code=True) then works without "
         "hf_dllm installed.",
     )

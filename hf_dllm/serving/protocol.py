@@ -215,7 +215,7 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
     """Validate the generation fields of a request body and resolve the run's settings with the model's own resolver:
     `model.resolve_generation_config(**fields the request named)`, so a field the request leaves out comes from the
     checkpoint's `generation_config.json` (then `DiffusionGenerationConfig`'s defaults), exactly as for
-    `model.generate()` without that keyword; the resolver's rules (`temperature` sets `do_sample`, naming one
+    `model.generate()` without that keyword, and a field named `null` is None, as `generate(field=None)`; the resolver's rules (`temperature` sets `do_sample`, naming one
     decoding rule replaces the checkpoint's) and its family's checks (`DiffusionFamily.validate`: LLaDA2 combines
     `steps` with `threshold` and takes the LLaDA2-only fields) apply. A bad value is a 400 naming the request's
     field.
@@ -259,14 +259,15 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
             raise APIError(400, "Give `max_tokens` or `max_completion_tokens`, not both.", param="max_tokens")
         max_tokens, max_name = body["max_completion_tokens"], "max_completion_tokens"
 
-    # Only what the request named: the resolver fills the rest from the checkpoint's generation_config.json.
+    # Only what the request named: the resolver fills the rest from the checkpoint's generation_config.json. A field
+    # named with `null` is named: set to None, as `generate(threshold=None)` sets it (`"threshold": null` turns the
+    # checkpoint's threshold rule off; a field that takes no None gets the resolver's 400 naming it).
     fields: dict = {}
     aliases = {"max_new_tokens": max_name}
-    if body.get("dual_cache") is not None and body.get("use_dual_cache") is not None:
-        if body["dual_cache"] != body["use_dual_cache"]:
-            raise APIError(400, "`dual_cache` and its alias `use_dual_cache` disagree: give one.", param="dual_cache")
+    if "dual_cache" in body and "use_dual_cache" in body and not _same(body["dual_cache"], body["use_dual_cache"]):
+        raise APIError(400, "`dual_cache` and its alias `use_dual_cache` disagree: give one.", param="dual_cache")
     for name, target in [*DLLM_FIELDS.items(), *((name, name) for name in own_fields)]:
-        if body.get(name) is not None:
+        if name in body:
             fields[target] = body[name]
             aliases[target] = name
 

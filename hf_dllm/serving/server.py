@@ -41,8 +41,7 @@ refresh). A layout is at most
 K/V between blocks: `row_cache.py`). On a small CPU, `--threads 1` keeps OpenMP threads from spinning
 against each other.
 Model loading takes the flags every command shares (`--dtype`, `--device`, `--device-map`,
-`--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`; `--num-threads` is
-the old name of `--threads`).
+`--attn-implementation`, `--revision`, `--trust-remote-code`, `--tokenizer`, `--threads`).
 
 Streaming sends one Server-Sent Event per committed block, then a chunk with `finish_reason`, then `data: [DONE]`.
 Usage comes once: in the last `finish_reason` chunk, or, with `stream_options.include_usage`, only in a final chunk
@@ -654,12 +653,10 @@ def integer_or_off(value: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-dllm serve", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="hf-dllm serve", description=__doc__.split("\n")[0])
     parser.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub id (model + tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
         "--max-batch-size",
         type=int,
@@ -693,7 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{N,off}",
         help="a joining request decodes its first block in a layout of its own, before the running rows, when at "
         "least N others run and none waits (a shorter time to first block, for a little more latency of the "
-        "others); off: always in the running rows' layout",
+        f"others); off: always in the running rows' layout (default: {JOIN_LAYOUT_MIN_ROWS})",
     )
     parser.add_argument(
         "--max-refresh-positions",
@@ -709,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
         "--api-key",
-        default=None,  # not the environment's key here: --help prints defaults
+        default=None,  # not the environment's key: the key stays out of --help and the process list
         help=f"require `Authorization: Bearer KEY` on every route but /health (default: ${API_KEY_ENV}, which keeps "
         "the key out of the process list; unset: no key)",
     )
@@ -726,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"larger request bodies get 413 unread (default: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token of the "
         f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
     )
-    loading = add_model_arguments(
+    add_model_arguments(
         parser,
         threads=SERVE_THREADS,
         threads_help=f"CPU threads of torch (default {SERVE_THREADS}: more collapse when other processes share the "
@@ -734,30 +731,33 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmarks/bench_load.py --cpu --cpu-hogs 2; a quiet many-core CPU server may pass more; matters only on "
         "the CPU)",
     )
-    # The flag's old name (before the commands shared their loading flags).
-    loading.add_argument("--num-threads", dest="threads", type=int, help="the old name of --threads")
     parser.add_argument(
         "--header-timeout",
         type=float,
         default=DEFAULT_HEADER_TIMEOUT,
         help="seconds a request's head (request line and headers) may take to arrive, from the connection's opening "
-        "or the request's first byte: past it, 408 and the connection is closed",
+        "or the request's first byte: past it, 408 and the connection is closed (default: %(default)s)",
     )
     parser.add_argument(
         "--body-timeout",
         type=float,
         default=DEFAULT_BODY_TIMEOUT,
         help="seconds a request's body may take to arrive after its head (a total, not an idle time): past it, 408 "
-        "and the connection is closed",
+        "and the connection is closed (default: %(default)s)",
     )
     parser.add_argument(
         "--max-prompts-per-request",
         type=int,
         default=MAX_PROMPTS,
         help="prompts one /v1/completions request may hold (400 past it); each is a row admitted in turns with "
-        "other requests' rows",
+        "other requests' rows (default: %(default)s)",
     )
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's and the server's log level (default: info)",
+    )
     return parser
 
 

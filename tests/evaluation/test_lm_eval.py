@@ -6,13 +6,7 @@ lm-eval's own `simple_evaluate` on the tiny local tasks of `tests/data/lm_eval_t
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +15,7 @@ import torch
 from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation.likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import DATA, FIXTURES, run_side_by_side, tiny_model
+from tests.conftest import DATA, FIXTURES, tiny_model
 from tests.evaluation.test_evaluate import CHECKPOINT_SETTINGS, checkpoint_with_settings, direct_generation
 
 TASKS_DIR = DATA / "lm_eval_tasks"
@@ -135,55 +129,6 @@ def test_registered(lm_eval_module):
     from lm_eval.api.registry import get_model
 
     assert get_model("hf_dllm") is lm_eval_module.DiffusionEvalLM
-
-
-def _python(code: str, **env) -> subprocess.CompletedProcess:
-    """A fresh interpreter outside the source tree: what it imports of ours comes from the installation."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=tempfile.gettempdir(),
-        env={**os.environ, **env},
-        timeout=120,
-    )
-
-
-def test_startup_hook_is_installed_and_imports_nothing_heavy(lm_eval_module):
-    """`hf_dllm_lm_eval.pth` (installed by `pip install`) loads the hook in every interpreter, which imports neither
-    lm-eval, torch nor hf_dllm by itself."""
-    done = _python(
-        "import sys; print(sorted(m for m in ('_hf_dllm_lm_eval', 'lm_eval', 'torch', 'hf_dllm') if m in sys.modules))"
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["['_hf_dllm_lm_eval']"], "hf_dllm_lm_eval.pth is not active: reinstall with pip"
-    off = _python("import sys; print('_hf_dllm_lm_eval' in sys.modules)", HF_DLLM_LM_EVAL_HOOK="0")
-    assert off.stdout.strip() == "True"  # the module loads, but installs no finder
-    assert (
-        _python(
-            "import sys, _hf_dllm_lm_eval as h; print(any(isinstance(f, h._LmEvalModelsFinder) for f in sys.meta_path))",
-            HF_DLLM_LM_EVAL_HOOK="0",
-        ).stdout.strip()
-        == "False"
-    )
-
-
-def test_startup_hook_registers_lazily_beside_lm_evals_own_models(lm_eval_module):
-    code = """
-import sys
-import _hf_dllm_lm_eval as hook
-hook.install()  # idempotent: the .pth file already did it
-from lm_eval.api.registry import get_model, model_registry
-hf = get_model('hf')  # lm-eval's own table is still loaded (registry not left non-empty without it)
-assert 'hf_dllm.evaluation.lm_eval_model' not in sys.modules and 'hf_dllm' in model_registry
-cls = get_model('hf_dllm')
-print(hf.__name__, cls.__module__ + ':' + cls.__name__)
-"""
-    done = _python(code)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["HFLM", "hf_dllm.evaluation.lm_eval_model:DiffusionEvalLM"]
-    off = _python("from lm_eval.api.registry import get_model; get_model('hf_dllm')", HF_DLLM_LM_EVAL_HOOK="0")
-    assert off.returncode != 0 and "hf_dllm" in off.stderr
 
 
 class _Request:
@@ -376,48 +321,3 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
         assert sample["resps"][0][0] == expected
 
 
-LAUNCHERS = ["lm_eval", "python -m hf_dllm.evaluation.lm_eval_model"]
-
-
-@pytest.fixture(scope="module")
-def command_line_runs(lm_eval_module, checkpoint, tmp_path_factory) -> dict:
-    """Both launchers of test_lm_eval_command_line, run side by side (most of a run is lm-eval's start-up, in one
-    thread): launcher -> (its finished process, None where the `lm_eval` command is not installed; its output path)."""
-    outputs, commands = {}, {}
-    for launcher in LAUNCHERS:
-        outputs[launcher] = tmp_path_factory.mktemp("lm_eval_cli") / "out"
-        if launcher == "lm_eval":
-            executable = shutil.which(
-                "lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            )
-            if not executable:
-                continue
-            head = [executable]
-        else:
-            head = [sys.executable, "-m", "hf_dllm.evaluation.lm_eval_model"]
-        commands[launcher] = [
-            *head,
-            "--model", "hf_dllm",
-            "--model_args", f"pretrained={checkpoint},dtype=float32,block_length=8,gen_length=8",
-            "--device", "cpu",
-            "--include_path", str(TASKS_DIR),
-            "--tasks", "hf_dllm_tiny_gen",
-            "--limit", "2",
-            "--output_path", str(outputs[launcher]),
-        ]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = run_side_by_side(commands, timeout=300, cwd=tmp_path_factory.mktemp("lm_eval_cwd"), env=env)
-    return {launcher: (done.get(launcher), out) for launcher, out in outputs.items()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_lm_eval_command_line(command_line_runs, launcher):
-    """lm-eval's own `lm_eval` command (the startup hook registers `--model hf_dllm`) and hf_dllm's wrapper of it
-    (also `hf-dllm lm-eval`), offline on a local task."""
-    done, out = command_line_runs[launcher]
-    assert done is not None, "lm-eval's `lm_eval` command is not installed"
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result_file,) = list(out.rglob("results_*.json"))
-    results = json.loads(result_file.read_text())["results"]
-    assert not math.isnan(results["hf_dllm_tiny_gen"]["exact_match,none"])

@@ -18,8 +18,9 @@ from hf_dllm import (
 from hf_dllm.decoding import (
     DEFERRED,
     NOT_MASKED,
+    StepRules,
     commit_most_confident,
-    denoise_block_step,
+    denoise_step,
     propose_tokens,
     rank_by_confidence,
 )
@@ -172,7 +173,7 @@ def test_gumbel_sampling_follows_the_softmax_at_temperature_one():
     assert torch.equal(x0, again)
 
 
-def test_deprecated_denoise_block_step_warns_and_draft_shows_candidates():
+def test_denoise_step_draft_shows_candidates():
     generator = torch.Generator().manual_seed(6)
     logits = torch.randn(2, 8, 30, generator=generator) * 2
     logits[..., 29] = float("-inf")  # the mask token is never a candidate here
@@ -180,8 +181,8 @@ def test_deprecated_denoise_block_step_warns_and_draft_shows_candidates():
     block[:, ::3] = 7  # already decoded
     policy = FixedSchedule()
     policy.start_block(8, 4)
-    with pytest.warns(FutureWarning, match="denoise_step"):
-        new_block, draft = denoise_block_step(block, logits, policy, torch.tensor([2, 2]), mask_token_id=29)
+    new_block, draft, edited = denoise_step(block, logits, StepRules(policy, mask_token_id=29), torch.tensor([2, 2]))
+    assert not edited.any()  # FixedSchedule never edits a committed token
     masked = block == 29
     committed = masked & (new_block != 29)
     assert (committed.sum(-1) == 2).all()

@@ -142,11 +142,12 @@ def test_server_request_fields_are_the_schemas():
     assert set(protocol.DLLM_FIELDS.values()) == request - {"max_new_tokens"}
     assert protocol.DLLM_FIELDS["use_dual_cache"] == "dual_cache"  # the protocol's own alias
     assert not {name for name in GENERATION_FIELDS if not GENERATION_FIELDS[name].request} & set(protocol.DLLM_FIELDS)
-    # Every request field, at its default, is accepted (None: as if left out) and resolved as named.
+    # Every request field, at its default, is accepted and resolved as named (None too: `null` is None, as in
+    # generate(), not "left out").
     model = tiny_model(seed=0)
     body = {name: GENERATION_FIELDS[name].default for name in protocol.DLLM_FIELDS.values()}
     params = protocol.parse_generation_params({"prompt": "a", **body}, model, chat=False)
-    assert params.fields == {name: value for name, value in body.items() if value is not None}
+    assert params.fields == body
     for name, field in GENERATION_FIELDS.items():
         if field.owner is None and not (field.option and field.request) and name != "max_new_tokens":
             with pytest.raises(protocol.APIError, match=f"Unrecognized request argument supplied: {name}"):

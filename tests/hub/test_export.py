@@ -854,31 +854,3 @@ def test_remote_pipeline_matches_hf_dllm(fresh_process, exported_chat):
     assert remote["chat"] == chat and chat["role"] == "assistant"
 
 
-def test_names_that_moved_out_of_export_still_import_with_a_warning():
-    """The family table, the card rendering, the remote-code check's constants and the generation settings' tables
-    moved to `hub.families` / `hub.cards` / `hub.remote_code` / `hub.generation_settings`: their old names still
-    import from `hub.export`, with a FutureWarning naming the new place; other unknown names are AttributeErrors.
-    What the export itself calls (`check_remote_code`, `resolve_generation_settings`, `verify_export`) is the moved
-    function, imported without a warning."""
-    import warnings
-
-    from hf_dllm.hub import families, generation_settings, remote_code, verify
-
-    with pytest.warns(FutureWarning, match="hf_dllm.hub.families"):
-        assert export.SHARED_REMOTE_CODE_FILES is families.SHARED_REMOTE_CODE_FILES
-    with pytest.warns(FutureWarning, match="hf_dllm.hub.cards"):
-        from hf_dllm.hub.export import describe_decoding
-    assert describe_decoding is cards.describe_decoding
-    with pytest.warns(FutureWarning, match="hf_dllm.hub.cards"):
-        assert export.write_preset_cards is cards.write_preset_cards
-    with pytest.warns(FutureWarning, match="hf_dllm.hub.remote_code"):
-        assert export.PACKAGE_DIR == remote_code.PACKAGE_DIR == PACKAGE_DIR
-    with pytest.warns(FutureWarning, match="hf_dllm.hub.generation_settings"):
-        assert export.GENERATION_OPTIONS is generation_settings.GENERATION_OPTIONS
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert export.check_remote_code is remote_code.check_remote_code
-        assert export.resolve_generation_settings is generation_settings.resolve_generation_settings
-        assert export.verify_export is verify.verify_export
-    with pytest.raises(AttributeError, match="no_such_name"):
-        export.no_such_name  # noqa: B018

@@ -613,7 +613,7 @@ def test_property_sweep_over_the_request_schema(server):
 def test_cli_api_key_from_environment_and_sigterm_after_hostile_requests(model_dir):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_DLLM_API_KEY=API_KEY, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "hf_dllm", "serve", str(model_dir), "--port", str(port), "--num-threads", "1"]
+    command = [sys.executable, "-m", "hf_dllm", "serve", str(model_dir), "--port", str(port), "--threads", "1"]
     command += ["--served-model-name", MODEL_NAME]
     process = subprocess.Popen(
         command + ["--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT

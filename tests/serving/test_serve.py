@@ -929,7 +929,7 @@ def test_cli_serve_command(model_dir):
             "4",
             "--max-batch-width",
             "256",
-            "--threads",  # the shared loading flags (tests/serving/test_hostile.py uses the old --num-threads)
+            "--threads",  # the shared loading flags
             "1",
             "--dtype",
             "float32",

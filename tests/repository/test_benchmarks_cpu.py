@@ -1,0 +1,53 @@
+"""Every `benchmarks/bench_*.py` runs in its quick `--cpu` mode and ends with a JSON line (the developers' guide:
+each benchmark prints a table and ends with ONE JSON line, with a `--cpu` mode CI runs). The benchmarks run side by
+side, single-threaded, in one module fixture (most of each run is start-up: on 2 cores two take little more than
+one); each has its own test."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_side_by_side
+
+ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
+BENCHMARKS = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
+# Benchmarks not run here: GPU kernels only, no --cpu mode, or a --cpu mode too slow for the suite.
+NOT_ON_CPU = {
+    "bench_fp8_gemm.py": "FP8 GEMM kernels: CUDA only (compute capability >= 8.9), no CPU path",
+    "bench_llada2_kernels.py": "Triton kernels captured in CUDA graphs: CUDA only",
+    "bench_llada2_moe_gemm.py": "grouped GEMM kernels (Triton, torch._grouped_mm) in CUDA graphs: CUDA only",
+    "bench_hostile.py": "no --cpu mode yet (its default run is on the CPU: rounds of hostile requests to a server)",
+    "bench_llada2.py": "its --cpu mode took 413 s (133 s of CPU) on the 2-core test machine (logits over a "
+    "157184-token vocabulary at every forward, batch 1 and 4, 3 repeats): too slow for the suite",
+}
+ON_CPU = [name for name in BENCHMARKS if name not in NOT_ON_CPU]
+
+
+def test_every_benchmark_is_run_or_skipped_with_a_reason():
+    assert set(NOT_ON_CPU) <= set(BENCHMARKS), set(NOT_ON_CPU) - set(BENCHMARKS)
+    assert ON_CPU
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU setting even on a GPU machine
+    commands = {name: [sys.executable, str(ROOT / "benchmarks" / name), "--cpu"] for name in ON_CPU}
+    return run_side_by_side(commands, timeout=900, cwd=tmp_path_factory.mktemp("benchmarks"), env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_cpu_mode_ends_with_a_json_line(cpu_runs, name):
+    if name in NOT_ON_CPU:
+        pytest.skip(NOT_ON_CPU[name])
+    done = cpu_runs[name]
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert lines, done.stderr[-3000:]
+    assert isinstance(json.loads(lines[-1]), dict)  # the summary, last (some also print a JSON line per row)
