@@ -145,15 +145,17 @@ def serve(args) -> None:
     app = create_app(model, tokenizer, **kwargs)
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
-        engine.width_granularity = args.width_granularity
+        engine.scheduler.width_granularity = args.width_granularity
     if engine is not None and args.max_batch_positions:
         engine.set_max_batch_positions(args.max_batch_positions)
     if engine is not None and args.max_refresh_positions is not None and not engine.keeps_row_kv:
-        engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
+        engine.scheduler.max_refresh_positions = (
+            args.max_refresh_positions or None
+        )  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
-        engine.join_layout_min_rows = args.join_layout_min_rows
+        engine.scheduler.join_layout_min_rows = args.join_layout_min_rows
     if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
-        engine.join_layout_min_rows = None
+        engine.scheduler.join_layout_min_rows = None
     trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
 
     @app.get("/bench-trace")
