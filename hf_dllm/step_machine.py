@@ -255,8 +255,7 @@ class StepMachine:
         max_graphs: captured shapes kept.
         drafts: whether a consumer reads each step's draft at every position (logits at every position then).
 
-    `nfe` and `first_step_positions` count the forwards the machine runs; an owner that runs a forward of its own
-    (the engine's packed rows) counts it there too.
+    `nfe` and `first_step_positions` count the forwards the machine runs (and an owner's own, e.g. packed rows).
     """
 
     def __init__(
@@ -313,8 +312,7 @@ class StepMachine:
         self.cache = self.graphs.cache if self.graphs is not None else make_cache()
 
     def _setup_rules(self) -> None:
-        """The step's decoding rules, once `graphs` is known (captured graphs read the runner's copies of the
-        constant token-id tensors)."""
+        """The step's decoding rules, once `graphs` is known (captured graphs read the runner's token-id tensors)."""
         if self.graphs is not None:
             if hasattr(self.unmasking, "keep_state_in"):  # a rule with device state its graphs read by address
                 self.unmasking.keep_state_in(self.graphs)
@@ -330,8 +328,7 @@ class StepMachine:
         )
 
     def release(self) -> None:
-        """Give the model's CUDA-graph runner back (the captured graphs stay with the model for the next run of
-        the same signature), once the steps are done."""
+        """Give the model's CUDA-graph runner back (its graphs stay with the model), once the steps are done."""
         if self.graphs is not None:
             StepGraphs.release_to(self.model)
             self.graphs = None
@@ -351,15 +348,13 @@ class StepMachine:
         )
 
     def _greedy_without_guidance(self) -> bool:
-        """Greedy low-confidence proposals without classifier-free guidance: no random draw shaped by the block
-        and no doubled rows in a step."""
+        """Greedy low-confidence proposals without guidance: no random draw and no doubled rows in a step."""
         config = self.config
         return config.temperature == 0 and config.remasking == "low_confidence" and not self.cfg
 
     def step_capturable(self) -> bool:
-        """The model's `_diffusion_step_capturable()`, asked in the mode the steps run in (without autograd): a model
-        may choose its kernels by it (LLaDA2's grouped expert GEMMs are off while autograd records), and a run may be
-        set up by a caller that has autograd on (the serving engine's scheduler thread)."""
+        """The model's `_diffusion_step_capturable()` without autograd, as the steps run (a model may choose its
+        kernels by it; the engine's scheduler thread may set a run up with autograd on)."""
         with torch.no_grad():
             return self.model._diffusion_step_capturable()
 
@@ -508,10 +503,8 @@ class StepMachine:
         )
         if step == 0:
             self.first_step_positions += inputs["tokens"].numel()
-        # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None. Where the
-        # block lies is not: every column index is an input tensor, so one graph serves every block's step of one
-        # shape (in particular the dual/prefix cache's full forward at each block start, captured at the second
-        # block and replayed from the third instead of running eagerly once per block).
+        # Whether a mask is fed is part of the shape (a key mask of all ones may be None); where the block lies is
+        # not (column indices are input tensors), so one graph serves every block's step of one shape.
         mask_fed = inputs["attention_mask"] is not None
         slots = None if inputs["logit_slots"] is None else inputs["logit_slots"].shape[0]
         return inputs, (rows, q_end - q_start, block_end - block_start, kv_len, mask_fed, slots)
