@@ -2,7 +2,7 @@
 (issue #14): packed (what the engine runs, `packed.PackedRows`) against the padded layouts it replaced.
 
 At the LLaDA-8B shape a boundary is mostly the dual cache's refresh forward over every row's whole canvas
-(`benchmarks/RESULTS.md`, "Continuous batching under load"), which is compute-bound: its cost follows the positions
+(`benchmarks/bench_load.py`), which is compute-bound: its cost follows the positions
 it computes. This script replays `bench_load.py`'s request distributions (prompts uniform in [128, 1024] tokens,
 `max_tokens` uniform in [64, 512] rounded up to blocks of 32, 8 steps per block, dual cache) through the real
 `ContinuousBatcher` on the CPU with bench_load.py's small random LLaDA (the shape does not change the layouts), arrivals counted

@@ -142,7 +142,7 @@ def block_step(model, prompts, config, device, repeats: int = 30, in_a_row: int 
     The first figure is the median over `repeats` runs of `in_a_row` steps queued back to back (per step), as the
     loop queues a block's steps: the host prepares step n + 1 while the GPU runs step n. The second times each step
     from an idle GPU to its end, so it also holds the host's preparation of that step (inputs, graph launch: ~0.3
-    ms at batch 1 on an H100), which the loop hides; earlier tables of RESULTS.md report this one."""
+    ms at batch 1 on an H100), which the loop hides."""
     run = BlockDiffusionRun(model, config, prompts, None, None)
     try:
         start, end = run.plan.blocks[0]

@@ -5,6 +5,9 @@
     python benchmarks/bench_load.py --shape llada-8b --rates 0.5,1,2 --requests 48 --window-code .old
     python benchmarks/bench_load.py --cpu                # small CPU smoke run of the same path
     python benchmarks/bench_load.py --cpu --shape llada2-small --servers continuous --check 12   # block-causal
+    # several GPUs (issue #64): `torchrun --nproc-per-node 4 -m hf_dllm serve CHECKPOINT --tp-plan auto`
+    python benchmarks/bench_load.py --tp 4 --rates 1,4 --requests 32
+    python benchmarks/bench_load.py --cpu --tp 2 --rates 4 --requests 6 --warmup 2    # the same on gloo
 
 For each server (`continuous`: this checkout; `window`: `--window-code`, the package before continuous batching,
 run with `--batch-window-ms`), a server process is started on 127.0.0.1 (`--role server`: a model with random
@@ -15,8 +18,12 @@ the official `openai` async client as streaming completions of token-id prompts.
 for every server and rate); decoding: block 32, dual cache, 8 steps per block (4 tokens per forward, the
 parallelism Fast-dLLM's threshold reaches on real models; random weights never reach a confidence threshold).
 
+With `--tp N` the server is `hf-dllm serve` itself on a saved copy of the random model, sharded over N processes
+(`torchrun ... --tp-plan auto`: rank 0 serves HTTP, the others follow its schedule); it has no bench routes (no
+boundary trace, no memory figure).
+
 Reported per server and rate: throughput (completion tokens / time from the first arrival to the last answer),
-p50/p99 request latency, p50/p99 time to the first streamed block, requests lost or failed, peak GPU memory of the
+requests/s (completed requests over the same time), p50/p99 request latency, p50/p99 time to the first streamed block, requests lost or failed, peak GPU memory of the
 server process (`torch.cuda.max_memory_allocated`, from its /bench-memory route), and the engine's mean seconds
 per block boundary and positions (rows x columns) its blocks' first steps computed per boundary (the prefix rows
 recompute, and joining rows' prefill). A table, then one JSON line.
@@ -126,12 +133,19 @@ def serve(args) -> None:
 
     if (
         args.server_kind == "continuous-cudnn"
-    ):  # the engine as before session 8: sdpa may pick cuDNN (a plan per new shape)
+    ):  # the engine before its planless attention: sdpa may pick cuDNN (a plan per new shape)
         import contextlib
 
         import hf_dllm.serving.engine
 
         hf_dllm.serving.engine.attention_without_shape_plans = lambda device: contextlib.nullcontext()
+    try:
+        from hf_dllm.serving.server import SERVE_THREADS
+    except ImportError:  # an older package (--window-code): torch's default
+        SERVE_THREADS = None
+    threads = SERVE_THREADS if args.threads is None else args.threads
+    if threads:  # 0: torch's default, one per core
+        torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     model = build_model(args.shape, device, "bfloat16" if device == "cuda" else "float32")
     config = model.config
@@ -154,7 +168,7 @@ def serve(args) -> None:
         )  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
         engine.scheduler.join_layout_min_rows = args.join_layout_min_rows
-    if args.server_kind == "continuous-join-in":  # the engine's rule before session 9
+    if args.server_kind == "continuous-join-in":  # the engine's rule before joining rows decoded apart
         engine.scheduler.join_layout_min_rows = None
     trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
 
@@ -427,12 +441,52 @@ def engine_requests(model, items: list[dict]) -> list:
     ]
 
 
+def save_checkpoint(args, directory: Path) -> None:
+    """The shape's random model (`build_model`, seed 0) and word tokenizer saved to `directory`, for a server that
+    loads it (`--tp`: `torchrun -m hf_dllm serve DIR --tp-plan auto`)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    model = build_model(args.shape, device, "bfloat16" if device == "cuda" else "float32")
+    config = model.config
+    model.save_pretrained(directory)
+    word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id).save_pretrained(
+        directory
+    )
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def tensor_parallel_command(args, port: int) -> list[str]:
+    """`hf-dllm serve` of `args.checkpoint` sharded over `args.tp` processes (one GPU each; gloo on the CPU), the
+    command users run, with the engine options of the in-process server."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp)]
+    command += ["-m", "hf_dllm", "serve", str(args.checkpoint), "--tp-plan", "auto", "--port", str(port)]
+    command += ["--served-model-name", "bench", "--log-level", "warning"]
+    if args.shape in LLADA2_SHAPES:  # as `build_model` builds them for the in-process server
+        command += ["--attn-implementation", "sdpa"]
+    if args.max_batch_size:
+        command += ["--max-batch-size", str(args.max_batch_size)]
+    if args.max_batch_width:
+        command += ["--max-batch-width", str(args.max_batch_width)]
+    if args.max_batch_positions:
+        command += ["--max-batch-positions", str(args.max_batch_positions)]
+    if args.cpu:
+        command += ["--threads", "1"]
+    return command
+
+
 class ServerProcess:
     def __init__(self, args, kind: str):
         self.port = free_port()
         env = dict(os.environ)
         code = str(Path(args.window_code).resolve()) if kind == "window" else str(REPO)
         env["PYTHONPATH"] = code + os.pathsep + env.get("PYTHONPATH", "")
+        if args.tp > 1:  # NVLink multicast stays off (issue #64)
+            env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", OMP_NUM_THREADS="1")
+            if args.cpu:
+                env["CUDA_VISIBLE_DEVICES"] = ""
         command = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -455,9 +509,13 @@ class ServerProcess:
             command += ["--max-batch-positions", str(args.max_batch_positions)]
         if args.cpu:
             command.append("--cpu")
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
         command += ["--server-kind", kind, "--join-layout-min-rows", str(args.join_layout_min_rows)]
         if args.max_refresh_positions is not None:
             command += ["--max-refresh-positions", str(args.max_refresh_positions)]
+        if args.tp > 1:
+            command = tensor_parallel_command(args, self.port)
         self.process = subprocess.Popen(command, env=env, cwd=code)
         self.url = f"http://127.0.0.1:{self.port}"
         import httpx
@@ -578,6 +636,13 @@ def summarize(records: list[dict]) -> dict:
     )
 
 
+def requests_per_second(records: list[dict]) -> float:
+    """Completed requests over the time from the first arrival to the last answer."""
+    done = [r for r in records if "latency" in r]
+    span = max((r["done"] for r in done), default=0.0) - min((r["arrival"] for r in records), default=0.0)
+    return len(done) / span if span > 0 else 0.0
+
+
 def check_answers(args, items: list[dict], records: list[dict], count: int) -> dict:
     """Answers of the continuous server against `generate()` alone (same weights, same settings); exact only in
     float32 (`--cpu`)."""
@@ -612,11 +677,13 @@ def measure(args) -> dict:
         try:
             # Warm-up: kernels, CUDA graphs of the common shapes.
             asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout, family))
+            bench_routes = kind != "window" and args.tp == 1  # `hf-dllm serve` itself (`--tp`) has none
             for rate in rates:
-                traced = server.get(f"/bench-trace?since={2**62}")["length"] if kind != "window" else 0
+                traced = server.get(f"/bench-trace?since={2**62}")["length"] if bench_routes else 0
                 records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout, family))
                 summary = summarize(records)
-                if kind != "window":
+                summary["requests_per_s"] = requests_per_second(records)
+                if bench_routes:
                     summary["first_block_parts"] = trace_summary(
                         records, server.get(f"/bench-trace?since={traced}")["boundaries"]
                     )
@@ -624,7 +691,7 @@ def measure(args) -> dict:
                 summary["batching"] = health.get("batching")
                 summary["max_batch_size"] = health.get("max_batch_size", args.max_batch_size)
                 summary["max_batch_positions"] = health.get("max_batch_positions")
-                summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"]
+                summary["peak_gpu_bytes"] = server.get("/bench-memory")["peak_bytes"] if bench_routes else None
                 if kind != "window" and args.check:
                     summary["check"] = check_answers(args, items, records, args.check)
                 # A rate measured again (e.g. the cold start, then the warm peak) keeps both: "16.0", "16.0#2".
@@ -686,6 +753,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-range", type=int, nargs=2, default=None)
     parser.add_argument("--check", type=int, default=0, help="answers to compare with generate() alone")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="serve with `torchrun --nproc-per-node TP -m hf_dllm serve --tp-plan auto` (GPUs; gloo with --cpu)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the server (default: hf-dllm serve's, 1; 0: torch's, one per core)",
+    )
+    parser.add_argument(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        help="busy-looping processes run beside the server while it is measured (other load on the cores)",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--start-timeout", type=float, default=600)
     args = parser.parse_args(argv)
@@ -693,6 +778,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "server":
         serve(args)  # the package comes from PYTHONPATH (this checkout, or --window-code's)
         return 0
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1:  # `hf-dllm serve` itself, sharded: the continuous server only
+        if args.servers == parser.get_default("servers"):
+            args.servers = "continuous"
+        elif args.servers != "continuous":
+            parser.error("--tp serves this checkout's `hf-dllm serve`: --servers continuous only")
     servers = args.servers.split(",")
     unknown = sorted(set(servers) - set(SERVER_KINDS))
     if unknown:
@@ -704,7 +796,24 @@ def main(argv: list[str] | None = None) -> int:
     args.requests = args.requests or (16 if args.cpu else 48)
     args.prompt_range = args.prompt_range or (CPU_PROMPT_RANGE if args.cpu else PROMPT_RANGE)
     args.output_range = args.output_range or (CPU_OUTPUT_RANGE if args.cpu else OUTPUT_RANGE)
-    results = measure(args)
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL)
+        for _ in range(args.cpu_hogs)
+    ]
+    try:
+        if args.tp > 1:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="bench_load_tp_") as directory:
+                args.checkpoint = Path(directory)
+                save_checkpoint(args, args.checkpoint)
+                results = measure(args)
+        else:
+            results = measure(args)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     print()
     header = [
         "server",
@@ -712,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         "done",
         "failed",
         "tok/s",
+        "req/s",
         "p50 lat s",
         "p99 lat s",
         "p50 TTFB s",
@@ -735,6 +845,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"| {kind} | {rate} | {s['completed']} | {s['failed']} | {s['throughput_tokens_per_s']:.1f} | "
+            f"{s['requests_per_s']:.2f} | "
             f"{fmt(s['p50_latency_s'])} | {fmt(s['p99_latency_s'])} | {fmt(s['p50_first_block_s'])} | "
             f"{fmt(s['p99_first_block_s'])} | {fmt(per)} | {'-' if boundary_s is None else f'{boundary_s:.3f}'} | "
             f"{'-' if first_step is None else f'{first_step:.0f}'} | {'-' if peak is None else f'{peak / 1e9:.1f}'} |"
@@ -744,7 +855,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = dict(
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.cpu else "cpu",
         shape=args.shape,
+        tp=args.tp,
         max_batch_size=args.max_batch_size,
+        threads=args.threads,
+        cpu_hogs=args.cpu_hogs,
         prompt_range=args.prompt_range,
         output_range=args.output_range,
         block_length=BLOCK,

@@ -12,13 +12,18 @@ step (CUDA events around single steps after warm-up), first on one GPU (this pro
 `torchrun` child that loads the same checkpoint with `tp_plan="auto"`). Also reported: weight memory per GPU, whether
 the ranks produced identical tokens (they must), the share of generated tokens equal to one GPU's (bf16: the shards
 sum in another order, so greedy choices between near-tied tokens may differ), which of LLaDA2's fused paths the
-step takes (`fused`; on the shards too), and the goal
-**TP=2 batch-1 step <= 0.65x the single-GPU step**.
+step takes (`fused`; on the shards too), and issue #64's goals for `--tp 2` / `--tp 4` (`GOALS`, met or not).
 
-Prints a table and ends with one JSON line. NVLink multicast (NVLS) is turned off for NCCL (`NCCL_NVLS_ENABLE=0`).
+Also: the collectives per forward of each run (`CollectiveCounter`, over one eager `generate()`; the token
+agreement's broadcast included).
+
+Prints a table and ends with one JSON line. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`,
+`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`); `HF_DLLM_ALL_REDUCE=nccl` measures the sharded run without the
+symmetric-memory all-reduces (hf_dllm/tensor_parallel.py).
 
     python benchmarks/bench_tp.py                           # both shapes, TP=2, batch 1 and 8
     python benchmarks/bench_tp.py --models llada --tp 2
+    python benchmarks/bench_tp.py --cpu                     # tiny float32 shapes, 2 gloo processes: seconds
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,13 +49,26 @@ import bench_llada2  # noqa: E402
 
 import hf_dllm  # noqa: E402,F401
 
-GOAL = 0.65  # TP=2 batch-1 step / single-GPU step
+# Issue #64's goals: (model, batch, GPUs) -> (figure, bound, whether the figure must stay at most / at least it).
+# `step_ratio`: the sharded block step over one GPU's; `speedup`: the sharded run's tokens/s over one GPU's.
+GOALS = {
+    ("llada", 1, 2): ("step_ratio", 0.60, "max"),
+    ("llada", 1, 4): ("step_ratio", 0.40, "max"),
+    ("llada2", 1, 4): ("step_ratio", 0.75, "max"),
+    ("llada2", 8, 4): ("speedup", 1.8, "min"),
+}
 MODELS = ("llada", "llada2")
 ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default backend
 CACHE_NAME = {"llada": "dual", "llada2": "exact"}
+# (GPU default, `--cpu` default) of the options whose default depends on the mode: the CPU run takes seconds.
+DEFAULTS = dict(
+    batch_sizes=("1,8", "1"), prompt_len=(512, 16), new_tokens=(256, 8), block_length=(32, 4), repeats=(2, 1)
+)
 
 
-def generate_kwargs(name: str, new_tokens: int, block: int, disable_compile: bool = False) -> dict:
+def generate_kwargs(
+    name: str, new_tokens: int, block: int, disable_compile: bool = False, mask_id: int = 0, eos_id: int = 0
+) -> dict:
     kwargs = dict(
         disable_compile=disable_compile,
         max_new_tokens=new_tokens,
@@ -62,7 +81,7 @@ def generate_kwargs(name: str, new_tokens: int, block: int, disable_compile: boo
     if name == "llada":
         kwargs["dual_cache"] = True
     else:
-        kwargs.update(threshold=None, mask_token_id=bench_llada2.MASK_ID, eos_token_id=bench_llada2.EOS_ID)
+        kwargs.update(threshold=None, mask_token_id=mask_id, eos_token_id=eos_id)
     return kwargs
 
 
@@ -94,19 +113,64 @@ def fused_paths(model, name: str, device: torch.device) -> str:
     return "+".join(path for path, on in taken.items() if on) or "none"
 
 
+# Communication ops, by operator namespace, that `CollectiveCounter` counts (waits and autograd wrappers are not
+# collectives of their own). `symm_mem`: the symmetric-memory all-reduces of `hf_dllm.tensor_parallel`.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "symm_mem")
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives (`c10d` ops: `torch.distributed`'s calls, DTensor's functional collectives, the
+    symmetric-memory all-reduces) that run while it is active, by op name: a counting wrapper around every
+    `torch.distributed` entry point at the dispatcher, which each of them goes through. Eager only (a CUDA graph
+    replay dispatches nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = str(func).partition(".")
+        if namespace in COLLECTIVE_NAMESPACES and not name.startswith(NOT_COLLECTIVES):
+            op = f"{namespace}.{name.split('.')[0]}"
+            self.calls[op] = self.calls.get(op, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def collectives_per_forward(model, prompts, kwargs) -> tuple[float, dict]:
+    """(collectives per forward of an eager `generate()` with `kwargs`, the counts by op over the whole call). Each
+    forward is one denoising step here (`steps=new_tokens`, cached), so this is the collectives per step, the token
+    agreement's broadcast included."""
+    with CollectiveCounter() as counter:
+        out = model.generate(prompts, **dict(kwargs, disable_compile=True))
+    return counter.total / out.nfe, dict(sorted(counter.calls.items()))
+
+
 @torch.no_grad()
 def measure(model, name: str, args, device: torch.device) -> list[dict]:
-    """Rows (one per batch size): tokens/s, ms per forward, block-step ms, the generated tokens."""
+    """Rows (one per batch size): tokens/s, ms per forward, block-step ms, collectives per forward, the generated
+    tokens."""
     rows = []
+    config = model.config
+    timing = dict(repeats=3) if args.cpu else {}  # step medians: a few steps check the script on the CPU
     for batch in args.batch_sizes:
         prompts = prompts_for(batch, args.prompt_len, vocab_of(model), device)
-        kwargs = generate_kwargs(name, args.new_tokens, args.block_length, args.disable_compile)
+        kwargs = generate_kwargs(
+            name, args.new_tokens, args.block_length, args.disable_compile, config.mask_token_id, config.eos_token_id
+        )
         seconds, out, peak, _ = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
         if name == "llada":
-            step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device)
+            step_ms = bench_generate.dual_step_ms(model, prompts, kwargs, device, **timing)
         else:
-            config = model.resolve_generation_config(**kwargs)
-            step_ms, _ = bench_llada2.block_step(model, prompts, config, device)
+            resolved = model.resolve_generation_config(**kwargs)
+            step_ms, _, _ = bench_llada2.block_step(
+                model, prompts, resolved, device, **timing, in_a_row=2 if args.cpu else 10
+            )
+        per_forward, by_op = collectives_per_forward(model, prompts, kwargs)
         rows.append(
             dict(
                 batch=batch,
@@ -117,25 +181,39 @@ def measure(model, name: str, args, device: torch.device) -> list[dict]:
                 peak_gb=peak / 1e9,
                 graphs=bool(getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps),
                 fused=fused_paths(model, name, device),
+                collectives_per_forward=per_forward,
+                collectives=by_op,
                 sequences=out.sequences[:, args.prompt_len :].cpu(),
             )
         )
         print(
-            f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s",
+            f"[{name} batch {batch}] {rows[-1]['step_ms']:.2f} ms/step, {rows[-1]['tokens_per_s']:.1f} tok/s, "
+            f"{per_forward:.1f} collectives/forward {by_op}",
             flush=True,
         )
     return rows
 
 
+# `--cpu`: float32 shapes that run in seconds (a small vocabulary: the head is most of a tiny model's work).
+CPU_SHAPES = {
+    "llada": bench_generate.SMALL,
+    "llada2": dict(bench_llada2.SMALL, vocab_size=1024, mask_token_id=1000, eos_token_id=999, pad_token_id=999),
+}
+
+
 def build_and_save(name: str, directory: Path, device: torch.device, cpu: bool):
-    """The model with random weights (bf16; float32 and a small shape with `--cpu`) on `device`, also saved
+    """The model with random weights (bf16; float32 and `CPU_SHAPES` with `--cpu`) on `device`, also saved
     (safetensors) to `directory`."""
     dtype = torch.float32 if cpu else torch.bfloat16
     if name == "llada":
-        shape = bench_generate.SMALL if cpu else bench_generate.LLADA_8B
+        shape = CPU_SHAPES[name] if cpu else bench_generate.LLADA_8B
         model = bench_generate.build_model(shape, dtype, device, ATTENTION[name])
+    elif cpu:
+        torch.manual_seed(0)
+        config = hf_dllm.LLaDA2MoeConfig(**CPU_SHAPES[name])
+        model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation=ATTENTION[name]).eval()
     else:
-        model = bench_llada2.build_model(bench_llada2.SMALL if cpu else bench_llada2.LLADA2_MINI, dtype, device)
+        model = bench_llada2.build_model(bench_llada2.LLADA2_MINI, dtype, device)
     model.save_pretrained(directory)  # before any forward: the fused/stacked weight views do not exist yet
     return model
 
@@ -165,7 +243,9 @@ def worker(args) -> int:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, row["sequences"])
             row["ranks_agree"] = all(torch.equal(other, gathered[0]) for other in gathered)
-        results[name] = dict(rows=rows, weight_gb_per_gpu=weight_gb(model), load_s=load_s)
+        results[name] = dict(
+            rows=rows, weight_gb_per_gpu=weight_gb(model), load_s=load_s, layers=model.config.num_hidden_layers
+        )
         del model
         if not args.cpu:
             torch.cuda.empty_cache()
@@ -177,7 +257,7 @@ def worker(args) -> int:
 
 
 def launch_tp(args, out: Path) -> dict:
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", OMP_NUM_THREADS="1")
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     command = [
@@ -196,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of: llada, llada2")
     parser.add_argument("--tp", type=int, default=2, help="GPUs of the tensor-parallel run")
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--block-length", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-sizes", default=None, help="comma list (default 1,8; --cpu: 1)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (--cpu: 16)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (--cpu: 8)")
+    parser.add_argument("--block-length", type=int, default=None, help="default 32 (--cpu: 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed generate() calls (default 2; --cpu: 1)")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where the random checkpoints go (default: a temp dir)"
     )
@@ -209,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for field, (gpu, cpu) in DEFAULTS.items():
+        if getattr(args, field) is None:
+            setattr(args, field, cpu if args.cpu else gpu)
     args.models = args.models.split(",")
     unknown = set(args.models) - set(MODELS)
     if unknown:
@@ -220,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench_tp.py needs {args.tp} CUDA devices (--tp), found {torch.cuda.device_count()}.")
 
     device = torch.device("cpu" if args.cpu else "cuda:0")
+    if args.cpu:
+        torch.set_num_threads(1)  # as each rank of the sharded run (OMP_NUM_THREADS=1): comparable CPU timings
     cleanup = args.workdir is None
     if cleanup:
         shm = Path("/dev/shm")
@@ -253,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = (
         f"{'model':<8}{'cache':>7}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}{'tok/s':>8}"
-        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}  fused"
+        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}{'coll/fwd':>9}  fused"
     )
     print(header)
     results = []
@@ -266,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.2f}"
                     f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
                     + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
+                    + f"{row['collectives_per_forward']:>9.1f}"
                     + f"  {row['fused']}"
                 )
             results.append(
@@ -286,15 +372,25 @@ def main(argv: list[str] | None = None) -> int:
                     single_fused=one["fused"],
                     tp_fused=tp["fused"],
                     ranks_agree=tp["ranks_agree"],
+                    layers=sharded[name]["layers"],
+                    tp_collectives_per_forward=tp["collectives_per_forward"],
+                    tp_collectives=tp["collectives"],
                     tokens_equal_single_gpu=same,
                     nfe=(one["nfe"], tp["nfe"]),
                 )
             )
-    goal_rows = [r for r in results if r["model"] == "llada" and r["batch"] == 1]
-    if goal_rows and args.tp == 2:
-        summary["goal_llada_batch1_step_ratio"] = dict(value=goal_rows[0]["step_ratio"], goal=GOAL)
-        summary["goal_met"] = goal_rows[0]["step_ratio"] <= GOAL
-        print(f"\nLLaDA-8B batch-1 step, TP=2 / 1 GPU: {goal_rows[0]['step_ratio']:.2f} (goal <= {GOAL})")
+    summary["goals"] = {}
+    for row in results:
+        goal = None if args.cpu else GOALS.get((row["model"], row["batch"], args.tp))
+        if goal is None:
+            continue
+        figure, bound, kind = goal
+        value = row["step_ratio"] if figure == "step_ratio" else row["tp_tokens_per_s"] / row["single_tokens_per_s"]
+        met = value <= bound if kind == "max" else value >= bound
+        name = f"{row['model']}_batch{row['batch']}_tp{args.tp}_{figure}"
+        summary["goals"][name] = dict(value=value, goal=bound, kind=kind, met=met)
+        sign = "<=" if kind == "max" else ">="
+        print(f"goal {name}: {value:.2f} (goal {sign} {bound}) {'met' if met else 'NOT met'}")
     summary["total_s"] = round(time.perf_counter() - started, 1)
     summary["rows"] = results
     print(json.dumps(summary))

@@ -1,7 +1,7 @@
 """A cost model of the continuous-batching engine under `bench_load.py`'s load (issue #14): an estimate, not a
 measurement. It replays the benchmark's requests (the same prompts, lengths and Poisson arrivals) through the
 engine's scheduling (admission at block boundaries, at most `--max-batch-size` rows, one layout per boundary)
-with each layout's time taken from H100 measurements at the LLaDA-8B shape (session 8, `benchmarks/RESULTS.md`):
+with each layout's time taken from H100 measurements at the LLaDA-8B shape (`bench_generate.py`, `profile_engine_boundary.py`):
 
 - the block's first step, packed over the rows' whole canvases: 38,328 positions/s
   (`profile_engine_boundary.py`, packed without cuDNN);

@@ -3,8 +3,8 @@
 formulations, at the LLaDA-8B products' shapes and a block step's rows.
 
 `weight_only_matmul` reads the FP8 weight (128x128 block scales, transformers' `FineGrainedFP8Config` layout), scales
-each weight tile in registers and multiplies in bf16 (until session 22 it scaled each tile's partial product
-instead, the configuration session 10's run timed). Formulations:
+each weight tile in registers and multiplies in bf16 (it once scaled each tile's partial product
+instead; the first run of this sweep timed that version). Formulations:
 
 - `SWAP=False`: `dot(x (BLOCK_M x K), w^T)`: at 32 rows Triton uses Ampere-style MMAs.
 - `SWAP=True`: `dot(w (BLOCK_N x K), x^T)`, the weight's rows as the MMA's M, the transposed tile stored.
@@ -12,7 +12,7 @@ instead, the configuration session 10's run timed). Formulations:
 Each config runs through `weight_only_matmul(config=...)`, so the sweep times the kernel the model runs. Times are GPU
 time per product (`bench_fp8_gemm.timed_us`: `--repeats` products captured in one CUDA graph), rotating over 4 weight
 copies so that no weight is still in L2 (as in a step, where every product reads a new weight). Prints the best
-configs per shape and ends with one JSON line. (Session 10's run, `benchmarks/RESULTS.md`, also timed an fp16-MMA
+configs per shape and ends with one JSON line. (The first run also timed an fp16-MMA
 variant with a copy of the kernel; it is not a numerics the project uses, so it is not swept here.)
 
     python benchmarks/sweep_fp8_weight_only.py [--rows 32,256] [--shapes qkv,o,gate_up,down]

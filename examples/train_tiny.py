@@ -20,8 +20,8 @@ fixed thread count, deterministic algorithms). On the project's 2-core CPU the d
 6 layers, 4600 steps of 32, two threads) takes about 16 minutes (15.5 minutes of training); with `--device cuda`
 131 s of training on an H100 (held-out accuracy as on CPU: 100% one token per step, 99.2% threshold 0.9).
 
-Defaults chosen by a GPU sweep of sizes, learning rates, warm-ups and seeds (`benchmarks/results_quality.md`,
-"Notes on training"): learning is a phase transition whose timing varies by seed, and only runs trained well past
+Defaults chosen by a GPU sweep of sizes, learning rates, warm-ups and seeds (`docs/decisions/tiny-model.md`):
+learning is a phase transition whose timing varies by seed, and only runs trained well past
 it (loss ~1e-3) keep their accuracy under the approximate KV caches. Responses are 16, 24 or 32 tokens long in turn,
 so blocks of up to 32 positions are in the training distribution.
 """

@@ -1,6 +1,6 @@
 """hf_dllm: masked-diffusion language models (LLaDA, LLaDA2.x, ...) in Hugging Face transformers.
 
-`import hf_dllm` registers every model family's classes (LLaDA, LLaDA-MoE, LLaDA2.0/2.1/2.2, Dream: one family object
+`import hf_dllm` registers every model family's classes (LLaDA, LLaDA-MoE, LLaDA2.0/2.1/2.2, Dream, DiffusionGemma: one family object
 each, `family.py`) with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`, so a local checkpoint of any loads with
 `AutoModel.from_pretrained(path)` and generates with `.generate(...)`; a `model_type` two families share (LLaDA-MoE's
 Hub config says "llada") is told apart by `architectures` / `auto_map` / fields.
@@ -21,6 +21,7 @@ import warnings
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import CachePolicy, DiffusionKVCache, DualCache, ExactBlockCache, NoCache, PrefixCache
+from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .configuration_dream import DreamConfig
 from .configuration_llada import LLaDAConfig
 from .configuration_llada2_moe import LLaDA2MoeConfig
@@ -43,6 +44,7 @@ from .generation_utils import (
     left_pad,
     plan_blocks,
 )
+from .modeling_diffusion_gemma import DiffusionGemmaForBlockDiffusion, DiffusionGemmaPreTrainedModel
 from .modeling_dream import DreamBaseModel, DreamModel, DreamPreTrainedModel
 from .modeling_llada import LLaDAModel, LLaDAModelLM, LLaDAPreTrainedModel
 from .modeling_llada2_moe import LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2MoePreTrainedModel
@@ -145,6 +147,10 @@ __all__ = [
     "CachePolicy",
     "ConfidenceFactor",
     "ConfidenceThreshold",
+    "DiffusionGemmaConfig",
+    "DiffusionGemmaForBlockDiffusion",
+    "DiffusionGemmaPreTrainedModel",
+    "DiffusionGemmaTextConfig",
     "DiffusionGenerateOutput",
     "DiffusionGenerationConfig",
     "DiffusionGenerationMixin",

@@ -232,6 +232,9 @@ class BlockDiffusionRun:
         cuts its output) with EOS, write them out, and remove them from later forwards."""
         self.canvas.fill_ended(self.machine, finished, block_end)
         self._write_rows()
+        if self.machine.unmasking.keeps_ended_rows:
+            self.canvas.ended |= finished
+            return
         keep = ~finished
         self.machine.cache_policy.keep_rows(self.machine.cache, keep.nonzero().squeeze(-1))
         self.canvas.keep(keep)
@@ -281,7 +284,7 @@ class BlockDiffusionRun:
                         self.finish_rows(ended, block_end)
                 committed = self.committed_positions(host_rows, block_end)
                 yield BlockEvent(self, block, host_rows, device_rows, previously, committed, ended)
-                if canvas.x.shape[0] == 0:
+                if canvas.x.shape[0] == 0 or (self.machine.unmasking.keeps_ended_rows and bool(canvas.ended.all())):
                     break
         finally:
             self.machine.release()

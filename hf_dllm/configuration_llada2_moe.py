@@ -121,16 +121,17 @@ class LLaDA2MoeConfig(PretrainedConfig):
     # `past_key_values` before.
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun). The fused `query_key_value`
-    # (rows: all query heads, then keys, then values) is split by rows and its output gathered: each rank then keeps
-    # its own query heads and the key/value heads they read (grouped-query aware, also when there are fewer
-    # key/value heads than ranks), and `dense` takes those heads' columns (partial sums all-reduced). Every MLP (the
+    # (rows: all query heads, then keys, then values) is replicated and each rank multiplies only the rows of its
+    # own query heads and of the key/value heads they read (grouped-query aware, also when there are fewer key/value
+    # heads than ranks; `LLaDA2MoeAttention.local_projection`): an even row split would cut across the q/k/v
+    # boundaries, and gathering its output would cost a collective per layer. `dense` takes those heads' columns
+    # (partial sums all-reduced). Every MLP (the
     # dense layers', each routed expert, the shared experts) is split along its intermediate width: gate/up by rows,
     # down by columns; the routed experts' partial outputs (with the shared expert's where the fused path runs it
     # with them) are summed across ranks once per MoE layer. The router, norms and embedding are replicated; the
     # output head is split by vocabulary rows with the logits gathered (see `LLaDA2MoeModelLM._tp_plan`). The layers
     # read their per-rank head counts from the weights' shapes.
     base_model_tp_plan = {
-        "layers.*.attention.query_key_value": "colwise_gather_output",
         "layers.*.attention.dense": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",

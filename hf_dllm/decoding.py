@@ -75,8 +75,9 @@ def propose_tokens(
     ):
         # The same greedy choice and probability in one pass over the vocabulary (`triton_ops.greedy_propose`; with
         # few rows the vocabulary is split among programs). On an H100 it took a batch-1 block step from 3.18 to
-        # 3.06 ms (LLaDA2.0-mini shape) and the FP8 LLaDA-8B call from 4.95 to 4.83 ms per forward (RESULTS.md,
-        # session 26); with one program per row it was slower than PyTorch's passes below 128 rows.
+        # 3.06 ms (LLaDA2.0-mini shape) and the FP8 LLaDA-8B call from 4.95 to 4.83 ms per forward
+        # (`benchmarks/bench_llada2.py`, `bench_generate.py`); with one program per row it was slower than PyTorch's
+        # passes below 128 rows.
         x0, confidence = triton_ops.greedy_propose(logits, mask_token_id)
         if deferred_token_ids is not None:
             confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)
@@ -99,6 +100,55 @@ def propose_tokens(
         confidence = torch.exp(chosen - torch.logsumexp(logits, dim=-1))
     else:
         confidence = torch.rand(x0.shape, device=x0.device, dtype=torch.float32)
+    if deferred_token_ids is not None:
+        confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)
+    if masked is not None:
+        confidence = torch.where(masked, confidence, NOT_MASKED)
+    return x0, confidence
+
+
+def propose_tokens_sharded(
+    logits: torch.Tensor,
+    shard,
+    masked: torch.Tensor | None,
+    suppressed_token_ids: torch.Tensor | None = None,
+    deferred_token_ids: torch.Tensor | None = None,
+    mask_token_id: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`propose_tokens` (greedy, `low_confidence`) from this rank's vocabulary slice of the logits, under tensor
+    parallelism (Megatron-LM's vocabulary-parallel head, arXiv:1909.08053): each rank reduces its slice to (best
+    logit, its token id, log-sum-exp) per position; one all-gather of those `(ranks, batch, L, 3)` values gives every
+    rank the same candidate (the highest logit; between equal logits the lowest id, as `argmax`) and probability
+    `exp(best - logsumexp(rank log-sum-exps))`.
+
+    Args:
+        logits: `(batch, L, size)` this rank's logits, of the tokens `[shard.start, shard.start + size)`.
+        shard: `tensor_parallel.VocabShard`.
+        masked, suppressed_token_ids, deferred_token_ids, mask_token_id: as in `propose_tokens` (global ids).
+
+    Returns `x0` `(batch, L)` long and `confidence` `(batch, L)` float32, as `propose_tokens`.
+    """
+    from .tensor_parallel import all_gather_stacked
+
+    logits = logits.float()
+    start, size = shard.start, logits.shape[-1]
+    if suppressed_token_ids is not None:
+        local = suppressed_token_ids - start
+        inside = (local >= 0) & (local < size)
+        # Ids of other ranks' slices are sent to an extra column, dropped: fixed shapes, no host synchronisation.
+        padded = torch.nn.functional.pad(logits, (0, 1))
+        logits = padded.index_fill(-1, torch.where(inside, local, size), float("-inf"))[..., :size]
+    candidates = logits
+    if mask_token_id is not None and start <= mask_token_id < start + size:
+        candidates = logits.clone()
+        candidates[..., mask_token_id - start] = float("-inf")
+    best, index = candidates.max(dim=-1)
+    stats = torch.stack([best, (index + start).float(), torch.logsumexp(logits, dim=-1)], dim=-1)
+    gathered = all_gather_stacked(stats, shard.group)  # (ranks, batch, L, 3); ids < 2**24 are exact in float32
+    winner = gathered[..., 0].argmax(dim=0, keepdim=True)  # the first rank holding the highest logit
+    chosen = gathered.gather(0, winner.unsqueeze(-1).expand(1, *gathered.shape[1:])).squeeze(0)
+    x0 = chosen[..., 1].long()
+    confidence = torch.exp(chosen[..., 0] - torch.logsumexp(gathered[..., 2], dim=0))
     if deferred_token_ids is not None:
         confidence = torch.where(torch.isin(x0, deferred_token_ids), DEFERRED, confidence)
     if masked is not None:
@@ -130,9 +180,43 @@ class UnmaskingPolicy:
 
     # Whether `commit` may change committed tokens (token editing); the loop then tracks edits.
     edits = False
+    # Whether `commit` reads `proposal.logits` (the whole vocabulary's): under tensor parallelism the step then
+    # gathers the logits instead of reducing each rank's vocabulary slice to the proposal (`propose_tokens_sharded`).
+    reads_logits = False
     # Whether this class's step can be captured in a CUDA graph. Read on the class itself, never inherited: a
     # subclass that changes the step (or a new policy) runs eagerly unless it says so.
     capturable = False
+    # Whether rows that ended stay in the batch (decoded, their output the fill token) until every row has ended,
+    # instead of leaving it: a rule whose random draws span the whole batch (DiffusionGemma's) needs them.
+    keeps_ended_rows = False
+
+    def initial_block(self, rows: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """The block's tokens before its first step `(rows, length)`, or None: its positions stay masked. Called
+        at the start of every block (a rule with per-block state resets it here)."""
+        return None
+
+    def final_block(self) -> torch.Tensor | None:
+        """What the block commits after its last step `(rows, L)`, or None: the block as the steps left it."""
+        return None
+
+    def forward_inputs(self) -> dict:
+        """Extra inputs of the model's forward at the next step (state the rule carries between steps, e.g.
+        DiffusionGemma's self-conditioning logits)."""
+        return {}
+
+    def denoise(
+        self,
+        block: torch.Tensor,
+        logits: torch.Tensor,
+        rules: "StepRules",
+        scheduled: torch.Tensor,
+        generated: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+        candidates: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's decision from the block's logits (`denoise_step`: propose, then `commit`); a rule that is not
+        mask-based replaces it whole. Returns the new block, the draft and the edit flags."""
+        return denoise_step(block, logits, rules, scheduled, generated, active, candidates)
 
     def graph_key(self) -> tuple | None:
         """What identifies this policy's captured step (its class and the constants the step bakes in), or None
@@ -455,6 +539,9 @@ class StepRules:
     remasking: str = "low_confidence"
     suppressed_token_ids: torch.Tensor | None = None
     deferred_token_ids: torch.Tensor | None = None
+    # `tensor_parallel.VocabShard` when the step's logits are this rank's vocabulary slice (greedy low-confidence
+    # steps of a tensor-parallel model whose policy does not read the logits): `propose_tokens_sharded`.
+    vocab_shard: object | None = None
 
 
 def denoise_step(
@@ -483,15 +570,21 @@ def denoise_step(
     streamers' `put_draft`), and `(rows,)` bool: whether the step edited a committed token.
     """
     masked = block == rules.mask_token_id
-    x0, probability = propose_tokens(
-        logits,
-        None,  # every position's probability (the policies read it where it is not masked too)
-        rules.temperature,
-        rules.remasking,
-        rules.suppressed_token_ids,
-        rules.deferred_token_ids,
-        rules.mask_token_id,
-    )
+    if rules.vocab_shard is not None:  # every position's probability, as below
+        x0, probability = propose_tokens_sharded(
+            logits, rules.vocab_shard, None, rules.suppressed_token_ids, rules.deferred_token_ids, rules.mask_token_id
+        )
+        logits = None  # a slice: no policy that reads logits gets sharded ones
+    else:
+        x0, probability = propose_tokens(
+            logits,
+            None,  # every position's probability (the policies read it where it is not masked too)
+            rules.temperature,
+            rules.remasking,
+            rules.suppressed_token_ids,
+            rules.deferred_token_ids,
+            rules.mask_token_id,
+        )
     if candidates is not None:
         x0 = block.scatter(1, candidates, x0)
         probability = torch.zeros(block.shape, dtype=probability.dtype, device=block.device).scatter(

@@ -164,6 +164,8 @@ class DreamSchedule(UnmaskingPolicy):
     0 samples positions with Gumbel top-k (the law of Dream's sampling without replacement), `origin` draws one
     uniform number per position."""
 
+    reads_logits = True  # its confidences come from the whole vocabulary's logits
+
     # The greedy path (not `origin`, no `alg_temp`) is capturable; `graph_key` says None for the others.
     capturable = True
 
@@ -257,6 +259,8 @@ class DreamThreshold(ConfidenceThreshold):
     """Fast-dLLM's threshold rule on Dream (`alg="confidence_threshold"`): each step commits the most confident
     masked position and every other one with probability >= `threshold`, with Dream's token sampling; with
     `first_position`, a block's first step commits its first position (Fast-dLLM's cached block start)."""
+
+    reads_logits = True  # its confidences come from the whole vocabulary's logits
 
     # Greedy steps are capturable (`graph_key` says None when sampling).
     capturable = True

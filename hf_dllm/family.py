@@ -112,9 +112,15 @@ class DiffusionFamily:
     logits_shift = 0
     # Classifier-free guidance with a masked prompt (LLaDA App. B.3).
     supports_cfg = True
+    # Whether undecoded positions are the mask token, which prompts must not hold (False: the sampler starts a block
+    # from tokens of its own, `UnmaskingPolicy.initial_block`, and `mask_token_id` only marks undecoded columns).
+    masked_canvas = True
     # Fields of the family's original generation config (on the Hub) that hf_dllm does not provide, each with the
     # value at which it changes nothing (Dream: `output_history=False`): such a generation_config.json still loads.
     original_generation_fields: dict = {}
+    # Fields whose default in the family's original implementation differs from hf_dllm's, applied where a
+    # checkpoint's generation_config.json leaves them unset (DiffusionGemma: transformers' `max_new_tokens=256`).
+    original_defaults: dict = {}
     # Generation fields of the family's own sampler (`generation_config.register_generation_fields`, which describes
     # them for every application): the family accepts them; every other family refuses them away from their defaults.
     own_generation_fields: tuple[str, ...] = ()
@@ -154,6 +160,38 @@ class DiffusionFamily:
         if limit is not None and isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
             limit = int(limit * max(1.0, scaling["factor"]))
         return limit
+
+    def empty_prompt(self, config: DiffusionGenerationConfig) -> list[int]:
+        """The prompt a call with an empty one (or none) decodes from: the BOS token (`bos_token_id`), as the
+        family's tokenizer starts every text with it; a `ValueError` when the settings name no BOS (a model never
+        trained to start from nothing would decode noise, silently)."""
+        if config.bos_token_id is None:
+            raise ValueError(
+                f"The prompt is empty and `bos_token_id` is not set: {self.display_name} models need at least one "
+                "prompt token (pass a prompt, or set bos_token_id to start from the BOS token)."
+            )
+        return [config.bos_token_id]
+
+    # Fields of a model config holding token ids; each must be in the vocabulary (`check_token_ids`).
+    token_id_fields: tuple[str, ...] = ("mask_token_id", "eos_token_id", "pad_token_id", "bos_token_id")
+
+    def vocabulary_size(self, model_config) -> int:
+        """Rows of the model's embedding: the token ids it can read (`vocab_size`)."""
+        return model_config.vocab_size
+
+    def check_token_ids(self, model_config, others: dict | None = None) -> None:
+        """`ValueError` naming the field, for a token id of `model_config` (`token_id_fields`) or of `others` (a
+        label naming the field, to an id or a list of ids: a generation config's) outside the vocabulary: a default id of the full-size
+        model (LLaDA2's mask 156895) in a config with a small vocabulary would only fail at generate() time."""
+        vocabulary = self.vocabulary_size(model_config)
+        fields = {f"`{name}`": getattr(model_config, name, None) for name in self.token_id_fields}
+        for name, value in {**fields, **(others or {})}.items():
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and not (isinstance(token, int) and 0 <= token < vocabulary):
+                    raise ValueError(
+                        f"{name} is {value!r}, outside the vocabulary of {vocabulary} tokens (ids 0 to "
+                        f"{vocabulary - 1}): set it to the id of that token in this model's vocabulary."
+                    )
 
     # The config field naming the trained context.
     context_length_field = "max_position_embeddings"
@@ -198,6 +236,11 @@ class DiffusionFamily:
 
     def cache_policy(self, config: DiffusionGenerationConfig) -> CachePolicy:
         raise NotImplementedError
+
+    def fill_token_id(self, config: DiffusionGenerationConfig) -> int:
+        """What an ended row shows after its end: its first EOS id, else `pad_token_id`, else the mask id."""
+        eos = config.eos_token_ids
+        return eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else config.mask_token_id
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -32,6 +32,9 @@ class LLaDAFamily(Bidirectional, DiffusionFamily):
     eot_token = EOT_TOKEN
     context_length_field = "max_sequence_length"  # LLaDA's config names it as OLMo does
 
+    def vocabulary_size(self, model_config) -> int:
+        return model_config.padded_vocab_size  # `embedding_size`, padded beyond the tokenizer's `vocab_size`
+
     def describes(self, config: dict) -> bool:
         # Dense LLaDA's config names its sizes as OLMo does (`d_model`, `n_layers`); LLaDA-MoE's Hub config has the
         # same `model_type` with transformers' names (`hidden_size`, `num_experts`).

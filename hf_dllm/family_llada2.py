@@ -95,6 +95,8 @@ class LLaDA22Family(LLaDA2Family):
     display_name = "LLaDA2.2"
     checkpoints = "inclusionAI/LLaDA2.2-mini, LLaDA2.2-flash"
 
+    token_id_fields = (*LLaDA2Family.token_id_fields, "delete_token_id", "split_token_id")
+
     def describes(self, config: dict) -> bool:
         return config.get("delete_token_id") is not None and config.get("split_token_id") is not None
 

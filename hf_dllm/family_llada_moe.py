@@ -46,6 +46,9 @@ class LLaDAMoEFamily(LLaDAFamily):
     def describes(self, config: dict) -> bool:
         return "num_experts" in config
 
+    def vocabulary_size(self, model_config) -> int:
+        return model_config.vocab_size  # no padded embedding, unlike dense LLaDA
+
 
 LLADA_MOE = register_family(LLaDAMoEFamily())
 

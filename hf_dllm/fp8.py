@@ -26,13 +26,13 @@ activations quantized per token) count as rows scaled one by one, block size `(1
 repeated over the rows (`fp8_scales`), so fused q/k/v and gate/up layers concatenate into one row-scaled matrix. On
 GPUs with FP8 tensor cores they multiply through `torch._scaled_mm` with one scale per activation row and per weight
 row and fast accumulation (`rowwise`): no per-128-column rescaling inside the product, ~15-20 % faster than the
-block-scaled product at a refresh forward's and a batch-32 step's rows on an H100 (RESULTS.md, FP8, session 28). At a
+block-scaled product at a refresh forward's and a batch-32 step's rows on an H100 (`benchmarks/bench_fp8_gemm.py`). At a
 block step's few rows they take the few-rows kernel's row-scaled variant instead (`few_rows_w8a8_applies`: the
 MMA accumulates in place over k tiles of up to 256 columns, the scales applied once; faster than cuBLASLt there on
-every LLaDA-8B shape, RESULTS.md, FP8, session 37).
+every LLaDA-8B shape, `benchmarks/bench_fp8_gemm.py`).
 
 Which runs follows `kernels.use_fused_kernels` (Triton on CUDA; on the CPU with `TRITON_INTERPRET=1` in tests), and
-`weight_only_applies` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
+`weight_only_applies` splits few from many rows (measured: benchmarks/bench_fp8_gemm.py).
 Every path is free of host syncs and keeps static shapes, so block steps stay CUDA-graph capturable. This file holds
 the rules, the layers' scales and the cuBLASLt products; hf_dllm's Triton kernels and their launchers are in
 `fp8_triton.py`.
@@ -63,7 +63,7 @@ from .triton_ops import TRITON_AVAILABLE, on_tensor_device
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 # Rows up to which the weight-only kernel may run (a product this small is bound by reading the weight); the w8a8
 # path above it: on an H100 cuBLASLt's block-scaled FP8 was faster than the weight-only kernel from 128 rows on
-# (benchmarks/bench_fp8_gemm.py, benchmarks/RESULTS.md).
+# (benchmarks/bench_fp8_gemm.py).
 WEIGHT_ONLY_MAX_ROWS = 64
 # Up to `WEIGHT_ONLY_MAX_ROWS` rows, a weight at least this many times wider (N) than deep (K) still goes to
 # cuBLASLt's block-scaled FP8 where it is available: it streams such weights faster than the weight-only kernel, the
@@ -77,18 +77,18 @@ W8A8_MIN_WIDTH_RATIO = 3
 # `FEW_ROWS_W8A8_MIN_WIDTH_RATIO` times wider than deep, runs hf_dllm's few-rows w8a8 kernel (`few_rows_w8a8_applies`):
 # FP8 tensor cores, split-K, the activations quantized by the kernel that produces them where that is LLaDA's
 # RMSNorm or SiLU gate. On an H100 at 32 / 64 rows, each product reading its weight from memory, the activations
-# quantized beforehand (`python benchmarks/bench_fp8_gemm.py --rows 32,64 --weight-copies 4`; RESULTS.md, FP8,
-# session 25): LLaDA-8B's down (4096 x 12288) 26.4 / 30.0 us against the weight-only kernel's 28.7 / 31.8, gate/up
+# quantized beforehand (`python benchmarks/bench_fp8_gemm.py --rows 32,64 --weight-copies 4`):
+# LLaDA-8B's down (4096 x 12288) 26.4 / 30.0 us against the weight-only kernel's 28.7 / 31.8, gate/up
 # (24576 x 4096) 41.3 / 42.7 against cuBLASLt's 43.5 / 44.0; fused q/k/v (3x) stays with cuBLASLt (24.2 against
 # 25.8 at 32 rows), the square output projection with the weight-only kernel (13.2 against 14.3 with its
 # activations' quantization, which no kernel before it writes fused). An FP8 head (31x; transformers' default keeps
-# it bf16) takes it too: 191 us against cuBLASLt's 202 and the weight-only kernel's 199 at 32 rows (session 30).
+# it bf16) takes it too: 191 us against cuBLASLt's 202 and the weight-only kernel's 199 at 32 rows.
 FEW_ROWS_W8A8_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
 FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
 # Row-scaled weights (`fp8-tensor`) up to `FEW_ROWS_W8A8_MAX_ROWS` rows: the few-rows kernel's row-scaled variant
 # (`few_rows_w8a8_applies`) instead of cuBLASLt's `torch._scaled_mm`. On an H100 at 32 rows, each product reading
 # its weight from memory, the activations quantized beforehand (`python benchmarks/bench_fp8_gemm.py --rows 32
-# --weight-copies 4 --kernels rowwise_gemm_only,few_rows_rowwise_gemm_only`; RESULTS.md, FP8, session 37): LLaDA-8B's
+# --weight-copies 4 --kernels rowwise_gemm_only,few_rows_rowwise_gemm_only`): LLaDA-8B's
 # output projection 10.4 us against 13.7, fused q/k/v 21.6 against 23.7, gate/up 38.2 against 42.5, down 23.0
 # against 32.5, an FP8 head 178.4 against 200.3; at 64 rows 11.3 / 21.4 / 41.0 / 25.0 against 13.3 / 23.7 / 42.3 /
 # 31.8. A batch-1 `fp8-tensor+head` call: 4.80 -> 4.17 ms per forward.
@@ -97,7 +97,7 @@ FEW_ROWS_ROWWISE = True
 
 # The FP8 values of `--quantization` (cli/loading.py), each a `FineGrainedFP8Config` setting: "fp8" transformers'
 # default, one scale per 128 x 128 block (the Hub's layout); "fp8-tensor" one scale per matrix, run as row-scaled
-# products (faster at many rows; RESULTS.md, FP8, session 28).
+# products (faster at many rows; `benchmarks/bench_generate.py --quantization fp8,fp8-tensor`).
 FP8_SCHEMES = {"fp8": {}, "fp8-tensor": {"weight_block_size": None}}
 
 # A scheme's name with this suffix quantizes the output head too (`fp8_quantization_config(quantize_head=True)`).
@@ -454,7 +454,7 @@ def cublaslt_takes(x: torch.Tensor, n_out: int, cols: int, block_size) -> bool:
 # Row-scaled products accumulate in the FP8 tensor cores' own precision, as torchao's and vLLM's FP8 inference do:
 # with one scale per row there is nothing to rescale inside the product, and this is where its speed comes from (on an
 # H100 at 24,576 rows 15-17 % faster than without; the error against float32 the same, 3.75e-2, in every shape of
-# RESULTS.md, FP8, session 28).
+# `benchmarks/bench_fp8_gemm.py`).
 ROWWISE_FAST_ACCUMULATION = True
 
 

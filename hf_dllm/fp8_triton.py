@@ -40,7 +40,7 @@ def weight_only_configs() -> list:
     # SPLIT_K > 1 splits K over programs (partial sums reduced by a second kernel): at a block step's 32 rows an
     # N of 4096 gives too few (row, column) tiles to keep every SM streaming weights. SWAP multiplies the weight
     # tile by the transposed activations (the weight's rows as the MMA's M). With the weight scaled before the
-    # MMA, the fastest at 32 rows were (H100, benchmarks/RESULTS.md, FP8, session 22): BLOCK_N 128 split 4 with
+    # MMA, the fastest at 32 rows were (H100, `benchmarks/sweep_fp8_weight_only.py`): BLOCK_N 128 split 4 with
     # SWAP (LLaDA-8B's o, LLaDA2.0-mini's q/k/v), BLOCK_N 64 split 1-2 without (wide weights), split 4-8 for deep
     # ones (down); 3 or 4 stages.
     return [
@@ -79,7 +79,7 @@ def _add_up_timed_splits(nargs: dict, exception=None) -> None:
     config that splits K is timed with the kernel that adds up its partial sums (`_add_up_splits`), as
     `_split_k_product` runs it after the chosen config. Timed without it, splitting looked free and won
     by margins within the timing noise over configs whose output needs no second kernel (H100, LLaDA-8B's q/k/v
-    at 32 rows: split 2 in one process, 1 in another; RESULTS.md, FP8, session 38)."""
+    at 32 rows: split 2 in one process, 1 in another)."""
     if exception is None and nargs["SPLIT_K"] > 1:
         bias = nargs["bias_ptr"] if nargs["HAS_BIAS"] else None
         _add_up_splits(nargs["partial_ptr"], bias, nargs["out_ptr"], nargs["SPLIT_K"])
@@ -123,7 +123,7 @@ def few_rows_rowwise_configs() -> list:
     # As `few_rows_w8a8_configs`, and BLOCK_K free of the scales: with one scale per row nothing is rescaled inside
     # the product, so a k tile may span 256 columns (longer contiguous loads, half the loop's iterations). Deeper
     # pipelines of 64 x 256 tiles (5-6 stages, unsplit or split in 2) won a 288-config sweep on LLaDA-8B's output
-    # projection and down by 1.3-1.6 us, timed with their split sums (RESULTS.md, FP8, sessions 37-38).
+    # projection and down by 1.3-1.6 us, timed with their split sums (`benchmarks/bench_fp8_gemm.py`).
     return [
         triton.Config(
             {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split},
@@ -144,9 +144,9 @@ if TRITON_AVAILABLE:
         # acc += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K)^T, each weight row times its scale (read at
         # `scale_ptrs`) if HAS_SCALE: a k tile lies inside one scale block. The tile is scaled in float32 and rounded
         # once to x's dtype before the product, so the MMA accumulates in place. (Scaling each tile's partial product
-        # instead, as the FP8 kernels did until session 22, made every k tile wait for its MMA's result: at 32 rows
+        # instead, as the FP8 kernels once did, made every k tile wait for its MMA's result: at 32 rows
         # the products were bound by that wait, not by the weight's bytes, their best configs 5-9 % slower on
-        # LLaDA-8B's and LLaDA2.0-mini's shapes; RESULTS.md, FP8, session 22.) SWAP: acc is (BLOCK_N, BLOCK_M), the
+        # LLaDA-8B's and LLaDA2.0-mini's shapes.) SWAP: acc is (BLOCK_N, BLOCK_M), the
         # same sums transposed. Used by `_weight_only_kernel` and `grouped_gemm`'s experts.
         if HAS_SCALE:
             scale = tl.load(scale_ptrs, mask=in_n, other=0.0)

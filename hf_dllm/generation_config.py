@@ -22,6 +22,10 @@ REMASKING_STRATEGIES = ("low_confidence", "random")
 # Upper bound of `max_new_tokens` and `steps`: far beyond any model's context (LLaDA: 4096 positions), yet small
 # enough that a typo such as 10**9 is an error naming the field instead of a multi-gigabyte allocation.
 MAX_GENERATION_LENGTH = 1 << 20
+# The largest `cfg_scale`: guidance multiplies the conditional-minus-unconditional logit gap by 1 + cfg_scale (LLaDA
+# App. B.3 uses scales up to a few units); past 100 the result is the gap's argmax alone, and scales far beyond
+# overflow half-precision logits into inf / NaN.
+MAX_CFG_SCALE = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,8 @@ class GenerationField:
     fields (`GENERATION_FIELDS`).
 
     name: the field (a command-line flag is `--` + name with `-` for `_`).
-    type: `int`, `float`, `str` or `bool`: what a command line's text is parsed as.
+    type: `int`, `float`, `str` or `bool`: what a command line's text is parsed as (`dict` for a structured value,
+        which is then no `option`: DiffusionGemma's `sampler_config`).
     default: the value of a config that does not set it.
     help: one line, for `--help`.
     choices: the fixed set of values other than None it takes (empty: any value of `type` that `validate` accepts).
@@ -165,8 +170,10 @@ class DiffusionGenerationConfig(GenerationConfig):
 
     Length and schedule:
         max_new_tokens (`int`, 128): generated positions (all decoded unless `eos_early_stop` ends a row).
-        block_length (`int`, 32): positions per block; blocks are decoded left to right. When `max_new_tokens`
-            is not a multiple of it, the last block is shorter.
+        block_length (`int`, 32): positions per block (at most 2**20 and the model's context); blocks are decoded
+            left to right. When `max_new_tokens` is not a multiple of it, the last block is shorter; a
+            `block_length` above `max_new_tokens` is clamped to it on bidirectional models (one block), while
+            block-causal models keep their trained block grid (docs/limits.md).
         steps (`int`, *optional*): total denoising steps over all blocks, spread over blocks in proportion to their
             length (`floor(steps * end_b / max_new_tokens)` minus the same at the block's start, at least 1 per
             block). `None` = one token per step (`steps = max_new_tokens`). For bidirectional models (LLaDA) it
@@ -186,8 +193,8 @@ class DiffusionGenerationConfig(GenerationConfig):
         temperature (`float`, 0.0): 0 = greedy; > 0 samples with float64 Gumbel-max as LLaDA does.
         do_sample (`bool`, False): must agree with `temperature` (True iff temperature > 0); passing only
             `temperature` to `generate()` sets it.
-        cfg_scale (`float`, 0.0): unsupervised classifier-free guidance (LLaDA App. B.3); the unconditional
-            branch masks the prompt.
+        cfg_scale (`float`, 0.0): unsupervised classifier-free guidance (LLaDA App. B.3), in [0, 100]; the
+            unconditional branch masks the prompt.
         logits_eos_inf (`bool`): EOS logits set to -inf, so EOS is never proposed (LLaDA App. B.4).
         confidence_eos_eot_inf (`bool`): EOS/EOT candidates get the lowest confidence, so they are committed last
             (LLaDA App. B.4). EOS ids come from `eos_token_id`, EOT from `eot_token_id`.
@@ -301,14 +308,16 @@ class DiffusionGenerationConfig(GenerationConfig):
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if self.steps is not None and (not is_int(self.steps) or self.steps <= 0):
             raise ValueError(f"`steps` must be None or a positive integer, got {self.steps!r}.")
-        for name in ("max_new_tokens", "steps"):
+        for name in ("max_new_tokens", "block_length", "steps"):
             value = getattr(self, name)
             if value is not None and value > MAX_GENERATION_LENGTH:
                 raise ValueError(f"`{name}` must be at most {MAX_GENERATION_LENGTH} (2**20), got {value!r}.")
         if not finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"`temperature` must be a finite number >= 0 (0 = greedy), got {self.temperature!r}.")
-        if not finite(self.cfg_scale) or self.cfg_scale < 0:
-            raise ValueError(f"`cfg_scale` must be a finite number >= 0 (0 = off), got {self.cfg_scale!r}.")
+        if not finite(self.cfg_scale) or not 0 <= self.cfg_scale <= MAX_CFG_SCALE:
+            raise ValueError(
+                f"`cfg_scale` must be a finite number in [0, {MAX_CFG_SCALE:g}] (0 = off), got {self.cfg_scale!r}."
+            )
         if self.remasking not in REMASKING_STRATEGIES:
             raise ValueError(f"`remasking` must be one of {REMASKING_STRATEGIES}, got {self.remasking!r}.")
         if self.threshold is not None and (not finite(self.threshold) or not 0 < self.threshold <= 1):

@@ -349,12 +349,16 @@ class DiffusionGenerationMixin:
         device = self.get_input_embeddings().weight.device
         if device.type == "meta":
             raise ValueError("The model's weights are on the meta device (shapes without data): load real weights.")
+        # A family whose sampler starts blocks from tokens of its own has no mask token (`masked_canvas`): its
+        # `mask_token_id` only marks undecoded columns and is never fed to the model.
+        masked = self.diffusion_family.masked_canvas
         if config.mask_token_id is None:
             raise ValueError(
                 "`mask_token_id` is not set: pass it to generate() or set it in the generation config "
                 f"(an integer in [0, {vocab_size}))."
             )
-        special = {"mask_token_id": config.mask_token_id, "eot_token_id": config.eot_token_id}
+        special = {"mask_token_id": config.mask_token_id} if masked else {}
+        special["eot_token_id"] = config.eot_token_id
         special.update({f"eos_token_id[{i}]": token for i, token in enumerate(config.eos_token_ids)})
         for name, token in special.items():
             if token is not None and not 0 <= token < vocab_size:
@@ -372,8 +376,7 @@ class DiffusionGenerationMixin:
                 )
 
         if input_ids is None:
-            start = [] if config.bos_token_id is None else [config.bos_token_id]
-            input_ids = torch.tensor([start], dtype=torch.long, device=device)
+            input_ids = torch.tensor([self.diffusion_family.empty_prompt(config)], dtype=torch.long, device=device)
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"`input_ids` must be a torch.LongTensor, got {type(input_ids).__name__}.")
         if input_ids.dim() == 1:
@@ -389,9 +392,12 @@ class DiffusionGenerationMixin:
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
                 raise ValueError(f"`{name}` is on the meta device (a shape without data): pass real token ids.")
         input_ids = input_ids.to(device=device, dtype=torch.long)
+        if input_ids.shape[1] == 0:  # empty prompts: the family's start (its BOS) or a ValueError
+            start = torch.tensor(self.diffusion_family.empty_prompt(config), dtype=torch.long, device=device)
+            input_ids, attention_mask = start.expand(input_ids.shape[0], -1), None
         if input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab_size)).all()):
             raise ValueError(f"`input_ids` must hold token ids in [0, {vocab_size}).")
-        if bool((input_ids == config.mask_token_id).any()):
+        if masked and bool((input_ids == config.mask_token_id).any()):
             row, column = (input_ids == config.mask_token_id).nonzero()[0].tolist()
             raise ValueError(
                 f"`input_ids` holds the mask token ({config.mask_token_id}) at row {row}, position {column}: a prompt "
@@ -425,6 +431,12 @@ class DiffusionGenerationMixin:
                 f"The prompt ({input_ids.shape[1]} tokens) and `max_new_tokens` ({config.max_new_tokens}) take "
                 f"{input_ids.shape[1] + config.max_new_tokens} positions, more than the model's context of {limit} "
                 "positions: shorten the prompt or lower max_new_tokens."
+            )
+        if limit is not None and config.block_length > limit:
+            raise ValueError(
+                f"`block_length` ({config.block_length}) is longer than the model's context of {limit} positions: "
+                "a block must fit the context (a block_length above max_new_tokens is clamped to it on "
+                "bidirectional models only)."
             )
         # A call whose token canvas and K/V cache alone exceed the device's total memory is refused here, instead
         # of failing in an allocation deep inside the loop (or swapping the machine to a halt).

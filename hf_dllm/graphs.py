@@ -76,8 +76,8 @@ def spans_devices(model: torch.nn.Module) -> bool:
     its dispatch (`from_pretrained(..., device_map=...)`, `accelerate.dispatch_model`) records the split in
     `hf_device_map`, and that is read here, with the input and output embeddings' devices (a model moved by hand
     part by part, whose forward then needs hooks of its own). Walking every parameter instead took ~45 ms per
-    `generate()` call for LLaDA2.0-mini's ~15,000 (each expert's three layers are parameters of their own; RESULTS.md,
-    session 42)."""
+    `generate()` call for LLaDA2.0-mini's ~15,000 (each expert's three layers are parameters of their own;
+    `benchmarks/bench_llada2.py`)."""
     device_map = getattr(model, "hf_device_map", None) or {}
     if len(set(device_map.values())) > 1:
         return True

@@ -115,7 +115,7 @@ def rows_bucket(pairs: int) -> int:
     power of 16. Each new key makes the autotuner time every config (~0.1 s each: ~2-4 s per product), and a
     serving engine's packed prefills have any number of rows: with a key per power of two a server met new keys
     long after its warm-up, one stalled boundary each (4-6 s on an H100, LLaDA2.0-mini shape at max batch 128;
-    RESULTS.md, continuous batching, session 18). Above 2**16 rows the pruned configs no longer change with the
+    `benchmarks/bench_load.py`). Above 2**16 rows the pruned configs no longer change with the
     key (tiles of 64 or 128 rows for any expert count up to 256), so few keys are enough. The next power of 16
     still bounds the row tiles for `_prune_grouped`'s grid check."""
     exponent = max(0, pairs - 1).bit_length()

@@ -21,7 +21,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .fp8 import QuantizedRows, fp8_block_size, fp8_linear, fp8_scales, is_fp8_linear, quantized_input_group
-from .tensor_parallel import is_sharded, local_shape, local_tensor
+from .tensor_parallel import is_sharded, local_head_linear, local_shape, local_tensor, row_parallel_linear
 from .triton_ops import TRITON_AVAILABLE
 
 logger = logging.get_logger(__name__)
@@ -88,7 +88,12 @@ def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     if is_fp8_linear(layer):
         fused = use_fused_kernels(x)
         return fp8_linear(x, layer.weight, fp8_scales(layer), fp8_block_size(layer), layer.bias, fused)
-    return layer(x)
+    # Row-wise sharded (tensor parallelism): the all-reduce of `tensor_parallel.all_reduce` (symmetric-memory
+    # kernels where they pay) rather than the plan hook's NCCL call.
+    out = row_parallel_linear(layer, x)
+    if out is None:  # a step's head kept as this rank's vocabulary slice (`tensor_parallel.local_head_logits`)
+        out = local_head_linear(layer, x)
+    return layer(x) if out is None else out
 
 
 def linear_input_group(layer: nn.Module, x: torch.Tensor) -> int | None:

@@ -47,6 +47,8 @@ class LevenshteinEditing(UnmaskingPolicy):
         mask_token_id, delete_token_id, split_token_id: the special ids.
     """
 
+    reads_logits = True  # its confidences come from the whole vocabulary's logits
+
     edits = True
     capturable = True
 

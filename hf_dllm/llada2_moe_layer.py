@@ -61,6 +61,16 @@ class LLaDA2MoeMLP(nn.Module):
         gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
         return linear(self.down_proj, gated_activation(self.act_fn, gate, up, self.silu))
 
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with this rank's slices of the weights, bypassing the sharded layers' hooks: under tensor
+        parallelism a partial sum that the caller reduces with its own (one all-reduce for the routed and shared
+        experts); `forward` itself when not sharded. x `(..., hidden)` -> `(..., hidden)`."""
+        gate = nn.functional.linear(x, local_tensor(self.gate_proj.weight))
+        up = nn.functional.linear(x, local_tensor(self.up_proj.weight))
+        return nn.functional.linear(
+            gated_activation(self.act_fn, gate, up, self.silu), local_tensor(self.down_proj.weight)
+        )
+
 
 def gated_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor, silu: bool) -> torch.Tensor:
     """`act(gate) * up`; with `silu` (the activation is SiLU) one fused kernel where the fused kernels apply."""
@@ -627,13 +637,19 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         pair_out = sorted_out.new_empty(sorted_out.shape).index_copy(0, order, sorted_out)
         routed = pair_out.view(-1, self.top_k, hidden).to(topk_weight.dtype) * topk_weight.unsqueeze(-1)
         out = routed.sum(dim=1)
-        if grouped:
+        shared = self.shared_experts
+        down_weight = self.experts[0].down_proj.weight
+        if grouped and is_sharded(down_weight):
             # Tensor parallel: the grouped GEMMs ran this rank's slices of the experts (the loop calls the sharded
-            # modules, whose hooks already summed): one all-reduce of the partial outputs, in the router dtype.
-            out = all_reduce_partial(out, like=self.experts[0].down_proj.weight)
+            # modules, whose hooks already summed): one all-reduce of the partial outputs, in the router dtype, with
+            # the shared experts' partial output in it.
+            if shared is not None:
+                out = out + shared.partial_forward(x).to(out.dtype)
+                shared = None
+            out = all_reduce_partial(out, like=down_weight)
         out = out.to(x.dtype).view(batch, length, hidden)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+        if shared is not None:
+            out = out + shared(hidden_states)
         return out, router_logits
 
     def use_grouped_kernel(self, hidden_states: torch.Tensor) -> bool:
@@ -703,9 +719,13 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         shared_apart = self.shared_experts is not None and not stacked_shared
         adds_residual = not shared_apart and shard_range(down_weight, 1)[0] == 0  # every rank when not sharded
         out = triton_moe.combine(expert_rows, rows, topk_weight, stacked_shared, residual if adds_residual else None)
-        out = all_reduce_partial(out, like=down_weight)
-        if shared_apart:  # its own (sharded, self-reducing) modules
-            out = residual + (out + self.shared_experts(x))
+        if shared_apart and is_sharded(down_weight):  # its partial output joins the routed experts' all-reduce
+            out = all_reduce_partial(out + self.shared_experts.partial_forward(x).to(out.dtype), like=down_weight)
+            out = residual + out
+        else:
+            out = all_reduce_partial(out, like=down_weight)
+            if shared_apart:
+                out = residual + (out + self.shared_experts(x))
         return out.view(batch, length, hidden), router_logits
 
     def _experts_loop(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """LLaDA's CPU path: a decoder block as a pure function of plain weight tensors.
 
 Where the Triton kernels do not run (the CPU: the demo, CI, laptops), a block step of a small LLaDA is bound by the
-cost of each operation and each line of Python, not by arithmetic (`benchmarks/RESULTS.md`, "CPU path"). So for
+cost of each operation and each line of Python, not by arithmetic (`benchmarks/bench_generate.py --cpu`). So for
 float32 inference the model runs each block as `lean_block(weights, ...)`: one function over a `LeanBlockWeights`
 of the block's tensors (views of its parameters, gathered once by the block and re-checked at every forward in a
 few microseconds), with the fewest operations that compute LLaDA's block (arXiv:2502.09992):
 q/k/v and gate/up as one product each (the concatenated views the GPU path also uses), RoPE on q and k together,
 the residual additions inside the output products (`addmm`), sdpa called directly. The module path (`forward` of
-`LLaDALlamaBlock`) stays the reference; `tests/test_cpu_path.py` compares the two.
+`LLaDALlamaBlock`) stays the reference; `tests/models/llada/test_cpu_path.py` compares the two.
 
 This file is exported verbatim as Hub remote code.
 """

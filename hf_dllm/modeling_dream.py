@@ -55,7 +55,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import ConcatenatedProjections, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import LocalHeadCounts
 
@@ -494,7 +494,7 @@ class DreamModel(DreamPreTrainedModel, DiffusionGenerationMixin):
             cache_read_only=cache_read_only,
             **kwargs,
         )
-        logits = self.lm_head(select_positions(outputs.last_hidden_state, logits_to_keep))
+        logits = linear(self.lm_head, select_positions(outputs.last_hidden_state, logits_to_keep))
         output = CausalLMOutputWithPast(
             logits=logits, hidden_states=outputs.hidden_states, **cache_output(output_cache(outputs))
         )

@@ -71,7 +71,7 @@ from .llada2_moe_layer import (
     routing_blocks_for_positions,
 )
 from .packed import PackedRows, run_attention
-from .tensor_parallel import local_tensor, shard_range
+from .tensor_parallel import is_sharded, local_tensor, shard_range
 from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -234,6 +234,7 @@ class LLaDA2MoeAttention(nn.Module):
             self.key_layernorm = LLaDA2MoeRMSNorm(self.head_dim, config.rms_norm_eps)
         self.dense = nn.Linear(heads * self.head_dim, config.hidden_size, bias=config.use_bias)
         self._local_heads: tuple[torch.Tensor, tuple[tuple[int, int], tuple[int, int]]] | None = None  # local_heads
+        self._local_projection: tuple | None = None  # (weight, its pointer and heads, local_projection())
 
     # This rank's heads, read from the columns of `dense` it holds: all heads unless tensor parallelism split them.
     @property
@@ -278,6 +279,44 @@ class LLaDA2MoeAttention(nn.Module):
             )
         return (q_start, q_stop), (kv_start, kv_stop)
 
+    def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+        """The q/k/v projection of `hidden_states` `(batch, q_len, hidden)`: `(qkv (batch, q_len, (Hq + 2 Hkv) *
+        head_dim), (Hq, Hkv) the heads it holds, (first query head, first key/value head) of this rank's among
+        them)`.
+
+        Under tensor parallelism the projection is replicated (`LLaDA2MoeConfig.base_model_tp_plan`) and each rank
+        multiplies only the rows of its own heads (`local_projection`): no collective, and only this rank's share of
+        the weight is read. A projection whose output is gathered (a plan that splits it) holds every head."""
+        heads = (self.config.num_attention_heads, self.config.num_key_value_heads)
+        (q_start, _), (kv_start, _) = self.local_heads()
+        if self.num_heads == heads[0] or is_sharded(self.query_key_value.weight):
+            return linear(self.query_key_value, hidden_states), heads, (q_start, kv_start)
+        weight, bias = self.local_projection()
+        return nn.functional.linear(hidden_states, weight, bias), (self.num_heads, self.num_kv_heads), (0, 0)
+
+    def local_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight `((Hq_local + 2 Hkv_local) * head_dim, hidden)`, bias or None): the rows of the replicated
+        `query_key_value` for this rank's query heads, then its key/value heads' keys, then their values. Made once
+        and kept until the parameter or its storage is replaced."""
+        weight, bias = local_tensor(self.query_key_value.weight), self.query_key_value.bias
+        key = (weight.data_ptr(), self.local_heads())
+        cached = self._local_projection
+        if cached is not None and cached[0] is weight and cached[1] == key:
+            return cached[2]
+        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
+        heads, kv_heads, size = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
+        rows = torch.cat(
+            [
+                torch.arange(q_start * size, q_stop * size),
+                torch.arange((heads + kv_start) * size, (heads + kv_stop) * size),
+                torch.arange((heads + kv_heads + kv_start) * size, (heads + kv_heads + kv_stop) * size),
+            ]
+        ).to(weight.device)
+        with torch.inference_mode(False), torch.no_grad():
+            projection = (weight[rows].contiguous(), None if bias is None else local_tensor(bias)[rows].contiguous())
+        self._local_projection = (weight, key, projection)
+        return projection
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -304,13 +343,12 @@ class LLaDA2MoeAttention(nn.Module):
                 grouped_query_mask,
                 kv_end,
             )
-        qkv = linear(self.query_key_value, hidden_states).view(batch, q_len, -1, self.head_dim)
-        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
-        query, key, value = qkv.split([heads, kv_heads, kv_heads], dim=2)
-        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
-        if q_stop - q_start < heads:  # tensor parallel: the gathered projection holds every head, keep this rank's
-            query = query[:, :, q_start:q_stop]
-            key, value = key[:, :, kv_start:kv_stop], value[:, :, kv_start:kv_stop]
+        qkv, (heads, kv_heads), (q_first, kv_first) = self.project_qkv(hidden_states)
+        query, key, value = qkv.view(batch, q_len, -1, self.head_dim).split([heads, kv_heads, kv_heads], dim=2)
+        q_count, kv_count = self.num_heads, self.num_kv_heads
+        if q_count < heads:  # the projection holds more heads than this rank's (a gathered projection): keep its own
+            query = query[:, :, q_first : q_first + q_count]
+            key, value = key[:, :, kv_first : kv_first + kv_count], value[:, :, kv_first : kv_first + kv_count]
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if self.config.use_qk_norm:
             query, key = self.query_layernorm(query), self.key_layernorm(key)
@@ -365,13 +403,12 @@ class LLaDA2MoeAttention(nn.Module):
         keys, values = past_key_values.layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, hidden_states)
         norms = (self.query_layernorm, self.key_layernorm) if self.config.use_qk_norm else (None, None)
         cos, sin = position_embeddings
-        # The projection holds every head (under tensor parallelism its output is gathered): the kernel reads this
-        # rank's query heads and the key/value heads they use.
-        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
+        # The kernel reads this rank's query heads and the key/value heads they use out of the projection's heads.
+        qkv, projection_heads, first_heads = self.project_qkv(hidden_states)
         query = triton_moe.qk_norm_rope_to_cache(
-            linear(self.query_key_value, hidden_states),
-            q_stop - q_start,
-            kv_stop - kv_start,
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
             None if norms[0] is None else norms[0].weight,
             None if norms[1] is None else norms[1].weight,
             self.config.rms_norm_eps,
@@ -380,8 +417,8 @@ class LLaDA2MoeAttention(nn.Module):
             keys,
             values,
             cache_position,
-            projection_heads=(self.config.num_attention_heads, self.config.num_key_value_heads),
-            first_heads=(q_start, kv_start),
+            projection_heads=projection_heads,
+            first_heads=first_heads,
         )
         if self.split_kv_applies(hidden_states, attention_mask):
             # hf_dllm's split-KV kernel (`triton_attention.py`), each query row with its own mask row; it writes
@@ -489,6 +526,44 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
             self.mlp = LLaDA2MoeMLP(config, config.intermediate_size)
         self.input_layernorm = LLaDA2MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LLaDA2MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+        """The q/k/v projection of `hidden_states` `(batch, q_len, hidden)`: `(qkv (batch, q_len, (Hq + 2 Hkv) *
+        head_dim), (Hq, Hkv) the heads it holds, (first query head, first key/value head) of this rank's among
+        them)`.
+
+        Under tensor parallelism the projection is replicated (`LLaDA2MoeConfig.base_model_tp_plan`) and each rank
+        multiplies only the rows of its own heads (`local_projection`): no collective, and only this rank's share of
+        the weight is read. A projection whose output is gathered (a plan that splits it) holds every head."""
+        heads = (self.config.num_attention_heads, self.config.num_key_value_heads)
+        (q_start, _), (kv_start, _) = self.local_heads()
+        if self.num_heads == heads[0] or is_sharded(self.query_key_value.weight):
+            return linear(self.query_key_value, hidden_states), heads, (q_start, kv_start)
+        weight, bias = self.local_projection()
+        return nn.functional.linear(hidden_states, weight, bias), (self.num_heads, self.num_kv_heads), (0, 0)
+
+    def local_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight `((Hq_local + 2 Hkv_local) * head_dim, hidden)`, bias or None): the rows of the replicated
+        `query_key_value` for this rank's query heads, then its key/value heads' keys, then their values. Made once
+        and kept until the parameter or its storage is replaced."""
+        weight, bias = local_tensor(self.query_key_value.weight), self.query_key_value.bias
+        key = (weight.data_ptr(), self.local_heads())
+        cached = self._local_projection
+        if cached is not None and cached[0] is weight and cached[1] == key:
+            return cached[2]
+        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
+        heads, kv_heads, size = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
+        rows = torch.cat(
+            [
+                torch.arange(q_start * size, q_stop * size),
+                torch.arange((heads + kv_start) * size, (heads + kv_stop) * size),
+                torch.arange((heads + kv_heads + kv_start) * size, (heads + kv_heads + kv_stop) * size),
+            ]
+        ).to(weight.device)
+        with torch.inference_mode(False), torch.no_grad():
+            projection = (weight[rows].contiguous(), None if bias is None else local_tensor(bias)[rows].contiguous())
+        self._local_projection = (weight, key, projection)
+        return projection
 
     def forward(
         self,

@@ -20,11 +20,11 @@ from collections.abc import Callable
 import torch
 
 from .cache import CachePolicy
-from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy, denoise_step
+from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy
 from .generation_config import DiffusionGenerationConfig
 from .graphs import StepGraphs, spans_devices
 from .kernels import upload
-from .tensor_parallel import agree_across_ranks
+from .tensor_parallel import agree_across_ranks, local_head_logits, vocab_shard
 
 # Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
 # (`UnmaskingPolicy.masked_bound`), rounded up to `CANDIDATE_GRANULARITY` positions per row so that few step shapes
@@ -76,6 +76,8 @@ class Canvas:
             started with, which index `host_prompt_end`, `stopped` and `nfe_per_row` (rows are dropped, `keep`).
         host_prompt_end (`torch.LongTensor` `(batch,)`, host): `prompt_end` of every row the canvas started with.
         stopped (`torch.BoolTensor` `(batch,)`): rows that stopped inside their block (in-block EOS stop).
+        ended (`torch.BoolTensor` `(rows,)`): rows that ended but stay in the batch (`keeps_ended_rows`): still
+            decoded, counted in no forward, their blocks shown as the fill token.
         nfe_per_row (`torch.LongTensor` `(batch,)`): forwards each row took part in.
         attention_masks: the key mask in the model's format, per `(rows, q_len, kv_len)` (`StepMachine`).
     """
@@ -88,6 +90,7 @@ class Canvas:
         self.rows = torch.arange(batch, device=device)
         self.host_rows = torch.arange(batch)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)
         self.nfe_per_row = torch.zeros(batch, dtype=torch.long, device=device)
         self.attention_masks: dict[tuple[int, int, int], object] = {}
 
@@ -106,6 +109,7 @@ class Canvas:
         self.x, self.rows, self.position_ids = self.x[keep], self.rows[keep], self.position_ids[keep]
         self.host_rows = self.host_rows[keep.cpu()]
         self.prompt_end = self.prompt_end[keep]
+        self.ended = self.ended[keep]
         if self.key_mask is not None:
             self.key_mask = self.key_mask[keep]
 
@@ -123,6 +127,9 @@ class Canvas:
             unmasking.start_block(block_end - block_start, steps)
         if hasattr(unmasking, "prepare_block"):  # a rule with per-block device state resets it here
             unmasking.prepare_block(rows, device)
+        initial = unmasking.initial_block(rows, block_end - block_start, device)
+        if initial is not None:  # a rule that starts from tokens of its own (DiffusionGemma: random ones)
+            self.x[:, block_start:block_end] = initial
         machine.cache_policy.start_block(block_start)
         # Rows that stop while their block still holds masks (in-block EOS stop) or that may edit committed tokens
         # are frozen by an `active` mask inside the step; otherwise a row that is done has nothing left to commit,
@@ -138,13 +145,15 @@ class Canvas:
                 run_step(block_start, block_end, step, None, None)
             # A row that needed fewer steps (LLaDA2's first block, partly prompt) had no mask left: unchanged.
             self.nfe_per_row[self.rows] += upload(unmasking.steps_per_row(), device)
+            self._finish_block(machine, block_start, block_end)
             return
         step, mask_id = 0, machine.mask_id
+        counted = ~self.ended  # rows that ended but stay in the batch cost no forward of their own
         while True:
             before = self.x[:, block_start:block_end].clone() if freeze else None
             masked_before = (before == mask_id).any(-1) if freeze else None
             block, edited = run_step(block_start, block_end, step, active if freeze else None, generated)
-            self.nfe_per_row.index_add_(0, self.rows, active.long())
+            self.nfe_per_row.index_add_(0, self.rows, (active & counted).long())
             step += 1
             active = unmasking.still_active(active, masked_before, (block == mask_id).any(-1), edited, step)
             if machine.eos_stop_in_block:
@@ -156,6 +165,18 @@ class Canvas:
                     break
             elif not bool(active.any()):
                 break
+        self._finish_block(machine, block_start, block_end)
+
+    def _finish_block(self, machine: StepMachine, block_start: int, block_end: int) -> None:
+        """The rule's committed block (`final_block`, where it has one), and the fill token in the blocks of rows
+        that ended but stay in the batch."""
+        final = machine.unmasking.final_block()
+        if final is not None:
+            self.x[:, block_start:block_end] = final
+        if machine.unmasking.keeps_ended_rows:
+            self.x[:, block_start:block_end] = torch.where(
+                self.ended.unsqueeze(-1), machine.fill_id, self.x[:, block_start:block_end]
+            )
 
     @staticmethod
     def _eos_committed_after_all_masks(
@@ -241,17 +262,15 @@ class StepMachine:
     """What a block's steps decode with, whatever the rows: the model's family rules, the cache and unmasking
     policies, the step's `StepRules`, the K/V cache and CUDA graphs, and the steps themselves on a `Canvas`.
 
-    A step is one tensor function (`step`: model forward on the positions the cache policy asks for, then the
-    unmasking rule on the block) with no host synchronisation, so on CUDA it is captured once per shape as a CUDA
-    graph and replayed (`graphs.py`); everywhere else, or with `disable_compile=True`, it runs eagerly.
+    A step (`step`: the forward on the positions the cache policy asks for, then the unmasking rule) is one tensor
+    function without host synchronisation: on CUDA captured once per shape and replayed (`graphs.py`), else eager.
 
     Args:
         policies: the cache and unmasking policies (`decoding_policies`).
         rows: the most rows a step runs (its forwards run twice as many with classifier-free guidance).
-        new_cache: `new_cache(rows_per_forward)`, a `DiffusionKVCache` for the forwards (asked only when the cache
-            policy keeps one, and not when the model's graph runner of this signature already holds one).
-        graph_shape: `graph_shape(rows_per_forward)`, the shapes every captured step of the owner shares (the start
-            of its graphs' signature; shapes that vary per step are in `step_inputs`' key).
+        new_cache: `new_cache(rows_per_forward)`, a `DiffusionKVCache` (asked only when the cache policy keeps one
+            and the model's graph runner of this signature holds none).
+        graph_shape: `graph_shape(rows_per_forward)`, the shapes every captured step of the owner shares.
         max_graphs: captured shapes kept.
         drafts: whether a consumer reads each step's draft at every position (logits at every position then).
 
@@ -288,7 +307,7 @@ class StepMachine:
         self.suppressed_ids = self.eos_ids if config.logits_eos_inf else None
         deferred = eos + ([config.eot_token_id] if config.eot_token_id is not None else [])
         self.deferred_ids = torch.tensor(deferred, device=device) if config.confidence_eos_eot_inf else None
-        self.fill_id = eos[0] if eos else config.pad_token_id if config.pad_token_id is not None else self.mask_id
+        self.fill_id = self.family.fill_token_id(config)
 
         self.cache_policy, self.unmasking = policies
         # LLaDA2.0's in-block EOS stop (its `eos_early_stop`): without editing, a committed token is final.
@@ -325,7 +344,15 @@ class StepMachine:
             self.config.remasking,
             self.suppressed_ids,
             self.deferred_ids,
+            self.proposal_vocab_shard(),
         )
+
+    def proposal_vocab_shard(self):
+        """This rank's `tensor_parallel.VocabShard` when the proposal is reduced from it before any gather (a head
+        split by vocabulary rows, greedy low-confidence without guidance, a policy that reads no logits), else None."""
+        if not self._greedy_without_guidance() or self.unmasking.reads_logits:
+            return None
+        return vocab_shard(self.model)
 
     def release(self) -> None:
         """Give the model's CUDA-graph runner back (its graphs stay with the model), once the steps are done."""
@@ -372,6 +399,7 @@ class StepMachine:
             self.model.config._attn_implementation,
             self.model.dtype,
             self.device,
+            self.proposal_vocab_shard() is not None,  # the step reduces its logits to the proposal, then gathers
         )
 
     def _model_rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -394,19 +422,12 @@ class StepMachine:
         logit_slots: torch.Tensor | None = None,
         prompt_end: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One denoising step, a pure tensor function (graph-capturable).
-
-        tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
-        logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
-        are among them (both `(rows, L)` when rows hold their blocks at different columns); scheduled `(rows,)`:
-        the schedule's count; active `(rows,)`: rows still denoising (None: all); generated `(rows, L)`: the
-        block's positions after each prompt (None: all; only editing reads it); logit_slots `(U,)` (`arange(U)`,
-        U < L): logits only at each row's first U block positions in masked-first order (its masked positions in
-        order, then the others), where the rule says no active row holds more than U masks (`_logit_slots`);
-        None: at all L. prompt_end `(rows,)`: each row's first generated column (classifier-free guidance only).
-        Returns the new block, the draft `(rows, L)` and whether each row edited a committed token `(rows,)` (see
-        `decoding.denoise_step`).
-        """
+        """One denoising step, a pure tensor function (graph-capturable). tokens, position_ids `(rows, q)` at columns
+        `cache_position` `(q,)`; logits_index, block_index `(L,)` or `(rows, L)`: which fed positions carry the
+        block's logits, and where its tokens are; scheduled `(rows,)`; active `(rows,)` (None: all); generated
+        `(rows, L)`: positions after each prompt (editing only); logit_slots `arange(U)`: logits only at each row's
+        first U positions in masked-first order (`_logit_slots`; None: all L); prompt_end `(rows,)` (guidance only).
+        Returns the new block, the draft `(rows, L)` and whether each row edited a committed token `(rows,)`."""
         block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
         candidates = None
         if logit_slots is not None:
@@ -421,19 +442,21 @@ class StepMachine:
             unconditional = torch.where(in_prompt, self.mask_id, tokens)
             model_tokens = torch.cat([tokens, unconditional], dim=0)
             model_positions = self._model_rows(position_ids)
-        logits = self.model._diffusion_forward(
-            model_tokens,
-            attention_mask,
-            model_positions,
-            self.cache,
-            cache_position,
-            logits_index,
-            **self.forward_kwargs,
+        logits = self.forward_logits(
+            model_tokens, attention_mask, model_positions, self.cache, cache_position, logits_index,
+            **self.unmasking.forward_inputs(),
         ).to(tokens.device)  # a model split over GPUs returns logits on its last device
         if self.cfg:
             conditional, unconditional = logits.float().chunk(2, dim=0)
             logits = unconditional + (self.config.cfg_scale + 1) * (conditional - unconditional)
         return self.decide(block, logits, scheduled, generated, active, candidates)
+
+    def forward_logits(self, *args, **inputs) -> torch.Tensor:
+        """The model's `_diffusion_forward(*args, **forward_kwargs, **inputs)` (`inputs`: the policy's): the logits
+        `decide` takes (this rank's vocabulary slice under tensor parallelism with a `rules.vocab_shard`)."""
+        head = self.model.get_output_embeddings() if self.rules.vocab_shard is not None else None
+        with local_head_logits(head):
+            return self.model._diffusion_forward(*args, **self.forward_kwargs, **inputs)
 
     def decide(
         self,
@@ -444,11 +467,11 @@ class StepMachine:
         active: torch.Tensor | None = None,
         candidates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U,
-        vocab)` at the positions `candidates` `(rows, U)`), the rest as in `step`; returns what `step` returns."""
+        """The step's decision: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U, vocab)` at `candidates`
+        `(rows, U)`), the rest as in `step`; returns what `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
         return agree_across_ranks(
-            self.model, denoise_step(block, logits, self.rules, scheduled, generated, active, candidates)
+            self.model, self.unmasking.denoise(block, logits, self.rules, scheduled, generated, active, candidates)
         )
 
     def step_rows(
@@ -522,11 +545,9 @@ class StepMachine:
         return masks[(rows, q_len, kv_len)]
 
     def _logit_slots(self, step: int, rows: int, length: int) -> torch.Tensor | None:
-        """`arange(U)` on the device when step `step` of a block of `length` positions needs logits at only U < L
-        positions of each row (see `step`), else None: the rule bounds the masks an active row can hold
-        (`UnmaskingPolicy.masked_bound`), the step is large enough for the LM head's rows to cost
-        (`MIN_CANDIDATE_POSITIONS`), and nothing else reads the other positions' logits (greedy low-confidence
-        proposals without guidance; a consumer of drafts sees every position's candidate)."""
+        """`arange(U)` when step `step` of a block of `length` needs logits at only U < L positions per row (the rule
+        bounds an active row's masks, `masked_bound`; at least `MIN_CANDIDATE_POSITIONS`; greedy without guidance
+        and no drafts read the others), else None."""
         if rows * length < MIN_CANDIDATE_POSITIONS or not self._greedy_without_guidance() or self.drafts:
             return None
         bound = self.unmasking.masked_bound(step)

@@ -9,7 +9,11 @@ holds the few things the models add on top, because they multiply weights withou
 - `local_tensor` / `local_shape`: a parameter's local slice (the tensor itself when not sharded), for products that
   multiply local weights directly; shapes read from it give per-rank head counts and widths.
 - `shard_range`: which rows/columns of the full tensor the local slice holds.
-- `all_reduce_partial`: sum partial results across the ranks of a sharded weight (no-op when not sharded).
+- `all_reduce_partial`: sum partial results across the ranks of a sharded weight (no-op when not sharded), through
+  `all_reduce`: PyTorch's symmetric-memory one-shot / two-shot kernels where they beat NCCL, NCCL / gloo elsewhere.
+- `row_parallel_linear`: a row-wise sharded linear layer's product and its all-reduce, through `all_reduce`.
+- `vocab_shard`, `local_head_logits`: a step's logits kept as this rank's vocabulary slice, reduced to the proposal
+  before a small gather (`decoding.propose_tokens_sharded`) instead of gathering the whole vocabulary's logits.
 - `agree_across_ranks`: every rank takes the first rank's copy of a denoising step's outputs, so ranks cannot
   diverge (sampling with per-rank random states, or collectives that are not bitwise identical on every rank).
 - `tensor_parallel_group`: the model's tensor-parallel process group (None when it is not sharded).
@@ -19,6 +23,10 @@ Every function is a no-op on models that are not sharded. This file is exported 
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import NamedTuple
 
 import torch
 
@@ -76,11 +84,138 @@ def tensor_parallel_group(model: torch.nn.Module):
 
 def all_reduce_partial(partial: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Sum `partial` (each rank's share of a result computed from its slice of `like`, a weight) over the ranks
-    `like` is split across, in place; unchanged when `like` is not sharded."""
+    `like` is split across (`all_reduce`); unchanged when `like` is not sharded."""
     if not is_sharded(like):
         return partial
-    dist.all_reduce(partial, group=like.device_mesh.get_group())
-    return partial
+    return all_reduce(partial, like.device_mesh.get_group())
+
+
+# -- all-reduce: PyTorch's symmetric-memory kernels where they beat NCCL --------------------------------------------
+# A tensor-parallel step all-reduces small activations (a block of 32 tokens x 4096 in bf16 is 256 KiB) twice per
+# layer, where NCCL's ~30 us per call dominates. PyTorch's symmetric-memory all-reduces (`torch.ops.symm_mem`) read
+# the peers' buffers directly over NVLink: one-shot (every rank reads every peer's whole buffer; the lowest latency)
+# for the smallest tensors, two-shot (reduce-scatter then all-gather through peer loads) up to a few MiB, NCCL
+# beyond. Both work without NVLink multicast (NVLS), which stays off (`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`,
+# `NCCL_NVLS_ENABLE=0`): `multimem_all_reduce_`, which needs it, is never used. They capture in CUDA graphs.
+ALL_REDUCE_ENV = "HF_DLLM_ALL_REDUCE"  # auto (the rule of `all_reduce_algorithm`), nccl, one_shot, two_shot
+ALL_REDUCE_CHOICES = ("auto", "nccl", "one_shot", "two_shot")
+ONE_SHOT_MAX_BYTES = 512 * 1024  # at most this: one-shot; benchmarks/bench_allreduce.py measures the crossovers
+TWO_SHOT_MAX_BYTES = 16 * 1024 * 1024  # at most this: two-shot; larger: NCCL (also the symmetric buffer's size)
+SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes both kernels reduce
+_symmetric_buffers: dict[str, torch.Tensor | None] = {}  # group name -> its rendezvoused buffer (None: refused)
+
+
+def all_reduce_choice() -> str:
+    """`HF_DLLM_ALL_REDUCE` (default `auto`), validated."""
+    import os
+
+    choice = os.environ.get(ALL_REDUCE_ENV, "auto")
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"{ALL_REDUCE_ENV} must be one of {ALL_REDUCE_CHOICES}, got {choice!r}.")
+    return choice
+
+
+def symmetric_memory_available(device: torch.device) -> bool:
+    """Whether PyTorch's symmetric-memory all-reduces can run on `device`: a CUDA device and a torch build with the
+    one-shot and two-shot operators."""
+    if device.type != "cuda" or dist is None:
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+    except ImportError:
+        return False
+    ops = getattr(torch.ops, "symm_mem", None)
+    return all(hasattr(ops, name) for name in ("one_shot_all_reduce_copy", "two_shot_all_reduce_out"))
+
+
+def all_reduce_algorithm(nbytes: int, dtype: torch.dtype, world_size: int, choice: str, symmetric: bool) -> str:
+    """Which all-reduce sums a tensor of `nbytes` bytes of `dtype` over `world_size` ranks: `one_shot`,
+    `two_shot` (the symmetric-memory kernels) or `collective` (the process group's own: NCCL, gloo).
+
+    `choice`: `HF_DLLM_ALL_REDUCE`; `symmetric`: whether the group has a symmetric buffer (a CUDA group whose
+    rendezvous succeeded). The symmetric kernels take bf16 / float32 tensors of whole 16-byte words that fit the
+    buffer (two-shot: split in 16-byte words per rank); elsewhere, or with `choice="nccl"`, the collective. `auto`
+    picks by size (`ONE_SHOT_MAX_BYTES`, `TWO_SHOT_MAX_BYTES`); `one_shot` / `two_shot` force that kernel wherever
+    it can run."""
+    if choice not in ALL_REDUCE_CHOICES:
+        raise ValueError(f"choice must be one of {ALL_REDUCE_CHOICES}, got {choice!r}.")
+    fits = symmetric and world_size > 1 and dtype in SYMMETRIC_DTYPES and 0 < nbytes <= TWO_SHOT_MAX_BYTES
+    if choice == "nccl" or not fits or nbytes % 16:
+        return "collective"
+    two_shot_fits = nbytes % (16 * world_size) == 0
+    if choice == "one_shot" or (choice == "auto" and nbytes <= ONE_SHOT_MAX_BYTES):
+        return "one_shot"
+    return "two_shot" if two_shot_fits else "collective"
+
+
+def symmetric_buffer(group, device: torch.device) -> torch.Tensor | None:
+    """The group's symmetric-memory buffer (`TWO_SHOT_MAX_BYTES` bytes), allocated and rendezvoused on first use:
+    a collective call, so every rank makes it at the same all-reduce (they run the same forwards). None where the
+    kernels are not available, while a CUDA graph is being captured (no rendezvous inside a capture: the eager
+    warm-up step makes the buffer first), or where the rendezvous fails (the collective serves that group)."""
+    name = group.group_name
+    if name in _symmetric_buffers:
+        return _symmetric_buffers[name]
+    if not symmetric_memory_available(device) or torch.cuda.is_current_stream_capturing():
+        return None
+    import os
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # only the P2P kernels are used
+    try:
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a deprecated no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(name)
+        # Never an inference tensor (the first all-reduce may run under `torch.inference_mode()`): later steps
+        # write it in place outside that mode.
+        with torch.inference_mode(False):
+            buffer = symm_mem.empty(TWO_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+            symm_mem.rendezvous(buffer, name)
+    except RuntimeError:  # e.g. no P2P access between the GPUs
+        buffer = None
+    _symmetric_buffers[name] = buffer
+    return buffer
+
+
+def all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `tensor` over the ranks of `group`: through the symmetric-memory kernel that
+    `all_reduce_algorithm` picks (one-shot returns a new tensor), else the group's collective (NCCL, gloo; in
+    place). Use the returned tensor."""
+    choice = all_reduce_choice()
+    buffer = None if choice == "nccl" else symmetric_buffer(group, tensor.device)
+    nbytes = tensor.numel() * tensor.element_size()
+    algorithm = all_reduce_algorithm(nbytes, tensor.dtype, group.size(), choice, buffer is not None)
+    if algorithm == "collective" or not tensor.is_contiguous():
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    flat = tensor.view(-1)
+    staging = buffer[:nbytes].view(tensor.dtype)
+    if algorithm == "one_shot":  # the kernel copies `flat` into the buffer itself
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(staging, flat, "sum", group.group_name).view_as(tensor)
+    else:
+        staging.copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", group.group_name, flat)
+    return tensor
+
+
+def row_parallel_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer(x)` for a row-wise sharded `nn.Linear` (weight split by input columns, as transformers' `rowwise`
+    plan style): this rank's partial product, summed by `all_reduce` (so every tensor-parallel all-reduce of the
+    models takes the same path), then the bias once. None when `layer`'s weight is not split by columns. x `(...,
+    in_features / ranks)` -> `(..., out_features)`. Inference only (the all-reduce has no backward): None while
+    autograd records, where the plan's hook (DTensor) keeps the gradients right."""
+    weight = _weight(layer)
+    if not is_sharded(weight) or weight.placements[0].dim % weight.dim() != weight.dim() - 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    out = torch.nn.functional.linear(x, local_tensor(weight))
+    out = all_reduce(out, weight.device_mesh.get_group())
+    bias = layer._parameters.get("bias")
+    return out if bias is None else out + local_tensor(bias)
 
 
 def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
@@ -104,6 +239,61 @@ def agree_across_ranks(model: torch.nn.Module, outputs: tuple) -> tuple:
         synced.append(packed[offset : offset + output.numel()].view(output.shape).to(output.dtype))
         offset += output.numel()
     return tuple(synced)
+
+
+# -- the output head's logits reduced to the step's proposal before any gather ---------------------------------------
+# The head is split by vocabulary rows (`colwise_gather_output`): its hook gathers `(rows, L, vocab)` logits on every
+# rank, 8 MiB per step for a batch-1 block of 32 over LLaDA's 126464-token vocabulary. A greedy low-confidence step
+# needs only each position's best token and its probability, which each rank can reduce from its own vocabulary
+# slice: (best logit, its id, log-sum-exp) per position, gathered (12 bytes per position) and combined
+# (`decoding.propose_tokens_sharded`).
+_LOCAL_HEAD = contextvars.ContextVar("hf_dllm_local_head", default=None)
+
+
+class VocabShard(NamedTuple):
+    """This rank's slice `[start, start + size)` of the vocabulary (the output head's rows) and the group the head is
+    split across."""
+
+    start: int
+    size: int
+    group: object
+
+
+def vocab_shard(model: torch.nn.Module) -> VocabShard | None:
+    """The vocabulary slice of `model`'s output head on this rank when tensor parallelism splits the head by rows,
+    else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = None if head is None else head._parameters.get("weight")
+    if weight is None or not is_sharded(weight) or weight.placements[0].dim % weight.dim() != 0:
+        return None
+    start, stop = shard_range(weight, 0)
+    return VocabShard(start, stop - start, weight.device_mesh.get_group())
+
+
+@contextlib.contextmanager
+def local_head_logits(head: torch.nn.Module):
+    """While active, `kernels.linear(head, x)` returns this rank's vocabulary slice of the logits `(..., size)`
+    (`VocabShard`) instead of the gathered logits `(..., vocab)`."""
+    token = _LOCAL_HEAD.set(head)
+    try:
+        yield
+    finally:
+        _LOCAL_HEAD.reset(token)
+
+
+def local_head_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer`'s product with its local rows when `layer` is the head `local_head_logits` names, else None."""
+    if _LOCAL_HEAD.get() is not layer:
+        return None
+    bias = layer._parameters.get("bias")
+    return torch.nn.functional.linear(x, local_tensor(_weight(layer)), None if bias is None else local_tensor(bias))
+
+
+def all_gather_stacked(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`(ranks, *tensor.shape)`: every rank's `tensor`, stacked in rank order."""
+    gathered = tensor.new_empty((group.size() * tensor.shape[0], *tensor.shape[1:]))  # gloo: concatenated on dim 0
+    dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
+    return gathered.view(group.size(), *tensor.shape)
 
 
 def _weight(module: torch.nn.Module) -> torch.Tensor:
@@ -140,11 +330,19 @@ class LocalHeadCounts:
 
 __all__ = [
     "LocalHeadCounts",
+    "VocabShard",
     "agree_across_ranks",
+    "all_reduce",
+    "all_reduce_algorithm",
+    "all_gather_stacked",
     "all_reduce_partial",
     "is_sharded",
+    "local_head_linear",
+    "local_head_logits",
     "local_shape",
     "local_tensor",
+    "row_parallel_linear",
     "shard_range",
     "tensor_parallel_group",
+    "vocab_shard",
 ]

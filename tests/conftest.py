@@ -19,7 +19,10 @@ from safetensors.torch import load_file
 import hf_dllm
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 
-FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+TESTS = ROOT / "tests"
+FIXTURES = TESTS / "fixtures"
+DATA = TESTS / "data"
 REFERENCE_DIR = FIXTURES / "llada-tiny-ref"
 
 
@@ -133,7 +136,7 @@ def make_tiny_model():
     return tiny_model
 
 
-# --- exported repos run where hf_dllm cannot be imported (tests/test_export.py, tests/test_llada2_export.py) --------
+# --- exported repos run where hf_dllm cannot be imported (tests/hub/test_export.py, tests/models/llada2/test_llada2_export.py) --------
 
 
 def generate_cases(model, cases: list[dict]) -> dict:

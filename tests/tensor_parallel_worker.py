@@ -1,9 +1,9 @@
-"""Worker of tests/test_tensor_parallel.py, started by `torchrun --nproc-per-node 2`: loads the tiny LLaDA, LLaDA2
+"""Worker of tests/generation/test_tensor_parallel.py, started by `torchrun --nproc-per-node 2`: loads the tiny LLaDA, LLaDA2
 and Dream fixtures with `tp_plan="auto"` and records, on every rank, the logits of one forward and the tokens of
 `generate()` for each of `SETTINGS`; rank 0 saves all ranks' records to `OUT` (torch.save).
 
 With the arguments `fused EXTRA`, only LLaDA2, through `record_fused` (its fused MoE and attention paths on the
-shards; tests/test_tensor_parallel_fused.py runs it on the CPU with the kernels in Triton's interpreter), and
+shards; tests/kernels/test_tensor_parallel_fused.py runs it on the CPU with the kernels in Triton's interpreter), and
 `cached_step` with the counts of the fused calls of the LLaDA2 checkpoint at the path EXTRA (`two_shared_experts`)
 and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`).
 

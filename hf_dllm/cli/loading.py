@@ -15,8 +15,8 @@ from ..fp8 import FP8_QUANTIZATIONS
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # torch's CPU threads unless a command is told otherwise (`--threads`, lm-eval's `threads`): None keeps torch's
-# default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py,
-# benchmarks/RESULTS.md); one thread is faster only while other processes hold the cores.
+# default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py);
+# one thread is faster only while other processes hold the cores.
 DEFAULT_THREADS = None
 # `--quantization`: "none" loads the checkpoint's weights as they are; an `fp8.FP8_QUANTIZATIONS` name quantizes them
 # at load time through transformers' `FineGrainedFP8Config` ("fp8": one scale per 128x128 block, "fp8-tensor": one per
@@ -56,8 +56,11 @@ def resolve_device(device=None):
     return device
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The loading flags every command takes (the positional MODEL is the command's own)."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser, threads: int | None = DEFAULT_THREADS, threads_help: str | None = None
+) -> argparse._ArgumentGroup:
+    """The loading flags every command takes (the positional MODEL is the command's own); `threads` and
+    `threads_help`: a command's own default for `--threads` and why (`hf-dllm serve`'s is 1)."""
     group = parser.add_argument_group("model loading")
     group.add_argument("--tokenizer", default=None, help="tokenizer path or Hub id (default: the model's)")
     group.add_argument("--dtype", default="auto", help=f"{', '.join(DTYPE_CHOICES)} (default: the checkpoint's)")
@@ -82,11 +85,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument(
         "--threads",
         type=int,
-        default=DEFAULT_THREADS,
-        help="CPU threads of torch per process (default: torch's, one per core; matters only on the CPU). On the "
+        default=threads,
+        help=threads_help
+        or "CPU threads of torch per process (default: torch's, one per core; matters only on the CPU). On the "
         "quiet 2-core development machine the default was fastest for `hf-dllm eval` on the tiny LLaDA (batch 8: "
-        "0.188 s against 0.235 s with 1 thread, medians of 7; benchmarks/RESULTS.md); pass 1 when other processes "
-        "share the cores, or cores / N to each of N processes",
+        "0.188 s against 0.235 s with 1 thread, medians of 7; benchmarks/bench_threads.py); pass 1 when other "
+        "processes share the cores, or cores / N to each of N processes",
     )
     return group
 

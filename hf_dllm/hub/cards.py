@@ -345,6 +345,32 @@ CARD_PRESETS: dict[str, dict[str, str]] = {
         "more_usage": _dream_own_usage(0.2, "Dream's README"),
         "citations": "\n\n".join([_DREAM_CITATION, _FAST_DLLM_CITATION]),
     },
+    "generic-diffusion-gemma": {
+        "family": "diffusion_gemma",
+        "file": "",
+        "model_name": "",  # filled with DST's folder name
+        "base_model": "",
+        "license": "other",
+        "license_text": "These weights keep the license of the checkpoint they were exported from (Google's Gemma "
+        "terms for DiffusionGemma): check it before using or publishing them. hf_dllm's code next to them is "
+        "Apache-2.0.",
+        "description": "A DiffusionGemma block-diffusion language model (Google; a Gemma 4 Mixture-of-Experts "
+        "transformer used twice): a causal encoder writes the prompt and every accepted canvas into the KV cache, "
+        "and a bidirectional decoder denoises the next canvas of tokens, starting from random tokens, with "
+        "entropy-bounded acceptance (arXiv:2505.24857), renoising, a linear temperature schedule and "
+        "self-conditioning, until the canvas is stable and confident.",
+        "size_note": "2 bytes per parameter in bfloat16",
+        "prompt_code": _CHAT_PROMPT,
+        "pipeline_code": """messages = [{"role": "user", "content": "Write a haiku about diffusion."}]
+torch.manual_seed(0)
+print(generator(messages, max_new_tokens=64)[0]["generated_text"])""",
+        "more_usage": "",
+        "citations": """@article{entropybound2025,
+  title={Accelerated Sampling from Masked Diffusion Models via Entropy Bounded Unmasking},
+  journal={arXiv preprint arXiv:2505.24857},
+  year={2025}
+}""",
+    },
 }
 DEFAULT_REPO_ORG = "your-org"
 

@@ -6,8 +6,8 @@ A user who has never installed hf_dllm then loads the repo with
 
 What is exported depends on SRC's model family (`families.checkpoint_family`: its `architectures`, `auto_map`, then
 `model_type`), whose family object (`hf_dllm.family.DiffusionFamily`) holds every export fact. What DST
-receives (every rule is implemented once, here or in the module named, and is what `tests/test_export.py`,
-`tests/test_llada2_export.py` and `tests/test_dream_export.py` check):
+receives (every rule is implemented once, here or in the module named, and is what `tests/hub/test_export.py`,
+`tests/models/llada2/test_llada2_export.py` and `tests/models/dream/test_dream_export.py` check):
 
 - the weights: `model.safetensors`, or `model.safetensors.index.json` and every shard it names (likewise
   `pytorch_model.bin[.index.json]` when SRC has no safetensors); copied, or hard-linked with `--link`;
@@ -206,7 +206,7 @@ def special_token_ids(src: Path, config: dict) -> dict:
     }
     if "mask_token_id" not in ids:
         config_class, _ = family.classes()
-        mask = config_class.from_dict(config).mask_token_id
+        mask = getattr(config_class.from_dict(config), "mask_token_id", None)  # DiffusionGemma has no mask token
         if mask is not None:
             ids["mask_token_id"] = mask
     if "bos_token_id" not in ids:
@@ -279,6 +279,34 @@ def clean_stale_staging(dst: Path) -> list[str]:
 
 
 # --- the export -----------------------------------------------------------------------------------------------------
+
+
+def check_token_ids(config: dict, generation_config) -> None:
+    """`ExportError` naming the field for a token id of SRC's config.json (the family's `token_id_fields`: mask, EOS,
+    pad, BOS, LLaDA2.2's delete / split) or of the generation settings written outside the model's vocabulary (a
+    LLaDA2 config.json without a mask id gets the full model's 156895, which a small vocabulary does not hold)."""
+    from ..generation_config import SPECIAL_TOKEN_FIELDS
+
+    family = checkpoint_family(config)
+    config_class, _ = family.classes()
+    model_config = config_class.from_dict(config)
+    unset = [name for name in family.token_id_fields if config.get(name) is None]
+    written = {f"generation_config.json's `{name}`": getattr(generation_config, name) for name in SPECIAL_TOKEN_FIELDS}
+    try:
+        family.check_token_ids(model_config)
+    except ValueError as error:
+        default = f" (SRC's config.json has no {', '.join(unset)}: the config class's default)" if unset else ""
+        raise ExportError(f"config.json: {error}{default}") from None
+    try:
+        family.check_token_ids(model_config, written)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+
+
+def file_system_error(error: OSError, dst: Path) -> ExportError:
+    """One line for a file-system error while writing DST (read-only, full, permissions), naming the path."""
+    path = error.filename or dst
+    return ExportError(f"cannot write {path}: {error.strerror or error} ({dst} is left as it was).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +405,7 @@ def export_checkpoint(
     block_length: int | None | Unset = UNSET,
     threshold: float | None | Unset = UNSET,
     quantization: str = "none",
+    tokenizer: bool = True,
 ) -> ExportResult:
     """Export the LLaDA, LLaDA2.x or Dream checkpoint folder `src` as a Hub repo folder `dst` running hf_dllm's
     remote code.
@@ -402,10 +431,14 @@ def export_checkpoint(
             `FineGrainedFP8Config` quantizes at load time are stored as FP8 with 128x128 block scales and
             config.json gets that `quantization_config`, so the repo loads pre-quantized (`hub/quantize.py`;
             safetensors SRC only, not with `link`).
+        tokenizer: export SRC's tokenizer files (`TOKENIZER_FILES`), which must exist, load and have a chat template
+            that parses; False (`--no-tokenizer`): export the model alone, without them.
 
     Returns an `ExportResult`: the sorted names of the files written to `dst` and the generation settings written,
     with the origin of each (also logged, at INFO, by the `hf_dllm.hub.export` logger). Raises `ExportError` on bad
-    input; `dst` is then left as it was.
+    input (a token id of config.json or of the generation settings outside the vocabulary, non-finite weights, a
+    missing tokenizer, a chat template that does not parse) and on a file-system error (a read-only or full
+    destination: one line naming the path); `dst` is then left as it was and nothing is left beside it.
     """
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
@@ -420,8 +453,12 @@ def export_checkpoint(
     fp8_names = _fp8_export_plan(config, quantization, link)
     card = resolve_card(card, family)
     weights = find_weights(src)
-    code = check_remote_code(family=family)
-    tokenizer_files = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    tokenizer_files = [name for name in TOKENIZER_FILES if tokenizer and (src / name).is_file()]
+    if tokenizer and not tokenizer_files:
+        raise ExportError(
+            f"{src} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): the repo could not be prompted or served. "
+            "Add SRC's tokenizer, or pass --no-tokenizer (tokenizer=False) to export the model alone."
+        )
     generation = resolve_generation_settings(
         family,
         src,
@@ -431,12 +468,17 @@ def export_checkpoint(
         block_length=block_length,
         threshold=threshold,
     )
+    check_token_ids(config, generation.config)
+    code = check_remote_code(family=family)  # the slowest check (seconds): after the cheap ones
     generated = {"config.json": export_config(config), "generation_config.json": generation.to_json_string()}
     generated["README.md"] = render_preset_card(card, repo_id, dst.resolve().name, generation.fields)
 
-    dst.resolve().parent.mkdir(parents=True, exist_ok=True)
-    pid_prefix = f".{dst.resolve().name}.%s-{os.getpid()}-"
-    staging = Path(tempfile.mkdtemp(prefix=pid_prefix % "export", dir=dst.resolve().parent))
+    try:
+        dst.resolve().parent.mkdir(parents=True, exist_ok=True)
+        pid_prefix = f".{dst.resolve().name}.%s-{os.getpid()}-"
+        staging = Path(tempfile.mkdtemp(prefix=pid_prefix % "export", dir=dst.resolve().parent))
+    except OSError as error:
+        raise file_system_error(error, dst) from None
     try:
         if fp8_names is None:
             for file_name in weights:
@@ -470,8 +512,10 @@ def export_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             staging.rename(dst)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise file_system_error(error, dst) from None
         raise
     logger.info(generation.summary())
     return ExportResult(files=sorted(path.name for path in dst.iterdir()), generation=generation)
@@ -496,6 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link", action="store_true", help="hard-link the weights instead of copying them")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
     parser.add_argument(
+        "--no-tokenizer",
+        dest="tokenizer",
+        action="store_false",
+        help="export the model without a tokenizer (by default SRC's tokenizer files are required and checked)",
+    )
+    parser.add_argument(
         "--card",
         choices=sorted(CARD_PRESETS),
         default="generic",
@@ -515,10 +565,11 @@ def build_parser() -> argparse.ArgumentParser:
     fast = ", ".join(f"{name}={value}" for name, value in llada.items() if name != "threshold")
 
     def per_family(name: str, fast_defaults: bool) -> str:
-        return ", ".join(
-            f"{family.display_name} {(family.fast_defaults if fast_defaults else family.generation_defaults)[name]}"
-            for family in families
+        # Families whose decoding has no such field (DiffusionGemma's sampler: no threshold) are left out.
+        chosen = (
+            (family, family.fast_defaults if fast_defaults else family.generation_defaults) for family in families
         )
+        return ", ".join(f"{family.display_name} {defaults[name]}" for family, defaults in chosen if name in defaults)
 
     parser.add_argument(
         "--generation-defaults",
@@ -570,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             block_length=args.block_length,
             threshold=args.threshold,
             quantization=args.quantization,
+            tokenizer=args.tokenizer,
         )
     except ExportError as error:
         print(f"hf-dllm export: error: {error}", file=sys.stderr)

@@ -184,11 +184,16 @@ def resolve_generation_settings(
             )
     if use_source:
         source = _read_source_generation_config(Path(src), family)
+        for name, value in family.original_defaults.items():  # what the original implementation reads there
+            if written.get(name) is None:
+                setattr(source, name, value)
         base = source
         base_text = f"{source_path}"
 
         def base_origin(name: str) -> str:
-            return "source" if name in written else "default"
+            if name in written:
+                return "source"
+            return "family default" if name in family.original_defaults else "default"
 
     else:
         defaults = family.fast_defaults if generation_defaults == "fast" else family.generation_defaults

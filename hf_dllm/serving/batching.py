@@ -292,7 +292,7 @@ class Batcher:
             # bidirectional model this changes nothing: the tracker already ends such rows after the block.)
             config = self.model.resolve_generation_config(config, eos_token_id=sorted(self.stop_token_ids))
         tracker = RowTracker(row, self.tokenizer, self.stop_token_ids, self.stats)
-        request = EngineRequest(row.prompt_ids, config, tracker.on_block, cancelled=row.cancelled)
+        request = EngineRequest(row.prompt_ids, config, tracker.on_block, cancelled=row.cancelled, group=row.request_id)
         try:
             self.engine.submit(request)
         except (ValueError, TypeError) as error:  # what generate() would refuse: this row only

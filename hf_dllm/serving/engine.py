@@ -78,8 +78,9 @@ def bucketed_rows(rows: int, max_rows: int) -> int:
 
 def kv_bytes_per_position(model) -> int:
     """Bytes of keys and values one position of one row takes in the model's K/V cache: every layer's
-    `num_key_value_heads x head_dim`, twice, in the model's dtype."""
-    config = model.config
+    `num_key_value_heads x head_dim`, twice, in the model's dtype (a composite config's text model's:
+    DiffusionGemma)."""
+    config = model.config.get_text_config()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
 
 
@@ -223,7 +224,8 @@ class ContinuousBatcher:
                 max_batch_positions = max(max_batch_positions, self.max_batch_width)
         self.bucket_rows = bucket_rows
         self.intake: Callable[[], None] | None = None
-        self.admission = Admission()
+        # The admission order: rows of different requests in turns, each request within its share of the rows.
+        self.admission = Admission(lambda: self.max_batch_size)
         self.running: list[EngineRequest] = []
         self.runner: LayoutRunner | None = None
         self.max_batch_size: int | None = None

@@ -46,8 +46,8 @@ from .rows import BlockUpdate, EngineRequest
 
 # Captured step shapes the engine keeps: its layouts vary in rows and width (`ContinuousBatcher.width_granularity`),
 # far more than one `generate()` call's shapes, and a shape dropped from the cache is captured again at its next use.
-# Measured on an H100 (LLaDA-8B shape, K/V budget, `benchmarks/bench_load.py`; RESULTS.md, continuous batching,
-# session 33): a server met ~300 shapes; keeping 128, it captured 152 steps at 2.35 requests/s where 41 shapes were
+# Measured on an H100 (LLaDA-8B shape, K/V budget, `benchmarks/bench_load.py`): a
+# server met ~300 shapes; keeping 128, it captured 152 steps at 2.35 requests/s where 41 shapes were
 # new (the rest evicted ones again), and keeping 512, 40 for 39; p50 latency 5.5 / 2.7 s against 8.2 / 4.7 at
 # 2.45 / 2.35 requests/s in the same lease, the same peak GPU memory.
 ENGINE_MAX_GRAPHS = 512
@@ -108,14 +108,8 @@ class PackedLayout:
         tokens = x[self.rows, self.columns].unsqueeze(0)
         if step == 0:
             machine.first_step_positions += tokens.shape[1]
-        logits = machine.model._diffusion_forward(
-            tokens,
-            packing,
-            self.positions.unsqueeze(0),
-            packing,
-            self.cache_position,
-            self.logits_index,
-            **machine.forward_kwargs,
+        logits = machine.forward_logits(
+            tokens, packing, self.positions.unsqueeze(0), packing, self.cache_position, self.logits_index
         ).to(device)
         scheduled = machine.unmasking.scheduled_counts(step, x.shape[0], device)[rows]
         new_block = x[:, block_start:block_end].clone()

@@ -88,6 +88,13 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "response_fo
 # `own_generation_fields`: Dream's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`), under their generation-config names:
 # `sampler_fields`.
 MAX_STOP_STRINGS = 16
+# Longest stop string, in characters: every stop is searched in each row's text after every block, so their length
+# is work per block (a 1 MiB stop string used to be accepted).
+MAX_STOP_CHARS = 512
+# Chat roles every chat template renders; `tool` only where the template mentions it (`chat_roles`).
+CHAT_ROLES = ("system", "user", "assistant")
+# OpenAI's rule for a message's `name`: letters, digits, `_` and `-`, at most 64 (so no special token fits in it).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_PROMPTS = 64
 # Deepest JSON nesting a request may have: OpenAI's schema needs 4 (messages -> message -> content -> part); deeper
 # bodies are refused before they are walked (100k-deep JSON used to exhaust the parser's recursion, a 500).
@@ -312,6 +319,8 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
         raise APIError(400, f"`stop` must be a string or a list of at most {MAX_STOP_STRINGS} strings.", param="stop")
     if any(s == "" for s in stop):
         raise APIError(400, "`stop` strings must not be empty.", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"`stop` strings must be at most {MAX_STOP_CHARS} characters long.", param="stop")
 
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
@@ -350,17 +359,17 @@ def _token_ids(value, vocab_size: int) -> list[int] | None:
     return None
 
 
-def split_prompts(prompt, vocab_size: int) -> list[str | list[int]]:
+def split_prompts(prompt, vocab_size: int, max_prompts: int = MAX_PROMPTS) -> list[str | list[int]]:
     """`prompt` of /v1/completions (a string, a list of strings, a list of token ids, or a list of those) as a
-    list of texts and token-id lists, validated but not tokenized (cheap: runs on the event loop)."""
+    list of at most `max_prompts` texts and token-id lists, validated but not tokenized."""
     if isinstance(prompt, str):
         return [prompt]
     ids = _token_ids(prompt, vocab_size)
     if ids is not None:
         return [ids]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p, vocab_size) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise APIError(400, f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        if len(prompt) > max_prompts:
+            raise APIError(400, f"At most {max_prompts} prompts per request, got {len(prompt)}.", param="prompt")
         return list(prompt)
     raise APIError(
         400,
@@ -374,15 +383,39 @@ def encode_prompts(prompts: list[str | list[int]], tokenizer) -> list[list[int]]
     return [p if isinstance(p, list) else list(tokenizer(p)["input_ids"]) for p in prompts]
 
 
-def convert_messages(messages) -> list[dict]:
-    """OpenAI `messages` (string content or text parts) as `{role, content}` dicts for the chat template, validated
-    (cheap: runs on the event loop)."""
+def chat_roles(tokenizer) -> tuple[str, ...]:
+    """The roles the tokenizer's chat template renders: `CHAT_ROLES`, plus `tool` where the template mentions it.
+    A role outside them would be rendered as the template's fallback, or (in templates that print the role) as a
+    forged turn header."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates
+        template = " ".join(str(t) for t in template.values())
+    return (*CHAT_ROLES, "tool") if "tool" in str(template) else CHAT_ROLES
+
+
+def convert_messages(messages, roles: tuple[str, ...] = CHAT_ROLES) -> list[dict]:
+    """OpenAI `messages` (string content or text parts, a `role` among `roles`, an optional `name` matching
+    `NAME_PATTERN`) as `{role, content[, name]}` dicts for the chat template, validated."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "`messages` must be a non-empty list of {role, content} objects.", param="messages")
     converted = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string `role`.", param=f"messages[{i}]")
+        if message["role"] not in roles:
+            raise APIError(
+                400,
+                f"messages[{i}].role must be one of {list(roles)} (the roles this model's chat template knows), got "
+                f"{message['role'][:64]!r}.",
+                param=f"messages[{i}].role",
+            )
+        name = message.get("name")
+        if name is not None and not (isinstance(name, str) and NAME_PATTERN.fullmatch(name)):
+            raise APIError(
+                400,
+                f"messages[{i}].name must be 1 to 64 letters, digits, '_' or '-' (no special tokens).",
+                param=f"messages[{i}].name",
+            )
         content = message.get("content")
         if isinstance(content, list):
             parts = []
@@ -399,7 +432,7 @@ def convert_messages(messages) -> list[dict]:
             raise APIError(
                 400, f"messages[{i}].content must be a string or a list of text parts.", param=f"messages[{i}].content"
             )
-        converted.append({"role": message["role"], "content": content})
+        converted.append({"role": message["role"], "content": content, **({"name": name} if name else {})})
     return converted
 
 

@@ -36,6 +36,8 @@ class EngineRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Called with the row's forwards when the engine drops it because `cancelled` was set (no `on_block` call).
     on_cancel: Callable[[int], None] | None = None
+    # The request the row belongs to (rows of one group are admitted in turns with other groups': `admission.py`).
+    group: object = None
     # Set by the engine.
     settings: str = ""  # `settings_key` of `config` without `max_new_tokens` and `steps`
     error: BaseException | None = None  # why the row ended without finishing, if a layout failed

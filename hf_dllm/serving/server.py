@@ -56,7 +56,12 @@ Bodies over `--max-body-bytes` (default 64 bytes per context token, at least 4 M
 validation and tokenizing run in a small worker pool, never on the event loop; `max_tokens`, `block_length` and
 `steps` are checked against the context before anything is planned, and a prompt longer in characters than the
 context's tokens can cover is refused before it is tokenized. Every malformed request gets an OpenAI-style 4xx on
-a connection that stays open; only a fault of the server is a 5xx.
+a connection that stays open; only a fault of the server is a 5xx. Limits under hostile use (issue #66,
+docs/limits.md): a request's head must arrive within `--header-timeout` seconds and its body within
+`--body-timeout` seconds after it, else 408 and the connection is closed (`deadlines.py`); a client that leaves
+mid-body is logged at INFO; a request holds at most `--max-prompts-per-request` prompts, admitted in turns with
+other requests' rows; chat roles are those the template renders and a message `name` is OpenAI's pattern; stop
+strings are at most 16, of at most 512 characters.
 
 Tensor parallelism: `torchrun --nproc-per-node N -m hf_dllm serve MODEL --tp-plan auto` shards the model over N
 GPUs; rank 0 serves HTTP and the other ranks decode the same layouts in lockstep (`serving/tensor_parallel.py`).
@@ -81,6 +86,7 @@ from contextlib import asynccontextmanager, contextmanager
 from ..cli.completion_text import stop_token_ids
 from ..cli.loading import add_model_arguments, load_model, model_arguments
 from .batching import Batcher, RowRequest
+from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, deadline_protocol
 from .engine import (
     AUTO_BATCH_MEMORY_SHARE,
     DEFAULT_MAX_BATCH_SIZE,
@@ -89,7 +95,9 @@ from .engine import (
     ContinuousBatcher,
 )
 from .protocol import (
+    MAX_PROMPTS,
     APIError,
+    chat_roles,
     check_plan,
     check_prompt_chars,
     convert_messages,
@@ -108,6 +116,11 @@ API_KEY_ENV = "HF_DLLM_API_KEY"
 # ids), at least 4 MiB. Larger bodies get 413 before they are read.
 BODY_BYTES_PER_CONTEXT_TOKEN = 64
 MIN_MAX_BODY_BYTES = 4 << 20
+# torch's CPU threads of `hf-dllm serve` unless `--threads` says otherwise. One per core (torch's default) collapses
+# when other processes share the cores: OpenMP threads wait on each other at every op while the scheduler runs
+# someone else (benchmarks/bench_load.py --cpu --cpu-hogs 2 on a shared 2-core machine: p50 latency 70.3 s with two
+# threads against 3.3 s with one, 21.1 s against 1.1 s per block boundary). A quiet many-core CPU server may pass more.
+SERVE_THREADS = 1
 # Paths served without the API key (load balancers' health checks).
 OPEN_PATHS = frozenset({"/health"})
 
@@ -128,6 +141,7 @@ class Server:
         max_batch_width: int | None = None,
         max_body_bytes: int | None = None,
         engine=None,
+        max_prompts: int = MAX_PROMPTS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -141,6 +155,8 @@ class Server:
         self.max_length = self.family.context_length(model.config)
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.max_length)
         self.max_chars_per_token = longest_token_chars(tokenizer)
+        self.max_prompts = max_prompts
+        self.chat_roles = chat_roles(tokenizer)
         # JSON parsing, chat templates and tokenization run here, off the event loop: a large request then delays
         # only itself, never /health or the other clients' streams.
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf-dllm-tokenize")
@@ -167,7 +183,7 @@ class Server:
     def _rows(self, prompts: list[list[int]], params, sink, param: str) -> list[RowRequest]:
         bos = self.base_config.bos_token_id
         mask = self.base_config.mask_token_id
-        rows = []
+        rows, request_id = [], uuid.uuid4().hex  # one id for the request's rows: they are admitted in turns
         for index, ids in enumerate(prompts):
             if not ids:
                 if bos is None:
@@ -201,6 +217,7 @@ class Server:
                     stop=params.stop,
                     stream=params.stream,
                     index=index,
+                    request_id=request_id,
                 )
             )
         return rows
@@ -222,7 +239,7 @@ class Server:
         budget = None if self.max_length is None else self.max_length - params.config.max_new_tokens
         if chat:
             param = "messages"
-            messages = convert_messages(body.get("messages"))
+            messages = convert_messages(body.get("messages"), self.chat_roles)
             # The template only adds text: the messages alone must already fit (checked again once rendered).
             chars = sum(len(message["role"]) + len(message["content"]) for message in messages)
             check_prompt_chars(chars, budget, self.max_chars_per_token, param, self.max_length)
@@ -233,7 +250,7 @@ class Server:
             param = "prompt"
             if body.get("prompt") is None:
                 raise APIError(400, "`prompt` is required.", param="prompt")
-            items = split_prompts(body["prompt"], self.vocab_size)
+            items = split_prompts(body["prompt"], self.vocab_size, self.max_prompts)
             for item in items:
                 if isinstance(item, str):
                     check_prompt_chars(len(item), budget, self.max_chars_per_token, param, self.max_length)
@@ -430,8 +447,8 @@ _serving_apps_lock = threading.Lock()
 def frozen_heap():
     """While any app serves: Python's objects of that time (the model, torch, transformers, the app) frozen
     (`gc.freeze`), so that a full garbage collection no longer walks them. A collection holds the GIL and so stops
-    the scheduler thread mid-boundary: 0.41 s once on an H100 under load (LLaDA2.0-mini shape; RESULTS.md,
-    continuous batching, session 18). vLLM freezes its heap after start-up for the same reason. Unfrozen when the
+    the scheduler thread mid-boundary: 0.41 s once on an H100 under load (LLaDA2.0-mini shape,
+    `benchmarks/bench_load.py`). vLLM freezes its heap after start-up for the same reason. Unfrozen when the
     last app stops (tests start several in one process)."""
     global _serving_apps
     with _serving_apps_lock:
@@ -458,6 +475,7 @@ def create_app(
     allowed_origins: list[str] | None = None,
     max_body_bytes: int | None = None,
     engine=None,
+    max_prompts: int = MAX_PROMPTS,
 ):
     """The FastAPI app serving `model`; its batcher starts and stops with the app (lifespan).
 
@@ -466,15 +484,21 @@ def create_app(
     `max_body_bytes`: larger request bodies get 413 unread (default `default_max_body_bytes`). `engine`: the
     batching engine, when the caller makes it (`engine.ContinuousBatcher` with other options, e.g.
     `join_layout_min_rows`; tensor parallelism: `serving.tensor_parallel.MirroredEngine`); it then has its own
-    limits, and `max_batch_size` / `max_batch_width` are not used.
+    limits, and `max_batch_size` / `max_batch_width` are not used. `max_prompts`: prompts one /v1/completions
+    request may hold (400 past it). Read deadlines are the HTTP protocol's (`deadlines.deadline_protocol`).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
     from starlette.middleware.cors import CORSMiddleware
+    from starlette.requests import ClientDisconnect
 
-    server = Server(model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine)
+    if not isinstance(max_prompts, int) or isinstance(max_prompts, bool) or max_prompts < 1:
+        raise ValueError(f"`max_prompts` must be an integer >= 1, got {max_prompts!r}.")
+    server = Server(
+        model, tokenizer, model_name, max_batch_size, max_batch_width, max_body_bytes, engine, max_prompts=max_prompts
+    )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -535,11 +559,17 @@ def create_app(
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            # The client left, or missed the body deadline (answered 408 by the protocol): nothing to answer, and
+            # nothing went wrong here (no traceback).
+            logger.info("the client of %s went away while sending its body (%d bytes read)", request.url.path, size)
+            raise APIError(400, "The client disconnected while sending the request body.") from None
         return b"".join(chunks)
 
     async def generate(request: Request, chat: bool):
@@ -674,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
         "holding more positions is decoded in slices of at most N, and requests that arrive meanwhile join the "
         "slices still to decode (a wait of one slice, not the whole batch's refresh, at the cost of more, smaller "
         "layouts: on an H100 at the LLaDA-8B shape, N=16384 did not shorten the p99 time to first block and added "
-        "13-41 %% to p50 latency; RESULTS.md); off (default): one layout per settings group",
+        "13-41 %% to p50 latency; benchmarks/bench_load.py); off (default): one layout per settings group",
     )
     parser.add_argument("--served-model-name", default=None, help="model id of the API (default: folder name)")
     parser.add_argument(
@@ -696,9 +726,37 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"larger request bodies get 413 unread (default: {BODY_BYTES_PER_CONTEXT_TOKEN} bytes per token of the "
         f"model's context, at least {MIN_MAX_BODY_BYTES >> 20} MiB)",
     )
-    loading = add_model_arguments(parser)
+    loading = add_model_arguments(
+        parser,
+        threads=SERVE_THREADS,
+        threads_help=f"CPU threads of torch (default {SERVE_THREADS}: more collapse when other processes share the "
+        "cores, e.g. p50 latency 70.3 s with 2 threads against 3.3 s with 1 beside two busy processes on 2 cores, "
+        "benchmarks/bench_load.py --cpu --cpu-hogs 2; a quiet many-core CPU server may pass more; matters only on "
+        "the CPU)",
+    )
     # The flag's old name (before the commands shared their loading flags).
     loading.add_argument("--num-threads", dest="threads", type=int, help="the old name of --threads")
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a request's head (request line and headers) may take to arrive, from the connection's opening "
+        "or the request's first byte: past it, 408 and the connection is closed",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds a request's body may take to arrive after its head (a total, not an idle time): past it, 408 "
+        "and the connection is closed",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=MAX_PROMPTS,
+        help="prompts one /v1/completions request may hold (400 past it); each is a row admitted in turns with "
+        "other requests' rows",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -719,6 +777,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         print("hf-dllm serve: --max-body-bytes must be >= 1.", file=sys.stderr)
+        return 2
+    if args.max_prompts_per_request < 1:
+        print("hf-dllm serve: --max-prompts-per-request must be >= 1.", file=sys.stderr)
+        return 2
+    try:
+        protocol = deadline_protocol(args.header_timeout, args.body_timeout)
+    except ValueError as error:
+        flag = "--header-timeout" if "header_timeout" in str(error) else "--body-timeout"
+        print(f"hf-dllm serve: {flag} must be a number of seconds > 0.", file=sys.stderr)
         return 2
     origins = [origin.strip() for origin in (args.allowed_origins or "").split(",") if origin.strip()]
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -758,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         allowed_origins=origins,
         max_body_bytes=args.max_body_bytes,
         engine=engine,
+        max_prompts=args.max_prompts_per_request,
     )
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
@@ -766,5 +834,5 @@ def main(argv: list[str] | None = None) -> int:
             args.host,
             API_KEY_ENV,
         )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol)
     return 0

@@ -1,6 +1,7 @@
-"""The engine's admission of waiting requests (`serving.admission.Admission`), without a model: oldest first, the
-first one that does not fit waits and nobody passes it, each admitted request gets the first free slot, cancelled
-requests leave the queue (their owner told) before anything is offered."""
+"""The engine's side of admission (`serving.admission.Admission`), without a model: rows of no request in arrival
+order, the head that does not fit waits and nobody passes it, each admitted row gets the first free slot, cancelled
+rows leave the queue (their owner told) before anything is offered. (The order across requests, `RoundRobinQueue`,
+is `test_server_limits.py`'s.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def request(name: str, cancelled: list | None = None) -> EngineRequest:
 
 
 def test_oldest_first_into_free_slots_and_the_head_is_never_passed():
-    admission = Admission()
+    admission = Admission(lambda: 16)
     rows = [request(name) for name in "abcd"]
     for row in rows:
         admission.submit(row)
@@ -40,7 +41,7 @@ def test_oldest_first_into_free_slots_and_the_head_is_never_passed():
 
 def test_cancelled_requests_leave_before_anything_is_offered():
     told: list[str] = []
-    admission = Admission()
+    admission = Admission(lambda: 16)
     rows = [request(name, told) for name in "abc"]
     for row in rows:
         admission.submit(row)

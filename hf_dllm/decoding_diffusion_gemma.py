@@ -1,0 +1,175 @@
+"""DiffusionGemma's sampler as policies of hf_dllm's block loop: the canvas starts as random tokens, each step
+samples every position at a linearly scheduled temperature, accepts the lowest-entropy samples under an entropy
+bound, renoises the rest, feeds its processed logits back as self-conditioning, and a canvas stops once it is stable
+and confident (transformers' `DiffusionGemmaGenerationMixin`: `EntropyBoundSampler`,
+`LinearTemperatureScheduleLogitsProcessor`, `StableAndConfidentStoppingCriteria`; the entropy bound is from
+arXiv:2505.24857). `EncoderPrefixCache` is the cache policy: the columns before a canvas are encoded once, by a
+separate encoder pass, at the canvas' first step.
+
+Random draws follow transformers' order exactly (global generator): per canvas one `randint((B, C))`, then per step
+one `multinomial` over `(B * C, vocab)` and one `randint((B, C))`, every row of the batch included (rows that
+ended still draw: `keeps_ended_rows`), so that a seeded call reproduces transformers' tokens on the CPU.
+
+This file is exported verbatim as Hub remote code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import CachePolicy
+from .decoding import UnmaskingPolicy
+
+# transformers' global defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`), used where
+# neither the call nor generation_config.json sets a field.
+SAMPLER_DEFAULTS = {
+    "max_denoising_steps": 48,
+    "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+}
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """`(..., vocab)` -> `(...)`: the entropy of softmax(logits), as `torch.distributions.Categorical` computes it
+    (the reference's reductions, in its order)."""
+    return torch.distributions.Categorical(logits=logits).entropy()
+
+
+class EntropyBoundSampler(UnmaskingPolicy):
+    """DiffusionGemma's denoising step as an unmasking policy (the block is the canvas of `canvas_length` tokens).
+
+    Per canvas (`initial_block`): a random canvas, no self-conditioning, the stopping history cleared. Per step n =
+    N, ..., 1 (`denoise`), on the decoder's logits `(B, C, vocab)`: z = logits / T(n), T(n) = t_min + (t_max - t_min)
+    * n / N; a sample per position from softmax(z) and its argmax; per row the positions sorted by entropy H of
+    softmax(z), accepted while the sum of the lower entropies is <= `entropy_bound`; the next canvas keeps the
+    accepted samples and draws the rest anew; z is the next step's self-conditioning. A row whose argmax equals its
+    argmax of the last `stability_threshold` steps and whose mean entropy is < `confidence_threshold` is finished for
+    this canvas: its canvas, argmax and self-conditioning freeze (its forwards still run and still draw). The canvas
+    committed (`final_block`) is the last argmax.
+    """
+
+    keeps_ended_rows = True
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_denoising_steps: int,
+        entropy_bound: float,
+        t_min: float | None,
+        t_max: float | None,
+        stability_threshold: int | None,
+        confidence_threshold: float | None,
+    ):
+        self.vocab_size = vocab_size
+        self.max_denoising_steps = max_denoising_steps
+        self.entropy_bound = entropy_bound
+        self.t_min, self.t_max = t_min, t_max
+        self.stability_threshold = stability_threshold
+        self.confidence_threshold = confidence_threshold
+        self.stops = stability_threshold is not None and confidence_threshold is not None
+
+    # -- per canvas -------------------------------------------------------------------------------------------
+    def initial_block(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """The canvas' first tokens `(rows, length)`, uniform over the vocabulary (the canvas' one draw)."""
+        self.step_index = 0
+        self.self_conditioning = None
+        self.argmax = None
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.history = None
+        return torch.randint(0, self.vocab_size, (rows, length), device=device)
+
+    def final_block(self) -> torch.Tensor:
+        """The canvas committed: the last argmax `(rows, C)`."""
+        return self.argmax
+
+    def forward_inputs(self) -> dict:
+        return {"self_conditioning_logits": self.self_conditioning}
+
+    def steps_for_block(self) -> None:
+        return None  # the stopping rule decides
+
+    # -- per step ---------------------------------------------------------------------------------------------
+    def temperature(self, steps_left: int) -> torch.Tensor:
+        """T(n) as transformers computes it: an int32 step count divided in float32."""
+        fraction = torch.tensor(steps_left, dtype=torch.int32) / self.max_denoising_steps
+        return self.t_min + ((self.t_max - self.t_min) * fraction)
+
+    def _stable_and_confident(self, argmax: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """`(rows,)` bool: transformers' `StableAndConfidentStoppingCriteria` (history of the last
+        `stability_threshold` argmax canvases, kept here)."""
+        rows = argmax.shape[0]
+        if self.stability_threshold == 0:
+            stable = torch.ones(rows, dtype=torch.bool, device=argmax.device)
+        else:
+            if self.history is None:
+                self.history = torch.full(
+                    (self.stability_threshold, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device
+                )
+            stable = (self.history == argmax[None]).all(dim=-1).all(dim=0)
+            self.history = torch.roll(self.history, shifts=-1, dims=0)
+            self.history[-1] = argmax
+        confident = token_entropy(logits).mean(dim=-1) < self.confidence_threshold
+        return stable & confident
+
+    def accept(self, entropy: torch.Tensor) -> torch.Tensor:
+        """`(rows, C)` bool from the entropies `(rows, C)`: per row, lowest entropy first, a position is accepted
+        while the sum of the entropies below it is <= `entropy_bound` (the lowest is always accepted)."""
+        sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+        accepted_sorted = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= self.entropy_bound
+        return torch.scatter(torch.zeros_like(accepted_sorted), -1, order, accepted_sorted)
+
+    def denoise(self, block, logits, rules, scheduled, generated=None, active=None, candidates=None):
+        """One step on the canvas `block` `(B, C)` from the decoder's `logits` `(B, C, vocab)`; returns the next
+        canvas, the draft (the argmax) and no edit."""
+        steps_left = self.max_denoising_steps - self.step_index
+        self.step_index += 1
+        rows, length = block.shape
+        processed = logits
+        if self.t_min is not None and self.t_max is not None:  # no schedule: the logits as they are
+            processed = logits / self.temperature(steps_left).to(logits.device)
+        probabilities = torch.softmax(processed, dim=-1, dtype=torch.float32)
+        sample = torch.multinomial(probabilities.view(-1, probabilities.shape[-1]), num_samples=1).view(rows, length)
+        argmax = torch.argmax(processed, dim=-1)
+        accepted = self.accept(token_entropy(processed))
+        noise = torch.randint(0, self.vocab_size, (rows, length), device=block.device)
+        canvas = torch.where(accepted, sample, noise)
+        if self.stops:
+            if self.argmax is not None:  # rows finished earlier keep their canvas (no host synchronisation)
+                frozen = self.finished[:, None]
+                argmax = torch.where(frozen, self.argmax, argmax)
+                canvas = torch.where(frozen, block, canvas)
+                processed = torch.where(frozen[..., None], self.self_conditioning, processed)
+            self.finished = self.finished | self._stable_and_confident(argmax, processed)
+        self.argmax = argmax
+        self.self_conditioning = processed
+        return canvas, argmax, torch.zeros(rows, dtype=torch.bool, device=block.device)
+
+    def still_active(self, active, masked_before, masked_after, edited, step):
+        """Rows that need another step: not finished, and steps left."""
+        if step >= self.max_denoising_steps:
+            return torch.zeros_like(active)
+        return ~self.finished
+
+
+class EncoderPrefixCache(CachePolicy):
+    """The cache of encoder-decoder block diffusion (DiffusionGemma): the columns before a canvas are encoded once
+    by a separate encoder pass at the canvas' first step, which is fed the whole prefix (views of the canvas; the
+    model encodes only the columns its cache does not hold yet, so a cache emptied between blocks, as the serving
+    engine's layouts do, is filled again); later steps feed the canvas alone, which the decoder reads without
+    writing the cache."""
+
+    name = "encoder"
+    uses_cache = True
+
+    def query_range(self, block_start: int, block_end: int, seq_len: int, first_step: bool) -> tuple[int, int]:
+        return (0, block_end) if first_step else (block_start, block_end)
+
+    def keep_rows(self, cache, index: torch.Tensor) -> None:
+        if cache is not None:
+            cache.keep_rows(index)
+
+
+__all__ = ["SAMPLER_DEFAULTS", "EncoderPrefixCache", "EntropyBoundSampler", "token_entropy"]

@@ -1,0 +1,628 @@
+"""DiffusionGemma (Google's block-diffusion Gemma 4 MoE, `google/diffusiongemma-26B-A4B-it`) for hf_dllm.
+
+The model is one Gemma 4 MoE text transformer used twice (weights shared, LM head tied to the embedding):
+
+- the **encoder** runs it causally (sliding-window causal in the sliding layers) over the prompt, then over each
+  accepted canvas, appending their K/V to a cache (`DiffusionGemmaEncoderCache`: sliding layers keep only the last
+  `sliding_window - 1` positions, full layers everything);
+- the **decoder** runs it bidirectionally on the canvas being denoised (`canvas_length` tokens), its queries
+  attending to the cached K/V plus the canvas' own (never written to the cache), with self-conditioning: its input
+  is `post_norm(embed(canvas) + mlp(pre_norm(softmax(s) @ E * sqrt(hidden))))` for the previous step's processed
+  logits `s` (zero signal at a canvas' first step). Logits are soft-capped at 30.
+
+A layer: `x += post_attention_layernorm(attn(input_layernorm(x)))`, then from that residual r a dense gated-GELU MLP
+and the MoE in parallel, `x = (r + post_feedforward_layernorm(h_mlp + h_moe)) * layer_scalar`. Attention has
+q/k RMS norms, RoPE (proportional, partial, in full layers), scaling 1.0, values RMS-normed without scale (full
+layers use their unnormalised keys as values). Parameter names are the Hub's (`model.decoder.*`; the encoder owns
+only its `layer_scalar` buffers); the vision tower's weights are ignored on load (hf_dllm does not run images).
+
+`forward(input_ids, decoder_input_ids, self_conditioning_logits, ...)` is transformers' interface (encode the
+prompt into a fresh cache, denoise one canvas); `generate()` is hf_dllm's block loop (`generation_utils.py`) with
+the family's sampler (`decoding_diffusion_gemma.py`).
+
+This file is exported verbatim as Hub remote code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.utils import ModelOutput, cached_file
+
+from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
+from .family_diffusion_gemma import DIFFUSION_GEMMA
+from .generation_config import DiffusionGenerationConfig
+from .generation_utils import DiffusionGenerationMixin
+
+IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
+
+
+@dataclass
+class DiffusionGemmaOutput(ModelOutput):
+    """`logits` `(batch, canvas_length, vocab)` (float32, soft-capped) and the encoder `cache` the forward wrote."""
+
+    logits: torch.Tensor | None = None
+    cache: object = None
+
+
+class DiffusionGemmaRMSNorm(nn.Module):
+    """`x * (mean(x^2) + eps)^-0.5 * weight` in float32 (the weight is not offset by 1); no weight with
+    `with_scale=False`."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.with_scale = with_scale
+        if with_scale:
+            self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.float()
+        x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.with_scale:
+            x = x * self.weight.float()
+        return x.type_as(hidden_states)
+
+
+def rope_inverse_frequencies(config: DiffusionGemmaTextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
+    """RoPE inverse frequencies `(head_dim // 2,)` of a layer type: "default" over `head_dim *
+    partial_rotary_factor` dimensions, or "proportional" (Gemma 4: the first `partial_rotary_factor` of the angles
+    rotate, the rest have frequency 0, the encoding stays `head_dim` wide)."""
+    params = config.rope_parameters[layer_type]
+    base, proportion = params["rope_theta"], params.get("partial_rotary_factor", 1.0)
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        dim = int(head_dim * proportion)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "proportional":
+        angles = int(proportion * head_dim // 2)
+        rotated = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)]) / params.get("factor", 1.0)
+    raise ValueError(f"rope_parameters[{layer_type!r}]: rope_type {kind!r} is not supported (default, proportional).")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DiffusionGemmaAttention(nn.Module):
+    """Gemma 4 attention of one layer; `forward` gets the K/V to attend to besides its own (the cache) and says
+    whether to store its own (encoder) or not (decoder)."""
+
+    def __init__(self, config: DiffusionGemmaTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.head_dim, self.num_key_value_heads = config.layer_attention(layer_idx)
+        self.num_heads = config.num_attention_heads
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = (
+            nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=False) if self.is_sliding else None
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.v_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
+
+    def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
+        """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
+        (every key); `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V
+        (encoder) or only read the cache (decoder)."""
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(shape))
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
+        raw_key = self.k_proj(hidden_states).view(shape)
+        value = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else raw_key
+        key = self.k_norm(raw_key)
+        key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
+        value = self.v_norm(value).transpose(1, 2)
+        if cache is not None:
+            key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
+        output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
+        )
+        return self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DiffusionGemmaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = ACT2FN[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DiffusionGemmaRouter(nn.Module):
+    """Top-k routing on the residual: RMS-normed without weight, times `scale * hidden^-0.5`, projected, softmax in
+    float32, top-k renormalised, times `per_expert_scale` of the chosen experts."""
+
+    def __init__(self, config: DiffusionGemmaTextConfig):
+        super().__init__()
+        self.top_k = config.top_k_experts
+        self.scalar_root_size = config.hidden_size**-0.5
+        self.norm = DiffusionGemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(hidden_states) * self.scale * self.scalar_root_size)
+        probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probabilities, k=self.top_k, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+class DiffusionGemmaExperts(nn.Module):
+    """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`."""
+
+    def __init__(self, config: DiffusionGemmaTextConfig):
+        super().__init__()
+        experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+        self.act_fn = ACT2FN[config.hidden_activation]
+
+    def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states `(N, H)`, index / weights `(N, k)` -> `(N, H)`: each token's experts' outputs, weighted and
+        summed in expert order (as transformers' eager experts)."""
+        output = torch.zeros_like(hidden_states)
+        for expert in index.unique().tolist():
+            token, slot = torch.where(index == expert)
+            gate, up = nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
+            output.index_add_(0, token, (out * weights[token, slot, None]).to(output.dtype))
+        return output
+
+
+class DiffusionGemmaLayer(nn.Module):
+    """One layer of the shared text transformer (the decoder's; the encoder passes its own `layer_scalar`)."""
+
+    def __init__(self, config: DiffusionGemmaTextConfig, layer_idx: int):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = DiffusionGemmaAttention(config, layer_idx)
+        self.mlp = DiffusionGemmaMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.router = DiffusionGemmaRouter(config)
+        self.experts = DiffusionGemmaExperts(config)
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "pre_feedforward_layernorm_2",
+            "post_feedforward_layernorm_1",
+            "post_feedforward_layernorm_2",
+        ):
+            setattr(self, name, DiffusionGemmaRMSNorm(hidden, eps=eps))
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False):
+        residual = x
+        x = residual + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
+        )
+        if attention_only:  # the encoder's last layer: only its K/V are read
+            return x
+        residual = x
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
+        flat = residual.reshape(-1, residual.shape[-1])
+        weights, index = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
+        x = residual + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        return x * (self.layer_scalar if layer_scalar is None else layer_scalar)
+
+
+class DiffusionGemmaSelfConditioning(nn.Module):
+    """`post_norm(inputs_embeds + mlp(pre_norm(signal)))`, `post_norm` without weight (gated GELU MLP, no bias)."""
+
+    def __init__(self, config: DiffusionGemmaTextConfig):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_norm = DiffusionGemmaRMSNorm(hidden, eps=eps)
+        self.post_norm = DiffusionGemmaRMSNorm(hidden, eps=eps, with_scale=False)
+        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.act_fn = ACT2FN[config.hidden_activation]
+
+    def forward(self, inputs_embeds: torch.Tensor, signal: torch.Tensor | None) -> torch.Tensor:
+        if signal is None:  # a canvas' first step: the zero signal adds exactly zero
+            return self.post_norm(inputs_embeds)
+        normed = self.pre_norm(signal)
+        return self.post_norm(
+            inputs_embeds + self.down_proj(self.act_fn(self.gate_proj(normed)) * self.up_proj(normed))
+        )
+
+
+class DiffusionGemmaEncoderCache:
+    """The encoder's K/V per layer `(B, kv_heads, T, head_dim)`, with each cached position's column and whether it
+    is a real token (`valid`, `(B, T)`: left padding is not). Sliding layers keep the last `sliding_window - 1`
+    positions (all the next query's window can see), full layers all (transformers' `DynamicCache` semantics).
+    The decoder reads it (`write=False`: the canvas' K/V are appended for the pass only)."""
+
+    def __init__(self, config: DiffusionGemmaTextConfig):
+        layers = config.num_hidden_layers
+        self.sliding = [kind == "sliding_attention" for kind in config.layer_types]
+        self.window = config.sliding_window
+        self.keys: list = [None] * layers
+        self.values: list = [None] * layers
+        self.columns: list = [None] * layers
+        self.valid: list = [None] * layers
+        self.length = 0  # columns encoded so far
+        self.max_batch_size = 1 << 30  # rows are the inputs' (the serving engine asks)
+
+    def set_length(self, width: int) -> None:
+        """A new layout of rows (the serving engine's, before each block): nothing cached yet, every prefix is
+        encoded again at the block's first step."""
+        layers = len(self.sliding)
+        self.keys, self.values, self.columns, self.valid = ([None] * layers for _ in range(4))
+        self.length = 0
+
+    def keys_values(self, layer: int, key, value, write: bool):
+        if self.keys[layer] is not None:
+            key = torch.cat([self.keys[layer], key], dim=-2)
+            value = torch.cat([self.values[layer], value], dim=-2)
+        if write:
+            keep = -(self.window - 1) if self.sliding[layer] else 0
+            self.keys[layer], self.values[layer] = key[:, :, keep:], value[:, :, keep:]
+        return key, value
+
+    def record(self, columns: torch.Tensor, valid: torch.Tensor) -> None:
+        """After an encoder pass over `columns` `(T,)` with `valid` `(B, T)`: keep each layer's column facts in step
+        with its K/V."""
+        for layer, sliding in enumerate(self.sliding):
+            if self.columns[layer] is not None:
+                all_columns = torch.cat([self.columns[layer], columns])
+                all_valid = torch.cat([self.valid[layer], valid], dim=1)
+            else:
+                all_columns, all_valid = columns, valid
+            keep = -(self.window - 1) if sliding else 0
+            self.columns[layer], self.valid[layer] = all_columns[keep:], all_valid[:, keep:]
+        self.length = int(columns[-1]) + 1
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows `index` `(k,)` long."""
+        for store in (self.keys, self.values, self.valid):
+            for layer, tensor in enumerate(store):
+                if tensor is not None:
+                    store[layer] = tensor.index_select(0, index)
+
+
+class DiffusionGemmaEncoderLayer(nn.Module):
+    """The encoder's own part of a layer: its `layer_scalar` buffer (buffers are not tied to the decoder's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+
+class DiffusionGemmaEncoderLanguageModel(nn.Module):
+    def __init__(self, config: DiffusionGemmaTextConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DiffusionGemmaEncoderLayer() for _ in range(config.num_hidden_layers))
+
+
+class DiffusionGemmaEncoder(nn.Module):
+    def __init__(self, config: DiffusionGemmaConfig):
+        super().__init__()
+        self.language_model = DiffusionGemmaEncoderLanguageModel(config.text_config)
+
+
+class DiffusionGemmaDecoder(nn.Module):
+    """The shared text transformer: embedding (scaled by sqrt(hidden)), layers, final norm, and the decoder's
+    self-conditioning block."""
+
+    def __init__(self, config: DiffusionGemmaConfig):
+        super().__init__()
+        text = config.text_config
+        self.config = text
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size, text.pad_token_id)
+        self.layers = nn.ModuleList(DiffusionGemmaLayer(text, i) for i in range(text.num_hidden_layers))
+        self.norm = DiffusionGemmaRMSNorm(text.hidden_size, eps=text.rms_norm_eps)
+        self.self_conditioning = DiffusionGemmaSelfConditioning(text)
+        for layer_type, frequencies in self.rope_frequencies().items():
+            self.register_buffer(f"{layer_type}_inv_freq", frequencies, persistent=False)
+
+    def rope_frequencies(self) -> dict[str, torch.Tensor]:
+        """Each layer type's RoPE inverse frequencies (non-persistent buffers, remade after loading)."""
+        text = self.config
+        return {
+            kind: rope_inverse_frequencies(text, kind, text.layer_attention(text.layer_types.index(kind))[0])
+            for kind in sorted(set(text.layer_types))
+        }
+
+    def embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        # A tensor in the weights' dtype, as transformers (in bfloat16 sqrt(hidden) rounds).
+        return torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=self.embed_tokens.weight.device)
+
+    def rope(self, positions: torch.Tensor, layer_type: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `(B, T, head_dim)` at `positions` `(B, T)` (or `(T,)`, shared: `(1, T, head_dim)`)."""
+        positions = positions if positions.dim() == 2 else positions.unsqueeze(0)
+        frequencies = positions[..., None].float() * getattr(self, f"{layer_type}_inv_freq").float()
+        angles = torch.cat((frequencies, frequencies), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
+    """A query that may attend to no key (a padding position) attends to all instead: its output is never read,
+    and an empty softmax would put NaN into K/V that later (masked) reads multiply by zero."""
+    return mask | ~mask.any(-1, keepdim=True)
+
+
+class DiffusionGemmaModel(nn.Module):
+    """`encoder` (its layer scalars) and `decoder` (the shared text transformer), as the Hub names them."""
+
+    def __init__(self, config: DiffusionGemmaConfig):
+        super().__init__()
+        self.encoder = DiffusionGemmaEncoder(config)
+        self.decoder = DiffusionGemmaDecoder(config)
+
+
+class DiffusionGemmaPreTrainedModel(PreTrainedModel):
+    config_class = DiffusionGemmaConfig
+    config: DiffusionGemmaConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DiffusionGemmaLayer"]
+    _supports_sdpa = True
+    # The vision tower and its projection are the checkpoint's but hf_dllm runs no image: left out on load, silently.
+    _keys_to_ignore_on_load_unexpected = [r"^model\.encoder\.vision_tower\.", r"^model\.encoder\.embed_vision\."]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(mean=0.0, std=std)
+        elif isinstance(module, DiffusionGemmaRMSNorm) and module.with_scale:
+            module.weight.fill_(1.0)
+        elif isinstance(module, DiffusionGemmaRouter):
+            module.scale.fill_(1.0)
+            module.per_expert_scale.fill_(1.0)
+        elif isinstance(module, DiffusionGemmaExperts):
+            module.gate_up_proj.normal_(mean=0.0, std=std)
+            module.down_proj.normal_(mean=0.0, std=std)
+        elif isinstance(module, (DiffusionGemmaLayer, DiffusionGemmaEncoderLayer)):
+            module.layer_scalar.fill_(1.0)
+        if isinstance(module, DiffusionGemmaDecoder):
+            for kind, frequencies in module.rope_frequencies().items():
+                getattr(module, f"{kind}_inv_freq").copy_(frequencies)
+
+
+class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGenerationMixin):
+    """DiffusionGemma with its LM head (the embedding) and hf_dllm's `generate()`.
+
+    `forward(input_ids=prompt, decoder_input_ids=canvas, self_conditioning_logits=...)` is transformers' call: the
+    encoder writes the prompt into a fresh cache (or `cache`'s), the decoder denoises the canvas `(B, C)` at the
+    positions after it; returns soft-capped float32 logits `(B, C, vocab)`.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    diffusion_families = (DIFFUSION_GEMMA,)
+
+    def __init__(self, config: DiffusionGemmaConfig):
+        super().__init__(config)
+        text = config.text_config
+        self.model = DiffusionGemmaModel(config)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.final_logit_softcapping = text.final_logit_softcapping
+        self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.decoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.decoder.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    # -- the two passes ---------------------------------------------------------------------------------------
+    def encode(self, input_ids, columns, valid, cache, positions=None) -> None:
+        """Encoder pass: run the text transformer causally on `input_ids` `(B, T)` at columns `columns` `(T,)`
+        (causality and sliding windows count columns), keys `valid` `(B, T)` bool, RoPE at `positions` `(B, T)`
+        (default: the columns; transformers' positions, left padding shifting a row's), appending every layer's
+        K/V to `cache`."""
+        decoder, text = self.model.decoder, self.config.text_config
+        x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+        positions = columns if positions is None else positions
+        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
+        last = len(decoder.layers) - 1
+        for index, layer in enumerate(decoder.layers):
+            kind = text.layer_types[index]
+            key_columns, key_valid = columns, valid
+            if cache.columns[index] is not None:
+                key_columns = torch.cat([cache.columns[index], columns])
+                key_valid = torch.cat([cache.valid[index], valid], dim=1)
+            visible = key_columns[None, :] <= columns[:, None]
+            if kind == "sliding_attention":
+                visible = visible & (key_columns[None, :] > columns[:, None] - text.sliding_window)
+            mask = _valid_rows(visible[None] & key_valid[:, None, :])[:, None]
+            scalar = self.model.encoder.language_model.layers[index].layer_scalar
+            x = layer(x, *rope[kind], cache, mask, True, scalar, attention_only=index == last)
+        cache.record(columns, valid)
+
+    def decode(self, canvas: torch.Tensor, positions: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
+        """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
+        `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
+        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal)."""
+        decoder, text = self.model.decoder, self.config.text_config
+        weight = decoder.embed_tokens.weight
+        scale = decoder.embed_scale(weight.dtype)
+        x = decoder.embed_tokens(canvas) * scale
+        signal = None
+        if self_conditioning_logits is not None:
+            soft = self_conditioning_logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
+            signal = torch.matmul(soft, weight) * scale.to(x.dtype)
+        x = decoder.self_conditioning(x, signal)
+        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
+        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
+        for index, layer in enumerate(decoder.layers):
+            mask = None
+            if padded and cache.valid[index] is not None:
+                mask = torch.cat([cache.valid[index], canvas_keys], dim=1)[:, None, None, :]
+            x = layer(x, *rope[text.layer_types[index]], cache, mask, False)
+        logits = self.lm_head(decoder.norm(x)).float()
+        cap = self.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap
+
+    def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
+        return DiffusionGemmaEncoderCache(self.config.text_config)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: DiffusionGemmaEncoderCache | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        self_conditioning_logits: torch.Tensor | None = None,
+        **kwargs,
+    ) -> DiffusionGemmaOutput:
+        """transformers' call: encode `input_ids` `(B, T)` (left-padded per `attention_mask`) into `cache` (a
+        fresh one by default), then denoise `decoder_input_ids` `(B, C)` (required: hf_dllm draws no canvas here)
+        at the positions after the cached ones. Returns `logits` `(B, C, vocab)` and the `cache`."""
+        images = sorted(name for name in IMAGE_INPUTS if kwargs.get(name) is not None)
+        if images:
+            raise ValueError(f"{images}: hf_dllm's DiffusionGemma runs text only (the vision tower is not loaded).")
+        unknown = sorted(
+            name for name, value in kwargs.items() if value is not None and name not in ("use_cache", "return_dict")
+        )
+        if unknown:
+            raise TypeError(f"DiffusionGemmaForBlockDiffusion.forward() got unexpected arguments {unknown}.")
+        if decoder_input_ids is None:
+            raise ValueError("`decoder_input_ids` (the canvas `(batch, canvas_length)`) is required.")
+        if cache is None:
+            if input_ids is None:
+                raise ValueError("Either `input_ids` or `cache` must be provided.")
+            cache = self.new_encoder_cache()
+        padded = False
+        if input_ids is not None:
+            valid = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            if attention_mask is not None:
+                valid = attention_mask[:, -input_ids.shape[1] :].bool()
+                padded = not bool(valid.all())
+            columns = torch.arange(cache.length, cache.length + input_ids.shape[1], device=input_ids.device)
+            self.encode(input_ids, columns, valid, cache)
+        length = decoder_input_ids.shape[1]
+        columns = torch.arange(cache.length, cache.length + length, device=decoder_input_ids.device)
+        logits = self.decode(decoder_input_ids, columns, cache, self_conditioning_logits, padded=padded)
+        return DiffusionGemmaOutput(logits=logits, cache=cache)
+
+    # -- hf_dllm's loop ---------------------------------------------------------------------------------------
+    def adjust_generation_fn(
+        self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+    ):
+        """As `DiffusionGenerationMixin.adjust_generation_fn`; fields a generation_config.json leaves unset take
+        transformers' defaults where they differ from hf_dllm's (`original_defaults`: `max_new_tokens` 256)."""
+        super().adjust_generation_fn(
+            generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+        )
+        if generation_config is None and pretrained_model_name_or_path is not None:
+            loading = {
+                k: kwargs[k] for k in ("cache_dir", "local_files_only", "token", "revision", "subfolder") if k in kwargs
+            }
+            path = cached_file(
+                pretrained_model_name_or_path,
+                "generation_config.json",
+                _raise_exceptions_for_missing_entries=False,
+                **loading,
+            )
+            written = json.loads(Path(path).read_text()) if path is not None else {}
+            for name, value in DIFFUSION_GEMMA.original_defaults.items():
+                if written.get(name) is None:
+                    setattr(self.generation_config, name, value)
+
+    def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
+        return self.new_encoder_cache()
+
+    def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
+        # The forward reads which columns are real tokens; the masks are built per pass from them.
+        return key_mask.bool()
+
+    def _diffusion_step_capturable(self) -> bool:
+        return False  # the sampler draws random numbers and the encoder pass grows the cache
+
+    def _diffusion_forward(
+        self, input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
+    ) -> torch.Tensor:
+        """A step of the loop (`EncoderPrefixCache`): `input_ids` and `position_ids` `(B, q)` are the columns
+        `cache_position` `(q,)`, the canvas being the last `canvas_length`; at a canvas' first step the columns
+        before it that the cache does not hold yet (the prompt, the previous canvas; after the serving engine's
+        `set_length`, the whole prefix) are encoded first. `attention_mask` `(B, width)` bool: real tokens (None:
+        all); `self_conditioning_logits` in `forward_kwargs` (the sampler's)."""
+        length = self.config.canvas_length
+        start = cache.length - int(cache_position[0]) if input_ids.shape[1] > length else None
+        if start is not None and start < input_ids.shape[1] - length:
+            columns = cache_position[start:-length]
+            valid = (
+                attention_mask[:, columns]
+                if attention_mask is not None
+                else torch.ones(input_ids.shape[0], len(columns), dtype=torch.bool, device=input_ids.device)
+            )
+            self.encode(input_ids[:, start:-length], columns, valid, cache, position_ids[:, start:-length])
+        return self.decode(
+            input_ids[:, -length:],
+            position_ids[:, -length:],
+            cache,
+            forward_kwargs.get("self_conditioning_logits"),
+            padded=attention_mask is not None,
+        )
+
+    def resolve_generation_config(self, generation_config=None, **fields) -> DiffusionGenerationConfig:
+        """As `DiffusionGenerationMixin.resolve_generation_config`, with DiffusionGemma's rules
+        (`DiffusionGemmaFamily.complete`): canvases of `canvas_length`, `max_new_tokens` rounded up to whole
+        canvases (the output is not cut, as transformers'), transformers' defaults for unset sampler fields."""
+        images = sorted(name for name in IMAGE_INPUTS if name in fields)
+        if images:
+            raise ValueError(f"{images}: hf_dllm's DiffusionGemma runs text only (image inputs are not supported).")
+        config = DiffusionGenerationMixin.resolve_generation_config(self, generation_config, **fields)
+        # The exporter resolves settings on a stand-in without a model config: it writes them as set (unset sampler
+        # fields stay None, transformers' defaults at call time).
+        model_config = getattr(self, "config", None)
+        return config if model_config is None else DIFFUSION_GEMMA.complete(config, model_config, fields)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs=None,
+        generation_config=None,
+        streamer=None,
+        stopping_criteria=None,
+        unmasking_policy=None,
+        **kwargs,
+    ):
+        """hf_dllm's `generate()` (the block loop) with DiffusionGemma's sampler: every argument of transformers'
+        `DiffusionGemmaForBlockDiffusion.generate` that hf_dllm provides (`max_new_tokens`, `max_denoising_steps`,
+        `sampler_config`, `t_min`, `t_max`, `stability_threshold`, `confidence_threshold`, `eos_token_id`,
+        `pad_token_id`, `attention_mask`, `return_dict_in_generate`, `streamer`). Reproduces transformers' draws
+        under the same seed. Sequences stop at the last canvas decoded (every row ended at an EOS: fewer canvases),
+        as transformers'. `unmasking_policy`: a sampler object replacing the family's (`EntropyBoundSampler`)."""
+        run = self.generate_blocks(
+            inputs, generation_config, streamer, stopping_criteria, unmasking_policy=unmasking_policy, **kwargs
+        )
+        sequences = run.run()[:, : run.block_end]
+        if run.config.return_dict_in_generate:
+            from .generation_utils import DiffusionGenerateOutput
+
+            return DiffusionGenerateOutput(sequences=sequences, nfe=run.nfe, nfe_per_row=run.nfe_per_row)
+        return sequences
+
+
+__all__ = ["DiffusionGemmaForBlockDiffusion", "DiffusionGemmaEncoderCache", "DiffusionGemmaPreTrainedModel"]
