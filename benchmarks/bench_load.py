@@ -159,15 +159,17 @@ def serve(args) -> None:
     app = create_app(model, tokenizer, **kwargs)
     engine = getattr(app.state.server.batcher, "engine", None)
     if engine is not None and args.width_granularity:
-        engine.width_granularity = args.width_granularity
+        engine.scheduler.width_granularity = args.width_granularity
     if engine is not None and args.max_batch_positions:
         engine.set_max_batch_positions(args.max_batch_positions)
     if engine is not None and args.max_refresh_positions is not None and not engine.keeps_row_kv:
-        engine.max_refresh_positions = args.max_refresh_positions or None  # block-causal layouts are never cut
+        engine.scheduler.max_refresh_positions = (
+            args.max_refresh_positions or None
+        )  # block-causal layouts are never cut
     if args.server_kind == "continuous-join-apart":
-        engine.join_layout_min_rows = args.join_layout_min_rows
+        engine.scheduler.join_layout_min_rows = args.join_layout_min_rows
     if args.server_kind == "continuous-join-in":  # the engine's rule before joining rows decoded apart
-        engine.join_layout_min_rows = None
+        engine.scheduler.join_layout_min_rows = None
     trace = trace_boundaries(app.state.server.batcher) if engine is not None else []
 
     @app.get("/bench-trace")
@@ -429,10 +431,11 @@ def engine_requests(model, items: list[dict]) -> list:
     """The workload's requests for `ContinuousBatcher` directly (no server), with `request_settings`."""
     from hf_dllm.serving.rows import EngineRequest
 
-    block_causal = model.diffusion_family.topology == "block-causal"
     return [
         EngineRequest(
-            item["prompt"], model.resolve_generation_config(**request_settings(item, block_causal)), lambda u: None
+            item["prompt"],
+            model.resolve_generation_config(**request_settings(item, model.diffusion_family)),
+            lambda u: None,
         )
         for item in items
     ]
@@ -570,31 +573,33 @@ async def one_request(client, item: dict, extra: dict, start: float, record: dic
         record["error"] = f"{type(error).__name__}: {error}"
 
 
-def decoded_blocks(item: dict, block_causal: bool) -> int:
-    """Blocks a request decodes: its own (LLaDA); LLaDA2's blocks are aligned to positions (the first holds the
-    prompt's end)."""
-    if not block_causal:
-        return item["max_tokens"] // BLOCK
+def decoded_blocks(item: dict, family) -> int:
+    """Blocks a request decodes, as its model family plans it (`DiffusionFamily.plan`: LLaDA's blocks follow the
+    prompt; LLaDA2's are aligned to positions, the first holding the prompt's end)."""
+    import torch
+
+    from hf_dllm.generation_config import DiffusionGenerationConfig
+
     prompt = len(item["prompt"])
-    return -(-(prompt + item["max_tokens"]) // BLOCK) - prompt // BLOCK
+    config = DiffusionGenerationConfig(max_new_tokens=item["max_tokens"], block_length=BLOCK, steps=None)
+    plan = family.plan([prompt], prompt, config, torch.device("cpu"))
+    return sum(1 for end in (end for _, end in plan.blocks[: int(plan.last_block[0]) + 1]) if end > prompt)
 
 
-def request_settings(item: dict, block_causal: bool) -> dict:
+def request_settings(item: dict, family) -> dict:
     """`generate()` settings of a workload request (every server, the answer check and the engine scripts): block
     32, dual cache, `STEPS_PER_BLOCK` steps per decoded block, no early stop."""
     return dict(
         max_new_tokens=item["max_tokens"],
         block_length=BLOCK,
-        steps=decoded_blocks(item, block_causal) * STEPS_PER_BLOCK,
+        steps=decoded_blocks(item, family) * STEPS_PER_BLOCK,
         use_cache=True,
         dual_cache=True,
         eos_early_stop=False,
     )
 
 
-async def offered_load(
-    url: str, items: list[dict], rate: float, seed: int, timeout: float, block_causal: bool = False
-) -> list[dict]:
+async def offered_load(url: str, items: list[dict], rate: float, seed: int, timeout: float, family) -> list[dict]:
     """Open loop: request i is sent at its Poisson arrival time, whatever the server's state."""
     import openai
 
@@ -606,7 +611,7 @@ async def offered_load(
         delay = start + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        extra = request_settings(item, block_causal)
+        extra = request_settings(item, family)
         del extra["max_new_tokens"]  # sent as the request's `max_tokens`
         tasks.append(asyncio.create_task(one_request(client, item, extra, start, record)))
     await asyncio.wait_for(asyncio.gather(*tasks), timeout)
@@ -644,14 +649,13 @@ def check_answers(args, items: list[dict], records: list[dict], count: int) -> d
     import torch
 
     model = build_model(args.shape, "cpu", "float32")
-    block_causal = model.diffusion_family.topology == "block-causal"
     config = model.config
     tokenizer = word_tokenizer(config.vocab_size, config.eos_token_id, config.bos_token_id, config.pad_token_id)
     checked = equal = 0
     for item, record in list(zip(items, records, strict=True))[:count]:
         if "text" not in record:
             continue
-        out = model.generate(torch.tensor([item["prompt"]]), **request_settings(item, block_causal))
+        out = model.generate(torch.tensor([item["prompt"]]), **request_settings(item, model.diffusion_family))
         out = out[0, len(item["prompt"]) :].tolist()
         stops = {config.eos_token_id}
         end = next((i for i, token in enumerate(out) if token in stops), len(out))
@@ -664,17 +668,19 @@ def measure(args) -> dict:
     vocab = llada2_fields(args.shape)["vocab_size"] if args.shape in LLADA2_SHAPES else SHAPES[args.shape]["vocab_size"]
     rates = [float(rate) for rate in args.rates.split(",")]
     items = workload(vocab, args.requests, args.seed, args.prompt_range, args.output_range)
+    from hf_dllm.family import registered_family
+
+    family = registered_family("llada2" if args.shape in LLADA2_SHAPES else "llada")  # how requests are planned
     results = {}
     for kind in args.servers.split(","):
         server = ServerProcess(args, kind)
         try:
             # Warm-up: kernels, CUDA graphs of the common shapes.
-            block_causal = args.shape in LLADA2_SHAPES
-            asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout, block_causal))
+            asyncio.run(offered_load(server.url, items[: args.warmup], 100.0, args.seed, args.timeout, family))
             bench_routes = kind != "window" and args.tp == 1  # `hf-dllm serve` itself (`--tp`) has none
             for rate in rates:
                 traced = server.get(f"/bench-trace?since={2**62}")["length"] if bench_routes else 0
-                records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout, block_causal))
+                records = asyncio.run(offered_load(server.url, items, rate, args.seed + 1, args.timeout, family))
                 summary = summarize(records)
                 summary["requests_per_s"] = requests_per_second(records)
                 if bench_routes:

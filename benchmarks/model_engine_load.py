@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_load import SHAPES, STEPS_PER_BLOCK, arrival_times, decoded_blocks, percentile, workload  # noqa: E402
 
+from hf_dllm.family import registered_family  # noqa: E402
+
 FIRST_STEP_POSITIONS_PER_S = 38_328.0
 STEP_S_AT_1, STEP_S_AT_8 = 7.29e-3, 13.96e-3
 
@@ -47,7 +49,8 @@ def layout_s(canvases: list[int]) -> float:
 def replay(items: list[dict], rate: float, seed: int, max_rows: int, join: int | None) -> dict:
     """Latency, time to first block and throughput of one rate's requests (arrivals as `bench_load.offered_load`)."""
     arrivals = arrival_times(len(items), rate, seed)
-    blocks = [decoded_blocks(item, block_causal=False) for item in items]
+    llada = registered_family("llada")
+    blocks = [decoded_blocks(item, llada) for item in items]
     canvas = [len(item["prompt"]) + item["max_tokens"] for item in items]
     now, waiting, running, decoded, first, done = 0.0, list(range(len(items))), [], {}, {}, {}
     while waiting or running:

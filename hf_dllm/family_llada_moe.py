@@ -30,12 +30,18 @@ class LLaDAMoEFamily(LLaDAFamily):
         "modeling_llada_moe.py",
         "family_llada_moe.py",
         "family_llada.py",
+        "triton_moe.py",
+        "grouped_gemm.py",
     )
     generation_defaults = FAST_GENERATION_DEFAULTS
     context_length_field = "max_position_embeddings"
     eot_token = None  # the Hub tokenizer's end of turn is its EOS
     card_template = "template.md"
     generic_card = "generic-llada-moe"
+    # As LLaDA2's (`family_llada2.py`): the `experts` list of Hub-named per-expert layers is not transformers'
+    # fused `*.experts` module, so the list is skipped and its layers quantized one by one; the router (`mlp.gate`,
+    # 64 x hidden) stays in the model's dtype, so FP8 does not change which experts run.
+    fp8_modules_to_not_convert = ("lm_head", r".*\.experts$", r".*\.mlp\.gate$")
 
     def describes(self, config: dict) -> bool:
         return "num_experts" in config

@@ -26,8 +26,13 @@ Exported as Hub remote code (LLaDA2.x): Triton is imported inside `try:` (`trito
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
+import torch
+from torch import nn
+
+from .fp8 import fp8_block_size, is_fp8_linear
+from .tensor_parallel import local_tensor
 from .triton_ops import (
     TRITON_AVAILABLE,
     launch,
@@ -325,3 +330,42 @@ def grouped_matmul(
         config=config,
     )
     return out
+
+
+# The experts' weights stacked for `grouped_matmul` (LLaDA2.x's and LLaDA-MoE's MoE blocks).
+class ExpertStacks(NamedTuple):
+    """The experts' weights stacked for the grouped products (LLaDA2's and LLaDA-MoE's MoE blocks):
+    gate_up `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and down `(E', H, I)` in the experts'
+    dtype; for FP8 experts (transformers' `FineGrainedFP8Config`) also their block scales, gate_up_scale
+    `(E', 2 * ceil(I / bn), ceil(H / bk))` (the gate's scale rows, then the up's) and down_scale
+    `(E', ceil(H / bn), ceil(I / bk))`, and block_size `(bn, bk)`."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    block_size: tuple[int, int] | None = None
+
+
+def expert_fp8_block_size(layer: nn.Linear) -> tuple[int, int] | None:
+    """An FP8 layer's block size (transformers' `FP8Linear`; `(1, K)` per tensor), None for a layer in a floating
+    dtype."""
+    return fp8_block_size(layer) if is_fp8_linear(layer) else None
+
+
+def stack_expert_parameters(experts: list[nn.Module], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' (SwiGLU MLPs with `gate_proj`, `up_proj`, `down_proj`) `name` parameters (`weight`, or FP8
+    layers' `weight_scale_inv`) stacked: `(E', gate rows + up rows, ...)` and `(E', down rows, ...)`; each expert's
+    parameters re-pointed to views of the stacks (no second copy; under tensor parallelism, this rank's slices)."""
+
+    def local(linear: nn.Linear) -> torch.Tensor:
+        return local_tensor(getattr(linear, name)).detach()
+
+    gate_up = torch.stack([torch.cat([local(expert.gate_proj), local(expert.up_proj)]) for expert in experts])
+    down = torch.stack([local(expert.down_proj) for expert in experts])
+    gate_rows = local(experts[0].gate_proj).shape[0]
+    for e, expert in enumerate(experts):
+        local_tensor(getattr(expert.gate_proj, name)).data = gate_up[e, :gate_rows]
+        local_tensor(getattr(expert.up_proj, name)).data = gate_up[e, gate_rows:]
+        local_tensor(getattr(expert.down_proj, name)).data = down[e]
+    return gate_up, down

@@ -32,11 +32,12 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from . import triton_moe, triton_ops
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
-from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
-from .grouped_gemm import grouped_matmul
+from .fp8 import fp8_kernel_supports, is_fp8_linear
+from .grouped_gemm import ExpertStacks, expert_fp8_block_size, grouped_matmul, stack_expert_parameters
 from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
+from .triton_moe import store_top_k  # None without Triton
 from .triton_ops import on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
@@ -248,22 +249,7 @@ if MOE_KERNELS_AVAILABLE:
             allowed = allowed | (lanes == top)
             block_score = tl.where(lanes == top, float("-inf"), block_score)
         choice = tl.where(allowed, choice, float("-inf"))
-        ks = tl.arange(0, BLOCK_K)
-        chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
-        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            top_score = tl.max(choice, axis=0)
-            top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=0)
-            picked = lanes == top
-            chosen = tl.where(ks == k, top.to(tl.int64), chosen)
-            weights = tl.where(ks == k, tl.sum(tl.where(picked, scores, 0.0), axis=0), weights)
-            choice = tl.where(picked, float("-inf"), choice)
-        if NORMALIZE:
-            total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
-            weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
-        weights = weights * scale
-        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
-        tl.store(weight_ptr + token * TOP_K + ks, weights, mask=ks < TOP_K)
+        store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K, NORMALIZE, BLOCK_K)
 
 
 @on_tensor_device
@@ -463,20 +449,6 @@ class LLaDA2MoeGate(nn.Module):
         return topk_idx, topk_weight * self.routed_scaling_factor
 
 
-class ExpertStacks(NamedTuple):
-    """The experts' weights stacked for the grouped products (`LLaDA2MoeSparseMoeBlock.stacked_weights`):
-    gate_up `(E', 2 * I, H)` (each expert's gate rows, then its up rows) and down `(E', H, I)` in the experts'
-    dtype; for FP8 experts (transformers' `FineGrainedFP8Config`) also their block scales, gate_up_scale
-    `(E', 2 * ceil(I / bn), ceil(H / bk))` (the gate's scale rows, then the up's) and down_scale
-    `(E', ceil(H / bn), ceil(I / bk))`, and block_size `(bn, bk)`."""
-
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    gate_up_scale: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
-    block_size: tuple[int, int] | None = None
-
-
 def _grouped_mm_function() -> Callable | None:
     return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -539,7 +511,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         if self.shared_experts is None or self.config.num_shared_experts != 1:
             return False
         routed = self.experts[0]
-        if _fp8_block_size(self.shared_experts.gate_proj) != _fp8_block_size(routed.gate_proj):
+        if expert_fp8_block_size(self.shared_experts.gate_proj) != expert_fp8_block_size(routed.gate_proj):
             return False
         return all(
             is_sharded(getattr(self.shared_experts, name).weight) == is_sharded(getattr(routed, name).weight)
@@ -587,12 +559,14 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         this rank's slices: `I` is then its share of the intermediate width)."""
 
         experts = self._stacked_experts()
-        gate_up, down = _stack_parameters(experts, "weight")
-        block_size = _fp8_block_size(experts[0].gate_proj)
+        gate_up, down = stack_expert_parameters(experts, "weight")
+        block_size = expert_fp8_block_size(experts[0].gate_proj)
         if block_size is None:
             self._stacked = ExpertStacks(gate_up, down)
         else:
-            self._stacked = ExpertStacks(gate_up, down, *_stack_parameters(experts, "weight_scale_inv"), block_size)
+            self._stacked = ExpertStacks(
+                gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size
+            )
         self._stack_check = [(weight, local_tensor(weight).data_ptr()) for weight in self._sampled_weights()]
 
     def _grouped_allowed(self) -> bool:
@@ -775,27 +749,3 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         return grouped_mm(
             gated_activation(self.act_fn, gate, up, self.silu).contiguous(), down.transpose(1, 2), offs=offsets
         )
-
-
-def _fp8_block_size(layer: nn.Linear) -> tuple[int, int] | None:
-    """An FP8 layer's block size (transformers' `FP8Linear`; `(1, K)` per tensor), None for a layer in a floating
-    dtype."""
-    return fp8_block_size(layer) if is_fp8_linear(layer) else None
-
-
-def _stack_parameters(experts: list[LLaDA2MoeMLP], name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts' `name` parameters (`weight`, or FP8 layers' `weight_scale_inv`) stacked: `(E', gate rows + up
-    rows, ...)` and `(E', down rows, ...)`; each expert's parameters re-pointed to views of the stacks (under tensor
-    parallelism, this rank's slices)."""
-
-    def local(linear: nn.Linear) -> torch.Tensor:
-        return local_tensor(getattr(linear, name)).detach()
-
-    gate_up = torch.stack([torch.cat([local(expert.gate_proj), local(expert.up_proj)]) for expert in experts])
-    down = torch.stack([local(expert.down_proj) for expert in experts])
-    gate_rows = local(experts[0].gate_proj).shape[0]
-    for e, expert in enumerate(experts):
-        local_tensor(getattr(expert.gate_proj, name)).data = gate_up[e, :gate_rows]
-        local_tensor(getattr(expert.up_proj, name)).data = gate_up[e, gate_rows:]
-        local_tensor(getattr(expert.down_proj, name)).data = down[e]
-    return gate_up, down

@@ -21,8 +21,11 @@ names (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.w
 
 The routed experts (`LLaDAMoESparseMoeBlock`) run as a plain loop over the experts the tokens selected (each expert
 on its own tokens, its output times the routing weight added in place: the original's arithmetic; always in
-float32), or, in half precision where torch's grouped GEMM runs, as two grouped GEMMs over stacked views of the
-same weights, without host synchronisation (`generate()` then captures its steps in CUDA graphs).
+float32), or, in half precision, without host synchronisation (`generate()` then captures its steps in CUDA
+graphs): where hf_dllm's Triton kernels run (CUDA), as LLaDA2's fused MoE kernels (`triton_moe.py`'s router,
+alignment and combine, `grouped_gemm.py`'s grouped products, bf16 or FP8 weights), elsewhere as torch's grouped
+GEMMs, both over stacked views of the same weights. FP8 (`fp8.fp8_quantization_config("llada_moe")`) quantizes every
+projection but the routers and the output head; its layers run through `kernels.linear`.
 
 Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS` (`eager` is this file's reference function,
 `sdpa`, `flex_attention`, `flash_attention_2`, ...; by default `llada_triton`, LLaDA's: the split-KV kernel on CUDA
@@ -52,8 +55,13 @@ from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import KV_CACHE_DTYPES, DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada_moe import LLaDAMoEConfig
 from .family_llada_moe import LLADA_MOE
+from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
+from .grouped_gemm import ExpertStacks, expert_fp8_block_size, grouped_matmul, stack_expert_parameters
+from .kernels import linear, use_fused_kernels
 from .packed import run_attention
+from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
+from .triton_moe import align_by_expert, combine, route
 
 register_attention_backends()
 
@@ -192,9 +200,9 @@ class LLaDAMoEAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
         batch, q_len, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
+        query = linear(self.q_proj, hidden_states).view(batch, q_len, self.num_heads, self.head_dim)
+        key = linear(self.k_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
+        value = linear(self.v_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
         if self.config.qk_layernorm:
             query, key = self.q_norm(query), self.k_norm(key)
         clip = self.config.clip_qkv
@@ -219,7 +227,7 @@ class LLaDAMoEAttention(nn.Module):
             scaling=self.scaling,
             **kwargs,
         )
-        return self.o_proj(attn.reshape(batch, q_len, -1))
+        return linear(self.o_proj, attn.reshape(batch, q_len, -1))
 
 
 class LLaDAMoEMLP(nn.Module):
@@ -233,7 +241,7 @@ class LLaDAMoEMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, self.act_fn(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
@@ -255,14 +263,21 @@ class LLaDAMoESparseMoeBlock(nn.Module):
     cast to the model dtype and **not renormalised**, weight the experts' outputs, which are added up per token in
     expert order.
 
-    The experts run in one of two ways that compute the same thing:
+    The experts run in one of three ways that compute the same thing (the last two up to rounding):
 
     - the loop (the reference, and always in float32, so a float32 model is the original's arithmetic): each
       expert that tokens chose, on its tokens; the per-expert counts are read on the host once per layer;
-    - grouped (half-precision activations, `grouped_mm_dtypes`, on a GPU where torch's grouped GEMM runs, without
-      autograd): the (token, choice) pairs sorted by expert, two grouped GEMMs over the experts' weights stacked
-      (the Hub-named parameters re-pointed to views of the stacks: no second copy; `save_pretrained` still writes
-      one tensor per name), no host synchronisation. `experts_implementation="eager"` keeps the loop.
+    - the fused kernels (`uses_fused_kernels`: half precision where hf_dllm's Triton kernels run, LLaDA2's): the
+      router's top-k, the alignment of the (token, choice) pairs by expert and the weighted sum of each token's
+      rows (in float32) are `triton_moe.py`'s kernels, the gated up-projection and the down-projection
+      `grouped_gemm.py`'s grouped products over the stacked weights (`stacks`), bf16 or FP8; no host
+      synchronisation;
+    - grouped (elsewhere, half-precision activations, `grouped_mm_dtypes`, where torch's grouped GEMM runs,
+      without autograd): the pairs sorted by expert, two of torch's grouped GEMMs over the stacks, no host
+      synchronisation.
+
+    The stacks are the experts' weights stacked, the Hub-named parameters re-pointed to views of them (no second
+    copy; `save_pretrained` still writes one tensor per name). `experts_implementation="eager"` keeps the loop.
     """
 
     # Activation dtypes whose experts run grouped where torch's grouped GEMM can (float32 runs the loop).
@@ -281,7 +296,7 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(self.num_experts))
         else:
             self.expert_bias = None
-        # (gate_up (E, 2I, H), down (E, H, I), the first and last expert weights they were made from): see `stacks`.
+        # (`ExpertStacks`, the first and last expert weights they were made from): see `stacks`.
         self._stacks: tuple | None = None
 
     def _apply(self, fn, *args, **kwargs):
@@ -304,6 +319,9 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         the router logits `(batch * q_len, num_experts)`)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        if self.uses_fused_kernels(x):
+            router_logits = self.gate(x)
+            return self._experts_fused(x, router_logits).view(shape), router_logits
         weights, experts, router_logits = self.route(x)
         run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
         return run(x, weights, experts).view(shape), router_logits
@@ -329,6 +347,37 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             start += count
         return out
 
+    def uses_fused_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the experts run as the fused kernels for activations `x` (see the class docstring): the fused
+        kernels apply (`kernels.use_fused_kernels`: CUDA with Triton, or kernel mode "triton"; no autograd), not
+        asked for the loop, half-precision activations, SiLU experts, no `expert_bias` (the original's routing
+        weights include it; the kernel's do not), and plain expert weights in x's dtype or FP8 ones with block
+        scales the grouped kernel takes."""
+        if not MOE_KERNELS_AVAILABLE or x.dtype not in self.grouped_mm_dtypes or not use_fused_kernels(x):
+            return False
+        if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER or self.expert_bias is not None:
+            return False
+        layer = self.experts[0].gate_proj
+        if self.config.hidden_act not in ("silu", "swish") or (torch.is_grad_enabled() and layer.weight.requires_grad):
+            return False
+        if is_fp8_linear(layer):
+            return fp8_kernel_supports(layer.weight, fp8_block_size(layer))
+        return type(layer) is nn.Linear and "_hf_hook" not in layer.__dict__ and layer.weight.dtype == x.dtype
+
+    def _experts_fused(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)` and its router logits `(tokens,
+        num_experts)`: the top-k of the float32 softmax (`route`; ties to the lower index), the pairs aligned by
+        expert, `silu(gate) * up` and the down-projection as grouped products over `stacks()`, each token's rows
+        weighted by its probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`)."""
+        experts, weights = route(router_logits.float(), None, 1, 1, self.top_k, "softmax", False, 1.0)
+        stacks = self.stacks()
+        sorted_token, offsets, rows = align_by_expert(experts, self.num_experts, False)
+        gated = grouped_matmul(
+            x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
+        )
+        expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
+        return combine(expert_rows, rows, weights.to(x.dtype).float(), False)
+
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop
         (`experts_implementation="eager"`), a dtype of `grouped_mm_dtypes` that the experts' weights have, no
@@ -352,34 +401,34 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             return torch.cuda.get_device_capability(x.device) >= (9, 0)
         return x.device.type == "cpu"
 
-    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' weights stacked: gate_up `(E, 2I, H)` (each expert's gate rows, then its up rows) and down
-        `(E, H, I)`. Made at the first grouped forward and again after `.to()` or when the first or last expert's
-        weights were replaced: each expert's parameters are then re-pointed to views of the stacks (no copy is kept;
-        in-place updates such as `load_state_dict` reach the stacks)."""
-        experts = self.experts
+    def stacks(self) -> ExpertStacks:
+        """The experts' weights stacked (`grouped_gemm.ExpertStacks`): gate_up `(E, 2I, H)` (each expert's gate rows,
+        then its up rows) and down `(E, H, I)`, and FP8 experts' block scales. Made at the first grouped forward and
+        again after `.to()` or when the first or last expert's weights were replaced: each expert's parameters are
+        then re-pointed to views of the stacks (no copy is kept; in-place updates such as `load_state_dict` reach
+        the stacks)."""
+        experts = list(self.experts)
         current = (experts[0].gate_proj.weight, experts[-1].down_proj.weight)
         if self._stacks is not None:
-            gate_up, down, made_from = self._stacks
+            stacks, made_from = self._stacks
             if all(a is b and a.data_ptr() == pointer for a, (b, pointer) in zip(current, made_from, strict=True)):
-                return gate_up, down
+                return stacks
         with torch.no_grad():
-            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
-            down = torch.stack([e.down_proj.weight for e in experts])
-            rows = experts[0].gate_proj.weight.shape[0]
-            for index, expert in enumerate(experts):
-                expert.gate_proj.weight.data = gate_up[index, :rows]
-                expert.up_proj.weight.data = gate_up[index, rows:]
-                expert.down_proj.weight.data = down[index]
-        made_from = tuple((weight, weight.data_ptr()) for weight in current)
-        self._stacks = (gate_up, down, made_from)
-        return gate_up, down
+            gate_up, down = stack_expert_parameters(experts, "weight")
+            block_size = expert_fp8_block_size(experts[0].gate_proj)
+            if block_size is None:
+                stacks = ExpertStacks(gate_up, down)
+            else:
+                stacks = ExpertStacks(gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size)
+        self._stacks = (stacks, tuple((weight, weight.data_ptr()) for weight in current))
+        return stacks
 
     def _experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """`_experts_loop`'s outputs from two grouped GEMMs over `stacks()`, with no host synchronisation; each
         token's weighted expert outputs added in expert order, as the loop adds them."""
         grouped_mm = _grouped_mm_function()
-        gate_up, down = self.stacks()
+        stacks = self.stacks()
+        gate_up, down = stacks.gate_up, stacks.down
         tokens, hidden = x.shape
         chosen = experts.reshape(-1)
         order = torch.argsort(chosen, stable=True)
@@ -646,7 +695,7 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
             output_router_logits=output_router_logits,
             **kwargs,
         )
-        logits = self.lm_head(select_positions(outputs.last_hidden_state, logits_to_keep))
+        logits = linear(self.lm_head, select_positions(outputs.last_hidden_state, logits_to_keep))
         output = MoeCausalLMOutputWithPast(
             logits=logits,
             hidden_states=outputs.hidden_states,
@@ -657,14 +706,15 @@ class LLaDAMoEModelLM(LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
         return output if use_return_dict else output.to_tuple()
 
     def _diffusion_step_capturable(self) -> bool:
-        """Whether a denoising step can be captured in a CUDA graph: only where the experts run grouped for the
-        model's activations (`LLaDAMoESparseMoeBlock.uses_grouped_mm`); the loop reads the per-expert counts on the
-        host."""
+        """Whether a denoising step can be captured in a CUDA graph: only where the experts run fused or grouped for
+        the model's activations (`LLaDAMoESparseMoeBlock.uses_fused_kernels`, `uses_grouped_mm`); the loop reads the
+        per-expert counts on the host."""
         blocks = [layer.mlp for layer in self.model.layers if layer.is_moe]
         if not blocks:
             return True
         embedding = self.model.embed_tokens.weight  # the activations' dtype and device
-        return all(block.uses_grouped_mm(embedding.new_empty(0, embedding.shape[1])) for block in blocks)
+        x = embedding.new_empty(0, embedding.shape[1])
+        return all(block.uses_fused_kernels(x) or block.uses_grouped_mm(x) for block in blocks)
 
 
 __all__ = ["LLaDAMoEModel", "LLaDAMoEModelLM", "LLaDAMoEPreTrainedModel"]

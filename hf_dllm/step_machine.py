@@ -262,22 +262,19 @@ class StepMachine:
     """What a block's steps decode with, whatever the rows: the model's family rules, the cache and unmasking
     policies, the step's `StepRules`, the K/V cache and CUDA graphs, and the steps themselves on a `Canvas`.
 
-    A step is one tensor function (`step`: model forward on the positions the cache policy asks for, then the
-    unmasking rule on the block) with no host synchronisation, so on CUDA it is captured once per shape as a CUDA
-    graph and replayed (`graphs.py`); everywhere else, or with `disable_compile=True`, it runs eagerly.
+    A step (`step`: the forward on the positions the cache policy asks for, then the unmasking rule) is one tensor
+    function without host synchronisation: on CUDA captured once per shape and replayed (`graphs.py`), else eager.
 
     Args:
         policies: the cache and unmasking policies (`decoding_policies`).
         rows: the most rows a step runs (its forwards run twice as many with classifier-free guidance).
-        new_cache: `new_cache(rows_per_forward)`, a `DiffusionKVCache` for the forwards (asked only when the cache
-            policy keeps one, and not when the model's graph runner of this signature already holds one).
-        graph_shape: `graph_shape(rows_per_forward)`, the shapes every captured step of the owner shares (the start
-            of its graphs' signature; shapes that vary per step are in `step_inputs`' key).
+        new_cache: `new_cache(rows_per_forward)`, a `DiffusionKVCache` (asked only when the cache policy keeps one
+            and the model's graph runner of this signature holds none).
+        graph_shape: `graph_shape(rows_per_forward)`, the shapes every captured step of the owner shares.
         max_graphs: captured shapes kept.
         drafts: whether a consumer reads each step's draft at every position (logits at every position then).
 
-    `nfe` and `first_step_positions` count the forwards the machine runs; an owner that runs a forward of its own
-    (the engine's packed rows) counts it there too.
+    `nfe` and `first_step_positions` count the forwards the machine runs (and an owner's own, e.g. packed rows).
     """
 
     def __init__(
@@ -334,8 +331,7 @@ class StepMachine:
         self.cache = self.graphs.cache if self.graphs is not None else make_cache()
 
     def _setup_rules(self) -> None:
-        """The step's decoding rules, once `graphs` is known (captured graphs read the runner's copies of the
-        constant token-id tensors)."""
+        """The step's decoding rules, once `graphs` is known (captured graphs read the runner's token-id tensors)."""
         if self.graphs is not None:
             if hasattr(self.unmasking, "keep_state_in"):  # a rule with device state its graphs read by address
                 self.unmasking.keep_state_in(self.graphs)
@@ -352,16 +348,14 @@ class StepMachine:
         )
 
     def proposal_vocab_shard(self):
-        """This rank's `tensor_parallel.VocabShard` when the step's proposal is reduced from it before any gather:
-        the model's output head is split by vocabulary rows (tensor parallelism), the proposal is greedy
-        low-confidence without guidance, and the policy does not read the logits; else None (full logits)."""
+        """This rank's `tensor_parallel.VocabShard` when the proposal is reduced from it before any gather (a head
+        split by vocabulary rows, greedy low-confidence without guidance, a policy that reads no logits), else None."""
         if not self._greedy_without_guidance() or self.unmasking.reads_logits:
             return None
         return vocab_shard(self.model)
 
     def release(self) -> None:
-        """Give the model's CUDA-graph runner back (the captured graphs stay with the model for the next run of
-        the same signature), once the steps are done."""
+        """Give the model's CUDA-graph runner back (its graphs stay with the model), once the steps are done."""
         if self.graphs is not None:
             StepGraphs.release_to(self.model)
             self.graphs = None
@@ -381,15 +375,13 @@ class StepMachine:
         )
 
     def _greedy_without_guidance(self) -> bool:
-        """Greedy low-confidence proposals without classifier-free guidance: no random draw shaped by the block
-        and no doubled rows in a step."""
+        """Greedy low-confidence proposals without guidance: no random draw and no doubled rows in a step."""
         config = self.config
         return config.temperature == 0 and config.remasking == "low_confidence" and not self.cfg
 
     def step_capturable(self) -> bool:
-        """The model's `_diffusion_step_capturable()`, asked in the mode the steps run in (without autograd): a model
-        may choose its kernels by it (LLaDA2's grouped expert GEMMs are off while autograd records), and a run may be
-        set up by a caller that has autograd on (the serving engine's scheduler thread)."""
+        """The model's `_diffusion_step_capturable()` without autograd, as the steps run (a model may choose its
+        kernels by it; the engine's scheduler thread may set a run up with autograd on)."""
         with torch.no_grad():
             return self.model._diffusion_step_capturable()
 
@@ -430,19 +422,12 @@ class StepMachine:
         logit_slots: torch.Tensor | None = None,
         prompt_end: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One denoising step, a pure tensor function (graph-capturable).
-
-        tokens, position_ids `(rows, q)`: the positions fed to the model (columns `cache_position` `(q,)`);
-        logits_index `(L,)`: which of them carry the block's logits; block_index `(L,)`: where the block's tokens
-        are among them (both `(rows, L)` when rows hold their blocks at different columns); scheduled `(rows,)`:
-        the schedule's count; active `(rows,)`: rows still denoising (None: all); generated `(rows, L)`: the
-        block's positions after each prompt (None: all; only editing reads it); logit_slots `(U,)` (`arange(U)`,
-        U < L): logits only at each row's first U block positions in masked-first order (its masked positions in
-        order, then the others), where the rule says no active row holds more than U masks (`_logit_slots`);
-        None: at all L. prompt_end `(rows,)`: each row's first generated column (classifier-free guidance only).
-        Returns the new block, the draft `(rows, L)` and whether each row edited a committed token `(rows,)` (see
-        `decoding.denoise_step`).
-        """
+        """One denoising step, a pure tensor function (graph-capturable). tokens, position_ids `(rows, q)` at columns
+        `cache_position` `(q,)`; logits_index, block_index `(L,)` or `(rows, L)`: which fed positions carry the
+        block's logits, and where its tokens are; scheduled `(rows,)`; active `(rows,)` (None: all); generated
+        `(rows, L)`: positions after each prompt (editing only); logit_slots `arange(U)`: logits only at each row's
+        first U positions in masked-first order (`_logit_slots`; None: all L); prompt_end `(rows,)` (guidance only).
+        Returns the new block, the draft `(rows, L)` and whether each row edited a committed token `(rows,)`."""
         block = tokens.gather(1, block_index) if block_index.dim() == 2 else tokens.index_select(1, block_index)
         candidates = None
         if logit_slots is not None:
@@ -467,9 +452,8 @@ class StepMachine:
         return self.decide(block, logits, scheduled, generated, active, candidates)
 
     def forward_logits(self, *args, **inputs) -> torch.Tensor:
-        """The model's `_diffusion_forward(*args, **forward_kwargs, **inputs)` (`inputs`: the unmasking policy's
-        extra forward inputs): the logits `decide` takes, which are this rank's slice of the vocabulary's under
-        tensor parallelism with a `rules.vocab_shard`."""
+        """The model's `_diffusion_forward(*args, **forward_kwargs, **inputs)` (`inputs`: the policy's): the logits
+        `decide` takes (this rank's vocabulary slice under tensor parallelism with a `rules.vocab_shard`)."""
         head = self.model.get_output_embeddings() if self.rules.vocab_shard is not None else None
         with local_head_logits(head):
             return self.model._diffusion_forward(*args, **self.forward_kwargs, **inputs)
@@ -483,9 +467,8 @@ class StepMachine:
         active: torch.Tensor | None = None,
         candidates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's decision from the block's logits: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U,
-        vocab)` at the positions `candidates` `(rows, U)`; from `forward_logits`), the rest as in `step`; returns what
-        `step` returns."""
+        """The step's decision: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U, vocab)` at `candidates`
+        `(rows, U)`), the rest as in `step`; returns what `step` returns."""
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
         return agree_across_ranks(
             self.model, self.unmasking.denoise(block, logits, self.rules, scheduled, generated, active, candidates)
@@ -543,10 +526,8 @@ class StepMachine:
         )
         if step == 0:
             self.first_step_positions += inputs["tokens"].numel()
-        # Whether a mask is fed is part of the shape: a key mask of all ones may be prepared as None. Where the
-        # block lies is not: every column index is an input tensor, so one graph serves every block's step of one
-        # shape (in particular the dual/prefix cache's full forward at each block start, captured at the second
-        # block and replayed from the third instead of running eagerly once per block).
+        # Whether a mask is fed is part of the shape (a key mask of all ones may be None); where the block lies is
+        # not (column indices are input tensors), so one graph serves every block's step of one shape.
         mask_fed = inputs["attention_mask"] is not None
         slots = None if inputs["logit_slots"] is None else inputs["logit_slots"].shape[0]
         return inputs, (rows, q_end - q_start, block_end - block_start, kv_len, mask_fed, slots)
@@ -564,11 +545,9 @@ class StepMachine:
         return masks[(rows, q_len, kv_len)]
 
     def _logit_slots(self, step: int, rows: int, length: int) -> torch.Tensor | None:
-        """`arange(U)` on the device when step `step` of a block of `length` positions needs logits at only U < L
-        positions of each row (see `step`), else None: the rule bounds the masks an active row can hold
-        (`UnmaskingPolicy.masked_bound`), the step is large enough for the LM head's rows to cost
-        (`MIN_CANDIDATE_POSITIONS`), and nothing else reads the other positions' logits (greedy low-confidence
-        proposals without guidance; a consumer of drafts sees every position's candidate)."""
+        """`arange(U)` when step `step` of a block of `length` needs logits at only U < L positions per row (the rule
+        bounds an active row's masks, `masked_bound`; at least `MIN_CANDIDATE_POSITIONS`; greedy without guidance
+        and no drafts read the others), else None."""
         if rows * length < MIN_CANDIDATE_POSITIONS or not self._greedy_without_guidance() or self.drafts:
             return None
         bound = self.unmasking.masked_bound(step)

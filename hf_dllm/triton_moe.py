@@ -34,6 +34,30 @@ from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None w
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K: tl.constexpr,
+                    NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        # One token's TOP_K experts by descending `choice` (ties: the lowest index) and their `scores` as weights
+        # (normalised with NORMALIZE, times `scale`), stored at its row of index_ptr / weight_ptr. choice, scores,
+        # lanes: 1D over the experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts). Shared by
+        # `route` and LLaDA2.2's block router (`llada2_moe_layer.fused_block_route`).
+        ks = tl.arange(0, BLOCK_K)
+        chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
+        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            top_score = tl.max(choice, axis=0)
+            top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=0)
+            picked = lanes == top
+            chosen = tl.where(ks == k, top.to(tl.int64), chosen)
+            weights = tl.where(ks == k, tl.sum(tl.where(picked, scores, 0.0), axis=0), weights)
+            choice = tl.where(picked, float("-inf"), choice)
+        if NORMALIZE:
+            total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
+            weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
+        weights = weights * scale
+        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
+        tl.store(weight_ptr + token * TOP_K + ks, weights, mask=ks < TOP_K)
+
+    @triton.jit
     def _route_kernel(
         logits_ptr,
         bias_ptr,
@@ -101,23 +125,9 @@ if TRITON_AVAILABLE:
         flat_choice = tl.reshape(choice, [BLOCK_G * BLOCK_S])
         flat_scores = tl.reshape(scores, [BLOCK_G * BLOCK_S])
         flat_expert = tl.reshape(tl.where(valid, expert, 2147483647), [BLOCK_G * BLOCK_S])
-        ks = tl.arange(0, BLOCK_K)
-        chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
-        weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            # Experts in descending choice score; on ties the lowest index.
-            top_score = tl.max(flat_choice, axis=0)
-            top = tl.min(tl.where(flat_choice == top_score, flat_expert, 2147483647), axis=0)
-            picked = flat_expert == top
-            chosen = tl.where(ks == k, top.to(tl.int64), chosen)
-            weights = tl.where(ks == k, tl.sum(tl.where(picked, flat_scores, 0.0), axis=0), weights)
-            flat_choice = tl.where(picked, float("-inf"), flat_choice)
-        if NORMALIZE:
-            total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
-            weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
-        weights = weights * scale
-        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
-        tl.store(weight_ptr + token * TOP_K + ks, weights, mask=ks < TOP_K)
+        store_top_k(
+            flat_choice, flat_scores, flat_expert, index_ptr, weight_ptr, token, scale, TOP_K, NORMALIZE, BLOCK_K
+        )
 
     @triton.jit
     def _align_kernel(
@@ -344,6 +354,9 @@ if TRITON_AVAILABLE:
         tl.store(cache_k_ptr + dst, y, mask=is_k[:, None])
         v = tl.load(src + v_shift * HEAD_DIM + d[None, :], mask=is_k[:, None], other=0.0)
         tl.store(cache_v_ptr + dst, v, mask=is_k[:, None])
+
+else:
+    store_top_k = None  # (imported by `llada2_moe_layer.py`'s block router)
 
 
 @on_tensor_device

@@ -13,14 +13,19 @@ batch's rows at once (`capacity - max(1, capacity // 8)`: 14 of 16, 56 of 64): t
 other requests, which join at the next block boundary. This costs a lone many-prompt request an eighth of the batch
 (its remaining rows join as its first ones finish); rows without a request (`group` None) are not capped.
 
-The engine asks only what a deque of rows gives (`append`, `popleft`, `[0]`, `len`, iteration, `clear`) and
-`discard_if` for cancelled rows; any object with those methods is an admission policy.
+`Admission` is the engine's side of it (`engine.ContinuousBatcher.admission`): the lock, the queue, the cancelled
+rows' leaving, and `admit`, which offers the queue's head to the engine while a row is free. The queue is asked only
+what a deque of rows gives (`append`, `popleft`, `[0]`, `bool`, `len`, iteration, `clear`) and `discard_if` for
+cancelled rows; any object with those methods is an admission policy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+
+from .rows import EngineRequest
 
 
 def request_share(capacity: int) -> int:
@@ -112,3 +117,47 @@ class RoundRobinQueue:
         """Every waiting row, request by request (not in admission order)."""
         for rows in list(self._requests.values()):
             yield from rows
+
+
+def drop_cancelled(row: EngineRequest) -> bool:
+    """Whether `row` leaves before decoding (cancelled, or ended); a cancelled row's `on_cancel` is told."""
+    if row.cancelled.is_set() and not row.ended:
+        row.ended = True
+        if row.on_cancel is not None:
+            row.on_cancel(row.nfe)
+    return row.ended
+
+
+class Admission:
+    """The rows waiting to join a batch of `capacity()` rows (`submit` from any thread; `admit` from the engine's).
+
+    Attributes:
+        lock (`threading.Lock`): guards `waiting` (the engine's tensor-parallel mirror guards its own state with it).
+        waiting (`RoundRobinQueue`): the queued rows, in admission order.
+    """
+
+    def __init__(self, capacity: Callable[[], int]):
+        self.lock = threading.Lock()
+        self.waiting = RoundRobinQueue(capacity)
+
+    def submit(self, row: EngineRequest) -> None:
+        with self.lock:
+            self.waiting.append(row)
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self.waiting)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.waiting.clear()
+
+    def admit(self, slots: list[int], join: Callable[[EngineRequest], bool]) -> None:
+        """While `slots` (free row places, in order of use) has one, offer the queue's head to `join`, which either
+        takes it into the batch (True: it gets the first free slot) or not (False: admission stops there and the
+        head keeps its place: no starvation). Cancelled rows leave the queue first (`drop_cancelled`)."""
+        with self.lock:
+            if any(row.cancelled.is_set() for row in self.waiting):
+                self.waiting.discard_if(drop_cancelled)
+            while slots and self.waiting and join(self.waiting[0]):
+                self.waiting.popleft().slot = slots.pop(0)

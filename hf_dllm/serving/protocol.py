@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -166,6 +166,8 @@ class GenerationParams:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # The request's names of config fields where they differ (`max_new_tokens` -> `max_tokens`, ...): its errors'.
+    aliases: dict = field(default_factory=dict)
 
 
 def _same(value, expected) -> bool:
@@ -297,10 +299,6 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
                 f"The model's generation config decodes {max_tokens} tokens (`max_new_tokens`).",
                 prompt_param,
             )
-    # What the run itself would refuse for any prompt (failing every row batched with this one) is refused here,
-    # per request: the plan of a prompt of one whole block, which decodes the fewest blocks (`check_prompt_plan`
-    # checks each prompt's own).
-    check_plan(family, config.block_length, config, max_name, aliases)
     needs_eos = [
         name for name in ("eos_early_stop", "logits_eos_inf", "confidence_eos_eot_inf") if getattr(config, name)
     ]
@@ -336,19 +334,22 @@ def parse_generation_params(body: dict, model, chat: bool, max_length: int | Non
         if not stream:
             raise APIError(400, "`stream_options` is only allowed with stream=true.", param="stream_options")
         include_usage = bool(options.get("include_usage", False))
-    return GenerationParams(config, fields, max_tokens, stop, stream, include_usage)
+    return GenerationParams(config, fields, max_tokens, stop, stream, include_usage, aliases)
 
 
-def check_plan(family, prompt_length: int, config: DiffusionGenerationConfig, max_name: str, aliases: dict) -> None:
+def check_plan(family, prompt_length: int, params: GenerationParams) -> None:
     """Plan a prompt of `prompt_length` tokens as `generate()` would (`DiffusionFamily.plan`: `steps` at least the
-    blocks it decodes, LLaDA2's `minimal_topk` at most `max_new_tokens`): what it refuses is a 400 naming the
-    field, before the row could fail the run of its whole batch."""
+    blocks it decodes, LLaDA2's `minimal_topk` at most `max_new_tokens`; block-causal families' plans depend on the
+    prompt's length): what it refuses is a 400 naming the request's field, before the row could fail the run of its
+    whole batch. The server asks it for every prompt of a request (the one plan check)."""
     try:
-        family.plan([prompt_length], prompt_length, config, torch.device("cpu"))
+        family.plan([prompt_length], prompt_length, params.config, torch.device("cpu"))
     except ValueError as error:
-        message = str(error).replace("max_new_tokens", max_name)
-        name = "minimal_topk" if "`minimal_topk`" in message else "steps"
-        raise APIError(400, message, param=aliases.get(name, name)) from None
+        name = "minimal_topk" if "`minimal_topk`" in str(error) else "steps"
+        max_name = params.aliases.get("max_new_tokens", "max_new_tokens")
+        raise APIError(
+            400, str(error).replace("max_new_tokens", max_name), param=params.aliases.get(name, name)
+        ) from None
 
 
 def _token_ids(value, vocab_size: int) -> list[int] | None:

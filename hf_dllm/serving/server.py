@@ -196,7 +196,7 @@ class Server:
                     "which only the server may place.",
                     param=param,
                 )
-            check_plan(self.family, len(ids), params.config, "max_tokens", {})
+            check_plan(self.family, len(ids), params)
             total = len(ids) + params.config.max_new_tokens
             if self.max_length is not None and total > self.max_length:
                 raise APIError(

@@ -6,7 +6,7 @@ continuous-batching engine (`engine.ContinuousBatcher`) is deterministic given t
 so rank 0 sends them over a gloo group (CPU messages; the GPUs' NCCL group carries only the model's collectives):
 
 1. at every block boundary, before anything is decided, and between two layouts of a boundary while a slice is still
-   to decode (where waiting requests may join it, `engine.Slice`): the requests submitted since the last such
+   to decode (where waiting requests may join it, `scheduler.Slice`): the requests submitted since the last such
    message (prompt ids and resolved settings, in submission order) and the requests cancelled since then;
 2. after every block of every row: whether the row ends there (`on_block`'s answer on rank 0: a stop string,
    `max_tokens`, a client gone);

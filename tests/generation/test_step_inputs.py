@@ -183,7 +183,7 @@ def test_only_caches_of_the_loop_and_the_engine_bound_positions():
     run = BlockDiffusionRun(model, config, torch.randint(4, 100, (2, 6)), None)
     assert PositionTables.bound_of(run.cache) == run.seq_len
     engine = ContinuousBatcher(model, max_batch_size=2, max_batch_width=64)
-    assert PositionTables.bound_of(engine._shared_cache(2)) == 64
+    assert PositionTables.bound_of(engine.runner.shared_cache(2)) == 64
 
 
 @pytest.mark.gpu

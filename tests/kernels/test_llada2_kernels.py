@@ -3,7 +3,7 @@
 against the PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and
 softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort), the
 combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
-PyTorch path.
+PyTorch path; LLaDA-MoE's experts on the same kernels (float16) against its PyTorch path.
 """
 
 from __future__ import annotations
@@ -201,6 +201,27 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
     for name, ref, ours in zip(("prefill", "step", "keys", "values", "router"), results["torch"], results["triton"]):
         assert (ref - ours).abs().max() < 1e-5, ("sdpa", name, (ref - ours).abs().max())
     torch.nn.functional.scaled_dot_product_attention = sdpa
+
+    # LLaDA-MoE's experts on the same kernels (route, alignment, grouped products, combine; float16: its fused path
+    # is for half precision, and the interpreter has no exact bfloat16) against its PyTorch path and float32.
+    moe_config = hf_dllm.LLaDAMoEConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, num_experts=8,
+        num_experts_per_tok=2, expert_intermediate_size=32, dense_intermediate_size=64, vocab_size=64,
+        moe_layer_freq=[0, 1], pad_token_id=62, eos_token_id=62)
+    reference = hf_dllm.LLaDAMoEModelLM._from_config(moe_config).eval()
+    half = hf_dllm.LLaDAMoEModelLM._from_config(moe_config, dtype=torch.float16).eval()
+    half.load_state_dict({name: tensor.half() for name, tensor in reference.state_dict().items()})
+    ids, x, moe = torch.randint(0, 60, (2, 12)), torch.randn(40, 64, dtype=torch.float16), half.model.layers[1].mlp
+    with torch.no_grad():
+        want = reference(ids).logits
+        kernels.set_kernel_mode("torch")
+        assert not moe.uses_fused_kernels(x)
+        plain, plain_moe = half(ids).logits.float(), moe(x)[0].float()
+        kernels.set_kernel_mode("triton")
+        assert moe.uses_fused_kernels(x) and half._diffusion_step_capturable()
+        fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
+    assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
+    assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
     print("ok")
     """
 )

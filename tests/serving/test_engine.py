@@ -131,7 +131,7 @@ def test_full_forwards_run_packed_without_padding(trained, use_cache):
     assert short.plan.canvas_width + long.plan.canvas_width == 37 + 64
     assert engine.first_step_positions - before == 37 + 64
     # The aligned layout of the block's other steps: `short`'s block (at 21) moved to `long`'s (at 40), 2 x 64.
-    assert engine.runs[short.settings].canvas.x.shape == (2, 64)
+    assert engine.runner.runs[short.settings].canvas.x.shape == (2, 64)
     engine.run_until_done()
     assert_alone(trained, [short, long])
 
@@ -181,7 +181,7 @@ def test_a_lone_row_is_generate_exactly(random_llada):
     """One row alone has no padding off CUDA (width granularity 1): its arithmetic is generate()'s."""
     req = request(random_llada, [5, 17, 33, 8], max_new_tokens=48, block_length=16, eos_token_id=[0, 2])
     engine = ContinuousBatcher(random_llada, max_batch_size=2)
-    assert engine.width_granularity == 1
+    assert engine.scheduler.width_granularity == 1
     drive(engine, [req], [0])
     assert_alone(random_llada, [req])
 
@@ -389,7 +389,7 @@ def test_kv_bytes_per_position_is_what_the_cache_holds(trained, random_llada2, f
     for row in rows:
         engine.submit(row)
     engine.run_until_done()
-    cache = engine.cache
+    cache = engine.runner.cache
     held = sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values] if t is not None)
     assert held == cache.max_batch_size * cache.max_length * kv_bytes_per_position(model)
 
@@ -409,7 +409,7 @@ def test_default_max_batch_size_from_free_memory(trained, random_llada2, monkeyp
     # The mirrored engines of tensor parallelism agree on one size; it changes only while no row runs.
     engine = ContinuousBatcher(random_llada2)
     engine.set_max_batch_size(5)
-    assert engine.max_batch_size == engine.store.slots == 5
+    assert engine.max_batch_size == engine.runner.store.slots == 5
     engine.submit(request(random_llada2, [5, 6, 7], max_new_tokens=8, block_length=4, steps=4))
     engine.decode_boundary()
     with pytest.raises(RuntimeError, match="batch size"):
@@ -599,7 +599,7 @@ def test_block_causal_rows_keep_exact_kv_and_recompute_only_the_previous_block(r
         committed = row.plan.blocks[row.block][0] - 8  # columns whose K/V are final once the block before ran
         want = exact_kv(random_llada2, row.tokens, committed, 8)
         for layer in range(random_llada2.config.num_hidden_layers):
-            for got, expected in ((engine.store.keys, want.keys), (engine.store.values, want.values)):
+            for got, expected in ((engine.runner.store.keys, want.keys), (engine.runner.store.values, want.values)):
                 torch.testing.assert_close(got[layer][row.slot, :committed], expected[layer][0].transpose(0, 1))
     engine.run_until_done()
     assert_alone(random_llada2, [first, late])
@@ -687,14 +687,14 @@ def test_admission_is_oldest_first_and_places_are_reused(trained):
     for req in requests:
         engine.submit(req)
     engine.decode_boundary()
-    cache = engine.cache
+    cache = engine.runner.cache
     sizes = []
     while engine.has_work():
         engine.decode_boundary()
         sizes.append(engine.last_layout_sizes)
     assert finished == [0, 1, 2, 3]
     assert all(layout == [1] for layout in sizes)
-    assert engine.cache is cache or cache is None
+    assert engine.runner.cache is cache or cache is None
 
 
 def test_a_late_request_joins_at_the_next_boundary(trained):
@@ -915,7 +915,7 @@ def test_joining_rows_decode_apart_first_and_equal_generate_alone(trained, rando
 def test_joining_rows_share_the_layout_when_the_rule_is_off(trained, monkeypatch):
     """`join_layout_min_rows=None`: joining rows decode their first block with the running rows, so a boundary
     is one layout per cohort; the default is `JOIN_LAYOUT_MIN_ROWS`, which splits the same arrivals."""
-    assert ContinuousBatcher(trained).join_layout_min_rows == JOIN_LAYOUT_MIN_ROWS
+    assert ContinuousBatcher(trained).scheduler.join_layout_min_rows == JOIN_LAYOUT_MIN_ROWS
     layouts = recorded_layouts(monkeypatch)
     prompts = random_prompts(random.Random(30), 8, 4, 60)
     sizes, boundaries = {}, {}
@@ -966,7 +966,7 @@ def test_large_layouts_are_cut_into_slices_of_bounded_refresh(trained, monkeypat
     block-causal models (never sliced) refuse it."""
     from tests.models.llada2.test_llada2_integration import tiny_llada2
 
-    assert ContinuousBatcher(trained).max_refresh_positions is None
+    assert ContinuousBatcher(trained).scheduler.max_refresh_positions is None
     with pytest.raises(ValueError, match="max_refresh_positions.*block-causal"):
         ContinuousBatcher(tiny_llada2(seed=0), max_refresh_positions=8)
     layouts = recorded_layouts(monkeypatch)

@@ -990,7 +990,7 @@ def test_cli_engine_options_reach_the_engine(model_dir, monkeypatch, flag, name,
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
     argv = [str(model_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu", *flag]
     assert server_module.main(argv) == 0
-    assert getattr(apps[0].state.server.batcher.engine, name) == expected
+    assert getattr(apps[0].state.server.batcher.engine.scheduler, name) == expected
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,245 @@
+"""LLaDA-MoE's fast path (issue #63, item 4): FP8 weights through the family's skip list, and on CUDA the experts
+on hf_dllm's Triton MoE kernels (LLaDA2's: `triton_moe.py` routing / alignment / combine, `grouped_gemm.py`'s
+grouped products, bf16 or FP8), the reference fixture's cases exact in float32 on CUDA.
+
+On the CPU: a model quantized by transformers' `FineGrainedFP8Config` with `fp8_quantization_config("llada_moe")`
+keeps the `experts` list of Hub-named FP8 layers (not transformers' fused `FP8Experts`) and the router in the model's
+dtype, computes what the dequantized weights compute, and stacks its FP8 weights and scales for the grouped kernel.
+The fused kernels against the PyTorch path on the CPU run in Triton's interpreter (`test_llada2_kernels.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_dllm import fp8
+from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
+from hf_dllm.kernels import set_kernel_mode
+from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
+
+FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+FIXTURE = FIXTURES / "lladamoe-tiny-ref"
+BLOCK = (128, 128)
+
+
+def random_config(**overrides) -> LLaDAMoEConfig:
+    """A small LLaDA-MoE whose every projection is a whole number of 128 x 128 FP8 blocks (transformers leaves a
+    narrower one unquantized but still expects its scales when loading): a dense first layer, then a MoE layer."""
+    values = dict(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        expert_intermediate_size=128,
+        dense_intermediate_size=256,
+        vocab_size=320,
+        moe_layer_freq=[0, 1],
+        qk_layernorm=True,
+        max_position_embeddings=256,
+        pad_token_id=301,
+        eos_token_id=301,
+    )
+    return LLaDAMoEConfig(**(values | overrides))
+
+
+def random_model(config: LLaDAMoEConfig, dtype=torch.bfloat16, device="cpu") -> LLaDAMoEModelLM:
+    """Random weights spread so that routing is not uniform."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LLaDAMoEModelLM._from_config(config, dtype=dtype).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def quantized_copy(model: LLaDAMoEModelLM, device="cpu") -> LLaDAMoEModelLM:
+    return LLaDAMoEModelLM.from_pretrained(
+        None,
+        config=model.config,
+        state_dict=model.state_dict(),
+        quantization_config=fp8.fp8_quantization_config("llada_moe"),
+        dtype=model.dtype,
+        device_map=device,
+    ).eval()
+
+
+def dequantized_copy(quantized: LLaDAMoEModelLM, device="cpu") -> LLaDAMoEModelLM:
+    """A model of the same dtype whose weights are the quantized model's, dequantized."""
+    state, plain = quantized.state_dict(), {}
+    for name, tensor in state.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if tensor.dtype == fp8.FP8_DTYPE:
+            tensor = fp8.dequantize(tensor, state[name + "_scale_inv"], BLOCK, quantized.dtype)
+        plain[name] = tensor
+    with torch.device(device):
+        copy = LLaDAMoEModelLM._from_config(quantized.config, dtype=quantized.dtype).eval()
+    copy.load_state_dict(plain)
+    return copy
+
+
+@pytest.fixture
+def cpu_quantization(monkeypatch):
+    # transformers quantizes on CUDA/XPU only; its quantization math is plain torch, so the CPU tests lift the check.
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+
+
+def test_fp8_model_keeps_hub_names_and_matches_dequantized_weights(cpu_quantization, tmp_path):
+    """Attention, dense MLP and every expert's layers in FP8 under the Hub's names; the router and the head in bf16;
+    the logits those of the dequantized weights; the stacks of the grouped kernel hold the FP8 weights and scales
+    (the experts' parameters are views of them); saved and loaded again, the same logits."""
+    quantized = quantized_copy(random_model(random_config()))
+    moe = quantized.model.layers[1].mlp
+    assert isinstance(moe.experts, torch.nn.ModuleList)
+    assert moe.gate.weight.dtype == torch.bfloat16 and quantized.lm_head.weight.dtype == torch.bfloat16
+    for layer in (moe.experts[5].gate_proj, moe.experts[5].down_proj, quantized.model.layers[0].mlp.up_proj):
+        assert fp8.is_fp8_linear(layer), layer
+    assert quantized.model.layers[1].self_attn.q_proj.weight.dtype == fp8.FP8_DTYPE
+    ids = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        logits = quantized(ids).logits.float()
+        expected = dequantized_copy(quantized)(ids).logits.float()
+    assert torch.allclose(logits, expected, atol=2e-2, rtol=0), (logits - expected).abs().max()
+
+    stacks = moe.stacks()
+    assert stacks.gate_up.dtype == fp8.FP8_DTYPE and stacks.block_size == BLOCK
+    assert stacks.gate_up.shape == (8, 256, 128) and stacks.gate_up_scale.shape == (8, 2, 1)
+    assert stacks.down_scale.shape == (8, 1, 1)
+    assert moe.experts[3].up_proj.weight_scale_inv.data_ptr() == stacks.gate_up_scale[3, 1:].data_ptr()
+    assert moe.experts[7].down_proj.weight.data_ptr() == stacks.down[7].data_ptr()
+
+    quantized.save_pretrained(tmp_path / "fp8")
+    reloaded = LLaDAMoEModelLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).eval()
+    assert fp8.is_fp8_linear(reloaded.model.layers[1].mlp.experts[6].up_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits.float(), logits)
+
+
+def test_fp8_model_generates_with_the_dual_cache(cpu_quantization):
+    quantized = quantized_copy(random_model(random_config()))
+    prompt = torch.randint(0, 300, (1, 8))
+    out = quantized.generate(
+        prompt, max_new_tokens=8, block_length=4, threshold=0.9, use_cache=True, dual_cache=True, mask_token_id=310
+    )
+    assert out.shape == (1, 16) and not (out == 310).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fixture_cases() -> list[dict]:
+    return json.loads((FIXTURE / "cases.json").read_text())["cases"]
+
+
+def case_kwargs(case: dict) -> dict:
+    """The reference's settings in `generate()` terms (as `test_llada_moe.py`'s `generate_kwargs`)."""
+    ref = case["kwargs"]
+    kwargs = dict(
+        max_new_tokens=ref["gen_length"],
+        block_length=ref["block_length"],
+        mask_token_id=ref["mask_id"],
+        temperature=ref["temperature"],
+        remasking=ref["remasking"],
+        use_cache=False,
+        eos_early_stop=False,
+        return_dict_in_generate=True,
+    )
+    if "threshold" in ref:
+        kwargs["threshold"] = ref["threshold"]
+    else:
+        kwargs["steps"] = ref["steps"]
+    if "cfg_scale" in ref:
+        kwargs["cfg_scale"] = ref["cfg_scale"]
+    return kwargs
+
+
+@pytest.mark.gpu
+def test_gpu_fixture_cases_exact_in_float32():
+    """Every recorded case of the Hub code + LLaDA's `generate()` (float32, CPU) on CUDA in float32: the reference's
+    tokens, in no more forwards."""
+    model = LLaDAMoEModelLM.from_pretrained(FIXTURE).cuda().eval()
+    expected = load_file(FIXTURE / "expected.safetensors")
+    failures = []
+    for case in fixture_cases():
+        prompt = expected[f"prompt.{case['prompt']}"].cuda()
+        out = model.generate(prompt, **case_kwargs(case))
+        if not torch.equal(out.sequences.cpu(), expected[f"case.{case['name']}"]):
+            failures.append(case["name"])
+        elif case["nfe"] is not None and out.nfe > case["nfe"]:
+            failures.append(f"{case['name']} (nfe {out.nfe} > {case['nfe']})")
+    assert not failures, failures
+
+
+def bf16_errors(config: LLaDAMoEConfig, ids: torch.Tensor) -> tuple[float, float, LLaDAMoEModelLM]:
+    """(max |logits - float32 logits|) of a bf16 model with the experts as the loop (PyTorch) and through the fused
+    kernels, the same weights; and the fused model."""
+    reference = random_model(config, torch.float32, "cuda")
+    eager = LLaDAMoEModelLM._from_config(config, dtype=torch.bfloat16, experts_implementation="eager").cuda().eval()
+    fused = LLaDAMoEModelLM._from_config(config, dtype=torch.bfloat16).cuda().eval()
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in reference.state_dict().items()}
+    eager.load_state_dict(state)
+    fused.load_state_dict(state)
+    with torch.no_grad():
+        want = reference(ids).logits.float()
+        eager_error = float((eager(ids).logits.float() - want).abs().max())
+        fused_error = float((fused(ids).logits.float() - want).abs().max())
+    return eager_error, fused_error, fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 512])
+def test_gpu_fused_experts_error_within_twice_pytorch_bf16(tokens):
+    """bf16 through the Triton kernels vs float32: within 2x of PyTorch's own bf16 loop's error (as the
+    flash-attention tests); 64 experts top-8 as the real model, few and many tokens (both alignments)."""
+    set_kernel_mode("auto")
+    config = random_config(num_experts=64, num_experts_per_tok=8, hidden_size=256, expert_intermediate_size=128)
+    ids = torch.randint(0, 300, (1, tokens), device="cuda")
+    eager_error, fused_error, fused = bf16_errors(config, ids)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda")
+    assert fused.model.layers[1].mlp.uses_fused_kernels(x) and fused._diffusion_step_capturable()
+    assert fused_error <= 2 * eager_error + 1e-3, (fused_error, eager_error)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_graph_steps_equal_eager_steps():
+    """With the fused experts a step has no host synchronisation: generate() captures CUDA graphs, and the graphs'
+    tokens are the eager steps' (dual cache, threshold)."""
+    model = random_model(random_config(num_experts=64, num_experts_per_tok=8), torch.bfloat16, "cuda")
+    prompt = torch.randint(0, 300, (1, 24), device="cuda")
+    settings = dict(max_new_tokens=64, block_length=32, threshold=0.9, use_cache=True, dual_cache=True)
+    graphs = model.generate(prompt, mask_token_id=310, **settings)
+    eager = model.generate(prompt, mask_token_id=310, disable_compile=True, **settings)
+    assert torch.equal(graphs, eager)
+    assert model._hf_dllm_step_graphs.counts["replayed"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_model_runs_the_fused_kernels_and_generates():
+    """transformers' FP8 quantization on CUDA: the experts run through the grouped FP8 kernel (the fused path), the
+    logits close to the dequantized weights', and generate() decodes every position with graphs as without."""
+    model = random_model(random_config(num_experts=64, num_experts_per_tok=8), torch.bfloat16, "cuda")
+    quantized = quantized_copy(model, "cuda")
+    x = torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda")
+    assert quantized.model.layers[1].mlp.uses_fused_kernels(x)
+    ids = torch.randint(0, 300, (2, 32), device="cuda")
+    with torch.no_grad():
+        logits = quantized(ids).logits.float()
+        expected = dequantized_copy(quantized, "cuda")(ids).logits.float()
+    assert float((logits - expected).abs().max()) < 5e-2
+    prompt = ids[:1, :16]
+    settings = dict(max_new_tokens=32, block_length=16, threshold=0.9, use_cache=True, dual_cache=True)
+    graphs = quantized.generate(prompt, mask_token_id=310, **settings)
+    eager = quantized.generate(prompt, mask_token_id=310, disable_compile=True, **settings)
+    assert graphs.shape == (1, 48) and not (graphs == 310).any() and torch.equal(graphs, eager)
