@@ -163,6 +163,14 @@ class DiffusionGemmaTextConfig(PretrainedConfig):
             **kwargs,
         )
 
+    def convert_rope_params_to_dict(self, **kwargs):
+        """`rope_parameters` is already per layer type: legacy `rope_scaling` / `rope_theta` entries are dropped, not
+        merged into it (some transformers 5 releases add a top-level `rope_theta` to any dict, which their own
+        validation then reads as a layer type)."""
+        kwargs.pop("rope_scaling", None)
+        kwargs.pop("rope_theta", None)
+        return kwargs
+
     def layer_attention(self, layer: int) -> tuple[int, int]:
         """`(head_dim, num_key_value_heads)` of layer `layer` (`per_layer_config` over the global fields)."""
         override = self.layer_overrides.get(str(layer), {})

@@ -460,7 +460,8 @@ def test_fused_router_on_cuda_matches_pytorch_without_host_syncs_and_captures(to
             gate.route(logits, blocks)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    assert not [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, syncs
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused()
