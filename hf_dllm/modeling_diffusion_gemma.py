@@ -168,8 +168,22 @@ class DiffusionGemmaRouter(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
+def _grouped_mm_function():
+    """torch's grouped GEMM (`nn.functional.grouped_mm`, or `torch._grouped_mm` before it was public), or None."""
+    return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 class DiffusionGemmaExperts(nn.Module):
-    """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`."""
+    """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)` (each expert's gate rows, then its
+    up rows), `down_proj` `(E, H, I)`.
+
+    Two implementations: the loop over the selected experts (transformers' eager order; one host synchronisation
+    to list them: exact against transformers on the CPU), and two grouped GEMMs over the expert-sorted rows (no
+    host synchronisation, so a step can be captured in a CUDA graph; the weighted sum of a token's experts in
+    float32). `implementation` None picks the grouped GEMMs on CUDA in bfloat16 without autograd (the layout of
+    LLaDA2's `_experts_grouped_mm`), the loop elsewhere; "loop" / "grouped" force one."""
+
+    implementations = (None, "loop", "grouped")
 
     def __init__(self, config: DiffusionGemmaTextConfig):
         super().__init__()
@@ -178,10 +192,26 @@ class DiffusionGemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.act_fn = ACT2FN[config.hidden_activation]
+        self.implementation = None
+
+    def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward` runs the grouped GEMMs for this input (see the class docstring)."""
+        if self.implementation not in self.implementations:
+            raise ValueError(f"`implementation` must be one of {self.implementations}, got {self.implementation!r}.")
+        if self.implementation is not None:
+            return self.implementation == "grouped"
+        return (
+            hidden_states.is_cuda
+            and hidden_states.dtype == torch.bfloat16 == self.gate_up_proj.dtype
+            and _grouped_mm_function() is not None
+            and not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
+        )
 
     def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """hidden_states `(N, H)`, index / weights `(N, k)` -> `(N, H)`: each token's experts' outputs, weighted and
-        summed in expert order (as transformers' eager experts)."""
+        summed (in expert order by the loop, as transformers' eager experts; in slot order, float32, grouped)."""
+        if self.uses_grouped(hidden_states):
+            return self.grouped_forward(hidden_states, index, weights)
         output = torch.zeros_like(hidden_states)
         for expert in index.unique().tolist():
             token, slot = torch.where(index == expert)
@@ -189,6 +219,23 @@ class DiffusionGemmaExperts(nn.Module):
             out = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
             output.index_add_(0, token, (out * weights[token, slot, None]).to(output.dtype))
         return output
+
+    def grouped_forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `forward`, as two grouped GEMMs over the (token, choice) pairs sorted by expert; no host sync."""
+        grouped_mm = _grouped_mm_function()
+        if grouped_mm is None:
+            raise RuntimeError("the grouped experts need torch's grouped_mm (torch >= 2.9).")
+        tokens, top_k = index.shape
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        rows = hidden_states[order // top_k]
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its size on the host
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        out = grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offsets)
+        pairs = out.new_empty(out.shape).index_copy(0, order, out).view(tokens, top_k, -1)
+        return (pairs.float() * weights[..., None].float()).sum(dim=1).to(hidden_states.dtype)
 
 
 class DiffusionGemmaLayer(nn.Module):
