@@ -322,6 +322,17 @@ class DiffusionGemmaEncoderCache:
         self.keys, self.values, self.columns, self.valid = ([None] * layers for _ in range(4))
         self.length = 0
 
+    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
+        """Before an encoder pass of `batch` rows over `columns` `(T,)` (the static cache allocates here)."""
+
+    def decoder_mask(self, layer: int, canvas: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """The decoder's key mask `(B, 1, 1, cached + C)` bool over layer `layer`'s cache and the canvas `(B, C)`
+        (None: every key, where no row is `padded`)."""
+        if not padded or self.valid[layer] is None:
+            return None
+        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
+        return torch.cat([self.valid[layer], canvas_keys], dim=1)[:, None, None, :]
+
     def keys_values(self, layer: int, key, value, write: bool):
         if self.keys[layer] is not None:
             key = torch.cat([self.keys[layer], key], dim=-2)
@@ -350,6 +361,138 @@ class DiffusionGemmaEncoderCache:
             for layer, tensor in enumerate(store):
                 if tensor is not None:
                     store[layer] = tensor.index_select(0, index)
+
+
+class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
+    """The encoder cache in preallocated buffers written in place (`index_copy_`), so that the decoder's step reads
+    the same tensors at every step of every canvas (a CUDA graph of it stays valid): per layer K/V `(B, kv_heads,
+    S, head_dim)` with S = `sliding_window - 1` for sliding layers (a ring: column c in slot c mod S, so the last S
+    columns, the ones the dynamic cache keeps) and `capacity` columns for full layers; each slot's column and
+    validity (`columns` `(S,)`, `valid` `(B, S)`; empty slots invalid). Keys sit in slot order, not column order:
+    masks are built from the columns, so attention sees the same keys as the dynamic cache's (the sum in another
+    order: equal up to rounding). The decoder masks empty slots at every step. `version` changes whenever the
+    buffers are reallocated (another batch, more columns, rows dropped): captured steps key on it."""
+
+    _versions = iter(range(1 << 62))
+
+    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int):
+        super().__init__(config)
+        self.capacity = capacity
+        self.head = [config.layer_attention(layer) for layer in range(len(self.sliding))]
+        self.version = next(self._versions)
+
+    def slots(self, layer: int) -> int:
+        return self.window - 1 if self.sliding[layer] else self.capacity
+
+    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
+        if not all(self.sliding) and int(columns[-1]) >= self.capacity:
+            raise ValueError(
+                f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column "
+                f"{int(columns[-1])}."
+            )
+        self._pending_columns = columns  # where `keys_values` writes
+        if self.keys[0] is not None and self.keys[0].shape[0] == batch:
+            return
+        for layer in range(len(self.sliding)):
+            head_dim, heads = self.head[layer]
+            slots = self.slots(layer)
+            self.keys[layer] = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
+            self.values[layer] = torch.zeros_like(self.keys[layer])
+            self.columns[layer] = torch.full((slots,), -1, dtype=torch.long, device=device)
+            self.valid[layer] = torch.zeros(batch, slots, dtype=torch.bool, device=device)
+        self.version = next(self._versions)
+
+    def set_length(self, width: int) -> None:
+        if width > self.capacity:
+            self.capacity = width
+            self.keys[0] = None  # reallocated at the next `prepare`
+        if self.keys[0] is not None:
+            for layer in range(len(self.sliding)):
+                self.columns[layer].fill_(-1)
+                self.valid[layer].fill_(False)
+        self.length = 0
+
+    def _write_at(self, layer: int, columns: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The slots `(n,)` of the last n of `columns` that the layer keeps, and n."""
+        slots = self.slots(layer)
+        kept = min(columns.shape[0], slots)
+        last = columns[-kept:]
+        return (last % slots if self.sliding[layer] else last), kept
+
+    def keys_values(self, layer: int, key, value, write: bool):
+        all_keys = torch.cat([self.keys[layer], key], dim=-2)
+        all_values = torch.cat([self.values[layer], value], dim=-2)
+        if write:
+            slots, kept = self._write_at(layer, self._pending_columns)
+            self.keys[layer].index_copy_(2, slots, key[:, :, -kept:])
+            self.values[layer].index_copy_(2, slots, value[:, :, -kept:])
+        return all_keys, all_values
+
+    def decoder_mask(self, layer: int, canvas: torch.Tensor, padded: bool) -> torch.Tensor:
+        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
+        return torch.cat([self.valid[layer], canvas_keys], dim=1)[:, None, None, :]
+
+    def record(self, columns: torch.Tensor, valid: torch.Tensor) -> None:
+        for layer in range(len(self.sliding)):
+            slots, kept = self._write_at(layer, columns)
+            self.columns[layer].index_copy_(0, slots, columns[-kept:])
+            self.valid[layer].index_copy_(1, slots, valid[:, -kept:])
+        self.length = int(columns[-1]) + 1
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        super().keep_rows(index)
+        self.version = next(self._versions)
+
+
+class DecoderGraphs:
+    """CUDA graphs of the decoder's layers (`decoder_layers`), one per input shape, for the steps of generations
+    over one static cache (`DiffusionGemmaStaticCache`: the K/V the layers read stay in place between steps and
+    canvases; a new cache or new buffers drop the graphs). The embedding, the self-conditioning signal (which
+    reads the whole embedding once), the LM head and the sampler's random draws run eagerly around the graph: they
+    are a few large kernels, while the layers are the step's hundreds of small launches."""
+
+    def __init__(self):
+        self.cache_key = None
+        self.entries: dict = {}
+        self.pool = None
+
+    @staticmethod
+    def applies(model, x: torch.Tensor, cache) -> bool:
+        """On CUDA, without autograd, over a static cache, every layer's experts grouped (no host sync)."""
+        return (
+            x.is_cuda
+            and isinstance(cache, DiffusionGemmaStaticCache)
+            and not torch.is_grad_enabled()
+            and not torch.cuda.is_current_stream_capturing()
+            and all(layer.experts.uses_grouped(x) for layer in model.model.decoder.layers)
+        )
+
+    def run(self, layers, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
+        """`layers(x, positions, cache, padded)` replayed from its graph (captured at the first call of a shape);
+        the returned tensor is the graph's output buffer, overwritten by the next replay."""
+        if self.cache_key != (id(cache), cache.version):
+            self.cache_key = (id(cache), cache.version)
+            self.entries.clear()
+        key = (tuple(x.shape), x.dtype, tuple(positions.shape), padded)
+        entry = self.entries.get(key)
+        if entry is None:
+            static_x, static_positions = x.clone(), positions.clone()
+            stream = torch.cuda.Stream(device=x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):  # warm-up outside the graph (kernel selection, workspaces)
+                for _ in range(2):
+                    layers(static_x, static_positions, cache, padded)
+            torch.cuda.current_stream(x.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = layers(static_x, static_positions, cache, padded)
+            self.pool = graph.pool()
+            entry = self.entries[key] = (graph, static_x, static_positions, output)
+        graph, static_x, static_positions, output = entry
+        static_x.copy_(x)
+        static_positions.copy_(positions)
+        graph.replay()
+        return output
 
 
 class DiffusionGemmaEncoderLayer(nn.Module):
@@ -460,6 +603,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+    # generate()'s encoder cache: static (`DiffusionGemmaStaticCache`) or not; None: static on CUDA (the CPU keeps
+    # the dynamic one, whose sums are in transformers' order). `capture_decoder`: the decoder's layers as CUDA
+    # graphs where `DecoderGraphs.applies`.
+    static_cache: bool | None = None
+    capture_decoder: bool = True
     _tp_plan = {"lm_head": "colwise_gather_output"}
     diffusion_families = (DIFFUSION_GEMMA,)
 
@@ -469,6 +617,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         self.model = DiffusionGemmaModel(config)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.final_logit_softcapping = text.final_logit_softcapping
+        self._decoder_graphs = None
         self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
         self.post_init()
 
@@ -489,6 +638,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         K/V to `cache`."""
         decoder, text = self.model.decoder, self.config.text_config
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+        cache.prepare(input_ids.shape[0], x.dtype, x.device, columns)
         positions = columns if positions is None else positions
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         last = len(decoder.layers) - 1
@@ -509,8 +659,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def decode(self, canvas: torch.Tensor, positions: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
         """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
         `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
-        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal)."""
-        decoder, text = self.model.decoder, self.config.text_config
+        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal). The
+        layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped experts)."""
+        decoder = self.model.decoder
         weight = decoder.embed_tokens.weight
         scale = decoder.embed_scale(weight.dtype)
         x = decoder.embed_tokens(canvas) * scale
@@ -519,16 +670,25 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             soft = self_conditioning_logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
             signal = torch.matmul(soft, weight) * scale.to(x.dtype)
         x = decoder.self_conditioning(x, signal)
-        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
-        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
-        for index, layer in enumerate(decoder.layers):
-            mask = None
-            if padded and cache.valid[index] is not None:
-                mask = torch.cat([cache.valid[index], canvas_keys], dim=1)[:, None, None, :]
-            x = layer(x, *rope[text.layer_types[index]], cache, mask, False)
-        logits = self.lm_head(decoder.norm(x)).float()
+        if self.capture_decoder and DecoderGraphs.applies(self, x, cache):
+            if self._decoder_graphs is None:
+                self._decoder_graphs = DecoderGraphs()
+            hidden = self._decoder_graphs.run(self.decoder_layers, x, positions, cache, padded)
+        else:
+            hidden = self.decoder_layers(x, positions, cache, padded)
+        logits = self.lm_head(hidden).float()
         cap = self.final_logit_softcapping
         return torch.tanh(logits / cap) * cap
+
+    def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
+        """The decoder's layers and final norm on its input `x` `(B, C, hidden)` (a pure tensor function of `x`,
+        `positions` and the cache's tensors: what `DecoderGraphs` captures)."""
+        decoder, text = self.model.decoder, self.config.text_config
+        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
+        for index, layer in enumerate(decoder.layers):
+            mask = cache.decoder_mask(index, x[..., 0], padded)
+            x = layer(x, *rope[text.layer_types[index]], cache, mask, False)
+        return decoder.norm(x)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
         return DiffusionGemmaEncoderCache(self.config.text_config)
@@ -597,6 +757,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                     setattr(self.generation_config, name, value)
 
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
+        static = self.static_cache if self.static_cache is not None else self.device.type == "cuda"
+        if static:
+            return DiffusionGemmaStaticCache(self.config.text_config, max_length)
         return self.new_encoder_cache()
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
@@ -604,7 +767,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return key_mask.bool()
 
     def _diffusion_step_capturable(self) -> bool:
-        return False  # the sampler draws random numbers and the encoder pass grows the cache
+        # The loop's own step graphs (greedy steps) do not apply: the sampler draws random numbers and a canvas'
+        # first step runs the encoder; the decoder's layers are captured by the model itself (`DecoderGraphs`).
+        return False
 
     def _diffusion_forward(
         self, input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
@@ -672,4 +837,10 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return sequences
 
 
-__all__ = ["DiffusionGemmaForBlockDiffusion", "DiffusionGemmaEncoderCache", "DiffusionGemmaPreTrainedModel"]
+__all__ = [
+    "DecoderGraphs",
+    "DiffusionGemmaEncoderCache",
+    "DiffusionGemmaForBlockDiffusion",
+    "DiffusionGemmaPreTrainedModel",
+    "DiffusionGemmaStaticCache",
+]
