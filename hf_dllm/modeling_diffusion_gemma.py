@@ -36,6 +36,7 @@ from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput, cached_file
 
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
+from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
@@ -667,8 +668,13 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         x = decoder.embed_tokens(canvas) * scale
         signal = None
         if self_conditioning_logits is not None:
-            soft = self_conditioning_logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
-            signal = torch.matmul(soft, weight) * scale.to(x.dtype)
+            # softmax(s) @ E * sqrt(hidden), by chunks of rows (`row_chunks`: no whole float32 softmax copy).
+            flat = self_conditioning_logits.view(-1, self_conditioning_logits.shape[-1])
+            signal = x.new_empty(x.shape).view(flat.shape[0], -1)
+            for part in row_chunks(*flat.shape):
+                soft = flat[part].softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
+                signal[part] = torch.matmul(soft, weight) * scale.to(x.dtype)
+            signal = signal.view(x.shape)
         x = decoder.self_conditioning(x, signal)
         if self.capture_decoder and DecoderGraphs.applies(self, x, cache):
             if self._decoder_graphs is None:
@@ -676,9 +682,18 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             hidden = self._decoder_graphs.run(self.decoder_layers, x, positions, cache, padded)
         else:
             hidden = self.decoder_layers(x, positions, cache, padded)
-        logits = self.lm_head(hidden).float()
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`cap * tanh(lm_head(hidden) / cap)` in float32 `(B, C, vocab)` from `hidden` `(B, C, hidden)`, by chunks
+        of rows (`row_chunks`: the head's output in the weights' dtype never whole beside its float32 copy)."""
         cap = self.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        vocab = self.lm_head.weight.shape[0]
+        logits = torch.empty(flat.shape[0], vocab, dtype=torch.float32, device=hidden.device)
+        for part in row_chunks(flat.shape[0], vocab):
+            logits[part] = self.lm_head(flat[part]).float().div_(cap).tanh_().mul_(cap)
+        return logits.view(*hidden.shape[:-1], vocab)
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
         """The decoder's layers and final norm on its input `x` `(B, C, hidden)` (a pure tensor function of `x`,

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
+from hf_dllm import decoding_diffusion_gemma
 from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
 
@@ -145,9 +146,10 @@ def test_cuda_captured_decoder_step_equals_eager(gemma_cuda_bf16):
             sampler.step_index = 3
             with torch.no_grad():
                 logits = model.decode(block, positions, cache, signal, padded=False)
+                kept = logits.clone()  # the sampler divides its logits in place
                 torch.manual_seed(7)
                 next_canvas = sampler.denoise(block, logits, None, None)[0]
-            results.setdefault(captured, []).append((logits.clone(), next_canvas))
+            results.setdefault(captured, []).append((kept, next_canvas))
         model.capture_decoder = True
         eager = results[False][0]
         for logits, next_canvas in results[True]:
@@ -170,3 +172,20 @@ def test_cuda_generate_with_graphs_equals_eager(gemma_cuda_bf16):
     model.capture_decoder = True
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].nfe == runs[1].nfe
+
+
+@pytest.mark.parametrize("name", ["p21.g32.defaults.s3", "b2.g32.eos.s1"])
+def test_row_chunked_sampler_and_head_reproduce_transformers_cases(gemma, monkeypatch, name):
+    """Chunks of 5 rows (of a 320-token vocabulary) in the sampler (softmax, multinomial, entropy), the
+    self-conditioning signal and the soft-capped head: on the CPU the draws and sums are the unchunked ones, so
+    transformers' tokens come out (on a GPU the chunks bound the float32 temporaries of large batches)."""
+    monkeypatch.setattr(decoding_diffusion_gemma, "ROW_CHUNK_ELEMENTS", 320 * 5)
+    assert len(decoding_diffusion_gemma.row_chunks(32, 320)) == 7
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    case = CASES[name]
+    kwargs = dict(case["kwargs"])
+    if case["attention_mask"]:
+        kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
+    torch.manual_seed(case["seed"])
+    out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected[f"case.{name}"])
