@@ -114,7 +114,7 @@ class EntropyBoundSampler(UnmaskingPolicy):
         """From the processed logits `(rows, C, vocab)`: a sample of softmax per position (one `multinomial` per
         chunk of rows, `row_chunks`), the argmax and the entropy, each `(rows, C)`."""
         rows, length, vocab = processed.shape
-        flat = processed.view(-1, vocab)
+        flat = processed.reshape(-1, vocab)
         sample = torch.empty(rows * length, dtype=torch.long, device=processed.device)
         entropy = torch.empty(rows * length, dtype=torch.float32, device=processed.device)
         for part in row_chunks(rows * length, vocab):

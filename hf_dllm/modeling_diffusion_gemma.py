@@ -669,7 +669,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         signal = None
         if self_conditioning_logits is not None:
             # softmax(s) @ E * sqrt(hidden), by chunks of rows (`row_chunks`: no whole float32 softmax copy).
-            flat = self_conditioning_logits.view(-1, self_conditioning_logits.shape[-1])
+            flat = self_conditioning_logits.reshape(-1, self_conditioning_logits.shape[-1])
             signal = x.new_empty(x.shape).view(flat.shape[0], -1)
             for part in row_chunks(*flat.shape):
                 soft = flat[part].softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
