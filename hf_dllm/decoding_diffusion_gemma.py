@@ -32,6 +32,19 @@ SAMPLER_DEFAULTS = {
 }
 
 
+# Elements of a `(rows, vocab)` float32 slice the sampler and the decoder's head process at once: past it the rows go
+# in chunks, so that a batch-32 canvas of the 262,144-token vocabulary (8.6 GB per float32 copy) never has its
+# temporaries (softmax, entropy terms, the head's output before the soft cap) materialised whole. One chunk (the
+# CPU fixtures, a batch-1 canvas) runs the very ops of the unchunked code, in transformers' order.
+ROW_CHUNK_ELEMENTS = 1 << 27
+
+
+def row_chunks(rows: int, vocab: int) -> list[slice]:
+    """Slices of `rows` rows with at most `ROW_CHUNK_ELEMENTS` elements of `vocab` columns each (one at least)."""
+    step = max(1, ROW_CHUNK_ELEMENTS // vocab)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """`(..., vocab)` -> `(...)`: the entropy of softmax(logits), as `torch.distributions.Categorical` computes it
     (the reference's reductions, in its order)."""
@@ -97,9 +110,24 @@ class EntropyBoundSampler(UnmaskingPolicy):
         fraction = torch.tensor(steps_left, dtype=torch.int32) / self.max_denoising_steps
         return self.t_min + ((self.t_max - self.t_min) * fraction)
 
-    def _stable_and_confident(self, argmax: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def sample_argmax_entropy(self, processed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From the processed logits `(rows, C, vocab)`: a sample of softmax per position (one `multinomial` per
+        chunk of rows, `row_chunks`), the argmax and the entropy, each `(rows, C)`."""
+        rows, length, vocab = processed.shape
+        flat = processed.reshape(-1, vocab)
+        sample = torch.empty(rows * length, dtype=torch.long, device=processed.device)
+        entropy = torch.empty(rows * length, dtype=torch.float32, device=processed.device)
+        for part in row_chunks(rows * length, vocab):
+            probabilities = torch.softmax(flat[part], dim=-1, dtype=torch.float32)
+            sample[part] = torch.multinomial(probabilities, num_samples=1).view(-1)
+            del probabilities
+            entropy[part] = token_entropy(flat[part])
+        argmax = torch.argmax(processed, dim=-1)
+        return sample.view(rows, length), argmax, entropy.view(rows, length).to(processed.dtype)
+
+    def _stable_and_confident(self, argmax: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """`(rows,)` bool: transformers' `StableAndConfidentStoppingCriteria` (history of the last
-        `stability_threshold` argmax canvases, kept here)."""
+        `stability_threshold` argmax canvases, kept here) from the argmax and the entropy `(rows, C)`."""
         rows = argmax.shape[0]
         if self.stability_threshold == 0:
             stable = torch.ones(rows, dtype=torch.bool, device=argmax.device)
@@ -111,7 +139,7 @@ class EntropyBoundSampler(UnmaskingPolicy):
             stable = (self.history == argmax[None]).all(dim=-1).all(dim=0)
             self.history = torch.roll(self.history, shifts=-1, dims=0)
             self.history[-1] = argmax
-        confident = token_entropy(logits).mean(dim=-1) < self.confidence_threshold
+        confident = entropy.mean(dim=-1) < self.confidence_threshold
         return stable & confident
 
     def accept(self, entropy: torch.Tensor) -> torch.Tensor:
@@ -129,11 +157,10 @@ class EntropyBoundSampler(UnmaskingPolicy):
         rows, length = block.shape
         processed = logits
         if self.t_min is not None and self.t_max is not None:  # no schedule: the logits as they are
-            processed = logits / self.temperature(steps_left).to(logits.device)
-        probabilities = torch.softmax(processed, dim=-1, dtype=torch.float32)
-        sample = torch.multinomial(probabilities.view(-1, probabilities.shape[-1]), num_samples=1).view(rows, length)
-        argmax = torch.argmax(processed, dim=-1)
-        accepted = self.accept(token_entropy(processed))
+            # In place: the decoder's logits are this step's alone (the same quotient as `logits / T`).
+            processed = logits.div_(self.temperature(steps_left).to(logits.device))
+        sample, argmax, entropy = self.sample_argmax_entropy(processed)
+        accepted = self.accept(entropy)
         noise = torch.randint(0, self.vocab_size, (rows, length), device=block.device)
         canvas = torch.where(accepted, sample, noise)
         if self.stops:
@@ -141,8 +168,10 @@ class EntropyBoundSampler(UnmaskingPolicy):
                 frozen = self.finished[:, None]
                 argmax = torch.where(frozen, self.argmax, argmax)
                 canvas = torch.where(frozen, block, canvas)
-                processed = torch.where(frozen[..., None], self.self_conditioning, processed)
-            self.finished = self.finished | self._stable_and_confident(argmax, processed)
+                processed = torch.where(frozen[..., None], self.self_conditioning, processed, out=processed)
+            # The entropy of the step's own logits: a frozen row's (its old logits') would only be OR-ed into
+            # `finished`, which it already is.
+            self.finished = self.finished | self._stable_and_confident(argmax, entropy)
         self.argmax = argmax
         self.self_conditioning = processed
         return canvas, argmax, torch.zeros(rows, dtype=torch.bool, device=block.device)
@@ -172,4 +201,11 @@ class EncoderPrefixCache(CachePolicy):
             cache.keep_rows(index)
 
 
-__all__ = ["SAMPLER_DEFAULTS", "EncoderPrefixCache", "EntropyBoundSampler", "token_entropy"]
+__all__ = [
+    "ROW_CHUNK_ELEMENTS",
+    "SAMPLER_DEFAULTS",
+    "EncoderPrefixCache",
+    "EntropyBoundSampler",
+    "row_chunks",
+    "token_entropy",
+]

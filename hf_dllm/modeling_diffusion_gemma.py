@@ -36,6 +36,7 @@ from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput, cached_file
 
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
+from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
@@ -168,8 +169,22 @@ class DiffusionGemmaRouter(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
+def _grouped_mm_function():
+    """torch's grouped GEMM (`nn.functional.grouped_mm`, or `torch._grouped_mm` before it was public), or None."""
+    return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 class DiffusionGemmaExperts(nn.Module):
-    """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`."""
+    """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)` (each expert's gate rows, then its
+    up rows), `down_proj` `(E, H, I)`.
+
+    Two implementations: the loop over the selected experts (transformers' eager order; one host synchronisation
+    to list them: exact against transformers on the CPU), and two grouped GEMMs over the expert-sorted rows (no
+    host synchronisation, so a step can be captured in a CUDA graph; the weighted sum of a token's experts in
+    float32). `implementation` None picks the grouped GEMMs on CUDA in bfloat16 without autograd (the layout of
+    LLaDA2's `_experts_grouped_mm`), the loop elsewhere; "loop" / "grouped" force one."""
+
+    implementations = (None, "loop", "grouped")
 
     def __init__(self, config: DiffusionGemmaTextConfig):
         super().__init__()
@@ -178,10 +193,26 @@ class DiffusionGemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.act_fn = ACT2FN[config.hidden_activation]
+        self.implementation = None
+
+    def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward` runs the grouped GEMMs for this input (see the class docstring)."""
+        if self.implementation not in self.implementations:
+            raise ValueError(f"`implementation` must be one of {self.implementations}, got {self.implementation!r}.")
+        if self.implementation is not None:
+            return self.implementation == "grouped"
+        return (
+            hidden_states.is_cuda
+            and hidden_states.dtype == torch.bfloat16 == self.gate_up_proj.dtype
+            and _grouped_mm_function() is not None
+            and not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
+        )
 
     def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """hidden_states `(N, H)`, index / weights `(N, k)` -> `(N, H)`: each token's experts' outputs, weighted and
-        summed in expert order (as transformers' eager experts)."""
+        summed (in expert order by the loop, as transformers' eager experts; in slot order, float32, grouped)."""
+        if self.uses_grouped(hidden_states):
+            return self.grouped_forward(hidden_states, index, weights)
         output = torch.zeros_like(hidden_states)
         for expert in index.unique().tolist():
             token, slot = torch.where(index == expert)
@@ -189,6 +220,23 @@ class DiffusionGemmaExperts(nn.Module):
             out = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
             output.index_add_(0, token, (out * weights[token, slot, None]).to(output.dtype))
         return output
+
+    def grouped_forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `forward`, as two grouped GEMMs over the (token, choice) pairs sorted by expert; no host sync."""
+        grouped_mm = _grouped_mm_function()
+        if grouped_mm is None:
+            raise RuntimeError("the grouped experts need torch's grouped_mm (torch >= 2.9).")
+        tokens, top_k = index.shape
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        rows = hidden_states[order // top_k]
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its size on the host
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        out = grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offsets)
+        pairs = out.new_empty(out.shape).index_copy(0, order, out).view(tokens, top_k, -1)
+        return (pairs.float() * weights[..., None].float()).sum(dim=1).to(hidden_states.dtype)
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -275,6 +323,17 @@ class DiffusionGemmaEncoderCache:
         self.keys, self.values, self.columns, self.valid = ([None] * layers for _ in range(4))
         self.length = 0
 
+    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
+        """Before an encoder pass of `batch` rows over `columns` `(T,)` (the static cache allocates here)."""
+
+    def decoder_mask(self, layer: int, canvas: torch.Tensor, padded: bool) -> torch.Tensor | None:
+        """The decoder's key mask `(B, 1, 1, cached + C)` bool over layer `layer`'s cache and the canvas `(B, C)`
+        (None: every key, where no row is `padded`)."""
+        if not padded or self.valid[layer] is None:
+            return None
+        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
+        return torch.cat([self.valid[layer], canvas_keys], dim=1)[:, None, None, :]
+
     def keys_values(self, layer: int, key, value, write: bool):
         if self.keys[layer] is not None:
             key = torch.cat([self.keys[layer], key], dim=-2)
@@ -303,6 +362,138 @@ class DiffusionGemmaEncoderCache:
             for layer, tensor in enumerate(store):
                 if tensor is not None:
                     store[layer] = tensor.index_select(0, index)
+
+
+class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
+    """The encoder cache in preallocated buffers written in place (`index_copy_`), so that the decoder's step reads
+    the same tensors at every step of every canvas (a CUDA graph of it stays valid): per layer K/V `(B, kv_heads,
+    S, head_dim)` with S = `sliding_window - 1` for sliding layers (a ring: column c in slot c mod S, so the last S
+    columns, the ones the dynamic cache keeps) and `capacity` columns for full layers; each slot's column and
+    validity (`columns` `(S,)`, `valid` `(B, S)`; empty slots invalid). Keys sit in slot order, not column order:
+    masks are built from the columns, so attention sees the same keys as the dynamic cache's (the sum in another
+    order: equal up to rounding). The decoder masks empty slots at every step. `version` changes whenever the
+    buffers are reallocated (another batch, more columns, rows dropped): captured steps key on it."""
+
+    _versions = iter(range(1 << 62))
+
+    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int):
+        super().__init__(config)
+        self.capacity = capacity
+        self.head = [config.layer_attention(layer) for layer in range(len(self.sliding))]
+        self.version = next(self._versions)
+
+    def slots(self, layer: int) -> int:
+        return self.window - 1 if self.sliding[layer] else self.capacity
+
+    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
+        if not all(self.sliding) and int(columns[-1]) >= self.capacity:
+            raise ValueError(
+                f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column "
+                f"{int(columns[-1])}."
+            )
+        self._pending_columns = columns  # where `keys_values` writes
+        if self.keys[0] is not None and self.keys[0].shape[0] == batch:
+            return
+        for layer in range(len(self.sliding)):
+            head_dim, heads = self.head[layer]
+            slots = self.slots(layer)
+            self.keys[layer] = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
+            self.values[layer] = torch.zeros_like(self.keys[layer])
+            self.columns[layer] = torch.full((slots,), -1, dtype=torch.long, device=device)
+            self.valid[layer] = torch.zeros(batch, slots, dtype=torch.bool, device=device)
+        self.version = next(self._versions)
+
+    def set_length(self, width: int) -> None:
+        if width > self.capacity:
+            self.capacity = width
+            self.keys[0] = None  # reallocated at the next `prepare`
+        if self.keys[0] is not None:
+            for layer in range(len(self.sliding)):
+                self.columns[layer].fill_(-1)
+                self.valid[layer].fill_(False)
+        self.length = 0
+
+    def _write_at(self, layer: int, columns: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The slots `(n,)` of the last n of `columns` that the layer keeps, and n."""
+        slots = self.slots(layer)
+        kept = min(columns.shape[0], slots)
+        last = columns[-kept:]
+        return (last % slots if self.sliding[layer] else last), kept
+
+    def keys_values(self, layer: int, key, value, write: bool):
+        all_keys = torch.cat([self.keys[layer], key], dim=-2)
+        all_values = torch.cat([self.values[layer], value], dim=-2)
+        if write:
+            slots, kept = self._write_at(layer, self._pending_columns)
+            self.keys[layer].index_copy_(2, slots, key[:, :, -kept:])
+            self.values[layer].index_copy_(2, slots, value[:, :, -kept:])
+        return all_keys, all_values
+
+    def decoder_mask(self, layer: int, canvas: torch.Tensor, padded: bool) -> torch.Tensor:
+        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
+        return torch.cat([self.valid[layer], canvas_keys], dim=1)[:, None, None, :]
+
+    def record(self, columns: torch.Tensor, valid: torch.Tensor) -> None:
+        for layer in range(len(self.sliding)):
+            slots, kept = self._write_at(layer, columns)
+            self.columns[layer].index_copy_(0, slots, columns[-kept:])
+            self.valid[layer].index_copy_(1, slots, valid[:, -kept:])
+        self.length = int(columns[-1]) + 1
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        super().keep_rows(index)
+        self.version = next(self._versions)
+
+
+class DecoderGraphs:
+    """CUDA graphs of the decoder's layers (`decoder_layers`), one per input shape, for the steps of generations
+    over one static cache (`DiffusionGemmaStaticCache`: the K/V the layers read stay in place between steps and
+    canvases; a new cache or new buffers drop the graphs). The embedding, the self-conditioning signal (which
+    reads the whole embedding once), the LM head and the sampler's random draws run eagerly around the graph: they
+    are a few large kernels, while the layers are the step's hundreds of small launches."""
+
+    def __init__(self):
+        self.cache_key = None
+        self.entries: dict = {}
+        self.pool = None
+
+    @staticmethod
+    def applies(model, x: torch.Tensor, cache) -> bool:
+        """On CUDA, without autograd, over a static cache, every layer's experts grouped (no host sync)."""
+        return (
+            x.is_cuda
+            and isinstance(cache, DiffusionGemmaStaticCache)
+            and not torch.is_grad_enabled()
+            and not torch.cuda.is_current_stream_capturing()
+            and all(layer.experts.uses_grouped(x) for layer in model.model.decoder.layers)
+        )
+
+    def run(self, layers, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
+        """`layers(x, positions, cache, padded)` replayed from its graph (captured at the first call of a shape);
+        the returned tensor is the graph's output buffer, overwritten by the next replay."""
+        if self.cache_key != (id(cache), cache.version):
+            self.cache_key = (id(cache), cache.version)
+            self.entries.clear()
+        key = (tuple(x.shape), x.dtype, tuple(positions.shape), padded)
+        entry = self.entries.get(key)
+        if entry is None:
+            static_x, static_positions = x.clone(), positions.clone()
+            stream = torch.cuda.Stream(device=x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):  # warm-up outside the graph (kernel selection, workspaces)
+                for _ in range(2):
+                    layers(static_x, static_positions, cache, padded)
+            torch.cuda.current_stream(x.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = layers(static_x, static_positions, cache, padded)
+            self.pool = graph.pool()
+            entry = self.entries[key] = (graph, static_x, static_positions, output)
+        graph, static_x, static_positions, output = entry
+        static_x.copy_(x)
+        static_positions.copy_(positions)
+        graph.replay()
+        return output
 
 
 class DiffusionGemmaEncoderLayer(nn.Module):
@@ -413,6 +604,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+    # generate()'s encoder cache: static (`DiffusionGemmaStaticCache`) or not; None: static on CUDA (the CPU keeps
+    # the dynamic one, whose sums are in transformers' order). `capture_decoder`: the decoder's layers as CUDA
+    # graphs where `DecoderGraphs.applies`.
+    static_cache: bool | None = None
+    capture_decoder: bool = True
     _tp_plan = {"lm_head": "colwise_gather_output"}
     diffusion_families = (DIFFUSION_GEMMA,)
 
@@ -422,6 +618,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         self.model = DiffusionGemmaModel(config)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.final_logit_softcapping = text.final_logit_softcapping
+        self._decoder_graphs = None
         self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
         self.post_init()
 
@@ -442,6 +639,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         K/V to `cache`."""
         decoder, text = self.model.decoder, self.config.text_config
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+        cache.prepare(input_ids.shape[0], x.dtype, x.device, columns)
         positions = columns if positions is None else positions
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         last = len(decoder.layers) - 1
@@ -462,26 +660,50 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def decode(self, canvas: torch.Tensor, positions: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
         """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
         `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
-        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal)."""
-        decoder, text = self.model.decoder, self.config.text_config
+        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal). The
+        layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped experts)."""
+        decoder = self.model.decoder
         weight = decoder.embed_tokens.weight
         scale = decoder.embed_scale(weight.dtype)
         x = decoder.embed_tokens(canvas) * scale
         signal = None
         if self_conditioning_logits is not None:
-            soft = self_conditioning_logits.softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
-            signal = torch.matmul(soft, weight) * scale.to(x.dtype)
+            # softmax(s) @ E * sqrt(hidden), by chunks of rows (`row_chunks`: no whole float32 softmax copy).
+            flat = self_conditioning_logits.reshape(-1, self_conditioning_logits.shape[-1])
+            signal = x.new_empty(x.shape).view(flat.shape[0], -1)
+            for part in row_chunks(*flat.shape):
+                soft = flat[part].softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
+                signal[part] = torch.matmul(soft, weight) * scale.to(x.dtype)
+            signal = signal.view(x.shape)
         x = decoder.self_conditioning(x, signal)
-        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
-        canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
-        for index, layer in enumerate(decoder.layers):
-            mask = None
-            if padded and cache.valid[index] is not None:
-                mask = torch.cat([cache.valid[index], canvas_keys], dim=1)[:, None, None, :]
-            x = layer(x, *rope[text.layer_types[index]], cache, mask, False)
-        logits = self.lm_head(decoder.norm(x)).float()
+        if self.capture_decoder and DecoderGraphs.applies(self, x, cache):
+            if self._decoder_graphs is None:
+                self._decoder_graphs = DecoderGraphs()
+            hidden = self._decoder_graphs.run(self.decoder_layers, x, positions, cache, padded)
+        else:
+            hidden = self.decoder_layers(x, positions, cache, padded)
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`cap * tanh(lm_head(hidden) / cap)` in float32 `(B, C, vocab)` from `hidden` `(B, C, hidden)`, by chunks
+        of rows (`row_chunks`: the head's output in the weights' dtype never whole beside its float32 copy)."""
         cap = self.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        vocab = self.lm_head.weight.shape[0]
+        logits = torch.empty(flat.shape[0], vocab, dtype=torch.float32, device=hidden.device)
+        for part in row_chunks(flat.shape[0], vocab):
+            logits[part] = self.lm_head(flat[part]).float().div_(cap).tanh_().mul_(cap)
+        return logits.view(*hidden.shape[:-1], vocab)
+
+    def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
+        """The decoder's layers and final norm on its input `x` `(B, C, hidden)` (a pure tensor function of `x`,
+        `positions` and the cache's tensors: what `DecoderGraphs` captures)."""
+        decoder, text = self.model.decoder, self.config.text_config
+        rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
+        for index, layer in enumerate(decoder.layers):
+            mask = cache.decoder_mask(index, x[..., 0], padded)
+            x = layer(x, *rope[text.layer_types[index]], cache, mask, False)
+        return decoder.norm(x)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
         return DiffusionGemmaEncoderCache(self.config.text_config)
@@ -550,6 +772,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                     setattr(self.generation_config, name, value)
 
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
+        static = self.static_cache if self.static_cache is not None else self.device.type == "cuda"
+        if static:
+            return DiffusionGemmaStaticCache(self.config.text_config, max_length)
         return self.new_encoder_cache()
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
@@ -557,7 +782,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return key_mask.bool()
 
     def _diffusion_step_capturable(self) -> bool:
-        return False  # the sampler draws random numbers and the encoder pass grows the cache
+        # The loop's own step graphs (greedy steps) do not apply: the sampler draws random numbers and a canvas'
+        # first step runs the encoder; the decoder's layers are captured by the model itself (`DecoderGraphs`).
+        return False
 
     def _diffusion_forward(
         self, input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
@@ -625,4 +852,10 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return sequences
 
 
-__all__ = ["DiffusionGemmaForBlockDiffusion", "DiffusionGemmaEncoderCache", "DiffusionGemmaPreTrainedModel"]
+__all__ = [
+    "DecoderGraphs",
+    "DiffusionGemmaEncoderCache",
+    "DiffusionGemmaForBlockDiffusion",
+    "DiffusionGemmaPreTrainedModel",
+    "DiffusionGemmaStaticCache",
+]

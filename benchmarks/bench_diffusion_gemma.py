@@ -1,0 +1,421 @@
+"""Speed of DiffusionGemma's `generate()` (issue #67 item 5) against transformers' own `generate()`, same weights.
+
+GPU setting: the `google/diffusiongemma-26B-A4B-it` text shape (`GEMMA_26B_A4B`: hidden 2816, 30 layers, 16 query /
+8 key-value heads of 256 with a sliding window of 1024, every 6th layer full attention with 2 key-value heads of
+512, 128 experts top-8 of width 704 beside a dense MLP of 2112, vocabulary 262,144, canvas 256) with random bf16
+weights built on the GPU once (transformers' model when it is importable, hf_dllm's model reading the same tensors
+in place; else hf_dllm's alone); batch 1 / 8 / 32, a 512-token random prompt, 512 new tokens (two canvases), the
+model's default sampler settings (entropy bound 0.1, temperature 0.8 -> 0.4, stable-and-confident stop) and a fixed
+`max_denoising_steps` of 16 and 48. Random weights never get confident, so every canvas takes all its steps.
+
+Per row: tokens/s, denoising steps per canvas (decoder forwards per canvas), ms per step (the call's time over its
+steps, encoder passes included), peak memory allocated during the call; the same for transformers' `generate()`
+(only at `--reference-batch-sizes`, default 1 and 8: its batch-32 rows would take most of the time budget).
+
+Also measured, per batch size: one **isolated denoising step** (decoder forward + `EntropyBoundSampler.denoise`,
+after the encoder wrote the prompt, with self-conditioning; CUDA events around `--step-repeats` steps back to back)
+and its **weight-read floor**: the bytes of the attention, dense-MLP, norm and router weights of every layer, the
+self-conditioning MLP, the embedding twice (the self-conditioning matmul and the tied LM head each read it) and the
+distinct experts the step's routers selected (counted by hooks), over the measured device copy bandwidth.
+
+Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
+count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
+
+`--cpu`: a tiny float32 shape on the CPU, both ours and transformers' (tokens compared: on the CPU hf_dllm
+reproduces transformers' draws under the same seed), a few seconds; no floor (no device bandwidth).
+
+    python benchmarks/bench_diffusion_gemma.py                       # one H200, < 6 minutes
+    python benchmarks/bench_diffusion_gemma.py --layers 6 --batch-sizes 1 --steps 16
+    python benchmarks/bench_diffusion_gemma.py --cpu
+
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_dllm  # noqa: E402
+from hf_dllm.decoding_diffusion_gemma import SAMPLER_DEFAULTS, EntropyBoundSampler  # noqa: E402
+
+# The 26B-A4B text transformer (the shape issue #67 gives; transformers' config defaults are a smaller Gemma).
+GEMMA_26B_A4B = dict(
+    vocab_size=262_144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    sliding_window=1024,
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    max_position_embeddings=131_072,
+    use_bidirectional_attention="vision",
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    sliding_window=8,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    max_position_embeddings=512,
+    use_bidirectional_attention="vision",
+)
+# A minimal vision tower: transformers' model always builds one; neither model runs it here.
+TINY_VISION = dict(
+    model_type="gemma4_vision",
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    patch_size=4,
+    pooling_kernel_size=2,
+    position_embedding_size=16,
+)
+
+
+def transformers_class():
+    """transformers' `DiffusionGemmaForBlockDiffusion`, or the reason it cannot be used (str)."""
+    try:
+        from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+    except ImportError as error:
+        import transformers
+
+        return f"transformers {transformers.__version__} has no DiffusionGemma ({error})"
+    return DiffusionGemmaForBlockDiffusion
+
+
+def text_fields(shape: dict, layers: int | None) -> dict:
+    fields = dict(shape)
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    # Every 6th layer full attention, and the last (the model requires it).
+    count = fields["num_hidden_layers"]
+    fields["layer_types"] = [
+        "full_attention" if (i + 1) % 6 == 0 or i == count - 1 else "sliding_attention" for i in range(count)
+    ]
+    return fields
+
+
+def build_models(shape: dict, canvas: int, dtype, device, with_reference: bool):
+    """(ours, reference or None, reason the reference is missing or None): random weights built once on `device`
+    (transformers' initialisation when the reference exists); ours reads the reference's tensors in place."""
+    reference_class = transformers_class() if with_reference else "not asked (--no-reference)"
+    config = hf_dllm.DiffusionGemmaConfig(text_config=dict(shape), vision_config=None, canvas_length=canvas)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if isinstance(reference_class, str):
+            with torch.device(device):
+                return hf_dllm.DiffusionGemmaForBlockDiffusion(config).eval(), None, reference_class
+        from transformers.models.diffusion_gemma import DiffusionGemmaConfig
+
+        try:  # another transformers version may build it differently: then ours alone, saying why
+            reference_config = DiffusionGemmaConfig(
+                text_config=dict(shape), vision_config=dict(TINY_VISION), canvas_length=canvas
+            )
+            with torch.device(device):
+                reference = reference_class._from_config(reference_config, dtype=dtype).eval()
+        except Exception as error:  # noqa: BLE001  (reported in the JSON line)
+            with torch.device(device):
+                ours = hf_dllm.DiffusionGemmaForBlockDiffusion(config).eval()
+            return ours, None, f"transformers' model could not be built: {type(error).__name__}: {error}"
+        with torch.device("meta"):
+            ours = hf_dllm.DiffusionGemmaForBlockDiffusion(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    missing, _ = ours.load_state_dict(reference.state_dict(), strict=False, assign=True)
+    if missing:
+        raise RuntimeError(f"hf_dllm's model lacks the reference's tensors: {missing[:5]}")
+    decoder = ours.model.decoder
+    for kind, frequencies in decoder.rope_frequencies().items():
+        setattr(decoder, f"{kind}_inv_freq", frequencies.to(device))
+    ours.lm_head.weight = decoder.embed_tokens.weight
+    left = [name for name, tensor in [*ours.named_parameters(), *ours.named_buffers()] if tensor.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device: {left[:5]}")
+    return ours.eval(), reference, None
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(model, prompt, new_tokens: int, steps: int, seed: int, reference: bool) -> dict:
+    """One `generate()` call: seconds, decoder forwards per canvas, peak GB and the tokens."""
+    device = prompt.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(seed)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, max_denoising_steps=steps, return_dict_in_generate=True)
+    sync(device)
+    seconds = time.perf_counter() - start
+    canvases = new_tokens // model.config.canvas_length
+    if reference:  # tokens_per_forward (B,): a row's new tokens over its decoder forwards
+        forwards = float((new_tokens / out.tokens_per_forward.float()).max())
+    else:
+        forwards = float(out.nfe)
+    batch = prompt.shape[0]
+    return dict(
+        seconds=seconds,
+        tokens_per_s=batch * new_tokens / seconds,
+        steps_per_canvas=forwards / canvases,
+        ms_per_step=1000 * seconds / forwards,
+        peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        sequences=out.sequences,
+    )
+
+
+def step_floor_bytes(model, routed: list[int]) -> int:
+    """Bytes a decoder step must read: every weight but the experts, the embedding twice (self-conditioning and
+    the tied LM head), and `routed[layer]` experts of each layer."""
+    decoder = model.model.decoder
+    total = 0
+    for name, tensor in decoder.named_parameters():
+        if ".experts." not in name:
+            total += tensor.numel() * tensor.element_size()
+    embedding = decoder.embed_tokens.weight
+    total += embedding.numel() * embedding.element_size()  # its second read (the LM head)
+    for layer, count in zip(decoder.layers, routed, strict=True):
+        experts = layer.experts
+        per_expert = sum(p[0].numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+        total += count * per_expert
+    return total
+
+
+def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
+    """The denoising step alone (decoder + sampler, self-conditioned, the prompt encoded into generate()'s cache:
+    static on CUDA): ms per step with the decoder's layers captured (where `DecoderGraphs` applies) and eager, and
+    the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay)."""
+    text, canvas = model.config.text_config, model.config.canvas_length
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(3, text.vocab_size, (batch, prompt_len), device=device, generator=generator)
+    defaults = {k: v for k, v in SAMPLER_DEFAULTS.items() if k not in ("sampler_config", "max_denoising_steps")}
+    sampler = EntropyBoundSampler(text.vocab_size, max_denoising_steps=1 << 20, entropy_bound=0.1, **defaults)
+    positions = torch.arange(prompt_len, prompt_len + canvas, device=device)
+    captured = model.capture_decoder
+    with torch.no_grad():
+        cache = model._diffusion_new_cache(batch, prompt_len + canvas)
+        valid = torch.ones(batch, prompt_len, dtype=torch.bool, device=device)
+        model.encode(prompt, torch.arange(prompt_len, device=device), valid, cache)
+        block = sampler.initial_block(batch, canvas, device)
+
+        def step(block):
+            logits = model.decode(block, positions, cache, sampler.self_conditioning, padded=False)
+            return sampler.denoise(block, logits, None, None)[0]
+
+        model.capture_decoder = False
+        block = step(block)  # now self-conditioned
+        routed = []
+        hooks = [
+            layer.router.register_forward_hook(lambda _m, _i, out: routed.append(int(out[1].unique().numel())))
+            for layer in model.model.decoder.layers
+        ]
+        block = step(block)
+        for hook in hooks:
+            hook.remove()
+        timings = {}
+        for mode, capture in (("eager", False), ("graph", True)):
+            model.capture_decoder = capture
+            block = step(block)  # a graph is captured here
+            sync(device)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeats):
+                    block = step(block)
+                end.record()
+                end.synchronize()
+                timings[mode] = start.elapsed_time(end) / repeats
+            else:
+                began = time.perf_counter()
+                for _ in range(repeats):
+                    block = step(block)
+                timings[mode] = 1000 * (time.perf_counter() - began) / repeats
+        model.capture_decoder = captured
+    graphs = model._decoder_graphs is not None and bool(model._decoder_graphs.entries)
+    return dict(
+        step_ms=min(timings.values()),
+        eager_step_ms=timings["eager"],
+        graph_step_ms=timings["graph"],
+        graphs_used=graphs,
+        routed=routed,
+    )
+
+
+def goal(value, target: float, better: str) -> dict:
+    met = None if value is None else (value >= target if better == "higher" else value <= target)
+    return dict(value=None if value is None else round(value, 3), target=target, met=met)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="tiny float32 shape on the CPU (default without a GPU)")
+    parser.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the shape's)")
+    parser.add_argument("--batch-sizes", default=None, help="comma list (GPU default 1,8,32; CPU 1,2)")
+    parser.add_argument("--steps", default=None, help="comma list of max_denoising_steps (GPU 16,48; CPU 4)")
+    parser.add_argument("--reference-batch-sizes", default=None, help="batches transformers runs (GPU 1,8; CPU all)")
+    parser.add_argument("--no-reference", action="store_true", help="hf_dllm only")
+    parser.add_argument("--prompt-len", type=int, default=None, help="GPU 512, CPU 16")
+    parser.add_argument("--new-tokens", type=int, default=None, help="GPU 512, CPU 32 (whole canvases)")
+    parser.add_argument("--step-repeats", type=int, default=None, help="isolated steps timed (GPU 10, CPU 2)")
+    args = parser.parse_args(argv)
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if gpu else "cpu")
+    shape = text_fields(GEMMA_26B_A4B if gpu else TINY, args.layers)
+    canvas, dtype = (256, torch.bfloat16) if gpu else (16, torch.float32)
+    prompt_len = args.prompt_len or (512 if gpu else 16)
+    new_tokens = args.new_tokens or (512 if gpu else 32)
+    if new_tokens % canvas:
+        parser.error(f"--new-tokens must be a multiple of the canvas ({canvas}), got {new_tokens}")
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8,32" if gpu else "1,2")).split(",")]
+    step_counts = [int(s) for s in (args.steps or ("16,48" if gpu else "4")).split(",")]
+    reference_batches = [
+        int(b) for b in (args.reference_batch_sizes or ("1,8" if gpu else ",".join(map(str, batch_sizes)))).split(",")
+    ]
+    repeats = args.step_repeats or (10 if gpu else 2)
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    ours, reference, missing_reason = build_models(shape, canvas, dtype, device, not args.no_reference)
+    summary = dict(
+        benchmark="bench_diffusion_gemma",
+        device=torch.cuda.get_device_name(device) if gpu else "CPU",
+        torch=torch.__version__,
+        dtype=str(dtype),
+        shape=dict(shape, canvas_length=canvas),
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        build_s=round(time.perf_counter() - started, 1),
+        weights_gb=round(sum(p.numel() * p.element_size() for p in ours.parameters()) / 1e9, 2),
+        reference=None if reference is None else "transformers DiffusionGemmaForBlockDiffusion.generate()",
+        reference_skipped=missing_reason,
+    )
+    if gpu:
+        from bench_generate import copy_bandwidth  # this folder's (needs CUDA)
+
+        summary["copy_gb_per_s"] = round(copy_bandwidth(device) / 1e9, 1)
+    print(f"# {json.dumps({k: v for k, v in summary.items() if k != 'shape'})}", flush=True)
+
+    vocab = shape["vocab_size"]
+    rows, steps_rows = [], []
+    for batch in batch_sizes:
+        prompt = torch.randint(3, vocab, (batch, prompt_len), device=device)
+        # Warm-up (kernels, allocator, our decoder's graphs): one canvas, two steps.
+        run_reference = reference is not None and batch in reference_batches
+        for model, is_reference in ((ours, False), (reference if run_reference else None, True)):
+            try:
+                if model is not None:
+                    timed_generate(model, prompt, canvas, 2, 0, reference=is_reference)
+            except torch.OutOfMemoryError:  # the timed rows record it
+                torch.cuda.empty_cache()
+        for steps in step_counts:
+            for name, model in (("hf_dllm", ours), ("transformers", reference if run_reference else None)):
+                if model is None:
+                    continue
+                try:
+                    result = timed_generate(model, prompt, new_tokens, steps, 1234, reference=name == "transformers")
+                except torch.OutOfMemoryError as error:  # recorded; the other rows still run
+                    result = dict(oom=str(error).splitlines()[0], sequences=None, tokens_per_s=None)
+                    torch.cuda.empty_cache()
+                result.update(model=name, batch=batch, max_denoising_steps=steps)
+                rows.append(result)
+            if run_reference and not gpu and rows[-1]["sequences"] is not None:  # on the CPU both draw alike
+                rows[-2]["tokens_equal_reference"] = bool(torch.equal(rows[-2]["sequences"], rows[-1]["sequences"]))
+        try:
+            step = isolated_step(ours, batch, prompt_len, repeats, device)
+        except torch.OutOfMemoryError as error:
+            torch.cuda.empty_cache()
+            steps_rows.append(dict(batch=batch, oom=str(error).splitlines()[0]))
+            continue
+        if gpu:
+            floor_bytes = step_floor_bytes(ours, step["routed"])
+            step["floor_ms"] = 1000 * floor_bytes / (summary["copy_gb_per_s"] * 1e9)
+            step["over_floor"] = step["step_ms"] / step["floor_ms"]
+            step["floor_gb"] = floor_bytes / 1e9
+        step["experts_per_layer"] = sum(step.pop("routed")) / shape["num_hidden_layers"]
+        step["batch"] = batch
+        steps_rows.append(step)
+
+    print(f"\n{'model':>12} {'batch':>5} {'steps':>5} {'tok/s':>9} {'steps/canvas':>12} {'ms/step':>8} {'peak GB':>8}")
+    for row in rows:
+        if "oom" in row:
+            print(f"{row['model']:>12} {row['batch']:5d} {row['max_denoising_steps']:5d} out of memory")
+            continue
+        peak = f"{row['peak_gb']:8.1f}" if row["peak_gb"] is not None else f"{'-':>8}"
+        print(
+            f"{row['model']:>12} {row['batch']:5d} {row['max_denoising_steps']:5d} {row['tokens_per_s']:9.1f} "
+            f"{row['steps_per_canvas']:12.1f} {row['ms_per_step']:8.2f} {peak}"
+        )
+    print(f"\n{'batch':>5} {'eager ms':>8} {'graph ms':>8} {'floor ms':>8} {'x floor':>7} {'experts/layer':>13}")
+    for step in steps_rows:
+        if "oom" in step:
+            print(f"{step['batch']:5d} out of memory")
+            continue
+        floor = f"{step['floor_ms']:8.2f} {step['over_floor']:7.2f}" if "floor_ms" in step else f"{'-':>8} {'-':>7}"
+        print(
+            f"{step['batch']:5d} {step['eager_step_ms']:8.2f} {step['graph_step_ms']:8.2f} {floor} "
+            f"{step['experts_per_layer']:13.1f}"
+        )
+
+    def row_of(model, batch, steps):
+        return next(
+            (r for r in rows if (r["model"], r["batch"], r["max_denoising_steps"]) == (model, batch, steps)), None
+        )
+
+    goals = {}
+    for steps in step_counts:
+        mine, theirs = row_of("hf_dllm", 1, steps), row_of("transformers", 1, steps)
+        ok = mine and theirs and mine["tokens_per_s"] and theirs["tokens_per_s"]
+        speedup = mine["tokens_per_s"] / theirs["tokens_per_s"] if ok else None
+        goals[f"batch1_speedup_steps{steps}"] = goal(speedup, 5.0, "higher")
+    one = next((s for s in steps_rows if s["batch"] == 1), None)
+    goals["batch1_step_over_floor"] = goal(one.get("over_floor") if one else None, 1.3, "lower")
+    rows32 = [r for r in rows if r["model"] == "hf_dllm" and r["batch"] == 32]
+    peak32 = [r["peak_gb"] for r in rows32 if r.get("peak_gb") is not None]
+    goals["batch32_peak_gb"] = goal(max(peak32) if peak32 else None, 80.0, "lower")
+    if any("oom" in r for r in rows32):
+        goals["batch32_peak_gb"].update(value="out of memory", met=False)
+    for row in rows:
+        row.pop("sequences")
+        for key, value in list(row.items()):
+            if isinstance(value, float):
+                row[key] = round(value, 3)
+    for step in steps_rows:
+        for key, value in list(step.items()):
+            if isinstance(value, float):
+                step[key] = round(value, 3)
+    summary.update(rows=rows, steps=steps_rows, goals=goals, total_s=round(time.perf_counter() - started, 1))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

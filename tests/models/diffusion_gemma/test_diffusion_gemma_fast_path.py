@@ -1,0 +1,191 @@
+"""DiffusionGemma's fast path: the grouped expert GEMMs (no host synchronisation) against the loop that is exact
+against transformers, per layer and through the whole model's logits; the static encoder cache decoding
+transformers' tokens; on CUDA (`gpu`), the decoder's layers replayed from CUDA graphs against the eager step."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+import hf_dllm  # noqa: F401  (registers the family)
+from hf_dllm import decoding_diffusion_gemma
+from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
+from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
+
+FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return AutoModel.from_pretrained(GEMMA_DIR).eval()
+
+
+def _set_experts(model, implementation):
+    for layer in model.model.decoder.layers:
+        layer.experts.implementation = implementation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_match_the_loop(gemma, dtype):
+    experts = copy.deepcopy(gemma.model.decoder.layers[0].experts).to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(24, experts.gate_up_proj.shape[-1], generator=generator).to(dtype)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=generator)[:2] for _ in range(24)])
+    index[:5] = torch.tensor([0, 1])  # an expert nobody else picks stays empty in the grouped product
+    weights = torch.rand(24, 2, generator=generator)
+    with torch.no_grad():
+        experts.implementation = "loop"
+        loop = experts(x, index, weights)
+        experts.implementation = "grouped"
+        grouped = experts(x, index, weights)
+    tolerance = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(grouped, loop, **tolerance)
+    assert grouped.abs().max() > 0
+
+
+def test_grouped_experts_model_logits(gemma):
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    inputs = dict(
+        input_ids=expected["logits.input_ids"],
+        decoder_input_ids=expected["logits.decoder_input_ids"],
+        self_conditioning_logits=expected["logits.self_conditioning_logits"],
+    )
+    try:
+        _set_experts(gemma, "grouped")
+        with torch.no_grad():
+            logits = gemma(**inputs).logits
+    finally:
+        _set_experts(gemma, None)
+    torch.testing.assert_close(logits, expected["logits.expected_sc"], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_experts_implementation_is_refused(gemma):
+    experts = gemma.model.decoder.layers[0].experts
+    experts.implementation = "triton"
+    try:
+        with pytest.raises(ValueError, match="implementation"):
+            experts(torch.zeros(1, 64), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+    finally:
+        experts.implementation = None
+
+
+CASES = {case["name"]: case for case in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"]}
+
+
+@pytest.mark.parametrize("name", ["p21.g32.defaults.s3", "b2.g32.eos.s1"])
+def test_static_cache_reproduces_transformers_cases(gemma, name):
+    """The static cache (ring buffers for the sliding layers: window 8, prompts of 21 columns wrap them; empty
+    slots masked) decodes transformers' tokens, as the dynamic cache does."""
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    case = CASES[name]
+    kwargs = dict(case["kwargs"])
+    if case["attention_mask"]:
+        kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
+    caches = []
+    original = gemma._diffusion_new_cache
+
+    def spy(*args, **kw):
+        caches.append(original(*args, **kw))
+        return caches[-1]
+
+    gemma.static_cache, gemma._diffusion_new_cache = True, spy
+    try:
+        torch.manual_seed(case["seed"])
+        out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+    finally:
+        gemma.static_cache = None
+        del gemma._diffusion_new_cache
+    assert isinstance(caches[0], DiffusionGemmaStaticCache)
+    assert torch.equal(out.sequences, expected[f"case.{name}"])
+
+
+def test_static_cache_refuses_columns_past_its_capacity(gemma):
+    cache = DiffusionGemmaStaticCache(gemma.config.text_config, capacity=8)
+    with pytest.raises(ValueError, match="holds 8 columns"):
+        gemma.encode(torch.ones(1, 9, dtype=torch.long), torch.arange(9), torch.ones(1, 9, dtype=torch.bool), cache)
+
+
+@pytest.fixture(scope="module")
+def gemma_cuda_bf16():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return AutoModel.from_pretrained(GEMMA_DIR, dtype=torch.bfloat16).eval().cuda()
+
+
+@pytest.mark.gpu
+def test_cuda_captured_decoder_step_equals_eager(gemma_cuda_bf16):
+    """A denoising step (decoder + sampler) with the decoder's layers replayed from a CUDA graph equals the eager
+    step: logits, and with the same injected draws (same seed) the accepted set's next canvas, at two canvases
+    (the encoder rewrites the static cache in place between them)."""
+    model = gemma_cuda_bf16
+    text, canvas = model.config.text_config, model.config.canvas_length
+    cache = model._diffusion_new_cache(2, 64)
+    assert isinstance(cache, DiffusionGemmaStaticCache)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    start = 0
+    for width in (21, canvas):  # the prompt, then a canvas
+        tokens = torch.randint(3, text.vocab_size, (2, width), device="cuda", generator=generator)
+        columns = torch.arange(start, start + width, device="cuda")
+        model.encode(tokens, columns, torch.ones(2, width, dtype=torch.bool, device="cuda"), cache)
+        start += width
+        block = torch.randint(3, text.vocab_size, (2, canvas), device="cuda", generator=generator)
+        positions = torch.arange(start, start + canvas, device="cuda")
+        signal = torch.randn(2, canvas, text.vocab_size, device="cuda", generator=generator)
+        results = {}
+        for captured in (False, True, True):  # eager, capture, replay
+            model.capture_decoder = captured
+            sampler = EntropyBoundSampler(text.vocab_size, 8, 0.5, 0.4, 0.8, 1, 0.005)
+            sampler.initial_block(2, canvas, torch.device("cuda"))
+            sampler.step_index = 3
+            with torch.no_grad():
+                logits = model.decode(block, positions, cache, signal, padded=False)
+                kept = logits.clone()  # the sampler divides its logits in place
+                torch.manual_seed(7)
+                next_canvas = sampler.denoise(block, logits, None, None)[0]
+            results.setdefault(captured, []).append((kept, next_canvas))
+        model.capture_decoder = True
+        eager = results[False][0]
+        for logits, next_canvas in results[True]:
+            torch.testing.assert_close(logits, eager[0], rtol=0, atol=1e-5)
+            assert torch.equal(next_canvas, eager[1])
+    assert model._decoder_graphs is not None and model._decoder_graphs.entries
+
+
+@pytest.mark.gpu
+def test_cuda_generate_with_graphs_equals_eager(gemma_cuda_bf16):
+    """generate() on CUDA (static cache, grouped experts, captured decoder layers) decodes the eager run's tokens
+    under the same seed (the random draws are eager in both)."""
+    model = gemma_cuda_bf16
+    prompt = torch.randint(3, 300, (2, 21), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    runs = []
+    for captured in (False, True):
+        model.capture_decoder = captured
+        torch.manual_seed(5)
+        runs.append(model.generate(prompt, max_new_tokens=48, max_denoising_steps=6, return_dict_in_generate=True))
+    model.capture_decoder = True
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].nfe == runs[1].nfe
+
+
+@pytest.mark.parametrize("name", ["p21.g32.defaults.s3", "b2.g32.eos.s1"])
+def test_row_chunked_sampler_and_head_reproduce_transformers_cases(gemma, monkeypatch, name):
+    """Chunks of 5 rows (of a 320-token vocabulary) in the sampler (softmax, multinomial, entropy), the
+    self-conditioning signal and the soft-capped head: on the CPU the draws and sums are the unchunked ones, so
+    transformers' tokens come out (on a GPU the chunks bound the float32 temporaries of large batches)."""
+    monkeypatch.setattr(decoding_diffusion_gemma, "ROW_CHUNK_ELEMENTS", 320 * 5)
+    assert len(decoding_diffusion_gemma.row_chunks(32, 320)) == 7
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    case = CASES[name]
+    kwargs = dict(case["kwargs"])
+    if case["attention_mask"]:
+        kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
+    torch.manual_seed(case["seed"])
+    out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected[f"case.{name}"])
