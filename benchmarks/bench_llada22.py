@@ -69,11 +69,17 @@ def build_model(shape: dict, ids: dict, dtype, device) -> hf_dllm.LLaDA2MoeModel
 
 
 def variant(base, fields: dict, dtype, device):
-    """A model of the same weights as `base` with the config `fields` set (LLaDA2.2's ids, block routing)."""
+    """A model sharing `base`'s weights and buffers (no second copy in memory: the peak columns compare decoding,
+    not two models held at once) with the config `fields` set (LLaDA2.2's ids, block routing)."""
     config = type(base.config).from_dict({**base.config.to_dict(), **fields})
-    with torch.device(device):
+    with torch.device("meta"):
         model = type(base)._from_config(config, dtype=dtype)
-    model.load_state_dict(base.state_dict())
+    for kind, tensors in (("_parameters", base.named_parameters()), ("_buffers", base.named_buffers())):
+        for name, tensor in tensors:  # the same objects: non-persistent buffers (rotary tables) too
+            module_name, _, attr = name.rpartition(".")
+            getattr(model.get_submodule(module_name), kind)[attr] = tensor
+    leftover = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    assert not leftover, leftover
     return model.eval()
 
 
