@@ -474,6 +474,7 @@ class DecoderGraphs:
         if self.cache_key != (id(cache), cache.version):
             self.cache_key = (id(cache), cache.version)
             self.entries.clear()
+            self.pool = None  # the dropped graphs' pool is released with them: capturing into it again is an error
         key = (tuple(x.shape), x.dtype, tuple(positions.shape), padded)
         entry = self.entries.get(key)
         if entry is None:
