@@ -10,6 +10,7 @@ The fused kernels against the PyTorch path on the CPU run in Triton's interprete
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -186,8 +187,10 @@ def bf16_errors(config: LLaDAMoEConfig, ids: torch.Tensor) -> tuple[float, float
     """(max |logits - float32 logits|) of a bf16 model with the experts as the loop (PyTorch) and through the fused
     kernels, the same weights; and the fused model."""
     reference = random_model(config, torch.float32, "cuda")
-    eager = LLaDAMoEModelLM._from_config(config, dtype=torch.bfloat16, experts_implementation="eager").cuda().eval()
-    fused = LLaDAMoEModelLM._from_config(config, dtype=torch.bfloat16).cuda().eval()
+    # Each its own config: `_from_config` writes `experts_implementation` into the config it is given.
+    eager = LLaDAMoEModelLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16, experts_implementation="eager")
+    eager = eager.cuda().eval()
+    fused = LLaDAMoEModelLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16).cuda().eval()
     state = {name: tensor.to(torch.bfloat16) for name, tensor in reference.state_dict().items()}
     eager.load_state_dict(state)
     fused.load_state_dict(state)
@@ -239,7 +242,7 @@ def test_gpu_fp8_model_runs_the_fused_kernels_and_generates():
     with torch.no_grad():
         logits = quantized(ids).logits.float()
         expected = dequantized_copy(quantized, "cuda")(ids).logits.float()
-    assert float((logits - expected).abs().max()) < 5e-2
+    assert float((logits - expected).abs().max()) < 1e-1  # the kernel also quantizes activations to FP8
     prompt = ids[:1, :16]
     settings = dict(max_new_tokens=32, block_length=16, threshold=0.9, use_cache=True, dual_cache=True)
     graphs = quantized.generate(prompt, mask_token_id=310, **settings)
