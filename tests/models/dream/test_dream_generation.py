@@ -124,16 +124,10 @@ def test_pipeline_text_generation(char_tokenizer):
     model = char_dream()
     pipe = pipeline("text-generation", model=model, tokenizer=char_tokenizer)
     settings = dict(max_new_tokens=8, block_length=4, alg="maskgit_plus", steps=4)
-    prompts = ["Hello", "Good morning, world", "abc"]
-    for prompt in prompts:
-        encoded = char_tokenizer(prompt, return_tensors="pt")
-        out = model.generate(**encoded, **settings)
-        text = char_tokenizer.decode(out[0, encoded.input_ids.shape[1] :], skip_special_tokens=True)
-        assert pipe(prompt, **settings)[0]["generated_text"] == prompt + text
-    batched = pipe(prompts, batch_size=2, **settings)
-    assert [result[0]["generated_text"] for result in batched] == [
-        pipe(prompt, **settings)[0]["generated_text"] for prompt in prompts
-    ]
+    encoded = char_tokenizer("Hello", return_tensors="pt")  # batches: test_dream_family.py
+    out = model.generate(**encoded, **settings)
+    text = char_tokenizer.decode(out[0, encoded.input_ids.shape[1] :], skip_special_tokens=True)
+    assert pipe("Hello", **settings)[0]["generated_text"] == "Hello" + text
     with pytest.raises(ValueError, match="alg"):
         pipe("Hello", max_new_tokens=8, alg="greedy")
 
