@@ -6,6 +6,7 @@ lm-eval's own `simple_evaluate` on the tiny local tasks of `tests/data/lm_eval_t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import torch
 from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation.likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import DATA, FIXTURES, run_side_by_side, tiny_model
+from tests.conftest import DATA, FIXTURES, BackgroundJob, tiny_model
 from tests.evaluation.test_evaluate import CHECKPOINT_SETTINGS, checkpoint_with_settings, direct_generation
 
 TASKS_DIR = DATA / "lm_eval_tasks"
@@ -379,13 +380,11 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
 LAUNCHERS = ["lm_eval", "python -m hf_dllm.evaluation.lm_eval_model"]
 
 
-@pytest.fixture(scope="module")
-def command_line_runs(lm_eval_module, checkpoint, tmp_path_factory) -> dict:
-    """Both launchers of test_lm_eval_command_line, run side by side (most of a run is lm-eval's start-up, in one
-    thread): launcher -> (its finished process, None where the `lm_eval` command is not installed; its output path)."""
-    outputs, commands = {}, {}
+def command_line_commands(workdir: Path) -> dict[str, list[str]]:
+    """Both launchers of test_lm_eval_command_line on the tiny trained checkpoint, output under `workdir / launcher`
+    (the `lm_eval` command left out where it is not installed)."""
+    commands = {}
     for launcher in LAUNCHERS:
-        outputs[launcher] = tmp_path_factory.mktemp("lm_eval_cli") / "out"
         if launcher == "lm_eval":
             executable = shutil.which(
                 "lm_eval", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -398,24 +397,33 @@ def command_line_runs(lm_eval_module, checkpoint, tmp_path_factory) -> dict:
         commands[launcher] = [
             *head,
             "--model", "hf_dllm",
-            "--model_args", f"pretrained={checkpoint},dtype=float32,block_length=8,gen_length=8",
+            "--model_args", f"pretrained={TRAINED},dtype=float32,block_length=8,gen_length=8",
             "--device", "cpu",
             "--include_path", str(TASKS_DIR),
             "--tasks", "hf_dllm_tiny_gen",
             "--limit", "2",
-            "--output_path", str(outputs[launcher]),
+            "--output_path", str(workdir / launcher.replace(" ", "_")),
         ]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    done = run_side_by_side(commands, timeout=300, cwd=tmp_path_factory.mktemp("lm_eval_cwd"), env=env)
-    return {launcher: (done.get(launcher), out) for launcher, out in outputs.items()}
+    return commands
+
+
+# Run side by side (most of a run is lm-eval's start-up, in one thread), beside the in-process tests, in the job's
+# own folder.
+COMMAND_LINE_RUNS = BackgroundJob(
+    command_line_commands,
+    timeout=300,
+    when=lambda: importlib.util.find_spec("lm_eval") is not None,
+    env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"},
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_lm_eval_command_line(command_line_runs, launcher):
+@COMMAND_LINE_RUNS.used_by
+def test_lm_eval_command_line(lm_eval_module, launcher):
     """lm-eval's own `lm_eval` command (the startup hook registers `--model hf_dllm`) and hf_dllm's wrapper of it
     (also `hf-dllm lm-eval`), offline on a local task."""
-    done, out = command_line_runs[launcher]
+    done, out = COMMAND_LINE_RUNS.results().get(launcher), COMMAND_LINE_RUNS.workdir / launcher.replace(" ", "_")
     assert done is not None, "lm-eval's `lm_eval` command is not installed"
     assert done.returncode == 0, done.stderr[-3000:]
     (result_file,) = list(out.rglob("results_*.json"))
