@@ -132,6 +132,15 @@ def model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(tiny_model(seed=0), tmp_path_factory.mktemp("llada-tiny-random"))
 
 
+def export_to(tmp_path_factory, name: str, src: Path, **options) -> Path:
+    """`hf-dllm export` of `src` into a fresh folder `name` (the generic card is named after it)."""
+    from hf_dllm.hub.export import export_checkpoint
+
+    dst = tmp_path_factory.mktemp(name) / name
+    export_checkpoint(src, dst, **options)
+    return dst
+
+
 @pytest.fixture
 def make_tiny_model():
     return tiny_model

@@ -34,6 +34,7 @@ from tests.conftest import (
     FIXTURES,
     REFERENCE_DIR,
     ROOT,
+    export_to,
     generate_cases,
     run_without_hf_dllm,
     save_checkpoint,
@@ -60,9 +61,7 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
     """The reference fixture (Hub format, no tokenizer) exported with the default options."""
-    dst = tmp_path_factory.mktemp("export") / "exported"
-    export_checkpoint(REFERENCE_DIR, dst)
-    return dst
+    return export_to(tmp_path_factory, "exported", REFERENCE_DIR)
 
 
 @pytest.fixture(scope="module")

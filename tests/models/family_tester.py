@@ -32,7 +32,7 @@ from hf_dllm.family import family_for_config
 from hf_dllm.hub.export import check_remote_code, export_checkpoint
 from hf_dllm.hub.families import MODEL_FAMILIES, SHARED_REMOTE_CODE_FILES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import with_remote_code_files
+from tests.conftest import export_to, with_remote_code_files
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
 TOKENIZER_SAVED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -104,9 +104,7 @@ class FamilyTester:
 
     @pytest.fixture(scope="class")
     def exported(self, tmp_path_factory, checkpoint) -> Path:
-        dst = tmp_path_factory.mktemp(f"{self.family}-export") / "exported"
-        export_checkpoint(checkpoint, dst)
-        return dst
+        return export_to(tmp_path_factory, f"{self.family}-exported", checkpoint)
 
     # --- the reference fixture -----------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from hf_dllm.hub.families import (
     MODEL_FAMILIES,
     ExportError,
 )
-from tests.conftest import FIXTURES, ROOT, generate_cases, run_without_hf_dllm, save_checkpoint
+from tests.conftest import FIXTURES, ROOT, export_to, generate_cases, run_without_hf_dllm, save_checkpoint
 from tests.models.dream.test_dream_generation import char_dream
 from tests.models.dream.test_dream_reference import CASES as DREAM_REFERENCE_CASES
 from tests.models.dream.test_dream_reference import generate_kwargs as reference_kwargs
@@ -97,17 +97,13 @@ def dream_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def exported_dream(tmp_path_factory, dream_checkpoint) -> Path:
     """Exported with the Dream-v0-Instruct-7B card and the default options."""
-    dst = tmp_path_factory.mktemp("dream-export") / "exported_dream"
-    export_checkpoint(dream_checkpoint, dst, card="dream-v0-instruct-7b")
-    return dst
+    return export_to(tmp_path_factory, "exported_dream", dream_checkpoint, card="dream-v0-instruct-7b")
 
 
 @pytest.fixture(scope="module")
 def exported_ref(tmp_path_factory) -> Path:
     """The Dream reference fixture (the Hub's config.json and weights, no tokenizer, no generation config)."""
-    dst = tmp_path_factory.mktemp("dream-ref-export") / "exported_ref"
-    export_checkpoint(DREAM_REF, dst)
-    return dst
+    return export_to(tmp_path_factory, "exported_ref", DREAM_REF)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from hf_dllm.decoding_dream import (
     dream_transfer_counts,
 )
 from tests.conftest import FIXTURES, tiny_model
+from tests.generation.test_streamers import ForwardCounter
 
 DREAM = FIXTURES / "dream-tiny-ref"
 MASK, EOS = 310, 301
@@ -34,18 +35,6 @@ def dream():
 def prompts():
     expected = load_file(DREAM / "expected.safetensors")
     return [expected[f"prompt.{name}"][0].tolist() for name in ("p5", "p12", "p19")]
-
-
-class ForwardCounter:
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.count += 1
-
-    def remove(self):
-        self.handle.remove()
 
 
 SETTINGS = {

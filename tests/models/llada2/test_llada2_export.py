@@ -20,7 +20,7 @@ from hf_dllm.hub import export
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import MODEL_FAMILIES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import FIXTURES, generate_cases, run_without_hf_dllm
+from tests.conftest import FIXTURES, export_to, generate_cases, run_without_hf_dllm
 from tests.models.llada2.test_llada2_integration import tiny_llada2
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
@@ -49,17 +49,13 @@ def llada2_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def exported_llada2(tmp_path_factory, llada2_checkpoint) -> Path:
     """Exported with the LLaDA2.1-mini card and the family's default generation settings."""
-    dst = tmp_path_factory.mktemp("llada2-export") / "exported_llada2"
-    export_checkpoint(llada2_checkpoint, dst, card="llada2.1-mini")
-    return dst
+    return export_to(tmp_path_factory, "exported_llada2", llada2_checkpoint, card="llada2.1-mini")
 
 
 @pytest.fixture(scope="module")
 def exported_llada21_ref(tmp_path_factory) -> Path:
     """The LLaDA2.1 reference fixture (the Hub's config.json and weights, no tokenizer) exported as it is."""
-    dst = tmp_path_factory.mktemp("llada21-export") / "exported_llada21"
-    export_checkpoint(LLADA21_REF, dst)
-    return dst
+    return export_to(tmp_path_factory, "exported_llada21", LLADA21_REF)
 
 
 # --- what the export holds ----------------------------------------------------------------------------------------
