@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,15 @@ def model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(tiny_model(seed=0), tmp_path_factory.mktemp("llada-tiny-random"))
 
 
+def export_to(tmp_path_factory, name: str, src: Path, **options) -> Path:
+    """`hf-dllm export` of `src` into a fresh folder `name` (the generic card is named after it)."""
+    from hf_dllm.hub.export import export_checkpoint
+
+    dst = tmp_path_factory.mktemp(name) / name
+    export_checkpoint(src, dst, **options)
+    return dst
+
+
 @pytest.fixture
 def make_tiny_model():
     return tiny_model
@@ -247,6 +257,9 @@ def run_without_hf_dllm(root: Path, child: str, spec: dict, env: dict[str, str] 
     return result
 
 
+_LIVE_PROCESSES: set[subprocess.Popen] = set()
+
+
 def run_side_by_side(
     commands: dict[str, list[str]], timeout: float, **popen_kwargs
 ) -> dict[str, subprocess.CompletedProcess]:
@@ -260,6 +273,7 @@ def run_side_by_side(
         for name, argv in commands.items():  # files, not pipes: a full pipe would stall a process nobody reads
             outputs[name] = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
             processes[name] = subprocess.Popen(argv, stdout=outputs[name][0], stderr=outputs[name][1], **popen_kwargs)
+            _LIVE_PROCESSES.add(processes[name])
         deadline = time.monotonic() + timeout
         for name, process in processes.items():
             process.wait(timeout=max(deadline - time.monotonic(), 0))
@@ -273,5 +287,78 @@ def run_side_by_side(
             if process.poll() is None:
                 process.kill()
                 process.wait()
+            _LIVE_PROCESSES.discard(process)
         for stream in (stream for pair in outputs.values() for stream in pair):
             stream.close()
+
+
+class BackgroundJob:
+    """Subprocess checks (Triton's interpreter, ...) started as soon as the session has collected a test that uses
+    them, and run beside the in-process tests, which use one core of the 2-core test machine (one torch thread):
+    the test only waits for the result. Jobs run one at a time, each job's commands side by side
+    (`run_side_by_side`), in the order their tests were collected.
+
+    `commands(workdir)` gives the job's commands (name -> argv), built when the job starts, with `workdir` a fresh
+    folder of the job's own (`job.workdir`, removed when the session ends; the commands' working directory unless
+    `cwd` is given); `when()`, whether the job is
+    needed at all (say, the `triton` extra is installed): when false the job never runs and its test skips or
+    fails as it would without the job. A test declares the job with the decorator `@JOB.used_by`; `results()` waits
+    for the job (starting it if no collected test had) and returns `run_side_by_side`'s name -> CompletedProcess.
+    """
+
+    def __init__(self, commands, timeout: float, when=lambda: True, **popen_kwargs):
+        self.commands, self.timeout, self.when, self.popen_kwargs = commands, timeout, when, popen_kwargs
+        self.future = self.workdir = None
+
+    def used_by(self, test):
+        test.background_jobs = (*getattr(test, "background_jobs", ()), self)
+        return test
+
+    def start(self) -> None:
+        if self.future is None and self.when():
+            self.workdir = Path(tempfile.mkdtemp(prefix="hf-dllm-test-job-"))
+            _JOB_FOLDERS.append(self.workdir)
+            self.future = _background_executor().submit(self._run)
+
+    def _run(self) -> dict[str, subprocess.CompletedProcess]:
+        popen_kwargs = {"cwd": self.workdir, **self.popen_kwargs}
+        return run_side_by_side(self.commands(self.workdir), self.timeout, **popen_kwargs)
+
+    def results(self) -> dict[str, subprocess.CompletedProcess]:
+        self.start()
+        if self.future is None:
+            raise RuntimeError("results() of a background job that when() rules out")
+        return self.future.result()
+
+
+_EXECUTOR = None
+_JOB_FOLDERS: list[Path] = []
+
+
+def _background_executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
+    return _EXECUTOR
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        for job in getattr(getattr(item, "function", None), "background_jobs", ()):
+            job.start()
+
+
+def pytest_sessionfinish(session):
+    """Jobs whose tests did not run (a failure with -x, an interrupt) are not waited for."""
+    if _EXECUTOR is not None:
+        _EXECUTOR.shutdown(wait=False, cancel_futures=True)
+    for process in list(_LIVE_PROCESSES):
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    for folder in _JOB_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -56,14 +56,6 @@ def test_return_full_text_false(pipe, model, char_tokenizer):
     assert result[0]["generated_text"] == new_text(model, char_tokenizer, "Hello", **GEN)
 
 
-def test_batch_of_strings_equals_single_calls(pipe):
-    prompts = ["Hi", "Good morning, world", "abc"]
-    batched = pipe(prompts, batch_size=2, **GEN)
-    assert len(batched) == 3
-    for prompt, result in zip(prompts, batched, strict=True):
-        assert result == pipe(prompt, **GEN)
-
-
 def test_chat_messages(pipe, model, char_tokenizer):
     messages = [{"role": "user", "content": "What is 2+2?"}]
     result = pipe(messages, **GEN)[0]["generated_text"]

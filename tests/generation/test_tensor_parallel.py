@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, TESTS
+from tests.conftest import ROOT, TESTS, BackgroundJob
 
 WORKER_PATH = TESTS / "tensor_parallel_worker.py"
 _spec = importlib.util.spec_from_file_location("tensor_parallel_worker", WORKER_PATH)
@@ -27,12 +27,9 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
 
-def run_worker(
-    tmp_path: Path, device: str, dtype: str, timeout: int, args: tuple = (), env: dict | None = None
-) -> dict:
+def worker_command(out: Path, device: str, dtype: str, args: tuple = (), env: dict | None = None) -> tuple[list, dict]:
     """`tensor_parallel_worker.py` under `torchrun --nproc-per-node 2` (`args` after device and dtype, `env` on top
-    of the process environment); returns what the first rank recorded."""
-    out = tmp_path / "tp.pt"
+    of the process environment), the first rank's records saved to `out`: the command and its environment."""
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -43,21 +40,34 @@ def run_worker(
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    result = subprocess.run(
-        [*command, str(WORKER_PATH), str(out), device, dtype, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return [*command, str(WORKER_PATH), str(out), device, dtype, *args], env
+
+
+def run_worker(
+    tmp_path: Path, device: str, dtype: str, timeout: int, args: tuple = (), env: dict | None = None
+) -> dict:
+    """`worker_command` run; returns what the first rank recorded."""
+    out = tmp_path / "tp.pt"
+    command, env = worker_command(out, device, dtype, args, env)
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return torch.load(out, weights_only=False)
 
 
+# The two CPU ranks (gloo, float32), run beside the in-process tests.
+CPU_RUN = BackgroundJob(
+    lambda workdir: {"tp": worker_command(workdir / "tp.pt", "cpu", "float32")[0]},
+    timeout=240,
+    cwd=ROOT,
+    env=worker_command(Path("tp.pt"), "cpu", "float32")[1],
+)
+
+
 @pytest.fixture(scope="module")
-def cpu_results(tmp_path_factory) -> dict:
-    return run_worker(tmp_path_factory.mktemp("tp"), "cpu", "float32", timeout=240)
+def cpu_results() -> dict:
+    done = CPU_RUN.results()["tp"]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return torch.load(CPU_RUN.workdir / "tp.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +77,7 @@ def single_process() -> dict:
 
 
 @pytest.mark.parametrize("name", list(worker.MODELS))
+@CPU_RUN.used_by
 def test_shards_hold_half_the_heads(cpu_results, name):
     config_heads = {"llada": (4, 4), "llada2": (4, 2), "dream": (4, 2)}[name]
     for rank, result in enumerate(cpu_results[name]):
@@ -82,6 +93,7 @@ def test_shards_hold_half_the_heads(cpu_results, name):
 
 
 @pytest.mark.parametrize("name", list(worker.MODELS))
+@CPU_RUN.used_by
 def test_sharded_logits_equal_one_process(cpu_results, single_process, name):
     expected = single_process[name]["logits"]
     for result in cpu_results[name]:
@@ -92,6 +104,7 @@ def test_sharded_logits_equal_one_process(cpu_results, single_process, name):
 @pytest.mark.parametrize(
     "name,setting", [(name, setting) for name, settings in worker.SETTINGS.items() for setting, _ in settings]
 )
+@CPU_RUN.used_by
 def test_sharded_tokens_equal_one_process(cpu_results, single_process, name, setting):
     expected, expected_nfe = single_process[name]["generated"][setting]
     prompt_length = len(worker.PROMPTS[0])
@@ -102,6 +115,7 @@ def test_sharded_tokens_equal_one_process(cpu_results, single_process, name, set
         assert nfe == expected_nfe
 
 
+@CPU_RUN.used_by
 def test_experts_loop_equals_grouped_gemms_under_tensor_parallelism(cpu_results, single_process):
     # The loop calls the sharded expert modules (their hooks all-reduce); the grouped path reduces once itself.
     expected = single_process["llada2"]["generated"][worker.SETTINGS["llada2"][0][0]][0]
@@ -109,6 +123,7 @@ def test_experts_loop_equals_grouped_gemms_under_tensor_parallelism(cpu_results,
         assert torch.equal(result["experts_loop"], expected)
 
 
+@CPU_RUN.used_by
 def test_ranks_sampling_with_different_seeds_keep_rank_zeros_tokens(cpu_results):
     first, second = (result["sampled"] for result in cpu_results["llada"])
     assert torch.equal(first, second)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import run_without_hf_dllm
-
 from hf_dllm.hub.export import main as export_main
+from tests.conftest import run_without_hf_dllm
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"

@@ -34,6 +34,7 @@ from tests.conftest import (
     FIXTURES,
     REFERENCE_DIR,
     ROOT,
+    export_to,
     generate_cases,
     run_without_hf_dllm,
     save_checkpoint,
@@ -60,9 +61,7 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
     """The reference fixture (Hub format, no tokenizer) exported with the default options."""
-    dst = tmp_path_factory.mktemp("export") / "exported"
-    export_checkpoint(REFERENCE_DIR, dst, tokenizer=False)
-    return dst
+    return export_to(tmp_path_factory, "exported", REFERENCE_DIR, tokenizer=False)
 
 
 @pytest.fixture(scope="module")
@@ -113,45 +112,6 @@ def exported_kept(tmp_path_factory, kept_source) -> Path:
     dst = tmp_path_factory.mktemp("export-kept") / "exported_kept"
     export_checkpoint(kept_source, dst)
     return dst
-
-
-def test_remote_code_files_are_the_package_files():
-    assert REMOTE_CODE_FILES[:2] == ("configuration_llada.py", "modeling_llada.py")
-    assert {
-        "generation_utils.py",
-        "generation_config.py",
-        "decoding.py",
-        "cache.py",
-        "attention.py",
-        "triton_attention.py",
-    } <= set(REMOTE_CODE_FILES)
-    assert len(set(REMOTE_CODE_FILES)) == len(REMOTE_CODE_FILES)
-    assert check_remote_code() == [PACKAGE_DIR / name for name in REMOTE_CODE_FILES]
-    assert {entry.split(".")[0] + ".py" for entry in AUTO_MAP.values()} <= set(REMOTE_CODE_FILES)
-
-
-def test_export_contents(exported):
-    names = {path.name for path in exported.iterdir()}
-    assert names == {"model.safetensors", "config.json", "generation_config.json", "README.md", *REMOTE_CODE_FILES}
-    for name in REMOTE_CODE_FILES:  # verbatim copies, never edited
-        assert (exported / name).read_bytes() == (PACKAGE_DIR / name).read_bytes(), name
-    assert (exported / "model.safetensors").read_bytes() == (REFERENCE_DIR / "model.safetensors").read_bytes()
-    assert (exported / "model.safetensors").stat().st_ino != (REFERENCE_DIR / "model.safetensors").stat().st_ino
-
-
-def test_exported_config_is_the_source_config_with_our_auto_map(exported):
-    source = json.loads((REFERENCE_DIR / "config.json").read_text())
-    config = json.loads((exported / "config.json").read_text())
-    assert config["auto_map"] == {
-        "AutoConfig": "configuration_llada.LLaDAConfig",
-        "AutoModel": "modeling_llada.LLaDAModelLM",
-        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
-    }
-    assert config["architectures"] == ["LLaDAModelLM"]
-    assert {k: v for k, v in config.items() if k not in ("auto_map", "architectures")} == {
-        k: v for k, v in source.items() if k not in ("auto_map", "architectures")
-    }
-    assert (exported / "config.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def test_exported_generation_config_follows_the_rules(exported, exported_chat, char_tokenizer):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import textwrap
@@ -23,7 +24,7 @@ import torch
 import hf_dllm
 from hf_dllm import fp8, fp8_triton
 from hf_dllm.kernels import set_kernel_mode
-from tests.conftest import ROOT
+from tests.conftest import ROOT, BackgroundJob
 
 BLOCK = (128, 128)
 
@@ -508,16 +509,24 @@ INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
 )
 
 
+INTERPRETER_RUN = BackgroundJob(
+    lambda _workdir: {
+        name: [sys.executable, "-c", script]
+        for name, script in {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}.items()
+    },
+    timeout=300,
+    when=lambda: importlib.util.find_spec("triton") is not None and not torch.cuda.is_available(),
+    cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+)
+
+
+@INTERPRETER_RUN.used_by
 def test_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CPU-only check: with a GPU the kernels are tested compiled (the gpu tests)")
-    from tests.conftest import run_side_by_side  # (here: the scripts import this module, where `conftest` is not found)
-
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    scripts = {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}
-    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
-    for name, result in run_side_by_side(commands, timeout=300, cwd=ROOT, env=env).items():
+    for name, result in INTERPRETER_RUN.results().items():
         assert result.returncode == 0 and "ok" in result.stdout, (name, result.stderr[-3000:])
 
 

@@ -4,6 +4,7 @@ place by the split-KV attention kernel."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -15,7 +16,7 @@ from transformers import AutoModel
 
 import hf_dllm
 from hf_dllm.cache import FP8_E4M3_MAX, DiffusionKVCache, FP8DiffusionKVCache, NoCache, dequantize_kv, quantize_kv
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, ROOT, BackgroundJob
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -238,14 +239,22 @@ INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
 )
 
 
+INTERPRETER_RUN = BackgroundJob(
+    lambda _workdir: {
+        name: [sys.executable, "-c", script]
+        for name, script in {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}.items()
+    },
+    timeout=600,
+    when=lambda: importlib.util.find_spec("triton") is not None,
+    cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+)
+
+
+@INTERPRETER_RUN.used_by
 def test_fp8_cache_kernels_in_the_interpreter():
     pytest.importorskip("triton", reason="the `triton` extra is not installed")
-    from tests.conftest import run_side_by_side
-
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    scripts = {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}
-    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
-    for name, result in run_side_by_side(commands, timeout=600, cwd=ROOT, env=env).items():
+    for name, result in INTERPRETER_RUN.results().items():
         assert result.returncode == 0, (name, result.stdout[-3000:] + result.stderr[-3000:])
         assert "fp8 interpreter checks passed" in result.stdout, name
 

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT, run_side_by_side
+from tests.conftest import ROOT, BackgroundJob
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
@@ -227,13 +227,20 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
 )
 
 
-def test_llada2_kernels_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    commands = {
+INTERPRETER_RUN = BackgroundJob(
+    lambda _workdir: {
         name: [sys.executable, "-c", script]
         for name, script in (("kernels", KERNELS_SCRIPT), ("models", MODELS_SCRIPT))
-    }
-    for name, done in run_side_by_side(commands, timeout=600, cwd=ROOT, env=env).items():
+    },
+    timeout=600,
+    cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+)
+
+
+@INTERPRETER_RUN.used_by
+def test_llada2_kernels_in_the_interpreter():
+    for name, done in INTERPRETER_RUN.results().items():
         assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (name, done.stderr[-4000:])
 
 

@@ -18,6 +18,7 @@ after the all-reduce), and the fixture with sdpa attention (the fused path's gro
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ import torch
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
-from tests.generation.test_tensor_parallel import run_worker, worker  # noqa: E402
+from tests.conftest import ROOT, BackgroundJob  # noqa: E402
+from tests.generation.test_tensor_parallel import run_worker, worker, worker_command  # noqa: E402
 
 SETTING = worker.FUSED_SETTINGS[0][0]
 # The worker's cached steps (the fixture with its default `llada_triton` attention, with two shared experts, with
@@ -67,23 +69,48 @@ def extra_model(tmp_path_factory) -> Path:
     return two_shared_experts_model(tmp_path_factory.mktemp("llada2_two_shared"))
 
 
-@pytest.fixture(scope="module")
-def cpu_results(tmp_path_factory, extra_model) -> list:
-    return run_fused_worker(tmp_path_factory.mktemp("tp_fused"), "cpu", "float32", extra_model, timeout=400)["llada2"]
+EXTRA_MODEL_SCRIPT = (
+    "import sys; from pathlib import Path; from tests.kernels.test_tensor_parallel_fused import"
+    " two_shared_experts_model; two_shared_experts_model(Path(sys.argv[1]))"
+)
+
+
+def cpu_commands(workdir: Path) -> dict[str, list[str]]:
+    """The two-shared-experts model saved to `workdir`, then the two CPU ranks (kernels in Triton's interpreter)."""
+    extra = workdir / "llada2_two_shared"
+    torchrun, _ = worker_command(workdir / "tp.pt", "cpu", "float32", args=("fused", str(extra)))
+    then_run = '"$0" -c "$1" "$2" && shift 2 && exec "$@"'
+    return {"tp": ["sh", "-c", then_run, sys.executable, EXTRA_MODEL_SCRIPT, str(extra), *torchrun]}
+
+
+CPU_RUN = BackgroundJob(
+    cpu_commands,
+    timeout=400,
+    cwd=ROOT,
+    env=worker_command(Path("tp.pt"), "cpu", "float32", env=dict(TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton"))[1],
+)
 
 
 @pytest.fixture(scope="module")
-def single_process(extra_model) -> dict:
+def cpu_results() -> list:
+    done = CPU_RUN.results()["tp"]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return torch.load(CPU_RUN.workdir / "tp.pt", weights_only=False)["llada2"]
+
+
+@pytest.fixture(scope="module")
+def single_process(cpu_results) -> dict:
     from hf_dllm import kernels
 
     mode = kernels.kernel_mode()
     kernels.set_kernel_mode("torch")  # the PyTorch path is the reference
     try:
-        return one_process(extra_model, "cpu", torch.float32)
+        return one_process(CPU_RUN.workdir / "llada2_two_shared", "cpu", torch.float32)
     finally:
         kernels.set_kernel_mode(mode)
 
 
+@CPU_RUN.used_by
 def test_fused_paths_run_on_the_shards(cpu_results):
     # Before the fused paths were shard-aware both refused sharded weights and these counts were 0.
     for result in cpu_results:
@@ -91,6 +118,7 @@ def test_fused_paths_run_on_the_shards(cpu_results):
             assert result[model]["moe"] > 0 and result[model]["attention"] > 0, (model, result[model])
 
 
+@CPU_RUN.used_by
 def test_fused_shards_logits_equal_one_process(cpu_results, single_process):
     for rank, result in enumerate(cpu_results):
         torch.testing.assert_close(result["logits"], single_process["logits"], rtol=0, atol=1e-4)
@@ -100,6 +128,7 @@ def test_fused_shards_logits_equal_one_process(cpu_results, single_process):
                 torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4, msg=f"{model} {forward} rank {rank}")
 
 
+@CPU_RUN.used_by
 def test_fused_shards_cache_their_own_key_value_heads(cpu_results, single_process):
     for rank, result in enumerate(cpu_results):
         step = result["cached_step"]
@@ -110,6 +139,7 @@ def test_fused_shards_cache_their_own_key_value_heads(cpu_results, single_proces
             torch.testing.assert_close(step[name], expected, rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
 
 
+@CPU_RUN.used_by
 def test_fused_shards_tokens_equal_one_process(cpu_results, single_process):
     expected, expected_nfe = single_process["generated"][SETTING]
     assert (expected[:, len(worker.PROMPTS[0]) :] != worker.COMMON["mask_token_id"]).all()

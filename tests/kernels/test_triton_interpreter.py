@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT, run_side_by_side
+from tests.conftest import ROOT, BackgroundJob
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
@@ -208,10 +208,19 @@ MODELS_SCRIPT = textwrap.dedent(
 )
 
 
+INTERPRETER_RUN = BackgroundJob(
+    lambda _workdir: {
+        name: [sys.executable, "-c", script]
+        for name, script in {"kernel": KERNELS_SCRIPT, "model": MODELS_SCRIPT}.items()
+    },
+    timeout=600,
+    cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+)
+
+
+@INTERPRETER_RUN.used_by
 def test_triton_kernels_match_pytorch_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    scripts = {"kernel": KERNELS_SCRIPT, "model": MODELS_SCRIPT}
-    commands = {name: [sys.executable, "-c", script] for name, script in scripts.items()}
-    for name, result in run_side_by_side(commands, timeout=600, cwd=ROOT, env=env).items():
+    for name, result in INTERPRETER_RUN.results().items():
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert f"{name} checks passed" in result.stdout

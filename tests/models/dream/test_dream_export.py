@@ -1,10 +1,11 @@
-"""`hf-dllm export` of Dream (`model_type="Dream"`) checkpoints: the files, config.json and generation_config.json the
-family table gives (Dream's own sampler by default, Fast-dLLM's with `--generation-defaults fast`, a source's own
-settings kept, the original Dream code's generation_config.json recognised and not read), the Dream model cards,
-the errors, and the exported repo loaded in a fresh process where hf_dllm cannot be imported, generating exactly
-hf_dllm's tokens (Dream's algs, Fast-dLLM's caches and threshold, sampling, padded batches, `diffusion_generate()`,
-recorded cases of Dream's reference code, the pipeline and the card's own usage code). LLaDA's and LLaDA2.x's
-exports: `tests/hub/test_export.py`, `tests/models/llada2/test_llada2_export.py`.
+"""`hf-dllm export` of Dream (`model_type="Dream"`) checkpoints (the files and config.json every family exports alike:
+test_dream_family.py): the generation_config.json the family table gives (Dream's own sampler by default, Fast-dLLM's
+with `--generation-defaults fast`, a source's own settings kept, the original Dream code's generation_config.json
+recognised and not read), the Dream model cards, the errors, and the exported repo loaded in a fresh process where
+hf_dllm cannot be imported, generating exactly hf_dllm's tokens (Dream's algs, Fast-dLLM's caches and threshold,
+sampling, padded batches, `diffusion_generate()`, recorded cases of Dream's reference code, the pipeline and the
+card's own usage code). LLaDA's and LLaDA2.x's exports: `tests/hub/test_export.py`,
+`tests/models/llada2/test_llada2_export.py`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from safetensors.torch import load_file, save_file
 import hf_dllm
 from hf_dllm.hub import cards, export
 from hf_dllm.hub.cards import CARD_PRESETS
-from hf_dllm.hub.export import check_remote_code, export_checkpoint
+from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import (
     MODEL_FAMILIES,
-    SHARED_REMOTE_CODE_FILES,
     ExportError,
 )
-from tests.conftest import FIXTURES, ROOT, generate_cases, run_without_hf_dllm, save_checkpoint, with_remote_code_files
+from tests.conftest import FIXTURES, ROOT, export_to, generate_cases, run_without_hf_dllm, save_checkpoint
 from tests.models.dream.test_dream_generation import char_dream
 from tests.models.dream.test_dream_reference import CASES as DREAM_REFERENCE_CASES
 from tests.models.dream.test_dream_reference import generate_kwargs as reference_kwargs
@@ -97,17 +97,13 @@ def dream_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def exported_dream(tmp_path_factory, dream_checkpoint) -> Path:
     """Exported with the Dream-v0-Instruct-7B card and the default options."""
-    dst = tmp_path_factory.mktemp("dream-export") / "exported_dream"
-    export_checkpoint(dream_checkpoint, dst, card="dream-v0-instruct-7b")
-    return dst
+    return export_to(tmp_path_factory, "exported_dream", dream_checkpoint, card="dream-v0-instruct-7b")
 
 
 @pytest.fixture(scope="module")
 def exported_ref(tmp_path_factory) -> Path:
     """The Dream reference fixture (the Hub's config.json and weights, no tokenizer, no generation config)."""
-    dst = tmp_path_factory.mktemp("dream-ref-export") / "exported_ref"
-    export_checkpoint(DREAM_REF, dst, tokenizer=False)
-    return dst
+    return export_to(tmp_path_factory, "exported_ref", DREAM_REF, tokenizer=False)
 
 
 @pytest.fixture(scope="module")
@@ -123,71 +119,6 @@ def exported_kept(tmp_path_factory, kept_source) -> Path:
 
 
 # --- what the export holds ----------------------------------------------------------------------------------------
-
-
-def test_dream_remote_code_is_closed():
-    assert DREAM_FILES == (
-        "configuration_dream.py",
-        "modeling_dream.py",
-        "family_dream.py",
-        "decoding_dream.py",
-        *SHARED_REMOTE_CODE_FILES,
-    )
-    assert check_remote_code(family="dream") == [PACKAGE_DIR / name for name in DREAM_FILES]
-    assert {entry.split(".")[0] + ".py" for entry in FAMILY.auto_map.values()} <= set(DREAM_FILES)
-
-
-@pytest.mark.parametrize(
-    "files, message",
-    [
-        # decoding_dream.py, which modeling_dream.py imports, left out
-        (
-            tuple(name for name in DREAM_FILES if name != "decoding_dream.py"),
-            r"relative imports of \['decoding_dream'\]",
-        ),
-        # a file no auto_map module reaches (LLaDA's config) put in
-        ((*DREAM_FILES, "configuration_llada.py"), "configuration_llada.py not reached by relative imports"),
-    ],
-    ids=["missing", "unreached"],
-)
-def test_dream_remote_code_list_must_be_closed(monkeypatch, files, message):
-    with_remote_code_files(monkeypatch, "dream", files)
-    with pytest.raises(ExportError, match=message):
-        check_remote_code(family="dream")
-
-
-def test_dream_export_contents(exported_dream, dream_checkpoint, exported_ref):
-    names = {path.name for path in exported_dream.iterdir()}
-    expected = {"model.safetensors", "config.json", "generation_config.json", "README.md", *TOKENIZER_SAVED}
-    assert names == expected | set(DREAM_FILES)
-    for name in DREAM_FILES:  # verbatim copies, never edited
-        assert (exported_dream / name).read_bytes() == (PACKAGE_DIR / name).read_bytes(), name
-    for name in ("model.safetensors", *TOKENIZER_SAVED):
-        assert (exported_dream / name).read_bytes() == (dream_checkpoint / name).read_bytes(), name
-    assert {path.name for path in exported_ref.iterdir()} == {
-        "model.safetensors",
-        "config.json",
-        "generation_config.json",
-        "README.md",
-        *DREAM_FILES,
-    }
-
-
-def test_dream_config_auto_map_and_architectures(exported_ref, exported_dream):
-    source = json.loads((DREAM_REF / "config.json").read_text())
-    config = json.loads((exported_ref / "config.json").read_text())
-    # The Hub's own entries, unchanged, plus AutoModelForCausalLM (what hf-dllm serve / eval load through).
-    assert source["auto_map"].items() <= config["auto_map"].items()
-    assert config["auto_map"] == {
-        "AutoConfig": "configuration_dream.DreamConfig",
-        "AutoModel": "modeling_dream.DreamModel",
-        "AutoModelForCausalLM": "modeling_dream.DreamModel",
-    }
-    assert config["architectures"] == source["architectures"] == ["DreamModel"]
-    others = ("auto_map", "architectures")
-    assert {k: v for k, v in config.items() if k not in others} == {k: v for k, v in source.items() if k not in others}
-    assert (exported_ref / "config.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
-    assert json.loads((exported_dream / "config.json").read_text())["model_type"] == "Dream"
 
 
 # --- generation_config.json ---------------------------------------------------------------------------------------
@@ -395,23 +326,20 @@ def test_dream_card(exported_dream):
 
 
 @pytest.mark.parametrize(
-    "src, card, message",
+    "card, message",
     [
         (
-            "dream",
             "llada-8b-instruct",
             "describes a LLaDA model .* SRC is a Dream checkpoint .*choose one of generic, "
             "dream-coder-v0-instruct-7b, dream-v0-instruct-7b",
         ),
-        ("dream", "llada2.1-mini", "describes a LLaDA2.x model"),
-        ("llada", "dream-v0-instruct-7b", "describes a Dream model .* SRC is a LLaDA checkpoint"),
-        ("dream", "dream-v0", "unknown model card 'dream-v0'"),
+        ("dream-v0", "unknown model card 'dream-v0'"),
     ],
 )
-def test_card_of_another_family_is_refused(tmp_path, dream_checkpoint, src, card, message):
-    source = dream_checkpoint if src == "dream" else FIXTURES / "llada-tiny-ref"
+def test_card_of_another_family_is_refused(tmp_path, dream_checkpoint, card, message):
+    """The message names the Dream cards to choose from (any other family's card: test_dream_family.py)."""
     with pytest.raises(ExportError, match=message):
-        export_checkpoint(source, tmp_path / "out", card=card)
+        export_checkpoint(dream_checkpoint, tmp_path / "out", card=card)
     assert not (tmp_path / "out").exists()
 
 

@@ -16,6 +16,7 @@ weights are the unbiased scores, normalised (`norm_topk_prob`) and times `routed
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -35,7 +36,7 @@ from hf_dllm.llada2_moe_layer import (
     routing_blocks_for_positions,
 )
 from hf_dllm.packed import PackedRows
-from tests.conftest import ROOT
+from tests.conftest import ROOT, BackgroundJob
 
 ATOL = 2e-5
 
@@ -419,14 +420,19 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
+INTERPRETER_RUN = BackgroundJob(
+    lambda _workdir: {"fused": [sys.executable, "-c", INTERPRETER_SCRIPT]},
+    timeout=600,
+    when=lambda: importlib.util.find_spec("triton") is not None,
+    cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+)
+
+
+@INTERPRETER_RUN.used_by
 def test_fused_path_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton", reason="the `triton` extra is not installed")
-    import subprocess
-
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    done = INTERPRETER_RUN.results()["fused"]
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 

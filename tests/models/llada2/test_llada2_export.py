@@ -1,8 +1,8 @@
-"""`hf-dllm export` of LLaDA2.x (`model_type="llada2_moe"`) checkpoints: the files, config.json and
-generation_config.json the family table gives, the verification of tied and untied weights, and the exported repo
-loaded in a fresh process where hf_dllm cannot be imported, generating exactly hf_dllm's tokens (LLaDA2.0's
-`steps` with `threshold`, LLaDA2.1's token editing on the reference fixture, padded batches, the pipeline, a
-streamer). LLaDA's export is unchanged: `tests/hub/test_export.py`.
+"""`hf-dllm export` of LLaDA2.x (`model_type="llada2_moe"`) checkpoints (the files and config.json every family exports
+alike: test_llada2_family.py): the generation_config.json the family table gives, the verification of tied and untied
+weights, and the exported repo loaded in a fresh process where hf_dllm cannot be imported, generating exactly
+hf_dllm's tokens (LLaDA2.0's `steps` with `threshold`, LLaDA2.1's token editing on the reference fixture, padded
+batches, the pipeline, a streamer). LLaDA's export is unchanged: `tests/hub/test_export.py`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 
 import hf_dllm
 from hf_dllm.hub import export
-from hf_dllm.hub.export import check_remote_code, export_checkpoint
-from hf_dllm.hub.families import MODEL_FAMILIES, SHARED_REMOTE_CODE_FILES, ExportError
+from hf_dllm.hub.export import export_checkpoint
+from hf_dllm.hub.families import MODEL_FAMILIES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import FIXTURES, generate_cases, run_without_hf_dllm, with_remote_code_files
+from tests.conftest import FIXTURES, export_to, generate_cases, run_without_hf_dllm
 from tests.models.llada2.test_llada2_integration import tiny_llada2
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
@@ -50,9 +50,7 @@ def llada2_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def exported_llada2(tmp_path_factory, llada2_checkpoint) -> Path:
     """Exported with the LLaDA2.1-mini card and the family's default generation settings."""
-    dst = tmp_path_factory.mktemp("llada2-export") / "exported_llada2"
-    export_checkpoint(llada2_checkpoint, dst, card="llada2.1-mini")
-    return dst
+    return export_to(tmp_path_factory, "exported_llada2", llada2_checkpoint, card="llada2.1-mini")
 
 
 def llada21_with_mask(folder: Path) -> Path:
@@ -80,65 +78,6 @@ def exported_llada21_ref(tmp_path_factory, llada21_source) -> Path:
 
 
 # --- what the export holds ----------------------------------------------------------------------------------------
-
-
-def test_llada2_remote_code_is_closed():
-    assert LLADA2_FILES[:2] == ("configuration_llada2_moe.py", "modeling_llada2_moe.py")
-    assert LLADA2_FILES[2:7] == (
-        "family_llada2.py",
-        "llada2_moe_layer.py",
-        "triton_moe.py",
-        "grouped_gemm.py",
-        "levenshtein_editing.py",
-    )
-    assert LLADA2_FILES[7:] == SHARED_REMOTE_CODE_FILES == MODEL_FAMILIES["llada"].remote_code_files[4:]
-    assert check_remote_code(family="llada2") == [PACKAGE_DIR / name for name in LLADA2_FILES]
-
-
-@pytest.mark.parametrize(
-    "files, message",
-    [
-        # a file the model's imports reach is missing from the list
-        (tuple(name for name in LLADA2_FILES if name != "graphs.py"), r"relative imports of \['graphs'\]"),
-        # a file no auto_map module reaches (LLaDA's config) is in it
-        ((*LLADA2_FILES, "configuration_llada.py"), "configuration_llada.py not reached by relative imports"),
-    ],
-    ids=["missing", "unreached"],
-)
-def test_llada2_remote_code_list_must_be_closed(monkeypatch, files, message):
-    with_remote_code_files(monkeypatch, "llada2", files)
-    with pytest.raises(ExportError, match=message):
-        check_remote_code(family="llada2")
-
-
-def test_llada2_export_contents(exported_llada2, llada2_checkpoint):
-    names = {path.name for path in exported_llada2.iterdir()}
-    expected = {"model.safetensors", "config.json", "generation_config.json", "README.md", *TOKENIZER_SAVED}
-    assert names == expected | set(LLADA2_FILES)
-    for name in LLADA2_FILES:  # verbatim copies, never edited
-        assert (exported_llada2 / name).read_bytes() == (PACKAGE_DIR / name).read_bytes(), name
-    for name in ("model.safetensors", *TOKENIZER_SAVED):
-        assert (exported_llada2 / name).read_bytes() == (llada2_checkpoint / name).read_bytes(), name
-
-
-def test_llada2_config_auto_map_and_architectures(exported_llada2, exported_llada21_ref, llada21_source):
-    auto_map = {
-        "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
-        "AutoModel": "modeling_llada2_moe.LLaDA2MoeModelLM",  # the Hub's maps AutoModel to the backbone
-        "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
-    }
-    source = json.loads((LLADA21_REF / "config.json").read_text())
-    assert source["auto_map"]["AutoModel"] == "modeling_llada2_moe.LLaDA2MoeModel"
-    for folder, source_dir in ((exported_llada21_ref, llada21_source), (exported_llada2, None)):
-        config = json.loads((folder / "config.json").read_text())
-        assert config["auto_map"] == auto_map and config["architectures"] == ["LLaDA2MoeModelLM"]
-        assert (folder / "config.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
-        if source_dir is not None:  # every other field of the Hub's config.json kept
-            source = json.loads((source_dir / "config.json").read_text())
-            others = ("auto_map", "architectures")
-            assert {k: v for k, v in config.items() if k not in others} == {
-                k: v for k, v in source.items() if k not in others
-            }
 
 
 def test_llada2_generation_config_defaults(exported_llada2, exported_llada21_ref):
@@ -238,7 +177,6 @@ def test_llada2_card(exported_llada2):
 @pytest.mark.parametrize(
     "card, message",
     [
-        ("llada-8b-instruct", "describes a LLaDA model .* SRC is a LLaDA2.x checkpoint"),
         ("nonsense", "unknown model card 'nonsense'"),
     ],
 )

@@ -87,11 +87,26 @@ def assert_reference_tokens(sequences: torch.Tensor, prompt_length: int, expecte
         assert (generated[count:] == EOS).all()
 
 
+def no_cache_cases(cases: list[dict]) -> list[dict]:
+    """One case per setting, the prompts taken in turn: the recorded grid is every setting on each of four prompts,
+    and the exact cache (the path generate() takes) runs all of it."""
+    settings = {}
+    for case in cases:
+        settings.setdefault(json.dumps(case["kwargs"], sort_keys=True), []).append(case)
+    return [group[index % len(group)] for index, group in enumerate(settings.values())]
+
+
 @pytest.mark.parametrize("use_cache", [True, False], ids=["exact_cache", "no_cache"])
 @pytest.mark.parametrize("fixture", ["llada2", "llada21"], ids=["llada2.0", "llada2.1_editing"])
 def test_reference_cases(fixture, use_cache, request):
+    """Every recorded case with the exact cache, whose forwards are the reference's (one per step, just on fewer
+    positions): the same count where the reference stops at EOS. (LLaDA2.1's reference without `eos_early_stop`
+    decodes every block after an EOS too; here a row ends after the block with its first EOS, which cannot change
+    any more: fewer forwards, same tokens.) Without a cache, one case per setting."""
     model, expected = request.getfixturevalue(fixture), request.getfixturevalue(f"expected{fixture[5:]}")
     cases = CASES2 if fixture == "llada2" else CASES21
+    if not use_cache:
+        cases = no_cache_cases(cases)
     failures = []
     for case in cases:
         prompt = expected[f"prompt.{case['prompt']}"]
@@ -99,21 +114,11 @@ def test_reference_cases(fixture, use_cache, request):
         try:
             assert_reference_tokens(out.sequences, prompt.shape[1], expected[f"case.{case['name']}"])
             assert out.nfe <= case["nfe"], f"nfe {out.nfe} > reference {case['nfe']}"
+            if use_cache and (fixture == "llada2" or case["kwargs"]["eos_early_stop"]):
+                assert out.nfe == case["nfe"], f"nfe {out.nfe} != reference {case['nfe']}"
         except AssertionError as error:
             failures.append(f"{case['name']}: {error}")
     assert not failures, f"{len(failures)}/{len(cases)} cases differ:\n" + "\n".join(failures[:20])
-
-
-def test_reference_nfe_is_matched_exactly(llada2, expected2, llada21, expected21):
-    """The exact cache makes the same forwards as the reference (one per step), just on fewer positions. (LLaDA2.1's
-    reference without `eos_early_stop` decodes every block after an EOS too; here a row ends after the block with
-    its first EOS, which cannot change any more: fewer forwards, same tokens.)"""
-    cases21 = [case for case in CASES21 if case["kwargs"]["eos_early_stop"]]
-    for model, expected, cases in ((llada2, expected2, CASES2), (llada21, expected21, cases21)):
-        for case in cases:
-            prompt = expected[f"prompt.{case['prompt']}"]
-            out = model.generate(prompt, **generate_kwargs(case, prompt.shape[1]))
-            assert out.nfe == case["nfe"], case["name"]
 
 
 BATCH_SETTINGS = {

@@ -1,11 +1,10 @@
-"""LLaDA2.x everywhere LLaDA goes: Auto classes, `pipeline("text-generation")` (batched, left-padded prompts) and
-streamers, on a tiny random LLaDA2 with the character tokenizer."""
+"""LLaDA2.x streamers on a tiny random LLaDA2 with the character tokenizer (`tiny_llada2`, which the other LLaDA2
+tests build on); the Auto classes, the pipeline and `TextIteratorStreamer`: test_llada2_family.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, TextIteratorStreamer, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dllm
@@ -46,28 +45,6 @@ def model():
     return tiny_llada2(seed=4)
 
 
-def test_auto_classes_load_a_saved_llada2(tmp_path, model):
-    model.save_pretrained(tmp_path)
-    assert type(AutoConfig.from_pretrained(tmp_path)) is hf_dllm.LLaDA2MoeConfig
-    for auto in (AutoModel, AutoModelForCausalLM):
-        loaded = auto.from_pretrained(tmp_path).eval()
-        assert type(loaded) is hf_dllm.LLaDA2MoeModelLM
-        prompt = torch.tensor([[5, 6, 7, 8, 9]])
-        assert torch.equal(loaded.generate(prompt, **GEN), model.generate(prompt, **GEN))
-
-
-def test_pipeline_batches_equal_single_calls(model, char_tokenizer):
-    pipe = pipeline("text-generation", model=model, tokenizer=char_tokenizer)
-    prompts = ["Hi", "Good morning, world", "abc"]  # lengths 2, 19, 3: different offsets inside a block of 4
-    batched = pipe(prompts, batch_size=3, **GEN)
-    singles = [pipe(prompt, **GEN) for prompt in prompts]
-    assert [b[0]["generated_text"] for b in batched] == [s[0]["generated_text"] for s in singles]
-    encoded = char_tokenizer("abc", return_tensors="pt")
-    out = model.generate(**encoded, **GEN)
-    expected = "abc" + char_tokenizer.decode(out[0, encoded.input_ids.shape[1] :], skip_special_tokens=True)
-    assert singles[2][0]["generated_text"] == expected
-
-
 class Recorder(BaseStreamer):
     def __init__(self):
         self.puts: list[torch.Tensor] = []
@@ -93,11 +70,3 @@ def test_streamer_gets_each_committed_block(model, prompt_length):
     first_block = 4 - prompt_length % 4
     assert pieces[0].shape[1] == first_block
     assert all(piece.shape[1] == 4 for piece in pieces[1:-1])
-
-
-def test_text_iterator_streamer(model, char_tokenizer):
-    encoded = char_tokenizer("Hello", return_tensors="pt")
-    streamer = TextIteratorStreamer(char_tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = model.generate(**encoded, streamer=streamer, **GEN)
-    text = "".join(streamer)
-    assert text == char_tokenizer.decode(out[0, encoded.input_ids.shape[1] :], skip_special_tokens=True)

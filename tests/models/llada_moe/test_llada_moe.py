@@ -234,15 +234,6 @@ def test_fixture_loads_with_every_key_and_no_other():
             assert saved[key] == value, key
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_logits_match_reference(expected, attn_implementation):
-    model = LLaDAMoEModelLM.from_pretrained(FIXTURE, attn_implementation=attn_implementation).eval()
-    with torch.no_grad():
-        logits = model(expected["logits.input_ids"]).logits
-    assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, expected["logits.expected"], atol=1e-4, rtol=0)
-
-
 def test_independent_forward_matches_the_fixture(model, expected):
     ids = expected["logits.input_ids"]
     weights = load_file(FIXTURE / "model.safetensors")
