@@ -22,8 +22,8 @@ EXPORTED_REPO = "your-org/LLaDA-8B-Instruct-hf-dllm"
 # The README's skipped blocks and why: a new skip must be added here on purpose.
 EXPECTED_SKIPS = {
     "installs packages (.ci/run runs the second line)",
-    "starts a server that keeps running; tests/test_serve.py covers it",
-    "about 15 s of CPU after installing lm-eval; tests/test_lm_eval.py runs the same tasks",
+    "starts a server that keeps running; tests/serving/test_serve.py covers it",
+    "lm-eval is an extra; tests/evaluation/test_lm_eval_docs_command.py runs this command as written",
 }
 BLOCK = re.compile(r"(?:<!--\s*no-test:\s*(?P<why>.*?)\s*-->\s*\n)?```(?P<lang>\w+)\n(?P<code>.*?)\n```", re.S)
 
