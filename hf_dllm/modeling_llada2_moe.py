@@ -527,44 +527,6 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LLaDA2MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LLaDA2MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
-        """The q/k/v projection of `hidden_states` `(batch, q_len, hidden)`: `(qkv (batch, q_len, (Hq + 2 Hkv) *
-        head_dim), (Hq, Hkv) the heads it holds, (first query head, first key/value head) of this rank's among
-        them)`.
-
-        Under tensor parallelism the projection is replicated (`LLaDA2MoeConfig.base_model_tp_plan`) and each rank
-        multiplies only the rows of its own heads (`local_projection`): no collective, and only this rank's share of
-        the weight is read. A projection whose output is gathered (a plan that splits it) holds every head."""
-        heads = (self.config.num_attention_heads, self.config.num_key_value_heads)
-        (q_start, _), (kv_start, _) = self.local_heads()
-        if self.num_heads == heads[0] or is_sharded(self.query_key_value.weight):
-            return linear(self.query_key_value, hidden_states), heads, (q_start, kv_start)
-        weight, bias = self.local_projection()
-        return nn.functional.linear(hidden_states, weight, bias), (self.num_heads, self.num_kv_heads), (0, 0)
-
-    def local_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight `((Hq_local + 2 Hkv_local) * head_dim, hidden)`, bias or None): the rows of the replicated
-        `query_key_value` for this rank's query heads, then its key/value heads' keys, then their values. Made once
-        and kept until the parameter or its storage is replaced."""
-        weight, bias = local_tensor(self.query_key_value.weight), self.query_key_value.bias
-        key = (weight.data_ptr(), self.local_heads())
-        cached = self._local_projection
-        if cached is not None and cached[0] is weight and cached[1] == key:
-            return cached[2]
-        (q_start, q_stop), (kv_start, kv_stop) = self.local_heads()
-        heads, kv_heads, size = self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim
-        rows = torch.cat(
-            [
-                torch.arange(q_start * size, q_stop * size),
-                torch.arange((heads + kv_start) * size, (heads + kv_stop) * size),
-                torch.arange((heads + kv_heads + kv_start) * size, (heads + kv_heads + kv_stop) * size),
-            ]
-        ).to(weight.device)
-        with torch.inference_mode(False), torch.no_grad():
-            projection = (weight[rows].contiguous(), None if bias is None else local_tensor(bias)[rows].contiguous())
-        self._local_projection = (weight, key, projection)
-        return projection
-
     def forward(
         self,
         hidden_states: torch.Tensor,
