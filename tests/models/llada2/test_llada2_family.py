@@ -25,6 +25,7 @@ class TestLLaDA2Family(FamilyTester):
         "levenshtein_editing.py",
     )
     unreached_file = "configuration_llada.py"
+    export_config_fields = {"mask_token_id": 310}  # the reference runs pass it to generate()
     attn_implementations = ("eager", "sdpa", "llada_triton")
     tiny_model = staticmethod(tiny_llada2)
 

@@ -19,5 +19,13 @@ class TestLLaDAMoEFamily(FamilyTester):
     model_class = hf_dllm.LLaDAMoEModelLM
     config_class = hf_dllm.LLaDAMoEConfig
     fixture = FIXTURES / "lladamoe-tiny-ref"
-    remote_code_head = ("configuration_llada_moe.py", "modeling_llada_moe.py", "family_llada_moe.py", "family_llada.py")
+    remote_code_head = (
+        "configuration_llada_moe.py",
+        "modeling_llada_moe.py",
+        "family_llada_moe.py",
+        "family_llada.py",
+        "triton_moe.py",
+        "grouped_gemm.py",
+    )
     tiny_model = staticmethod(char_llada_moe)
+    export_config_fields = {"mask_token_id": 310}  # the reference runs pass it to generate()
