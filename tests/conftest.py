@@ -132,6 +132,16 @@ def model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(tiny_model(seed=0), tmp_path_factory.mktemp("llada-tiny-random"))
 
 
+def with_mask_id(src: Path, folder: Path, mask_token_id: int = 310) -> Path:
+    """A copy of the reference fixture `src` (the Hub's config.json and weights, no tokenizer) with the mask id of
+    its 320-token vocabulary in config.json: the Hub's LLaDA2 / LLaDA-MoE configs name none, and the config class's
+    default (the full model's) is outside that vocabulary, which the export refuses."""
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mask_token_id": mask_token_id}))
+    return folder
+
+
 def export_to(tmp_path_factory, name: str, src: Path, **options) -> Path:
     """`hf-dllm export` of `src` into a fresh folder `name` (the generic card is named after it)."""
     from hf_dllm.hub.export import export_checkpoint

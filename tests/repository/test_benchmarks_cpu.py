@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_side_by_side
+from tests.conftest import BackgroundJob
 
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
 BENCHMARKS = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
@@ -24,6 +24,8 @@ NOT_ON_CPU = {
     "bench_hostile.py": "no --cpu mode yet (its default run is on the CPU: rounds of hostile requests to a server)",
     "bench_llada2.py": "its --cpu mode took 413 s (133 s of CPU) on the 2-core test machine (logits over a "
     "157184-token vocabulary at every forward, batch 1 and 4, 3 repeats): too slow for the suite",
+    "bench_tp.py": "run by tests/generation/test_tensor_parallel_collectives.py, which also checks its figures",
+    "bench_diffusion_gemma.py": "run by tests/generation/test_bench_diffusion_gemma.py, which also checks its tokens",
 }
 ON_CPU = [name for name in BENCHMARKS if name not in NOT_ON_CPU]
 
@@ -33,20 +35,31 @@ def test_every_benchmark_is_run_or_skipped_with_a_reason():
     assert ON_CPU
 
 
-@pytest.fixture(scope="module")
-def cpu_runs(tmp_path_factory) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU setting even on a GPU machine
-    commands = {name: [sys.executable, str(ROOT / "benchmarks" / name), "--cpu"] for name in ON_CPU}
-    return run_side_by_side(commands, timeout=900, cwd=tmp_path_factory.mktemp("benchmarks"), env=env)
+def cpu_commands(workdir: Path) -> dict:
+    return {name: [sys.executable, str(ROOT / "benchmarks" / name), "--cpu"] for name in ON_CPU}
+
+
+# Started at collection, beside the in-process tests (which use one of the two cores): the test waits for them only.
+CPU_RUNS = BackgroundJob(
+    cpu_commands,
+    timeout=900,
+    env={
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "CUDA_VISIBLE_DEVICES": "",  # the CPU setting even on a GPU machine
+    },
+)
 
 
 @pytest.mark.slow
+@CPU_RUNS.used_by
 @pytest.mark.parametrize("name", BENCHMARKS)
-def test_benchmark_cpu_mode_ends_with_a_json_line(cpu_runs, name):
+def test_benchmark_cpu_mode_ends_with_a_json_line(name):
     if name in NOT_ON_CPU:
         pytest.skip(NOT_ON_CPU[name])
-    done = cpu_runs[name]
+    done = CPU_RUNS.results()[name]
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert lines, done.stderr[-3000:]

@@ -736,10 +736,10 @@ out["tokens"] = generate_cases(model, spec["cases"])
 @pytest.mark.slow
 def test_export_keeps_the_edit_tokens_and_decodes_as_remote_code(model, expected, tmp_path):
     from hf_dllm.hub.export import export_checkpoint
-    from tests.conftest import generate_cases, run_without_hf_dllm
+    from tests.conftest import generate_cases, run_without_hf_dllm, with_mask_id
 
     repo = tmp_path / "llada22-export"
-    export_checkpoint(FIXTURES / "llada22-tiny-ref", repo)
+    export_checkpoint(with_mask_id(FIXTURES / "llada22-tiny-ref", tmp_path / "src"), repo, tokenizer=False)
     config = json.loads((repo / "config.json").read_text())
     assert (config["delete_token_id"], config["split_token_id"]) == (DELETE, SPLIT)
     assert family_for_config(config).name == "llada2.2" and (repo / "levenshtein_editing.py").is_file()

@@ -8,7 +8,6 @@ batches, the pipeline, a streamer). LLaDA's export is unchanged: `tests/hub/test
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from hf_dllm.hub import export
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import MODEL_FAMILIES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import FIXTURES, export_to, generate_cases, run_without_hf_dllm
+from tests.conftest import FIXTURES, export_to, generate_cases, run_without_hf_dllm, with_mask_id
 from tests.models.llada2.test_llada2_integration import tiny_llada2
 
 PACKAGE_DIR = Path(hf_dllm.__file__).parent
@@ -53,24 +52,14 @@ def exported_llada2(tmp_path_factory, llada2_checkpoint) -> Path:
     return export_to(tmp_path_factory, "exported_llada2", llada2_checkpoint, card="llada2.1-mini")
 
 
-def llada21_with_mask(folder: Path) -> Path:
-    """The LLaDA2.1 reference fixture (the Hub's config.json and weights, no tokenizer) with the mask id of its
-    320-token vocabulary (310) in config.json: the Hub's config has none, and the config class's default (156895,
-    the full model's `<|mask|>`) is outside that vocabulary, which the export refuses."""
-    shutil.copytree(LLADA21_REF, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "mask_token_id": 310}))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def llada21_source(tmp_path_factory) -> Path:
-    return llada21_with_mask(tmp_path_factory.mktemp("llada21-src") / "llada21")
+    return with_mask_id(LLADA21_REF, tmp_path_factory.mktemp("llada21-src") / "llada21")
 
 
 @pytest.fixture(scope="module")
 def exported_llada21_ref(tmp_path_factory, llada21_source) -> Path:
-    """`llada21_with_mask` exported without a tokenizer."""
+    """`llada21_source` (the LLaDA2.1 fixture with its mask id) exported without a tokenizer."""
     source = llada21_source
     dst = tmp_path_factory.mktemp("llada21-export") / "exported_llada21"
     export_checkpoint(source, dst, tokenizer=False)

@@ -16,7 +16,7 @@ from hf_dllm.evaluation.likelihood import mc_loglikelihood
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import MODEL_FAMILIES
 from hf_dllm.serving.engine import ContinuousBatcher
-from tests.conftest import FIXTURES, generate_cases, run_without_hf_dllm
+from tests.conftest import FIXTURES, generate_cases, run_without_hf_dllm, with_mask_id
 from tests.serving.test_engine import assert_alone, drive, request
 
 FIXTURE = FIXTURES / "lladamoe-tiny-ref"
@@ -32,7 +32,8 @@ def model():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("lladamoe-export") / "exported"
-    export_checkpoint(FIXTURE, dst, generation_defaults="fast")
+    src = with_mask_id(FIXTURE, tmp_path_factory.mktemp("lladamoe-src") / "src")
+    export_checkpoint(src, dst, generation_defaults="fast", tokenizer=False)
     return dst
 
 
