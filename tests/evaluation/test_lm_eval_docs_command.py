@@ -3,14 +3,16 @@ shipped tasks' datasets are the tiny model's held-out examples; lm-eval's git ca
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import BackgroundJob
 
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
 TASKS_DIR = ROOT / "hf_dllm" / "tiny_model" / "lm_eval_tasks"
@@ -50,18 +52,36 @@ def test_lm_evals_git_call_is_quiet_outside_a_checkout(tmp_path, monkeypatch, ca
     assert "fatal" not in capfd.readouterr().err
 
 
+def docs_command_run(workdir: Path) -> dict:
+    return {"docs": [sys.executable, "-m", "hf_dllm", *docs_command()[1:]]}
+
+
+# Started at collection, beside the in-process tests (one of the two cores): the test waits for it only.
+DOCS_RUN = BackgroundJob(
+    docs_command_run,
+    timeout=300,
+    when=lambda: importlib.util.find_spec("lm_eval") is not None,
+    cwd=ROOT,
+    env={
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    },
+)
+
+
 @pytest.mark.slow
+@DOCS_RUN.used_by
 def test_the_docs_lm_eval_command_runs_offline():
     pytest.importorskip("lm_eval")
     command = docs_command()
     assert command[:2] == ["hf-dllm", "lm-eval"]
     model_args = command[command.index("--model_args") + 1].split(",")
     assert any(arg.startswith("mc_num=") for arg in model_args)  # never lm-eval's costly default (128)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "hf_dllm", *command[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = DOCS_RUN.results()["docs"]
     assert done.returncode == 0, done.stderr[-3000:]
     scores = dict(re.findall(r"\|(tiny_synthetic_\w+)\s*\|.*?\|[a-z_]+\s*\|.\s*\|([0-9.]+)\|", done.stdout))
     assert set(scores) == {"tiny_synthetic_gen", "tiny_synthetic_mc"}, done.stdout
