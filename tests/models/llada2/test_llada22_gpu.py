@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_dllm  # noqa: F401  (registers llada2_moe)
+from tests.models.llada2.test_llada22 import generate_kwargs
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 LLADA22 = FIXTURES / "llada22-tiny-ref"
@@ -23,24 +24,6 @@ MASK, EOS = META["mask_token_id"], META["eos_token_id"]
 FORBIDDEN = torch.tensor([MASK, META["delete_token_id"], META["split_token_id"]])
 # Every eighth case, and each whose EOS lies past `max_new_tokens` in a block SGLang cut at the length.
 SUBSET = [case for index, case in enumerate(META["cases"]) if index % 8 == 0 or case["eos_after_length"]]
-
-
-def generate_kwargs(case: dict, **extra) -> dict:
-    """The case's SGLang settings in hf_dllm terms (as `test_llada22.py`)."""
-    ref = case["kwargs"]
-    return dict(
-        max_new_tokens=ref["max_new_tokens"],
-        block_length=ref["block_size"],
-        threshold=ref["threshold"],
-        editing_threshold=ref["edit_threshold"],
-        max_post_steps=ref["max_post_edit_steps"],
-        eos_early_stop=True,
-        temperature=0.0,
-        eos_token_id=EOS,
-        mask_token_id=MASK,
-        return_dict_in_generate=True,
-        **extra,
-    )
 
 
 def mismatch(generated: torch.Tensor, nfe: int, case: dict, expected: dict) -> str | None:

@@ -22,6 +22,7 @@ from hf_dllm import fp8
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.kernels import set_kernel_mode
 from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
+from tests.models.llada_moe.test_llada_moe import generate_kwargs
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 FIXTURE = FIXTURES / "lladamoe-tiny-ref"
@@ -144,28 +145,6 @@ def fixture_cases() -> list[dict]:
     return json.loads((FIXTURE / "cases.json").read_text())["cases"]
 
 
-def case_kwargs(case: dict) -> dict:
-    """The reference's settings in `generate()` terms (as `test_llada_moe.py`'s `generate_kwargs`)."""
-    ref = case["kwargs"]
-    kwargs = dict(
-        max_new_tokens=ref["gen_length"],
-        block_length=ref["block_length"],
-        mask_token_id=ref["mask_id"],
-        temperature=ref["temperature"],
-        remasking=ref["remasking"],
-        use_cache=False,
-        eos_early_stop=False,
-        return_dict_in_generate=True,
-    )
-    if "threshold" in ref:
-        kwargs["threshold"] = ref["threshold"]
-    else:
-        kwargs["steps"] = ref["steps"]
-    if "cfg_scale" in ref:
-        kwargs["cfg_scale"] = ref["cfg_scale"]
-    return kwargs
-
-
 @pytest.mark.gpu
 def test_gpu_fixture_cases_exact_in_float32():
     """Every recorded case of the Hub code + LLaDA's `generate()` (float32, CPU) on CUDA in float32: the reference's
@@ -175,7 +154,7 @@ def test_gpu_fixture_cases_exact_in_float32():
     failures = []
     for case in fixture_cases():
         prompt = expected[f"prompt.{case['prompt']}"].cuda()
-        out = model.generate(prompt, **case_kwargs(case))
+        out = model.generate(prompt, **generate_kwargs(case))
         if not torch.equal(out.sequences.cpu(), expected[f"case.{case['name']}"]):
             failures.append(case["name"])
         elif case["nfe"] is not None and out.nfe > case["nfe"]:
