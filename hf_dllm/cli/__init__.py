@@ -72,8 +72,11 @@ def main(argv: list[str] | None = None, load_package: Callable[[], None] | None 
         return 2
     command = COMMANDS[name]
     if asks_for_help(rest):
-        # argparse prints the help and exits; it returns only where `-h` was an option's value (`--prompt -h`).
-        importlib.import_module(command.parser or command.module).build_parser().parse_args(rest)
+        # argparse prints the help (or a usage error) and exits; were it to return, the command runs as usual.
+        try:
+            importlib.import_module(command.parser or command.module).build_parser().parse_args(rest)
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
     if load_package is not None:
         load_package()
     return int(importlib.import_module(command.module).main(rest) or 0)

@@ -24,10 +24,7 @@ import contextlib, io, json, sys
 import hf_dllm_launcher
 text = io.StringIO()
 with contextlib.redirect_stdout(text):
-    try:
-        code = hf_dllm_launcher.main(json.loads(sys.argv[1]))
-    except SystemExit as exit_:
-        code = exit_.code
+    code = hf_dllm_launcher.main(json.loads(sys.argv[1]))
 imported = sorted(name for name in ("torch", "transformers", "hf_dllm.modeling_llada") if name in sys.modules)
 print(json.dumps([code, text.getvalue(), imported]))
 """
@@ -54,10 +51,7 @@ def test_launcher_help_is_the_full_packages(args, launcher_helps, monkeypatch, c
     `python -m hf_dllm` does) prints: every option, family fields included."""
     monkeypatch.setenv("COLUMNS", COLUMNS)
     monkeypatch.setattr(sys, "argv", ["hf-dllm"])  # lm-eval's parser reads it
-    try:
-        code = main(args)
-    except SystemExit as exit_:
-        code = exit_.code
+    code = main(args)
     expected = capsys.readouterr().out
     assert launcher_helps[" ".join(args)][:2] == [code, expected]
     assert code == 0 and expected.startswith("usage:")
