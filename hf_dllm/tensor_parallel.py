@@ -18,6 +18,8 @@ holds the few things the models add on top, because they multiply weights withou
   diverge (sampling with per-rank random states, or collectives that are not bitwise identical on every rank).
 - `tensor_parallel_group`: the model's tensor-parallel process group (None when it is not sharded).
 - `LocalHeadCounts`: an attention layer's head counts read from its q/k weights (this rank's heads when sharded).
+- `EXPERTS_STYLE` / `LocalExperts`: the expert-parallel style that keeps each rank's whole experts (see
+  "expert parallelism" below), registered with transformers' parallel styles.
 
 Every function is a no-op on models that are not sharded. This file is exported as Hub remote code.
 """
@@ -37,6 +39,12 @@ except ImportError:  # a torch build without distributed support runs unsharded 
     dist = None
     DTensor = None
     Shard = None
+try:  # transformers' expert parallelism (`DistributedConfig(ep_size=...)`, transformers >= 5.24)
+    from transformers.distributed.expert_parallel import ExpertParallelLayer
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+except ImportError:
+    ExpertParallelLayer = object
+    ALL_PARALLEL_STYLES = None
 
 
 def is_sharded(tensor) -> bool:
@@ -328,7 +336,38 @@ class LocalHeadCounts:
         return heads // kv_heads
 
 
+# -- expert parallelism: whole experts per rank, through transformers' `base_model_ep_plan` ---------------------------
+# transformers' expert parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=N, ep_size=N))`)
+# shards stacked expert tensors by their first dimension (`grouped_gemm` style) and hands an experts module's
+# `forward(hidden_states, top_k_index, top_k_weights)` the routes to its own experts (`ep_dispatch_experts`: at
+# inference `AllReduceEP`, every rank runs its experts on the whole batch and one all-reduce sums the outputs). The
+# MoE families keep the Hub's one module per expert (`experts.{e}.gate_proj.weight`, ...), so their plans
+# (`base_model_ep_plan` of `configuration_llada2_moe.py` / `configuration_llada_moe.py`) name two modules instead:
+#
+#   "layers.*.mlp.experts": EXPERTS_STYLE             # `grouped_gemm.ExpertList`: keeps this rank's experts whole
+#   "layers.*.mlp.expert_dispatch": "ep_dispatch_experts"  # the list's forward, reached through transformers' EP
+#
+# The plans are applied in module order, after the model is built (on the meta device) and before the weights load:
+# the other ranks' experts are gone before their weights are read or initialised, so each rank holds E / N experts.
+EXPERTS_STYLE = "hf_dllm_local_experts"
+
+
+class LocalExperts(ExpertParallelLayer):
+    """transformers' expert-parallel style (`EXPERTS_STYLE`) for a list of expert modules (`grouped_gemm.ExpertList`):
+    rank r of N keeps experts `[r * E / N, (r + 1) * E / N)` whole and drops the others (`keep_local_experts`)."""
+
+    def install_forward(self, module, mesh):
+        module.keep_local_experts(mesh.get_local_rank(), mesh.size())
+        return module
+
+
+if ALL_PARALLEL_STYLES is not None:
+    ALL_PARALLEL_STYLES.register(EXPERTS_STYLE, LocalExperts())
+
+
 __all__ = [
+    "EXPERTS_STYLE",
+    "LocalExperts",
     "LocalHeadCounts",
     "VocabShard",
     "agree_across_ranks",

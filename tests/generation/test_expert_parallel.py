@@ -1,0 +1,124 @@
+"""Expert parallelism through transformers' own plans (`distributed_config=DistributedConfig(tp_size=N, ep_size=N)`;
+the configs' `base_model_ep_plan`, `tensor_parallel.EXPERTS_STYLE`, `grouped_gemm.ExpertList`): 2 and 4 gloo
+processes on CPU against one process, for LLaDA2 (with and without LLaDA2.2's block routing) and LLaDA-MoE.
+
+In float32 each rank's experts run on the whole batch and one all-reduce sums the layer's outputs, so the tokens
+must equal one process's exactly (logits within 1e-4: only the order of float32 sums changes), and every rank must
+hold exactly its 1/N of the routed experts' bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, TESTS, BackgroundJob
+
+_spec = importlib.util.spec_from_file_location("expert_parallel_worker", TESTS / "expert_parallel_worker.py")
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+# 2 ranks: every case, run by tests/generation/test_tensor_parallel.py's job (tensor_parallel_worker.py runs these cases
+# after its own, in the same processes); 4 ranks: LLaDA2 (2 of its 8 experts per rank, attention split over 4 ranks
+# with 2 key/value heads), a job of its own.
+from tests.generation.test_tensor_parallel import CPU_RUN  # noqa: E402
+
+RANKS = {2: list(worker.CASES), 4: ["llada2"]}
+ENV = dict(
+    os.environ,
+    OMP_NUM_THREADS="1",
+    CUDA_VISIBLE_DEVICES="",  # on a machine with GPUs, transformers would place each rank on its GPU
+    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+)
+
+
+def worker_command(ranks: int, out: Path) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
+    return [*command, str(TESTS / "expert_parallel_worker.py"), str(out), "cpu", "float32", *RANKS[ranks]]
+
+
+FOUR_RANKS = BackgroundJob(lambda workdir: {"ep": worker_command(4, workdir / "ep.pt")}, timeout=300, cwd=ROOT, env=ENV)
+JOBS = {2: (CPU_RUN, "tp", "tp.pt"), 4: (FOUR_RANKS, "ep", "ep.pt")}
+CASES = [(ranks, case) for ranks, cases in RANKS.items() for case in cases]
+
+
+def sharded(ranks: int) -> dict:
+    job, name, file = JOBS[ranks]
+    done = job.results()[name]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return torch.load(job.workdir / file, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict:
+    torch.set_num_threads(1)
+    return {case: worker.record(worker.load(case, "cpu", torch.float32), case, "cpu") for case in worker.CASES}
+
+
+def uses_jobs(test):
+    for job, _, _ in JOBS.values():
+        test = job.used_by(test)
+    return test
+
+
+@pytest.mark.parametrize("ranks,case", CASES)
+@uses_jobs
+def test_expert_parallel_equals_one_process(single_process, ranks, case):
+    expected = single_process[case]
+    for result in sharded(ranks)[f"ep:{case}"]:
+        torch.testing.assert_close(result["logits"], expected["logits"], rtol=0, atol=1e-4)
+        for setting, (sequences, nfe) in expected["generated"].items():
+            assert torch.equal(result["generated"][setting][0], sequences), setting
+            assert result["generated"][setting][1] == nfe
+        # The experts as a loop (`experts_implementation="eager"`) instead of torch's grouped GEMMs.
+        assert torch.equal(result["experts_loop"], expected["experts_loop"])
+
+
+@pytest.mark.parametrize("ranks,case", CASES)
+@uses_jobs
+def test_each_rank_keeps_its_share_of_the_experts_whole(single_process, ranks, case):
+    expected = single_process[case]
+    experts = [count for _, count in expected["kept"]]
+    for rank, result in enumerate(sharded(ranks)[f"ep:{case}"]):
+        assert result["kept"] == [(rank * count // ranks, count // ranks) for count in experts]
+        assert result["bytes"]["experts"] * ranks == expected["bytes"]["experts"]
+        assert result["bytes"]["total"] - result["bytes"]["experts"] <= expected["bytes"]["total"]
+
+
+@pytest.mark.parametrize("case", ["llada2", "llada_moe"])
+def test_expert_parallel_plans_name_the_expert_modules(case):
+    """The configs' expert-parallel plans name the style tensor_parallel.py registers with transformers and modules
+    that exist (a misspelt rule would leave every expert on every rank)."""
+    import re
+
+    from hf_dllm.grouped_gemm import ExpertDispatch, ExpertList
+    from hf_dllm.tensor_parallel import EXPERTS_STYLE
+
+    model = worker.load(case, "cpu", torch.float32)
+    plan = model.config.base_model_ep_plan
+    assert sorted(plan.values()) == sorted([EXPERTS_STYLE, "ep_dispatch_experts"])
+    kinds = {EXPERTS_STYLE: ExpertList, "ep_dispatch_experts": ExpertDispatch}
+    for pattern, style in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
+        matched = [module for name, module in model.base_model.named_modules() if regex.match(name)]
+        assert matched and all(isinstance(module, kinds[style]) for module in matched), pattern
+    # The dispatch module comes after its list: transformers applies the rules in module order.
+    names = [name for name, _ in model.base_model.named_modules()]
+    first_moe = next(name for name in names if name.endswith(".experts"))
+    assert names.index(first_moe.replace(".experts", ".expert_dispatch")) > names.index(first_moe)
+
+
+def test_uneven_expert_split_is_refused():
+    from hf_dllm.grouped_gemm import ExpertList
+
+    experts = ExpertList([torch.nn.Linear(2, 2) for _ in range(6)], config=None)
+    with pytest.raises(ValueError, match="ep_size must divide 6, got 4"):
+        experts.keep_local_experts(0, 4)
+    experts.keep_local_experts(1, 3)
+    assert (experts.first, experts.num_experts, experts.partitioned) == (2, 2, True)
+    assert [len(list(expert.parameters())) for expert in experts] == [0, 0, 2, 2, 0, 0]
