@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .fp8 import fp8_block_size, is_fp8_linear
-from .tensor_parallel import local_tensor
+from .tensor_parallel import is_sharded, local_tensor
 from .triton_ops import (
     TRITON_AVAILABLE,
     launch,
@@ -408,6 +408,13 @@ class ExpertList(nn.ModuleList):
     def keep_local_experts(self, rank: int, ranks: int) -> None:
         """Rank `rank` of `ranks` keeps experts `[rank * E / ranks, (rank + 1) * E / ranks)`; the others become empty
         modules. Called by `tensor_parallel.LocalExperts` before the weights load."""
+        implementation = getattr(getattr(self.config, "distributed_config", None), "ep_implementation", "auto")
+        if implementation not in ("auto", "all_reduce"):
+            # The experts run on the batch every rank holds (`ExpertDispatch` joins a shared expert's partial sums).
+            raise ValueError(
+                f"expert parallelism of hf_dllm's MoE models takes ep_implementation 'auto' or 'all_reduce', got "
+                f"{implementation!r}."
+            )
         if len(self) % ranks:
             raise ValueError(
                 f"expert parallelism splits the {len(self)} experts of a layer evenly over its ranks: ep_size must "
@@ -496,7 +503,8 @@ class ExpertList(nn.ModuleList):
         """As `_grouped`, one kept expert at a time (the counts read on the host)."""
         out = torch.zeros_like(sorted_x)
         start = 0
-        for expert, count in zip(self.local_experts(), torch.bincount(chosen, minlength=self.num_experts).tolist()):
+        counts = torch.bincount(chosen, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        for expert, count in zip(self.local_experts(), counts, strict=True):
             if count:
                 out[start : start + count] = expert(sorted_x[start : start + count])
                 start += count
@@ -507,17 +515,52 @@ class ExpertDispatch(nn.Module):
     """Where transformers' expert parallelism reaches an `ExpertList` (the module named `"ep_dispatch_experts"` in
     the expert-parallel plan; registered after the list, so that it sees the list's kept experts): `forward` is the
     list's, `num_experts` its kept experts. Without expert parallelism it is the list itself (global indices). Holds
-    the list by reference (no second copy of its parameters in the module tree)."""
+    the list by reference (no second copy of its parameters in the module tree).
 
-    def __init__(self, experts: ExpertList):
+    `shared`: a shared expert (with `partial_forward`) that tensor parallelism splits over the same ranks: its partial
+    output joins the routed experts' (`joins_shared`), so that transformers' one all-reduce of the layer sums both
+    (`AllReduceEP`, which every rank of the group runs on the same batch)."""
+
+    def __init__(self, experts: ExpertList, shared: nn.Module | None = None):
         super().__init__()
         self._experts = (experts,)
+        self._shared = (shared,)
 
     @property
     def num_experts(self) -> int:
         return self._experts[0].num_experts
 
+    @property
+    def joins_shared(self) -> bool:
+        shared = self._shared[0]
+        return shared is not None and self._experts[0].partitioned and is_sharded(shared.down_proj.weight)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return self._experts[0](hidden_states, top_k_index, top_k_weights)
+        out = self._experts[0](hidden_states, top_k_index, top_k_weights)
+        if self.joins_shared:
+            out = out + self._shared[0].partial_forward(hidden_states).to(out.dtype)
+        return out
+
+
+def other_ranks_expert_keys(model: nn.Module, keys) -> set[str]:
+    """The checkpoint keys among `keys` that name experts this rank dropped under expert parallelism
+    (`ExpertList.keep_local_experts`): loading skips them by design, so they are not reported as unexpected."""
+    import re
+
+    kept = {
+        name: (experts.first, experts.first + experts.num_experts)
+        for name, experts in model.named_modules()
+        if isinstance(experts, ExpertList) and experts.partitioned
+    }
+    if not kept:
+        return set()
+    expert_key = re.compile(r"(.*\.experts)\.(\d+)\.")
+    others = set()
+    for key in keys:
+        match = expert_key.match(key)
+        span = match and kept.get(match.group(1))
+        if span and not span[0] <= int(match.group(2)) < span[1]:
+            others.add(key)
+    return others

@@ -499,7 +499,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         else:
             self.shared_experts = None
         # Expert parallelism's entry (`LLaDA2MoeConfig.base_model_ep_plan`); after `experts` in the module tree.
-        self.expert_dispatch = ExpertDispatch(self.experts)
+        self.expert_dispatch = ExpertDispatch(self.experts, self.shared_experts)
         self.act_fn = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act in ("silu", "swish")
         # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
@@ -635,7 +635,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         )
         if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
             out = self.expert_dispatch(x, topk_idx, topk_weight).view(batch, length, hidden)
-            shared = self.shared_experts
+            shared = None if self.expert_dispatch.joins_shared else self.shared_experts
             return (out if shared is None else out + shared(hidden_states)), router_logits
         flat_idx = topk_idx.reshape(-1)  # (tokens * top_k,): the expert of each (token, choice) pair
         order = flat_idx.argsort(stable=True)

@@ -63,6 +63,7 @@ from .grouped_gemm import (
     ExpertStacks,
     expert_fp8_block_size,
     grouped_matmul,
+    other_ranks_expert_keys,
     stack_expert_parameters,
 )
 from .kernels import linear, use_fused_kernels
@@ -527,6 +528,13 @@ class LLaDAMoEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info, *args, **kwargs) -> None:
+        # Under expert parallelism the other ranks' experts are dropped before loading: not unexpected.
+        super()._adjust_missing_and_unexpected_keys(loading_info, *args, **kwargs)
+        loading_info.unexpected_keys = set(loading_info.unexpected_keys) - other_ranks_expert_keys(
+            self, loading_info.unexpected_keys
+        )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

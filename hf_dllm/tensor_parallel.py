@@ -20,6 +20,8 @@ holds the few things the models add on top, because they multiply weights withou
 - `LocalHeadCounts`: an attention layer's head counts read from its q/k weights (this rank's heads when sharded).
 - `EXPERTS_STYLE` / `LocalExperts`: the expert-parallel style that keeps each rank's whole experts (see
   "expert parallelism" below), registered with transformers' parallel styles.
+- `moe_parallelism`, `parallel_load_kwargs`: tensor or expert parallelism for an MoE model by batch size (a rule,
+  overridable), and the `from_pretrained` arguments of each.
 
 Every function is a no-op on models that are not sharded. This file is exported as Hub remote code.
 """
@@ -365,10 +367,63 @@ if ALL_PARALLEL_STYLES is not None:
     ALL_PARALLEL_STYLES.register(EXPERTS_STYLE, LocalExperts())
 
 
+# Tensor or expert parallelism for an MoE model, by the (token, expert) pairs a denoising step routes. Tensor
+# parallelism gives every rank 1/N of each expert a step touches, so the ranks read equal shares whatever the
+# routing, through GEMMs 1/N as wide; expert parallelism gives each rank its experts whole (full-width GEMMs), but
+# the step is as slow as the rank whose experts got the most tokens: balanced only once a step routes several
+# pairs to every expert. Both reduce once per MoE layer. The rule takes expert parallelism from
+# `EXPERT_PARALLEL_MIN_PAIRS` pairs per expert on average (LLaDA2.x, 256 experts, top-8, blocks of 32: batch 4 and
+# up); `benchmarks/bench_tp.py` measures both layouts per batch size and says whether the rule picked the faster.
+MOE_PARALLEL_ENV = "HF_DLLM_MOE_PARALLEL"  # auto (the rule), tensor, expert
+MOE_PARALLEL_CHOICES = ("auto", "tensor", "expert")
+EXPERT_PARALLEL_MIN_PAIRS = 4
+
+
+def moe_parallelism(config, batch_size: int, tokens_per_row: int, choice: str | None = None) -> str:
+    """`"tensor"` or `"expert"`: how to split an MoE model (`config` with `num_experts` and `num_experts_per_tok`)
+    for steps of `batch_size` rows of `tokens_per_row` tokens (a denoising block). `choice`: `"tensor"` or
+    `"expert"` as given; `"auto"` (the default: `HF_DLLM_MOE_PARALLEL`, else `"auto"`) the rule above."""
+    import os
+
+    choice = os.environ.get(MOE_PARALLEL_ENV, "auto") if choice is None else choice
+    if choice not in MOE_PARALLEL_CHOICES:
+        raise ValueError(f"choice ({MOE_PARALLEL_ENV}) must be one of {MOE_PARALLEL_CHOICES}, got {choice!r}.")
+    for name, value in (("batch_size", batch_size), ("tokens_per_row", tokens_per_row)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        raise ValueError(
+            f"moe_parallelism needs an MoE config (num_experts, num_experts_per_tok), got {type(config).__name__}."
+        )
+    if choice != "auto":
+        return choice
+    return "expert" if batch_size * tokens_per_row * top_k >= EXPERT_PARALLEL_MIN_PAIRS * experts else "tensor"
+
+
+def parallel_load_kwargs(parallelism: str, ranks: int) -> dict:
+    """`from_pretrained` keyword arguments that split a model over the `ranks` processes of `torchrun`:
+    `tp_plan="auto"` (`"tensor"`) or `distributed_config=DistributedConfig(tp_size=ranks, ep_size=ranks)`
+    (`"expert"`: the MoE families' `base_model_ep_plan`; the rest of the tensor-parallel plan still applies)."""
+    if parallelism == "tensor":
+        return {"tp_plan": "auto"}
+    if parallelism != "expert":
+        raise ValueError(f"parallelism must be 'tensor' or 'expert', got {parallelism!r}.")
+    if ALL_PARALLEL_STYLES is None:
+        import transformers
+
+        raise ValueError(f"expert parallelism needs transformers >= 5.24, found {transformers.__version__}.")
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks)}
+
+
 __all__ = [
     "EXPERTS_STYLE",
     "LocalExperts",
     "LocalHeadCounts",
+    "moe_parallelism",
+    "parallel_load_kwargs",
     "VocabShard",
     "agree_across_ranks",
     "all_reduce",

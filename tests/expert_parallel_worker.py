@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("tensor_parallel_worker", Path(__file__).parent / "tensor_parallel_worker.py")
+_spec = importlib.util.spec_from_file_location(
+    "tensor_parallel_worker", Path(__file__).parent / "tensor_parallel_worker.py"
+)
 tp_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tp_worker)
 

@@ -222,7 +222,9 @@ def main() -> None:
 def expert_parallel_worker():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("expert_parallel_worker", Path(__file__).parent / "expert_parallel_worker.py")
+    spec = importlib.util.spec_from_file_location(
+        "expert_parallel_worker", Path(__file__).parent / "expert_parallel_worker.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -122,3 +122,42 @@ def test_uneven_expert_split_is_refused():
     experts.keep_local_experts(1, 3)
     assert (experts.first, experts.num_experts, experts.partitioned) == (2, 2, True)
     assert [len(list(expert.parameters())) for expert in experts] == [0, 0, 2, 2, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "batch,choice,expected",
+    [(1, None, "tensor"), (4, None, "expert"), (32, None, "expert"), (32, "tensor", "tensor"), (1, "expert", "expert")],
+)
+def test_moe_parallelism_rule(monkeypatch, batch, choice, expected):
+    """LLaDA2.x's 256 experts, top-8, blocks of 32: tensor parallelism below 4 (token, expert) pairs per expert per
+    step (batch 1: 1), expert parallelism from there; a given choice (or `HF_DLLM_MOE_PARALLEL`) wins."""
+    from types import SimpleNamespace
+
+    from hf_dllm.tensor_parallel import MOE_PARALLEL_ENV, moe_parallelism
+
+    config = SimpleNamespace(num_experts=256, num_experts_per_tok=8)
+    monkeypatch.delenv(MOE_PARALLEL_ENV, raising=False)
+    assert moe_parallelism(config, batch, 32, choice) == expected
+    monkeypatch.setenv(MOE_PARALLEL_ENV, "tensor")
+    assert moe_parallelism(config, batch, 32) == "tensor"
+
+
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        ((4, 32, "data"), "must be one of"),
+        ((0, 32, None), "batch_size must be a positive integer"),
+        ((1, 2.0, None), "tokens_per_row must be a positive integer"),
+    ],
+)
+def test_moe_parallelism_refuses_bad_arguments(arguments, message):
+    from types import SimpleNamespace
+
+    from hf_dllm.tensor_parallel import moe_parallelism, parallel_load_kwargs
+
+    with pytest.raises(ValueError, match=message):
+        moe_parallelism(SimpleNamespace(num_experts=8, num_experts_per_tok=2), *arguments)
+    with pytest.raises(ValueError, match="needs an MoE config"):
+        moe_parallelism(SimpleNamespace(), 1, 32)
+    with pytest.raises(ValueError, match="'tensor' or 'expert'"):
+        parallel_load_kwargs("pipeline", 2)
