@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .fp8 import fp8_block_size, is_fp8_linear
-from .tensor_parallel import is_sharded, local_tensor
+from .tensor_parallel import EP_IMPLEMENTATIONS, is_sharded, local_tensor
 from .triton_ops import (
     TRITON_AVAILABLE,
     launch,
@@ -409,10 +409,10 @@ class ExpertList(nn.ModuleList):
         """Rank `rank` of `ranks` keeps experts `[rank * E / ranks, (rank + 1) * E / ranks)`; the others become empty
         modules. Called by `tensor_parallel.LocalExperts` before the weights load."""
         implementation = getattr(getattr(self.config, "distributed_config", None), "ep_implementation", "auto")
-        if implementation not in ("auto", "all_reduce"):
+        if implementation not in EP_IMPLEMENTATIONS:
             # The experts run on the batch every rank holds (`ExpertDispatch` joins a shared expert's partial sums).
             raise ValueError(
-                f"expert parallelism of hf_dllm's MoE models takes ep_implementation 'auto' or 'all_reduce', got "
+                f"expert parallelism of hf_dllm's MoE models takes ep_implementation in {EP_IMPLEMENTATIONS}, got "
                 f"{implementation!r}."
             )
         if len(self) % ranks:

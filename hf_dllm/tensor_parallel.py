@@ -42,11 +42,11 @@ except ImportError:  # a torch build without distributed support runs unsharded 
     DTensor = None
     Shard = None
 try:  # transformers' expert parallelism (`DistributedConfig(ep_size=...)`, transformers >= 5.24)
-    from transformers.distributed.expert_parallel import ExpertParallelLayer
+    from transformers.distributed.expert_parallel import AllReduceEP, EPImplementationInterface, ExpertParallelLayer
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 except ImportError:
+    AllReduceEP = EPImplementationInterface = ALL_PARALLEL_STYLES = None
     ExpertParallelLayer = object
-    ALL_PARALLEL_STYLES = None
 
 
 def is_sharded(tensor) -> bool:
@@ -363,8 +363,29 @@ class LocalExperts(ExpertParallelLayer):
         return module
 
 
+# How the routed experts' outputs are summed (`DistributedConfig(ep_implementation=...)`): transformers' `AllReduceEP`
+# with the sum through `all_reduce` (the symmetric-memory kernels where they beat NCCL, as the tensor-parallel layers'
+# all-reduces) at inference; transformers' own with autograd.
+EP_IMPLEMENTATION = "hf_dllm_all_reduce"
+EP_IMPLEMENTATIONS = ("auto", "all_reduce", EP_IMPLEMENTATION)  # those that run the experts on every rank's batch
+
 if ALL_PARALLEL_STYLES is not None:
     ALL_PARALLEL_STYLES.register(EXPERTS_STYLE, LocalExperts())
+
+    class SymmetricAllReduceEP(AllReduceEP):
+        """transformers' `AllReduceEP` (every rank runs its experts on the batch they share, the routes to other
+        ranks' experts masked: local index `num_local_experts`, weight 0; the partial outputs summed), summed by
+        `all_reduce` when no autograd graph is recorded."""
+
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+                return super().__call__(hidden_states, top_k_index, top_k_weights)
+            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+            local_index = torch.where(off_rank, self.num_local_experts, top_k_index % self.num_local_experts)
+            out = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+            return all_reduce(out.contiguous(), self.ep_mesh.get_group())
+
+    EPImplementationInterface.register(EP_IMPLEMENTATION, SymmetricAllReduceEP)
 
 
 # Tensor or expert parallelism for an MoE model, by the (token, expert) pairs a denoising step routes. Tensor
@@ -403,8 +424,9 @@ def moe_parallelism(config, batch_size: int, tokens_per_row: int, choice: str | 
 
 def parallel_load_kwargs(parallelism: str, ranks: int) -> dict:
     """`from_pretrained` keyword arguments that split a model over the `ranks` processes of `torchrun`:
-    `tp_plan="auto"` (`"tensor"`) or `distributed_config=DistributedConfig(tp_size=ranks, ep_size=ranks)`
-    (`"expert"`: the MoE families' `base_model_ep_plan`; the rest of the tensor-parallel plan still applies)."""
+    `tp_plan="auto"` (`"tensor"`) or `distributed_config=DistributedConfig(tp_size=ranks, ep_size=ranks,
+    ep_implementation=EP_IMPLEMENTATION)` (`"expert"`: the MoE families' `base_model_ep_plan`; the rest of the
+    tensor-parallel plan still applies)."""
     if parallelism == "tensor":
         return {"tp_plan": "auto"}
     if parallelism != "expert":
@@ -415,10 +437,11 @@ def parallel_load_kwargs(parallelism: str, ranks: int) -> dict:
         raise ValueError(f"expert parallelism needs transformers >= 5.24, found {transformers.__version__}.")
     from transformers.distributed import DistributedConfig
 
-    return {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks)}
+    return {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks, ep_implementation=EP_IMPLEMENTATION)}
 
 
 __all__ = [
+    "EP_IMPLEMENTATION",
     "EXPERTS_STYLE",
     "LocalExperts",
     "LocalHeadCounts",

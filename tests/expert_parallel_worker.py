@@ -50,10 +50,14 @@ def load(case: str, device: str, dtype: torch.dtype, ranks: int | None = None):
 
     path, overrides, _ = CASES[case]
     kwargs = dict(overrides, dtype=dtype)
-    if ranks is not None:
+    if ranks is not None and case == "llada_moe":  # transformers' own sum of the experts' outputs (`AutoEP`)
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=ranks, ep_size=ranks)
+    elif ranks is not None:  # hf_dllm's (`tensor_parallel.EP_IMPLEMENTATION`, `parallel_load_kwargs`)
+        from hf_dllm.tensor_parallel import parallel_load_kwargs
+
+        kwargs.update(parallel_load_kwargs("expert", ranks))
     model = AutoModel.from_pretrained(path, **kwargs).eval()
     return model if ranks is not None else model.to(device)
 
@@ -81,6 +85,10 @@ def record(model, case: str, device: str) -> dict:
         nbytes["total"] += size
         nbytes["experts"] += size if ".experts." in name else 0
     result["bytes"] = nbytes
+    if device == "cuda":
+        result["graphs_captured"] = bool(
+            getattr(model, "_hf_dllm_step_graphs", None) and model._hf_dllm_step_graphs.steps
+        )
     return result
 
 

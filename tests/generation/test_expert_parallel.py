@@ -37,9 +37,9 @@ ENV = dict(
 )
 
 
-def worker_command(ranks: int, out: Path) -> list[str]:
+def worker_command(ranks: int, out: Path, device: str = "cpu", dtype: str = "float32") -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
-    return [*command, str(TESTS / "expert_parallel_worker.py"), str(out), "cpu", "float32", *RANKS[ranks]]
+    return [*command, str(TESTS / "expert_parallel_worker.py"), str(out), device, dtype, *RANKS[ranks]]
 
 
 FOUR_RANKS = BackgroundJob(lambda workdir: {"ep": worker_command(4, workdir / "ep.pt")}, timeout=300, cwd=ROOT, env=ENV)
@@ -88,6 +88,33 @@ def test_each_rank_keeps_its_share_of_the_experts_whole(single_process, ranks, c
         assert result["kept"] == [(rank * count // ranks, count // ranks) for count in experts]
         assert result["bytes"]["experts"] * ranks == expected["bytes"]["experts"]
         assert result["bytes"]["total"] - result["bytes"]["experts"] <= expected["bytes"]["total"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_bfloat16(tmp_path):
+    """NCCL (and the symmetric-memory all-reduce where it runs), bfloat16: the ranks' tokens identical, logits within
+    the project's bfloat16 tolerance of one GPU's (5% of the largest logit), CUDA-graph capture as on one GPU."""
+    import subprocess
+
+    out = tmp_path / "ep.pt"
+    command = worker_command(2, out, "cuda", "bfloat16")
+    env = dict(ENV, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env.pop("CUDA_VISIBLE_DEVICES")
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    results = torch.load(out, weights_only=False)
+    for case in worker.CASES:
+        single = worker.load(case, "cuda", torch.bfloat16)
+        reference = worker.record(single, case, "cuda")
+        first, second = results[f"ep:{case}"]
+        scale = reference["logits"].abs().max()
+        for result in (first, second):
+            assert (result["logits"] - reference["logits"]).abs().max() <= 0.05 * scale, case
+            assert result["graphs_captured"] == reference["graphs_captured"], case
+        for setting in reference["generated"]:
+            assert torch.equal(first["generated"][setting][0], second["generated"][setting][0]), (case, setting)
+        del single
 
 
 @pytest.mark.parametrize("case", ["llada2", "llada_moe"])
