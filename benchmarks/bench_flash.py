@@ -374,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--parallel must be auto or a comma list of tensor, expert; got {args.parallel}.")
     if args.worker:
         return worker(args)
+    from hf_dllm.tensor_parallel import parallel_load_kwargs
+
+    if "tensor" not in args.parallel or len(args.parallel) > 1:  # auto or expert: refused here if unsupported
+        parallel_load_kwargs("expert", args.gpus)
     if not args.cpu and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"bench_flash.py needs {args.gpus} CUDA devices (--gpus), found {torch.cuda.device_count()}.")
     started = time.perf_counter()

@@ -321,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2, help="GPUs of the sharded runs")
     parser.add_argument(
         "--parallel",
-        default=",".join(PARALLEL),
-        help="comma list of the layouts of the sharded runs: tensor, expert (MoE models only)",
+        default=None,
+        help="comma list of the layouts of the sharded runs: tensor, expert (MoE models only; default both, tensor "
+        "alone where transformers has no expert parallelism)",
     )
     parser.add_argument("--batch-sizes", default=None, help="comma list (default 1,8; --cpu: 1)")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (--cpu: 16)")
@@ -345,6 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise ValueError(f"--models must name some of {MODELS}, got {sorted(unknown)}.")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.parallel is None:
+        from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
+
+        args.parallel = ",".join(PARALLEL) if ALL_PARALLEL_STYLES is not None else "tensor"
+        if ALL_PARALLEL_STYLES is None and not args.worker:
+            import transformers
+
+            print(f"expert parallelism needs transformers >= 5.24 (found {transformers.__version__}): tensor only")
     args.parallel = args.parallel.split(",")
     if set(args.parallel) - set(PARALLEL) or not args.parallel:
         raise ValueError(f"--parallel must name some of {PARALLEL}, got {args.parallel}.")

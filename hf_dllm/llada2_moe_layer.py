@@ -482,6 +482,11 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
     The outputs are put back in (token, choice) order and combined in float32 with the routing weights, as the
     original `moe_infer` does.
+
+    Under expert parallelism (`LLaDA2MoeConfig.base_model_ep_plan`) `experts` (a `grouped_gemm.ExpertList`) keeps
+    this rank's E / N experts and `forward` hands them the routing through `expert_dispatch`, where transformers
+    masks the other ranks' routes and sums the ranks' outputs (with the tensor-parallel shared expert's partial
+    sums: one all-reduce per layer); the fused path is not taken.
     """
 
     def __init__(self, config: LLaDA2MoeConfig):

@@ -287,6 +287,11 @@ class LLaDAMoESparseMoeBlock(nn.Module):
 
     The stacks are the experts' weights stacked, the Hub-named parameters re-pointed to views of them (no second
     copy; `save_pretrained` still writes one tensor per name). `experts_implementation="eager"` keeps the loop.
+
+    Under expert parallelism (`LLaDAMoEConfig.base_model_ep_plan`) `experts` (a `grouped_gemm.ExpertList`) keeps
+    this rank's E / N experts and runs them (grouped or as the loop) through `expert_dispatch`, where transformers
+    masks the other ranks' routes and sums the ranks' outputs; under tensor parallelism (the experts' widths split)
+    the loop runs the sharded experts.
     """
 
     # Activation dtypes whose experts run grouped where torch's grouped GEMM can (float32 runs the loop).

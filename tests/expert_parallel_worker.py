@@ -40,17 +40,24 @@ CASES = {
         [("dual_cache", dict(steps=8, use_cache=True, dual_cache=True))],
     ),
 }
+# LLaDA-MoE under tensor parallelism (`tp_plan="auto"`: its plan splits only the experts' widths, for the loop over
+# the sharded experts), the same checks but each rank holding a slice of every expert.
+CASES["llada_moe_tensor"] = CASES["llada_moe"]
+TENSOR_PARALLEL = ("llada_moe_tensor",)
 
 
 def load(case: str, device: str, dtype: torch.dtype, ranks: int | None = None):
-    """The fixture of `case`, with expert parallelism over `ranks` ranks (None: one process, on `device`)."""
+    """The fixture of `case`, with expert parallelism over `ranks` ranks (tensor parallelism for `TENSOR_PARALLEL`;
+    None: one process, on `device`)."""
     from transformers import AutoModel
 
     import hf_dllm  # noqa: F401  (registers the model types)
 
     path, overrides, _ = CASES[case]
     kwargs = dict(overrides, dtype=dtype)
-    if ranks is not None and case == "llada_moe":  # transformers' own sum of the experts' outputs (`AutoEP`)
+    if ranks is not None and case in TENSOR_PARALLEL:
+        kwargs["tp_plan"] = "auto"
+    elif ranks is not None and case == "llada_moe":  # transformers' own sum of the experts' outputs (`AutoEP`)
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=ranks, ep_size=ranks)

@@ -5,8 +5,9 @@ and Dream fixtures with `tp_plan="auto"` and records, on every rank, the logits 
 With the arguments `fused EXTRA`, only LLaDA2, through `record_fused` (its fused MoE and attention paths on the
 shards; tests/kernels/test_tensor_parallel_fused.py runs it on the CPU with the kernels in Triton's interpreter), and
 `cached_step` with the counts of the fused calls of the LLaDA2 checkpoint at the path EXTRA (`two_shared_experts`)
-and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`). Without them, also the expert-parallel
-cases of `expert_parallel_worker.py` (`ep:<case>`), in the same processes (one torchrun for both tests).
+and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`). Without them, on CPU, also the
+expert-parallel cases of `expert_parallel_worker.py` (`ep:<case>`), in the same processes (one torchrun for both
+tests; on GPUs test_expert_parallel.py starts its own, which needs transformers >= 5.24).
 
 Usage: torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py OUT DEVICE DTYPE [fused EXTRA]
        (DEVICE cpu -> gloo, cuda -> nccl)
@@ -211,7 +212,7 @@ def main() -> None:
         dist.all_gather_object(gathered, result)
         results[name] = gathered
         del model
-    if not fused:  # expert parallelism in the same processes (tests/generation/test_expert_parallel.py)
+    if not fused and device == "cpu":  # expert parallelism in the same processes (test_expert_parallel.py's CPU tests)
         results.update(expert_parallel_worker().run(device, dtype))
     if dist.get_rank() == 0:
         torch.save(results, out_path)

@@ -1,6 +1,7 @@
 """Expert parallelism through transformers' own plans (`distributed_config=DistributedConfig(tp_size=N, ep_size=N)`;
 the configs' `base_model_ep_plan`, `tensor_parallel.EXPERTS_STYLE`, `grouped_gemm.ExpertList`): 2 and 4 gloo
-processes on CPU against one process, for LLaDA2 (with and without LLaDA2.2's block routing) and LLaDA-MoE.
+processes on CPU against one process, for LLaDA2 (with and without LLaDA2.2's block routing) and LLaDA-MoE (also
+under tensor parallelism: its plan splits only the experts).
 
 In float32 each rank's experts run on the whole batch and one all-reduce sums the layer's outputs, so the tokens
 must equal one process's exactly (logits within 1e-4: only the order of float32 sums changes), and every rank must
@@ -57,7 +58,12 @@ def sharded(ranks: int) -> dict:
 @pytest.fixture(scope="module")
 def single_process() -> dict:
     torch.set_num_threads(1)
-    return {case: worker.record(worker.load(case, "cpu", torch.float32), case, "cpu") for case in worker.CASES}
+    records = {
+        case: worker.record(worker.load(case, "cpu", torch.float32), case, "cpu")
+        for case in worker.CASES
+        if case not in worker.TENSOR_PARALLEL
+    }
+    return dict(records, llada_moe_tensor=records["llada_moe"])  # the same model in one process
 
 
 def uses_jobs(test):
@@ -81,17 +87,24 @@ def test_expert_parallel_equals_one_process(single_process, ranks, case):
 
 @pytest.mark.parametrize("ranks,case", CASES)
 @uses_jobs
-def test_each_rank_keeps_its_share_of_the_experts_whole(single_process, ranks, case):
+def test_each_rank_holds_its_share_of_the_experts(single_process, ranks, case):
     expected = single_process[case]
     experts = [count for _, count in expected["kept"]]
     for rank, result in enumerate(sharded(ranks)[f"ep:{case}"]):
-        assert result["kept"] == [(rank * count // ranks, count // ranks) for count in experts]
+        if case in worker.TENSOR_PARALLEL:  # every expert kept, a slice of each
+            assert result["kept"] == expected["kept"]
+        else:
+            assert result["kept"] == [(rank * count // ranks, count // ranks) for count in experts]
         assert result["bytes"]["experts"] * ranks == expected["bytes"]["experts"]
         assert result["bytes"]["total"] - result["bytes"]["experts"] <= expected["bytes"]["total"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.skipif(
+    __import__("hf_dllm.tensor_parallel").tensor_parallel.ALL_PARALLEL_STYLES is None,
+    reason="expert parallelism needs transformers >= 5.24",
+)
 def test_two_gpus_bfloat16(tmp_path):
     """NCCL (and the symmetric-memory all-reduce where it runs), bfloat16: the ranks' tokens identical, logits within
     the project's bfloat16 tolerance of one GPU's (5% of the largest logit), CUDA-graph capture as on one GPU."""
