@@ -565,6 +565,11 @@ class DiffusionGemmaModel(nn.Module):
         super().__init__()
         self.encoder = DiffusionGemmaEncoder(config)
         self.decoder = DiffusionGemmaDecoder(config)
+        # The text config's tensor / expert parallel plans, under the decoder that holds the layers (the encoder
+        # runs the same modules): what transformers' `tp_plan="auto"` collects from a base model's children.
+        text = config.text_config
+        self._tp_plan = {f"decoder.{name}": style for name, style in (text.base_model_tp_plan or {}).items()}
+        self._ep_plan = {f"decoder.{name}": style for name, style in (text.base_model_ep_plan or {}).items()}
 
 
 class DiffusionGemmaPreTrainedModel(PreTrainedModel):
@@ -610,7 +615,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     # graphs where `DecoderGraphs.applies`.
     static_cache: bool | None = None
     capture_decoder: bool = True
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column
+    # plan, whose gather would then concatenate whole copies: logits of 2 x vocab columns).
+    _tp_plan = {}
     diffusion_families = (DIFFUSION_GEMMA,)
 
     def __init__(self, config: DiffusionGemmaConfig):
