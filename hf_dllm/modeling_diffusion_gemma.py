@@ -40,6 +40,7 @@ from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
+from .kernels import linear
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
 
@@ -120,11 +121,11 @@ class DiffusionGemmaAttention(nn.Module):
         (encoder) or only read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(shape))
+        query = self.q_norm(linear(self.q_proj, hidden_states).view(shape))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
-        raw_key = self.k_proj(hidden_states).view(shape)
-        value = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else raw_key
+        raw_key = linear(self.k_proj, hidden_states).view(shape)
+        value = linear(self.v_proj, hidden_states).view(shape) if self.v_proj is not None else raw_key
         key = self.k_norm(raw_key)
         key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
         value = self.v_norm(value).transpose(1, 2)
@@ -133,7 +134,7 @@ class DiffusionGemmaAttention(nn.Module):
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
-        return self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+        return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
 
 
 class DiffusionGemmaMLP(nn.Module):
@@ -145,7 +146,7 @@ class DiffusionGemmaMLP(nn.Module):
         self.act_fn = ACT2FN[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, self.act_fn(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DiffusionGemmaRouter(nn.Module):
@@ -295,7 +296,8 @@ class DiffusionGemmaSelfConditioning(nn.Module):
             return self.post_norm(inputs_embeds)
         normed = self.pre_norm(signal)
         return self.post_norm(
-            inputs_embeds + self.down_proj(self.act_fn(self.gate_proj(normed)) * self.up_proj(normed))
+            inputs_embeds
+            + linear(self.down_proj, self.act_fn(linear(self.gate_proj, normed)) * linear(self.up_proj, normed))
         )
 
 
