@@ -216,6 +216,8 @@ class DiffusionGemmaExperts(nn.Module):
             return self.grouped_forward(hidden_states, index, weights)
         output = torch.zeros_like(hidden_states)
         for expert in index.unique().tolist():
+            if expert >= self.gate_up_proj.shape[0]:  # expert parallelism: another rank's expert (weight 0)
+                continue
             token, slot = torch.where(index == expert)
             gate, up = nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             out = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])

@@ -7,7 +7,11 @@ records what one process gives (no plan): the logits of one forward and the toke
 Then every rank loads it with `tp_plan="auto"` and records the same, under the same seeds (the draws are identical
 on every rank); rank 0 saves {"single": ..., "ranks": [...]} to OUT (torch.save).
 
-Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE   (DEVICE cpu -> gloo, cuda -> nccl)
+With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=2, ep_size=2)`: each rank
+holds half the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce` dispatch masks
+the routes to the other rank's experts).
+
+Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [ep]   (DEVICE cpu -> gloo, cuda -> nccl)
 """
 
 from __future__ import annotations
@@ -58,12 +62,18 @@ def record(model, device: str) -> dict:
         torch.manual_seed(seed)
         out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
         generated[name] = (out.sequences.cpu(), out.nfe_per_row.cpu())
-    heads = [
-        (layer.self_attn.q_proj.weight.to_local().shape[0] if hasattr(layer.self_attn.q_proj.weight, "to_local")
-         else layer.self_attn.q_proj.weight.shape[0])
-        for layer in model.model.decoder.layers
-    ]
-    return {"logits": logits, "generated": generated, "q_rows": heads}
+    layers = model.model.decoder.layers
+    return {
+        "logits": logits,
+        "generated": generated,
+        "q_rows": [local_rows(layer.self_attn.q_proj.weight) for layer in layers],
+        "experts": [local_rows(layer.experts.gate_up_proj) for layer in layers],
+    }
+
+
+def local_rows(tensor) -> int:
+    """This rank's size of a parameter's first dimension (a DTensor's local slice)."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).shape[0]
 
 
 def main() -> None:
@@ -85,7 +95,13 @@ def main() -> None:
     dist.barrier()
     if device == "cuda":
         torch.cuda.set_device(rank)
-    model = AutoModel.from_pretrained(checkpoint, dtype=dtype, tp_plan="auto").eval()
+    if len(sys.argv) > 4 and sys.argv[4] == "ep":  # the expert plan too: each rank holds half the experts
+        from transformers.distributed import DistributedConfig
+
+        parallel = {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
+    else:
+        parallel = {"tp_plan": "auto"}
+    model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
     result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

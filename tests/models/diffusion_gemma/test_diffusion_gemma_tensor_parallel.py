@@ -1,5 +1,6 @@
 """DiffusionGemma under transformers' tensor parallelism through its config's own `base_model_tp_plan`
-(`tp_plan="auto"`): two processes (torchrun, gloo, float32) against one process (`gemma_tp_worker.py`). The shards
+(`tp_plan="auto"`), and with its `base_model_ep_plan` too (`tp_size=2, ep_size=2`): two processes (torchrun, gloo,
+float32) against one process (`gemma_tp_worker.py`), the two runs side by side. The shards
 change only the order of float32 sums: logits within 1e-4, and under the same seed on every rank (identical draws)
 the same tokens and the same per-row denoising steps as one process, rows ending at an EOS and stopping early
 included."""
@@ -17,16 +18,19 @@ from tests.conftest import ROOT, BackgroundJob
 
 WORKER = Path(__file__).with_name("gemma_tp_worker.py")
 SETTINGS = ("eb05", "eos", "cold")
+MODES = ("tp", "ep")
 
 
 def _command(workdir: Path) -> dict:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    return {"tp": [*launcher, str(WORKER), str(workdir / "gemma_tp.pt"), "cpu", "float32"]}
+    return {
+        mode: [*launcher, str(WORKER), str(workdir / f"gemma_{mode}.pt"), "cpu", "float32", mode] for mode in MODES
+    }
 
 
 CPU_RUN = BackgroundJob(
     _command,
-    timeout=300,
+    timeout=420,
     cwd=ROOT,
     env=dict(
         os.environ,
@@ -37,18 +41,22 @@ CPU_RUN = BackgroundJob(
 )
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    done = CPU_RUN.results()["tp"]
+@pytest.fixture(scope="module", params=MODES)
+def results(request) -> dict:
+    done = CPU_RUN.results()[request.param]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    return torch.load(CPU_RUN.workdir / "gemma_tp.pt", weights_only=False)
+    return {"mode": request.param, **torch.load(CPU_RUN.workdir / f"gemma_{request.param}.pt", weights_only=False)}
 
 
 @CPU_RUN.used_by
-def test_plan_shards_every_attention_layer(results):
-    single = results["single"]["q_rows"]
+def test_plans_shard_attention_and_experts(results):
+    """Every attention layer holds half its heads; under the expert plan each rank holds half the experts (under
+    the tensor plan all of them, each half as wide)."""
+    single = results["single"]
     for rank in results["ranks"]:
-        assert rank["q_rows"] == [rows // 2 for rows in single]
+        assert rank["q_rows"] == [rows // 2 for rows in single["q_rows"]]
+        expected = [n // 2 for n in single["experts"]] if results["mode"] == "ep" else single["experts"]
+        assert rank["experts"] == expected
 
 
 @CPU_RUN.used_by
