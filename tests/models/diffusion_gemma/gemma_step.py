@@ -44,7 +44,7 @@ class InjectedDraws:
     def _randint(self, *args, device=None, **kwargs):
         named = [name for name in ("low", "high", "size") if name in kwargs]
         three = len(args) + len(named) == 3
-        params = dict(zip(("low", "high", "size") if three else ("high", "size"), args))
+        params = dict(zip(("low", "high", "size") if three else ("high", "size"), args, strict=False))
         params.update({name: kwargs[name] for name in named})
         low, high, size = params.get("low", 0), params["high"], params["size"]
         if (low, high) != (0, self.vocab_size) or tuple(size) != tuple(self.noise.shape):
@@ -89,9 +89,7 @@ class StepInputs:
     settings: dict
 
     def to(self, device) -> StepInputs:
-        return replace(
-            self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        )
+        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
 
 
 @dataclass
@@ -189,8 +187,13 @@ def hf_dllm_step(model, inputs: StepInputs, sampler_class=None) -> StepResult:
     )
     model.encode(inputs.prompt, torch.arange(width, device=device), valid, cache)
     positions = torch.arange(width, width + canvas_length, device=device)
-    logits = model.decode(inputs.canvas, positions, cache, sampler.forward_inputs()["self_conditioning_logits"],
-                          padded=inputs.attention_mask is not None)
+    logits = model.decode(
+        inputs.canvas,
+        positions,
+        cache,
+        sampler.forward_inputs()["self_conditioning_logits"],
+        padded=inputs.attention_mask is not None,
+    )
     vocab = model.config.text_config.vocab_size
     with InjectedDraws(inputs.uniforms, inputs.noise, vocab):
         canvas, argmax, _ = sampler.denoise(inputs.canvas, logits.clone(), None, None)
@@ -357,8 +360,16 @@ def bf16_step_report(ours, transformers_bf16, transformers_fp32, cases) -> dict:
     difference cannot reach a decision boundary (`fragile_positions`) and overall; and transformers' own decision
     changes from float32 to low precision (the noise floor ours is held to)."""
     ours_error, reference_error = [], []
-    totals = {"position_mismatches": 0, "row_mismatches": 0, "mismatches_at_fragile": 0, "fragile_positions": 0,
-              "fragile_rows": 0, "positions": 0, "ours_vs_bf16": 0, "bf16_vs_fp32": 0}
+    totals = {
+        "position_mismatches": 0,
+        "row_mismatches": 0,
+        "mismatches_at_fragile": 0,
+        "fragile_positions": 0,
+        "fragile_rows": 0,
+        "positions": 0,
+        "ours_vs_bf16": 0,
+        "bf16_vs_fp32": 0,
+    }
     for inputs in cases:
         a = hf_dllm_step(ours, inputs)
         b = transformers_step(transformers_bf16, inputs)

@@ -28,12 +28,35 @@ PROMPTS = [[11, 40, 72, 9, 150, 33, 201, 17], [0, 0, 0, 64, 12, 99, 5, 180]]  # 
 # samples in its first canvas (it ends, the batch goes on); a cold schedule whose rows stop after different numbers
 # of steps (9 and 7).
 SETTINGS = [
-    ("eb05", 1, dict(max_new_tokens=32, max_denoising_steps=8, sampler_config={"entropy_bound": 0.5},
-                     confidence_threshold=1.0)),
-    ("eos", 2, dict(max_new_tokens=32, max_denoising_steps=8, sampler_config={"entropy_bound": 0.5},
-                    confidence_threshold=0.5, eos_token_id=281, pad_token_id=0)),
-    ("cold", 3, dict(max_new_tokens=16, max_denoising_steps=12, t_min=0.1, t_max=0.5, stability_threshold=0,
-                     confidence_threshold=1.0)),
+    (
+        "eb05",
+        1,
+        dict(max_new_tokens=32, max_denoising_steps=8, sampler_config={"entropy_bound": 0.5}, confidence_threshold=1.0),
+    ),
+    (
+        "eos",
+        2,
+        dict(
+            max_new_tokens=32,
+            max_denoising_steps=8,
+            sampler_config={"entropy_bound": 0.5},
+            confidence_threshold=0.5,
+            eos_token_id=281,
+            pad_token_id=0,
+        ),
+    ),
+    (
+        "cold",
+        3,
+        dict(
+            max_new_tokens=16,
+            max_denoising_steps=12,
+            t_min=0.1,
+            t_max=0.5,
+            stability_threshold=0,
+            confidence_threshold=1.0,
+        ),
+    ),
 ]
 
 

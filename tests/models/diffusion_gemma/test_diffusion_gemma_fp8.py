@@ -92,7 +92,11 @@ def cpu_quantization(monkeypatch):
 
 def test_fp8_weights_follow_the_family_skip_list():
     config = block_divisible_config()
-    names = set(fp8_weight_names(hf_dllm.DiffusionGemmaForBlockDiffusion, config, fp8.fp8_quantization_config("diffusion_gemma")))
+    names = set(
+        fp8_weight_names(
+            hf_dllm.DiffusionGemmaForBlockDiffusion, config, fp8.fp8_quantization_config("diffusion_gemma")
+        )
+    )
     layers = config.text_config.num_hidden_layers
     expected = {
         f"model.decoder.layers.{i}.{name}.weight"
@@ -110,7 +114,9 @@ def test_quantized_model_computes_its_fp8_weights(cpu_quantization, source, expo
         source, dtype=torch.bfloat16, quantization_config=fp8.fp8_quantization_config("diffusion_gemma")
     ).eval()
     layer = model.model.decoder.layers[0]
-    assert fp8.is_fp8_linear(layer.self_attn.q_proj) and fp8.is_fp8_linear(model.model.decoder.self_conditioning.up_proj)
+    assert fp8.is_fp8_linear(layer.self_attn.q_proj) and fp8.is_fp8_linear(
+        model.model.decoder.self_conditioning.up_proj
+    )
     assert fp8.fp8_block_size(layer.mlp.down_proj) == (128, 128)
     assert layer.router.proj.weight.dtype == torch.bfloat16 and layer.experts.gate_up_proj.dtype == torch.bfloat16
     assert model.lm_head.weight.dtype == torch.bfloat16
@@ -129,8 +135,13 @@ def test_export_writes_the_fp8_weights_and_scales(source, export):
     assert config["quantization_config"]["modules_to_not_convert"] == list(
         hf_dllm.family.registered_family("diffusion_gemma").fp8_modules_to_not_convert
     )
-    names = set(fp8_weight_names(hf_dllm.DiffusionGemmaForBlockDiffusion, block_divisible_config(),
-                                 fp8.fp8_quantization_config("diffusion_gemma")))
+    names = set(
+        fp8_weight_names(
+            hf_dllm.DiffusionGemmaForBlockDiffusion,
+            block_divisible_config(),
+            fp8.fp8_quantization_config("diffusion_gemma"),
+        )
+    )
     with safe_open(next(export.glob("*.safetensors")), framework="pt") as weights:
         stored = {name: weights.get_slice(name).get_dtype() for name in weights.keys()}
     assert {name for name, dtype in stored.items() if dtype == "F8_E4M3"} == names

@@ -86,7 +86,11 @@ def seed_statistics(generate, prompt: torch.Tensor, seeds) -> dict:
 
 def summary(stats: dict) -> dict:
     steps = torch.tensor(stats["steps_per_canvas"])
-    return {"steps_mean": float(steps.mean()), "steps_std": float(steps.std()), "eos_rate": sum(stats["eos"]) / len(stats["eos"])}
+    return {
+        "steps_mean": float(steps.mean()),
+        "steps_std": float(steps.std()),
+        "eos_rate": sum(stats["eos"]) / len(stats["eos"]),
+    }
 
 
 @pytest.mark.gpu

@@ -56,7 +56,13 @@ def _inputs(expected, case):
         return make_inputs(expected["prompt.p21"], None, 320, 16, SETTINGS, steps_left=8, seed=0)
     # A padded batch mid-canvas: self-conditioning, row 0 frozen (finished earlier), row 1 live.
     return make_inputs(
-        expected["prompt.b2"], expected["attention_mask.b2"], 320, 16, SETTINGS, steps_left=3, seed=1,
+        expected["prompt.b2"],
+        expected["attention_mask.b2"],
+        320,
+        16,
+        SETTINGS,
+        steps_left=3,
+        seed=1,
         finished=torch.tensor([True, False]),
     )
 

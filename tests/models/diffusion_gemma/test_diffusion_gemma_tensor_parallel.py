@@ -23,9 +23,7 @@ MODES = ("tp", "ep")
 
 def _command(workdir: Path) -> dict:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    return {
-        mode: [*launcher, str(WORKER), str(workdir / f"gemma_{mode}.pt"), "cpu", "float32", mode] for mode in MODES
-    }
+    return {mode: [*launcher, str(WORKER), str(workdir / f"gemma_{mode}.pt"), "cpu", "float32", mode] for mode in MODES}
 
 
 CPU_RUN = BackgroundJob(
@@ -90,11 +88,10 @@ def test_plans_are_the_configs_and_name_existing_modules():
     config = AutoConfig.from_pretrained(ROOT / "tests" / "fixtures" / "diffusion-gemma-tiny-ref")
     with torch.device("meta"):
         model = AutoModel.from_config(config)
-    names = {
-        re.sub(r"\.\d+(\.|$)", r".*\1", name)
-        for name, _ in [*model.named_modules(), *model.named_parameters()]
-    }
-    for plan, own in ((model.tp_plan, config.text_config.base_model_tp_plan),
-                      (model.ep_plan, config.text_config.base_model_ep_plan)):
+    names = {re.sub(r"\.\d+(\.|$)", r".*\1", name) for name, _ in [*model.named_modules(), *model.named_parameters()]}
+    for plan, own in (
+        (model.tp_plan, config.text_config.base_model_tp_plan),
+        (model.ep_plan, config.text_config.base_model_ep_plan),
+    ):
         assert plan == {f"model.decoder.{name}": style for name, style in own.items()}
         assert set(plan) <= names, sorted(set(plan) - names)
