@@ -24,15 +24,9 @@ import torch
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "diffusion-gemma-tiny-ref"
 PROMPTS = [[11, 40, 72, 9, 150, 33, 201, 17], [0, 0, 0, 64, 12, 99, 5, 180]]  # the second row left-padded
-# (name, seed, generate kwargs): the fixture's `eb05` profile over two canvases; the same with an EOS that row 0
-# samples in its first canvas (it ends, the batch goes on); a cold schedule whose rows stop after different numbers
-# of steps (9 and 7).
+# (name, seed, generate kwargs): the fixture's `eb05` profile over two canvases with an EOS that row 0 samples in its
+# first canvas (it ends, the batch goes on); a cold schedule whose rows stop after different numbers of steps (9, 7).
 SETTINGS = [
-    (
-        "eb05",
-        1,
-        dict(max_new_tokens=32, max_denoising_steps=8, sampler_config={"entropy_bound": 0.5}, confidence_threshold=1.0),
-    ),
     (
         "eos",
         2,

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import ROOT, BackgroundJob
 
 WORKER = Path(__file__).with_name("gemma_tp_worker.py")
-SETTINGS = ("eb05", "eos", "cold")
+SETTINGS = ("eos", "cold")
 MODES = ("tp", "ep")
 
 
