@@ -208,6 +208,11 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         return tuple(name for name in super().remote_code_files if name not in self.unreached_shared_files)
 
     supports_cfg = False
+    # FP8 (`fp8.fp8_quantization_config`, `--quantization fp8`): attention, the dense MLP and the self-conditioning
+    # MLP in FP8 (their products through `kernels.linear`). Kept in the model's dtype: the head (it is the input
+    # embedding, tied), the router (the expert choice), and the experts' stacked 3D tensors (named, transformers
+    # would swap the module for its `FP8Experts`, whose kernels it fetches from the Hub at the first call).
+    fp8_modules_to_not_convert = ("lm_head", r".*\.router\.proj$", r".*\.experts$")
     original_defaults = {"max_new_tokens": 256}
     card_template = "template-diffusion-gemma.md"
     generic_card = "generic-diffusion-gemma"

@@ -40,6 +40,7 @@ from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
+from .kernels import linear
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
 
@@ -120,11 +121,11 @@ class DiffusionGemmaAttention(nn.Module):
         (encoder) or only read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(shape))
+        query = self.q_norm(linear(self.q_proj, hidden_states).view(shape))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
-        raw_key = self.k_proj(hidden_states).view(shape)
-        value = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else raw_key
+        raw_key = linear(self.k_proj, hidden_states).view(shape)
+        value = linear(self.v_proj, hidden_states).view(shape) if self.v_proj is not None else raw_key
         key = self.k_norm(raw_key)
         key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
         value = self.v_norm(value).transpose(1, 2)
@@ -133,7 +134,7 @@ class DiffusionGemmaAttention(nn.Module):
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
-        return self.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+        return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
 
 
 class DiffusionGemmaMLP(nn.Module):
@@ -145,7 +146,7 @@ class DiffusionGemmaMLP(nn.Module):
         self.act_fn = ACT2FN[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, self.act_fn(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DiffusionGemmaRouter(nn.Module):
@@ -215,6 +216,8 @@ class DiffusionGemmaExperts(nn.Module):
             return self.grouped_forward(hidden_states, index, weights)
         output = torch.zeros_like(hidden_states)
         for expert in index.unique().tolist():
+            if expert >= self.gate_up_proj.shape[0]:  # expert parallelism: another rank's expert (weight 0)
+                continue
             token, slot = torch.where(index == expert)
             gate, up = nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             out = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
@@ -295,7 +298,8 @@ class DiffusionGemmaSelfConditioning(nn.Module):
             return self.post_norm(inputs_embeds)
         normed = self.pre_norm(signal)
         return self.post_norm(
-            inputs_embeds + self.down_proj(self.act_fn(self.gate_proj(normed)) * self.up_proj(normed))
+            inputs_embeds
+            + linear(self.down_proj, self.act_fn(linear(self.gate_proj, normed)) * linear(self.up_proj, normed))
         )
 
 
@@ -565,6 +569,11 @@ class DiffusionGemmaModel(nn.Module):
         super().__init__()
         self.encoder = DiffusionGemmaEncoder(config)
         self.decoder = DiffusionGemmaDecoder(config)
+        # The text config's tensor / expert parallel plans, under the decoder that holds the layers (the encoder
+        # runs the same modules): what transformers' `tp_plan="auto"` collects from a base model's children.
+        text = config.text_config
+        self._tp_plan = {f"decoder.{name}": style for name, style in (text.base_model_tp_plan or {}).items()}
+        self._ep_plan = {f"decoder.{name}": style for name, style in (text.base_model_ep_plan or {}).items()}
 
 
 class DiffusionGemmaPreTrainedModel(PreTrainedModel):
@@ -610,7 +619,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     # graphs where `DecoderGraphs.applies`.
     static_cache: bool | None = None
     capture_decoder: bool = True
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column
+    # plan, whose gather would then concatenate whole copies: logits of 2 x vocab columns).
+    _tp_plan = {}
     diffusion_families = (DIFFUSION_GEMMA,)
 
     def __init__(self, config: DiffusionGemmaConfig):

@@ -1,0 +1,132 @@
+"""Worker of test_diffusion_gemma_tensor_parallel.py, started by `torchrun --nproc-per-node 2`: DiffusionGemma under
+transformers' tensor parallelism through its config's own `base_model_tp_plan` (`tp_plan="auto"`).
+
+Rank 0 writes a tiny DiffusionGemma checkpoint (the fixture's shape, but 2 key/value heads in the full-attention
+layer too, so that every attention layer splits over 2 ranks; random float32 weights, seeded) to OUT's folder and
+records what one process gives (no plan): the logits of one forward and the tokens of seeded `generate()` calls.
+Then every rank loads it with `tp_plan="auto"` and records the same, under the same seeds (the draws are identical
+on every rank); rank 0 saves {"single": ..., "ranks": [...]} to OUT (torch.save).
+
+With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=2, ep_size=2)`: each rank
+holds half the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce` dispatch masks
+the routes to the other rank's experts).
+
+Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [ep]   (DEVICE cpu -> gloo, cuda -> nccl)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "diffusion-gemma-tiny-ref"
+PROMPTS = [[11, 40, 72, 9, 150, 33, 201, 17], [0, 0, 0, 64, 12, 99, 5, 180]]  # the second row left-padded
+# (name, seed, generate kwargs): the fixture's `eb05` profile over two canvases with an EOS that row 0 samples in its
+# first canvas (it ends, the batch goes on); a cold schedule whose rows stop after different numbers of steps (9, 7).
+SETTINGS = [
+    (
+        "eos",
+        2,
+        dict(
+            max_new_tokens=32,
+            max_denoising_steps=8,
+            sampler_config={"entropy_bound": 0.5},
+            confidence_threshold=0.5,
+            eos_token_id=281,
+            pad_token_id=0,
+        ),
+    ),
+    (
+        "cold",
+        3,
+        dict(
+            max_new_tokens=16,
+            max_denoising_steps=12,
+            t_min=0.1,
+            t_max=0.5,
+            stability_threshold=0,
+            confidence_threshold=1.0,
+        ),
+    ),
+]
+
+
+def write_checkpoint(path: Path) -> None:
+    """The fixture's config with 2 key/value heads in the full layer, random weights (seed 0)."""
+    import hf_dllm
+
+    config = json.loads((FIXTURE / "config.json").read_text())
+    config["text_config"]["per_layer_config"]["2"]["num_key_value_heads"] = 2
+    config = hf_dllm.DiffusionGemmaConfig.from_dict(config)
+    torch.manual_seed(0)
+    model = hf_dllm.DiffusionGemmaForBlockDiffusion(config)
+    with torch.no_grad():  # the fixture's recipe, roughly: sharpened logits so that decoding is non-trivial
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+
+
+@torch.no_grad()
+def record(model, device: str) -> dict:
+    ids = torch.tensor(PROMPTS, device=device)
+    mask = (ids != 0).long()
+    canvas = torch.arange(16, device=device).expand(2, -1) * 19 % 320
+    logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=canvas).logits.float().cpu()
+    generated = {}
+    for name, seed, kwargs in SETTINGS:
+        torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+        generated[name] = (out.sequences.cpu(), out.nfe_per_row.cpu())
+    layers = model.model.decoder.layers
+    return {
+        "logits": logits,
+        "generated": generated,
+        "q_rows": [local_rows(layer.self_attn.q_proj.weight) for layer in layers],
+        "experts": [local_rows(layer.experts.gate_up_proj) for layer in layers],
+    }
+
+
+def local_rows(tensor) -> int:
+    """This rank's size of a parameter's first dimension (a DTensor's local slice)."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).shape[0]
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from transformers import AutoModel
+
+    import hf_dllm  # noqa: F401  (registers the model type)
+
+    out, device, dtype = Path(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
+    checkpoint = out.parent / "diffusion-gemma-tp"
+    backend = "gloo" if device == "cpu" else "nccl"
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    single = None
+    if rank == 0:
+        write_checkpoint(checkpoint)
+        single = record(AutoModel.from_pretrained(checkpoint, dtype=dtype).eval().to(device), device)
+    dist.barrier()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    if len(sys.argv) > 4 and sys.argv[4] == "ep":  # the expert plan too: each rank holds half the experts
+        from transformers.distributed import DistributedConfig
+
+        parallel = {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
+    else:
+        parallel = {"tp_plan": "auto"}
+    model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
+    result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu")
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save({"single": single, "ranks": gathered}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

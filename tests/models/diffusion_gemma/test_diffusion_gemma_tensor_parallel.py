@@ -1,0 +1,97 @@
+"""DiffusionGemma under transformers' tensor parallelism through its config's own `base_model_tp_plan`
+(`tp_plan="auto"`), and with its `base_model_ep_plan` too (`tp_size=2, ep_size=2`): two processes (torchrun, gloo,
+float32) against one process (`gemma_tp_worker.py`), the two runs side by side. The shards
+change only the order of float32 sums: logits within 1e-4, and under the same seed on every rank (identical draws)
+the same tokens and the same per-row denoising steps as one process, rows ending at an EOS and stopping early
+included."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, BackgroundJob
+
+WORKER = Path(__file__).with_name("gemma_tp_worker.py")
+SETTINGS = ("eos", "cold")
+MODES = ("tp", "ep")
+
+
+def _command(workdir: Path) -> dict:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+    return {mode: [*launcher, str(WORKER), str(workdir / f"gemma_{mode}.pt"), "cpu", "float32", mode] for mode in MODES}
+
+
+CPU_RUN = BackgroundJob(
+    _command,
+    timeout=420,
+    cwd=ROOT,
+    env=dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    ),
+)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def results(request) -> dict:
+    done = CPU_RUN.results()[request.param]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return {"mode": request.param, **torch.load(CPU_RUN.workdir / f"gemma_{request.param}.pt", weights_only=False)}
+
+
+@CPU_RUN.used_by
+def test_plans_shard_attention_and_experts(results):
+    """Every attention layer holds half its heads; under the expert plan each rank holds half the experts (under
+    the tensor plan all of them, each half as wide)."""
+    single = results["single"]
+    for rank in results["ranks"]:
+        assert rank["q_rows"] == [rows // 2 for rows in single["q_rows"]]
+        expected = [n // 2 for n in single["experts"]] if results["mode"] == "ep" else single["experts"]
+        assert rank["experts"] == expected
+
+
+@CPU_RUN.used_by
+def test_sharded_logits_equal_one_process(results):
+    for rank in results["ranks"]:
+        torch.testing.assert_close(rank["logits"], results["single"]["logits"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@CPU_RUN.used_by
+def test_sharded_tokens_equal_one_process(results, setting):
+    sequences, steps = results["single"]["generated"][setting]
+    for rank in results["ranks"]:
+        assert torch.equal(rank["generated"][setting][0], sequences)
+        assert torch.equal(rank["generated"][setting][1], steps)
+    if setting == "eos":  # row 0 ended at its EOS in the first canvas: its second canvas is padding, row 1's not
+        assert bool((sequences[0, -16:] == 0).all()) and not bool((sequences[1, -16:] == 0).all())
+    if setting == "cold":  # the rows stopped early, after different numbers of steps
+        assert steps.max() < 12 and steps[0] != steps[1]
+
+
+def test_plans_are_the_configs_and_name_existing_modules():
+    """The model's tensor / expert parallel plans are its text config's own (under the decoder, which holds the
+    layers), and every entry matches a module or parameter (a misspelt one would leave it unsharded silently)."""
+    import re
+
+    from transformers import AutoConfig, AutoModel
+
+    import hf_dllm  # noqa: F401
+
+    config = AutoConfig.from_pretrained(ROOT / "tests" / "fixtures" / "diffusion-gemma-tiny-ref")
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    names = {re.sub(r"\.\d+(\.|$)", r".*\1", name) for name, _ in [*model.named_modules(), *model.named_parameters()]}
+    for plan, own in (
+        (model.tp_plan, config.text_config.base_model_tp_plan),
+        (model.ep_plan, config.text_config.base_model_ep_plan),
+    ):
+        assert plan == {f"model.decoder.{name}": style for name, style in own.items()}
+        assert set(plan) <= names, sorted(set(plan) - names)
