@@ -142,10 +142,11 @@ class ContinuousBatcher:
             shapes are captured. Default: 64 on CUDA, 1 elsewhere (no graphs; and a row decoding alone then has no
             padding, so its float32 arithmetic is exactly `generate()`'s: masked padding columns change the order
             of attention's sums, which can flip a near-tie between two tokens).
-        join_layout_min_rows: an integer n >= 1 (default `JOIN_LAYOUT_MIN_ROWS`): at a boundary where nothing is
-            left waiting, joining rows decode their first block in a layout of their own, first, when at least n
-            other rows of their cohort run (their first block streams sooner; the others wait that long). None:
-            joining rows always decode their first block in their cohort's layout.
+        join_layout_min_rows: an integer n >= 1 (default `JOIN_LAYOUT_MIN_ROWS`): the rows of a request that
+            starts at a boundary decode their first block in a layout of their own, first, when at least n other
+            rows of their cohort run and no request waits that has not started (`LayoutScheduler.layouts`): its
+            first block streams sooner, also beside a many-prompt request whose later rows still wait; the others
+            wait that long. None: joining rows always decode their first block in their cohort's layout.
         bucket_rows: whether a layout's forwards run with a bucketed number of rows (`bucketed_rows`; the layout
             gets padding rows that commit nothing), so that CUDA graphs are captured for few row counts rather than
             for every one from 1 to `max_batch_size`. Default: on CUDA (graphs), off elsewhere (a padding row changes
@@ -156,6 +157,11 @@ class ContinuousBatcher:
             join the slices still to decode (`intake` brings the server's new requests first). Block-causal models
             never recompute whole canvases: they refuse it (ValueError). Off by default: it bounds the wait for a
             slice, not the time to first block, and costs throughput.
+
+        max_request_rows: None (default) or an integer >= 1: the rows one request (`EngineRequest.group`) may hold
+            at once, so that a many-prompt request leaves rows free for other requests, which then join at the next
+            block boundary; None: `admission.request_share(max_batch_size)` (14 of 16 rows, 56 of 64). At least
+            `max_batch_size` lets one request fill the batch (a later one then waits for one of its rows to end).
 
     `intake`: None, or a callable (set by the server) that hands the requests submitted since it was last called to
     `submit`; the engine calls it between two layouts of a boundary.
@@ -172,6 +178,7 @@ class ContinuousBatcher:
         join_layout_min_rows: int | None = JOIN_LAYOUT_MIN_ROWS,
         bucket_rows: bool | None = None,
         max_refresh_positions: int | None = None,
+        max_request_rows: int | None = None,
     ):
         self.device = model.get_input_embeddings().weight.device
         self.model = model
@@ -213,8 +220,11 @@ class ContinuousBatcher:
                 max_batch_positions = max(max_batch_positions, self.max_batch_width)
         self.bucket_rows = bucket_rows
         self.intake: Callable[[], None] | None = None
+        if max_request_rows is not None and not (is_int(max_request_rows) and max_request_rows >= 1):
+            raise ValueError(f"`max_request_rows` must be None or an integer >= 1, got {max_request_rows!r}.")
+        self.max_request_rows = max_request_rows
         # The admission order: rows of different requests in turns, each request within its share of the rows.
-        self.admission = Admission(lambda: self.max_batch_size)
+        self.admission = Admission(lambda: self.max_batch_size, lambda: self.max_request_rows)
         self.running: list[EngineRequest] = []
         self.runner: LayoutRunner | None = None
         self.max_batch_size: int | None = None
@@ -371,7 +381,7 @@ class ContinuousBatcher:
         self._admit()
         decoded, failure = 0, None
         self.last_layout_sizes = []
-        queue = self.scheduler.layouts(self.running, self.pending())
+        queue = self.scheduler.layouts(self.running, self.admission.opening, self.admission.unopened())
         while queue:
             rows = queue.pop(0)
             try:

@@ -88,9 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=integer_or_off,
         default=JOIN_LAYOUT_MIN_ROWS,
         metavar="{N,off}",
-        help="a joining request decodes its first block in a layout of its own, before the running rows, when at "
-        "least N others run and none waits (a shorter time to first block, for a little more latency of the "
-        f"others); off: always in the running rows' layout (default: {JOIN_LAYOUT_MIN_ROWS})",
+        help="a starting request decodes its first block in a layout of its own, before the running rows, when at "
+        "least N others run and no other request waits to start, also beside a many-prompt request whose rows wait "
+        "(a shorter time to first block, for a little more latency of the others); off: always in the running "
+        f"rows' layout (default: {JOIN_LAYOUT_MIN_ROWS})",
+    )
+    parser.add_argument(
+        "--max-rows-per-request",
+        type=int,
+        default=None,
+        help="rows of the batch one request's prompts may hold at once, so that other requests join at the next "
+        "block boundary beside a many-prompt request (default: max-batch-size less an eighth of it, at least one "
+        "row less: 14 of 16, 56 of 64)",
     )
     parser.add_argument(
         "--max-refresh-positions",

@@ -4,6 +4,7 @@ the K/V cache, cut into slices (`Slice`) where a refresh would hold too many pos
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..generation_config import is_int
@@ -108,20 +109,25 @@ class LayoutScheduler:
                 return True
         return False
 
-    def layouts(self, running: list[EngineRequest], pending: int) -> list[list[EngineRequest]]:
+    def layouts(
+        self, running: list[EngineRequest], opening: Callable[[EngineRequest], bool], unopened: bool
+    ) -> list[list[EngineRequest]]:
         """The running rows grouped into layouts (cohorts), each split further where it would exceed the cache's
-        width; in order of their oldest row, except that joining rows decoding apart (`join_layout_min_rows`, only
-        when nothing is `pending`) come first."""
+        width; in order of their oldest row, except that the rows of requests opening at this boundary
+        (`opening(row)`: their request's first rows, at their first block) decode apart and first when at least
+        `join_layout_min_rows` others of their cohort run and no request waits unopened (`unopened`: a full batch,
+        where an extra layout would only lengthen every wait). The later rows of a request already decoding (a
+        many-prompt request's) share their cohort's layout: a request, not a row, gets its first block sooner."""
         groups: dict[tuple, list[EngineRequest]] = {}
         for row in running:
             groups.setdefault(cohort_key(row), []).append(row)
-        apart = self.join_layout_min_rows is not None and not pending
+        apart = self.join_layout_min_rows is not None and not unopened
         first, layouts = [], []
         for rows in groups.values():
-            joining = [row for row in rows if row.block == 0]
-            if apart and joining and len(rows) - len(joining) >= self.join_layout_min_rows:
+            joining = [row for row in rows if row.block == 0 and opening(row)] if apart else []
+            if joining and len(rows) - len(joining) >= self.join_layout_min_rows:
                 first += self.split(joining)
-                rows = [row for row in rows if row.block > 0]
+                rows = [row for row in rows if not (row.block == 0 and opening(row))]
             layouts += self.split(rows)
         return first + layouts
 

@@ -639,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         print("hf-dllm serve: --max-body-bytes must be >= 1.", file=sys.stderr)
         return 2
+    if args.max_rows_per_request is not None and args.max_rows_per_request < 1:
+        print("hf-dllm serve: --max-rows-per-request must be >= 1.", file=sys.stderr)
+        return 2
     if args.max_prompts_per_request < 1:
         print("hf-dllm serve: --max-prompts-per-request must be >= 1.", file=sys.stderr)
         return 2
@@ -662,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_positions=args.max_batch_positions,
         join_layout_min_rows=args.join_layout_min_rows,
         max_refresh_positions=args.max_refresh_positions,
+        max_request_rows=args.max_rows_per_request,
     )
     try:
         if args.tp_plan is not None:

@@ -56,7 +56,7 @@ class MirroredEngine(ContinuousBatcher):
         self.leader = dist.get_rank(group) == 0
         self.source = dist.get_global_rank(group, 0)
         self._ids = itertools.count()
-        self._unsent: list[tuple[int, list[int], object]] = []  # rank 0: submitted, not yet announced
+        self._unsent: list[tuple[int, list[int], object, object]] = []  # rank 0: submitted, not yet announced
         self._live: dict[int, EngineRequest] = {}  # id -> request, until it ends
         self._client_cancelled: dict[int, threading.Event] = {}  # rank 0: the HTTP side's events
 
@@ -81,7 +81,7 @@ class MirroredEngine(ContinuousBatcher):
 
         request.on_block = on_block
         with self.lock:
-            self._unsent.append((number, list(request.prompt_ids), request.config))
+            self._unsent.append((number, list(request.prompt_ids), request.config, request.group))
             self._live[number] = request
         super().submit(request)
 
@@ -133,8 +133,9 @@ class MirroredEngine(ContinuousBatcher):
 
     def _apply(self, message: dict) -> None:
         """Another rank: queue the requests rank 0 announced and cancel those it cancelled."""
-        for number, prompt_ids, config in message["submitted"]:
-            request = EngineRequest(prompt_ids, config, lambda update: self._send(None))
+        # The request's group too: rows are admitted in turns by request (`admission.py`), the same turns here.
+        for number, prompt_ids, config, group in message["submitted"]:
+            request = EngineRequest(prompt_ids, config, lambda update: self._send(None), group=group)
             self._live[number] = request
             ContinuousBatcher.submit(self, request)
         for number in message["cancelled"]:
