@@ -21,7 +21,8 @@ NOT_ON_CPU = {
     "bench_fp8_gemm.py": "FP8 GEMM kernels: CUDA only (compute capability >= 8.9), no CPU path",
     "bench_llada2_kernels.py": "Triton kernels captured in CUDA graphs: CUDA only",
     "bench_llada2_moe_gemm.py": "grouped GEMM kernels (Triton, torch._grouped_mm) in CUDA graphs: CUDA only",
-    "bench_hostile.py": "no --cpu mode yet (its default run is on the CPU: rounds of hostile requests to a server)",
+    "bench_hostile.py": "its --cpu mode starts the real server and takes 1-2 minutes on 2 cores; its HTTP cases are "
+    "tests/serving/test_hostile.py's, its fairness rule tests/serving/test_fair_admission.py",
     "bench_llada2.py": "its --cpu mode took 413 s (133 s of CPU) on the 2-core test machine (logits over a "
     "157184-token vocabulary at every forward, batch 1 and 4, 3 repeats): too slow for the suite",
     "bench_tp.py": "run by tests/generation/test_tensor_parallel_collectives.py, which also checks its figures",
