@@ -372,3 +372,9 @@ def pytest_sessionfinish(session):
             process.wait()
     for folder in _JOB_FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of the module's `server` (a `tests.serving.test_serve.RunningServer`)."""
+    return server.client()

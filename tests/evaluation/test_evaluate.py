@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dllm.cli.completion_text import CompletionText, completion_text, stop_token_ids
+from hf_dllm.cli.completion_text import CompletionText, completion_text
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.data import (
     answer_number,
@@ -30,6 +30,7 @@ from hf_dllm.evaluation.data import (
 from hf_dllm.generation_utils import DiffusionGenerationConfig
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 from tests.conftest import DATA, FIXTURES, ROOT, tiny_model
+from tests.evaluation.eval_helpers import eval_direct
 
 TRAINED = FIXTURES / "llada-tiny-trained"
 GENERATION = ["--max-new-tokens", "16", "--block-length", "8", "--steps", "8"]  # fixed schedule: NFE batch-invariant
@@ -132,12 +133,7 @@ def direct_generation(checkpoint: Path, ids: list[int], stops=(), **settings) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
-    stop_ids = stop_token_ids(model.generation_config, tokenizer)
-    return completion_text(tokenizer, out.sequences[0, len(ids) :].tolist(), stop_ids, list(stops)), int(
-        out.nfe_per_row[0]
-    )
+    return eval_direct(model, AutoTokenizer.from_pretrained(checkpoint), ids, stops, **settings)
 
 
 def _chat_ids(checkpoint: Path, question: str) -> list[int]:

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_dllm import FixedSchedule, plan_blocks  # noqa: E402
-from tests.serving.test_serve import MODEL_NAME, RunningServer, free_port  # noqa: E402
+from tests.serving.test_serve import MODEL_NAME, free_port, serving  # noqa: E402
 
 REPO = ROOT
 API_KEY = "sk-test-0123456789"
@@ -328,25 +328,9 @@ def rss_bytes(pid: int | str = "self") -> int:
 # -- servers ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    running = RunningServer(model_dir, max_batch_size=8)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def locked(model_dir):
-    """API key, one allowed CORS origin, a 64 KiB body limit."""
-    running = RunningServer(
-        model_dir,
-        max_batch_size=8,
-        api_key=API_KEY,
-        allowed_origins=[ALLOWED_ORIGIN],
-        max_body_bytes=SMALL_BODY_LIMIT,
-    )
-    yield running
-    running.stop()
+server = serving("model_dir")
+# API key, one allowed CORS origin, a 64 KiB body limit.
+locked = serving("model_dir", api_key=API_KEY, allowed_origins=[ALLOWED_ORIGIN], max_body_bytes=SMALL_BODY_LIMIT)
 
 
 def assert_healthy(server) -> None:
