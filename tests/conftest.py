@@ -179,7 +179,7 @@ def generate_cases(model, cases: list[dict]) -> dict:
 
 # What every child script starts with: hf_dllm (and the optional kernels) made unimportable, `spec` (its JSON
 # argument), `out` (written to spec["result"] at the end), `record`, `expect_error`, `describe` (a loaded model),
-# `no_hf_dllm`, `generate_cases`.
+# `no_hf_dllm`, `load_with_remote_code`, `run_pipeline`, `generate_cases`.
 CHILD_PRELUDE = textwrap.dedent(
     r"""
         import sys
@@ -233,6 +233,36 @@ CHILD_PRELUDE = textwrap.dedent(
             except ImportError:
                 return True
             return False
+
+
+        # `path` through AutoConfig, AutoModel and AutoModelForCausalLM with remote code: records auto_config_module,
+        # auto_model / auto_causal (`describe`), tokens / tokens_causal (`generate_cases` of `cases` / `causal_cases`);
+        # returns the AutoModel's model.
+        def load_with_remote_code(path, cases, causal_cases):
+            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+            config = lambda: type(AutoConfig.from_pretrained(path, trust_remote_code=True)).__module__  # noqa: E731
+            record("auto_config_module", config)
+            model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()
+            out["auto_model"] = describe(model)
+            record("tokens", lambda: generate_cases(model, cases))
+            causal = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+            out["auto_causal"] = describe(causal)
+            record("tokens_causal", lambda: generate_cases(causal, causal_cases))
+            return model
+
+
+        # `pipeline("text-generation")` of `path` with remote code: "Hello" with `settings`, and a chat turn.
+        def run_pipeline(path, settings):
+            from transformers import pipeline
+
+            generator = pipeline("text-generation", model=path, trust_remote_code=True)
+            return {
+                "text": generator("Hello", **settings)[0]["generated_text"],
+                "chat": generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1],
+                "class": type(generator.model).__name__,
+                "generation_config_class": type(generator.model.generation_config).__name__,
+            }
 
 
         """
