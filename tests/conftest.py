@@ -25,6 +25,12 @@ TESTS = ROOT / "tests"
 FIXTURES = TESTS / "fixtures"
 DATA = TESTS / "data"
 REFERENCE_DIR = FIXTURES / "llada-tiny-ref"
+# generate()'s cache modes: none, Fast-dLLM's prefix cache, its dual cache.
+CACHE_MODES = {
+    "none": dict(use_cache=False),
+    "prefix": dict(use_cache=True, dual_cache=False),
+    "dual": dict(use_cache=True, dual_cache=True),
+}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -79,6 +85,24 @@ def reference_cases() -> list[dict]:
     return json.loads((REFERENCE_DIR / "cases.json").read_text())["cases"]
 
 
+def reference_fixtures(folder: Path, model_class=None):
+    """The module fixtures of a reference fixture `folder`: its model (`model_class.from_pretrained`, AutoModel by
+    default, in eval mode) and its recorded `expected.safetensors`. Name them as the module assigns them:
+    `dream, expected = reference_fixtures(DREAM, DreamModel)`."""
+
+    @pytest.fixture(scope="module")
+    def model():
+        from transformers import AutoModel
+
+        return (model_class or AutoModel).from_pretrained(folder).eval()
+
+    @pytest.fixture(scope="module")
+    def expected() -> dict[str, torch.Tensor]:
+        return load_file(folder / "expected.safetensors")
+
+    return model, expected
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     return build_char_tokenizer()
@@ -112,6 +136,18 @@ def tiny_config(vocab_size: int = 103, **overrides) -> hf_dllm.LLaDAConfig:
     )
     fields.update(overrides)
     return hf_dllm.LLaDAConfig(**fields)
+
+
+def assert_cache_modes_agree(model, input_ids: torch.Tensor, nfe: int, **kwargs) -> None:
+    """`model.generate(input_ids, **kwargs)` (no early stop) in every cache mode of `CACHE_MODES` gives the uncached
+    tokens, in `nfe` forwards."""
+    outs = {
+        cache: model.generate(input_ids, eos_early_stop=False, return_dict_in_generate=True, **kwargs, **settings)
+        for cache, settings in CACHE_MODES.items()
+    }
+    for out in outs.values():
+        assert out.nfe == nfe
+        assert torch.equal(out.sequences, outs["none"].sequences)
 
 
 def save_checkpoint(model, path: Path) -> Path:
