@@ -150,6 +150,23 @@ def assert_cache_modes_agree(model, input_ids: torch.Tensor, nfe: int, **kwargs)
         assert torch.equal(out.sequences, outs["none"].sequences)
 
 
+def random_weights_model(
+    model_class, config, *, dtype=torch.float32, device="cpu", noise=0.0, head_scale=1.0, **kwargs
+):
+    """`model_class._from_config(config, dtype=dtype, **kwargs)` built on `device` after `torch.manual_seed(0)`, in
+    eval mode; then every parameter moved by Gaussian noise of std `noise` (routing and attention far from uniform,
+    no near-ties) and the output head scaled by `head_scale` (confidences spread over (0, 1), so thresholds commit
+    in parallel)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype, **kwargs).eval()
+    with torch.no_grad():
+        for param in model.parameters() if noise else ():
+            param.add_(torch.randn_like(param) * noise)
+        model.get_output_embeddings().weight.mul_(head_scale)
+    return model
+
+
 def save_checkpoint(model, path: Path) -> Path:
     """A checkpoint folder: `model` (with its generation_config.json) and the character tokenizer."""
     model.save_pretrained(path)
@@ -405,6 +422,19 @@ class BackgroundJob:
         if self.future is None:
             raise RuntimeError("results() of a background job that when() rules out")
         return self.future.result()
+
+
+def interpreter_job(scripts: dict[str, str], timeout: float, when=lambda: True, **env: str) -> BackgroundJob:
+    """A `BackgroundJob` running each script (name -> Python source) as `python -c` under Triton's interpreter
+    (TRITON_INTERPRET=1) from the repository root, one thread, with `env` added (HF_DLLM_KERNELS="triton": the
+    kernels wherever they run)."""
+    return BackgroundJob(
+        lambda _workdir: {name: [sys.executable, "-c", script] for name, script in scripts.items()},
+        timeout=timeout,
+        when=when,
+        cwd=ROOT,
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
+    )
 
 
 _EXECUTOR = None
