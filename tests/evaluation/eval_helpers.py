@@ -18,6 +18,13 @@ TASKS_DIR = DATA / "lm_eval_tasks"
 QUESTIONS = [json.loads(line)["question"] for line in (DATA / "tiny_tasks.jsonl").read_text().splitlines()[:5]]
 
 
+def load_checkpoint(path: Path):
+    """(model, tokenizer) of a checkpoint folder, as the evaluators load it on CPU (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
 def eval_direct(model, tokenizer, ids: list[int], until: Sequence[str] = (), **settings) -> tuple[str, int]:
     """(prediction, nfe) of a direct generate() on one prompt, cut as the evaluators cut it."""
     out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)

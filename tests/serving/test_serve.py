@@ -934,6 +934,20 @@ def test_cli_serve_help_prints_the_defaults(capsys):
     assert "60 % of the GPU's free memory, at most 128; elsewhere 16" in text
 
 
+def wait_until_healthy(process: subprocess.Popen, port: int, timeout: float = 90) -> None:
+    """Wait until the `hf-dllm serve` command `process` answers /health on `port`; fail with its output if it exits
+    first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.stdout.read().decode()
+        assert time.monotonic() < deadline, f"hf-dllm serve did not come up within {timeout} s"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def test_cli_serve_command(model_dir):
     """`python -m hf_dllm serve MODEL --port P` answers on 127.0.0.1 and stops on SIGTERM."""
     port = free_port()
@@ -968,15 +982,7 @@ def test_cli_serve_command(model_dir):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "hf-dllm serve did not come up within 90 s"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(process, port)
         cli_client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert cli_client.models.list().data[0].id == "cli-model"
         out = cli_client.completions.create(model="cli-model", prompt="hi", max_tokens=8)

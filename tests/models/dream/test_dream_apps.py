@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+# The serve extra (fastapi, uvicorn): importing tests.serving.test_serve skips this module without it.
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -27,6 +26,7 @@ from tests.evaluation.eval_helpers import (  # noqa: E402
     assert_responses_are,
     chat_prompt_ids,
     eval_direct,
+    load_checkpoint,
     run_lm_eval,
 )
 from tests.models.dream.test_dream_generation import char_dream  # noqa: E402
@@ -191,10 +191,7 @@ EVAL_SETTINGS = {"max_new_tokens": 8, "block_length": 4, "steps": 6, "alg": "ent
 
 @pytest.fixture(scope="module")
 def loaded(dream_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(dream_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(dream_dir)
+    return load_checkpoint(dream_dir)
 
 
 def test_hf_dllm_eval_runs_dream(dream_dir, loaded, tmp_path):

@@ -8,12 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.likelihood import mc_loglikelihood
 from tests.conftest import save_checkpoint
-from tests.evaluation.eval_helpers import assert_eval_equals_generate, assert_responses_are, eval_direct, run_lm_eval
+from tests.evaluation.eval_helpers import (
+    assert_eval_equals_generate,
+    assert_responses_are,
+    eval_direct,
+    load_checkpoint,
+    run_lm_eval,
+)
 from tests.models.llada2.test_llada2_integration import tiny_llada2
 
 # LLaDA2's rule: 8 steps over the call's blocks of 4 (2 or 3 of them for 8 tokens), each committing every position
@@ -28,10 +33,7 @@ def llada2_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(llada2_checkpoint):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(llada2_checkpoint, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(llada2_checkpoint)
+    return load_checkpoint(llada2_checkpoint)
 
 
 def test_hf_dllm_eval_runs_llada2(llada2_checkpoint, loaded, tmp_path):

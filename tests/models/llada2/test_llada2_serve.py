@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+# The serve extra (fastapi, uvicorn): importing tests.serving.test_serve skips this module without it.
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
