@@ -25,6 +25,12 @@ TESTS = ROOT / "tests"
 FIXTURES = TESTS / "fixtures"
 DATA = TESTS / "data"
 REFERENCE_DIR = FIXTURES / "llada-tiny-ref"
+# generate()'s cache modes: none, Fast-dLLM's prefix cache, its dual cache.
+CACHE_MODES = {
+    "none": dict(use_cache=False),
+    "prefix": dict(use_cache=True, dual_cache=False),
+    "dual": dict(use_cache=True, dual_cache=True),
+}
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -79,6 +85,24 @@ def reference_cases() -> list[dict]:
     return json.loads((REFERENCE_DIR / "cases.json").read_text())["cases"]
 
 
+def reference_fixtures(folder: Path, model_class=None):
+    """The module fixtures of a reference fixture `folder`: its model (`model_class.from_pretrained`, AutoModel by
+    default, in eval mode) and its recorded `expected.safetensors`. Name them as the module assigns them:
+    `dream, expected = reference_fixtures(DREAM, DreamModel)`."""
+
+    @pytest.fixture(scope="module")
+    def model():
+        from transformers import AutoModel
+
+        return (model_class or AutoModel).from_pretrained(folder).eval()
+
+    @pytest.fixture(scope="module")
+    def expected() -> dict[str, torch.Tensor]:
+        return load_file(folder / "expected.safetensors")
+
+    return model, expected
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     return build_char_tokenizer()
@@ -112,6 +136,35 @@ def tiny_config(vocab_size: int = 103, **overrides) -> hf_dllm.LLaDAConfig:
     )
     fields.update(overrides)
     return hf_dllm.LLaDAConfig(**fields)
+
+
+def assert_cache_modes_agree(model, input_ids: torch.Tensor, nfe: int, **kwargs) -> None:
+    """`model.generate(input_ids, **kwargs)` (no early stop) in every cache mode of `CACHE_MODES` gives the uncached
+    tokens, in `nfe` forwards."""
+    outs = {
+        cache: model.generate(input_ids, eos_early_stop=False, return_dict_in_generate=True, **kwargs, **settings)
+        for cache, settings in CACHE_MODES.items()
+    }
+    for out in outs.values():
+        assert out.nfe == nfe
+        assert torch.equal(out.sequences, outs["none"].sequences)
+
+
+def random_weights_model(
+    model_class, config, *, dtype=torch.float32, device="cpu", noise=0.0, head_scale=1.0, **kwargs
+):
+    """`model_class._from_config(config, dtype=dtype, **kwargs)` built on `device` after `torch.manual_seed(0)`, in
+    eval mode; then every parameter moved by Gaussian noise of std `noise` (routing and attention far from uniform,
+    no near-ties) and the output head scaled by `head_scale` (confidences spread over (0, 1), so thresholds commit
+    in parallel)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=dtype, **kwargs).eval()
+    with torch.no_grad():
+        for param in model.parameters() if noise else ():
+            param.add_(torch.randn_like(param) * noise)
+        model.get_output_embeddings().weight.mul_(head_scale)
+    return model
 
 
 def save_checkpoint(model, path: Path) -> Path:
@@ -179,7 +232,7 @@ def generate_cases(model, cases: list[dict]) -> dict:
 
 # What every child script starts with: hf_dllm (and the optional kernels) made unimportable, `spec` (its JSON
 # argument), `out` (written to spec["result"] at the end), `record`, `expect_error`, `describe` (a loaded model),
-# `no_hf_dllm`, `generate_cases`.
+# `no_hf_dllm`, `load_with_remote_code`, `run_pipeline`, `generate_cases`.
 CHILD_PRELUDE = textwrap.dedent(
     r"""
         import sys
@@ -233,6 +286,36 @@ CHILD_PRELUDE = textwrap.dedent(
             except ImportError:
                 return True
             return False
+
+
+        # `path` through AutoConfig, AutoModel and AutoModelForCausalLM with remote code: records auto_config_module,
+        # auto_model / auto_causal (`describe`), tokens / tokens_causal (`generate_cases` of `cases` / `causal_cases`);
+        # returns the AutoModel's model.
+        def load_with_remote_code(path, cases, causal_cases):
+            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+            config = lambda: type(AutoConfig.from_pretrained(path, trust_remote_code=True)).__module__  # noqa: E731
+            record("auto_config_module", config)
+            model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()
+            out["auto_model"] = describe(model)
+            record("tokens", lambda: generate_cases(model, cases))
+            causal = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+            out["auto_causal"] = describe(causal)
+            record("tokens_causal", lambda: generate_cases(causal, causal_cases))
+            return model
+
+
+        # `pipeline("text-generation")` of `path` with remote code: "Hello" with `settings`, and a chat turn.
+        def run_pipeline(path, settings):
+            from transformers import pipeline
+
+            generator = pipeline("text-generation", model=path, trust_remote_code=True)
+            return {
+                "text": generator("Hello", **settings)[0]["generated_text"],
+                "chat": generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1],
+                "class": type(generator.model).__name__,
+                "generation_config_class": type(generator.model.generation_config).__name__,
+            }
 
 
         """
@@ -341,6 +424,19 @@ class BackgroundJob:
         return self.future.result()
 
 
+def interpreter_job(scripts: dict[str, str], timeout: float, when=lambda: True, **env: str) -> BackgroundJob:
+    """A `BackgroundJob` running each script (name -> Python source) as `python -c` under Triton's interpreter
+    (TRITON_INTERPRET=1) from the repository root, one thread, with `env` added (HF_DLLM_KERNELS="triton": the
+    kernels wherever they run)."""
+    return BackgroundJob(
+        lambda _workdir: {name: [sys.executable, "-c", script] for name, script in scripts.items()},
+        timeout=timeout,
+        when=when,
+        cwd=ROOT,
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
+    )
+
+
 _EXECUTOR = None
 _JOB_FOLDERS: list[Path] = []
 
@@ -372,3 +468,9 @@ def pytest_sessionfinish(session):
             process.wait()
     for folder in _JOB_FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of the module's `server` (a `tests.serving.test_serve.RunningServer`)."""
+    return server.client()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dllm.cli.completion_text import CompletionText, completion_text, stop_token_ids
+from hf_dllm.cli.completion_text import CompletionText, completion_text
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.data import (
     answer_number,
@@ -30,6 +30,7 @@ from hf_dllm.evaluation.data import (
 from hf_dllm.generation_utils import DiffusionGenerationConfig
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
 from tests.conftest import DATA, FIXTURES, ROOT, tiny_model
+from tests.evaluation.eval_helpers import eval_direct, load_checkpoint
 
 TRAINED = FIXTURES / "llada-tiny-trained"
 GENERATION = ["--max-new-tokens", "16", "--block-length", "8", "--steps", "8"]  # fixed schedule: NFE batch-invariant
@@ -129,15 +130,7 @@ def settings_checkpoint(checkpoint, tmp_path_factory) -> Path:
 
 def direct_generation(checkpoint: Path, ids: list[int], stops=(), **settings) -> tuple[str, int]:
     """(text, forwards of the row) of a plain `model.generate(prompt)`, cut by the shared completion text."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
-    stop_ids = stop_token_ids(model.generation_config, tokenizer)
-    return completion_text(tokenizer, out.sequences[0, len(ids) :].tolist(), stop_ids, list(stops)), int(
-        out.nfe_per_row[0]
-    )
+    return eval_direct(*load_checkpoint(checkpoint), ids, stops, **settings)
 
 
 def _chat_ids(checkpoint: Path, question: str) -> list[int]:
@@ -160,6 +153,12 @@ def _run(args: list[str]) -> dict:
     output = Path(args[args.index("--output-dir") + 1])
     predictions = [json.loads(line) for line in (output / "predictions.jsonl").read_text().splitlines()]
     return {"summary": json.loads((output / "summary.json").read_text()), "predictions": predictions}
+
+
+def _run_eval(checkpoint: Path, dataset: Path, output: Path, *options: str) -> dict:
+    """`_run` of `hf-dllm eval CHECKPOINT --dataset DATASET --dtype float32 --output-dir OUTPUT --quiet *options`."""
+    source = [str(checkpoint), "--dataset", str(dataset), "--dtype", "float32"]
+    return _run([*source, "--output-dir", str(output), "--quiet", *options])
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -315,23 +314,7 @@ def test_eval_exact_scorer_matches_generate(checkpoint, direct_predictions, tmp_
         for i, row in enumerate(direct_predictions)
     ]
     dataset = _write_jsonl(tmp_path / "exact.jsonl", rows)
-    result = _run(
-        [
-            str(checkpoint),
-            "--dataset",
-            str(dataset),
-            "--scorer",
-            "exact",
-            "--batch-size",
-            "3",
-            "--dtype",
-            "float32",
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--quiet",
-            *GENERATION,
-        ]
-    )
+    result = _run_eval(checkpoint, dataset, tmp_path / "out", "--scorer", "exact", "--batch-size", "3", *GENERATION)
     predictions, summary = result["predictions"], result["summary"]
     assert [p["index"] for p in predictions] == list(range(len(rows)))
     assert [p["prediction"] for p in predictions] == [row["prediction"] for row in direct_predictions]
@@ -361,22 +344,8 @@ def test_eval_number_scorer(digit_checkpoint, digit_predictions, tmp_path):
             expected.append(False)
     assert any(expected) and not all(expected)  # both outcomes are exercised
     dataset = _write_jsonl(tmp_path / "number.jsonl", rows)
-    result = _run(
-        [
-            str(digit_checkpoint),
-            "--dataset",
-            str(dataset),
-            "--scorer",
-            "number",
-            "--batch-size",
-            "4",
-            "--dtype",
-            "float32",
-            "--output-dir",
-            str(tmp_path / "out"),
-            "--quiet",
-            *GENERATION,
-        ]
+    result = _run_eval(
+        digit_checkpoint, dataset, tmp_path / "out", "--scorer", "number", "--batch-size", "4", *GENERATION
     )
     assert [p["correct"] for p in result["predictions"]] == expected
     assert result["summary"]["accuracy"] == pytest.approx(sum(expected) / len(expected))

@@ -15,10 +15,10 @@ import torch
 from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation.likelihood import draw_samples, greedy_matches, mc_loglikelihood, stratified_mask_counts
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import DATA, FIXTURES, tiny_model
+from tests.conftest import FIXTURES, tiny_model
+from tests.evaluation.eval_helpers import assert_responses_are, run_lm_eval
 from tests.evaluation.test_evaluate import CHECKPOINT_SETTINGS, checkpoint_with_settings, direct_generation
 
-TASKS_DIR = DATA / "lm_eval_tasks"
 TRAINED = FIXTURES / "llada-tiny-trained"
 
 
@@ -244,29 +244,18 @@ def test_loading_model_args_are_the_shared_loader(lm_eval_module, settings_check
 def test_lm_eval_without_settings_generates_as_the_checkpoint(lm_eval_module, settings_checkpoint):
     """No generation setting anywhere (a task without max_gen_toks, no model_args): each response is exactly the
     text of `model.generate(prompt)` with the checkpoint's generation_config.json, cut at the task's `until`."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    results = lm_eval.simple_evaluate(
-        model="hf_dllm",
-        model_args=f"pretrained={settings_checkpoint},dtype=float32",
-        tasks=["hf_dllm_tiny_gen_defaults"],
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        batch_size=2,
-        device="cpu",
-        limit=4,
-        apply_chat_template=True,
-        log_samples=True,
-    )
+    results = run_lm_eval(settings_checkpoint, "dtype=float32", ["hf_dllm_tiny_gen_defaults"], batch_size=2, limit=4)
     tokenizer = AutoTokenizer.from_pretrained(settings_checkpoint)
     samples = results["samples"]["hf_dllm_tiny_gen_defaults"]
     assert len(samples) == 4
-    for sample in samples:
-        context, gen_kwargs = sample["arguments"][0]
+
+    def expected(ids, gen_kwargs):
         assert "max_gen_toks" not in gen_kwargs
-        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        assert sample["resps"][0][0] == direct_generation(settings_checkpoint, ids, gen_kwargs["until"])[0]
+        return direct_generation(settings_checkpoint, ids, gen_kwargs["until"])[0]
+
+    assert_responses_are(samples, tokenizer, expected)
 
 
 @pytest.mark.skipif(not (TRAINED / "config.json").exists(), reason="needs the tiny trained checkpoint")
@@ -283,21 +272,8 @@ def test_model_args_decoding_rule_replaces_the_checkpoint_default(lm_eval_module
 def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
     """`simple_evaluate(model="hf_dllm")` runs both request types; generations equal direct generate() output
     cut at the task's stop sequences."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     settings = "dtype=float32,block_length=8,threshold=0.9,mc_num=4"
-    results = lm_eval.simple_evaluate(
-        model="hf_dllm",
-        model_args=f"pretrained={checkpoint},{settings}",
-        tasks=["hf_dllm_tiny_gen", "hf_dllm_tiny_mc"],
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        batch_size=3,
-        device="cpu",
-        limit=4,
-        apply_chat_template=True,
-        log_samples=True,
-    )
+    results = run_lm_eval(checkpoint, settings, ["hf_dllm_tiny_gen", "hf_dllm_tiny_mc"], batch_size=3, limit=4)
     assert 0.0 <= results["results"]["hf_dllm_tiny_gen"]["exact_match,none"] <= 1.0
     assert 0.0 <= results["results"]["hf_dllm_tiny_mc"]["acc,none"] <= 1.0
     for sample in results["samples"]["hf_dllm_tiny_mc"]:
@@ -310,14 +286,14 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
     stop_ids = stop_token_ids(model.generation_config, tokenizer)
     samples = results["samples"]["hf_dllm_tiny_gen"]
     assert len(samples) == 4
-    for sample in samples:
-        context, gen_kwargs = sample["arguments"][0]
-        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+
+    def expected(ids, gen_kwargs):
         assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id  # chat template, one BOS
         out = model.generate(
             torch.tensor([ids]), max_new_tokens=gen_kwargs["max_gen_toks"], block_length=8, threshold=0.9
         )
-        expected = completion_text(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
-        assert sample["resps"][0][0] == expected
+        return completion_text(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
+
+    assert_responses_are(samples, tokenizer, expected)
 
 

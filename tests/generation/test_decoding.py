@@ -24,13 +24,9 @@ from hf_dllm.decoding import (
     propose_tokens,
     rank_by_confidence,
 )
+from tests.conftest import CACHE_MODES
 
 MASK = 310  # reference fixture
-CACHE_MODES = {
-    "none": dict(use_cache=False),
-    "prefix": dict(use_cache=True, dual_cache=False),
-    "dual": dict(use_cache=True, dual_cache=True),
-}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,14 +12,9 @@ from transformers import AutoModel, GenerationConfig, StoppingCriteria, Stopping
 from hf_dllm import DiffusionGenerationConfig, LLaDAModelLM, plan_blocks
 from hf_dllm.family_llada import LLADA, LLaDAFamily
 from hf_dllm.family_llada2 import LLADA2
-from tests.conftest import REFERENCE_DIR, tiny_model
+from tests.conftest import CACHE_MODES, REFERENCE_DIR, assert_cache_modes_agree, tiny_model
 
 MASK, EOS = 310, 301  # reference fixture
-CACHE_MODES = {
-    "none": dict(use_cache=False),
-    "prefix": dict(use_cache=True, dual_cache=False),
-    "dual": dict(use_cache=True, dual_cache=True),
-}
 POLICIES = {
     "fixed": dict(steps=8),
     "threshold": dict(threshold=0.9),
@@ -557,22 +552,9 @@ def test_cfg_works_with_every_cache_mode(reference_model, cache):
 def test_cfg_one_forward_per_block_is_the_same_in_every_cache_mode(reference_model):
     """A threshold that commits a whole block in its first (full) forward makes the cache modes identical."""
     prompt = random_prompt(7, seed=42)
-    outs = {
-        cache: reference_model.generate(
-            prompt,
-            max_new_tokens=16,
-            block_length=8,
-            threshold=1e-9,
-            cfg_scale=2.0,
-            eos_early_stop=False,
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        for cache, kwargs in CACHE_MODES.items()
-    }
-    for out in outs.values():
-        assert out.nfe == 2
-        assert torch.equal(out.sequences, outs["none"].sequences)
+    assert_cache_modes_agree(
+        reference_model, prompt, 2, max_new_tokens=16, block_length=8, threshold=1e-9, cfg_scale=2.0
+    )
 
 
 def _most_frequent(tokens: torch.Tensor) -> int:

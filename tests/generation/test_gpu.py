@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -22,6 +23,7 @@ import hf_dllm
 from hf_dllm import kernels, triton_ops
 from hf_dllm.modeling_llada import LLaDARMSNorm, apply_rotary_pos_emb, rotary_cos_sin
 from hf_dllm.triton_attention import block_attention
+from tests.conftest import random_weights_model
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
@@ -110,6 +112,18 @@ def test_fused_rotary_and_silu_error_within_twice_torch(dtype):
     assert (ours.double() - reference).abs().max() <= 2 * (theirs.double() - reference).abs().max() + 1e-6
 
 
+# The special tokens of the random GPU models (vocabulary 1000).
+GPU_TOKENS = dict(mask_token_id=999, eos_token_id=998, pad_token_id=997)
+
+
+def sharp_random_model(model_class, config, attn: str, dtype, device: str = "cuda"):
+    """A random model with a sharper head than random init (x40), so that confidences spread over (0, 1) and
+    thresholds commit in parallel."""
+    return random_weights_model(
+        model_class, config, dtype=dtype, device=device, head_scale=40, attn_implementation=attn
+    )
+
+
 def gpu_model(attn: str = "sdpa", dtype=torch.bfloat16) -> hf_dllm.LLaDAModelLM:
     config = hf_dllm.LLaDAConfig(
         d_model=512,
@@ -119,17 +133,10 @@ def gpu_model(attn: str = "sdpa", dtype=torch.bfloat16) -> hf_dllm.LLaDAModelLM:
         mlp_hidden_size=1024,
         vocab_size=1000,
         embedding_size=1024,
-        mask_token_id=999,
-        eos_token_id=998,
-        pad_token_id=997,
         max_sequence_length=1024,
+        **GPU_TOKENS,
     )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = hf_dllm.LLaDAModelLM._from_config(config, dtype=dtype, attn_implementation=attn)
-    # A sharper head than random init so that confidences spread over (0, 1) and thresholds commit in parallel.
-    model.model.transformer.ff_out.weight.data *= 40
-    return model.eval()
+    return sharp_random_model(hf_dllm.LLaDAModelLM, config, attn, dtype)
 
 
 def padded_prompts(lengths, vocab=990):
@@ -304,16 +311,24 @@ def test_greedy_propose_matches_torch(dtype, rows, vocab, n_splits):
     assert (probability.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-7
 
 
-def count_host_syncs(fn) -> int:
-    """How many times `fn()` made the host wait for the GPU (torch's sync debug mode warns at each)."""
+@contextlib.contextmanager
+def recorded_host_syncs():
+    """The warnings of torch's sync debug mode (one each time the host waits for the GPU) while the block runs, in
+    the list it yields; the GPU is synchronized first."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            fn()
+            yield caught
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def count_host_syncs(fn) -> int:
+    """How many times `fn()` made the host wait for the GPU (torch's sync debug mode warns at each)."""
+    with recorded_host_syncs() as caught:
+        fn()
     return sum("synchroniz" in str(warning.message) for warning in caught)
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModel
 
 import hf_dllm
 from tests.conftest import REFERENCE_DIR
-from tests.generation.test_gpu import padded_prompts
+from tests.generation.test_gpu import GPU_TOKENS, padded_prompts, sharp_random_model
 from tests.models.llada.test_reference_parity import CASES as LLADA_CASES
 from tests.models.llada.test_reference_parity import generate_kwargs as llada_kwargs
 from tests.models.llada2.test_llada2_generation import CASES2, CASES21, LLADA2, LLADA21, assert_reference_tokens
@@ -74,17 +74,10 @@ def gpu_llada2(attn: str = "sdpa", dtype=torch.bfloat16, device: str = "cuda") -
         moe_intermediate_size=128,
         num_shared_experts=1,
         first_k_dense_replace=1,
-        mask_token_id=999,
-        eos_token_id=998,
-        pad_token_id=997,
         max_position_embeddings=1024,
+        **GPU_TOKENS,
     )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=dtype, attn_implementation=attn)
-    # A sharper head than random init so that confidences spread over (0, 1) and thresholds commit in parallel.
-    model.lm_head.weight.data *= 40
-    return model.eval()
+    return sharp_random_model(hf_dllm.LLaDA2MoeModelLM, config, attn, dtype, device)
 
 
 RULES = {

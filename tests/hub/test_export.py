@@ -40,6 +40,14 @@ from tests.conftest import (
     save_checkpoint,
     tiny_model,
 )
+from tests.hub.export_helpers import (
+    assert_generation_config_file,
+    assert_kept_settings_generate_alike,
+    assert_pipeline_matches,
+    assert_remote_model,
+    with_generation_config,
+    written_fields,
+)
 
 REMOTE_CODE_FILES = MODEL_FAMILIES["llada"].remote_code_files
 AUTO_MAP = MODEL_FAMILIES["llada"].auto_map
@@ -93,12 +101,6 @@ def save_with_generation_config(path: Path, model, **fields) -> Path:
     return save_checkpoint(model, path)
 
 
-def written_fields(folder: Path) -> dict:
-    """generation_config.json of `folder`, as the model reads it, without transformers' metadata."""
-    config = hf_dllm.DiffusionGenerationConfig.from_pretrained(folder)
-    return {name: getattr(config, name) for name in config.field_names()}
-
-
 @pytest.fixture(scope="module")
 def kept_source(tmp_path_factory) -> Path:
     return save_with_generation_config(
@@ -133,11 +135,7 @@ def test_exported_generation_config_follows_the_rules(exported, exported_chat, c
         "eos_token_id": 301,
         "pad_token_id": 301,
     }
-    written = json.loads((exported / "generation_config.json").read_text())
-    metadata = {"transformers_version", "_from_model_config"}
-    assert {k: v for k, v in written.items() if k not in metadata} == {
-        k: v for k, v in expected.items() if v is not None
-    }
+    assert_generation_config_file(exported, expected)
     # bos from the config, eot = the tokenizer's <|eot_id|>; exporter options override the fast defaults.
     written = json.loads((exported_chat / "generation_config.json").read_text())
     assert written["eot_token_id"] == char_tokenizer.convert_tokens_to_ids("<|eot_id|>")
@@ -297,12 +295,8 @@ def test_export_says_what_it_wrote(kept_source, tmp_path, capsys, caplog):
     ids=["range", "contradiction", "editing", "unknown", "json"],
 )
 def test_invalid_source_generation_config_is_refused(kept_source, tmp_path, fields, message):
-    src = tmp_path / "src"
-    shutil.copytree(kept_source, src)
-    path = src / "generation_config.json"
-    text = fields if isinstance(fields, str) else json.dumps({**json.loads(path.read_text()), **fields})
-    path.write_text(text)
-    dst = tmp_path / "out"
+    src, dst = tmp_path / "src", tmp_path / "out"
+    path = with_generation_config(kept_source, src, fields)
     with pytest.raises(ExportError, match=message) as error:
         export_checkpoint(src, dst)
     assert str(path) in str(error.value) and "--generation-defaults fast" in str(error.value)
@@ -618,25 +612,19 @@ CHILD = textwrap.dedent(
     import importlib
     import shutil
 
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
+    from transformers import AutoModel, AutoModelForCausalLM
     from transformers.dynamic_module_utils import check_imports
 
     subset = [case for case in spec["cases"] if case["name"] in spec["subset"]]
     local, hub, chat = spec["local"], spec["hub_repo"], spec["chat"]
     out["no_hf_dllm"] = no_hf_dllm()
-    record("auto_config_module", lambda: type(AutoConfig.from_pretrained(local, trust_remote_code=True)).__module__)
-    model = AutoModel.from_pretrained(local, trust_remote_code=True).eval()
-    out["auto_model"] = describe(model)
-    record("tokens", lambda: generate_cases(model, spec["cases"]))
+    model = load_with_remote_code(local, spec["cases"], subset)
     out["errors_validation"] = {
         "threshold": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=1.5)),
         "unknown": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), num_beams=2)),
         "contradiction": expect_error(lambda: model.generate(torch.tensor([[5, 6]]), threshold=0.9, steps=8)),
         "unknown_field": expect_error(lambda: type(model.generation_config)(min_p=0.1)),
     }
-    causal = AutoModelForCausalLM.from_pretrained(local, trust_remote_code=True).eval()
-    out["auto_causal"] = describe(causal)
-    record("tokens_causal", lambda: generate_cases(causal, subset))
     again = AutoModel.from_pretrained(local, trust_remote_code=True).eval()  # loading twice in one process
     out["again"] = describe(again)
     record("tokens_again", lambda: generate_cases(again, subset))
@@ -655,15 +643,7 @@ CHILD = textwrap.dedent(
         lambda: AutoModel.from_pretrained(bad, trust_remote_code=True)
     )
 
-    def run_pipeline():
-        generator = pipeline("text-generation", model=chat, trust_remote_code=True)
-        return {
-            "text": generator("Hello", max_new_tokens=16, threshold=0.9)[0]["generated_text"],
-            "chat": generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1],
-            "generation_config_class": type(generator.model.generation_config).__name__,
-        }
-
-    record("pipeline", run_pipeline)
+    record("pipeline", lambda: run_pipeline(chat, spec["pipeline_settings"]))
 
     def import_each_module():
         for name in spec["modules"]:
@@ -679,6 +659,7 @@ CHILD = textwrap.dedent(
 
 
 KEPT_PROMPT = [[1, 40, 41, 42, 43, 44]]
+PIPELINE_SETTINGS = dict(max_new_tokens=16, threshold=0.9)
 # Cases the models loaded after the first one run (the first runs them all): enough to show they are the same model.
 SUBSET = ["threshold", "factor_prefix", "padded"]
 
@@ -739,6 +720,7 @@ def fresh_process(tmp_path_factory, exported, exported_chat, exported_kept, refe
         "chat": str(exported_chat),
         "kept": str(exported_kept),
         "kept_prompt": KEPT_PROMPT,
+        "pipeline_settings": PIPELINE_SETTINGS,
         "cases": cases,
         "subset": SUBSET,
         "modules": [name.removesuffix(".py") for name in REMOTE_CODE_FILES],
@@ -762,12 +744,7 @@ def test_every_exported_module_imports_without_hf_dllm(fresh_process):
 @pytest.mark.parametrize("loaded", ["auto_model", "auto_causal", "again", "hub"])
 def test_remote_classes_have_diffusion_generate(fresh_process, loaded):
     info = fresh_process[loaded]
-    assert info["class_module"].startswith("transformers_modules.") and info["class_module"].endswith(".modeling_llada")
-    assert info["config_module"].startswith("transformers_modules.")
-    assert info["has_generate"]
-    assert info["generation_config_class"] == "DiffusionGenerationConfig"
-    assert info["generation_config_module"].startswith("transformers_modules.")
-    assert info["generation_config_module"].endswith(".generation_config")
+    assert_remote_model(info, "llada")
     expected = dict(FAST_GENERATION_DEFAULTS, mask_token_id=310, eos_token_id=301, pad_token_id=301)
     assert {key: info["generation_config"][key] for key in expected} == expected
     assert fresh_process["auto_config_module"].endswith(".configuration_llada")
@@ -786,10 +763,10 @@ def test_remote_generate_matches_hf_dllm(fresh_process, exported):
 def test_kept_generation_config_generates_the_source_tokens(fresh_process, kept_source):
     """The export of a checkpoint with its own generation_config.json, loaded where hf_dllm is not installed, generates
     with no arguments what the source model's generate() does with none: 16 tokens in blocks of 8, 8 fixed steps."""
-    source = hf_dllm.LLaDAModelLM.from_pretrained(kept_source).eval()
-    expected = source.generate(torch.tensor(KEPT_PROMPT))
-    assert expected.shape[1] == len(KEPT_PROMPT[0]) + SOURCE_GENERATION["max_new_tokens"]
-    assert fresh_process["tokens_kept"] == expected.tolist()
+    new = SOURCE_GENERATION["max_new_tokens"]
+    assert_kept_settings_generate_alike(
+        fresh_process["tokens_kept"], hf_dllm.LLaDAModelLM, kept_source, KEPT_PROMPT, new
+    )
 
 
 def test_remote_generation_config_validates(fresh_process):
@@ -802,15 +779,4 @@ def test_remote_generation_config_validates(fresh_process):
 
 
 def test_remote_pipeline_matches_hf_dllm(fresh_process, exported_chat):
-    from transformers import pipeline
-
-    generator = pipeline("text-generation", model=str(exported_chat))
-    assert type(generator.model) is hf_dllm.LLaDAModelLM
-    remote = fresh_process["pipeline"]
-    assert remote["generation_config_class"] == "DiffusionGenerationConfig"
-    assert remote["text"] == generator("Hello", max_new_tokens=16, threshold=0.9)[0]["generated_text"]
-    assert remote["text"].startswith("Hello")
-    chat = generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1]
-    assert remote["chat"] == chat and chat["role"] == "assistant"
-
-
+    assert_pipeline_matches(fresh_process["pipeline"], exported_chat, hf_dllm.LLaDAModelLM, **PIPELINE_SETTINGS)

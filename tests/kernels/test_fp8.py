@@ -12,9 +12,8 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 import hf_dllm
 from hf_dllm import fp8, fp8_triton
 from hf_dllm.kernels import set_kernel_mode
-from tests.conftest import ROOT, BackgroundJob
+from tests.conftest import interpreter_job, random_weights_model
 
 BLOCK = (128, 128)
 
@@ -509,15 +508,10 @@ INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
 )
 
 
-INTERPRETER_RUN = BackgroundJob(
-    lambda _workdir: {
-        name: [sys.executable, "-c", script]
-        for name, script in {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}.items()
-    },
+INTERPRETER_RUN = interpreter_job(
+    {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT},
     timeout=300,
     when=lambda: importlib.util.find_spec("triton") is not None and not torch.cuda.is_available(),
-    cwd=ROOT,
-    env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
 )
 
 
@@ -619,11 +613,8 @@ def test_every_weight_only_config_within_twice_torch_fp8_reference(n_out, k_in):
     reference = ((x.float() @ fp8.dequantize(w8, scale, BLOCK, torch.float32).t()) - exact).norm() / exact.norm()
     configs = [c for c in fp8_triton.weight_only_configs() if c.kwargs["BLOCK_M"] == 32]
     assert {c.kwargs["SWAP"] for c in configs} == {False, True}
-    for config in configs:
-        out = fp8_triton.weight_only_matmul(x, w8, scale, BLOCK, config=config)
-        error = (out.float() - exact).norm() / exact.norm()
-        assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
-        assert_deterministic(lambda c=config: fp8_triton.weight_only_matmul(x, w8, scale, BLOCK, config=c), out)
+    product = functools.partial(fp8_triton.weight_only_matmul, x, w8, scale, BLOCK)
+    assert_every_config_close(configs, product, exact, reference)
 
 
 @pytest.mark.gpu
@@ -646,11 +637,8 @@ def test_every_few_rows_w8a8_config_within_twice_torch_fp8_reference(rows, n_out
         64,
         128,
     }
-    for config in configs:
-        out = fp8.few_rows_w8a8_matmul(quantized, w8, scale, BLOCK, config=config)
-        error = (out.float() - exact).norm() / exact.norm()
-        assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
-        assert_deterministic(lambda c=config: fp8.few_rows_w8a8_matmul(quantized, w8, scale, BLOCK, config=c), out)
+    product = functools.partial(fp8.few_rows_w8a8_matmul, quantized, w8, scale, BLOCK)
+    assert_every_config_close(configs, product, exact, reference)
 
 
 @pytest.mark.gpu
@@ -716,6 +704,16 @@ def assert_deterministic(product, out):
     """A few-rows product run again gives `out` bit for bit (splits are added up in a fixed order)."""
     for _ in range(2):
         assert torch.equal(product(), out)
+
+
+def assert_every_config_close(configs, product, exact: torch.Tensor, reference: torch.Tensor) -> None:
+    """Each config's `product(config=config)` within twice the PyTorch reference's relative error `reference` from
+    `exact` (plus 2e-3), and the same bits when run again."""
+    for config in configs:
+        out = product(config=config)
+        error = (out.float() - exact).norm() / exact.norm()
+        assert error <= 2 * reference + 2e-3, (config, error.item(), reference.item())
+        assert_deterministic(lambda c=config: product(config=c), out)
 
 
 @pytest.mark.gpu
@@ -1036,12 +1034,7 @@ def llada2_quantized_model(config, dtype=torch.bfloat16, device: str = "cpu"):
     device check (see `quantized_model`)."""
     from hf_dllm import LLaDA2MoeModelLM
 
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LLaDA2MoeModelLM._from_config(config, dtype=dtype).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
+    model = random_weights_model(LLaDA2MoeModelLM, config, dtype=dtype, device=device, noise=0.05)
     quantized = LLaDA2MoeModelLM.from_pretrained(
         None,
         config=config,

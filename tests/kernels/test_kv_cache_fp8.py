@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import sys
 import textwrap
 
 import pytest
@@ -16,7 +14,7 @@ from transformers import AutoModel
 
 import hf_dllm
 from hf_dllm.cache import FP8_E4M3_MAX, DiffusionKVCache, FP8DiffusionKVCache, NoCache, dequantize_kv, quantize_kv
-from tests.conftest import FIXTURES, ROOT, BackgroundJob
+from tests.conftest import FIXTURES, interpreter_job
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -239,15 +237,11 @@ INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
 )
 
 
-INTERPRETER_RUN = BackgroundJob(
-    lambda _workdir: {
-        name: [sys.executable, "-c", script]
-        for name, script in {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT}.items()
-    },
+INTERPRETER_RUN = interpreter_job(
+    {"kernels": INTERPRETER_SCRIPT, "model": INTERPRETER_MODEL_SCRIPT},
     timeout=600,
     when=lambda: importlib.util.find_spec("triton") is not None,
-    cwd=ROOT,
-    env=dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+    HF_DLLM_KERNELS="triton",
 )
 
 

@@ -8,13 +8,11 @@ covered by the GPU tests).
 
 from __future__ import annotations
 
-import os
-import sys
 import textwrap
 
 import pytest
 
-from tests.conftest import ROOT, BackgroundJob
+from tests.conftest import interpreter_job
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
@@ -208,14 +206,8 @@ MODELS_SCRIPT = textwrap.dedent(
 )
 
 
-INTERPRETER_RUN = BackgroundJob(
-    lambda _workdir: {
-        name: [sys.executable, "-c", script]
-        for name, script in {"kernel": KERNELS_SCRIPT, "model": MODELS_SCRIPT}.items()
-    },
-    timeout=600,
-    cwd=ROOT,
-    env=dict(os.environ, TRITON_INTERPRET="1", HF_DLLM_KERNELS="triton", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+INTERPRETER_RUN = interpreter_job(
+    {"kernel": KERNELS_SCRIPT, "model": MODELS_SCRIPT}, timeout=600, HF_DLLM_KERNELS="triton"
 )
 
 

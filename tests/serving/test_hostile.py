@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_dllm import FixedSchedule, plan_blocks  # noqa: E402
-from tests.serving.test_serve import MODEL_NAME, RunningServer, free_port  # noqa: E402
+from tests.serving.test_serve import MODEL_NAME, free_port, serving, wait_until_healthy  # noqa: E402
 
 REPO = ROOT
 API_KEY = "sk-test-0123456789"
@@ -328,25 +328,9 @@ def rss_bytes(pid: int | str = "self") -> int:
 # -- servers ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    running = RunningServer(model_dir, max_batch_size=8)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def locked(model_dir):
-    """API key, one allowed CORS origin, a 64 KiB body limit."""
-    running = RunningServer(
-        model_dir,
-        max_batch_size=8,
-        api_key=API_KEY,
-        allowed_origins=[ALLOWED_ORIGIN],
-        max_body_bytes=SMALL_BODY_LIMIT,
-    )
-    yield running
-    running.stop()
+server = serving("model_dir")
+# API key, one allowed CORS origin, a 64 KiB body limit.
+locked = serving("model_dir", api_key=API_KEY, allowed_origins=[ALLOWED_ORIGIN], max_body_bytes=SMALL_BODY_LIMIT)
 
 
 def assert_healthy(server) -> None:
@@ -619,16 +603,7 @@ def test_cli_api_key_from_environment_and_sigterm_after_hostile_requests(model_d
         command + ["--log-level", "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "hf-dllm serve did not come up within 90 s"
-            try:
-                with Connection(port, timeout=2) as connection:
-                    if connection.request("GET", "/health").status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+        wait_until_healthy(process, port)
         with Connection(port) as connection:
             check_openai_error(
                 connection.request("POST", "/v1/completions", completion(), JSON), 401, "invalid_api_key"

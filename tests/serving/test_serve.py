@@ -86,17 +86,25 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(30)
 
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    running = RunningServer(model_dir, max_batch_size=8)
-    yield running
-    running.stop()
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def serving(checkpoint: str, **app_kwargs):
+    """A module fixture: a `RunningServer` on the checkpoint folder the fixture named `checkpoint` gives, stopped
+    when the module is done (`tests.conftest.client` is its OpenAI client). A long batching window by default:
+    concurrent requests are decoded in one generate() call."""
+
+    @pytest.fixture(scope="module")
+    def server(request):
+        running = RunningServer(request.getfixturevalue(checkpoint), **{"max_batch_size": 8, **app_kwargs})
+        yield running
+        running.stop()
+
+    return server
+
+
+server = serving("model_dir")
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +181,26 @@ def assert_streamed_completion_equals(client, prompt: str, expected, **request) 
     assert len(final) == 1 and final[0].choices[0].finish_reason == finish
     assert (final[0].usage.completion_tokens, final[0].usage.model_extra["nfe"]) == (tokens, nfe)
     return chunks
+
+
+def assert_concurrent_requests_exact(server, client, prompts: list[str], fields: dict, expected: list) -> None:
+    """One client per prompt, all at once, 12 tokens each: each gets exactly `expected[i]` = `direct(...)`'s (text,
+    completion_tokens, nfe, finish_reason) of the prompt alone, whichever block boundary it joined at (the run
+    counts a row's forwards only while the row still decodes: the NFE it has alone); no error."""
+    before = server.stats
+
+    def ask(prompt):
+        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, extra_body=fields)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(ask, prompts, timeout=120))
+    after = server.stats
+    for out, (text, tokens, nfe, finish) in zip(outs, expected, strict=True):
+        choice = out.choices[0]
+        assert (choice.text, choice.finish_reason, out.usage.completion_tokens) == (text, finish, tokens)
+        assert out.usage.model_extra["nfe"] == nfe
+    assert after["rows"] - before["rows"] == len(prompts)
+    assert after["errors"] == before["errors"]
 
 
 def prompt_ids(server, prompt: str) -> list[int]:
@@ -407,11 +435,7 @@ def test_usage_nfe_when_eos_ends_the_row(load_server, fields):
 # -- a request with no dLLM field is generate() with no keyword -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def settings_server(model_dir_with_settings):
-    running = RunningServer(model_dir_with_settings, max_batch_size=8)
-    yield running
-    running.stop()
+settings_server = serving("model_dir_with_settings")
 
 
 def test_default_request_equals_generate_without_kwargs(settings_server):
@@ -910,6 +934,20 @@ def test_cli_serve_help_prints_the_defaults(capsys):
     assert "60 % of the GPU's free memory, at most 128; elsewhere 16" in text
 
 
+def wait_until_healthy(process: subprocess.Popen, port: int, timeout: float = 90) -> None:
+    """Wait until the `hf-dllm serve` command `process` answers /health on `port`; fail with its output if it exits
+    first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.stdout.read().decode()
+        assert time.monotonic() < deadline, f"hf-dllm serve did not come up within {timeout} s"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def test_cli_serve_command(model_dir):
     """`python -m hf_dllm serve MODEL --port P` answers on 127.0.0.1 and stops on SIGTERM."""
     port = free_port()
@@ -944,15 +982,7 @@ def test_cli_serve_command(model_dir):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "hf-dllm serve did not come up within 90 s"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(process, port)
         cli_client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert cli_client.models.list().data[0].id == "cli-model"
         out = cli_client.completions.create(model="cli-model", prompt="hi", max_tokens=8)

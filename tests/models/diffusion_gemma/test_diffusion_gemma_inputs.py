@@ -4,26 +4,17 @@ fields refused before any forward, its fields refused by other families; streame
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModel
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+from tests.conftest import FIXTURES, reference_fixtures
+
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CASES = {case["name"]: case for case in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"]}
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    return AutoModel.from_pretrained(GEMMA_DIR).eval()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return load_file(GEMMA_DIR / "expected.safetensors")
+gemma, expected = reference_fixtures(GEMMA_DIR)
 
 
 def test_transformers_sampler_config_object_and_canvas_rounding(gemma, expected):

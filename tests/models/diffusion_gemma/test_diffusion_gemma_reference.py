@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModel
 
 import hf_dllm
 from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
+from tests.conftest import FIXTURES, reference_fixtures
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CASES = json.loads((GEMMA_DIR / "cases.json").read_text())["cases"]
 
@@ -40,14 +37,7 @@ def _selected_cases() -> list[dict]:
     return chosen
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    return AutoModel.from_pretrained(GEMMA_DIR).eval()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return load_file(GEMMA_DIR / "expected.safetensors")
+gemma, expected = reference_fixtures(GEMMA_DIR)
 
 
 def _run(model, expected, case, **overrides):

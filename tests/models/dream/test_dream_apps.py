@@ -8,36 +8,40 @@ and lm-eval model_args for Dream and refused for LLaDA; streaming, batching of p
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+# The serve extra (fastapi, uvicorn): importing tests.serving.test_serve skips this module without it.
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from hf_dllm import DiffusionGenerationConfig  # noqa: E402
-from hf_dllm.cli.completion_text import completion_text, stop_token_ids  # noqa: E402
 from hf_dllm.evaluation import evaluate  # noqa: E402
 from hf_dllm.serving.protocol import APIError, parse_generation_params, sampler_fields  # noqa: E402
-from tests.conftest import DATA, save_checkpoint, tiny_model  # noqa: E402
+from tests.conftest import save_checkpoint, tiny_model  # noqa: E402
+from tests.evaluation.eval_helpers import (  # noqa: E402
+    assert_eval_equals_generate,
+    assert_responses_are,
+    chat_prompt_ids,
+    eval_direct,
+    load_checkpoint,
+    run_lm_eval,
+)
 from tests.models.dream.test_dream_generation import char_dream  # noqa: E402
 from tests.serving.test_serve import (  # noqa: E402
     MODEL_NAME,
-    RunningServer,
     assert_chat_and_its_stream_equal,
+    assert_concurrent_requests_exact,
     assert_error,
     assert_streamed_completion_equals,
     chat_ids,
     direct,
     prompt_ids,
+    serving,
 )
 
-TASKS_DIR = DATA / "lm_eval_tasks"
-QUESTIONS = [json.loads(line)["question"] for line in (DATA / "tiny_tasks.jsonl").read_text().splitlines()[:5]]
 DREAM_FIELDS = ("alg", "alg_temp", "top_p", "top_k", "eps")
 # The checkpoint's own settings, each unlike DiffusionGenerationConfig's defaults: Dream's own sampler (one block of
 # 24 positions, no cache, every position decoded) with the top-k margin on 12 steps.
@@ -55,17 +59,7 @@ def dream_dir(tmp_path_factory) -> Path:
     return save_checkpoint(model, tmp_path_factory.mktemp("dream-tiny-random"))
 
 
-@pytest.fixture(scope="module")
-def server(dream_dir):
-    # A long batching window: the concurrent requests of the batching test are decoded in one generate() call.
-    running = RunningServer(dream_dir, max_batch_size=8)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+server = serving("dream_dir")
 
 
 # --- hf-dllm serve ------------------------------------------------------------------------------------------------
@@ -186,23 +180,7 @@ def test_concurrent_requests_of_different_lengths_are_exact(server, client):
     prompts = ["Hi", "The cat sat"]
     fields = {"block_length": 4, "alg": "entropy", "steps": 6}
     expected = [direct(server, prompt_ids(server, prompt), 12, **fields) for prompt in prompts]
-    before = server.stats
-
-    def ask(prompt):
-        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, extra_body=fields)
-
-    with ThreadPoolExecutor(2) as pool:
-        outs = list(pool.map(ask, prompts, timeout=120))
-    after = server.stats
-    for out, (text, tokens, nfe, finish) in zip(outs, expected, strict=True):
-        assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == (
-            text,
-            finish,
-            tokens,
-        )
-        assert out.usage.model_extra["nfe"] == nfe
-    assert after["rows"] - before["rows"] == 2
-    assert after["errors"] == before["errors"]
+    assert_concurrent_requests_exact(server, client, prompts, fields, expected)
 
 
 # --- hf-dllm eval and lm-eval -------------------------------------------------------------------------------------
@@ -213,57 +191,22 @@ EVAL_SETTINGS = {"max_new_tokens": 8, "block_length": 4, "steps": 6, "alg": "ent
 
 @pytest.fixture(scope="module")
 def loaded(dream_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(dream_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(dream_dir)
-
-
-def eval_direct(model, tokenizer, ids: list[int], until=(), **settings) -> tuple[str, int]:
-    """(prediction, nfe) of a direct generate() on one prompt, cut as the evaluators cut it."""
-    out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
-    stops = stop_token_ids(model.generation_config, tokenizer)
-    text = completion_text(tokenizer, out.sequences[0, len(ids) :].tolist(), stops, list(until))
-    return text, int(out.nfe_per_row[0])
+    return load_checkpoint(dream_dir)
 
 
 def test_hf_dllm_eval_runs_dream(dream_dir, loaded, tmp_path):
     model, tokenizer = loaded
-    expected = []
-    for question in QUESTIONS:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        expected.append(eval_direct(model, tokenizer, ids, use_cache=True, **EVAL_SETTINGS))
-    rows = [
-        {"question": q, "answer": p if i % 2 else p + "#"}
-        for i, (q, (p, _)) in enumerate(zip(QUESTIONS, expected, strict=True))
-    ]
-    dataset = tmp_path / "data.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     options = [f"--{name.replace('_', '-')}={value}" for name, value in EVAL_SETTINGS.items() if name != "dual_cache"]
     options += ["--use-cache", "--no-dual-cache"]
-    args = [str(dream_dir), "--dataset", str(dataset), "--batch-size", "3", "--dtype", "float32", "--quiet"]
-    assert evaluate.main([*args, "--output-dir", str(tmp_path / "out"), *options]) == 0
-    predictions = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    # Padded batches of 3: each row gets the tokens and the forwards it gets alone; the scores follow.
-    assert [(p["prediction"], p["nfe"]) for p in predictions] == expected
-    assert [p["correct"] for p in predictions] == [i % 2 == 1 for i in range(len(rows))]
-    assert summary["accuracy"] == 2 / 5
+    settings = {"use_cache": True, **EVAL_SETTINGS}
+    args, summary = assert_eval_equals_generate(dream_dir, model, tokenizer, tmp_path, settings, options)
     config = summary["generation_config"]
     assert (config["alg"], config["eps"], config["steps"], config["dual_cache"]) == ("entropy", 0.01, 6, False)
     # No option: the checkpoint's settings (Dream's own sampler in one block of 24), as generate() without kwargs.
     assert evaluate.main([*args, "--output-dir", str(tmp_path / "plain"), "--limit", "2"]) == 0
     plain = [json.loads(line) for line in (tmp_path / "plain" / "predictions.jsonl").read_text().splitlines()]
     for record in plain:
-        ids = tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": record["prompt"]}], add_generation_prompt=True, tokenize=False
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
+        ids = chat_prompt_ids(tokenizer, record["prompt"])
         assert (record["prediction"], record["nfe"]) == eval_direct(model, tokenizer, ids)
     # Bad Dream settings are refused before any work (exit 2); an unknown alg by the option parser.
     assert evaluate.main([*args, "--output-dir", str(tmp_path / "bad"), "--alg", "entropy", "--threshold", "0.9"]) == 2
@@ -281,29 +224,15 @@ def test_hf_dllm_eval_refuses_dreams_options_for_llada(model_dir, tmp_path, caps
 
 def test_lm_eval_runs_dream(dream_dir, loaded):
     pytest.importorskip("lm_eval")
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     model, tokenizer = loaded
     settings = "dtype=float32,block_length=4,steps=6,alg=topk_margin,top_k=9,gen_length=8"
-    results = lm_eval.simple_evaluate(
-        model="hf_dllm",
-        model_args=f"pretrained={dream_dir},{settings}",
-        tasks=["hf_dllm_tiny_gen"],
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        batch_size=3,
-        device="cpu",
-        limit=3,
-        apply_chat_template=True,
-        log_samples=True,
-    )
+    results = run_lm_eval(dream_dir, settings, ["hf_dllm_tiny_gen"], batch_size=3, limit=3)
     samples = results["samples"]["hf_dllm_tiny_gen"]
     assert len(samples) == 3
     kwargs = dict(max_new_tokens=8, block_length=4, steps=6, alg="topk_margin", top_k=9)
-    for sample in samples:
-        context, gen_kwargs = sample["arguments"][0]
-        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        assert sample["resps"][0][0] == eval_direct(model, tokenizer, ids, gen_kwargs["until"], **kwargs)[0]
+    assert_responses_are(
+        samples, tokenizer, lambda ids, gen_kwargs: eval_direct(model, tokenizer, ids, gen_kwargs["until"], **kwargs)[0]
+    )
     assert results["results"]["hf_dllm_tiny_gen"]["exact_match,none"] == pytest.approx(
         sum(sample["exact_match"] for sample in samples) / 3
     )

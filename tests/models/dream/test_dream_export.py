@@ -28,18 +28,26 @@ from hf_dllm.hub.families import (
     MODEL_FAMILIES,
     ExportError,
 )
-from tests.conftest import FIXTURES, ROOT, export_to, generate_cases, run_without_hf_dllm, save_checkpoint
+from tests.conftest import FIXTURES, ROOT, export_to, save_checkpoint
+from tests.hub.export_helpers import (
+    assert_export_refused,
+    assert_kept_settings_generate_alike,
+    assert_padded_rows_alone,
+    assert_pipeline_matches,
+    assert_remote_loads,
+    remote_tokens_are_hf_dllms,
+    run_export_child,
+    with_generation_config,
+    written_fields,
+)
 from tests.models.dream.test_dream_generation import char_dream
 from tests.models.dream.test_dream_reference import CASES as DREAM_REFERENCE_CASES
 from tests.models.dream.test_dream_reference import generate_kwargs as reference_kwargs
 
-PACKAGE_DIR = Path(hf_dllm.__file__).parent
 DREAM_REF = FIXTURES / "dream-tiny-ref"
 FAMILY = MODEL_FAMILIES["dream"]
 DREAM_GENERATION_DEFAULTS = FAMILY.generation_defaults
 DREAM_FAST_GENERATION_DEFAULTS = FAMILY.fast_generation_defaults
-DREAM_FILES = FAMILY.remote_code_files
-TOKENIZER_SAVED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MASK, EOS, BOS = 3, 0, 1  # the character tokenizer's (EOS is also its pad)
 # generation_config.json as the Hub's Dream checkpoints ship it: written by Dream's own `DreamGenerationConfig`
 # (its class defaults, for its `diffusion_generate()`), with `output_history`, which hf_dllm does not have.
@@ -66,12 +74,6 @@ SOURCE_GENERATION = dict(
 )
 SOURCE_IDS = dict(mask_token_id=MASK, eos_token_id=EOS, pad_token_id=EOS, bos_token_id=BOS)
 PROMPT = [[BOS, 40, 41, 42, 43, 44, 45]]
-
-
-def written_fields(folder: Path) -> dict:
-    """generation_config.json of `folder`, as the model reads it, without transformers' metadata."""
-    config = hf_dllm.DiffusionGenerationConfig.from_pretrained(folder)
-    return {name: getattr(config, name) for name in config.field_names()}
 
 
 def save_dream(path: Path, seed: int = 1, generation: dict | None = None, **fields) -> Path:
@@ -250,9 +252,7 @@ def test_options_override_single_fields(kept_source, exported_ref, tmp_path):
     ids=["threshold-vs-alg", "threshold-range", "block-length", "generation-defaults"],
 )
 def test_bad_options_are_refused(kept_source, tmp_path, kwargs, message):
-    with pytest.raises(ExportError, match=message):
-        export_checkpoint(kept_source, tmp_path / "out", **kwargs)
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(kept_source, tmp_path / "out", message, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -269,20 +269,14 @@ def test_bad_options_are_refused(kept_source, tmp_path, kwargs, message):
     ids=["alg", "top_k", "contradiction", "editing", "minimal_topk", "dream-file", "json"],
 )
 def test_invalid_source_generation_config_is_refused(kept_source, tmp_path, fields, message):
-    src = tmp_path / "src"
-    shutil.copytree(kept_source, src)
-    path = src / "generation_config.json"
-    text = fields if isinstance(fields, str) else json.dumps({**json.loads(path.read_text()), **fields})
-    path.write_text(text)
-    dst = tmp_path / "out"
+    src, dst = tmp_path / "src", tmp_path / "out"
+    path = with_generation_config(kept_source, src, fields)
     if message is None:
         export_checkpoint(src, dst)
         assert written_fields(dst)["alg"] is None
         return
-    with pytest.raises(ExportError, match=message) as error:
-        export_checkpoint(src, dst)
+    error = assert_export_refused(src, dst, message)
     assert str(path) in str(error.value) and "--generation-defaults fast" in str(error.value)
-    assert not dst.exists()
     export_checkpoint(src, dst, generation_defaults="fast")  # the way out the message names
     assert written_fields(dst)["threshold"] == DREAM_FAST_GENERATION_DEFAULTS["threshold"]
 
@@ -338,9 +332,7 @@ def test_dream_card(exported_dream):
 )
 def test_card_of_another_family_is_refused(tmp_path, dream_checkpoint, card, message):
     """The message names the Dream cards to choose from (any other family's card: test_dream_family.py)."""
-    with pytest.raises(ExportError, match=message):
-        export_checkpoint(dream_checkpoint, tmp_path / "out", card=card)
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(dream_checkpoint, tmp_path / "out", message, card=card)
 
 
 # --- SRC's config and weights -------------------------------------------------------------------------------------
@@ -361,9 +353,7 @@ def test_bad_dream_config_is_refused(tmp_path, change, message):
     shutil.copytree(DREAM_REF, src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(ExportError, match=message):
-        export_checkpoint(src, tmp_path / "out", tokenizer=False)
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(src, tmp_path / "out", message, tokenizer=False)
 
 
 def test_dream_weights_are_verified_tied_or_not(tmp_path):
@@ -388,17 +378,11 @@ CHILD = textwrap.dedent(
     r"""
     import re
 
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
+    from transformers import AutoModel
 
     out["no_hf_dllm"] = no_hf_dllm()
     chat = spec["chat"]
-    record("auto_config_module", lambda: type(AutoConfig.from_pretrained(chat, trust_remote_code=True)).__module__)
-    model = AutoModel.from_pretrained(chat, trust_remote_code=True).eval()
-    out["auto_model"] = describe(model)
-    record("tokens", lambda: generate_cases(model, spec["cases"]))
-    causal = AutoModelForCausalLM.from_pretrained(chat, trust_remote_code=True).eval()
-    out["auto_causal"] = describe(causal)
-    record("tokens_causal", lambda: generate_cases(causal, spec["cases"][:2]))
+    model = load_with_remote_code(chat, spec["cases"], spec["cases"][:2])
 
     def dream_entry_point():
         torch.manual_seed(0)
@@ -421,16 +405,7 @@ CHILD = textwrap.dedent(
     kept = AutoModel.from_pretrained(spec["kept"], trust_remote_code=True).eval()  # no kwargs: its generation_config.json
     record("tokens_kept", lambda: kept.generate(prompt).tolist())
 
-    def run_pipeline():
-        generator = pipeline("text-generation", model=chat, trust_remote_code=True)
-        settings = dict(max_new_tokens=12, block_length=4, steps=6, alg="maskgit_plus")
-        return {
-            "text": generator("Hello", **settings)[0]["generated_text"],
-            "chat": generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1],
-            "class": type(generator.model).__name__,
-        }
-
-    record("pipeline", run_pipeline)
+    record("pipeline", lambda: run_pipeline(chat, spec["pipeline_settings"]))
 
     def run_card_usage():
         # The model card's usage code as a user would paste it, with this folder as the repo.
@@ -489,6 +464,7 @@ def chat_cases() -> list[dict]:
     ]
 
 
+PIPELINE_SETTINGS = dict(max_new_tokens=12, block_length=4, steps=6, alg="maskgit_plus")
 # Dream's own `diffusion_generate()` arguments (sampling, so the seed matters).
 DREAM_KWARGS = dict(
     max_new_tokens=12, steps=6, alg="entropy", temperature=0.5, top_p=0.95, return_dict_in_generate=True
@@ -541,50 +517,30 @@ def fresh_process(tmp_path_factory, exported_dream, exported_ref, exported_kept)
         "prompt": PROMPT,
         "dream_kwargs": DREAM_KWARGS,
         "bad": BAD_SETTINGS,
+        "pipeline_settings": PIPELINE_SETTINGS,
         "reference_cases": [{k: v for k, v in case.items() if k != "expected"} for case in reference_cases()],
     }
-    result = run_without_hf_dllm(root, CHILD, spec)
-    assert result["no_hf_dllm"], "the child process could import hf_dllm"
-    assert not result["errors"], "\n".join(result["errors"])
-    return result
+    return run_export_child(root, CHILD, spec)
 
 
 def test_remote_dream_loads_as_the_model_with_generate(fresh_process):
-    for loaded in ("auto_model", "auto_causal", "reference_model"):
-        info = fresh_process[loaded]
-        assert info["class"] == "DreamModel" and info["has_generate"] and info["family"] == "dream"
-        assert info["class_module"].startswith("transformers_modules.")
-        assert info["class_module"].endswith(".modeling_dream")
-        assert info["config_module"].endswith(".configuration_dream")
-        assert info["generation_config_class"] == "DiffusionGenerationConfig"
-    assert fresh_process["auto_config_module"].endswith(".configuration_dream")
-    written = fresh_process["auto_model"]["generation_config"]
-    assert {key: written[key] for key in DREAM_GENERATION_DEFAULTS} == DREAM_GENERATION_DEFAULTS
-    assert written["mask_token_id"] == MASK
+    assert assert_remote_loads(fresh_process, "dream", DREAM_GENERATION_DEFAULTS)["mask_token_id"] == MASK
 
 
 def test_remote_dream_generates_hf_dllms_tokens(fresh_process, exported_dream):
-    model = hf_dllm.DreamModel.from_pretrained(exported_dream).eval()
     cases = chat_cases()
-    expected = generate_cases(model, cases)
-    assert fresh_process["tokens"] == expected
+    model, expected = remote_tokens_are_hf_dllms(fresh_process["tokens"], hf_dllm.DreamModel, exported_dream, cases)
     assert fresh_process["tokens_causal"] == {case["name"]: expected[case["name"]] for case in cases[:2]}
     assert expected["own_sampler"]["nfe"] > 0 and expected["fast_dual_threshold"]["nfe"] > 0
-    case = cases[-1]  # the padded batch: each row gives what it gives alone
-    for row, (ids, keep) in enumerate(zip(case["input_ids"], case["attention_mask"], strict=True)):
-        prompt = [token for token, real in zip(ids, keep, strict=True) if real]
-        alone = model.generate(torch.tensor([prompt]), **case["kwargs"]).sequences[0, len(prompt) :]
-        assert expected["padded"]["sequences"][row][len(ids) :] == alone.tolist()
+    assert_padded_rows_alone(model, cases[-1], expected["padded"]["sequences"])
     torch.manual_seed(0)
     local = model.diffusion_generate(torch.tensor(PROMPT), **DREAM_KWARGS)
     assert fresh_process["diffusion_generate"] == {"sequences": local.sequences.tolist(), "nfe": local.nfe}
 
 
 def test_remote_dream_reproduces_dreams_reference_code(fresh_process, exported_ref):
-    model = hf_dllm.DreamModel.from_pretrained(exported_ref).eval()
     cases = reference_cases()
-    expected = generate_cases(model, cases)
-    assert fresh_process["tokens_reference"] == expected
+    _, expected = remote_tokens_are_hf_dllms(fresh_process["tokens_reference"], hf_dllm.DreamModel, exported_ref, cases)
     for case in cases:
         assert expected[case["name"]]["sequences"] == case["expected"], case["name"]
 
@@ -592,10 +548,8 @@ def test_remote_dream_reproduces_dreams_reference_code(fresh_process, exported_r
 def test_remote_dream_keeps_the_source_settings(fresh_process, kept_source):
     """The export of a checkpoint with its own settings, loaded without hf_dllm, generates with no arguments what the
     source's generate() does with none: 16 tokens in blocks of 8, top-k margin on 8 steps, no cache."""
-    source = hf_dllm.DreamModel.from_pretrained(kept_source).eval()
-    expected = source.generate(torch.tensor(PROMPT))
-    assert expected.shape[1] == len(PROMPT[0]) + SOURCE_GENERATION["max_new_tokens"]
-    assert fresh_process["tokens_kept"] == expected.tolist()
+    new = SOURCE_GENERATION["max_new_tokens"]
+    assert_kept_settings_generate_alike(fresh_process["tokens_kept"], hf_dllm.DreamModel, kept_source, PROMPT, new)
 
 
 def test_remote_dream_validates(fresh_process):
@@ -615,17 +569,7 @@ def test_remote_dream_validates(fresh_process):
 
 
 def test_remote_dream_pipeline_and_card_usage(fresh_process, exported_dream):
-    from transformers import pipeline
-
-    generator = pipeline("text-generation", model=str(exported_dream))
-    assert type(generator.model) is hf_dllm.DreamModel
-    remote = fresh_process["pipeline"]
-    assert remote["class"] == "DreamModel"
-    settings = dict(max_new_tokens=12, block_length=4, steps=6, alg="maskgit_plus")
-    local = generator("Hello", **settings)[0]["generated_text"]
-    assert remote["text"] == local and local.startswith("Hello")
-    chat = generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1]
-    assert remote["chat"] == chat and chat["role"] == "assistant"
+    assert_pipeline_matches(fresh_process["pipeline"], exported_dream, hf_dllm.DreamModel, **PIPELINE_SETTINGS)
     # The card's usage code ran as written: three generations, each printed.
     printed = fresh_process["card_usage"]
     assert len(printed) == 3 and all(isinstance(text, str) for text in printed)

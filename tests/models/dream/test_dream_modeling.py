@@ -24,20 +24,13 @@ from transformers import AutoConfig, AutoModel
 
 import hf_dllm
 from hf_dllm import DiffusionKVCache, DreamConfig, DreamModel
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, reference_fixtures
 
 DREAM = FIXTURES / "dream-tiny-ref"
 PACKAGE = Path(hf_dllm.__file__).parent
 
 
-@pytest.fixture(scope="module")
-def dream():
-    return AutoModel.from_pretrained(DREAM).eval()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return load_file(DREAM / "expected.safetensors")
+dream, expected = reference_fixtures(DREAM)
 
 
 def tiny_config(**overrides) -> DreamConfig:

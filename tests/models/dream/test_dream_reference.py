@@ -12,23 +12,15 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from hf_dllm import DreamModel
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, reference_fixtures
 
 DREAM = FIXTURES / "dream-tiny-ref"
 CASES = json.loads((DREAM / "cases.json").read_text())["cases"]
 
 
-@pytest.fixture(scope="module")
-def dream():
-    return DreamModel.from_pretrained(DREAM).eval()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return load_file(DREAM / "expected.safetensors")
+dream, expected = reference_fixtures(DREAM, DreamModel)
 
 
 def generate_kwargs(case: dict) -> dict:

@@ -15,10 +15,9 @@ from tests.conftest import REFERENCE_DIR
 CASES = json.loads((REFERENCE_DIR / "cases.json").read_text())["cases"]
 
 
-def generate_kwargs(case: dict) -> dict:
-    """Translate the reference's kwargs and method name into generation-config fields."""
-    ref = case["kwargs"]
-    method = case["name"].split(".", 1)[1]
+def reference_kwargs(ref: dict) -> dict:
+    """The arguments of LLaDA's reference `generate()` (`ref`: a recorded case's kwargs) that every reference
+    translation shares, as generation-config fields: `steps` is the call's total, as the reference's."""
     kwargs = dict(
         max_new_tokens=ref["gen_length"],
         block_length=ref["block_length"],
@@ -31,6 +30,15 @@ def generate_kwargs(case: dict) -> dict:
         kwargs["threshold"] = ref["threshold"]  # the reference ignores `steps` under a threshold
     else:
         kwargs["steps"] = ref["steps"]
+    if "cfg_scale" in ref:
+        kwargs["cfg_scale"] = ref["cfg_scale"]
+    return kwargs
+
+
+def generate_kwargs(case: dict) -> dict:
+    """Translate the reference's kwargs and method name into generation-config fields."""
+    kwargs = reference_kwargs(case["kwargs"])
+    method = case["name"].split(".", 1)[1]
     if method.startswith("nocache") or method.startswith("cfg"):
         kwargs["use_cache"] = False
     elif method.startswith("prefix"):
@@ -39,8 +47,6 @@ def generate_kwargs(case: dict) -> dict:
         kwargs.update(use_cache=True, dual_cache=True)
     else:
         raise AssertionError(f"unknown reference method in {case['name']}")
-    if "cfg_scale" in ref:
-        kwargs["cfg_scale"] = ref["cfg_scale"]
     return kwargs
 
 

@@ -17,16 +17,16 @@ from collections import defaultdict
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_dllm  # noqa: F401  (registers llada2_moe)
-from hf_dllm import DiffusionGenerationConfig, LLaDA2MoeConfig
+from hf_dllm import DiffusionGenerationConfig, LLaDA2MoeConfig, left_pad
 from hf_dllm.block_loop import decoding_policies
 from hf_dllm.decoding import ScheduledThreshold, TokenEditing
 from hf_dllm.family import family_for_config
 from hf_dllm.levenshtein_editing import LevenshteinEditing, apply_edit_operations
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, reference_fixtures
+from tests.models.llada2.test_llada2_integration import Recorder
 
 LLADA22 = FIXTURES / "llada22-tiny-ref"
 META = json.loads((LLADA22 / "cases.json").read_text())
@@ -36,14 +36,7 @@ DELETE, SPLIT = META["delete_token_id"], META["split_token_id"]
 PROMPTS = ("p5", "p11", "p16", "p21")
 
 
-@pytest.fixture(scope="module")
-def model():
-    return AutoModelForCausalLM.from_pretrained(LLADA22).eval()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return load_file(LLADA22 / "expected.safetensors")
+model, expected = reference_fixtures(LLADA22, AutoModelForCausalLM)
 
 
 def generate_kwargs(case: dict, **extra) -> dict:
@@ -103,14 +96,7 @@ for _case in CASES:
 
 
 def left_padded(expected, names):
-    prompts = [expected[f"prompt.{name}"][0] for name in names]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), EOS)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = prompt
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
+    return left_pad([expected[f"prompt.{name}"][0].tolist() for name in names], EOS)
 
 
 def run_group(model, expected, cases, use_cache):
@@ -284,30 +270,18 @@ def test_eos_never_stops_a_block_early_and_cuts_the_output(model, expected):
         assert out.sequences[0, prompt.shape[1] + first_eos] == EOS
 
 
-class RecordingStreamer:
-    def __init__(self):
-        self.chunks: list[torch.Tensor] = []
-        self.ended = False
-
-    def put(self, value):
-        self.chunks.append(value.clone())
-
-    def end(self):
-        self.ended = True
-
-
 def test_streamer_sees_only_committed_tokens(model, expected):
     """A `TextStreamer`-style `put` gets the prompt, then committed tokens only: never MASK, DELETE or SPLIT, and
     never a token that changes later (edits happen inside the block under way, which is not streamed)."""
     for case in (busiest(lambda c: c["finish"] == "eos"), busiest(lambda c: c["finish"] == "length")):
         prompt = expected[f"prompt.{case['prompt']}"]
-        streamer = RecordingStreamer()
+        streamer = Recorder()
         out = model.generate(prompt, streamer=streamer, **generate_kwargs(case))
-        assert streamer.ended and torch.equal(streamer.chunks[0], prompt)
-        streamed = torch.cat([chunk.reshape(1, -1) for chunk in streamer.chunks[1:]], dim=1)[0]
+        assert streamer.ended and torch.equal(streamer.puts[0], prompt)
+        streamed = torch.cat([chunk.reshape(1, -1) for chunk in streamer.puts[1:]], dim=1)[0]
         assert not torch.isin(streamed, torch.tensor([MASK, DELETE, SPLIT])).any()
         assert torch.equal(streamed, out.sequences[0, prompt.shape[1] :])
-        assert len(streamer.chunks) > 2  # block by block
+        assert len(streamer.puts) > 2  # block by block
 
 
 # ----- config ids -----

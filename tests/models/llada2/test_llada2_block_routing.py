@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import sys
 import textwrap
 
 import pytest
@@ -36,7 +34,7 @@ from hf_dllm.llada2_moe_layer import (
     routing_blocks_for_positions,
 )
 from hf_dllm.packed import PackedRows
-from tests.conftest import ROOT, BackgroundJob
+from tests.conftest import interpreter_job
 
 ATOL = 2e-5
 
@@ -420,12 +418,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
-INTERPRETER_RUN = BackgroundJob(
-    lambda _workdir: {"fused": [sys.executable, "-c", INTERPRETER_SCRIPT]},
-    timeout=600,
-    when=lambda: importlib.util.find_spec("triton") is not None,
-    cwd=ROOT,
-    env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+INTERPRETER_RUN = interpreter_job(
+    {"fused": INTERPRETER_SCRIPT}, timeout=600, when=lambda: importlib.util.find_spec("triton") is not None
 )
 
 
@@ -441,7 +435,7 @@ def test_fused_path_matches_the_reference_in_the_interpreter():
 def test_fused_router_on_cuda_matches_pytorch_without_host_syncs_and_captures(tokens):
     """On a GPU at LLaDA2.2-mini's router shape (256 experts, top-8, capacity 48, blocks of 32): `fused_block_route`
     (two Triton kernels) equals the PyTorch router, never makes the host wait, and replays in a CUDA graph."""
-    import warnings
+    from tests.generation.test_gpu import recorded_host_syncs
 
     config = moe_config(num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, block_size=32,
                         expert_capacity=48)  # fmt: skip
@@ -457,15 +451,9 @@ def test_fused_router_on_cuda_matches_pytorch_without_host_syncs_and_captures(to
     index, weight = fused()
     assert torch.equal(index, ref_index)
     torch.testing.assert_close(weight, ref_weight, atol=1e-6, rtol=1e-6)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fused()
-            gate.route(logits, blocks)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    with recorded_host_syncs() as caught:
+        fused()
+        gate.route(logits, blocks)
     # torch's "called a synchronizing CUDA operation" (not its one-time notice that the debug mode is a prototype
     # that "does not yet detect all synchronizing operations")
     syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message)]

@@ -8,16 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from hf_dllm.cli.completion_text import completion_text, stop_token_ids
 from hf_dllm.evaluation import evaluate
 from hf_dllm.evaluation.likelihood import mc_loglikelihood
-from tests.conftest import DATA, save_checkpoint
+from tests.conftest import save_checkpoint
+from tests.evaluation.eval_helpers import (
+    assert_eval_equals_generate,
+    assert_responses_are,
+    eval_direct,
+    load_checkpoint,
+    run_lm_eval,
+)
 from tests.models.llada2.test_llada2_integration import tiny_llada2
 
-TASKS_DIR = DATA / "lm_eval_tasks"
-QUESTIONS = [json.loads(line)["question"] for line in (DATA / "tiny_tasks.jsonl").read_text().splitlines()[:5]]
 # LLaDA2's rule: 8 steps over the call's blocks of 4 (2 or 3 of them for 8 tokens), each committing every position
 # above 0.6 or its scheduled count.
 SETTINGS = {"max_new_tokens": 8, "block_length": 4, "threshold": 0.6, "steps": 8}
@@ -30,46 +33,16 @@ def llada2_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(llada2_checkpoint):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(llada2_checkpoint, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(llada2_checkpoint)
-
-
-def direct(model, tokenizer, ids: list[int], until=(), **settings) -> tuple[str, int]:
-    """(prediction, nfe) of a direct generate() on one prompt, cut as the evaluators cut it."""
-    out = model.generate(torch.tensor([ids]), return_dict_in_generate=True, **settings)
-    stops = stop_token_ids(model.generation_config, tokenizer)
-    return completion_text(tokenizer, out.sequences[0, len(ids) :].tolist(), stops, list(until)), int(
-        out.nfe_per_row[0]
-    )
+    return load_checkpoint(llada2_checkpoint)
 
 
 def test_hf_dllm_eval_runs_llada2(llada2_checkpoint, loaded, tmp_path):
     model, tokenizer = loaded
-    expected = []
-    for question in QUESTIONS:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        expected.append(direct(model, tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"], **SETTINGS))
-    rows = [
-        {"question": q, "answer": p if i % 2 else p + "#"}
-        for i, (q, (p, _)) in enumerate(zip(QUESTIONS, expected, strict=True))
-    ]
-    dataset = tmp_path / "data.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     options = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
-    args = [str(llada2_checkpoint), "--dataset", str(dataset), "--batch-size", "3", "--dtype", "float32"]
-    assert evaluate.main([*args, "--output-dir", str(tmp_path / "out"), "--quiet", *options]) == 0
-    predictions = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    # Padded batches of 3: each row gets the tokens and the forwards it gets alone.
-    assert [(p["prediction"], p["nfe"]) for p in predictions] == expected
-    assert [p["correct"] for p in predictions] == [i % 2 == 1 for i in range(len(rows))]
+    args, summary = assert_eval_equals_generate(llada2_checkpoint, model, tokenizer, tmp_path, SETTINGS, options)
     assert summary["generation_config"]["steps"] == 8 and summary["generation_config"]["threshold"] == 0.6
     # The LLaDA2.1 fields are options too; a contradiction is refused before any work (exit 2).
-    editing = [*args, "--output-dir", str(tmp_path / "edit"), "--quiet", "--max-new-tokens", "8", "--block-length"]
+    editing = [*args, "--output-dir", str(tmp_path / "edit"), "--max-new-tokens", "8", "--block-length"]
     editing += ["4", "--editing-threshold", "0.5", "--max-post-steps", "2", "--num-to-transfer", "2"]
     assert evaluate.main(editing) == 0
     config = json.loads((tmp_path / "edit" / "summary.json").read_text())["generation_config"]
@@ -79,31 +52,19 @@ def test_hf_dllm_eval_runs_llada2(llada2_checkpoint, loaded, tmp_path):
 
 def test_lm_eval_runs_llada2(llada2_checkpoint, loaded):
     pytest.importorskip("lm_eval")
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     from hf_dllm.evaluation.lm_eval_model import DiffusionEvalLM
 
     model, tokenizer = loaded
     settings = "dtype=float32,block_length=4,threshold=0.6,steps=8,gen_length=8"
-    results = lm_eval.simple_evaluate(
-        model="hf_dllm",
-        model_args=f"pretrained={llada2_checkpoint},{settings}",
-        tasks=["hf_dllm_tiny_gen"],
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        batch_size=3,
-        device="cpu",
-        limit=3,
-        apply_chat_template=True,
-        log_samples=True,
-    )
+    results = run_lm_eval(llada2_checkpoint, settings, ["hf_dllm_tiny_gen"], batch_size=3, limit=3)
     assert 0.0 <= results["results"]["hf_dllm_tiny_gen"]["exact_match,none"] <= 1.0
     samples = results["samples"]["hf_dllm_tiny_gen"]
     assert len(samples) == 3
-    for sample in samples:
-        context, gen_kwargs = sample["arguments"][0]
-        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        assert sample["resps"][0][0] == direct(model, tokenizer, ids, gen_kwargs["until"], **SETTINGS)[0]
+    assert_responses_are(
+        samples,
+        tokenizer,
+        lambda ids, gen_kwargs: eval_direct(model, tokenizer, ids, gen_kwargs["until"], **SETTINGS)[0],
+    )
 
     # LLaDA2.1's editing fields in model_args; the log-likelihood estimator is LLaDA's only.
     lm = DiffusionEvalLM(pretrained=model, tokenizer=tokenizer, device="cpu", editing_threshold=0.5, max_post_steps=2)
@@ -115,7 +76,7 @@ def test_lm_eval_runs_llada2(llada2_checkpoint, loaded):
 
     (text,) = lm.generate_until([Request("copy ab", {"until": ["\n"], "max_gen_toks": 8, "block_length": 4})])
     ids = lm.tok_encode("copy ab")
-    expected = direct(
+    expected = eval_direct(
         model, tokenizer, ids, ["\n"], max_new_tokens=8, block_length=4, editing_threshold=0.5, max_post_steps=2
     )
     assert text == expected[0]

@@ -20,15 +20,21 @@ from hf_dllm.hub import export
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import MODEL_FAMILIES, ExportError
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import FIXTURES, export_to, generate_cases, run_without_hf_dllm, with_mask_id
+from tests.conftest import FIXTURES, export_to, with_mask_id
+from tests.hub.export_helpers import (
+    assert_export_refused,
+    assert_generation_config_file,
+    assert_padded_rows_alone,
+    assert_pipeline_matches,
+    assert_remote_loads,
+    remote_tokens_are_hf_dllms,
+    run_export_child,
+)
 from tests.models.llada2.test_llada2_integration import tiny_llada2
 
-PACKAGE_DIR = Path(hf_dllm.__file__).parent
 LLADA21_REF = FIXTURES / "llada21-tiny-ref"
 FAMILY = MODEL_FAMILIES["llada2"]
 LLADA2_GENERATION_DEFAULTS = FAMILY.generation_defaults
-LLADA2_FILES = FAMILY.remote_code_files
-TOKENIZER_SAVED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MASK, EOS = 3, 0  # the character tokenizer's
 
 
@@ -87,11 +93,7 @@ def test_llada2_generation_config_defaults(exported_llada2, exported_llada21_ref
         "pad_token_id": 0,
         "bos_token_id": 1,
     }
-    written = json.loads((exported_llada2 / "generation_config.json").read_text())
-    metadata = {"transformers_version", "_from_model_config"}
-    assert {k: v for k, v in written.items() if k not in metadata} == {
-        k: v for k, v in expected.items() if v is not None
-    }
+    assert_generation_config_file(exported_llada2, expected)
     written = json.loads((exported_llada21_ref / "generation_config.json").read_text())
     assert (written["mask_token_id"], written["eos_token_id"], written["threshold"]) == (310, 301, 0.95)
     assert "eot_token_id" not in written  # LLaDA's <|eot_id|> lookup is LLaDA's
@@ -170,11 +172,10 @@ def test_llada2_card(exported_llada2):
     ],
 )
 def test_llada2_card_of_another_family_is_refused(tmp_path, llada2_checkpoint, card, message):
-    with pytest.raises(ExportError, match=message):
-        export_checkpoint(llada2_checkpoint, tmp_path / "out", card=card)
-    assert not (tmp_path / "out").exists()
-    with pytest.raises(ExportError, match="describes a LLaDA2.x model"):
-        export_checkpoint(FIXTURES / "llada-tiny-ref", tmp_path / "out", card="llada2.0-mini")
+    assert_export_refused(llada2_checkpoint, tmp_path / "out", message, card=card)
+    assert_export_refused(
+        FIXTURES / "llada-tiny-ref", tmp_path / "out", "describes a LLaDA2.x model", card="llada2.0-mini"
+    )
 
 
 def test_unknown_model_type_names_the_supported_ones(tmp_path):
@@ -227,9 +228,7 @@ def test_untied_llada2_weights_are_verified(tmp_path, breakage, message):
         (src / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 32}))
     elif breakage == "fewer-experts":
         (src / "config.json").write_text(json.dumps({**config, "num_experts": 4, "n_group": 2, "topk_group": 1}))
-    with pytest.raises(ExportError, match=message):
-        export_checkpoint(src, tmp_path / "out", tokenizer=False)
-    assert not (tmp_path / "out").exists()
+    assert_export_refused(src, tmp_path / "out", message, tokenizer=False)
 
 
 # --- a fresh process without hf_dllm ------------------------------------------------------------------------------
@@ -237,17 +236,11 @@ def test_untied_llada2_weights_are_verified(tmp_path, breakage, message):
 # Run after conftest's CHILD_PRELUDE (spec, out, record, expect_error, describe, no_hf_dllm, generate_cases).
 CHILD = textwrap.dedent(
     r"""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer, pipeline
+    from transformers import AutoModel, AutoTokenizer, TextIteratorStreamer
 
     out["no_hf_dllm"] = no_hf_dllm()
     chat, reference = spec["chat"], spec["reference"]
-    record("auto_config_module", lambda: type(AutoConfig.from_pretrained(chat, trust_remote_code=True)).__module__)
-    model = AutoModel.from_pretrained(chat, trust_remote_code=True).eval()
-    out["auto_model"] = describe(model)
-    record("tokens", lambda: generate_cases(model, spec["cases"]))
-    causal = AutoModelForCausalLM.from_pretrained(chat, trust_remote_code=True).eval()
-    out["auto_causal"] = describe(causal)
-    record("tokens_causal", lambda: generate_cases(causal, spec["cases"][:2]))
+    model = load_with_remote_code(chat, spec["cases"], spec["cases"][:2])
     edited = AutoModel.from_pretrained(reference, trust_remote_code=True).eval()
     out["reference_model"] = describe(edited)
     record("tokens_reference", lambda: generate_cases(edited, spec["reference_cases"]))
@@ -257,15 +250,7 @@ CHILD = textwrap.dedent(
         "factor_with_steps": expect_error(lambda: model.generate(prompt, factor=1.0, steps=8)),
     }
 
-    def run_pipeline():
-        generator = pipeline("text-generation", model=chat, trust_remote_code=True)
-        return {
-            "text": generator("Hello", max_new_tokens=12, block_length=4, threshold=0.6)[0]["generated_text"],
-            "chat": generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1],
-            "class": type(generator.model).__name__,
-        }
-
-    record("pipeline", run_pipeline)
+    record("pipeline", lambda: run_pipeline(chat, spec["pipeline_settings"]))
 
     def run_streamer():
         tokenizer = AutoTokenizer.from_pretrained(chat)
@@ -278,6 +263,9 @@ CHILD = textwrap.dedent(
     record("streamer", run_streamer)
     """
 )
+
+
+PIPELINE_SETTINGS = dict(max_new_tokens=12, block_length=4, threshold=0.6)
 
 
 def chat_cases() -> list[dict]:
@@ -348,26 +336,15 @@ def fresh_process(tmp_path_factory, exported_llada2, exported_llada21_ref) -> di
         "chat": str(exported_llada2),
         "reference": str(exported_llada21_ref),
         "cases": chat_cases(),
+        "pipeline_settings": PIPELINE_SETTINGS,
         "reference_cases": [{k: v for k, v in case.items() if k != "expected"} for case in reference_cases()],
     }
-    result = run_without_hf_dllm(root, CHILD, spec)
-    assert result["no_hf_dllm"], "the child process could import hf_dllm"
-    assert not result["errors"], "\n".join(result["errors"])
-    return result
+    return run_export_child(root, CHILD, spec)
 
 
 @pytest.mark.slow
 def test_remote_llada2_loads_as_the_lm_with_diffusion_generate(fresh_process):
-    for loaded in ("auto_model", "auto_causal", "reference_model"):
-        info = fresh_process[loaded]
-        assert info["class"] == "LLaDA2MoeModelLM" and info["family"] == "llada2"
-        assert info["class_module"].startswith("transformers_modules.")
-        assert info["class_module"].endswith(".modeling_llada2_moe")
-        assert info["config_module"].endswith(".configuration_llada2_moe")
-        assert info["generation_config_class"] == "DiffusionGenerationConfig"
-    assert fresh_process["auto_config_module"].endswith(".configuration_llada2_moe")
-    written = fresh_process["auto_model"]["generation_config"]
-    assert {key: written[key] for key in LLADA2_GENERATION_DEFAULTS} == LLADA2_GENERATION_DEFAULTS
+    assert_remote_loads(fresh_process, "llada2", LLADA2_GENERATION_DEFAULTS)
     errors = fresh_process["errors_validation"]
     assert "`steps` must be None with `editing_threshold`" in errors["steps_with_editing"]
     assert "`steps` must be None with `factor`" in errors["factor_with_steps"]
@@ -375,25 +352,20 @@ def test_remote_llada2_loads_as_the_lm_with_diffusion_generate(fresh_process):
 
 @pytest.mark.slow
 def test_remote_llada2_generates_generate_cases(fresh_process, exported_llada2, exported_llada21_ref):
-    model = hf_dllm.LLaDA2MoeModelLM.from_pretrained(exported_llada2).eval()
     cases = chat_cases()
-    expected = generate_cases(model, cases)
-    assert fresh_process["tokens"] == expected
+    model, expected = remote_tokens_are_hf_dllms(
+        fresh_process["tokens"], hf_dllm.LLaDA2MoeModelLM, exported_llada2, cases
+    )
     assert fresh_process["tokens_causal"] == {case["name"]: expected[case["name"]] for case in cases[:2]}
     assert expected["editing"]["nfe"] > 0 and expected["steps_threshold"]["nfe"] <= 6
-    case = cases[4]  # the padded batch: each row gives what it gives alone
-    for row, (ids, keep) in enumerate(zip(case["input_ids"], case["attention_mask"], strict=True)):
-        prompt = [token for token, real in zip(ids, keep, strict=True) if real]
-        alone = model.generate(torch.tensor([prompt]), **case["kwargs"]).sequences[0, len(prompt) :]
-        assert expected["padded"]["sequences"][row][len(ids) :] == alone.tolist()
+    assert_padded_rows_alone(model, cases[4], expected["padded"]["sequences"])
 
 
 @pytest.mark.slow
 def test_remote_llada21_editing_matches_hf_dllm_and_the_reference(fresh_process, exported_llada21_ref):
-    model = hf_dllm.LLaDA2MoeModelLM.from_pretrained(exported_llada21_ref).eval()
     cases = reference_cases()
-    expected = generate_cases(model, cases)
-    assert fresh_process["tokens_reference"] == expected
+    reference_tokens = fresh_process["tokens_reference"]
+    _, expected = remote_tokens_are_hf_dllms(reference_tokens, hf_dllm.LLaDA2MoeModelLM, exported_llada21_ref, cases)
     for case in cases:
         assert case["kwargs"]["editing_threshold"] is not None
         generated = expected[case["name"]]["sequences"][0][len(case["input_ids"][0]) :]
@@ -403,15 +375,7 @@ def test_remote_llada21_editing_matches_hf_dllm_and_the_reference(fresh_process,
 
 @pytest.mark.slow
 def test_remote_llada2_pipeline_and_streamer(fresh_process, exported_llada2):
-    from transformers import pipeline
-
-    generator = pipeline("text-generation", model=str(exported_llada2))
-    assert type(generator.model) is hf_dllm.LLaDA2MoeModelLM
     remote = fresh_process["pipeline"]
-    assert remote["class"] == "LLaDA2MoeModelLM"
-    local = generator("Hello", max_new_tokens=12, block_length=4, threshold=0.6)[0]["generated_text"]
-    assert remote["text"] == local and local.startswith("Hello")
-    chat = generator([{"role": "user", "content": "Hi"}], max_new_tokens=8)[0]["generated_text"][-1]
-    assert remote["chat"] == chat and chat["role"] == "assistant"
+    local = assert_pipeline_matches(remote, exported_llada2, hf_dllm.LLaDA2MoeModelLM, **PIPELINE_SETTINGS)
     streamed = fresh_process["streamer"]
     assert streamed["streamed"] == streamed["decoded"] == local[len("Hello") :]

@@ -14,10 +14,9 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from hf_dllm import DiffusionGenerationConfig, LLaDA2MoeModelLM
-from tests.conftest import FIXTURES
+from hf_dllm import DiffusionGenerationConfig, LLaDA2MoeModelLM, left_pad
+from tests.conftest import FIXTURES, reference_fixtures
 
 LLADA2 = FIXTURES / "llada2-tiny-ref"
 LLADA21 = FIXTURES / "llada21-tiny-ref"
@@ -26,24 +25,8 @@ CASES21 = json.loads((LLADA21 / "cases.json").read_text())["cases"]
 MASK, EOS = 310, 301
 
 
-@pytest.fixture(scope="module")
-def llada2():
-    return LLaDA2MoeModelLM.from_pretrained(LLADA2).eval()
-
-
-@pytest.fixture(scope="module")
-def llada21():
-    return LLaDA2MoeModelLM.from_pretrained(LLADA21).eval()
-
-
-@pytest.fixture(scope="module")
-def expected2():
-    return load_file(LLADA2 / "expected.safetensors")
-
-
-@pytest.fixture(scope="module")
-def expected21():
-    return load_file(LLADA21 / "expected.safetensors")
+llada2, expected2 = reference_fixtures(LLADA2, LLaDA2MoeModelLM)
+llada21, expected21 = reference_fixtures(LLADA21, LLaDA2MoeModelLM)
 
 
 def decoded_blocks(prompt_length: int, new_tokens: int, block_length: int) -> int:
@@ -136,12 +119,8 @@ def test_left_padded_batch_rows_equal_rows_alone(llada2, expected2, setting, eos
     """Prompts of lengths 5, 11, 16 and 21 (different offsets inside a block of 8, one a multiple of it) in one
     left-padded batch: each row gets the tokens and the forward count it gets alone."""
     prompts = [expected2[f"prompt.{name}"][0] for name in ("p5", "p11", "p16", "p21")]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), EOS)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = prompt
-        mask[row, width - len(prompt) :] = 1
+    ids, mask = left_pad([prompt.tolist() for prompt in prompts], EOS)
+    width = ids.shape[1]
     kwargs = dict(
         max_new_tokens=30,
         block_length=8,

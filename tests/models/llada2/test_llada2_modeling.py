@@ -122,37 +122,27 @@ def test_a_token_changes_its_own_block_and_later_blocks_only(model):
 def test_diffusion_cache_block_forward_equals_full_forward(model, attn_implementation, start, end):
     ids = random_ids(2, 40, seed=2)
     full = logits_with(model, attn_implementation, ids, block_length=BLOCK)
+
+    def cached(first: int, last: int, cache: DiffusionKVCache) -> torch.Tensor:
+        """Logits of positions [first, last) over `cache`, which the forward fills at those positions."""
+        positions = torch.arange(first, last)
+        return logits_with(
+            model,
+            attn_implementation,
+            ids[:, first:last],
+            past_key_values=cache,
+            cache_position=positions,
+            block_length=BLOCK,
+        )
+
     cache = DiffusionKVCache(model.config.num_hidden_layers, 2, 40)
     # Prefill the blocks before `start` only: later columns of the buffer stay zero and must stay invisible.
-    logits_with(
-        model,
-        attn_implementation,
-        ids[:, :start],
-        past_key_values=cache,
-        cache_position=torch.arange(start),
-        block_length=BLOCK,
-    )
-    part = logits_with(
-        model,
-        attn_implementation,
-        ids[:, start:end],
-        past_key_values=cache,
-        cache_position=torch.arange(start, end),
-        block_length=BLOCK,
-    )
-    torch.testing.assert_close(part, full[:, start:end], atol=ATOL, rtol=0)
+    cached(0, start, cache)
+    torch.testing.assert_close(cached(start, end, cache), full[:, start:end], atol=ATOL, rtol=0)
     # Dual-cache style: every column cached, a middle block recomputed (the blocks after it are masked out).
     cache = DiffusionKVCache(model.config.num_hidden_layers, 2, 40)
     logits_with(model, attn_implementation, ids, past_key_values=cache, block_length=BLOCK)
-    again = logits_with(
-        model,
-        attn_implementation,
-        ids[:, start:end],
-        past_key_values=cache,
-        cache_position=torch.arange(start, end),
-        block_length=BLOCK,
-    )
-    torch.testing.assert_close(again, full[:, start:end], atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached(start, end, cache), full[:, start:end], atol=ATOL, rtol=0)
 
 
 def test_diffusion_cache_partial_forward_needs_cache_position(model):

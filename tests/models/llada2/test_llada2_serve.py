@@ -8,14 +8,12 @@ what it gets alone. The server runs in this process on 127.0.0.1 (see tests/serv
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+# The serve extra (fastapi, uvicorn): importing tests.serving.test_serve skips this module without it.
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
@@ -24,14 +22,15 @@ from tests.conftest import save_checkpoint, tiny_model  # noqa: E402
 from tests.models.llada2.test_llada2_integration import tiny_llada2  # noqa: E402
 from tests.serving.test_serve import (  # noqa: E402
     MODEL_NAME,
-    RunningServer,
     StopStringCriterion,
     assert_chat_and_its_stream_equal,
+    assert_concurrent_requests_exact,
     assert_error,
     assert_streamed_completion_equals,
     chat_ids,
     early_stop_string,
     prompt_ids,
+    serving,
 )
 
 
@@ -41,17 +40,7 @@ def llada2_dir(tmp_path_factory) -> Path:
     return save_checkpoint(tiny_llada2(seed=2), tmp_path_factory.mktemp("llada2-tiny-random"))
 
 
-@pytest.fixture(scope="module")
-def server(llada2_dir):
-    # A long batching window: the concurrent requests of the batching test are decoded in one generate() call.
-    running = RunningServer(llada2_dir, max_batch_size=8)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+server = serving("llada2_dir")
 
 
 def direct(server, ids: list[int], max_tokens: int, **extra) -> tuple[str, int, int, str]:
@@ -147,24 +136,7 @@ def test_concurrent_requests_of_different_lengths_share_layouts(server, client):
     prompts = ["Hi", "The cat sat"]
     fields = {"block_length": 4, "threshold": 0.6}
     expected = [direct(server, prompt_ids(server, prompt), 12, **fields) for prompt in prompts]
-    before = server.stats
-
-    def ask(prompt):
-        return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, extra_body=fields)
-
-    with ThreadPoolExecutor(2) as pool:
-        outs = list(pool.map(ask, prompts, timeout=120))
-    after = server.stats
-    for out, (text, tokens, nfe, finish) in zip(outs, expected, strict=True):
-        assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == (
-            text,
-            finish,
-            tokens,
-        )
-        # The run counts a row's forwards only while the row still decodes: the NFE it has alone.
-        assert out.usage.model_extra["nfe"] == nfe
-    assert after["rows"] - before["rows"] == 2
-    assert after["errors"] == before["errors"]
+    assert_concurrent_requests_exact(server, client, prompts, fields, expected)
     # One request with both prompts is the same padded call: the same texts.
     shared = server.stats["layout_sizes"].get("2", 0)
     out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, extra_body=fields)

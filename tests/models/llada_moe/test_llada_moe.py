@@ -24,7 +24,8 @@ from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.generation_config import DiffusionGenerationConfig
 from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, LLaDAMoESparseMoeBlock
 from hf_dllm.packed import PackedRows
-from tests.conftest import FIXTURES
+from tests.conftest import CACHE_MODES, FIXTURES, assert_cache_modes_agree, reference_fixtures
+from tests.models.llada.test_reference_parity import reference_kwargs
 
 FIXTURE = FIXTURES / "lladamoe-tiny-ref"
 CASES = json.loads((FIXTURE / "cases.json").read_text())["cases"]
@@ -32,14 +33,7 @@ FIXTURE_CONFIG = json.loads((FIXTURE / "config.json").read_text())
 MASK, EOS = 310, 301
 
 
-@pytest.fixture(scope="module")
-def model():
-    return LLaDAMoEModelLM.from_pretrained(FIXTURE).eval()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return load_file(FIXTURE / "expected.safetensors")
+model, expected = reference_fixtures(FIXTURE, LLaDAMoEModelLM)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,24 +369,7 @@ def test_router_logits_are_returned_per_moe_layer():
 def generate_kwargs(case: dict) -> dict:
     """The reference's kwargs in `DiffusionGenerationConfig` terms (`steps` is the call's total, as the
     reference's)."""
-    ref = case["kwargs"]
-    kwargs = dict(
-        max_new_tokens=ref["gen_length"],
-        block_length=ref["block_length"],
-        mask_token_id=ref["mask_id"],
-        temperature=ref["temperature"],
-        remasking=ref["remasking"],
-        use_cache=False,
-        eos_early_stop=False,
-        return_dict_in_generate=True,
-    )
-    if "threshold" in ref:
-        kwargs["threshold"] = ref["threshold"]  # the reference ignores `steps` under a threshold
-    else:
-        kwargs["steps"] = ref["steps"]
-    if "cfg_scale" in ref:
-        kwargs["cfg_scale"] = ref["cfg_scale"]
-    return kwargs
+    return {**reference_kwargs(case["kwargs"]), "remasking": case["kwargs"]["remasking"], "use_cache": False}
 
 
 def test_every_case_is_tested():
@@ -417,12 +394,6 @@ def test_reference_case(case, model, expected):
 # ----------------------------------------------------------------------------------------------------------------
 # (5) prefix / dual cache, padding
 # ----------------------------------------------------------------------------------------------------------------
-
-CACHE_MODES = {
-    "none": dict(use_cache=False),
-    "prefix": dict(use_cache=True, dual_cache=False),
-    "dual": dict(use_cache=True, dual_cache=True),
-}
 
 
 def padded_batch(expected) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -546,24 +517,8 @@ def test_cache_modes_agree_where_each_block_is_one_full_forward(model, expected,
     give exactly the uncached tokens, in one forward per block."""
     ids, mask, _ = padded_batch(expected)
     decoding = dict(steps=4) if rule == "one_step_per_block" else dict(threshold=1e-9)
-    outs = {
-        cache: model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=32,
-            block_length=8,
-            mask_token_id=MASK,
-            cfg_scale=cfg_scale,
-            eos_early_stop=False,
-            return_dict_in_generate=True,
-            **decoding,
-            **settings,
-        )
-        for cache, settings in CACHE_MODES.items()
-    }
-    for out in outs.values():
-        assert out.nfe == 4
-        assert torch.equal(out.sequences, outs["none"].sequences)
+    settings = dict(attention_mask=mask, max_new_tokens=32, block_length=8, mask_token_id=MASK, cfg_scale=cfg_scale)
+    assert_cache_modes_agree(model, ids, 4, **settings, **decoding)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

@@ -22,6 +22,7 @@ from hf_dllm import fp8
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.kernels import set_kernel_mode
 from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
+from tests.conftest import random_weights_model
 from tests.models.llada_moe.test_llada_moe import generate_kwargs
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
@@ -53,13 +54,7 @@ def random_config(**overrides) -> LLaDAMoEConfig:
 
 def random_model(config: LLaDAMoEConfig, dtype=torch.bfloat16, device="cpu") -> LLaDAMoEModelLM:
     """Random weights spread so that routing is not uniform."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LLaDAMoEModelLM._from_config(config, dtype=dtype).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model
+    return random_weights_model(LLaDAMoEModelLM, config, dtype=dtype, device=device, noise=0.05)
 
 
 def quantized_copy(model: LLaDAMoEModelLM, device="cpu") -> LLaDAMoEModelLM:
