@@ -454,7 +454,8 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
         )
         expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
-        return combine(expert_rows, rows, weights.to(x.dtype).float(), False, residual)
+        # The weights rounded to x's dtype and read as such: the kernel widens them to float32 (one cast kernel less).
+        return combine(expert_rows, rows, weights.to(x.dtype), False, residual)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop

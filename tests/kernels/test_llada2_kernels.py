@@ -118,6 +118,10 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
         ref = (expert_rows[rows[:, :4]] * weight[..., None]).sum(1)
         ref = residual + (ref + expert_rows[rows[:, 4]] if shared else ref)
         assert torch.allclose(out, ref, atol=1e-6), "combine"
+        # Half-precision weights (LLaDA-MoE's, rounded to the activations' dtype) are widened in the kernel.
+        half_rows, half_weight, half_residual = expert_rows.half(), weight.half(), residual.half()
+        widened = triton_moe.combine(half_rows, rows, half_weight.float(), shared, half_residual)
+        assert torch.equal(triton_moe.combine(half_rows, rows, half_weight, shared, half_residual), widened), "combine"
 
     # The q/k norm + RoPE + cache write on some of the projection's heads (a tensor-parallel rank's: query heads
     # [2, 4) and key/value head 1 of 4 and 2) equals the kernel on a projection holding only those heads; bad head
