@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 
 from .decoding import UnmaskingPolicy, rank_by_confidence
+from .kernels import use_fused_kernels
+from .triton_ops import edit_candidates
 
 NEG_INF = float("-inf")
 
@@ -183,6 +185,23 @@ class LevenshteinEditing(UnmaskingPolicy):
         new_block, _, edited = self.step(proposal.block, proposal.logits, proposal.generated, self._state)
         return new_block, edited
 
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens `(R, B, 3)` of the logits `(R, B, V)`: the argmax over every token, over every token but
+        MASK, and over every token but MASK, DELETE and SPLIT; and their probabilities under the full float32
+        softmax `(R, B, 3)`. One read of the logits where the fused kernels run (`triton_ops.edit_candidates`: the
+        same tokens, the probabilities up to the softmax's summation order), else PyTorch's passes."""
+        if use_fused_kernels(logits):
+            return edit_candidates(logits, self.mask_token_id, self.delete_token_id, self.split_token_id)
+        logits = logits.float()
+        probabilities = logits.softmax(-1)
+        excluded = logits.clone()
+        excluded[..., self.mask_token_id] = NEG_INF
+        no_mask = excluded.argmax(-1)
+        excluded[..., self.delete_token_id] = NEG_INF
+        excluded[..., self.split_token_id] = NEG_INF
+        tokens = torch.stack([logits.argmax(-1), no_mask, excluded.argmax(-1)], dim=-1)
+        return tokens, probabilities.gather(-1, tokens)
+
     def step(
         self, block: torch.Tensor, logits: torch.Tensor, generated: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,17 +213,15 @@ class LevenshteinEditing(UnmaskingPolicy):
         device = block.device
         depth = state["hist"].shape[-1]
         post_limit = self.max_post_steps
-        logits = logits.float()
         positions = torch.arange(length, device=device)
 
         live = ~state["finished"]
         # Original masks: the block's generated MASK positions before its first step (SGLang's `init_step_state`).
         orig = torch.where(state["started"].unsqueeze(-1), state["orig"], generated & (block == mask_id))
 
-        # 1. Greedy token and its probability.
-        probabilities = logits.softmax(-1)
-        x = logits.argmax(-1)
-        p = probabilities.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+        # 1. Greedy token and its probability (and the greedy tokens without MASK, without MASK / DELETE / SPLIT).
+        tokens, probabilities = self.candidates(logits)
+        x, p = tokens[..., 0], probabilities[..., 0]
 
         # 2-4. Masks, original masks, counters, whether this is the final cleanup.
         masked = generated & (block == mask_id)
@@ -221,12 +238,9 @@ class LevenshteinEditing(UnmaskingPolicy):
         final = final | (updates > length + post_limit)
 
         # 5. At original masks, MASK predictions take the best other token (not at the final cleanup).
-        no_mask = logits.clone()
-        no_mask[..., mask_id] = NEG_INF
-        x_no_mask = no_mask.argmax(-1)
         fallback = original & (x == mask_id) & ~final.unsqueeze(-1)
-        x = torch.where(fallback, x_no_mask, x)
-        p = torch.where(fallback, probabilities.gather(-1, x_no_mask.unsqueeze(-1)).squeeze(-1), p)
+        x = torch.where(fallback, tokens[..., 1], x)
+        p = torch.where(fallback, probabilities[..., 1], p)
 
         # 6. M2T selection.
         confidence = torch.where(masked, p, NEG_INF)
@@ -251,11 +265,8 @@ class LevenshteinEditing(UnmaskingPolicy):
         writes = write.any(-1) & live
 
         # 10. The final cleanup writes no MASK, DELETE or SPLIT.
-        clean = no_mask
-        clean[..., delete_id] = NEG_INF
-        clean[..., split_id] = NEG_INF
         forbidden = (x == mask_id) | (x == delete_id) | (x == split_id)
-        x = torch.where(final.unsqueeze(-1) & write & forbidden, clean.argmax(-1), x)
+        x = torch.where(final.unsqueeze(-1) & write & forbidden, tokens[..., 2], x)
 
         # 11. Anti-loop: a block content seen before re-samples its least confident changing position without the
         # tokens ever written at that index (and without MASK at an original mask).
@@ -268,7 +279,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         history = state["hist"].gather(1, chosen.view(rows, 1, 1).expand(rows, 1, depth)).squeeze(1)
         vocab = logits.shape[-1]
         excluded = torch.zeros(rows, vocab, device=device).scatter_add_(1, history.clamp(min=0), (history >= 0).float())
-        chosen_logits = logits.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, vocab)).squeeze(1)
+        chosen_logits = logits.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, vocab)).squeeze(1).float()
         chosen_logits = chosen_logits.masked_fill(excluded > 0, NEG_INF)
         chosen_original = original.gather(1, chosen.unsqueeze(-1)).squeeze(-1)
         chosen_logits[:, mask_id] = torch.where(chosen_original, NEG_INF, chosen_logits[:, mask_id])

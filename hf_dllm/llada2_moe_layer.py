@@ -237,7 +237,7 @@ if MOE_KERNELS_AVAILABLE:
     def _block_route_kernel(logits_ptr, bias_ptr, ids_ptr, block_ptr, index_ptr, weight_ptr, n_experts, capacity,
                             scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
                             NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                            LIBDEVICE: tl.constexpr):  # fmt: skip
+                            RANK_CHUNK: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
         # One program per token: its block's `capacity` best experts by block maximum (ties: the lowest index), then
         # its top-k of them by choice score and their weights, as `triton_moe.route`'s top-k.
         token = tl.program_id(0).to(tl.int64)
@@ -247,15 +247,22 @@ if MOE_KERNELS_AVAILABLE:
             logits_ptr + token * n_experts, bias_ptr, expert, valid, SIGMOID, HAS_BIAS, LIBDEVICE
         )
         block = tl.load(ids_ptr + token).to(tl.int64)
-        block_score = tl.load(block_ptr + block * n_experts + expert, mask=valid, other=float("-inf"))
+        block_row = block_ptr + block * n_experts
+        block_score = tl.load(block_row + expert, mask=valid, other=float("-inf"))
         lanes = tl.where(valid, expert, 2147483647)
-        allowed = expert < 0
-        for _ in range(capacity):
-            best = tl.max(block_score, axis=0)
-            top = tl.min(tl.where(block_score == best, lanes, 2147483647), axis=0)
-            allowed = allowed | (lanes == top)
-            block_score = tl.where(lanes == top, float("-inf"), block_score)
-        choice = tl.where(allowed, choice, float("-inf"))
+        # An expert is among its block's `capacity` best when fewer experts precede it (a higher block maximum, or
+        # the same one and a lower index): its rank, counted against RANK_CHUNK experts at a time, all ranks at
+        # once (a loop of `capacity` dependent max / min reductions took 13.5 us per token at 48 of 256 experts).
+        rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for start in range(0, n_experts, RANK_CHUNK):
+            other = start + tl.arange(0, RANK_CHUNK)
+            other_valid = other < n_experts
+            other_score = tl.load(block_row + other, mask=other_valid, other=float("-inf"))[None, :]
+            other_lane = tl.where(other_valid, other, 2147483647)[None, :]
+            mine = block_score[:, None]
+            before = (other_score > mine) | ((other_score == mine) & (other_lane < lanes[:, None]))
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        choice = tl.where(valid & (rank < capacity), choice, float("-inf"))
         store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K, NORMALIZE, BLOCK_K)
 
 
@@ -301,7 +308,8 @@ def fused_block_route(
         NORMALIZE=normalize and top_k > 1,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=1,
+        RANK_CHUNK=min(16, block_e),
+        num_warps=4,
         **flags,
     )
     return index, weight

@@ -52,7 +52,15 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import TRITON_ATTENTION, register_attention_backends
-from .cache import KV_CACHE_DTYPES, DiffusionKVCache, cache_output, output_cache, resolve_forward_positions
+from .cache import (
+    KV_CACHE_DTYPES,
+    DiffusionKVCache,
+    FP8DiffusionKVCache,
+    PositionTables,
+    cache_output,
+    output_cache,
+    resolve_forward_positions,
+)
 from .configuration_llada_moe import LLaDAMoEConfig
 from .family_llada_moe import LLADA_MOE
 from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
@@ -66,11 +74,12 @@ from .grouped_gemm import (
     other_ranks_expert_keys,
     stack_expert_parameters,
 )
-from .kernels import linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import is_sharded
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
-from .triton_moe import align_by_expert, combine, route
+from .triton_moe import align_by_expert, combine, qk_norm_rope_to_cache, route
+from .triton_ops import rms_norm
 
 register_attention_backends()
 
@@ -84,10 +93,20 @@ class LLaDAMoERMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(hidden_states):
+            # The same arithmetic in one kernel (LLaDA2's `triton_ops.rms_norm`): eight PyTorch kernels otherwise.
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)[0]
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(input_dtype)
+
+    def add_and_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(hidden_states + residual), hidden_states + residual)`: one kernel where the fused kernels run."""
+        if use_fused_kernels(hidden_states):
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
+        total = hidden_states + residual
+        return self(total), total
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -171,11 +190,16 @@ def eager_attention_forward(
     return output, weights
 
 
-class LLaDAMoEAttention(nn.Module):
+class LLaDAMoEAttention(ConcatenatedProjections):
     """Bidirectional multi-head attention with per-head q/k RMS norms, optional q/k/v clamping and partial RoPE.
 
     It is the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`, `layer_idx`
-    and `scaling` on it."""
+    and `scaling` on it. With a `DiffusionKVCache` where the fused kernels run (`uses_fused_path`), q/k/v are one
+    product (`ConcatenatedProjections`) and the q/k norms, RoPE and the cache write one kernel (LLaDA2's
+    `triton_moe.qk_norm_rope_to_cache`, the same rounding points): two launches instead of about thirty."""
+
+    # The layers multiplied as one matrix on the fused path (`ConcatenatedProjections`).
+    _QKV = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, config: LLaDAMoEConfig, layer_idx: int):
         super().__init__()
@@ -209,19 +233,22 @@ class LLaDAMoEAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
         batch, q_len, _ = hidden_states.shape
-        query = linear(self.q_proj, hidden_states).view(batch, q_len, self.num_heads, self.head_dim)
-        key = linear(self.k_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
-        value = linear(self.v_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
-        if self.config.qk_layernorm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        clip = self.config.clip_qkv
-        if clip is not None:
-            query, key, value = (t.clamp(min=-clip, max=clip) for t in (query, key, value))
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = apply_partial_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
+        if self.uses_fused_path(hidden_states, past_key_values, cache_position):
+            query, key, value = self._fused_inputs(hidden_states, position_embeddings, past_key_values, cache_position)
+        else:
+            query = linear(self.q_proj, hidden_states).view(batch, q_len, self.num_heads, self.head_dim)
+            key = linear(self.k_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
+            value = linear(self.v_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
+            if self.config.qk_layernorm:
+                query, key = self.q_norm(query), self.k_norm(key)
+            clip = self.config.clip_qkv
+            if clip is not None:
+                query, key, value = (t.clamp(min=-clip, max=clip) for t in (query, key, value))
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            cos, sin = position_embeddings
+            query, key = apply_partial_rotary_pos_emb(query, key, cos, sin)
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, self.layer_idx, {"cache_position": cache_position})
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -237,6 +264,49 @@ class LLaDAMoEAttention(nn.Module):
             **kwargs,
         )
         return linear(self.o_proj, attn.reshape(batch, q_len, -1))
+
+    def uses_fused_path(self, hidden_states: torch.Tensor, past_key_values, cache_position) -> bool:
+        """Whether `forward` makes its attention inputs with `_fused_inputs`: a (bf16 / fp32) `DiffusionKVCache`
+        written at `cache_position`, the fused kernels (`kernels.use_fused_kernels`), inference, no `clip_qkv` and a
+        head size that is a power of two."""
+        return (
+            isinstance(past_key_values, DiffusionKVCache)
+            and not isinstance(past_key_values, FP8DiffusionKVCache)
+            and cache_position is not None
+            and MOE_KERNELS_AVAILABLE
+            and use_fused_kernels(hidden_states)
+            and not self.training
+            and self.config.clip_qkv is None
+            and self.head_dim & (self.head_dim - 1) == 0
+        )
+
+    def _fused_inputs(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: DiffusionKVCache,
+        cache_position: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs as the unfused branch of `forward` makes them, in two launches: query `(batch,
+        heads, q_len, head_dim)` (normed, rotated) and this layer's cache K/V `(batch, kv_heads, length, head_dim)`
+        with the normed, rotated keys and the values written at `cache_position`."""
+        batch = hidden_states.shape[0]
+        keys, values = past_key_values.layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, hidden_states)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.config.qk_layernorm else (None, None)
+        cos, sin = position_embeddings
+        query = qk_norm_rope_to_cache(
+            self.project(hidden_states, self._QKV),
+            self.num_heads,
+            self.num_kv_heads,
+            *norms,
+            self.config.rms_norm_eps,
+            cos,
+            sin,
+            keys,
+            values,
+            cache_position,
+        )
+        return query, keys, values
 
 
 class LLaDAMoEMLP(nn.Module):
@@ -330,19 +400,25 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         return weights.to(x.dtype), experts, router_logits
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states `(batch, q_len, hidden)` -> (the weighted sum of the chosen experts' outputs, same shape;
-        the router logits `(batch * q_len, num_experts)`)."""
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states `(batch, q_len, hidden)` -> (the weighted sum of the chosen experts' outputs, same shape,
+        plus `residual` (same shape) when given: added, rounded, as `residual + output` rounds it, in the fused
+        combine kernel; the router logits `(batch * q_len, num_experts)`)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if self.uses_fused_kernels(x):
             router_logits = self.gate(x)
-            return self._experts_fused(x, router_logits).view(shape), router_logits
+            flat_residual = None if residual is None else residual.reshape(-1, shape[-1])
+            return self._experts_fused(x, router_logits, flat_residual).view(shape), router_logits
         weights, experts, router_logits = self.route(x)
         if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
-            return self.expert_dispatch(x, experts, weights).view(shape), router_logits
-        run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
-        return run(x, weights, experts).view(shape), router_logits
+            out = self.expert_dispatch(x, experts, weights).view(shape)
+        else:
+            run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
+            out = run(x, weights, experts).view(shape)
+        return (out if residual is None else residual + out), router_logits
 
     def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The reference: `(tokens, hidden)` outputs, each expert run on the tokens that chose it."""
@@ -384,11 +460,14 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             return fp8_kernel_supports(layer.weight, fp8_block_size(layer))
         return type(layer) is nn.Linear and "_hf_hook" not in layer.__dict__ and layer.weight.dtype == x.dtype
 
-    def _experts_fused(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _experts_fused(
+        self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)` and its router logits `(tokens,
         num_experts)`: the top-k of the float32 softmax (`route`; ties to the lower index), the pairs aligned by
         expert, `silu(gate) * up` and the down-projection as grouped products over `stacks()`, each token's rows
-        weighted by its probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`)."""
+        weighted by its probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`,
+        which also adds `residual` `(tokens, hidden)` when given)."""
         experts, weights = route(router_logits.float(), None, 1, 1, self.top_k, "softmax", False, 1.0)
         stacks = self.stacks()
         sorted_token, offsets, rows = align_by_expert(experts, self.num_experts, False)
@@ -396,7 +475,8 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
         )
         expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
-        return combine(expert_rows, rows, weights.to(x.dtype).float(), False)
+        # The weights rounded to x's dtype and read as such: the kernel widens them to float32 (one cast kernel less).
+        return combine(expert_rows, rows, weights.to(x.dtype), False, residual)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop
@@ -501,8 +581,10 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         cache_position: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers)."""
-        hidden_states = hidden_states + self.self_attn(
+        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers).
+        Where the fused kernels run, the residual adds happen inside the post-attention norm's kernel and the MoE's
+        combine kernel (the same sums, rounded as here)."""
+        attn = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
@@ -510,16 +592,14 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
             cache_position=cache_position,
             **kwargs,
         )
-        normed = self.post_attention_layernorm(hidden_states)
-        router_logits = None
-        if self.is_moe:
-            mlp_out, router_logits = self.mlp(normed)
-            shared = getattr(self, "shared_expert", None)
-            if shared is not None:
-                mlp_out = mlp_out + shared(normed)
-        else:
-            mlp_out = self.mlp(normed)
-        return hidden_states + mlp_out, router_logits
+        normed, hidden_states = self.post_attention_layernorm.add_and_norm(attn, hidden_states)
+        shared = getattr(self, "shared_expert", None)
+        if not self.is_moe:
+            return hidden_states + self.mlp(normed), None
+        if shared is None:
+            return self.mlp(normed, residual=hidden_states)
+        mlp_out, router_logits = self.mlp(normed)
+        return hidden_states + (mlp_out + shared(normed)), router_logits
 
 
 class LLaDAMoEPreTrainedModel(PreTrainedModel):
@@ -584,7 +664,13 @@ class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
         self.layers = nn.ModuleList([LLaDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = LLaDAMoERMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
+        # RoPE tables where the cache bounds the positions (`cache.PositionTables`; on GPUs only, as LLaDA2's).
+        self._rope_tables = PositionTables(self._rope_rows)
         self.post_init()
+
+    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary_cos_sin` of `positions` in `dtype`: what `_rope_tables` tabulates."""
+        return rotary_cos_sin(positions, self.config, dtype)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -630,7 +716,11 @@ class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
             attention_mask = create_bidirectional_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=mask_2d
             )
-        position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
+        bound = PositionTables.bound_of(past_key_values)
+        if bound is None or position_ids.device.type == "cpu":
+            position_embeddings = rotary_cos_sin(position_ids, self.config, inputs_embeds.dtype)
+        else:  # rows of a table computed once (the same values): a lookup instead of ~12 kernels a step
+            position_embeddings = self._rope_tables.lookup(position_ids, bound, inputs_embeds.dtype)
 
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None

@@ -539,6 +539,90 @@ if TRITON_AVAILABLE:
         tl.store(token_ptr + row, index)
         tl.store(prob_ptr + row, tl.exp(top - row_max) / total)
 
+    @triton.jit
+    def _best_of(x, index, excluded, best, best_index, start):
+        # The running best (first index on ties, as torch.argmax) of a chunk's logits with `excluded` (a boolean
+        # tile) taken out.
+        candidate = tl.where(excluded, float("-inf"), x)
+        chunk_best, chunk_index = tl.max(candidate, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = chunk_best > best
+        return tl.where(better, chunk_best, best), tl.where(better, start + chunk_index.to(tl.int64), best_index)
+
+    @triton.jit
+    def _edit_candidates_kernel(
+        logits_ptr,
+        best_ptr,
+        index_ptr,
+        max_ptr,
+        sum_ptr,
+        vocab,
+        stride_row,
+        mask_id,
+        delete_id,
+        split_id,
+        split_width,
+        BLOCK: tl.constexpr,
+    ):
+        # Program (row, split): over the split's columns, the best logit and its index of three nested candidate
+        # sets (every token; every token but MASK; every token but MASK, DELETE and SPLIT) and the split's max and
+        # sum of exp(x - max) over every token, for `_edit_candidates_merge_kernel`.
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        base = logits_ptr + row * stride_row
+        first = split * split_width
+        end = tl.minimum(first + split_width, vocab)
+        best0 = tl.full([1], float("-inf"), tl.float32)
+        best1 = tl.full([1], float("-inf"), tl.float32)
+        best2 = tl.full([1], float("-inf"), tl.float32)
+        index0 = tl.zeros([1], tl.int64)
+        index1 = tl.zeros([1], tl.int64)
+        index2 = tl.zeros([1], tl.int64)
+        running_max = tl.full([1], float("-inf"), tl.float32)
+        running_sum = tl.zeros([1], tl.float32)
+        for start in range(first, end, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            x = tl.load(base + index, mask=index < end, other=float("-inf")).to(tl.float32)
+            is_mask = index == mask_id
+            best0, index0 = _best_of(x, index, index < 0, best0, index0, start)
+            best1, index1 = _best_of(x, index, is_mask, best1, index1, start)
+            edit_token = is_mask | (index == delete_id) | (index == split_id)
+            best2, index2 = _best_of(x, index, edit_token, best2, index2, start)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            running_max = new_max
+        part = (row * tl.num_programs(1) + split) * 3 + tl.arange(0, 1)
+        tl.store(best_ptr + part, best0)
+        tl.store(best_ptr + part + 1, best1)
+        tl.store(best_ptr + part + 2, best2)
+        tl.store(index_ptr + part, index0)
+        tl.store(index_ptr + part + 1, index1)
+        tl.store(index_ptr + part + 2, index2)
+        single = row * tl.num_programs(1) + split + tl.arange(0, 1)
+        tl.store(max_ptr + single, running_max)
+        tl.store(sum_ptr + single, running_sum)
+
+    @triton.jit
+    def _edit_candidates_merge_kernel(
+        best_ptr, index_ptr, max_ptr, sum_ptr, token_ptr, prob_ptr, n_splits, BLOCK_S: tl.constexpr
+    ):
+        # One program per row: each candidate set's best over the splits (the first split on ties: its columns come
+        # first) and its probability under the softmax merged from the splits' (max, sum).
+        row = tl.program_id(0).to(tl.int64)
+        splits = tl.arange(0, BLOCK_S)
+        valid = splits < n_splits
+        split_max = tl.load(max_ptr + row * n_splits + splits, mask=valid, other=float("-inf"))
+        split_sum = tl.load(sum_ptr + row * n_splits + splits, mask=valid, other=0.0)
+        row_max = tl.max(split_max, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        total = tl.sum(split_sum * tl.exp(split_max - shift), axis=0)
+        for k in tl.static_range(3):
+            part = (row * n_splits + splits) * 3 + k
+            best = tl.load(best_ptr + part, mask=valid, other=float("-inf"))
+            top, which = tl.max(best, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            tl.store(token_ptr + row * 3 + k, tl.load(index_ptr + (row * n_splits + which) * 3 + k))
+            tl.store(prob_ptr + row * 3 + k, tl.exp(top - row_max) / total)
+
 
 # The greedy proposal's chunk of the vocabulary (columns a program reads at once), and the programs it aims for:
 # with fewer rows than that the vocabulary is split among programs of a row, whose results a second kernel merges
@@ -922,3 +1006,58 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor, fp8_out: tuple[torch.Tens
         GROUP=loaded,
         num_warps=warps,
     )
+
+
+@on_tensor_device
+def edit_candidates(
+    logits: torch.Tensor, mask_token_id: int, delete_token_id: int, split_token_id: int, n_splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy tokens of LLaDA2.2's Levenshtein editing in one read of the logits `(..., vocab)` (any float
+    dtype): tokens `(..., 3)` long and their probabilities under the full softmax `(..., 3)` float32, for the
+    argmax over every token, over every token but MASK, and over every token but MASK, DELETE and SPLIT (first
+    index on ties, as torch.argmax). Replaces the float32 copy, softmax, clone and three argmax passes over the
+    block's `rows x vocab` logits. `n_splits` as in `greedy_propose`."""
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n_rows = rows.shape[0]
+    tokens = torch.empty(n_rows, 3, dtype=torch.long, device=logits.device)
+    probability = torch.empty(n_rows, 3, dtype=torch.float32, device=logits.device)
+    shape = (*logits.shape[:-1], 3)
+    if n_rows == 0:
+        return tokens.view(shape), probability.view(shape)
+    chunks = triton.cdiv(vocab, GREEDY_PROPOSE_BLOCK)
+    wanted = greedy_propose_splits(n_rows, vocab) if n_splits is None else n_splits
+    split_width = triton.cdiv(chunks, max(1, min(wanted, chunks))) * GREEDY_PROPOSE_BLOCK
+    splits = triton.cdiv(vocab, split_width)
+    best = torch.empty(n_rows, splits, 3, dtype=torch.float32, device=logits.device)
+    index = torch.empty(n_rows, splits, 3, dtype=torch.long, device=logits.device)
+    split_max, split_sum = torch.empty(2, n_rows, splits, dtype=torch.float32, device=logits.device)
+    _edit_candidates_kernel[(n_rows, splits)](
+        rows,
+        best,
+        index,
+        split_max,
+        split_sum,
+        vocab,
+        rows.stride(0),
+        mask_token_id,
+        delete_token_id,
+        split_token_id,
+        split_width,
+        BLOCK=GREEDY_PROPOSE_BLOCK,
+        num_warps=8,
+    )
+    _edit_candidates_merge_kernel[(n_rows,)](
+        best,
+        index,
+        split_max,
+        split_sum,
+        tokens,
+        probability,
+        splits,
+        BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=1,
+    )
+    return tokens.view(shape), probability.view(shape)

@@ -3,7 +3,8 @@
 against the PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and
 softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort), the
 combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
-PyTorch path; LLaDA-MoE's experts on the same kernels (float16) against its PyTorch path.
+PyTorch path; LLaDA-MoE's experts on the same kernels (float16) against its PyTorch path, and its cached prefill
+and block step on the fused attention path (float32) against the PyTorch path.
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     assert [torch.equal(a, b) for a, b in zip((normed, total), triton_ops.rms_norm(x, w, 1e-6, residual=r))] == [True] * 2
     assert wide.dtype == torch.float32 and torch.equal(wide, normed.float()), "rms_norm float_copy"
 
+    # LLaDA2.2's edit candidates (argmax over all tokens, without MASK, without MASK / DELETE / SPLIT, and their
+    # softmax probabilities) in one read of the logits, against the policy's PyTorch passes: one program per row and
+    # the vocabulary split over programs (a tie across splits), first index on ties, float32 and float16 logits.
+    from hf_dllm.levenshtein_editing import LevenshteinEditing
+    from hf_dllm import kernels
+    policy = LevenshteinEditing(0.7, 0.5, 4, mask_token_id=7, delete_token_id=8, split_token_id=9)
+    logits = torch.randn(3, 4, 9000)
+    logits[0, 0, 7] = logits[0, 1, 7] = 50.0  # MASK is the argmax, then DELETE in the second row
+    logits[0, 1, 8] = 49.0
+    logits[1, 0, [100, 200]] = 60.0  # a tie: the first
+    logits[1, 1] = 0.0  # every token tied
+    logits[2, 0, [4095, 8500]] = 70.0  # a tie across chunks and splits
+    for dtype, splits in itertools.product((torch.float32, torch.float16), (1, 3)):
+        kernels.set_kernel_mode("torch")
+        want_tokens, want_probability = policy.candidates(logits.to(dtype))
+        tokens, probability = triton_ops.edit_candidates(logits.to(dtype), 7, 8, 9, n_splits=splits)
+        assert torch.equal(tokens, want_tokens), ("edit candidates", dtype, splits)
+        assert torch.allclose(probability, want_probability, rtol=1e-5, atol=1e-7), ("edit probabilities", dtype)
+    kernels.set_kernel_mode("triton")
+    assert torch.equal(policy.candidates(logits)[0], want_tokens), "edit candidates on the fused path"
+    kernels.set_kernel_mode("auto")
+
     # The alignment by expert, both implementations (one program per expert; the chunked counting sort, here over
     # one partial chunk and over several chunks of 128 pairs), against a stable argsort.
     for (tokens, experts), shared, align in itertools.product(
@@ -95,6 +118,10 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
         ref = (expert_rows[rows[:, :4]] * weight[..., None]).sum(1)
         ref = residual + (ref + expert_rows[rows[:, 4]] if shared else ref)
         assert torch.allclose(out, ref, atol=1e-6), "combine"
+        # Half-precision weights (LLaDA-MoE's, rounded to the activations' dtype) are widened in the kernel.
+        half_rows, half_weight, half_residual = expert_rows.half(), weight.half(), residual.half()
+        widened = triton_moe.combine(half_rows, rows, half_weight.float(), shared, half_residual)
+        assert torch.equal(triton_moe.combine(half_rows, rows, half_weight, shared, half_residual), widened), "combine"
 
     # The q/k norm + RoPE + cache write on some of the projection's heads (a tensor-parallel rank's: query heads
     # [2, 4) and key/value head 1 of 4 and 2) equals the kernel on a projection holding only those heads; bad head
@@ -222,6 +249,26 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
     assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
     assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
+
+    # LLaDA-MoE's cached forwards on the fused path (one q/k/v product, q/k norms + partial RoPE + cache write in one
+    # kernel, the norms' residual adds fused), float32: a prefill, then a block step, against the PyTorch path.
+    moe_config = hf_dllm.LLaDAMoEConfig(**{**moe_config.to_dict(), "qk_layernorm": True, "partial_rotary_factor": 0.5})
+    model = hf_dllm.LLaDAMoEModelLM._from_config(moe_config, dtype=torch.float32).eval()
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.normal_(1, 0.2)
+    ids, block, results = torch.randint(0, 60, (2, 12)), torch.randint(0, 60, (2, 4)), {}
+    for mode in ("torch", "triton"):
+        kernels.set_kernel_mode(mode)
+        cache = DiffusionKVCache(2, 2, 16)
+        with torch.no_grad():
+            prefill = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(12)).logits
+            step = model(block, past_key_values=cache, use_cache=True, cache_position=torch.arange(12, 16)).logits
+        fused_path = model.model.layers[1].self_attn.uses_fused_path(prefill, cache, torch.arange(4))
+        results[mode] = (prefill, step, cache.keys[1], cache.values[1], fused_path)
+    assert results["triton"][-1] and not results["torch"][-1], "llada-moe fused attention path"
+    for name, ref, ours in zip(("prefill", "step", "keys", "values"), results["torch"], results["triton"]):
+        assert (ref - ours).abs().max() < 1e-5, ("llada-moe cached", name, (ref - ours).abs().max())
     print("ok")
     """
 )

@@ -89,3 +89,27 @@ def test_gpu_cases_in_left_padded_batches_without_cache(model_and_expected):
             nfe = int(run.nfe_per_row[row])
             failures.append(mismatch(run.sequences[row, width:].cpu(), nfe, case, expected))
     assert not [failure for failure in failures if failure], failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_edit_candidates_match_the_pytorch_passes(dtype):
+    """`triton_ops.edit_candidates` (the Levenshtein step's one read of the logits on CUDA) at a batch-1 block step's
+    shape and LLaDA2.2's vocabulary and ids: the tokens of PyTorch's argmax passes, their softmax probabilities."""
+    from hf_dllm.kernels import set_kernel_mode
+    from hf_dllm.levenshtein_editing import LevenshteinEditing
+
+    ids = dict(mask_token_id=156895, delete_token_id=156930, split_token_id=156931)
+    policy = LevenshteinEditing(0.7, 0.5, 16, **ids)
+    logits = torch.randn(1, 32, 157184, device="cuda").to(dtype)
+    logits[0, 0, ids["mask_token_id"]] = 40.0  # MASK first, then DELETE, then SPLIT
+    logits[0, 1, [ids["mask_token_id"], ids["delete_token_id"], ids["split_token_id"]]] = 40.0
+    logits[0, 2, [3, 150000]] = 40.0  # a tie across splits: the first index
+    fused = policy.candidates(logits)
+    set_kernel_mode("torch")
+    try:
+        tokens, probability = policy.candidates(logits)
+    finally:
+        set_kernel_mode("auto")
+    assert torch.equal(fused[0], tokens)
+    assert torch.allclose(fused[1], probability, rtol=1e-5, atol=1e-7)

@@ -363,7 +363,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
                 mask_token_id=60, pad_token_id=0, eos_token_id=1)
     # The fused router (`fused_block_route`) against the PyTorch one: expert counts that are not powers of two,
     # sigmoid / softmax, with and without bias (and a bfloat16 one), capacity = top-k and = all experts, partial
-    # blocks, padding, the tokens of the call in order.
+    # blocks, padding, the tokens of the call in order; tied block maxima.
     for experts, top_k, capacity, block, score, bias in [
         (16, 3, 5, 4, "sigmoid", True), (24, 4, 4, 8, "sigmoid", True), (12, 2, 12, 3, "softmax", False),
         (20, 1, 6, 1, "sigmoid", False), (16, 8, 9, 5, "sigmoid", True),
@@ -390,6 +390,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             index, weight, _ = gate.fused_forward(x)
             ref_index, ref_weight, _ = gate(x)
             assert torch.equal(index, ref_index) and torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6), "bf16"
+    # Every block maximum tied (a zero router and bias): the capacity goes to the lowest expert indices, and the
+    # top-k among them too (torch.topk breaks such ties its own way: only the weights compare).
+    gate.weight.data.zero_()
+    gate.expert_bias.zero_()
+    blocks = routing_blocks_for_positions(positions, block, real)
+    (index, weight, _), (_, ref_weight, _) = gate.fused_forward(x, blocks), gate(x, routing_blocks=blocks)
+    assert index.tolist() == [list(range(8))] * len(x) and torch.allclose(weight, ref_weight), "tied block maxima"
 
     for shared in (1, 2):  # the shared expert stacked with the routed ones (1) or apart (2)
         model = hf_dllm.LLaDA2MoeModelLM(hf_dllm.LLaDA2MoeConfig(**dict(base, num_shared_experts=shared))).eval()

@@ -191,6 +191,39 @@ def test_gpu_fused_experts_error_within_twice_pytorch_bf16(tokens):
 
 
 @pytest.mark.gpu
+def test_gpu_fused_attention_path_error_within_twice_pytorch_bf16():
+    """A cached prefill and block step (the dual cache's forwards) in bf16 on the fused path (one q/k/v product,
+    q/k norms + RoPE + cache write in one kernel, fused norms and residual adds, fused experts) against float32:
+    within 2x of the PyTorch path's own bf16 error (`HF_DLLM_KERNELS=torch`), logits and the cached keys."""
+    from hf_dllm.cache import DiffusionKVCache
+
+    config = random_config(num_experts=64, num_experts_per_tok=8, partial_rotary_factor=0.5)
+    reference = random_model(config, torch.float32, "cuda")
+    model = LLaDAMoEModelLM._from_config(copy.deepcopy(config), dtype=torch.bfloat16).cuda().eval()
+    model.load_state_dict({name: tensor.to(torch.bfloat16) for name, tensor in reference.state_dict().items()})
+    ids, block = torch.randint(0, 300, (1, 64), device="cuda"), torch.randint(0, 300, (1, 32), device="cuda")
+
+    def run(net, mode: str) -> tuple[list[torch.Tensor], bool]:
+        set_kernel_mode(mode)
+        cache = DiffusionKVCache(2, 1, 96)
+        with torch.no_grad():
+            prefill = net(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, device="cuda"))
+            step = net(block, past_key_values=cache, use_cache=True, cache_position=torch.arange(64, 96, device="cuda"))
+            uses_fused = net.model.layers[1].self_attn.uses_fused_path(step.logits, cache, torch.arange(1))
+        return [prefill.logits.float(), step.logits.float(), cache.keys[1].float()], uses_fused
+
+    try:
+        want, _ = run(reference, "auto")
+        plain, plain_fused = run(model, "torch")
+        fused, fused_path = run(model, "auto")
+    finally:
+        set_kernel_mode("auto")
+    assert fused_path and not plain_fused
+    for name, w, p, f in zip(("prefill", "step", "keys"), want, plain, fused, strict=True):
+        assert (f - w).abs().max() <= 2 * (p - w).abs().max() + 1e-3, (name, (f - w).abs().max(), (p - w).abs().max())
+
+
+@pytest.mark.gpu
 def test_gpu_fused_graph_steps_equal_eager_steps():
     """With the fused experts a step has no host synchronisation: generate() captures CUDA graphs, and the graphs'
     tokens are the eager steps' (dual cache, threshold)."""
