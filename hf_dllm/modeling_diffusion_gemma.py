@@ -40,6 +40,13 @@ from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
+from . import triton_moe  # (its kernels exist where Triton is installed; `use_fused_kernels` says so)
+from .grouped_gemm import grouped_matmul
+from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
+from .kernels import use_fused_kernels
+
+# transformers' activation names that the Triton experts' gated product computes (`grouped_gemm.GATE_ACTIVATIONS`).
+TRITON_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
 
@@ -178,13 +185,17 @@ class DiffusionGemmaExperts(nn.Module):
     """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)` (each expert's gate rows, then its
     up rows), `down_proj` `(E, H, I)`.
 
-    Two implementations: the loop over the selected experts (transformers' eager order; one host synchronisation
-    to list them: exact against transformers on the CPU), and two grouped GEMMs over the expert-sorted rows (no
-    host synchronisation, so a step can be captured in a CUDA graph; the weighted sum of a token's experts in
-    float32). `implementation` None picks the grouped GEMMs on CUDA in bfloat16 without autograd (the layout of
-    LLaDA2's `_experts_grouped_mm`), the loop elsewhere; "loop" / "grouped" force one."""
+    Three implementations: the loop over the selected experts (transformers' eager order; one host synchronisation
+    to list them: exact against transformers on the CPU); torch's grouped GEMMs over the expert-sorted rows
+    ("grouped"); hf_dllm's Triton kernels ("triton": `triton_moe.align_by_expert`, `grouped_gemm.grouped_matmul` with
+    the row gather fused into the gate/up product's loads and the GELU gate into its epilogue, `triton_moe.combine`;
+    the kernels LLaDA2's experts run, tuned for few rows per expert: a 256-token canvas gives each of the 128
+    experts ~16 of its 2,048 (token, choice) pairs). Neither grouped path synchronises with the host, so a step can
+    be captured in a CUDA graph; both sum a token's experts in float32 in slot order. `implementation` None picks
+    "triton" where hf_dllm's fused kernels run (`kernels.use_fused_kernels`: CUDA tensors with Triton installed,
+    or `HF_DLLM_KERNELS=triton`), else "grouped" on CUDA in bfloat16 without autograd, else the loop."""
 
-    implementations = (None, "loop", "grouped")
+    implementations = (None, "loop", "grouped", "triton")
 
     def __init__(self, config: DiffusionGemmaTextConfig):
         super().__init__()
@@ -193,25 +204,44 @@ class DiffusionGemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.act_fn = ACT2FN[config.hidden_activation]
+        self.gate_activation = TRITON_GATE_ACTIVATIONS.get(config.hidden_activation)
         self.implementation = None
 
-    def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
-        """Whether `forward` runs the grouped GEMMs for this input (see the class docstring)."""
+    def chosen_implementation(self, hidden_states: torch.Tensor) -> str:
+        """The implementation `forward` runs for this input (see the class docstring)."""
         if self.implementation not in self.implementations:
             raise ValueError(f"`implementation` must be one of {self.implementations}, got {self.implementation!r}.")
         if self.implementation is not None:
-            return self.implementation == "grouped"
-        return (
+            return self.implementation
+        no_autograd = not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
+        if (
+            no_autograd
+            and MOE_KERNELS_AVAILABLE
+            and self.gate_activation is not None
+            and hidden_states.dtype == self.gate_up_proj.dtype
+            and use_fused_kernels(hidden_states)
+        ):
+            return "triton"
+        if (
             hidden_states.is_cuda
             and hidden_states.dtype == torch.bfloat16 == self.gate_up_proj.dtype
             and _grouped_mm_function() is not None
-            and not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
-        )
+            and no_autograd
+        ):
+            return "grouped"
+        return "loop"
+
+    def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward` runs without a host synchronisation for this input (grouped GEMMs, torch's or ours)."""
+        return self.chosen_implementation(hidden_states) != "loop"
 
     def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """hidden_states `(N, H)`, index / weights `(N, k)` -> `(N, H)`: each token's experts' outputs, weighted and
         summed (in expert order by the loop, as transformers' eager experts; in slot order, float32, grouped)."""
-        if self.uses_grouped(hidden_states):
+        implementation = self.chosen_implementation(hidden_states)
+        if implementation == "triton":
+            return self.triton_forward(hidden_states, index, weights)
+        if implementation == "grouped":
             return self.grouped_forward(hidden_states, index, weights)
         output = torch.zeros_like(hidden_states)
         for expert in index.unique().tolist():
@@ -237,6 +267,22 @@ class DiffusionGemmaExperts(nn.Module):
         out = grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offsets)
         pairs = out.new_empty(out.shape).index_copy(0, order, out).view(tokens, top_k, -1)
         return (pairs.float() * weights[..., None].float()).sum(dim=1).to(hidden_states.dtype)
+
+    def triton_forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `forward`, through hf_dllm's Triton kernels (the class docstring); no host sync. The products round
+        as the grouped path (each product and the activation to the activations' dtype)."""
+        if self.gate_activation is None:
+            raise ValueError(
+                f"the Triton experts compute {sorted(TRITON_GATE_ACTIVATIONS)} gates, not {self.act_fn!r}: use "
+                "implementation 'grouped' or 'loop'."
+            )
+        x = hidden_states.contiguous()
+        sorted_token, offsets, rows = triton_moe.align_by_expert(index, self.num_experts, False)
+        gated = grouped_matmul(
+            x, offsets, self.gate_up_proj, rows_of=sorted_token, gated=True, activation=self.gate_activation
+        )
+        expert_rows = grouped_matmul(gated, offsets, self.down_proj)
+        return triton_moe.combine(expert_rows, rows, weights.float(), False)
 
 
 class DiffusionGemmaLayer(nn.Module):
