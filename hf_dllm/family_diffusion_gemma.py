@@ -174,6 +174,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         "modeling_diffusion_gemma.py",
         "family_diffusion_gemma.py",
         "decoding_diffusion_gemma.py",
+        "triton_diffusion_gemma.py",
         "triton_moe.py",
         "grouped_gemm.py",
     )
@@ -274,6 +275,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
             t_max=config.t_max,
             stability_threshold=config.stability_threshold,
             confidence_threshold=config.confidence_threshold,
+            softcap=model_config.text_config.final_logit_softcapping,
         )
 
     def describe_decoding(self, fields: dict) -> str:

@@ -43,7 +43,7 @@ from .generation_utils import DiffusionGenerationMixin
 from . import triton_moe  # (its kernels exist where Triton is installed; `use_fused_kernels` says so)
 from .grouped_gemm import grouped_matmul
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
-from .kernels import use_fused_kernels
+from .kernels import kernel_mode, use_fused_kernels
 
 # transformers' activation names that the Triton experts' gated product computes (`grouped_gemm.GATE_ACTIVATIONS`).
 TRITON_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
@@ -211,6 +211,13 @@ class DiffusionGemmaExperts(nn.Module):
         """The implementation `forward` runs for this input (see the class docstring)."""
         if self.implementation not in self.implementations:
             raise ValueError(f"`implementation` must be one of {self.implementations}, got {self.implementation!r}.")
+        if self.implementation == "triton" and not (
+            MOE_KERNELS_AVAILABLE and (hidden_states.is_cuda or kernel_mode() == "triton")
+        ):
+            raise ValueError(
+                "experts `implementation` 'triton' runs on CUDA tensors with Triton installed (or in Triton's "
+                "interpreter with HF_DLLM_KERNELS=triton); use 'loop' or 'grouped' here."
+            )
         if self.implementation is not None:
             return self.implementation
         no_autograd = not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
@@ -704,17 +711,34 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             x = layer(x, *rope[kind], cache, mask, True, scalar, attention_only=index == last)
         cache.record(columns, valid)
 
-    def decode(self, canvas: torch.Tensor, positions: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
+    def decode(
+        self,
+        canvas: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        self_conditioning_logits=None,
+        padded=True,
+        self_conditioning_probabilities=None,
+        capped_logits=True,
+    ):
         """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
         `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
-        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal). The
-        layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped experts)."""
+        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal), or
+        `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype (the fused
+        sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
+        caps it). The layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped
+        experts)."""
         decoder = self.model.decoder
         weight = decoder.embed_tokens.weight
         scale = decoder.embed_scale(weight.dtype)
         x = decoder.embed_tokens(canvas) * scale
         signal = None
-        if self_conditioning_logits is not None:
+        if self_conditioning_logits is not None and self_conditioning_probabilities is not None:
+            raise ValueError("Pass `self_conditioning_logits` or `self_conditioning_probabilities`, not both.")
+        if self_conditioning_probabilities is not None:
+            flat = self_conditioning_probabilities.reshape(-1, self_conditioning_probabilities.shape[-1])
+            signal = (torch.matmul(flat.to(weight.dtype), weight) * scale.to(x.dtype)).view(x.shape)
+        elif self_conditioning_logits is not None:
             # softmax(s) @ E * sqrt(hidden), by chunks of rows (`row_chunks`: no whole float32 softmax copy).
             flat = self_conditioning_logits.reshape(-1, self_conditioning_logits.shape[-1])
             signal = x.new_empty(x.shape).view(flat.shape[0], -1)
@@ -729,6 +753,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             hidden = self._decoder_graphs.run(self.decoder_layers, x, positions, cache, padded)
         else:
             hidden = self.decoder_layers(x, positions, cache, padded)
+        if not capped_logits:
+            return self.lm_head(hidden)
         return self.head_logits(hidden)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -840,7 +866,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         `cache_position` `(q,)`, the canvas being the last `canvas_length`; at a canvas' first step the columns
         before it that the cache does not hold yet (the prompt, the previous canvas; after the serving engine's
         `set_length`, the whole prefix) are encoded first. `attention_mask` `(B, width)` bool: real tokens (None:
-        all); `self_conditioning_logits` in `forward_kwargs` (the sampler's)."""
+        all); `self_conditioning_logits` or `self_conditioning_probabilities` and `capped_logits` in
+        `forward_kwargs` (the sampler's, `EntropyBoundSampler.forward_inputs`)."""
         length = self.config.canvas_length
         start = cache.length - int(cache_position[0]) if input_ids.shape[1] > length else None
         if start is not None and start < input_ids.shape[1] - length:
@@ -857,6 +884,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             cache,
             forward_kwargs.get("self_conditioning_logits"),
             padded=attention_mask is not None,
+            self_conditioning_probabilities=forward_kwargs.get("self_conditioning_probabilities"),
+            capped_logits=forward_kwargs.get("capped_logits", True),
         )
 
     def resolve_generation_config(self, generation_config=None, **fields) -> DiffusionGenerationConfig:
