@@ -209,15 +209,42 @@ def step_floor_bytes(model, routed: list[int]) -> int:
     return total
 
 
+def timed_ms(function, repeats: int, device) -> float:
+    """Milliseconds per call of `function()` over `repeats` calls back to back (CUDA events on a GPU)."""
+    function()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            function()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+    began = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    return 1000 * (time.perf_counter() - began) / repeats
+
+
 def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
     """The denoising step alone (decoder + sampler, self-conditioned, the prompt encoded into generate()'s cache:
     static on CUDA): ms per step with the decoder's layers captured (where `DecoderGraphs` applies) and eager, and
-    the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay)."""
+    the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay). Also the
+    step's parts, each timed alone: the sampler (fused where it applies, and the PyTorch one) and one layer's
+    experts on the canvas' routing under each implementation (torch's grouped GEMM, hf_dllm's Triton kernels)."""
     text, canvas = model.config.text_config, model.config.canvas_length
     generator = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(3, text.vocab_size, (batch, prompt_len), device=device, generator=generator)
     defaults = {k: v for k, v in SAMPLER_DEFAULTS.items() if k not in ("sampler_config", "max_denoising_steps")}
-    sampler = EntropyBoundSampler(text.vocab_size, max_denoising_steps=1 << 20, entropy_bound=0.1, **defaults)
+
+    def new_sampler(fused=None):
+        return EntropyBoundSampler(
+            text.vocab_size, max_denoising_steps=1 << 20, entropy_bound=0.1, softcap=text.final_logit_softcapping,
+            fused=fused, **defaults,
+        )  # fmt: skip
+
+    sampler = new_sampler()
     positions = torch.arange(prompt_len, prompt_len + canvas, device=device)
     captured = model.capture_decoder
     with torch.no_grad():
@@ -227,16 +254,24 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
         block = sampler.initial_block(batch, canvas, device)
 
         def step(block):
-            logits = model.decode(block, positions, cache, sampler.self_conditioning, padded=False)
+            logits = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
             return sampler.denoise(block, logits, None, None)[0]
 
         model.capture_decoder = False
         block = step(block)  # now self-conditioned
-        routed = []
-        hooks = [
-            layer.router.register_forward_hook(lambda _m, _i, out: routed.append(int(out[1].unique().numel())))
-            for layer in model.model.decoder.layers
-        ]
+        routed, routes = [], []
+
+        def record(_module, _inputs, out):
+            routed.append(int(out[1].unique().numel()))
+            routes.append((out[0], out[1]))
+
+        hooks = [layer.router.register_forward_hook(record) for layer in model.model.decoder.layers]
+        experts_inputs = []
+        hooks.append(
+            model.model.decoder.layers[0].experts.register_forward_pre_hook(
+                lambda _m, inputs: experts_inputs.append(inputs)
+            )
+        )
         block = step(block)
         for hook in hooks:
             hook.remove()
@@ -245,27 +280,45 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             model.capture_decoder = capture
             block = step(block)  # a graph is captured here
             sync(device)
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(repeats):
-                    block = step(block)
-                end.record()
-                end.synchronize()
-                timings[mode] = start.elapsed_time(end) / repeats
-            else:
-                began = time.perf_counter()
-                for _ in range(repeats):
-                    block = step(block)
-                timings[mode] = 1000 * (time.perf_counter() - began) / repeats
+            timings[mode] = timed_ms(lambda: step(block), repeats, device)
         model.capture_decoder = captured
+        parts = {}
+        raw = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
+        for name, fused in (("sampler_fused_ms", True), ("sampler_pytorch_ms", False)):
+            if fused and not sampler.uses_fused(device):
+                continue
+            other = new_sampler(fused)
+            other.initial_block(batch, canvas, device)
+            cap = text.final_logit_softcapping
+            inputs = raw if fused else raw.float().div_(cap).tanh_().mul_(cap)  # what decode() gives it
+            # (the PyTorch sampler divides its input in place: a fresh copy per call, timed apart and removed)
+            copy_ms = 0.0 if fused else timed_ms(lambda: inputs.clone(), repeats, device)
+            parts[name] = timed_ms(
+                lambda: other.denoise(block, inputs if fused else inputs.clone(), None, None), repeats, device
+            ) - copy_ms
+            del inputs
+        del raw
+        experts = model.model.decoder.layers[0].experts
+        chosen = experts.implementation
+        x, index, weights = experts_inputs[0]
+        for implementation in ("grouped", "triton"):
+            try:
+                experts.implementation = implementation
+                parts[f"experts_{implementation}_ms"] = timed_ms(lambda: experts(x, index, weights), repeats, device)
+            except (RuntimeError, ValueError) as error:  # not available here (CPU, no Triton, no grouped_mm)
+                parts[f"experts_{implementation}_ms"] = None
+                parts[f"experts_{implementation}_error"] = str(error).splitlines()[0]
+        experts.implementation = chosen
+        parts["experts_default"] = experts.chosen_implementation(x)
     graphs = model._decoder_graphs is not None and bool(model._decoder_graphs.entries)
     return dict(
         step_ms=min(timings.values()),
         eager_step_ms=timings["eager"],
         graph_step_ms=timings["graph"],
         graphs_used=graphs,
+        fused_sampler=sampler.fused_active,
         routed=routed,
+        **parts,
     )
 
 
@@ -384,6 +437,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{step['batch']:5d} {step['eager_step_ms']:8.2f} {step['graph_step_ms']:8.2f} {floor} "
             f"{step['experts_per_layer']:13.1f}"
         )
+
+    def ms(value) -> str:
+        return f"{value:9.3f}" if isinstance(value, float) else f"{'-':>9}"
+
+    print(f"\n{'batch':>5} {'sampler ms: fused':>17} {'pytorch':>9} {'1 layer experts ms: grouped':>27} {'triton':>9} default")
+    for step in steps_rows:
+        if "oom" not in step:
+            print(
+                f"{step['batch']:5d} {ms(step.get('sampler_fused_ms')):>17} {ms(step.get('sampler_pytorch_ms'))} "
+                f"{ms(step.get('experts_grouped_ms')):>27} {ms(step.get('experts_triton_ms'))} {step['experts_default']}"
+            )
 
     def row_of(model, batch, steps):
         return next(

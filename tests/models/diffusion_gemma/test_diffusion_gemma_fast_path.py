@@ -142,7 +142,9 @@ def test_cuda_captured_decoder_step_equals_eager(gemma_cuda_bf16):
         results = {}
         for captured in (False, True, True):  # eager, capture, replay
             model.capture_decoder = captured
-            sampler = EntropyBoundSampler(text.vocab_size, 8, 0.5, 0.4, 0.8, 1, 0.005)
+            # The PyTorch sampler (it takes the capped logits `decode` gives by default; the fused one is tested in
+            # test_diffusion_gemma_fused_sampler_gpu.py).
+            sampler = EntropyBoundSampler(text.vocab_size, 8, 0.5, 0.4, 0.8, 1, 0.005, fused=False)
             sampler.initial_block(2, canvas, torch.device("cuda"))
             sampler.step_index = 3
             with torch.no_grad():
