@@ -40,7 +40,7 @@ from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
-from . import triton_moe  # (its kernels exist where Triton is installed; `use_fused_kernels` says so)
+from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is installed: `use_fused_kernels`)
 from .grouped_gemm import grouped_matmul
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 from .kernels import kernel_mode, use_fused_kernels
@@ -70,12 +70,19 @@ class DiffusionGemmaRMSNorm(nn.Module):
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of `hidden_states` `(..., dim)`, plus `residual` (its shape) if given; one Triton kernel where
+        hf_dllm's fused kernels run (`kernels.use_fused_kernels`: the same float32 ops, rounded once; the PyTorch
+        ops launch about eight kernels per norm, eleven norms per layer)."""
+        weight = self.weight if self.with_scale else None
+        if use_fused_kernels(hidden_states) and not (torch.is_grad_enabled() and hidden_states.requires_grad):
+            return triton_diffusion_gemma.rms_norm(hidden_states, weight, self.eps, residual)
         x = hidden_states.float()
         x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.with_scale:
-            x = x * self.weight.float()
-        return x.type_as(hidden_states)
+        if weight is not None:
+            x = x * weight.float()
+        x = x.type_as(hidden_states)
+        return x if residual is None else residual + x
 
 
 def rope_inverse_frequencies(config: DiffusionGemmaTextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
@@ -315,10 +322,8 @@ class DiffusionGemmaLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False):
-        residual = x
-        x = residual + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
-        )
+        attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
+        x = self.post_attention_layernorm(attention, residual=x)
         if attention_only:  # the encoder's last layer: only its K/V are read
             return x
         residual = x
@@ -326,7 +331,7 @@ class DiffusionGemmaLayer(nn.Module):
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        x = residual + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        x = self.post_feedforward_layernorm(self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual)
         return x * (self.layer_scalar if layer_scalar is None else layer_scalar)
 
 

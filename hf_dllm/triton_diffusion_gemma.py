@@ -189,6 +189,52 @@ if TRITON_AVAILABLE:
                     tl.store(probabilities_ptr + row * vocab + cols, p.to(out_dtype), mask=in_row)
 
 
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, weight_ptr, residual_ptr, out_ptr, n_cols, eps,
+        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: DiffusionGemma's norm in float32 (x * (mean(x^2) + eps)^-0.5, times the weight),
+        # rounded once to the output dtype; with a residual, residual + that (the sum in float32, rounded).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
+        inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
+        y = x * inverse
+        if HAS_WEIGHT:
+            y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        out_dtype = out_ptr.dtype.element_ty
+        y = y.to(out_dtype)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * n_cols + cols, mask=in_row, other=0.0)
+            y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_dtype)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
+
+
+@on_tensor_device
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """DiffusionGemma's RMS norm over the last dim in one launch (`DiffusionGemmaRMSNorm`'s rounding: float32,
+    one rounding to x's dtype), plus `residual` (x's shape) if given. x `(..., d)`, weight `(d,)` or None."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out.view(x.shape)
+    block = triton.next_power_of_2(d)
+    res = residual.reshape(-1, d).contiguous() if residual is not None else rows
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight if weight is not None else rows, res, out, d, float(eps),
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4 if block >= 512 else 2,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
 def vocabulary_splits(rows: int, vocab: int, block: int = BLOCK_V) -> int:
     """Chunks per row: enough programs (`TARGET_PROGRAMS`) for a few positions, one chunk per row for many; at
     most `MAX_SPLITS` and no more than the row has blocks of `block` columns."""
@@ -256,4 +302,4 @@ def fused_sample(
     return sample.view(shape), argmax.view(shape), entropy.view(shape)
 
 
-__all__ = ["BLOCK_V", "fused_sample", "vocabulary_splits"]
+__all__ = ["BLOCK_V", "fused_sample", "rms_norm", "vocabulary_splits"]

@@ -2,6 +2,7 @@
 switched on before Triton compiles anything, hence subprocesses, run beside the in-process tests), float32, against
 the PyTorch code:
 
+- `rms_norm` (one kernel per norm, residual added) against the PyTorch ops;
 - `fused_sample` (`triton_diffusion_gemma.py`): argmax exact, entropy and the self-conditioning probabilities within
   float32 rounding of a float64 reference, frozen rows' probabilities left as they were, one chunk or several per row
   (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token;
@@ -57,6 +58,22 @@ KERNEL_SCRIPT = textwrap.dedent(
     want = torch.distributions.Categorical(logits=x[:, :1].double()).entropy()
     assert torch.equal(argmax, x[:, :1].argmax(-1)) and (entropy.double() - want).abs().max() < 5e-6
 
+    # DiffusionGemma's RMS norm in one kernel, with and without weight and residual, against the PyTorch ops.
+    from hf_dllm import kernels
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaRMSNorm
+
+    for with_scale, add in ((True, False), (False, True), (True, True)):
+        norm = DiffusionGemmaRMSNorm(48, eps=1e-6, with_scale=with_scale)
+        if with_scale:
+            norm.weight.data.normal_()
+        h, residual = torch.randn(5, 3, 48), (torch.randn(5, 3, 48) if add else None)
+        with torch.no_grad():
+            fused = norm(h, residual=residual)
+            kernels.set_kernel_mode("torch")
+            plain = norm(h, residual=residual)
+            kernels.set_kernel_mode("triton")
+        assert (fused - plain).abs().max() < 2e-6, ("rms_norm", with_scale, add, (fused - plain).abs().max())
+
     # The experts: GELU-gated grouped products (Triton) against the loop.
     config = hf_dllm.DiffusionGemmaConfig(
         text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -83,9 +100,11 @@ MODEL_SCRIPT = textwrap.dedent(
     from transformers import AutoModel
     from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
 
+    from hf_dllm import kernels
+
+    # The model's own kernels (norms, experts) are the other script's: here the PyTorch model and the fused sampler.
+    kernels.set_kernel_mode("torch")
     model = AutoModel.from_pretrained(sys_argv_dir).eval()
-    for layer in model.model.decoder.layers:  # the experts' kernels are the other script's
-        layer.experts.implementation = "loop"
     text, canvas = model.config.text_config, model.config.canvas_length
 
     def sampler(fused, steps=4):
@@ -129,7 +148,7 @@ MODEL_SCRIPT = textwrap.dedent(
         for _ in range(2):
             torch.manual_seed(3)
             runs.append(model.generate(prompt, max_new_tokens=32, max_denoising_steps=3,
-                                       unmasking_policy=sampler(None, steps=3), return_dict_in_generate=True))
+                                       unmasking_policy=sampler(True, steps=3), return_dict_in_generate=True))
         assert torch.equal(runs[0].sequences, runs[1].sequences)
         out = runs[0].sequences
         assert torch.equal(out[:, :7], prompt) and out.shape == (2, 7 + 32) and (out[:, 7:] < text.vocab_size).all()
