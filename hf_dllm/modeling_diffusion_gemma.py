@@ -134,14 +134,22 @@ class DiffusionGemmaAttention(nn.Module):
         (encoder) or only read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(shape))
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
+        raw_query = self.q_proj(hidden_states).view(shape)
         raw_key = self.k_proj(hidden_states).view(shape)
         value = self.v_proj(hidden_states).view(shape) if self.v_proj is not None else raw_key
-        key = self.k_norm(raw_key)
-        key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
-        value = self.v_norm(value).transpose(1, 2)
+        if use_fused_kernels(hidden_states) and not torch.is_grad_enabled():
+            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each).
+            eps = self.q_norm.eps
+            query = triton_diffusion_gemma.norm_rope(raw_query, self.q_norm.weight, eps, cos, sin)
+            key = triton_diffusion_gemma.norm_rope(raw_key, self.k_norm.weight, self.k_norm.eps, cos, sin)
+            value = triton_diffusion_gemma.norm_rope(value, None, self.v_norm.eps, None, None)
+        else:
+            query = self.q_norm(raw_query)
+            cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+            query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
+            key = self.k_norm(raw_key)
+            key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
+            value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
         output = nn.functional.scaled_dot_product_attention(

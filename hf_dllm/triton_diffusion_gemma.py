@@ -212,6 +212,77 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
 
 
+    @triton.jit
+    def _norm_rope_kernel(
+        x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
+        HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        # Program (token, BLOCK_H heads): each head's RMS norm (float32, rounded once, `DiffusionGemmaRMSNorm`), then
+        # RoPE with tables in the activation dtype, each product and the sum rounded (`x * cos + rotate_half(x) *
+        # sin`, PyTorch's rounding points), written to (B, heads, T, D). x rows: token t at t * stride_xt, head h
+        # at + h * stride_xh (a projection's output viewed (B, T, H, D), maybe a slice of a wider one).
+        token = tl.program_id(0).to(tl.int64)  # b * seq_len + t
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_heads = (heads < n_heads)[:, None]
+        d = tl.arange(0, HEAD_DIM)
+        dtype = out_ptr.dtype.element_ty
+        src = x_ptr + token * stride_xt + heads[:, None].to(tl.int64) * stride_xh
+        x = tl.load(src + d[None, :], mask=in_heads, other=0.0).to(tl.float32)
+        inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        y = x * inverse[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(weight_ptr + d).to(tl.float32)[None, :]
+        y = y.to(dtype)
+        if HAS_ROPE:
+            half = HEAD_DIM // 2
+            partner = tl.where(d < half, d + half, d - half)
+            xp = tl.load(src + partner[None, :], mask=in_heads, other=0.0).to(tl.float32)
+            yp = xp * inverse[:, None]
+            if HAS_WEIGHT:
+                yp = yp * tl.load(weight_ptr + partner).to(tl.float32)[None, :]
+            yp = yp.to(dtype).to(tl.float32)
+            rotated = tl.where((d < half)[None, :], -yp, yp)
+            b = token // seq_len
+            table = b * stride_cb + (token % seq_len) * HEAD_DIM + d
+            cos = tl.load(cos_ptr + table).to(tl.float32)[None, :]
+            sin = tl.load(sin_ptr + table).to(tl.float32)[None, :]
+            y = ((y.to(tl.float32) * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+        b = token // seq_len
+        t = token % seq_len
+        dst = out_ptr + ((b * n_heads + heads[:, None]) * seq_len + t) * HEAD_DIM + d[None, :]
+        tl.store(dst, y, mask=in_heads)
+
+
+@on_tensor_device
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> torch.Tensor:
+    """DiffusionGemma's per-head norm then RoPE in one launch: x `(B, T, H, D)` (last two dims dense, a view of a
+    projection), weight `(D,)` or None, cos/sin `(B or 1, T, D)` in x's dtype or None (no rotation) -> `(B, H, T,
+    D)` contiguous, what `rope(norm(x)).transpose(1, 2)` gives (its rounding points)."""
+    batch, seq_len, heads, head_dim = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != head_dim or x.stride(0) != seq_len * x.stride(1):
+        x = x.contiguous()
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"norm_rope: head_dim {head_dim} must be a power of 2.")
+    out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    has_rope = cos is not None
+    if has_rope:
+        cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+        if cos.shape[1:] != (seq_len, head_dim) or cos.shape[0] not in (1, batch):
+            raise ValueError(f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}.")
+    block_h = 4 if head_dim <= 256 else 2
+    _norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, block_h))](
+        x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out, seq_len, heads,
+        float(eps), x.stride(1), x.stride(2), (cos.stride(0) if cos.shape[0] > 1 else 0) if has_rope else 0,
+        HAS_WEIGHT=weight is not None, HAS_ROPE=has_rope, HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
+        enable_fp_fusion=False,  # PyTorch rounds each product before the sum
+    )  # fmt: skip
+    return out
+
+
 @on_tensor_device
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
@@ -302,4 +373,4 @@ def fused_sample(
     return sample.view(shape), argmax.view(shape), entropy.view(shape)
 
 
-__all__ = ["BLOCK_V", "fused_sample", "rms_norm", "vocabulary_splits"]
+__all__ = ["BLOCK_V", "fused_sample", "norm_rope", "rms_norm", "vocabulary_splits"]

@@ -2,7 +2,8 @@
 switched on before Triton compiles anything, hence subprocesses, run beside the in-process tests), float32, against
 the PyTorch code:
 
-- `rms_norm` (one kernel per norm, residual added) against the PyTorch ops;
+- `rms_norm` (one kernel per norm, residual added) and `norm_rope` (an attention's per-head norm and RoPE) against
+  the PyTorch ops;
 - `fused_sample` (`triton_diffusion_gemma.py`): argmax exact, entropy and the self-conditioning probabilities within
   float32 rounding of a float64 reference, frozen rows' probabilities left as they were, one chunk or several per row
   (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token;
@@ -73,6 +74,30 @@ KERNEL_SCRIPT = textwrap.dedent(
             plain = norm(h, residual=residual)
             kernels.set_kernel_mode("triton")
         assert (fused - plain).abs().max() < 2e-6, ("rms_norm", with_scale, add, (fused - plain).abs().max())
+
+    # The attention's per-head norms and RoPE in one kernel each (sliding: default RoPE; full: proportional, keys
+    # as values), on two rows with their own positions, against the PyTorch ops.
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaDecoder
+
+    model_config = hf_dllm.DiffusionGemmaConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+            sliding_window=4, num_experts=6, top_k_experts=2, moe_intermediate_size=24,
+            layer_types=["sliding_attention", "full_attention"]),
+        vision_config=None, canvas_length=8)
+    decoder = DiffusionGemmaDecoder(model_config)
+    for name, parameter in decoder.named_parameters():
+        parameter.data.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    h, positions = torch.randn(2, 5, 32), torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    for index, kind in enumerate(model_config.text_config.layer_types):
+        attention = decoder.layers[index].self_attn
+        cos, sin = decoder.rope(positions, kind, h.dtype)
+        with torch.no_grad():
+            fused = attention(h, cos, sin, None, None, False)
+            kernels.set_kernel_mode("torch")
+            plain = attention(h, cos, sin, None, None, False)
+            kernels.set_kernel_mode("triton")
+        assert (fused - plain).abs().max() < 1e-5, ("norm_rope", kind, (fused - plain).abs().max())
 
     # The experts: GELU-gated grouped products (Triton) against the loop.
     config = hf_dllm.DiffusionGemmaConfig(
