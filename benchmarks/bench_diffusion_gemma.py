@@ -18,6 +18,11 @@ and its **weight-read floor**: the bytes of the attention, dense-MLP, norm and r
 self-conditioning MLP, the embedding twice (the self-conditioning matmul and the tied LM head each read it) and the
 distinct experts the step's routers selected (counted by hooks), over the measured device copy bandwidth.
 
+The step's parts, each timed alone at each batch size (`steps[*]` in the JSON line): the sampler on the fused path
+(`triton_diffusion_gemma.fused_sample`, where it runs) and the PyTorch one on the same logits, and one layer's
+experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
+the model runs; the measurement that picks it).
+
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
 

@@ -442,9 +442,15 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
 
     _versions = iter(range(1 << 62))
 
-    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int):
+    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int, canvas_length: int = 0):
         super().__init__(config)
         self.capacity = capacity
+        # Slots after each layer's own where a decoder pass of up to `canvas_length` tokens puts its K/V, so that
+        # it reads one buffer instead of a concatenation of the cache and its own (a copy of the whole cache per
+        # layer and step: ~1.3 ms of a batch-1 step of the 26B-A4B shape on an H200).
+        self.canvas_length = canvas_length
+        self.storage_keys: list = [None] * len(self.sliding)
+        self.storage_values: list = [None] * len(self.sliding)
         self.head = [config.layer_attention(layer) for layer in range(len(self.sliding))]
         self.version = next(self._versions)
 
@@ -463,8 +469,10 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         for layer in range(len(self.sliding)):
             head_dim, heads = self.head[layer]
             slots = self.slots(layer)
-            self.keys[layer] = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
-            self.values[layer] = torch.zeros_like(self.keys[layer])
+            shape = (batch, heads, slots + self.canvas_length, head_dim)
+            self.storage_keys[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self.storage_values[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self._view_slots(layer)
             self.columns[layer] = torch.full((slots,), -1, dtype=torch.long, device=device)
             self.valid[layer] = torch.zeros(batch, slots, dtype=torch.bool, device=device)
         self.version = next(self._versions)
@@ -486,7 +494,23 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         last = columns[-kept:]
         return (last % slots if self.sliding[layer] else last), kept
 
+    def _view_slots(self, layer: int) -> None:
+        """`keys` / `values` of `layer`: views of its storage's cache slots (written in place)."""
+        slots = self.slots(layer)
+        self.keys[layer] = self.storage_keys[layer][:, :, :slots]
+        self.values[layer] = self.storage_values[layer][:, :, :slots]
+
     def keys_values(self, layer: int, key, value, write: bool):
+        length = key.shape[-2]
+        if not write and length <= self.canvas_length:
+            # The decoder: its K/V in the slots after the cache's, the cache and them read as one buffer.
+            slots = self.slots(layer)
+            self.storage_keys[layer][:, :, slots : slots + length].copy_(key)
+            self.storage_values[layer][:, :, slots : slots + length].copy_(value)
+            return (
+                self.storage_keys[layer][:, :, : slots + length],
+                self.storage_values[layer][:, :, : slots + length],
+            )
         all_keys = torch.cat([self.keys[layer], key], dim=-2)
         all_values = torch.cat([self.values[layer], value], dim=-2)
         if write:
@@ -507,7 +531,12 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         self.length = int(columns[-1]) + 1
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        super().keep_rows(index)
+        for layer in range(len(self.sliding)):
+            if self.storage_keys[layer] is not None:
+                self.storage_keys[layer] = self.storage_keys[layer].index_select(0, index)
+                self.storage_values[layer] = self.storage_values[layer].index_select(0, index)
+                self._view_slots(layer)
+                self.valid[layer] = self.valid[layer].index_select(0, index)
         self.version = next(self._versions)
 
 
@@ -860,7 +889,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
         static = self.static_cache if self.static_cache is not None else self.device.type == "cuda"
         if static:
-            return DiffusionGemmaStaticCache(self.config.text_config, max_length)
+            return DiffusionGemmaStaticCache(self.config.text_config, max_length, self.config.canvas_length)
         return self.new_encoder_cache()
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
