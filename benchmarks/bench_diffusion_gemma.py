@@ -288,6 +288,17 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             timings[mode] = timed_ms(lambda: step(block), repeats, device)
         model.capture_decoder = captured
         parts = {}
+        backend = model.model.decoder.layers[0].self_attn.backend
+        other_backend = "triton" if backend == "sdpa" else "sdpa"
+        if device.type == "cuda":  # the step (graphs) with the decoder's other attention backend
+            try:
+                model.set_decoder_attention(other_backend)
+                block = step(block)
+                parts[f"graph_step_{other_backend}_attention_ms"] = timed_ms(lambda: step(block), repeats, device)
+            except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
+                parts[f"graph_step_{other_backend}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
+            model.set_decoder_attention(backend)
+        parts["decoder_attention"] = backend
         raw = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
         for name, fused in (("sampler_fused_ms", True), ("sampler_pytorch_ms", False)):
             if fused and not sampler.uses_fused(device):
@@ -343,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=None, help="GPU 512, CPU 16")
     parser.add_argument("--new-tokens", type=int, default=None, help="GPU 512, CPU 32 (whole canvases)")
     parser.add_argument("--step-repeats", type=int, default=None, help="isolated steps timed (GPU 10, CPU 2)")
+    parser.add_argument(
+        "--decoder-attention", choices=("sdpa", "triton"), default="sdpa", help="the decoder passes' attention"
+    )
+    parser.add_argument(
+        "--experts", choices=("auto", "triton", "grouped", "loop"), default="auto", help="the experts' kernels"
+    )
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available() and not args.cpu
@@ -363,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     torch.manual_seed(0)
     ours, reference, missing_reason = build_models(shape, canvas, dtype, device, not args.no_reference)
+    ours.set_decoder_attention(args.decoder_attention)
+    for layer in ours.model.decoder.layers:
+        layer.experts.implementation = None if args.experts == "auto" else args.experts
     summary = dict(
         benchmark="bench_diffusion_gemma",
         device=torch.cuda.get_device_name(device) if gpu else "CPU",
@@ -375,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         weights_gb=round(sum(p.numel() * p.element_size() for p in ours.parameters()) / 1e9, 2),
         reference=None if reference is None else "transformers DiffusionGemmaForBlockDiffusion.generate()",
         reference_skipped=missing_reason,
+        decoder_attention=args.decoder_attention,
+        experts=args.experts,
     )
     if gpu:
         from bench_generate import copy_bandwidth  # this folder's (needs CUDA)
@@ -453,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{step['batch']:5d} {ms(step.get('sampler_fused_ms')):>17} {ms(step.get('sampler_pytorch_ms'))} "
                 f"{ms(step.get('experts_grouped_ms')):>27} {ms(step.get('experts_triton_ms'))} {step['experts_default']}"
             )
+            for name in ("sdpa", "triton"):
+                if f"graph_step_{name}_attention_ms" in step:
+                    print(f"      graph step with the decoder's {name} attention: {step[f'graph_step_{name}_attention_ms']:.2f} ms")
 
     def row_of(model, batch, steps):
         return next(

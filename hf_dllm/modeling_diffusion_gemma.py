@@ -42,6 +42,7 @@ from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is installed: `use_fused_kernels`)
 from .grouped_gemm import grouped_matmul
+from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 from .kernels import kernel_mode, use_fused_kernels
 
@@ -107,9 +108,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def decoder_tiles(head_dim: int) -> AttentionTiles:
+    """`block_attention`'s tiles for a decoder pass: a 256-token canvas gives each key/value head 512 (sliding) or
+    2,048 (full) query rows; the float32 accumulator of a row tile is `block_m x head_dim`, so the tile shrinks as the
+    heads widen (256 / 512) to stay in registers."""
+    return AttentionTiles(block_m=32 if head_dim <= 256 else 16, block_n=32, num_warps=4 if head_dim <= 256 else 8)
+
+
 class DiffusionGemmaAttention(nn.Module):
     """Gemma 4 attention of one layer; `forward` gets the K/V to attend to besides its own (the cache) and says
-    whether to store its own (encoder) or not (decoder)."""
+    whether to store its own (encoder) or not (decoder).
+
+    `backend` "sdpa" (default: torch's `scaled_dot_product_attention`; at the 26B-A4B shape its full layers' heads
+    of 512 have no fused kernel on an H200 and fall back to the math path, ~0.35 ms a layer) or "triton": the
+    decoder's pass through hf_dllm's Triton attention (`triton_attention.block_attention`; CUDA, or the
+    interpreter), the encoder's on SDPA (per-query causal masks). Set for every layer with
+    `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
+
+    backends = ("sdpa", "triton")
 
     def __init__(self, config: DiffusionGemmaTextConfig, layer_idx: int):
         super().__init__()
@@ -127,6 +143,7 @@ class DiffusionGemmaAttention(nn.Module):
         self.q_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.v_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
+        self.backend = "sdpa"
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
@@ -152,6 +169,12 @@ class DiffusionGemmaAttention(nn.Module):
             value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
+        if self.backend == "triton" and not write_cache and (mask is None or mask.shape[2] == 1):
+            # The decoder's pass (a key padding mask, no per-query mask): hf_dllm's Triton attention (float32
+            # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D).
+            padding = None if mask is None else mask[:, 0, 0, :]
+            output = block_attention(query, key, value, padding, scale=1.0, tiles=decoder_tiles(self.head_dim))
+            return self.o_proj(output.reshape(batch, length, -1))
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
@@ -717,6 +740,17 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         self._decoder_graphs = None
         self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
         self.post_init()
+
+    def set_decoder_attention(self, backend: str) -> None:
+        """The decoder passes' attention for every layer: "sdpa" or "triton" (`DiffusionGemmaAttention`); captured
+        decoder graphs are dropped (they hold the other kernels)."""
+        if backend not in DiffusionGemmaAttention.backends:
+            raise ValueError(f"`backend` must be one of {DiffusionGemmaAttention.backends}, got {backend!r}.")
+        if backend == "triton" and not MOE_KERNELS_AVAILABLE:
+            raise ValueError("the Triton attention needs the `triton` package (pip install hf-dllm[triton]).")
+        for layer in self.model.decoder.layers:
+            layer.self_attn.backend = backend
+        self._decoder_graphs = None
 
     def get_input_embeddings(self):
         return self.model.decoder.embed_tokens

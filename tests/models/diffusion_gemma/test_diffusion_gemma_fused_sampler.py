@@ -3,7 +3,7 @@ switched on before Triton compiles anything, hence subprocesses, run beside the 
 the PyTorch code:
 
 - `rms_norm` (one kernel per norm, residual added) and `norm_rope` (an attention's per-head norm and RoPE) against
-  the PyTorch ops;
+  the PyTorch ops; the decoder's attention on the Triton backend against SDPA;
 - `fused_sample` (`triton_diffusion_gemma.py`): argmax exact, entropy and the self-conditioning probabilities within
   float32 rounding of a float64 reference, frozen rows' probabilities left as they were, one chunk or several per row
   (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token;
@@ -98,6 +98,14 @@ KERNEL_SCRIPT = textwrap.dedent(
             plain = attention(h, cos, sin, None, None, False)
             kernels.set_kernel_mode("triton")
         assert (fused - plain).abs().max() < 1e-5, ("norm_rope", kind, (fused - plain).abs().max())
+        # The decoder's pass on the Triton attention (a key padding mask; grouped-query heads) against SDPA.
+        padding = torch.tensor([[True] * 5, [False, True, True, True, True]])[:, None, None, :]
+        with torch.no_grad():
+            attention.backend = "triton"
+            triton_out = attention(h, cos, sin, None, padding, False)
+            attention.backend = "sdpa"
+            sdpa_out = attention(h, cos, sin, None, padding, False)
+        assert (triton_out - sdpa_out).abs().max() < 1e-5, ("attention", kind, (triton_out - sdpa_out).abs().max())
 
     # The experts: GELU-gated grouped products (Triton) against the loop.
     config = hf_dllm.DiffusionGemmaConfig(
