@@ -1,5 +1,5 @@
-"""A LLaDA2.x-flash-shaped model (~100B parameters, MoE) across N GPUs with tensor parallelism (issue #64, "the
-flash shape").
+"""A LLaDA2.x-flash-shaped model (~100B parameters, MoE) across N GPUs with tensor or expert parallelism (issue #64,
+"the flash shape").
 
 LLaDA2.0-flash does not fit one H200 in bf16 (~200 GB), so there is no one-GPU reference: each rank of a `torchrun`
 child builds its shard directly on its GPU, through the path users take (`from_pretrained(dir, tp_plan="auto")`),
@@ -10,8 +10,18 @@ rank (the replicated router and q/k/v projection are then equal across ranks, as
 Measured per (batch, tokens per step): prompt 512, 256 new tokens, block 32, `eos_early_stop=False`, the exact
 block cache, CUDA graphs: tokens/s of `generate()`, ms per forward, the median block step, per-GPU peak memory, the
 collectives per forward, and the step's per-GPU weight-read floor: the bytes of the attention, dense and shared
-weights this GPU reads (its slices; its q/k/v rows; the output head's vocabulary rows), plus its slices of the
-distinct routed experts the step touched (counted on an eager step), over the measured device copy bandwidth.
+weights this GPU reads (its slices; its q/k/v rows; the output head's vocabulary rows), plus what it holds of the
+distinct routed experts the step touched (counted on an eager step: under tensor parallelism its slice of each;
+under expert parallelism those of its own experts, whole), over the measured device copy bandwidth; the largest
+rank's (the step waits for it).
+
+Layouts (`--parallel`): `tensor` (`tp_plan="auto"`: every expert split over the GPUs), `expert`
+(`DistributedConfig(tp_size=N, ep_size=N)`: E / N experts whole per GPU, attention and shared expert still split),
+or `auto` (the default): each row under the layout `hf_dllm.tensor_parallel.moe_parallelism` picks for its batch
+size. The goals are judged on the rule's pick.
+
+`--cpu` loads a whole tiny random checkpoint (every layout reads the same weights) and also decodes each row in one
+process: every layout's tokens must equal it (`tokens_equal_one_process`).
 
 Goals (issue #64, 4x H200): batch-1 step (1 token per step) within 1.6x of its floor; batch 32 x 4 tokens per
 step >= 5,000 tokens/s.
@@ -20,12 +30,14 @@ Prints a table and ends with one JSON line. NVLink multicast stays off (`NCCL_NV
 `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`).
 
     python benchmarks/bench_flash.py --gpus 4                 # batch 1/8/32 x 1 and 4 tokens per step
+    python benchmarks/bench_flash.py --gpus 4 --parallel tensor,expert   # every row under both layouts
     python benchmarks/bench_flash.py --cpu                    # a tiny flash-like shape, 2 gloo processes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -109,10 +121,13 @@ def write_checkpoint(directory: Path, cpu: bool, layers: int | None = None) -> N
     config = hf_dllm.LLaDA2MoeConfig(
         **shape, mask_token_id=bench_llada2.MASK_ID, eos_token_id=bench_llada2.EOS_ID, pad_token_id=bench_llada2.EOS_ID
     )
-    if cpu:  # the tiny vocabulary holds no Hub special ids
+    if cpu:  # the tiny vocabulary holds no Hub special ids; every weight saved, so that the layouts load the same
         config.mask_token_id, config.eos_token_id, config.pad_token_id = 1000, 999, 999
+        torch.manual_seed(0)
+        hf_dllm.LLaDA2MoeModelLM._from_config(config, dtype=torch.float32).save_pretrained(directory)
+        return
     config.save_pretrained(directory)
-    norm = torch.ones(config.hidden_size, dtype=torch.float32 if cpu else torch.bfloat16)
+    norm = torch.ones(config.hidden_size, dtype=torch.bfloat16)
     save_file({"model.norm.weight": norm}, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -123,11 +138,12 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def step_read_floor_bytes(model, distinct: list[int], batch: int) -> int:
+def step_read_floor_bytes(model, routed: list[torch.Tensor], batch: int) -> int:
     """Bytes of weights one block step reads on this GPU: every parameter's local slice except the routed experts,
     the embedding (a lookup reads `batch x block` rows, counted as the whole batch's rows at most) and the replicated
     q/k/v projections (each rank reads its heads' rows, `LLaDA2MoeAttention.local_projection`); plus, per MoE layer,
-    the local slices of the `distinct` routed experts the step touched."""
+    the experts of `routed` (the distinct expert ids the step chose there) that this GPU holds, at the bytes it holds
+    of each (tensor parallelism: a slice of every expert; expert parallelism: its own experts, whole)."""
     total = 0
     for name, parameter in model.named_parameters():
         if ".experts." in name or "word_embeddings" in name or "query_key_value" in name:
@@ -140,77 +156,160 @@ def step_read_floor_bytes(model, distinct: list[int], batch: int) -> int:
         weight, bias = layer.attention.local_projection()
         total += weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
         if hasattr(layer.mlp, "experts"):
-            moe_layers.append(layer.mlp)
-    for mlp, count in zip(moe_layers, distinct, strict=True):
-        total += count * sum(local_bytes(p) for p in mlp.experts[0].parameters())
+            moe_layers.append(layer.mlp.experts)
+    for experts, ids in zip(moe_layers, routed, strict=True):
+        held = int(((ids >= experts.first) & (ids < experts.first + experts.num_experts)).sum())
+        total += held * sum(local_bytes(p) for p in experts[experts.first].parameters())
     return total
+
+
+@contextlib.contextmanager
+def routed_expert_ids(model):
+    """`bench_llada2.routed_expert_counts` with each MoE layer's distinct expert ids (a tensor) instead of their
+    count: which of them a GPU holds depends on the layout. Swapped in while `block_step` runs."""
+    forwards: list[list[torch.Tensor]] = []
+    handles = [model.model.register_forward_pre_hook(lambda module, args: forwards.append([]))]
+    handles += [
+        layer.mlp.gate.register_forward_hook(lambda module, args, out: forwards[-1].append(out[0].unique().cpu()))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
+    ]
+    try:
+        yield forwards
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def block_step_with_routing(model, prompts, config, device, **timing) -> tuple[float, list[torch.Tensor]]:
+    """`bench_llada2.block_step`'s step ms and the distinct expert ids of each MoE layer in that step."""
+    counting = bench_llada2.routed_expert_counts
+    bench_llada2.routed_expert_counts = routed_expert_ids
+    try:
+        step_ms, _, routed = bench_llada2.block_step(model, prompts, config, device, **timing)
+    finally:
+        bench_llada2.routed_expert_counts = counting
+    return step_ms, routed
+
+
+def row_layouts(args, config) -> dict[int, list[str]]:
+    """Batch size -> the layouts its rows run under: `--parallel`'s, or with `auto` the rule's pick."""
+    from hf_dllm.tensor_parallel import moe_parallelism
+
+    if args.parallel == ["auto"]:
+        return {batch: [moe_parallelism(config, batch, args.block_length)] for batch in args.batch_sizes}
+    return {batch: list(args.parallel) for batch in args.batch_sizes}
 
 
 @torch.no_grad()
 def worker(args) -> int:
     import torch.distributed as dist
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.workdir)
+    layouts = row_layouts(args, config)
+    rows, loads, weights, bandwidth = [], {}, {}, None
+    for layout in dict.fromkeys(layout for batch in args.batch_sizes for layout in layouts[batch]):
+        model, loads[layout] = load(args, layout)
+        device = next(model.parameters()).device
+        if bandwidth is None and not args.cpu:
+            bandwidth = bench_generate.copy_bandwidth(device)
+        first = True  # the collectives are counted on each layout's first row
+        for batch in [batch for batch in args.batch_sizes if layout in layouts[batch]]:
+            for per_step in args.tokens_per_step:
+                rows.append(measure_row(model, args, layout, batch, per_step, device, bandwidth, first))
+                first = False
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sum(local_bytes(p) for p in model.parameters()) / 1e9)
+        weights[layout] = max(gathered)
+        del model
+        if not args.cpu:
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        torch.save(dict(rows=rows, load_s=loads, weight_gb_per_gpu=weights, bandwidth=bandwidth), args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def load(args, layout: str):
+    """(The model split by `layout` over the `torchrun` ranks, seconds to load it)."""
     from transformers import AutoModel
+
+    from hf_dllm.tensor_parallel import parallel_load_kwargs
 
     dtype = torch.float32 if args.cpu else torch.bfloat16
     torch.manual_seed(0)  # every rank initialises the same replicated weights (router, q/k/v)
     started = time.perf_counter()
-    model = AutoModel.from_pretrained(args.workdir, tp_plan="auto", dtype=dtype, attn_implementation="sdpa").eval()
-    device = next(model.parameters()).device
-    load_s = time.perf_counter() - started
-    bandwidth = None if args.cpu else bench_generate.copy_bandwidth(device)
-    rows = []
-    for batch in args.batch_sizes:
-        prompts = bench_tp.prompts_for(batch, args.prompt_len, model.config.vocab_size, device)
-        for per_step in args.tokens_per_step:
-            kwargs = bench_tp.generate_kwargs(
-                "llada2",
-                args.new_tokens,
-                args.block_length,
-                False,
-                model.config.mask_token_id,
-                model.config.eos_token_id,
-            )
-            kwargs["steps"] = args.new_tokens // per_step
-            if not args.cpu:
-                torch.cuda.reset_peak_memory_stats(device)
-            seconds, out, _, _ = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
-            config = model.resolve_generation_config(**kwargs)
-            timing = dict(repeats=3, in_a_row=2) if args.cpu else {}
-            step_ms, _, distinct = bench_llada2.block_step(model, prompts, config, device, **timing)
-            if not rows:  # the same per forward at every batch: counted once, over one block (eager)
-                one_block = dict(kwargs, max_new_tokens=args.block_length, steps=args.block_length // per_step)
-                per_forward, by_op = bench_tp.collectives_per_forward(model, prompts, one_block)
-            floor_bytes = step_read_floor_bytes(model, distinct, batch)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, out.sequences.cpu())
-            row = dict(
-                batch=batch,
-                tokens_per_step=per_step,
-                nfe=out.nfe,
-                tokens_per_s=batch * args.new_tokens / seconds,
-                ms_per_forward=1000 * seconds / out.nfe,
-                step_ms=step_ms,
-                peak_gb=None if args.cpu else torch.cuda.max_memory_allocated(device) / 1e9,
-                floor_gb=floor_bytes / 1e9,
-                floor_ms=None if bandwidth is None else 1000 * floor_bytes / bandwidth,
-                distinct_experts_per_layer=sum(distinct) / max(1, len(distinct)),
-                collectives_per_forward=per_forward,
-                collectives=by_op,
-                ranks_agree=all(torch.equal(other, gathered[0]) for other in gathered),
-            )
-            rows.append(row)
-            if dist.get_rank() == 0:
-                print(
-                    f"[batch {batch}, {per_step}/step] {step_ms:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s, "
-                    f"floor {row['floor_gb']:.2f} GB",
-                    flush=True,
-                )
-    weights = sum(local_bytes(p) for p in model.parameters()) / 1e9
+    split = parallel_load_kwargs(layout, args.gpus)
+    model = AutoModel.from_pretrained(args.workdir, dtype=dtype, attn_implementation="sdpa", **split).eval()
+    return model, time.perf_counter() - started
+
+
+def measure_row(model, args, layout: str, batch: int, per_step: int, device, bandwidth, first: bool) -> dict:
+    """One row: `generate()` timed, the block step and its routing, the floor (the largest rank's), the collectives
+    per forward (`first` row of a layout only: the same per forward at every batch), whether the ranks agree."""
+    import torch.distributed as dist
+
+    prompts = bench_tp.prompts_for(batch, args.prompt_len, model.config.vocab_size, device)
+    kwargs = bench_tp.generate_kwargs(
+        "llada2", args.new_tokens, args.block_length, False, model.config.mask_token_id, model.config.eos_token_id
+    )
+    kwargs["steps"] = args.new_tokens // per_step
+    if not args.cpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, out, _, _ = bench_generate.timed_generate(model, prompts, kwargs, device, args.repeats)
+    config = model.resolve_generation_config(**kwargs)
+    timing = dict(repeats=3, in_a_row=2) if args.cpu else {}
+    step_ms, routed = block_step_with_routing(model, prompts, config, device, **timing)
+    per_forward, by_op = None, None
+    if first:
+        one_block = dict(kwargs, max_new_tokens=args.block_length, steps=args.block_length // per_step)
+        per_forward, by_op = bench_tp.collectives_per_forward(model, prompts, one_block)
+    floors = [None] * dist.get_world_size()
+    dist.all_gather_object(floors, step_read_floor_bytes(model, routed, batch))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out.sequences.cpu())
+    row = dict(
+        parallel=layout,
+        batch=batch,
+        tokens_per_step=per_step,
+        nfe=out.nfe,
+        tokens_per_s=batch * args.new_tokens / seconds,
+        ms_per_forward=1000 * seconds / out.nfe,
+        step_ms=step_ms,
+        peak_gb=None if args.cpu else torch.cuda.max_memory_allocated(device) / 1e9,
+        floor_gb=max(floors) / 1e9,
+        floor_ms=None if bandwidth is None else 1000 * max(floors) / bandwidth,
+        distinct_experts_per_layer=sum(ids.numel() for ids in routed) / max(1, len(routed)),
+        collectives_per_forward=per_forward,
+        collectives=by_op,
+        ranks_agree=all(torch.equal(other, gathered[0]) for other in gathered),
+        sequences=gathered[0] if args.cpu else None,
+    )
     if dist.get_rank() == 0:
-        torch.save(dict(rows=rows, load_s=load_s, weight_gb_per_gpu=weights, bandwidth=bandwidth), args.out)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+        print(
+            f"[{layout}, batch {batch}, {per_step}/step] {step_ms:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s, "
+            f"floor {row['floor_gb']:.2f} GB",
+            flush=True,
+        )
+    return row
+
+
+def one_process_tokens(args, rows: list[dict]) -> None:
+    """`--cpu`: each row decoded in this process from the same checkpoint; sets `tokens_equal_one_process`."""
+    model = hf_dllm.LLaDA2MoeModelLM.from_pretrained(args.workdir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    device = torch.device("cpu")
+    for row in rows:
+        prompts = bench_tp.prompts_for(row["batch"], args.prompt_len, model.config.vocab_size, device)
+        kwargs = bench_tp.generate_kwargs(
+            "llada2", args.new_tokens, args.block_length, False, model.config.mask_token_id, model.config.eos_token_id
+        )
+        kwargs["steps"] = args.new_tokens // row["tokens_per_step"]
+        with torch.no_grad():
+            expected = model.generate(prompts, **kwargs).sequences
+        row["tokens_equal_one_process"] = bool(torch.equal(expected, row.pop("sequences")))
 
 
 def launch(args) -> dict:
@@ -226,10 +325,15 @@ def launch(args) -> dict:
         "--batch-sizes", ",".join(map(str, args.batch_sizes)),
         "--tokens-per-step", ",".join(map(str, args.tokens_per_step)), "--prompt-len", str(args.prompt_len),
         "--new-tokens", str(args.new_tokens), "--block-length", str(args.block_length), "--repeats", str(args.repeats),
-        *(["--cpu"] if args.cpu else []),
+        "--parallel", ",".join(args.parallel), *(["--cpu"] if args.cpu else []),
     ]  # fmt: skip
     subprocess.run(command, env=env, check=True)
     return torch.load(out, weights_only=False)
+
+
+def dict_args(args, parallel: list[str]):
+    """`args` with `--parallel` replaced."""
+    return argparse.Namespace(**dict(vars(args), parallel=parallel))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="decoder layers (default: the shape's 32); fewer shorten the load, and the floor counts those layers",
     )
+    parser.add_argument(
+        "--parallel",
+        default="auto",
+        help="auto (each batch size under the layout moe_parallelism's rule picks), or a comma list of: tensor, expert",
+    )
     parser.add_argument("--cpu", action="store_true", help="a tiny flash-like shape on the CPU (gloo)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -260,8 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     for per_step in args.tokens_per_step:
         if per_step < 1 or args.block_length % per_step:
             raise ValueError(f"--tokens-per-step must divide --block-length ({args.block_length}), got {per_step}.")
+    args.parallel = args.parallel.split(",")
+    if args.parallel != ["auto"] and (not args.parallel or set(args.parallel) - {"tensor", "expert"}):
+        raise ValueError(f"--parallel must be auto or a comma list of tensor, expert; got {args.parallel}.")
     if args.worker:
         return worker(args)
+    from hf_dllm.tensor_parallel import parallel_load_kwargs
+
+    if "tensor" not in args.parallel or len(args.parallel) > 1:  # auto or expert: refused here if unsupported
+        parallel_load_kwargs("expert", args.gpus)
     if not args.cpu and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"bench_flash.py needs {args.gpus} CUDA devices (--gpus), found {torch.cuda.device_count()}.")
     started = time.perf_counter()
@@ -269,39 +385,60 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_checkpoint(args.workdir, args.cpu, args.layers)
         results = launch(args)
+        if args.cpu:
+            one_process_tokens(args, results["rows"])
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     import transformers
 
     device = "CPU" if args.cpu else torch.cuda.get_device_name(0)
-    print(f"\n{device} x{args.gpus}, LLaDA2.0-flash shape{' (tiny, --cpu)' if args.cpu else ''}, tensor parallel")
-    print(f"{'batch':>5}{'tok/step':>9}{'tok/s':>9}{'ms/fwd':>8}{'step ms':>9}{'floor ms':>9}{'x floor':>8}{'GB/GPU':>8}"
-          f"{'experts':>8}{'coll/fwd':>9}{'ranks=':>7}")  # fmt: skip
+    print(f"\n{device} x{args.gpus}, LLaDA2.0-flash shape{' (tiny, --cpu)' if args.cpu else ''}")
+    print(f"{'split':>7}{'batch':>6}{'tok/step':>9}{'tok/s':>9}{'ms/fwd':>8}{'step ms':>9}{'floor ms':>9}{'x floor':>8}"
+          f"{'GB/GPU':>8}{'experts':>8}{'coll/fwd':>9}{'ranks=':>7}")  # fmt: skip
+    config = hf_dllm.LLaDA2MoeConfig(**(CPU_FLASH if args.cpu else LLADA2_FLASH))
+    picks = {batch: layouts[0] for batch, layouts in row_layouts(dict_args(args, ["auto"]), config).items()}
     for row in results["rows"]:
+        row["rule_pick"] = picks[row["batch"]] == row["parallel"]
         row["step_over_floor"] = None if row["floor_ms"] is None else row["step_ms"] / row["floor_ms"]
         floor = "-" if row["floor_ms"] is None else f"{row['floor_ms']:.2f}"
         ratio = "-" if row["step_over_floor"] is None else f"{row['step_over_floor']:.2f}"
         peak = "-" if row["peak_gb"] is None else f"{row['peak_gb']:.1f}"
+        collectives = "-" if row["collectives_per_forward"] is None else f"{row['collectives_per_forward']:.1f}"
         print(
-            f"{row['batch']:>5}{row['tokens_per_step']:>9}{row['tokens_per_s']:>9.0f}{row['ms_per_forward']:>8.2f}"
-            f"{row['step_ms']:>9.2f}{floor:>9}{ratio:>8}{peak:>8}{row['distinct_experts_per_layer']:>8.1f}"
-            f"{row['collectives_per_forward']:>9.1f}{str(row['ranks_agree']):>7}"
+            f"{row['parallel']:>7}{row['batch']:>6}{row['tokens_per_step']:>9}{row['tokens_per_s']:>9.0f}"
+            f"{row['ms_per_forward']:>8.2f}{row['step_ms']:>9.2f}{floor:>9}{ratio:>8}{peak:>8}"
+            f"{row['distinct_experts_per_layer']:>8.1f}{collectives:>9}{str(row['ranks_agree']):>7}"
         )
+    for batch, pick in picks.items():
+        step = {
+            r["parallel"]: r["step_ms"] for r in results["rows"] if r["batch"] == batch and r["tokens_per_step"] == 1
+        }
+        faster = min(step, key=step.get) if len(step) > 1 else None
+        print(f"batch {batch}: the rule picks {pick} parallelism" + (f"; {faster} was faster" if faster else ""))
     goals = {}
-    batch1 = [r for r in results["rows"] if r["batch"] == 1 and r["tokens_per_step"] == 1]
+    picked = [r for r in results["rows"] if r["rule_pick"]]  # the goals are judged on the rule's layout
+    batch1 = [r for r in picked if r["batch"] == 1 and r["tokens_per_step"] == 1]
     if batch1 and batch1[0]["step_over_floor"] is not None:
         value = batch1[0]["step_over_floor"]
-        goals["batch1_step_over_floor"] = dict(value=value, goal=GOAL_FLOOR_RATIO, met=value <= GOAL_FLOOR_RATIO)
-    batch32 = [r for r in results["rows"] if r["batch"] == 32 and r["tokens_per_step"] == 4]
+        goals["batch1_step_over_floor"] = dict(
+            value=value, goal=GOAL_FLOOR_RATIO, met=value <= GOAL_FLOOR_RATIO, parallel=batch1[0]["parallel"]
+        )
+    batch32 = [r for r in picked if r["batch"] == 32 and r["tokens_per_step"] == 4]
     if batch32 and args.layers in (None, LLADA2_FLASH["num_hidden_layers"]):  # tokens/s of the whole model only
         value = batch32[0]["tokens_per_s"]
-        goals["batch32_x4_tokens_per_s"] = dict(value=value, goal=GOAL_TOKENS_PER_S, met=value >= GOAL_TOKENS_PER_S)
+        goals["batch32_x4_tokens_per_s"] = dict(
+            value=value, goal=GOAL_TOKENS_PER_S, met=value >= GOAL_TOKENS_PER_S, parallel=batch32[0]["parallel"]
+        )
     for name, goal in goals.items():
-        print(f"goal {name}: {goal['value']:.2f} (goal {goal['goal']}) {'met' if goal['met'] else 'NOT met'}")
+        print(
+            f"goal {name} ({goal['parallel']}): {goal['value']:.2f} (goal {goal['goal']}) "
+            f"{'met' if goal['met'] else 'NOT met'}"
+        )
     summary = dict(
         device=device,
         gpus=args.gpus,
-        parallelism="tensor",  # expert parallelism is not built yet (issue #64)
+        parallelism=",".join(args.parallel),
+        rule_picks=picks,
         layers=args.layers or (CPU_FLASH if args.cpu else LLADA2_FLASH)["num_hidden_layers"],
         torch=torch.__version__,
         transformers=transformers.__version__,

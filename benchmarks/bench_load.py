@@ -140,7 +140,7 @@ def serve(args) -> None:
 
         hf_dllm.serving.engine.attention_without_shape_plans = lambda device: contextlib.nullcontext()
     try:
-        from hf_dllm.serving.server import SERVE_THREADS
+        from hf_dllm.serving.options import SERVE_THREADS
     except ImportError:  # an older package (--window-code): torch's default
         SERVE_THREADS = None
     threads = SERVE_THREADS if args.threads is None else args.threads

@@ -17,12 +17,18 @@ step takes (`fused`; on the shards too), and issue #64's goals for `--tp 2` / `-
 Also: the collectives per forward of each run (`CollectiveCounter`, over one eager `generate()`; the token
 agreement's broadcast included).
 
+LLaDA2 (an MoE) is sharded twice (`--parallel`): tensor parallelism (every expert split over the GPUs) and expert
+parallelism (`distributed_config=DistributedConfig(tp_size=N, ep_size=N)`: each GPU holds E / N experts whole, the
+attention and shared expert still split). Per batch size the table says which layout
+`hf_dllm.tensor_parallel.moe_parallelism`'s rule picks and which was faster; the goals are judged on the rule's pick.
+
 Prints a table and ends with one JSON line. NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`,
 `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`); `HF_DLLM_ALL_REDUCE=nccl` measures the sharded run without the
 symmetric-memory all-reduces (hf_dllm/tensor_parallel.py).
 
     python benchmarks/bench_tp.py                           # both shapes, TP=2, batch 1 and 8
     python benchmarks/bench_tp.py --models llada --tp 2
+    python benchmarks/bench_tp.py --models llada2 --tp 4 --parallel expert
     python benchmarks/bench_tp.py --cpu                     # tiny float32 shapes, 2 gloo processes: seconds
 """
 
@@ -58,6 +64,8 @@ GOALS = {
     ("llada2", 8, 4): ("speedup", 1.8, "min"),
 }
 MODELS = ("llada", "llada2")
+PARALLEL = ("tensor", "expert")
+MOE_MODELS = ("llada2",)  # the models `--parallel expert` applies to
 ATTENTION = {"llada": "llada_triton", "llada2": "sdpa"}  # each family's default backend
 CACHE_NAME = {"llada": "dual", "llada2": "exact"}
 # (GPU default, `--cpu` default) of the options whose default depends on the mode: the CPU run takes seconds.
@@ -229,31 +237,42 @@ def worker(args) -> int:
     import torch.distributed as dist
     from transformers import AutoModel
 
+    from hf_dllm.tensor_parallel import parallel_load_kwargs
+
     results = {}
     for name in args.models:
-        started = time.perf_counter()
-        dtype = torch.float32 if args.cpu else torch.bfloat16
-        model = AutoModel.from_pretrained(
-            args.workdir / name, tp_plan="auto", dtype=dtype, attn_implementation=ATTENTION[name]
-        ).eval()
-        device = next(model.parameters()).device
-        load_s = time.perf_counter() - started
-        rows = measure(model, name, args, device)
-        for row in rows:  # every rank must hold rank 0's tokens
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, row["sequences"])
-            row["ranks_agree"] = all(torch.equal(other, gathered[0]) for other in gathered)
-        results[name] = dict(
-            rows=rows, weight_gb_per_gpu=weight_gb(model), load_s=load_s, layers=model.config.num_hidden_layers
-        )
-        del model
-        if not args.cpu:
-            torch.cuda.empty_cache()
+        for parallel in layouts(name, args.parallel):
+            started = time.perf_counter()
+            dtype = torch.float32 if args.cpu else torch.bfloat16
+            split = parallel_load_kwargs(parallel, args.tp)
+            model = AutoModel.from_pretrained(
+                args.workdir / name, dtype=dtype, attn_implementation=ATTENTION[name], **split
+            ).eval()
+            device = next(model.parameters()).device
+            load_s = time.perf_counter() - started
+            rows = measure(model, name, args, device)
+            for row in rows:  # every rank must hold rank 0's tokens
+                gathered = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, row["sequences"])
+                row["ranks_agree"] = all(torch.equal(other, gathered[0]) for other in gathered)
+            weights = [None] * dist.get_world_size()
+            dist.all_gather_object(weights, weight_gb(model))
+            results[name, parallel] = dict(
+                rows=rows, weight_gb_per_gpu=max(weights), load_s=load_s, layers=model.config.num_hidden_layers
+            )
+            del model
+            if not args.cpu:
+                torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         torch.save(results, args.out)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def layouts(name: str, parallel: list[str]) -> list[str]:
+    """The layouts `name` is sharded with: `parallel`'s, expert parallelism for the MoE models only."""
+    return [layout for layout in parallel if layout == "tensor" or name in MOE_MODELS]
 
 
 def launch_tp(args, out: Path) -> dict:
@@ -264,6 +283,7 @@ def launch_tp(args, out: Path) -> dict:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
         __file__, "--worker", "--out", str(out), "--workdir", str(args.workdir),
         "--models", ",".join(args.models), "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+        "--parallel", ",".join(args.parallel),
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--block-length", str(args.block_length), "--repeats", str(args.repeats), *(["--cpu"] if args.cpu else []),
         *(["--disable-compile"] if args.disable_compile else []),
@@ -272,10 +292,39 @@ def launch_tp(args, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def moe_choices(results: list[dict], args) -> dict:
+    """Per MoE model and batch size: the layout `moe_parallelism`'s rule picks (`HF_DLLM_MOE_PARALLEL` overrides it),
+    the one whose block step was faster here (when both ran), and whether they agree; printed."""
+    from hf_dllm.tensor_parallel import moe_parallelism
+
+    choices = {}
+    for name in MOE_MODELS:
+        rows = [row for row in results if row["model"] == name]
+        if not rows:
+            continue
+        config = hf_dllm.LLaDA2MoeConfig(**(CPU_SHAPES[name] if args.cpu else bench_llada2.LLADA2_MINI))
+        for batch in args.batch_sizes:
+            step = {row["parallel"]: row["tp_step_ms"] for row in rows if row["batch"] == batch}
+            rule = moe_parallelism(config, batch, args.block_length)
+            faster = min(step, key=step.get) if len(step) > 1 else None
+            choices[f"{name}_batch{batch}"] = dict(rule=rule, faster=faster, step_ms=step, agree=faster in (None, rule))
+            print(
+                f"{name} batch {batch}: the rule picks {rule} parallelism; "
+                + (f"{faster} was faster ({step})" if faster else "one layout measured")
+            )
+    return choices
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of: llada, llada2")
-    parser.add_argument("--tp", type=int, default=2, help="GPUs of the tensor-parallel run")
+    parser.add_argument("--tp", type=int, default=2, help="GPUs of the sharded runs")
+    parser.add_argument(
+        "--parallel",
+        default=None,
+        help="comma list of the layouts of the sharded runs: tensor, expert (MoE models only; default both, tensor "
+        "alone where transformers has no expert parallelism)",
+    )
     parser.add_argument("--batch-sizes", default=None, help="comma list (default 1,8; --cpu: 1)")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (--cpu: 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (--cpu: 8)")
@@ -297,6 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise ValueError(f"--models must name some of {MODELS}, got {sorted(unknown)}.")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.parallel is None:
+        from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
+
+        args.parallel = ",".join(PARALLEL) if ALL_PARALLEL_STYLES is not None else "tensor"
+        if ALL_PARALLEL_STYLES is None and not args.worker:
+            import transformers
+
+            print(f"expert parallelism needs transformers >= 5.24 (found {transformers.__version__}): tensor only")
+    args.parallel = args.parallel.split(",")
+    if set(args.parallel) - set(PARALLEL) or not args.parallel:
+        raise ValueError(f"--parallel must name some of {PARALLEL}, got {args.parallel}.")
     if args.worker:
         return worker(args)
     if not args.cpu and torch.cuda.device_count() < args.tp:
@@ -337,60 +397,68 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['device']}, {'float32' if args.cpu else 'bf16'}, prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_length}"
     )
     header = (
-        f"{'model':<8}{'cache':>7}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}{'tok/s':>8}"
-        f"{'x step':>8}{'=1GPU':>7}{'ranks=':>7}{'coll/fwd':>9}  fused"
+        f"{'model':<8}{'cache':>7}{'split':>8}{'batch':>6}{'GPUs':>5}{'GB/GPU':>8}{'step ms':>9}{'ms/fwd':>8}"
+        f"{'tok/s':>8}{'x step':>8}{'=1GPU':>7}{'ranks=':>7}{'coll/fwd':>9}  fused"
     )
     print(header)
     results = []
     for name in args.models:
-        for one, tp in zip(single[name]["rows"], sharded[name]["rows"], strict=True):
-            same = float((one["sequences"] == tp["sequences"]).float().mean())
-            for gpus, row, source in ((1, one, single[name]), (args.tp, tp, sharded[name])):
-                ratio = row["step_ms"] / one["step_ms"]
-                print(
-                    f"{name:<8}{CACHE_NAME[name]:>7}{row['batch']:>6}{gpus:>5}{source['weight_gb_per_gpu']:>8.2f}"
-                    f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
-                    + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
-                    + f"{row['collectives_per_forward']:>9.1f}"
-                    + f"  {row['fused']}"
+        for parallel in layouts(name, args.parallel):
+            source = sharded[name, parallel]
+            for one, tp in zip(single[name]["rows"], source["rows"], strict=True):
+                same = float((one["sequences"] == tp["sequences"]).float().mean())
+                for gpus, row, weights, split in (
+                    (1, one, single[name]["weight_gb_per_gpu"], "-"),
+                    (args.tp, tp, source["weight_gb_per_gpu"], parallel),
+                ):
+                    ratio = row["step_ms"] / one["step_ms"]
+                    print(
+                        f"{name:<8}{CACHE_NAME[name]:>7}{split:>8}{row['batch']:>6}{gpus:>5}{weights:>8.2f}"
+                        f"{row['step_ms']:>9.2f}{row['ms_per_forward']:>8.2f}{row['tokens_per_s']:>8.1f}{ratio:>8.2f}"
+                        + (f"{same:>7.2f}{str(row['ranks_agree']):>7}" if gpus > 1 else f"{'-':>7}{'-':>7}")
+                        + f"{row['collectives_per_forward']:>9.1f}"
+                        + f"  {row['fused']}"
+                    )
+                results.append(
+                    dict(
+                        model=name,
+                        cache=CACHE_NAME[name],
+                        parallel=parallel,
+                        batch=one["batch"],
+                        single_step_ms=one["step_ms"],
+                        tp_step_ms=tp["step_ms"],
+                        step_ratio=tp["step_ms"] / one["step_ms"],
+                        single_tokens_per_s=one["tokens_per_s"],
+                        tp_tokens_per_s=tp["tokens_per_s"],
+                        single_ms_per_forward=one["ms_per_forward"],
+                        tp_ms_per_forward=tp["ms_per_forward"],
+                        single_weight_gb=single[name]["weight_gb_per_gpu"],
+                        tp_weight_gb_per_gpu=source["weight_gb_per_gpu"],
+                        tp_graphs=tp["graphs"],
+                        single_fused=one["fused"],
+                        tp_fused=tp["fused"],
+                        ranks_agree=tp["ranks_agree"],
+                        layers=source["layers"],
+                        tp_collectives_per_forward=tp["collectives_per_forward"],
+                        tp_collectives=tp["collectives"],
+                        tokens_equal_single_gpu=same,
+                        nfe=(one["nfe"], tp["nfe"]),
+                    )
                 )
-            results.append(
-                dict(
-                    model=name,
-                    cache=CACHE_NAME[name],
-                    batch=one["batch"],
-                    single_step_ms=one["step_ms"],
-                    tp_step_ms=tp["step_ms"],
-                    step_ratio=tp["step_ms"] / one["step_ms"],
-                    single_tokens_per_s=one["tokens_per_s"],
-                    tp_tokens_per_s=tp["tokens_per_s"],
-                    single_ms_per_forward=one["ms_per_forward"],
-                    tp_ms_per_forward=tp["ms_per_forward"],
-                    single_weight_gb=single[name]["weight_gb_per_gpu"],
-                    tp_weight_gb_per_gpu=sharded[name]["weight_gb_per_gpu"],
-                    tp_graphs=tp["graphs"],
-                    single_fused=one["fused"],
-                    tp_fused=tp["fused"],
-                    ranks_agree=tp["ranks_agree"],
-                    layers=sharded[name]["layers"],
-                    tp_collectives_per_forward=tp["collectives_per_forward"],
-                    tp_collectives=tp["collectives"],
-                    tokens_equal_single_gpu=same,
-                    nfe=(one["nfe"], tp["nfe"]),
-                )
-            )
+    summary["moe_parallelism"] = moe_choices(results, args)
     summary["goals"] = {}
     for row in results:
         goal = None if args.cpu else GOALS.get((row["model"], row["batch"], args.tp))
-        if goal is None:
+        picked = summary["moe_parallelism"].get(f"{row['model']}_batch{row['batch']}", {}).get("rule", "tensor")
+        if goal is None or row["parallel"] != picked:  # judged on the layout the rule picks
             continue
         figure, bound, kind = goal
         value = row["step_ratio"] if figure == "step_ratio" else row["tp_tokens_per_s"] / row["single_tokens_per_s"]
         met = value <= bound if kind == "max" else value >= bound
         name = f"{row['model']}_batch{row['batch']}_tp{args.tp}_{figure}"
-        summary["goals"][name] = dict(value=value, goal=bound, kind=kind, met=met)
+        summary["goals"][name] = dict(value=value, goal=bound, kind=kind, met=met, parallel=row["parallel"])
         sign = "<=" if kind == "max" else ">="
-        print(f"goal {name}: {value:.2f} (goal {sign} {bound}) {'met' if met else 'NOT met'}")
+        print(f"goal {name} ({row['parallel']}): {value:.2f} (goal {sign} {bound}) {'met' if met else 'NOT met'}")
     summary["total_s"] = round(time.perf_counter() - started, 1)
     summary["rows"] = results
     print(json.dumps(summary))

@@ -10,6 +10,9 @@ generation loop and its policies, caches, attention backends, kernels). The appl
 subpackages and are never exported: `serving/` (`hf-dllm serve`), `evaluation/` (`hf-dllm eval`, `lm-eval`),
 `hub/` (`hf-dllm export`, model cards), `cli/` (the `hf-dllm` command and what its commands share) and
 `tiny_model/` (the tasks and tokenizer of the project's tiny trained model).
+
+The `hf-dllm` console script (`hf_dllm_launcher.py`, outside this package) runs this file only when a command runs,
+so that `--help` answers without torch or transformers (docs/decisions/cli-startup.md).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .generation_fields import KV_CACHE_DTYPES
+
 # transformers renamed the model outputs' cache field from `past_key_values` to `cache` (5.2x; the old name still
 # works, with a deprecation warning when an output is built or read with it): hf_dllm's models build and read their
 # outputs under the installed version's name (`cache_output`, `output_cache`).
@@ -260,9 +262,9 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
-# The K/V store of each `kv_cache_dtype` (`DiffusionGenerationConfig`): None keeps K/V in the model's dtype.
-KV_CACHE_CLASSES = {None: DiffusionKVCache, "fp8": FP8DiffusionKVCache}
-KV_CACHE_DTYPES = tuple(KV_CACHE_CLASSES)
+# The K/V store of each `kv_cache_dtype` (`generation_fields.KV_CACHE_DTYPES`, in order): None keeps K/V in the
+# model's dtype.
+KV_CACHE_CLASSES = dict(zip(KV_CACHE_DTYPES, (DiffusionKVCache, FP8DiffusionKVCache), strict=True))
 
 
 def new_kv_cache(

@@ -143,6 +143,15 @@ class LLaDA2MoeConfig(PretrainedConfig):
         "layers.*.mlp.experts.*.up_proj": "colwise",
         "layers.*.mlp.experts.*.down_proj": "rowwise",
     }
+    # Expert parallelism (`distributed_config=DistributedConfig(tp_size=N, ep_size=N)` under torchrun, transformers
+    # >= 5.24): each rank keeps E / N routed experts whole (`tensor_parallel.EXPERTS_STYLE`, the name
+    # hf_dllm/tensor_parallel.py registers) and transformers' `ep_dispatch_experts` sums their outputs over the ranks
+    # (one all-reduce per MoE layer); these rules replace the experts' tensor-parallel ones, the rest of
+    # `base_model_tp_plan` still applies.
+    base_model_ep_plan = {
+        "layers.*.mlp.experts": "hf_dllm_local_experts",
+        "layers.*.mlp.expert_dispatch": "ep_dispatch_experts",
+    }
     # No `base_model_pp_plan`: transformers' pipeline stages replace the layers a stage does not own by an identity
     # that returns the hidden states alone, and LLaDA2's decoder layers return `(hidden_states, router_logits)`.
     # transformers 5 turns `rope_scaling` into a deprecated alias of `rope_parameters`; LLaDA2's configs store the

@@ -104,6 +104,21 @@ class LLaDAMoEConfig(PretrainedConfig):
     # The outputs' cache, which `Trainer` leaves out of evaluation logits: `cache` since transformers 5.2x,
     # `past_key_values` before.
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Several GPUs: expert parallelism only (`distributed_config=DistributedConfig(tp_size=N, ep_size=N)` under
+    # torchrun, transformers >= 5.24): each rank keeps E / N routed experts whole (`hf_dllm_local_experts`, the style
+    # hf_dllm/tensor_parallel.py registers) and transformers' `ep_dispatch_experts` sums their outputs over the ranks
+    # (one all-reduce per MoE layer); attention, dense layers and the head stay whole on every rank. The
+    # tensor-parallel plan splits only the experts' widths (the loop over the sharded experts); transformers needs one
+    # to accept `tp_size`, and the expert-parallel rules replace it.
+    base_model_tp_plan = {
+        "layers.*.mlp.experts.*.gate_proj": "colwise",
+        "layers.*.mlp.experts.*.up_proj": "colwise",
+        "layers.*.mlp.experts.*.down_proj": "rowwise",
+    }
+    base_model_ep_plan = {
+        "layers.*.mlp.experts": "hf_dllm_local_experts",
+        "layers.*.mlp.expert_dispatch": "ep_dispatch_experts",
+    }
     # transformers 5 turns `rope_scaling` into a deprecated alias of `rope_parameters`; the Hub's config stores the
     # field itself, so this plain class attribute shadows the alias and `rope_scaling` is an ordinary field again.
     rope_scaling = None

@@ -19,20 +19,9 @@ import torch
 
 from .cache import CachePolicy
 from .decoding import UnmaskingPolicy
+from .family_diffusion_gemma import SAMPLER_DEFAULTS
 from .kernels import kernel_mode
 from .triton_diffusion_gemma import TRITON_AVAILABLE, fused_sample
-
-# transformers' global defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`), used where
-# neither the call nor generation_config.json sets a field.
-SAMPLER_DEFAULTS = {
-    "max_denoising_steps": 48,
-    "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
-    "t_min": 0.4,
-    "t_max": 0.8,
-    "stability_threshold": 1,
-    "confidence_threshold": 0.005,
-}
-
 
 # Elements of a `(rows, vocab)` float32 slice the sampler and the decoder's head process at once: past it the rows go
 # in chunks, so that a batch-32 canvas of the 262,144-token vocabulary (8.6 GB per float32 copy) never has its

@@ -38,12 +38,9 @@ from __future__ import annotations
 import torch
 
 from .decoding import NOT_MASKED, BlockProposal, ConfidenceThreshold, UnmaskingPolicy, rank_by_confidence
+from .family_dream import DEFAULT_DREAM_ALG, DREAM_ALGS
 from .generation_config import DiffusionGenerationConfig
 
-# Dream's decoding algorithms (`alg`): its own four and Fast-dLLM's threshold variant of its sampler.
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
-# The `alg` used when a call names none and no threshold: the one Dream's README uses.
-DEFAULT_DREAM_ALG = "entropy"
 # `scheduled` count meaning "commit the first masked position of each row" (a block's first step in Fast-dLLM).
 FIRST_POSITION = -1
 

@@ -20,21 +20,23 @@ This file is exported verbatim as Hub remote code.
 from __future__ import annotations
 
 import importlib
+import pkgutil
+import sys
+from typing import TYPE_CHECKING
 
-import torch
+from .generation_fields import GENERATION_FIELDS
 
-from .block_plan import BlockPlan, plan_bidirectional, plan_block_causal
-from .cache import (
-    BlockCausalNoCache,
-    CachePolicy,
-    DualCache,
-    ExactBlockCache,
-    NoCache,
-    PrefixCache,
-    padding_aware_position_ids,
-)
-from .decoding import ConfidenceFactor, ConfidenceThreshold, FixedSchedule, UnmaskingPolicy
-from .generation_config import GENERATION_FIELDS, DiffusionGenerationConfig
+if TYPE_CHECKING:
+    import torch
+
+    from .block_plan import BlockPlan
+    from .cache import CachePolicy
+    from .decoding import UnmaskingPolicy
+    from .generation_config import DiffusionGenerationConfig
+
+# The family objects are imported without torch or transformers (the command line's `--help` lists the families'
+# fields and defaults without loading either, docs/decisions/cli-startup.md): the modules that decode (policies,
+# caches, block plans) are imported by the methods that use them.
 
 # Remote code every family shares: the generation loop, its config, the family objects, policies, caches, attention
 # backends and kernels, reached from the model files through relative imports.
@@ -44,6 +46,7 @@ SHARED_REMOTE_CODE_FILES = (
     "block_plan.py",
     "step_machine.py",
     "generation_config.py",
+    "generation_fields.py",
     "family.py",
     "decoding.py",
     "cache.py",
@@ -52,6 +55,7 @@ SHARED_REMOTE_CODE_FILES = (
     "triton_attention.py",
     "kernels.py",
     "fp8.py",
+    "fp8_schemes.py",
     "fp8_triton.py",
     "triton_ops.py",
     "graphs.py",
@@ -274,11 +278,17 @@ class Bidirectional:
 
     def plan(self, prompt_lengths: list[int], prompt_width: int, config, device) -> BlockPlan:
         """Where a batch of left-padded prompts (of `prompt_lengths` real tokens) decodes (`BlockPlan`)."""
+        from .block_plan import plan_bidirectional
+
         return plan_bidirectional(prompt_width, len(prompt_lengths), config, device)
 
     def lay_out(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: BlockPlan, config):
         """The canvas of a batch: `x` `(batch, canvas_width)` (the caller's prompts, as padded, then masks), the key
         padding mask (None without padding) and the position ids (counted from each row's first real token)."""
+        import torch
+
+        from .cache import padding_aware_position_ids
+
         batch, width = input_ids.shape
         x = torch.full((batch, plan.canvas_width), config.mask_token_id, dtype=torch.long, device=input_ids.device)
         x[:, :width] = input_ids
@@ -296,6 +306,8 @@ class Bidirectional:
         return {}
 
     def cache_policy(self, config: DiffusionGenerationConfig) -> CachePolicy:
+        from .cache import DualCache, NoCache, PrefixCache
+
         if not config.use_cache:
             return NoCache()
         return DualCache() if config.dual_cache else PrefixCache()
@@ -323,11 +335,15 @@ class BlockCausal:
         return None  # `steps` combines with `threshold`; editing and `minimal_topk` are the family's to judge
 
     def plan(self, prompt_lengths: list[int], prompt_width: int, config, device) -> BlockPlan:
+        from .block_plan import plan_block_causal
+
         return plan_block_causal(prompt_lengths, prompt_width, config, device)
 
     def lay_out(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: BlockPlan, config):
         """As `Bidirectional.lay_out`, with each row's real tokens moved to its `plan.prompt_start` (whole blocks of
         padding before them, so that every row's block boundaries fall on the same columns)."""
+        import torch
+
         device = input_ids.device
         prompts = (
             list(input_ids)
@@ -353,6 +369,8 @@ class BlockCausal:
 
     def cache_policy(self, config: DiffusionGenerationConfig) -> CachePolicy:
         # The suffix is never attended: the prefix and dual caches are the same exact cache (`dual_cache` is moot).
+        from .cache import BlockCausalNoCache, ExactBlockCache
+
         return ExactBlockCache() if config.use_cache else BlockCausalNoCache()
 
     def eos_ends_row(self, config: DiffusionGenerationConfig) -> bool:
@@ -365,6 +383,8 @@ class BlockCausal:
 
 def fast_dllm_policy(config: DiffusionGenerationConfig) -> UnmaskingPolicy:
     """LLaDA's fixed schedule or Fast-dLLM's threshold / factor rule, as the settings name."""
+    from .decoding import ConfidenceFactor, ConfidenceThreshold, FixedSchedule
+
     if config.factor is not None:
         return ConfidenceFactor(config.factor)
     if config.threshold is not None:
@@ -419,6 +439,16 @@ def family_for_config(config, families=None) -> DiffusionFamily | None:
     return None
 
 
+def import_families() -> None:
+    """Import every `family_*` module of this package: each registers its family (and its sampler's generation
+    fields), so the registry is complete without importing the models (torch), e.g. for the command line's
+    `--help`."""
+    package = sys.modules[__package__]
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.name.startswith("family_"):
+            importlib.import_module(f".{module.name}", __package__)
+
+
 def registered_family(name: str) -> DiffusionFamily:
     """The family registered as `name`; a `ValueError` naming the registered ones otherwise."""
     if name not in FAMILIES:
@@ -442,6 +472,7 @@ __all__ = [
     "DiffusionFamily",
     "family_for_config",
     "fast_dllm_policy",
+    "import_families",
     "plan_for",
     "register_family",
     "registered_family",

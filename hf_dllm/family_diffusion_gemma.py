@@ -13,12 +13,29 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from .block_plan import BlockPlan, plan_bidirectional
-from .decoding_diffusion_gemma import SAMPLER_DEFAULTS, EncoderPrefixCache, EntropyBoundSampler
 from .family import DiffusionFamily, register_family
-from .generation_config import GENERATION_FIELDS, GenerationField, finite, is_int, register_generation_fields
+from .generation_fields import GENERATION_FIELDS, GenerationField, finite, is_int, register_generation_fields
+
+if TYPE_CHECKING:
+    import torch
+
+    from .block_plan import BlockPlan
+
+# The sampler (`decoding_diffusion_gemma.py`, which needs torch) is imported where it is built: the family objects
+# load without torch (`family.py`).
+
+# transformers' global defaults (`DiffusionGemmaGenerationConfig._get_default_generation_params`), used where
+# neither the call nor generation_config.json sets a field.
+SAMPLER_DEFAULTS = {
+    "max_denoising_steps": 48,
+    "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+    "t_min": 0.4,
+    "t_max": 0.8,
+    "stability_threshold": 1,
+    "confidence_threshold": 0.005,
+}
 
 SAMPLER_CLASS = "EntropyBoundSamplerConfig"
 # Fields a call may set to None: no temperature schedule (either of t_min / t_max: the logits as they are), no
@@ -125,9 +142,13 @@ class EncoderDecoderBlocks:
         return None
 
     def plan(self, prompt_lengths: list[int], prompt_width: int, config, device) -> BlockPlan:
+        from .block_plan import plan_bidirectional
+
         return plan_bidirectional(prompt_width, len(prompt_lengths), config, device)
 
     def lay_out(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: BlockPlan, config):
+        import torch
+
         batch, width = input_ids.shape
         device = input_ids.device
         x = torch.full((batch, plan.canvas_width), config.mask_token_id, dtype=torch.long, device=device)
@@ -145,6 +166,8 @@ class EncoderDecoderBlocks:
         return {}
 
     def cache_policy(self, config):
+        from .decoding_diffusion_gemma import EncoderPrefixCache
+
         return EncoderPrefixCache()
 
     def eos_ends_row(self, config) -> bool:
@@ -267,6 +290,8 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         return config
 
     def unmasking_policy(self, config, model_config=None):
+        from .decoding_diffusion_gemma import EntropyBoundSampler
+
         return EntropyBoundSampler(
             vocab_size=model_config.text_config.vocab_size,
             max_denoising_steps=config.max_denoising_steps,
@@ -296,6 +321,7 @@ DIFFUSION_GEMMA = register_family(DiffusionGemmaFamily())
 
 __all__ = [
     "DIFFUSION_GEMMA",
+    "SAMPLER_DEFAULTS",
     "DIFFUSION_GEMMA_FIELDS",
     "DiffusionGemmaFamily",
     "EncoderDecoderBlocks",

@@ -8,9 +8,14 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
-from .decoding_dream import DEFAULT_DREAM_ALG, DREAM_ALGS, make_dream_policy
 from .family import FAST_GENERATION_DEFAULTS, Bidirectional, DiffusionFamily, fast_dllm_policy, register_family
-from .generation_config import GenerationField, finite, is_int, register_generation_fields
+from .generation_fields import GenerationField, finite, is_int, register_generation_fields
+
+# Dream's decoding algorithms (`alg`): its own four and Fast-dLLM's threshold variant of its sampler
+# (`decoding_dream.py`, imported where a policy is built: the family objects load without torch, `family.py`).
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
+# The `alg` used when a call names none and no threshold: the one Dream's README uses.
+DEFAULT_DREAM_ALG = "entropy"
 
 # Dream's sampler (arXiv:2508.15487), as generation fields (registered below, `register_generation_fields`):
 #     alg: one of `DREAM_ALGS`: `"maskgit_plus"` (confidence = top-1 probability), `"topk_margin"` (top-1 minus
@@ -99,6 +104,8 @@ class DreamFamily(Bidirectional, DiffusionFamily):
 
     def unmasking_policy(self, config, model_config=None):
         """Dream's rules (`decoding_dream.make_dream_policy`); Fast-dLLM's factor rule for `factor`."""
+        from .decoding_dream import make_dream_policy
+
         return make_dream_policy(config) or fast_dllm_policy(config)
 
     def describe_decoding(self, fields: dict) -> str:
@@ -136,4 +143,4 @@ class DreamFamily(Bidirectional, DiffusionFamily):
 
 DREAM = register_family(DreamFamily())
 
-__all__ = ["DREAM", "DREAM_FIELDS", "DreamFamily", "validate_dream_fields"]
+__all__ = ["DEFAULT_DREAM_ALG", "DREAM", "DREAM_ALGS", "DREAM_FIELDS", "DreamFamily", "validate_dream_fields"]

@@ -7,9 +7,10 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
-from .decoding import ConfidenceFactor, ScheduledThreshold, TokenEditing
 from .family import FAST_GENERATION_DEFAULTS, BlockCausal, DiffusionFamily, register_family
-from .levenshtein_editing import LevenshteinEditing, check_settings
+
+# The unmasking rules (`decoding.py`, `levenshtein_editing.py`, which need torch) are imported where they are built:
+# the family objects load without torch (`family.py`).
 
 
 class LLaDA2Family(BlockCausal, DiffusionFamily):
@@ -56,6 +57,8 @@ class LLaDA2Family(BlockCausal, DiffusionFamily):
                 raise ValueError("`factor` cannot be combined with `editing_threshold`; use `threshold`.")
 
     def unmasking_policy(self, config, model_config=None):
+        from .decoding import ConfidenceFactor, ScheduledThreshold, TokenEditing
+
         if config.factor is not None:
             return ConfidenceFactor(config.factor)
         if config.editing_threshold is not None:
@@ -101,10 +104,14 @@ class LLaDA22Family(LLaDA2Family):
         return config.get("delete_token_id") is not None and config.get("split_token_id") is not None
 
     def validate(self, config) -> None:
+        from .levenshtein_editing import check_settings
+
         super().validate(config)
         check_settings(config)
 
     def unmasking_policy(self, config, model_config=None):
+        from .levenshtein_editing import LevenshteinEditing
+
         editing = 0.0 if config.editing_threshold is None else config.editing_threshold
         return LevenshteinEditing(
             config.threshold,

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from . import triton_ops
+from .fp8_schemes import FP8_QUANTIZATIONS, FP8_SCHEMES, HEAD_SUFFIX
 from .fp8_triton import (
     FP8_DTYPE,
     activation_buffers,
@@ -93,16 +94,6 @@ FEW_ROWS_W8A8_MIN_WIDTH_RATIO = 6
 # against 32.5, an FP8 head 178.4 against 200.3; at 64 rows 11.3 / 21.4 / 41.0 / 25.0 against 13.3 / 23.7 / 42.3 /
 # 31.8. A batch-1 `fp8-tensor+head` call: 4.80 -> 4.17 ms per forward.
 FEW_ROWS_ROWWISE = True
-
-
-# The FP8 values of `--quantization` (cli/loading.py), each a `FineGrainedFP8Config` setting: "fp8" transformers'
-# default, one scale per 128 x 128 block (the Hub's layout); "fp8-tensor" one scale per matrix, run as row-scaled
-# products (faster at many rows; `benchmarks/bench_generate.py --quantization fp8,fp8-tensor`).
-FP8_SCHEMES = {"fp8": {}, "fp8-tensor": {"weight_block_size": None}}
-
-# A scheme's name with this suffix quantizes the output head too (`fp8_quantization_config(quantize_head=True)`).
-HEAD_SUFFIX = "+head"
-FP8_QUANTIZATIONS = (*FP8_SCHEMES, *(scheme + HEAD_SUFFIX for scheme in FP8_SCHEMES))
 
 
 def split_head_suffix(name: str) -> tuple[str, bool]:

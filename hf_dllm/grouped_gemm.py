@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .fp8 import fp8_block_size, is_fp8_linear
-from .tensor_parallel import local_tensor
+from .tensor_parallel import EP_IMPLEMENTATIONS, is_sharded, local_tensor
 from .triton_ops import (
     TRITON_AVAILABLE,
     launch,
@@ -386,3 +386,198 @@ def stack_expert_parameters(experts: list[nn.Module], name: str) -> tuple[torch.
         local_tensor(getattr(expert.up_proj, name)).data = gate_up[e, gate_rows:]
         local_tensor(getattr(expert.down_proj, name)).data = down[e]
     return gate_up, down
+
+
+# -- the routed experts as one module, for transformers' expert parallelism -------------------------------------------
+def _torch_grouped_mm():
+    """torch's grouped GEMM (`nn.functional.grouped_mm`, `torch._grouped_mm` before), or None."""
+    return getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class ExpertList(nn.ModuleList):
+    """A MoE layer's routed experts, one module per expert under the Hub's names (`experts.{e}.gate_proj.weight`, ...:
+    SwiGLU MLPs with `gate_proj`, `up_proj`, `down_proj` and `act_fn`), callable as transformers' experts modules are,
+    so that transformers' expert parallelism partitions them whole (`tensor_parallel.EXPERTS_STYLE`, Switch
+    Transformer's / GShard's expert parallelism, arXiv:2101.03961, arXiv:2006.16668):
+
+    - `keep_local_experts(rank, ranks)`: keep experts `[first, first + num_experts)`, replace the others by empty
+      modules (their checkpoint tensors are then neither read nor initialised);
+    - `forward(hidden_states, top_k_index, top_k_weights)`: hidden_states `(tokens, hidden)`, each token's chosen
+      experts `(tokens, k)` as indices into this list's kept experts (an index outside `[0, num_experts)`: another
+      rank's expert, skipped) and their weights `(tokens, k)` -> `(tokens, hidden)` in the weights' dtype, the
+      weighted sum of the chosen experts' outputs. Two grouped GEMMs over the kept experts' stacked weights (no host
+      synchronisation) where torch's grouped GEMM runs for the device and dtype (`runs_grouped`), else a loop over
+      the experts that got tokens.
+    """
+
+    def __init__(self, experts, config):
+        super().__init__(experts)
+        self.config = config  # its `_experts_implementation` ("eager": the loop)
+        self.first = 0
+        self.num_experts = len(self)
+        self._stacks: tuple | None = None  # (ExpertStacks, the weights and pointers they were made from)
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether this rank holds only some of the experts (expert parallelism)."""
+        return self.num_experts < len(self)
+
+    def keep_local_experts(self, rank: int, ranks: int) -> None:
+        """Rank `rank` of `ranks` keeps experts `[rank * E / ranks, (rank + 1) * E / ranks)`; the others become empty
+        modules. Called by `tensor_parallel.LocalExperts` before the weights load."""
+        implementation = getattr(getattr(self.config, "distributed_config", None), "ep_implementation", "auto")
+        if implementation not in EP_IMPLEMENTATIONS:
+            # The experts run on the batch every rank holds (`ExpertDispatch` joins a shared expert's partial sums).
+            raise ValueError(
+                f"expert parallelism of hf_dllm's MoE models takes ep_implementation in {EP_IMPLEMENTATIONS}, got "
+                f"{implementation!r}."
+            )
+        if len(self) % ranks:
+            raise ValueError(
+                f"expert parallelism splits the {len(self)} experts of a layer evenly over its ranks: ep_size must "
+                f"divide {len(self)}, got {ranks}."
+            )
+        self.num_experts = len(self) // ranks
+        self.first = rank * self.num_experts
+        for e in range(len(self)):
+            if not self.first <= e < self.first + self.num_experts:
+                self[e] = nn.Module()
+        self._stacks = None
+
+    def local_experts(self) -> list[nn.Module]:
+        return list(self)[self.first : self.first + self.num_experts]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._stacks = None  # new storage after `.to()` and friends
+        return super()._apply(fn, *args, **kwargs)
+
+    def runs_grouped(self, x: torch.Tensor) -> bool:
+        """Whether `forward` runs as torch's grouped GEMMs for activations `x`: not asked for the loop
+        (`experts_implementation="eager"`), no autograd graph to record, plain weights in x's dtype with 16-byte
+        row strides, and torch's grouped GEMM for the device (CUDA: Hopper or newer, bfloat16; the CPU's)."""
+        from transformers.utils.import_utils import is_torch_greater_or_equal
+
+        if getattr(self.config, "_experts_implementation", None) == "eager" or _torch_grouped_mm() is None:
+            return False
+        weight = self.local_experts()[0].gate_proj.weight
+        if is_fp8_linear(self.local_experts()[0].gate_proj) or weight.dtype != x.dtype:
+            return False
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return False
+        size = weight.element_size()
+        if (weight.shape[0] * size) % 16 or (weight.shape[1] * size) % 16:
+            return False
+        if x.device.type == "cuda":
+            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.device.type == "cpu" and is_torch_greater_or_equal("2.9", accept_dev=True)
+
+    def stacks(self) -> ExpertStacks:
+        """The kept experts' weights stacked (`stack_expert_parameters`: gate_up `(E_local, 2I, H)`, down
+        `(E_local, H, I)`, the parameters re-pointed to views of them), made again after `.to()` or when the first or
+        last kept expert's weights were replaced."""
+        experts = self.local_experts()
+        current = (experts[0].gate_proj.weight, experts[-1].down_proj.weight)
+        if self._stacks is not None:
+            stacks, made_from = self._stacks
+            if all(a is b and a.data_ptr() == pointer for a, (b, pointer) in zip(current, made_from, strict=True)):
+                return stacks
+        with torch.no_grad():
+            stacks = ExpertStacks(*stack_expert_parameters(experts, "weight"))
+        self._stacks = (stacks, tuple((weight, weight.data_ptr()) for weight in current))
+        return stacks
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        tokens, hidden = hidden_states.shape
+        top_k = top_k_index.shape[1]
+        count = self.num_experts
+        # The (token, choice) pairs sorted by expert, other ranks' experts (index `count`) last.
+        chosen = torch.where((top_k_index >= 0) & (top_k_index < count), top_k_index, count).reshape(-1)
+        order = chosen.argsort(stable=True)
+        if self.runs_grouped(hidden_states):
+            sorted_out = self._grouped(hidden_states[order // top_k], chosen)
+        else:
+            sorted_out = self._loop(hidden_states[order // top_k], chosen)
+        pairs = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out).view(tokens, top_k, hidden)
+        return (pairs.to(top_k_weights.dtype) * top_k_weights.unsqueeze(-1)).sum(dim=1)
+
+    def _grouped(self, sorted_x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each kept expert on its rows of `sorted_x` `(pairs, hidden)` (sorted by `chosen`): two grouped GEMMs; the
+        rows of other ranks' experts (after the last group) come out as zeros."""
+        grouped_mm = _torch_grouped_mm()
+        stacks = self.stacks()
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=chosen.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.int32))
+        offsets = counts[:-1].cumsum(0, dtype=torch.int32)
+        gate, up = grouped_mm(sorted_x, stacks.gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        activated = (self.local_experts()[0].act_fn(gate) * up).contiguous()
+        out = grouped_mm(activated, stacks.down.transpose(1, 2), offs=offsets)
+        kept = torch.arange(out.shape[0], device=out.device) < offsets[-1]  # rows past the last group: not written
+        return torch.where(kept[:, None], out, 0)
+
+    def _loop(self, sorted_x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """As `_grouped`, one kept expert at a time (the counts read on the host)."""
+        out = torch.zeros_like(sorted_x)
+        start = 0
+        counts = torch.bincount(chosen, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        for expert, count in zip(self.local_experts(), counts, strict=True):
+            if count:
+                out[start : start + count] = expert(sorted_x[start : start + count])
+                start += count
+        return out
+
+
+class ExpertDispatch(nn.Module):
+    """Where transformers' expert parallelism reaches an `ExpertList` (the module named `"ep_dispatch_experts"` in
+    the expert-parallel plan; registered after the list, so that it sees the list's kept experts): `forward` is the
+    list's, `num_experts` its kept experts. Without expert parallelism it is the list itself (global indices). Holds
+    the list by reference (no second copy of its parameters in the module tree).
+
+    `shared`: a shared expert (with `partial_forward`) that tensor parallelism splits over the same ranks: its partial
+    output joins the routed experts' (`joins_shared`), so that transformers' one all-reduce of the layer sums both
+    (`AllReduceEP`, which every rank of the group runs on the same batch)."""
+
+    def __init__(self, experts: ExpertList, shared: nn.Module | None = None):
+        super().__init__()
+        self._experts = (experts,)
+        self._shared = (shared,)
+
+    @property
+    def num_experts(self) -> int:
+        return self._experts[0].num_experts
+
+    @property
+    def joins_shared(self) -> bool:
+        shared = self._shared[0]
+        return shared is not None and self._experts[0].partitioned and is_sharded(shared.down_proj.weight)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = self._experts[0](hidden_states, top_k_index, top_k_weights)
+        if self.joins_shared:
+            out = out + self._shared[0].partial_forward(hidden_states).to(out.dtype)
+        return out
+
+
+def other_ranks_expert_keys(model: nn.Module, keys) -> set[str]:
+    """The checkpoint keys among `keys` that name experts this rank dropped under expert parallelism
+    (`ExpertList.keep_local_experts`): loading skips them by design, so they are not reported as unexpected."""
+    import re
+
+    kept = {
+        name: (experts.first, experts.first + experts.num_experts)
+        for name, experts in model.named_modules()
+        if isinstance(experts, ExpertList) and experts.partitioned
+    }
+    if not kept:
+        return set()
+    expert_key = re.compile(r"(.*\.experts)\.(\d+)\.")
+    others = set()
+    for key in keys:
+        match = expert_key.match(key)
+        span = match and kept.get(match.group(1))
+        if span and not span[0] <= int(match.group(2)) < span[1]:
+            others.add(key)
+    return others

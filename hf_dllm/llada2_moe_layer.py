@@ -33,7 +33,14 @@ from transformers.utils.import_utils import is_torch_greater_or_equal
 from . import triton_moe, triton_ops
 from .configuration_llada2_moe import ROUTER_DTYPES, LLaDA2MoeConfig
 from .fp8 import fp8_kernel_supports, is_fp8_linear
-from .grouped_gemm import ExpertStacks, expert_fp8_block_size, grouped_matmul, stack_expert_parameters
+from .grouped_gemm import (
+    ExpertDispatch,
+    ExpertList,
+    ExpertStacks,
+    expert_fp8_block_size,
+    grouped_matmul,
+    stack_expert_parameters,
+)
 from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -475,6 +482,11 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
     The outputs are put back in (token, choice) order and combined in float32 with the routing weights, as the
     original `moe_infer` does.
+
+    Under expert parallelism (`LLaDA2MoeConfig.base_model_ep_plan`) `experts` (a `grouped_gemm.ExpertList`) keeps
+    this rank's E / N experts and `forward` hands them the routing through `expert_dispatch`, where transformers
+    masks the other ranks' routes and sums the ranks' outputs (with the tensor-parallel shared expert's partial
+    sums: one all-reduce per layer); the fused path is not taken.
     """
 
     def __init__(self, config: LLaDA2MoeConfig):
@@ -483,14 +495,16 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.intermediate_size = config.moe_intermediate_size
-        self.experts = nn.ModuleList(
-            [LLaDA2MoeMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)]
+        self.experts = ExpertList(
+            [LLaDA2MoeMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)], config
         )
         self.gate = LLaDA2MoeGate(config)
         if config.num_shared_experts:
             self.shared_experts = LLaDA2MoeMLP(config, config.moe_intermediate_size * config.num_shared_experts)
         else:
             self.shared_experts = None
+        # Expert parallelism's entry (`LLaDA2MoeConfig.base_model_ep_plan`); after `experts` in the module tree.
+        self.expert_dispatch = ExpertDispatch(self.experts, self.shared_experts)
         self.act_fn = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act in ("silu", "swish")
         # Stacked expert weights for the grouped path (see `stacked_weights`); not part of state_dict.
@@ -579,7 +593,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
     def use_grouped_mm(self, hidden_states: torch.Tensor) -> bool:
         """Whether the routed experts run as torch's grouped GEMMs for this input (see the class docstring)."""
-        if not self._grouped_allowed() or _grouped_mm_function() is None:
+        if not self._grouped_allowed() or _grouped_mm_function() is None or self.experts.partitioned:
             return False
         weight = local_tensor(self.experts[0].gate_proj.weight)  # this rank's slice under tensor parallelism
         if hidden_states.dtype != weight.dtype:
@@ -624,6 +638,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         topk_idx, topk_weight, router_logits = self.gate(
             x, routing_blocks=self.routing_blocks(hidden_states, routing_blocks)
         )
+        if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
+            out = self.expert_dispatch(x, topk_idx, topk_weight).view(batch, length, hidden)
+            shared = None if self.expert_dispatch.joins_shared else self.shared_experts
+            return (out if shared is None else out + shared(hidden_states)), router_logits
         flat_idx = topk_idx.reshape(-1)  # (tokens * top_k,): the expert of each (token, choice) pair
         order = flat_idx.argsort(stable=True)
         sorted_tokens = x[order // self.top_k]
@@ -657,6 +675,8 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         allowed (`_grouped_allowed`), the fused kernels apply, and the experts hold weights in the activations'
         dtype or FP8 weights the kernel takes (block scales; not sharded: FP8 and tensor parallelism are not
         combined). Per-tensor FP8 experts run one by one (`kernels.linear`)."""
+        if self.experts.partitioned:  # expert parallelism: `forward` through `expert_dispatch`
+            return False
         layer = self.experts[0].gate_proj
         if not self._grouped_allowed() or not use_fused_kernels(hidden_states):
             return False
@@ -681,6 +701,8 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         kernels copy through the host; the per-expert loop reads the counts on the host)."""
         if self.use_fused(hidden_states):
             return True
+        if self.experts.partitioned:
+            return hidden_states.device.type == "cuda" and self.experts.runs_grouped(hidden_states)
         return hidden_states.dtype == torch.bfloat16 and self.use_grouped_mm(hidden_states)
 
     def fused_forward(

@@ -59,6 +59,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
+from .grouped_gemm import other_ranks_expert_keys
 from .kernels import linear, use_fused_kernels
 from .llada2_moe_layer import (
     EXPERTS_GROUPED_MM,
@@ -592,6 +593,13 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info, *args, **kwargs) -> None:
+        # Under expert parallelism the other ranks' experts are dropped before loading: not unexpected.
+        super()._adjust_missing_and_unexpected_keys(loading_info, *args, **kwargs)
+        loading_info.unexpected_keys = set(loading_info.unexpected_keys) - other_ranks_expert_keys(
+            self, loading_info.unexpected_keys
+        )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -57,9 +57,18 @@ from .configuration_llada_moe import LLaDAMoEConfig
 from .family_llada_moe import LLADA_MOE
 from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
-from .grouped_gemm import ExpertStacks, expert_fp8_block_size, grouped_matmul, stack_expert_parameters
+from .grouped_gemm import (
+    ExpertDispatch,
+    ExpertList,
+    ExpertStacks,
+    expert_fp8_block_size,
+    grouped_matmul,
+    other_ranks_expert_keys,
+    stack_expert_parameters,
+)
 from .kernels import linear, use_fused_kernels
 from .packed import run_attention
+from .tensor_parallel import is_sharded
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 from .triton_moe import align_by_expert, combine, route
 
@@ -278,6 +287,11 @@ class LLaDAMoESparseMoeBlock(nn.Module):
 
     The stacks are the experts' weights stacked, the Hub-named parameters re-pointed to views of them (no second
     copy; `save_pretrained` still writes one tensor per name). `experts_implementation="eager"` keeps the loop.
+
+    Under expert parallelism (`LLaDAMoEConfig.base_model_ep_plan`) `experts` (a `grouped_gemm.ExpertList`) keeps
+    this rank's E / N experts and runs them (grouped or as the loop) through `expert_dispatch`, where transformers
+    masks the other ranks' routes and sums the ranks' outputs; under tensor parallelism (the experts' widths split)
+    the loop runs the sharded experts.
     """
 
     # Activation dtypes whose experts run grouped where torch's grouped GEMM can (float32 runs the loop).
@@ -289,13 +303,15 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            [LLaDAMoEMLP(config, config.expert_intermediate_size) for _ in range(self.num_experts)]
+        self.experts = ExpertList(
+            [LLaDAMoEMLP(config, config.expert_intermediate_size) for _ in range(self.num_experts)], config
         )
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.num_experts))
         else:
             self.expert_bias = None
+        # Expert parallelism's entry (`LLaDAMoEConfig.base_model_ep_plan`); after `experts` in the module tree.
+        self.expert_dispatch = ExpertDispatch(self.experts)
         # (`ExpertStacks`, the first and last expert weights they were made from): see `stacks`.
         self._stacks: tuple | None = None
 
@@ -323,6 +339,8 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             router_logits = self.gate(x)
             return self._experts_fused(x, router_logits).view(shape), router_logits
         weights, experts, router_logits = self.route(x)
+        if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
+            return self.expert_dispatch(x, experts, weights).view(shape), router_logits
         run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
         return run(x, weights, experts).view(shape), router_logits
 
@@ -357,6 +375,8 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             return False
         if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER or self.expert_bias is not None:
             return False
+        if self.experts.partitioned or is_sharded(self.experts[0].gate_proj.weight):  # expert / tensor parallel
+            return False
         layer = self.experts[0].gate_proj
         if self.config.hidden_act not in ("silu", "swish") or (torch.is_grad_enabled() and layer.weight.requires_grad):
             return False
@@ -385,8 +405,12 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         of 16 bytes, and torch's grouped GEMM for the device (CUDA: Hopper or newer; the CPU's)."""
         if getattr(self.config, "_experts_implementation", None) == EXPERTS_EAGER or _grouped_mm_function() is None:
             return False
+        if self.experts.partitioned:  # expert parallelism: the experts' own grouped GEMMs where they run
+            return self.experts.runs_grouped(x)
         first = self.experts[0]
         weight = first.gate_proj.weight
+        if is_sharded(weight):  # tensor parallelism: the loop, through the sharded modules (their hooks reduce)
+            return False
         if x.dtype not in self.grouped_mm_dtypes or weight.dtype != x.dtype or weight.device != x.device:
             return False
         if torch.is_grad_enabled() and weight.requires_grad:
@@ -509,6 +533,13 @@ class LLaDAMoEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info, *args, **kwargs) -> None:
+        # Under expert parallelism the other ranks' experts are dropped before loading: not unexpected.
+        super()._adjust_missing_and_unexpected_keys(loading_info, *args, **kwargs)
+        loading_info.unexpected_keys = set(loading_info.unexpected_keys) - other_ranks_expert_keys(
+            self, loading_info.unexpected_keys
+        )
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

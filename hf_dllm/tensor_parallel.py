@@ -18,6 +18,10 @@ holds the few things the models add on top, because they multiply weights withou
   diverge (sampling with per-rank random states, or collectives that are not bitwise identical on every rank).
 - `tensor_parallel_group`: the model's tensor-parallel process group (None when it is not sharded).
 - `LocalHeadCounts`: an attention layer's head counts read from its q/k weights (this rank's heads when sharded).
+- `EXPERTS_STYLE` / `LocalExperts`: the expert-parallel style that keeps each rank's whole experts (see
+  "expert parallelism" below), registered with transformers' parallel styles.
+- `moe_parallelism`, `parallel_load_kwargs`: tensor or expert parallelism for an MoE model by batch size (a rule,
+  overridable), and the `from_pretrained` arguments of each.
 
 Every function is a no-op on models that are not sharded. This file is exported as Hub remote code.
 """
@@ -37,6 +41,12 @@ except ImportError:  # a torch build without distributed support runs unsharded 
     dist = None
     DTensor = None
     Shard = None
+try:  # transformers' expert parallelism (`DistributedConfig(ep_size=...)`, transformers >= 5.24)
+    from transformers.distributed.expert_parallel import AllReduceEP, EPImplementationInterface, ExpertParallelLayer
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+except ImportError:
+    AllReduceEP = EPImplementationInterface = ALL_PARALLEL_STYLES = None
+    ExpertParallelLayer = object
 
 
 def is_sharded(tensor) -> bool:
@@ -328,8 +338,115 @@ class LocalHeadCounts:
         return heads // kv_heads
 
 
+# -- expert parallelism: whole experts per rank, through transformers' `base_model_ep_plan` ---------------------------
+# transformers' expert parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=N, ep_size=N))`)
+# shards stacked expert tensors by their first dimension (`grouped_gemm` style) and hands an experts module's
+# `forward(hidden_states, top_k_index, top_k_weights)` the routes to its own experts (`ep_dispatch_experts`: at
+# inference `AllReduceEP`, every rank runs its experts on the whole batch and one all-reduce sums the outputs). The
+# MoE families keep the Hub's one module per expert (`experts.{e}.gate_proj.weight`, ...), so their plans
+# (`base_model_ep_plan` of `configuration_llada2_moe.py` / `configuration_llada_moe.py`) name two modules instead:
+#
+#   "layers.*.mlp.experts": EXPERTS_STYLE             # `grouped_gemm.ExpertList`: keeps this rank's experts whole
+#   "layers.*.mlp.expert_dispatch": "ep_dispatch_experts"  # the list's forward, reached through transformers' EP
+#
+# The plans are applied in module order, after the model is built (on the meta device) and before the weights load:
+# the other ranks' experts are gone before their weights are read or initialised, so each rank holds E / N experts.
+EXPERTS_STYLE = "hf_dllm_local_experts"
+
+
+class LocalExperts(ExpertParallelLayer):
+    """transformers' expert-parallel style (`EXPERTS_STYLE`) for a list of expert modules (`grouped_gemm.ExpertList`):
+    rank r of N keeps experts `[r * E / N, (r + 1) * E / N)` whole and drops the others (`keep_local_experts`)."""
+
+    def install_forward(self, module, mesh):
+        module.keep_local_experts(mesh.get_local_rank(), mesh.size())
+        return module
+
+
+# How the routed experts' outputs are summed (`DistributedConfig(ep_implementation=...)`): transformers' `AllReduceEP`
+# with the sum through `all_reduce` (the symmetric-memory kernels where they beat NCCL, as the tensor-parallel layers'
+# all-reduces) at inference; transformers' own with autograd.
+EP_IMPLEMENTATION = "hf_dllm_all_reduce"
+EP_IMPLEMENTATIONS = ("auto", "all_reduce", EP_IMPLEMENTATION)  # those that run the experts on every rank's batch
+
+if ALL_PARALLEL_STYLES is not None:
+    ALL_PARALLEL_STYLES.register(EXPERTS_STYLE, LocalExperts())
+
+    class SymmetricAllReduceEP(AllReduceEP):
+        """transformers' `AllReduceEP` (every rank runs its experts on the batch they share, the routes to other
+        ranks' experts masked: local index `num_local_experts`, weight 0; the partial outputs summed), summed by
+        `all_reduce` when no autograd graph is recorded."""
+
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+                return super().__call__(hidden_states, top_k_index, top_k_weights)
+            off_rank = (top_k_index // self.num_local_experts) != self.ep_mesh.get_local_rank()
+            local_index = torch.where(off_rank, self.num_local_experts, top_k_index % self.num_local_experts)
+            out = self.experts_forward(hidden_states, local_index, top_k_weights.masked_fill(off_rank, 0.0))
+            return all_reduce(out.contiguous(), self.ep_mesh.get_group())
+
+    EPImplementationInterface.register(EP_IMPLEMENTATION, SymmetricAllReduceEP)
+
+
+# Tensor or expert parallelism for an MoE model, by the (token, expert) pairs a denoising step routes. Tensor
+# parallelism gives every rank 1/N of each expert a step touches, so the ranks read equal shares whatever the
+# routing, through GEMMs 1/N as wide; expert parallelism gives each rank its experts whole (full-width GEMMs), but
+# the step is as slow as the rank whose experts got the most tokens: balanced only once a step routes several
+# pairs to every expert. Both reduce once per MoE layer. The rule takes expert parallelism from
+# `EXPERT_PARALLEL_MIN_PAIRS` pairs per expert on average (LLaDA2.x, 256 experts, top-8, blocks of 32: batch 4 and
+# up); `benchmarks/bench_tp.py` measures both layouts per batch size and says whether the rule picked the faster.
+MOE_PARALLEL_ENV = "HF_DLLM_MOE_PARALLEL"  # auto (the rule), tensor, expert
+MOE_PARALLEL_CHOICES = ("auto", "tensor", "expert")
+EXPERT_PARALLEL_MIN_PAIRS = 4
+
+
+def moe_parallelism(config, batch_size: int, tokens_per_row: int, choice: str | None = None) -> str:
+    """`"tensor"` or `"expert"`: how to split an MoE model (`config` with `num_experts` and `num_experts_per_tok`)
+    for steps of `batch_size` rows of `tokens_per_row` tokens (a denoising block). `choice`: `"tensor"` or
+    `"expert"` as given; `"auto"` (the default: `HF_DLLM_MOE_PARALLEL`, else `"auto"`) the rule above."""
+    import os
+
+    choice = os.environ.get(MOE_PARALLEL_ENV, "auto") if choice is None else choice
+    if choice not in MOE_PARALLEL_CHOICES:
+        raise ValueError(f"choice ({MOE_PARALLEL_ENV}) must be one of {MOE_PARALLEL_CHOICES}, got {choice!r}.")
+    for name, value in (("batch_size", batch_size), ("tokens_per_row", tokens_per_row)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        raise ValueError(
+            f"moe_parallelism needs an MoE config (num_experts, num_experts_per_tok), got {type(config).__name__}."
+        )
+    if choice != "auto":
+        return choice
+    return "expert" if batch_size * tokens_per_row * top_k >= EXPERT_PARALLEL_MIN_PAIRS * experts else "tensor"
+
+
+def parallel_load_kwargs(parallelism: str, ranks: int) -> dict:
+    """`from_pretrained` keyword arguments that split a model over the `ranks` processes of `torchrun`:
+    `tp_plan="auto"` (`"tensor"`) or `distributed_config=DistributedConfig(tp_size=ranks, ep_size=ranks,
+    ep_implementation=EP_IMPLEMENTATION)` (`"expert"`: the MoE families' `base_model_ep_plan`; the rest of the
+    tensor-parallel plan still applies)."""
+    if parallelism == "tensor":
+        return {"tp_plan": "auto"}
+    if parallelism != "expert":
+        raise ValueError(f"parallelism must be 'tensor' or 'expert', got {parallelism!r}.")
+    if ALL_PARALLEL_STYLES is None:
+        import transformers
+
+        raise ValueError(f"expert parallelism needs transformers >= 5.24, found {transformers.__version__}.")
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks, ep_implementation=EP_IMPLEMENTATION)}
+
+
 __all__ = [
+    "EP_IMPLEMENTATION",
+    "EXPERTS_STYLE",
+    "LocalExperts",
     "LocalHeadCounts",
+    "moe_parallelism",
+    "parallel_load_kwargs",
     "VocabShard",
     "agree_across_ranks",
     "all_reduce",

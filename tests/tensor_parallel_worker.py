@@ -5,7 +5,9 @@ and Dream fixtures with `tp_plan="auto"` and records, on every rank, the logits 
 With the arguments `fused EXTRA`, only LLaDA2, through `record_fused` (its fused MoE and attention paths on the
 shards; tests/kernels/test_tensor_parallel_fused.py runs it on the CPU with the kernels in Triton's interpreter), and
 `cached_step` with the counts of the fused calls of the LLaDA2 checkpoint at the path EXTRA (`two_shared_experts`)
-and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`).
+and of the fixture with sdpa attention (`sdpa`; the default is `llada_triton`). Without them, on CPU, also the
+expert-parallel cases of `expert_parallel_worker.py` (`ep:<case>`), in the same processes (one torchrun for both
+tests; on GPUs test_expert_parallel.py starts its own, which needs transformers >= 5.24).
 
 Usage: torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py OUT DEVICE DTYPE [fused EXTRA]
        (DEVICE cpu -> gloo, cuda -> nccl)
@@ -210,10 +212,23 @@ def main() -> None:
         dist.all_gather_object(gathered, result)
         results[name] = gathered
         del model
+    if not fused and device == "cpu":  # expert parallelism in the same processes (test_expert_parallel.py's CPU tests)
+        results.update(expert_parallel_worker().run(device, dtype))
     if dist.get_rank() == 0:
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def expert_parallel_worker():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "expert_parallel_worker", Path(__file__).parent / "expert_parallel_worker.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":

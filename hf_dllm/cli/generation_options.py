@@ -1,5 +1,5 @@
 """The generation settings of the command lines, derived from the one description of the fields
-(`generation_config.GENERATION_FIELDS`, with the fields families register for their samplers): `hf-dllm eval` and
+(`generation_fields.GENERATION_FIELDS`, with the fields families register for their samplers): `hf-dllm eval` and
 `hf-dllm generate` take every field that is a run's setting (`GenerationField.option`) as an option, `hf-dllm export`
 the few it writes, and lm-eval's `model_args` are parsed with the same parsers.
 
@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..generation_config import GENERATION_FIELDS, GenerationField
+from ..family import import_families
+from ..generation_fields import GENERATION_FIELDS, GenerationField
+
+import_families()  # the fields of every family's sampler are options too (Dream's `alg`, ...)
 
 # Other flags of a field (LLaDA's evaluation calls `max_new_tokens` the generation length).
 FLAG_ALIASES = {"max_new_tokens": ("--gen-length",)}

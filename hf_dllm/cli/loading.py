@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..fp8 import FP8_QUANTIZATIONS
+from ..fp8_schemes import FP8_QUANTIZATIONS
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -18,7 +18,7 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 # default, one per core, which was the fastest on the quiet 2-core development machine (benchmarks/bench_threads.py);
 # one thread is faster only while other processes hold the cores.
 DEFAULT_THREADS = None
-# `--quantization`: "none" loads the checkpoint's weights as they are; an `fp8.FP8_QUANTIZATIONS` name quantizes them
+# `--quantization`: "none" loads the checkpoint's weights as they are; an `fp8_schemes.FP8_QUANTIZATIONS` name quantizes them
 # at load time through transformers' `FineGrainedFP8Config` ("fp8": one scale per 128x128 block, "fp8-tensor": one per
 # matrix; "+head": the output head too; CUDA GPUs of compute capability >= 8.9), run by hf_dllm's FP8 kernels
 # (`hf_dllm/fp8.py`). A checkpoint saved already quantized loads as such without the flag.

@@ -46,7 +46,6 @@ from pathlib import Path
 from ..cli.completion_text import CompletionText, stop_token_ids
 from ..cli.generation_options import add_generation_arguments, generation_arguments
 from ..cli.loading import add_model_arguments, load_model, model_arguments
-from ..generation_utils import left_pad
 from .data import SCORERS, build_prompt, format_prompt, load_examples, process_state, score, shard_batches
 
 
@@ -129,6 +128,8 @@ def generate_completions(model, input_ids, attention_mask, config, completions: 
 
 def evaluate_shard(model, tokenizer, config, batches, prompt_ids, prompts, answers, args, progress) -> tuple[list, int]:
     """Generate and score this process's batches. Returns the per-example records and the batched forwards."""
+    from ..generation_utils import left_pad  # torch: imported when the command runs, not for its --help
+
     stop_ids = stop_token_ids(config, tokenizer)
     pad_id = config.prompt_pad_token_id
     device = model.get_input_embeddings().weight.device

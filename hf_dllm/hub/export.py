@@ -51,7 +51,7 @@ from pathlib import Path
 
 from ..cli.generation_options import add_generation_argument
 from ..cli.loading import QUANTIZATION_CHOICES
-from ..generation_config import GENERATION_FIELDS
+from ..generation_fields import GENERATION_FIELDS
 from .cards import CARD_PRESETS, card_preset, render_preset_card, resolve_card
 from .families import MODEL_FAMILIES, ExportError, checkpoint_family, read_json_object, supported_families
 from .generation_settings import (

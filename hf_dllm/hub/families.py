@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..family import FAMILIES, FAST_GENERATION_DEFAULTS, SHARED_REMOTE_CODE_FILES, DiffusionFamily, family_for_config
+from ..family import (
+    FAMILIES,
+    FAST_GENERATION_DEFAULTS,
+    SHARED_REMOTE_CODE_FILES,
+    DiffusionFamily,
+    family_for_config,
+    import_families,
+)
+
+import_families()  # every family, without its models (the exporter reads their facts, not their weights)
 
 
 class ExportError(ValueError):

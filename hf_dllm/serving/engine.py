@@ -39,6 +39,7 @@ from ..generation_config import DiffusionGenerationConfig, is_int
 from ..step_machine import decoding_policies
 from .admission import Admission, drop_cancelled
 from .layout import LayoutRun, kv_positions  # noqa: F401 (tests patch engine.LayoutRun)
+from .options import AUTO_BATCH_MEMORY_SHARE, DEFAULT_MAX_BATCH_SIZE, JOIN_LAYOUT_MIN_ROWS, MAX_AUTO_BATCH_SIZE
 from .row_cache import RowKVStore
 from .rows import EngineRequest
 from .runner import LayoutRunner
@@ -46,18 +47,6 @@ from .scheduler import LayoutScheduler, Slice
 
 # sdpa backends for the engine's changing shapes: all but cuDNN, which builds an execution plan per new shape.
 _PLANLESS_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-# Joining rows decode their first block apart once this many others of their cohort run: a shorter time to first
-# block for them at a small cost to the others (`benchmarks/bench_load.py`).
-JOIN_LAYOUT_MIN_ROWS = 8
-
-# Rows decoded at once by default (`ContinuousBatcher`, `hf-dllm serve --max-batch-size`) off CUDA.
-DEFAULT_MAX_BATCH_SIZE = 16
-
-# On CUDA the default batch is what K/V fits in this share of the free memory (at most `MAX_AUTO_BATCH_SIZE`
-# rows): the rest is for activations and CUDA graphs, and a batch that fills makes arrivals wait whole boundaries.
-AUTO_BATCH_MEMORY_SHARE = 0.6
-MAX_AUTO_BATCH_SIZE = 128
 
 # Bucketed row counts (CUDA graphs) step by this many rows from 8 to 32 rows (`bucketed_rows`): few captured shapes
 # without padding many rows.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation_config import GENERATION_FIELDS, DiffusionGenerationConfig, is_int
+from .options import MAX_PROMPTS
 
 MAX_ERROR_MESSAGE = 2000
 
@@ -95,7 +96,6 @@ MAX_STOP_CHARS = 512
 CHAT_ROLES = ("system", "user", "assistant")
 # OpenAI's rule for a message's `name`: letters, digits, `_` and `-`, at most 64 (so no special token fits in it).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-MAX_PROMPTS = 64
 # Deepest JSON nesting a request may have: OpenAI's schema needs 4 (messages -> message -> content -> part); deeper
 # bodies are refused before they are walked (100k-deep JSON used to exhaust the parser's recursion, a 500).
 MAX_JSON_DEPTH = 32

@@ -53,7 +53,8 @@ def test_lm_evals_git_call_is_quiet_outside_a_checkout(tmp_path, monkeypatch, ca
 
 
 def docs_command_run(workdir: Path) -> dict:
-    return {"docs": [sys.executable, "-m", "hf_dllm", *docs_command()[1:]]}
+    # `hf-dllm` is the console script's launcher (which initialises the package only once the command runs).
+    return {"docs": [sys.executable, "-m", "hf_dllm_launcher", *docs_command()[1:]]}
 
 
 # Started at collection, beside the in-process tests (one of the two cores): the test waits for it only.

@@ -1,4 +1,4 @@
-"""One description of the generation fields (`generation_config.GENERATION_FIELDS`), from which every application
+"""One description of the generation fields (`generation_fields.GENERATION_FIELDS`), from which every application
 derives its settings: `hf-dllm eval`'s and `hf-dllm generate`'s options, the server's request fields, lm-eval's
 `model_args`, the exporter's options. Each application's fields are exactly the schema's, and a field a family
 registers (`register_generation_fields`) appears in each of them."""
@@ -13,7 +13,7 @@ import pytest
 
 import hf_dllm  # noqa: F401  (registers the families and their fields)
 from hf_dllm import DiffusionGenerationConfig
-from hf_dllm import generation_config as schema
+from hf_dllm import generation_fields as schema
 from hf_dllm.cli import generate
 from hf_dllm.cli.generation_options import (
     coerce_field_values,
@@ -25,7 +25,7 @@ from hf_dllm.cli.generation_options import (
 from hf_dllm.evaluation import evaluate
 from hf_dllm.family_dream import DREAM, DREAM_FIELDS
 from hf_dllm.family_llada import LLaDAFamily
-from hf_dllm.generation_config import GENERATION_FIELDS, GenerationField, register_generation_fields
+from hf_dllm.generation_fields import GENERATION_FIELDS, GenerationField, register_generation_fields
 from hf_dllm.hub import export, generation_settings
 from hf_dllm.serving import protocol
 from tests.conftest import tiny_model
@@ -181,7 +181,7 @@ def toy_field(monkeypatch):
     )
     yield fields["toy_knob"]
     del GENERATION_FIELDS["toy_knob"]
-    del schema._FIELD_VALIDATORS["Toy"]
+    del schema.FIELD_VALIDATORS["Toy"]
 
 
 def test_a_registered_familys_field_appears_in_each_app(toy_field, monkeypatch):

@@ -72,8 +72,8 @@ def test_python_block_runs(code, line, monkeypatch, request):
 @pytest.mark.parametrize("code,line", BASH, ids=[f"line{line}" for _, line in BASH])
 def test_bash_block_runs(code, line, monkeypatch):
     """Each line is an `hf-dllm` command, run in this process through the console script's `main` (the same
-    function, without a new interpreter's imports)."""
-    from hf_dllm.cli import main
+    function, without a new interpreter's imports; tests/repository/test_cli_startup.py runs it in fresh ones)."""
+    from hf_dllm_launcher import main
 
     monkeypatch.chdir(ROOT)
     for command in code.splitlines():

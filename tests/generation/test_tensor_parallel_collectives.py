@@ -33,16 +33,32 @@ def summary() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model", ["llada", "llada2"])
-def test_bench_tp_cpu_ranks_agree_with_one_process(summary, model):
-    (row,) = [row for row in summary["rows"] if row["model"] == model]
+LAYOUTS = [("llada", "tensor"), ("llada2", "tensor"), ("llada2", "expert")]
+
+
+@pytest.mark.parametrize("model,parallel", LAYOUTS)
+def test_bench_tp_cpu_ranks_agree_with_one_process(summary, model, parallel):
+    (row,) = [row for row in summary["rows"] if (row["model"], row["parallel"]) == (model, parallel)]
     assert row["ranks_agree"] and row["tokens_equal_single_gpu"] == 1.0
     assert row["nfe"][0] == row["nfe"][1] > 0
 
 
-@pytest.mark.parametrize("model", ["llada", "llada2"])
-def test_collectives_per_step(summary, model):
-    (row,) = [row for row in summary["rows"] if row["model"] == model]
+def test_bench_tp_cpu_reports_the_moe_layout(summary):
+    """LLaDA2 sharded both ways, the rule's pick (batch 1 x 4 tokens x top-8 over 16 experts: 2 pairs per expert,
+    below the rule's 4: tensor) and the faster layout reported; expert parallelism holds the same share of the
+    weights per rank as tensor parallelism (half the experts whole instead of half of each)."""
+    choice = summary["moe_parallelism"]["llada2_batch1"]
+    assert choice["rule"] == "tensor" and choice["faster"] in ("tensor", "expert")
+    assert set(choice["step_ms"]) == {"tensor", "expert"}
+    weights = {row["parallel"]: row["tp_weight_gb_per_gpu"] for row in summary["rows"] if row["model"] == "llada2"}
+    assert weights["expert"] <= weights["tensor"] * 1.05
+
+
+@pytest.mark.parametrize("model,parallel", LAYOUTS)
+def test_collectives_per_step(summary, model, parallel):
+    """Also under expert parallelism: transformers' one all-reduce of the routed experts per MoE layer, with the
+    shared expert's partial sums in it."""
+    (row,) = [row for row in summary["rows"] if (row["model"], row["parallel"]) == (model, parallel)]
     forwards, layers = row["nfe"][1], row["layers"]
     assert row["tp_collectives"] == {
         "c10d._allgather_base_": forwards,  # each rank's proposal from its vocabulary slice (not the logits)

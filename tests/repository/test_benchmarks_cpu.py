@@ -26,6 +26,7 @@ NOT_ON_CPU = {
     "157184-token vocabulary at every forward, batch 1 and 4, 3 repeats): too slow for the suite",
     "bench_tp.py": "run by tests/generation/test_tensor_parallel_collectives.py, which also checks its figures",
     "bench_diffusion_gemma.py": "run by tests/generation/test_bench_diffusion_gemma.py, which also checks its tokens",
+    "bench_flash.py": "run by tests/generation/test_bench_flash.py, which also checks its tokens and layouts",
 }
 ON_CPU = [name for name in BENCHMARKS if name not in NOT_ON_CPU]
 

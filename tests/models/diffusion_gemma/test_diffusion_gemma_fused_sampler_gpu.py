@@ -134,3 +134,46 @@ def test_generate_on_the_fused_path(gemma_cuda_bf16):
     sequences = runs[0].sequences
     assert torch.equal(sequences[:, :21], prompt) and (sequences[:, 21:] < text.vocab_size).all()
     assert runs[0].nfe <= 6 * 3
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # a sliding layer (heads of 256), a full one (heads of 512, 2 K/V heads)
+def test_triton_decoder_attention_at_the_26b_head_widths(layer):
+    """The decoder's attention on the Triton backend at the 26B-A4B head widths, a 256-token canvas over 1,024
+    keys with padding: its error against a float32 SDPA within 2x of bfloat16 SDPA's (the kernel launches there)."""
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaAttention
+
+    text = hf_dllm.DiffusionGemmaConfig(
+        text_config=dict(
+            vocab_size=64, hidden_size=512, intermediate_size=64, num_hidden_layers=2, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+            sliding_window=1024, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        vision_config=None,
+        canvas_length=256,
+    ).text_config  # fmt: skip
+    torch.manual_seed(0)
+    attention = DiffusionGemmaAttention(text, layer).cuda()
+    for parameter in attention.parameters():
+        parameter.data.normal_(1.0 if parameter.dim() == 1 else 0.0, 0.05)
+    head_dim = attention.head_dim
+    hidden = torch.randn(1, 256, 512, device="cuda")
+    cached = torch.randn(1, attention.num_key_value_heads, 768, head_dim, device="cuda")
+
+    class Cache:  # 768 cached keys (the first 100 padding) before the canvas' own
+        def keys_values(self, layer, key, value, write):
+            return torch.cat([cached.to(key.dtype), key], dim=-2), torch.cat([cached.to(value.dtype), value], dim=-2)
+
+    mask = torch.ones(1, 1, 1, 1024, dtype=torch.bool, device="cuda")
+    mask[..., :100] = False
+    angles = torch.arange(768, 1024, device="cuda")[None, :, None] * 1e-3
+    cos, sin = angles.cos().expand(1, 256, head_dim), angles.sin().expand(1, 256, head_dim)
+    with torch.no_grad():
+        exact = attention(hidden, cos, sin, Cache(), mask, False)
+        attention.bfloat16()
+        args = (hidden.bfloat16(), cos.bfloat16(), sin.bfloat16(), Cache(), mask, False)
+        sdpa = attention(*args).float()
+        attention.backend = "triton"
+        triton_out = attention(*args).float()
+    sdpa_error = (sdpa - exact).abs().max()
+    assert (triton_out - exact).abs().max() <= 2 * sdpa_error + 1e-4, ((triton_out - exact).abs().max(), sdpa_error)
