@@ -15,6 +15,8 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .cache import CachePolicy
@@ -107,10 +109,16 @@ class EntropyBoundSampler(UnmaskingPolicy):
 
     def uses_fused(self, device: torch.device) -> bool:
         """Whether the steps on `device` take the fused path (see the class docstring)."""
+        runs_here = TRITON_AVAILABLE and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        if self.fused and not runs_here:
+            raise ValueError(
+                f"`fused=True`: the fused sampler's Triton kernels run on CUDA (or in Triton's interpreter, "
+                f"TRITON_INTERPRET=1), not on {device.type}; use fused=None or False."
+            )
         if self.fused is not None:
             return self.fused
         mode = kernel_mode()
-        return TRITON_AVAILABLE and mode != "torch" and (device.type == "cuda" or mode == "triton")
+        return runs_here and mode != "torch" and (device.type == "cuda" or mode == "triton")
 
     def final_block(self) -> torch.Tensor:
         """The canvas committed: the last argmax `(rows, C)`."""

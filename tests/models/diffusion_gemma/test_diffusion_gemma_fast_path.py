@@ -192,3 +192,16 @@ def test_row_chunked_sampler_and_head_reproduce_transformers_cases(gemma, monkey
     torch.manual_seed(case["seed"])
     out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected[f"case.{name}"])
+
+
+def test_fused_sampler_is_refused_where_its_kernels_cannot_run():
+    """`fused=True` on CPU tensors outside Triton's interpreter: a ValueError naming `fused` before any compute;
+    `fused=None` takes the PyTorch path there; a bad value is refused."""
+    sampler = EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused=None)
+    sampler.initial_block(1, 16, torch.device("cpu"))
+    assert not sampler.fused_active and "self_conditioning_logits" in sampler.forward_inputs()
+    if decoding_diffusion_gemma.TRITON_AVAILABLE:
+        with pytest.raises(ValueError, match="fused"):
+            EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused=True).initial_block(1, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="fused"):
+        EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused="yes")
