@@ -133,6 +133,16 @@ class EntropyBoundSampler(UnmaskingPolicy):
     def steps_for_block(self) -> None:
         return None  # the stopping rule decides
 
+    def stop_check_lag(self, device: torch.device) -> int:
+        """1 on CUDA: the next step is queued before the host reads whether a row is left (finished rows are
+        frozen, so a step past the last needed one changes no output; it draws and counts a forward), so the GPU
+        never waits for the host's per-step work. 0 elsewhere: the CPU reproduces transformers' forwards and
+        draws."""
+        return 1 if torch.device(device).type == "cuda" else 0
+
+    def step_limit(self) -> int:
+        return self.max_denoising_steps
+
     # -- per step ---------------------------------------------------------------------------------------------
     def temperature(self, steps_left: int) -> torch.Tensor:
         """T(n) as transformers computes it: an int32 step count divided in float32."""

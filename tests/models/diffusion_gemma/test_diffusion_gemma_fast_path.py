@@ -205,3 +205,27 @@ def test_fused_sampler_is_refused_where_its_kernels_cannot_run():
             EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused=True).initial_block(1, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="fused"):
         EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused="yes")
+
+
+@pytest.mark.parametrize("name, steps", [("b2.g16.cold.s1", None), ("b2.g16.cold.s1", 3)])
+def test_lagged_stop_check_runs_at_most_one_more_forward(gemma, monkeypatch, name, steps):
+    """`stop_check_lag` 1 (what CUDA uses: the next step is queued before the host reads whether rows are left),
+    forced on the CPU: the canvas decodes the same tokens (transformers' for the fixture case, whose rows stop
+    early), each row's forwards are the same, and the run makes one forward more when rows stopped early, none
+    when the step limit ended the canvas."""
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    case = CASES[name]
+    kwargs = dict(case["kwargs"], attention_mask=expected[f"attention_mask.{case['attention_mask']}"])
+    if steps is not None:
+        kwargs["max_denoising_steps"] = steps
+    runs = []
+    for lag in (0, 1):
+        monkeypatch.setattr(EntropyBoundSampler, "stop_check_lag", lambda self, device, lag=lag: lag)
+        torch.manual_seed(case["seed"])
+        runs.append(gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs))
+    plain, lagged = runs
+    if steps is None:
+        assert torch.equal(plain.sequences, expected[f"case.{name}"]) and plain.nfe == case["nfe"] < 24
+    assert torch.equal(plain.sequences, lagged.sequences)
+    assert torch.equal(plain.nfe_per_row, lagged.nfe_per_row)
+    assert lagged.nfe == plain.nfe + (1 if steps is None else 0), (plain.nfe, lagged.nfe)
