@@ -39,6 +39,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -232,6 +233,23 @@ def timed_ms(function, repeats: int, device) -> float:
     return 1000 * (time.perf_counter() - began) / repeats
 
 
+def pytorch_sampler_ms(sampler, block, raw, cap: float, repeats: int, device) -> float | None:
+    """ms per step of the PyTorch sampler on the capped float32 logits of `raw` (it divides its input in place: a
+    fresh copy per call, timed apart and subtracted); None where its float32 copies do not fit (batch 32)."""
+    sampler.initial_block(block.shape[0], block.shape[1], device)
+    capped = None
+    try:
+        capped = raw.float().div_(cap).tanh_().mul_(cap)  # what decode() gives it
+        step_ms = timed_ms(lambda: sampler.denoise(block, capped.clone(), None, None), repeats, device)
+        return step_ms - timed_ms(capped.clone, repeats, device)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        capped = None  # (the float32 copy freed before the cache is emptied)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
     """The denoising step alone (decoder + sampler, self-conditioned, the prompt encoded into generate()'s cache:
     static on CUDA): ms per step with the decoder's layers captured (where `DecoderGraphs` applies) and eager, and
@@ -285,7 +303,7 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             model.capture_decoder = capture
             block = step(block)  # a graph is captured here
             sync(device)
-            timings[mode] = timed_ms(lambda: step(block), repeats, device)
+            timings[mode] = timed_ms(functools.partial(step, block), repeats, device)
         model.capture_decoder = captured
         parts = {}
         backend = model.model.decoder.layers[0].self_attn.backend
@@ -294,25 +312,23 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             try:
                 model.set_decoder_attention(other_backend)
                 block = step(block)
-                parts[f"graph_step_{other_backend}_attention_ms"] = timed_ms(lambda: step(block), repeats, device)
+                parts[f"graph_step_{other_backend}_attention_ms"] = timed_ms(
+                    functools.partial(step, block), repeats, device
+                )
             except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
                 parts[f"graph_step_{other_backend}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
             model.set_decoder_attention(backend)
         parts["decoder_attention"] = backend
         raw = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
-        for name, fused in (("sampler_fused_ms", True), ("sampler_pytorch_ms", False)):
-            if fused and not sampler.uses_fused(device):
-                continue
-            other = new_sampler(fused)
-            other.initial_block(batch, canvas, device)
-            cap = text.final_logit_softcapping
-            inputs = raw if fused else raw.float().div_(cap).tanh_().mul_(cap)  # what decode() gives it
-            # (the PyTorch sampler divides its input in place: a fresh copy per call, timed apart and removed)
-            copy_ms = 0.0 if fused else timed_ms(lambda: inputs.clone(), repeats, device)
-            parts[name] = timed_ms(
-                lambda: other.denoise(block, inputs if fused else inputs.clone(), None, None), repeats, device
-            ) - copy_ms
-            del inputs
+        if sampler.uses_fused(device):
+            fused_sampler = new_sampler(True)
+            fused_sampler.initial_block(batch, canvas, device)
+            parts["sampler_fused_ms"] = timed_ms(
+                functools.partial(fused_sampler.denoise, block, raw, None, None), repeats, device
+            )
+        parts["sampler_pytorch_ms"] = pytorch_sampler_ms(
+            new_sampler(False), block, raw, text.final_logit_softcapping, repeats, device
+        )
         del raw
         experts = model.model.decoder.layers[0].experts
         chosen = experts.implementation

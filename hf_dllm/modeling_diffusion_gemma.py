@@ -35,16 +35,16 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput, cached_file
 
+from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is installed: `use_fused_kernels`)
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
-from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is installed: `use_fused_kernels`)
 from .grouped_gemm import grouped_matmul
+from .kernels import kernel_mode, use_fused_kernels
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
-from .kernels import kernel_mode, use_fused_kernels
 
 # transformers' activation names that the Triton experts' gated product computes (`grouped_gemm.GATE_ACTIVATIONS`).
 TRITON_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
