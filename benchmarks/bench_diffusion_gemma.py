@@ -18,6 +18,11 @@ and its **weight-read floor**: the bytes of the attention, dense-MLP, norm and r
 self-conditioning MLP, the embedding twice (the self-conditioning matmul and the tied LM head each read it) and the
 distinct experts the step's routers selected (counted by hooks), over the measured device copy bandwidth.
 
+The step's parts, each timed alone at each batch size (`steps[*]` in the JSON line): the sampler on the fused path
+(`triton_diffusion_gemma.fused_sample`, where it runs) and the PyTorch one on the same logits, and one layer's
+experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
+the model runs; the measurement that picks it).
+
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
 
@@ -34,6 +39,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -209,15 +215,59 @@ def step_floor_bytes(model, routed: list[int]) -> int:
     return total
 
 
+def timed_ms(function, repeats: int, device) -> float:
+    """Milliseconds per call of `function()` over `repeats` calls back to back (CUDA events on a GPU)."""
+    function()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            function()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+    began = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    return 1000 * (time.perf_counter() - began) / repeats
+
+
+def pytorch_sampler_ms(sampler, block, raw, cap: float, repeats: int, device) -> float | None:
+    """ms per step of the PyTorch sampler on the capped float32 logits of `raw` (it divides its input in place: a
+    fresh copy per call, timed apart and subtracted); None where its float32 copies do not fit (batch 32)."""
+    sampler.initial_block(block.shape[0], block.shape[1], device)
+    capped = None
+    try:
+        capped = raw.float().div_(cap).tanh_().mul_(cap)  # what decode() gives it
+        step_ms = timed_ms(lambda: sampler.denoise(block, capped.clone(), None, None), repeats, device)
+        return step_ms - timed_ms(capped.clone, repeats, device)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        capped = None  # (the float32 copy freed before the cache is emptied)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
     """The denoising step alone (decoder + sampler, self-conditioned, the prompt encoded into generate()'s cache:
     static on CUDA): ms per step with the decoder's layers captured (where `DecoderGraphs` applies) and eager, and
-    the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay)."""
+    the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay). Also the
+    step's parts, each timed alone: the sampler (fused where it applies, and the PyTorch one) and one layer's
+    experts on the canvas' routing under each implementation (torch's grouped GEMM, hf_dllm's Triton kernels)."""
     text, canvas = model.config.text_config, model.config.canvas_length
     generator = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(3, text.vocab_size, (batch, prompt_len), device=device, generator=generator)
     defaults = {k: v for k, v in SAMPLER_DEFAULTS.items() if k not in ("sampler_config", "max_denoising_steps")}
-    sampler = EntropyBoundSampler(text.vocab_size, max_denoising_steps=1 << 20, entropy_bound=0.1, **defaults)
+
+    def new_sampler(fused=None):
+        return EntropyBoundSampler(
+            text.vocab_size, max_denoising_steps=1 << 20, entropy_bound=0.1, softcap=text.final_logit_softcapping,
+            fused=fused, **defaults,
+        )  # fmt: skip
+
+    sampler = new_sampler()
     positions = torch.arange(prompt_len, prompt_len + canvas, device=device)
     captured = model.capture_decoder
     with torch.no_grad():
@@ -227,16 +277,24 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
         block = sampler.initial_block(batch, canvas, device)
 
         def step(block):
-            logits = model.decode(block, positions, cache, sampler.self_conditioning, padded=False)
+            logits = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
             return sampler.denoise(block, logits, None, None)[0]
 
         model.capture_decoder = False
         block = step(block)  # now self-conditioned
-        routed = []
-        hooks = [
-            layer.router.register_forward_hook(lambda _m, _i, out: routed.append(int(out[1].unique().numel())))
-            for layer in model.model.decoder.layers
-        ]
+        routed, routes = [], []
+
+        def record(_module, _inputs, out):
+            routed.append(int(out[1].unique().numel()))
+            routes.append((out[0], out[1]))
+
+        hooks = [layer.router.register_forward_hook(record) for layer in model.model.decoder.layers]
+        experts_inputs = []
+        hooks.append(
+            model.model.decoder.layers[0].experts.register_forward_pre_hook(
+                lambda _m, inputs: experts_inputs.append(inputs)
+            )
+        )
         block = step(block)
         for hook in hooks:
             hook.remove()
@@ -245,27 +303,54 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             model.capture_decoder = capture
             block = step(block)  # a graph is captured here
             sync(device)
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(repeats):
-                    block = step(block)
-                end.record()
-                end.synchronize()
-                timings[mode] = start.elapsed_time(end) / repeats
-            else:
-                began = time.perf_counter()
-                for _ in range(repeats):
-                    block = step(block)
-                timings[mode] = 1000 * (time.perf_counter() - began) / repeats
+            timings[mode] = timed_ms(functools.partial(step, block), repeats, device)
         model.capture_decoder = captured
+        parts = {}
+        backend = model.model.decoder.layers[0].self_attn.backend
+        other_backend = "triton" if backend == "sdpa" else "sdpa"
+        if device.type == "cuda":  # the step (graphs) with the decoder's other attention backend
+            try:
+                model.set_decoder_attention(other_backend)
+                block = step(block)
+                parts[f"graph_step_{other_backend}_attention_ms"] = timed_ms(
+                    functools.partial(step, block), repeats, device
+                )
+            except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
+                parts[f"graph_step_{other_backend}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
+            model.set_decoder_attention(backend)
+        parts["decoder_attention"] = backend
+        raw = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
+        if sampler.uses_fused(device):
+            fused_sampler = new_sampler(True)
+            fused_sampler.initial_block(batch, canvas, device)
+            parts["sampler_fused_ms"] = timed_ms(
+                functools.partial(fused_sampler.denoise, block, raw, None, None), repeats, device
+            )
+        parts["sampler_pytorch_ms"] = pytorch_sampler_ms(
+            new_sampler(False), block, raw, text.final_logit_softcapping, repeats, device
+        )
+        del raw
+        experts = model.model.decoder.layers[0].experts
+        chosen = experts.implementation
+        x, index, weights = experts_inputs[0]
+        for implementation in ("grouped", "triton"):
+            try:
+                experts.implementation = implementation
+                parts[f"experts_{implementation}_ms"] = timed_ms(lambda: experts(x, index, weights), repeats, device)
+            except (RuntimeError, ValueError) as error:  # not available here (CPU, no Triton, no grouped_mm)
+                parts[f"experts_{implementation}_ms"] = None
+                parts[f"experts_{implementation}_error"] = str(error).splitlines()[0]
+        experts.implementation = chosen
+        parts["experts_default"] = experts.chosen_implementation(x)
     graphs = model._decoder_graphs is not None and bool(model._decoder_graphs.entries)
     return dict(
         step_ms=min(timings.values()),
         eager_step_ms=timings["eager"],
         graph_step_ms=timings["graph"],
         graphs_used=graphs,
+        fused_sampler=sampler.fused_active,
         routed=routed,
+        **parts,
     )
 
 
@@ -285,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=None, help="GPU 512, CPU 16")
     parser.add_argument("--new-tokens", type=int, default=None, help="GPU 512, CPU 32 (whole canvases)")
     parser.add_argument("--step-repeats", type=int, default=None, help="isolated steps timed (GPU 10, CPU 2)")
+    parser.add_argument(
+        "--decoder-attention", choices=("sdpa", "triton"), default="sdpa", help="the decoder passes' attention"
+    )
+    parser.add_argument(
+        "--experts", choices=("auto", "triton", "grouped", "loop"), default="auto", help="the experts' kernels"
+    )
     args = parser.parse_args(argv)
 
     gpu = torch.cuda.is_available() and not args.cpu
@@ -305,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     torch.manual_seed(0)
     ours, reference, missing_reason = build_models(shape, canvas, dtype, device, not args.no_reference)
+    ours.set_decoder_attention(args.decoder_attention)
+    for layer in ours.model.decoder.layers:
+        layer.experts.implementation = None if args.experts == "auto" else args.experts
     summary = dict(
         benchmark="bench_diffusion_gemma",
         device=torch.cuda.get_device_name(device) if gpu else "CPU",
@@ -317,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         weights_gb=round(sum(p.numel() * p.element_size() for p in ours.parameters()) / 1e9, 2),
         reference=None if reference is None else "transformers DiffusionGemmaForBlockDiffusion.generate()",
         reference_skipped=missing_reason,
+        decoder_attention=args.decoder_attention,
+        experts=args.experts,
     )
     if gpu:
         from bench_generate import copy_bandwidth  # this folder's (needs CUDA)
@@ -384,6 +480,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{step['batch']:5d} {step['eager_step_ms']:8.2f} {step['graph_step_ms']:8.2f} {floor} "
             f"{step['experts_per_layer']:13.1f}"
         )
+
+    def ms(value) -> str:
+        return f"{value:9.3f}" if isinstance(value, float) else f"{'-':>9}"
+
+    print(f"\n{'batch':>5} {'sampler ms: fused':>17} {'pytorch':>9} {'1 layer experts ms: grouped':>27} {'triton':>9} default")
+    for step in steps_rows:
+        if "oom" not in step:
+            print(
+                f"{step['batch']:5d} {ms(step.get('sampler_fused_ms')):>17} {ms(step.get('sampler_pytorch_ms'))} "
+                f"{ms(step.get('experts_grouped_ms')):>27} {ms(step.get('experts_triton_ms'))} {step['experts_default']}"
+            )
+            for name in ("sdpa", "triton"):
+                if f"graph_step_{name}_attention_ms" in step:
+                    print(f"      graph step with the decoder's {name} attention: {step[f'graph_step_{name}_attention_ms']:.2f} ms")
 
     def row_of(model, batch, steps):
         return next(

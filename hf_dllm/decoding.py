@@ -279,6 +279,18 @@ class UnmaskingPolicy:
         """Number of forwards the current block takes, when known in advance (no host synchronisation)."""
         return None
 
+    def stop_check_lag(self, device: torch.device) -> int:
+        """Steps the loop may run before it reads whether rows are left after a step whose count it cannot know
+        in advance (`steps_for_block` None): 0 reads it after every step (the host waits for that step, then
+        queues the next); 1 queues the next step first, so the device never waits for the host, at the price of
+        one forward after the last needed one (a no-op for the rule's frozen rows). A rule that freezes finished
+        rows may allow 1 where the forwards need not match a reference's (the GPU)."""
+        return 0
+
+    def step_limit(self) -> int | None:
+        """The most steps a block takes, known on the host (with `stop_check_lag`: the loop never runs past it)."""
+        return None
+
     def max_masked(self, step: int) -> int | None:
         """The most masked positions a row still denoising can hold at `step` of the current block (0-based),
         known on the host from the rule alone, or None. The loop then computes logits only at that many positions

@@ -15,11 +15,15 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .cache import CachePolicy
 from .decoding import UnmaskingPolicy
 from .family_diffusion_gemma import SAMPLER_DEFAULTS
+from .kernels import kernel_mode
+from .triton_diffusion_gemma import TRITON_AVAILABLE, fused_sample
 
 # Elements of a `(rows, vocab)` float32 slice the sampler and the decoder's head process at once: past it the rows go
 # in chunks, so that a batch-32 canvas of the 262,144-token vocabulary (8.6 GB per float32 copy) never has its
@@ -51,6 +55,15 @@ class EntropyBoundSampler(UnmaskingPolicy):
     argmax of the last `stability_threshold` steps and whose mean entropy is < `confidence_threshold` is finished for
     this canvas: its canvas, argmax and self-conditioning freeze (its forwards still run and still draw). The canvas
     committed (`final_block`) is the last argmax.
+
+    The fused path (`fused`; None: where hf_dllm's Triton kernels run, `kernels.kernel_mode()`: CUDA with Triton, or
+    `HF_DLLM_KERNELS=triton`) asks the model for the LM head's raw output `(B, C, vocab)` in its dtype
+    (`forward_inputs`: `capped_logits=False`) and computes the soft cap (`softcap`, the model's
+    `final_logit_softcapping`), the temperature, the entropy, the argmax, a sample (Gumbel-max: not
+    `torch.multinomial`'s draws) and the next step's self-conditioning input softmax(z) in the model's dtype
+    (`self_conditioning_probabilities`) in two Triton kernels over vocabulary chunks
+    (`triton_diffusion_gemma.fused_sample`), with no float32 `(B, C, vocab)` tensor. The CPU keeps the PyTorch
+    path, which reproduces transformers' draws.
     """
 
     keeps_ended_rows = True
@@ -64,8 +77,18 @@ class EntropyBoundSampler(UnmaskingPolicy):
         t_max: float | None,
         stability_threshold: int | None,
         confidence_threshold: float | None,
+        softcap: float | None = None,
+        fused: bool | None = None,
     ):
+        if fused not in (None, True, False):
+            raise ValueError(f"`fused` must be None, True or False, got {fused!r}.")
+        if fused and not TRITON_AVAILABLE:
+            raise ValueError("`fused=True` needs the `triton` package (pip install hf-dllm[triton]).")
         self.vocab_size = vocab_size
+        self.softcap = softcap
+        self.fused = fused
+        self.fused_active = False
+        self.probabilities = None  # the fused path's self-conditioning input, kept across canvases of one shape
         self.max_denoising_steps = max_denoising_steps
         self.entropy_bound = entropy_bound
         self.t_min, self.t_max = t_min, t_max
@@ -81,17 +104,44 @@ class EntropyBoundSampler(UnmaskingPolicy):
         self.argmax = None
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
         self.history = None
+        self.fused_active = self.uses_fused(torch.device(device))
         return torch.randint(0, self.vocab_size, (rows, length), device=device)
+
+    def uses_fused(self, device: torch.device) -> bool:
+        """Whether the steps on `device` take the fused path (see the class docstring)."""
+        runs_here = TRITON_AVAILABLE and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+        if self.fused and not runs_here:
+            raise ValueError(
+                f"`fused=True`: the fused sampler's Triton kernels run on CUDA (or in Triton's interpreter, "
+                f"TRITON_INTERPRET=1), not on {device.type}; use fused=None or False."
+            )
+        if self.fused is not None:
+            return self.fused
+        mode = kernel_mode()
+        return runs_here and mode != "torch" and (device.type == "cuda" or mode == "triton")
 
     def final_block(self) -> torch.Tensor:
         """The canvas committed: the last argmax `(rows, C)`."""
         return self.argmax
 
     def forward_inputs(self) -> dict:
+        if self.fused_active:
+            probabilities = self.probabilities if self.step_index > 0 else None
+            return {"self_conditioning_probabilities": probabilities, "capped_logits": False}
         return {"self_conditioning_logits": self.self_conditioning}
 
     def steps_for_block(self) -> None:
         return None  # the stopping rule decides
+
+    def stop_check_lag(self, device: torch.device) -> int:
+        """1 on CUDA: the next step is queued before the host reads whether a row is left (finished rows are
+        frozen, so a step past the last needed one changes no output; it draws and counts a forward), so the GPU
+        never waits for the host's per-step work. 0 elsewhere: the CPU reproduces transformers' forwards and
+        draws."""
+        return 1 if torch.device(device).type == "cuda" else 0
+
+    def step_limit(self) -> int:
+        return self.max_denoising_steps
 
     # -- per step ---------------------------------------------------------------------------------------------
     def temperature(self, steps_left: int) -> torch.Tensor:
@@ -139,31 +189,61 @@ class EntropyBoundSampler(UnmaskingPolicy):
         return torch.scatter(torch.zeros_like(accepted_sorted), -1, order, accepted_sorted)
 
     def denoise(self, block, logits, rules, scheduled, generated=None, active=None, candidates=None):
-        """One step on the canvas `block` `(B, C)` from the decoder's `logits` `(B, C, vocab)`; returns the next
-        canvas, the draft (the argmax) and no edit."""
+        """One step on the canvas `block` `(B, C)` from the decoder's `logits` `(B, C, vocab)` (soft-capped float32;
+        on the fused path the LM head's raw output); returns the next canvas, the draft (the argmax) and no edit."""
         steps_left = self.max_denoising_steps - self.step_index
         self.step_index += 1
         rows, length = block.shape
-        processed = logits
-        if self.t_min is not None and self.t_max is not None:  # no schedule: the logits as they are
-            # In place: the decoder's logits are this step's alone (the same quotient as `logits / T`).
-            processed = logits.div_(self.temperature(steps_left).to(logits.device))
-        sample, argmax, entropy = self.sample_argmax_entropy(processed)
+        frozen = self.finished[:, None] if self.stops and self.argmax is not None else None
+        if self.fused_active:
+            sample, argmax, entropy = self._fused_sample(logits, steps_left, frozen)
+            processed = None
+        else:
+            processed = logits
+            if self.t_min is not None and self.t_max is not None:  # no schedule: the logits as they are
+                # In place: the decoder's logits are this step's alone (the same quotient as `logits / T`).
+                processed = logits.div_(self.temperature(steps_left).to(logits.device))
+            sample, argmax, entropy = self.sample_argmax_entropy(processed)
         accepted = self.accept(entropy)
         noise = torch.randint(0, self.vocab_size, (rows, length), device=block.device)
         canvas = torch.where(accepted, sample, noise)
         if self.stops:
-            if self.argmax is not None:  # rows finished earlier keep their canvas (no host synchronisation)
-                frozen = self.finished[:, None]
+            if frozen is not None:  # rows finished earlier keep their canvas (no host synchronisation)
                 argmax = torch.where(frozen, self.argmax, argmax)
                 canvas = torch.where(frozen, block, canvas)
-                processed = torch.where(frozen[..., None], self.self_conditioning, processed, out=processed)
+                if processed is not None:  # (the fused kernel left the frozen rows' probabilities as they were)
+                    processed = torch.where(frozen[..., None], self.self_conditioning, processed, out=processed)
             # The entropy of the step's own logits: a frozen row's (its old logits') would only be OR-ed into
             # `finished`, which it already is.
             self.finished = self.finished | self._stable_and_confident(argmax, entropy)
         self.argmax = argmax
         self.self_conditioning = processed
         return canvas, argmax, torch.zeros(rows, dtype=torch.bool, device=block.device)
+
+    def _fused_sample(self, raw_logits: torch.Tensor, steps_left: int, frozen: torch.Tensor | None):
+        """`sample_argmax_entropy` on the fused path from the LM head's raw output `(B, C, vocab)`; writes the next
+        step's self-conditioning probabilities (frozen rows `(B, 1)` keep theirs)."""
+        device = raw_logits.device
+        if (
+            self.probabilities is None
+            or self.probabilities.shape != raw_logits.shape
+            or self.probabilities.dtype != raw_logits.dtype
+            or self.probabilities.device != device
+        ):
+            self.probabilities = torch.empty_like(raw_logits, memory_format=torch.contiguous_format)
+        scheduled = self.t_min is not None and self.t_max is not None
+        # A host-side value (the schedule's float32 quotient, as `temperature` computes it) filled on the device.
+        value = float(self.temperature(steps_left)) if scheduled else 1.0
+        temperature = torch.full((1,), value, dtype=torch.float32, device=device)
+        seed = torch.randint(0, 1 << 62, (1,), device=device)
+        return fused_sample(
+            raw_logits,
+            temperature,
+            seed,
+            self.softcap,
+            self.probabilities,
+            frozen.view(-1) if frozen is not None else None,
+        )
 
     def still_active(self, active, masked_before, masked_after, edited, step):
         """Rows that need another step: not finished, and steps left."""

@@ -197,11 +197,14 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
         "modeling_diffusion_gemma.py",
         "family_diffusion_gemma.py",
         "decoding_diffusion_gemma.py",
+        "triton_diffusion_gemma.py",
+        "triton_moe.py",
+        "grouped_gemm.py",
     )
     generation_defaults = {"max_new_tokens": 256, **{name: None for name in SAMPLER_DEFAULTS}}
     # Shared files its model never reaches (the masked-diffusion models' attention backends and packed rows):
     # transformers' remote-code loader downloads only what relative imports reach.
-    unreached_shared_files = ("packed.py", "attention.py", "triton_attention.py")
+    unreached_shared_files = ("packed.py", "attention.py")
 
     @property
     def remote_code_files(self) -> tuple[str, ...]:
@@ -302,6 +305,7 @@ class DiffusionGemmaFamily(EncoderDecoderBlocks, DiffusionFamily):
             t_max=config.t_max,
             stability_threshold=config.stability_threshold,
             confidence_threshold=config.confidence_threshold,
+            softcap=model_config.text_config.final_logit_softcapping,
         )
 
     def describe_decoding(self, fields: dict) -> str:

@@ -10,8 +10,10 @@ end rows `offsets (groups,)`; weights stacked `(groups, N, K)`, FP8 block scales
 ceil(K / bk))`.
 
 - `grouped_matmul(..., gated=True)`: the stacked gate/up weight `(groups, 2 * I, K)` (each expert's gate rows, then
-  its up rows) -> `silu(x @ gate.T) * (x @ up.T)` `(pairs, I)`, both products in one program and the SiLU gate in
-  its epilogue (the rounding points of the unfused path: each product and silu rounded to the output dtype).
+  its up rows) -> `act(x @ gate.T) * (x @ up.T)` `(pairs, I)`, both products in one program and the gate's
+  activation in its epilogue (the rounding points of the unfused path: each product and the activation rounded to
+  the output dtype): `activation` "silu" (LLaDA2.x, LLaDA-MoE) or "gelu_tanh" (GELU's tanh approximation,
+  DiffusionGemma's `gelu_pytorch_tanh`).
 - `grouped_matmul(...)`: `(pairs, K) @ down.T` -> `(pairs, N)`.
 
 Each program multiplies `BLOCK_M` rows of one group by `BLOCK_N` of its weight's rows. The grid is static (the
@@ -177,6 +179,7 @@ if TRITON_AVAILABLE:
         ROWS_BUCKET,
         GATHER: tl.constexpr,
         GATED: tl.constexpr,
+        GELU: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         SCALE_N: tl.constexpr,
         SCALE_K: tl.constexpr,
@@ -225,16 +228,25 @@ if TRITON_AVAILABLE:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if GATED:
-            # The unfused path's rounding: both products and silu's output rounded to the output dtype.
+            # The unfused path's rounding: both products and the activation's output rounded to the output dtype.
             out_dtype = out_ptr.dtype.element_ty
             gate = acc.to(out_dtype).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
-            acc = silu * acc_up.to(out_dtype).to(tl.float32)
+            if GELU:
+                # PyTorch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh
+                # as 1 - 2 / (exp(2 y) + 1) (exact at both tails in float32; no libdevice in the interpreter).
+                inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+                activated = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+            else:
+                activated = gate / (1.0 + tl.exp(-gate))
+            acc = activated.to(out_dtype).to(tl.float32) * acc_up.to(out_dtype).to(tl.float32)
         if SWAP:
             acc = tl.trans(acc)
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
+
+# The gate activations the gated product's epilogue computes (`grouped_matmul(activation=...)`).
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 # The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False, "N_FASTEST": False}
@@ -250,6 +262,7 @@ def grouped_matmul(
     rows_of: torch.Tensor | None = None,
     gated: bool = False,
     config=None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Each group's rows times its weight (see the module docstring).
 
@@ -257,7 +270,10 @@ def grouped_matmul(
     order; offsets `(groups,)` int32, each group's end row; weight `(groups, N, K)` (last dim contiguous), FP8 with
     `weight_scale_inv` `(groups, ceil(N / bn), ceil(K / bk))` float32 and `block_size` `(bn, bk)`, or in x's dtype
     with neither. Returns `(pairs, N)` in x's dtype, or with `gated` `(pairs, N // 2)`: `silu(gate) * up` of the
-    weight's two halves. `config`: one of `grouped_configs()` instead of the autotuner's (tests, sweeps)."""
+    weight's two halves, `act` the `activation` ("silu" or "gelu_tanh"). `config`: one of `grouped_configs()` instead
+    of the autotuner's (tests, sweeps)."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}.")
     groups, n_weight, k_in = weight.shape
     pairs = rows_of.shape[0] if rows_of is not None else x.shape[0]
     if offsets.shape != (groups,):
@@ -322,6 +338,7 @@ def grouped_matmul(
         rows_bucket(pairs),
         GATHER=rows_of is not None,
         GATED=gated,
+        GELU=activation == "gelu_tanh",
         HAS_SCALE=has_scale,
         SCALE_N=block_n if has_scale else 1,
         SCALE_K=block_k,

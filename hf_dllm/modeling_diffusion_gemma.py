@@ -35,12 +35,19 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput, cached_file
 
+from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is installed: `use_fused_kernels`)
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
-from .kernels import linear
+from .grouped_gemm import grouped_matmul
+from .kernels import kernel_mode, linear, use_fused_kernels
+from .triton_attention import AttentionTiles, block_attention
+from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
+
+# transformers' activation names that the Triton experts' gated product computes (`grouped_gemm.GATE_ACTIVATIONS`).
+TRITON_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
 
@@ -64,12 +71,19 @@ class DiffusionGemmaRMSNorm(nn.Module):
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of `hidden_states` `(..., dim)`, plus `residual` (its shape) if given; one Triton kernel where
+        hf_dllm's fused kernels run (`kernels.use_fused_kernels`: the same float32 ops, rounded once; the PyTorch
+        ops launch about eight kernels per norm, eleven norms per layer)."""
+        weight = self.weight if self.with_scale else None
+        if use_fused_kernels(hidden_states) and not (torch.is_grad_enabled() and hidden_states.requires_grad):
+            return triton_diffusion_gemma.rms_norm(hidden_states, weight, self.eps, residual)
         x = hidden_states.float()
         x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.with_scale:
-            x = x * self.weight.float()
-        return x.type_as(hidden_states)
+        if weight is not None:
+            x = x * weight.float()
+        x = x.type_as(hidden_states)
+        return x if residual is None else residual + x
 
 
 def rope_inverse_frequencies(config: DiffusionGemmaTextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
@@ -94,9 +108,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def decoder_tiles(head_dim: int) -> AttentionTiles:
+    """`block_attention`'s tiles for a decoder pass: a 256-token canvas gives each key/value head 512 (sliding) or
+    2,048 (full) query rows; the float32 accumulator of a row tile is `block_m x head_dim`, so the tile shrinks as the
+    heads widen (256 / 512) to stay in registers."""
+    return AttentionTiles(block_m=32 if head_dim <= 256 else 16, block_n=32, num_warps=4 if head_dim <= 256 else 8)
+
+
 class DiffusionGemmaAttention(nn.Module):
     """Gemma 4 attention of one layer; `forward` gets the K/V to attend to besides its own (the cache) and says
-    whether to store its own (encoder) or not (decoder)."""
+    whether to store its own (encoder) or not (decoder).
+
+    `backend` "sdpa" (default: torch's `scaled_dot_product_attention`; at the 26B-A4B shape its full layers' heads
+    of 512 have no fused kernel on an H200 and fall back to the math path, ~0.35 ms a layer) or "triton": the
+    decoder's pass through hf_dllm's Triton attention (`triton_attention.block_attention`; CUDA, or the
+    interpreter), the encoder's on SDPA (per-query causal masks). Set for every layer with
+    `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
+
+    backends = ("sdpa", "triton")
 
     def __init__(self, config: DiffusionGemmaTextConfig, layer_idx: int):
         super().__init__()
@@ -114,6 +143,7 @@ class DiffusionGemmaAttention(nn.Module):
         self.q_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.v_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
+        self.backend = "sdpa"
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
@@ -121,16 +151,30 @@ class DiffusionGemmaAttention(nn.Module):
         (encoder) or only read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
-        query = self.q_norm(linear(self.q_proj, hidden_states).view(shape))
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
+        raw_query = linear(self.q_proj, hidden_states).view(shape)
         raw_key = linear(self.k_proj, hidden_states).view(shape)
         value = linear(self.v_proj, hidden_states).view(shape) if self.v_proj is not None else raw_key
-        key = self.k_norm(raw_key)
-        key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
-        value = self.v_norm(value).transpose(1, 2)
+        if use_fused_kernels(hidden_states) and not torch.is_grad_enabled():
+            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each).
+            eps = self.q_norm.eps
+            query = triton_diffusion_gemma.norm_rope(raw_query, self.q_norm.weight, eps, cos, sin)
+            key = triton_diffusion_gemma.norm_rope(raw_key, self.k_norm.weight, self.k_norm.eps, cos, sin)
+            value = triton_diffusion_gemma.norm_rope(value, None, self.v_norm.eps, None, None)
+        else:
+            query = self.q_norm(raw_query)
+            cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+            query = (query * cos + rotate_half(query) * sin).transpose(1, 2)
+            key = self.k_norm(raw_key)
+            key = (key * cos + rotate_half(key) * sin).transpose(1, 2)
+            value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
+        if self.backend == "triton" and not write_cache and (mask is None or mask.shape[2] == 1):
+            # The decoder's pass (a key padding mask, no per-query mask): hf_dllm's Triton attention (float32
+            # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D).
+            padding = None if mask is None else mask[:, 0, 0, :]
+            output = block_attention(query, key, value, padding, scale=1.0, tiles=decoder_tiles(self.head_dim))
+            return linear(self.o_proj, output.reshape(batch, length, -1))
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
@@ -179,13 +223,17 @@ class DiffusionGemmaExperts(nn.Module):
     """The experts as 3D tensors (the Hub's layout): `gate_up_proj` `(E, 2I, H)` (each expert's gate rows, then its
     up rows), `down_proj` `(E, H, I)`.
 
-    Two implementations: the loop over the selected experts (transformers' eager order; one host synchronisation
-    to list them: exact against transformers on the CPU), and two grouped GEMMs over the expert-sorted rows (no
-    host synchronisation, so a step can be captured in a CUDA graph; the weighted sum of a token's experts in
-    float32). `implementation` None picks the grouped GEMMs on CUDA in bfloat16 without autograd (the layout of
-    LLaDA2's `_experts_grouped_mm`), the loop elsewhere; "loop" / "grouped" force one."""
+    Three implementations: the loop over the selected experts (transformers' eager order; one host synchronisation
+    to list them: exact against transformers on the CPU); torch's grouped GEMMs over the expert-sorted rows
+    ("grouped"); hf_dllm's Triton kernels ("triton": `triton_moe.align_by_expert`, `grouped_gemm.grouped_matmul` with
+    the row gather fused into the gate/up product's loads and the GELU gate into its epilogue, `triton_moe.combine`;
+    the kernels LLaDA2's experts run, tuned for few rows per expert: a 256-token canvas gives each of the 128
+    experts ~16 of its 2,048 (token, choice) pairs). Neither grouped path synchronises with the host, so a step can
+    be captured in a CUDA graph; both sum a token's experts in float32 in slot order. `implementation` None picks
+    "triton" where hf_dllm's fused kernels run (`kernels.use_fused_kernels`: CUDA tensors with Triton installed,
+    or `HF_DLLM_KERNELS=triton`), else "grouped" on CUDA in bfloat16 without autograd, else the loop."""
 
-    implementations = (None, "loop", "grouped")
+    implementations = (None, "loop", "grouped", "triton")
 
     def __init__(self, config: DiffusionGemmaTextConfig):
         super().__init__()
@@ -194,25 +242,59 @@ class DiffusionGemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.act_fn = ACT2FN[config.hidden_activation]
+        self.gate_activation = TRITON_GATE_ACTIVATIONS.get(config.hidden_activation)
         self.implementation = None
 
-    def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
-        """Whether `forward` runs the grouped GEMMs for this input (see the class docstring)."""
+    def chosen_implementation(self, hidden_states: torch.Tensor) -> str:
+        """The implementation `forward` runs for this input (see the class docstring)."""
         if self.implementation not in self.implementations:
             raise ValueError(f"`implementation` must be one of {self.implementations}, got {self.implementation!r}.")
+        if self.implementation == "triton" and not (
+            MOE_KERNELS_AVAILABLE and (hidden_states.is_cuda or kernel_mode() == "triton")
+        ):
+            raise ValueError(
+                "experts `implementation` 'triton' runs on CUDA tensors with Triton installed (or in Triton's "
+                "interpreter with HF_DLLM_KERNELS=triton); use 'loop' or 'grouped' here."
+            )
+        partitioned = self.gate_up_proj.shape[0] != self.num_experts  # expert parallelism: this rank's share
+        if partitioned and self.implementation not in (None, "loop"):
+            raise ValueError(
+                f"experts `implementation` {self.implementation!r} needs every expert on this rank; under expert "
+                "parallelism use 'loop' (or None)."
+            )
         if self.implementation is not None:
-            return self.implementation == "grouped"
-        return (
+            return self.implementation
+        if partitioned:  # the grouped paths index experts by their global id
+            return "loop"
+        no_autograd = not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
+        if (
+            no_autograd
+            and MOE_KERNELS_AVAILABLE
+            and self.gate_activation is not None
+            and hidden_states.dtype == self.gate_up_proj.dtype
+            and use_fused_kernels(hidden_states)
+        ):
+            return "triton"
+        if (
             hidden_states.is_cuda
             and hidden_states.dtype == torch.bfloat16 == self.gate_up_proj.dtype
             and _grouped_mm_function() is not None
-            and not (torch.is_grad_enabled() and self.gate_up_proj.requires_grad)
-        )
+            and no_autograd
+        ):
+            return "grouped"
+        return "loop"
+
+    def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward` runs without a host synchronisation for this input (grouped GEMMs, torch's or ours)."""
+        return self.chosen_implementation(hidden_states) != "loop"
 
     def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """hidden_states `(N, H)`, index / weights `(N, k)` -> `(N, H)`: each token's experts' outputs, weighted and
         summed (in expert order by the loop, as transformers' eager experts; in slot order, float32, grouped)."""
-        if self.uses_grouped(hidden_states):
+        implementation = self.chosen_implementation(hidden_states)
+        if implementation == "triton":
+            return self.triton_forward(hidden_states, index, weights)
+        if implementation == "grouped":
             return self.grouped_forward(hidden_states, index, weights)
         output = torch.zeros_like(hidden_states)
         for expert in index.unique().tolist():
@@ -241,6 +323,22 @@ class DiffusionGemmaExperts(nn.Module):
         pairs = out.new_empty(out.shape).index_copy(0, order, out).view(tokens, top_k, -1)
         return (pairs.float() * weights[..., None].float()).sum(dim=1).to(hidden_states.dtype)
 
+    def triton_forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `forward`, through hf_dllm's Triton kernels (the class docstring); no host sync. The products round
+        as the grouped path (each product and the activation to the activations' dtype)."""
+        if self.gate_activation is None:
+            raise ValueError(
+                f"the Triton experts compute {sorted(TRITON_GATE_ACTIVATIONS)} gates, not {self.act_fn!r}: use "
+                "implementation 'grouped' or 'loop'."
+            )
+        x = hidden_states.contiguous()
+        sorted_token, offsets, rows = triton_moe.align_by_expert(index, self.num_experts, False)
+        gated = grouped_matmul(
+            x, offsets, self.gate_up_proj, rows_of=sorted_token, gated=True, activation=self.gate_activation
+        )
+        expert_rows = grouped_matmul(gated, offsets, self.down_proj)
+        return triton_moe.combine(expert_rows, rows, weights.float(), False)
+
 
 class DiffusionGemmaLayer(nn.Module):
     """One layer of the shared text transformer (the decoder's; the encoder passes its own `layer_scalar`)."""
@@ -265,10 +363,8 @@ class DiffusionGemmaLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False):
-        residual = x
-        x = residual + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
-        )
+        attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
+        x = self.post_attention_layernorm(attention, residual=x)
         if attention_only:  # the encoder's last layer: only its K/V are read
             return x
         residual = x
@@ -276,7 +372,7 @@ class DiffusionGemmaLayer(nn.Module):
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        x = residual + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        x = self.post_feedforward_layernorm(self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual)
         return x * (self.layer_scalar if layer_scalar is None else layer_scalar)
 
 
@@ -380,9 +476,15 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
 
     _versions = iter(range(1 << 62))
 
-    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int):
+    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int, canvas_length: int = 0):
         super().__init__(config)
         self.capacity = capacity
+        # Slots after each layer's own where a decoder pass of up to `canvas_length` tokens puts its K/V, so that
+        # it reads one buffer instead of a concatenation of the cache and its own (a copy of the whole cache per
+        # layer and step: ~1.3 ms of a batch-1 step of the 26B-A4B shape on an H200).
+        self.canvas_length = canvas_length
+        self.storage_keys: list = [None] * len(self.sliding)
+        self.storage_values: list = [None] * len(self.sliding)
         self.head = [config.layer_attention(layer) for layer in range(len(self.sliding))]
         self.version = next(self._versions)
 
@@ -401,8 +503,10 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         for layer in range(len(self.sliding)):
             head_dim, heads = self.head[layer]
             slots = self.slots(layer)
-            self.keys[layer] = torch.zeros(batch, heads, slots, head_dim, dtype=dtype, device=device)
-            self.values[layer] = torch.zeros_like(self.keys[layer])
+            shape = (batch, heads, slots + self.canvas_length, head_dim)
+            self.storage_keys[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self.storage_values[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self._view_slots(layer)
             self.columns[layer] = torch.full((slots,), -1, dtype=torch.long, device=device)
             self.valid[layer] = torch.zeros(batch, slots, dtype=torch.bool, device=device)
         self.version = next(self._versions)
@@ -424,7 +528,23 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         last = columns[-kept:]
         return (last % slots if self.sliding[layer] else last), kept
 
+    def _view_slots(self, layer: int) -> None:
+        """`keys` / `values` of `layer`: views of its storage's cache slots (written in place)."""
+        slots = self.slots(layer)
+        self.keys[layer] = self.storage_keys[layer][:, :, :slots]
+        self.values[layer] = self.storage_values[layer][:, :, :slots]
+
     def keys_values(self, layer: int, key, value, write: bool):
+        length = key.shape[-2]
+        if not write and length <= self.canvas_length:
+            # The decoder: its K/V in the slots after the cache's, the cache and them read as one buffer.
+            slots = self.slots(layer)
+            self.storage_keys[layer][:, :, slots : slots + length].copy_(key)
+            self.storage_values[layer][:, :, slots : slots + length].copy_(value)
+            return (
+                self.storage_keys[layer][:, :, : slots + length],
+                self.storage_values[layer][:, :, : slots + length],
+            )
         all_keys = torch.cat([self.keys[layer], key], dim=-2)
         all_values = torch.cat([self.values[layer], value], dim=-2)
         if write:
@@ -445,7 +565,12 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         self.length = int(columns[-1]) + 1
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        super().keep_rows(index)
+        for layer in range(len(self.sliding)):
+            if self.storage_keys[layer] is not None:
+                self.storage_keys[layer] = self.storage_keys[layer].index_select(0, index)
+                self.storage_values[layer] = self.storage_values[layer].index_select(0, index)
+                self._view_slots(layer)
+                self.valid[layer] = self.valid[layer].index_select(0, index)
         self.version = next(self._versions)
 
 
@@ -634,6 +759,17 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
         self.post_init()
 
+    def set_decoder_attention(self, backend: str) -> None:
+        """The decoder passes' attention for every layer: "sdpa" or "triton" (`DiffusionGemmaAttention`); captured
+        decoder graphs are dropped (they hold the other kernels)."""
+        if backend not in DiffusionGemmaAttention.backends:
+            raise ValueError(f"`backend` must be one of {DiffusionGemmaAttention.backends}, got {backend!r}.")
+        if backend == "triton" and not MOE_KERNELS_AVAILABLE:
+            raise ValueError("the Triton attention needs the `triton` package (pip install hf-dllm[triton]).")
+        for layer in self.model.decoder.layers:
+            layer.self_attn.backend = backend
+        self._decoder_graphs = None
+
     def get_input_embeddings(self):
         return self.model.decoder.embed_tokens
 
@@ -669,17 +805,34 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             x = layer(x, *rope[kind], cache, mask, True, scalar, attention_only=index == last)
         cache.record(columns, valid)
 
-    def decode(self, canvas: torch.Tensor, positions: torch.Tensor, cache, self_conditioning_logits=None, padded=True):
+    def decode(
+        self,
+        canvas: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        self_conditioning_logits=None,
+        padded=True,
+        self_conditioning_probabilities=None,
+        capped_logits=True,
+    ):
         """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
         `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
-        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal). The
-        layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped experts)."""
+        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal), or
+        `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype (the fused
+        sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
+        caps it). The layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped
+        experts)."""
         decoder = self.model.decoder
         weight = decoder.embed_tokens.weight
         scale = decoder.embed_scale(weight.dtype)
         x = decoder.embed_tokens(canvas) * scale
         signal = None
-        if self_conditioning_logits is not None:
+        if self_conditioning_logits is not None and self_conditioning_probabilities is not None:
+            raise ValueError("Pass `self_conditioning_logits` or `self_conditioning_probabilities`, not both.")
+        if self_conditioning_probabilities is not None:
+            flat = self_conditioning_probabilities.reshape(-1, self_conditioning_probabilities.shape[-1])
+            signal = (torch.matmul(flat.to(weight.dtype), weight) * scale.to(x.dtype)).view(x.shape)
+        elif self_conditioning_logits is not None:
             # softmax(s) @ E * sqrt(hidden), by chunks of rows (`row_chunks`: no whole float32 softmax copy).
             flat = self_conditioning_logits.reshape(-1, self_conditioning_logits.shape[-1])
             signal = x.new_empty(x.shape).view(flat.shape[0], -1)
@@ -694,6 +847,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             hidden = self._decoder_graphs.run(self.decoder_layers, x, positions, cache, padded)
         else:
             hidden = self.decoder_layers(x, positions, cache, padded)
+        if not capped_logits:
+            return self.lm_head(hidden)
         return self.head_logits(hidden)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -786,7 +941,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
         static = self.static_cache if self.static_cache is not None else self.device.type == "cuda"
         if static:
-            return DiffusionGemmaStaticCache(self.config.text_config, max_length)
+            return DiffusionGemmaStaticCache(self.config.text_config, max_length, self.config.canvas_length)
         return self.new_encoder_cache()
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
@@ -805,7 +960,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         `cache_position` `(q,)`, the canvas being the last `canvas_length`; at a canvas' first step the columns
         before it that the cache does not hold yet (the prompt, the previous canvas; after the serving engine's
         `set_length`, the whole prefix) are encoded first. `attention_mask` `(B, width)` bool: real tokens (None:
-        all); `self_conditioning_logits` in `forward_kwargs` (the sampler's)."""
+        all); `self_conditioning_logits` or `self_conditioning_probabilities` and `capped_logits` in
+        `forward_kwargs` (the sampler's, `EntropyBoundSampler.forward_inputs`)."""
         length = self.config.canvas_length
         start = cache.length - int(cache_position[0]) if input_ids.shape[1] > length else None
         if start is not None and start < input_ids.shape[1] - length:
@@ -822,6 +978,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             cache,
             forward_kwargs.get("self_conditioning_logits"),
             padded=attention_mask is not None,
+            self_conditioning_probabilities=forward_kwargs.get("self_conditioning_probabilities"),
+            capped_logits=forward_kwargs.get("capped_logits", True),
         )
 
     def resolve_generation_config(self, generation_config=None, **fields) -> DiffusionGenerationConfig:

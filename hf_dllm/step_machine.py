@@ -149,6 +149,9 @@ class Canvas:
             return
         step, mask_id = 0, machine.mask_id
         counted = ~self.ended  # rows that ended but stay in the batch cost no forward of their own
+        lag = 0 if known_steps is not None or machine.eos_stop_in_block else unmasking.stop_check_lag(device)
+        limit = unmasking.step_limit() if lag else None
+        pending = []  # "rows left" of steps not read yet (`stop_check_lag`)
         while True:
             before = self.x[:, block_start:block_end].clone() if freeze else None
             masked_before = (before == mask_id).any(-1) if freeze else None
@@ -163,8 +166,15 @@ class Canvas:
             if known_steps is not None:
                 if step >= known_steps:
                     break
-            elif not bool(active.any()):
-                break
+            elif lag == 0:
+                if not bool(active.any()):
+                    break
+            else:
+                if limit is not None and step >= limit:
+                    break
+                pending.append(HostFlag(active.any()))
+                if len(pending) > lag and not pending.pop(0).read():
+                    break
         self._finish_block(machine, block_start, block_end)
 
     def _finish_block(self, machine: StepMachine, block_start: int, block_end: int) -> None:
@@ -218,6 +228,26 @@ class Canvas:
             after_first = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
             rows[after_first] = machine.fill_id
         self.x[ended] = rows
+
+
+class HostFlag:
+    """A device bool copied to the host without waiting for the work queued after it: read() waits for the copy
+    only (an event recorded with it), not for the steps queued since (`UnmaskingPolicy.stop_check_lag`)."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.event = None
+        if flag.is_cuda:
+            self.value = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.value.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value = flag
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.value)
 
 
 class StepColumns:

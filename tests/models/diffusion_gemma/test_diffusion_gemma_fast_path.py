@@ -66,9 +66,10 @@ def test_grouped_experts_model_logits(gemma):
     torch.testing.assert_close(logits, expected["logits.expected_sc"], rtol=1e-4, atol=1e-4)
 
 
-def test_bad_experts_implementation_is_refused(gemma):
+@pytest.mark.parametrize("implementation", ["cutlass", "triton"])  # triton: not on CPU tensors outside the interpreter
+def test_bad_experts_implementation_is_refused(gemma, implementation):
     experts = gemma.model.decoder.layers[0].experts
-    experts.implementation = "triton"
+    experts.implementation = implementation
     try:
         with pytest.raises(ValueError, match="implementation"):
             experts(torch.zeros(1, 64), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
@@ -141,7 +142,9 @@ def test_cuda_captured_decoder_step_equals_eager(gemma_cuda_bf16):
         results = {}
         for captured in (False, True, True):  # eager, capture, replay
             model.capture_decoder = captured
-            sampler = EntropyBoundSampler(text.vocab_size, 8, 0.5, 0.4, 0.8, 1, 0.005)
+            # The PyTorch sampler (it takes the capped logits `decode` gives by default; the fused one is tested in
+            # test_diffusion_gemma_fused_sampler_gpu.py).
+            sampler = EntropyBoundSampler(text.vocab_size, 8, 0.5, 0.4, 0.8, 1, 0.005, fused=False)
             sampler.initial_block(2, canvas, torch.device("cuda"))
             sampler.step_index = 3
             with torch.no_grad():
@@ -189,3 +192,40 @@ def test_row_chunked_sampler_and_head_reproduce_transformers_cases(gemma, monkey
     torch.manual_seed(case["seed"])
     out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected[f"case.{name}"])
+
+
+def test_fused_sampler_is_refused_where_its_kernels_cannot_run():
+    """`fused=True` on CPU tensors outside Triton's interpreter: a ValueError naming `fused` before any compute;
+    `fused=None` takes the PyTorch path there; a bad value is refused."""
+    sampler = EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused=None)
+    sampler.initial_block(1, 16, torch.device("cpu"))
+    assert not sampler.fused_active and "self_conditioning_logits" in sampler.forward_inputs()
+    if decoding_diffusion_gemma.TRITON_AVAILABLE:
+        with pytest.raises(ValueError, match="fused"):
+            EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused=True).initial_block(1, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="fused"):
+        EntropyBoundSampler(320, 4, 0.1, 0.4, 0.8, 1, 0.005, fused="yes")
+
+
+@pytest.mark.parametrize("name, steps", [("b2.g16.cold.s1", None), ("b2.g16.cold.s1", 3)])
+def test_lagged_stop_check_runs_at_most_one_more_forward(gemma, monkeypatch, name, steps):
+    """`stop_check_lag` 1 (what CUDA uses: the next step is queued before the host reads whether rows are left),
+    forced on the CPU: the canvas decodes the same tokens (transformers' for the fixture case, whose rows stop
+    early), each row's forwards are the same, and the run makes one forward more when rows stopped early, none
+    when the step limit ended the canvas."""
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    case = CASES[name]
+    kwargs = dict(case["kwargs"], attention_mask=expected[f"attention_mask.{case['attention_mask']}"])
+    if steps is not None:
+        kwargs["max_denoising_steps"] = steps
+    runs = []
+    for lag in (0, 1):
+        monkeypatch.setattr(EntropyBoundSampler, "stop_check_lag", lambda self, device, lag=lag: lag)
+        torch.manual_seed(case["seed"])
+        runs.append(gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs))
+    plain, lagged = runs
+    if steps is None:
+        assert torch.equal(plain.sequences, expected[f"case.{name}"]) and plain.nfe == case["nfe"] < 24
+    assert torch.equal(plain.sequences, lagged.sequences)
+    assert torch.equal(plain.nfe_per_row, lagged.nfe_per_row)
+    assert lagged.nfe == plain.nfe + (1 if steps is None else 0), (plain.nfe, lagged.nfe)

@@ -1,0 +1,376 @@
+"""DiffusionGemma's sampler as two Triton kernels over the vocabulary, in chunks: the fast path of
+`EntropyBoundSampler.denoise` on CUDA (`decoding_diffusion_gemma.py` keeps the PyTorch code, the CPU path and the
+reference).
+
+Per position (a row of the LM head's raw output `x` `(rows, vocab)`, in the model's dtype): z = cap * tanh(x / cap) /
+T (the soft cap, arXiv:2408.00118, then the step's temperature), and from z in one read of x: the entropy of
+softmax(z), its argmax, a sample of softmax(z) and the log-sum-exp; then in a second read, softmax(z) in the model's
+dtype where the next step's self-conditioning needs it (`softmax(z).to(dtype) @ E`, the rounding point of the PyTorch
+path). Nothing of shape `(rows, vocab)` in float32 is written: the PyTorch path writes the float32 logits, their
+temperature quotient, the softmax, the multinomial's and the entropy's temporaries (several float32 passes over
+rows x 262,144 values: ~270 MB each for a batch-1 canvas of 256 positions, 8.6 GB at batch 32).
+
+- `_partials_kernel`, grid (rows, splits): each program reduces a chunk of a row online (running max m; sum of
+  e^(z - m); sum of e^(z - m) (z - m), for the entropy without cancellation; the first argmax; the Gumbel-max
+  sample: argmax of z + g with g = -log(-log u), u uniform from Philox at (seed, row * vocab + column), one
+  `(1,)` int64 seed per step read from the device, so a CUDA-graph replay draws anew).
+- `_finish_kernel`, grid (rows, splits): each program combines its row's chunk partials (entropy H = log S - B / S,
+  argmax and sample with the lowest index on ties, log-sum-exp; the first chunk's program stores them) and writes
+  its chunk of softmax(z) = e^(z - lse), unless the row's batch row is frozen (its self-conditioning stays).
+
+The draw is not `torch.multinomial`'s (the Gumbel-max trick samples softmax(z) exactly, from other uniforms): seeded
+parity with transformers is the CPU path's. Exported as Hub remote code: Triton is imported inside `try:`
+(`triton_ops.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+
+# Columns a program reads per iteration, and how many programs per row at most (chunks of the vocabulary).
+BLOCK_V = 1024
+MAX_SPLITS = 32
+# Programs the partials kernel aims for: enough to fill a GPU's multiprocessors a few times over.
+TARGET_PROGRAMS = 2048
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP: tl.constexpr):
+        # z for the columns `cols` of row `row`: the soft cap in float32 (tanh as 1 - 2 / (e^(2y) + 1): exact at
+        # both tails, and the interpreter has no libdevice), then the temperature's quotient.
+        x = tl.load(x_ptr + row * vocab + cols, mask=in_row, other=0.0).to(tl.float32)
+        if HAS_CAP:
+            y = x * inverse_cap
+            x = cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        return x / temperature
+
+    @triton.jit
+    def _partials_kernel(
+        x_ptr,
+        temperature_ptr,
+        seed_ptr,
+        partial_ptr,
+        index_ptr,
+        vocab,
+        chunk,
+        splits,
+        cap,
+        inverse_cap,
+        HAS_CAP: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # partial[row, split, :] = (m, S, B, argmax value, Gumbel value); index[row, split, :] = (argmax, sample).
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        temperature = tl.load(temperature_ptr)
+        seed = tl.load(seed_ptr)
+        offs = tl.arange(0, BLOCK)
+        start = split * chunk
+        end = tl.minimum(start + chunk, vocab)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        b = tl.zeros([BLOCK], dtype=tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_at = tl.zeros([BLOCK], dtype=tl.int32)
+        drawn = tl.full([BLOCK], float("-inf"), tl.float32)
+        drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
+        # Per lane running statistics (a lane sees the columns start + lane, + BLOCK, ...): reduced across lanes at
+        # the end, so the loop has no cross-lane reduction.
+        for first in range(start, end, BLOCK):
+            cols = first + offs
+            in_row = cols < end
+            z = _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP)
+            z = tl.where(in_row, z, float("-inf"))
+            new_m = tl.maximum(m, z)
+            # Lanes that have seen only -inf keep m = -inf: their rescale factor is 0, not NaN.
+            safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+            rescale = tl.exp(m - safe_m)
+            e = tl.exp(z - safe_m)
+            shift = tl.where(m == float("-inf"), 0.0, m - safe_m)
+            b = rescale * (b + shift * s) + e * tl.where(in_row, z - safe_m, 0.0)
+            s = rescale * s + e
+            m = new_m
+            better = z > best  # strictly: the first column of a lane's maximum stays
+            best_at = tl.where(better, cols, best_at)
+            best = tl.where(better, z, best)
+            u = tl.rand(seed, row * vocab + cols)
+            u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
+            g = z - tl.log(-tl.log(u))
+            g = tl.where(in_row, g, float("-inf"))
+            taken = g > drawn
+            drawn_at = tl.where(taken, cols, drawn_at)
+            drawn = tl.where(taken, g, drawn)
+        # Across lanes: the chunk's max, S and B rescaled to it; the first column of the largest z (and z + g).
+        chunk_m = tl.max(m, axis=0)
+        safe = tl.where(chunk_m == float("-inf"), 0.0, chunk_m)
+        weight = tl.exp(m - safe)
+        shift = tl.where(m == float("-inf"), 0.0, m - safe)
+        chunk_s = tl.sum(weight * s, axis=0)
+        chunk_b = tl.sum(weight * (b + shift * s), axis=0)
+        top = tl.max(best, axis=0)
+        top_at = tl.min(tl.where(best == top, best_at, 2147483647), axis=0)
+        pick = tl.max(drawn, axis=0)
+        pick_at = tl.min(tl.where(drawn == pick, drawn_at, 2147483647), axis=0)
+        slot = (row * splits + split) * 5
+        tl.store(partial_ptr + slot + 0, chunk_m)
+        tl.store(partial_ptr + slot + 1, chunk_s)
+        tl.store(partial_ptr + slot + 2, chunk_b)
+        tl.store(partial_ptr + slot + 3, top)
+        tl.store(partial_ptr + slot + 4, pick)
+        tl.store(index_ptr + (row * splits + split) * 2 + 0, top_at)
+        tl.store(index_ptr + (row * splits + split) * 2 + 1, pick_at)
+
+    @triton.jit
+    def _finish_kernel(
+        x_ptr,
+        temperature_ptr,
+        partial_ptr,
+        index_ptr,
+        entropy_ptr,
+        argmax_ptr,
+        sample_ptr,
+        frozen_ptr,
+        probabilities_ptr,
+        vocab,
+        chunk,
+        splits,
+        positions,
+        cap,
+        inverse_cap,
+        HAS_CAP: tl.constexpr,
+        HAS_FROZEN: tl.constexpr,
+        WRITE_PROBABILITIES: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        parts = tl.arange(0, BLOCK_S)
+        used = parts < splits
+        slot = (row * splits + parts) * 5
+        m = tl.load(partial_ptr + slot + 0, mask=used, other=float("-inf"))
+        s = tl.load(partial_ptr + slot + 1, mask=used, other=0.0)
+        b = tl.load(partial_ptr + slot + 2, mask=used, other=0.0)
+        top = tl.load(partial_ptr + slot + 3, mask=used, other=float("-inf"))
+        pick = tl.load(partial_ptr + slot + 4, mask=used, other=float("-inf"))
+        top_at = tl.load(index_ptr + (row * splits + parts) * 2 + 0, mask=used, other=2147483647)
+        pick_at = tl.load(index_ptr + (row * splits + parts) * 2 + 1, mask=used, other=2147483647)
+        row_m = tl.max(m, axis=0)
+        weight = tl.exp(m - row_m)
+        weight = tl.where(m == float("-inf"), 0.0, weight)
+        total_s = tl.sum(weight * s, axis=0)
+        total_b = tl.sum(weight * (b + tl.where(m == float("-inf"), 0.0, m - row_m) * s), axis=0)
+        log_s = tl.log(total_s)
+        lse = row_m + log_s
+        if split == 0:
+            tl.store(entropy_ptr + row, log_s - total_b / total_s)
+            best = tl.max(top, axis=0)
+            tl.store(argmax_ptr + row, tl.min(tl.where(top == best, top_at, 2147483647), axis=0).to(tl.int64))
+            drawn = tl.max(pick, axis=0)
+            tl.store(sample_ptr + row, tl.min(tl.where(pick == drawn, pick_at, 2147483647), axis=0).to(tl.int64))
+        if WRITE_PROBABILITIES:
+            write = True
+            if HAS_FROZEN:
+                write = tl.load(frozen_ptr + row // positions) == 0
+            if write:
+                temperature = tl.load(temperature_ptr)
+                offs = tl.arange(0, BLOCK)
+                start = split * chunk
+                end = tl.minimum(start + chunk, vocab)
+                out_dtype = probabilities_ptr.dtype.element_ty
+                for first in range(start, end, BLOCK):
+                    cols = first + offs
+                    in_row = cols < end
+                    z = _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP)
+                    p = tl.exp(z - lse)
+                    tl.store(probabilities_ptr + row * vocab + cols, p.to(out_dtype), mask=in_row)
+
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, weight_ptr, residual_ptr, out_ptr, n_cols, eps,
+        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: DiffusionGemma's norm in float32 (x * (mean(x^2) + eps)^-0.5, times the weight),
+        # rounded once to the output dtype; with a residual, residual + that (the sum in float32, rounded).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
+        inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
+        y = x * inverse
+        if HAS_WEIGHT:
+            y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        out_dtype = out_ptr.dtype.element_ty
+        y = y.to(out_dtype)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * n_cols + cols, mask=in_row, other=0.0)
+            y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_dtype)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
+
+
+    @triton.jit
+    def _norm_rope_kernel(
+        x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
+        HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        # Program (token, BLOCK_H heads): each head's RMS norm (float32, rounded once, `DiffusionGemmaRMSNorm`), then
+        # RoPE with tables in the activation dtype, each product and the sum rounded (`x * cos + rotate_half(x) *
+        # sin`, PyTorch's rounding points), written to (B, heads, T, D). x rows: token t at t * stride_xt, head h
+        # at + h * stride_xh (a projection's output viewed (B, T, H, D), maybe a slice of a wider one).
+        token = tl.program_id(0).to(tl.int64)  # b * seq_len + t
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_heads = (heads < n_heads)[:, None]
+        d = tl.arange(0, HEAD_DIM)
+        dtype = out_ptr.dtype.element_ty
+        src = x_ptr + token * stride_xt + heads[:, None].to(tl.int64) * stride_xh
+        x = tl.load(src + d[None, :], mask=in_heads, other=0.0).to(tl.float32)
+        inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        y = x * inverse[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(weight_ptr + d).to(tl.float32)[None, :]
+        y = y.to(dtype)
+        if HAS_ROPE:
+            half = HEAD_DIM // 2
+            partner = tl.where(d < half, d + half, d - half)
+            xp = tl.load(src + partner[None, :], mask=in_heads, other=0.0).to(tl.float32)
+            yp = xp * inverse[:, None]
+            if HAS_WEIGHT:
+                yp = yp * tl.load(weight_ptr + partner).to(tl.float32)[None, :]
+            yp = yp.to(dtype).to(tl.float32)
+            rotated = tl.where((d < half)[None, :], -yp, yp)
+            b = token // seq_len
+            table = b * stride_cb + (token % seq_len) * HEAD_DIM + d
+            cos = tl.load(cos_ptr + table).to(tl.float32)[None, :]
+            sin = tl.load(sin_ptr + table).to(tl.float32)[None, :]
+            y = ((y.to(tl.float32) * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+        b = token // seq_len
+        t = token % seq_len
+        dst = out_ptr + ((b * n_heads + heads[:, None]) * seq_len + t) * HEAD_DIM + d[None, :]
+        tl.store(dst, y, mask=in_heads)
+
+
+@on_tensor_device
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> torch.Tensor:
+    """DiffusionGemma's per-head norm then RoPE in one launch: x `(B, T, H, D)` (last two dims dense, a view of a
+    projection), weight `(D,)` or None, cos/sin `(B or 1, T, D)` in x's dtype or None (no rotation) -> `(B, H, T,
+    D)` contiguous, what `rope(norm(x)).transpose(1, 2)` gives (its rounding points)."""
+    batch, seq_len, heads, head_dim = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != head_dim or x.stride(0) != seq_len * x.stride(1):
+        x = x.contiguous()
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"norm_rope: head_dim {head_dim} must be a power of 2.")
+    out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    has_rope = cos is not None
+    if has_rope:
+        cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+        if cos.shape[1:] != (seq_len, head_dim) or cos.shape[0] not in (1, batch):
+            raise ValueError(f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}.")
+    block_h = 4 if head_dim <= 256 else 2
+    _norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, block_h))](
+        x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out, seq_len, heads,
+        float(eps), x.stride(1), x.stride(2), (cos.stride(0) if cos.shape[0] > 1 else 0) if has_rope else 0,
+        HAS_WEIGHT=weight is not None, HAS_ROPE=has_rope, HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
+        enable_fp_fusion=False,  # PyTorch rounds each product before the sum
+    )  # fmt: skip
+    return out
+
+
+@on_tensor_device
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """DiffusionGemma's RMS norm over the last dim in one launch (`DiffusionGemmaRMSNorm`'s rounding: float32,
+    one rounding to x's dtype), plus `residual` (x's shape) if given. x `(..., d)`, weight `(d,)` or None."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out.view(x.shape)
+    block = triton.next_power_of_2(d)
+    res = residual.reshape(-1, d).contiguous() if residual is not None else rows
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight if weight is not None else rows, res, out, d, float(eps),
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4 if block >= 512 else 2,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def vocabulary_splits(rows: int, vocab: int, block: int = BLOCK_V) -> int:
+    """Chunks per row: enough programs (`TARGET_PROGRAMS`) for a few positions, one chunk per row for many; at
+    most `MAX_SPLITS` and no more than the row has blocks of `block` columns."""
+    wanted = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(rows, 1))))
+    return max(1, min(wanted, -(-vocab // block)))
+
+
+@on_tensor_device
+def fused_sample(
+    raw_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    softcap: float | None,
+    probabilities: torch.Tensor | None = None,
+    frozen: torch.Tensor | None = None,
+    splits: int | None = None,
+    block: int = BLOCK_V,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the LM head's raw output `raw_logits` `(B, C, vocab)` (any float dtype; rows contiguous), with z =
+    softcap(x) / temperature (`softcap` None: no cap; `temperature` a `(1,)` float32 device tensor): a sample of
+    softmax(z) (Gumbel-max with Philox uniforms from the `(1,)` int64 device tensor `seed`), argmax(z) (first on
+    ties) and the entropy of softmax(z) (float32), each `(B, C)`. With `probabilities` `(B, C, vocab)`: softmax(z)
+    in its dtype written there for the rows of batch rows not `frozen` `(B,)` bool (None: all). `splits`, `block`:
+    the chunking (default `vocabulary_splits`; tests)."""
+    batch, positions, vocab = raw_logits.shape
+    rows = batch * positions
+    x = raw_logits.reshape(rows, vocab)
+    if x.stride(-1) != 1 or x.stride(0) != vocab:
+        x = x.contiguous()
+    if temperature.dtype != torch.float32 or temperature.numel() != 1:
+        raise ValueError(f"temperature must be a (1,) float32 tensor, got {temperature.dtype} {tuple(temperature.shape)}.")
+    if seed.dtype != torch.int64 or seed.numel() != 1:
+        raise ValueError(f"seed must be a (1,) int64 tensor, got {seed.dtype} {tuple(seed.shape)}.")
+    if probabilities is not None and (probabilities.shape != raw_logits.shape or not probabilities.is_contiguous()):
+        raise ValueError(
+            f"probabilities must be a contiguous tensor of the logits' shape {tuple(raw_logits.shape)}, got "
+            f"{tuple(probabilities.shape)}."
+        )
+    if frozen is not None and frozen.shape != (batch,):
+        raise ValueError(f"frozen must have shape ({batch},), got {tuple(frozen.shape)}.")
+    device = raw_logits.device
+    splits = splits or vocabulary_splits(rows, vocab, block)
+    per_split = -(-vocab // splits)
+    chunk = -(-per_split // block) * block  # whole blocks per chunk
+    splits = -(-vocab // chunk)
+    partial = torch.empty(rows, splits, 5, dtype=torch.float32, device=device)
+    index = torch.empty(rows, splits, 2, dtype=torch.int32, device=device)
+    entropy = torch.empty(rows, dtype=torch.float32, device=device)
+    argmax = torch.empty(rows, dtype=torch.long, device=device)
+    sample = torch.empty(rows, dtype=torch.long, device=device)
+    cap = float(softcap) if softcap else 1.0
+    _partials_kernel[(rows, splits)](
+        x, temperature, seed, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
+        HAS_CAP=bool(softcap), BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    _finish_kernel[(rows, splits)](
+        x, temperature, partial, index, entropy, argmax, sample,
+        frozen.to(torch.uint8) if frozen is not None else entropy,
+        probabilities if probabilities is not None else entropy,
+        vocab, chunk, splits, positions, cap, 1.0 / cap,
+        HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
+        BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+    )  # fmt: skip
+    shape = (batch, positions)
+    return sample.view(shape), argmax.view(shape), entropy.view(shape)
+
+
+__all__ = ["BLOCK_V", "fused_sample", "norm_rope", "rms_norm", "vocabulary_splits"]
