@@ -12,8 +12,10 @@ tokens at or above the vocabulary size (so that the next canvas itself tells whi
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
 
@@ -205,6 +207,20 @@ def hf_dllm_step(model, inputs: StepInputs, sampler_class=None) -> StepResult:
 
 
 @torch.no_grad()
+def skip_unless_reference_step_runs() -> None:
+    """Skip (saying why) where transformers' private generation helpers are not the ones `transformers_step` drives:
+    5.24's (5.17 named the cache `past_key_values` and stopped by other criteria; its public `generate()` is the
+    same algorithm, which the fixture tests check)."""
+    generation = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    mixin = generation.DiffusionGemmaGenerationMixin
+    if "cache" not in inspect.signature(mixin._prepare_encoder_inputs).parameters:
+        import transformers
+
+        pytest.skip(
+            f"the reference step drives transformers 5.24's private step helpers, not {transformers.__version__}'s"
+        )
+
+
 def transformers_step(model, inputs: StepInputs) -> StepResult:
     """The step as transformers' `generate()` runs it, on transformers' `DiffusionGemmaForBlockDiffusion` `model`:
     its cache, encoder pass and decoder mask for the prompt, then its `_denoising_step` with its own sampler,

@@ -20,6 +20,7 @@ from tests.models.diffusion_gemma.gemma_step import (
     fragile_positions,
     hf_dllm_step,
     make_inputs,
+    skip_unless_reference_step_runs,
     transformers_step,
 )
 
@@ -39,7 +40,8 @@ SETTINGS = dict(
 
 @pytest.fixture(scope="module")
 def models():
-    reference = pytest.importorskip("transformers.models.diffusion_gemma")  # transformers >= 5.17
+    skip_unless_reference_step_runs()
+    reference = pytest.importorskip("transformers.models.diffusion_gemma")
     return (
         AutoModel.from_pretrained(GEMMA_DIR).eval(),
         reference.DiffusionGemmaForBlockDiffusion.from_pretrained(GEMMA_DIR).eval(),

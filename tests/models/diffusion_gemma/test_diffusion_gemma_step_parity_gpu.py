@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
-from tests.models.diffusion_gemma.gemma_step import bf16_step_report, make_inputs
+from tests.models.diffusion_gemma.gemma_step import bf16_step_report, make_inputs, skip_unless_reference_step_runs
 
 FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
@@ -40,6 +40,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_bf16_step_matches_transformers_within_its_own_error():
+    skip_unless_reference_step_runs()
     reference = pytest.importorskip("transformers.models.diffusion_gemma")
     tf_class = reference.DiffusionGemmaForBlockDiffusion
     ours = AutoModel.from_pretrained(GEMMA_DIR, dtype=torch.bfloat16).eval().cuda()
