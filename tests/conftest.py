@@ -48,6 +48,15 @@ def _fresh_compile_for_flex(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Modules with a test that waits for a `BackgroundJob` run after all the others (each kept whole and in its
+    order, so module fixtures are built once): the jobs, started at collection, then run beside every other test
+    instead of keeping the test process waiting early in the session. Tests needing a GPU are skipped without one."""
+    waiting = {
+        item.nodeid.split("::")[0] for item in items if getattr(getattr(item, "function", None), "background_jobs", ())
+    }
+    items[:] = [item for item in items if item.nodeid.split("::")[0] not in waiting] + [
+        item for item in items if item.nodeid.split("::")[0] in waiting
+    ]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
