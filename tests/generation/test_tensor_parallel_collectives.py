@@ -9,31 +9,34 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import BackgroundJob
+
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
+
+
+# Started at collection, beside the in-process tests (one of the two cores): the tests wait for it only.
+BENCH_RUN = BackgroundJob(
+    lambda _workdir: {"bench_tp": [sys.executable, str(ROOT / "benchmarks" / "bench_tp.py"), "--cpu"]},
+    timeout=300,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CUDA_VISIBLE_DEVICES=""),
+)
 
 
 @pytest.fixture(scope="module")
 def summary() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_tp.py"), "--cpu"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = BENCH_RUN.results()["bench_tp"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("model", ["llada", "llada2"])
+@BENCH_RUN.used_by
 def test_bench_tp_cpu_ranks_agree_with_one_process(summary, model):
     (row,) = [row for row in summary["rows"] if row["model"] == model]
     assert row["ranks_agree"] and row["tokens_equal_single_gpu"] == 1.0
@@ -41,6 +44,7 @@ def test_bench_tp_cpu_ranks_agree_with_one_process(summary, model):
 
 
 @pytest.mark.parametrize("model", ["llada", "llada2"])
+@BENCH_RUN.used_by
 def test_collectives_per_step(summary, model):
     (row,) = [row for row in summary["rows"] if row["model"] == model]
     forwards, layers = row["nfe"][1], row["layers"]
