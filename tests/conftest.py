@@ -43,6 +43,34 @@ def _single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _remote_code_checked_once_per_input():
+    """`hf-dllm export`'s remote-code check (`hub.remote_code.check_remote_code`: ~0.6 s of CPU, nearly all of an
+    export of a tiny model, parsing the same package files at each of the suite's ~150 exports) made once per input:
+    the package folder, the family, its file list and auto_map and the bytes of those files. A check that fails is
+    never remembered (it raises each time). Tests of the check itself call the function they imported, unwrapped."""
+    from hf_dllm.hub import export
+    from hf_dllm.hub.families import DEFAULT_FAMILY, model_family
+    from hf_dllm.hub.remote_code import PACKAGE_DIR
+
+    check, passed = export.check_remote_code, {}
+
+    def checked_once(package_dir=PACKAGE_DIR, family=DEFAULT_FAMILY):
+        try:
+            files, auto_map = model_family(family).remote_code_files, model_family(family).auto_map
+            contents = tuple((Path(package_dir) / name).read_bytes() for name in files)
+        except Exception:  # an unknown family or a missing file: the check itself says so
+            return check(package_dir, family)
+        key = (str(package_dir), family, files, tuple(sorted(auto_map.items())), contents)
+        if key not in passed:
+            passed[key] = check(package_dir, family)
+        return list(passed[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export, "check_remote_code", checked_once)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_compile_for_flex(request):
     """Each flex_attention test compiles from scratch: once dynamo has compiled flex attention for one shape, it
@@ -54,6 +82,15 @@ def _fresh_compile_for_flex(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Modules with a test that waits for a `BackgroundJob` run after all the others (each kept whole and in its
+    order, so module fixtures are built once): the jobs, started at collection, then run beside every other test
+    instead of keeping the test process waiting early in the session. Tests needing a GPU are skipped without one."""
+    waiting = {
+        item.nodeid.split("::")[0] for item in items if getattr(getattr(item, "function", None), "background_jobs", ())
+    }
+    items[:] = [item for item in items if item.nodeid.split("::")[0] not in waiting] + [
+        item for item in items if item.nodeid.split("::")[0] in waiting
+    ]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from hf_dllm.evaluation.data import (
 )
 from hf_dllm.generation_utils import DiffusionGenerationConfig
 from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
-from tests.conftest import DATA, FIXTURES, ROOT, tiny_model
+from tests.conftest import DATA, FIXTURES, ROOT, BackgroundJob, tiny_model
 from tests.evaluation.eval_helpers import eval_direct, load_checkpoint
 
 TRAINED = FIXTURES / "llada-tiny-trained"
@@ -51,17 +50,21 @@ def _random_digit_checkpoint(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> Path:
-    """The tiny trained checkpoint when it exists (with a tokenizer added if it lacks one), else the random one."""
+def prepared_checkpoint(folder: Path) -> Path:
+    """The tiny trained checkpoint when it exists (with a tokenizer added, in `folder`, if it lacks one), else the
+    random one (in `folder`)."""
     if (TRAINED / "config.json").exists():
         if (TRAINED / "tokenizer.json").exists() or (TRAINED / "tokenizer_config.json").exists():
             return TRAINED
-        path = tmp_path_factory.mktemp("trained") / "model"
-        shutil.copytree(TRAINED, path)
-        build_char_tokenizer().save_pretrained(path)
-        return path
-    return _random_digit_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+        shutil.copytree(TRAINED, folder)
+        build_char_tokenizer().save_pretrained(folder)
+        return folder
+    return _random_digit_checkpoint(folder)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    return prepared_checkpoint(tmp_path_factory.mktemp("checkpoint") / "model")
 
 
 @pytest.fixture(scope="session")
@@ -417,15 +420,13 @@ def test_eval_stop_strings_stop_rows_and_save_forwards(digit_checkpoint, digit_p
     assert saved >= 1
 
 
-@pytest.mark.slow
-def test_two_processes_give_the_same_summary(checkpoint, direct_predictions, tmp_path):
-    """`accelerate launch --num_processes 2` (CPU processes, gloo) shards the data and gathers the same results."""
-    rows = [
-        {"question": r["question"], "answer": r["prediction"] if i % 3 else "x"}
-        for i, r in enumerate(direct_predictions)
-    ]
-    dataset = _write_jsonl(tmp_path / "data.jsonl", rows)
-    common = [
+def two_process_rows(predictions: list[dict]) -> list[dict]:
+    """The two-process run's dataset: every third answer wrong, the others the direct prediction."""
+    return [{"question": r["question"], "answer": r["prediction"] if i % 3 else "x"} for i, r in enumerate(predictions)]
+
+
+def eval_arguments(checkpoint: Path, dataset: Path) -> list[str]:
+    return [
         str(checkpoint),
         "--dataset",
         str(dataset),
@@ -438,35 +439,54 @@ def test_two_processes_give_the_same_summary(checkpoint, direct_predictions, tmp
         "--quiet",
         *GENERATION,
     ]
-    single = _run([*common, "--output-dir", str(tmp_path / "one")])
-    # `--multi_gpu` is accelerate's torchrun launcher; with `--device cpu` the processes form a CPU (gloo) group.
-    # (`accelerate launch --cpu` starts a single process unless it is given an MPI hostfile.)
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "hf_dllm.cli",
-        "eval",
-        *common,
-        "--output-dir",
-        str(tmp_path / "two"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+# `accelerate launch --num_processes 2` of `hf-dllm eval` on the dataset of `two_process_rows` (written by this
+# script from the direct predictions, as the test writes its own), the output in WORKDIR/two. `--multi_gpu` is
+# accelerate's torchrun launcher; with `--device cpu` the processes form a CPU (gloo) group. (`accelerate launch
+# --cpu` starts a single process unless it is given an MPI hostfile.)
+TWO_PROCESS_SCRIPT = """
+import subprocess, sys
+from pathlib import Path
+import torch
+from tests.evaluation.test_evaluate import (
+    ROOT, _direct_predictions, _write_jsonl, eval_arguments, prepared_checkpoint, two_process_rows,
+)
+torch.set_num_threads(1)
+workdir = Path(sys.argv[1])
+checkpoint = prepared_checkpoint(workdir / "checkpoint")
+dataset = _write_jsonl(workdir / "data.jsonl", two_process_rows(_direct_predictions(checkpoint)))
+launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_dllm.cli", "eval"]
+done = subprocess.run([*launch, *eval_arguments(checkpoint, dataset), "--output-dir", str(workdir / "two")], cwd=ROOT)
+sys.exit(done.returncode)
+"""
+# Started at collection, beside the in-process tests (one of the two cores): the test waits for it only.
+TWO_PROCESS_RUN = BackgroundJob(
+    lambda workdir: {"two": [sys.executable, "-c", TWO_PROCESS_SCRIPT, str(workdir)]},
+    timeout=300,
+    env={
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    },
+)
+
+
+@pytest.mark.slow
+@TWO_PROCESS_RUN.used_by
+def test_two_processes_give_the_same_summary(checkpoint, direct_predictions, tmp_path):
+    """`accelerate launch --num_processes 2` (CPU processes, gloo) shards the data and gathers the same results."""
+    done = TWO_PROCESS_RUN.results()["two"]
     assert done.returncode == 0, done.stderr[-3000:]
+    dataset = TWO_PROCESS_RUN.workdir / "data.jsonl"
+    assert [json.loads(x) for x in dataset.read_text().splitlines()] == two_process_rows(direct_predictions)
+    single = _run([*eval_arguments(checkpoint, dataset), "--output-dir", str(tmp_path / "one")])
+    two_dir = TWO_PROCESS_RUN.workdir / "two"
     two = {
-        "summary": json.loads((tmp_path / "two" / "summary.json").read_text()),
-        "predictions": [json.loads(x) for x in (tmp_path / "two" / "predictions.jsonl").read_text().splitlines()],
+        "summary": json.loads((two_dir / "summary.json").read_text()),
+        "predictions": [json.loads(x) for x in (two_dir / "predictions.jsonl").read_text().splitlines()],
     }
     assert two["summary"]["num_processes"] == 2
     assert [p["examples"] for p in two["summary"]["per_process"]] == [4, 4]

@@ -9,26 +9,28 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import BackgroundJob
+
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
+
+
+# Started at collection, beside the in-process tests (one of the two cores): the tests wait for it only.
+BENCH_RUN = BackgroundJob(
+    lambda _workdir: {"bench_tp": [sys.executable, str(ROOT / "benchmarks" / "bench_tp.py"), "--cpu"]},
+    timeout=300,
+    cwd=ROOT,
+    env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CUDA_VISIBLE_DEVICES=""),
+)
 
 
 @pytest.fixture(scope="module")
 def summary() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_tp.py"), "--cpu"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = BENCH_RUN.results()["bench_tp"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -111,3 +113,8 @@ def test_sharded_proposal_equals_the_whole_vocabulary(monkeypatch, suppressed, d
         x0, confidence = decoding.propose_tokens_sharded(*arguments(start, stop))
         assert torch.equal(x0, expected[0])
         torch.testing.assert_close(confidence, expected[1], rtol=1e-6, atol=1e-7)
+
+
+# These tests read the job's summary: it starts at collection and the module runs after the others.
+BENCH_RUN.used_by(test_bench_tp_cpu_ranks_agree_with_one_process)
+BENCH_RUN.used_by(test_collectives_per_step)

@@ -13,6 +13,8 @@ Also: SGLang's unit test `TestJointThresholdInDel*` (test/registered/.../test_jo
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import defaultdict
 
 import pytest
@@ -74,9 +76,10 @@ def assert_case(generated: torch.Tensor, nfe: int, case: dict, expected: dict) -
 
 
 # ----- fixture cases, batch 1, through generate() (exact cache, the default) -----
-# Every case runs below in a left-padded batch without a cache, where each row must give the fixture's tokens and
-# forwards; alone with the exact cache, a quarter of them (every fourth, plus each case whose EOS lies before
-# `max_new_tokens` in a block SGLang cut at the length): the suite's time budget.
+# The cases run below in left-padded batches without a cache (half the settings by default, every one with
+# HF_DLLM_ALL_CASES=1), where each row must give the fixture's tokens and forwards; alone with the exact cache, a
+# quarter of them (every fourth, plus each case whose EOS lies before `max_new_tokens` in a block SGLang cut at the
+# length): the suite's time budget.
 ALONE = [case for index, case in enumerate(CASES) if index % 4 == 0 or case["eos_after_length"]]
 
 
@@ -111,7 +114,27 @@ def run_group(model, expected, cases, use_cache):
     return run
 
 
-@pytest.mark.parametrize("group", list(GROUPS), ids=list(GROUPS))
+def batched_groups() -> list[str]:
+    """Every group with HF_DLLM_ALL_CASES=1; by default half of them (54 of 108), chosen so that every value of each
+    setting (length, block, threshold, edit threshold, post steps) and every pair of values of two settings is run
+    (the parity of the sum of the values' indices), each group with all four prompts: the suite's time budget."""
+    if os.environ.get("HF_DLLM_ALL_CASES") == "1":
+        return list(GROUPS)
+    settings = {
+        group: re.fullmatch(r"g(\d+)\.b(\d+)\.t([\d.]+)\.e([\d.]+)\.p(\d+)", group).groups() for group in GROUPS
+    }
+    axes = [sorted({values[axis] for values in settings.values()}) for axis in range(5)]
+    return [
+        group
+        for group, values in settings.items()
+        if sum(axis.index(value) for axis, value in zip(axes, values, strict=True)) % 2 == 0
+    ]
+
+
+BATCHED = batched_groups()
+
+
+@pytest.mark.parametrize("group", BATCHED, ids=BATCHED)
 def test_cases_batched_without_cache(model, expected, group):
     """Each row of a left-padded batch gets the tokens (and forwards) it gets alone, i.e. SGLang's; the DELETE /
     SPLIT tokens consumed and the anti-loop re-samples add up to SGLang's counts over the rows."""
