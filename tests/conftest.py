@@ -391,35 +391,27 @@ _LIVE_PROCESSES: set[subprocess.Popen] = set()
 
 
 def run_side_by_side(
-    commands: dict[str, list[str]], timeout: float, max_running: int | None = None, **popen_kwargs
+    commands: dict[str, list[str]], timeout: float, **popen_kwargs
 ) -> dict[str, subprocess.CompletedProcess]:
-    """Run each command (name -> argv) in its own process, all started at once (or at most `max_running` at a
-    time, the next one started when the oldest ends), and wait for all of them: name -> CompletedProcess with stdout
-    and stderr as text. For independent single-threaded subprocess checks (Triton's interpreter, command-line runs).
-    As `subprocess.run`, a command still running `timeout` seconds after the first started is killed and
-    TimeoutExpired raised (the others are killed too)."""
+    """Run each command (name -> argv) in its own process, all started at once, and wait for all of them: name ->
+    CompletedProcess with stdout and stderr as text. For independent single-threaded subprocess checks (Triton's
+    interpreter, command-line runs): the test process only waits on them, so on the 2-core test machine two of
+    them take little more than one. As `subprocess.run`, a command still running after `timeout` seconds is killed
+    and TimeoutExpired raised (the others are killed too)."""
     outputs, processes, done = {}, {}, {}
-    deadline = time.monotonic() + timeout
-
-    def finish(name: str) -> None:
-        processes[name].wait(timeout=max(deadline - time.monotonic(), 0))
-        for stream in outputs[name]:
-            stream.seek(0)
-        stdout, stderr = (stream.read() for stream in outputs[name])
-        done[name] = subprocess.CompletedProcess(commands[name], processes[name].returncode, stdout, stderr)
-
     try:
         for name, argv in commands.items():  # files, not pipes: a full pipe would stall a process nobody reads
-            running = [other for other in processes if other not in done]
-            if max_running is not None and len(running) >= max_running:
-                finish(running[0])
             outputs[name] = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
             processes[name] = subprocess.Popen(argv, stdout=outputs[name][0], stderr=outputs[name][1], **popen_kwargs)
             _LIVE_PROCESSES.add(processes[name])
-        for name in processes:
-            if name not in done:
-                finish(name)
-        return {name: done[name] for name in commands}
+        deadline = time.monotonic() + timeout
+        for name, process in processes.items():
+            process.wait(timeout=max(deadline - time.monotonic(), 0))
+            for stream in outputs[name]:
+                stream.seek(0)
+            stdout, stderr = (stream.read() for stream in outputs[name])
+            done[name] = subprocess.CompletedProcess(commands[name], process.returncode, stdout, stderr)
+        return done
     finally:
         for process in processes.values():
             if process.poll() is None:
@@ -433,9 +425,8 @@ def run_side_by_side(
 class BackgroundJob:
     """Subprocess checks (Triton's interpreter, ...) started as soon as the session has collected a test that uses
     them, and run beside the in-process tests, which use one core of the 2-core test machine (one torch thread):
-    the test only waits for the result. Jobs run one at a time, in the order their tests were collected, and a
-    job's commands one after another (`run_side_by_side` with `max_running=1`), so that the background uses the
-    other core and does not crowd the in-process tests' one (a job's `timeout` covers all its commands).
+    the test only waits for the result. Jobs run one at a time, each job's commands side by side
+    (`run_side_by_side`), in the order their tests were collected.
 
     `commands(workdir)` gives the job's commands (name -> argv), built when the job starts, with `workdir` a fresh
     folder of the job's own (`job.workdir`, removed when the session ends; the commands' working directory unless
@@ -461,7 +452,7 @@ class BackgroundJob:
 
     def _run(self) -> dict[str, subprocess.CompletedProcess]:
         popen_kwargs = {"cwd": self.workdir, **self.popen_kwargs}
-        return run_side_by_side(self.commands(self.workdir), self.timeout, max_running=1, **popen_kwargs)
+        return run_side_by_side(self.commands(self.workdir), self.timeout, **popen_kwargs)
 
     def results(self) -> dict[str, subprocess.CompletedProcess]:
         self.start()
