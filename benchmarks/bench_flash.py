@@ -37,7 +37,6 @@ Prints a table and ends with one JSON line. NVLink multicast stays off (`NCCL_NV
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -163,32 +162,10 @@ def step_read_floor_bytes(model, routed: list[torch.Tensor], batch: int) -> int:
     return total
 
 
-@contextlib.contextmanager
-def routed_expert_ids(model):
-    """`bench_llada2.routed_expert_counts` with each MoE layer's distinct expert ids (a tensor) instead of their
-    count: which of them a GPU holds depends on the layout. Swapped in while `block_step` runs."""
-    forwards: list[list[torch.Tensor]] = []
-    handles = [model.model.register_forward_pre_hook(lambda module, args: forwards.append([]))]
-    handles += [
-        layer.mlp.gate.register_forward_hook(lambda module, args, out: forwards[-1].append(out[0].unique().cpu()))
-        for layer in model.model.layers
-        if hasattr(layer.mlp, "gate")
-    ]
-    try:
-        yield forwards
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def block_step_with_routing(model, prompts, config, device, **timing) -> tuple[float, list[torch.Tensor]]:
-    """`bench_llada2.block_step`'s step ms and the distinct expert ids of each MoE layer in that step."""
-    counting = bench_llada2.routed_expert_counts
-    bench_llada2.routed_expert_counts = routed_expert_ids
-    try:
-        step_ms, _, routed = bench_llada2.block_step(model, prompts, config, device, **timing)
-    finally:
-        bench_llada2.routed_expert_counts = counting
+    """`bench_llada2.block_step`'s step ms and the distinct expert ids of each MoE layer in that step (which of them
+    a GPU holds depends on the layout)."""
+    step_ms, _, routed = bench_llada2.block_step(model, prompts, config, device, expert_ids=True, **timing)
     return step_ms, routed
 
 

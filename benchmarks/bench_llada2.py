@@ -134,10 +134,10 @@ def timed(fn, device, repeats: int):
 
 
 @torch.no_grad()
-def block_step(model, prompts, config, device, repeats: int = 30, in_a_row: int = 10):
+def block_step(model, prompts, config, device, repeats: int = 30, in_a_row: int = 10, expert_ids: bool = False):
     """(ms of one block step after the block's first step, ms of one such step timed alone, distinct routed
-    experts per MoE layer in one step of that block). The first step prefills the prompt; the timed steps run on the
-    block only.
+    experts per MoE layer in one step of that block: their count, or their ids with `expert_ids`). The first step
+    prefills the prompt; the timed steps run on the block only.
 
     The first figure is the median over `repeats` runs of `in_a_row` steps queued back to back (per step), as the
     loop queues a block's steps: the host prepares step n + 1 while the GPU runs step n. The second times each step
@@ -151,7 +151,7 @@ def block_step(model, prompts, config, device, repeats: int = 30, in_a_row: int 
         run.cache_policy.start_block(start)
         run.run_step(start, end, 0)
         graphs, run.graphs = run.graphs, None  # one eager step, so the hooks see the routing
-        with routed_expert_counts(model) as forwards:
+        with routed_expert_counts(model, expert_ids) as forwards:
             run.run_step(start, end, 1)
         run.graphs = graphs
         distinct = forwards[-1]
@@ -203,18 +203,20 @@ def profile_block_step(model, prompts, config, top: int = 25) -> str:
 
 
 @contextlib.contextmanager
-def routed_expert_counts(model):
+def routed_expert_counts(model, ids: bool = False):
     """Yields a list that gets, for every forward run inside the block, the distinct routed experts of each MoE
     layer (a list per forward): a pre-hook on the decoder starts each forward's list, hooks on the routers add each
-    layer's count. Eager forwards only: CUDA graph replays run no hooks."""
-    forwards: list[list[int]] = []
+    layer's count (with `ids`, the distinct expert ids, a CPU tensor). Eager forwards only: CUDA graph replays run no
+    hooks."""
+    forwards: list[list] = []
+
+    def record(module, args, out):
+        distinct = out[0].unique()
+        forwards[-1].append(distinct.cpu() if ids else int(distinct.numel()))
+
     handles = [model.model.register_forward_pre_hook(lambda module, args: forwards.append([]))]
     handles += [
-        layer.mlp.gate.register_forward_hook(
-            lambda module, args, out: forwards[-1].append(int(out[0].unique().numel()))
-        )
-        for layer in model.model.layers
-        if hasattr(layer.mlp, "gate")
+        layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers if hasattr(layer.mlp, "gate")
     ]
     try:
         yield forwards
