@@ -69,7 +69,11 @@ class RunningServer:
         self.app = create_app(self.model, self.tokenizer, model_name=MODEL_NAME, **app_kwargs)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        # timeout_keep_alive: the tests hold keep-alive connections across steps that a loaded 2-core machine can
+        # stall for more than uvicorn's 5 s idle limit (a closed idle connection is not what they check).
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", timeout_keep_alive=60
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
