@@ -472,9 +472,10 @@ class ExpertList(nn.ModuleList):
         return x.device.type == "cpu" and is_torch_greater_or_equal("2.9", accept_dev=True)
 
     def stacks(self) -> ExpertStacks:
-        """The kept experts' weights stacked (`stack_expert_parameters`: gate_up `(E_local, 2I, H)`, down
-        `(E_local, H, I)`, the parameters re-pointed to views of them), made again after `.to()` or when the first or
-        last kept expert's weights were replaced."""
+        """The kept experts' weights stacked (`ExpertStacks`: gate_up `(E_local, 2I, H)`, down `(E_local, H, I)`, and
+        FP8 experts' block scales; `stack_expert_parameters` re-points the parameters to views of them, so no copy is
+        kept and in-place updates such as `load_state_dict` reach the stacks), made again after `.to()` or when the
+        first or last kept expert's weights were replaced."""
         experts = self.local_experts()
         current = (experts[0].gate_proj.weight, experts[-1].down_proj.weight)
         if self._stacks is not None:
@@ -482,7 +483,12 @@ class ExpertList(nn.ModuleList):
             if all(a is b and a.data_ptr() == pointer for a, (b, pointer) in zip(current, made_from, strict=True)):
                 return stacks
         with torch.no_grad():
-            stacks = ExpertStacks(*stack_expert_parameters(experts, "weight"))
+            gate_up, down = stack_expert_parameters(experts, "weight")
+            block_size = expert_fp8_block_size(experts[0].gate_proj)
+            if block_size is None:
+                stacks = ExpertStacks(gate_up, down)
+            else:
+                stacks = ExpertStacks(gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size)
         self._stacks = (stacks, tuple((weight, weight.data_ptr()) for weight in current))
         return stacks
 

@@ -69,10 +69,8 @@ from .grouped_gemm import (
     ExpertDispatch,
     ExpertList,
     ExpertStacks,
-    expert_fp8_block_size,
     grouped_matmul,
     other_ranks_expert_keys,
-    stack_expert_parameters,
 )
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
@@ -382,13 +380,6 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             self.expert_bias = None
         # Expert parallelism's entry (`LLaDAMoEConfig.base_model_ep_plan`); after `experts` in the module tree.
         self.expert_dispatch = ExpertDispatch(self.experts)
-        # (`ExpertStacks`, the first and last expert weights they were made from): see `stacks`.
-        self._stacks: tuple | None = None
-
-    def _apply(self, fn, *args, **kwargs):
-        # `.to()`, `.cuda()`, `.half()` give the parameters new storage: the stacks are made again from it.
-        self._stacks = None
-        return super()._apply(fn, *args, **kwargs)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `(tokens, hidden)` -> routing weights `(tokens, top_k)` in x's dtype, the chosen experts `(tokens,
@@ -506,26 +497,9 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         return x.device.type == "cpu"
 
     def stacks(self) -> ExpertStacks:
-        """The experts' weights stacked (`grouped_gemm.ExpertStacks`): gate_up `(E, 2I, H)` (each expert's gate rows,
-        then its up rows) and down `(E, H, I)`, and FP8 experts' block scales. Made at the first grouped forward and
-        again after `.to()` or when the first or last expert's weights were replaced: each expert's parameters are
-        then re-pointed to views of the stacks (no copy is kept; in-place updates such as `load_state_dict` reach
-        the stacks)."""
-        experts = list(self.experts)
-        current = (experts[0].gate_proj.weight, experts[-1].down_proj.weight)
-        if self._stacks is not None:
-            stacks, made_from = self._stacks
-            if all(a is b and a.data_ptr() == pointer for a, (b, pointer) in zip(current, made_from, strict=True)):
-                return stacks
-        with torch.no_grad():
-            gate_up, down = stack_expert_parameters(experts, "weight")
-            block_size = expert_fp8_block_size(experts[0].gate_proj)
-            if block_size is None:
-                stacks = ExpertStacks(gate_up, down)
-            else:
-                stacks = ExpertStacks(gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size)
-        self._stacks = (stacks, tuple((weight, weight.data_ptr()) for weight in current))
-        return stacks
+        """The experts' weights stacked for the grouped products (`ExpertList.stacks`: gate_up `(E, 2I, H)`, down
+        `(E, H, I)`, FP8 block scales), kept until `.to()` or the experts' weights are replaced."""
+        return self.experts.stacks()
 
     def _experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """`_experts_loop`'s outputs from two grouped GEMMs over `stacks()`, with no host synchronisation; each
