@@ -388,6 +388,16 @@ def stack_expert_parameters(experts: list[nn.Module], name: str) -> tuple[torch.
     return gate_up, down
 
 
+def stack_experts(experts: list[nn.Module]) -> ExpertStacks:
+    """`ExpertStacks` of the experts' weights, with their block scales where the experts are FP8 (the parameters
+    re-pointed to views of the stacks: `stack_expert_parameters`)."""
+    gate_up, down = stack_expert_parameters(experts, "weight")
+    block_size = expert_fp8_block_size(experts[0].gate_proj)
+    if block_size is None:
+        return ExpertStacks(gate_up, down)
+    return ExpertStacks(gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size)
+
+
 # -- the routed experts as one module, for transformers' expert parallelism -------------------------------------------
 def _torch_grouped_mm():
     """torch's grouped GEMM (`nn.functional.grouped_mm`, `torch._grouped_mm` before), or None."""
@@ -483,12 +493,7 @@ class ExpertList(nn.ModuleList):
             if all(a is b and a.data_ptr() == pointer for a, (b, pointer) in zip(current, made_from, strict=True)):
                 return stacks
         with torch.no_grad():
-            gate_up, down = stack_expert_parameters(experts, "weight")
-            block_size = expert_fp8_block_size(experts[0].gate_proj)
-            if block_size is None:
-                stacks = ExpertStacks(gate_up, down)
-            else:
-                stacks = ExpertStacks(gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size)
+            stacks = stack_experts(experts)
         self._stacks = (stacks, tuple((weight, weight.data_ptr()) for weight in current))
         return stacks
 

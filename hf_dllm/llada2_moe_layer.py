@@ -39,7 +39,7 @@ from .grouped_gemm import (
     ExpertStacks,
     expert_fp8_block_size,
     grouped_matmul,
-    stack_expert_parameters,
+    stack_experts,
 )
 from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
@@ -580,15 +580,7 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         """(Re)build the stacks of `stacked_weights` from the experts' current weights (under tensor parallelism,
         this rank's slices: `I` is then its share of the intermediate width)."""
 
-        experts = self._stacked_experts()
-        gate_up, down = stack_expert_parameters(experts, "weight")
-        block_size = expert_fp8_block_size(experts[0].gate_proj)
-        if block_size is None:
-            self._stacked = ExpertStacks(gate_up, down)
-        else:
-            self._stacked = ExpertStacks(
-                gate_up, down, *stack_expert_parameters(experts, "weight_scale_inv"), block_size
-            )
+        self._stacked = stack_experts(self._stacked_experts())
         self._stack_check = [(weight, local_tensor(weight).data_ptr()) for weight in self._sampled_weights()]
 
     def _grouped_allowed(self) -> bool:
