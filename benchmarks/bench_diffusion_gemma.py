@@ -306,19 +306,28 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             timings[mode] = timed_ms(functools.partial(step, block), repeats, device)
         model.capture_decoder = captured
         parts = {}
-        backend = model.model.decoder.layers[0].self_attn.backend
-        other_backend = "triton" if backend == "sdpa" else "sdpa"
-        if device.type == "cuda":  # the step (graphs) with the decoder's other attention backend
-            try:
-                model.set_decoder_attention(other_backend)
-                block = step(block)
-                parts[f"graph_step_{other_backend}_attention_ms"] = timed_ms(
-                    functools.partial(step, block), repeats, device
-                )
-            except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
-                parts[f"graph_step_{other_backend}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
+        attention = model.model.decoder.layers[0].self_attn
+        backend = attention.backend
+        if device.type == "cuda":  # the step (graphs) with each attention backend set for every layer
+            for other in attention.backends:
+                try:
+                    model.set_decoder_attention(other)
+                    block = step(block)
+                    parts[f"graph_step_{other}_attention_ms"] = timed_ms(
+                        functools.partial(step, block), repeats, device
+                    )
+                except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
+                    parts[f"graph_step_{other}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
             model.set_decoder_attention(backend)
-        parts["decoder_attention"] = backend
+        parts["decoder_attention"] = backend or "default"
+        parts["attention_by_layer_kind"] = {
+            kind: next(
+                layer.self_attn.chosen_backend(block.new_empty(0, dtype=model.dtype))
+                for layer, layer_kind in zip(model.model.decoder.layers, text.layer_types, strict=True)
+                if layer_kind == kind
+            )
+            for kind in sorted(set(text.layer_types))
+        }
         raw = model.decode(block, positions, cache, padded=False, **sampler.forward_inputs())
         if sampler.uses_fused(device):
             fused_sampler = new_sampler(True)
@@ -484,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     def ms(value) -> str:
         return f"{value:9.3f}" if isinstance(value, float) else f"{'-':>9}"
 
-    print(f"\n{'batch':>5} {'sampler ms: fused':>17} {'pytorch':>9} {'1 layer experts ms: grouped':>27} {'triton':>9} default")
+    print(
+        f"\n{'batch':>5} {'sampler ms: fused':>17} {'pytorch':>9} {'1 layer experts ms: grouped':>27} {'triton':>9} default"
+    )
     for step in steps_rows:
         if "oom" not in step:
             print(
@@ -493,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name in ("sdpa", "triton"):
                 if f"graph_step_{name}_attention_ms" in step:
-                    print(f"      graph step with the decoder's {name} attention: {step[f'graph_step_{name}_attention_ms']:.2f} ms")
+                    print(
+                        f"      graph step with the decoder's {name} attention: {step[f'graph_step_{name}_attention_ms']:.2f} ms"
+                    )
 
     def row_of(model, batch, steps):
         return next(

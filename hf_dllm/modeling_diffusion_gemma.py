@@ -115,17 +115,50 @@ def decoder_tiles(head_dim: int) -> AttentionTiles:
     return AttentionTiles(block_m=32 if head_dim <= 256 else 16, block_n=32, num_warps=4 if head_dim <= 256 else 8)
 
 
+# The widest heads torch's fused SDPA kernels (flash, memory-efficient, cuDNN) take on an H100/H200; wider ones
+# (DiffusionGemma's full layers: 512) fall back to the float32 math path.
+FUSED_SDPA_HEAD_DIM = 256
+
+
+def gemm_attention(query, key, value, mask, scale: float = 1.0) -> torch.Tensor:
+    """softmax(scale * q k^T + mask) v with grouped-query heads, `(B, Hq, T, D)` from query `(B, Hq, T, D)`, key
+    and value `(B, Hkv, S, D)` (query head h reads key/value head h // (Hq / Hkv), as SDPA's `enable_gqa`) and a
+    boolean mask broadcastable to `(B, 1, T, S)` (None: every key). The scores come out of a tensor-core product in
+    float32 (`torch.bmm(..., out_dtype=float32)`: the same products and float32 sums as SDPA's math path, which
+    upcasts its inputs first), the softmax is float32, the probabilities meet the values in the inputs' dtype.
+    Float32 inputs take plain float32 products (`bmm`'s `out_dtype` is CUDA's)."""
+    batch, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    q = query.reshape(batch * kv_heads, group * length, dim)
+    k = key.reshape(batch * kv_heads, keys, dim).transpose(1, 2)
+    if query.dtype == torch.float32:
+        scores = torch.bmm(q, k)
+    else:
+        scores = torch.bmm(q, k, out_dtype=torch.float32)
+    if scale != 1.0:
+        scores.mul_(scale)
+    scores = scores.view(batch, kv_heads, group, length, keys)
+    if mask is not None:
+        scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))  # (B, 1, 1, T or 1, S)
+    probabilities = scores.softmax(-1).to(value.dtype).view(batch * kv_heads, group * length, keys)
+    output = torch.bmm(probabilities, value.reshape(batch * kv_heads, keys, dim))
+    return output.view(batch, heads, length, dim)
+
+
 class DiffusionGemmaAttention(nn.Module):
     """Gemma 4 attention of one layer; `forward` gets the K/V to attend to besides its own (the cache) and says
     whether to store its own (encoder) or not (decoder).
 
-    `backend` "sdpa" (default: torch's `scaled_dot_product_attention`; at the 26B-A4B shape its full layers' heads
-    of 512 have no fused kernel on an H200 and fall back to the math path, ~0.35 ms a layer) or "triton": the
-    decoder's pass through hf_dllm's Triton attention (`triton_attention.block_attention`; CUDA, or the
-    interpreter), the encoder's on SDPA (per-query causal masks). Set for every layer with
+    `backend` "sdpa" (torch's `scaled_dot_product_attention`; at the 26B-A4B shape its full layers' heads of 512
+    have no fused kernel on an H200 and fall back to the float32 math path, ~0.5 ms a layer), "gemm"
+    (`gemm_attention`: the same float32 scores and softmax from two bfloat16 tensor-core products, every pass) or
+    "triton": the decoder's pass through hf_dllm's Triton attention (`triton_attention.block_attention`; CUDA, or
+    the interpreter), the encoder's on SDPA (per-query causal masks). None (default): "gemm" on CUDA for heads
+    wider than SDPA's fused kernels take (`FUSED_SDPA_HEAD_DIM`), else "sdpa". Set for every layer with
     `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
 
-    backends = ("sdpa", "triton")
+    backends = ("sdpa", "gemm", "triton")
 
     def __init__(self, config: DiffusionGemmaTextConfig, layer_idx: int):
         super().__init__()
@@ -143,7 +176,14 @@ class DiffusionGemmaAttention(nn.Module):
         self.q_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.v_norm = DiffusionGemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)
-        self.backend = "sdpa"
+        self.backend: str | None = None
+
+    def chosen_backend(self, hidden_states: torch.Tensor) -> str:
+        """The backend `forward` runs for this input (see the class docstring)."""
+        if self.backend is not None:
+            return self.backend
+        wide = self.head_dim > FUSED_SDPA_HEAD_DIM
+        return "gemm" if wide and hidden_states.is_cuda and hidden_states.dtype != torch.float32 else "sdpa"
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
@@ -169,7 +209,11 @@ class DiffusionGemmaAttention(nn.Module):
             value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
-        if self.backend == "triton" and not write_cache and (mask is None or mask.shape[2] == 1):
+        backend = self.chosen_backend(hidden_states)
+        if backend == "gemm":
+            output = gemm_attention(query, key, value, mask)
+            return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
+        if backend == "triton" and not write_cache and (mask is None or mask.shape[2] == 1):
             # The decoder's pass (a key padding mask, no per-query mask): hf_dllm's Triton attention (float32
             # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D).
             padding = None if mask is None else mask[:, 0, 0, :]
@@ -207,7 +251,13 @@ class DiffusionGemmaRouter(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights `(T, top_k)` float32, experts `(T, top_k)` int64) of `hidden_states` `(T, hidden)`. Where the
+        fused kernels run, softmax, top-k and renormalisation are one launch (`triton_moe.route`: ties to the
+        lowest index) instead of torch's six."""
         scores = self.proj(self.norm(hidden_states) * self.scale * self.scalar_root_size)
+        if use_fused_kernels(scores) and not torch.is_grad_enabled():
+            index, weights = triton_moe.route(scores.float(), None, 1, 1, self.top_k, "softmax", True, 1.0)
+            return weights * self.per_expert_scale[index], index
         probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probabilities, k=self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
@@ -491,6 +541,17 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
     def slots(self, layer: int) -> int:
         return self.window - 1 if self.sliding[layer] else self.capacity
 
+    def fits(self, batch: int, columns: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether its buffers hold `batch` rows of `columns` columns in `dtype` on `device` (a run may reuse it)."""
+        keys = self.keys[0]
+        return (
+            keys is not None
+            and keys.shape[0] == batch
+            and self.capacity >= columns
+            and keys.dtype == dtype
+            and keys.device == device
+        )
+
     def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
         if not all(self.sliding) and int(columns[-1]) >= self.capacity:
             raise ValueError(
@@ -500,6 +561,11 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         self._pending_columns = columns  # where `keys_values` writes
         if self.keys[0] is not None and self.keys[0].shape[0] == batch:
             return
+        with torch.inference_mode(False):  # plain tensors: a later call, outside inference mode, reuses them
+            self._allocate(batch, dtype, device)
+        self.version = next(self._versions)
+
+    def _allocate(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         for layer in range(len(self.sliding)):
             head_dim, heads = self.head[layer]
             slots = self.slots(layer)
@@ -509,7 +575,6 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
             self._view_slots(layer)
             self.columns[layer] = torch.full((slots,), -1, dtype=torch.long, device=device)
             self.valid[layer] = torch.zeros(batch, slots, dtype=torch.bool, device=device)
-        self.version = next(self._versions)
 
     def set_length(self, width: int) -> None:
         if width > self.capacity:
@@ -756,14 +821,15 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.final_logit_softcapping = text.final_logit_softcapping
         self._decoder_graphs = None
+        self._generate_cache = None  # generate()'s static cache, reused by the next call (`_diffusion_new_cache`)
         self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
         self.post_init()
 
     def set_decoder_attention(self, backend: str) -> None:
-        """The decoder passes' attention for every layer: "sdpa" or "triton" (`DiffusionGemmaAttention`); captured
-        decoder graphs are dropped (they hold the other kernels)."""
-        if backend not in DiffusionGemmaAttention.backends:
-            raise ValueError(f"`backend` must be one of {DiffusionGemmaAttention.backends}, got {backend!r}.")
+        """Every layer's attention: "sdpa", "gemm" or "triton" (`DiffusionGemmaAttention`), or None (the default
+        choice per layer); captured decoder graphs are dropped (they hold the other kernels)."""
+        if backend is not None and backend not in DiffusionGemmaAttention.backends:
+            raise ValueError(f"`backend` must be one of {DiffusionGemmaAttention.backends} or None, got {backend!r}.")
         if backend == "triton" and not MOE_KERNELS_AVAILABLE:
             raise ValueError("the Triton attention needs the `triton` package (pip install hf-dllm[triton]).")
         for layer in self.model.decoder.layers:
@@ -939,10 +1005,23 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                     setattr(self.generation_config, name, value)
 
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
+        """The encoder cache of a run: static on CUDA (`static_cache`). `generate()`'s calls (no `max_positions`)
+        reuse the model's last static cache, emptied, when it has `batch_size` rows and room for `max_length`
+        columns, as transformers' static caches are reused: its buffers stay in place, so the decoder's captured
+        graphs (`DecoderGraphs`, keyed on the cache) replay instead of being captured again at every call (~0.3 s
+        at the 26B-A4B shape). Like transformers' static cache, this makes concurrent `generate()` calls on one
+        model object unsafe. The serving engine (`max_positions` given) keeps a cache of its own."""
         static = self.static_cache if self.static_cache is not None else self.device.type == "cuda"
-        if static:
-            return DiffusionGemmaStaticCache(self.config.text_config, max_length, self.config.canvas_length)
-        return self.new_encoder_cache()
+        if not static:
+            return self.new_encoder_cache()
+        held = self._generate_cache if max_positions is None else None
+        if held is not None and held.fits(batch_size, max_length, self.dtype, self.device):
+            held.set_length(0)
+            return held
+        cache = DiffusionGemmaStaticCache(self.config.text_config, max_length, self.config.canvas_length)
+        if max_positions is None:
+            self._generate_cache = cache
+        return cache
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
         # The forward reads which columns are real tokens; the masks are built per pass from them.

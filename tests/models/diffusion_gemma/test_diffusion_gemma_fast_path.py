@@ -107,6 +107,55 @@ def test_static_cache_reproduces_transformers_cases(gemma, name):
     assert torch.equal(out.sequences, expected[f"case.{name}"])
 
 
+def test_generate_reuses_its_static_cache_and_reproduces_transformers_cases(gemma):
+    """generate()'s static cache is the model's across calls (so captured decoder graphs replay): emptied, it
+    decodes transformers' tokens again, also for a call with fewer columns (p21.g32 then p5.g16: more slots than
+    columns, the empty ones masked); another batch size gets a new cache; the serving engine's (max_positions)
+    is never the held one."""
+    expected = load_file(GEMMA_DIR / "expected.safetensors")
+    gemma.static_cache, gemma._generate_cache = True, None
+    caches = []
+    try:
+        for name in ("p21.g32.defaults.s3", "p21.g32.defaults.s3", "p5.g16.defaults.s1", "b2.g32.eos.s1"):
+            case = CASES[name]
+            kwargs = dict(case["kwargs"])
+            if case["attention_mask"]:
+                kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
+            torch.manual_seed(case["seed"])
+            out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+            assert torch.equal(out.sequences, expected[f"case.{name}"]), name
+            caches.append((gemma._generate_cache, gemma._generate_cache.version))
+        assert caches[0] == caches[1] == caches[2]  # the same object, buffers never reallocated
+        assert caches[3][0] is not caches[0][0]
+        served = gemma._diffusion_new_cache(1, 16, max_positions=64)
+        assert served is not gemma._generate_cache
+    finally:
+        gemma.static_cache, gemma._generate_cache = None, None
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "queries"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
+def test_gemm_attention_equals_sdpa(mask_kind, heads):
+    """`gemm_attention` (grouped-query heads, key or per-query masks) equals float32 SDPA up to rounding."""
+    from hf_dllm.modeling_diffusion_gemma import gemm_attention
+
+    torch.manual_seed(0)
+    (query_heads, kv_heads), batch, length, keys, dim = heads, 2, 5, 9, 16
+    query = torch.randn(batch, query_heads, length, dim)
+    key, value = torch.randn(2, batch, kv_heads, keys, dim)
+    mask = {
+        "none": None,
+        "keys": torch.rand(batch, 1, 1, keys) > 0.3,
+        "queries": torch.rand(batch, 1, length, keys) > 0.3,
+    }[mask_kind]
+    if mask is not None:
+        mask[..., -1] = True  # every query sees a key
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=0.5, enable_gqa=query_heads != kv_heads
+    )
+    torch.testing.assert_close(gemm_attention(query, key, value, mask, scale=0.5), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_static_cache_refuses_columns_past_its_capacity(gemma):
     cache = DiffusionGemmaStaticCache(gemma.config.text_config, capacity=8)
     with pytest.raises(ValueError, match="holds 8 columns"):

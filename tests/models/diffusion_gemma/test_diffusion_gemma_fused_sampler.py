@@ -123,6 +123,19 @@ KERNEL_SCRIPT = textwrap.dedent(
         fused = experts(h, index, weights)
         experts.implementation = "loop"
         assert (fused - experts(h, index, weights)).abs().max() < 2e-5, "experts"
+
+    # The router: softmax, top-k and renormalisation in one launch against torch's ops (same experts, same order).
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaRouter
+
+    router = DiffusionGemmaRouter(config)
+    for parameter in router.parameters():
+        parameter.data.normal_(1.0, 0.5)
+    with torch.no_grad():
+        fused_weights, fused_index = router(h)
+        kernels.set_kernel_mode("torch")
+        weights, index = router(h)
+        kernels.set_kernel_mode("triton")
+    assert torch.equal(fused_index, index) and (fused_weights - weights).abs().max() < 1e-6, "router"
     print("ok")
     """
 )

@@ -136,10 +136,11 @@ def test_generate_on_the_fused_path(gemma_cuda_bf16):
     assert runs[0].nfe <= 6 * 3
 
 
+@pytest.mark.parametrize("backend", ["triton", "gemm"])
 @pytest.mark.parametrize("layer", [0, 1])  # a sliding layer (heads of 256), a full one (heads of 512, 2 K/V heads)
-def test_triton_decoder_attention_at_the_26b_head_widths(layer):
-    """The decoder's attention on the Triton backend at the 26B-A4B head widths, a 256-token canvas over 1,024
-    keys with padding: its error against a float32 SDPA within 2x of bfloat16 SDPA's (the kernel launches there)."""
+def test_decoder_attention_backends_at_the_26b_head_widths(layer, backend):
+    """The decoder's attention on the Triton and GEMM backends at the 26B-A4B head widths, a 256-token canvas over
+    1,024 keys with padding: its error against a float32 SDPA within 2x of bfloat16 SDPA's."""
     from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaAttention
 
     text = hf_dllm.DiffusionGemmaConfig(
@@ -172,8 +173,9 @@ def test_triton_decoder_attention_at_the_26b_head_widths(layer):
         exact = attention(hidden, cos, sin, Cache(), mask, False)
         attention.bfloat16()
         args = (hidden.bfloat16(), cos.bfloat16(), sin.bfloat16(), Cache(), mask, False)
+        attention.backend = "sdpa"
         sdpa = attention(*args).float()
-        attention.backend = "triton"
-        triton_out = attention(*args).float()
+        attention.backend = backend
+        out = attention(*args).float()
     sdpa_error = (sdpa - exact).abs().max()
-    assert (triton_out - exact).abs().max() <= 2 * sdpa_error + 1e-4, ((triton_out - exact).abs().max(), sdpa_error)
+    assert (out - exact).abs().max() <= 2 * sdpa_error + 1e-4, ((out - exact).abs().max(), sdpa_error)
