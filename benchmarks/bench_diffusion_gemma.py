@@ -319,7 +319,7 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
                     parts[f"graph_step_{other}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
             model.set_decoder_attention(backend)
-        parts["decoder_attention"] = backend or "default"
+        parts["attention"] = backend or "auto"
         parts["attention_by_layer_kind"] = {
             kind: next(
                 layer.self_attn.chosen_backend(block.new_empty(0, dtype=model.dtype))
@@ -380,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="GPU 512, CPU 32 (whole canvases)")
     parser.add_argument("--step-repeats", type=int, default=None, help="isolated steps timed (GPU 10, CPU 2)")
     parser.add_argument(
-        "--decoder-attention", choices=("sdpa", "triton"), default="sdpa", help="the decoder passes' attention"
+        "--attention",
+        choices=("auto", "sdpa", "gemm", "triton"),
+        default="auto",
+        help="every layer's attention backend (auto: the model's choice per layer)",
     )
     parser.add_argument(
         "--experts", choices=("auto", "triton", "grouped", "loop"), default="auto", help="the experts' kernels"
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     torch.manual_seed(0)
     ours, reference, missing_reason = build_models(shape, canvas, dtype, device, not args.no_reference)
-    ours.set_decoder_attention(args.decoder_attention)
+    ours.set_decoder_attention(None if args.attention == "auto" else args.attention)
     for layer in ours.model.decoder.layers:
         layer.experts.implementation = None if args.experts == "auto" else args.experts
     summary = dict(
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_gb=round(sum(p.numel() * p.element_size() for p in ours.parameters()) / 1e9, 2),
         reference=None if reference is None else "transformers DiffusionGemmaForBlockDiffusion.generate()",
         reference_skipped=missing_reason,
-        decoder_attention=args.decoder_attention,
+        attention=args.attention,
         experts=args.experts,
     )
     if gpu:
@@ -433,12 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, steps_rows = [], []
     for batch in batch_sizes:
         prompt = torch.randint(3, vocab, (batch, prompt_len), device=device)
-        # Warm-up (kernels, allocator, our decoder's graphs): one canvas, two steps.
+        # Warm-up (kernels, allocator, our decoder's graphs over generate()'s static cache of this shape): every
+        # canvas, two steps each.
         run_reference = reference is not None and batch in reference_batches
         for model, is_reference in ((ours, False), (reference if run_reference else None, True)):
             try:
                 if model is not None:
-                    timed_generate(model, prompt, canvas, 2, 0, reference=is_reference)
+                    timed_generate(model, prompt, new_tokens, 2, 0, reference=is_reference)
             except torch.OutOfMemoryError:  # the timed rows record it
                 torch.cuda.empty_cache()
         for steps in step_counts:
@@ -502,10 +506,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{step['batch']:5d} {ms(step.get('sampler_fused_ms')):>17} {ms(step.get('sampler_pytorch_ms'))} "
                 f"{ms(step.get('experts_grouped_ms')):>27} {ms(step.get('experts_triton_ms'))} {step['experts_default']}"
             )
-            for name in ("sdpa", "triton"):
+            for name in ("sdpa", "gemm", "triton"):
                 if f"graph_step_{name}_attention_ms" in step:
                     print(
-                        f"      graph step with the decoder's {name} attention: {step[f'graph_step_{name}_attention_ms']:.2f} ms"
+                        f"      graph step with every layer's attention on {name}: "
+                        f"{step[f'graph_step_{name}_attention_ms']:.2f} ms"
                     )
 
     def row_of(model, batch, steps):

@@ -139,9 +139,13 @@ def gemm_attention(query, key, value, mask, scale: float = 1.0) -> torch.Tensor:
     if scale != 1.0:
         scores.mul_(scale)
     scores = scores.view(batch, kv_heads, group, length, keys)
-    if mask is not None:
-        scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))  # (B, 1, 1, T or 1, S)
-    probabilities = scores.softmax(-1).to(value.dtype).view(batch * kv_heads, group * length, keys)
+    if use_fused_kernels(scores) and not torch.is_grad_enabled():
+        probabilities = triton_diffusion_gemma.masked_softmax(scores, mask, length, value.dtype)
+    else:
+        if mask is not None:
+            scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))  # (B, 1, 1, T or 1, S)
+        probabilities = scores.softmax(-1).to(value.dtype)
+    probabilities = probabilities.view(batch * kv_heads, group * length, keys)
     output = torch.bmm(probabilities, value.reshape(batch * kv_heads, keys, dim))
     return output.view(batch, heads, length, dim)
 

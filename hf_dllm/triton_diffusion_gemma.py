@@ -188,7 +188,6 @@ if TRITON_AVAILABLE:
                     p = tl.exp(z - lse)
                     tl.store(probabilities_ptr + row * vocab + cols, p.to(out_dtype), mask=in_row)
 
-
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, weight_ptr, residual_ptr, out_ptr, n_cols, eps,
@@ -210,7 +209,6 @@ if TRITON_AVAILABLE:
             residual = tl.load(residual_ptr + row * n_cols + cols, mask=in_row, other=0.0)
             y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_dtype)
         tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
-
 
     @triton.jit
     def _norm_rope_kernel(
@@ -253,6 +251,55 @@ if TRITON_AVAILABLE:
         tl.store(dst, y, mask=in_heads)
 
 
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _masked_softmax_kernel(
+        scores_ptr, mask_ptr, out_ptr, keys, queries, rows_per_batch, mask_rows,
+        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per score row (batch b, K/V head, query head in group, query t): softmax over the row's keys
+        # with the masked ones at -inf, in float32, stored in the output's dtype.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < keys
+        x = tl.load(scores_ptr + row * keys + cols, mask=inside, other=float("-inf"))
+        if HAS_MASK:
+            batch = row // rows_per_batch
+            query = (row % queries) * (mask_rows > 1)
+            visible = tl.load(mask_ptr + (batch * mask_rows + query) * keys + cols, mask=inside, other=0)
+            x = tl.where(visible != 0, x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=0))
+        tl.store(out_ptr + row * keys + cols, (e / tl.sum(e, axis=0)).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@on_tensor_device
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, queries: int, dtype: torch.dtype) -> torch.Tensor:
+    """softmax over the last dim of `scores` `(B, ..., T, S)` float32 (contiguous) with `mask` `(B, 1, T or 1, S)`
+    bool (None: every key) hiding keys, in `dtype`: one launch where torch takes four (masked_fill, softmax, cast
+    and a mask broadcast). `queries`: T (a score row's query is its row index mod T)."""
+    keys = scores.shape[-1]
+    rows = scores.numel() // keys
+    out = torch.empty(scores.shape, dtype=dtype, device=scores.device)
+    if rows == 0:
+        return out
+    batch = scores.shape[0]
+    flat_mask = scores if mask is None else mask.expand(batch, 1, mask.shape[-2], keys).contiguous()
+    _masked_softmax_kernel[(rows,)](
+        scores,
+        flat_mask,
+        out,
+        keys,
+        queries,
+        rows // batch,
+        1 if mask is None else mask.shape[-2],
+        HAS_MASK=mask is not None,
+        BLOCK=triton.next_power_of_2(keys),
+        num_warps=4 if keys <= 2048 else 8,
+    )
+    return out
+
+
 @on_tensor_device
 def norm_rope(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None
@@ -272,7 +319,9 @@ def norm_rope(
     if has_rope:
         cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
         if cos.shape[1:] != (seq_len, head_dim) or cos.shape[0] not in (1, batch):
-            raise ValueError(f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}.")
+            raise ValueError(
+                f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}."
+            )
     block_h = 4 if head_dim <= 256 else 2
     _norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, block_h))](
         x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out, seq_len, heads,
@@ -336,7 +385,9 @@ def fused_sample(
     if x.stride(-1) != 1 or x.stride(0) != vocab:
         x = x.contiguous()
     if temperature.dtype != torch.float32 or temperature.numel() != 1:
-        raise ValueError(f"temperature must be a (1,) float32 tensor, got {temperature.dtype} {tuple(temperature.shape)}.")
+        raise ValueError(
+            f"temperature must be a (1,) float32 tensor, got {temperature.dtype} {tuple(temperature.shape)}."
+        )
     if seed.dtype != torch.int64 or seed.numel() != 1:
         raise ValueError(f"seed must be a (1,) int64 tensor, got {seed.dtype} {tuple(seed.shape)}.")
     if probabilities is not None and (probabilities.shape != raw_logits.shape or not probabilities.is_contiguous()):

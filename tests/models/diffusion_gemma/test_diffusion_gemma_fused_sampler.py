@@ -136,6 +136,20 @@ KERNEL_SCRIPT = textwrap.dedent(
         weights, index = router(h)
         kernels.set_kernel_mode("triton")
     assert torch.equal(fused_index, index) and (fused_weights - weights).abs().max() < 1e-6, "router"
+
+    # The GEMM attention's masked softmax in one launch, grouped-query heads, key and per-query masks, against SDPA.
+    from hf_dllm.modeling_diffusion_gemma import gemm_attention
+
+    for mask_rows, (query_heads, kv_heads) in ((None, (4, 4)), (1, (4, 2)), (5, (8, 1))):
+        q, (k, v) = torch.randn(2, query_heads, 5, 16), torch.randn(2, 2, kv_heads, 9, 16)
+        mask = None if mask_rows is None else torch.rand(2, 1, mask_rows, 9) > 0.3
+        if mask is not None:
+            mask[..., -1] = True
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.5, enable_gqa=query_heads != kv_heads
+        )
+        with torch.no_grad():
+            assert (gemm_attention(q, k, v, mask, scale=0.5) - expected).abs().max() < 1e-5, ("gemm", mask_rows)
     print("ok")
     """
 )
