@@ -80,15 +80,21 @@ def test_bad_experts_implementation_is_refused(gemma, implementation):
 CASES = {case["name"]: case for case in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"]}
 
 
+def generate_case(model, name: str, expected: dict):
+    """`model.generate()` on fixture case `name` (its prompt, mask, kwargs and seed): the `generate()` output."""
+    case = CASES[name]
+    kwargs = dict(case["kwargs"])
+    if case["attention_mask"]:
+        kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
+    torch.manual_seed(case["seed"])
+    return model.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+
+
 @pytest.mark.parametrize("name", ["p21.g32.defaults.s3", "b2.g32.eos.s1"])
 def test_static_cache_reproduces_transformers_cases(gemma, name):
     """The static cache (ring buffers for the sliding layers: window 8, prompts of 21 columns wrap them; empty
     slots masked) decodes transformers' tokens, as the dynamic cache does."""
     expected = load_file(GEMMA_DIR / "expected.safetensors")
-    case = CASES[name]
-    kwargs = dict(case["kwargs"])
-    if case["attention_mask"]:
-        kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
     caches = []
     original = gemma._diffusion_new_cache
 
@@ -98,8 +104,7 @@ def test_static_cache_reproduces_transformers_cases(gemma, name):
 
     gemma.static_cache, gemma._diffusion_new_cache = True, spy
     try:
-        torch.manual_seed(case["seed"])
-        out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+        out = generate_case(gemma, name, expected)
     finally:
         gemma.static_cache = None
         del gemma._diffusion_new_cache
@@ -117,12 +122,7 @@ def test_generate_reuses_its_static_cache_and_reproduces_transformers_cases(gemm
     caches = []
     try:
         for name in ("p21.g32.defaults.s3", "p21.g32.defaults.s3", "p5.g16.defaults.s1", "b2.g32.eos.s1"):
-            case = CASES[name]
-            kwargs = dict(case["kwargs"])
-            if case["attention_mask"]:
-                kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
-            torch.manual_seed(case["seed"])
-            out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+            out = generate_case(gemma, name, expected)
             assert torch.equal(out.sequences, expected[f"case.{name}"]), name
             caches.append((gemma._generate_cache, gemma._generate_cache.version))
         assert caches[0] == caches[1] == caches[2]  # the same object, buffers never reallocated
@@ -234,12 +234,7 @@ def test_row_chunked_sampler_and_head_reproduce_transformers_cases(gemma, monkey
     monkeypatch.setattr(decoding_diffusion_gemma, "ROW_CHUNK_ELEMENTS", 320 * 5)
     assert len(decoding_diffusion_gemma.row_chunks(32, 320)) == 7
     expected = load_file(GEMMA_DIR / "expected.safetensors")
-    case = CASES[name]
-    kwargs = dict(case["kwargs"])
-    if case["attention_mask"]:
-        kwargs["attention_mask"] = expected[f"attention_mask.{case['attention_mask']}"]
-    torch.manual_seed(case["seed"])
-    out = gemma.generate(expected[f"prompt.{case['prompt']}"], return_dict_in_generate=True, **kwargs)
+    out = generate_case(gemma, name, expected)
     assert torch.equal(out.sequences, expected[f"case.{name}"])
 
 
