@@ -76,7 +76,15 @@ from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import is_sharded
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
-from .triton_moe import align_by_expert, combine, qk_norm_rope_to_cache, route
+from .triton_moe import (
+    align_by_expert,
+    combine,
+    gate_route_and_align,
+    qk_norm_rope_to_cache,
+    route,
+    routes_in_one_program,
+    softmax_route_and_align,
+)
 from .triton_ops import rms_norm
 
 register_attention_backends()
@@ -346,9 +354,9 @@ class LLaDAMoESparseMoeBlock(nn.Module):
       expert that tokens chose, on its tokens; the per-expert counts are read on the host once per layer;
     - the fused kernels (`uses_fused_kernels`: half precision where hf_dllm's Triton kernels run, LLaDA2's): the
       router's top-k, the alignment of the (token, choice) pairs by expert and the weighted sum of each token's
-      rows (in float32) are `triton_moe.py`'s kernels, the gated up-projection and the down-projection
-      `grouped_gemm.py`'s grouped products over the stacked weights (`stacks`), bf16 or FP8; no host
-      synchronisation;
+      rows (in float32) are `triton_moe.py`'s kernels (for a block step's few tokens the router's product, top-k
+      and alignment are one kernel), the gated up-projection and the down-projection `grouped_gemm.py`'s grouped
+      products over the stacked weights (`stacks`), bf16 or FP8; no host synchronisation;
     - grouped (elsewhere, half-precision activations, `grouped_mm_dtypes`, where torch's grouped GEMM runs,
       without autograd): the pairs sorted by expert, two of torch's grouped GEMMs over the stacks, no host
       synchronisation.
@@ -400,9 +408,9 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if self.uses_fused_kernels(x):
-            router_logits = self.gate(x)
             flat_residual = None if residual is None else residual.reshape(-1, shape[-1])
-            return self._experts_fused(x, router_logits, flat_residual).view(shape), router_logits
+            out, router_logits = self._experts_fused(x, flat_residual)
+            return out.view(shape), router_logits
         weights, experts, router_logits = self.route(x)
         if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
             out = self.expert_dispatch(x, experts, weights).view(shape)
@@ -452,22 +460,43 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         return type(layer) is nn.Linear and "_hf_hook" not in layer.__dict__ and layer.weight.dtype == x.dtype
 
     def _experts_fused(
-        self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)` and its router logits `(tokens,
-        num_experts)`: the top-k of the float32 softmax (`route`; ties to the lower index), the pairs aligned by
-        expert, `silu(gate) * up` and the down-projection as grouped products over `stacks()`, each token's rows
-        weighted by its probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`,
-        which also adds `residual` `(tokens, hidden)` when given)."""
-        experts, weights = route(router_logits.float(), None, 1, 1, self.top_k, "softmax", False, 1.0)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)`, and the router logits `(tokens,
+        num_experts)`: the top-k of the float32 softmax (ties to the lower index), the pairs aligned by expert
+        (`_fused_routing`), `silu(gate) * up` and the down-projection as grouped products over `stacks()`, each
+        token's rows weighted by its probabilities rounded to x's dtype (as the original) and summed in float32
+        (`combine`, which also adds `residual` `(tokens, hidden)` when given)."""
+        router_logits, weights, sorted_token, offsets, rows = self._fused_routing(x)
         stacks = self.stacks()
-        sorted_token, offsets, rows = align_by_expert(experts, self.num_experts, False)
         gated = grouped_matmul(
             x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
         )
         expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
-        # The weights rounded to x's dtype and read as such: the kernel widens them to float32 (one cast kernel less).
-        return combine(expert_rows, rows, weights.to(x.dtype), False, residual)
+        return combine(expert_rows, rows, weights, False, residual), router_logits
+
+    # Few tokens (`triton_moe.routes_in_one_program`): the router's product inside the routing kernel (one launch
+    # for the logits, the top-k and the alignment) rather than a cuBLAS product before it (two launches).
+    router_product_in_routing_kernel = True
+
+    def _fused_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """For x `(tokens, hidden)`: the router logits `(tokens, num_experts)` in x's dtype, the routing weights
+        `(tokens, top_k)` rounded to x's dtype, and the pairs aligned by expert (`triton_moe.align_by_expert`'s
+        sorted_token, offsets, rows). One kernel for few tokens (with the router's product where the router is a
+        plain `nn.Linear` in x's dtype), else the router's product, `route` and `align_by_expert`; every kernel
+        reads and writes the dtypes it is given (no cast kernels)."""
+        gate = self.gate
+        if not routes_in_one_program(x.shape[0], self.num_experts):
+            router_logits = gate(x)
+            experts, weights = route(router_logits, None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
+            return router_logits, weights, *align_by_expert(experts, self.num_experts, False)
+        plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
+        plain_gate = plain_gate and not is_sharded(gate.weight)
+        if self.router_product_in_routing_kernel and plain_gate and gate.weight.dtype == x.dtype:
+            router_logits, _, *routing = gate_route_and_align(x, gate.weight, self.top_k)
+            return router_logits, *routing
+        router_logits = gate(x)
+        return router_logits, *softmax_route_and_align(router_logits, self.top_k, x.dtype)[1:]
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop

@@ -1,9 +1,10 @@
 """LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence subprocesses: two, side by side), float32,
 against the PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and
-softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort), the
-combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
-PyTorch path; LLaDA-MoE's experts on the same kernels (float16) against its PyTorch path, and its cached prefill
+softmax, a group size that is not a power of two, ties; half-precision logits and weights), both alignments by
+expert (against a stable argsort), the one-program softmax routing + alignment (with and without the router's
+product) against the routing then the alignment, the combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
+PyTorch path; LLaDA-MoE's experts on the same kernels (float16; few and many tokens) against its PyTorch path, and its cached prefill
 and block step on the fused attention path (float32) against the PyTorch path.
 """
 
@@ -63,6 +64,37 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     logits[0, [2, 3, 6, 7]] = 3.0
     index, _ = triton_moe.route(logits, None, 4, 1, 2, "sigmoid", True, 1.0)
     assert index.tolist() == [[2, 3]], index
+
+    # Half-precision logits read as they are, weights stored in the dtype asked: `.float()` before and `.to()` after.
+    logits = torch.randn(7, 12)
+    index, weight = triton_moe.route(logits, None, 4, 2, 3, "softmax", False, 1.0)
+    half_index, half_weight = triton_moe.route(logits.half(), None, 4, 2, 3, "softmax", False, 1.0, torch.float16)
+    want_index, want_weight = triton_moe.route(logits.half().float(), None, 4, 2, 3, "softmax", False, 1.0)
+    assert torch.equal(half_index, want_index) and torch.equal(half_weight, want_weight.half()), "route dtypes"
+
+    # Softmax routing + alignment in one program (LLaDA-MoE's few-token steps), against `route` then
+    # `align_by_expert`: float32 logits with a row of ties, float16 ones with float16 weights; with the router's
+    # product in the kernel, on values whose products and sums are exact in any order (so the logits are too).
+    for tokens, experts, top_k, dtype in ((32, 64, 8, torch.float32), (5, 16, 4, torch.float16)):
+        logits = torch.randn(tokens, experts).to(dtype)
+        logits[1] = 0.0
+        want_index, want_weight = triton_moe.route(logits, None, 1, 1, top_k, "softmax", False, 1.0, dtype)
+        want_align = triton_moe.align_by_expert(want_index, experts, False)
+        index, weight, *align = triton_moe.softmax_route_and_align(logits, top_k, dtype)
+        assert torch.equal(index, want_index) and all(map(torch.equal, align, want_align)), ("route_and_align", tokens)
+        assert torch.allclose(weight, want_weight, rtol=1e-6, atol=0), ("route_and_align weights", tokens)
+    x, gate = (torch.randint(-2, 3, shape).half() / 4 for shape in ((32, 256), (64, 256)))
+    logits, index, weight, *align = triton_moe.gate_route_and_align(x, gate, 8)
+    want_index, want_weight = triton_moe.route(x @ gate.T, None, 1, 1, 8, "softmax", False, 1.0, torch.float16)
+    assert torch.equal(logits, x @ gate.T) and torch.equal(index, want_index) and torch.equal(weight, want_weight)
+    assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False))), "gate_route_and_align"
+    for bad in (dict(x=x.float(), gate=gate.float()), dict(x=x, gate=gate[:, :100]), dict(x=torch.zeros(80, 256).half(), gate=gate)):
+        try:
+            triton_moe.gate_route_and_align(bad["x"], bad["gate"], 8)
+        except ValueError as error:
+            assert "gate_route_and_align" in str(error) or "one program" in str(error), error
+        else:
+            raise AssertionError("bad gate_route_and_align input accepted")
 
     # The norm's float32 copy of its output (the fused path feeds it to the router): the output widened, exactly.
     from hf_dllm import triton_ops
@@ -184,7 +216,7 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
 
 MODELS_SCRIPT = PRELUDE + textwrap.dedent(
     """
-    from hf_dllm import kernels
+    from hf_dllm import kernels, triton_moe
     from hf_dllm.cache import DiffusionKVCache
 
     # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
@@ -249,6 +281,20 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
     assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
     assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
+    # The routing's three fused forms: few tokens in one kernel with the router's product (above) or after
+    # PyTorch's, many tokens as the product, `route` and `align_by_expert`; the same as the PyTorch path.
+    many = torch.randn(300, 64, dtype=torch.float16)
+    assert triton_moe.routes_in_one_program(40, 8) and not triton_moe.routes_in_one_program(300, 8)
+    for tokens, product_in_kernel in ((x, False), (many, True)):
+        type(moe).router_product_in_routing_kernel = product_in_kernel
+        with torch.no_grad():
+            kernels.set_kernel_mode("torch")
+            plain_moe, plain_logits = moe(tokens)
+            kernels.set_kernel_mode("triton")
+            fused_moe, fused_logits = moe(tokens)
+        assert torch.equal(fused_logits, plain_logits), ("router logits", len(tokens))
+        assert (fused_moe.float() - plain_moe.float()).abs().max() < 2e-3, ("llada-moe routing", len(tokens))
+    type(moe).router_product_in_routing_kernel = True
 
     # LLaDA-MoE's cached forwards on the fused path (one q/k/v product, q/k norms + partial RoPE + cache write in one
     # kernel, the norms' residual adds fused), float32: a prefill, then a block step, against the PyTorch path.
