@@ -255,3 +255,24 @@ def test_gpu_fp8_model_runs_the_fused_kernels_and_generates():
     graphs = quantized.generate(prompt, mask_token_id=310, **settings)
     eager = quantized.generate(prompt, mask_token_id=310, disable_compile=True, **settings)
     assert graphs.shape == (1, 48) and not (graphs == 310).any() and torch.equal(graphs, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_routing_kernel_at_the_7b_shape():
+    """A batch-1 block step's routing at LLaDA-MoE-7B's shape (32 tokens, hidden 2048, 64 experts top-8, bf16) in one
+    kernel: the router logits within one bf16 rounding of cuBLAS's product, and the experts, weights and alignment
+    those of `route` + `align_by_expert` on the same logits; with the product on cuBLAS, the same routing too."""
+    from hf_dllm import triton_moe
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 2048, dtype=torch.bfloat16, device="cuda")
+    gate = (torch.randn(64, 2048, device="cuda") * 0.02).bfloat16()
+    logits, *fused = triton_moe.gate_route_and_align(x, gate, 8)
+    cublas = x @ gate.T
+    assert (logits.float() - cublas.float()).abs().max() <= cublas.float().abs().max() * 2**-7
+    for given, routing in ((logits, fused), (cublas, triton_moe.softmax_route_and_align(cublas, 8, torch.bfloat16))):
+        index, weight, *align = routing
+        want_index, want_weight = triton_moe.route(given, None, 1, 1, 8, "softmax", False, 1.0, torch.bfloat16)
+        assert torch.equal(index, want_index)
+        assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False)))
+        assert (weight.float() - want_weight.float()).abs().max() <= want_weight.float().max() * 2**-7
