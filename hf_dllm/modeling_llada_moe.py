@@ -79,6 +79,7 @@ from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x i
 from .triton_moe import (
     align_by_expert,
     combine,
+    combine_and_norm,
     gate_route_and_align,
     qk_norm_rope_to_cache,
     route,
@@ -409,7 +410,7 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         if self.uses_fused_kernels(x):
             flat_residual = None if residual is None else residual.reshape(-1, shape[-1])
-            out, router_logits = self._experts_fused(x, flat_residual)
+            out, router_logits, _ = self._experts_fused(x, flat_residual)
             return out.view(shape), router_logits
         weights, experts, router_logits = self.route(x)
         if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
@@ -418,6 +419,24 @@ class LLaDAMoESparseMoeBlock(nn.Module):
             run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
             out = run(x, weights, experts).view(shape)
         return (out if residual is None else residual + out), router_logits
+
+    # Where the fused kernels run: the next norm computed by the combine kernel (`forward_and_norm`) rather than by
+    # a kernel of its own.
+    norm_in_combine = True
+
+    def forward_and_norm(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`forward(hidden_states, residual)` and, where the fused kernels run, the RMS norm of its output with
+        `norm_weight` `(hidden,)` (`config.rms_norm_eps`, as `LLaDAMoERMSNorm` computes it) from the combine kernel
+        (`triton_moe.combine_and_norm`); None where that norm is left to its module (no weight given, or one on
+        another device or sharded)."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        fused_norm = norm_weight is not None and self.norm_in_combine and norm_weight.device == x.device
+        if fused_norm and not is_sharded(norm_weight) and self.uses_fused_kernels(x):
+            out, router_logits, normed = self._experts_fused(x, residual.reshape(x.shape), norm_weight)
+            return out.view(hidden_states.shape), router_logits, normed.view(hidden_states.shape)
+        return *self(hidden_states, residual=residual), None
 
     def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The reference: `(tokens, hidden)` outputs, each expert run on the tokens that chose it."""
@@ -460,20 +479,24 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         return type(layer) is nn.Linear and "_hf_hook" not in layer.__dict__ and layer.weight.dtype == x.dtype
 
     def _experts_fused(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)`, and the router logits `(tokens,
-        num_experts)`: the top-k of the float32 softmax (ties to the lower index), the pairs aligned by expert
-        (`_fused_routing`), `silu(gate) * up` and the down-projection as grouped products over `stacks()`, each
-        token's rows weighted by its probabilities rounded to x's dtype (as the original) and summed in float32
-        (`combine`, which also adds `residual` `(tokens, hidden)` when given)."""
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)`, the router logits `(tokens,
+        num_experts)` and, with `norm_weight` (and `residual`), the RMS norm of the outputs (else None): the top-k of
+        the float32 softmax (ties to the lower index), the pairs aligned by expert (`_fused_routing`), `silu(gate) *
+        up` and the down-projection as grouped products over `stacks()`, each token's rows weighted by its
+        probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`, which also adds
+        `residual` `(tokens, hidden)` when given; `combine_and_norm` with the norm)."""
         router_logits, weights, sorted_token, offsets, rows = self._fused_routing(x)
         stacks = self.stacks()
         gated = grouped_matmul(
             x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
         )
         expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
-        return combine(expert_rows, rows, weights, False, residual), router_logits
+        if norm_weight is None:
+            return combine(expert_rows, rows, weights, False, residual), router_logits, None
+        out, normed = combine_and_norm(expert_rows, rows, weights, residual, norm_weight, self.config.rms_norm_eps)
+        return out, router_logits, normed
 
     # Few tokens (`triton_moe.routes_in_one_program`): the router's product inside the routing kernel (one launch
     # for the logits, the top-k and the alignment) rather than a cuBLAS product before it (two launches).
@@ -582,13 +605,17 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         attention_mask=None,
         past_key_values: Cache | DiffusionKVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        normed_input: torch.Tensor | None = None,
+        next_norm_weight: torch.Tensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers).
-        Where the fused kernels run, the residual adds happen inside the post-attention norm's kernel and the MoE's
-        combine kernel (the same sums, rounded as here)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the new hidden states `(batch, q_len, hidden)`, the router logits (None in dense layers) and, where
+        the MoE's combine kernel computed it, the RMS norm of the new hidden states with `next_norm_weight` `(hidden,)`
+        (the next layer's input norm or the model's final norm; else None). `normed_input`: `input_layernorm(
+        hidden_states)` when the previous layer returned it. Where the fused kernels run, the residual adds happen
+        inside the post-attention norm's kernel and the MoE's combine kernel (the same sums, rounded as here)."""
         attn = self.self_attn(
-            self.input_layernorm(hidden_states),
+            self.input_layernorm(hidden_states) if normed_input is None else normed_input,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
@@ -598,11 +625,11 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         normed, hidden_states = self.post_attention_layernorm.add_and_norm(attn, hidden_states)
         shared = getattr(self, "shared_expert", None)
         if not self.is_moe:
-            return hidden_states + self.mlp(normed), None
+            return hidden_states + self.mlp(normed), None, None
         if shared is None:
-            return self.mlp(normed, residual=hidden_states)
+            return self.mlp.forward_and_norm(normed, hidden_states, next_norm_weight)
         mlp_out, router_logits = self.mlp(normed)
-        return hidden_states + (mlp_out + shared(normed)), router_logits
+        return hidden_states + (mlp_out + shared(normed)), router_logits, None
 
 
 class LLaDAMoEPreTrainedModel(PreTrainedModel):
@@ -725,23 +752,28 @@ class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
         else:  # rows of a table computed once (the same values): a lookup instead of ~12 kernels a step
             position_embeddings = self._rope_tables.lookup(position_ids, bound, inputs_embeds.dtype)
 
-        hidden_states = inputs_embeds
+        hidden_states, normed = inputs_embeds, None
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
-        for layer in self.layers:
+        # Each layer gets the norm after it (the next layer's input norm, the final norm last), which the MoE's
+        # combine kernel computes with the residual add where it can (one kernel less per layer).
+        after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, after, strict=True):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, router_logits = layer(
+            hidden_states, router_logits, normed = layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 past_key_values=past_key_values,
                 cache_position=cache_position,
+                normed_input=normed,
+                next_norm_weight=next_norm.weight,
                 **kwargs,
             )
             if output_router_logits and router_logits is not None:
                 all_router_logits += (router_logits,)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(hidden_states) if normed is None else normed
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return MoeModelOutputWithPast(

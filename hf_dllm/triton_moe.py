@@ -19,6 +19,7 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
   kernels) for many;
 - `combine`: each token's routed rows weighted and summed in float32, rounded, plus the shared expert's row and
   the residual, with PyTorch's rounding points;
+- `combine_and_norm`: `combine` plus the next layer's RMS norm of its output, one program per token (LLaDA-MoE);
 - `qk_norm_rope_to_cache`: per-head RMS norm of q and k, partial RoPE with the tables in the activation dtype, q
   written `(B, Hq, L, D)` and k, v written into the K/V cache, one launch instead of ~20.
 
@@ -33,6 +34,9 @@ import torch
 
 from .triton_attention import num_sms
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+
+if TRITON_AVAILABLE:
+    from .triton_ops import _rms_normed
 
 if TRITON_AVAILABLE:
 
@@ -363,6 +367,47 @@ if TRITON_AVAILABLE:
             residual = tl.load(residual_ptr + token * hidden + cols, mask=in_row, other=0.0)
             out = (residual.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + token * hidden + cols, out, mask=in_row)
+
+    @triton.jit
+    def _combine_norm_kernel(
+        rows_ptr,
+        row_index_ptr,
+        weight_ptr,
+        residual_ptr,
+        norm_weight_ptr,
+        out_ptr,
+        normed_ptr,
+        hidden,
+        eps,
+        TOP_K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
+        # One program per token, its whole row: `_combine_kernel`'s residual + weighted sum (the same rounding
+        # points), then `triton_ops.rms_norm` of that sum (the same reduction over a row of BLOCK_H, the same
+        # rounding points), so the next layer's input norm needs no kernel of its own. Compiled with fused
+        # multiply-adds as `rms_norm` is (its sum of squares may use them); the combine's products are rounded
+        # multiplications (`mul_rn`, never fused), as `_combine_kernel` computes them without fusion.
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        in_row = cols < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            row = tl.load(row_index_ptr + token * TOP_K + k).to(tl.int64)
+            w = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
+            y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+            if LIBDEVICE:
+                acc += tl.extra.libdevice.mul_rn(y, tl.full(y.shape, 0.0, tl.float32) + w)
+            else:
+                acc += y * w
+        dtype = out_ptr.dtype.element_ty
+        residual = tl.load(residual_ptr + token * hidden + cols, mask=in_row, other=0.0)
+        out = (residual.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + token * hidden + cols, out, mask=in_row)
+        x = out.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+        normed = _rms_normed(x, rstd, norm_weight_ptr + cols, in_row, dtype, True)
+        tl.store(normed_ptr + token * hidden + cols, normed, mask=in_row)
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -733,6 +778,49 @@ def combine(
         enable_fp_fusion=False,
     )
     return out
+
+
+@on_tensor_device
+def combine_and_norm(
+    expert_rows: torch.Tensor,
+    row: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`total = combine(expert_rows, row, weight, False, residual)` and `triton_ops.rms_norm(total, norm_weight,
+    eps)[0]` in one launch (one program per token; the same values): the MoE layer's output and the next layer's
+    normed input. expert_rows `(pairs, H)`, row `(tokens, top_k)`, weight `(tokens, top_k)`, residual `(tokens, H)`,
+    norm_weight `(H,)` -> total, normed `(tokens, H)` in the rows' dtype."""
+    tokens, top_k = weight.shape
+    hidden = expert_rows.shape[1]
+    if residual.shape != (tokens, hidden) or norm_weight.shape != (hidden,):
+        raise ValueError(
+            f"combine_and_norm: residual must be ({tokens}, {hidden}) and norm_weight ({hidden},), got "
+            f"{tuple(residual.shape)} and {tuple(norm_weight.shape)}."
+        )
+    out = torch.empty(tokens, hidden, dtype=expert_rows.dtype, device=expert_rows.device)
+    normed = torch.empty_like(out)
+    if tokens == 0:
+        return out, normed
+    block = triton.next_power_of_2(hidden)
+    _combine_norm_kernel[(tokens,)](
+        expert_rows.contiguous(),
+        row.contiguous(),
+        weight.contiguous(),
+        residual.contiguous(),
+        norm_weight.contiguous(),
+        out,
+        normed,
+        hidden,
+        float(eps),
+        TOP_K=top_k,
+        BLOCK_H=block,
+        LIBDEVICE=expert_rows.is_cuda,  # the interpreter (CPU tensors) has no libdevice (nor fused multiply-adds)
+        num_warps=8 if block >= 2048 else 4,  # as `triton_ops.rms_norm`: the same reduction
+    )
+    return out, normed
 
 
 @on_tensor_device

@@ -3,9 +3,10 @@
 against the PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and
 softmax, a group size that is not a power of two, ties; half-precision logits and weights), both alignments by
 expert (against a stable argsort), the one-program softmax routing + alignment (with and without the router's
-product) against the routing then the alignment, the combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
-PyTorch path; LLaDA-MoE's experts on the same kernels (float16; few and many tokens) against its PyTorch path, and its cached prefill
-and block step on the fused attention path (float32) against the PyTorch path.
+product) against the routing then the alignment, the combine (and with the next norm), and a tiny model's prefill
+and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path; LLaDA-MoE's experts
+on the same kernels (float16; few and many tokens; the next norm in the combine) against its PyTorch path, and its
+cached prefill and block step on the fused attention path (float32) against the PyTorch path.
 """
 
 from __future__ import annotations
@@ -155,6 +156,16 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
         widened = triton_moe.combine(half_rows, rows, half_weight.float(), shared, half_residual)
         assert torch.equal(triton_moe.combine(half_rows, rows, half_weight, shared, half_residual), widened), "combine"
 
+    # The combine plus the next norm of its output, one program per token (LLaDA-MoE): both as the two kernels.
+    for dtype in (torch.float32, torch.float16):
+        topk = torch.randint(0, 16, (9, 4))
+        _, _, rows = triton_moe.align_by_expert(topk, 16, False)
+        expert_rows, weight, residual = (torch.randn(shape).to(dtype) for shape in ((36, 40), (9, 4), (9, 40)))
+        norm_weight = (torch.rand(40) + 0.5).to(dtype)
+        total, normed = triton_moe.combine_and_norm(expert_rows, rows, weight, residual, norm_weight, 1e-6)
+        want = triton_moe.combine(expert_rows, rows, weight, False, residual)
+        assert torch.equal(total, want) and torch.equal(normed, triton_ops.rms_norm(want, norm_weight, 1e-6)[0]), dtype
+
     # The q/k norm + RoPE + cache write on some of the projection's heads (a tensor-parallel rank's: query heads
     # [2, 4) and key/value head 1 of 4 and 2) equals the kernel on a projection holding only those heads; bad head
     # ranges are refused.
@@ -295,6 +306,12 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         assert torch.equal(fused_logits, plain_logits), ("router logits", len(tokens))
         assert (fused_moe.float() - plain_moe.float()).abs().max() < 2e-3, ("llada-moe routing", len(tokens))
     type(moe).router_product_in_routing_kernel = True
+    # The MoE layer's combine kernel computing the final norm (the last layer's next norm): the logits unchanged.
+    with torch.no_grad():
+        type(moe).norm_in_combine = False
+        apart = half(ids).logits
+        type(moe).norm_in_combine = True
+        assert torch.equal(half(ids).logits, apart), "llada-moe norm in combine"
 
     # LLaDA-MoE's cached forwards on the fused path (one q/k/v product, q/k norms + partial RoPE + cache write in one
     # kernel, the norms' residual adds fused), float32: a prefill, then a block step, against the PyTorch path.

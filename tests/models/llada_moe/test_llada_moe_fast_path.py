@@ -276,3 +276,23 @@ def test_gpu_routing_kernel_at_the_7b_shape():
         assert torch.equal(index, want_index)
         assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False)))
         assert (weight.float() - want_weight.float()).abs().max() <= want_weight.float().max() * 2**-7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 512])
+def test_gpu_combine_and_norm_equals_combine_then_norm(tokens):
+    """The combine with the next layer's norm (one program per token, bf16, hidden 2048) gives `combine`'s sum and
+    `triton_ops.rms_norm`'s normed rows bit for bit (the same rounding points and row reduction)."""
+    from hf_dllm import triton_moe, triton_ops
+
+    torch.manual_seed(0)
+    topk = torch.stack([torch.randperm(64, device="cuda")[:8] for _ in range(tokens)])
+    _, _, rows = triton_moe.align_by_expert(topk, 64, False)
+    expert_rows = torch.randn(tokens * 8, 2048, dtype=torch.bfloat16, device="cuda")
+    weight = torch.rand(tokens, 8, device="cuda").bfloat16()
+    residual = torch.randn(tokens, 2048, dtype=torch.bfloat16, device="cuda")
+    norm_weight = (torch.rand(2048, device="cuda") + 0.5).bfloat16()
+    total, normed = triton_moe.combine_and_norm(expert_rows, rows, weight, residual, norm_weight, 1e-6)
+    want = triton_moe.combine(expert_rows, rows, weight, False, residual)
+    assert torch.equal(total, want)
+    assert torch.equal(normed, triton_ops.rms_norm(want, norm_weight, 1e-6)[0])
