@@ -381,13 +381,13 @@ if TRITON_AVAILABLE:
         eps,
         TOP_K: tl.constexpr,
         BLOCK_H: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
+        ON_GPU: tl.constexpr,
     ):
         # One program per token, its whole row: `_combine_kernel`'s residual + weighted sum (the same rounding
         # points), then `triton_ops.rms_norm` of that sum (the same reduction over a row of BLOCK_H, the same
         # rounding points), so the next layer's input norm needs no kernel of its own. Compiled with fused
-        # multiply-adds as `rms_norm` is (its sum of squares may use them); the combine's products are rounded
-        # multiplications (`mul_rn`, never fused), as `_combine_kernel` computes them without fusion.
+        # multiply-adds as `rms_norm` is (its sum of squares may use them); the combine's products are explicit
+        # rounded multiplications (never fused), as `_combine_kernel`, compiled without fusion, computes them.
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         in_row = cols < hidden
@@ -396,8 +396,13 @@ if TRITON_AVAILABLE:
             row = tl.load(row_index_ptr + token * TOP_K + k).to(tl.int64)
             w = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
             y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-            if LIBDEVICE:
-                acc += tl.extra.libdevice.mul_rn(y, tl.full(y.shape, 0.0, tl.float32) + w)
+            if ON_GPU:
+                # An explicit round-to-nearest multiplication: never contracted into a fused multiply-add, and
+                # without libdevice's flush of subnormals.
+                w = tl.full(y.shape, 0.0, tl.float32) + w
+                acc += tl.inline_asm_elementwise(
+                    "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, w], dtype=tl.float32, is_pure=True, pack=1
+                )
             else:
                 acc += y * w
         dtype = out_ptr.dtype.element_ty
@@ -626,6 +631,19 @@ def gate_route_and_align(
     return _route_and_align(x.contiguous(), gate_weight.contiguous(), logits, top_k, x.dtype)
 
 
+def _router_product_tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:
+    """(hidden columns per step, steps in flight) of the one-program router product: one multiprocessor streams
+    the router's weight (64 x 2048 bf16 for LLaDA-MoE-7B: 256 KB), so the widest tiles and most stages whose tiles
+    of `rows` rows (tokens + experts) fit the device's shared memory (16 KB kept for the rest of the kernel)."""
+    if device.type != "cuda":
+        return 256, 3
+    budget = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 16 * 1024
+    for block_h, stages in ((256, 3), (128, 3), (128, 2), (64, 2)):
+        if stages * block_h * rows * element_size <= budget:
+            return block_h, stages
+    return 32, 1
+
+
 def _route_and_align(x, gate_weight, logits, top_k: int, weight_dtype: torch.dtype):
     tokens, n_experts = logits.shape
     if not routes_in_one_program(tokens, n_experts):
@@ -647,6 +665,8 @@ def _route_and_align(x, gate_weight, logits, top_k: int, weight_dtype: torch.dty
     if tokens == 0:
         return logits, index, weight, sorted_token, offsets.zero_(), row
     has_gemm = x is not None
+    block_t, block_e = _tile_side(tokens), _tile_side(n_experts)
+    block_h, stages = _router_product_tiles(block_t + block_e, logits.element_size(), device)
     _route_align_kernel[(1,)](
         x if has_gemm else logits,
         gate_weight if has_gemm else logits,
@@ -661,12 +681,13 @@ def _route_and_align(x, gate_weight, logits, top_k: int, weight_dtype: torch.dty
         x.shape[1] if has_gemm else 0,
         HAS_GEMM=has_gemm,
         TOP_K=top_k,
-        BLOCK_T=_tile_side(tokens),
-        BLOCK_E=_tile_side(n_experts),
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_H=128,
+        BLOCK_H=block_h,
         LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
         num_warps=4,
+        num_stages=stages,
     )
     return logits, index, weight, sorted_token, offsets, row
 
@@ -817,7 +838,7 @@ def combine_and_norm(
         float(eps),
         TOP_K=top_k,
         BLOCK_H=block,
-        LIBDEVICE=expert_rows.is_cuda,  # the interpreter (CPU tensors) has no libdevice (nor fused multiply-adds)
+        ON_GPU=expert_rows.is_cuda,  # the interpreter (CPU tensors) has no inline assembly (nor fused multiply-adds)
         num_warps=8 if block >= 2048 else 4,  # as `triton_ops.rms_norm`: the same reduction
     )
     return out, normed
