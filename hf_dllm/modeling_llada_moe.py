@@ -400,43 +400,44 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         return weights.to(x.dtype), experts, router_logits
 
+    # Where the fused kernels run, `next_norm_weight`'s norm computed by the combine kernel rather than by a kernel
+    # of its own.
+    norm_in_combine = True
+
     def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        next_norm_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """hidden_states `(batch, q_len, hidden)` -> (the weighted sum of the chosen experts' outputs, same shape,
         plus `residual` (same shape) when given: added, rounded, as `residual + output` rounds it, in the fused
-        combine kernel; the router logits `(batch * q_len, num_experts)`)."""
+        combine kernel; the router logits `(batch * q_len, num_experts)`). With `next_norm_weight` `(hidden,)` (and
+        `residual`) a third element: the RMS norm of the output with that weight and `config.rms_norm_eps`, as
+        `LLaDAMoERMSNorm` computes it, where the combine kernel computed it (`triton_moe.combine_and_norm`: the fused
+        kernels run, the weight on the output's device and not sharded), else None (the norm is left to its module)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if self.uses_fused_kernels(x):
             flat_residual = None if residual is None else residual.reshape(-1, shape[-1])
-            out, router_logits, _ = self._experts_fused(x, flat_residual)
-            return out.view(shape), router_logits
+            norm_weight = next_norm_weight if self._fuses_norm(x, residual, next_norm_weight) else None
+            out, router_logits, normed = self._experts_fused(x, flat_residual, norm_weight)
+            out = out.view(shape), router_logits
+            return out if next_norm_weight is None else (*out, None if normed is None else normed.view(shape))
         weights, experts, router_logits = self.route(x)
         if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
             out = self.expert_dispatch(x, experts, weights).view(shape)
         else:
             run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
             out = run(x, weights, experts).view(shape)
-        return (out if residual is None else residual + out), router_logits
+        out = (out if residual is None else residual + out), router_logits
+        return out if next_norm_weight is None else (*out, None)
 
-    # Where the fused kernels run: the next norm computed by the combine kernel (`forward_and_norm`) rather than by
-    # a kernel of its own.
-    norm_in_combine = True
-
-    def forward_and_norm(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """`forward(hidden_states, residual)` and, where the fused kernels run, the RMS norm of its output with
-        `norm_weight` `(hidden,)` (`config.rms_norm_eps`, as `LLaDAMoERMSNorm` computes it) from the combine kernel
-        (`triton_moe.combine_and_norm`); None where that norm is left to its module (no weight given, or one on
-        another device or sharded)."""
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        fused_norm = norm_weight is not None and self.norm_in_combine and norm_weight.device == x.device
-        if fused_norm and not is_sharded(norm_weight) and self.uses_fused_kernels(x):
-            out, router_logits, normed = self._experts_fused(x, residual.reshape(x.shape), norm_weight)
-            return out.view(hidden_states.shape), router_logits, normed.view(hidden_states.shape)
-        return *self(hidden_states, residual=residual), None
+    def _fuses_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None) -> bool:
+        """Whether the fused path's combine kernel also computes the norm with `norm_weight` (see `forward`)."""
+        if norm_weight is None or residual is None or not self.norm_in_combine:
+            return False
+        return norm_weight.device == x.device and not is_sharded(norm_weight)
 
     def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The reference: `(tokens, hidden)` outputs, each expert run on the tokens that chose it."""
@@ -627,7 +628,9 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         if not self.is_moe:
             return hidden_states + self.mlp(normed), None, None
         if shared is None:
-            return self.mlp.forward_and_norm(normed, hidden_states, next_norm_weight)
+            if next_norm_weight is None:
+                return *self.mlp(normed, residual=hidden_states), None
+            return self.mlp(normed, residual=hidden_states, next_norm_weight=next_norm_weight)
         mlp_out, router_logits = self.mlp(normed)
         return hidden_states + (mlp_out + shared(normed)), router_logits, None
 

@@ -306,12 +306,17 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         assert torch.equal(fused_logits, plain_logits), ("router logits", len(tokens))
         assert (fused_moe.float() - plain_moe.float()).abs().max() < 2e-3, ("llada-moe routing", len(tokens))
     type(moe).router_product_in_routing_kernel = True
-    # The MoE layer's combine kernel computing the final norm (the last layer's next norm): the logits unchanged.
+    # The MoE layer's combine kernel computing the final norm (the last layer's next norm): the logits unchanged,
+    # the block's forward hooks called (the norm's weight is an argument of its forward).
+    calls = []
+    moe.register_forward_hook(lambda module, args, output: calls.append(len(output)))
     with torch.no_grad():
         type(moe).norm_in_combine = False
         apart = half(ids).logits
         type(moe).norm_in_combine = True
         assert torch.equal(half(ids).logits, apart), "llada-moe norm in combine"
+        assert moe(x, residual=x, next_norm_weight=half.model.norm.weight)[2] is not None
+    assert calls == [3, 3, 3], calls
 
     # LLaDA-MoE's cached forwards on the fused path (one q/k/v product, q/k norms + partial RoPE + cache write in one
     # kernel, the norms' residual adds fused), float32: a prefill, then a block step, against the PyTorch path.

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from hf_dllm import fp8
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.kernels import set_kernel_mode
-from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
+from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, rotary_cos_sin
 from tests.conftest import random_weights_model
 from tests.models.llada_moe.test_llada_moe import generate_kwargs
 
@@ -129,6 +129,20 @@ def test_fp8_model_generates_with_the_dual_cache(cpu_quantization):
         prompt, max_new_tokens=8, block_length=4, threshold=0.9, use_cache=True, dual_cache=True, mask_token_id=310
     )
     assert out.shape == (1, 16) and not (out == 310).any()
+
+
+def test_next_norm_is_left_to_its_module_off_the_fused_path():
+    """A MoE block asked for the next norm where the fused kernels do not run returns None for it (the next layer
+    norms its input itself), and a decoder layer always returns (hidden states, router logits, next norm or None)."""
+    model = random_model(random_config(), torch.float32)
+    layer, x = model.model.layers[1], torch.randn(1, 5, 128)
+    cos_sin = rotary_cos_sin(torch.arange(5)[None], model.config, torch.float32)
+    with torch.no_grad():
+        out, logits, normed = layer.mlp(x, residual=x, next_norm_weight=model.model.norm.weight)
+        assert normed is None and logits.shape == (5, 8)
+        for weight in (None, model.model.norm.weight):
+            hidden, logits, normed = layer(x, cos_sin, next_norm_weight=weight)
+            assert hidden.shape == x.shape and logits.shape == (5, 8) and normed is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
