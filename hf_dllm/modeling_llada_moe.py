@@ -25,8 +25,9 @@ float32), or, in half precision, without host synchronisation (`generate()` then
 graphs): where hf_dllm's Triton kernels run (CUDA), as LLaDA2's fused MoE kernels (`triton_moe.py`'s router,
 alignment and combine, `grouped_gemm.py`'s grouped products, bf16 or FP8 weights; at a block step's few tokens the
 router's product, top-k and alignment are one kernel, and the combine also computes the next layer's input norm),
-elsewhere as torch's grouped GEMMs, both over stacked views of the same weights. FP8 (`fp8.fp8_quantization_config("llada_moe")`) quantizes every
-projection but the routers and the output head; its layers run through `kernels.linear`.
+elsewhere as torch's grouped GEMMs, both over stacked views of the same weights. FP8
+(`fp8.fp8_quantization_config("llada_moe")`) quantizes every projection but the routers and the output head; its
+layers run through `kernels.linear`.
 
 Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS` (`eager` is this file's reference function,
 `sdpa`, `flex_attention`, `flash_attention_2`, ...; by default `llada_triton`, LLaDA's: the split-KV kernel on CUDA
