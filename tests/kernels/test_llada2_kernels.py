@@ -89,9 +89,9 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     want_index, want_weight = triton_moe.route(x @ gate.T, None, 1, 1, 8, "softmax", False, 1.0, torch.float16)
     assert torch.equal(logits, x @ gate.T) and torch.equal(index, want_index) and torch.equal(weight, want_weight)
     assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False))), "gate_route_and_align"
-    for bad in (dict(x=x.float(), gate=gate.float()), dict(x=x, gate=gate[:, :100]), dict(x=torch.zeros(80, 256).half(), gate=gate)):
+    for bad_x, bad_gate in ((x.float(), gate.float()), (x, gate[:, :100]), (torch.zeros(80, 256).half(), gate)):
         try:
-            triton_moe.gate_route_and_align(bad["x"], bad["gate"], 8)
+            triton_moe.gate_route_and_align(bad_x, bad_gate, 8)
         except ValueError as error:
             assert "gate_route_and_align" in str(error) or "one program" in str(error), error
         else:
