@@ -638,7 +638,7 @@ def _router_product_tiles(rows: int, element_size: int, device: torch.device) ->
     if device.type != "cuda":
         return 256, 3
     budget = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 16 * 1024
-    for block_h, stages in ((256, 3), (128, 3), (128, 2), (64, 2)):
+    for block_h, stages in ((256, 4), (256, 3), (128, 3), (128, 2), (64, 2)):
         if stages * block_h * rows * element_size <= budget:
             return block_h, stages
     return 32, 1
