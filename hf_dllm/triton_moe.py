@@ -589,6 +589,7 @@ ROUTE_ALIGN_MAX_TILE = 4096
 
 
 def _tile_side(n: int) -> int:
+    """A side of the one-program routing tile holding `n` rows: a power of two, at least 16 (`tl.dot`'s least)."""
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
