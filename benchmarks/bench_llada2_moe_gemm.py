@@ -3,8 +3,9 @@
 The two grouped products of a MoE layer take most of a block step. This benchmark times, at LLaDA2.0-mini's shapes
 (257 groups: 256 routed experts of 512 plus the shared expert; gate/up `(257, 1024, 2048)`, down `(257, 2048, 512)`;
 `tokens` tokens routed top-8 at random plus every token's shared-expert row, in expert order as
-`triton_moe.align_by_expert` gives them; 32 tokens = a batch-1 block step, 1024 = batch 32), each replayed from a
-CUDA graph:
+`triton_moe.align_by_expert` gives them; 32 tokens = a batch-1 block step, 1024 = batch 32), or with `--shape
+llada-moe` LLaDA-MoE-7B-A1B's (64 experts of 1024, no shared expert, the tokens routed top-8 among 10 experts, as a
+block step's tokens concentrate), each replayed from a CUDA graph:
 
 - bf16 weights, `torch._grouped_mm` as the fused path calls it: the gather of the rows, gate/up, the SiLU gate
   (`triton_ops.silu_mul`), down;
@@ -17,6 +18,7 @@ against each product's weight-read floor (bytes of the groups that received rows
 measured copy bandwidth). Prints a table and ends with one JSON line.
 
     python benchmarks/bench_llada2_moe_gemm.py --tokens 32,256,1024
+    python benchmarks/bench_llada2_moe_gemm.py --shape llada-moe --tokens 32 --sweep bf16
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from bench_generate import copy_bandwidth  # the rate every benchmark's weight-read floor divides by
@@ -34,25 +37,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dllm import fp8, grouped_gemm, triton_moe, triton_ops  # noqa: E402
 
-EXPERTS, HIDDEN, INTER, TOP_K = 256, 2048, 512, 8
 BLOCK = (128, 128)
 
 
-def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
+class Shape(NamedTuple):
+    """A MoE layer's experts: routed `experts` of width `inter` over `hidden`, `top_k` per token, plus a shared
+    expert (`shared`); each step's tokens choose among `distinct` experts (all of them: uniform random routing)."""
+
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+    shared: bool
+    distinct: int
+
+
+SHAPES = {
+    "llada2-mini": Shape(256, 2048, 512, 8, True, 256),
+    # LLaDA-MoE-7B-A1B: a batch-1 block step's 32 tokens chose ~9.2 distinct experts per layer (bench_llada_moe.py).
+    "llada-moe": Shape(64, 2048, 1024, 8, False, 10),
+}
+
+
+def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SHAPES["llada2-mini"]) -> dict:
     """One token count's timings (and, with `sweep`, the configs of `grouped_gemm.grouped_configs()` in those
     dtypes)."""
-    groups = EXPERTS + 1
-    topk = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)])
-    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, EXPERTS, True)
+    experts, hidden, inter, top_k = shape.experts, shape.hidden, shape.inter, shape.top_k
+    groups = experts + shape.shared
+    pool = torch.randperm(experts, device="cuda")[: max(shape.distinct, top_k)]
+    topk = torch.stack([pool[torch.randperm(len(pool), device="cuda")[:top_k]] for _ in range(tokens)])
+    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, experts, shape.shared)
     used = int((torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).sum())
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    gate_up = (torch.randn(groups, 2 * INTER, HIDDEN, device="cuda") * 0.02).to(torch.bfloat16)
-    down = (torch.randn(groups, HIDDEN, INTER, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    gate_up = (torch.randn(groups, 2 * inter, hidden, device="cuda") * 0.02).to(torch.bfloat16)
+    down = (torch.randn(groups, hidden, inter, device="cuda") * 0.02).to(torch.bfloat16)
     # Widths are multiples of 128: gate/up's scale rows are the gate's then the up's, as the model stacks them.
     gate_up8, gate_up_scale = fp8.quantize_blocks(gate_up, BLOCK)
     down8, down_scale = fp8.quantize_blocks(down, BLOCK)
     pairs = sorted_token.shape[0]
-    hidden_rows = torch.randn(pairs, INTER, device="cuda", dtype=torch.bfloat16)
+    hidden_rows = torch.randn(pairs, inter, device="cuda", dtype=torch.bfloat16)
 
     def torch_gate_up():
         projected = torch._grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
@@ -74,7 +97,7 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str]) -> dict:
     }
     row = dict(tokens=tokens, pairs=pairs, groups_used=used)
     for gemm, fns in candidates.items():
-        n, k = (2 * INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
+        n, k = (2 * inter, hidden) if gemm == "gate_up" else (hidden, inter)
         row[f"{gemm}_floor_bf16_us"] = 1e6 * used * n * k * 2 / bandwidth
         row[f"{gemm}_floor_fp8_us"] = 1e6 * used * (n * k + (n // 128) * (k // 128) * 4) / bandwidth
         reference = fns["grouped_mm_bf16"]().float()
@@ -131,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also time every config of these weights (fp8, bf16 or fp8,bf16)",
     )
     parser.add_argument("--sweep-tokens", default="", help="sweep at these token counts only (default: all)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llada2-mini", help="the experts' shape")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape}
     summary["copy_bandwidth_tb_s"] = bandwidth / 1e12
     print(json.dumps(summary), flush=True)
     sweep = [dtype for dtype in args.sweep.split(",") if dtype]
@@ -145,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sweep takes fp8 and/or bf16, got {args.sweep!r}")
     sweep_tokens = {int(t) for t in args.sweep_tokens.split(",")} if args.sweep_tokens else None
     summary["rows"] = [
-        shape_row(int(t), bandwidth, sweep if sweep_tokens is None or int(t) in sweep_tokens else [])
+        shape_row(
+            int(t), bandwidth, sweep if sweep_tokens is None or int(t) in sweep_tokens else [], SHAPES[args.shape]
+        )
         for t in args.tokens.split(",")
     ]
     print("\ntokens gemm     floor bf16  grouped_mm  triton bf16  floor fp8  triton fp8  (us)")

@@ -12,9 +12,11 @@ built on the GPU; the Hub model class gets the same weights. Batch 1, prompt 256
 
 Reported: ms per forward, forwards, tokens/s and the speed-up over the reference (goal: dual cache >= 3x), and the
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
-loop queues them) against its weight-read floor: the bytes of every weight a step reads (attention, norms, routers,
-output head; the embedding's gathered rows aside) plus the distinct experts the step's 32 tokens chose in each
-layer, over the device's measured copy bandwidth (goal: step within 2x of the floor).
+loop queues them; also without the router's product in the routing kernel, and without the next norm in the
+MoE's combine kernel: `LLaDAMoESparseMoeBlock`'s switches) against its weight-read floor: the bytes of every weight
+a step reads (attention, norms, routers, output head; the embedding's gathered rows aside) plus the distinct experts
+the step's 32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step within 2x of the
+floor).
 
 The reference code is never committed: `--reference DIR` names a folder holding `modeling_lladamoe.py`,
 `configuration_lladamoe.py` (ZHZisZZ/dllm) and LLaDA's `generate.py` (`benchmarks/lladamoe_reference.py` says how to
@@ -46,6 +48,7 @@ from bench_llada2 import sync, timed  # noqa: E402
 from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM  # noqa: E402
 from hf_dllm.block_loop import BlockDiffusionRun  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
+from hf_dllm.modeling_llada_moe import LLaDAMoESparseMoeBlock  # noqa: E402
 
 # inclusionAI/LLaDA-MoE-7B-A1B-Base's config.json (fields this model reads).
 LLADA_MOE_7B = dict(
@@ -211,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
 
     config = model.resolve_generation_config(steps=new_tokens, **base, use_cache=True, dual_cache=True)
     step = block_step_ms(model, prompt, config, device) if gpu else None
+    variants = {}
+    if gpu:  # the same step without one of the MoE block's fusions (each a switch of the block's class)
+        for switch in ("router_product_in_routing_kernel", "norm_in_combine"):
+            setattr(LLaDAMoESparseMoeBlock, switch, False)
+            try:
+                variants[f"ms_without_{switch}"] = round(block_step_ms(model, prompt, config, device), 3)
+            finally:
+                setattr(LLaDAMoESparseMoeBlock, switch, True)
     canvas = ours_steps.sequences
     distinct = distinct_experts(model, canvas, slice(prompt_len, prompt_len + block))
     summary["step"] = {"distinct_experts_per_layer": round(statistics.mean(distinct), 1)}
@@ -223,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_bandwidth_tb_s=round(bandwidth / 1e12, 2),
             floor_ms=round(floor_ms, 3),
             over_floor=round(step / floor_ms, 2),
+            **variants,
         )
         summary["goal_step_within_2x_floor"] = step <= 2 * floor_ms
         with torch.no_grad():
@@ -245,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{step_line['copy_bandwidth_tb_s']} TB/s, {step_line['distinct_experts_per_layer']} experts per layer): "
             f"{step_line['over_floor']}x"
         )
+        print("  without " + ", ".join(f"{name[11:]}: {ms} ms" for name, ms in variants.items()))
     for goal in ("goal_dual_cache_3x_reference", "goal_step_within_2x_floor"):
         if goal in summary:
             print(f"{goal}: {'met' if summary[goal] else 'NOT met'}")

@@ -23,9 +23,11 @@ The routed experts (`LLaDAMoESparseMoeBlock`) run as a plain loop over the exper
 on its own tokens, its output times the routing weight added in place: the original's arithmetic; always in
 float32), or, in half precision, without host synchronisation (`generate()` then captures its steps in CUDA
 graphs): where hf_dllm's Triton kernels run (CUDA), as LLaDA2's fused MoE kernels (`triton_moe.py`'s router,
-alignment and combine, `grouped_gemm.py`'s grouped products, bf16 or FP8 weights), elsewhere as torch's grouped
-GEMMs, both over stacked views of the same weights. FP8 (`fp8.fp8_quantization_config("llada_moe")`) quantizes every
-projection but the routers and the output head; its layers run through `kernels.linear`.
+alignment and combine, `grouped_gemm.py`'s grouped products, bf16 or FP8 weights; at a block step's few tokens the
+router's product, top-k and alignment are one kernel, and the combine also computes the next layer's input norm),
+elsewhere as torch's grouped GEMMs, both over stacked views of the same weights. FP8
+(`fp8.fp8_quantization_config("llada_moe")`) quantizes every projection but the routers and the output head; its
+layers run through `kernels.linear`.
 
 Attention dispatches through transformers' `ALL_ATTENTION_FUNCTIONS` (`eager` is this file's reference function,
 `sdpa`, `flex_attention`, `flash_attention_2`, ...; by default `llada_triton`, LLaDA's: the split-KV kernel on CUDA
@@ -76,7 +78,16 @@ from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import is_sharded
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
-from .triton_moe import align_by_expert, combine, qk_norm_rope_to_cache, route
+from .triton_moe import (
+    align_by_expert,
+    combine,
+    combine_and_norm,
+    gate_route_and_align,
+    qk_norm_rope_to_cache,
+    route,
+    routes_in_one_program,
+    softmax_route_and_align,
+)
 from .triton_ops import rms_norm
 
 register_attention_backends()
@@ -346,9 +357,9 @@ class LLaDAMoESparseMoeBlock(nn.Module):
       expert that tokens chose, on its tokens; the per-expert counts are read on the host once per layer;
     - the fused kernels (`uses_fused_kernels`: half precision where hf_dllm's Triton kernels run, LLaDA2's): the
       router's top-k, the alignment of the (token, choice) pairs by expert and the weighted sum of each token's
-      rows (in float32) are `triton_moe.py`'s kernels, the gated up-projection and the down-projection
-      `grouped_gemm.py`'s grouped products over the stacked weights (`stacks`), bf16 or FP8; no host
-      synchronisation;
+      rows (in float32) are `triton_moe.py`'s kernels (for a block step's few tokens the router's product, top-k
+      and alignment are one kernel), the gated up-projection and the down-projection `grouped_gemm.py`'s grouped
+      products over the stacked weights (`stacks`), bf16 or FP8; no host synchronisation;
     - grouped (elsewhere, half-precision activations, `grouped_mm_dtypes`, where torch's grouped GEMM runs,
       without autograd): the pairs sorted by expert, two of torch's grouped GEMMs over the stacks, no host
       synchronisation.
@@ -391,25 +402,44 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         return weights.to(x.dtype), experts, router_logits
 
+    # Where the fused kernels run, `next_norm_weight`'s norm computed by the combine kernel rather than by a kernel
+    # of its own.
+    norm_in_combine = True
+
     def forward(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        next_norm_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """hidden_states `(batch, q_len, hidden)` -> (the weighted sum of the chosen experts' outputs, same shape,
         plus `residual` (same shape) when given: added, rounded, as `residual + output` rounds it, in the fused
-        combine kernel; the router logits `(batch * q_len, num_experts)`)."""
+        combine kernel; the router logits `(batch * q_len, num_experts)`). With `next_norm_weight` `(hidden,)` (and
+        `residual`) a third element: the RMS norm of the output with that weight and `config.rms_norm_eps`, as
+        `LLaDAMoERMSNorm` computes it, where the combine kernel computed it (`triton_moe.combine_and_norm`: the fused
+        kernels run, the weight on the output's device and not sharded), else None (the norm is left to its module)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if self.uses_fused_kernels(x):
-            router_logits = self.gate(x)
             flat_residual = None if residual is None else residual.reshape(-1, shape[-1])
-            return self._experts_fused(x, router_logits, flat_residual).view(shape), router_logits
+            norm_weight = next_norm_weight if self._fuses_norm(x, residual, next_norm_weight) else None
+            out, router_logits, normed = self._experts_fused(x, flat_residual, norm_weight)
+            out = out.view(shape), router_logits
+            return out if next_norm_weight is None else (*out, None if normed is None else normed.view(shape))
         weights, experts, router_logits = self.route(x)
         if self.experts.partitioned:  # expert parallelism: this rank's experts, summed over the ranks
             out = self.expert_dispatch(x, experts, weights).view(shape)
         else:
             run = self._experts_grouped if self.uses_grouped_mm(x) else self._experts_loop
             out = run(x, weights, experts).view(shape)
-        return (out if residual is None else residual + out), router_logits
+        out = (out if residual is None else residual + out), router_logits
+        return out if next_norm_weight is None else (*out, None)
+
+    def _fuses_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None) -> bool:
+        """Whether the fused path's combine kernel also computes the norm with `norm_weight` (see `forward`)."""
+        if norm_weight is None or residual is None or not self.norm_in_combine:
+            return False
+        return norm_weight.device == x.device and not is_sharded(norm_weight)
 
     def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The reference: `(tokens, hidden)` outputs, each expert run on the tokens that chose it."""
@@ -452,22 +482,47 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         return type(layer) is nn.Linear and "_hf_hook" not in layer.__dict__ and layer.weight.dtype == x.dtype
 
     def _experts_fused(
-        self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)` and its router logits `(tokens,
-        num_experts)`: the top-k of the float32 softmax (`route`; ties to the lower index), the pairs aligned by
-        expert, `silu(gate) * up` and the down-projection as grouped products over `stacks()`, each token's rows
-        weighted by its probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`,
-        which also adds `residual` `(tokens, hidden)` when given)."""
-        experts, weights = route(router_logits.float(), None, 1, 1, self.top_k, "softmax", False, 1.0)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fused kernels' `(tokens, hidden)` outputs for x `(tokens, hidden)`, the router logits `(tokens,
+        num_experts)` and, with `norm_weight` (and `residual`), the RMS norm of the outputs (else None): the top-k of
+        the float32 softmax (ties to the lower index), the pairs aligned by expert (`_fused_routing`), `silu(gate) *
+        up` and the down-projection as grouped products over `stacks()`, each token's rows weighted by its
+        probabilities rounded to x's dtype (as the original) and summed in float32 (`combine`, which also adds
+        `residual` `(tokens, hidden)` when given; `combine_and_norm` with the norm)."""
+        router_logits, weights, sorted_token, offsets, rows = self._fused_routing(x)
         stacks = self.stacks()
-        sorted_token, offsets, rows = align_by_expert(experts, self.num_experts, False)
         gated = grouped_matmul(
             x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
         )
         expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
-        # The weights rounded to x's dtype and read as such: the kernel widens them to float32 (one cast kernel less).
-        return combine(expert_rows, rows, weights.to(x.dtype), False, residual)
+        if norm_weight is None:
+            return combine(expert_rows, rows, weights, False, residual), router_logits, None
+        out, normed = combine_and_norm(expert_rows, rows, weights, residual, norm_weight, self.config.rms_norm_eps)
+        return out, router_logits, normed
+
+    # Few tokens (`triton_moe.routes_in_one_program`): the router's product inside the routing kernel (one launch
+    # for the logits, the top-k and the alignment) rather than a cuBLAS product before it (two launches).
+    router_product_in_routing_kernel = True
+
+    def _fused_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """For x `(tokens, hidden)`: the router logits `(tokens, num_experts)` in x's dtype, the routing weights
+        `(tokens, top_k)` rounded to x's dtype, and the pairs aligned by expert (`triton_moe.align_by_expert`'s
+        sorted_token, offsets, rows). One kernel for few tokens (with the router's product where the router is a
+        plain `nn.Linear` in x's dtype), else the router's product, `route` and `align_by_expert`; every kernel
+        reads and writes the dtypes it is given (no cast kernels)."""
+        gate = self.gate
+        if not routes_in_one_program(x.shape[0], self.num_experts):
+            router_logits = gate(x)
+            experts, weights = route(router_logits, None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
+            return router_logits, weights, *align_by_expert(experts, self.num_experts, False)
+        plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
+        plain_gate = plain_gate and not is_sharded(gate.weight)
+        if self.router_product_in_routing_kernel and plain_gate and gate.weight.dtype == x.dtype:
+            router_logits, _, *routing = gate_route_and_align(x, gate.weight, self.top_k)
+            return router_logits, *routing
+        router_logits = gate(x)
+        return router_logits, *softmax_route_and_align(router_logits, self.top_k, x.dtype)[1:]
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop
@@ -553,13 +608,17 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         attention_mask=None,
         past_key_values: Cache | DiffusionKVCache | None = None,
         cache_position: torch.Tensor | None = None,
+        normed_input: torch.Tensor | None = None,
+        next_norm_weight: torch.Tensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the new hidden states `(batch, q_len, hidden)` and the router logits (None in dense layers).
-        Where the fused kernels run, the residual adds happen inside the post-attention norm's kernel and the MoE's
-        combine kernel (the same sums, rounded as here)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Returns the new hidden states `(batch, q_len, hidden)`, the router logits (None in dense layers) and, where
+        the MoE's combine kernel computed it, the RMS norm of the new hidden states with `next_norm_weight` `(hidden,)`
+        (the next layer's input norm or the model's final norm; else None). `normed_input`: `input_layernorm(
+        hidden_states)` when the previous layer returned it. Where the fused kernels run, the residual adds happen
+        inside the post-attention norm's kernel and the MoE's combine kernel (the same sums, rounded as here)."""
         attn = self.self_attn(
-            self.input_layernorm(hidden_states),
+            self.input_layernorm(hidden_states) if normed_input is None else normed_input,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
@@ -569,11 +628,13 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         normed, hidden_states = self.post_attention_layernorm.add_and_norm(attn, hidden_states)
         shared = getattr(self, "shared_expert", None)
         if not self.is_moe:
-            return hidden_states + self.mlp(normed), None
+            return hidden_states + self.mlp(normed), None, None
         if shared is None:
-            return self.mlp(normed, residual=hidden_states)
+            if next_norm_weight is None:
+                return *self.mlp(normed, residual=hidden_states), None
+            return self.mlp(normed, residual=hidden_states, next_norm_weight=next_norm_weight)
         mlp_out, router_logits = self.mlp(normed)
-        return hidden_states + (mlp_out + shared(normed)), router_logits
+        return hidden_states + (mlp_out + shared(normed)), router_logits, None
 
 
 class LLaDAMoEPreTrainedModel(PreTrainedModel):
@@ -696,23 +757,28 @@ class LLaDAMoEModel(LLaDAMoEPreTrainedModel):
         else:  # rows of a table computed once (the same values): a lookup instead of ~12 kernels a step
             position_embeddings = self._rope_tables.lookup(position_ids, bound, inputs_embeds.dtype)
 
-        hidden_states = inputs_embeds
+        hidden_states, normed = inputs_embeds, None
         all_hidden_states = () if output_hidden_states else None
         all_router_logits = () if output_router_logits else None
-        for layer in self.layers:
+        # Each layer gets the norm after it (the next layer's input norm, the final norm last), which the MoE's
+        # combine kernel computes with the residual add where it can (one kernel less per layer).
+        after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, after, strict=True):
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, router_logits = layer(
+            hidden_states, router_logits, normed = layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 past_key_values=past_key_values,
                 cache_position=cache_position,
+                normed_input=normed,
+                next_norm_weight=next_norm.weight,
                 **kwargs,
             )
             if output_router_logits and router_logits is not None:
                 all_router_logits += (router_logits,)
-        hidden_states = self.norm(hidden_states)
+        hidden_states = self.norm(hidden_states) if normed is None else normed
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         return MoeModelOutputWithPast(

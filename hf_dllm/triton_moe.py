@@ -10,12 +10,16 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
   `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
   cuBLAS float32 GEMM, as in the reference: a Triton float32 product without TF32 measured 3.6x slower at batch 32
   on an H100, `benchmarks/results/h100_bench_llada2_kernels_batch32.log`);
+- `softmax_route_and_align` / `gate_route_and_align`: for few tokens (a batch-1 block step), softmax routing (as
+  `route`) and the alignment (as `align_by_expert`) in one program, optionally with the router's logits product
+  before them (LLaDA-MoE: one launch per layer for what took the product, a cast, `route` and `align_by_expert`);
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
   groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
   (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
   kernels) for many;
 - `combine`: each token's routed rows weighted and summed in float32, rounded, plus the shared expert's row and
   the residual, with PyTorch's rounding points;
+- `combine_and_norm`: `combine` plus the next layer's RMS norm of its output, one program per token (LLaDA-MoE);
 - `qk_norm_rope_to_cache`: per-head RMS norm of q and k, partial RoPE with the tables in the activation dtype, q
   written `(B, Hq, L, D)` and k, v written into the K/V cache, one launch instead of ~20.
 
@@ -32,14 +36,18 @@ from .triton_attention import num_sms
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
+    from .triton_ops import _rms_normed
+
+if TRITON_AVAILABLE:
 
     @triton.jit
     def store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K: tl.constexpr,
                     NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         # One token's TOP_K experts by descending `choice` (ties: the lowest index) and their `scores` as weights
         # (normalised with NORMALIZE, times `scale`), stored at its row of index_ptr / weight_ptr. choice, scores,
-        # lanes: 1D over the experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts). Shared by
-        # `route` and LLaDA2.2's block router (`llada2_moe_layer.fused_block_route`).
+        # lanes: 1D over the experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts). The weights
+        # are rounded to weight_ptr's dtype (round to nearest even, as PyTorch's casts). Shared by `route` and
+        # LLaDA2.2's block router (`llada2_moe_layer.fused_block_route`).
         ks = tl.arange(0, BLOCK_K)
         chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
         weights = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -55,7 +63,7 @@ if TRITON_AVAILABLE:
             weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
         weights = weights * scale
         tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
-        tl.store(weight_ptr + token * TOP_K + ks, weights, mask=ks < TOP_K)
+        tl.store(weight_ptr + token * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=ks < TOP_K)
 
     @triton.jit
     def _route_kernel(
@@ -83,7 +91,8 @@ if TRITON_AVAILABLE:
         s = tl.arange(0, BLOCK_S)[None, :]
         expert = g * group_size + s
         valid = (g < N_GROUP) & (s < group_size)
-        x = tl.load(logits_ptr + token * n_experts + expert, mask=valid, other=float("-inf"))
+        # Half-precision logits widened here, as `.float()` would (exact): no cast kernel before the launch.
+        x = tl.load(logits_ptr + token * n_experts + expert, mask=valid, other=float("-inf")).to(tl.float32)
         if SIGMOID:
             # CUDA's expf and IEEE division, as PyTorch's sigmoid (`1 / (1 + exp(-x))`), so the choice is the same
             # (Triton's own exp is an approximation in float32).
@@ -163,6 +172,84 @@ if TRITON_AVAILABLE:
             tl.store(sorted_token_ptr + row, pair // per_token, mask=mine > 0)
             tl.store(row_ptr + pair, row, mask=mine > 0)
             seen += tl.sum(mine, axis=0)
+
+    @triton.jit
+    def _route_align_kernel(
+        x_ptr,
+        gate_ptr,
+        logits_ptr,
+        index_ptr,
+        weight_ptr,
+        sorted_token_ptr,
+        row_ptr,
+        offsets_ptr,
+        tokens,
+        n_experts,
+        hidden,
+        HAS_GEMM: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
+        # One program for every token: (HAS_GEMM) the router's product x @ gate.T rounded to the logits' dtype, then
+        # `_route_kernel`'s softmax top-k (the same formulas) on a (token, expert) tile, then `_align_kernel`'s
+        # alignment: a token picks an expert at most once, so the rows of expert e are ordered by token and the pair
+        # (t, e) sits at row (pairs of experts below e) + (tokens before t that picked e).
+        t = tl.arange(0, BLOCK_T)[:, None]
+        e = tl.arange(0, BLOCK_E)[None, :]
+        real_t = t < tokens
+        real_e = e < n_experts
+        if HAS_GEMM:
+            h = tl.arange(0, BLOCK_H)
+            acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+            for start in range(0, hidden, BLOCK_H):
+                cols = start + h
+                xs = tl.load(x_ptr + t * hidden + cols[None, :], mask=real_t & (cols[None, :] < hidden), other=0.0)
+                ws = tl.load(gate_ptr + e * hidden + cols[:, None], mask=real_e & (cols[:, None] < hidden), other=0.0)
+                acc = tl.dot(xs, ws, acc)
+            logits = acc.to(logits_ptr.dtype.element_ty)
+            tl.store(logits_ptr + t * n_experts + e, logits, mask=real_t & real_e)
+            x = logits.to(tl.float32)
+        else:
+            x = tl.load(logits_ptr + t * n_experts + e, mask=real_t & real_e, other=0.0).to(tl.float32)
+        x = tl.where(real_e, x, float("-inf"))
+        shifted = x - tl.max(x, axis=1)[:, None]
+        if LIBDEVICE:
+            shifted = tl.extra.libdevice.exp(shifted)
+        else:
+            shifted = tl.exp(shifted)
+        scores = tl.where(real_e, shifted / tl.sum(shifted, axis=1)[:, None], float("-inf"))
+        lanes = tl.where(real_e, e, 2147483647)
+        ks = tl.arange(0, BLOCK_K)[None, :]
+        chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+        weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        choice = scores
+        for k in tl.static_range(TOP_K):
+            top_score = tl.max(choice, axis=1)[:, None]
+            top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=1)[:, None]
+            picked = lanes == top
+            chosen = tl.where(ks == k, top, chosen)
+            weights = tl.where(ks == k, tl.sum(tl.where(picked, scores, 0.0), axis=1)[:, None], weights)
+            choice = tl.where(picked, float("-inf"), choice)
+        in_pairs = real_t & (ks < TOP_K)
+        tl.store(index_ptr + t * TOP_K + ks, chosen.to(tl.int64), mask=in_pairs)
+        tl.store(weight_ptr + t * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=in_pairs)
+        # The picked (token, expert) cells: the only valid scores set to -inf by the top-k loop.
+        mine = ((choice == float("-inf")) & real_e & real_t).to(tl.int32)
+        per_expert = tl.sum(mine, axis=0)
+        ends = tl.cumsum(per_expert, axis=0)
+        experts = tl.arange(0, BLOCK_E)
+        tl.store(offsets_ptr + experts, ends, mask=experts < n_experts)
+        row_of = (ends - per_expert)[None, :] + tl.cumsum(mine, axis=0) - mine
+        token = tl.arange(0, BLOCK_T)
+        for k in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(ks == k, chosen, 0), axis=1)[:, None]
+            row = tl.sum(tl.where(e == expert, row_of, 0), axis=1)
+            tl.store(row_ptr + token * TOP_K + k, row.to(tl.int64), mask=token < tokens)
+            tl.store(sorted_token_ptr + row, token.to(tl.int64), mask=token < tokens)
 
     @triton.jit
     def _chunk_histogram_kernel(
@@ -282,6 +369,52 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + token * hidden + cols, out, mask=in_row)
 
     @triton.jit
+    def _combine_norm_kernel(
+        rows_ptr,
+        row_index_ptr,
+        weight_ptr,
+        residual_ptr,
+        norm_weight_ptr,
+        out_ptr,
+        normed_ptr,
+        hidden,
+        eps,
+        TOP_K: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        ON_GPU: tl.constexpr,
+    ):
+        # One program per token, its whole row: `_combine_kernel`'s residual + weighted sum (the same rounding
+        # points), then `triton_ops.rms_norm` of that sum (the same reduction over a row of BLOCK_H, the same
+        # rounding points), so the next layer's input norm needs no kernel of its own. Compiled with fused
+        # multiply-adds as `rms_norm` is (its sum of squares may use them); the combine's products are explicit
+        # rounded multiplications (never fused), as `_combine_kernel`, compiled without fusion, computes them.
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        in_row = cols < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            row = tl.load(row_index_ptr + token * TOP_K + k).to(tl.int64)
+            w = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
+            y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+            if ON_GPU:
+                # An explicit round-to-nearest multiplication: never contracted into a fused multiply-add, and
+                # without libdevice's flush of subnormals.
+                w = tl.full(y.shape, 0.0, tl.float32) + w
+                acc += tl.inline_asm_elementwise(
+                    "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, w], dtype=tl.float32, is_pure=True, pack=1
+                )
+            else:
+                acc += y * w
+        dtype = out_ptr.dtype.element_ty
+        residual = tl.load(residual_ptr + token * hidden + cols, mask=in_row, other=0.0)
+        out = (residual.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + token * hidden + cols, out, mask=in_row)
+        x = out.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+        normed = _rms_normed(x, rstd, norm_weight_ptr + cols, in_row, dtype, True)
+        tl.store(normed_ptr + token * hidden + cols, normed, mask=in_row)
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr,
         q_weight_ptr,
@@ -359,6 +492,10 @@ else:
     store_top_k = None  # (imported by `llada2_moe_layer.py`'s block router)
 
 
+# The floating dtypes the routing kernels read logits in and store weights in (float32 arithmetic either way).
+ROUTE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @on_tensor_device
 def route(
     logits: torch.Tensor,
@@ -369,19 +506,24 @@ def route(
     score_function: str,
     normalize: bool,
     routed_scaling_factor: float,
+    weight_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32,
-    expert_bias `(E,)` (any float dtype, widened to float32 as PyTorch's promotion does) or None -> expert indices
-    `(tokens, top_k)` int64 in descending choice score (ties: lowest index first) and weights `(tokens, top_k)`
-    float32 (normalised if `normalize` and top_k > 1, times `routed_scaling_factor`)."""
+    """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32 or half
+    precision (widened to float32 in the kernel, as `.float()` would), expert_bias `(E,)` (any float dtype, widened
+    to float32 as PyTorch's promotion does) or None -> expert indices `(tokens, top_k)` int64 in descending choice
+    score (ties: lowest index first) and weights `(tokens, top_k)` computed in float32 (normalised if `normalize` and
+    top_k > 1, times `routed_scaling_factor`) and stored in `weight_dtype` (rounded as `.to(weight_dtype)` rounds:
+    LLaDA-MoE's weights in the activations' dtype, without a cast kernel)."""
     if score_function not in ("sigmoid", "softmax"):
         raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {score_function!r}.")
+    if weight_dtype not in ROUTE_WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {ROUTE_WEIGHT_DTYPES}, got {weight_dtype}.")
     tokens, n_experts = logits.shape
     if n_experts % n_group:
         raise ValueError(f"num_experts ({n_experts}) must be divisible by n_group ({n_group}).")
-    logits = logits.contiguous().float()
+    logits = logits.contiguous() if logits.dtype in ROUTE_WEIGHT_DTYPES else logits.contiguous().float()
     index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
-    weight = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    weight = torch.empty(tokens, top_k, dtype=weight_dtype, device=logits.device)
     if tokens == 0:
         return index, weight
     group_size = n_experts // n_group
@@ -438,6 +580,117 @@ def align_by_expert(
     if tokens * per_token <= SINGLE_PASS_ALIGN_PAIRS:
         return _align_per_expert(topk_index, n_experts, shared_expert)
     return _align_by_chunks(topk_index, n_experts, shared_expert)
+
+
+# Tokens x experts (each a power of two, at least 16) up to which the softmax routing and the alignment are one
+# program (`routes_in_one_program`): a batch-1 block step (32 tokens x 64 experts for LLaDA-MoE) launches one kernel
+# instead of the router product, a cast, `route` and `align_by_expert`; the tile's registers bound it.
+ROUTE_ALIGN_MAX_TILE = 4096
+
+
+def _tile_side(n: int) -> int:
+    """A side of the one-program routing tile holding `n` rows: a power of two, at least 16 (`tl.dot`'s least)."""
+    return max(16, 1 << max(0, n - 1).bit_length())
+
+
+def routes_in_one_program(tokens: int, n_experts: int) -> bool:
+    """Whether `softmax_route_and_align` / `gate_route_and_align` take `tokens` tokens over `n_experts` experts."""
+    return _tile_side(tokens) * _tile_side(n_experts) <= ROUTE_ALIGN_MAX_TILE
+
+
+@on_tensor_device
+def softmax_route_and_align(
+    logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route(logits, None, 1, 1, top_k, "softmax", False, 1.0, weight_dtype)` then `align_by_expert(index, E,
+    False)` in one launch, for few tokens (`routes_in_one_program`). logits `(tokens, E)` float32 or half
+    precision -> index `(tokens, top_k)` int64, weights `(tokens, top_k)` in `weight_dtype`, sorted_token
+    `(tokens * top_k,)` int64, offsets `(E,)` int32, row `(tokens, top_k)` int64, as those two return them (the
+    same experts and rows; the weights' float32 softmax sums its terms in the kernel's order, so they may differ
+    from `route`'s in the last bit before rounding to `weight_dtype`)."""
+    return _route_and_align(None, None, logits, top_k, weight_dtype)[1:]
+
+
+@on_tensor_device
+def gate_route_and_align(
+    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`softmax_route_and_align` of the router logits `x @ gate_weight.T` computed in the same launch (float32
+    accumulation, rounded to x's dtype as a cuBLAS product rounds them; the sum's order is the kernel's). x `(tokens,
+    H)` and gate_weight `(E, H)` in half precision -> logits `(tokens, E)` in x's dtype, then what
+    `softmax_route_and_align` returns, the weights in x's dtype."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or gate_weight.dtype != x.dtype:
+        raise ValueError(
+            f"gate_route_and_align: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
+            f"{x.dtype} and {gate_weight.dtype}."
+        )
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"gate_route_and_align: gate_weight must be (experts, {x.shape[1]}), got {tuple(gate_weight.shape)}."
+        )
+    logits = torch.empty(x.shape[0], gate_weight.shape[0], dtype=x.dtype, device=x.device)
+    return _route_and_align(x.contiguous(), gate_weight.contiguous(), logits, top_k, x.dtype)
+
+
+def _router_product_tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:
+    """(hidden columns per step, steps in flight) of the one-program router product: one multiprocessor streams
+    the router's weight (64 x 2048 bf16 for LLaDA-MoE-7B: 256 KB), so the widest tiles and most stages whose tiles
+    of `rows` rows (tokens + experts) fit the device's shared memory (16 KB kept for the rest of the kernel)."""
+    if device.type != "cuda":
+        return 256, 3
+    budget = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 16 * 1024
+    for block_h, stages in ((256, 4), (256, 3), (128, 3), (128, 2), (64, 2)):
+        if stages * block_h * rows * element_size <= budget:
+            return block_h, stages
+    return 32, 1
+
+
+def _route_and_align(x, gate_weight, logits, top_k: int, weight_dtype: torch.dtype):
+    tokens, n_experts = logits.shape
+    if not routes_in_one_program(tokens, n_experts):
+        raise ValueError(
+            f"{tokens} tokens over {n_experts} experts exceed one program's tile ({ROUTE_ALIGN_MAX_TILE} cells): use "
+            f"`route` and `align_by_expert` (`routes_in_one_program` tells which)."
+        )
+    if not 0 < top_k <= n_experts:
+        raise ValueError(f"top_k must be in [1, {n_experts}] (the experts), got {top_k}.")
+    if weight_dtype not in ROUTE_WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {ROUTE_WEIGHT_DTYPES}, got {weight_dtype}.")
+    device = logits.device
+    logits = logits.contiguous() if logits.dtype in ROUTE_WEIGHT_DTYPES else logits.contiguous().float()
+    index = torch.empty(tokens, top_k, dtype=torch.long, device=device)
+    weight = torch.empty(tokens, top_k, dtype=weight_dtype, device=device)
+    sorted_token = torch.empty(tokens * top_k, dtype=torch.long, device=device)
+    offsets = torch.empty(n_experts, dtype=torch.int32, device=device)
+    row = torch.empty(tokens, top_k, dtype=torch.long, device=device)
+    if tokens == 0:
+        return logits, index, weight, sorted_token, offsets.zero_(), row
+    has_gemm = x is not None
+    block_t, block_e = _tile_side(tokens), _tile_side(n_experts)
+    block_h, stages = _router_product_tiles(block_t + block_e, logits.element_size(), device)
+    _route_align_kernel[(1,)](
+        x if has_gemm else logits,
+        gate_weight if has_gemm else logits,
+        logits,
+        index,
+        weight,
+        sorted_token,
+        row,
+        offsets,
+        tokens,
+        n_experts,
+        x.shape[1] if has_gemm else 0,
+        HAS_GEMM=has_gemm,
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_H=block_h,
+        LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
+        num_warps=4,
+        num_stages=stages,
+    )
+    return logits, index, weight, sorted_token, offsets, row
 
 
 def _align_outputs(topk_index: torch.Tensor, n_experts: int, shared_expert: bool):
@@ -547,6 +800,49 @@ def combine(
         enable_fp_fusion=False,
     )
     return out
+
+
+@on_tensor_device
+def combine_and_norm(
+    expert_rows: torch.Tensor,
+    row: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`total = combine(expert_rows, row, weight, False, residual)` and `triton_ops.rms_norm(total, norm_weight,
+    eps)[0]` in one launch (one program per token; the same values): the MoE layer's output and the next layer's
+    normed input. expert_rows `(pairs, H)`, row `(tokens, top_k)`, weight `(tokens, top_k)`, residual `(tokens, H)`,
+    norm_weight `(H,)` -> total, normed `(tokens, H)` in the rows' dtype."""
+    tokens, top_k = weight.shape
+    hidden = expert_rows.shape[1]
+    if residual.shape != (tokens, hidden) or norm_weight.shape != (hidden,):
+        raise ValueError(
+            f"combine_and_norm: residual must be ({tokens}, {hidden}) and norm_weight ({hidden},), got "
+            f"{tuple(residual.shape)} and {tuple(norm_weight.shape)}."
+        )
+    out = torch.empty(tokens, hidden, dtype=expert_rows.dtype, device=expert_rows.device)
+    normed = torch.empty_like(out)
+    if tokens == 0:
+        return out, normed
+    block = triton.next_power_of_2(hidden)
+    _combine_norm_kernel[(tokens,)](
+        expert_rows.contiguous(),
+        row.contiguous(),
+        weight.contiguous(),
+        residual.contiguous(),
+        norm_weight.contiguous(),
+        out,
+        normed,
+        hidden,
+        float(eps),
+        TOP_K=top_k,
+        BLOCK_H=block,
+        ON_GPU=expert_rows.is_cuda,  # the interpreter (CPU tensors) has no inline assembly (nor fused multiply-adds)
+        num_warps=8 if block >= 2048 else 4,  # as `triton_ops.rms_norm`: the same reduction
+    )
+    return out, normed
 
 
 @on_tensor_device

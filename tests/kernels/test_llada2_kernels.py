@@ -1,10 +1,12 @@
 """LLaDA2's fused MoE / attention kernels (`triton_moe.py`) on the CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`, switched on before Triton compiles anything, hence subprocesses: two, side by side), float32,
 against the PyTorch code: the router (group-limited top-k with expert bias in float32 or bfloat16, sigmoid and
-softmax, a group size that is not a power of two, ties), both alignments by expert (against a stable argsort), the
-combine, and a tiny model's prefill and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the
-PyTorch path; LLaDA-MoE's experts on the same kernels (float16) against its PyTorch path, and its cached prefill
-and block step on the fused attention path (float32) against the PyTorch path.
+softmax, a group size that is not a power of two, ties; half-precision logits and weights), both alignments by
+expert (against a stable argsort), the one-program softmax routing + alignment (with and without the router's
+product) against the routing then the alignment, the combine (and with the next norm), and a tiny model's prefill
+and cached block step with every kernel on (`HF_DLLM_KERNELS=triton`) against the PyTorch path; LLaDA-MoE's experts
+on the same kernels (float16; few and many tokens; the next norm in the combine) against its PyTorch path, and its
+cached prefill and block step on the fused attention path (float32) against the PyTorch path.
 """
 
 from __future__ import annotations
@@ -64,6 +66,37 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     index, _ = triton_moe.route(logits, None, 4, 1, 2, "sigmoid", True, 1.0)
     assert index.tolist() == [[2, 3]], index
 
+    # Half-precision logits read as they are, weights stored in the dtype asked: `.float()` before and `.to()` after.
+    logits = torch.randn(7, 12)
+    index, weight = triton_moe.route(logits, None, 4, 2, 3, "softmax", False, 1.0)
+    half_index, half_weight = triton_moe.route(logits.half(), None, 4, 2, 3, "softmax", False, 1.0, torch.float16)
+    want_index, want_weight = triton_moe.route(logits.half().float(), None, 4, 2, 3, "softmax", False, 1.0)
+    assert torch.equal(half_index, want_index) and torch.equal(half_weight, want_weight.half()), "route dtypes"
+
+    # Softmax routing + alignment in one program (LLaDA-MoE's few-token steps), against `route` then
+    # `align_by_expert`: float32 logits with a row of ties, float16 ones with float16 weights; with the router's
+    # product in the kernel, on values whose products and sums are exact in any order (so the logits are too).
+    for tokens, experts, top_k, dtype in ((32, 64, 8, torch.float32), (5, 16, 4, torch.float16)):
+        logits = torch.randn(tokens, experts).to(dtype)
+        logits[1] = 0.0
+        want_index, want_weight = triton_moe.route(logits, None, 1, 1, top_k, "softmax", False, 1.0, dtype)
+        want_align = triton_moe.align_by_expert(want_index, experts, False)
+        index, weight, *align = triton_moe.softmax_route_and_align(logits, top_k, dtype)
+        assert torch.equal(index, want_index) and all(map(torch.equal, align, want_align)), ("route_and_align", tokens)
+        assert torch.allclose(weight, want_weight, rtol=1e-6, atol=0), ("route_and_align weights", tokens)
+    x, gate = (torch.randint(-2, 3, shape).half() / 4 for shape in ((32, 256), (64, 256)))
+    logits, index, weight, *align = triton_moe.gate_route_and_align(x, gate, 8)
+    want_index, want_weight = triton_moe.route(x @ gate.T, None, 1, 1, 8, "softmax", False, 1.0, torch.float16)
+    assert torch.equal(logits, x @ gate.T) and torch.equal(index, want_index) and torch.equal(weight, want_weight)
+    assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False))), "gate_route_and_align"
+    for bad_x, bad_gate in ((x.float(), gate.float()), (x, gate[:, :100]), (torch.zeros(80, 256).half(), gate)):
+        try:
+            triton_moe.gate_route_and_align(bad_x, bad_gate, 8)
+        except ValueError as error:
+            assert "gate_route_and_align" in str(error) or "one program" in str(error), error
+        else:
+            raise AssertionError("bad gate_route_and_align input accepted")
+
     # The norm's float32 copy of its output (the fused path feeds it to the router): the output widened, exactly.
     from hf_dllm import triton_ops
     x, r, w = torch.randn(5, 40).bfloat16(), torch.randn(5, 40).bfloat16(), torch.rand(40).bfloat16()
@@ -122,6 +155,16 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
         half_rows, half_weight, half_residual = expert_rows.half(), weight.half(), residual.half()
         widened = triton_moe.combine(half_rows, rows, half_weight.float(), shared, half_residual)
         assert torch.equal(triton_moe.combine(half_rows, rows, half_weight, shared, half_residual), widened), "combine"
+
+    # The combine plus the next norm of its output, one program per token (LLaDA-MoE): both as the two kernels.
+    for dtype in (torch.float32, torch.float16):
+        topk = torch.randint(0, 16, (9, 4))
+        _, _, rows = triton_moe.align_by_expert(topk, 16, False)
+        expert_rows, weight, residual = (torch.randn(shape).to(dtype) for shape in ((36, 40), (9, 4), (9, 40)))
+        norm_weight = (torch.rand(40) + 0.5).to(dtype)
+        total, normed = triton_moe.combine_and_norm(expert_rows, rows, weight, residual, norm_weight, 1e-6)
+        want = triton_moe.combine(expert_rows, rows, weight, False, residual)
+        assert torch.equal(total, want) and torch.equal(normed, triton_ops.rms_norm(want, norm_weight, 1e-6)[0]), dtype
 
     # The q/k norm + RoPE + cache write on some of the projection's heads (a tensor-parallel rank's: query heads
     # [2, 4) and key/value head 1 of 4 and 2) equals the kernel on a projection holding only those heads; bad head
@@ -184,7 +227,7 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
 
 MODELS_SCRIPT = PRELUDE + textwrap.dedent(
     """
-    from hf_dllm import kernels
+    from hf_dllm import kernels, triton_moe
     from hf_dllm.cache import DiffusionKVCache
 
     # A tiny model: prefill of three blocks, then a cached block step, every kernel against the PyTorch path.
@@ -249,6 +292,31 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
     assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
     assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
+    # The routing's three fused forms: few tokens in one kernel with the router's product (above) or after
+    # PyTorch's, many tokens as the product, `route` and `align_by_expert`; the same as the PyTorch path.
+    many = torch.randn(300, 64, dtype=torch.float16)
+    assert triton_moe.routes_in_one_program(40, 8) and not triton_moe.routes_in_one_program(300, 8)
+    for tokens, product_in_kernel in ((x, False), (many, True)):
+        type(moe).router_product_in_routing_kernel = product_in_kernel
+        with torch.no_grad():
+            kernels.set_kernel_mode("torch")
+            plain_moe, plain_logits = moe(tokens)
+            kernels.set_kernel_mode("triton")
+            fused_moe, fused_logits = moe(tokens)
+        assert torch.equal(fused_logits, plain_logits), ("router logits", len(tokens))
+        assert (fused_moe.float() - plain_moe.float()).abs().max() < 2e-3, ("llada-moe routing", len(tokens))
+    type(moe).router_product_in_routing_kernel = True
+    # The MoE layer's combine kernel computing the final norm (the last layer's next norm): the logits unchanged,
+    # the block's forward hooks called (the norm's weight is an argument of its forward).
+    calls = []
+    moe.register_forward_hook(lambda module, args, output: calls.append(len(output)))
+    with torch.no_grad():
+        type(moe).norm_in_combine = False
+        apart = half(ids).logits
+        type(moe).norm_in_combine = True
+        assert torch.equal(half(ids).logits, apart), "llada-moe norm in combine"
+        assert moe(x, residual=x, next_norm_weight=half.model.norm.weight)[2] is not None
+    assert calls == [3, 3, 3], calls
 
     # LLaDA-MoE's cached forwards on the fused path (one q/k/v product, q/k norms + partial RoPE + cache write in one
     # kernel, the norms' residual adds fused), float32: a prefill, then a block step, against the PyTorch path.

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from hf_dllm import fp8
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.kernels import set_kernel_mode
-from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
+from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, rotary_cos_sin
 from tests.conftest import random_weights_model
 from tests.models.llada_moe.test_llada_moe import generate_kwargs
 
@@ -129,6 +129,20 @@ def test_fp8_model_generates_with_the_dual_cache(cpu_quantization):
         prompt, max_new_tokens=8, block_length=4, threshold=0.9, use_cache=True, dual_cache=True, mask_token_id=310
     )
     assert out.shape == (1, 16) and not (out == 310).any()
+
+
+def test_next_norm_is_left_to_its_module_off_the_fused_path():
+    """A MoE block asked for the next norm where the fused kernels do not run returns None for it (the next layer
+    norms its input itself), and a decoder layer always returns (hidden states, router logits, next norm or None)."""
+    model = random_model(random_config(), torch.float32)
+    layer, x = model.model.layers[1], torch.randn(1, 5, 128)
+    cos_sin = rotary_cos_sin(torch.arange(5)[None], model.config, torch.float32)
+    with torch.no_grad():
+        out, logits, normed = layer.mlp(x, residual=x, next_norm_weight=model.model.norm.weight)
+        assert normed is None and logits.shape == (5, 8)
+        for weight in (None, model.model.norm.weight):
+            hidden, logits, normed = layer(x, cos_sin, next_norm_weight=weight)
+            assert hidden.shape == x.shape and logits.shape == (5, 8) and normed is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,3 +269,44 @@ def test_gpu_fp8_model_runs_the_fused_kernels_and_generates():
     graphs = quantized.generate(prompt, mask_token_id=310, **settings)
     eager = quantized.generate(prompt, mask_token_id=310, disable_compile=True, **settings)
     assert graphs.shape == (1, 48) and not (graphs == 310).any() and torch.equal(graphs, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_routing_kernel_at_the_7b_shape():
+    """A batch-1 block step's routing at LLaDA-MoE-7B's shape (32 tokens, hidden 2048, 64 experts top-8, bf16) in one
+    kernel: the router logits within one bf16 rounding of cuBLAS's product, and the experts, weights and alignment
+    those of `route` + `align_by_expert` on the same logits; with the product on cuBLAS, the same routing too."""
+    from hf_dllm import triton_moe
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 2048, dtype=torch.bfloat16, device="cuda")
+    gate = (torch.randn(64, 2048, device="cuda") * 0.02).bfloat16()
+    logits, *fused = triton_moe.gate_route_and_align(x, gate, 8)
+    cublas = x @ gate.T
+    assert (logits.float() - cublas.float()).abs().max() <= cublas.float().abs().max() * 2**-7
+    for given, routing in ((logits, fused), (cublas, triton_moe.softmax_route_and_align(cublas, 8, torch.bfloat16))):
+        index, weight, *align = routing
+        want_index, want_weight = triton_moe.route(given, None, 1, 1, 8, "softmax", False, 1.0, torch.bfloat16)
+        assert torch.equal(index, want_index)
+        assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False)))
+        assert (weight.float() - want_weight.float()).abs().max() <= want_weight.float().max() * 2**-7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 512])
+def test_gpu_combine_and_norm_equals_combine_then_norm(tokens):
+    """The combine with the next layer's norm (one program per token, bf16, hidden 2048) gives `combine`'s sum and
+    `triton_ops.rms_norm`'s normed rows bit for bit (the same rounding points and row reduction)."""
+    from hf_dllm import triton_moe, triton_ops
+
+    torch.manual_seed(0)
+    topk = torch.stack([torch.randperm(64, device="cuda")[:8] for _ in range(tokens)])
+    _, _, rows = triton_moe.align_by_expert(topk, 64, False)
+    expert_rows = torch.randn(tokens * 8, 2048, dtype=torch.bfloat16, device="cuda")
+    weight = torch.rand(tokens, 8, device="cuda").bfloat16()
+    residual = torch.randn(tokens, 2048, dtype=torch.bfloat16, device="cuda")
+    norm_weight = (torch.rand(2048, device="cuda") + 0.5).bfloat16()
+    total, normed = triton_moe.combine_and_norm(expert_rows, rows, weight, residual, norm_weight, 1e-6)
+    want = triton_moe.combine(expert_rows, rows, weight, False, residual)
+    assert torch.equal(total, want)
+    assert torch.equal(normed, triton_ops.rms_norm(want, norm_weight, 1e-6)[0])
