@@ -260,7 +260,7 @@ class DiffusionGemmaRouter(nn.Module):
         lowest index) instead of torch's six."""
         scores = self.proj(self.norm(hidden_states) * self.scale * self.scalar_root_size)
         if use_fused_kernels(scores) and not torch.is_grad_enabled():
-            index, weights = triton_moe.route(scores.float(), None, 1, 1, self.top_k, "softmax", True, 1.0)
+            index, weights = triton_moe.route(scores, None, 1, 1, self.top_k, "softmax", True, 1.0)
             return weights * self.per_expert_scale[index], index
         probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probabilities, k=self.top_k, dim=-1)
