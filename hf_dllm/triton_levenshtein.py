@@ -193,7 +193,10 @@ if TRITON_AVAILABLE:
         least = tl.where(changing, p, float("inf"))
         first_nan = tl.min(tl.where(least != least, cols, BLOCK_B), axis=0)
         _, lowest = tl.min(
-            tl.where(least != least, float("inf"), least), axis=0, return_indices=True, return_indices_tie_break_left=True
+            tl.where(least != least, float("inf"), least),
+            axis=0,
+            return_indices=True,
+            return_indices_tie_break_left=True,
         )
         chosen = tl.where(first_nan < BLOCK_B, first_nan, lowest).to(tl.int64)
         history = tl.load(hist_ptr + (row * length + chosen) * depth + slots, mask=slots < depth, other=-1)
@@ -210,7 +213,9 @@ if TRITON_AVAILABLE:
         new = tl.where(write, x, block)
         deleted = write & (x == delete_id)
         split = write & (x == split_id)
-        new, new_orig = _edit_operations(new, block, orig, generated, valid, cols, mask_id, delete_id, split_id, BLOCK_B)
+        new, new_orig = _edit_operations(
+            new, block, orig, generated, valid, cols, mask_id, delete_id, split_id, BLOCK_B
+        )
 
         # 14. A row with nothing to write, or at its final cleanup, is finished.
         new = tl.where(writes, new, block)
