@@ -22,8 +22,8 @@ import torch
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton
 
-# Columns of the chosen position's logits the anti-loop's argmax reads at once.
-LEVENSHTEIN_VOCAB_BLOCK = 1024
+# Columns of the chosen position's logits the anti-loop's argmax reads at once (fewer for a smaller vocabulary).
+LEVENSHTEIN_VOCAB_BLOCK = 4096
 
 if TRITON_AVAILABLE:
 
@@ -64,8 +64,9 @@ if TRITON_AVAILABLE:
     def _resample(logits_row, stride_vocab, vocab, history, history_valid, no_mask, mask_id, BLOCK_V: tl.constexpr):
         # The anti-loop's token: argmax over the vocabulary (first index on ties) of the chosen position's logits
         # without the tokens of its history (and without MASK where `no_mask`); 0 when all of them are -inf (as
-        # torch.argmax). A chunk's winner that is excluded is taken out and the chunk's argmax taken again: a
-        # handful of reductions at most per chunk, instead of comparing every column with the whole history.
+        # torch.argmax). Only a chunk whose best beats the running best is checked against the history: its winner,
+        # while excluded, is taken out and the chunk's argmax taken again (a handful of reductions at most, instead
+        # of comparing every column with the whole history).
         best = tl.full([], float("-inf"), tl.float32)
         best_index = tl.full([], 0, tl.int64)
         for start in range(0, vocab, BLOCK_V):
@@ -73,14 +74,15 @@ if TRITON_AVAILABLE:
             x = tl.load(logits_row + index.to(tl.int64) * stride_vocab, mask=index < vocab, other=float("-inf"))
             x = tl.where(no_mask & (index == mask_id), float("-inf"), x.to(tl.float32))
             top, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            excluded = _count(history_valid & (history == start + at)) > 0
-            while excluded & (top > float("-inf")):
-                x = tl.where(index == start + at, float("-inf"), x)
-                top, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            if top > best:
                 excluded = _count(history_valid & (history == start + at)) > 0
-            better = top > best
-            best = tl.where(better, top, best)
-            best_index = tl.where(better, start + at.to(tl.int64), best_index)
+                while excluded & (top > best):
+                    x = tl.where(index == start + at, float("-inf"), x)
+                    top, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                    excluded = _count(history_valid & (history == start + at)) > 0
+                better = top > best  # then the winner is not excluded
+                best = tl.where(better, top, best)
+                best_index = tl.where(better, start + at.to(tl.int64), best_index)
         return best_index
 
     @triton.jit
@@ -185,7 +187,8 @@ if TRITON_AVAILABLE:
         slots = tl.arange(0, BLOCK_D)
         seen_count = tl.load(seen_count_ptr + row)
         seen_rows = seen_ptr + row * depth * length + slots[:, None] * length + cols[None, :]
-        seen = tl.load(seen_rows, mask=(slots[:, None] < depth) & valid[None, :], other=0)
+        # (only the slots in use are read: a block's early steps read little of the (D, B) history)
+        seen = tl.load(seen_rows, mask=(slots[:, None] < tl.minimum(seen_count, depth)) & valid[None, :], other=0)
         differs = _count_rows((seen != block[None, :]) & valid[None, :])
         was_seen = _count((differs == 0) & (slots < seen_count) & (slots < depth)) > 0
         changing = write & (x != block)
@@ -317,7 +320,7 @@ def levenshtein_step(
         HAS_TOTALS=totals is not None,
         BLOCK_B=triton.next_power_of_2(length),
         BLOCK_D=triton.next_power_of_2(depth),
-        BLOCK_V=LEVENSHTEIN_VOCAB_BLOCK,
+        BLOCK_V=min(LEVENSHTEIN_VOCAB_BLOCK, triton.next_power_of_2(logits.shape[-1])),
         num_warps=4,
     )
     return new, new_orig, edited

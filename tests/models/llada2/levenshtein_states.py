@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from hf_dllm.kernels import set_kernel_mode
+from hf_dllm.kernels import kernel_mode, set_kernel_mode
 from hf_dllm.levenshtein_editing import LevenshteinEditing
 
-MASK, DELETE, SPLIT, VOCAB = 2400, 7, 1030, 2600
+# A vocabulary of three of the anti-loop argmax's chunks (`triton_levenshtein.LEVENSHTEIN_VOCAB_BLOCK`).
+MASK, DELETE, SPLIT, VOCAB = 8200, 7, 4100, 9000
 # The tokens the logits favour: MASK, DELETE, SPLIT and ordinary tokens in each chunk of the vocabulary.
-FAVOURED = torch.tensor([MASK, DELETE, SPLIT, 3, 4, 1500, 2100, 2599])
+FAVOURED = torch.tensor([MASK, DELETE, SPLIT, 3, 4, 4500, 8999, 100])
 
 
 def random_state(
@@ -81,6 +82,14 @@ def random_state(
     return block.to(device), generated.to(device), logits.to(device), rule._state
 
 
+def two_rules(threshold: float, editing_threshold: float, max_post_steps: int, length: int) -> list:
+    """The PyTorch step's rule and the fused step's, each with its own buffers and totals."""
+    rules = [LevenshteinEditing(threshold, editing_threshold, max_post_steps, MASK, DELETE, SPLIT) for _ in range(2)]
+    for rule in rules:
+        rule.start_block(length, 1)
+    return rules
+
+
 def compare_steps(
     rows: int,
     length: int,
@@ -98,37 +107,70 @@ def compare_steps(
     each branch of the rule was taken (tokens deleted and split, anti-loop re-samples, rows that finished in a step,
     row-steps of rows finished before it)."""
     generator = torch.Generator().manual_seed(seed)
-    rules = [LevenshteinEditing(threshold, editing_threshold, max_post_steps, MASK, DELETE, SPLIT) for _ in range(2)]
-    for rule in rules:
-        rule.start_block(length, 1)
-    block, generated, logits, state = random_state(rules[0], rows, length, generator, device, vocab)
-    logits = logits.to(dtype)
-    rules[1].prepare_block(rows, device)
-    for name, value in state.items():
+    rules = two_rules(threshold, editing_threshold, max_post_steps, length)
+    block, generated, logits, _ = random_state(rules[0], rows, length, generator, device, vocab)
+    return compare_from(rules, block, generated, logits.to(dtype), steps, seed)[0]
+
+
+def compare_from(rules: list, block, generated, logits, steps: int, label) -> tuple[dict[str, int], torch.Tensor]:
+    """`compare_steps` from `rules[0]`'s state (copied to `rules[1]`): what it counted, and the last new block."""
+    rows = block.shape[0]
+    rules[1].prepare_block(rows, block.device)
+    for name, value in rules[0]._state.items():
         rules[1]._state[name].copy_(value)
+    mode = kernel_mode()
     seen = {"delete": 0, "split": 0, "anti_loop": 0, "newly_finished": 0, "finished": 0}
     blocks = [block, block.clone()]
-    for _ in range(steps):
-        set_kernel_mode("torch")
-        candidates = rules[0].candidates(logits)
-        before = {name: value.clone() for name, value in rules[0]._state.items()}
-        totals_before = rules[0]._totals.clone()
-        results = []
-        for rule, current, mode in zip(rules, blocks, ("torch", "triton"), strict=True):
-            set_kernel_mode(mode)
-            results.append(rule.step(current, logits, generated, rule._state, candidates=candidates))
-        set_kernel_mode("torch")
-        for name, ours, ref in zip(("block", "orig flags", "edited"), results[1], results[0], strict=True):
-            assert ours.dtype == ref.dtype and torch.equal(ours, ref), (name, seed, ours, ref)
-        for name in rules[0]._state:
-            assert torch.equal(rules[1]._state[name], rules[0]._state[name]), (name, seed)
-        assert torch.equal(rules[1]._totals, rules[0]._totals), ("totals", seed)
-        added = (rules[0]._totals - totals_before).tolist()
-        seen["delete"] += added[0]
-        seen["split"] += added[1]
-        seen["anti_loop"] += added[2]
-        seen["newly_finished"] += int((~before["finished"] & rules[0]._state["finished"]).sum())
-        seen["finished"] += int(before["finished"].sum())
-        blocks = [results[0][0], results[1][0]]
-        logits = logits.roll(1, dims=1)
-    return seen
+    try:
+        for _ in range(steps):
+            set_kernel_mode("torch")
+            candidates = rules[0].candidates(logits)
+            before = {name: value.clone() for name, value in rules[0]._state.items()}
+            totals_before = rules[0]._totals.clone()
+            results = []
+            for rule, current, step_mode in zip(rules, blocks, ("torch", "triton"), strict=True):
+                set_kernel_mode(step_mode)
+                results.append(rule.step(current, logits, generated, rule._state, candidates=candidates))
+            for name, ours, ref in zip(("block", "orig flags", "edited"), results[1], results[0], strict=True):
+                assert ours.dtype == ref.dtype and torch.equal(ours, ref), (name, label, ours, ref)
+            for name in rules[0]._state:
+                assert torch.equal(rules[1]._state[name], rules[0]._state[name]), (name, label)
+            assert torch.equal(rules[1]._totals, rules[0]._totals), ("totals", label)
+            added = (rules[0]._totals - totals_before).tolist()
+            seen["delete"] += added[0]
+            seen["split"] += added[1]
+            seen["anti_loop"] += added[2]
+            seen["newly_finished"] += int((~before["finished"] & rules[0]._state["finished"]).sum())
+            seen["finished"] += int(before["finished"].sum())
+            blocks = [results[0][0], results[1][0]]
+            logits = logits.roll(1, dims=1)
+    finally:
+        set_kernel_mode(mode)
+    return seen, blocks[0]
+
+
+def compare_anti_loop_choices(device="cpu") -> None:
+    """Two hand-made rows whose anti-loop fires at a generated, non-original position (a token-to-token edit, the
+    least confident change) whose greedy token is in its history: the re-sample is MASK (allowed there: it is not
+    an original mask), and in the second row, where MASK is unlikely, the first of two tied tokens in different
+    chunks of the vocabulary. Both paths must agree, and the PyTorch step must make those choices."""
+    length = 8
+    rules = two_rules(0.9, 0.0, 16, length)
+    block = torch.tensor([[3, 4, 3, 4, 3, 4, MASK, MASK]] * 2, device=device)
+    generated = torch.arange(length, device=device).expand(2, -1) >= 2
+    state = rules[0].init_state(block, generated)
+    state["seen"][:, 0] = block  # seen before
+    state["seen_count"].fill_(1)
+    state["updates"].fill_(1)
+    state["hist"][:, 2, 0] = 100  # the greedy token of position 2, written there before
+    logits = torch.full((2, length, VOCAB), -10.0, device=device)
+    logits[:, :, 3] = 10.0  # positions 0-5 keep their tokens (3, 4, 3, 4, 3, 4)
+    logits[:, 1::2, 4] = 12.0
+    logits[:, 6:, 5] = 12.0  # the original masks: committed with probability ~1
+    logits[:, 2, 3] = -10.0
+    logits[:, 2, [100, MASK, FAVOURED[5], FAVOURED[6]]] = torch.tensor(
+        [[5.0, 4.0, 3.0, 3.0], [5.0, 1.0, 3.0, 3.0]], device=device
+    )
+    seen, new = compare_from(rules, block, generated, logits, 1, "anti-loop")
+    assert seen["anti_loop"] == 2, seen
+    assert new[:, 2].tolist() == [MASK, int(FAVOURED[5])], new

@@ -5,7 +5,9 @@ Two scripts side by side in one background job (the interpreter must be on befor
 - `states`: random block states (`levenshtein_states.py`) at 1 and 3 rows, blocks of 8 and 32, the three
   `max_post_steps` regimes, thresholds whose float32 rounding differs from the float64 value; the block, flags,
   `edited`, every state buffer and the totals equal the PyTorch step's after each of three steps in a row, over
-  states where rows delete, split, fire the anti-loop, finish, and were finished before.
+  states where rows delete, split, fire the anti-loop, finish, and were finished before; and two hand-made rows
+  whose anti-loop re-samples MASK at a non-original position, and the first of two tied tokens in different
+  chunks of the vocabulary.
 - `fixtures`: whole generations of the tiny LLaDA2.2 checkpoint with the step kernel forced on: two left-padded
   batches of four prompts without a cache (`max_post_steps` 2 and 0, DELETE / SPLIT and the anti-loop in most rows)
   with SGLang's tokens, forwards and counts per row, the candidates from PyTorch (the step is what is under test; the
@@ -25,8 +27,9 @@ from tests.conftest import interpreter_job
 STATES_SCRIPT = textwrap.dedent(
     """
     from collections import Counter
-    from tests.models.llada2.levenshtein_states import compare_steps
+    from tests.models.llada2.levenshtein_states import compare_anti_loop_choices, compare_steps
 
+    compare_anti_loop_choices()
     taken = Counter()
     for seed in range(2):
         for rows, length in ((1, 8), (3, 8), (1, 32), (3, 32)):

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from hf_dllm.levenshtein_editing import LevenshteinEditing
-from tests.models.llada2.levenshtein_states import DELETE, MASK, SPLIT, compare_steps, random_state
+from tests.models.llada2.levenshtein_states import (
+    DELETE,
+    MASK,
+    SPLIT,
+    compare_anti_loop_choices,
+    compare_steps,
+    random_state,
+)
 
 SETTINGS = ((0, 0.7, 0.0), (2, 0.1, 0.5), (16, 0.9, 0.9), (16, 0.7, 0.5))
 
@@ -28,6 +35,11 @@ def test_gpu_fused_step_matches_pytorch_on_random_states(rows, length):
                 compare_steps(rows, length, max_post_steps, threshold, editing_threshold, seed, "cuda", dtype=dtype)
             )
     assert all(taken[name] > 0 for name in ("delete", "split", "anti_loop", "newly_finished", "finished")), taken
+
+
+@pytest.mark.gpu
+def test_gpu_fused_step_anti_loop_choices():
+    compare_anti_loop_choices("cuda")
 
 
 @pytest.mark.gpu
