@@ -285,6 +285,7 @@ def levenshtein_step(
     edited = torch.empty(rows, dtype=torch.bool, device=block.device)
     if rows == 0:
         return new, new_orig, edited
+    block_b, block_d = triton.next_power_of_2(length), triton.next_power_of_2(depth)
     _levenshtein_step_kernel[(rows,)](
         block,
         generated,
@@ -318,9 +319,9 @@ def levenshtein_step(
         int(delete_token_id),
         int(split_token_id),
         HAS_TOTALS=totals is not None,
-        BLOCK_B=triton.next_power_of_2(length),
-        BLOCK_D=triton.next_power_of_2(depth),
+        BLOCK_B=block_b,
+        BLOCK_D=block_d,
         BLOCK_V=min(LEVENSHTEIN_VOCAB_BLOCK, triton.next_power_of_2(logits.shape[-1])),
-        num_warps=4,
+        num_warps=4 if block_b * block_d <= 2048 else 8,  # blocks past 32: the (D, B) history tile in more registers
     )
     return new, new_orig, edited
