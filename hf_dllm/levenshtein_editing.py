@@ -17,7 +17,10 @@ the finished block's K/V from its final tokens, and without a cache every forwar
 The per-block state (flags, counters, the set of past block contents, the tokens ever written per index) lives in
 fixed-shape device tensors updated in place without host synchronisation, so the step stays CUDA-graph
 capturable; where the run has a graph runner, the buffers are the runner's (`StepGraphs.constant`), so graphs that
-outlive one `generate()` call keep reading live memory.
+outlive one `generate()` call keep reading live memory. Where the fused kernels run (`kernels.use_fused_kernels`:
+CUDA and Triton), a step is three launches: `triton_ops.edit_candidates`' two over the logits, and
+`triton_levenshtein.levenshtein_step` for everything after them, bit-identical to the PyTorch step here (the
+reference, and the path elsewhere), which launches ~160 small kernels.
 
 Which models use it is their family's decision (`family_llada2.LLaDA22Family`: a config with both edit tokens);
 `check_settings` is what the rule refuses.
