@@ -202,9 +202,9 @@ if TRITON_AVAILABLE:
             return_indices_tie_break_left=True,
         )
         chosen = tl.where(first_nan < BLOCK_B, first_nan, lowest).to(tl.int64)
-        history = tl.load(hist_ptr + (row * length + chosen) * depth + slots, mask=slots < depth, other=-1)
         resampled = tl.full([], 0, tl.int64)
         if loop:
+            history = tl.load(hist_ptr + (row * length + chosen) * depth + slots, mask=slots < depth, other=-1)
             chosen_original = _count(original & (cols == chosen)) > 0
             logits_row = logits_ptr + row * stride_logits_row + chosen * stride_logits_position
             resampled = _resample(
