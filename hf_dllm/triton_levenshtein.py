@@ -11,7 +11,7 @@ its results are bit-identical to it (tokens, flags, every state buffer, the tota
 `decoding.rank_by_confidence` (stable descending sort: NaN first, ties to the lower position) by a B x B
 comparison, `torch.argmin`'s choice (the first NaN, else the first minimum), the anti-loop's argmax over the
 vocabulary (first index on ties, index 0 when everything is excluded) read only in a row where the anti-loop fires
-(NaN logits there are the one input where the two may differ: torch.argmax picks a NaN, this argmax ignores it).
+(NaN logits there are the one input where the two may differ: torch.argmax picks a NaN, Triton's max need not).
 The PyTorch step stays the reference and the path off CUDA (`kernels.use_fused_kernels`).
 
 This file is exported as Hub remote code (relative imports only; Triton comes from `triton_ops.py`'s `try:`).
