@@ -105,7 +105,7 @@ def compare_steps(
     """Run the PyTorch step and the fused step from the same random state and candidates (of `dtype` logits),
     `steps` times in a row; raise AssertionError naming the first output or buffer that differs. Returns how often
     each branch of the rule was taken (tokens deleted and split, anti-loop re-samples, rows that finished in a step,
-    row-steps of rows finished before it)."""
+    those of them whose block changed in it: the final cleanup, row-steps of rows finished before it)."""
     generator = torch.Generator().manual_seed(seed)
     rules = two_rules(threshold, editing_threshold, max_post_steps, length)
     block, generated, logits, _ = random_state(rules[0], rows, length, generator, device, vocab)
@@ -119,7 +119,7 @@ def compare_from(rules: list, block, generated, logits, steps: int, label) -> tu
     for name, value in rules[0]._state.items():
         rules[1]._state[name].copy_(value)
     mode = kernel_mode()
-    seen = {"delete": 0, "split": 0, "anti_loop": 0, "newly_finished": 0, "finished": 0}
+    seen = {"delete": 0, "split": 0, "anti_loop": 0, "newly_finished": 0, "final_cleanup": 0, "finished": 0}
     blocks = [block, block.clone()]
     try:
         for _ in range(steps):
@@ -140,7 +140,9 @@ def compare_from(rules: list, block, generated, logits, steps: int, label) -> tu
             seen["delete"] += added[0]
             seen["split"] += added[1]
             seen["anti_loop"] += added[2]
-            seen["newly_finished"] += int((~before["finished"] & rules[0]._state["finished"]).sum())
+            newly_finished = ~before["finished"] & rules[0]._state["finished"]
+            seen["newly_finished"] += int(newly_finished.sum())
+            seen["final_cleanup"] += int((newly_finished & results[0][2]).sum())  # finished by a step that wrote
             seen["finished"] += int(before["finished"].sum())
             blocks = [results[0][0], results[1][0]]
             logits = logits.roll(1, dims=1)

@@ -5,7 +5,7 @@ Two scripts side by side in one background job (the interpreter must be on befor
 - `states`: random block states (`levenshtein_states.py`) at 1 and 3 rows, blocks of 8 and 32, the three
   `max_post_steps` regimes, thresholds whose float32 rounding differs from the float64 value; the block, flags,
   `edited`, every state buffer and the totals equal the PyTorch step's after each of three steps in a row, over
-  states where rows delete, split, fire the anti-loop, finish, and were finished before; and two hand-made rows
+  states where rows delete, split, fire the anti-loop, finish (at the final cleanup too), and were finished before; and two hand-made rows
   whose anti-loop re-samples MASK at a non-original position, and the first of two tied tokens in different
   chunks of the vocabulary.
 - `fixtures`: whole generations of the tiny LLaDA2.2 checkpoint with the step kernel forced on: two left-padded
@@ -35,7 +35,8 @@ STATES_SCRIPT = textwrap.dedent(
         for rows, length in ((1, 8), (3, 8), (1, 32), (3, 32)):
             for max_post_steps, threshold, editing_threshold in ((0, 0.7, 0.0), (2, 0.1, 0.5), (16, 0.9, 0.9)):
                 taken.update(compare_steps(rows, length, max_post_steps, threshold, editing_threshold, seed))
-    assert all(taken[name] > 5 for name in ("delete", "split", "anti_loop", "newly_finished", "finished")), taken
+    names = ("delete", "split", "anti_loop", "newly_finished", "final_cleanup", "finished")
+    assert all(taken[name] > 5 for name in names), taken
     print("ok", dict(taken))
     """
 )

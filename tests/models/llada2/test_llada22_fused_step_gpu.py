@@ -34,7 +34,7 @@ def test_gpu_fused_step_matches_pytorch_on_random_states(rows, length):
             taken.update(
                 compare_steps(rows, length, max_post_steps, threshold, editing_threshold, seed, "cuda", dtype=dtype)
             )
-    assert all(taken[name] > 0 for name in ("delete", "split", "anti_loop", "newly_finished", "finished")), taken
+    assert all(taken[name] > 0 for name in ("delete", "split", "anti_loop", "final_cleanup", "finished")), taken
 
 
 @pytest.mark.gpu
