@@ -31,6 +31,7 @@ class LLaDA2Family(BlockCausal, DiffusionFamily):
         "triton_moe.py",  # the MoE layer's fused kernels
         "grouped_gemm.py",  # the experts' grouped products with FP8 weights
         "levenshtein_editing.py",  # LLaDA2.2's editing rule
+        "triton_levenshtein.py",  # its step as one Triton kernel
     )
     # The decoding of LLaDA2's reference `generate()` and model cards (threshold 0.95, one token per step at least,
     # blocks of 32, in-block EOS stop), greedy, with the exact KV cache.

@@ -17,7 +17,10 @@ the finished block's K/V from its final tokens, and without a cache every forwar
 The per-block state (flags, counters, the set of past block contents, the tokens ever written per index) lives in
 fixed-shape device tensors updated in place without host synchronisation, so the step stays CUDA-graph
 capturable; where the run has a graph runner, the buffers are the runner's (`StepGraphs.constant`), so graphs that
-outlive one `generate()` call keep reading live memory.
+outlive one `generate()` call keep reading live memory. Where the fused kernels run (`kernels.use_fused_kernels`:
+CUDA and Triton), a step is three launches: `triton_ops.edit_candidates`' two over the logits, and
+`triton_levenshtein.levenshtein_step` for everything after them, bit-identical to the PyTorch step here (the
+reference, and the path elsewhere), which launches ~160 small kernels.
 
 Which models use it is their family's decision (`family_llada2.LLaDA22Family`: a config with both edit tokens);
 `check_settings` is what the rule refuses.
@@ -31,6 +34,7 @@ import torch
 
 from .decoding import UnmaskingPolicy, rank_by_confidence
 from .kernels import use_fused_kernels
+from .triton_levenshtein import levenshtein_step
 from .triton_ops import edit_candidates
 
 NEG_INF = float("-inf")
@@ -203,11 +207,32 @@ class LevenshteinEditing(UnmaskingPolicy):
         return tokens, probabilities.gather(-1, tokens)
 
     def step(
-        self, block: torch.Tensor, logits: torch.Tensor, generated: torch.Tensor, state: dict[str, torch.Tensor]
+        self,
+        block: torch.Tensor,
+        logits: torch.Tensor,
+        generated: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step of SGLang's rule on `block` `(R, B)` with its logits `(R, B, V)`; `generated` `(R, B)` bool marks
         the non-prompt positions. Updates `state` in place; returns the new block, its original-mask flags and
-        `(R,)` bool whether the block changed."""
+        `(R,)` bool whether the block changed. `candidates`: `self.candidates(logits)` when already computed (tests
+        drive both paths from the same ones).
+
+        Where the fused kernels run, everything after the candidates is one Triton launch
+        (`triton_levenshtein.levenshtein_step`, bit-identical to the PyTorch code below, which is the reference)."""
+        tokens, probabilities = self.candidates(logits) if candidates is None else candidates
+        if use_fused_kernels(logits):
+            return levenshtein_step(
+                block,
+                generated,
+                tokens,
+                probabilities,
+                logits,
+                state,
+                self._totals,
+                *self.step_constants(),
+            )
         mask_id, delete_id, split_id = self.mask_token_id, self.delete_token_id, self.split_token_id
         rows, length = block.shape
         device = block.device
@@ -220,7 +245,6 @@ class LevenshteinEditing(UnmaskingPolicy):
         orig = torch.where(state["started"].unsqueeze(-1), state["orig"], generated & (block == mask_id))
 
         # 1. Greedy token and its probability (and the greedy tokens without MASK, without MASK / DELETE / SPLIT).
-        tokens, probabilities = self.candidates(logits)
         x, p = tokens[..., 0], probabilities[..., 0]
 
         # 2-4. Masks, original masks, counters, whether this is the final cleanup.

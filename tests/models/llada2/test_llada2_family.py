@@ -23,6 +23,7 @@ class TestLLaDA2Family(FamilyTester):
         "triton_moe.py",
         "grouped_gemm.py",
         "levenshtein_editing.py",
+        "triton_levenshtein.py",
     )
     unreached_file = "configuration_llada.py"
     export_config_fields = {"mask_token_id": 310}  # the reference runs pass it to generate()
