@@ -118,6 +118,45 @@ def settings_key(config: DiffusionGenerationConfig, without: tuple[str, ...] = (
     )
 
 
+def plan_request(model, request: EngineRequest, scheduler: LayoutScheduler, device: torch.device) -> EngineRequest:
+    """Plan `request` as `generate()` plans a lone prompt, for an engine whose layouts `scheduler` bounds (its
+    `max_batch_width` and `max_batch_positions`), its tokens on `device`; raises ValueError for what generate()
+    refuses and for a row that could never fit."""
+    config, prompt = request.config, list(request.prompt_ids)
+    if not prompt:
+        raise ValueError("`prompt_ids` is empty: a row needs at least one prompt token.")
+    if config.kv_cache_dtype is not None:
+        raise ValueError(
+            f"`kv_cache_dtype={config.kv_cache_dtype!r}`: the serving engine keeps K/V in the model's dtype "
+            "(rows' K/V move between layouts); use kv_cache_dtype=None."
+        )
+    plan = model.diffusion_family.plan([len(prompt)], len(prompt), config, torch.device("cpu"))
+    if plan.canvas_width > scheduler.max_batch_width:
+        raise ValueError(
+            f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
+            f"columns, more than max_batch_width ({scheduler.max_batch_width})."
+        )
+    if scheduler.max_batch_positions is not None:  # the row alone at its widest layout: its last block
+        last = plan.blocks[int(plan.last_block[0])]
+        alone = kv_positions(1, scheduler.width_of([(*last, plan.canvas_width)]), config)
+        if alone > scheduler.max_batch_positions:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} with cfg_scale "
+                f"{config.cfg_scale} needs {alone} K/V positions alone, more than max_batch_positions "
+                f"({scheduler.max_batch_positions})."
+            )
+    # What the run's rules refuse (e.g. a setting the model family does not take) fails this request now,
+    # not the layout it would join.
+    decoding_policies(model, config)
+    tokens = torch.full((plan.canvas_width,), config.mask_token_id, dtype=torch.long)
+    tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    request.plan, request.tokens = plan, tokens.to(device)
+    # A row's length and its total of steps only shape its own plan (`BlockPlan`): rows that differ only there
+    # share a layout whenever their current blocks have the same length and steps (`scheduler.cohort_key`).
+    request.settings = settings_key(config, without=("max_new_tokens", "steps"))
+    return request
+
+
 class ContinuousBatcher:
     """The running rows of one model and the requests waiting to join them (see the module doc): waiting requests
     queue in an `admission.Admission`, running rows are grouped into layouts by a `scheduler.LayoutScheduler`, and
@@ -295,40 +334,8 @@ class ContinuousBatcher:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def prepare(self, request: EngineRequest) -> EngineRequest:
-        """Plan `request` as `generate()` plans a lone prompt; raises ValueError for what generate() refuses."""
-        config, prompt = request.config, list(request.prompt_ids)
-        if not prompt:
-            raise ValueError("`prompt_ids` is empty: a row needs at least one prompt token.")
-        if config.kv_cache_dtype is not None:
-            raise ValueError(
-                f"`kv_cache_dtype={config.kv_cache_dtype!r}`: the serving engine keeps K/V in the model's dtype "
-                "(rows' K/V move between layouts); use kv_cache_dtype=None."
-            )
-        plan = self.family.plan([len(prompt)], len(prompt), config, torch.device("cpu"))
-        if plan.canvas_width > self.max_batch_width:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} needs {plan.canvas_width} "
-                f"columns, more than max_batch_width ({self.max_batch_width})."
-            )
-        if self.max_batch_positions is not None:  # the row alone at its widest layout: its last block
-            last = plan.blocks[int(plan.last_block[0])]
-            alone = kv_positions(1, self.scheduler.width_of([(*last, plan.canvas_width)]), config)
-            if alone > self.max_batch_positions:
-                raise ValueError(
-                    f"a prompt of {len(prompt)} tokens decoding {config.max_new_tokens} with cfg_scale "
-                    f"{config.cfg_scale} needs {alone} K/V positions alone, more than max_batch_positions "
-                    f"({self.max_batch_positions})."
-                )
-        # What the run's rules refuse (e.g. a setting the model family does not take) fails this request now,
-        # not the layout it would join.
-        decoding_policies(self.model, config)
-        tokens = torch.full((plan.canvas_width,), config.mask_token_id, dtype=torch.long)
-        tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        request.plan, request.tokens = plan, tokens.to(self.device)
-        # A row's length and its total of steps only shape its own plan (`BlockPlan`): rows that differ only there
-        # share a layout whenever their current blocks have the same length and steps (`scheduler.cohort_key`).
-        request.settings = settings_key(config, without=("max_new_tokens", "steps"))
-        return request
+        """Plan `request` as `generate()` plans a lone prompt (`plan_request`); ValueError for what it refuses."""
+        return plan_request(self.model, request, self.scheduler, self.device)
 
     def submit(self, request: EngineRequest) -> None:
         """Queue a request (any thread); it joins the batch at the next boundary where it fits."""
