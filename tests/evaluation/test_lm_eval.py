@@ -295,5 +295,3 @@ def test_simple_evaluate_on_local_tasks(lm_eval_module, checkpoint):
         return completion_text(tokenizer, out[0, len(ids) :].tolist(), stop_ids, gen_kwargs["until"])
 
     assert_responses_are(samples, tokenizer, expected)
-
-

@@ -4,14 +4,12 @@ block-causal ones, and every refusal comes before any forward."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import hf_dllm
+from tests.conftest import FIXTURES
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 # (fixture, model class, extra generate() kwargs, the BOS the family starts an empty prompt from; None: refused)
 FAMILIES = [
     ("llada-tiny-trained", "LLaDAModelLM", {}, 1),

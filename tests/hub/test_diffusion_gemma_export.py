@@ -4,12 +4,10 @@ export loads and reproduces a reference case where hf_dllm cannot be imported.""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from hf_dllm.hub.export import main as export_main
-from tests.conftest import run_without_hf_dllm
+from tests.conftest import FIXTURES, run_without_hf_dllm
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 
 CHILD = r"""

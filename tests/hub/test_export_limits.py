@@ -16,9 +16,7 @@ from safetensors.torch import load_file, save_file
 from hf_dllm.hub import export
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import ExportError
-from tests.conftest import save_checkpoint, tiny_model
-
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+from tests.conftest import FIXTURES, save_checkpoint, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from hf_dllm.hub.export import export_checkpoint
-
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+from tests.conftest import FIXTURES
 
 
 def card_lines_up_to_the_tokenizer(card: str) -> str:

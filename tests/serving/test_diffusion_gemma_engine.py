@@ -4,16 +4,14 @@ column, its own positions, padding masked) and re-encodes each row's prefix into
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModel
 
 from hf_dllm.serving.engine import ContinuousBatcher
 from hf_dllm.serving.rows import EngineRequest
+from tests.conftest import FIXTURES
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 SETTINGS = dict(
     max_new_tokens=32, max_denoising_steps=6, sampler_config={"entropy_bound": 0.5}, confidence_threshold=1.0

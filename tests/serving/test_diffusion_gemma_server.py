@@ -4,12 +4,12 @@ fields as request fields, other families' fields answered with a 400 while the s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from transformers import AutoModel
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
+from tests.conftest import FIXTURES
+
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ import hf_dllm  # noqa: F401  (registers the family)
 from hf_dllm import decoding_diffusion_gemma
 from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
+from tests.conftest import FIXTURES
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 
 

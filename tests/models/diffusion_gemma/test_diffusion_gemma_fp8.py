@@ -23,8 +23,8 @@ import hf_dllm
 from hf_dllm import fp8
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.quantize import fp8_weight_names, scale_name
+from tests.conftest import FIXTURES
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 # Per layer (and the decoder's self-conditioning MLP): what is FP8.
 FP8_LAYERS = {
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

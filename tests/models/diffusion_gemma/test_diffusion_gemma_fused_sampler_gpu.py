@@ -5,8 +5,6 @@ against torch's grouped GEMM, and generate() on the fused path (seeded, well for
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModel
@@ -14,11 +12,11 @@ from transformers import AutoModel
 import hf_dllm  # noqa: F401  (registers the family)
 from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler, token_entropy
 from hf_dllm.triton_diffusion_gemma import fused_sample
+from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CAP, TEMPERATURE = 30.0, 0.6
 

@@ -4,7 +4,6 @@ seed and well formed (CUDA's random draws differ from the CPU's, so the CPU case
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
+from tests.conftest import FIXTURES
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CASES = {case["name"]: case for case in json.loads((GEMMA_DIR / "cases.json").read_text())["cases"]}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
+from tests.conftest import FIXTURES
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CANVAS = 16
 EOS = 130

@@ -6,7 +6,6 @@ logits and exactly the same argmax, accepted set, next canvas and finished rows.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
 from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
+from tests.conftest import FIXTURES
 from tests.models.diffusion_gemma.gemma_step import (
     compare_decisions,
     fragile_positions,
@@ -24,7 +24,6 @@ from tests.models.diffusion_gemma.gemma_step import (
     transformers_step,
 )
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 # The fixture's `eb2` profile with a looser confidence threshold: several positions accepted per step, and a row
 # that is stable can stop.

@@ -15,7 +15,6 @@ positions count as near a boundary: the last bound is the one that carries weigh
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +22,9 @@ from safetensors.torch import load_file
 from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
+from tests.conftest import FIXTURES
 from tests.models.diffusion_gemma.gemma_step import bf16_step_report, make_inputs, skip_unless_reference_step_runs
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 SETTINGS = dict(
     max_denoising_steps=16,

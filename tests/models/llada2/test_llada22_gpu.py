@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_dllm  # noqa: F401  (registers llada2_moe)
+from tests.conftest import FIXTURES
 from tests.models.llada2.test_llada22 import generate_kwargs
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 LLADA22 = FIXTURES / "llada22-tiny-ref"
 META = json.loads((LLADA22 / "cases.json").read_text())
 MASK, EOS = META["mask_token_id"], META["eos_token_id"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +21,9 @@ from hf_dllm import fp8
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.kernels import set_kernel_mode
 from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, rotary_cos_sin
-from tests.conftest import random_weights_model
+from tests.conftest import FIXTURES, random_weights_model
 from tests.models.llada_moe.test_llada_moe import generate_kwargs
 
-FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"
 FIXTURE = FIXTURES / "lladamoe-tiny-ref"
 BLOCK = (128, 128)
 
