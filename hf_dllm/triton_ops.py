@@ -457,6 +457,34 @@ if TRITON_AVAILABLE:
         tl.store(scale_ptr + rows64 * stride_scale_row + tl.program_id(1) * stride_scale_group, scale, mask=written)
 
     @triton.jit
+    def _running_best(candidate, best, best_index, start):
+        # The running best (first index on ties, as torch.argmax) over the chunks so far, with the chunk
+        # `candidate` (its first column `start`) added.
+        chunk_best, chunk_index = tl.max(candidate, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = chunk_best > best
+        return tl.where(better, chunk_best, best), tl.where(better, start + chunk_index.to(tl.int64), best_index)
+
+    @triton.jit
+    def _best_of(x, index, excluded, best, best_index, start):
+        # `_running_best` of a chunk's logits with `excluded` (a boolean tile) taken out.
+        return _running_best(tl.where(excluded, float("-inf"), x), best, best_index, start)
+
+    @triton.jit
+    def _online_logsumexp(x, running_max, running_sum):
+        # (max, sum of exp(x - max)) over the chunks so far, with the chunk `x` added. While every logit so far is
+        # -inf, shift by 0 (-inf - -inf would be nan); the same values otherwise.
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        return new_max, running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+
+    @triton.jit
+    def _merged_logsumexp(split_max, split_sum):
+        # (max, sum of exp(x - max)) of a row from its splits' (max, sum) pairs.
+        row_max = tl.max(split_max, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        return row_max, tl.sum(split_sum * tl.exp(split_max - shift), axis=0)
+
+    @triton.jit
     def _greedy_propose_kernel(
         logits_ptr,
         token_ptr,
@@ -491,16 +519,8 @@ if TRITON_AVAILABLE:
             index = start + tl.arange(0, BLOCK)
             x = tl.load(base + index, mask=index < end, other=float("-inf")).to(tl.float32)
             candidate = tl.where(index == excluded, float("-inf"), x) if EXCLUDE else x
-            chunk_best, chunk_index = tl.max(candidate, axis=0, return_indices=True, return_indices_tie_break_left=True)
-            better = chunk_best > best
-            best_index = tl.where(better, start + chunk_index.to(tl.int64), best_index)
-            best = tl.where(better, chunk_best, best)
-            chunk_max = tl.max(x, axis=0)
-            new_max = tl.maximum(running_max, chunk_max)
-            # While every logit so far is -inf, shift by 0 (-inf - -inf would be nan); the same values otherwise.
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-            running_max = new_max
+            best, best_index = _running_best(candidate, best, best_index, start)
+            running_max, running_sum = _online_logsumexp(x, running_max, running_sum)
         if SPLIT:
             part = row * tl.num_programs(1) + split + tl.arange(0, 1)
             tl.store(best_ptr + part, best)
@@ -533,20 +553,9 @@ if TRITON_AVAILABLE:
         split_sum = tl.load(sum_ptr + part, mask=valid, other=0.0)
         top, which = tl.max(best, axis=0, return_indices=True, return_indices_tie_break_left=True)
         index = tl.load(index_ptr + row * n_splits + which)
-        row_max = tl.max(split_max, axis=0)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        total = tl.sum(split_sum * tl.exp(split_max - shift), axis=0)
+        row_max, total = _merged_logsumexp(split_max, split_sum)
         tl.store(token_ptr + row, index)
         tl.store(prob_ptr + row, tl.exp(top - row_max) / total)
-
-    @triton.jit
-    def _best_of(x, index, excluded, best, best_index, start):
-        # The running best (first index on ties, as torch.argmax) of a chunk's logits with `excluded` (a boolean
-        # tile) taken out.
-        candidate = tl.where(excluded, float("-inf"), x)
-        chunk_best, chunk_index = tl.max(candidate, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = chunk_best > best
-        return tl.where(better, chunk_best, best), tl.where(better, start + chunk_index.to(tl.int64), best_index)
 
     @triton.jit
     def _edit_candidates_kernel(
@@ -587,10 +596,7 @@ if TRITON_AVAILABLE:
             best1, index1 = _best_of(x, index, is_mask, best1, index1, start)
             edit_token = is_mask | (index == delete_id) | (index == split_id)
             best2, index2 = _best_of(x, index, edit_token, best2, index2, start)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
-            running_max = new_max
+            running_max, running_sum = _online_logsumexp(x, running_max, running_sum)
         part = (row * tl.num_programs(1) + split) * 3 + tl.arange(0, 1)
         tl.store(best_ptr + part, best0)
         tl.store(best_ptr + part + 1, best1)
@@ -613,9 +619,7 @@ if TRITON_AVAILABLE:
         valid = splits < n_splits
         split_max = tl.load(max_ptr + row * n_splits + splits, mask=valid, other=float("-inf"))
         split_sum = tl.load(sum_ptr + row * n_splits + splits, mask=valid, other=0.0)
-        row_max = tl.max(split_max, axis=0)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        total = tl.sum(split_sum * tl.exp(split_max - shift), axis=0)
+        row_max, total = _merged_logsumexp(split_max, split_sum)
         for k in tl.static_range(3):
             part = (row * n_splits + splits) * 3 + k
             best = tl.load(best_ptr + part, mask=valid, other=float("-inf"))
