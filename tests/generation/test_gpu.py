@@ -329,7 +329,14 @@ def count_host_syncs(fn) -> int:
     """How many times `fn()` made the host wait for the GPU (torch's sync debug mode warns at each)."""
     with recorded_host_syncs() as caught:
         fn()
-    return sum("synchroniz" in str(warning.message) for warning in caught)
+    return len(host_sync_warnings(caught))
+
+
+def host_sync_warnings(caught) -> list[str]:
+    """The recorded warnings that are torch's "called a synchronizing CUDA operation" (not its one-time notice, at
+    the first `set_sync_debug_mode` of a process, that the mode "does not yet detect all synchronizing
+    operations"), as `file:line: message`."""
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def assert_blocks_add_no_host_syncs(call) -> None:

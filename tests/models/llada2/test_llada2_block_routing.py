@@ -442,7 +442,7 @@ def test_fused_path_matches_the_reference_in_the_interpreter():
 def test_fused_router_on_cuda_matches_pytorch_without_host_syncs_and_captures(tokens):
     """On a GPU at LLaDA2.2-mini's router shape (256 experts, top-8, capacity 48, blocks of 32): `fused_block_route`
     (two Triton kernels) equals the PyTorch router, never makes the host wait, and replays in a CUDA graph."""
-    from tests.generation.test_gpu import recorded_host_syncs
+    from tests.generation.test_gpu import host_sync_warnings, recorded_host_syncs
 
     config = moe_config(num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, block_size=32,
                         expert_capacity=48)  # fmt: skip
@@ -461,10 +461,7 @@ def test_fused_router_on_cuda_matches_pytorch_without_host_syncs_and_captures(to
     with recorded_host_syncs() as caught:
         fused()
         gate.route(logits, blocks)
-    # torch's "called a synchronizing CUDA operation" (not its one-time notice that the debug mode is a prototype
-    # that "does not yet detect all synchronizing operations")
-    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message)]
-    assert not syncs, syncs
+    assert not host_sync_warnings(caught), host_sync_warnings(caught)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused()
