@@ -191,8 +191,9 @@ class DiffusionGemmaAttention(nn.Module):
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
-        (every key); `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V
-        (encoder) or only read the cache (decoder)."""
+        (every key), for the "sdpa" backend also additive (0 / -inf in the query's dtype, `decoder_key_mask`);
+        `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V (encoder) or only
+        read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
         raw_query = linear(self.q_proj, hidden_states).view(shape)
@@ -750,6 +751,18 @@ class DiffusionGemmaDecoder(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive: bool) -> torch.Tensor | None:
+    """The decoder's key mask `(B, 1, 1, cached + C)` over layer `layer`'s cache and the canvas `x` `(B, C, hidden)`
+    (`cache.decoder_mask`; None: every key), for every layer of its kind: the caches keep the same slots and
+    validity in all the sliding layers, and in all the full ones (they are written by the same columns). Bool for
+    the GEMM and Triton attention, or with `additive` 0 / -inf in x's dtype for SDPA, which otherwise converts a
+    bool mask in every layer (a few small kernels each: ~6 us of a layer at batch 1 on an H200)."""
+    mask = cache.decoder_mask(layer, x[..., 0], padded)
+    if mask is None or not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+
+
 def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
     """A query that may attend to no key (a padding position) attends to all instead: its output is never read,
     and an empty softmax would put NaN into K/V that later (masked) reads multiply by zero."""
@@ -937,9 +950,13 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         `positions` and the cache's tensors: what `DecoderGraphs` captures)."""
         decoder, text = self.model.decoder, self.config.text_config
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
+        masks: dict = {}
         for index, layer in enumerate(decoder.layers):
-            mask = cache.decoder_mask(index, x[..., 0], padded)
-            x = layer(x, *rope[text.layer_types[index]], cache, mask, False)
+            kind = text.layer_types[index]
+            key = (kind, layer.self_attn.chosen_backend(x) == "sdpa")  # (layer kind, additive mask)
+            if key not in masks:  # once per kind and mask form, not per layer
+                masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x, padded, additive=key[1])
+            x = layer(x, *rope[kind], cache, masks[key], False)
         return decoder.norm(x)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
