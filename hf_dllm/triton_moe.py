@@ -41,13 +41,11 @@ if TRITON_AVAILABLE:
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K: tl.constexpr,
-                    NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        # One token's TOP_K experts by descending `choice` (ties: the lowest index) and their `scores` as weights
-        # (normalised with NORMALIZE, times `scale`), stored at its row of index_ptr / weight_ptr. choice, scores,
-        # lanes: 1D over the experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts). The weights
-        # are rounded to weight_ptr's dtype (round to nearest even, as PyTorch's casts). Shared by `route` and
-        # LLaDA2.2's block router (`llada2_moe_layer.fused_block_route`).
+    def select_top_k(choice, scores, lanes, scale, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+        # One token's TOP_K experts `(BLOCK_K,)` int64 by descending `choice` (ties: the lowest index) and their
+        # `scores` as float32 weights (normalised with NORMALIZE, times `scale`). choice, scores, lanes: 1D over the
+        # experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts).
         ks = tl.arange(0, BLOCK_K)
         chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
         weights = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -61,7 +59,16 @@ if TRITON_AVAILABLE:
         if NORMALIZE:
             total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
             weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
-        weights = weights * scale
+        return chosen, weights * scale
+
+    @triton.jit
+    def store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K: tl.constexpr,
+                    NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        # `select_top_k`'s experts and weights stored at the token's row of index_ptr / weight_ptr, the weights
+        # rounded to weight_ptr's dtype (round to nearest even, as PyTorch's casts; `route` stores the same way).
+        # LLaDA2.2's block router's (`llada2_moe_layer.fused_block_route`).
+        chosen, weights = select_top_k(choice, scores, lanes, scale, TOP_K, NORMALIZE, BLOCK_K)
+        ks = tl.arange(0, BLOCK_K)
         tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
         tl.store(weight_ptr + token * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=ks < TOP_K)
 
@@ -69,6 +76,7 @@ if TRITON_AVAILABLE:
     def _route_kernel(
         logits_ptr,
         bias_ptr,
+        expert_scale_ptr,
         index_ptr,
         weight_ptr,
         n_experts,
@@ -76,6 +84,7 @@ if TRITON_AVAILABLE:
         scale,
         SIGMOID: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        HAS_EXPERT_SCALE: tl.constexpr,
         N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr,
         TOP_K: tl.constexpr,
@@ -134,9 +143,13 @@ if TRITON_AVAILABLE:
         flat_choice = tl.reshape(choice, [BLOCK_G * BLOCK_S])
         flat_scores = tl.reshape(scores, [BLOCK_G * BLOCK_S])
         flat_expert = tl.reshape(tl.where(valid, expert, 2147483647), [BLOCK_G * BLOCK_S])
-        store_top_k(
-            flat_choice, flat_scores, flat_expert, index_ptr, weight_ptr, token, scale, TOP_K, NORMALIZE, BLOCK_K
-        )
+        chosen, weights = select_top_k(flat_choice, flat_scores, flat_expert, scale, TOP_K, NORMALIZE, BLOCK_K)
+        ks = tl.arange(0, BLOCK_K)
+        if HAS_EXPERT_SCALE:
+            # Each chosen expert's scale (any float dtype, widened as PyTorch's promotion does) times its weight.
+            weights = weights * tl.load(expert_scale_ptr + chosen, mask=ks < TOP_K, other=0.0).to(tl.float32)
+        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
+        tl.store(weight_ptr + token * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=ks < TOP_K)
 
     @triton.jit
     def _align_kernel(
@@ -507,13 +520,15 @@ def route(
     normalize: bool,
     routed_scaling_factor: float,
     weight_dtype: torch.dtype = torch.float32,
+    expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32 or half
     precision (widened to float32 in the kernel, as `.float()` would), expert_bias `(E,)` (any float dtype, widened
     to float32 as PyTorch's promotion does) or None -> expert indices `(tokens, top_k)` int64 in descending choice
     score (ties: lowest index first) and weights `(tokens, top_k)` computed in float32 (normalised if `normalize` and
-    top_k > 1, times `routed_scaling_factor`) and stored in `weight_dtype` (rounded as `.to(weight_dtype)` rounds:
-    LLaDA-MoE's weights in the activations' dtype, without a cast kernel)."""
+    top_k > 1, times `routed_scaling_factor`, times the chosen experts' `expert_scale` `(E,)` if given, widened to
+    float32: DiffusionGemma's `per_expert_scale`) and stored in `weight_dtype` (rounded as `.to(weight_dtype)`
+    rounds: LLaDA-MoE's weights in the activations' dtype, without a cast kernel)."""
     if score_function not in ("sigmoid", "softmax"):
         raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {score_function!r}.")
     if weight_dtype not in ROUTE_WEIGHT_DTYPES:
@@ -521,6 +536,11 @@ def route(
     tokens, n_experts = logits.shape
     if n_experts % n_group:
         raise ValueError(f"num_experts ({n_experts}) must be divisible by n_group ({n_group}).")
+    if expert_scale is not None and (expert_scale.shape != (n_experts,) or not expert_scale.is_floating_point()):
+        raise ValueError(
+            f"expert_scale must be a ({n_experts},) floating-point tensor, got {expert_scale.dtype} "
+            f"{tuple(expert_scale.shape)}."
+        )
     logits = logits.contiguous() if logits.dtype in ROUTE_WEIGHT_DTYPES else logits.contiguous().float()
     index = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
     weight = torch.empty(tokens, top_k, dtype=weight_dtype, device=logits.device)
@@ -531,6 +551,7 @@ def route(
     _route_kernel[(tokens,)](
         logits,
         bias,
+        expert_scale.contiguous() if expert_scale is not None else logits,
         index,
         weight,
         n_experts,
@@ -538,6 +559,7 @@ def route(
         float(routed_scaling_factor),
         SIGMOID=score_function == "sigmoid",
         HAS_BIAS=expert_bias is not None,
+        HAS_EXPERT_SCALE=expert_scale is not None,
         N_GROUP=n_group,
         TOPK_GROUP=topk_group,
         TOP_K=top_k,
