@@ -190,11 +190,12 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, weight_ptr, residual_ptr, out_ptr, n_cols, eps,
-        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, weight_ptr, residual_ptr, scale_ptr, out_ptr, n_cols, eps,
+        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # One program per row: DiffusionGemma's norm in float32 (x * (mean(x^2) + eps)^-0.5, times the weight),
-        # rounded once to the output dtype; with a residual, residual + that (the sum in float32, rounded).
+        # rounded once to the output dtype; with a residual, residual + that (the sum in float32, rounded); with a
+        # scale, that times the scale (the product in float32, rounded: PyTorch's `x * layer_scalar`).
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         in_row = cols < n_cols
@@ -208,6 +209,8 @@ if TRITON_AVAILABLE:
         if HAS_RESIDUAL:
             residual = tl.load(residual_ptr + row * n_cols + cols, mask=in_row, other=0.0)
             y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_dtype)
+        if HAS_SCALE:
+            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(out_dtype)
         tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
 
     @triton.jit
@@ -334,10 +337,18 @@ def norm_rope(
 
 @on_tensor_device
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DiffusionGemma's RMS norm over the last dim in one launch (`DiffusionGemmaRMSNorm`'s rounding: float32,
-    one rounding to x's dtype), plus `residual` (x's shape) if given. x `(..., d)`, weight `(d,)` or None."""
+    one rounding to x's dtype), plus `residual` (x's shape) if given, times `scale` `(1,)` (x's dtype) if given.
+    x `(..., d)`, weight `(d,)` (any float dtype, read as float32) or None."""
+    if scale is not None and (scale.numel() != 1 or scale.dtype != x.dtype):
+        raise ValueError(f"rms_norm: scale must be a (1,) tensor of x's dtype {x.dtype}, got {scale.dtype} "
+                         f"{tuple(scale.shape)}.")  # fmt: skip
     d = x.shape[-1]
     rows = x.reshape(-1, d)
     if not rows.is_contiguous():
@@ -348,8 +359,8 @@ def rms_norm(
     block = triton.next_power_of_2(d)
     res = residual.reshape(-1, d).contiguous() if residual is not None else rows
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight if weight is not None else rows, res, out, d, float(eps),
-        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        rows, weight if weight is not None else rows, res, scale if scale is not None else rows, out, d, float(eps),
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None, BLOCK=block,
         num_warps=8 if block >= 2048 else 4 if block >= 512 else 2,
     )  # fmt: skip
     return out.view(x.shape)
