@@ -210,6 +210,12 @@ class ConcatenatedProjections(nn.Module):
         self._concatenated[key] = (parts, fused)
         return fused
 
+    def multiplies_as_one(self, names: tuple[str, ...]) -> bool:
+        """Whether `project(x, names)` is one matrix product: not for FP8 layers whose output sizes are not whole
+        scale blocks (each runs its own product, then a concatenation: a caller may rather keep them apart)."""
+        layers = [self._modules[name] for name in names]
+        return not any(is_fp8_linear(layer) for layer in layers) or self._fp8_block(layers) is not None
+
     def project(self, x: torch.Tensor | QuantizedRows, names: tuple[str, ...]) -> torch.Tensor:
         """`x (..., in)` times the layers `names` as one layer -> `(..., sum of their out sizes)`. `x` may be
         `QuantizedRows` where `quantized_input_group` gave a group."""

@@ -42,7 +42,8 @@ from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul
-from .kernels import kernel_mode, linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, kernel_mode, linear, use_fused_kernels
+from .tensor_parallel import local_shape
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -71,19 +72,26 @@ class DiffusionGemmaRMSNorm(nn.Module):
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The norm of `hidden_states` `(..., dim)`, plus `residual` (its shape) if given; one Triton kernel where
-        hf_dllm's fused kernels run (`kernels.use_fused_kernels`: the same float32 ops, rounded once; the PyTorch
-        ops launch about eight kernels per norm, eleven norms per layer)."""
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The norm of `hidden_states` `(..., dim)`, plus `residual` (its shape) if given, times `scale` `(1,)` if
+        given (a layer's `layer_scalar`); one Triton kernel where hf_dllm's fused kernels run
+        (`kernels.use_fused_kernels`: the same float32 ops, rounded once, then as PyTorch rounds the sum and the
+        product; the PyTorch ops launch about eight kernels per norm, eleven norms per layer)."""
         weight = self.weight if self.with_scale else None
         if use_fused_kernels(hidden_states) and not (torch.is_grad_enabled() and hidden_states.requires_grad):
-            return triton_diffusion_gemma.rms_norm(hidden_states, weight, self.eps, residual)
+            # A scale of another dtype would promote the product (PyTorch's type promotion): multiplied apart.
+            folded = scale if scale is None or scale.dtype == hidden_states.dtype else None
+            out = triton_diffusion_gemma.rms_norm(hidden_states, weight, self.eps, residual, folded)
+            return out if folded is scale else out * scale
         x = hidden_states.float()
         x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if weight is not None:
             x = x * weight.float()
         x = x.type_as(hidden_states)
-        return x if residual is None else residual + x
+        x = x if residual is None else residual + x
+        return x if scale is None else x * scale
 
 
 def rope_inverse_frequencies(config: DiffusionGemmaTextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
@@ -150,9 +158,11 @@ def gemm_attention(query, key, value, mask, scale: float = 1.0) -> torch.Tensor:
     return output.view(batch, heads, length, dim)
 
 
-class DiffusionGemmaAttention(nn.Module):
+class DiffusionGemmaAttention(ConcatenatedProjections):
     """Gemma 4 attention of one layer; `forward` gets the K/V to attend to besides its own (the cache) and says
-    whether to store its own (encoder) or not (decoder).
+    whether to store its own (encoder) or not (decoder). Where the fused kernels run, q/k/v (q/k in full layers,
+    whose values are their keys) are one product (`ConcatenatedProjections`) and each head's norm and RoPE one
+    kernel per tensor.
 
     `backend` "sdpa" (torch's `scaled_dot_product_attention`; at the 26B-A4B shape its full layers' heads of 512
     have no fused kernel on an H200 and fall back to the float32 math path, ~0.5 ms a layer), "gemm"
@@ -195,11 +205,9 @@ class DiffusionGemmaAttention(nn.Module):
         `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V (encoder) or only
         read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
-        shape = (batch, length, -1, self.head_dim)
-        raw_query = linear(self.q_proj, hidden_states).view(shape)
-        raw_key = linear(self.k_proj, hidden_states).view(shape)
-        value = linear(self.v_proj, hidden_states).view(shape) if self.v_proj is not None else raw_key
-        if use_fused_kernels(hidden_states) and not torch.is_grad_enabled():
+        fused = use_fused_kernels(hidden_states) and not torch.is_grad_enabled()
+        raw_query, raw_key, value = self.project_qkv(hidden_states, fused)
+        if fused:
             # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each).
             eps = self.q_norm.eps
             query = triton_diffusion_gemma.norm_rope(raw_query, self.q_norm.weight, eps, cos, sin)
@@ -229,8 +237,29 @@ class DiffusionGemmaAttention(nn.Module):
         )
         return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
 
+    def project_qkv(self, hidden_states: torch.Tensor, fused: bool) -> tuple[torch.Tensor, ...]:
+        """query `(B, T, heads, head_dim)`, key and value `(B, T, kv_heads, head_dim)` (value is key in full
+        layers) of hidden_states `(B, T, hidden)`: with `fused`, views of one product where it is one
+        (`multiplies_as_one`; this rank's heads under tensor parallelism: the column shards concatenate per rank)."""
+        batch, length, _ = hidden_states.shape
+        shape = (batch, length, -1, self.head_dim)
+        names = ("q_proj", "k_proj", "v_proj") if self.v_proj is not None else ("q_proj", "k_proj")
+        if fused and self.multiplies_as_one(names):
+            widths = [local_shape(self._modules[name].weight)[0] for name in names]
+            parts = [part.view(shape) for part in self.project(hidden_states, names).split(widths, dim=-1)]
+            return parts[0], parts[1], parts[-1]
+        raw_query = linear(self.q_proj, hidden_states).view(shape)
+        raw_key = linear(self.k_proj, hidden_states).view(shape)
+        value = linear(self.v_proj, hidden_states).view(shape) if self.v_proj is not None else raw_key
+        return raw_query, raw_key, value
 
-class DiffusionGemmaMLP(nn.Module):
+
+class DiffusionGemmaMLP(ConcatenatedProjections):
+    """`down(act(gate(x)) * up(x))`, no biases; gate/up are one product where the fused kernels run
+    (`ConcatenatedProjections`; FP8 layers only where their scale blocks allow it: the 26B-A4B's 2,112 rows do
+    not divide into blocks of 128, those run apart). The GELU gate stays two PyTorch ops (hf_dllm's elementwise gated kernel is SiLU's,
+    `triton_ops.silu_mul`)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -239,7 +268,12 @@ class DiffusionGemmaMLP(nn.Module):
         self.act_fn = ACT2FN[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, self.act_fn(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        names = ("gate_proj", "up_proj")
+        if use_fused_kernels(x) and not torch.is_grad_enabled() and self.multiplies_as_one(names):
+            gate, up = self.project(x, names).chunk(2, dim=-1)
+        else:
+            gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
+        return linear(self.down_proj, self.act_fn(gate) * up)
 
 
 class DiffusionGemmaRouter(nn.Module):
@@ -254,15 +288,30 @@ class DiffusionGemmaRouter(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(config.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+        self._norm_weight = (None, None)  # (`scale`'s storage and version, `fused_norm_weight`)
+
+    def fused_norm_weight(self) -> torch.Tensor:
+        """`scale * hidden^-0.5` `(hidden,)` in float32: the fused path's norm weight, computed once and again only
+        when `scale` is replaced (`.to()`, loading) or changed in place (its version counter)."""
+        scale = self.scale
+        key = (scale.data_ptr(), scale.device, scale._version)
+        if self._norm_weight[0] != key:
+            with torch.inference_mode(False):  # a plain tensor, whatever mode the first call runs in
+                self._norm_weight = (key, scale.detach().float() * self.scalar_root_size)
+        return self._norm_weight[1]
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights `(T, top_k)` float32, experts `(T, top_k)` int64) of `hidden_states` `(T, hidden)`. Where the
-        fused kernels run, softmax, top-k and renormalisation are one launch (`triton_moe.route`: ties to the
-        lowest index) instead of torch's six."""
+        fused kernels run, three launches instead of seven: the norm with the weight `scale * hidden^-0.5` (rounded
+        once instead of after each product), the product, and softmax, top-k, renormalisation and the per-expert
+        scale in one (`triton_moe.route`: ties to the lowest index)."""
+        if use_fused_kernels(hidden_states) and not torch.is_grad_enabled():
+            normed = triton_diffusion_gemma.rms_norm(hidden_states, self.fused_norm_weight(), self.norm.eps)
+            index, weights = triton_moe.route(
+                self.proj(normed), None, 1, 1, self.top_k, "softmax", True, 1.0, expert_scale=self.per_expert_scale
+            )
+            return weights, index
         scores = self.proj(self.norm(hidden_states) * self.scale * self.scalar_root_size)
-        if use_fused_kernels(scores) and not torch.is_grad_enabled():
-            index, weights = triton_moe.route(scores, None, 1, 1, self.top_k, "softmax", True, 1.0)
-            return weights * self.per_expert_scale[index], index
         probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probabilities, k=self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
@@ -427,8 +476,10 @@ class DiffusionGemmaLayer(nn.Module):
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        x = self.post_feedforward_layernorm(self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual)
-        return x * (self.layer_scalar if layer_scalar is None else layer_scalar)
+        scalar = self.layer_scalar if layer_scalar is None else layer_scalar
+        return self.post_feedforward_layernorm(
+            self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual, scale=scalar
+        )
 
 
 class DiffusionGemmaSelfConditioning(nn.Module):

@@ -1,15 +1,26 @@
-"""DiffusionGemma's decoder layer in fewer kernels: the key masks built once per decoder pass and layer kind (equal
-to every layer's own, whose cache validity is the same across a kind), additive for SDPA."""
+"""DiffusionGemma's decoder layer in fewer kernels:
+
+- the key masks built once per decoder pass and layer kind (equal to every layer's own, whose cache validity is the
+  same across a kind), additive for SDPA;
+- on the fused path (Triton's interpreter, `HF_DLLM_KERNELS=triton`, a subprocess beside the in-process tests),
+  float32: q/k/v and gate/up as one product each (the parameters views of the concatenation, `state_dict`
+  unchanged), the router's norm with its scales folded in and the per-expert scale inside `triton_moe.route`, the
+  layer scalar folded into the last norm: a tiny model's logits equal the PyTorch path's within float32 rounding,
+  the same experts chosen.
+"""
 
 from __future__ import annotations
+
+import textwrap
 
 import pytest
 import torch
 from transformers import AutoModel
 
-import hf_dllm  # noqa: F401  (registers the family)
+import hf_dllm
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache, decoder_key_mask
-from tests.conftest import FIXTURES
+from hf_dllm.triton_ops import TRITON_AVAILABLE
+from tests.conftest import FIXTURES, interpreter_job
 
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 
@@ -50,3 +61,192 @@ def test_key_masks_built_once_per_kind_equal_every_layers_mask(gemma, static):
             assert torch.equal(cache.decoder_mask(index, x[..., 0], True), shared), (kind, index)
     if not static:  # the dynamic cache without padding: no mask at all
         assert decoder_key_mask(cache, 0, x, False, additive=True) is None
+
+
+FUSED_SCRIPT = textwrap.dedent(
+    """
+    import torch, hf_dllm
+    from hf_dllm import kernels, triton_moe
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaForBlockDiffusion, DiffusionGemmaRMSNorm
+
+    torch.manual_seed(0)
+    config = hf_dllm.DiffusionGemmaConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+            sliding_window=4, num_experts=6, top_k_experts=2, moe_intermediate_size=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        vision_config=None, canvas_length=8)
+    model = DiffusionGemmaForBlockDiffusion(config).eval()
+    for name, parameter in model.named_parameters():  # norms, router and layer scales that matter
+        if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+            parameter.data.normal_(1.0, 0.3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.normal_(1.0, 0.3)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    layers = model.model.decoder.layers
+    prompt, block, signal = torch.randint(0, 64, (2, 7)), torch.randint(0, 64, (2, 8)), torch.randn(2, 8, 64)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[0, :3] = False  # a left-padded row: the decoder's key masks
+    chosen, logits = {}, {}
+    for mode in ("torch", "triton"):
+        kernels.set_kernel_mode(mode)
+        routed = chosen[mode] = []
+        hooks = [layer.router.register_forward_hook(lambda m, i, out: routed.append(out[1])) for layer in layers]
+        with torch.no_grad():
+            cache = model.new_encoder_cache()
+            model.encode(prompt, torch.arange(7), valid, cache)
+            logits[mode] = model.decode(block, torch.arange(7, 15), cache, signal, padded=True)
+        for hook in hooks:
+            hook.remove()
+        concatenated = [len(layer.self_attn._concatenated) + len(layer.mlp._concatenated) for layer in layers]
+        assert all(concatenated) == (mode == "triton"), (mode, concatenated)  # the fused path took them
+    difference = (logits["torch"] - logits["triton"]).abs().max()
+    assert 0 < difference < 1e-5, ("logits", difference)
+    assert all(torch.equal(a, b) for a, b in zip(chosen["torch"], chosen["triton"], strict=True)), "experts"
+
+    # The parameters are views of the concatenations (in order, one storage); state_dict keys and tensors unchanged.
+    after = model.state_dict()
+    assert list(after) == list(state) and all(torch.equal(after[name], state[name]) for name in state)
+    for layer in layers:
+        for module, names in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj") if layer.self_attn.v_proj is not None else ("q_proj", "k_proj")),
+            (layer.mlp, ("gate_proj", "up_proj")),
+        ):
+            fused, _ = module.concatenated(names)
+            at = fused.data_ptr()
+            for name in names:
+                weight = module._modules[name].weight
+                assert weight.data_ptr() == at and weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                at += weight.numel() * weight.element_size()
+            assert torch.equal(fused, torch.cat([module._modules[name].weight for name in names]))
+
+    # route's per-expert scale: exactly route's weights times the chosen experts' scales; the router's folded norm
+    # weight follows an in-place change of `scale`.
+    scores, expert_scale = torch.randn(11, 6), torch.rand(6) + 0.5
+    index, weights = triton_moe.route(scores, None, 1, 1, 2, "softmax", True, 1.0)
+    scaled_index, scaled = triton_moe.route(scores, None, 1, 1, 2, "softmax", True, 1.0, expert_scale=expert_scale)
+    assert torch.equal(scaled_index, index) and torch.equal(scaled, weights * expert_scale[index]), "expert_scale"
+    router = layers[0].router
+    before = router.fused_norm_weight()
+    with torch.no_grad():
+        router.scale.mul_(2.0)
+    assert torch.equal(router.fused_norm_weight(), before * 2), "the folded norm weight follows `scale`"
+
+    # The norm with the layer scalar folded in, against the PyTorch ops; a scale of another dtype multiplies apart.
+    norm = DiffusionGemmaRMSNorm(32)
+    norm.weight.data.normal_()
+    h, residual, scale = torch.randn(3, 5, 32), torch.randn(3, 5, 32), torch.tensor([0.7])
+    with torch.no_grad():
+        for s in (scale, scale.double()):
+            fused = norm(h, residual=residual, scale=s)
+            kernels.set_kernel_mode("torch")
+            plain = norm(h, residual=residual, scale=s)
+            kernels.set_kernel_mode("triton")
+            assert fused.dtype == plain.dtype and (fused - plain).abs().max() < 2e-6, ("norm scale", s.dtype)
+    print("ok")
+    """
+)
+
+FUSED_RUN = interpreter_job(
+    {"layer": FUSED_SCRIPT}, timeout=300, when=lambda: TRITON_AVAILABLE, HF_DLLM_KERNELS="triton"
+)
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="the `triton` extra is not installed")
+@FUSED_RUN.used_by
+def test_fused_layer_equals_the_pytorch_path_in_the_interpreter():
+    done = FUSED_RUN.results()["layer"]
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def _random_model(dtype: torch.dtype):
+    """A small random DiffusionGemma (both layer kinds, grouped-query heads, 8 experts) on CUDA, seeded: norms,
+    router scales and layer scalars away from 1 so that every fold is exercised, router logits of order 1 (the
+    initialisation's are ~0.02: every expert nearly tied)."""
+    config = hf_dllm.DiffusionGemmaConfig(
+        text_config=dict(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=16,
+            num_experts=8, top_k_experts=2, moe_intermediate_size=128,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        vision_config=None,
+        canvas_length=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hf_dllm.DiffusionGemmaForBlockDiffusion(config).eval()
+    for name, parameter in model.named_parameters():
+        if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
+            parameter.data.normal_(1.0, 0.3)
+        if name.endswith("router.proj.weight"):
+            parameter.data.normal_(0.0, 1.0)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.normal_(1.0, 0.3)
+    return model.to(dtype).cuda()
+
+
+@pytest.mark.gpu
+def test_cuda_fused_captured_step_within_bf16_of_the_pytorch_path():
+    """A decoder step in bfloat16 on the fused path replayed from its CUDA graph (concatenated projections, folded
+    router and layer scalar, masks once per kind) against the unfused PyTorch path (`HF_DLLM_KERNELS` torch,
+    eager): both against the float32 PyTorch step, the fused error per position (max over the vocabulary) within
+    2x the PyTorch path's own bfloat16 error (mean and 90th percentile); and each router, fed the same bfloat16
+    input, chooses the same experts as the unfused router wherever the float32 scores' gap between the last
+    chosen and the first unchosen expert exceeds bfloat16's reach."""
+    from hf_dllm import kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    reference, model = _random_model(torch.float32), _random_model(torch.bfloat16)
+    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    prompt = torch.randint(3, vocab, (2, 40), device="cuda", generator=generator)
+    valid = torch.ones(2, 40, dtype=torch.bool, device="cuda")
+    valid[0, :30] = False  # row 0 left-padded into the sliding window
+    block = torch.randint(3, vocab, (2, canvas), device="cuda", generator=generator)
+    signal = torch.randn(2, canvas, vocab, device="cuda", generator=generator)
+
+    def step(network, mode, captured):
+        kernels.set_kernel_mode(mode)
+        network.capture_decoder, network._decoder_graphs = captured, None
+        cache = network._diffusion_new_cache(2, 40 + canvas)
+        with torch.no_grad():
+            network.encode(prompt, torch.arange(40, device="cuda"), valid, cache)
+            positions = torch.arange(40, 40 + canvas, device="cuda")
+            runs = [network.decode(block, positions, cache, signal, padded=True) for _ in range(2 if captured else 1)]
+        assert not captured or network._decoder_graphs.entries, "the fused step ran from a CUDA graph"
+        return runs[-1].float()
+
+    try:
+        exact = step(reference, "torch", False)
+        plain = step(model, "torch", False)
+        fused = step(model, "auto", True)
+        routers = []
+        x = torch.randn(256, 256, device="cuda", generator=generator)
+        for layer, exact_layer in zip(model.model.decoder.layers, reference.model.decoder.layers, strict=True):
+            with torch.no_grad():
+                kernels.set_kernel_mode("auto")
+                weights, index = layer.router(x.bfloat16())
+                kernels.set_kernel_mode("torch")
+                plain_weights, plain_index = layer.router(x.bfloat16())
+                router = exact_layer.router
+                normed = router.norm(x.bfloat16().float()) * router.scale * router.scalar_root_size
+                scores = router.proj(normed).softmax(-1)
+            routers.append((weights, index, plain_weights, plain_index, scores))
+    finally:
+        kernels.set_kernel_mode("auto")
+    fused_error, plain_error = ((run - exact).abs().amax(-1).flatten() for run in (fused, plain))
+    assert plain_error.max() > 0 and torch.isfinite(fused).all()
+    assert fused_error.mean() <= 2 * plain_error.mean() + 1e-3, (fused_error.mean(), plain_error.mean())
+    quantiles = torch.tensor([0.5, 0.9], device="cuda")
+    for ours, theirs in zip(fused_error.quantile(quantiles), plain_error.quantile(quantiles), strict=True):
+        assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+    for weights, index, plain_weights, plain_index, scores in routers:
+        top = scores.topk(3, dim=-1).values
+        clear = (top[:, 1] - top[:, 2]) > 0.02  # bfloat16 moves these probabilities by less
+        assert clear.float().mean() > 0.5
+        assert torch.equal(index.sort(-1).values[clear], plain_index.sort(-1).values[clear])
+        same = (index == plain_index).all(-1)
+        torch.testing.assert_close(weights[same], plain_weights[same], rtol=2e-2, atol=2e-3)
