@@ -811,7 +811,11 @@ def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive:
     mask = cache.decoder_mask(layer, x[..., 0], padded)
     if mask is None or not additive:
         return mask
-    return torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+    # Rows in storage 16 elements aligned: SDPA's memory-efficient kernel copies a mask whose strides are not (the
+    # 26B-A4B's sliding layers read 1,023 + 256 keys) into a padded one at every call.
+    keys = mask.shape[-1]
+    storage = torch.zeros(*mask.shape[:-1], -(-keys // 16) * 16, dtype=x.dtype, device=x.device)
+    return storage[..., :keys].masked_fill_(~mask, float("-inf"))
 
 
 def _valid_rows(mask: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ def gemma():
 def test_key_masks_built_once_per_kind_equal_every_layers_mask(gemma, static):
     """Two encoder passes of a left-padded batch (21 then 2 columns: the sliding window of 8 wraps its ring) leave
     every sliding layer with the same cache validity, and the full layer(s) too; the mask of a kind's first layer
-    is every layer's, and its additive form is 0 where a key is visible, -inf where not."""
+    is every layer's, and its additive form is 0 where a key is visible, -inf where not, its rows 16-aligned."""
     text = gemma.config.text_config
     cache = DiffusionGemmaStaticCache(text, 64, gemma.config.canvas_length) if static else gemma.new_encoder_cache()
     valid = torch.ones(2, 21, dtype=torch.bool)
@@ -55,6 +55,7 @@ def test_key_masks_built_once_per_kind_equal_every_layers_mask(gemma, static):
         assert shared[0].sum() < shared[1].sum()  # row 0's padding is hidden
         assert bool(shared[..., -x.shape[1] :].all())  # the canvas' own keys are seen
         assert additive.dtype == x.dtype and torch.equal(additive == 0, shared)
+        assert all(stride % 16 == 0 for stride in additive.stride()[:-1])  # SDPA takes it without a padded copy
         assert bool((additive[~shared] == float("-inf")).all())
         for index in layers:
             assert torch.equal(cache.valid[index], cache.valid[first]), (kind, index)
