@@ -1,6 +1,7 @@
 """Which implementation runs the models' elementwise ops (RMSNorm, RoPE, SiLU gate): chosen once, logged once; the
-concatenated projections the fused path multiplies with (`ConcatenatedProjections`, LLaDA's and Dream's); and
-`linear(layer, x)`, which runs FP8-quantized layers (transformers' `FineGrainedFP8Config`) through `fp8.py`.
+concatenated projections the fused path multiplies with (`ConcatenatedProjections`: LLaDA's, Dream's,
+DiffusionGemma's); and `linear(layer, x)`, which runs FP8-quantized layers (transformers' `FineGrainedFP8Config`)
+through `fp8.py`.
 
 - `auto` (default): the fused Triton kernels of `triton_ops.py` for CUDA tensors when Triton is installed,
   PyTorch otherwise (CPU, no Triton, or when autograd needs the graph: the kernels have no backward).
@@ -114,7 +115,7 @@ class ConcatenatedProjections(nn.Module):
     parameters to views of the concatenation, so it costs no memory, stays in sync with in-place weight updates,
     and `state_dict` / `save_pretrained` keep the Hub's separate names and tensors. It is rebuilt if the parameters
     were replaced or moved (e.g. by `.to()`). Used where the fused kernels run (`use_fused_kernels`): LLaDA's
-    blocks, Dream's attention and MLP.
+    blocks, Dream's and DiffusionGemma's attention and MLP.
 
     `project(x, names)` is that product. FP8 layers (transformers' `FineGrainedFP8Config`) are concatenated the same
     way, their FP8 weights and their block scales `weight_scale_inv` both along the output dim, which is exact when
