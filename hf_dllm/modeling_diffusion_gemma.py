@@ -306,16 +306,23 @@ class DiffusionGemmaRouter(nn.Module):
         once instead of after each product), the product, and softmax, top-k, renormalisation and the per-expert
         scale in one (`triton_moe.route`: ties to the lowest index)."""
         if use_fused_kernels(hidden_states) and not torch.is_grad_enabled():
-            normed = triton_diffusion_gemma.rms_norm(hidden_states, self.fused_norm_weight(), self.norm.eps)
-            index, weights = triton_moe.route(
-                self.proj(normed), None, 1, 1, self.top_k, "softmax", True, 1.0, expert_scale=self.per_expert_scale
+            return self.route_normed(
+                triton_diffusion_gemma.rms_norm(hidden_states, self.fused_norm_weight(), self.norm.eps)
             )
-            return weights, index
         scores = self.proj(self.norm(hidden_states) * self.scale * self.scalar_root_size)
         probabilities = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probabilities, k=self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[index], index
+
+    def route_normed(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path after its norm: `forward`'s result from `normed` `(T, hidden)`, the input normed with
+        `fused_norm_weight` (by `forward`, or by the layer's kernel that norms it beside the MLP's and experts'
+        inputs)."""
+        index, weights = triton_moe.route(
+            self.proj(normed), None, 1, 1, self.top_k, "softmax", True, 1.0, expert_scale=self.per_expert_scale
+        )
+        return weights, index
 
 
 def _grouped_mm_function():
@@ -468,17 +475,46 @@ class DiffusionGemmaLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False):
         attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
-        x = self.post_attention_layernorm(attention, residual=x)
         if attention_only:  # the encoder's last layer: only its K/V are read
-            return x
-        residual = x
+            return self.post_attention_layernorm(attention, residual=x)
+        scalar = self.layer_scalar if layer_scalar is None else layer_scalar
+        if self.norms_fuse(attention, x, scalar):
+            return self.fused_feedforward(attention, x, scalar)
+        residual = self.post_attention_layernorm(attention, residual=x)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        scalar = self.layer_scalar if layer_scalar is None else layer_scalar
         return self.post_feedforward_layernorm(
             self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual, scale=scalar
+        )
+
+    def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
+        """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
+        return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
+
+    def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
+        """`forward` after the attention with its eight norms in two launches instead of seven (and the layer
+        scalar): after the attention, the residual and the MLP's, experts' and router's inputs from one kernel;
+        at the end, the three post-feed-forward norms and the scalar from one. The same float32 ops and rounding
+        points as the separate norm kernels (all the layer's norms share the config's eps)."""
+        hidden = x.shape[-1]
+        residual, dense_in, moe_in, router_in = triton_diffusion_gemma.post_attention_norms(
+            attention,
+            x,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            (
+                self.pre_feedforward_layernorm.weight,
+                self.pre_feedforward_layernorm_2.weight,
+                self.router.fused_norm_weight(),
+            ),
+        )
+        weights, index = self.router.route_normed(router_in.view(-1, hidden))
+        moe = self.experts(moe_in.view(-1, hidden), index, weights).view(x.shape)
+        norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
+        return triton_diffusion_gemma.post_feedforward_norms(
+            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar
         )
 
 

@@ -214,6 +214,55 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
 
     @triton.jit
+    def _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype: tl.constexpr):
+        # `_rms_norm_kernel`'s norm of a float32 row (masked lanes 0) times its weight, rounded to `dtype`, as float32.
+        inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
+        y = x * inverse * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        return y.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _post_attention_kernel(
+        x_ptr, residual_ptr, weight_ptr, sum_ptr, weight1_ptr, out1_ptr, weight2_ptr, out2_ptr, weight3_ptr, out3_ptr,
+        n_cols, eps, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: h = residual + norm(x) * w (`_rms_norm_kernel` with a residual), then three norms of
+        # h with their own weights, each rounded to the output dtype (four `_rms_norm_kernel` launches' results).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        at = row * n_cols + cols
+        dtype = sum_ptr.dtype.element_ty
+        x = tl.load(x_ptr + at, mask=in_row, other=0.0).to(tl.float32)
+        residual = tl.load(residual_ptr + at, mask=in_row, other=0.0).to(tl.float32)
+        h = (residual + _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype)).to(dtype)
+        tl.store(sum_ptr + at, h, mask=in_row)
+        h = h.to(tl.float32)
+        tl.store(out1_ptr + at, _weighted_norm(h, weight1_ptr, cols, in_row, n_cols, eps, dtype).to(dtype), mask=in_row)
+        tl.store(out2_ptr + at, _weighted_norm(h, weight2_ptr, cols, in_row, n_cols, eps, dtype).to(dtype), mask=in_row)
+        tl.store(out3_ptr + at, _weighted_norm(h, weight3_ptr, cols, in_row, n_cols, eps, dtype).to(dtype), mask=in_row)
+
+    @triton.jit
+    def _post_feedforward_kernel(
+        dense_ptr, moe_ptr, residual_ptr, dense_weight_ptr, moe_weight_ptr, weight_ptr, scale_ptr, out_ptr, n_cols, eps,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: s = norm(dense) * w1 + norm(moe) * w2 (each rounded, the sum rounded), then
+        # (residual + norm(s) * w) * scale, rounded after each op (three `_rms_norm_kernel` launches' result).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        at = row * n_cols + cols
+        dtype = out_ptr.dtype.element_ty
+        dense = tl.load(dense_ptr + at, mask=in_row, other=0.0).to(tl.float32)
+        moe = tl.load(moe_ptr + at, mask=in_row, other=0.0).to(tl.float32)
+        dense = _weighted_norm(dense, dense_weight_ptr, cols, in_row, n_cols, eps, dtype)
+        summed = (dense + _weighted_norm(moe, moe_weight_ptr, cols, in_row, n_cols, eps, dtype)).to(dtype)
+        residual = tl.load(residual_ptr + at, mask=in_row, other=0.0).to(tl.float32)
+        y = (residual + _weighted_norm(summed.to(tl.float32), weight_ptr, cols, in_row, n_cols, eps, dtype)).to(dtype)
+        y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + at, y, mask=in_row)
+
+    @triton.jit
     def _norm_rope_kernel(
         x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
         HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -366,6 +415,64 @@ def rms_norm(
     return out.view(x.shape)
 
 
+def _norm_launch(x: torch.Tensor) -> tuple[int, int, dict]:
+    """(rows, columns, launch options) of a row-wise norm kernel over x `(..., d)` (contiguous)."""
+    d = x.shape[-1]
+    block = triton.next_power_of_2(d)
+    return x.numel() // d, d, dict(BLOCK=block, num_warps=8 if block >= 2048 else 4 if block >= 512 else 2)
+
+
+@on_tensor_device
+def post_attention_norms(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weights: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """A DiffusionGemma layer after its attention, in one launch: h = `rms_norm(x, weight, eps, residual)`, then
+    `rms_norm(h, w, eps)` for each of the three `weights` (the MLP's, the experts' and the router's input norms).
+    x, residual `(..., d)` of one dtype, weights `(d,)` (any float dtype) -> (h, *norms), each x's shape and
+    dtype."""
+    if len(weights) != 3:
+        raise ValueError(f"post_attention_norms: three weights (the three norms of h), got {len(weights)}.")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"post_attention_norms: residual must be x's shape and dtype {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}.")  # fmt: skip
+    x, residual = x.contiguous(), residual.contiguous()
+    outputs = [torch.empty_like(x) for _ in range(4)]
+    rows, d, options = _norm_launch(x)
+    if rows:
+        _post_attention_kernel[(rows,)](
+            x, residual, weight, outputs[0], weights[0], outputs[1], weights[1], outputs[2], weights[2], outputs[3],
+            d, float(eps), **options,
+        )  # fmt: skip
+    return tuple(outputs)
+
+
+@on_tensor_device
+def post_feedforward_norms(
+    dense: torch.Tensor,
+    moe: torch.Tensor,
+    residual: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    eps: float,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """A DiffusionGemma layer's end in one launch: `rms_norm(rms_norm(moe, w2, eps, rms_norm(dense, w1, eps)), w,
+    eps, residual, scale)` for `weights` (w1, w2, w). dense, moe, residual `(..., d)` of one shape and dtype; scale
+    `(1,)` in it (the layer scalar) -> dense's shape and dtype."""
+    if not all(t.shape == dense.shape and t.dtype == dense.dtype for t in (moe, residual)):
+        raise ValueError("post_feedforward_norms: dense, moe and residual must be of one shape and dtype.")
+    dense, moe, residual = dense.contiguous(), moe.contiguous(), residual.contiguous()
+    if scale.numel() != 1 or scale.dtype != dense.dtype:
+        raise ValueError(f"post_feedforward_norms: scale must be a (1,) {dense.dtype} tensor, got {scale.dtype} "
+                         f"{tuple(scale.shape)}.")  # fmt: skip
+    out = torch.empty_like(dense)
+    rows, d, options = _norm_launch(dense)
+    if rows:
+        _post_feedforward_kernel[(rows,)](
+            dense, moe, residual, *weights, scale, out, d, float(eps), **options
+        )  # fmt: skip
+    return out
+
+
 def vocabulary_splits(rows: int, vocab: int, block: int = BLOCK_V) -> int:
     """Chunks per row: enough programs (`TARGET_PROGRAMS`) for a few positions, one chunk per row for many; at
     most `MAX_SPLITS` and no more than the row has blocks of `block` columns."""
@@ -435,4 +542,12 @@ def fused_sample(
     return sample.view(shape), argmax.view(shape), entropy.view(shape)
 
 
-__all__ = ["BLOCK_V", "fused_sample", "norm_rope", "rms_norm", "vocabulary_splits"]
+__all__ = [
+    "BLOCK_V",
+    "fused_sample",
+    "norm_rope",
+    "post_attention_norms",
+    "post_feedforward_norms",
+    "rms_norm",
+    "vocabulary_splits",
+]

@@ -5,8 +5,8 @@
 - on the fused path (Triton's interpreter, `HF_DLLM_KERNELS=triton`, a subprocess beside the in-process tests),
   float32: q/k/v and gate/up as one product each (the parameters views of the concatenation, `state_dict`
   unchanged), the router's norm with its scales folded in and the per-expert scale inside `triton_moe.route`, the
-  layer scalar folded into the last norm: a tiny model's logits equal the PyTorch path's within float32 rounding,
-  the same experts chosen.
+  four norms after the attention in one kernel and the three at the end with the layer scalar in another: a tiny
+  model's logits equal the PyTorch path's within float32 rounding, the same experts chosen.
 """
 
 from __future__ import annotations
@@ -67,8 +67,12 @@ def test_key_masks_built_once_per_kind_equal_every_layers_mask(gemma, static):
 FUSED_SCRIPT = textwrap.dedent(
     """
     import torch, hf_dllm
-    from hf_dllm import kernels, triton_moe
+    from hf_dllm import kernels, triton_diffusion_gemma, triton_moe
     from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaForBlockDiffusion, DiffusionGemmaRMSNorm
+
+    layer_ends = []  # the fused layer's last kernel, once per layer that runs its feed-forward
+    post_feedforward_norms = triton_diffusion_gemma.post_feedforward_norms
+    triton_diffusion_gemma.post_feedforward_norms = lambda *a, **k: (layer_ends.append(1), post_feedforward_norms(*a, **k))[1]
 
     torch.manual_seed(0)
     config = hf_dllm.DiffusionGemmaConfig(
@@ -93,7 +97,7 @@ FUSED_SCRIPT = textwrap.dedent(
     for mode in ("torch", "triton"):
         kernels.set_kernel_mode(mode)
         routed = chosen[mode] = []
-        hooks = [layer.router.register_forward_hook(lambda m, i, out: routed.append(out[1])) for layer in layers]
+        hooks = [layer.experts.register_forward_hook(lambda m, args, out: routed.append(args[1])) for layer in layers]
         with torch.no_grad():
             cache = model.new_encoder_cache()
             model.encode(prompt, torch.arange(7), valid, cache)
@@ -102,6 +106,8 @@ FUSED_SCRIPT = textwrap.dedent(
             hook.remove()
         concatenated = [len(layer.self_attn._concatenated) + len(layer.mlp._concatenated) for layer in layers]
         assert all(concatenated) == (mode == "triton"), (mode, concatenated)  # the fused path took them
+        # The encoder's first two layers and the decoder's three on the two-launch norms.
+        assert len(layer_ends) == (5 if mode == "triton" else 0), (mode, len(layer_ends))
     difference = (logits["torch"] - logits["triton"]).abs().max()
     assert 0 < difference < 1e-5, ("logits", difference)
     assert all(torch.equal(a, b) for a, b in zip(chosen["torch"], chosen["triton"], strict=True)), "experts"
