@@ -494,10 +494,10 @@ class DiffusionGemmaLayer(nn.Module):
         return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
 
     def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
-        """`forward` after the attention with its eight norms in two launches instead of seven (and the layer
-        scalar): after the attention, the residual and the MLP's, experts' and router's inputs from one kernel;
-        at the end, the three post-feed-forward norms and the scalar from one. The same float32 ops and rounding
-        points as the separate norm kernels (all the layer's norms share the config's eps)."""
+        """`forward` after the attention, its seven norms (and the layer scalar) in two launches: after the
+        attention, the residual and the MLP's, experts' and router's inputs from one kernel; at the end, the three
+        post-feed-forward norms and the scalar from one. The same float32 ops and rounding points as the separate
+        norm kernels (all the layer's norms share the config's eps)."""
         hidden = x.shape[-1]
         residual, dense_in, moe_in, router_in = triton_diffusion_gemma.post_attention_norms(
             attention,
