@@ -405,18 +405,17 @@ def rms_norm(
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return out.view(x.shape)
-    block = triton.next_power_of_2(d)
     res = residual.reshape(-1, d).contiguous() if residual is not None else rows
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight if weight is not None else rows, res, scale if scale is not None else rows, out, d, float(eps),
-        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None, BLOCK=block,
-        num_warps=8 if block >= 2048 else 4 if block >= 512 else 2,
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+        **_norm_launch(rows)[2],
     )  # fmt: skip
     return out.view(x.shape)
 
 
 def _norm_launch(x: torch.Tensor) -> tuple[int, int, dict]:
-    """(rows, columns, launch options) of a row-wise norm kernel over x `(..., d)` (contiguous)."""
+    """(rows, columns, launch options) of a row-wise norm kernel over x `(..., d)`: one program per row."""
     d = x.shape[-1]
     block = triton.next_power_of_2(d)
     return x.numel() // d, d, dict(BLOCK=block, num_warps=8 if block >= 2048 else 4 if block >= 512 else 2)
