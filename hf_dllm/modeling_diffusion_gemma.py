@@ -39,6 +39,7 @@ from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is ins
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
+from .fp8 import QuantizesFromLoadDtype
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul
@@ -770,7 +771,7 @@ class DiffusionGemmaModel(nn.Module):
         self._ep_plan = {f"decoder.{name}": style for name, style in (text.base_model_ep_plan or {}).items()}
 
 
-class DiffusionGemmaPreTrainedModel(PreTrainedModel):
+class DiffusionGemmaPreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = DiffusionGemmaConfig
     config: DiffusionGemmaConfig
     base_model_prefix = "model"

@@ -65,7 +65,7 @@ from .cache import (
 )
 from .configuration_llada_moe import LLaDAMoEConfig
 from .family_llada_moe import LLADA_MOE
-from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
+from .fp8 import QuantizesFromLoadDtype, fp8_block_size, fp8_kernel_supports, is_fp8_linear
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
 from .grouped_gemm import (
     ExpertDispatch,
@@ -633,7 +633,7 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + (mlp_out + shared(normed)), router_logits, None
 
 
-class LLaDAMoEPreTrainedModel(PreTrainedModel):
+class LLaDAMoEPreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = LLaDAMoEConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"

@@ -21,7 +21,7 @@ from hf_dllm import fp8
 from hf_dllm.configuration_llada_moe import LLaDAMoEConfig
 from hf_dllm.kernels import set_kernel_mode
 from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM, rotary_cos_sin
-from tests.conftest import FIXTURES, random_weights_model
+from tests.conftest import FIXTURES, assert_quantized_from, random_weights_model
 from tests.models.llada_moe.test_llada_moe import generate_kwargs
 
 FIXTURE = FIXTURES / "lladamoe-tiny-ref"
@@ -93,7 +93,9 @@ def test_fp8_model_keeps_hub_names_and_matches_dequantized_weights(cpu_quantizat
     """Attention, dense MLP and every expert's layers in FP8 under the Hub's names; the router and the head in bf16;
     the logits those of the dequantized weights; the stacks of the grouped kernel hold the FP8 weights and scales
     (the experts' parameters are views of them); saved and loaded again, the same logits."""
-    quantized = quantized_copy(random_model(random_config()))
+    source = random_model(random_config())
+    quantized = quantized_copy(source)
+    assert_quantized_from(source.state_dict(), quantized.state_dict(), BLOCK)  # the source's weights, quantized once
     moe = quantized.model.layers[1].mlp
     assert isinstance(moe.experts, torch.nn.ModuleList)
     assert moe.gate.weight.dtype == torch.bfloat16 and quantized.lm_head.weight.dtype == torch.bfloat16
