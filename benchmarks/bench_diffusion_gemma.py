@@ -252,7 +252,7 @@ def pytorch_sampler_ms(sampler, block, raw, cap: float, repeats: int, device) ->
 
 def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
     """The denoising step alone (decoder + sampler, self-conditioned, the prompt encoded into generate()'s cache:
-    static on CUDA): ms per step with the decoder's layers captured (where `DecoderGraphs` applies) and eager, and
+    static on CUDA): ms per step with the decoder's layers captured (where `CacheGraphs` applies) and eager, and
     the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay). Also the
     step's parts, each timed alone: the sampler (fused where it applies, and the PyTorch one) and one layer's
     experts on the canvas' routing under each implementation (torch's grouped GEMM, hf_dllm's Triton kernels)."""
@@ -351,7 +351,7 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 parts[f"experts_{implementation}_error"] = str(error).splitlines()[0]
         experts.implementation = chosen
         parts["experts_default"] = experts.chosen_implementation(x)
-    graphs = model._decoder_graphs is not None and bool(model._decoder_graphs.entries)
+    graphs = model._graphs is not None and bool(model._graphs.entries)
     return dict(
         step_ms=min(timings.values()),
         eager_step_ms=timings["eager"],
