@@ -112,12 +112,14 @@ def encode_canvases_both_ways(model, device, batch=2, canvases=3):
     try:
         for start, end in [(0, 21)] + [(21 + i * canvas, 21 + (i + 1) * canvas) for i in range(canvases)]:
             columns = torch.arange(start, end, device=device)
-            for cache, captured in zip(caches, (True, False)):
+            for cache, captured in zip(caches, (True, False), strict=True):
                 model.capture_encoder = captured
                 with torch.no_grad():
                     model.encode(tokens[:, start:end], columns, valid[:, start:end], cache, positions[:, start:end])
             for store in ("keys", "values", "columns", "valid"):
-                for layer, (mine, eager) in enumerate(zip(getattr(caches[0], store), getattr(caches[1], store))):
+                for layer, (mine, eager) in enumerate(
+                    zip(getattr(caches[0], store), getattr(caches[1], store), strict=True)
+                ):
                     assert torch.equal(mine, eager), (store, layer, start)
             assert caches[0].length == caches[1].length == end
     finally:
