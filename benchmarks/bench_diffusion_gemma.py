@@ -9,10 +9,13 @@ model's default sampler settings (entropy bound 0.1, temperature 0.8 -> 0.4, sta
 `max_denoising_steps` of 16 and 48. Random weights never get confident, so every canvas takes all its steps.
 
 Per row: tokens/s, denoising steps per canvas (decoder forwards per canvas), ms per step (the call's time over its
-steps, encoder passes included), peak memory allocated during the call; the same for transformers' `generate()`
+steps, encoder passes included), peak memory allocated during the call, the CUDA graph replays per pass
+(`graph_replays`: the graphs were captured by the warm-up call); the same for transformers' `generate()`
 (only at `--reference-batch-sizes`, default 1 and 8: its batch-32 rows would take most of the time budget).
 
-Also measured, per batch size: one **isolated denoising step** (decoder forward + `EntropyBoundSampler.denoise`,
+Also measured, per batch size: one **encoder pass over an accepted canvas** (after the prompt, in generate()'s
+cache), eager and replayed from its CUDA graph (`capture_encoder`; the prompt's pass stays eager), and one
+**isolated denoising step** (decoder forward + `EntropyBoundSampler.denoise`,
 after the encoder wrote the prompt, with self-conditioning; CUDA events around `--step-repeats` steps back to back)
 and its **weight-read floor**: the bytes of the attention, dense-MLP, norm and router weights of every layer, the
 self-conditioning MLP, the embedding twice (the self-conditioning matmul and the tied LM head each read it) and the
@@ -187,6 +190,7 @@ def timed_generate(model, prompt, new_tokens: int, steps: int, seed: int, refere
     device = prompt.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    replays_before = graph_replays(model)
     torch.manual_seed(seed)
     sync(device)
     start = time.perf_counter()
@@ -194,6 +198,7 @@ def timed_generate(model, prompt, new_tokens: int, steps: int, seed: int, refere
         out = model.generate(prompt, max_new_tokens=new_tokens, max_denoising_steps=steps, return_dict_in_generate=True)
     sync(device)
     seconds = time.perf_counter() - start
+    replayed = graph_replays(model)
     canvases = new_tokens // model.config.canvas_length
     if reference:  # tokens_per_forward (B,): a row's new tokens over its decoder forwards
         forwards = float((new_tokens / out.tokens_per_forward.float()).max())
@@ -206,8 +211,15 @@ def timed_generate(model, prompt, new_tokens: int, steps: int, seed: int, refere
         steps_per_canvas=forwards / canvases,
         ms_per_step=1000 * seconds / forwards,
         peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        graph_replays={name: count - replays_before.get(name, 0) for name, count in replayed.items()},
         sequences=out.sequences,
     )
+
+
+def graph_replays(model) -> dict:
+    """hf_dllm's CUDA graph replays so far per captured pass (`CacheGraphs.replays`; {} for transformers')."""
+    graphs = getattr(model, "_graphs", None)
+    return dict(graphs.replays) if graphs is not None else {}
 
 
 def step_floor_bytes(model, routed: list[int]) -> int:
@@ -262,9 +274,37 @@ def pytorch_sampler_ms(sampler, block, raw, cap: float, repeats: int, device) ->
             torch.cuda.empty_cache()
 
 
+def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
+    """ms per encoder pass over an accepted canvas of `batch` rows after a `prompt_len` prompt, in generate()'s
+    cache (static on CUDA), with positions `(B, T)` as generate() gives them: eager and with its layers replayed
+    from a CUDA graph (where `CacheGraphs` applies: captured by the first timed call). Every timed pass writes the
+    same columns again (the kernels and their shapes do not depend on what the cache holds)."""
+    text, canvas = model.config.text_config, model.config.canvas_length
+    generator = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(3, text.vocab_size, (batch, prompt_len + canvas), device=device, generator=generator)
+    valid = torch.ones(batch, prompt_len + canvas, dtype=torch.bool, device=device)
+    columns = torch.arange(prompt_len, prompt_len + canvas, device=device)
+    captured, timings = model.capture_encoder, {}
+    with torch.no_grad():
+        cache = model._diffusion_new_cache(batch, prompt_len + canvas)
+        model.encode(tokens[:, :prompt_len], torch.arange(prompt_len, device=device), valid[:, :prompt_len], cache)
+
+        def encode():
+            model.encode(tokens[:, prompt_len:], columns, valid[:, prompt_len:], cache, columns.expand(batch, -1))
+
+        try:
+            for mode, capture in (("eager", False), ("graph", True)):
+                model.capture_encoder = capture
+                timings[f"encoder_canvas_{mode}_ms"] = timed_ms(encode, repeats, device)
+        finally:
+            model.capture_encoder = captured
+    timings["encoder_canvas_graph_replays"] = graph_replays(model).get("encoder_layers", 0)
+    return timings
+
+
 def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
     """The denoising step alone (decoder + sampler, self-conditioned, the prompt encoded into generate()'s cache:
-    static on CUDA): ms per step with the decoder's layers captured (where `DecoderGraphs` applies) and eager, and
+    static on CUDA): ms per step with the decoder's layers captured (where `CacheGraphs` applies) and eager, and
     the experts its routers selected per layer (counted eagerly: hooks do not run in a graph's replay). Also the
     step's parts, each timed alone: the sampler (fused where it applies, and the PyTorch one) and one layer's
     experts on the canvas' routing under each implementation (torch's grouped GEMM, hf_dllm's Triton kernels)."""
@@ -363,7 +403,7 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 parts[f"experts_{implementation}_error"] = str(error).splitlines()[0]
         experts.implementation = chosen
         parts["experts_default"] = experts.chosen_implementation(x)
-    graphs = model._decoder_graphs is not None and bool(model._decoder_graphs.entries)
+    graphs = model._graphs is not None and bool(model._graphs.entries)
     return dict(
         step_ms=min(timings.values()),
         eager_step_ms=timings["eager"],
@@ -472,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows[-2]["tokens_equal_reference"] = bool(torch.equal(rows[-2]["sequences"], rows[-1]["sequences"]))
         try:
             step = isolated_step(ours, batch, prompt_len, repeats, device)
+            step.update(encoder_canvas_pass(ours, batch, prompt_len, repeats, device))
         except torch.OutOfMemoryError as error:
             torch.cuda.empty_cache()
             steps_rows.append(dict(batch=batch, oom=str(error).splitlines()[0]))
@@ -517,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{step['batch']:5d} {ms(step.get('sampler_fused_ms')):>17} {ms(step.get('sampler_pytorch_ms'))} "
                 f"{ms(step.get('experts_grouped_ms')):>27} {ms(step.get('experts_triton_ms'))} {step['experts_default']}"
+            )
+            print(
+                f"      encoder pass over a canvas: eager {step['encoder_canvas_eager_ms']:.2f} ms, "
+                f"graph {step['encoder_canvas_graph_ms']:.2f} ms ({step['encoder_canvas_graph_replays']} replays)"
             )
             for name in ("sdpa", "gemm", "triton"):
                 if f"graph_step_{name}_attention_ms" in step:

@@ -150,6 +150,53 @@ def fp8_config_for(model_config, quantization: str):
     return fp8_quantization_config(family_for_config(model_config), scheme, quantize_head=head)
 
 
+def _casts_before_quantizing() -> bool:
+    # transformers before 5.23 (at least 5.10 to 5.22) casts each checkpoint tensor to its model parameter's dtype
+    # before the quantizer's load-time op runs, and `FP8Linear`'s placeholder weight is float8_e4m3fn: a weight
+    # quantized on the fly was first rounded to FP8 unscaled (3 mantissa bits; magnitudes up to 2^-10 flushed to
+    # zero), then quantized in blocks from that. 5.23 skips the cast for parameters quantized on load.
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return (major, minor) < (5, 23)
+
+
+def fp8_placeholders_in_load_dtype(model: nn.Module, quantizer, dtype: torch.dtype | None) -> list[str]:
+    """Before a checkpoint's weights load into `model` (on the meta device) with transformers' FP8 quantizer
+    quantizing them on the fly (`quantization_config=fp8_quantization_config(...)`, `--quantization fp8`): the FP8
+    placeholders of the parameters it quantizes on load take the load `dtype`, so transformers casts the checkpoint
+    tensor to that (not to FP8) before quantizing it in blocks, as transformers >= 5.23 does by itself. Nothing for
+    another quantizer or a pre-quantized checkpoint (`quantizer.pre_quantized`: its FP8 tensors load as stored).
+    Returns the names of the parameters changed."""
+    if quantizer is None or quantizer.pre_quantized or quantizer.quantization_config.quant_method != "fp8":
+        return []
+    dtype = dtype or torch.get_default_dtype()
+    names = [
+        name
+        for name, parameter in model.named_parameters()
+        if parameter.dtype == FP8_DTYPE and quantizer.param_needs_quantization(model, name)
+    ]
+    for name in names:
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        placeholder = getattr(module, attribute)
+        setattr(module, attribute, nn.Parameter(torch.empty_like(placeholder, dtype=dtype), requires_grad=False))
+    return names
+
+
+class QuantizesFromLoadDtype:
+    """First base of hf_dllm's `PreTrainedModel`s: under transformers < 5.23 a load quantized on the fly to FP8
+    quantizes the checkpoint's weights in the load dtype (`fp8_placeholders_in_load_dtype`), not after a first
+    unscaled rounding to FP8 (`_casts_before_quantizing`), so it holds what `hf-dllm export --quantization fp8`
+    writes and what later transformers load."""
+
+    @classmethod
+    def _load_pretrained_model(cls, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        if _casts_before_quantizing():
+            fp8_placeholders_in_load_dtype(model, load_config.hf_quantizer, load_config.dtype)
+        return super()._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+
+
 def is_fp8_linear(layer: nn.Module) -> bool:
     """Whether `layer` holds FP8 weights with block scales, or one scale for the whole matrix (transformers'
     `FP8Linear` after loading, `block_size` None)."""

@@ -39,6 +39,7 @@ from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is ins
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
+from .fp8 import QuantizesFromLoadDtype
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul
@@ -566,7 +567,12 @@ class DiffusionGemmaEncoderCache:
         self.length = 0
 
     def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
-        """Before an encoder pass of `batch` rows over `columns` `(T,)` (the static cache allocates here)."""
+        """Before an encoder pass of `batch` rows over `columns` `(T,)`: what may read host values (the static
+        cache's capacity check and allocation), never inside a captured pass."""
+
+    def begin_write(self, columns: torch.Tensor) -> None:
+        """The columns `(T,)` of the encoder pass now starting (where the static cache's `keys_values` writes; a
+        tensor op, so a captured pass gives its static buffer)."""
 
     def decoder_mask(self, layer: int, canvas: torch.Tensor, padded: bool) -> torch.Tensor | None:
         """The decoder's key mask `(B, 1, 1, cached + C)` bool over layer `layer`'s cache and the canvas `(B, C)`
@@ -587,7 +593,7 @@ class DiffusionGemmaEncoderCache:
 
     def record(self, columns: torch.Tensor, valid: torch.Tensor) -> None:
         """After an encoder pass over `columns` `(T,)` with `valid` `(B, T)`: keep each layer's column facts in step
-        with its K/V."""
+        with its K/V (no host read: `encode` then sets `length`)."""
         for layer, sliding in enumerate(self.sliding):
             if self.columns[layer] is not None:
                 all_columns = torch.cat([self.columns[layer], columns])
@@ -596,7 +602,6 @@ class DiffusionGemmaEncoderCache:
                 all_columns, all_valid = columns, valid
             keep = -(self.window - 1) if sliding else 0
             self.columns[layer], self.valid[layer] = all_columns[keep:], all_valid[:, keep:]
-        self.length = int(columns[-1]) + 1
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep only the batch rows `index` `(k,)` long."""
@@ -614,7 +619,9 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
     validity (`columns` `(S,)`, `valid` `(B, S)`; empty slots invalid). Keys sit in slot order, not column order:
     masks are built from the columns, so attention sees the same keys as the dynamic cache's (the sum in another
     order: equal up to rounding). The decoder masks empty slots at every step. `version` changes whenever the
-    buffers are reallocated (another batch, more columns, rows dropped): captured steps key on it."""
+    buffers are reallocated (another batch, more columns, rows dropped): captured passes (`CacheGraphs`) key on
+    it. An encoder pass's writes (`keys_values` at the columns `begin_write` gave, `record`) are tensor ops on the
+    buffers, so a replayed pass writes where the eager one would."""
 
     _versions = iter(range(1 << 62))
 
@@ -650,12 +657,14 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
                 f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column "
                 f"{int(columns[-1])}."
             )
-        self._pending_columns = columns  # where `keys_values` writes
         if self.keys[0] is not None and self.keys[0].shape[0] == batch:
             return
         with torch.inference_mode(False):  # plain tensors: a later call, outside inference mode, reuses them
             self._allocate(batch, dtype, device)
         self.version = next(self._versions)
+
+    def begin_write(self, columns: torch.Tensor) -> None:
+        self._pending_columns = columns
 
     def _allocate(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         for layer in range(len(self.sliding)):
@@ -719,7 +728,6 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
             slots, kept = self._write_at(layer, columns)
             self.columns[layer].index_copy_(0, slots, columns[-kept:])
             self.valid[layer].index_copy_(1, slots, valid[:, -kept:])
-        self.length = int(columns[-1]) + 1
 
     def keep_rows(self, index: torch.Tensor) -> None:
         for layer in range(len(self.sliding)):
@@ -731,17 +739,28 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         self.version = next(self._versions)
 
 
-class DecoderGraphs:
-    """CUDA graphs of the decoder's layers (`decoder_layers`), one per input shape, for the steps of generations
-    over one static cache (`DiffusionGemmaStaticCache`: the K/V the layers read stay in place between steps and
-    canvases; a new cache or new buffers drop the graphs). The embedding, the self-conditioning signal (which
-    reads the whole embedding once), the LM head and the sampler's random draws run eagerly around the graph: they
-    are a few large kernels, while the layers are the step's hundreds of small launches."""
+class CacheGraphs:
+    """CUDA graphs of the passes over one static cache (`DiffusionGemmaStaticCache`): the decoder's layers
+    (`decoder_layers`, every denoising step) and the encoder's pass over an accepted canvas (`encoder_layers`), each
+    a pure tensor function of its inputs and the cache's buffers, which stay in place between steps, canvases and
+    `generate()` calls; a new cache or new buffers (its `version`) drop the graphs. One graph per function and
+    input shapes / dtypes (and constants such as `padded`), all in one memory pool: a graph's returned output is
+    valid until the next replay of any of them (`decode` reads it at once). What reads host values (the cache's
+    capacity check, its `length`), the embeddings, the self-conditioning signal, the LM head and the sampler's random
+    draws run eagerly around the graphs: they are a few large kernels, while the layers are a pass's hundreds of
+    small launches.
+
+    The first call of a key runs the function eagerly on copies of its inputs (the call's result, and the
+    capture's warm-up: kernel selection, Triton compilation and autotuning, workspaces), then captures it on those
+    copies (nothing runs while capturing); later calls copy their inputs into them and replay. An eager first call
+    instead of warm-up calls before the capture: the encoder's pass writes the cache in place (its sliding layers'
+    rings overwrite the oldest columns), so running it twice would not be running it once."""
 
     def __init__(self):
         self.cache_key = None
         self.entries: dict = {}
         self.pool = None
+        self.replays: dict[str, int] = {}  # per function name, over the object's life (benchmarks, tests)
 
     @staticmethod
     def applies(model, x: torch.Tensor, cache) -> bool:
@@ -754,33 +773,34 @@ class DecoderGraphs:
             and all(layer.experts.uses_grouped(x) for layer in model.model.decoder.layers)
         )
 
-    def run(self, layers, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
-        """`layers(x, positions, cache, padded)` replayed from its graph (captured at the first call of a shape);
-        the returned tensor is the graph's output buffer, overwritten by the next replay."""
+    def run(self, function, cache, inputs: tuple[torch.Tensor, ...], *constants):
+        """`function(*inputs, cache, *constants)`, replayed from its graph after the first call of its key."""
         if self.cache_key != (id(cache), cache.version):
             self.cache_key = (id(cache), cache.version)
             self.entries.clear()
             self.pool = None  # the dropped graphs' pool is released with them: capturing into it again is an error
-        key = (tuple(x.shape), x.dtype, tuple(positions.shape), padded)
+        key = (function.__name__, constants, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs))
         entry = self.entries.get(key)
         if entry is None:
-            static_x, static_positions = x.clone(), positions.clone()
-            stream = torch.cuda.Stream(device=x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):  # warm-up outside the graph (kernel selection, workspaces)
-                for _ in range(2):
-                    layers(static_x, static_positions, cache, padded)
-            torch.cuda.current_stream(x.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = layers(static_x, static_positions, cache, padded)
-            self.pool = graph.pool()
-            entry = self.entries[key] = (graph, static_x, static_positions, output)
-        graph, static_x, static_positions, output = entry
-        static_x.copy_(x)
-        static_positions.copy_(positions)
+            with torch.inference_mode(False):  # plain tensors: a later call outside inference mode copies into them
+                static = tuple(tensor.clone() for tensor in inputs)
+            output = function(*static, cache, *constants)
+            self.entries[key] = (*self._capture(function, static, cache, constants), static)
+            return output
+        graph, output, static = entry
+        for buffer, value in zip(static, inputs, strict=True):
+            buffer.copy_(value)
         graph.replay()
+        self.replays[function.__name__] = self.replays.get(function.__name__, 0) + 1
         return output
+
+    def _capture(self, function, static: tuple, cache, constants: tuple):
+        """(the graph of `function` on the static inputs `static`, its output)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = function(*static, cache, *constants)
+        self.pool = graph.pool()
+        return graph, output
 
 
 class DiffusionGemmaEncoderLayer(nn.Module):
@@ -874,7 +894,7 @@ class DiffusionGemmaModel(nn.Module):
         self._ep_plan = {f"decoder.{name}": style for name, style in (text.base_model_ep_plan or {}).items()}
 
 
-class DiffusionGemmaPreTrainedModel(PreTrainedModel):
+class DiffusionGemmaPreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = DiffusionGemmaConfig
     config: DiffusionGemmaConfig
     base_model_prefix = "model"
@@ -914,9 +934,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
     # generate()'s encoder cache: static (`DiffusionGemmaStaticCache`) or not; None: static on CUDA (the CPU keeps
     # the dynamic one, whose sums are in transformers' order). `capture_decoder`: the decoder's layers as CUDA
-    # graphs where `DecoderGraphs.applies`.
+    # graphs where `CacheGraphs.applies`; `capture_encoder`: the encoder's pass over an accepted canvas too (the
+    # prompt's, of any length, stays eager).
     static_cache: bool | None = None
     capture_decoder: bool = True
+    capture_encoder: bool = True
     # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column
     # plan, whose gather would then concatenate whole copies: logits of 2 x vocab columns).
     _tp_plan = {}
@@ -928,21 +950,21 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         self.model = DiffusionGemmaModel(config)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.final_logit_softcapping = text.final_logit_softcapping
-        self._decoder_graphs = None
+        self._graphs = None  # `CacheGraphs`, made at the first captured pass
         self._generate_cache = None  # generate()'s static cache, reused by the next call (`_diffusion_new_cache`)
         self.generation_config = DiffusionGenerationConfig(**DIFFUSION_GEMMA.model_generation_defaults(config))
         self.post_init()
 
     def set_decoder_attention(self, backend: str) -> None:
         """Every layer's attention: "sdpa", "gemm" or "triton" (`DiffusionGemmaAttention`), or None (the default
-        choice per layer); captured decoder graphs are dropped (they hold the other kernels)."""
+        choice per layer); captured graphs are dropped (they hold the other kernels)."""
         if backend is not None and backend not in DiffusionGemmaAttention.backends:
             raise ValueError(f"`backend` must be one of {DiffusionGemmaAttention.backends} or None, got {backend!r}.")
         if backend == "triton" and not MOE_KERNELS_AVAILABLE:
             raise ValueError("the Triton attention needs the `triton` package (pip install hf-dllm[triton]).")
         for layer in self.model.decoder.layers:
             layer.self_attn.backend = backend
-        self._decoder_graphs = None
+        self._graphs = None
 
     def get_input_embeddings(self):
         return self.model.decoder.embed_tokens
@@ -958,11 +980,25 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         """Encoder pass: run the text transformer causally on `input_ids` `(B, T)` at columns `columns` `(T,)`
         (causality and sliding windows count columns), keys `valid` `(B, T)` bool, RoPE at `positions` `(B, T)`
         (default: the columns; transformers' positions, left padding shifting a row's), appending every layer's
-        K/V to `cache`."""
-        decoder, text = self.model.decoder, self.config.text_config
+        K/V to `cache`. The layers of a pass over `canvas_length` columns (an accepted canvas) run as a CUDA graph
+        where `CacheGraphs.applies` (`capture_encoder`)."""
+        decoder = self.model.decoder
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
         cache.prepare(input_ids.shape[0], x.dtype, x.device, columns)
         positions = columns if positions is None else positions
+        canvas = x.shape[1] == self.config.canvas_length
+        if self.capture_encoder and canvas and CacheGraphs.applies(self, x, cache):
+            self._cache_graphs().run(self.encoder_layers, cache, (x, columns, valid, positions))
+        else:
+            self.encoder_layers(x, columns, valid, positions, cache)
+        cache.length = int(columns[-1]) + 1  # (a host read: after the pass, outside its graph)
+
+    def encoder_layers(self, x, columns, valid, positions, cache) -> None:
+        """The encoder's layers on its input `x` `(B, T, hidden)` (`encode`'s other arguments), writing the K/V and
+        the columns' facts into `cache` (after its `prepare`): a pure tensor function of them and the cache's
+        tensors, what `CacheGraphs` captures over a static cache."""
+        decoder, text = self.model.decoder, self.config.text_config
+        cache.begin_write(columns)
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
@@ -979,6 +1015,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             x = layer(x, *rope[kind], cache, mask, True, scalar, attention_only=index == last)
         cache.record(columns, valid)
 
+    def _cache_graphs(self) -> CacheGraphs:
+        if self._graphs is None:
+            self._graphs = CacheGraphs()
+        return self._graphs
+
     def decode(
         self,
         canvas: torch.Tensor,
@@ -994,8 +1035,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal), or
         `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype (the fused
         sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
-        caps it). The layers run as a CUDA graph where `DecoderGraphs.applies` (a static cache on CUDA, grouped
-        experts)."""
+        caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
+        experts; `capture_decoder`)."""
         decoder = self.model.decoder
         weight = decoder.embed_tokens.weight
         scale = decoder.embed_scale(weight.dtype)
@@ -1015,10 +1056,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 signal[part] = torch.matmul(soft, weight) * scale.to(x.dtype)
             signal = signal.view(x.shape)
         x = decoder.self_conditioning(x, signal)
-        if self.capture_decoder and DecoderGraphs.applies(self, x, cache):
-            if self._decoder_graphs is None:
-                self._decoder_graphs = DecoderGraphs()
-            hidden = self._decoder_graphs.run(self.decoder_layers, x, positions, cache, padded)
+        if self.capture_decoder and CacheGraphs.applies(self, x, cache):
+            hidden = self._cache_graphs().run(self.decoder_layers, cache, (x, positions), padded)
         else:
             hidden = self.decoder_layers(x, positions, cache, padded)
         if not capped_logits:
@@ -1119,8 +1158,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def _diffusion_new_cache(self, batch_size, max_length, kv_cache_dtype=None, max_positions=None):
         """The encoder cache of a run: static on CUDA (`static_cache`). `generate()`'s calls (no `max_positions`)
         reuse the model's last static cache, emptied, when it has `batch_size` rows and room for `max_length`
-        columns, as transformers' static caches are reused: its buffers stay in place, so the decoder's captured
-        graphs (`DecoderGraphs`, keyed on the cache) replay instead of being captured again at every call (~0.3 s
+        columns, as transformers' static caches are reused: its buffers stay in place, so the captured graphs
+        (`CacheGraphs`, keyed on the cache) replay instead of being captured again at every call (~0.3 s
         at the 26B-A4B shape). Like transformers' static cache, this makes concurrent `generate()` calls on one
         model object unsafe. The serving engine (`max_positions` given) keeps a cache of its own."""
         static = self.static_cache if self.static_cache is not None else self.device.type == "cuda"
@@ -1141,7 +1180,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
 
     def _diffusion_step_capturable(self) -> bool:
         # The loop's own step graphs (greedy steps) do not apply: the sampler draws random numbers and a canvas'
-        # first step runs the encoder; the decoder's layers are captured by the model itself (`DecoderGraphs`).
+        # first step runs the encoder; the layers of both passes are captured by the model itself (`CacheGraphs`).
         return False
 
     def _diffusion_forward(
@@ -1214,7 +1253,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
 
 
 __all__ = [
-    "DecoderGraphs",
+    "CacheGraphs",
     "DiffusionGemmaEncoderCache",
     "DiffusionGemmaForBlockDiffusion",
     "DiffusionGemmaPreTrainedModel",

@@ -49,6 +49,7 @@ from .cache import DiffusionKVCache, cache_output, output_cache, resolve_forward
 from .configuration_dream import DreamConfig
 from .decoding_dream import DREAM_ALGS
 from .family_dream import DREAM
+from .fp8 import QuantizesFromLoadDtype
 from .generation_utils import (
     DiffusionGenerateOutput,
     DiffusionGenerationConfig,
@@ -312,7 +313,7 @@ class DreamDecoderLayer(nn.Module):
         return hidden_states + self.mlp(x)
 
 
-class DreamPreTrainedModel(PreTrainedModel):
+class DreamPreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = DreamConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"

@@ -38,7 +38,7 @@ from .cache import (
 )
 from .configuration_llada import LLaDAConfig
 from .family_llada import LLADA
-from .fp8 import QuantizedRows, rms_norm_to_fp8, silu_mul_to_fp8
+from .fp8 import QuantizedRows, QuantizesFromLoadDtype, rms_norm_to_fp8, silu_mul_to_fp8
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
@@ -488,7 +488,7 @@ class LLaDALlamaBlock(LocalHeadCounts, ConcatenatedProjections):
         return self.config.rope_full_precision and half & (half - 1) == 0
 
 
-class LLaDAPreTrainedModel(PreTrainedModel):
+class LLaDAPreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = LLaDAConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"

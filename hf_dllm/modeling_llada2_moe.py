@@ -54,6 +54,7 @@ from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import DiffusionKVCache, PositionTables, cache_output, output_cache, resolve_forward_positions
 from .configuration_llada2_moe import LLaDA2MoeConfig
 from .family_llada2 import LLADA2, LLADA22
+from .fp8 import QuantizesFromLoadDtype
 from .generation_utils import (
     DiffusionGenerationConfig,
     DiffusionGenerationMixin,
@@ -581,7 +582,7 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + mlp_out, router_logits
 
 
-class LLaDA2MoePreTrainedModel(PreTrainedModel):
+class LLaDA2MoePreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = LLaDA2MoeConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"

@@ -65,7 +65,7 @@ from .cache import (
 )
 from .configuration_llada_moe import LLaDAMoEConfig
 from .family_llada_moe import LLADA_MOE
-from .fp8 import fp8_block_size, fp8_kernel_supports, is_fp8_linear
+from .fp8 import QuantizesFromLoadDtype, fp8_block_size, fp8_kernel_supports, is_fp8_linear
 from .generation_utils import DiffusionGenerationConfig, DiffusionGenerationMixin, select_positions
 from .grouped_gemm import (
     ExpertDispatch,
@@ -82,11 +82,10 @@ from .triton_moe import (
     align_by_expert,
     combine,
     combine_and_norm,
-    gate_route_and_align,
     qk_norm_rope_to_cache,
     route,
-    routes_in_one_program,
-    softmax_route_and_align,
+    router_product,
+    router_product_applies,
 )
 from .triton_ops import rms_norm
 
@@ -357,8 +356,8 @@ class LLaDAMoESparseMoeBlock(nn.Module):
       expert that tokens chose, on its tokens; the per-expert counts are read on the host once per layer;
     - the fused kernels (`uses_fused_kernels`: half precision where hf_dllm's Triton kernels run, LLaDA2's): the
       router's top-k, the alignment of the (token, choice) pairs by expert and the weighted sum of each token's
-      rows (in float32) are `triton_moe.py`'s kernels (for a block step's few tokens the router's product, top-k
-      and alignment are one kernel), the gated up-projection and the down-projection `grouped_gemm.py`'s grouped
+      rows (in float32) are `triton_moe.py`'s kernels (for a block step's few tokens the router's product too),
+      the gated up-projection and the down-projection `grouped_gemm.py`'s grouped
       products over the stacked weights (`stacks`), bf16 or FP8; no host synchronisation;
     - grouped (elsewhere, half-precision activations, `grouped_mm_dtypes`, where torch's grouped GEMM runs,
       without autograd): the pairs sorted by expert, two of torch's grouped GEMMs over the stacks, no host
@@ -501,28 +500,25 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         out, normed = combine_and_norm(expert_rows, rows, weights, residual, norm_weight, self.config.rms_norm_eps)
         return out, router_logits, normed
 
-    # Few tokens (`triton_moe.routes_in_one_program`): the router's product inside the routing kernel (one launch
-    # for the logits, the top-k and the alignment) rather than a cuBLAS product before it (two launches).
+    # Few tokens (`triton_moe.router_product_applies`): the router's product through `triton_moe.router_product`
+    # (the experts split across programs) rather than cuBLAS's.
     router_product_in_routing_kernel = True
 
     def _fused_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """For x `(tokens, hidden)`: the router logits `(tokens, num_experts)` in x's dtype, the routing weights
         `(tokens, top_k)` rounded to x's dtype, and the pairs aligned by expert (`triton_moe.align_by_expert`'s
-        sorted_token, offsets, rows). One kernel for few tokens (with the router's product where the router is a
-        plain `nn.Linear` in x's dtype), else the router's product, `route` and `align_by_expert`; every kernel
-        reads and writes the dtypes it is given (no cast kernels)."""
+        sorted_token, offsets, rows): the router's product (`triton_moe.router_product` for few tokens where the
+        router is a plain `nn.Linear` in x's dtype, else the router's own), `route` (one program per token) and
+        `align_by_expert`; every kernel reads and writes the dtypes it is given (no cast kernels)."""
         gate = self.gate
-        if not routes_in_one_program(x.shape[0], self.num_experts):
-            router_logits = gate(x)
-            experts, weights = route(router_logits, None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
-            return router_logits, weights, *align_by_expert(experts, self.num_experts, False)
         plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
-        plain_gate = plain_gate and not is_sharded(gate.weight)
-        if self.router_product_in_routing_kernel and plain_gate and gate.weight.dtype == x.dtype:
-            router_logits, _, *routing = gate_route_and_align(x, gate.weight, self.top_k)
-            return router_logits, *routing
-        router_logits = gate(x)
-        return router_logits, *softmax_route_and_align(router_logits, self.top_k, x.dtype)[1:]
+        plain_gate = plain_gate and not is_sharded(gate.weight) and gate.weight.dtype == x.dtype
+        if self.router_product_in_routing_kernel and plain_gate and router_product_applies(x.shape[0]):
+            router_logits = router_product(x, gate.weight)
+        else:
+            router_logits = gate(x)
+        experts, weights = route(router_logits, None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
+        return router_logits, weights, *align_by_expert(experts, self.num_experts, False)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         """Whether the experts run grouped for activations `x` (see the class docstring): not asked for the loop
@@ -637,7 +633,7 @@ class LLaDAMoEDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + (mlp_out + shared(normed)), router_logits, None
 
 
-class LLaDAMoEPreTrainedModel(PreTrainedModel):
+class LLaDAMoEPreTrainedModel(QuantizesFromLoadDtype, PreTrainedModel):
     config_class = LLaDAMoEConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"

@@ -10,9 +10,8 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
   `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
   cuBLAS float32 GEMM, as in the reference: a Triton float32 product without TF32 measured 3.6x slower at batch 32
   on an H100, `benchmarks/results/h100_bench_llada2_kernels_batch32.log`);
-- `softmax_route_and_align` / `gate_route_and_align`: for few tokens (a batch-1 block step), softmax routing (as
-  `route`) and the alignment (as `align_by_expert`) in one program, optionally with the router's logits product
-  before them (LLaDA-MoE: one launch per layer for what took the product, a cast, `route` and `align_by_expert`);
+- `router_product`: the router's logits product for few tokens (a batch-1 block step of LLaDA-MoE), the experts
+  split across programs, rounded to the activations' dtype (`route` reads them as they are: no cast kernel);
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
   groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
   (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
@@ -187,82 +186,32 @@ if TRITON_AVAILABLE:
             seen += tl.sum(mine, axis=0)
 
     @triton.jit
-    def _route_align_kernel(
+    def _router_product_kernel(
         x_ptr,
         gate_ptr,
         logits_ptr,
-        index_ptr,
-        weight_ptr,
-        sorted_token_ptr,
-        row_ptr,
-        offsets_ptr,
         tokens,
         n_experts,
         hidden,
-        HAS_GEMM: tl.constexpr,
-        TOP_K: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
-        BLOCK_K: tl.constexpr,
         BLOCK_H: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
     ):
-        # One program for every token: (HAS_GEMM) the router's product x @ gate.T rounded to the logits' dtype, then
-        # `_route_kernel`'s softmax top-k (the same formulas) on a (token, expert) tile, then `_align_kernel`'s
-        # alignment: a token picks an expert at most once, so the rows of expert e are ordered by token and the pair
-        # (t, e) sits at row (pairs of experts below e) + (tokens before t that picked e).
-        t = tl.arange(0, BLOCK_T)[:, None]
-        e = tl.arange(0, BLOCK_E)[None, :]
+        # One program per (tile of BLOCK_E experts, tile of BLOCK_T tokens): x @ gate.T with float32 accumulation,
+        # rounded to the logits' dtype as a cuBLAS product rounds. Splitting the experts across programs divides
+        # the router weight each program streams (one program for all 64 experts of LLaDA-MoE read 256 KB alone).
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
         real_t = t < tokens
         real_e = e < n_experts
-        if HAS_GEMM:
-            h = tl.arange(0, BLOCK_H)
-            acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-            for start in range(0, hidden, BLOCK_H):
-                cols = start + h
-                xs = tl.load(x_ptr + t * hidden + cols[None, :], mask=real_t & (cols[None, :] < hidden), other=0.0)
-                ws = tl.load(gate_ptr + e * hidden + cols[:, None], mask=real_e & (cols[:, None] < hidden), other=0.0)
-                acc = tl.dot(xs, ws, acc)
-            logits = acc.to(logits_ptr.dtype.element_ty)
-            tl.store(logits_ptr + t * n_experts + e, logits, mask=real_t & real_e)
-            x = logits.to(tl.float32)
-        else:
-            x = tl.load(logits_ptr + t * n_experts + e, mask=real_t & real_e, other=0.0).to(tl.float32)
-        x = tl.where(real_e, x, float("-inf"))
-        shifted = x - tl.max(x, axis=1)[:, None]
-        if LIBDEVICE:
-            shifted = tl.extra.libdevice.exp(shifted)
-        else:
-            shifted = tl.exp(shifted)
-        scores = tl.where(real_e, shifted / tl.sum(shifted, axis=1)[:, None], float("-inf"))
-        lanes = tl.where(real_e, e, 2147483647)
-        ks = tl.arange(0, BLOCK_K)[None, :]
-        chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-        weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        choice = scores
-        for k in tl.static_range(TOP_K):
-            top_score = tl.max(choice, axis=1)[:, None]
-            top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=1)[:, None]
-            picked = lanes == top
-            chosen = tl.where(ks == k, top, chosen)
-            weights = tl.where(ks == k, tl.sum(tl.where(picked, scores, 0.0), axis=1)[:, None], weights)
-            choice = tl.where(picked, float("-inf"), choice)
-        in_pairs = real_t & (ks < TOP_K)
-        tl.store(index_ptr + t * TOP_K + ks, chosen.to(tl.int64), mask=in_pairs)
-        tl.store(weight_ptr + t * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=in_pairs)
-        # The picked (token, expert) cells: the only valid scores set to -inf by the top-k loop.
-        mine = ((choice == float("-inf")) & real_e & real_t).to(tl.int32)
-        per_expert = tl.sum(mine, axis=0)
-        ends = tl.cumsum(per_expert, axis=0)
-        experts = tl.arange(0, BLOCK_E)
-        tl.store(offsets_ptr + experts, ends, mask=experts < n_experts)
-        row_of = (ends - per_expert)[None, :] + tl.cumsum(mine, axis=0) - mine
-        token = tl.arange(0, BLOCK_T)
-        for k in tl.static_range(TOP_K):
-            expert = tl.sum(tl.where(ks == k, chosen, 0), axis=1)[:, None]
-            row = tl.sum(tl.where(e == expert, row_of, 0), axis=1)
-            tl.store(row_ptr + token * TOP_K + k, row.to(tl.int64), mask=token < tokens)
-            tl.store(sorted_token_ptr + row, token.to(tl.int64), mask=token < tokens)
+        h = tl.arange(0, BLOCK_H)
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + h
+            xs = tl.load(x_ptr + t * hidden + cols[None, :], mask=real_t & (cols[None, :] < hidden), other=0.0)
+            ws = tl.load(gate_ptr + e * hidden + cols[:, None], mask=real_e & (cols[:, None] < hidden), other=0.0)
+            acc = tl.dot(xs, ws, acc)
+        tl.store(logits_ptr + t * n_experts + e, acc.to(logits_ptr.dtype.element_ty), mask=real_t & real_e)
 
     @triton.jit
     def _chunk_histogram_kernel(
@@ -604,60 +553,63 @@ def align_by_expert(
     return _align_by_chunks(topk_index, n_experts, shared_expert)
 
 
-# Tokens x experts (each a power of two, at least 16) up to which the softmax routing and the alignment are one
-# program (`routes_in_one_program`): a batch-1 block step (32 tokens x 64 experts for LLaDA-MoE) launches one kernel
-# instead of the router product, a cast, `route` and `align_by_expert`; the tile's registers bound it.
-ROUTE_ALIGN_MAX_TILE = 4096
+# Up to this many tokens the router's product is `router_product` (a batch-1 or batch-2 block step of LLaDA-MoE);
+# beyond, the programs' tiles outgrow the shared memory and cuBLAS's product is the better one.
+ROUTER_PRODUCT_MAX_TOKENS = 64
+# Tokens and experts per program: tl.dot's least width, so that the most programs share the weight's reading.
+ROUTER_PRODUCT_TILE = 16
 
 
-def _tile_side(n: int) -> int:
-    """A side of the one-program routing tile holding `n` rows: a power of two, at least 16 (`tl.dot`'s least)."""
-    return max(16, 1 << max(0, n - 1).bit_length())
-
-
-def routes_in_one_program(tokens: int, n_experts: int) -> bool:
-    """Whether `softmax_route_and_align` / `gate_route_and_align` take `tokens` tokens over `n_experts` experts."""
-    return _tile_side(tokens) * _tile_side(n_experts) <= ROUTE_ALIGN_MAX_TILE
+def router_product_applies(tokens: int) -> bool:
+    """Whether `router_product` takes `tokens` tokens."""
+    return 0 < tokens <= ROUTER_PRODUCT_MAX_TOKENS
 
 
 @on_tensor_device
-def softmax_route_and_align(
-    logits: torch.Tensor, top_k: int, weight_dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`route(logits, None, 1, 1, top_k, "softmax", False, 1.0, weight_dtype)` then `align_by_expert(index, E,
-    False)` in one launch, for few tokens (`routes_in_one_program`). logits `(tokens, E)` float32 or half
-    precision -> index `(tokens, top_k)` int64, weights `(tokens, top_k)` in `weight_dtype`, sorted_token
-    `(tokens * top_k,)` int64, offsets `(E,)` int32, row `(tokens, top_k)` int64, as those two return them (the
-    same experts and rows; the weights' float32 softmax sums its terms in the kernel's order, so they may differ
-    from `route`'s in the last bit before rounding to `weight_dtype`)."""
-    return _route_and_align(None, None, logits, top_k, weight_dtype)[1:]
-
-
-@on_tensor_device
-def gate_route_and_align(
-    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`softmax_route_and_align` of the router logits `x @ gate_weight.T` computed in the same launch (float32
-    accumulation, rounded to x's dtype as a cuBLAS product rounds them; the sum's order is the kernel's). x `(tokens,
-    H)` and gate_weight `(E, H)` in half precision -> logits `(tokens, E)` in x's dtype, then what
-    `softmax_route_and_align` returns, the weights in x's dtype."""
+def router_product(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The router logits `x @ gate_weight.T` `(tokens, E)` in x's dtype, for few tokens (`router_product_applies`):
+    float32 accumulation rounded to x's dtype as a cuBLAS product rounds them (the sum's order is the kernel's).
+    x `(tokens, H)` and gate_weight `(E, H)` in one half-precision dtype. At LLaDA-MoE-7B's batch-1 block step (32
+    tokens, 64 experts, hidden 2048) eight programs each stream a quarter of the router's weight and half of x."""
     if x.dtype not in (torch.bfloat16, torch.float16) or gate_weight.dtype != x.dtype:
         raise ValueError(
-            f"gate_route_and_align: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
+            f"router_product: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
             f"{x.dtype} and {gate_weight.dtype}."
         )
-    if gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
+    if gate_weight.dim() != 2 or x.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
         raise ValueError(
-            f"gate_route_and_align: gate_weight must be (experts, {x.shape[1]}), got {tuple(gate_weight.shape)}."
+            f"router_product: x must be (tokens, hidden) and gate_weight (experts, hidden), got {tuple(x.shape)} and "
+            f"{tuple(gate_weight.shape)}."
         )
-    logits = torch.empty(x.shape[0], gate_weight.shape[0], dtype=x.dtype, device=x.device)
-    return _route_and_align(x.contiguous(), gate_weight.contiguous(), logits, top_k, x.dtype)
+    tokens, n_experts = x.shape[0], gate_weight.shape[0]
+    if not router_product_applies(tokens):
+        raise ValueError(
+            f"router_product takes 1 to {ROUTER_PRODUCT_MAX_TOKENS} tokens, got {tokens}: use the router's own product "
+            f"(`router_product_applies` tells which)."
+        )
+    x, gate_weight = x.contiguous(), gate_weight.contiguous()
+    logits = torch.empty(tokens, n_experts, dtype=x.dtype, device=x.device)
+    block_t = block_e = ROUTER_PRODUCT_TILE
+    block_h, stages = _router_product_tiles(block_t + block_e, x.element_size(), x.device)
+    _router_product_kernel[(triton.cdiv(n_experts, block_e), triton.cdiv(tokens, block_t))](
+        x,
+        gate_weight,
+        logits,
+        tokens,
+        n_experts,
+        x.shape[1],
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_H=block_h,
+        num_warps=4,
+        num_stages=stages,
+    )
+    return logits
 
 
 def _router_product_tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:
-    """(hidden columns per step, steps in flight) of the one-program router product: one multiprocessor streams
-    the router's weight (64 x 2048 bf16 for LLaDA-MoE-7B: 256 KB), so the widest tiles and most stages whose tiles
-    of `rows` rows (tokens + experts) fit the device's shared memory (16 KB kept for the rest of the kernel)."""
+    """(hidden columns per step, steps in flight) of `router_product`: the widest tiles and most stages whose
+    tiles of `rows` rows (tokens + experts) fit the device's shared memory (16 KB kept for the rest)."""
     if device.type != "cuda":
         return 256, 3
     budget = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 16 * 1024
@@ -665,54 +617,6 @@ def _router_product_tiles(rows: int, element_size: int, device: torch.device) ->
         if stages * block_h * rows * element_size <= budget:
             return block_h, stages
     return 32, 1
-
-
-def _route_and_align(x, gate_weight, logits, top_k: int, weight_dtype: torch.dtype):
-    tokens, n_experts = logits.shape
-    if not routes_in_one_program(tokens, n_experts):
-        raise ValueError(
-            f"{tokens} tokens over {n_experts} experts exceed one program's tile ({ROUTE_ALIGN_MAX_TILE} cells): use "
-            f"`route` and `align_by_expert` (`routes_in_one_program` tells which)."
-        )
-    if not 0 < top_k <= n_experts:
-        raise ValueError(f"top_k must be in [1, {n_experts}] (the experts), got {top_k}.")
-    if weight_dtype not in ROUTE_WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {ROUTE_WEIGHT_DTYPES}, got {weight_dtype}.")
-    device = logits.device
-    logits = logits.contiguous() if logits.dtype in ROUTE_WEIGHT_DTYPES else logits.contiguous().float()
-    index = torch.empty(tokens, top_k, dtype=torch.long, device=device)
-    weight = torch.empty(tokens, top_k, dtype=weight_dtype, device=device)
-    sorted_token = torch.empty(tokens * top_k, dtype=torch.long, device=device)
-    offsets = torch.empty(n_experts, dtype=torch.int32, device=device)
-    row = torch.empty(tokens, top_k, dtype=torch.long, device=device)
-    if tokens == 0:
-        return logits, index, weight, sorted_token, offsets.zero_(), row
-    has_gemm = x is not None
-    block_t, block_e = _tile_side(tokens), _tile_side(n_experts)
-    block_h, stages = _router_product_tiles(block_t + block_e, logits.element_size(), device)
-    _route_align_kernel[(1,)](
-        x if has_gemm else logits,
-        gate_weight if has_gemm else logits,
-        logits,
-        index,
-        weight,
-        sorted_token,
-        row,
-        offsets,
-        tokens,
-        n_experts,
-        x.shape[1] if has_gemm else 0,
-        HAS_GEMM=has_gemm,
-        TOP_K=top_k,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_H=block_h,
-        LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
-        num_warps=4,
-        num_stages=stages,
-    )
-    return logits, index, weight, sorted_token, offsets, row
 
 
 def _align_outputs(topk_index: torch.Tensor, n_experts: int, shared_expert: bool):

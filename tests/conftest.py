@@ -204,6 +204,18 @@ def random_weights_model(
     return model
 
 
+def assert_quantized_from(source: dict[str, torch.Tensor], quantized: dict[str, torch.Tensor], block) -> None:
+    """Every FP8 weight of the `quantized` state dict, and its `weight_scale_inv`, is `fp8.quantize_blocks` of the
+    `source` state dict's weight of that name bit for bit (transformers' load-time arithmetic on the checkpoint's
+    values: what `hf-dllm export --quantization fp8` writes); `block` None: one scale per matrix."""
+    names = [name for name, tensor in quantized.items() if tensor.dtype == hf_dllm.fp8.FP8_DTYPE]
+    assert names, "no FP8 weight"
+    for name in names:
+        weight, scale = hf_dllm.fp8.quantize_blocks(source[name], block or tuple(source[name].shape[-2:]))
+        assert torch.equal(quantized[name].view(torch.uint8), weight.view(torch.uint8)), name
+        assert torch.equal(quantized[name + "_scale_inv"].flatten(), scale.flatten()), name
+
+
 def save_checkpoint(model, path: Path) -> Path:
     """A checkpoint folder: `model` (with its generation_config.json) and the character tokenizer."""
     model.save_pretrained(path)

@@ -23,6 +23,7 @@ from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.export import main as export_main
 from hf_dllm.hub.families import ExportError
 from hf_dllm.hub.quantize import FP8_DTYPE, quantize_fp8_blocks, scale_name
+from tests.conftest import assert_quantized_from
 
 BLOCK_WIDE = dict(mask_token_id=383, eos_token_id=382, pad_token_id=381)  # a vocabulary of 384 = 3 blocks
 
@@ -188,10 +189,9 @@ def test_exported_fp8_checkpoint_reexports_unchanged(tmp_path, llada_export):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_export_loads_as_fp8_layers_like_an_on_the_fly_quantized_load(llada_export):
     """The export loads pre-quantized on a GPU: FP8 layers where an on-the-fly `FineGrainedFP8Config` load has
-    them, holding the source weights within half an FP8 step per block, and it generates through hf_dllm's FP8
-    kernels. (Bit equality with the on-the-fly load is not asserted: transformers 5.17 rounds the weights to FP8
-    once before computing the block scales, so its blocks lose up to one more step; `quantize_fp8_blocks` equals
-    the quantizer's own arithmetic, `test_block_quantization_is_transformers_arithmetic`.)"""
+    them, both holding the source weights quantized once, bit for bit (under transformers < 5.23 through
+    `fp8.QuantizesFromLoadDtype`), within half an FP8 step per block, and it generates through hf_dllm's FP8
+    kernels."""
     from transformers import FineGrainedFP8Config
 
     src, dst = llada_export
@@ -207,6 +207,8 @@ def test_gpu_export_loads_as_fp8_layers_like_an_on_the_fly_quantized_load(llada_
     for name in quantized:
         scale = loaded_state[scale_name(name)]
         assert_within_half_a_step(loaded_state[name], scale, source_state[name], name)
+    for state in (fly_state, loaded_state):
+        assert_quantized_from(source_state, {name: tensor.cpu() for name, tensor in state.items()}, FP8_BLOCK)
     ids = torch.randint(0, 380, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     out = loaded.generate(ids, max_new_tokens=32, block_length=16, eos_early_stop=False, return_dict_in_generate=True)
     assert out.nfe == 32 and (out.sequences[:, 16:] != BLOCK_WIDE["mask_token_id"]).all()

@@ -23,7 +23,7 @@ import torch
 import hf_dllm
 from hf_dllm import fp8, fp8_triton
 from hf_dllm.kernels import set_kernel_mode
-from tests.conftest import interpreter_job, random_weights_model
+from tests.conftest import assert_quantized_from, interpreter_job, random_weights_model
 
 BLOCK = (128, 128)
 
@@ -125,9 +125,11 @@ def test_quantization_config_quantizes_the_head_only_when_asked():
 def test_quantized_llada_matches_dequantized_weights(monkeypatch, weight_block_size, quantize_head):
     """Block scales, or one scale per matrix (`FineGrainedFP8Config(weight_block_size=None)`, run by hf_dllm as rows
     scaled one by one; transformers' own `FP8Linear.forward` would fetch a Hub kernel); the output head in bf16
-    (transformers' default) or in FP8 too (`modules_to_not_convert=[]`)."""
+    (transformers' default) or in FP8 too (`modules_to_not_convert=[]`). The FP8 weights are the source's quantized
+    once, bit for bit (not first rounded to FP8 as transformers < 5.23 did: `fp8.QuantizesFromLoadDtype`)."""
     config = tiny_config()
     model, quantized = quantized_model(config, "cpu", monkeypatch, weight_block_size, quantize_head)
+    assert_quantized_from(model.state_dict(), quantized.state_dict(), weight_block_size)
     layers = quantized.model.transformer.blocks[0]
     assert layers.q_proj.weight.dtype == fp8.FP8_DTYPE and fp8.is_fp8_linear(layers.ff_out)
     if weight_block_size:
@@ -146,6 +148,23 @@ def test_quantized_llada_matches_dequantized_weights(monkeypatch, weight_block_s
     assert torch.allclose(logits, expected, atol=1e-2, rtol=0), (logits - expected).abs().max()
     # Quantization changes the logits a little, not a lot (against the unquantized model).
     assert 0 < (logits - original).abs().max() < 0.25 * original.abs().max()
+
+
+def test_fp8_placeholders_take_the_load_dtype_whatever_the_transformers_version(monkeypatch, tmp_path):
+    """`fp8.QuantizesFromLoadDtype` forced on (it acts under transformers < 5.23 only): before an on-the-fly FP8
+    load, exactly the FP8 weights the quantizer converts get placeholders in the load dtype, and the model still
+    holds the source's weights quantized once; a pre-quantized checkpoint's FP8 tensors are left as stored."""
+    changed, place = [], fp8.fp8_placeholders_in_load_dtype
+    monkeypatch.setattr(fp8, "_casts_before_quantizing", lambda: True)
+    monkeypatch.setattr(fp8, "fp8_placeholders_in_load_dtype", lambda *args: changed.extend(place(*args)))
+    model, quantized = quantized_model(tiny_config(), "cpu", monkeypatch)
+    state = quantized.state_dict()
+    assert sorted(changed) == sorted(name for name, tensor in state.items() if tensor.dtype == fp8.FP8_DTYPE)
+    assert_quantized_from(model.state_dict(), state, BLOCK)
+    changed.clear()
+    quantized.save_pretrained(tmp_path)
+    reloaded = hf_dllm.LLaDAModelLM.from_pretrained(tmp_path, dtype=torch.bfloat16).state_dict()
+    assert changed == [] and reloaded.keys() == state.keys()
 
 
 def test_fused_projection_concatenates_fp8_weights_and_scales(monkeypatch):
@@ -1069,7 +1088,8 @@ def test_llada2_quantized_matches_dequantized_weights(monkeypatch, tmp_path):
 
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
     config = llada2_config()
-    _, quantized = llada2_quantized_model(config)
+    model, quantized = llada2_quantized_model(config)
+    assert_quantized_from(model.state_dict(), quantized.state_dict(), BLOCK)
     moe = quantized.model.layers[1].mlp
     assert isinstance(moe.experts, torch.nn.ModuleList) and quantized.lm_head.weight.dtype == torch.bfloat16
     for expert in [*moe.experts, moe.shared_experts]:

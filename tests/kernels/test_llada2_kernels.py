@@ -73,29 +73,18 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     want_index, want_weight = triton_moe.route(logits.half().float(), None, 4, 2, 3, "softmax", False, 1.0)
     assert torch.equal(half_index, want_index) and torch.equal(half_weight, want_weight.half()), "route dtypes"
 
-    # Softmax routing + alignment in one program (LLaDA-MoE's few-token steps), against `route` then
-    # `align_by_expert`: float32 logits with a row of ties, float16 ones with float16 weights; with the router's
-    # product in the kernel, on values whose products and sums are exact in any order (so the logits are too).
-    for tokens, experts, top_k, dtype in ((32, 64, 8, torch.float32), (5, 16, 4, torch.float16)):
-        logits = torch.randn(tokens, experts).to(dtype)
-        logits[1] = 0.0
-        want_index, want_weight = triton_moe.route(logits, None, 1, 1, top_k, "softmax", False, 1.0, dtype)
-        want_align = triton_moe.align_by_expert(want_index, experts, False)
-        index, weight, *align = triton_moe.softmax_route_and_align(logits, top_k, dtype)
-        assert torch.equal(index, want_index) and all(map(torch.equal, align, want_align)), ("route_and_align", tokens)
-        assert torch.allclose(weight, want_weight, rtol=1e-6, atol=0), ("route_and_align weights", tokens)
-    x, gate = (torch.randint(-2, 3, shape).half() / 4 for shape in ((32, 256), (64, 256)))
-    logits, index, weight, *align = triton_moe.gate_route_and_align(x, gate, 8)
-    want_index, want_weight = triton_moe.route(x @ gate.T, None, 1, 1, 8, "softmax", False, 1.0, torch.float16)
-    assert torch.equal(logits, x @ gate.T) and torch.equal(index, want_index) and torch.equal(weight, want_weight)
-    assert all(map(torch.equal, align, triton_moe.align_by_expert(want_index, 64, False))), "gate_route_and_align"
+    # The router's product for few tokens (LLaDA-MoE's block steps), on values whose products and sums are exact in
+    # any order (so the logits are too), over token and expert counts that fill a tile, cross one or stop short.
+    for tokens, experts in ((32, 64), (5, 16), (17, 40), (64, 8)):
+        x, gate = (torch.randint(-2, 3, shape).half() / 4 for shape in ((tokens, 256), (experts, 256)))
+        assert torch.equal(triton_moe.router_product(x, gate), x @ gate.T), ("router_product", tokens, experts)
     for bad_x, bad_gate in ((x.float(), gate.float()), (x, gate[:, :100]), (torch.zeros(80, 256).half(), gate)):
         try:
-            triton_moe.gate_route_and_align(bad_x, bad_gate, 8)
+            triton_moe.router_product(bad_x, bad_gate)
         except ValueError as error:
-            assert "gate_route_and_align" in str(error) or "one program" in str(error), error
+            assert "router_product" in str(error), error
         else:
-            raise AssertionError("bad gate_route_and_align input accepted")
+            raise AssertionError("bad router_product input accepted")
 
     # The norm's float32 copy of its output (the fused path feeds it to the router): the output widened, exactly.
     from hf_dllm import triton_ops
@@ -292,10 +281,10 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
     assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
     assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
-    # The routing's three fused forms: few tokens in one kernel with the router's product (above) or after
-    # PyTorch's, many tokens as the product, `route` and `align_by_expert`; the same as the PyTorch path.
+    # The routing's fused forms: few tokens with `router_product` (above) or PyTorch's product, many tokens with
+    # PyTorch's; then `route` and `align_by_expert`: the same as the PyTorch path.
     many = torch.randn(300, 64, dtype=torch.float16)
-    assert triton_moe.routes_in_one_program(40, 8) and not triton_moe.routes_in_one_program(300, 8)
+    assert triton_moe.router_product_applies(40) and not triton_moe.router_product_applies(300)
     for tokens, product_in_kernel in ((x, False), (many, True)):
         type(moe).router_product_in_routing_kernel = product_in_kernel
         with torch.no_grad():

@@ -206,7 +206,7 @@ def test_cuda_captured_decoder_step_equals_eager(gemma_cuda_bf16):
         for logits, next_canvas in results[True]:
             torch.testing.assert_close(logits, eager[0], rtol=0, atol=1e-5)
             assert torch.equal(next_canvas, eager[1])
-    assert model._decoder_graphs is not None and model._decoder_graphs.entries
+    assert model._graphs is not None and model._graphs.entries
 
 
 @pytest.mark.gpu

@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModel
 
 import hf_dllm
 from hf_dllm import fp8
 from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.quantize import fp8_weight_names, scale_name
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, assert_quantized_from
 
 # Per layer (and the decoder's self-conditioning MLP): what is FP8.
 FP8_LAYERS = {
@@ -109,7 +110,8 @@ def test_fp8_weights_follow_the_family_skip_list():
 
 def test_quantized_model_computes_its_fp8_weights(cpu_quantization, source, export):
     """Quantized on the fly (CPU): FP8 layers where the skip list allows, the rest in bf16; the export loads as the
-    same FP8 layers with the same logits; both within FP8's rounding of the source."""
+    same FP8 layers (the source's weights quantized once, bit for bit) with the same logits; both within FP8's rounding
+    of the source."""
     model = AutoModel.from_pretrained(
         source, dtype=torch.bfloat16, quantization_config=fp8.fp8_quantization_config("diffusion_gemma")
     ).eval()
@@ -120,9 +122,12 @@ def test_quantized_model_computes_its_fp8_weights(cpu_quantization, source, expo
     assert fp8.fp8_block_size(layer.mlp.down_proj) == (128, 128)
     assert layer.router.proj.weight.dtype == torch.bfloat16 and layer.experts.gate_up_proj.dtype == torch.bfloat16
     assert model.lm_head.weight.dtype == torch.bfloat16
+    weights = load_file(next(source.glob("*.safetensors")))
+    assert_quantized_from(weights, model.state_dict(), (128, 128))
     got = logits(model)
     loaded = AutoModel.from_pretrained(export, dtype=torch.bfloat16).eval()
     assert fp8.is_fp8_linear(loaded.model.decoder.layers[0].self_attn.q_proj)
+    assert_quantized_from(weights, loaded.state_dict(), (128, 128))
     torch.testing.assert_close(logits(loaded), got, rtol=0, atol=1e-6)
     assert_fp8_error_bounded(got, source)
     torch.manual_seed(0)
