@@ -1077,7 +1077,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:
         """The decoder's layers and final norm on its input `x` `(B, C, hidden)` (a pure tensor function of `x`,
-        `positions` and the cache's tensors: what `DecoderGraphs` captures)."""
+        `positions` and the cache's tensors: what `CacheGraphs` captures)."""
         decoder, text = self.model.decoder, self.config.text_config
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         masks: dict = {}
