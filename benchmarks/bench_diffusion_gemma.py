@@ -336,11 +336,11 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
         block = step(block)  # now self-conditioned
         routed, routes = [], []
 
-        def record(_module, _inputs, out):
-            routed.append(int(out[1].unique().numel()))
-            routes.append((out[0], out[1]))
+        def record(_module, inputs):  # the experts' (hidden, index, weights): both paths call them, not the router
+            routed.append(int(inputs[1].unique().numel()))
+            routes.append((inputs[2], inputs[1]))
 
-        hooks = [layer.router.register_forward_hook(record) for layer in model.model.decoder.layers]
+        hooks = [layer.experts.register_forward_pre_hook(record) for layer in model.model.decoder.layers]
         experts_inputs = []
         hooks.append(
             model.model.decoder.layers[0].experts.register_forward_pre_hook(
