@@ -171,13 +171,30 @@ def build_models(shape: dict, canvas: int, dtype, device, with_reference: bool):
 
 def share_concatenations(ours, reference) -> None:
     """Concatenate ours' q/k/v and gate/up now (the fused path's first forward would: `ConcatenatedProjections`)
-    and point the reference at the views, so that the two models still share every weight (otherwise the
-    reference keeps the old tensors: ~2.1 GB more at the 26B-A4B shape, in every peak-memory figure)."""
+    and point every reference parameter that held one of the replaced tensors at its view, so that the two models
+    still share every weight (otherwise the reference keeps the old tensors, under its decoder's names and its
+    encoder's tied ones: ~2.1 GB more at the 26B-A4B shape, in every peak-memory figure)."""
+    before = {name: parameter.data_ptr() for name, parameter in ours.named_parameters()}
     for layer in ours.model.decoder.layers:
         attention = layer.self_attn
         attention.concatenated(("q_proj", "k_proj", "v_proj") if attention.v_proj is not None else ("q_proj", "k_proj"))
         layer.mlp.concatenated(("gate_proj", "up_proj"))
-    reference.load_state_dict(ours.state_dict(), strict=False, assign=True)
+    replaced = {
+        before[name]: parameter for name, parameter in ours.named_parameters() if parameter.data_ptr() != before[name]
+    }
+    for module in reference.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            view = replaced.get(parameter.data_ptr())
+            if view is not None and view.shape == parameter.shape:
+                setattr(module, name, torch.nn.Parameter(view, requires_grad=False))
+    shared = {parameter.untyped_storage().data_ptr() for parameter in ours.parameters()}
+    apart = [
+        name
+        for name, parameter in reference.named_parameters(remove_duplicate=False)
+        if "vision" not in name and parameter.untyped_storage().data_ptr() not in shared
+    ]
+    if apart:  # the text weights are built once, shared in place (the vision tower is the reference's alone)
+        raise RuntimeError(f"the reference's text weights are not all ours: {apart[:5]}")
 
 
 def sync(device) -> None:
