@@ -8,18 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
 from hf_dllm.modeling_diffusion_gemma import CacheGraphs, DiffusionGemmaForBlockDiffusion, DiffusionGemmaStaticCache
-from tests.conftest import FIXTURES
-
-GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return AutoModel.from_pretrained(GEMMA_DIR).eval()
 
 
 class RerunGraph:
@@ -163,13 +154,6 @@ def test_generate_with_the_encoder_pass_through_the_runner(gemma, rerun_graphs):
         assert gemma._graphs.replays == {"encoder_layers": 1}
     finally:
         gemma.static_cache, gemma._generate_cache, gemma._graphs, gemma.capture_decoder = None, None, None, True
-
-
-@pytest.fixture(scope="module")
-def gemma_cuda_bf16():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return AutoModel.from_pretrained(GEMMA_DIR, dtype=torch.bfloat16).eval().cuda()
 
 
 @pytest.mark.gpu

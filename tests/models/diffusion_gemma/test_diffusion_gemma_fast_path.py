@@ -10,20 +10,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModel
 
 import hf_dllm  # noqa: F401  (registers the family)
 from hf_dllm import decoding_diffusion_gemma
 from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
-from tests.conftest import FIXTURES
-
-GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return AutoModel.from_pretrained(GEMMA_DIR).eval()
+from tests.models.diffusion_gemma.conftest import GEMMA_DIR
 
 
 def _set_experts(model, implementation):
@@ -159,13 +151,6 @@ def test_static_cache_refuses_columns_past_its_capacity(gemma):
     cache = DiffusionGemmaStaticCache(gemma.config.text_config, capacity=8)
     with pytest.raises(ValueError, match="holds 8 columns"):
         gemma.encode(torch.ones(1, 9, dtype=torch.long), torch.arange(9), torch.ones(1, 9, dtype=torch.bool), cache)
-
-
-@pytest.fixture(scope="module")
-def gemma_cuda_bf16():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    return AutoModel.from_pretrained(GEMMA_DIR, dtype=torch.bfloat16).eval().cuda()
 
 
 @pytest.mark.gpu

@@ -15,19 +15,11 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModel
 
 import hf_dllm
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache, decoder_key_mask
 from hf_dllm.triton_ops import TRITON_AVAILABLE
-from tests.conftest import FIXTURES, interpreter_job
-
-GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return AutoModel.from_pretrained(GEMMA_DIR).eval()
+from tests.conftest import interpreter_job
 
 
 @pytest.mark.parametrize("static", [False, True])
