@@ -351,11 +351,10 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
 
         model.capture_decoder = False
         block = step(block)  # now self-conditioned
-        routed, routes = [], []
+        routed = []
 
         def record(_module, inputs):  # the experts' (hidden, index, weights): both paths call them, not the router
             routed.append(int(inputs[1].unique().numel()))
-            routes.append((inputs[2], inputs[1]))
 
         hooks = [layer.experts.register_forward_pre_hook(record) for layer in model.model.decoder.layers]
         experts_inputs = []

@@ -263,7 +263,10 @@ if MOE_KERNELS_AVAILABLE:
             before = (other_score > mine) | ((other_score == mine) & (other_lane < lanes[:, None]))
             rank += tl.sum(before.to(tl.int32), axis=1)
         choice = tl.where(valid & (rank < capacity), choice, float("-inf"))
-        store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K, NORMALIZE, BLOCK_K)
+        # (no per-expert scales: index_ptr stands for their pointer, never read)
+        store_top_k(
+            choice, scores, lanes, index_ptr, weight_ptr, token, scale, index_ptr, TOP_K, NORMALIZE, BLOCK_K, False
+        )
 
 
 @on_tensor_device

@@ -258,8 +258,8 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
 class DiffusionGemmaMLP(ConcatenatedProjections):
     """`down(act(gate(x)) * up(x))`, no biases; gate/up are one product where the fused kernels run
     (`ConcatenatedProjections`; FP8 layers only where their scale blocks allow it: the 26B-A4B's 2,112 rows do
-    not divide into blocks of 128, those run apart). The GELU gate stays two PyTorch ops (hf_dllm's elementwise gated kernel is SiLU's,
-    `triton_ops.silu_mul`)."""
+    not divide into blocks of 128, those run apart). The GELU gate stays two PyTorch ops (hf_dllm's elementwise
+    gated kernel is SiLU's, `triton_ops.silu_mul`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()

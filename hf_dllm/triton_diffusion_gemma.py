@@ -189,36 +189,34 @@ if TRITON_AVAILABLE:
                     tl.store(probabilities_ptr + row * vocab + cols, p.to(out_dtype), mask=in_row)
 
     @triton.jit
-    def _rms_norm_kernel(
-        x_ptr, weight_ptr, residual_ptr, scale_ptr, out_ptr, n_cols, eps,
-        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # One program per row: DiffusionGemma's norm in float32 (x * (mean(x^2) + eps)^-0.5, times the weight),
-        # rounded once to the output dtype; with a residual, residual + that (the sum in float32, rounded); with a
-        # scale, that times the scale (the product in float32, rounded: PyTorch's `x * layer_scalar`).
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        in_row = cols < n_cols
-        x = tl.load(x_ptr + row * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
+    def _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        # DiffusionGemma's norm of a float32 row (masked lanes 0): x * (mean(x^2) + eps)^-0.5, times the weight in
+        # float32 (HAS_WEIGHT), rounded once to `dtype`; returned as float32. Every norm kernel here computes it.
         inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
         y = x * inverse
         if HAS_WEIGHT:
             y = y * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-        out_dtype = out_ptr.dtype.element_ty
-        y = y.to(out_dtype)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + row * n_cols + cols, mask=in_row, other=0.0)
-            y = (residual.to(tl.float32) + y.to(tl.float32)).to(out_dtype)
-        if HAS_SCALE:
-            y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(out_dtype)
-        tl.store(out_ptr + row * n_cols + cols, y, mask=in_row)
+        return y.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype: tl.constexpr):
-        # `_rms_norm_kernel`'s norm of a float32 row (masked lanes 0) times its weight, rounded to `dtype`, as float32.
-        inverse = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)
-        y = x * inverse * tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-        return y.to(dtype).to(tl.float32)
+    def _rms_norm_kernel(
+        x_ptr, weight_ptr, residual_ptr, scale_ptr, out_ptr, n_cols, eps,
+        HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: `_weighted_norm`; with a residual, residual + that (the sum in float32, rounded); with
+        # a scale, that times the scale (the product in float32, rounded: PyTorch's `x * layer_scalar`).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        out_dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
+        y = _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, out_dtype, HAS_WEIGHT)
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + row * n_cols + cols, mask=in_row, other=0.0)
+            y = (residual.to(tl.float32) + y).to(out_dtype).to(tl.float32)
+        if HAS_SCALE:
+            y = y * tl.load(scale_ptr).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_dtype), mask=in_row)
 
     @triton.jit
     def _post_attention_kernel(
@@ -234,12 +232,18 @@ if TRITON_AVAILABLE:
         dtype = sum_ptr.dtype.element_ty
         x = tl.load(x_ptr + at, mask=in_row, other=0.0).to(tl.float32)
         residual = tl.load(residual_ptr + at, mask=in_row, other=0.0).to(tl.float32)
-        h = (residual + _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype)).to(dtype)
+        h = (residual + _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype, True)).to(dtype)
         tl.store(sum_ptr + at, h, mask=in_row)
         h = h.to(tl.float32)
-        tl.store(out1_ptr + at, _weighted_norm(h, weight1_ptr, cols, in_row, n_cols, eps, dtype).to(dtype), mask=in_row)
-        tl.store(out2_ptr + at, _weighted_norm(h, weight2_ptr, cols, in_row, n_cols, eps, dtype).to(dtype), mask=in_row)
-        tl.store(out3_ptr + at, _weighted_norm(h, weight3_ptr, cols, in_row, n_cols, eps, dtype).to(dtype), mask=in_row)
+        tl.store(
+            out1_ptr + at, _weighted_norm(h, weight1_ptr, cols, in_row, n_cols, eps, dtype, True).to(dtype), mask=in_row
+        )
+        tl.store(
+            out2_ptr + at, _weighted_norm(h, weight2_ptr, cols, in_row, n_cols, eps, dtype, True).to(dtype), mask=in_row
+        )
+        tl.store(
+            out3_ptr + at, _weighted_norm(h, weight3_ptr, cols, in_row, n_cols, eps, dtype, True).to(dtype), mask=in_row
+        )
 
     @triton.jit
     def _post_feedforward_kernel(
@@ -255,10 +259,12 @@ if TRITON_AVAILABLE:
         dtype = out_ptr.dtype.element_ty
         dense = tl.load(dense_ptr + at, mask=in_row, other=0.0).to(tl.float32)
         moe = tl.load(moe_ptr + at, mask=in_row, other=0.0).to(tl.float32)
-        dense = _weighted_norm(dense, dense_weight_ptr, cols, in_row, n_cols, eps, dtype)
-        summed = (dense + _weighted_norm(moe, moe_weight_ptr, cols, in_row, n_cols, eps, dtype)).to(dtype)
+        dense = _weighted_norm(dense, dense_weight_ptr, cols, in_row, n_cols, eps, dtype, True)
+        summed = (dense + _weighted_norm(moe, moe_weight_ptr, cols, in_row, n_cols, eps, dtype, True)).to(dtype)
         residual = tl.load(residual_ptr + at, mask=in_row, other=0.0).to(tl.float32)
-        y = (residual + _weighted_norm(summed.to(tl.float32), weight_ptr, cols, in_row, n_cols, eps, dtype)).to(dtype)
+        y = (residual + _weighted_norm(summed.to(tl.float32), weight_ptr, cols, in_row, n_cols, eps, dtype, True)).to(
+            dtype
+        )
         y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
         tl.store(out_ptr + at, y, mask=in_row)
 

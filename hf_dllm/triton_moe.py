@@ -40,11 +40,14 @@ if TRITON_AVAILABLE:
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def select_top_k(choice, scores, lanes, scale, TOP_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
-        # One token's TOP_K experts `(BLOCK_K,)` int64 by descending `choice` (ties: the lowest index) and their
-        # `scores` as float32 weights (normalised with NORMALIZE, times `scale`). choice, scores, lanes: 1D over the
-        # experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts).
+    def store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, expert_scale_ptr, TOP_K: tl.constexpr,
+                    NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr, HAS_EXPERT_SCALE: tl.constexpr):  # fmt: skip
+        # One token's TOP_K experts by descending `choice` (ties: the lowest index) and their `scores` as weights
+        # (normalised with NORMALIZE, times `scale`, times the chosen experts' scales with HAS_EXPERT_SCALE: any float
+        # dtype, widened as PyTorch's promotion does), stored at its row of index_ptr / weight_ptr, the weights
+        # rounded to weight_ptr's dtype (round to nearest even, as PyTorch's casts). choice, scores, lanes: 1D over
+        # the experts, `lanes` each lane's expert (2**31 - 1 for lanes past the experts). Shared by `route` and
+        # LLaDA2.2's block router (`llada2_moe_layer.fused_block_route`).
         ks = tl.arange(0, BLOCK_K)
         chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
         weights = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -58,16 +61,9 @@ if TRITON_AVAILABLE:
         if NORMALIZE:
             total = tl.sum(tl.where(ks < TOP_K, weights, 0.0), axis=0) + 1e-20
             weights = tl.math.div_rn(weights, tl.full(weights.shape, 1.0, tl.float32) * total)
-        return chosen, weights * scale
-
-    @triton.jit
-    def store_top_k(choice, scores, lanes, index_ptr, weight_ptr, token, scale, TOP_K: tl.constexpr,
-                    NORMALIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        # `select_top_k`'s experts and weights stored at the token's row of index_ptr / weight_ptr, the weights
-        # rounded to weight_ptr's dtype (round to nearest even, as PyTorch's casts; `route` stores the same way).
-        # LLaDA2.2's block router's (`llada2_moe_layer.fused_block_route`).
-        chosen, weights = select_top_k(choice, scores, lanes, scale, TOP_K, NORMALIZE, BLOCK_K)
-        ks = tl.arange(0, BLOCK_K)
+        weights = weights * scale
+        if HAS_EXPERT_SCALE:
+            weights = weights * tl.load(expert_scale_ptr + chosen, mask=ks < TOP_K, other=0.0).to(tl.float32)
         tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
         tl.store(weight_ptr + token * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=ks < TOP_K)
 
@@ -142,13 +138,10 @@ if TRITON_AVAILABLE:
         flat_choice = tl.reshape(choice, [BLOCK_G * BLOCK_S])
         flat_scores = tl.reshape(scores, [BLOCK_G * BLOCK_S])
         flat_expert = tl.reshape(tl.where(valid, expert, 2147483647), [BLOCK_G * BLOCK_S])
-        chosen, weights = select_top_k(flat_choice, flat_scores, flat_expert, scale, TOP_K, NORMALIZE, BLOCK_K)
-        ks = tl.arange(0, BLOCK_K)
-        if HAS_EXPERT_SCALE:
-            # Each chosen expert's scale (any float dtype, widened as PyTorch's promotion does) times its weight.
-            weights = weights * tl.load(expert_scale_ptr + chosen, mask=ks < TOP_K, other=0.0).to(tl.float32)
-        tl.store(index_ptr + token * TOP_K + ks, chosen, mask=ks < TOP_K)
-        tl.store(weight_ptr + token * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=ks < TOP_K)
+        store_top_k(
+            flat_choice, flat_scores, flat_expert, index_ptr, weight_ptr, token, scale, expert_scale_ptr, TOP_K,
+            NORMALIZE, BLOCK_K, HAS_EXPERT_SCALE,
+        )  # fmt: skip
 
     @triton.jit
     def _align_kernel(
@@ -553,8 +546,8 @@ def align_by_expert(
     return _align_by_chunks(topk_index, n_experts, shared_expert)
 
 
-# Up to this many tokens the router's product is `router_product` (a batch-1 or batch-2 block step of LLaDA-MoE);
-# beyond, the programs' tiles outgrow the shared memory and cuBLAS's product is the better one.
+# Up to this many tokens the router's product is `router_product` (a batch-1 or batch-2 block step of LLaDA-MoE:
+# measured on an H200 at 32 tokens only); beyond, cuBLAS's product, which reads the weight once for all tokens.
 ROUTER_PRODUCT_MAX_TOKENS = 64
 # Tokens and experts per program: tl.dot's least width, so that the most programs share the weight's reading.
 ROUTER_PRODUCT_TILE = 16
