@@ -28,6 +28,68 @@ from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None w
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def _attend_tile(
+        q, k_base, v_base, k_scale_ptr, v_scale_ptr, scale_base, mask_ptr, cols, col_valid, q_pos, row_valid, b,
+        stride_kn, stride_vn, stride_mb, stride_mq, dims, score_scale, m_i, l_i, acc,
+        HAS_MASK: tl.constexpr, HAS_KV_SCALE: tl.constexpr, MASK_PER_QUERY: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        # One key tile of the online softmax (FlashAttention's loop body): the running max `m_i`, sum `l_i` and
+        # float32 accumulator `acc` of a row tile, updated.
+        k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_valid[:, None], other=0.0)
+        if HAS_KV_SCALE:
+            # An FP8 cache: float8 K/V (exact in fp16 and float32) with a float32 scale per key, applied to the
+            # scores' columns and to the probabilities, not to the tiles.
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            k_scale = tl.load(k_scale_ptr + scale_base + cols, mask=col_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_base + cols, mask=col_valid, other=0.0)
+        attend = col_valid[None, :]
+        if HAS_MASK:
+            if MASK_PER_QUERY:
+                # A mask with a query dimension (block-causal): one row per query position.
+                attend = attend & (
+                    tl.load(
+                        mask_ptr + b * stride_mb + q_pos[:, None] * stride_mq + cols[None, :],
+                        mask=row_valid[:, None] & col_valid[None, :],
+                        other=0,
+                    )
+                    != 0
+                )
+            else:
+                attend = attend & (tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0)[None, :]
+        # float32 inputs are multiplied in full float32 (tl.dot would use TF32 tensor cores: ~1e-3 relative error,
+        # enough to flip near-tied tokens against an fp32 reference); bf16/fp16 use the tensor cores as usual.
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * score_scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * score_scale
+        if HAS_KV_SCALE:
+            scores = scores * k_scale[None, :]
+        scores = tl.where(attend, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A chunk whose keys are all padding keeps m at -inf: shift by 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HAS_KV_SCALE:
+            # Each key's value scale relative to the tile's largest, so the weights stay in [0, 1] (fp16-safe,
+            # as FlashAttention's probabilities); the largest multiplies the tile's product.
+            v_max = tl.max(v_scale, axis=0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            weights = (p * (v_scale / v_max)[None, :]).to(v.dtype)
+            if IEEE:
+                acc = acc * alpha[:, None] + v_max * tl.dot(weights, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + v_max * tl.dot(weights, v)
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _block_attention_kernel(
         q_ptr,
         k_ptr,
@@ -66,6 +128,7 @@ if TRITON_AVAILABLE:
         HAS_KV_END: tl.constexpr,
         HAS_KV_SCALE: tl.constexpr,
         MASK_PER_QUERY: tl.constexpr,
+        SKIP_MASKED: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -115,59 +178,22 @@ if TRITON_AVAILABLE:
         for tile in range(n_tiles):
             cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
             col_valid = cols < kv_len
-            k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_valid[:, None], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_valid[:, None], other=0.0)
-            if HAS_KV_SCALE:
-                # An FP8 cache: float8 K/V (exact in fp16 and float32) with a float32 scale per key, applied to the
-                # scores' columns and to the probabilities, not to the tiles.
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-                k_scale = tl.load(k_scale_ptr + scale_base + cols, mask=col_valid, other=0.0)
-                v_scale = tl.load(v_scale_ptr + scale_base + cols, mask=col_valid, other=0.0)
-            attend = col_valid[None, :]
-            if HAS_MASK:
-                if MASK_PER_QUERY:
-                    # A mask with a query dimension (block-causal): one row per query position.
-                    attend = attend & (
-                        tl.load(
-                            mask_ptr + b * stride_mb + q_pos[:, None] * stride_mq + cols[None, :],
-                            mask=row_valid[:, None] & col_valid[None, :],
-                            other=0,
-                        )
-                        != 0
-                    )
-                else:
-                    attend = attend & (tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0)[None, :]
-            # float32 inputs are multiplied in full float32 (tl.dot would use TF32 tensor cores: ~1e-3 relative error,
-            # enough to flip near-tied tokens against an fp32 reference); bf16/fp16 use the tensor cores as usual.
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * score_scale
+            if SKIP_MASKED:
+                # A key padding mask: a tile whose keys are all masked (a ring cache's empty slots, left padding)
+                # adds nothing (p = 0, m unchanged), so its K/V are not read at all.
+                key_ok = tl.load(mask_ptr + b * stride_mb + cols, mask=col_valid, other=0) != 0
+                if tl.max(key_ok.to(tl.int32), axis=0) > 0:
+                    m_i, l_i, acc = _attend_tile(
+                        q, k_base, v_base, k_scale_ptr, v_scale_ptr, scale_base, mask_ptr, cols, col_valid & key_ok,
+                        q_pos, row_valid, b, stride_kn, stride_vn, stride_mb, stride_mq, dims, score_scale, m_i, l_i,
+                        acc, False, HAS_KV_SCALE, False, IEEE,
+                    )  # fmt: skip
             else:
-                scores = tl.dot(q, tl.trans(k)) * score_scale
-            if HAS_KV_SCALE:
-                scores = scores * k_scale[None, :]
-            scores = tl.where(attend, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A chunk whose keys are all padding keeps m at -inf: shift by 0 there to avoid inf - inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if HAS_KV_SCALE:
-                # Each key's value scale relative to the tile's largest, so the weights stay in [0, 1] (fp16-safe,
-                # as FlashAttention's probabilities); the largest multiplies the tile's product.
-                v_max = tl.max(v_scale, axis=0)
-                v_max = tl.where(v_max > 0, v_max, 1.0)
-                weights = (p * (v_scale / v_max)[None, :]).to(v.dtype)
-                if IEEE:
-                    acc = acc * alpha[:, None] + v_max * tl.dot(weights, v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + v_max * tl.dot(weights, v)
-            elif IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+                m_i, l_i, acc = _attend_tile(
+                    q, k_base, v_base, k_scale_ptr, v_scale_ptr, scale_base, mask_ptr, cols, col_valid, q_pos,
+                    row_valid, b, stride_kn, stride_vn, stride_mb, stride_mq, dims, score_scale, m_i, l_i, acc,
+                    HAS_MASK, HAS_KV_SCALE, MASK_PER_QUERY, IEEE,
+                )  # fmt: skip
 
         if SINGLE_SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -222,13 +248,18 @@ if TRITON_AVAILABLE:
 class AttentionTiles:
     """Tile shape of `_block_attention_kernel`: `block_m` query rows (grouped heads x positions) by `block_n` keys
     per step, the launch's warps and pipeline stages, and `one_split_from`: from this many (row, key/value head, row
-    tile) programs per multiprocessor on, the keys are not split (None: always as `plan_splits` plans)."""
+    tile) programs per multiprocessor on, the keys are not split (None: always as `plan_splits` plans). `splits`:
+    key chunks to ask for (None: `plan_splits`'s, from the multiprocessor count). `skip_masked`: with a key padding
+    mask `(B, T)`, test each key tile's mask first and skip the tiles it masks whole (a ring cache's empty slots),
+    at the price of a branch in the loop (its K/V loads are not pipelined across it)."""
 
     block_m: int
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
     one_split_from: float | None = None
+    splits: int | None = None
+    skip_masked: bool = False
 
 
 # Grouped-query blocks (more than 32 query rows per key/value head: LLaDA2.0-mini's 4 heads x 32 positions).
@@ -332,6 +363,8 @@ def block_attention(
     block_m, block_n = tiles.block_m, tiles.block_n
     m_tiles = triton.cdiv(rows, block_m)
     if n_splits is None:
+        n_splits = tiles.splits
+    if n_splits is None:
         n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device), tiles.one_split_from)
     tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))
     n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
@@ -392,6 +425,7 @@ def block_attention(
         HAS_KV_END=kv_end is not None,
         HAS_KV_SCALE=scaled,
         MASK_PER_QUERY=per_query,
+        SKIP_MASKED=tiles.skip_masked and key_padding_mask is not None and not per_query,
         SINGLE_SPLIT=single,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
