@@ -117,11 +117,37 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def decoder_tiles(head_dim: int) -> AttentionTiles:
-    """`block_attention`'s tiles for a decoder pass: a 256-token canvas gives each key/value head 512 (sliding) or
-    2,048 (full) query rows; the float32 accumulator of a row tile is `block_m x head_dim`, so the tile shrinks as the
-    heads widen (256 / 512) to stay in registers."""
-    return AttentionTiles(block_m=32 if head_dim <= 256 else 16, block_n=32, num_warps=4 if head_dim <= 256 else 8)
+# The decoder's attention backend (`DiffusionGemmaAttention.backends`) and the Triton kernel's tiles, on CUDA in
+# half precision, per (head_dim, batch class): the 26B-A4B's sliding layers (16 query / 8 key-value heads of 256, a
+# 1,023-slot ring + the 256-token canvas: each key/value head has 2 x 256 query rows) and full layers (2 key-value
+# heads of 512: 8 x 256 rows). A batch takes the largest class not above it. What it rests on: an H200 profile of
+# the captured batch-1 step (cuDNN SDPA with the additive mask 74 us a sliding layer; the full layers' "gemm" ~39 us,
+# SDPA's math fallback ~0.5 ms); the Triton tiles are the ones that fit registers (the float32 accumulator is
+# block_m x head_dim), not yet timed at this shape: `benchmarks/bench_diffusion_gemma_attention.py` sweeps every
+# backend and tile config at these shapes and prints the entries this table should hold.
+DECODER_BATCH_CLASSES = (1, 8, 32)
+DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
+    (256, 1): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
+    (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
+    (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
+    (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
+    (512, 8): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
+    (512, 32): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
+}
+
+
+def decoder_attention(head_dim: int, batch: int) -> tuple[str, AttentionTiles]:
+    """(backend, Triton tiles) of `DECODER_ATTENTION` for a decoder pass of `batch` rows with heads of `head_dim`;
+    head widths outside the table (other checkpoints' shapes) take the nearest wider entry's (or the widest's)."""
+    batch_class = max([size for size in DECODER_BATCH_CLASSES if size <= batch], default=DECODER_BATCH_CLASSES[0])
+    widths = sorted({width for width, _ in DECODER_ATTENTION})
+    width = next((w for w in widths if w >= head_dim), widths[-1])
+    return DECODER_ATTENTION[(width, batch_class)]
+
+
+def decoder_tiles(head_dim: int, batch: int = 1) -> AttentionTiles:
+    """`block_attention`'s tiles for a decoder pass (`DECODER_ATTENTION`)."""
+    return decoder_attention(head_dim, batch)[1]
 
 
 # The widest heads torch's fused SDPA kernels (flash, memory-efficient, cuDNN) take on an H100/H200; wider ones
@@ -169,9 +195,10 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
     have no fused kernel on an H200 and fall back to the float32 math path, ~0.5 ms a layer), "gemm"
     (`gemm_attention`: the same float32 scores and softmax from two bfloat16 tensor-core products, every pass) or
     "triton": the decoder's pass through hf_dllm's Triton attention (`triton_attention.block_attention`; CUDA, or
-    the interpreter), the encoder's on SDPA (per-query causal masks). None (default): "gemm" on CUDA for heads
-    wider than SDPA's fused kernels take (`FUSED_SDPA_HEAD_DIM`), else "sdpa". Set for every layer with
-    `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
+    the interpreter), the encoder's on `encoder_backend`'s (per-query causal masks). None (default): the decoder's
+    from `DECODER_ATTENTION` (per head width and batch) on CUDA in half precision, else "sdpa"; the encoder's
+    `encoder_backend` ("gemm" on CUDA for heads wider than SDPA's fused kernels take, `FUSED_SDPA_HEAD_DIM`, else
+    "sdpa"). Set for every layer with `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
 
     backends = ("sdpa", "gemm", "triton")
 
@@ -194,9 +221,17 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         self.backend: str | None = None
 
     def chosen_backend(self, hidden_states: torch.Tensor) -> str:
-        """The backend `forward` runs for this input (see the class docstring)."""
+        """The backend of a decoder pass over this input (see the class docstring): the one set, else on CUDA in
+        half precision `DECODER_ATTENTION`'s for the heads' width and the batch, else "sdpa"."""
         if self.backend is not None:
             return self.backend
+        if not hidden_states.is_cuda or hidden_states.dtype == torch.float32:
+            return "sdpa"
+        return decoder_attention(self.head_dim, hidden_states.shape[0])[0]
+
+    def encoder_backend(self, hidden_states: torch.Tensor) -> str:
+        """The backend where "triton" does not apply (an encoder pass, a per-query mask): "gemm" on CUDA in half
+        precision for heads wider than SDPA's fused kernels take (`FUSED_SDPA_HEAD_DIM`), else "sdpa"."""
         wide = self.head_dim > FUSED_SDPA_HEAD_DIM
         return "gemm" if wide and hidden_states.is_cuda and hidden_states.dtype != torch.float32 else "sdpa"
 
@@ -209,11 +244,14 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         fused = use_fused_kernels(hidden_states) and not torch.is_grad_enabled()
         raw_query, raw_key, value = self.project_qkv(hidden_states, fused)
         if fused:
-            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each).
+            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each); the decoder's
+            # keys and values straight into the static cache's canvas slots (`canvas_slots`: no copy after).
+            slots = None if cache is None or write_cache else cache.canvas_slots(self.layer_idx, length)
+            key_out, value_out = (None, None) if slots is None else slots
             eps = self.q_norm.eps
             query = triton_diffusion_gemma.norm_rope(raw_query, self.q_norm.weight, eps, cos, sin)
-            key = triton_diffusion_gemma.norm_rope(raw_key, self.k_norm.weight, self.k_norm.eps, cos, sin)
-            value = triton_diffusion_gemma.norm_rope(value, None, self.v_norm.eps, None, None)
+            key = triton_diffusion_gemma.norm_rope(raw_key, self.k_norm.weight, self.k_norm.eps, cos, sin, key_out)
+            value = triton_diffusion_gemma.norm_rope(value, None, self.v_norm.eps, None, None, value_out)
         else:
             query = self.q_norm(raw_query)
             cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -224,14 +262,19 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
         backend = self.chosen_backend(hidden_states)
+        per_query = mask is not None and mask.shape[2] != 1
+        if (write_cache and self.backend is None) or (backend == "triton" and (write_cache or per_query)):
+            backend = self.encoder_backend(hidden_states)
         if backend == "gemm":
             output = gemm_attention(query, key, value, mask)
             return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
-        if backend == "triton" and not write_cache and (mask is None or mask.shape[2] == 1):
+        if backend == "triton":
             # The decoder's pass (a key padding mask, no per-query mask): hf_dllm's Triton attention (float32
-            # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D).
+            # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D), what the
+            # o-projection reads (no transpose copy).
             padding = None if mask is None else mask[:, 0, 0, :]
-            output = block_attention(query, key, value, padding, scale=1.0, tiles=decoder_tiles(self.head_dim))
+            tiles = decoder_tiles(self.head_dim, batch)
+            output = block_attention(query, key, value, padding, scale=1.0, tiles=tiles)
             return linear(self.o_proj, output.reshape(batch, length, -1))
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
@@ -582,6 +625,11 @@ class DiffusionGemmaEncoderCache:
         canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)
         return torch.cat([self.valid[layer], canvas_keys], dim=1)[:, None, None, :]
 
+    def canvas_slots(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a decoder pass of `length` tokens may write its own keys and values `(B, kv_heads, length,
+        head_dim)` for `keys_values` to read in place (no copy), or None (`keys_values` concatenates)."""
+        return None
+
     def keys_values(self, layer: int, key, value, write: bool):
         if self.keys[layer] is not None:
             key = torch.cat([self.keys[layer], key], dim=-2)
@@ -700,17 +748,25 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         self.keys[layer] = self.storage_keys[layer][:, :, :slots]
         self.values[layer] = self.storage_values[layer][:, :, :slots]
 
+    def canvas_slots(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if length > self.canvas_length or self.storage_keys[layer] is None:
+            return None
+        slots = self.slots(layer)
+        return (
+            self.storage_keys[layer][:, :, slots : slots + length],
+            self.storage_values[layer][:, :, slots : slots + length],
+        )
+
     def keys_values(self, layer: int, key, value, write: bool):
         length = key.shape[-2]
         if not write and length <= self.canvas_length:
-            # The decoder: its K/V in the slots after the cache's, the cache and them read as one buffer.
-            slots = self.slots(layer)
-            self.storage_keys[layer][:, :, slots : slots + length].copy_(key)
-            self.storage_values[layer][:, :, slots : slots + length].copy_(value)
-            return (
-                self.storage_keys[layer][:, :, : slots + length],
-                self.storage_values[layer][:, :, : slots + length],
-            )
+            # The decoder: its K/V in the slots after the cache's, the cache and them read as one buffer. Copied
+            # there unless already written in place (`canvas_slots`: the fused norm/RoPE kernel's output).
+            for own, target in zip((key, value), self.canvas_slots(layer, length), strict=True):
+                if own.data_ptr() != target.data_ptr():
+                    target.copy_(own)
+            end = self.slots(layer) + length
+            return self.storage_keys[layer][:, :, :end], self.storage_values[layer][:, :, :end]
         all_keys = torch.cat([self.keys[layer], key], dim=-2)
         all_values = torch.cat([self.values[layer], value], dim=-2)
         if write:

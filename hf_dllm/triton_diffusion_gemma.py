@@ -271,12 +271,13 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _norm_rope_kernel(
         x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
-        HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+        stride_ob, stride_oh, stride_ot, HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         # Program (token, BLOCK_H heads): each head's RMS norm (float32, rounded once, `DiffusionGemmaRMSNorm`), then
         # RoPE with tables in the activation dtype, each product and the sum rounded (`x * cos + rotate_half(x) *
-        # sin`, PyTorch's rounding points), written to (B, heads, T, D). x rows: token t at t * stride_xt, head h
-        # at + h * stride_xh (a projection's output viewed (B, T, H, D), maybe a slice of a wider one).
+        # sin`, PyTorch's rounding points), written to (B, heads, T, D) at the output's strides (maybe a cache's
+        # slots). x rows: token t at t * stride_xt, head h at + h * stride_xh (a projection's output viewed (B, T, H,
+        # D), maybe a slice of a wider one).
         token = tl.program_id(0).to(tl.int64)  # b * seq_len + t
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         in_heads = (heads < n_heads)[:, None]
@@ -305,7 +306,7 @@ if TRITON_AVAILABLE:
             y = ((y.to(tl.float32) * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
         b = token // seq_len
         t = token % seq_len
-        dst = out_ptr + ((b * n_heads + heads[:, None]) * seq_len + t) * HEAD_DIM + d[None, :]
+        dst = out_ptr + b * stride_ob + heads[:, None].to(tl.int64) * stride_oh + t * stride_ot + d[None, :]
         tl.store(dst, y, mask=in_heads)
 
 
@@ -360,17 +361,30 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, queries: int
 
 @on_tensor_device
 def norm_rope(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DiffusionGemma's per-head norm then RoPE in one launch: x `(B, T, H, D)` (last two dims dense, a view of a
     projection), weight `(D,)` or None, cos/sin `(B or 1, T, D)` in x's dtype or None (no rotation) -> `(B, H, T,
-    D)` contiguous, what `rope(norm(x)).transpose(1, 2)` gives (its rounding points)."""
+    D)`, what `rope(norm(x)).transpose(1, 2)` gives (its rounding points). `out`: where to write it, `(B, H, T, D)`
+    in x's dtype with the last dim contiguous, any other strides (a static cache's canvas slots, so that no copy
+    follows); None: a new contiguous tensor. Returns the output."""
     batch, seq_len, heads, head_dim = x.shape
     if x.stride(-1) != 1 or x.stride(-2) != head_dim or x.stride(0) != seq_len * x.stride(1):
         x = x.contiguous()
     if head_dim & (head_dim - 1):
         raise ValueError(f"norm_rope: head_dim {head_dim} must be a power of 2.")
-    out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
+    elif out.shape != (batch, heads, seq_len, head_dim) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"norm_rope: `out` must be ({batch}, {heads}, {seq_len}, {head_dim}) {x.dtype} with its last dim "
+            f"contiguous, got {tuple(out.shape)} {out.dtype} strides {out.stride()}."
+        )
     if x.numel() == 0:
         return out
     has_rope = cos is not None
@@ -384,6 +398,7 @@ def norm_rope(
     _norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, block_h))](
         x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out, seq_len, heads,
         float(eps), x.stride(1), x.stride(2), (cos.stride(0) if cos.shape[0] > 1 else 0) if has_rope else 0,
+        out.stride(0), out.stride(1), out.stride(2),
         HAS_WEIGHT=weight is not None, HAS_ROPE=has_rope, HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
         enable_fp_fusion=False,  # PyTorch rounds each product before the sum
     )  # fmt: skip

@@ -1,0 +1,139 @@
+"""DiffusionGemma's decoder attention on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`, switched on
+before Triton compiles anything, hence subprocesses beside the in-process tests), float32:
+
+- `triton_attention.block_attention` at the decoder's layout in small (grouped-query heads, a ring cache partly
+  empty, a left-padded row, a key chunk masked whole) against float64 SDPA, for the tile options the decoder's
+  sweep times (`skip_masked`, fixed `splits`, row tiles of 16 to 128);
+- `norm_rope` writing into a static cache's canvas slots (a strided view) what it writes on its own, refusing an
+  `out` of the wrong shape, dtype or layout;
+- the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
+  PyTorch path with SDPA: the same logits, and the decoder's keys and values written in place (`canvas_slots`).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.conftest import FIXTURES, interpreter_job
+
+pytest.importorskip("triton", reason="the `triton` extra is not installed")
+
+KERNELS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from hf_dllm.triton_attention import AttentionTiles, block_attention
+    from hf_dllm.triton_diffusion_gemma import norm_rope
+
+    torch.manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # The decoder's shape in small: 2 query heads per key/value head, a ring of 40 slots (partly empty: slots 12..39,
+    # and a whole empty chunk) + 8 canvas keys; row 1 left-padded (its first 5 slots invalid).
+    B, Hq, Hkv, L, S, D = 2, 4, 2, 8, 40, 16
+    q, k, v = torch.randn(B, Hq, L, D), torch.randn(B, Hkv, S + L, D), torch.randn(B, Hkv, S + L, D)
+    mask = torch.ones(B, S + L, dtype=torch.bool)
+    mask[:, 12:S] = False
+    mask[1, :5] = False
+    want = sdpa(q.double(), k.double(), v.double(), attn_mask=mask[:, None, None, :], enable_gqa=True).transpose(1, 2)
+    configs = [
+        AttentionTiles(block_m=16, block_n=16),
+        AttentionTiles(block_m=16, block_n=16, skip_masked=True),
+        AttentionTiles(block_m=64, block_n=16, skip_masked=True, splits=1),  # every row of a K/V head in one tile
+        AttentionTiles(block_m=32, block_n=8, skip_masked=True, splits=6),  # chunks of 8 keys: 12..39 masked whole
+        AttentionTiles(block_m=128, block_n=32, num_warps=8, splits=2),
+    ]
+    for tiles in configs:
+        out = block_attention(q, k, v, mask, scale=1.0 / D**0.5, tiles=tiles)
+        assert out.shape == (B, L, Hq, D) and out.is_contiguous()
+        error = (out.double() - want).abs().max().item()
+        assert error < 1e-5, (tiles, error)
+    # No mask: skip_masked has nothing to test and must not read one.
+    out = block_attention(q, k, v, None, tiles=AttentionTiles(block_m=32, block_n=16, skip_masked=True))
+    assert (out.double() - sdpa(q.double(), k.double(), v.double(), enable_gqa=True).transpose(1, 2)).abs().max() < 1e-5
+
+    # norm_rope into a cache's canvas slots (a strided view): the same values as its own contiguous output.
+    x = torch.randn(B, L, Hkv, D)
+    weight, cos, sin = torch.randn(D), torch.randn(1, L, D), torch.randn(1, L, D)
+    storage = torch.full((B, Hkv, S + L, D), float("nan"))
+    slot_view = storage[:, :, S:]
+    written = norm_rope(x, weight, 1e-6, cos, sin, slot_view)
+    assert written.data_ptr() == slot_view.data_ptr()
+    assert torch.equal(storage[:, :, S:], norm_rope(x, weight, 1e-6, cos, sin)) and storage[:, :, :S].isnan().all()
+    for bad in (storage[:, :, S + 1 :], storage[:, :, S:].double(), storage.transpose(-1, -2)[:, :, :, S:]):
+        try:
+            norm_rope(x, weight, 1e-6, cos, sin, bad)
+        except ValueError as error:
+            assert "`out`" in str(error)
+        else:
+            raise AssertionError(f"norm_rope took out {tuple(bad.shape)} {bad.dtype}")
+    print("ok")
+    """
+)
+
+MODEL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from transformers import AutoModel
+    import hf_dllm
+    from hf_dllm import kernels, triton_diffusion_gemma
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
+
+    model = AutoModel.from_pretrained(GEMMA_DIR).eval()
+    text = model.config.text_config
+    canvas_length = model.config.canvas_length
+    torch.manual_seed(0)
+    writes = []
+    norm_rope = triton_diffusion_gemma.norm_rope
+    triton_diffusion_gemma.norm_rope = lambda *a, **k: (writes.append(len(a) > 5 and a[5] is not None), norm_rope(*a, **k))[1]
+
+
+    def run(mode, backend, ids, attention_mask, canvas):
+        kernels.set_kernel_mode(mode)
+        model.set_decoder_attention(backend)
+        cache = DiffusionGemmaStaticCache(text, capacity=64, canvas_length=canvas_length)
+        writes.clear()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attention_mask, cache=cache, decoder_input_ids=canvas).logits
+        return logits, cache, list(writes)
+
+
+    # A prompt shorter than the sliding window (its ring partly empty) and one that wraps it; row 1 left-padded.
+    for layer in model.model.decoder.layers:  # (the Triton experts are tested elsewhere: the interpreter is slow)
+        layer.experts.implementation = "loop"
+    for prompt_len in (4, 11):
+        ids = torch.randint(3, text.vocab_size, (2, prompt_len))
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :2] = 0
+        canvas = torch.randint(3, text.vocab_size, (2, canvas_length))
+        want, want_cache, _ = run("torch", "sdpa", ids, attention_mask, canvas)
+        for backend in ("triton",):
+            logits, cache, wrote = run("triton", backend, ids, attention_mask, canvas)
+            error = (logits - want).abs().max().item()
+            assert error < 1e-4, (prompt_len, backend, error)
+            # The decoder's keys and values went straight into the canvas slots (two of each layer's three norm_rope
+            # launches of the decoder pass), and hold what the PyTorch path copied there.
+            assert wrote.count(True) == 2 * text.num_hidden_layers, (backend, wrote)
+            for layer in range(text.num_hidden_layers):
+                for mine, theirs in ((cache.storage_keys, want_cache.storage_keys), (cache.storage_values, want_cache.storage_values)):
+                    assert (mine[layer] - theirs[layer]).abs().max() < 1e-5, (prompt_len, backend, layer)
+    print("ok")
+    """
+)
+
+ATTENTION_RUN = interpreter_job(
+    {
+        "kernels": KERNELS_SCRIPT,
+        "model": f"GEMMA_DIR = {str(FIXTURES / 'diffusion-gemma-tiny-ref')!r}\n" + MODEL_SCRIPT,
+    },
+    timeout=600,
+    HF_DLLM_KERNELS="triton",
+)
+
+
+@ATTENTION_RUN.used_by
+@pytest.mark.parametrize("name", ["kernels", "model"])
+def test_decoder_attention_in_the_interpreter(name):
+    done = ATTENTION_RUN.results()[name]
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (name, done.stderr[-4000:])
