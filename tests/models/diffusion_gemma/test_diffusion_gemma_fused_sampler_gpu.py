@@ -160,6 +160,9 @@ def test_decoder_attention_backends_at_the_26b_head_widths(layer, backend):
     cached = torch.randn(1, attention.num_key_value_heads, 768, head_dim, device="cuda")
 
     class Cache:  # 768 cached keys (the first 100 padding) before the canvas' own
+        def canvas_slots(self, layer, length):  # no slots to write into: keys_values concatenates
+            return None
+
         def keys_values(self, layer, key, value, write):
             return torch.cat([cached.to(key.dtype), key], dim=-2), torch.cat([cached.to(value.dtype), value], dim=-2)
 
