@@ -244,9 +244,9 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         fused = use_fused_kernels(hidden_states) and not torch.is_grad_enabled()
         raw_query, raw_key, value = self.project_qkv(hidden_states, fused)
         if fused:
-            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each); the decoder's
-            # keys and values straight into the static cache's canvas slots (`canvas_slots`: no copy after).
-            slots = None if cache is None or write_cache else cache.canvas_slots(self.layer_idx, length)
+            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each); keys and values
+            # straight into the static cache's canvas slots where it has them (`canvas_slots`: no copy after).
+            slots = None if cache is None else cache.canvas_slots(self.layer_idx, length)
             key_out, value_out = (None, None) if slots is None else slots
             eps = self.q_norm.eps
             query = triton_diffusion_gemma.norm_rope(raw_query, self.q_norm.weight, eps, cos, sin)
@@ -261,25 +261,33 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
+        output = self.attend(hidden_states, query, key, value, mask, write_cache)
+        if cache is not None and write_cache:
+            cache.end_write(self.layer_idx)  # (a ring's oldest slots are overwritten only once they have been read)
+        return linear(self.o_proj, output)
+
+    def attend(self, hidden_states, query, key, value, mask, write_cache: bool) -> torch.Tensor:
+        """Attention of query `(B, H, T, D)` over key, value `(B, Hkv, S, D)` on the chosen backend, as the
+        o-projection reads it: `(B, T, H * D)`."""
+        batch, length, _ = hidden_states.shape
         backend = self.chosen_backend(hidden_states)
         per_query = mask is not None and mask.shape[2] != 1
         if (write_cache and self.backend is None) or (backend == "triton" and (write_cache or per_query)):
             backend = self.encoder_backend(hidden_states)
         if backend == "gemm":
             output = gemm_attention(query, key, value, mask)
-            return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
+            return output.transpose(1, 2).reshape(batch, length, -1)
         if backend == "triton":
             # The decoder's pass (a key padding mask, no per-query mask): hf_dllm's Triton attention (float32
             # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D), what the
             # o-projection reads (no transpose copy).
             padding = None if mask is None else mask[:, 0, 0, :]
             tiles = decoder_tiles(self.head_dim, batch)
-            output = block_attention(query, key, value, padding, scale=1.0, tiles=tiles)
-            return linear(self.o_proj, output.reshape(batch, length, -1))
+            return block_attention(query, key, value, padding, scale=1.0, tiles=tiles).reshape(batch, length, -1)
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
-        return linear(self.o_proj, output.transpose(1, 2).reshape(batch, length, -1))
+        return output.transpose(1, 2).reshape(batch, length, -1)
 
     def project_qkv(self, hidden_states: torch.Tensor, fused: bool) -> tuple[torch.Tensor, ...]:
         """query `(B, T, heads, head_dim)`, key and value `(B, T, kv_heads, head_dim)` (value is key in full
@@ -626,9 +634,12 @@ class DiffusionGemmaEncoderCache:
         return torch.cat([self.valid[layer], canvas_keys], dim=1)[:, None, None, :]
 
     def canvas_slots(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where a decoder pass of `length` tokens may write its own keys and values `(B, kv_heads, length,
-        head_dim)` for `keys_values` to read in place (no copy), or None (`keys_values` concatenates)."""
+        """Where a pass of `length` tokens may write its own keys and values `(B, kv_heads, length, head_dim)` for
+        `keys_values` to read in place (no copy), or None (`keys_values` concatenates)."""
         return None
+
+    def end_write(self, layer: int) -> None:
+        """After an encoder pass's attention in `layer` (`keys_values(..., write=True)` came before it)."""
 
     def keys_values(self, layer: int, key, value, write: bool):
         if self.keys[layer] is not None:
@@ -668,17 +679,18 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
     masks are built from the columns, so attention sees the same keys as the dynamic cache's (the sum in another
     order: equal up to rounding). The decoder masks empty slots at every step. `version` changes whenever the
     buffers are reallocated (another batch, more columns, rows dropped): captured passes (`CacheGraphs`) key on
-    it. An encoder pass's writes (`keys_values` at the columns `begin_write` gave, `record`) are tensor ops on the
-    buffers, so a replayed pass writes where the eager one would."""
+    it. An encoder pass's writes (`keys_values` / `end_write` at the columns `begin_write` gave, `record`) are
+    tensor ops on the buffers, so a replayed pass writes where the eager one would."""
 
     _versions = iter(range(1 << 62))
 
     def __init__(self, config: DiffusionGemmaTextConfig, capacity: int, canvas_length: int = 0):
         super().__init__(config)
         self.capacity = capacity
-        # Slots after each layer's own where a decoder pass of up to `canvas_length` tokens puts its K/V, so that
-        # it reads one buffer instead of a concatenation of the cache and its own (a copy of the whole cache per
-        # layer and step: ~1.3 ms of a batch-1 step of the 26B-A4B shape on an H200).
+        # Slots after each layer's own where a pass of up to `canvas_length` tokens puts its K/V, so that it reads
+        # one buffer instead of a concatenation of the cache and its own (a copy of the whole cache per layer and
+        # pass: ~1.3 ms of a batch-1 step of the 26B-A4B shape on an H200), the decoder's at every step and the
+        # encoder's over an accepted canvas (which then keeps them in the cache's slots, `end_write`).
         self.canvas_length = canvas_length
         self.storage_keys: list = [None] * len(self.sliding)
         self.storage_values: list = [None] * len(self.sliding)
@@ -759,10 +771,13 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
 
     def keys_values(self, layer: int, key, value, write: bool):
         length = key.shape[-2]
-        if not write and length <= self.canvas_length:
-            # The decoder: its K/V in the slots after the cache's, the cache and them read as one buffer. Copied
-            # there unless already written in place (`canvas_slots`: the fused norm/RoPE kernel's output).
-            for own, target in zip((key, value), self.canvas_slots(layer, length), strict=True):
+        slots = self.canvas_slots(layer, length)
+        if slots is not None:
+            # A pass of up to `canvas_length` tokens (the decoder's; the encoder's over an accepted canvas): its K/V
+            # in the slots after the cache's, the cache and them read as one buffer, in the concatenation's order.
+            # Copied there unless already written in place (the fused norm/RoPE kernel's output). An encoder pass
+            # keeps them in the cache's slots at `end_write`, after its attention read the slots they replace.
+            for own, target in zip((key, value), slots, strict=True):
                 if own.data_ptr() != target.data_ptr():
                     target.copy_(own)
             end = self.slots(layer) + length
@@ -774,6 +789,15 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
             self.keys[layer].index_copy_(2, slots, key[:, :, -kept:])
             self.values[layer].index_copy_(2, slots, value[:, :, -kept:])
         return all_keys, all_values
+
+    def end_write(self, layer: int) -> None:
+        length = self._pending_columns.shape[0]
+        if self.canvas_slots(layer, length) is None:
+            return  # written by `keys_values` (after its concatenation)
+        slots, kept = self._write_at(layer, self._pending_columns)
+        end = self.slots(layer) + length
+        self.keys[layer].index_copy_(2, slots, self.storage_keys[layer][:, :, end - kept : end])
+        self.values[layer].index_copy_(2, slots, self.storage_values[layer][:, :, end - kept : end])
 
     def decoder_mask(self, layer: int, canvas: torch.Tensor, padded: bool) -> torch.Tensor:
         canvas_keys = torch.ones(canvas.shape, dtype=torch.bool, device=canvas.device)

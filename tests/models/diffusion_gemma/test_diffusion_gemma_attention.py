@@ -7,7 +7,8 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
 - `norm_rope` writing into a static cache's canvas slots (a strided view) what it writes on its own, refusing an
   `out` of the wrong shape, dtype or layout;
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
-  PyTorch path with SDPA: the same logits, and the decoder's keys and values written in place (`canvas_slots`).
+  PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
+  (`canvas_slots`; the encoder's kept in the ring at `end_write`).
 """
 
 from __future__ import annotations
@@ -99,25 +100,26 @@ MODEL_SCRIPT = textwrap.dedent(
         return logits, cache, list(writes)
 
 
-    # A prompt shorter than the sliding window (its ring partly empty) and one that wraps it; row 1 left-padded.
     for layer in model.model.decoder.layers:  # (the Triton experts are tested elsewhere: the interpreter is slow)
         layer.experts.implementation = "loop"
+    # A prompt shorter than the sliding window (its ring partly empty) and one that wraps it; row 1 left-padded.
     for prompt_len in (4, 11):
         ids = torch.randint(3, text.vocab_size, (2, prompt_len))
         attention_mask = torch.ones_like(ids)
         attention_mask[1, :2] = 0
         canvas = torch.randint(3, text.vocab_size, (2, canvas_length))
         want, want_cache, _ = run("torch", "sdpa", ids, attention_mask, canvas)
-        for backend in ("triton",):
-            logits, cache, wrote = run("triton", backend, ids, attention_mask, canvas)
-            error = (logits - want).abs().max().item()
-            assert error < 1e-4, (prompt_len, backend, error)
-            # The decoder's keys and values went straight into the canvas slots (two of each layer's three norm_rope
-            # launches of the decoder pass), and hold what the PyTorch path copied there.
-            assert wrote.count(True) == 2 * text.num_hidden_layers, (backend, wrote)
-            for layer in range(text.num_hidden_layers):
-                for mine, theirs in ((cache.storage_keys, want_cache.storage_keys), (cache.storage_values, want_cache.storage_values)):
-                    assert (mine[layer] - theirs[layer]).abs().max() < 1e-5, (prompt_len, backend, layer)
+        logits, cache, wrote = run("triton", "triton", ids, attention_mask, canvas)
+        error = (logits - want).abs().max().item()
+        assert error < 1e-4, (prompt_len, error)
+        # Both passes (the encoder's over a prompt no longer than the canvas, the decoder's) wrote their keys and
+        # values straight into the canvas slots (two of each layer's three norm_rope launches), and the caches
+        # hold what the PyTorch path copied there.
+        assert wrote.count(True) == 2 * 2 * text.num_hidden_layers, wrote
+        for layer in range(text.num_hidden_layers):
+            for mine, theirs in ((cache.storage_keys, want_cache.storage_keys),
+                                 (cache.storage_values, want_cache.storage_values)):
+                assert (mine[layer] - theirs[layer]).abs().max() < 1e-5, (prompt_len, layer)
     print("ok")
     """
 )
