@@ -169,13 +169,9 @@ def time_us(function, sets: list, calls: int, replays: int, device) -> tuple[flo
         torch.cuda.synchronize()
         try:
             graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                with torch.cuda.graph(graph, stream=stream):
-                    for call in range(calls):
-                        function(*sets[call % len(sets)])
-            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                for call in range(calls):
+                    function(*sets[call % len(sets)])
             graph.replay()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -209,8 +205,9 @@ def run_case(kind, batch, valid_fraction, shape, canvas, full_cache, tile_config
     generator = torch.Generator(device="cpu").manual_seed(batch * 1000 + dim)
     sets = []
     for _ in range(n_sets if device.type == "cuda" else 1):
-        # Queries and keys at the scale the q/k norms give (unit RMS per head), values unit RMS.
-        q = torch.randn(batch, heads, canvas, dim, generator=generator).to(device, dtype)
+        # Unit-RMS keys and values (the k/v norms'), queries scaled by dim^-0.5 so the scores (DiffusionGemma's
+        # scale is 1) have unit spread: a softmax neither flat nor one-hot.
+        q = (torch.randn(batch, heads, canvas, dim, generator=generator) * dim**-0.5).to(device, dtype)
         k = torch.randn(batch, kv_heads, slots + canvas, dim, generator=generator).to(device, dtype)
         v = torch.randn(batch, kv_heads, slots + canvas, dim, generator=generator).to(device, dtype)
         sets.append((q, k, v))

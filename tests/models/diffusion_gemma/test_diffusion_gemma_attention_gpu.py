@@ -25,7 +25,8 @@ def test_block_attention_error_at_the_26b_decoder_shapes(kind, batch):
     and its own keys: every tile option's error against float32 within 2x of SDPA's (bfloat16, additive mask)."""
     heads, kv_heads, dim, slots = SHAPES[kind]
     generator = torch.Generator(device="cuda").manual_seed(batch)
-    q = torch.randn(batch, heads, 256, dim, device="cuda", generator=generator).bfloat16()
+    # Unit-spread scores (DiffusionGemma's scale is 1): queries scaled by dim^-0.5.
+    q = (torch.randn(batch, heads, 256, dim, device="cuda", generator=generator) * dim**-0.5).bfloat16()
     k = torch.randn(batch, kv_heads, slots + 256, dim, device="cuda", generator=generator).bfloat16()
     v = torch.randn(batch, kv_heads, slots + 256, dim, device="cuda", generator=generator).bfloat16()
     valid = torch.zeros(batch, slots + 256, dtype=torch.bool, device="cuda")
