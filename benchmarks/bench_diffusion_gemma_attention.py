@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("block_m", "block_n", "warps", "stages", "splits")
         )
     kinds = args.kinds.split(",")
+    if not set(kinds) <= set(SHAPES):
+        parser.error(f"--kinds: each of {sorted(SHAPES)}, got {args.kinds!r}")
     fractions = [float(f) for f in args.valid.split(",")]
     began = time.time()
     rows = []

@@ -322,8 +322,8 @@ def block_attention(
     `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys; a `(B, Lq, T)` mask gives each query
     position its own keys (LLaDA2's block-causal mask; every query must see at least one key). `kv_end` `(B,)`
     int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
-    those key tiles are skipped. `tiles`: the tile shape (default `default_tiles`). Returns `(B, Lq, Hq, D)` in q's
-    dtype.
+    those key tiles are skipped. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
+    None, `skip_masked` with a `(B, T)` mask). Returns `(B, Lq, Hq, D)` in q's dtype.
 
     An FP8 cache (`cache.FP8DiffusionKVCache`): k/v float8 e4m3 and `k_scale`/`v_scale` `(B, Hkv, T)` float32 with
     equal strides, the last dim contiguous: key `j` is `k[..., j, :] * k_scale[..., j]`, and likewise the values,
@@ -364,6 +364,8 @@ def block_attention(
     m_tiles = triton.cdiv(rows, block_m)
     if n_splits is None:
         n_splits = tiles.splits
+    if n_splits is not None and n_splits < 1:
+        raise ValueError(f"`n_splits` (or `tiles.splits`) must be a positive int or None, got {n_splits}.")
     if n_splits is None:
         n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device), tiles.one_split_from)
     tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))

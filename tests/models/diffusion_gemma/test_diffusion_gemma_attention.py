@@ -49,6 +49,12 @@ KERNELS_SCRIPT = textwrap.dedent(
         assert out.shape == (B, L, Hq, D) and out.is_contiguous()
         error = (out.double() - want).abs().max().item()
         assert error < 1e-5, (tiles, error)
+    try:
+        block_attention(q, k, v, mask, tiles=AttentionTiles(block_m=16, block_n=16, splits=0))
+    except ValueError as error:
+        assert "splits" in str(error)
+    else:
+        raise AssertionError("splits=0 was taken")
     # No mask: skip_masked has nothing to test and must not read one.
     out = block_attention(q, k, v, None, tiles=AttentionTiles(block_m=32, block_n=16, skip_masked=True))
     assert (out.double() - sdpa(q.double(), k.double(), v.double(), enable_gqa=True).transpose(1, 2)).abs().max() < 1e-5
