@@ -244,14 +244,20 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         fused = use_fused_kernels(hidden_states) and not torch.is_grad_enabled()
         raw_query, raw_key, value = self.project_qkv(hidden_states, fused)
         if fused:
-            # Norm and RoPE of each head in one launch per tensor (the PyTorch ops: ~6 kernels each); keys and values
-            # straight into the static cache's canvas slots where it has them (`canvas_slots`: no copy after).
+            # Every head's norm and RoPE, queries, keys and values, in one launch (the PyTorch ops: ~6 kernels per
+            # tensor); keys and values straight into the static cache's canvas slots where it has them
+            # (`canvas_slots`: no copy after).
             slots = None if cache is None else cache.canvas_slots(self.layer_idx, length)
-            key_out, value_out = (None, None) if slots is None else slots
-            eps = self.q_norm.eps
-            query = triton_diffusion_gemma.norm_rope(raw_query, self.q_norm.weight, eps, cos, sin)
-            key = triton_diffusion_gemma.norm_rope(raw_key, self.k_norm.weight, self.k_norm.eps, cos, sin, key_out)
-            value = triton_diffusion_gemma.norm_rope(value, None, self.v_norm.eps, None, None, value_out)
+            query, key, value = triton_diffusion_gemma.qkv_norm_rope(
+                raw_query,
+                raw_key,
+                value,
+                (self.q_norm.weight, self.k_norm.weight),
+                (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps),
+                cos,
+                sin,
+                *(slots or ()),
+            )
         else:
             query = self.q_norm(raw_query)
             cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)

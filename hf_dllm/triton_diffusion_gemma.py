@@ -269,17 +269,17 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + at, y, mask=in_row)
 
     @triton.jit
-    def _norm_rope_kernel(
-        x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
-        stride_ob, stride_oh, stride_ot, HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    def _norm_rope_heads(
+        x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, token, head_block, seq_len, n_heads, eps, stride_xt, stride_xh,
+        stride_cb, stride_ob, stride_oh, stride_ot,
+        HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        # Program (token, BLOCK_H heads): each head's RMS norm (float32, rounded once, `DiffusionGemmaRMSNorm`), then
-        # RoPE with tables in the activation dtype, each product and the sum rounded (`x * cos + rotate_half(x) *
-        # sin`, PyTorch's rounding points), written to (B, heads, T, D) at the output's strides (maybe a cache's
-        # slots). x rows: token t at t * stride_xt, head h at + h * stride_xh (a projection's output viewed (B, T, H,
-        # D), maybe a slice of a wider one).
-        token = tl.program_id(0).to(tl.int64)  # b * seq_len + t
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        # Token `token` (b * seq_len + t), heads `head_block` * BLOCK_H on: each head's RMS norm (float32, rounded
+        # once, `DiffusionGemmaRMSNorm`), then RoPE with tables in the activation dtype, each product and the sum
+        # rounded (`x * cos + rotate_half(x) * sin`, PyTorch's rounding points), written to (B, heads, T, D) at the
+        # output's strides (maybe a cache's slots). x rows: token t at t * stride_xt, head h at + h * stride_xh (a
+        # projection's output viewed (B, T, H, D), maybe a slice of a wider one).
+        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         in_heads = (heads < n_heads)[:, None]
         d = tl.arange(0, HEAD_DIM)
         dtype = out_ptr.dtype.element_ty
@@ -290,6 +290,8 @@ if TRITON_AVAILABLE:
         if HAS_WEIGHT:
             y = y * tl.load(weight_ptr + d).to(tl.float32)[None, :]
         y = y.to(dtype)
+        b = token // seq_len
+        t = token % seq_len
         if HAS_ROPE:
             half = HEAD_DIM // 2
             partner = tl.where(d < half, d + half, d - half)
@@ -299,15 +301,54 @@ if TRITON_AVAILABLE:
                 yp = yp * tl.load(weight_ptr + partner).to(tl.float32)[None, :]
             yp = yp.to(dtype).to(tl.float32)
             rotated = tl.where((d < half)[None, :], -yp, yp)
-            b = token // seq_len
-            table = b * stride_cb + (token % seq_len) * HEAD_DIM + d
+            table = b * stride_cb + t * HEAD_DIM + d
             cos = tl.load(cos_ptr + table).to(tl.float32)[None, :]
             sin = tl.load(sin_ptr + table).to(tl.float32)[None, :]
             y = ((y.to(tl.float32) * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
-        b = token // seq_len
-        t = token % seq_len
         dst = out_ptr + b * stride_ob + heads[:, None].to(tl.int64) * stride_oh + t * stride_ot + d[None, :]
         tl.store(dst, y, mask=in_heads)
+
+    @triton.jit
+    def _norm_rope_kernel(
+        x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
+        stride_ob, stride_oh, stride_ot,
+        HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        # Program (token, BLOCK_H heads): `_norm_rope_heads`.
+        _norm_rope_heads(
+            x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), seq_len,
+            n_heads, eps, stride_xt, stride_xh, stride_cb, stride_ob, stride_oh, stride_ot, HAS_WEIGHT, HAS_ROPE,
+            HEAD_DIM, BLOCK_H,
+        )  # fmt: skip
+
+    @triton.jit
+    def _qkv_norm_rope_kernel(
+        q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, seq_len,
+        n_q, n_kv, q_eps, k_eps, v_eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb,
+        stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot, stride_vob, stride_voh, stride_vot,
+        HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        # An attention's three `_norm_rope_heads` in one launch: program (token, head block), the blocks of the
+        # queries (weighted norm, RoPE), then the keys' (the same), then the values' (norm without scale, no RoPE).
+        token = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+        q_blocks = tl.cdiv(n_q, BLOCK_H)
+        kv_blocks = tl.cdiv(n_kv, BLOCK_H)
+        if block < q_blocks:
+            _norm_rope_heads(
+                q_ptr, q_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, token, block, seq_len, n_q, q_eps, stride_qt,
+                stride_qh, stride_cb, stride_qob, stride_qoh, stride_qot, True, True, HEAD_DIM, BLOCK_H,
+            )  # fmt: skip
+        elif block < q_blocks + kv_blocks:
+            _norm_rope_heads(
+                k_ptr, k_weight_ptr, cos_ptr, sin_ptr, k_out_ptr, token, block - q_blocks, seq_len, n_kv, k_eps,
+                stride_kt, stride_kh, stride_cb, stride_kob, stride_koh, stride_kot, True, True, HEAD_DIM, BLOCK_H,
+            )  # fmt: skip
+        else:
+            _norm_rope_heads(
+                v_ptr, v_ptr, cos_ptr, sin_ptr, v_out_ptr, token, block - q_blocks - kv_blocks, seq_len, n_kv, v_eps,
+                stride_vt, stride_vh, stride_cb, stride_vob, stride_voh, stride_vot, False, False, HEAD_DIM, BLOCK_H,
+            )  # fmt: skip
 
 
 if TRITON_AVAILABLE:
@@ -359,6 +400,32 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, queries: int
     return out
 
 
+def _norm_rope_operands(x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in the layout the norm/RoPE kernels read, the output `(B, H, T, D)`: `out` checked, or a new one)."""
+    batch, seq_len, heads, head_dim = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != head_dim or x.stride(0) != seq_len * x.stride(1):
+        x = x.contiguous()
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"norm_rope: head_dim {head_dim} must be a power of 2.")
+    if out is None:
+        out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
+    elif out.shape != (batch, heads, seq_len, head_dim) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"norm_rope: `out` must be ({batch}, {heads}, {seq_len}, {head_dim}) {x.dtype} with its last dim "
+            f"contiguous, got {tuple(out.shape)} {out.dtype} strides {out.stride()}."
+        )
+    return x, out
+
+
+def _rope_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cos, sin `(B or 1, T, D)` in x's dtype, contiguous, and their batch stride (0: shared by the rows)."""
+    batch, seq_len, _, head_dim = x.shape
+    cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+    if cos.shape[1:] != (seq_len, head_dim) or cos.shape[0] not in (1, batch) or sin.shape != cos.shape:
+        raise ValueError(f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}.")
+    return cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0
+
+
 @on_tensor_device
 def norm_rope(
     x: torch.Tensor,
@@ -373,36 +440,62 @@ def norm_rope(
     D)`, what `rope(norm(x)).transpose(1, 2)` gives (its rounding points). `out`: where to write it, `(B, H, T, D)`
     in x's dtype with the last dim contiguous, any other strides (a static cache's canvas slots, so that no copy
     follows); None: a new contiguous tensor. Returns the output."""
+    x, out = _norm_rope_operands(x, out)
     batch, seq_len, heads, head_dim = x.shape
-    if x.stride(-1) != 1 or x.stride(-2) != head_dim or x.stride(0) != seq_len * x.stride(1):
-        x = x.contiguous()
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"norm_rope: head_dim {head_dim} must be a power of 2.")
-    if out is None:
-        out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
-    elif out.shape != (batch, heads, seq_len, head_dim) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(
-            f"norm_rope: `out` must be ({batch}, {heads}, {seq_len}, {head_dim}) {x.dtype} with its last dim "
-            f"contiguous, got {tuple(out.shape)} {out.dtype} strides {out.stride()}."
-        )
     if x.numel() == 0:
         return out
     has_rope = cos is not None
-    if has_rope:
-        cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
-        if cos.shape[1:] != (seq_len, head_dim) or cos.shape[0] not in (1, batch):
-            raise ValueError(
-                f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}."
-            )
+    cos, sin, stride_cb = _rope_tables(x, cos, sin) if has_rope else (x, x, 0)
     block_h = 4 if head_dim <= 256 else 2
     _norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, block_h))](
-        x, weight if weight is not None else x, cos if has_rope else x, sin if has_rope else x, out, seq_len, heads,
-        float(eps), x.stride(1), x.stride(2), (cos.stride(0) if cos.shape[0] > 1 else 0) if has_rope else 0,
-        out.stride(0), out.stride(1), out.stride(2),
+        x, weight if weight is not None else x, cos, sin, out, seq_len, heads, float(eps), x.stride(1), x.stride(2),
+        stride_cb, out.stride(0), out.stride(1), out.stride(2),
         HAS_WEIGHT=weight is not None, HAS_ROPE=has_rope, HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
         enable_fp_fusion=False,  # PyTorch rounds each product before the sum
     )  # fmt: skip
     return out
+
+
+@on_tensor_device
+def qkv_norm_rope(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    eps: tuple[float, float, float],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_out: torch.Tensor | None = None,
+    value_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention's three `norm_rope`s in one launch: query `(B, T, Hq, D)` with `weights[0]` and RoPE, key
+    `(B, T, Hkv, D)` with `weights[1]` and RoPE, value `(B, T, Hkv, D)` normed without scale (the key tensor itself
+    in full layers), each with its `eps` -> `(B, Hq, T, D)`, `(B, Hkv, T, D)` x2, the same values as three
+    `norm_rope` calls (`key_out` / `value_out`: their `out`)."""
+    query, query_out = _norm_rope_operands(query, None)
+    key, key_out = _norm_rope_operands(key, key_out)
+    value, value_out = _norm_rope_operands(value, value_out)
+    batch, seq_len, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    if key.shape != (batch, seq_len, kv_heads, head_dim) or value.shape != key.shape:
+        raise ValueError(
+            f"qkv_norm_rope: key and value must be ({batch}, {seq_len}, kv_heads, {head_dim}) alike, got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}."
+        )
+    if query.numel() == 0:
+        return query_out, key_out, value_out
+    cos, sin, stride_cb = _rope_tables(query, cos, sin)
+    block_h = 4 if head_dim <= 256 else 2
+    blocks = triton.cdiv(heads, block_h) + 2 * triton.cdiv(kv_heads, block_h)
+    _qkv_norm_rope_kernel[(batch * seq_len, blocks)](
+        query, key, value, weights[0], weights[1], cos, sin, query_out, key_out, value_out, seq_len, heads, kv_heads,
+        float(eps[0]), float(eps[1]), float(eps[2]), query.stride(1), query.stride(2), key.stride(1), key.stride(2),
+        value.stride(1), value.stride(2), stride_cb, query_out.stride(0), query_out.stride(1), query_out.stride(2),
+        key_out.stride(0), key_out.stride(1), key_out.stride(2), value_out.stride(0), value_out.stride(1),
+        value_out.stride(2), HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
+        enable_fp_fusion=False,  # PyTorch rounds each product before the sum
+    )  # fmt: skip
+    return query_out, key_out, value_out
 
 
 @on_tensor_device

@@ -5,7 +5,8 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
   empty, a left-padded row, a key chunk masked whole) against float64 SDPA, for the tile options the decoder's
   sweep times (`skip_masked`, fixed `splits`, row tiles of 16 to 128);
 - `norm_rope` writing into a static cache's canvas slots (a strided view) what it writes on its own, refusing an
-  `out` of the wrong shape, dtype or layout;
+  `out` of the wrong shape, dtype or layout; `qkv_norm_rope` (an attention's three in one launch) equal to three
+  `norm_rope` calls, shared and per-row RoPE tables;
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
   PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
   (`canvas_slots`; the encoder's kept in the ring at `end_write`).
@@ -25,7 +26,7 @@ KERNELS_SCRIPT = textwrap.dedent(
     """
     import torch
     from hf_dllm.triton_attention import AttentionTiles, block_attention
-    from hf_dllm.triton_diffusion_gemma import norm_rope
+    from hf_dllm.triton_diffusion_gemma import norm_rope, qkv_norm_rope
 
     torch.manual_seed(0)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -67,6 +68,19 @@ KERNELS_SCRIPT = textwrap.dedent(
     written = norm_rope(x, weight, 1e-6, cos, sin, slot_view)
     assert written.data_ptr() == slot_view.data_ptr()
     assert torch.equal(storage[:, :, S:], norm_rope(x, weight, 1e-6, cos, sin)) and storage[:, :, :S].isnan().all()
+    # The three of an attention in one launch (values: the keys' tensor normed without scale, as full layers do):
+    # the values three norm_rope calls give, the keys and values into canvas slots.
+    query = torch.randn(B, L, Hq, D)
+    q_weight = torch.randn(D)
+    values = torch.full((B, Hkv, S + L, D), float("nan"))
+    got = qkv_norm_rope(query, x, x, (q_weight, weight), (1e-6, 1e-5, 1e-4), cos, sin, storage[:, :, S:], values[:, :, S:])
+    assert torch.equal(got[0], norm_rope(query, q_weight, 1e-6, cos, sin))
+    assert torch.equal(got[1], norm_rope(x, weight, 1e-5, cos, sin)) and got[1].data_ptr() == storage[:, :, S:].data_ptr()
+    assert torch.equal(values[:, :, S:], norm_rope(x, None, 1e-4, None, None)) and values[:, :, :S].isnan().all()
+    per_row = torch.randn(B, L, D), torch.randn(B, L, D)  # tables per row (left padding shifts a row's positions)
+    got = qkv_norm_rope(query, x, x.clone(), (q_weight, weight), (1e-6, 1e-6, 1e-6), *per_row)
+    assert torch.equal(got[0], norm_rope(query, q_weight, 1e-6, *per_row))
+    assert torch.equal(got[1], norm_rope(x, weight, 1e-6, *per_row))
     for bad in (storage[:, :, S + 1 :], storage[:, :, S:].double(), storage.transpose(-1, -2)[:, :, :, S:]):
         try:
             norm_rope(x, weight, 1e-6, cos, sin, bad)
@@ -92,8 +106,8 @@ MODEL_SCRIPT = textwrap.dedent(
     canvas_length = model.config.canvas_length
     torch.manual_seed(0)
     writes = []
-    norm_rope = triton_diffusion_gemma.norm_rope
-    triton_diffusion_gemma.norm_rope = lambda *a, **k: (writes.append(len(a) > 5 and a[5] is not None), norm_rope(*a, **k))[1]
+    qkv_norm_rope = triton_diffusion_gemma.qkv_norm_rope
+    triton_diffusion_gemma.qkv_norm_rope = lambda *a: (writes.append(len(a) == 9), qkv_norm_rope(*a))[1]
 
 
     def run(mode, backend, ids, attention_mask, canvas):
@@ -119,9 +133,9 @@ MODEL_SCRIPT = textwrap.dedent(
         error = (logits - want).abs().max().item()
         assert error < 1e-4, (prompt_len, error)
         # Both passes (the encoder's over a prompt no longer than the canvas, the decoder's) wrote their keys and
-        # values straight into the canvas slots (two of each layer's three norm_rope launches), and the caches
+        # values straight into the canvas slots (each layer's one norm/RoPE launch given them), and the caches
         # hold what the PyTorch path copied there.
-        assert wrote.count(True) == 2 * 2 * text.num_hidden_layers, wrote
+        assert wrote == [True] * 2 * text.num_hidden_layers, wrote
         for layer in range(text.num_hidden_layers):
             for mine, theirs in ((cache.storage_keys, want_cache.storage_keys),
                                  (cache.storage_values, want_cache.storage_values)):
