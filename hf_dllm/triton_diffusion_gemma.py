@@ -309,19 +309,6 @@ if TRITON_AVAILABLE:
         tl.store(dst, y, mask=in_heads)
 
     @triton.jit
-    def _norm_rope_kernel(
-        x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, eps, stride_xt, stride_xh, stride_cb,
-        stride_ob, stride_oh, stride_ot,
-        HAS_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        # Program (token, BLOCK_H heads): `_norm_rope_heads`.
-        _norm_rope_heads(
-            x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), seq_len,
-            n_heads, eps, stride_xt, stride_xh, stride_cb, stride_ob, stride_oh, stride_ot, HAS_WEIGHT, HAS_ROPE,
-            HEAD_DIM, BLOCK_H,
-        )  # fmt: skip
-
-    @triton.jit
     def _qkv_norm_rope_kernel(
         q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, seq_len,
         n_q, n_kv, q_eps, k_eps, v_eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cb,
@@ -401,17 +388,18 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, queries: int
 
 
 def _norm_rope_operands(x: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in the layout the norm/RoPE kernels read, the output `(B, H, T, D)`: `out` checked, or a new one)."""
+    """(x `(B, T, H, D)` in the layout `_norm_rope_heads` reads, the output `(B, H, T, D)`: `out` checked, or a new
+    contiguous one)."""
     batch, seq_len, heads, head_dim = x.shape
     if x.stride(-1) != 1 or x.stride(-2) != head_dim or x.stride(0) != seq_len * x.stride(1):
         x = x.contiguous()
     if head_dim & (head_dim - 1):
-        raise ValueError(f"norm_rope: head_dim {head_dim} must be a power of 2.")
+        raise ValueError(f"qkv_norm_rope: head_dim {head_dim} must be a power of 2.")
     if out is None:
         out = torch.empty(batch, heads, seq_len, head_dim, dtype=x.dtype, device=x.device)
     elif out.shape != (batch, heads, seq_len, head_dim) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(
-            f"norm_rope: `out` must be ({batch}, {heads}, {seq_len}, {head_dim}) {x.dtype} with its last dim "
+            f"qkv_norm_rope: an `out` must be ({batch}, {heads}, {seq_len}, {head_dim}) {x.dtype} with its last dim "
             f"contiguous, got {tuple(out.shape)} {out.dtype} strides {out.stride()}."
         )
     return x, out
@@ -422,38 +410,10 @@ def _rope_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple
     batch, seq_len, _, head_dim = x.shape
     cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
     if cos.shape[1:] != (seq_len, head_dim) or cos.shape[0] not in (1, batch) or sin.shape != cos.shape:
-        raise ValueError(f"norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}.")
+        raise ValueError(
+            f"qkv_norm_rope: cos/sin must be (1 or {batch}, {seq_len}, {head_dim}), got {tuple(cos.shape)}."
+        )
     return cos, sin, cos.stride(0) if cos.shape[0] > 1 else 0
-
-
-@on_tensor_device
-def norm_rope(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """DiffusionGemma's per-head norm then RoPE in one launch: x `(B, T, H, D)` (last two dims dense, a view of a
-    projection), weight `(D,)` or None, cos/sin `(B or 1, T, D)` in x's dtype or None (no rotation) -> `(B, H, T,
-    D)`, what `rope(norm(x)).transpose(1, 2)` gives (its rounding points). `out`: where to write it, `(B, H, T, D)`
-    in x's dtype with the last dim contiguous, any other strides (a static cache's canvas slots, so that no copy
-    follows); None: a new contiguous tensor. Returns the output."""
-    x, out = _norm_rope_operands(x, out)
-    batch, seq_len, heads, head_dim = x.shape
-    if x.numel() == 0:
-        return out
-    has_rope = cos is not None
-    cos, sin, stride_cb = _rope_tables(x, cos, sin) if has_rope else (x, x, 0)
-    block_h = 4 if head_dim <= 256 else 2
-    _norm_rope_kernel[(batch * seq_len, triton.cdiv(heads, block_h))](
-        x, weight if weight is not None else x, cos, sin, out, seq_len, heads, float(eps), x.stride(1), x.stride(2),
-        stride_cb, out.stride(0), out.stride(1), out.stride(2),
-        HAS_WEIGHT=weight is not None, HAS_ROPE=has_rope, HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
-        enable_fp_fusion=False,  # PyTorch rounds each product before the sum
-    )  # fmt: skip
-    return out
 
 
 @on_tensor_device
@@ -468,10 +428,13 @@ def qkv_norm_rope(
     key_out: torch.Tensor | None = None,
     value_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An attention's three `norm_rope`s in one launch: query `(B, T, Hq, D)` with `weights[0]` and RoPE, key
-    `(B, T, Hkv, D)` with `weights[1]` and RoPE, value `(B, T, Hkv, D)` normed without scale (the key tensor itself
-    in full layers), each with its `eps` -> `(B, Hq, T, D)`, `(B, Hkv, T, D)` x2, the same values as three
-    `norm_rope` calls (`key_out` / `value_out`: their `out`)."""
+    """DiffusionGemma's per-head norms then RoPE of an attention in one launch (`_norm_rope_heads`: what
+    `rope(norm(x)).transpose(1, 2)` gives, its rounding points): query `(B, T, Hq, D)` with `weights[0]` and RoPE,
+    key `(B, T, Hkv, D)` with `weights[1]` and RoPE, value `(B, T, Hkv, D)` normed without scale (the key tensor
+    itself in full layers), each with its `eps`; inputs with their last two dims dense (views of a projection),
+    cos/sin `(B or 1, T, D)`. Returns `(B, Hq, T, D)`, `(B, Hkv, T, D)` x2; `key_out` / `value_out`: where to write
+    the keys and values, `(B, Hkv, T, D)` in their dtype with the last dim contiguous, any other strides (a static
+    cache's canvas slots, so that no copy follows)."""
     query, query_out = _norm_rope_operands(query, None)
     key, key_out = _norm_rope_operands(key, key_out)
     value, value_out = _norm_rope_operands(value, value_out)
@@ -658,9 +621,9 @@ def fused_sample(
 __all__ = [
     "BLOCK_V",
     "fused_sample",
-    "norm_rope",
     "post_attention_norms",
     "post_feedforward_norms",
+    "qkv_norm_rope",
     "rms_norm",
     "vocabulary_splits",
 ]

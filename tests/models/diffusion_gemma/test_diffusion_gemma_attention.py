@@ -4,9 +4,9 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
 - `triton_attention.block_attention` at the decoder's layout in small (grouped-query heads, a ring cache partly
   empty, a left-padded row, a key chunk masked whole) against float64 SDPA, for the tile options the decoder's
   sweep times (`skip_masked`, fixed `splits`, row tiles of 16 to 128);
-- `norm_rope` writing into a static cache's canvas slots (a strided view) what it writes on its own, refusing an
-  `out` of the wrong shape, dtype or layout; `qkv_norm_rope` (an attention's three in one launch) equal to three
-  `norm_rope` calls, shared and per-row RoPE tables;
+- `qkv_norm_rope` (an attention's norms and RoPE in one launch) against the PyTorch ops, shared and per-row RoPE
+  tables; its keys and values written into a static cache's canvas slots (strided views) bit for bit what it
+  writes on its own, refusing an `out` of the wrong shape, dtype or layout;
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
   PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
   (`canvas_slots`; the encoder's kept in the ring at `end_write`).
@@ -26,7 +26,7 @@ KERNELS_SCRIPT = textwrap.dedent(
     """
     import torch
     from hf_dllm.triton_attention import AttentionTiles, block_attention
-    from hf_dllm.triton_diffusion_gemma import norm_rope, qkv_norm_rope
+    from hf_dllm.triton_diffusion_gemma import qkv_norm_rope
 
     torch.manual_seed(0)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -60,34 +60,36 @@ KERNELS_SCRIPT = textwrap.dedent(
     out = block_attention(q, k, v, None, tiles=AttentionTiles(block_m=32, block_n=16, skip_masked=True))
     assert (out.double() - sdpa(q.double(), k.double(), v.double(), enable_gqa=True).transpose(1, 2)).abs().max() < 1e-5
 
-    # norm_rope into a cache's canvas slots (a strided view): the same values as its own contiguous output.
-    x = torch.randn(B, L, Hkv, D)
-    weight, cos, sin = torch.randn(D), torch.randn(1, L, D), torch.randn(1, L, D)
-    storage = torch.full((B, Hkv, S + L, D), float("nan"))
-    slot_view = storage[:, :, S:]
-    written = norm_rope(x, weight, 1e-6, cos, sin, slot_view)
-    assert written.data_ptr() == slot_view.data_ptr()
-    assert torch.equal(storage[:, :, S:], norm_rope(x, weight, 1e-6, cos, sin)) and storage[:, :, :S].isnan().all()
-    # The three of an attention in one launch (values: the keys' tensor normed without scale, as full layers do):
-    # the values three norm_rope calls give, the keys and values into canvas slots.
-    query = torch.randn(B, L, Hq, D)
-    q_weight = torch.randn(D)
-    values = torch.full((B, Hkv, S + L, D), float("nan"))
-    got = qkv_norm_rope(query, x, x, (q_weight, weight), (1e-6, 1e-5, 1e-4), cos, sin, storage[:, :, S:], values[:, :, S:])
-    assert torch.equal(got[0], norm_rope(query, q_weight, 1e-6, cos, sin))
-    assert torch.equal(got[1], norm_rope(x, weight, 1e-5, cos, sin)) and got[1].data_ptr() == storage[:, :, S:].data_ptr()
-    assert torch.equal(values[:, :, S:], norm_rope(x, None, 1e-4, None, None)) and values[:, :, :S].isnan().all()
-    per_row = torch.randn(B, L, D), torch.randn(B, L, D)  # tables per row (left padding shifts a row's positions)
-    got = qkv_norm_rope(query, x, x.clone(), (q_weight, weight), (1e-6, 1e-6, 1e-6), *per_row)
-    assert torch.equal(got[0], norm_rope(query, q_weight, 1e-6, *per_row))
-    assert torch.equal(got[1], norm_rope(x, weight, 1e-6, *per_row))
-    for bad in (storage[:, :, S + 1 :], storage[:, :, S:].double(), storage.transpose(-1, -2)[:, :, :, S:]):
+    # An attention's norms and RoPE in one launch (values: the keys' tensor normed without scale, as full layers
+    # do) against the PyTorch ops, with shared and per-row tables (left padding shifts a row's positions); keys and
+    # values into a cache's canvas slots (strided views) bit for bit what it writes on its own, nothing else.
+    def plain(x, weight, eps, cos, sin):
+        y = x.float() * torch.pow(x.float().pow(2).mean(-1, keepdim=True) + eps, -0.5)
+        y = (y if weight is None else y * weight.float()).to(x.dtype)
+        if cos is not None:
+            y = y * cos[:, :, None] + torch.cat((-y[..., D // 2 :], y[..., : D // 2]), -1) * sin[:, :, None]
+        return y.transpose(1, 2)
+
+    query, x = torch.randn(B, L, Hq, D), torch.randn(B, L, Hkv, D)
+    q_weight, weight = torch.randn(D), torch.randn(D)
+    for cos, sin in ((torch.randn(1, L, D), torch.randn(1, L, D)), (torch.randn(B, L, D), torch.randn(B, L, D))):
+        eps = (1e-6, 1e-5, 1e-4)
+        alone = qkv_norm_rope(query, x, x, (q_weight, weight), eps, cos, sin)
+        for got, want in zip(alone, (plain(query, q_weight, eps[0], cos, sin), plain(x, weight, eps[1], cos, sin),
+                                     plain(x, None, eps[2], None, None)), strict=True):
+            assert got.is_contiguous() and (got - want).abs().max() < 1e-5, (got - want).abs().max()
+        keys, values = (torch.full((B, Hkv, S + L, D), float("nan")) for _ in range(2))
+        got = qkv_norm_rope(query, x, x, (q_weight, weight), eps, cos, sin, keys[:, :, S:], values[:, :, S:])
+        assert got[1].data_ptr() == keys[:, :, S:].data_ptr() and got[2].data_ptr() == values[:, :, S:].data_ptr()
+        assert torch.equal(keys[:, :, S:], alone[1]) and torch.equal(values[:, :, S:], alone[2])
+        assert keys[:, :, :S].isnan().all() and values[:, :, :S].isnan().all()
+    for bad in (keys[:, :, S + 1 :], keys[:, :, S:].double(), keys.transpose(-1, -2)[:, :, :, S:]):
         try:
-            norm_rope(x, weight, 1e-6, cos, sin, bad)
+            qkv_norm_rope(query, x, x, (q_weight, weight), eps, cos, sin, bad)
         except ValueError as error:
             assert "`out`" in str(error)
         else:
-            raise AssertionError(f"norm_rope took out {tuple(bad.shape)} {bad.dtype}")
+            raise AssertionError(f"qkv_norm_rope took key_out {tuple(bad.shape)} {bad.dtype}")
     print("ok")
     """
 )

@@ -1,6 +1,6 @@
 """DiffusionGemma's decoder attention on CUDA (bfloat16): `block_attention` at the 26B-A4B decoder shapes with the
-tile options `DECODER_ATTENTION` may pick, against float32 (its error within 2x of bfloat16 SDPA's); `norm_rope` and
-`qkv_norm_rope` writing into a cache's canvas slots; the fixture model's captured decoder step on the "triton"
+tile options `DECODER_ATTENTION` may pick, against float32 (its error within 2x of bfloat16 SDPA's); `qkv_norm_rope`
+writing into a cache's canvas slots; the fixture model's captured decoder step on the "triton"
 backend (K/V written in place) equal to its eager step."""
 
 from __future__ import annotations
@@ -56,31 +56,32 @@ def test_block_attention_error_at_the_26b_decoder_shapes(kind, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [256, 512])
-def test_norm_rope_writes_into_canvas_slots(head_dim):
-    """`norm_rope` into a strided view of a cache's storage writes what it writes alone, and nothing else;
-    `qkv_norm_rope` (an attention's three in one launch, keys and values into canvas slots) writes what three
-    `norm_rope` calls write, bit for bit (bfloat16, the 26B-A4B's head widths)."""
-    from hf_dllm.triton_diffusion_gemma import norm_rope, qkv_norm_rope
+def test_qkv_norm_rope_writes_into_canvas_slots(head_dim):
+    """`qkv_norm_rope` (bfloat16, the 26B-A4B's head widths) with its keys and values written into a cache's canvas
+    slots (strided views) writes bit for bit what it writes on its own, and nothing else of the storage; its
+    queries within bfloat16 rounding of the PyTorch ops' (of the RoPE terms' size: their sum may cancel)."""
+    from hf_dllm.modeling_diffusion_gemma import rotate_half
+    from hf_dllm.triton_diffusion_gemma import qkv_norm_rope
 
     kv_heads = 8 if head_dim == 256 else 2
     query = torch.randn(2, 256, 16, head_dim, device="cuda").bfloat16()
     x = torch.randn(2, 256, kv_heads, head_dim, device="cuda").bfloat16()
-    q_weight, weight = torch.randn(head_dim, device="cuda"), torch.randn(head_dim, device="cuda")
+    weights = torch.randn(head_dim, device="cuda"), torch.randn(head_dim, device="cuda")
     cos = torch.randn(1, 256, head_dim, device="cuda").bfloat16()
     sin = torch.randn(1, 256, head_dim, device="cuda").bfloat16()
-    storage = torch.zeros(2, kv_heads, 1023 + 256, head_dim, device="cuda", dtype=torch.bfloat16)
-    values = torch.zeros_like(storage)
-    norm_rope(x, weight, 1e-6, cos, sin, storage[:, :, 1023:])
-    assert torch.equal(storage[:, :, 1023:], norm_rope(x, weight, 1e-6, cos, sin))
-    assert not storage[:, :, :1023].any()
-    storage.zero_()
-    got = qkv_norm_rope(
-        query, x, x, (q_weight, weight), (1e-6, 1e-6, 1e-6), cos, sin, storage[:, :, 1023:], values[:, :, 1023:]
-    )
-    assert torch.equal(got[0], norm_rope(query, q_weight, 1e-6, cos, sin))
-    assert torch.equal(storage[:, :, 1023:], norm_rope(x, weight, 1e-6, cos, sin))
-    assert torch.equal(values[:, :, 1023:], norm_rope(x, None, 1e-6, None, None))
-    assert not storage[:, :, :1023].any() and not values[:, :, :1023].any()
+    keys = torch.zeros(2, kv_heads, 1023 + 256, head_dim, device="cuda", dtype=torch.bfloat16)
+    values = torch.zeros_like(keys)
+    eps = (1e-6, 1e-6, 1e-6)
+    alone = qkv_norm_rope(query, x, x, weights, eps, cos, sin)
+    qkv_norm_rope(query, x, x, weights, eps, cos, sin, keys[:, :, 1023:], values[:, :, 1023:])
+    assert torch.equal(keys[:, :, 1023:], alone[1]) and torch.equal(values[:, :, 1023:], alone[2])
+    assert not keys[:, :, :1023].any() and not values[:, :, :1023].any()
+    normed = query.float() * torch.pow(query.float().pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+    normed = (normed * weights[0]).bfloat16()
+    terms = normed * cos[:, :, None], rotate_half(normed) * sin[:, :, None]
+    want = (terms[0] + terms[1]).transpose(1, 2).float()
+    size = (terms[0].float().abs() + terms[1].float().abs()).transpose(1, 2)  # (the sum may cancel)
+    assert ((alone[0].float() - want).abs() <= size * 2**-6 + 1e-6).all()
 
 
 @pytest.mark.gpu
