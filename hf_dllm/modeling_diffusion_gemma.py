@@ -188,8 +188,8 @@ def gemm_attention(query, key, value, mask, scale: float = 1.0) -> torch.Tensor:
 class DiffusionGemmaAttention(ConcatenatedProjections):
     """Gemma 4 attention of one layer; `forward` gets the K/V to attend to besides its own (the cache) and says
     whether to store its own (encoder) or not (decoder). Where the fused kernels run, q/k/v (q/k in full layers,
-    whose values are their keys) are one product (`ConcatenatedProjections`) and each head's norm and RoPE one
-    kernel per tensor.
+    whose values are their keys) are one product (`ConcatenatedProjections`) and every head's norm and RoPE one
+    kernel (`triton_diffusion_gemma.qkv_norm_rope`), writing keys and values into a static cache's canvas slots.
 
     `backend` "sdpa" (torch's `scaled_dot_product_attention`; at the 26B-A4B shape its full layers' heads of 512
     have no fused kernel on an H200 and fall back to the float32 math path, ~0.5 ms a layer), "gemm"
