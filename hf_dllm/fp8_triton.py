@@ -87,12 +87,13 @@ def _add_up_timed_splits(nargs: dict, exception=None) -> None:
         _add_up_splits(nargs["partial_ptr"], bias, nargs["out_ptr"], nargs["SPLIT_K"])
 
 
-def _split_k_autotune(configs: list, prune):
+def _split_k_autotune(configs: list, prune, rows_key: str = "M"):
     """Triton's autotuner for a split-K product kernel (launched by `_split_k_product`): keyed by the product's
-    shape, `prune` keeping the configs for its rows, each split config timed with its sum (`_add_up_timed_splits`)."""
+    shape (its rows as the argument `rows_key` gives them), `prune` keeping the configs for its rows, each split
+    config timed with its sum (`_add_up_timed_splits`)."""
     return triton.autotune(
         configs=configs,
-        key=["M", "N", "K"],
+        key=[rows_key, "N", "K"],
         prune_configs_by={"early_config_prune": prune},
         post_hook=_add_up_timed_splits,
     )
@@ -422,11 +423,15 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
         SCALES: tl.constexpr,
+        ROW_TILE,
     ):
         # Few rows times a weight on tensor cores, the weight tile as the MMA's M. Program (n, m, s) sums the s-th of
         # SPLIT_K ranges of k tiles, as in `_weight_only_kernel`. SCALES: "block" or "row" (FP8 operands, below), or
         # "none" (bf16/fp16 operands, no scale pointer read): out[m, n] = sum over k of w[n, k] a[m, k], accumulated
-        # in float32 in place across k tiles.
+        # in float32 in place across k tiles. ROW_TILE: the rows' tile (`_row_tile`), unused here; the bf16/fp16
+        # products' autotuner keys on it instead of the rows, so that every row count of one tile shares one tuning:
+        # they run wherever a block step or a short prompt has up to 64 rows, and tuning each new count anew (each
+        # config compiled and timed, seconds) would stall a server at every new prompt length.
         # Block scales ("block"): out[m, n] = sum over k tiles of (w[n, tile] @ a[m, tile]^T)^T * a_scale[m, k] *
         # w_scale[n // SCALE_N, k]. A k tile is one scale block of both (BLOCK_K = the weight's and the activations'
         # block of columns), and BLOCK_N divides SCALE_N, so one weight scale per program and k tile; each tile's
@@ -467,7 +472,7 @@ if TRITON_AVAILABLE:
     # and bf16/fp16 weights leave it to the configs.
     _few_rows_w8a8_kernel = _split_k_autotune(few_rows_w8a8_configs(), _prune_few_rows)(_few_rows_kernel)
     _few_rows_rowwise_kernel = _split_k_autotune(few_rows_rowwise_configs(), _prune_few_rows)(_few_rows_kernel)
-    _few_rows_16bit_kernel = _split_k_autotune(few_rows_16bit_configs(), _prune_few_rows)(_few_rows_kernel)
+    _few_rows_16bit_kernel = _split_k_autotune(few_rows_16bit_configs(), _prune_few_rows, "ROW_TILE")(_few_rows_kernel)
     _MAX_FEW_ROWS_SPLIT_K = _largest_split(_few_rows_w8a8_kernel, _few_rows_rowwise_kernel, _few_rows_16bit_kernel)
 
 # The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
@@ -594,6 +599,7 @@ def few_rows_product(values, scales, rows: int, dtype, weight, weight_scales, bi
         bias,
         _MAX_FEW_ROWS_SPLIT_K,
         config,
+        ROW_TILE=_row_tile(rows, 64),
         **constexprs,
     )
 
@@ -637,6 +643,7 @@ def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias=None, config=Non
         config,
         SCALE_N=1,
         SCALES="none",
+        ROW_TILE=_row_tile(rows, 64),
     )
     return out.view(*x.shape[:-1], weight.shape[0])
 
