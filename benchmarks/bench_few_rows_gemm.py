@@ -16,6 +16,7 @@ reported. `kernels.few_rows_applies` says which shapes the models run it on now 
 Prints a table (us, speed-up over cuBLAS, error relative to the float32 product) and ends with one JSON line.
 
     python benchmarks/bench_few_rows_gemm.py                # 32 and 64 rows
+    python benchmarks/bench_few_rows_gemm.py --rows 32 --shapes lladamoe_qkv,lladamoe_o --sweep   # every config
     python benchmarks/bench_few_rows_gemm.py --cpu          # tiny float16 shapes, the kernel in Triton's interpreter
 
 `--cpu`: the kernel through Triton's interpreter (float16: the interpreter multiplies bfloat16 operands as their
@@ -135,6 +136,30 @@ def measure(name: str, n_out: int, k_in: int, rows: int, args, device, dtype, ba
     return row
 
 
+def sweep(name: str, n_out: int, k_in: int, rows: int, args, dtype) -> list[dict]:
+    """Every config of `fp8_triton.few_rows_16bit_configs()` for these rows' tile (as the autotuner prunes them),
+    timed as `measure` times the autotuned kernel (split sums included, weights rotated), fastest first."""
+    from triton.runtime.errors import OutOfResources
+
+    weight_bytes = n_out * k_in * torch.finfo(dtype).bits // 8
+    copies = args.weight_copies or max(2, math.ceil(256 * 2**20 / weight_bytes))
+    weights = [(torch.randn(n_out, k_in, device="cuda") * 0.02).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, k_in, device="cuda").to(dtype)
+    from bench_fp8_gemm import timed_us
+
+    timings = []
+    for config in fp8_triton.few_rows_16bit_configs():
+        if config.kwargs["BLOCK_M"] != fp8_triton._row_tile(rows, 64):
+            continue
+        calls = [lambda w=w, c=config: fp8_triton.few_rows_matmul(x, w, config=c) for w in weights]
+        try:
+            us = timed_us(calls, args.repeats)
+        except (OutOfResources, RuntimeError) as error:  # too much shared memory, say
+            us = f"{type(error).__name__}"
+        timings.append(dict(shape=name, rows=rows, config=dict(config.kwargs, stages=config.num_stages), us=us))
+    return sorted(timings, key=lambda t: (isinstance(t["us"], str), t["us"] if isinstance(t["us"], float) else 0))
+
+
 def print_table(results: list[dict], title: str) -> None:
     print()
     print(title)
@@ -165,6 +190,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--weight-copies", type=int, default=0, help="weights taken in turn (default: enough for 256 MiB, past L2)"
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time every config on the selected shapes (the five fastest printed per shape; all in the JSON)",
+    )
     args = parser.parse_args(argv)
     if args.cpu:
         device, dtype, shapes, bandwidth = "cpu", torch.float16, CPU_SHAPES, None
@@ -194,6 +224,15 @@ def main(argv=None) -> int:
             f"{bandwidth / 1e12:.2f} TB/s: us per call, weight read from memory"
         )
     print_table(results, title)
+    swept = []
+    if args.sweep and not args.cpu:
+        for name, (n_out, k_in) in shapes.items():
+            for rows in rows_list:
+                timings = sweep(name, n_out, k_in, rows, args, dtype)
+                swept.extend(timings)
+                print(f"{name} x {rows} rows, fastest configs (us):")
+                for t in timings[:5]:
+                    print(f"    {t['us'] if isinstance(t['us'], str) else round(t['us'], 2)}  {t['config']}")
     timed = [r for r in results if "speedup" in r]
     faster = sorted({r["weight_mib"] for r in timed if r["speedup"] > 1.0})
     summary = {
@@ -209,6 +248,7 @@ def main(argv=None) -> int:
             default=None,
         ),
         "rows": results,
+        "sweep": swept,
     }
     print(json.dumps(summary))
     return 0
