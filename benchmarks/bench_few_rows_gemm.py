@@ -97,14 +97,18 @@ def chosen_config() -> str:
     return json.dumps(dict(best.kwargs, warps=best.num_warps, stages=best.num_stages))
 
 
-def measure(name: str, n_out: int, k_in: int, rows: int, args, device, dtype, bandwidth) -> dict:
+def operands(n_out: int, k_in: int, rows: int, args, device, dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The weight copies taken in turn (`--weight-copies`, by default enough for 256 MiB; one on the CPU) and x."""
     weight_bytes = n_out * k_in * torch.finfo(dtype).bits // 8
-    copies = args.weight_copies or max(2, math.ceil(256 * 2**20 / weight_bytes))
-    if args.cpu:
-        copies = 1
+    copies = 1 if args.cpu else args.weight_copies or max(2, math.ceil(256 * 2**20 / weight_bytes))
     torch.manual_seed(0)
     weights = [(torch.randn(n_out, k_in, device=device) * 0.02).to(dtype) for _ in range(copies)]
-    x = torch.randn(rows, k_in, device=device).to(dtype)
+    return weights, torch.randn(rows, k_in, device=device).to(dtype)
+
+
+def measure(name: str, n_out: int, k_in: int, rows: int, args, device, dtype, bandwidth) -> dict:
+    weights, x = operands(n_out, k_in, rows, args, device, dtype)
+    weight_bytes = weights[0].numel() * weights[0].element_size()
     exact = x.float() @ weights[0].float().t()
     row = dict(
         shape=name,
@@ -112,7 +116,7 @@ def measure(name: str, n_out: int, k_in: int, rows: int, args, device, dtype, ba
         n=n_out,
         k=k_in,
         weight_mib=weight_bytes / 2**20,
-        copies=copies,
+        copies=len(weights),
         rule=kernels.few_rows_applies(rows, n_out, k_in, dtype, torch.device(device)),
     )
     if bandwidth:
@@ -139,13 +143,10 @@ def measure(name: str, n_out: int, k_in: int, rows: int, args, device, dtype, ba
 def sweep(name: str, n_out: int, k_in: int, rows: int, args, dtype) -> list[dict]:
     """Every config of `fp8_triton.few_rows_16bit_configs()` for these rows' tile (as the autotuner prunes them),
     timed as `measure` times the autotuned kernel (split sums included, weights rotated), fastest first."""
+    from bench_fp8_gemm import timed_us
     from triton.runtime.errors import OutOfResources
 
-    weight_bytes = n_out * k_in * torch.finfo(dtype).bits // 8
-    copies = args.weight_copies or max(2, math.ceil(256 * 2**20 / weight_bytes))
-    weights = [(torch.randn(n_out, k_in, device="cuda") * 0.02).to(dtype) for _ in range(copies)]
-    x = torch.randn(rows, k_in, device="cuda").to(dtype)
-    from bench_fp8_gemm import timed_us
+    weights, x = operands(n_out, k_in, rows, args, "cuda", dtype)
 
     timings = []
     for config in fp8_triton.few_rows_16bit_configs():
