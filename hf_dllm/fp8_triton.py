@@ -626,6 +626,8 @@ def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias=None, config=Non
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"few_rows_matmul: bias must be contiguous ({weight.shape[0]},), got {tuple(bias.shape)}.")
     rows, cols = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    if rows == 0:  # no program to launch
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
     x2 = x.reshape(rows, cols)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
