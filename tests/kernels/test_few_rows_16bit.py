@@ -277,9 +277,12 @@ def test_gpu_fixed_configs_with_bias(config):
 
 
 @pytest.mark.gpu
-def test_gpu_linear_runs_the_kernel_where_the_rule_says_and_graphs_replay_it():
-    """On the GPU with the real rule: LLaDA-MoE-7B's output projection at 32 rows is the kernel's product (its bits),
-    at `FEW_ROWS_MAX_ROWS` + 1 rows and under autograd cuBLAS's; captured in a CUDA graph it gives the eager bits."""
+def test_gpu_linear_runs_the_kernel_where_the_rule_says_and_graphs_replay_it(monkeypatch):
+    """On the GPU with the real rule (its weight range set to take the shape, whatever the measured range is):
+    LLaDA-MoE-7B's output projection at 32 rows is the kernel's product (its bits), at `FEW_ROWS_MAX_ROWS` + 1 rows
+    and under autograd cuBLAS's; captured in a CUDA graph it gives the eager bits."""
+    monkeypatch.setattr(kernels, "FEW_ROWS_MIN_WEIGHT_BYTES", 4 * 2**20)
+    monkeypatch.setattr(kernels, "FEW_ROWS_MAX_WEIGHT_BYTES", 32 * 2**20)
     layer = nn.Linear(2048, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 32, 2048, device="cuda", dtype=torch.bfloat16)
     many = torch.randn(1, kernels.FEW_ROWS_MAX_ROWS + 1, 2048, device="cuda", dtype=torch.bfloat16)
@@ -307,8 +310,9 @@ def test_gpu_linear_runs_the_kernel_where_the_rule_says_and_graphs_replay_it():
 @pytest.mark.gpu
 def test_gpu_llada_moe_7b_attention_block_step_within_twice_pytorch_bf16(monkeypatch):
     """A LLaDA-MoE with the 7B model's attention (hidden 2048, 16 heads: q/k/v 24 MiB, output 8 MiB, both in the
-    rule's range) and small experts: a cached prefill and block step in bf16 on the fused path, the few-rows kernel
-    running (counted), within 2x of the same model's error with the kernel ruled out (cuBLAS), against float32."""
+    rule's range, set here to 4-32 MiB whatever the measured one is) and small experts: a cached prefill and block step
+    in bf16 on the fused path, the few-rows kernel running (counted), within 2x of the same model's error with the
+    kernel ruled out (cuBLAS), against float32."""
     from hf_dllm.cache import DiffusionKVCache
     from hf_dllm.modeling_llada_moe import LLaDAMoEModelLM
     from tests.models.llada_moe.test_llada_moe_fast_path import random_config, random_model
@@ -331,6 +335,8 @@ def test_gpu_llada_moe_7b_attention_block_step_within_twice_pytorch_bf16(monkeyp
             step = net(block, past_key_values=cache, use_cache=True, cache_position=at)
         return step.logits.float()
 
+    monkeypatch.setattr(kernels, "FEW_ROWS_MIN_WEIGHT_BYTES", 4 * 2**20)  # every other weight is under 2 MiB
+    monkeypatch.setattr(kernels, "FEW_ROWS_MAX_WEIGHT_BYTES", 32 * 2**20)
     set_kernel_mode("auto")
     want = step_logits(reference)
     fused = step_logits(model)
