@@ -34,12 +34,12 @@ KERNEL_MODES = ("auto", "torch", "triton")
 # A product of up to `FEW_ROWS_MAX_ROWS` rows (a block step's 32 x batch) by a bf16/fp16 weight of
 # `FEW_ROWS_MIN_WEIGHT_BYTES` to `FEW_ROWS_MAX_WEIGHT_BYTES` runs hf_dllm's few-rows kernel (`few_rows_applies`,
 # `fp8_triton.few_rows_matmul`: split-K, the weight tile as the MMA's M) instead of cuBLAS. Such a product is bound
-# by reading its weight, which cuBLAS does at half the copy bandwidth there: on an H200, LLaDA-MoE-7B's captured
+# by reading its weight, which cuBLAS does well below the copy bandwidth there: on an H200, LLaDA-MoE-7B's captured
 # batch-1 block step spent 9.3 us in its q/k/v product (2048 -> 6144, 25 MB: 5.9 us at 4.27 TB/s) and 6.0 us in its
-# output projection (2048 -> 2048, 8.4 MB: 2.0 us), 16 layers each. The range covers the attention projections of
-# LLaDA-MoE-7B, LLaDA2.0-mini, Dream-7B and LLaDA-8B's output projection (8-32 MiB), not yet the wider q/k/v, MLP
-# and head weights; `benchmarks/bench_few_rows_gemm.py` times both kernels on each family's shapes (weights read
-# from memory), and the range is to be set from its H200 table.
+# output projection (2048 -> 2048, 8.4 MB: 2.0 us), 16 layers each. A provisional range, the kernel not yet timed
+# on a GPU: the attention projections of LLaDA-MoE-7B, LLaDA2.0-mini, Dream-7B, DiffusionGemma and LLaDA-8B's
+# output projection (8-32 MiB), not the wider q/k/v, MLP and head weights. `benchmarks/bench_few_rows_gemm.py`
+# times both kernels on each family's shapes (weights read from memory); the range is to be set from its table.
 FEW_ROWS_MAX_ROWS = 64
 FEW_ROWS_MIN_WEIGHT_BYTES = 8 * 2**20
 FEW_ROWS_MAX_WEIGHT_BYTES = 32 * 2**20
@@ -101,8 +101,7 @@ def few_rows_applies(rows: int, n_out: int, cols: int, dtype: torch.dtype, devic
     """Whether `rows` rows times an `(n_out, cols)` weight, both in `dtype`, on `device` run hf_dllm's few-rows kernel
     (`fp8_triton.few_rows_matmul`) rather than cuBLAS: Triton on a GPU with bf16 tensor cores (compute capability 8.0
     or more), bf16/fp16, 1 to `FEW_ROWS_MAX_ROWS` rows, a weight of `FEW_ROWS_MIN_WEIGHT_BYTES` to
-    `FEW_ROWS_MAX_WEIGHT_BYTES` (the measured range). `dense_product` adds the tensors' own conditions (autograd,
-    layout, kernel mode)."""
+    `FEW_ROWS_MAX_WEIGHT_BYTES`. `dense_product` adds the tensors' own conditions (autograd, layout, kernel mode)."""
     if not (TRITON_AVAILABLE and device.type == "cuda" and dtype in FEW_ROWS_16BIT_DTYPES):
         return False
     weight_bytes = n_out * cols * dtype.itemsize
