@@ -882,27 +882,20 @@ def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive:
     mask = cache.decoder_mask(layer, x[..., 0], padded)
     if mask is None or not additive:
         return mask
-    return additive_mask(mask, x.dtype)
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool attention mask `(..., keys)` as SDPA would convert it at every call: 0 where True, -inf where False,
-    in `dtype` (the query's). Rows in storage 16 elements aligned: SDPA's memory-efficient kernel copies a mask whose
-    strides are not (the 26B-A4B's sliding layers read 1,023 + 256 keys) into a padded one at every call."""
+    # Rows in storage 16 elements aligned: SDPA's memory-efficient kernel copies a mask whose strides are not (the
+    # 26B-A4B's sliding layers read 1,023 + 256 keys) into a padded one at every call.
     keys = mask.shape[-1]
-    storage = torch.zeros(*mask.shape[:-1], -(-keys // 16) * 16, dtype=dtype, device=mask.device)
+    storage = torch.zeros(*mask.shape[:-1], -(-keys // 16) * 16, dtype=x.dtype, device=x.device)
     return storage[..., :keys].masked_fill_(~mask, float("-inf"))
 
 
-def encoder_key_mask(
-    cache, layer: int, columns: torch.Tensor, valid: torch.Tensor, window: int | None, x: torch.Tensor, additive: bool
-) -> torch.Tensor:
-    """The encoder's mask `(B, 1, T, cached + T)` over layer `layer`'s cache and the pass' own keys at `columns`
+def encoder_key_mask(cache, layer: int, columns: torch.Tensor, valid: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The encoder's mask `(B, 1, T, cached + T)` bool over layer `layer`'s cache and the pass' own keys at `columns`
     `(T,)` (`valid` `(B, T)`: real tokens): a query sees the valid keys at its column or before, and within `window`
     columns in sliding layers (None: no window). One mask serves every layer of its kind: the caches keep the same
     columns and validity in all the sliding layers, and in all the full ones (`decoder_key_mask`), and a pass
-    records its columns only after its last layer. Bool, or with `additive` 0 / -inf in x's dtype (SDPA's form:
-    converted once, not in every layer)."""
+    records its columns only after its last layer. Bool whatever the layer's backend (SDPA converts it in each
+    layer: an additive mask made once would save that, given which backend each layer's encoder pass runs)."""
     key_columns, key_valid = columns, valid
     if cache.columns[layer] is not None:
         key_columns = torch.cat([cache.columns[layer], columns])
@@ -910,8 +903,7 @@ def encoder_key_mask(
     visible = key_columns[None, :] <= columns[:, None]
     if window is not None:
         visible = visible & (key_columns[None, :] > columns[:, None] - window)
-    mask = _valid_rows(visible[None] & key_valid[:, None, :])[:, None]
-    return additive_mask(mask, x.dtype) if additive else mask
+    return _valid_rows(visible[None] & key_valid[:, None, :])[:, None]
 
 
 def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -1042,18 +1034,15 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder, text = self.model.decoder, self.config.text_config
         cache.begin_write(columns)
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
-        masks: dict = {}
+        masks = {}  # once per layer kind, not per layer
+        for kind in set(text.layer_types):
+            window = text.sliding_window if kind == "sliding_attention" else None
+            masks[kind] = encoder_key_mask(cache, text.layer_types.index(kind), columns, valid, window)
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
-            # The encoder's pass goes through SDPA unless the layer's backend is "gemm" (`DiffusionGemmaAttention`).
-            key = (kind, layer.self_attn.chosen_backend(x) != "gemm")  # (layer kind, additive mask)
-            if key not in masks:  # once per kind and mask form, not per layer
-                window = text.sliding_window if kind == "sliding_attention" else None
-                first = text.layer_types.index(kind)
-                masks[key] = encoder_key_mask(cache, first, columns, valid, window, x, additive=key[1])
             scalar = self.model.encoder.language_model.layers[index].layer_scalar
-            x = layer(x, *rope[kind], cache, masks[key], True, scalar, attention_only=index == last)
+            x = layer(x, *rope[kind], cache, masks[kind], True, scalar, attention_only=index == last)
         cache.record(columns, valid)
 
     def _cache_graphs(self) -> CacheGraphs:

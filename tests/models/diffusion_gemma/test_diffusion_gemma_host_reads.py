@@ -15,7 +15,15 @@ from hf_dllm.decoding_diffusion_gemma import EntropyBoundSampler
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
 # aten ops whose result needs a tensor's value on the host (`.item()`, `int()`, `bool()`, data-dependent shapes).
-HOST_READS = {"_local_scalar_dense", "nonzero", "equal", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
+HOST_READS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "equal",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "masked_select",
+}
 PROMPT, CANVAS = 11, 8
 
 
