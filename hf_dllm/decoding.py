@@ -273,11 +273,15 @@ class UnmaskingPolicy:
         itself defines it and keeps this class's `commit` (`fused_commit_rule`): a subclass may count otherwise."""
         return None
 
+    # Whether the step's decision may run as one launch where `fused_commit_rule` allows (a benchmark's switch).
+    commit_in_one_launch = True
+
     def fused_commit_rule(self) -> tuple[int, float] | None:
-        """`fused_count()` where this class defines it and `commit` is `UnmaskingPolicy.commit`, else None."""
+        """`fused_count()` where this class defines it and `commit` is `UnmaskingPolicy.commit` (and
+        `commit_in_one_launch`), else None."""
         if "fused_count" not in type(self).__dict__ or type(self).commit is not UnmaskingPolicy.commit:
             return None
-        return self.fused_count()
+        return self.fused_count() if self.commit_in_one_launch else None
 
     def commit(self, proposal: "BlockProposal", scheduled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block after this step `(rows, L)` and `(rows,)` bool: whether a committed token was edited."""
