@@ -209,7 +209,7 @@ if TRITON_AVAILABLE:
         # One program per (tile of BLOCK_E experts, tile of BLOCK_T tokens, chunk of `chunk` hidden columns): that
         # chunk's part of x @ gate.T with float32 accumulation, stored at `out[chunk index]` `(tokens, n_experts)`.
         # Splitting the experts and the hidden size across programs divides the router weight each program streams
-        # (one program for all 64 experts of LLaDA-MoE read 256 KB alone; eight, one per 16 x 16 tile, 32 KB each).
+        # (one program for all 64 experts of LLaDA-MoE read 256 KB alone; eight, one per 16 x 16 tile, 64 KB each).
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
         e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
         split = tl.program_id(2)
@@ -613,7 +613,7 @@ def router_splits(tokens: int, n_experts: int, hidden: int, device: torch.device
     that keeps the programs (16 x 16 tiles of experts x tokens, times the chunks) within the multiprocessors and each
     chunk at least `ROUTER_PRODUCT_MIN_CHUNK` columns. LLaDA-MoE-7B's batch-1 block step (32 tokens, 64 experts,
     hidden 2048) on an H200 (132 multiprocessors): 16 chunks of 128 columns, 128 programs (8 without the split,
-    5.5 us, each streaming 32 KB of the weight in 8 steps)."""
+    5.5 us, each streaming a quarter of the weight, 64 KB, in 8 steps)."""
     tiles = triton.cdiv(n_experts, ROUTER_PRODUCT_TILE) * triton.cdiv(tokens, ROUTER_PRODUCT_TILE)
     splits = 1
     while 2 * splits * tiles <= num_sms(device) and 2 * splits * ROUTER_PRODUCT_MIN_CHUNK <= hidden:
