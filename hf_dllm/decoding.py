@@ -625,7 +625,7 @@ def denoise_step(
             rules.mask_token_id,
         )
     rule = rules.policy.fused_commit_rule()
-    if rule is not None and use_fused_kernels(probability):
+    if rule is not None and triton_ops.commit_applies(block.shape[1]) and use_fused_kernels(probability):
         # The same decision in one launch instead of ~15 (scatters, sort, rank scatter, count, commit, freeze, draft).
         return triton_ops.commit_most_confident(
             block, x0, probability, candidates, scheduled, active, rules.mask_token_id, *rule

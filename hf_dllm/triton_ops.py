@@ -1072,6 +1072,16 @@ def edit_candidates(
 # (Fast-dLLM's threshold); the positions with confidence > threshold where they are at least the schedule's count,
 # else the count (LLaDA2.0's).
 COMMIT_SCHEDULED, COMMIT_AT_LEAST_THRESHOLD, COMMIT_ABOVE_THRESHOLD_OR_SCHEDULED = 0, 1, 2
+# Block positions up to which `commit_most_confident` decides a step: it compares every pair of a row's positions in
+# registers (compiled for sm_90: 32 positions on one warp 96 registers a thread, 64 on eight warps 126, no spills;
+# 128 spilled even on sixteen warps); longer blocks keep PyTorch's sort.
+COMMIT_MAX_POSITIONS = 64
+
+
+def commit_applies(block_length: int) -> bool:
+    """Whether `commit_most_confident` takes blocks of `block_length` positions."""
+    return 0 < block_length <= COMMIT_MAX_POSITIONS
+
 
 if TRITON_AVAILABLE:
 
@@ -1166,6 +1176,11 @@ def commit_most_confident(
     if rule not in (COMMIT_SCHEDULED, COMMIT_AT_LEAST_THRESHOLD, COMMIT_ABOVE_THRESHOLD_OR_SCHEDULED):
         raise ValueError(f"commit_most_confident: rule must be 0, 1 or 2 (the COMMIT_* constants), got {rule!r}.")
     rows, length = block.shape
+    if not commit_applies(length):
+        raise ValueError(
+            f"commit_most_confident takes blocks of 1 to {COMMIT_MAX_POSITIONS} positions, got {length} "
+            f"(`commit_applies` tells which)."
+        )
     proposed = length if candidates is None else candidates.shape[1]
     if x0.shape != (rows, proposed) or probability.shape != (rows, proposed) or scheduled.shape != (rows,):
         raise ValueError(
@@ -1177,6 +1192,7 @@ def commit_most_confident(
     edited = torch.empty(rows, dtype=torch.bool, device=block.device)
     if rows == 0:
         return new, draft, edited
+    block_l = triton.next_power_of_2(length)
     _commit_most_confident_kernel[(rows,)](
         block,
         x0,
@@ -1194,8 +1210,8 @@ def commit_most_confident(
         RULE=rule,
         HAS_CANDIDATES=candidates is not None,
         HAS_ACTIVE=active is not None,
-        BLOCK_L=triton.next_power_of_2(length),
+        BLOCK_L=block_l,
         BLOCK_U=triton.next_power_of_2(proposed),
-        num_warps=1,
+        num_warps=1 if block_l <= 32 else 8,  # (`COMMIT_MAX_POSITIONS`)
     )
     return new, draft, edited

@@ -158,6 +158,9 @@ KERNELS_SCRIPT = textwrap.dedent(
                 decided.append(denoise_step(block, logits, rules, **step, candidates=candidates))
             assert all(torch.equal(a, b) for a, b in zip(*decided)), ("fused commit", type(policy).__name__)
     assert len(fused_calls) == 8, len(fused_calls)
+    long_block = torch.full((1, triton_ops.COMMIT_MAX_POSITIONS + 1), MASK)  # longer blocks: PyTorch's sort
+    denoise_step(long_block, torch.randn(1, long_block.shape[1], 12), rules, torch.tensor([1]))
+    assert len(fused_calls) == 8 and not triton_ops.commit_applies(long_block.shape[1]), "long block"
     assert ConfidenceFactor(1.0).fused_commit_rule() is None and TokenEditing(0.9, 0.9, 1, 0).fused_commit_rule() is None
     block = torch.full((1, 6), MASK)
     probability = torch.tensor([[0.5, float("nan"), 0.7, float("nan"), 0.1, 0.7]])
