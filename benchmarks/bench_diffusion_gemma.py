@@ -13,8 +13,10 @@ steps, encoder passes included), peak memory allocated during the call, the CUDA
 (`graph_replays`: the graphs were captured by the warm-up call); the same for transformers' `generate()`
 (only at `--reference-batch-sizes`, default 1 and 8: its batch-32 rows would take most of the time budget).
 
-Also measured, per batch size: one **encoder pass over an accepted canvas** (after the prompt, in generate()'s
-cache), eager and replayed from its CUDA graph (`capture_encoder`; the prompt's pass stays eager), and one
+Also measured, per batch size: one **encoder pass over the prompt** (eager, as generate() runs it: host-bound at
+batch 1, so its ms are the host's), one **encoder pass over an accepted canvas** (after the prompt, in generate()'s
+cache), eager and replayed from its CUDA graph (`capture_encoder`), the **host syncs of one generate() call** (torch's
+sync debug mode; the stop decision's event read is not one), and one
 **isolated denoising step** (decoder forward + `EntropyBoundSampler.denoise`,
 after the encoder wrote the prompt, with self-conditioning; CUDA events around `--step-repeats` steps back to back)
 and its **weight-read floor**: the bytes of the attention, dense-MLP, norm and router weights of every layer, the
@@ -46,6 +48,7 @@ import functools
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -233,6 +236,22 @@ def timed_generate(model, prompt, new_tokens: int, steps: int, seed: int, refere
     )
 
 
+def generate_host_syncs(model, prompt, new_tokens: int, steps: int) -> int | None:
+    """Times one `generate()` call made the host wait for the GPU (torch's sync debug mode warns at each; an event
+    read, the stop decision's, is not counted); None off CUDA."""
+    if prompt.device.type != "cuda":
+        return None
+    torch.cuda.synchronize(prompt.device)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model.generate(prompt, max_new_tokens=new_tokens, max_denoising_steps=steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("called a synchronizing" in str(warning.message) for warning in caught)
+
+
 def graph_replays(model) -> dict:
     """hf_dllm's CUDA graph replays so far per captured pass (`CacheGraphs.replays`; {} for transformers')."""
     graphs = getattr(model, "_graphs", None)
@@ -292,10 +311,11 @@ def pytorch_sampler_ms(sampler, block, raw, cap: float, repeats: int, device) ->
 
 
 def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
-    """ms per encoder pass over an accepted canvas of `batch` rows after a `prompt_len` prompt, in generate()'s
-    cache (static on CUDA), with positions `(B, T)` as generate() gives them: eager and with its layers replayed
-    from a CUDA graph (where `CacheGraphs` applies: captured by the first timed call). Every timed pass writes the
-    same columns again (the kernels and their shapes do not depend on what the cache holds)."""
+    """ms per encoder pass over the `prompt_len` prompt of `batch` rows (eager, the end column given as generate()
+    gives it: `encoder_prompt_ms`) and over an accepted canvas after it, in generate()'s cache (static on CUDA), with
+    positions `(B, T)` as generate() gives them: eager and with its layers replayed from a CUDA graph (where
+    `CacheGraphs` applies: captured by the first timed call). Every timed pass writes the same columns again (the
+    kernels and their shapes do not depend on what the cache holds)."""
     text, canvas = model.config.text_config, model.config.canvas_length
     generator = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(3, text.vocab_size, (batch, prompt_len + canvas), device=device, generator=generator)
@@ -304,7 +324,12 @@ def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device
     captured, timings = model.capture_encoder, {}
     with torch.no_grad():
         cache = model._diffusion_new_cache(batch, prompt_len + canvas)
-        model.encode(tokens[:, :prompt_len], torch.arange(prompt_len, device=device), valid[:, :prompt_len], cache)
+        prompt_columns = torch.arange(prompt_len, device=device)
+
+        def encode_prompt():
+            model.encode(tokens[:, :prompt_len], prompt_columns, valid[:, :prompt_len], cache, end=prompt_len)
+
+        timings["encoder_prompt_ms"] = timed_ms(encode_prompt, repeats, device)
 
         def encode():
             model.encode(tokens[:, prompt_len:], columns, valid[:, prompt_len:], cache, columns.expand(batch, -1))
@@ -529,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             step = isolated_step(ours, batch, prompt_len, repeats, device)
             step.update(encoder_canvas_pass(ours, batch, prompt_len, repeats, device))
+            step["generate_host_syncs"] = generate_host_syncs(ours, prompt, new_tokens, step_counts[0])
         except torch.OutOfMemoryError as error:
             torch.cuda.empty_cache()
             steps_rows.append(dict(batch=batch, oom=str(error).splitlines()[0]))
@@ -576,8 +602,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ms(step.get('experts_grouped_ms')):>27} {ms(step.get('experts_triton_ms'))} {step['experts_default']}"
             )
             print(
-                f"      encoder pass over a canvas: eager {step['encoder_canvas_eager_ms']:.2f} ms, "
-                f"graph {step['encoder_canvas_graph_ms']:.2f} ms ({step['encoder_canvas_graph_replays']} replays)"
+                f"      encoder pass over the prompt: {step['encoder_prompt_ms']:.2f} ms; over a canvas: eager "
+                f"{step['encoder_canvas_eager_ms']:.2f} ms, graph {step['encoder_canvas_graph_ms']:.2f} ms "
+                f"({step['encoder_canvas_graph_replays']} replays); host syncs in a generate() call "
+                f"({step_counts[0]} steps): {step['generate_host_syncs']}"
             )
             for name in ("sdpa", "gemm", "triton"):
                 if f"graph_step_{name}_attention_ms" in step:

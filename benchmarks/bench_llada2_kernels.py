@@ -20,6 +20,12 @@ replays with CUDA events. Prints tables and ends with one JSON line.
 `triton_attention.default_tiles` and the backends' dispatch rules.
 
     python benchmarks/bench_llada2_kernels.py --attention-sweep 32,16,8,1 [--attention-shape llada-8b]
+
+`--llada-moe-router TOKENS` times only LLaDA-MoE-7B's few-token routing: the router product and `route` together,
+cuBLAS's product against `triton_moe.router_partials` over 1-32 chunks of the hidden size (summed in `route`'s
+kernel), each call on another router weight (none stays in L2): the measurement behind `router_splits`.
+
+    python benchmarks/bench_llada2_kernels.py --llada-moe-router 1,32,64
 """
 
 from __future__ import annotations
@@ -219,6 +225,28 @@ def router_row(tokens: int, weight: torch.Tensor) -> dict:
     return row
 
 
+def llada_moe_router_row(tokens: int, copies: int = 256) -> dict:
+    """LLaDA-MoE-7B's few-token routing (hidden 2048, 64 experts top-8, bf16): the router's product and `route`
+    together, as cuBLAS's product then `route`, and as `triton_moe.router_partials` over 1-32 chunks of the hidden
+    size summed in `route`'s kernel; each call on another of `copies` router weights (64 MB in all: no weight stays
+    in L2, as in a step, whose other weights evict it)."""
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    weights = [(torch.randn(64, 2048, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
+    routing = (None, 1, 1, 8, "softmax", False, 1.0, torch.bfloat16)
+    logits = torch.empty(tokens, 64, device="cuda", dtype=torch.bfloat16)
+
+    def split(weight, splits):
+        return triton_moe.route(triton_moe.router_partials(x, weight, splits), *routing, summed_logits=logits)
+
+    row = dict(tokens=tokens, default_splits=triton_moe.router_splits(tokens, 64, 2048, x.device))
+    row["cublas_route_us"] = timed_us(
+        [functools.partial(lambda w: triton_moe.route(x @ w.T, *routing), w) for w in weights], copies
+    )
+    for splits in (1, 2, 4, 8, 16, 32):
+        row[f"split{splits}_route_us"] = timed_us([functools.partial(split, w, splits) for w in weights], copies)
+    return row
+
+
 def align_row(tokens: int) -> dict:
     topk = torch.randint(0, 256, (tokens, 8), device="cuda")
     per_expert = triton_moe._align_per_expert(topk, 256, True)
@@ -253,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         help="batch sizes: time the attention's tile shapes, key splits and kv_end (only this)",
     )
     parser.add_argument("--attention-shape", choices=sorted(SWEEP_SHAPES), default="llada2-mini")
+    parser.add_argument(
+        "--llada-moe-router",
+        default=None,
+        help="token counts: time LLaDA-MoE-7B's router product + route, cuBLAS's vs split over the hidden size (only this)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -276,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"kv_end {row['kv_end']}"
                     )
         summary["attention_sweep"] = sweep
+        print(json.dumps(summary))
+        return 0
+    if args.llada_moe_router:
+        summary["llada_moe_router"] = rows_of(llada_moe_router_row, [int(t) for t in args.llada_moe_router.split(",")])
+        print("\nLLaDA-MoE router product + route (us): tokens, cuBLAS, split 1 / 2 / 4 / 8 / 16 / 32, default split")
+        for r in summary["llada_moe_router"]:
+            split = "".join(f"{r[f'split{k}_route_us']:>8.1f}" for k in (1, 2, 4, 8, 16, 32))
+            print(f"{r['tokens']:>6}{r['cublas_route_us']:>8.1f}{split}{r['default_splits']:>8}")
         print(json.dumps(summary))
         return 0
     tokens = [int(t) for t in args.tokens.split(",")]

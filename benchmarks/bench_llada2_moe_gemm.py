@@ -15,7 +15,8 @@ block step's tokens concentrate), each replayed from a CUDA graph:
   shared memory, in FP8 and in bf16, each printed as it is timed;
 
 against each product's weight-read floor (bytes of the groups that received rows, bf16 or FP8 plus scales, over the
-measured copy bandwidth). Prints a table and ends with one JSON line.
+measured copy bandwidth). Prints a table, the config each bf16 `grouped_matmul` ran (the autotuner's, or
+`grouped_gemm.PINNED_CONFIGS`' where one is pinned) and ends with one JSON line.
 
     python benchmarks/bench_llada2_moe_gemm.py --tokens 32,256,1024
     python benchmarks/bench_llada2_moe_gemm.py --shape llada-moe --tokens 32 --sweep bf16
@@ -103,6 +104,8 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SH
         reference = fns["grouped_mm_bf16"]().float()
         for name, fn in fns.items():
             out = fn()  # autotunes outside the graph
+            if name.startswith("triton"):  # the config that ran: the autotuner's, or `grouped_gemm.PINNED_CONFIGS`'
+                row[f"{gemm}_{name}_config"] = str(grouped_gemm._grouped_kernel.best_config)
             row[f"{gemm}_{name}_us"] = graph_us(fn, calls=10)
             row[f"{gemm}_{name}_rel_err"] = ((out.float() - reference).norm() / reference.norm()).item()
         for dtype in sweep:
@@ -181,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['tokens']:>6} {gemm:<8}{r[f'{gemm}_floor_bf16_us']:>11.1f}{r[f'{gemm}_grouped_mm_bf16_us']:>12.1f}"
                 f"{r[f'{gemm}_triton_bf16_us']:>13.1f}{r[f'{gemm}_floor_fp8_us']:>11.1f}{r[f'{gemm}_triton_fp8_us']:>12.1f}"
             )
+    for r in summary["rows"]:
+        for gemm in ("gate_up", "down"):
+            print(f"{r['tokens']:>6} {gemm:<8}bf16 config: {r[f'{gemm}_triton_bf16_config']}")
     print(json.dumps(summary))
     return 0
 

@@ -12,8 +12,10 @@ built on the GPU; the Hub model class gets the same weights. Batch 1, prompt 256
 
 Reported: ms per forward, forwards, tokens/s and the speed-up over the reference (goal: dual cache >= 3x), and the
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
-loop queues them; also without the router's product in the routing kernel, and without the next norm in the
-MoE's combine kernel: `LLaDAMoESparseMoeBlock`'s switches) against its weight-read floor: the bytes of every weight
+loop queues them; also without the router's product in the routing kernel, without the next norm in the MoE's
+combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the step's decision in one launch
+(`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs where
+`grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight
 a step reads (attention, norms, routers, output head; the embedding's gathered rows aside) plus the distinct experts
 the step's 32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step within 2x of the
 floor).
@@ -45,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_generate import copy_bandwidth  # noqa: E402
 from bench_llada2 import sync, timed  # noqa: E402
 
-from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM  # noqa: E402
+from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM, grouped_gemm  # noqa: E402
 from hf_dllm.block_loop import BlockDiffusionRun  # noqa: E402
+from hf_dllm.decoding import UnmaskingPolicy  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
 from hf_dllm.modeling_llada_moe import LLaDAMoESparseMoeBlock  # noqa: E402
 
@@ -215,13 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     config = model.resolve_generation_config(steps=new_tokens, **base, use_cache=True, dual_cache=True)
     step = block_step_ms(model, prompt, config, device) if gpu else None
     variants = {}
-    if gpu:  # the same step without one of the MoE block's fusions (each a switch of the block's class)
-        for switch in ("router_product_in_routing_kernel", "norm_in_combine"):
-            setattr(LLaDAMoESparseMoeBlock, switch, False)
+    if gpu:  # the same step without one of its fusions (each a switch of a class)
+        switches = [
+            (LLaDAMoESparseMoeBlock, "router_product_in_routing_kernel"),
+            (LLaDAMoESparseMoeBlock, "norm_in_combine"),
+        ]
+        for owner, switch in [*switches, (UnmaskingPolicy, "commit_in_one_launch")]:
+            setattr(owner, switch, False)
             try:
                 variants[f"ms_without_{switch}"] = round(block_step_ms(model, prompt, config, device), 3)
             finally:
-                setattr(LLaDAMoESparseMoeBlock, switch, True)
+                setattr(owner, switch, True)
+        # The grouped products with the autotuner's configs where `grouped_gemm.PINNED_CONFIGS` pins them (the
+        # autotuner's picks cleared before and after: each run chooses again).
+        pinned = dict(grouped_gemm.PINNED_CONFIGS)
+        grouped_gemm.PINNED_CONFIGS.clear()
+        grouped_gemm._grouped_kernel.cache.clear()
+        try:
+            variants["ms_without_pinned_grouped_configs"] = round(block_step_ms(model, prompt, config, device), 3)
+        finally:
+            grouped_gemm.PINNED_CONFIGS.update(pinned)
+            grouped_gemm._grouped_kernel.cache.clear()
     canvas = ours_steps.sequences
     distinct = distinct_experts(model, canvas, slice(prompt_len, prompt_len + block))
     summary["step"] = {"distinct_experts_per_layer": round(statistics.mean(distinct), 1)}

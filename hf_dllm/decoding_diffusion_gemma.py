@@ -40,8 +40,9 @@ def row_chunks(rows: int, vocab: int) -> list[slice]:
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """`(..., vocab)` -> `(...)`: the entropy of softmax(logits), as `torch.distributions.Categorical` computes it
-    (the reference's reductions, in its order)."""
-    return torch.distributions.Categorical(logits=logits).entropy()
+    (the reference's reductions, in its order). Without its argument check, which reads a device bool on the host
+    (a synchronisation per step on a GPU) and computes nothing the entropy uses."""
+    return torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
 
 
 class EntropyBoundSampler(UnmaskingPolicy):

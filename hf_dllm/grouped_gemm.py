@@ -81,6 +81,32 @@ def fits_shared_memory(config, x_bytes: int, w_bytes: int, block_k: int, gated: 
     return footprint_bytes(config, x_bytes, w_bytes, block_k, gated) <= _shared_memory_bytes(device)
 
 
+# Configs pinned for a product, keyed `(gated, N, K, groups, rows bucket, weight dtype)` (N: the output columns, the
+# gated product's `I`; the rows bucket: `rows_bucket(pairs)`), where a sweep of every config timed as the block step
+# runs them (replayed from a CUDA graph, back to back, the experts' weights read from HBM: `bench_llada2_moe_gemm.py
+# --sweep`) ranked a config above the autotuner's pick. The autotuner times each config launched alone from the
+# host (`triton.testing.do_bench`: per-call events, the L2 cleared before each call); at these 10-30 us products its
+# ranking lands a few microseconds off the graph's (and in a captured step the kernels run between others).
+PINNED_CONFIGS = {
+    # LLaDA-MoE-7B-A1B's batch-1 block step (32 tokens x top-8: 256 pairs over 64 experts of width 1024, hidden
+    # 2048), bf16 weights, H200 (`benchmarks/results/h200_bench_llada2_moe_gemm_llada_moe.log`): gate/up 26.5 us
+    # against the autotuner's 27.4, down 12.6 us against its 16.8 (its pick measured 14-20 us in a captured step).
+    (True, 1024, 2048, 64, 256, torch.bfloat16): (dict(BLOCK_M=32, BLOCK_N=64, SWAP=False, N_FASTEST=True), 4, 3),
+    (False, 2048, 1024, 64, 256, torch.bfloat16): (dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True), 4, 3),
+}
+
+
+def pinned_config(gated: bool, n: int, k: int, groups: int, bucket: int, weight_dtype: torch.dtype, configs=None):
+    """The config of `configs` (default `grouped_configs()`) pinned for a product of `groups` groups with `n` output
+    columns over `k`, rows bucket `bucket` (`rows_bucket(pairs)`), weights in `weight_dtype` (`PINNED_CONFIGS`), or
+    None (the autotuner chooses)."""
+    pin = PINNED_CONFIGS.get((gated, n, k, groups, bucket, weight_dtype))
+    for config in grouped_configs() if configs is None else configs:
+        if pin is not None and (config.kwargs, config.num_warps, config.num_stages) == pin:
+            return config
+    return None
+
+
 def _prune_grouped(configs, named_args, **kwargs):
     sizes = (named_args["x_ptr"].element_size(), named_args["w_ptr"].element_size(), kwargs["BLOCK_K"], kwargs["GATED"])
     smallest = min(configs, key=lambda c: footprint_bytes(c, *sizes))  # surely fits the shared memory
@@ -88,6 +114,13 @@ def _prune_grouped(configs, named_args, **kwargs):
         # float32 runs for exactness, not speed (`tile_product` multiplies it in full float32, on the CUDA cores):
         # that one config, instead of compiling and timing every one of them for each new row key (minutes).
         return [smallest]
+    if not kwargs["HAS_SCALE"]:
+        pinned = pinned_config(
+            kwargs["GATED"], named_args["N"], named_args["K"], named_args["n_groups"], named_args["ROWS_BUCKET"],
+            named_args["w_ptr"].dtype, configs,
+        )  # fmt: skip
+        if pinned is not None and fits_shared_memory(pinned, *sizes, named_args["x_ptr"].device):
+            return [pinned]  # one config: nothing to choose between
     # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
     per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
     allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
@@ -154,7 +187,8 @@ if TRITON_AVAILABLE:
 
     @triton.autotune(
         configs=grouped_configs(),
-        key=["ROWS_BUCKET", "N", "K", "GATED", "HAS_SCALE"],
+        # n_groups too: the pruning depends on it (tiles near the rows per group, `PINNED_CONFIGS`).
+        key=["ROWS_BUCKET", "N", "K", "n_groups", "GATED", "HAS_SCALE"],
         prune_configs_by={"early_config_prune": _prune_grouped},
     )
     @triton.jit

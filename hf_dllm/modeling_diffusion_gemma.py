@@ -623,9 +623,12 @@ class DiffusionGemmaEncoderCache:
         self.keys, self.values, self.columns, self.valid = ([None] * layers for _ in range(4))
         self.length = 0
 
-    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
-        """Before an encoder pass of `batch` rows over `columns` `(T,)`: what may read host values (the static
-        cache's capacity check and allocation), never inside a captured pass."""
+    def prepare(
+        self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor, end: int | None = None
+    ) -> None:
+        """Before an encoder pass of `batch` rows over `columns` `(T,)` (`end`: `columns[-1] + 1` on the host; None:
+        read from `columns`): what may read host values (the static cache's capacity check and allocation), never
+        inside a captured pass."""
 
     def begin_write(self, columns: torch.Tensor) -> None:
         """The columns `(T,)` of the encoder pass now starting (where the static cache's `keys_values` writes; a
@@ -717,12 +720,15 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
             and keys.device == device
         )
 
-    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor) -> None:
-        if not all(self.sliding) and int(columns[-1]) >= self.capacity:
-            raise ValueError(
-                f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column "
-                f"{int(columns[-1])}."
-            )
+    def prepare(
+        self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor, end: int | None = None
+    ) -> None:
+        if not all(self.sliding):
+            end = int(columns[-1]) + 1 if end is None else end
+            if end > self.capacity:
+                raise ValueError(
+                    f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column {end - 1}."
+                )
         if self.keys[0] is not None and self.keys[0].shape[0] == batch:
             return
         with torch.inference_mode(False):  # plain tensors: a later call, outside inference mode, reuses them
@@ -921,6 +927,7 @@ class DiffusionGemmaDecoder(nn.Module):
         self.layers = nn.ModuleList(DiffusionGemmaLayer(text, i) for i in range(text.num_hidden_layers))
         self.norm = DiffusionGemmaRMSNorm(text.hidden_size, eps=text.rms_norm_eps)
         self.self_conditioning = DiffusionGemmaSelfConditioning(text)
+        self._embed_scales: dict = {}  # `embed_scale`'s tensors per (dtype, device)
         for layer_type, frequencies in self.rope_frequencies().items():
             self.register_buffer(f"{layer_type}_inv_freq", frequencies, persistent=False)
 
@@ -933,8 +940,16 @@ class DiffusionGemmaDecoder(nn.Module):
         }
 
     def embed_scale(self, dtype: torch.dtype) -> torch.Tensor:
-        # A tensor in the weights' dtype, as transformers (in bfloat16 sqrt(hidden) rounds).
-        return torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=self.embed_tokens.weight.device)
+        """sqrt(hidden) as a 0-dim tensor in `dtype` on the embedding's device, as transformers multiplies by it (in
+        bfloat16 it rounds). Made once per dtype and device: a tensor made from a Python number on a GPU is a copy
+        from pageable memory, which makes the host wait for all queued work (at every pass)."""
+        device = self.embed_tokens.weight.device
+        scale = self._embed_scales.get((dtype, device))
+        if scale is None:
+            with torch.inference_mode(False):  # a plain tensor: autograd may save it in a later call
+                scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)
+            self._embed_scales[(dtype, device)] = scale
+        return scale
 
     def rope(self, positions: torch.Tensor, layer_type: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `(B, T, head_dim)` at `positions` `(B, T)` (or `(T,)`, shared: `(1, T, head_dim)`)."""
@@ -958,6 +973,23 @@ def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive:
     keys = mask.shape[-1]
     storage = torch.zeros(*mask.shape[:-1], -(-keys // 16) * 16, dtype=x.dtype, device=x.device)
     return storage[..., :keys].masked_fill_(~mask, float("-inf"))
+
+
+def encoder_key_mask(cache, layer: int, columns: torch.Tensor, valid: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The encoder's mask `(B, 1, T, cached + T)` bool over layer `layer`'s cache and the pass' own keys at `columns`
+    `(T,)` (`valid` `(B, T)`: real tokens): a query sees the valid keys at its column or before, and within `window`
+    columns in sliding layers (None: no window). One mask serves every layer of its kind: the caches keep the same
+    columns and validity in all the sliding layers, and in all the full ones (`decoder_key_mask`), and a pass
+    records its columns only after its last layer. Bool whatever the layer's backend (SDPA converts it in each
+    layer: an additive mask made once would save that, given which backend each layer's encoder pass runs)."""
+    key_columns, key_valid = columns, valid
+    if cache.columns[layer] is not None:
+        key_columns = torch.cat([cache.columns[layer], columns])
+        key_valid = torch.cat([cache.valid[layer], valid], dim=1)
+    visible = key_columns[None, :] <= columns[:, None]
+    if window is not None:
+        visible = visible & (key_columns[None, :] > columns[:, None] - window)
+    return _valid_rows(visible[None] & key_valid[:, None, :])[:, None]
 
 
 def _valid_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -1062,22 +1094,24 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return self.lm_head
 
     # -- the two passes ---------------------------------------------------------------------------------------
-    def encode(self, input_ids, columns, valid, cache, positions=None) -> None:
+    def encode(self, input_ids, columns, valid, cache, positions=None, end: int | None = None) -> None:
         """Encoder pass: run the text transformer causally on `input_ids` `(B, T)` at columns `columns` `(T,)`
         (causality and sliding windows count columns), keys `valid` `(B, T)` bool, RoPE at `positions` `(B, T)`
         (default: the columns; transformers' positions, left padding shifting a row's), appending every layer's
-        K/V to `cache`. The layers of a pass over `canvas_length` columns (an accepted canvas) run as a CUDA graph
-        where `CacheGraphs.applies` (`capture_encoder`)."""
+        K/V to `cache`. `end`: `columns[-1] + 1` where the caller knows it on the host (None: read from the device,
+        which waits for the queued work). The layers of a pass over `canvas_length` columns (an accepted canvas)
+        run as a CUDA graph where `CacheGraphs.applies` (`capture_encoder`)."""
         decoder = self.model.decoder
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
-        cache.prepare(input_ids.shape[0], x.dtype, x.device, columns)
+        end = int(columns[-1]) + 1 if end is None else end
+        cache.prepare(input_ids.shape[0], x.dtype, x.device, columns, end)
         positions = columns if positions is None else positions
         canvas = x.shape[1] == self.config.canvas_length
         if self.capture_encoder and canvas and CacheGraphs.applies(self, x, cache):
             self._cache_graphs().run(self.encoder_layers, cache, (x, columns, valid, positions))
         else:
             self.encoder_layers(x, columns, valid, positions, cache)
-        cache.length = int(columns[-1]) + 1  # (a host read: after the pass, outside its graph)
+        cache.length = end
 
     def encoder_layers(self, x, columns, valid, positions, cache) -> None:
         """The encoder's layers on its input `x` `(B, T, hidden)` (`encode`'s other arguments), writing the K/V and
@@ -1086,19 +1120,15 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder, text = self.model.decoder, self.config.text_config
         cache.begin_write(columns)
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
+        masks = {}  # once per layer kind, not per layer
+        for kind in set(text.layer_types):
+            window = text.sliding_window if kind == "sliding_attention" else None
+            masks[kind] = encoder_key_mask(cache, text.layer_types.index(kind), columns, valid, window)
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
-            key_columns, key_valid = columns, valid
-            if cache.columns[index] is not None:
-                key_columns = torch.cat([cache.columns[index], columns])
-                key_valid = torch.cat([cache.valid[index], valid], dim=1)
-            visible = key_columns[None, :] <= columns[:, None]
-            if kind == "sliding_attention":
-                visible = visible & (key_columns[None, :] > columns[:, None] - text.sliding_window)
-            mask = _valid_rows(visible[None] & key_valid[:, None, :])[:, None]
             scalar = self.model.encoder.language_model.layers[index].layer_scalar
-            x = layer(x, *rope[kind], cache, mask, True, scalar, attention_only=index == last)
+            x = layer(x, *rope[kind], cache, masks[kind], True, scalar, attention_only=index == last)
         cache.record(columns, valid)
 
     def _cache_graphs(self) -> CacheGraphs:
@@ -1210,8 +1240,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             if attention_mask is not None:
                 valid = attention_mask[:, -input_ids.shape[1] :].bool()
                 padded = not bool(valid.all())
-            columns = torch.arange(cache.length, cache.length + input_ids.shape[1], device=input_ids.device)
-            self.encode(input_ids, columns, valid, cache)
+            end = cache.length + input_ids.shape[1]
+            columns = torch.arange(cache.length, end, device=input_ids.device)
+            self.encode(input_ids, columns, valid, cache, end=end)
         length = decoder_input_ids.shape[1]
         columns = torch.arange(cache.length, cache.length + length, device=decoder_input_ids.device)
         logits = self.decode(decoder_input_ids, columns, cache, self_conditioning_logits, padded=padded)
@@ -1272,14 +1303,17 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     def _diffusion_forward(
         self, input_ids, attention_mask, position_ids, cache, cache_position, logits_slice, **forward_kwargs
     ) -> torch.Tensor:
-        """A step of the loop (`EncoderPrefixCache`): `input_ids` and `position_ids` `(B, q)` are the columns
-        `cache_position` `(q,)`, the canvas being the last `canvas_length`; at a canvas' first step the columns
+        """A step of the loop (`EncoderPrefixCache`): `input_ids` and `position_ids` `(B, q)` are the consecutive
+        columns `cache_position` `(q,)`, the canvas being the last `canvas_length`; at a canvas' first step the columns
         before it that the cache does not hold yet (the prompt, the previous canvas; after the serving engine's
         `set_length`, the whole prefix) are encoded first. `attention_mask` `(B, width)` bool: real tokens (None:
         all); `self_conditioning_logits` or `self_conditioning_probabilities` and `capped_logits` in
         `forward_kwargs` (the sampler's, `EntropyBoundSampler.forward_inputs`)."""
         length = self.config.canvas_length
-        start = cache.length - int(cache_position[0]) if input_ids.shape[1] > length else None
+        # The one host read of a canvas' first step (none at later steps): the first fed column; the columns are
+        # consecutive, so the encoder's end (the canvas' first column) follows without another.
+        first = int(cache_position[0]) if input_ids.shape[1] > length else None
+        start = None if first is None else cache.length - first
         if start is not None and start < input_ids.shape[1] - length:
             columns = cache_position[start:-length]
             valid = (
@@ -1287,7 +1321,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 if attention_mask is not None
                 else torch.ones(input_ids.shape[0], len(columns), dtype=torch.bool, device=input_ids.device)
             )
-            self.encode(input_ids[:, start:-length], columns, valid, cache, position_ids[:, start:-length])
+            end = first + input_ids.shape[1] - length
+            self.encode(input_ids[:, start:-length], columns, valid, cache, position_ids[:, start:-length], end)
         return self.decode(
             input_ids[:, -length:],
             position_ids[:, -length:],

@@ -84,7 +84,7 @@ from .triton_moe import (
     combine_and_norm,
     qk_norm_rope_to_cache,
     route,
-    router_product,
+    router_partials,
     router_product_applies,
 )
 from .triton_ops import rms_norm
@@ -500,24 +500,28 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         out, normed = combine_and_norm(expert_rows, rows, weights, residual, norm_weight, self.config.rms_norm_eps)
         return out, router_logits, normed
 
-    # Few tokens (`triton_moe.router_product_applies`): the router's product through `triton_moe.router_product`
-    # (the experts split across programs) rather than cuBLAS's.
+    # Few tokens (`triton_moe.router_product_applies`): the router's product through `triton_moe.router_partials`
+    # (the experts and the hidden size split across programs, the partial products added up in `route`'s kernel)
+    # rather than cuBLAS's.
     router_product_in_routing_kernel = True
 
     def _fused_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """For x `(tokens, hidden)`: the router logits `(tokens, num_experts)` in x's dtype, the routing weights
         `(tokens, top_k)` rounded to x's dtype, and the pairs aligned by expert (`triton_moe.align_by_expert`'s
-        sorted_token, offsets, rows): the router's product (`triton_moe.router_product` for few tokens where the
-        router is a plain `nn.Linear` in x's dtype, else the router's own), `route` (one program per token) and
-        `align_by_expert`; every kernel reads and writes the dtypes it is given (no cast kernels)."""
+        sorted_token, offsets, rows): the router's product (for few tokens where the router is a plain `nn.Linear` in
+        x's dtype `triton_moe.router_partials`, whose partial products `route` adds up and rounds to x's dtype, else
+        the router's own), `route` (one program per token) and `align_by_expert`; every kernel reads and writes the
+        dtypes it is given (no cast kernels)."""
         gate = self.gate
         plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
         plain_gate = plain_gate and not is_sharded(gate.weight) and gate.weight.dtype == x.dtype
+        routing = (None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
         if self.router_product_in_routing_kernel and plain_gate and router_product_applies(x.shape[0]):
-            router_logits = router_product(x, gate.weight)
+            router_logits = x.new_empty(x.shape[0], self.num_experts)
+            experts, weights = route(router_partials(x, gate.weight), *routing, summed_logits=router_logits)
         else:
             router_logits = gate(x)
-        experts, weights = route(router_logits, None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
+            experts, weights = route(router_logits, *routing)
         return router_logits, weights, *align_by_expert(experts, self.num_experts, False)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:

@@ -10,8 +10,9 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
   `routed_scaling_factor`, one program per token, from the router's float32 logits (the logits product stays a
   cuBLAS float32 GEMM, as in the reference: a Triton float32 product without TF32 measured 3.6x slower at batch 32
   on an H100, `benchmarks/results/h100_bench_llada2_kernels_batch32.log`);
-- `router_product`: the router's logits product for few tokens (a batch-1 block step of LLaDA-MoE), the experts
-  split across programs, rounded to the activations' dtype (`route` reads them as they are: no cast kernel);
+- `router_partials`: the router's logits product for few tokens (a batch-1 block step of LLaDA-MoE), the experts
+  and the hidden size split across programs, float32 partial products that `route` adds up and rounds to the
+  activations' dtype as it loads them (no cast or reduction kernel);
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
   groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
   (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
@@ -74,9 +75,12 @@ if TRITON_AVAILABLE:
         expert_scale_ptr,
         index_ptr,
         weight_ptr,
+        summed_ptr,
+        n_tokens,
         n_experts,
         group_size,
         scale,
+        SPLITS: tl.constexpr,
         SIGMOID: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_EXPERT_SCALE: tl.constexpr,
@@ -95,8 +99,19 @@ if TRITON_AVAILABLE:
         s = tl.arange(0, BLOCK_S)[None, :]
         expert = g * group_size + s
         valid = (g < N_GROUP) & (s < group_size)
-        # Half-precision logits widened here, as `.float()` would (exact): no cast kernel before the launch.
-        x = tl.load(logits_ptr + token * n_experts + expert, mask=valid, other=float("-inf")).to(tl.float32)
+        if SPLITS == 0:
+            # Half-precision logits widened here, as `.float()` would (exact): no cast kernel before the launch.
+            x = tl.load(logits_ptr + token * n_experts + expert, mask=valid, other=float("-inf")).to(tl.float32)
+        else:
+            # The float32 partial products over SPLITS chunks of the hidden size (`router_partials`), added in chunk
+            # order as they are loaded (unrolled: all loads in flight), rounded to summed_ptr's dtype as a product
+            # in that dtype rounds its float32 sum, stored there (the router logits) and routed from.
+            x = tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32)
+            for split in tl.static_range(SPLITS):
+                x += tl.load(logits_ptr + (split * n_tokens + token) * n_experts + expert, mask=valid, other=0.0)
+            x = x.to(summed_ptr.dtype.element_ty)
+            tl.store(summed_ptr + token * n_experts + expert, x, mask=valid)
+            x = tl.where(valid, x.to(tl.float32), float("-inf"))
         if SIGMOID:
             # CUDA's expf and IEEE division, as PyTorch's sigmoid (`1 / (1 + exp(-x))`), so the choice is the same
             # (Triton's own exp is an approximation in float32).
@@ -182,29 +197,34 @@ if TRITON_AVAILABLE:
     def _router_product_kernel(
         x_ptr,
         gate_ptr,
-        logits_ptr,
+        out_ptr,
         tokens,
         n_experts,
         hidden,
+        chunk,
         BLOCK_T: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
-        # One program per (tile of BLOCK_E experts, tile of BLOCK_T tokens): x @ gate.T with float32 accumulation,
-        # rounded to the logits' dtype as a cuBLAS product rounds. Splitting the experts across programs divides
-        # the router weight each program streams (one program for all 64 experts of LLaDA-MoE read 256 KB alone).
+        # One program per (tile of BLOCK_E experts, tile of BLOCK_T tokens, chunk of `chunk` hidden columns): that
+        # chunk's part of x @ gate.T with float32 accumulation, stored at `out[chunk index]` `(tokens, n_experts)`.
+        # Splitting the experts and the hidden size across programs divides the router weight each program streams
+        # (one program for all 64 experts of LLaDA-MoE read 256 KB alone; eight, one per 16 x 16 tile, 64 KB each).
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
         e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
+        split = tl.program_id(2)
         real_t = t < tokens
         real_e = e < n_experts
         h = tl.arange(0, BLOCK_H)
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK_H):
+        first = split * chunk
+        for start in range(first, first + chunk, BLOCK_H):
             cols = start + h
             xs = tl.load(x_ptr + t * hidden + cols[None, :], mask=real_t & (cols[None, :] < hidden), other=0.0)
             ws = tl.load(gate_ptr + e * hidden + cols[:, None], mask=real_e & (cols[:, None] < hidden), other=0.0)
             acc = tl.dot(xs, ws, acc)
-        tl.store(logits_ptr + t * n_experts + e, acc.to(logits_ptr.dtype.element_ty), mask=real_t & real_e)
+        out = out_ptr + split.to(tl.int64) * tokens * n_experts + t * n_experts + e
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=real_t & real_e)
 
     @triton.jit
     def _chunk_histogram_kernel(
@@ -463,6 +483,7 @@ def route(
     routed_scaling_factor: float,
     weight_dtype: torch.dtype = torch.float32,
     expert_scale: torch.Tensor | None = None,
+    summed_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k routing (`LLaDA2MoeGate` after its logits product). logits `(tokens, E)` float32 or half
     precision (widened to float32 in the kernel, as `.float()` would), expert_bias `(E,)` (any float dtype, widened
@@ -470,12 +491,36 @@ def route(
     score (ties: lowest index first) and weights `(tokens, top_k)` computed in float32 (normalised if `normalize` and
     top_k > 1, times `routed_scaling_factor`, times the chosen experts' `expert_scale` `(E,)` if given, widened to
     float32: DiffusionGemma's `per_expert_scale`) and stored in `weight_dtype` (rounded as `.to(weight_dtype)`
-    rounds: LLaDA-MoE's weights in the activations' dtype, without a cast kernel)."""
+    rounds: LLaDA-MoE's weights in the activations' dtype, without a cast kernel).
+
+    With `summed_logits` `(tokens, E)` (float32 or half precision), logits are `router_partials`' float32 partial
+    products `(splits, tokens, E)`: the kernel adds them up (in split order), rounds the sums to summed_logits'
+    dtype, stores them there (the router logits) and routes from those rounded logits."""
     if score_function not in ("sigmoid", "softmax"):
         raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {score_function!r}.")
     if weight_dtype not in ROUTE_WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {ROUTE_WEIGHT_DTYPES}, got {weight_dtype}.")
-    tokens, n_experts = logits.shape
+    splits = 0  # the kernel's SPLITS: 0 reads logits as they are
+    if summed_logits is not None:
+        if logits.dim() != 3 or logits.dtype != torch.float32:
+            raise ValueError(
+                f"route: with summed_logits, logits must be float32 partial products (splits, tokens, experts), got "
+                f"{logits.dtype} {tuple(logits.shape)}."
+            )
+        splits = logits.shape[0]
+        if summed_logits.shape != logits.shape[1:] or summed_logits.dtype not in ROUTE_WEIGHT_DTYPES:
+            raise ValueError(
+                f"route: summed_logits must be a {tuple(logits.shape[1:])} tensor of one of {ROUTE_WEIGHT_DTYPES}, "
+                f"got {summed_logits.dtype} {tuple(summed_logits.shape)}."
+            )
+        if not summed_logits.is_contiguous():
+            raise ValueError("route: summed_logits must be contiguous (the kernel stores the logits into it).")
+    elif logits.dim() != 2:
+        raise ValueError(
+            f"route: logits must be (tokens, experts), or partial products (splits, tokens, experts) with "
+            f"summed_logits, got {tuple(logits.shape)}."
+        )
+    tokens, n_experts = logits.shape[-2:]
     if n_experts % n_group:
         raise ValueError(f"num_experts ({n_experts}) must be divisible by n_group ({n_group}).")
     if expert_scale is not None and (expert_scale.shape != (n_experts,) or not expert_scale.is_floating_point()):
@@ -496,9 +541,12 @@ def route(
         expert_scale.contiguous() if expert_scale is not None else logits,
         index,
         weight,
+        summed_logits if summed_logits is not None else logits,
+        tokens,
         n_experts,
         group_size,
         float(routed_scaling_factor),
+        SPLITS=splits,
         SIGMOID=score_function == "sigmoid",
         HAS_BIAS=expert_bias is not None,
         HAS_EXPERT_SCALE=expert_scale is not None,
@@ -546,62 +594,87 @@ def align_by_expert(
     return _align_by_chunks(topk_index, n_experts, shared_expert)
 
 
-# Up to this many tokens the router's product is `router_product` (a batch-1 or batch-2 block step of LLaDA-MoE:
+# Up to this many tokens the router's product is `router_partials` (a batch-1 or batch-2 block step of LLaDA-MoE:
 # measured on an H200 at 32 tokens only); beyond, cuBLAS's product, which reads the weight once for all tokens.
 ROUTER_PRODUCT_MAX_TOKENS = 64
 # Tokens and experts per program: tl.dot's least width, so that the most programs share the weight's reading.
 ROUTER_PRODUCT_TILE = 16
+# Hidden columns per program at least (`router_splits`): a chunk stays one 128-column step of one program.
+ROUTER_PRODUCT_MIN_CHUNK = 128
 
 
 def router_product_applies(tokens: int) -> bool:
-    """Whether `router_product` takes `tokens` tokens."""
+    """Whether `router_partials` takes `tokens` tokens."""
     return 0 < tokens <= ROUTER_PRODUCT_MAX_TOKENS
 
 
+def router_splits(tokens: int, n_experts: int, hidden: int, device: torch.device) -> int:
+    """The chunks of the hidden size `router_partials` splits the product into by default: the largest power of two
+    that keeps the programs (16 x 16 tiles of experts x tokens, times the chunks) within the multiprocessors and each
+    chunk at least `ROUTER_PRODUCT_MIN_CHUNK` columns. LLaDA-MoE-7B's batch-1 block step (32 tokens, 64 experts,
+    hidden 2048) on an H200 (132 multiprocessors): 16 chunks of 128 columns, 128 programs (8 without the split,
+    5.5 us, each streaming a quarter of the weight, 64 KB, in 8 steps)."""
+    tiles = triton.cdiv(n_experts, ROUTER_PRODUCT_TILE) * triton.cdiv(tokens, ROUTER_PRODUCT_TILE)
+    splits = 1
+    while 2 * splits * tiles <= num_sms(device) and 2 * splits * ROUTER_PRODUCT_MIN_CHUNK <= hidden:
+        splits *= 2
+    return splits
+
+
 @on_tensor_device
-def router_product(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """The router logits `x @ gate_weight.T` `(tokens, E)` in x's dtype, for few tokens (`router_product_applies`):
-    float32 accumulation rounded to x's dtype as a cuBLAS product rounds them (the sum's order is the kernel's).
-    x `(tokens, H)` and gate_weight `(E, H)` in one half-precision dtype. At LLaDA-MoE-7B's batch-1 block step (32
-    tokens, 64 experts, hidden 2048) eight programs each stream a quarter of the router's weight and half of x."""
+def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """The router logits `x @ gate_weight.T` for few tokens (`router_product_applies`) as float32 partial products
+    over `splits` chunks of the hidden size `(splits, tokens, E)` (default `router_splits`), which `route` adds up
+    (in chunk order) and rounds as it loads them (its `summed_logits`): the product split over the most programs
+    without a second launch, atomics or a zeroed buffer. x `(tokens, H)` and gate_weight `(E, H)` in one
+    half-precision dtype; each chunk's product accumulated in float32 (the order of the sums is the kernel's: the
+    logits are within float32 rounding of the exact product before their rounding to x's dtype)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or gate_weight.dtype != x.dtype:
         raise ValueError(
-            f"router_product: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
+            f"router_partials: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
             f"{x.dtype} and {gate_weight.dtype}."
         )
     if gate_weight.dim() != 2 or x.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
         raise ValueError(
-            f"router_product: x must be (tokens, hidden) and gate_weight (experts, hidden), got {tuple(x.shape)} and "
+            f"router_partials: x must be (tokens, hidden) and gate_weight (experts, hidden), got {tuple(x.shape)} and "
             f"{tuple(gate_weight.shape)}."
         )
-    tokens, n_experts = x.shape[0], gate_weight.shape[0]
+    (tokens, hidden), n_experts = x.shape, gate_weight.shape[0]
     if not router_product_applies(tokens):
         raise ValueError(
-            f"router_product takes 1 to {ROUTER_PRODUCT_MAX_TOKENS} tokens, got {tokens}: use the router's own product "
-            f"(`router_product_applies` tells which)."
+            f"router_partials takes 1 to {ROUTER_PRODUCT_MAX_TOKENS} tokens, got {tokens}: use the router's own "
+            f"product (`router_product_applies` tells which)."
         )
+    if splits is None:
+        splits = router_splits(tokens, n_experts, hidden, x.device)
+    if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= hidden:
+        raise ValueError(f"router_partials: splits must be an int from 1 to the hidden size {hidden}, got {splits!r}.")
     x, gate_weight = x.contiguous(), gate_weight.contiguous()
-    logits = torch.empty(tokens, n_experts, dtype=x.dtype, device=x.device)
+    partials = torch.empty(splits, tokens, n_experts, dtype=torch.float32, device=x.device)
     block_t = block_e = ROUTER_PRODUCT_TILE
     block_h, stages = _router_product_tiles(block_t + block_e, x.element_size(), x.device)
-    _router_product_kernel[(triton.cdiv(n_experts, block_e), triton.cdiv(tokens, block_t))](
+    # A chunk in whole steps of at most block_h columns (at least 16: tl.dot's least width).
+    block_h = min(block_h, max(16, triton.next_power_of_2(triton.cdiv(hidden, splits))))
+    chunk = block_h * triton.cdiv(triton.cdiv(hidden, splits), block_h)
+    _router_product_kernel[(triton.cdiv(n_experts, block_e), triton.cdiv(tokens, block_t), splits)](
         x,
         gate_weight,
-        logits,
+        partials,
         tokens,
         n_experts,
-        x.shape[1],
+        hidden,
+        chunk,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_H=block_h,
         num_warps=4,
         num_stages=stages,
     )
-    return logits
+    return partials
 
 
 def _router_product_tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:
-    """(hidden columns per step, steps in flight) of `router_product`: the widest tiles and most stages whose
+    """(hidden columns per step, steps in flight) of `router_partials`: the widest tiles and most stages whose
     tiles of `rows` rows (tokens + experts) fit the device's shared memory (16 KB kept for the rest)."""
     if device.type != "cuda":
         return 256, 3

@@ -1065,3 +1065,153 @@ def edit_candidates(
         num_warps=1,
     )
     return tokens.view(shape), probability.view(shape)
+
+
+# How a step counts the positions it commits (`commit_most_confident`'s `rule`; an unmasking policy's
+# `fused_count`): the schedule's count; every masked position with confidence >= threshold, at least one
+# (Fast-dLLM's threshold); the positions with confidence > threshold where they are at least the schedule's count,
+# else the count (LLaDA2.0's).
+COMMIT_SCHEDULED, COMMIT_AT_LEAST_THRESHOLD, COMMIT_ABOVE_THRESHOLD_OR_SCHEDULED = 0, 1, 2
+# Block positions up to which `commit_most_confident` decides a step: it compares every pair of a row's positions in
+# registers (compiled for sm_90: 32 positions on one warp 96 registers a thread, 64 on eight warps 126, no spills;
+# 128 spilled even on sixteen warps); longer blocks keep PyTorch's sort.
+COMMIT_MAX_POSITIONS = 64
+
+
+def commit_applies(block_length: int) -> bool:
+    """Whether `commit_most_confident` takes blocks of `block_length` positions."""
+    return 0 < block_length <= COMMIT_MAX_POSITIONS
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _commit_most_confident_kernel(
+        block_ptr,
+        x0_ptr,
+        probability_ptr,
+        candidates_ptr,
+        scheduled_ptr,
+        active_ptr,
+        new_ptr,
+        draft_ptr,
+        edited_ptr,
+        length,
+        n_candidates,
+        mask_id,
+        threshold,
+        RULE: tl.constexpr,
+        HAS_CANDIDATES: tl.constexpr,
+        HAS_ACTIVE: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_U: tl.constexpr,
+    ):
+        # One program per row: the proposal scattered to the block's positions (from the candidate positions, or
+        # at every position), each masked position's rank among the row's confidences (descending; ties to the
+        # lower position; NaN first, as a stable descending sort), the count by RULE, the commit of the best
+        # ranked, the row frozen unless active, the draft; edited is all False (no committed token changes).
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK_L)
+        in_row = i < length
+        block = tl.load(block_ptr + row * length + i, mask=in_row, other=0)
+        if HAS_CANDIDATES:
+            u = tl.arange(0, BLOCK_U)
+            in_u = u < n_candidates
+            where_u = tl.load(candidates_ptr + row * n_candidates + u, mask=in_u, other=-1)
+            x0_u = tl.load(x0_ptr + row * n_candidates + u, mask=in_u, other=0)
+            p_u = tl.load(probability_ptr + row * n_candidates + u, mask=in_u, other=0.0)
+            match = where_u[None, :] == i[:, None]  # (L, U): distinct candidate positions, at most one per row
+            found = tl.max(match.to(tl.int32), axis=1) > 0
+            x0 = tl.where(found, tl.sum(tl.where(match, x0_u[None, :], 0), axis=1), block)
+            probability = tl.sum(tl.where(match, p_u[None, :], 0.0), axis=1)  # 0 at positions not proposed
+        else:
+            x0 = tl.load(x0_ptr + row * length + i, mask=in_row, other=0)
+            probability = tl.load(probability_ptr + row * length + i, mask=in_row, other=0.0)
+        masked = (block == mask_id) & in_row
+        confidence = tl.where(masked, probability, float("-inf"))
+        mine = confidence[:, None]
+        other = confidence[None, :]
+        nan_mine = mine != mine
+        nan_other = other != other
+        ahead = (other > mine) | (nan_other & ~nan_mine)
+        tied = (other == mine) | (nan_other & nan_mine)
+        before = (ahead | (tied & (i[None, :] < i[:, None]))) & in_row[None, :]
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        scheduled = tl.load(scheduled_ptr + row)
+        if RULE == 0:
+            count = scheduled
+        elif RULE == 1:
+            count = tl.maximum(tl.sum(((confidence >= threshold) & in_row).to(tl.int64), axis=0), 1)
+        else:
+            above = tl.sum(((confidence > threshold) & in_row).to(tl.int64), axis=0)
+            count = tl.where(above >= scheduled, above, scheduled)
+        new = tl.where(masked & (rank < count), x0, block)
+        if HAS_ACTIVE:
+            new = tl.where(tl.load(active_ptr + row) != 0, new, block)
+        tl.store(new_ptr + row * length + i, new, mask=in_row)
+        tl.store(draft_ptr + row * length + i, tl.where(new == mask_id, x0, new), mask=in_row)
+        tl.store(edited_ptr + row + tl.arange(0, 1), tl.zeros([1], dtype=tl.int1))
+
+
+@on_tensor_device
+def commit_most_confident(
+    block: torch.Tensor,
+    x0: torch.Tensor,
+    probability: torch.Tensor,
+    candidates: torch.Tensor | None,
+    scheduled: torch.Tensor,
+    active: torch.Tensor | None,
+    mask_token_id: int,
+    rule: int,
+    threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mask-based denoising step's decision from its proposal in one launch (`decoding.denoise_step` with the
+    base `UnmaskingPolicy.commit`: PyTorch's scatter of the proposal, stable sort, rank scatter, count, commit,
+    freeze and draft took ~15 small kernels). block `(rows, L)` long; x0 `(rows, U)` long and probability `(rows, U)`
+    float32 at the positions `candidates` `(rows, U)` long (distinct), or `(rows, L)` with candidates None;
+    scheduled `(rows,)` long; active `(rows,)` bool or None. `rule` one of `COMMIT_SCHEDULED`,
+    `COMMIT_AT_LEAST_THRESHOLD`, `COMMIT_ABOVE_THRESHOLD_OR_SCHEDULED` with `threshold`. Returns the new block
+    `(rows, L)`, the draft `(rows, L)` (still-masked positions show their candidate) and edited `(rows,)` bool
+    (all False): the same as the PyTorch path, position for position."""
+    if rule not in (COMMIT_SCHEDULED, COMMIT_AT_LEAST_THRESHOLD, COMMIT_ABOVE_THRESHOLD_OR_SCHEDULED):
+        raise ValueError(f"commit_most_confident: rule must be 0, 1 or 2 (the COMMIT_* constants), got {rule!r}.")
+    rows, length = block.shape
+    if not commit_applies(length):
+        raise ValueError(
+            f"commit_most_confident takes blocks of 1 to {COMMIT_MAX_POSITIONS} positions, got {length} "
+            f"(`commit_applies` tells which)."
+        )
+    proposed = length if candidates is None else candidates.shape[1]
+    if x0.shape != (rows, proposed) or probability.shape != (rows, proposed) or scheduled.shape != (rows,):
+        raise ValueError(
+            f"commit_most_confident: x0 and probability must be ({rows}, {proposed}) and scheduled ({rows},), got "
+            f"{tuple(x0.shape)}, {tuple(probability.shape)} and {tuple(scheduled.shape)}."
+        )
+    block, x0, probability = block.contiguous(), x0.contiguous(), probability.contiguous()
+    new, draft = torch.empty_like(block), torch.empty_like(block)
+    edited = torch.empty(rows, dtype=torch.bool, device=block.device)
+    if rows == 0:
+        return new, draft, edited
+    block_l = triton.next_power_of_2(length)
+    _commit_most_confident_kernel[(rows,)](
+        block,
+        x0,
+        probability,
+        candidates.contiguous() if candidates is not None else block,
+        scheduled.contiguous(),
+        active.contiguous() if active is not None else block,
+        new,
+        draft,
+        edited,
+        length,
+        proposed,
+        mask_token_id,
+        float(threshold),
+        RULE=rule,
+        HAS_CANDIDATES=candidates is not None,
+        HAS_ACTIVE=active is not None,
+        BLOCK_L=block_l,
+        BLOCK_U=triton.next_power_of_2(proposed),
+        num_warps=1 if block_l <= 32 else 8,  # (`COMMIT_MAX_POSITIONS`)
+    )
+    return new, draft, edited

@@ -60,3 +60,5 @@ def test_bench_diffusion_gemma_cpu():
         assert row["steps_per_canvas"] == row["max_denoising_steps"] == 2
         assert row["tokens_per_s"] > 0
     assert set(summary["goals"]) == {"batch1_speedup_steps2", "batch1_step_over_floor", "batch32_peak_gb"}
+    (step,) = summary["steps"]
+    assert step["encoder_prompt_ms"] > 0 and step["generate_host_syncs"] is None  # (syncs: counted on CUDA)

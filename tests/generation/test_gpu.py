@@ -311,6 +311,45 @@ def test_greedy_propose_matches_torch(dtype, rows, vocab, n_splits):
     assert (probability.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-7
 
 
+@pytest.mark.parametrize("length,with_candidates", [(32, False), (32, True), (64, True)])
+def test_fused_commit_decides_as_pytorch_at_a_block_step(monkeypatch, length, with_candidates):
+    """`triton_ops.commit_most_confident` (the mask-based policies' step decision in one launch) at a batch-8 step of
+    32- and 64-position blocks (one warp, eight): the same block, draft and edit flags as the PyTorch commit, for
+    every policy rule (fixed schedule, Fast-dLLM's threshold 0.9, LLaDA2.0's rule), with tied confidences and a
+    frozen row, without a host synchronisation."""
+    from hf_dllm.decoding import ConfidenceThreshold, FixedSchedule, ScheduledThreshold, StepRules, denoise_step
+
+    torch.manual_seed(0)
+    rows, mask, bound = 8, 126335, 3 * length // 4
+    block = torch.randint(0, 1000, (rows, length), device="cuda")
+    block[torch.rand(rows, length, device="cuda") < 0.5] = mask
+    tail = block[:, bound:]
+    block[:, bound:] = torch.where(tail == mask, 7, tail)  # at most `bound` masks: the candidates
+    logits = torch.randn(rows, length, 126464, device="cuda").bfloat16() * 4
+    logits[1] = logits[1, :1]  # tied confidences
+    candidates = None
+    if with_candidates:
+        candidates = torch.argsort((block != mask).long(), dim=1, stable=True)[:, :bound]
+        logits = logits.gather(1, candidates[..., None].expand(-1, -1, logits.shape[-1]))
+    step = dict(scheduled=torch.full((rows,), 2, device="cuda"), active=torch.arange(rows, device="cuda") != 3)
+    calls, launcher = [], triton_ops.commit_most_confident
+    monkeypatch.setattr(triton_ops, "commit_most_confident", lambda *a, **k: calls.append(1) or launcher(*a, **k))
+    for policy in (FixedSchedule(), ConfidenceThreshold(0.9), ScheduledThreshold(0.9)):
+        policy.start_block(length, 16)
+        rules = StepRules(policy=policy, mask_token_id=mask)
+        decided = []
+        for mode in ("torch", "auto"):
+            kernels.set_kernel_mode(mode)
+            try:
+                decided.append(denoise_step(block, logits, rules, **step, candidates=candidates))
+            finally:
+                kernels.set_kernel_mode("auto")
+        assert all(torch.equal(a, b) for a, b in zip(*decided, strict=True)), type(policy).__name__
+        assert len(calls) == 1, "the fused decision ran once, in the auto mode's step"
+        calls.clear()
+        assert count_host_syncs(lambda r=rules: denoise_step(block, logits, r, **step, candidates=candidates)) == 0
+
+
 @contextlib.contextmanager
 def recorded_host_syncs():
     """The warnings of torch's sync debug mode (one each time the host waits for the GPU) while the block runs, in

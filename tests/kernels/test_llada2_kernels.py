@@ -73,18 +73,49 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
     want_index, want_weight = triton_moe.route(logits.half().float(), None, 4, 2, 3, "softmax", False, 1.0)
     assert torch.equal(half_index, want_index) and torch.equal(half_weight, want_weight.half()), "route dtypes"
 
-    # The router's product for few tokens (LLaDA-MoE's block steps), on values whose products and sums are exact in
-    # any order (so the logits are too), over token and expert counts that fill a tile, cross one or stop short.
-    for tokens, experts in ((32, 64), (5, 16), (17, 40), (64, 8)):
-        x, gate = (torch.randint(-2, 3, shape).half() / 4 for shape in ((tokens, 256), (experts, 256)))
-        assert torch.equal(triton_moe.router_product(x, gate), x @ gate.T), ("router_product", tokens, experts)
-    for bad_x, bad_gate in ((x.float(), gate.float()), (x, gate[:, :100]), (torch.zeros(80, 256).half(), gate)):
+    # The router's product for few tokens (LLaDA-MoE's block steps) as partial products over chunks of the hidden
+    # size that `route` adds up, rounds and routes from: on values whose products and sums are exact in any order (so
+    # the logits are too), over token and expert counts that fill a tile, cross one or stop short, hidden sizes that
+    # the chunks split evenly or not (chunks wholly past the end: zero partials).
+    for tokens, experts, hidden, splits in ((32, 64, 256, 4), (5, 16, 200, 3), (17, 40, 96, 5)):
+        x, gate = (torch.randint(-2, 3, shape).half() / 4 for shape in ((tokens, hidden), (experts, hidden)))
+        partials = triton_moe.router_partials(x, gate, splits)
+        assert partials.shape == (splits, tokens, experts) and partials.dtype == torch.float32, partials.shape
+        logits = torch.empty(tokens, experts, dtype=torch.float16)
+        routed = triton_moe.route(partials, None, 1, 1, 2, "softmax", False, 1.0, torch.float16, summed_logits=logits)
+        want = triton_moe.route(x @ gate.T, None, 1, 1, 2, "softmax", False, 1.0, torch.float16)
+        assert torch.equal(logits, x @ gate.T), ("router_partials", tokens, experts, hidden, splits)
+        assert all(torch.equal(a, b) for a, b in zip(routed, want)), ("route of partials", tokens, experts, splits)
+    # Random values: the partials within float32 rounding of the float64 product (each chunk's sum of at most 128
+    # terms), `route` adds them in chunk order and rounds the sum once, to the logits' dtype.
+    x, gate = torch.randn(32, 512).half(), (torch.randn(64, 512) * 0.05).half()
+    partials = triton_moe.router_partials(x, gate, 4)
+    exact = x.double() @ gate.double().T
+    bound = 132 * 2**-24 * (x.double().abs() @ gate.double().abs().T)
+    assert ((partials.double().sum(0) - exact).abs() <= bound).all(), "router_partials rounding"
+    summed = partials[0].clone()
+    for part in partials[1:]:
+        summed += part
+    logits = torch.empty(32, 64, dtype=torch.float16)  # (the interpreter's casts to bfloat16 truncate)
+    triton_moe.route(partials, None, 1, 1, 1, "softmax", False, 1.0, torch.float16, summed_logits=logits)
+    assert torch.equal(logits, summed.half()), "route's sum of the partials"
+    for bad_x, bad_gate, splits in (
+        (x.float(), gate.float(), None), (x, gate[:, :100], None), (torch.zeros(80, 512).half(), gate, None),
+        (x, gate, 0), (x, gate, True), (x, gate, 513),
+    ):
         try:
-            triton_moe.router_product(bad_x, bad_gate)
+            triton_moe.router_partials(bad_x, bad_gate, splits)
         except ValueError as error:
-            assert "router_product" in str(error), error
+            assert "router_partials" in str(error), error
         else:
-            raise AssertionError("bad router_product input accepted")
+            raise AssertionError(f"bad router_partials input accepted: {splits}")
+    for bad_logits, bad_sum in ((partials[0], logits), (partials.half(), logits), (partials, logits[:5]), (partials, None)):
+        try:
+            triton_moe.route(bad_logits, None, 1, 1, 8, "softmax", False, 1.0, summed_logits=bad_sum)
+        except ValueError as error:
+            assert "logits" in str(error), error
+        else:
+            raise AssertionError("bad route partials accepted")
 
     # The norm's float32 copy of its output (the fused path feeds it to the router): the output widened, exactly.
     from hf_dllm import triton_ops
@@ -281,7 +312,7 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
     assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
     assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
-    # The routing's fused forms: few tokens with `router_product` (above) or PyTorch's product, many tokens with
+    # The routing's fused forms: few tokens with `router_partials` (above) or PyTorch's product, many tokens with
     # PyTorch's; then `route` and `align_by_expert`: the same as the PyTorch path.
     many = torch.randn(300, 64, dtype=torch.float16)
     assert triton_moe.router_product_applies(40) and not triton_moe.router_product_applies(300)
@@ -361,13 +392,49 @@ def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypat
 
     configs = grouped_gemm.grouped_configs()
     for dtype, fallback in ((torch.float32, True), (torch.bfloat16, False)):
-        named = dict(ROWS_BUCKET=4096, n_groups=9, x_ptr=torch.empty(1, dtype=dtype), w_ptr=torch.empty(1, dtype=dtype))
-        kept = grouped_gemm._prune_grouped(configs, named, BLOCK_K=128, GATED=True)
+        named = dict(ROWS_BUCKET=4096, n_groups=9, N=1024, K=2048)
+        named.update(x_ptr=torch.empty(1, dtype=dtype), w_ptr=torch.empty(1, dtype=dtype))
+        kept = grouped_gemm._prune_grouped(configs, named, BLOCK_K=128, GATED=True, HAS_SCALE=False)
         small = [c for c in kept if c.kwargs["BLOCK_M"] not in (64, 128)]
         assert bool(small) == fallback
         if fallback:
             (extra,) = kept
             assert grouped_gemm.footprint_bytes(extra, 4, 4, 128, True) <= 232448
+
+
+@pytest.mark.parametrize(
+    "gated, n, k, groups, pairs, weight_dtype, pinned",
+    [
+        # LLaDA-MoE-7B's batch-1 block step, bf16: the H200 sweep's best configs alone.
+        (True, 1024, 2048, 64, 256, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=False, N_FASTEST=True)),
+        (False, 2048, 1024, 64, 200, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True)),
+        # Not covered by that sweep: batch 2 (512 pairs), FP8 weights, LLaDA2.0-mini's 257 groups, float16.
+        (True, 1024, 2048, 64, 512, "bfloat16", None),
+        (False, 2048, 1024, 64, 256, "float8_e4m3fn", None),
+        (True, 512, 2048, 257, 256, "bfloat16", None),
+        (True, 1024, 2048, 64, 256, "float16", None),
+    ],
+)
+def test_grouped_products_take_the_pinned_config_only_where_swept(
+    monkeypatch, gated, n, k, groups, pairs, weight_dtype, pinned
+):
+    """`grouped_gemm.PINNED_CONFIGS`: a product of the swept shape, dtype and rows bucket gets the swept best config
+    alone (one 4-warp, 3-stage config of `grouped_configs()`); any other keeps the autotuner's pruned candidates."""
+    import torch
+
+    from hf_dllm import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "_shared_memory_bytes", lambda device: 232448)  # an H100's / H200's maximum
+    x = torch.empty(1, dtype=torch.float16 if weight_dtype == "float16" else torch.bfloat16)
+    w = torch.empty(1, dtype=getattr(torch, weight_dtype))
+    named = dict(ROWS_BUCKET=grouped_gemm.rows_bucket(pairs), n_groups=groups, N=n, K=k, x_ptr=x, w_ptr=w)
+    fp8 = weight_dtype.startswith("float8")
+    kept = grouped_gemm._prune_grouped(grouped_gemm.grouped_configs(), named, BLOCK_K=128, GATED=gated, HAS_SCALE=fp8)
+    found = grouped_gemm.pinned_config(gated, n, k, groups, named["ROWS_BUCKET"], w.dtype)
+    if pinned is None:
+        assert len(kept) > 1 and found is None
+    else:
+        assert [(c.kwargs, c.num_warps, c.num_stages) for c in kept] == [(pinned, 4, 3)] and kept == [found]
 
 
 def test_rows_bucket_gives_few_autotuning_keys_that_bound_the_rows():
@@ -386,9 +453,11 @@ def test_rows_bucket_gives_few_autotuning_keys_that_bound_the_rows():
     assert grouped_gemm.rows_bucket(grouped_gemm.FINE_ROWS_BUCKETS) == grouped_gemm.FINE_ROWS_BUCKETS
     # Above the fine buckets the pruned configs are the same for every key (64- and 128-row tiles).
     named = dict(x_ptr=torch.empty(1, dtype=torch.bfloat16), w_ptr=torch.empty(1, dtype=torch.bfloat16), n_groups=256)
+    named.update(N=1024, K=2048)
     configs = grouped_gemm.grouped_configs()
+    prune = grouped_gemm._prune_grouped
     kept = [
-        {str(c) for c in grouped_gemm._prune_grouped(configs, dict(named, ROWS_BUCKET=key), BLOCK_K=128, GATED=True)}
+        {str(c) for c in prune(configs, dict(named, ROWS_BUCKET=key), BLOCK_K=128, GATED=True, HAS_SCALE=False)}
         for key in (1 << 17, 1 << 20, 1 << 24)
     ]
     assert kept[0] == kept[1] and kept[2] <= kept[1]

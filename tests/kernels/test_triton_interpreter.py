@@ -127,6 +127,52 @@ KERNELS_SCRIPT = textwrap.dedent(
         assert (probability.double() - exact).abs().max() < 1e-6, f"greedy probability, {n_splits} splits"
     assert triton_ops.greedy_propose_splits(6, 9000) == 3 and triton_ops.greedy_propose_splits(2048, 9000) == 1
 
+    # A mask-based step's decision in one launch (`triton_ops.commit_most_confident`, the policies' `fused_count`)
+    # against PyTorch's (scatter, stable sort, ranks, count, commit, freeze, draft): the same block, draft and edit
+    # flags for the fixed schedule, Fast-dLLM's threshold and LLaDA2.0's rule (with and without a threshold), logits
+    # at every position or at candidate positions, tied confidences (a row of equal logits), a deferred token, a
+    # frozen row, a zero count; NaN confidences ranked first, as the stable descending sort ranks them.
+    from hf_dllm import decoding
+    from hf_dllm.decoding import BlockProposal, ConfidenceFactor, ConfidenceThreshold, FixedSchedule
+    from hf_dllm.decoding import ScheduledThreshold, StepRules, TokenEditing, denoise_step
+    fused_calls = []
+    launcher = triton_ops.commit_most_confident
+    triton_ops.commit_most_confident = lambda *a, **k: fused_calls.append(1) or launcher(*a, **k)
+    MASK, rows, L = 9, 4, 8
+    for policy in (FixedSchedule(), ConfidenceThreshold(0.3), ScheduledThreshold(0.3), ScheduledThreshold(None)):
+        policy.start_block(L, 4)
+        for with_candidates in (False, True):
+            block = torch.randint(0, 8, (rows, L))
+            block[torch.rand(rows, L) < 0.6] = MASK
+            block[0, :6] = MASK
+            block[:, 6:] = torch.where(block[:, 6:] == MASK, 1, block[:, 6:])  # at most 6 masks: the candidates
+            logits = torch.randn(rows, L, 12) * 2
+            logits[1] = logits[1, :1]  # tied confidences
+            candidates = torch.argsort((block != MASK).long(), dim=1, stable=True)[:, :6] if with_candidates else None
+            logits = logits[:, :6] if with_candidates else logits
+            step = dict(scheduled=torch.tensor([2, 1, 3, 0]), active=torch.tensor([True, True, False, True]))
+            rules = StepRules(policy=policy, mask_token_id=MASK, deferred_token_ids=torch.tensor([4]))
+            decided = []
+            for mode in ("torch", "triton"):
+                hf_dllm.kernels.set_kernel_mode(mode)
+                decided.append(denoise_step(block, logits, rules, **step, candidates=candidates))
+            assert all(torch.equal(a, b) for a, b in zip(*decided)), ("fused commit", type(policy).__name__)
+    assert len(fused_calls) == 8, len(fused_calls)
+    long_block = torch.full((1, triton_ops.COMMIT_MAX_POSITIONS + 1), MASK)  # longer blocks: PyTorch's sort
+    denoise_step(long_block, torch.randn(1, long_block.shape[1], 12), rules, torch.tensor([1]))
+    assert len(fused_calls) == 8 and not triton_ops.commit_applies(long_block.shape[1]), "long block"
+    assert ConfidenceFactor(1.0).fused_commit_rule() is None and TokenEditing(0.9, 0.9, 1, 0).fused_commit_rule() is None
+    block = torch.full((1, 6), MASK)
+    probability = torch.tensor([[0.5, float("nan"), 0.7, float("nan"), 0.1, 0.7]])
+    x0 = torch.arange(6)[None]
+    proposal = BlockProposal(block, block == MASK, block == MASK, x0, probability, probability)
+    for count in range(1, 6):
+        want, _ = FixedSchedule().commit(proposal, torch.tensor([count]))
+        got, draft, edited = launcher(block, x0, probability, None, torch.tensor([count]), None, MASK, 0)
+        assert torch.equal(got, want) and not edited.any(), ("NaN ranks", count, got, want)
+    triton_ops.commit_most_confident = launcher
+    hf_dllm.kernels.set_kernel_mode("triton")
+
     # Dream's recorded Fast-dLLM prefix-cache case (with the dual-cache case in the other script: here the two scripts
     # take about as long).
     from hf_dllm import DreamModel

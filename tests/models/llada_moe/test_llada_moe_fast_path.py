@@ -275,24 +275,62 @@ def test_gpu_fp8_model_runs_the_fused_kernels_and_generates():
 @pytest.mark.parametrize("tokens", [1, 32, 64])
 def test_gpu_router_product_at_the_7b_shape(tokens):
     """A block step's router product at LLaDA-MoE-7B's shape (hidden 2048, 64 experts, bf16) through
-    `triton_moe.router_product`: within one bf16 rounding of cuBLAS's product and as close to the exact product,
-    and the experts `route` picks from it those it picks from cuBLAS's wherever cuBLAS's 8th and 9th logits are
-    more than two roundings apart."""
+    `triton_moe.router_partials` (the hidden size split over programs: 16 chunks at 1 and 32 tokens on an H200, 8 at
+    64) summed and rounded in `route`'s kernel: the partials' sum within float32 rounding of the float64 product
+    (chunks of at most 256 columns), the logits that sum rounded once to bf16 (the in-order float32 sum), within one
+    bf16 rounding of cuBLAS's product and as close to the exact product, and the experts `route` picks from them
+    those it picks from cuBLAS's wherever cuBLAS's 8th and 9th logits are more than two roundings apart."""
     from hf_dllm import triton_moe
 
     torch.manual_seed(0)
     x = torch.randn(tokens, 2048, dtype=torch.bfloat16, device="cuda")
     gate = (torch.randn(64, 2048, device="cuda") * 0.02).bfloat16()
-    logits, cublas = triton_moe.router_product(x, gate), x @ gate.T
+    partials, cublas = triton_moe.router_partials(x, gate), x @ gate.T
+    assert partials.shape[0] == triton_moe.router_splits(tokens, 64, 2048, x.device) > 1
+    logits = torch.empty_like(cublas)
+    index, _ = triton_moe.route(partials, None, 1, 1, 8, "softmax", False, 1.0, torch.bfloat16, summed_logits=logits)
+    exact = x.double() @ gate.double().T
+    # (2**-23 a step: an MMA's float32 accumulation may truncate rather than round)
+    bound = (256 + partials.shape[0]) * 2**-23 * (x.double().abs() @ gate.double().abs().T)
+    assert ((partials.double().sum(0) - exact).abs() <= bound).all()
+    summed = partials[0].clone()
+    for part in partials[1:]:
+        summed += part
+    assert torch.equal(logits, summed.bfloat16())
     rounding = cublas.float().abs().max() * 2**-7
     assert (logits.float() - cublas.float()).abs().max() <= rounding
-    exact = x.double() @ gate.double().T
     assert (logits.double() - exact).abs().max() <= 2 * (cublas.double() - exact).abs().max() + 1e-6
-    index, _ = triton_moe.route(logits, None, 1, 1, 8, "softmax", False, 1.0, torch.bfloat16)
     want, _ = triton_moe.route(cublas, None, 1, 1, 8, "softmax", False, 1.0, torch.bfloat16)
     ranked = cublas.float().sort(-1, descending=True).values
     clear = (ranked[:, 7] - ranked[:, 8]) > 2 * rounding
     assert clear.any() and torch.equal(index[clear].sort(-1).values, want[clear].sort(-1).values)
+
+
+@pytest.mark.gpu
+def test_gpu_block_step_grouped_products_take_the_pinned_configs():
+    """At LLaDA-MoE-7B's batch-1 block step shape (32 tokens top-8 over 64 experts of width 1024, hidden 2048,
+    bf16) the experts' grouped products run `grouped_gemm.PINNED_CONFIGS`' configs (printed), with results equal to
+    the same configs passed explicitly."""
+    from hf_dllm import grouped_gemm, triton_moe
+
+    torch.manual_seed(0)
+    pool = torch.randperm(64, device="cuda")[:10]
+    topk = torch.stack([pool[torch.randperm(10, device="cuda")[:8]] for _ in range(32)])
+    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, 64, False)
+    x = torch.randn(32, 2048, device="cuda", dtype=torch.bfloat16)
+    gate_up = (torch.randn(64, 2048, 2048, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(64, 2048, 1024, device="cuda") * 0.02).bfloat16()
+    gated = grouped_gemm.grouped_matmul(x, offsets, gate_up, rows_of=sorted_token, gated=True)
+    chosen = [grouped_gemm._grouped_kernel.best_config]
+    out = grouped_gemm.grouped_matmul(gated, offsets, down)
+    chosen.append(grouped_gemm._grouped_kernel.best_config)
+    print("grouped configs (gate/up, down):", *chosen)
+    pins = [grouped_gemm.pinned_config(True, 1024, 2048, 64, 256, torch.bfloat16)]
+    pins.append(grouped_gemm.pinned_config(False, 2048, 1024, 64, 256, torch.bfloat16))
+    assert [str(c) for c in chosen] == [str(c) for c in pins]
+    again = grouped_gemm.grouped_matmul(x, offsets, gate_up, rows_of=sorted_token, gated=True, config=pins[0])
+    assert torch.equal(gated, again)
+    assert torch.equal(out, grouped_gemm.grouped_matmul(gated, offsets, down, config=pins[1]))
 
 
 @pytest.mark.gpu
