@@ -1,12 +1,10 @@
 """hf_dllm's Triton FP8 products and their launchers: the kernels `fp8.py`'s rules choose (its docstring says which
-runs where, and why); and the few-rows kernel's unscaled bf16/fp16 variant, which `kernels.linear` runs.
+runs where, and why).
 
 - `weight_only_matmul`: FP8 weight tiles scaled in registers and multiplied in the activations' dtype, split-K at
   few rows (`_weight_only_kernel`).
 - `few_rows_product`: a block step's few rows on FP8 tensor cores, the weight tile as the MMA's M, split-K, block or
   row scales (`_few_rows_kernel`, one autotuner per scaling).
-- `few_rows_matmul`: the same kernel unscaled, for bf16/fp16 weights (`kernels.linear`'s few-rows product at a
-  block step's rows, `kernels.few_rows_applies`).
 - `triton_w8a8_matmul`: activations quantized per row and 128 columns, block-scaled FP8 tensor-core product
   (`_w8a8_kernel`), where cuBLASLt's is not available.
 - `quantize_rows`: activations to FP8 with one scale per row and column group.
@@ -87,13 +85,12 @@ def _add_up_timed_splits(nargs: dict, exception=None) -> None:
         _add_up_splits(nargs["partial_ptr"], bias, nargs["out_ptr"], nargs["SPLIT_K"])
 
 
-def _split_k_autotune(configs: list, prune, rows_key: str = "M"):
+def _split_k_autotune(configs: list, prune):
     """Triton's autotuner for a split-K product kernel (launched by `_split_k_product`): keyed by the product's
-    shape (its rows as the argument `rows_key` gives them), `prune` keeping the configs for its rows, each split
-    config timed with its sum (`_add_up_timed_splits`)."""
+    shape, `prune` keeping the configs for its rows, each split config timed with its sum (`_add_up_timed_splits`)."""
     return triton.autotune(
         configs=configs,
-        key=[rows_key, "N", "K"],
+        key=["M", "N", "K"],
         prune_configs_by={"early_config_prune": prune},
         post_hook=_add_up_timed_splits,
     )
@@ -137,25 +134,6 @@ def few_rows_rowwise_configs() -> list:
         for block_n, block_k in ((64, 256), (128, 128), (128, 256))
         for split in (1, 2, 4, 8)
         for stages in ((3, 4, 5, 6) if (block_n, block_k) == (64, 256) and split <= 2 else (3, 4))
-    ]
-
-
-def few_rows_16bit_configs() -> list:
-    # The few-rows kernel on bf16/fp16 weights (`few_rows_matmul`), for a block step's q/k/v and output projections
-    # (N 2048-8192, K 2048-4096, up to 64 rows). A k tile of 64 or 128 columns is 128 or 256 bytes per weight row, as
-    # the FP8 configs' 128 or 256 columns; SPLIT_K as in `few_rows_w8a8_configs` (at 32 rows a 2048-wide output
-    # gives 16-32 weight tiles: too few programs to keep every SM streaming without splitting K).
-    return [
-        triton.Config(
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split},
-            num_warps=4,
-            num_stages=stages,
-        )
-        for block_m in (16, 32, 64)
-        for block_n in (64, 128)
-        for block_k in (64, 128)
-        for split in (1, 2, 4, 8)
-        for stages in (3, 4)
     ]
 
 
@@ -422,21 +400,15 @@ if TRITON_AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_K: tl.constexpr,
-        SCALES: tl.constexpr,
-        ROW_TILE,
+        ROW_SCALED: tl.constexpr,
     ):
-        # Few rows times a weight on tensor cores, the weight tile as the MMA's M. Program (n, m, s) sums the s-th of
-        # SPLIT_K ranges of k tiles, as in `_weight_only_kernel`. SCALES: "block" or "row" (FP8 operands, below), or
-        # "none" (bf16/fp16 operands, no scale pointer read): out[m, n] = sum over k of w[n, k] a[m, k], accumulated
-        # in float32 in place across k tiles. ROW_TILE: the rows' tile (`_row_tile`), unused here; the bf16/fp16
-        # products' autotuner keys on it instead of the rows, so that every row count of one tile shares one tuning:
-        # they run wherever a block step or a short prompt has up to 64 rows, and tuning each new count anew (each
-        # config compiled and timed, seconds) would stall a server at every new prompt length.
-        # Block scales ("block"): out[m, n] = sum over k tiles of (w[n, tile] @ a[m, tile]^T)^T * a_scale[m, k] *
+        # FP8 operands on FP8 tensor cores, the weight tile as the MMA's M. Program (n, m, s) sums the s-th of
+        # SPLIT_K ranges of k tiles, as in `_weight_only_kernel`.
+        # Block scales: out[m, n] = sum over k tiles of (w[n, tile] @ a[m, tile]^T)^T * a_scale[m, k] *
         # w_scale[n // SCALE_N, k]. A k tile is one scale block of both (BLOCK_K = the weight's and the activations'
         # block of columns), and BLOCK_N divides SCALE_N, so one weight scale per program and k tile; each tile's
         # product is scaled before it is added, so every k tile waits for its MMA.
-        # Row scales ("row", one scale per row of each operand, `rowwise_matmul`'s arithmetic): out[m, n] = (sum over k of
+        # ROW_SCALED (one scale per row of each operand, `rowwise_matmul`'s arithmetic): out[m, n] = (sum over k of
         # w[n, k] a[m, k]) * a_scale[m] * w_scale[n]. The MMA accumulates in place across k tiles (of any width), in
         # the FP8 tensor cores' own precision as `rowwise_matmul`'s fast accumulation does; the scales apply once, to
         # each program's (partial) sums, which `_sum_splits_kernel` adds up.
@@ -453,14 +425,14 @@ if TRITON_AVAILABLE:
             in_k = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            if SCALES == "block":
+            if ROW_SCALED:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
                 a_scale = tl.load(a_scale_ptrs + k * stride_ask, mask=in_m, other=0.0)
                 acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * tl.load(w_scale_row + k))
-            else:
-                acc = tl.dot(w, tl.trans(a), acc)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if SCALES == "row":
+        if ROW_SCALED:
             a_scale = tl.load(a_scale_ptrs, mask=in_m, other=0.0)
             w_scale = tl.load(w_scale_ptr + offs_n.to(tl.int64) * stride_wsn, mask=in_n, other=0.0)
             acc = acc * w_scale[:, None] * a_scale[None, :]
@@ -468,19 +440,17 @@ if TRITON_AVAILABLE:
             tl.trans(acc), offs_m, offs_n, M, N, pid_k, bias_ptr, out_ptr, partial_ptr, HAS_BIAS, SPLIT_K
         )
 
-    # One kernel, three autotuners (each keeps its own choices): block scales fix the k tile at 128 columns, row scales
-    # and bf16/fp16 weights leave it to the configs.
+    # One kernel, two autotuners (each keeps its own choices): block scales fix the k tile at 128 columns, row scales
+    # leave it to the configs.
     _few_rows_w8a8_kernel = _split_k_autotune(few_rows_w8a8_configs(), _prune_few_rows)(_few_rows_kernel)
     _few_rows_rowwise_kernel = _split_k_autotune(few_rows_rowwise_configs(), _prune_few_rows)(_few_rows_kernel)
-    _few_rows_16bit_kernel = _split_k_autotune(few_rows_16bit_configs(), _prune_few_rows, "ROW_TILE")(_few_rows_kernel)
-    _MAX_FEW_ROWS_SPLIT_K = _largest_split(_few_rows_w8a8_kernel, _few_rows_rowwise_kernel, _few_rows_16bit_kernel)
+    _MAX_FEW_ROWS_SPLIT_K = _largest_split(_few_rows_w8a8_kernel, _few_rows_rowwise_kernel)
 
 # The config each kernel runs in Triton's interpreter (CPU tests; they set others to cover every formulation).
 INTERPRETER_CONFIGS = {
     "weight_only": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "SWAP": False},
     "few_rows_w8a8": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2},
     "few_rows_rowwise": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
-    "few_rows_16bit": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
     "w8a8": {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 2},
 }
 
@@ -583,10 +553,9 @@ def few_rows_product(values, scales, rows: int, dtype, weight, weight_scales, bi
     device) -> `(rows, N)` in `dtype`. Block scales fix the k tile at their 128 columns; with row scales
     (`row_scaled`) it is the config's."""
     if row_scaled:
-        kernel, name, constexprs = _few_rows_rowwise_kernel, "few_rows_rowwise", dict(SCALE_N=1, SCALES="row")
+        kernel, name, constexprs = _few_rows_rowwise_kernel, "few_rows_rowwise", dict(SCALE_N=1)
     else:
-        kernel, name = _few_rows_w8a8_kernel, "few_rows_w8a8"
-        constexprs = dict(SCALE_N=128, BLOCK_K=128, SCALES="block")
+        kernel, name, constexprs = _few_rows_w8a8_kernel, "few_rows_w8a8", dict(SCALE_N=128, BLOCK_K=128)
     return _split_k_product(
         kernel,
         INTERPRETER_CONFIGS[name],
@@ -599,55 +568,9 @@ def few_rows_product(values, scales, rows: int, dtype, weight, weight_scales, bi
         bias,
         _MAX_FEW_ROWS_SPLIT_K,
         config,
-        ROW_TILE=_row_tile(rows, 64),
+        ROW_SCALED=row_scaled,
         **constexprs,
     )
-
-
-FEW_ROWS_16BIT_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@on_tensor_device
-def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, bias=None, config=None) -> torch.Tensor:
-    """`x (..., K) @ weight (N, K).T (+ bias (N,))` -> `(..., N)` in `x.dtype`, for bf16/fp16 `x`, weight and bias of
-    one dtype: the few-rows kernel unscaled (`_few_rows_kernel`, the weight tile as the MMA's M, split-K, float32
-    sums, rounded once), made for a block step's rows (`kernels.few_rows_applies` says where it runs). `config`: one
-    of `few_rows_16bit_configs()` instead of the autotuner's choice (tests)."""
-    if x.dtype not in FEW_ROWS_16BIT_DTYPES:
-        raise TypeError(f"few_rows_matmul takes bfloat16 or float16 activations, got {x.dtype}.")
-    for name, tensor in (("weight", weight), ("bias", bias)):
-        if tensor is not None and tensor.dtype != x.dtype:
-            raise TypeError(f"few_rows_matmul: {name} must be in the activations' dtype {x.dtype}, got {tensor.dtype}.")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.stride(1) != 1:
-        raise ValueError(
-            f"few_rows_matmul: weight must be (N, {x.shape[-1]}) with contiguous rows, got {tuple(weight.shape)} "
-            f"strides {weight.stride()}."
-        )
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
-        raise ValueError(f"few_rows_matmul: bias must be contiguous ({weight.shape[0]},), got {tuple(bias.shape)}.")
-    rows, cols = x.numel() // max(x.shape[-1], 1), x.shape[-1]
-    if rows == 0:  # no program to launch
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-    x2 = x.reshape(rows, cols)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    out = _split_k_product(
-        _few_rows_16bit_kernel,
-        INTERPRETER_CONFIGS["few_rows_16bit"],
-        (x2, x2, weight, weight),  # no scales: the scale pointers are never read
-        (x2.stride(0), 0, 0, weight.stride(0), 0),
-        rows,
-        weight.shape[0],
-        cols,
-        x.dtype,
-        bias,
-        _MAX_FEW_ROWS_SPLIT_K,
-        config,
-        SCALE_N=1,
-        SCALES="none",
-        ROW_TILE=_row_tile(rows, 64),
-    )
-    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def activation_buffers(

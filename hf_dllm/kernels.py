@@ -1,8 +1,7 @@
 """Which implementation runs the models' elementwise ops (RMSNorm, RoPE, SiLU gate): chosen once, logged once; the
 concatenated projections the fused path multiplies with (`ConcatenatedProjections`: LLaDA's, Dream's,
 DiffusionGemma's); and `linear(layer, x)`, which runs FP8-quantized layers (transformers' `FineGrainedFP8Config`)
-through `fp8.py`, and a block step's few rows times a bf16/fp16 weight through hf_dllm's few-rows kernel where
-`few_rows_applies` says it streams the weight faster than cuBLAS (`dense_product`).
+through `fp8.py`.
 
 - `auto` (default): the fused Triton kernels of `triton_ops.py` for CUDA tensors when Triton is installed,
   PyTorch otherwise (CPU, no Triton, or when autograd needs the graph: the kernels have no backward).
@@ -16,7 +15,6 @@ This file is exported as Hub remote code.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -24,25 +22,12 @@ from torch import nn
 from transformers.utils import logging
 
 from .fp8 import QuantizedRows, fp8_block_size, fp8_linear, fp8_scales, is_fp8_linear, quantized_input_group
-from .fp8_triton import FEW_ROWS_16BIT_DTYPES, few_rows_matmul
 from .tensor_parallel import is_sharded, local_head_linear, local_shape, local_tensor, row_parallel_linear
 from .triton_ops import TRITON_AVAILABLE
 
 logger = logging.get_logger(__name__)
 
 KERNEL_MODES = ("auto", "torch", "triton")
-# A product of up to `FEW_ROWS_MAX_ROWS` rows (a block step's 32 x batch) by a bf16/fp16 weight of
-# `FEW_ROWS_MIN_WEIGHT_BYTES` to `FEW_ROWS_MAX_WEIGHT_BYTES` runs hf_dllm's few-rows kernel (`few_rows_applies`,
-# `fp8_triton.few_rows_matmul`: split-K, the weight tile as the MMA's M) instead of cuBLAS. Such a product is bound
-# by reading its weight, which cuBLAS does well below the copy bandwidth there: on an H200, LLaDA-MoE-7B's captured
-# batch-1 block step spent 9.3 us in its q/k/v product (2048 -> 6144, 25 MB: 5.9 us at 4.27 TB/s) and 6.0 us in its
-# output projection (2048 -> 2048, 8.4 MB: 2.0 us), 16 layers each. A provisional range, the kernel not yet timed
-# on a GPU: the attention projections of LLaDA-MoE-7B, LLaDA2.0-mini, Dream-7B, DiffusionGemma and LLaDA-8B's
-# output projection (8-32 MiB), not the wider q/k/v, MLP and head weights. `benchmarks/bench_few_rows_gemm.py`
-# times both kernels on each family's shapes (weights read from memory); the range is to be set from its table.
-FEW_ROWS_MAX_ROWS = 64
-FEW_ROWS_MIN_WEIGHT_BYTES = 8 * 2**20
-FEW_ROWS_MAX_WEIGHT_BYTES = 32 * 2**20
 _mode = os.environ.get("HF_DLLM_KERNELS", "auto")
 _logged: set[str] = set()
 
@@ -97,62 +82,10 @@ def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
     return chosen
 
 
-def few_rows_applies(rows: int, n_out: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `rows` rows times an `(n_out, cols)` weight, both in `dtype`, on `device` run hf_dllm's few-rows kernel
-    (`fp8_triton.few_rows_matmul`) rather than cuBLAS: Triton on a GPU with bf16 tensor cores (compute capability 8.0
-    or more), bf16/fp16, 1 to `FEW_ROWS_MAX_ROWS` rows, a weight of `FEW_ROWS_MIN_WEIGHT_BYTES` to
-    `FEW_ROWS_MAX_WEIGHT_BYTES`. `dense_product` adds the tensors' own conditions (autograd, layout, kernel mode)."""
-    if not (TRITON_AVAILABLE and device.type == "cuda" and dtype in FEW_ROWS_16BIT_DTYPES):
-        return False
-    weight_bytes = n_out * cols * dtype.itemsize
-    in_range = FEW_ROWS_MIN_WEIGHT_BYTES <= weight_bytes <= FEW_ROWS_MAX_WEIGHT_BYTES
-    return 1 <= rows <= FEW_ROWS_MAX_ROWS and in_range and _bf16_tensor_cores(device.index or 0)
-
-
-@functools.cache
-def _bf16_tensor_cores(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
-
-
-def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`nn.functional.linear(x, weight, bias)`: `x (..., K)` times `weight (N, K)` -> `(..., N)`, through the
-    few-rows kernel where `few_rows_applies` (a block step's rows; the kernel mode not `torch`; x, weight and bias of
-    one dtype on one device, plain tensors with contiguous rows; nothing for autograd to record), else PyTorch."""
-    if _takes_few_rows(x, weight, bias):
-        return few_rows_matmul(x, weight, bias)
-    return nn.functional.linear(x, weight, bias)
-
-
-def _takes_few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if kernel_mode() == "torch" or weight.dim() != 2:
-        return False
-    if local_tensor(weight) is not weight or weight.device != x.device or weight.dtype != x.dtype:
-        return False  # a DTensor (tensor parallelism) or mixed operands: PyTorch's product
-    if weight.stride(1) != 1 or x.shape[-1] != weight.shape[1] or weight.shape[1] == 0:
-        return False
-    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1 or local_tensor(bias) is not bias):
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return False  # the kernel has no backward
-    return few_rows_applies(x.numel() // x.shape[-1], *weight.shape, x.dtype, x.device)
-
-
-def _plain_linear(layer: nn.Module) -> bool:
-    """An `nn.Linear` whose call is its product: not a subclass (LoRA and quantized layers), no forward hooks, no
-    replaced `forward` (accelerate's offloading hooks)."""
-    return (
-        type(layer) is nn.Linear
-        and not layer._forward_hooks
-        and not layer._forward_pre_hooks
-        and "forward" not in layer.__dict__
-    )
-
-
 def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-    """`layer(x)` for an `nn.Linear` (through `dense_product`: the few-rows kernel at a block step's rows where it
-    applies); for transformers' `FP8Linear` (FP8 weights with block or per-tensor scales) the product runs through
-    `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight otherwise. `x` may be
-    `QuantizedRows` where `linear_input_group` gave a group."""
+    """`layer(x)` for an `nn.Linear`; for transformers' `FP8Linear` (FP8 weights with block or per-tensor scales) the
+    product runs through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight
+    otherwise. `x` may be `QuantizedRows` where `linear_input_group` gave a group."""
     if is_fp8_linear(layer):
         fused = use_fused_kernels(x)
         return fp8_linear(x, layer.weight, fp8_scales(layer), fp8_block_size(layer), layer.bias, fused)
@@ -161,8 +94,6 @@ def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     out = row_parallel_linear(layer, x)
     if out is None:  # a step's head kept as this rank's vocabulary slice (`tensor_parallel.local_head_logits`)
         out = local_head_linear(layer, x)
-    if out is None and _plain_linear(layer):
-        return dense_product(x, layer.weight, layer.bias)
     return layer(x) if out is None else out
 
 
@@ -292,7 +223,7 @@ class ConcatenatedProjections(nn.Module):
         layers = [self._modules[name] for name in names]  # not getattr (slow), as in `concatenated`
         if not any(is_fp8_linear(layer) for layer in layers):
             weight, bias = self.concatenated(names)
-            return dense_product(x, weight, bias)
+            return nn.functional.linear(x, weight, bias)
         block = self._fp8_block(layers)
         if block is not None:
             weight, bias = self.concatenated(names)

@@ -56,7 +56,7 @@ from .generation_utils import (
     DiffusionGenerationMixin,
     select_positions,
 )
-from .kernels import ConcatenatedProjections, dense_product, linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import LocalHeadCounts
 
@@ -248,7 +248,7 @@ class DreamAttention(LocalHeadCounts, ConcatenatedProjections):
             scaling=self.scaling,
             **kwargs,
         )
-        return linear(self.o_proj, attn.reshape(batch, q_len, -1))
+        return self.o_proj(attn.reshape(batch, q_len, -1))
 
     def _project_qkv(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `(B, L, Hq, D)`, k and v `(B, L, Hkv, D)` (views of one product where the kernels are fused)."""
@@ -256,7 +256,7 @@ class DreamAttention(LocalHeadCounts, ConcatenatedProjections):
         if fused:
             weight, bias = self.concatenated(("q_proj", "k_proj", "v_proj"))
             kv_width = self.num_kv_heads * self.head_dim
-            query, key, value = dense_product(x, weight, bias).split(
+            query, key, value = nn.functional.linear(x, weight, bias).split(
                 [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1
             )
         else:
