@@ -120,14 +120,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # The decoder's attention backend (`DiffusionGemmaAttention.backends`) and the Triton kernel's tiles, on CUDA in
 # half precision, per (head_dim, batch class): the 26B-A4B's sliding layers (16 query / 8 key-value heads of 256, a
 # 1,023-slot ring + the 256-token canvas: each key/value head has 2 x 256 query rows) and full layers (2 key-value
-# heads of 512: 8 x 256 rows). A batch takes the largest class not above it. What it rests on: an H200 profile of
-# the captured batch-1 step (cuDNN SDPA with the additive mask 74 us a sliding layer; the full layers' "gemm" ~39 us,
-# SDPA's math fallback ~0.5 ms); the Triton tiles are the ones that fit registers (the float32 accumulator is
-# block_m x head_dim), not yet timed at this shape: `benchmarks/bench_diffusion_gemma_attention.py` sweeps every
-# backend and tile config at these shapes and prints the entries this table should hold.
+# heads of 512: 8 x 256 rows). A batch takes the largest class not above it. What it rests on (H200,
+# `python benchmarks/bench_diffusion_gemma_attention.py --kinds sliding,full --batch-sizes 1,8 --valid 0.75
+# --stages 2 --splits 1,4`, 3/4 of the ring written, us a layer): sliding, batch 1: Triton 128 x 64 tiles, 8 warps,
+# 4 key splits 36.3 against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184 against the
+# best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and SDPA's math path
+# 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
-    (256, 1): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
+    (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4)),
     (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
