@@ -1,22 +1,28 @@
-"""DiffusionGemma's sampler as two Triton kernels over the vocabulary, in chunks: the fast path of
+"""DiffusionGemma's sampler as three Triton kernels over the vocabulary, in chunks: the fast path of
 `EntropyBoundSampler.denoise` on CUDA (`decoding_diffusion_gemma.py` keeps the PyTorch code, the CPU path and the
 reference).
 
 Per position (a row of the LM head's raw output `x` `(rows, vocab)`, in the model's dtype): z = cap * tanh(x / cap) /
-T (the soft cap, arXiv:2408.00118, then the step's temperature), and from z in one read of x: the entropy of
-softmax(z), its argmax, a sample of softmax(z) and the log-sum-exp; then in a second read, softmax(z) in the model's
-dtype where the next step's self-conditioning needs it (`softmax(z).to(dtype) @ E`, the rounding point of the PyTorch
-path). Nothing of shape `(rows, vocab)` in float32 is written: the PyTorch path writes the float32 logits, their
-temperature quotient, the softmax, the multinomial's and the entropy's temporaries (several float32 passes over
-rows x 262,144 values: ~270 MB each for a batch-1 canvas of 256 positions, 8.6 GB at batch 32).
+T (the soft cap, arXiv:2408.00118, then the step's temperature); from z the entropy of softmax(z), its argmax, a
+sample of softmax(z) (Gumbel-max: argmax of z + g, g = -log(-log u), u uniform from Philox at (seed, row * vocab +
+column), one `(1,)` int64 seed per step read from the device, so a CUDA-graph replay draws anew), and softmax(z) in
+the model's dtype where the next step's self-conditioning needs it (`softmax(z).to(dtype) @ E`, the rounding point
+of the PyTorch path). Nothing of shape `(rows, vocab)` in float32 is written (the PyTorch path writes several
+float32 passes over rows x 262,144 values: ~270 MB each for a batch-1 canvas of 256 positions).
 
 - `_partials_kernel`, grid (rows, splits): each program reduces a chunk of a row online (running max m; sum of
-  e^(z - m); sum of e^(z - m) (z - m), for the entropy without cancellation; the first argmax; the Gumbel-max
-  sample: argmax of z + g with g = -log(-log u), u uniform from Philox at (seed, row * vocab + column), one
-  `(1,)` int64 seed per step read from the device, so a CUDA-graph replay draws anew).
-- `_finish_kernel`, grid (rows, splits): each program combines its row's chunk partials (entropy H = log S - B / S,
-  argmax and sample with the lowest index on ties, log-sum-exp; the first chunk's program stores them) and writes
-  its chunk of softmax(z) = e^(z - lse), unless the row's batch row is frozen (its self-conditioning stays).
+  e^(z - m); sum of e^(z - m) (z - m), for the entropy without cancellation; the first argmax). No random numbers:
+  a Philox draw and two logarithms per column were most of this pass's instructions.
+- `_finish_kernel`, grid (rows, splits'): each program combines its row's partials (entropy H = log S - B / S,
+  argmax with the lowest index on ties, the log-sum-exp and the row's max z; the first chunk's program stores
+  them), writes its chunk of softmax(z) = e^(z - lse) (unless the row's batch row is frozen: its
+  self-conditioning stays) and draws the Gumbel-max over the chunk, skipping the blocks no column of which can
+  win: g lies in [GUMBEL_LOW, GUMBEL_HIGH] (u is clamped to [1e-20, 1 - 2^-24]) and the row's argmax column has
+  z + g >= max z + GUMBEL_LOW, so a block whose max z + GUMBEL_HIGH is below that is strictly beaten. The draw is
+  the one over every column (the same uniforms, the lowest index on ties): only columns that cannot be it skip
+  their Philox and logarithms, most of a canvas at the schedule's temperatures (flat rows skip nothing).
+- `_sample_kernel`, grid (rows / SAMPLE_ROWS,): the chunks' draws to the row's (the largest z + g, the lowest
+  index on ties).
 
 The draw is not `torch.multinomial`'s (the Gumbel-max trick samples softmax(z) exactly, from other uniforms): seeded
 parity with transformers is the CPU path's. Exported as Hub remote code: Triton is imported inside `try:`
@@ -29,11 +35,22 @@ import torch
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
-# Columns a program reads per iteration, and how many programs per row at most (chunks of the vocabulary).
+# Columns a partials program reads per iteration, and how many programs per row at most (chunks of the vocabulary).
 BLOCK_V = 1024
 MAX_SPLITS = 32
 # Programs the partials kernel aims for: enough to fill a GPU's multiprocessors a few times over.
 TARGET_PROGRAMS = 2048
+# The finish kernel: columns per iteration (one warp's; the unit of the draw's skipping test, so that its max is a
+# warp reduction), programs aimed for (single-warp programs: about 64 resident per multiprocessor) and chunks per
+# row at most.
+DRAW_BLOCK = 256
+DRAW_TARGET_PROGRAMS = 8192
+DRAW_MAX_SPLITS = 64
+# Bounds of g = -log(-log u) for u in [1e-20, 1 - 2^-24] (-3.83 and 16.64), with margin for the logarithms' error.
+GUMBEL_LOW = -4.0
+GUMBEL_HIGH = 17.0
+# Rows per program of the draws' reduction.
+SAMPLE_ROWS = 16
 
 if TRITON_AVAILABLE:
 
@@ -48,25 +65,21 @@ if TRITON_AVAILABLE:
         return x / temperature
 
     @triton.jit
+    def _gumbel(z, seed, row, vocab, cols):
+        # z + g, g = -log(-log u) with u from Philox at (seed, row * vocab + column), clamped inside (0, 1).
+        u = tl.rand(seed, row * vocab + cols)
+        u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
+        return z - tl.log(-tl.log(u))
+
+    @triton.jit
     def _partials_kernel(
-        x_ptr,
-        temperature_ptr,
-        seed_ptr,
-        partial_ptr,
-        index_ptr,
-        vocab,
-        chunk,
-        splits,
-        cap,
-        inverse_cap,
-        HAS_CAP: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # partial[row, split, :] = (m, S, B, argmax value, Gumbel value); index[row, split, :] = (argmax, sample).
+        x_ptr, temperature_ptr, partial_ptr, index_ptr, vocab, chunk, splits, cap, inverse_cap,
+        HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # partial[row, split, :] = (m, S, B, argmax value); index[row, split] = argmax.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         temperature = tl.load(temperature_ptr)
-        seed = tl.load(seed_ptr)
         offs = tl.arange(0, BLOCK)
         start = split * chunk
         end = tl.minimum(start + chunk, vocab)
@@ -75,8 +88,6 @@ if TRITON_AVAILABLE:
         b = tl.zeros([BLOCK], dtype=tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_at = tl.zeros([BLOCK], dtype=tl.int32)
-        drawn = tl.full([BLOCK], float("-inf"), tl.float32)
-        drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
         # Per lane running statistics (a lane sees the columns start + lane, + BLOCK, ...): reduced across lanes at
         # the end, so the loop has no cross-lane reduction.
         for first in range(start, end, BLOCK):
@@ -96,14 +107,7 @@ if TRITON_AVAILABLE:
             better = z > best  # strictly: the first column of a lane's maximum stays
             best_at = tl.where(better, cols, best_at)
             best = tl.where(better, z, best)
-            u = tl.rand(seed, row * vocab + cols)
-            u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
-            g = z - tl.log(-tl.log(u))
-            g = tl.where(in_row, g, float("-inf"))
-            taken = g > drawn
-            drawn_at = tl.where(taken, cols, drawn_at)
-            drawn = tl.where(taken, g, drawn)
-        # Across lanes: the chunk's max, S and B rescaled to it; the first column of the largest z (and z + g).
+        # Across lanes: the chunk's max, S and B rescaled to it; the first column of the largest z.
         chunk_m = tl.max(m, axis=0)
         safe = tl.where(chunk_m == float("-inf"), 0.0, chunk_m)
         weight = tl.exp(m - safe)
@@ -112,52 +116,30 @@ if TRITON_AVAILABLE:
         chunk_b = tl.sum(weight * (b + shift * s), axis=0)
         top = tl.max(best, axis=0)
         top_at = tl.min(tl.where(best == top, best_at, 2147483647), axis=0)
-        pick = tl.max(drawn, axis=0)
-        pick_at = tl.min(tl.where(drawn == pick, drawn_at, 2147483647), axis=0)
-        slot = (row * splits + split) * 5
+        slot = (row * splits + split) * 4
         tl.store(partial_ptr + slot + 0, chunk_m)
         tl.store(partial_ptr + slot + 1, chunk_s)
         tl.store(partial_ptr + slot + 2, chunk_b)
         tl.store(partial_ptr + slot + 3, top)
-        tl.store(partial_ptr + slot + 4, pick)
-        tl.store(index_ptr + (row * splits + split) * 2 + 0, top_at)
-        tl.store(index_ptr + (row * splits + split) * 2 + 1, pick_at)
+        tl.store(index_ptr + row * splits + split, top_at)
 
     @triton.jit
     def _finish_kernel(
-        x_ptr,
-        temperature_ptr,
-        partial_ptr,
-        index_ptr,
-        entropy_ptr,
-        argmax_ptr,
-        sample_ptr,
-        frozen_ptr,
-        probabilities_ptr,
-        vocab,
-        chunk,
-        splits,
-        positions,
-        cap,
-        inverse_cap,
-        HAS_CAP: tl.constexpr,
-        HAS_FROZEN: tl.constexpr,
-        WRITE_PROBABILITIES: tl.constexpr,
-        BLOCK: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-    ):
+        x_ptr, temperature_ptr, seed_ptr, partial_ptr, index_ptr, drawn_ptr, drawn_index_ptr, entropy_ptr,
+        argmax_ptr, frozen_ptr, probabilities_ptr, vocab, splits, chunk, draw_splits, positions, cap, inverse_cap,
+        HAS_CAP: tl.constexpr, HAS_FROZEN: tl.constexpr, WRITE_PROBABILITIES: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK_S: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+    ):  # fmt: skip
+        # Program (row, chunk of `chunk` columns): the row's statistics from the partials kernel's `splits`, then
+        # its chunk's probabilities and draw: drawn[row, chunk] = the largest z + g, drawn_index its first column.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         parts = tl.arange(0, BLOCK_S)
         used = parts < splits
-        slot = (row * splits + parts) * 5
+        slot = (row * splits + parts) * 4
         m = tl.load(partial_ptr + slot + 0, mask=used, other=float("-inf"))
         s = tl.load(partial_ptr + slot + 1, mask=used, other=0.0)
         b = tl.load(partial_ptr + slot + 2, mask=used, other=0.0)
-        top = tl.load(partial_ptr + slot + 3, mask=used, other=float("-inf"))
-        pick = tl.load(partial_ptr + slot + 4, mask=used, other=float("-inf"))
-        top_at = tl.load(index_ptr + (row * splits + parts) * 2 + 0, mask=used, other=2147483647)
-        pick_at = tl.load(index_ptr + (row * splits + parts) * 2 + 1, mask=used, other=2147483647)
         row_m = tl.max(m, axis=0)
         weight = tl.exp(m - row_m)
         weight = tl.where(m == float("-inf"), 0.0, weight)
@@ -167,26 +149,53 @@ if TRITON_AVAILABLE:
         lse = row_m + log_s
         if split == 0:
             tl.store(entropy_ptr + row, log_s - total_b / total_s)
+            top = tl.load(partial_ptr + slot + 3, mask=used, other=float("-inf"))
+            top_at = tl.load(index_ptr + row * splits + parts, mask=used, other=2147483647)
             best = tl.max(top, axis=0)
             tl.store(argmax_ptr + row, tl.min(tl.where(top == best, top_at, 2147483647), axis=0).to(tl.int64))
-            drawn = tl.max(pick, axis=0)
-            tl.store(sample_ptr + row, tl.min(tl.where(pick == drawn, pick_at, 2147483647), axis=0).to(tl.int64))
-        if WRITE_PROBABILITIES:
-            write = True
-            if HAS_FROZEN:
-                write = tl.load(frozen_ptr + row // positions) == 0
-            if write:
-                temperature = tl.load(temperature_ptr)
-                offs = tl.arange(0, BLOCK)
-                start = split * chunk
-                end = tl.minimum(start + chunk, vocab)
-                out_dtype = probabilities_ptr.dtype.element_ty
-                for first in range(start, end, BLOCK):
-                    cols = first + offs
-                    in_row = cols < end
-                    z = _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP)
-                    p = tl.exp(z - lse)
-                    tl.store(probabilities_ptr + row * vocab + cols, p.to(out_dtype), mask=in_row)
+        write = True
+        if HAS_FROZEN:
+            write = tl.load(frozen_ptr + row // positions) == 0
+        temperature = tl.load(temperature_ptr)
+        seed = tl.load(seed_ptr)
+        # The argmax column's z + g is at least this: a block whose max z + HIGH is below it cannot win (LOW, HIGH:
+        # `GUMBEL_LOW`, `GUMBEL_HIGH`).
+        floor = row_m + LOW
+        offs = tl.arange(0, BLOCK)
+        start = split * chunk
+        end = tl.minimum(start + chunk, vocab)
+        out_dtype = probabilities_ptr.dtype.element_ty
+        drawn = tl.full([BLOCK], float("-inf"), tl.float32)
+        drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
+        for first in range(start, end, BLOCK):
+            cols = first + offs
+            in_row = cols < end
+            z = _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP)
+            if WRITE_PROBABILITIES and write:
+                tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
+            z = tl.where(in_row, z, float("-inf"))
+            if tl.max(z, axis=0) + HIGH >= floor:
+                g = tl.where(in_row, _gumbel(z, seed, row, vocab, cols), float("-inf"))
+                taken = g > drawn  # strictly: the first column of a lane's maximum stays
+                drawn_at = tl.where(taken, cols, drawn_at)
+                drawn = tl.where(taken, g, drawn)
+        pick = tl.max(drawn, axis=0)
+        tl.store(drawn_ptr + row * draw_splits + split, pick)
+        pick_at = tl.min(tl.where(drawn == pick, drawn_at, 2147483647), axis=0)
+        tl.store(drawn_index_ptr + row * draw_splits + split, pick_at)
+
+    @triton.jit
+    def _sample_kernel(drawn_ptr, drawn_index_ptr, sample_ptr, rows, splits, ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+        # sample[row] = the column of the largest of the row's chunk draws, the lowest on ties.
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        parts = tl.arange(0, BLOCK_S)
+        used = (row < rows)[:, None] & (parts < splits)[None, :]
+        at = row[:, None].to(tl.int64) * splits + parts[None, :]
+        drawn = tl.load(drawn_ptr + at, mask=used, other=float("-inf"))
+        drawn_at = tl.load(drawn_index_ptr + at, mask=used, other=2147483647)
+        pick = tl.max(drawn, axis=1)
+        pick_at = tl.min(tl.where(drawn == pick[:, None], drawn_at, 2147483647), axis=1)
+        tl.store(sample_ptr + row, pick_at.to(tl.int64), mask=row < rows)
 
     @triton.jit
     def _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype: tl.constexpr, HAS_WEIGHT: tl.constexpr):
@@ -478,11 +487,19 @@ def post_feedforward_norms(
     return out
 
 
-def vocabulary_splits(rows: int, vocab: int, block: int = BLOCK_V) -> int:
-    """Chunks per row: enough programs (`TARGET_PROGRAMS`) for a few positions, one chunk per row for many; at
-    most `MAX_SPLITS` and no more than the row has blocks of `block` columns."""
-    wanted = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(rows, 1))))
+def vocabulary_splits(
+    rows: int, vocab: int, block: int = BLOCK_V, target: int = TARGET_PROGRAMS, most: int = MAX_SPLITS
+) -> int:
+    """Chunks per row: enough programs (`target`) for a few positions, one chunk per row for many; at most `most`
+    and no more than the row has blocks of `block` columns."""
+    wanted = max(1, min(most, -(-target // max(rows, 1))))
     return max(1, min(wanted, -(-vocab // block)))
+
+
+def _chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
+    """(chunks, columns per chunk) for about `splits` chunks of whole blocks of `block` columns."""
+    chunk = -(-(-(-vocab // splits)) // block) * block
+    return -(-vocab // chunk), chunk
 
 
 @on_tensor_device
@@ -501,7 +518,8 @@ def fused_sample(
     softmax(z) (Gumbel-max with Philox uniforms from the `(1,)` int64 device tensor `seed`), argmax(z) (first on
     ties) and the entropy of softmax(z) (float32), each `(B, C)`. With `probabilities` `(B, C, vocab)`: softmax(z)
     in its dtype written there for the rows of batch rows not `frozen` `(B,)` bool (None: all). `splits`, `block`:
-    the chunking (default `vocabulary_splits`; tests)."""
+    the chunking of both passes and the columns per iteration (default `vocabulary_splits` per pass, `BLOCK_V` and
+    `DRAW_BLOCK`; tests)."""
     batch, positions, vocab = raw_logits.shape
     rows = batch * positions
     x = raw_logits.reshape(rows, vocab)
@@ -521,27 +539,34 @@ def fused_sample(
     if frozen is not None and frozen.shape != (batch,):
         raise ValueError(f"frozen must have shape ({batch},), got {tuple(frozen.shape)}.")
     device = raw_logits.device
-    splits = splits or vocabulary_splits(rows, vocab, block)
-    per_split = -(-vocab // splits)
-    chunk = -(-per_split // block) * block  # whole blocks per chunk
-    splits = -(-vocab // chunk)
-    partial = torch.empty(rows, splits, 5, dtype=torch.float32, device=device)
-    index = torch.empty(rows, splits, 2, dtype=torch.int32, device=device)
+    draw_block = min(block, DRAW_BLOCK)
+    draw_splits = splits or vocabulary_splits(rows, vocab, draw_block, DRAW_TARGET_PROGRAMS, DRAW_MAX_SPLITS)
+    splits, chunk = _chunking(vocab, splits or vocabulary_splits(rows, vocab, block), block)
+    draw_splits, draw_chunk = _chunking(vocab, draw_splits, draw_block)
+    partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=device)
+    index = torch.empty(rows, splits, dtype=torch.int32, device=device)
+    drawn = torch.empty(rows, draw_splits, dtype=torch.float32, device=device)
+    drawn_index = torch.empty(rows, draw_splits, dtype=torch.int32, device=device)
     entropy = torch.empty(rows, dtype=torch.float32, device=device)
     argmax = torch.empty(rows, dtype=torch.long, device=device)
     sample = torch.empty(rows, dtype=torch.long, device=device)
     cap = float(softcap) if softcap else 1.0
     _partials_kernel[(rows, splits)](
-        x, temperature, seed, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
+        x, temperature, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), BLOCK=block, num_warps=4,
     )  # fmt: skip
-    _finish_kernel[(rows, splits)](
-        x, temperature, partial, index, entropy, argmax, sample,
+    _finish_kernel[(rows, draw_splits)](
+        x, temperature, seed, partial, index, drawn, drawn_index, entropy, argmax,
         frozen.to(torch.uint8) if frozen is not None else entropy,
         probabilities if probabilities is not None else entropy,
-        vocab, chunk, splits, positions, cap, 1.0 / cap,
+        vocab, splits, draw_chunk, draw_splits, positions, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
-        BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        BLOCK=draw_block, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=max(1, draw_block // 256),
+        LOW=GUMBEL_LOW, HIGH=GUMBEL_HIGH,
+    )  # fmt: skip
+    _sample_kernel[(triton.cdiv(rows, SAMPLE_ROWS),)](
+        drawn, drawn_index, sample, rows, draw_splits,
+        ROWS=SAMPLE_ROWS, BLOCK_S=max(2, triton.next_power_of_2(draw_splits)), num_warps=1,
     )  # fmt: skip
     shape = (batch, positions)
     return sample.view(shape), argmax.view(shape), entropy.view(shape)
