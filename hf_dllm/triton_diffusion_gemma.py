@@ -498,7 +498,8 @@ def vocabulary_splits(
 
 def _chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
     """(chunks, columns per chunk) for about `splits` chunks of whole blocks of `block` columns."""
-    chunk = -(-(-(-vocab // splits)) // block) * block
+    per_split = -(-vocab // splits)
+    chunk = -(-per_split // block) * block
     return -(-vocab // chunk), chunk
 
 
