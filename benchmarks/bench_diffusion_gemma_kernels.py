@@ -35,7 +35,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dllm import triton_ops  # noqa: E402
-from hf_dllm.triton_diffusion_gemma import DRAW_BLOCK, GUMBEL_HIGH, GUMBEL_LOW, fused_sample  # noqa: E402
+from hf_dllm.triton_diffusion_gemma import BLOCK_V, GUMBEL_HIGH, GUMBEL_LOW, fused_sample  # noqa: E402
 
 CAP, TEMPERATURE = 30.0, 0.6
 
@@ -52,11 +52,11 @@ def logits_of(kind: str, rows: int, vocab: int, device) -> torch.Tensor:
 
 
 def drawn_share(x: torch.Tensor) -> float:
-    """The share of `DRAW_BLOCK`-column blocks the finish kernel draws in (its test: block max z + GUMBEL_HIGH >=
+    """The share of `BLOCK_V`-column blocks the finish kernel draws in (its test: block max z + GUMBEL_HIGH >=
     row max z + GUMBEL_LOW)."""
     rows, vocab = x.shape[-2:]
     z = (x.float() / CAP).tanh_().mul_(CAP).div_(TEMPERATURE).view(rows, -1)
-    blocks = torch.nn.functional.pad(z, (0, -vocab % DRAW_BLOCK), value=float("-inf")).view(rows, -1, DRAW_BLOCK)
+    blocks = torch.nn.functional.pad(z, (0, -vocab % BLOCK_V), value=float("-inf")).view(rows, -1, BLOCK_V)
     block_max = blocks.amax(-1)
     return float((block_max + GUMBEL_HIGH >= block_max.amax(-1, keepdim=True) + GUMBEL_LOW).float().mean())
 

@@ -16,7 +16,9 @@ from hf_dllm.triton_diffusion_gemma import fused_sample
 from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("triton", reason="the `triton` extra is not installed")
+triton = pytest.importorskip("triton", reason="the `triton` extra is not installed")
+tl = triton.language
+from hf_dllm.triton_diffusion_gemma import _uniform  # noqa: E402  (with Triton only)
 
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CAP, TEMPERATURE = 30.0, 0.6
@@ -53,6 +55,25 @@ def test_fused_sample_against_pytorch_on_the_real_vocabulary():
     assert torch.equal(argmax[clear], z.argmax(-1)[clear])
     torch.testing.assert_close(probabilities.float(), z.softmax(-1).bfloat16().float(), rtol=0.02, atol=1e-6)
     assert ((sample >= 0) & (sample < 262_144)).all()
+
+
+@triton.jit
+def _uniform_and_rand(seed_ptr, offset_ptr, ours_ptr, theirs_ptr, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    offset = tl.load(offset_ptr + lanes)
+    seed = tl.load(seed_ptr)
+    tl.store(ours_ptr + lanes, _uniform(seed, offset))
+    tl.store(theirs_ptr + lanes, tl.rand(seed, offset))
+
+
+def test_sampler_uniforms_are_triton_rand():
+    """The finish kernel's Philox (`_uniform`: wide multiplies) gives `tl.rand`'s uniforms bit for bit on this
+    Triton, at offsets past 2^32 and seeds past 2^32 too (the draws before it moved there were tl.rand's)."""
+    offsets = torch.cat([torch.arange(4096), torch.randint(0, 1 << 40, (4096,))]).cuda()
+    for seed in (0, 11, (1 << 62) - 3):
+        ours, theirs = torch.empty(8192, device="cuda"), torch.empty(8192, device="cuda")
+        _uniform_and_rand[(1,)](torch.tensor([seed], device="cuda"), offsets, ours, theirs, BLOCK=8192)
+        assert torch.equal(ours, theirs), (seed, (ours != theirs).sum())
 
 
 def test_fused_draws_follow_softmax():
