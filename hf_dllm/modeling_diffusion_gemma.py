@@ -48,7 +48,8 @@ from .tensor_parallel import local_shape
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
-# transformers' activation names that the Triton experts' gated product computes (`grouped_gemm.GATE_ACTIVATIONS`).
+# transformers' activation names that the Triton gated kernels compute (`triton_ops.GATE_ACTIVATIONS`: the experts'
+# gated product, the dense MLP's `gated_mul`).
 TRITON_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
