@@ -582,7 +582,7 @@ def fused_sample(
     block_s = max(2, triton.next_power_of_2(splits))
     _finish_kernel[(rows, splits)](
         x, temperature, seed, partial, index, drawn, drawn_index, entropy, argmax,
-        frozen.to(torch.uint8) if frozen is not None else entropy,
+        frozen.contiguous() if frozen is not None else entropy,  # bool, read as int1
         probabilities if probabilities is not None else entropy,
         vocab, chunk, splits, positions, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
