@@ -47,6 +47,9 @@ from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None w
 BLOCK_V = 256
 TARGET_PROGRAMS = 8192
 MAX_SPLITS = 64
+# Triton's interpreter (CPU tensors: the tests) runs programs one by one and pays per operation, not per column:
+# there one chunk per row, in blocks of this many columns.
+INTERPRETER_BLOCK_V = 1024
 # Bounds of g = -log(-log u) for u in [1e-20, 1 - 2^-24] (-3.83 and 16.64), with margin for the logarithms' error.
 GUMBEL_LOW = -4.0
 GUMBEL_HIGH = 17.0
@@ -54,12 +57,6 @@ GUMBEL_HIGH = 17.0
 SAMPLE_ROWS = 16
 
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _block(x_ptr, row, first, end, vocab, BLOCK: tl.constexpr):
-        # The raw values of the block of columns from `first` of row `row` (columns from `end` on: 0).
-        cols = first + tl.arange(0, BLOCK)
-        return tl.load(x_ptr + row * vocab + cols, mask=cols < end, other=0.0)
 
     @triton.jit
     def _processed(x, cap, inverse_cap, temperature, HAS_CAP: tl.constexpr):
@@ -72,35 +69,32 @@ if TRITON_AVAILABLE:
         return x / temperature
 
     @triton.jit
-    def _uniform(seed, offset):
+    def _uniform(seed, offset, WIDE: tl.constexpr = True):
         # `tl.rand(seed, offset)` bit for bit (Philox4x32-10's first word to [0, 1)), each round's two products as
         # 32 x 32 -> 64-bit multiplies whose halves are the high and low words: one wide multiply on the GPU where
-        # tl.rand's separate mul.hi and mul.lo take two.
-        c0 = offset.to(tl.uint32)
-        c1 = (offset >> 32).to(tl.uint32)
-        c2 = c0 * 0
-        c3 = c0 * 0
-        seed = seed.to(tl.uint64)
-        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        for _ in tl.static_range(10):
-            product_a = c0.to(tl.uint64) * 0xD2511F53
-            product_b = c2.to(tl.uint64) * 0xCD9E8D57
-            c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
-            c2 = (product_a >> 32).to(tl.uint32) ^ c3 ^ k1
-            c1 = product_b.to(tl.uint32)
-            c3 = product_a.to(tl.uint32)
-            k0 = k0 + 0x9E3779B9
-            k1 = k1 + 0xBB67AE85
-        word = c0.to(tl.int32, bitcast=True)
-        return tl.where(word < 0, ~word, word) * 4.6566127342e-10
-
-    @triton.jit
-    def _gumbel(z, seed, row, vocab, cols):
-        # z + g, g = -log(-log u) with u from Philox at (seed, row * vocab + column), clamped inside (0, 1).
-        u = _uniform(seed, row * vocab + cols)
-        u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
-        return z - tl.log(-tl.log(u))
+        # tl.rand's separate mul.hi and mul.lo take two. WIDE False: tl.rand itself (Triton's interpreter runs it
+        # in half the time).
+        if WIDE:
+            c0 = offset.to(tl.uint32)
+            c1 = (offset >> 32).to(tl.uint32)
+            c2 = c0 * 0
+            c3 = c0 * 0
+            seed = seed.to(tl.uint64)
+            k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+            k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            for _ in tl.static_range(10):
+                product_a = c0.to(tl.uint64) * 0xD2511F53
+                product_b = c2.to(tl.uint64) * 0xCD9E8D57
+                c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
+                c2 = (product_a >> 32).to(tl.uint32) ^ c3 ^ k1
+                c1 = product_b.to(tl.uint32)
+                c3 = product_a.to(tl.uint32)
+                k0 = k0 + 0x9E3779B9
+                k1 = k1 + 0xBB67AE85
+            word = c0.to(tl.int32, bitcast=True)
+            return tl.where(word < 0, ~word, word) * 4.6566127342e-10
+        else:
+            return tl.rand(seed, offset)
 
     @triton.jit
     def _partials_kernel(
@@ -121,13 +115,15 @@ if TRITON_AVAILABLE:
         b = tl.zeros([BLOCK], dtype=tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_at = tl.zeros([BLOCK], dtype=tl.int32)
-        # The next block's load is issued before this block's arithmetic: two loads in flight per warp.
-        following = _block(x_ptr, row, start, end, vocab, BLOCK)
+        # The next block's load is issued before this block's arithmetic: two loads in flight per warp. (Loads
+        # written out rather than in a helper: each helper call costs the interpreter's tests a builtin patch.)
+        x_row = x_ptr + row * vocab
+        following = tl.load(x_row + start + offs, mask=start + offs < end, other=0.0)
         for first in range(start, end, BLOCK):
             cols = first + offs
             in_row = cols < end
             raw = following
-            following = _block(x_ptr, row, first + BLOCK, end, vocab, BLOCK)
+            following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < end, other=0.0)
             z = tl.where(in_row, _processed(raw, cap, inverse_cap, temperature, HAS_CAP), float("-inf"))
             block_m = tl.max(z, axis=0)
             if block_m > m:
@@ -159,7 +155,7 @@ if TRITON_AVAILABLE:
         x_ptr, temperature_ptr, seed_ptr, partial_ptr, index_ptr, drawn_ptr, drawn_index_ptr, entropy_ptr,
         argmax_ptr, frozen_ptr, probabilities_ptr, vocab, chunk, splits, positions, cap, inverse_cap,
         HAS_CAP: tl.constexpr, HAS_FROZEN: tl.constexpr, WRITE_PROBABILITIES: tl.constexpr, BLOCK: tl.constexpr,
-        BLOCK_S: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr,
+        BLOCK_S: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         # Program (row, split): the row's statistics from the partials, then its chunk's probabilities and draw:
         # drawn[row, split] = the largest z + g, drawn_index its first column.
@@ -198,18 +194,21 @@ if TRITON_AVAILABLE:
         out_dtype = probabilities_ptr.dtype.element_ty
         drawn = tl.full([BLOCK], float("-inf"), tl.float32)
         drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
-        following = _block(x_ptr, row, start, end, vocab, BLOCK)  # as in the partials kernel
+        x_row = x_ptr + row * vocab  # the next block loaded early, as in the partials kernel
+        following = tl.load(x_row + start + offs, mask=start + offs < end, other=0.0)
         for first in range(start, end, BLOCK):
             cols = first + offs
             in_row = cols < end
             raw = following
-            following = _block(x_ptr, row, first + BLOCK, end, vocab, BLOCK)
+            following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < end, other=0.0)
             z = _processed(raw, cap, inverse_cap, temperature, HAS_CAP)
             if WRITE_PROBABILITIES and write:
                 tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
             z = tl.where(in_row, z, float("-inf"))
             if tl.max(z, axis=0) + HIGH >= floor:
-                g = tl.where(in_row, _gumbel(z, seed, row, vocab, cols), float("-inf"))
+                # z + g, g = -log(-log u), u from Philox at (seed, row * vocab + column) clamped inside (0, 1).
+                u = tl.minimum(tl.maximum(_uniform(seed, row * vocab + cols, WIDE), 1e-20), 0.99999994)
+                g = tl.where(in_row, z - tl.log(-tl.log(u)), float("-inf"))
                 taken = g > drawn  # strictly: the first column of a lane's maximum stays
                 drawn_at = tl.where(taken, cols, drawn_at)
                 drawn = tl.where(taken, g, drawn)
@@ -537,14 +536,15 @@ def fused_sample(
     probabilities: torch.Tensor | None = None,
     frozen: torch.Tensor | None = None,
     splits: int | None = None,
-    block: int = BLOCK_V,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the LM head's raw output `raw_logits` `(B, C, vocab)` (any float dtype; rows contiguous), with z =
     softcap(x) / temperature (`softcap` None: no cap; `temperature` a `(1,)` float32 device tensor): a sample of
     softmax(z) (Gumbel-max with Philox uniforms from the `(1,)` int64 device tensor `seed`), argmax(z) (first on
     ties) and the entropy of softmax(z) (float32), each `(B, C)`. With `probabilities` `(B, C, vocab)`: softmax(z)
     in its dtype written there for the rows of batch rows not `frozen` `(B,)` bool (None: all). `splits`, `block`:
-    the chunking (default `vocabulary_splits`) and the columns a program reads per iteration (tests)."""
+    the chunking and the columns a program reads per iteration (tests; default `vocabulary_splits` and `BLOCK_V` on
+    CUDA, one chunk per row and `INTERPRETER_BLOCK_V` in Triton's interpreter)."""
     batch, positions, vocab = raw_logits.shape
     rows = batch * positions
     x = raw_logits.reshape(rows, vocab)
@@ -564,7 +564,8 @@ def fused_sample(
     if frozen is not None and frozen.shape != (batch,):
         raise ValueError(f"frozen must have shape ({batch},), got {tuple(frozen.shape)}.")
     device = raw_logits.device
-    splits = splits or vocabulary_splits(rows, vocab, block)
+    block = block or (BLOCK_V if x.is_cuda else INTERPRETER_BLOCK_V)
+    splits = splits or (vocabulary_splits(rows, vocab, block) if x.is_cuda else 1)
     per_split = -(-vocab // splits)
     chunk = -(-per_split // block) * block  # whole blocks per chunk
     splits = -(-vocab // chunk)
@@ -588,7 +589,7 @@ def fused_sample(
         probabilities if probabilities is not None else entropy,
         vocab, chunk, splits, positions, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
-        BLOCK=block, BLOCK_S=block_s, LOW=GUMBEL_LOW, HIGH=GUMBEL_HIGH, num_warps=warps,
+        BLOCK=block, BLOCK_S=block_s, LOW=GUMBEL_LOW, HIGH=GUMBEL_HIGH, WIDE=x.is_cuda, num_warps=warps,
     )  # fmt: skip
     _sample_kernel[(triton.cdiv(rows, SAMPLE_ROWS),)](
         drawn, drawn_index, sample, rows, splits, ROWS=SAMPLE_ROWS, BLOCK_S=block_s, num_warps=1

@@ -8,7 +8,7 @@ the PyTorch code:
   float32 rounding of a float64 reference, frozen rows' probabilities left as they were, one chunk or several per row
   (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token; the
   sample exactly the Gumbel-max over every column from a numpy Philox (the kernel skips blocks that cannot win, on
-  peaked rows; flat rows skip none);
+  peaked rows; flat rows skip none), and the GPU's Philox (wide multiplies) tl.rand's;
 - the experts through hf_dllm's Triton MoE kernels (`implementation="triton"`: GELU-gated grouped products) against
   the loop;
 - one denoising step of the fixture model, fused against the PyTorch sampler from the same canvas: the same argmax,
@@ -70,6 +70,13 @@ KERNEL_SCRIPT = textwrap.dedent(
     # mostly come from columns well below their max (blocks that must not be skipped).
     flat = torch.randn(1, 2, V) * 0.1
     flat[0, :, 3] = 4.0
+    # The GPU's Philox (`_uniform`, wide multiplies; the interpreter's draws take tl.rand) is tl.rand bit for bit.
+    from tests.models.diffusion_gemma.test_diffusion_gemma_fused_sampler_gpu import _uniform_and_rand
+
+    offsets = torch.cat([torch.arange(64), torch.randint(0, 1 << 40, (64,))])
+    ours, theirs = torch.empty(128), torch.empty(128)
+    _uniform_and_rand[(1,)](torch.tensor([(1 << 62) - 3]), offsets, ours, theirs, BLOCK=128)
+    assert torch.equal(ours, theirs), "the wide-multiply Philox"
     for splits, block, rows, temperature in ((None, 64, x, 0.2), (2, 128, x, 0.7), (None, 64, flat, 0.7)):
         sample, _, _ = fused_sample(rows, torch.tensor([temperature]), torch.tensor([123]), 30.0, splits=splits,
                                     block=block)
