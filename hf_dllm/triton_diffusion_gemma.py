@@ -202,8 +202,9 @@ if TRITON_AVAILABLE:
             raw = following
             following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < end, other=0.0)
             z = _processed(raw, cap, inverse_cap, temperature, HAS_CAP)
-            if WRITE_PROBABILITIES and write:
-                tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
+            if WRITE_PROBABILITIES:
+                if write:
+                    tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
             z = tl.where(in_row, z, float("-inf"))
             if tl.max(z, axis=0) + HIGH >= floor:
                 # z + g, g = -log(-log u), u from Philox at (seed, row * vocab + column) clamped inside (0, 1).
