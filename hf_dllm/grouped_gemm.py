@@ -36,12 +36,16 @@ from torch import nn
 from .fp8 import fp8_block_size, is_fp8_linear
 from .tensor_parallel import EP_IMPLEMENTATIONS, is_sharded, local_tensor
 from .triton_ops import (
+    GATE_ACTIVATIONS,
     TRITON_AVAILABLE,
     launch,
     on_tensor_device,
     tl,
     triton,
 )  # None without Triton (CPU-only installs)
+
+if TRITON_AVAILABLE:
+    from .triton_ops import gate_activation
 
 
 def grouped_configs() -> list:
@@ -265,22 +269,13 @@ if TRITON_AVAILABLE:
             # The unfused path's rounding: both products and the activation's output rounded to the output dtype.
             out_dtype = out_ptr.dtype.element_ty
             gate = acc.to(out_dtype).to(tl.float32)
-            if GELU:
-                # PyTorch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh
-                # as 1 - 2 / (exp(2 y) + 1) (exact at both tails in float32; no libdevice in the interpreter).
-                inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-                activated = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
-            else:
-                activated = gate / (1.0 + tl.exp(-gate))
+            activated = gate_activation(gate, GELU)
             acc = activated.to(out_dtype).to(tl.float32) * acc_up.to(out_dtype).to(tl.float32)
         if SWAP:
             acc = tl.trans(acc)
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
-
-# The gate activations the gated product's epilogue computes (`grouped_matmul(activation=...)`).
-GATE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 # The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False, "N_FASTEST": False}

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput, cached_file
 
-from . import triton_diffusion_gemma, triton_moe  # (kernels where Triton is installed: `use_fused_kernels`)
+from . import triton_diffusion_gemma, triton_moe, triton_ops  # (kernels where Triton is installed: `use_fused_kernels`)
 from .configuration_diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaTextConfig
 from .decoding_diffusion_gemma import row_chunks
 from .family_diffusion_gemma import DIFFUSION_GEMMA
@@ -48,7 +48,8 @@ from .tensor_parallel import local_shape
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
-# transformers' activation names that the Triton experts' gated product computes (`grouped_gemm.GATE_ACTIVATIONS`).
+# transformers' activation names that the Triton gated kernels compute (`triton_ops.GATE_ACTIVATIONS`: the experts'
+# gated product, the dense MLP's `gated_mul`).
 TRITON_GATE_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 IMAGE_INPUTS = ("pixel_values", "image_position_ids", "mm_token_type_ids", "mm_encoder_outputs")
@@ -316,8 +317,8 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
 class DiffusionGemmaMLP(ConcatenatedProjections):
     """`down(act(gate(x)) * up(x))`, no biases; gate/up are one product where the fused kernels run
     (`ConcatenatedProjections`; FP8 layers only where their scale blocks allow it: the 26B-A4B's 2,112 rows do
-    not divide into blocks of 128, those run apart). The GELU gate stays two PyTorch ops (hf_dllm's elementwise
-    gated kernel is SiLU's, `triton_ops.silu_mul`)."""
+    not divide into blocks of 128, those run apart), and act(gate) * up one launch there (`triton_ops.gated_mul`,
+    PyTorch's rounding points) for the activations it computes (`TRITON_GATE_ACTIVATIONS`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str):
         super().__init__()
@@ -325,13 +326,17 @@ class DiffusionGemmaMLP(ConcatenatedProjections):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[activation]
+        self.gate_activation = TRITON_GATE_ACTIVATIONS.get(activation)  # None: the fused path keeps act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         names = ("gate_proj", "up_proj")
-        if use_fused_kernels(x) and not torch.is_grad_enabled() and self.multiplies_as_one(names):
+        fused = use_fused_kernels(x) and not torch.is_grad_enabled()
+        if fused and self.multiplies_as_one(names):
             gate, up = self.project(x, names).chunk(2, dim=-1)
         else:
             gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
+        if fused and self.gate_activation is not None:
+            return linear(self.down_proj, triton_ops.gated_mul(gate, up, self.gate_activation))
         return linear(self.down_proj, self.act_fn(gate) * up)
 
 

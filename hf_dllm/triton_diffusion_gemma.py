@@ -1,22 +1,34 @@
-"""DiffusionGemma's sampler as two Triton kernels over the vocabulary, in chunks: the fast path of
+"""DiffusionGemma's sampler as three Triton kernels over the vocabulary, in chunks: the fast path of
 `EntropyBoundSampler.denoise` on CUDA (`decoding_diffusion_gemma.py` keeps the PyTorch code, the CPU path and the
 reference).
 
 Per position (a row of the LM head's raw output `x` `(rows, vocab)`, in the model's dtype): z = cap * tanh(x / cap) /
-T (the soft cap, arXiv:2408.00118, then the step's temperature), and from z in one read of x: the entropy of
-softmax(z), its argmax, a sample of softmax(z) and the log-sum-exp; then in a second read, softmax(z) in the model's
-dtype where the next step's self-conditioning needs it (`softmax(z).to(dtype) @ E`, the rounding point of the PyTorch
-path). Nothing of shape `(rows, vocab)` in float32 is written: the PyTorch path writes the float32 logits, their
-temperature quotient, the softmax, the multinomial's and the entropy's temporaries (several float32 passes over
-rows x 262,144 values: ~270 MB each for a batch-1 canvas of 256 positions, 8.6 GB at batch 32).
+T (the soft cap, arXiv:2408.00118, then the step's temperature); from z the entropy of softmax(z), its argmax, a
+sample of softmax(z) (Gumbel-max: argmax of z + g, g = -log(-log u), u uniform from Philox at (seed, row * vocab +
+column), one `(1,)` int64 seed per step read from the device, so a CUDA-graph replay draws anew), and softmax(z) in
+the model's dtype where the next step's self-conditioning needs it (`softmax(z).to(dtype) @ E`, the rounding point
+of the PyTorch path). Nothing of shape `(rows, vocab)` in float32 is written (the PyTorch path writes several
+float32 passes over rows x 262,144 values: ~270 MB each for a batch-1 canvas of 256 positions).
 
-- `_partials_kernel`, grid (rows, splits): each program reduces a chunk of a row online (running max m; sum of
-  e^(z - m); sum of e^(z - m) (z - m), for the entropy without cancellation; the first argmax; the Gumbel-max
-  sample: argmax of z + g with g = -log(-log u), u uniform from Philox at (seed, row * vocab + column), one
-  `(1,)` int64 seed per step read from the device, so a CUDA-graph replay draws anew).
-- `_finish_kernel`, grid (rows, splits): each program combines its row's chunk partials (entropy H = log S - B / S,
-  argmax and sample with the lowest index on ties, log-sum-exp; the first chunk's program stores them) and writes
-  its chunk of softmax(z) = e^(z - lse), unless the row's batch row is frozen (its self-conditioning stays).
+- `_partials_kernel`, grid (rows, splits): each program reduces a chunk of a row (running max m, a scalar updated
+  per block of `BLOCK_V` columns, the sums rescaled only when a block raises it; sum of e^(z - m); sum of e^(z - m)
+  (z - m), for the entropy without cancellation; the first argmax). No random numbers: a Philox draw and two
+  logarithms per column were most of this pass's instructions when it drew.
+- `_finish_kernel`, grid (rows, splits): each program combines its row's partials (entropy H = log S - B / S,
+  argmax with the lowest index on ties, the log-sum-exp and the row's max z; the first chunk's program stores
+  them), writes its chunk of softmax(z) = e^(z - lse) (unless the row's batch row is frozen: its
+  self-conditioning stays) and draws the Gumbel-max over the chunk, skipping the blocks no column of which can
+  win: g lies in [GUMBEL_LOW, GUMBEL_HIGH] (u is clamped to [1e-20, 1 - 2^-24]) and the row's argmax column has
+  z + g >= max z + GUMBEL_LOW, so a block whose max z + GUMBEL_HIGH is below that is strictly beaten. The draw is
+  the one over every column (the same uniforms, the lowest index on ties): only columns that cannot be it skip
+  their Philox and logarithms, most of a canvas at the schedule's temperatures; flat rows (every column within
+  ~21 of the max z, as a random head's) skip nothing, and their Philox (~48 integer instructions a column on
+  sm_90) and logarithms (~34) bound the kernel.
+- `_sample_kernel`, grid (rows / SAMPLE_ROWS,): the chunks' draws to the row's (the largest z + g, the lowest
+  index on ties).
+
+Both vocabulary passes run single-warp programs over blocks of `BLOCK_V` columns (8 per lane: a block's max is a
+warp reduction, no barrier), the next block's load issued before a block's arithmetic.
 
 The draw is not `torch.multinomial`'s (the Gumbel-max trick samples softmax(z) exactly, from other uniforms): seeded
 parity with transformers is the CPU path's. Exported as Hub remote code: Triton is imported inside `try:`
@@ -29,135 +41,132 @@ import torch
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
-# Columns a program reads per iteration, and how many programs per row at most (chunks of the vocabulary).
-BLOCK_V = 1024
-MAX_SPLITS = 32
-# Programs the partials kernel aims for: enough to fill a GPU's multiprocessors a few times over.
-TARGET_PROGRAMS = 2048
+# Columns a program reads per iteration (one warp's: 8 per lane; a block's max is then a warp reduction, no barrier,
+# and it is the unit of the draw's skipping test), programs aimed for (single-warp programs: at most 32 resident per
+# multiprocessor) and chunks per row at most.
+BLOCK_V = 256
+TARGET_PROGRAMS = 8192
+MAX_SPLITS = 64
+# Triton's interpreter (CPU tensors: the tests) runs programs one by one and pays per operation, not per column:
+# there one chunk per row, in blocks of this many columns.
+INTERPRETER_BLOCK_V = 1024
+# Bounds of g = -log(-log u) for u in [1e-20, 1 - 2^-24] (-3.83 and 16.64), with margin for the logarithms' error.
+GUMBEL_LOW = -4.0
+GUMBEL_HIGH = 17.0
+# Rows per program of the draws' reduction.
+SAMPLE_ROWS = 16
 
 if TRITON_AVAILABLE:
 
     @triton.jit
-    def _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP: tl.constexpr):
-        # z for the columns `cols` of row `row`: the soft cap in float32 (tanh as 1 - 2 / (e^(2y) + 1): exact at
-        # both tails, and the interpreter has no libdevice), then the temperature's quotient.
-        x = tl.load(x_ptr + row * vocab + cols, mask=in_row, other=0.0).to(tl.float32)
+    def _processed(x, cap, inverse_cap, temperature, HAS_CAP: tl.constexpr):
+        # z from raw values x: the soft cap in float32 (tanh as 1 - 2 / (e^(2y) + 1): exact at both tails, and the
+        # interpreter has no libdevice), then the temperature's quotient.
+        x = x.to(tl.float32)
         if HAS_CAP:
             y = x * inverse_cap
             x = cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
         return x / temperature
 
     @triton.jit
+    def _uniform(seed, offset, WIDE: tl.constexpr = True):
+        # `tl.rand(seed, offset)` bit for bit (Philox4x32-10's first word to [0, 1)), each round's two products as
+        # 32 x 32 -> 64-bit multiplies whose halves are the high and low words: one wide multiply on the GPU where
+        # tl.rand's separate mul.hi and mul.lo take two. WIDE False: tl.rand itself (Triton's interpreter runs it
+        # in half the time).
+        if WIDE:
+            c0 = offset.to(tl.uint32)
+            c1 = (offset >> 32).to(tl.uint32)
+            c2 = c0 * 0
+            c3 = c0 * 0
+            seed = seed.to(tl.uint64)
+            k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+            k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            for _ in tl.static_range(10):
+                product_a = c0.to(tl.uint64) * 0xD2511F53
+                product_b = c2.to(tl.uint64) * 0xCD9E8D57
+                c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
+                c2 = (product_a >> 32).to(tl.uint32) ^ c3 ^ k1
+                c1 = product_b.to(tl.uint32)
+                c3 = product_a.to(tl.uint32)
+                k0 = k0 + 0x9E3779B9
+                k1 = k1 + 0xBB67AE85
+            word = c0.to(tl.int32, bitcast=True)
+            return tl.where(word < 0, ~word, word) * 4.6566127342e-10
+        else:
+            return tl.rand(seed, offset)
+
+    @triton.jit
     def _partials_kernel(
-        x_ptr,
-        temperature_ptr,
-        seed_ptr,
-        partial_ptr,
-        index_ptr,
-        vocab,
-        chunk,
-        splits,
-        cap,
-        inverse_cap,
-        HAS_CAP: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # partial[row, split, :] = (m, S, B, argmax value, Gumbel value); index[row, split, :] = (argmax, sample).
+        x_ptr, temperature_ptr, partial_ptr, index_ptr, vocab, chunk, splits, cap, inverse_cap,
+        HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # partial[row, split, :] = (m, S, B, argmax value); index[row, split] = argmax.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         temperature = tl.load(temperature_ptr)
-        seed = tl.load(seed_ptr)
         offs = tl.arange(0, BLOCK)
         start = split * chunk
         end = tl.minimum(start + chunk, vocab)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        # The chunk's running max m (a scalar: a block's max is a warp reduction) and per lane sums relative to it,
+        # rescaled only when a block raises m.
+        m = tl.full([], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], dtype=tl.float32)
         b = tl.zeros([BLOCK], dtype=tl.float32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_at = tl.zeros([BLOCK], dtype=tl.int32)
-        drawn = tl.full([BLOCK], float("-inf"), tl.float32)
-        drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
-        # Per lane running statistics (a lane sees the columns start + lane, + BLOCK, ...): reduced across lanes at
-        # the end, so the loop has no cross-lane reduction.
+        # The next block's load is issued before this block's arithmetic: two loads in flight per warp. (Loads
+        # written out rather than in a helper: each helper call costs the interpreter's tests a builtin patch.)
+        x_row = x_ptr + row * vocab
+        following = tl.load(x_row + start + offs, mask=start + offs < end, other=0.0)
         for first in range(start, end, BLOCK):
             cols = first + offs
             in_row = cols < end
-            z = _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP)
-            z = tl.where(in_row, z, float("-inf"))
-            new_m = tl.maximum(m, z)
-            # Lanes that have seen only -inf keep m = -inf: their rescale factor is 0, not NaN.
-            safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-            rescale = tl.exp(m - safe_m)
-            e = tl.exp(z - safe_m)
-            shift = tl.where(m == float("-inf"), 0.0, m - safe_m)
-            b = rescale * (b + shift * s) + e * tl.where(in_row, z - safe_m, 0.0)
-            s = rescale * s + e
-            m = new_m
+            raw = following
+            following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < end, other=0.0)
+            z = tl.where(in_row, _processed(raw, cap, inverse_cap, temperature, HAS_CAP), float("-inf"))
+            block_m = tl.max(z, axis=0)
+            if block_m > m:
+                shift = tl.where(m == float("-inf"), 0.0, m - block_m)  # m = -inf: s = b = 0, no NaN
+                rescale = tl.exp(shift)
+                b = rescale * (b + shift * s)
+                s = rescale * s
+                m = block_m
+            d = z - m
+            # e^d as 2^(d log2 e) flushing results below 2^-126 to 0 (one instruction on the GPU where tl.exp's
+            # denormal handling takes four): such terms are below the sums' rounding (the max's term is 1).
+            e = tl.exp2(d * 1.4426950408889634)
+            b += e * tl.where(in_row, d, 0.0)
+            s += e
             better = z > best  # strictly: the first column of a lane's maximum stays
             best_at = tl.where(better, cols, best_at)
             best = tl.where(better, z, best)
-            u = tl.rand(seed, row * vocab + cols)
-            u = tl.minimum(tl.maximum(u, 1e-20), 0.99999994)
-            g = z - tl.log(-tl.log(u))
-            g = tl.where(in_row, g, float("-inf"))
-            taken = g > drawn
-            drawn_at = tl.where(taken, cols, drawn_at)
-            drawn = tl.where(taken, g, drawn)
-        # Across lanes: the chunk's max, S and B rescaled to it; the first column of the largest z (and z + g).
-        chunk_m = tl.max(m, axis=0)
-        safe = tl.where(chunk_m == float("-inf"), 0.0, chunk_m)
-        weight = tl.exp(m - safe)
-        shift = tl.where(m == float("-inf"), 0.0, m - safe)
-        chunk_s = tl.sum(weight * s, axis=0)
-        chunk_b = tl.sum(weight * (b + shift * s), axis=0)
         top = tl.max(best, axis=0)
         top_at = tl.min(tl.where(best == top, best_at, 2147483647), axis=0)
-        pick = tl.max(drawn, axis=0)
-        pick_at = tl.min(tl.where(drawn == pick, drawn_at, 2147483647), axis=0)
-        slot = (row * splits + split) * 5
-        tl.store(partial_ptr + slot + 0, chunk_m)
-        tl.store(partial_ptr + slot + 1, chunk_s)
-        tl.store(partial_ptr + slot + 2, chunk_b)
+        slot = (row * splits + split) * 4
+        tl.store(partial_ptr + slot + 0, m)
+        tl.store(partial_ptr + slot + 1, tl.sum(s, axis=0))
+        tl.store(partial_ptr + slot + 2, tl.sum(b, axis=0))
         tl.store(partial_ptr + slot + 3, top)
-        tl.store(partial_ptr + slot + 4, pick)
-        tl.store(index_ptr + (row * splits + split) * 2 + 0, top_at)
-        tl.store(index_ptr + (row * splits + split) * 2 + 1, pick_at)
+        tl.store(index_ptr + row * splits + split, top_at)
 
     @triton.jit
     def _finish_kernel(
-        x_ptr,
-        temperature_ptr,
-        partial_ptr,
-        index_ptr,
-        entropy_ptr,
-        argmax_ptr,
-        sample_ptr,
-        frozen_ptr,
-        probabilities_ptr,
-        vocab,
-        chunk,
-        splits,
-        positions,
-        cap,
-        inverse_cap,
-        HAS_CAP: tl.constexpr,
-        HAS_FROZEN: tl.constexpr,
-        WRITE_PROBABILITIES: tl.constexpr,
-        BLOCK: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-    ):
+        x_ptr, temperature_ptr, seed_ptr, partial_ptr, index_ptr, drawn_ptr, drawn_index_ptr, entropy_ptr,
+        argmax_ptr, frozen_ptr, probabilities_ptr, vocab, chunk, splits, positions, cap, inverse_cap,
+        HAS_CAP: tl.constexpr, HAS_FROZEN: tl.constexpr, WRITE_PROBABILITIES: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK_S: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr, WIDE: tl.constexpr,
+    ):  # fmt: skip
+        # Program (row, split): the row's statistics from the partials, then its chunk's probabilities and draw:
+        # drawn[row, split] = the largest z + g, drawn_index its first column.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         parts = tl.arange(0, BLOCK_S)
         used = parts < splits
-        slot = (row * splits + parts) * 5
+        slot = (row * splits + parts) * 4
         m = tl.load(partial_ptr + slot + 0, mask=used, other=float("-inf"))
         s = tl.load(partial_ptr + slot + 1, mask=used, other=0.0)
         b = tl.load(partial_ptr + slot + 2, mask=used, other=0.0)
-        top = tl.load(partial_ptr + slot + 3, mask=used, other=float("-inf"))
-        pick = tl.load(partial_ptr + slot + 4, mask=used, other=float("-inf"))
-        top_at = tl.load(index_ptr + (row * splits + parts) * 2 + 0, mask=used, other=2147483647)
-        pick_at = tl.load(index_ptr + (row * splits + parts) * 2 + 1, mask=used, other=2147483647)
         row_m = tl.max(m, axis=0)
         weight = tl.exp(m - row_m)
         weight = tl.where(m == float("-inf"), 0.0, weight)
@@ -167,26 +176,60 @@ if TRITON_AVAILABLE:
         lse = row_m + log_s
         if split == 0:
             tl.store(entropy_ptr + row, log_s - total_b / total_s)
+            top = tl.load(partial_ptr + slot + 3, mask=used, other=float("-inf"))
+            top_at = tl.load(index_ptr + row * splits + parts, mask=used, other=2147483647)
             best = tl.max(top, axis=0)
             tl.store(argmax_ptr + row, tl.min(tl.where(top == best, top_at, 2147483647), axis=0).to(tl.int64))
-            drawn = tl.max(pick, axis=0)
-            tl.store(sample_ptr + row, tl.min(tl.where(pick == drawn, pick_at, 2147483647), axis=0).to(tl.int64))
-        if WRITE_PROBABILITIES:
-            write = True
-            if HAS_FROZEN:
-                write = tl.load(frozen_ptr + row // positions) == 0
-            if write:
-                temperature = tl.load(temperature_ptr)
-                offs = tl.arange(0, BLOCK)
-                start = split * chunk
-                end = tl.minimum(start + chunk, vocab)
-                out_dtype = probabilities_ptr.dtype.element_ty
-                for first in range(start, end, BLOCK):
-                    cols = first + offs
-                    in_row = cols < end
-                    z = _processed(x_ptr, row, cols, in_row, vocab, cap, inverse_cap, temperature, HAS_CAP)
-                    p = tl.exp(z - lse)
-                    tl.store(probabilities_ptr + row * vocab + cols, p.to(out_dtype), mask=in_row)
+        write = True
+        if HAS_FROZEN:
+            write = tl.load(frozen_ptr + row // positions) == 0
+        temperature = tl.load(temperature_ptr)
+        seed = tl.load(seed_ptr)
+        # The argmax column's z + g is at least this: a block whose max z + HIGH is below it cannot win (LOW, HIGH:
+        # `GUMBEL_LOW`, `GUMBEL_HIGH`).
+        floor = row_m + LOW
+        offs = tl.arange(0, BLOCK)
+        start = split * chunk
+        end = tl.minimum(start + chunk, vocab)
+        out_dtype = probabilities_ptr.dtype.element_ty
+        drawn = tl.full([BLOCK], float("-inf"), tl.float32)
+        drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
+        x_row = x_ptr + row * vocab  # the next block loaded early, as in the partials kernel
+        following = tl.load(x_row + start + offs, mask=start + offs < end, other=0.0)
+        for first in range(start, end, BLOCK):
+            cols = first + offs
+            in_row = cols < end
+            raw = following
+            following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < end, other=0.0)
+            z = _processed(raw, cap, inverse_cap, temperature, HAS_CAP)
+            if WRITE_PROBABILITIES:
+                if write:
+                    tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
+            z = tl.where(in_row, z, float("-inf"))
+            if tl.max(z, axis=0) + HIGH >= floor:
+                # z + g, g = -log(-log u), u from Philox at (seed, row * vocab + column) clamped inside (0, 1).
+                u = tl.minimum(tl.maximum(_uniform(seed, row * vocab + cols, WIDE), 1e-20), 0.99999994)
+                g = tl.where(in_row, z - tl.log(-tl.log(u)), float("-inf"))
+                taken = g > drawn  # strictly: the first column of a lane's maximum stays
+                drawn_at = tl.where(taken, cols, drawn_at)
+                drawn = tl.where(taken, g, drawn)
+        pick = tl.max(drawn, axis=0)
+        pick_at = tl.min(tl.where(drawn == pick, drawn_at, 2147483647), axis=0)
+        tl.store(drawn_ptr + row * splits + split, pick)
+        tl.store(drawn_index_ptr + row * splits + split, pick_at)
+
+    @triton.jit
+    def _sample_kernel(drawn_ptr, drawn_index_ptr, sample_ptr, rows, splits, ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
+        # sample[row] = the column of the largest of the row's chunk draws, the lowest on ties.
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        parts = tl.arange(0, BLOCK_S)
+        used = (row < rows)[:, None] & (parts < splits)[None, :]
+        at = row[:, None].to(tl.int64) * splits + parts[None, :]
+        drawn = tl.load(drawn_ptr + at, mask=used, other=float("-inf"))
+        drawn_at = tl.load(drawn_index_ptr + at, mask=used, other=2147483647)
+        pick = tl.max(drawn, axis=1)
+        pick_at = tl.min(tl.where(drawn == pick[:, None], drawn_at, 2147483647), axis=1)
+        tl.store(sample_ptr + row, pick_at.to(tl.int64), mask=row < rows)
 
     @triton.jit
     def _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype: tl.constexpr, HAS_WEIGHT: tl.constexpr):
@@ -565,14 +608,15 @@ def fused_sample(
     probabilities: torch.Tensor | None = None,
     frozen: torch.Tensor | None = None,
     splits: int | None = None,
-    block: int = BLOCK_V,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the LM head's raw output `raw_logits` `(B, C, vocab)` (any float dtype; rows contiguous), with z =
     softcap(x) / temperature (`softcap` None: no cap; `temperature` a `(1,)` float32 device tensor): a sample of
     softmax(z) (Gumbel-max with Philox uniforms from the `(1,)` int64 device tensor `seed`), argmax(z) (first on
     ties) and the entropy of softmax(z) (float32), each `(B, C)`. With `probabilities` `(B, C, vocab)`: softmax(z)
     in its dtype written there for the rows of batch rows not `frozen` `(B,)` bool (None: all). `splits`, `block`:
-    the chunking (default `vocabulary_splits`; tests)."""
+    the chunking and the columns a program reads per iteration (tests; default `vocabulary_splits` and `BLOCK_V` on
+    CUDA, one chunk per row and `INTERPRETER_BLOCK_V` in Triton's interpreter)."""
     batch, positions, vocab = raw_logits.shape
     rows = batch * positions
     x = raw_logits.reshape(rows, vocab)
@@ -592,28 +636,36 @@ def fused_sample(
     if frozen is not None and frozen.shape != (batch,):
         raise ValueError(f"frozen must have shape ({batch},), got {tuple(frozen.shape)}.")
     device = raw_logits.device
-    splits = splits or vocabulary_splits(rows, vocab, block)
+    block = block or (BLOCK_V if x.is_cuda else INTERPRETER_BLOCK_V)
+    splits = splits or (vocabulary_splits(rows, vocab, block) if x.is_cuda else 1)
     per_split = -(-vocab // splits)
     chunk = -(-per_split // block) * block  # whole blocks per chunk
     splits = -(-vocab // chunk)
-    partial = torch.empty(rows, splits, 5, dtype=torch.float32, device=device)
-    index = torch.empty(rows, splits, 2, dtype=torch.int32, device=device)
+    partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=device)
+    index = torch.empty(rows, splits, dtype=torch.int32, device=device)
+    drawn = torch.empty(rows, splits, dtype=torch.float32, device=device)
+    drawn_index = torch.empty(rows, splits, dtype=torch.int32, device=device)
     entropy = torch.empty(rows, dtype=torch.float32, device=device)
     argmax = torch.empty(rows, dtype=torch.long, device=device)
     sample = torch.empty(rows, dtype=torch.long, device=device)
     cap = float(softcap) if softcap else 1.0
+    warps = max(1, block // 256)  # 8 columns per lane
     _partials_kernel[(rows, splits)](
-        x, temperature, seed, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
-        HAS_CAP=bool(softcap), BLOCK=block, num_warps=4,
+        x, temperature, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
+        HAS_CAP=bool(softcap), BLOCK=block, num_warps=warps,
     )  # fmt: skip
+    block_s = max(2, triton.next_power_of_2(splits))
     _finish_kernel[(rows, splits)](
-        x, temperature, partial, index, entropy, argmax, sample,
-        frozen.to(torch.uint8) if frozen is not None else entropy,
+        x, temperature, seed, partial, index, drawn, drawn_index, entropy, argmax,
+        frozen.contiguous() if frozen is not None else entropy,  # bool, read as int1
         probabilities if probabilities is not None else entropy,
         vocab, chunk, splits, positions, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
-        BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        BLOCK=block, BLOCK_S=block_s, LOW=GUMBEL_LOW, HIGH=GUMBEL_HIGH, WIDE=x.is_cuda, num_warps=warps,
     )  # fmt: skip
+    _sample_kernel[(triton.cdiv(rows, SAMPLE_ROWS),)](
+        drawn, drawn_index, sample, rows, splits, ROWS=SAMPLE_ROWS, BLOCK_S=block_s, num_warps=1
+    )
     shape = (batch, positions)
     return sample.view(shape), argmax.view(shape), entropy.view(shape)
 

@@ -408,22 +408,33 @@ if TRITON_AVAILABLE:
         tl.store(dst + HALF + offs, (a2 + b2).to(dtype), mask=write)
 
     @triton.jit
-    def _silu_mul_values(g, u, dtype: tl.constexpr):
-        # silu(g) * u as PyTorch computes it in `dtype`: float32 math, silu's output rounded to `dtype` before the
-        # product, the product rounded again.
-        g = g.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    def gate_activation(gate, GELU: tl.constexpr):
+        # A float32 gate's activation: PyTorch's gelu(approximate="tanh") (GELU) = 0.5 x (1 + tanh(sqrt(2 / pi) (x +
+        # 0.044715 x^3))), the tanh as 1 - 2 / (exp(2 y) + 1) (exact at both tails in float32; no libdevice in the
+        # interpreter); else silu(x) = x / (1 + exp(-x)).
+        if GELU:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+        else:
+            return gate / (1.0 + tl.exp(-gate))
+
+    @triton.jit
+    def _gated_values(g, u, dtype: tl.constexpr, GELU: tl.constexpr = False):
+        # act(g) * u as PyTorch computes it in `dtype`: float32 math, the activation's output rounded to `dtype`
+        # before the product, the product rounded again.
+        s = gate_activation(g.to(tl.float32), GELU).to(dtype).to(tl.float32)
         return (s * u.to(tl.float32)).to(dtype)
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, width, stride_row, BLOCK: tl.constexpr):
-        # gate/up are (rows, width) with a row stride (views of one fused projection); out is contiguous.
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_range = offs < n
-        src = (offs // width) * stride_row + offs % width
-        g = tl.load(gate_ptr + src, mask=in_range, other=0.0)
-        u = tl.load(up_ptr + src, mask=in_range, other=0.0)
-        tl.store(out_ptr + offs, _silu_mul_values(g, u, out_ptr.dtype.element_ty), mask=in_range)
+    def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_row, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        # Program (row, BLOCK columns): gate/up are (rows, width) with a row stride (views of one fused projection);
+        # out is contiguous. (A 2-D grid: no division of a flat index by the width per element.)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        g = tl.load(gate_ptr + row * stride_row + cols, mask=inside, other=0.0)
+        u = tl.load(up_ptr + row * stride_row + cols, mask=inside, other=0.0)
+        tl.store(out_ptr + row * width + cols, _gated_values(g, u, out_ptr.dtype.element_ty, GELU), mask=inside)
 
     @triton.jit
     def _silu_mul_fp8_kernel(
@@ -450,7 +461,7 @@ if TRITON_AVAILABLE:
         loaded = (rows < n_rows)[:, None] & in_cols[None, :]
         g = tl.load(gate_ptr + src, mask=loaded, other=0.0)
         u = tl.load(up_ptr + src, mask=loaded, other=0.0)
-        q, scale = fp8_row_groups(_silu_mul_values(g, u, gate_ptr.dtype.element_ty).to(tl.float32))
+        q, scale = fp8_row_groups(_gated_values(g, u, gate_ptr.dtype.element_ty).to(tl.float32))
         written = rows < n_padded
         dst = q_ptr + rows64[:, None] * width + cols[None, :]
         tl.store(dst, q.to(q_ptr.dtype.element_ty), mask=written[:, None] & in_cols[None, :])
@@ -969,19 +980,37 @@ def rounded_rotary(
     return q_out, k_out
 
 
+# The gate activations the gated kernels compute (`gated_mul`, `grouped_gemm.grouped_matmul(activation=...)`):
+# SiLU and GELU's tanh approximation (transformers' `gelu_pytorch_tanh`).
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 @on_tensor_device
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up`, elementwise. gate/up `(..., I)` of equal strides whose rows may be strided (e.g. the two
-    halves of one fused gate/up projection); returns a contiguous `(..., I)` tensor."""
+def gated_mul(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """`act(gate) * up`, elementwise, in one launch (PyTorch's two ops' rounding: the activation's output rounded to
+    gate's dtype, then the product), `activation` one of `GATE_ACTIVATIONS`. gate/up `(..., I)` of equal strides
+    whose rows may be strided (e.g. the two halves of one fused gate/up projection); returns a contiguous `(..., I)`
+    tensor."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}.")
     width = gate.shape[-1]
     gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
     if gate2.stride(-1) != 1 or up2.stride(-1) != 1 or gate2.stride(0) != up2.stride(0):
         gate2, up2 = gate2.contiguous(), up2.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n = out.numel()
-    block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate2, up2, out, n, width, gate2.stride(0), BLOCK=block, num_warps=4)
+    if out.numel() == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(width))  # 8 columns per lane (16 bytes in half precision)
+    _gated_mul_kernel[(gate2.shape[0], triton.cdiv(width, block))](
+        gate2, up2, out, width, gate2.stride(0), GELU=activation == "gelu_tanh", BLOCK=block,
+        num_warps=max(1, block // 256),
+    )  # fmt: skip
     return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`: `gated_mul(gate, up, "silu")`."""
+    return gated_mul(gate, up, "silu")
 
 
 @on_tensor_device

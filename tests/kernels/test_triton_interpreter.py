@@ -73,6 +73,11 @@ KERNELS_SCRIPT = textwrap.dedent(
         g, u = torch.randn(3, 100, dtype=dtype), torch.randn(3, 100, dtype=dtype)
         ref = torch.nn.functional.silu(g) * u
         assert (triton_ops.silu_mul(g, u).float() - ref.float()).abs().max() <= tol * 4, "silu_mul"
+        # GELU's tanh approximation (DiffusionGemma's dense MLP) on the two halves of one projection (strided rows).
+        gate_up = torch.randn(3, 200, dtype=dtype) * 3
+        g, u = gate_up.chunk(2, dim=-1)
+        ref = torch.nn.functional.gelu(g, approximate="tanh") * u
+        assert (triton_ops.gated_mul(g, u, "gelu_tanh").float() - ref.float()).abs().max() <= tol * 4, "gelu_tanh"
 
         for batch, heads, kv_heads, q_len, kv_len, dim, splits in [(2, 4, 2, 5, 37, 16, None), (1, 4, 4, 8, 200, 32, 3)]:
             q = torch.randn(batch, heads, q_len, dim, dtype=dtype)

@@ -6,7 +6,9 @@ the PyTorch code:
   the PyTorch ops; the decoder's attention on the Triton backend against SDPA;
 - `fused_sample` (`triton_diffusion_gemma.py`): argmax exact, entropy and the self-conditioning probabilities within
   float32 rounding of a float64 reference, frozen rows' probabilities left as they were, one chunk or several per row
-  (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token;
+  (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token; the
+  sample exactly the Gumbel-max over every column from a numpy Philox (the kernel skips blocks that cannot win, on
+  peaked rows; flat rows skip none), and the GPU's Philox (wide multiplies) tl.rand's;
 - the experts through hf_dllm's Triton MoE kernels (`implementation="triton"`: GELU-gated grouped products) against
   the loop;
 - one denoising step of the fixture model, fused against the PyTorch sampler from the same canvas: the same argmax,
@@ -32,9 +34,30 @@ pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
 KERNEL_SCRIPT = textwrap.dedent(
     """
-    import torch, hf_dllm
+    import numpy as np, torch, hf_dllm
     from hf_dllm.triton_diffusion_gemma import fused_sample
     from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaExperts
+
+    def gumbel_max(x, cap, temperature, seed):
+        # The draw over every column in float32 numpy (the interpreter's arithmetic): z as the kernels compute it,
+        # u = Triton's `tl.rand(seed, row * vocab + column)` (Philox4x32-10, the first word, to [0, 1)).
+        x = x.reshape(-1, x.shape[-1]).numpy().astype(np.float32)
+        y = x * np.float32(1.0 / cap)
+        z = np.float32(cap) * (np.float32(1) - np.float32(2) / (np.exp(np.float32(2) * y) + np.float32(1)))
+        z = z / np.float32(temperature)
+        offset = np.arange(x.size, dtype=np.uint64).reshape(x.shape)
+        mask = np.uint64(0xFFFFFFFF)
+        c0, c1, c2, c3 = offset & mask, offset >> np.uint64(32), np.zeros_like(offset), np.zeros_like(offset)
+        k0, k1 = np.uint64(seed) & mask, (np.uint64(seed) >> np.uint64(32)) & mask
+        for _ in range(10):
+            hi_b, hi_a = np.uint64(0xCD9E8D57) * c2, np.uint64(0xD2511F53) * c0
+            c0, c2 = (hi_b >> np.uint64(32)) ^ c1 ^ k0, (hi_a >> np.uint64(32)) ^ c3 ^ k1
+            c1, c3 = hi_b & mask, hi_a & mask
+            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+        word = c0.astype(np.uint32).view(np.int32)
+        u = np.where(word < 0, ~word, word).astype(np.float32) * np.float32(4.6566127342e-10)
+        u = np.minimum(np.maximum(u, np.float32(1e-20)), np.float32(0.99999994))
+        return torch.from_numpy((z - np.log(-np.log(u))).argmax(-1))
 
     torch.manual_seed(0)
     B, C, V = 2, 3, 300
@@ -43,6 +66,22 @@ KERNEL_SCRIPT = textwrap.dedent(
     x[1, 2, 42] = 2000.0  # certain: every draw takes it
     z = (x.double() / 30).tanh() * 30 / 0.7
     want_entropy = torch.distributions.Categorical(logits=z).entropy()
+    # Peaked rows (the finish kernel skips the blocks that cannot win the draw) and near-flat ones whose draws
+    # mostly come from columns well below their max (blocks that must not be skipped).
+    flat = torch.randn(1, 2, V) * 0.1
+    flat[0, :, 3] = 4.0
+    # The GPU's Philox (`_uniform`, wide multiplies; the interpreter's draws take tl.rand) is tl.rand bit for bit.
+    from tests.models.diffusion_gemma.test_diffusion_gemma_fused_sampler_gpu import _uniform_and_rand
+
+    offsets = torch.cat([torch.arange(64), torch.randint(0, 1 << 40, (64,))])
+    ours, theirs = torch.empty(128), torch.empty(128)
+    _uniform_and_rand[(1,)](torch.tensor([(1 << 62) - 3]), offsets, ours, theirs, BLOCK=128)
+    assert torch.equal(ours, theirs), "the wide-multiply Philox"
+    for splits, block, rows, temperature in ((None, 64, x, 0.2), (2, 128, x, 0.7), (None, 64, flat, 0.7)):
+        sample, _, _ = fused_sample(rows, torch.tensor([temperature]), torch.tensor([123]), 30.0, splits=splits,
+                                    block=block)
+        want = gumbel_max(rows, 30.0, temperature, 123)
+        assert torch.equal(sample.view(-1), want), (splits, temperature, sample, want)
     for splits, block in ((None, 64), (3, 64), (1, 512)):
         probabilities = torch.full((B, C, V), -1.0)
         sample, argmax, entropy = fused_sample(

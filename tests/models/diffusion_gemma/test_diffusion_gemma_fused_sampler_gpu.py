@@ -1,7 +1,8 @@
 """DiffusionGemma's fused path on CUDA: the fused sampler (`triton_diffusion_gemma.fused_sample`) against the PyTorch
 sampler on a bfloat16 LM head of the real vocabulary (entropy within 2x of PyTorch's own bfloat16 error against a
 float32 head, the argmax PyTorch's but for near ties), its draws' distribution (chi-square), the Triton experts
-against torch's grouped GEMM, and generate() on the fused path (seeded, well formed, graphs or not)."""
+against torch's grouped GEMM, the dense MLP's GELU gate kernel against PyTorch's ops, and generate() on the fused
+path (seeded, well formed, graphs or not)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from hf_dllm.triton_diffusion_gemma import fused_sample
 from tests.conftest import FIXTURES
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("triton", reason="the `triton` extra is not installed")
+triton = pytest.importorskip("triton", reason="the `triton` extra is not installed")
+tl = triton.language
+from hf_dllm.triton_diffusion_gemma import _uniform  # noqa: E402  (with Triton only)
 
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
 CAP, TEMPERATURE = 30.0, 0.6
@@ -52,6 +55,25 @@ def test_fused_sample_against_pytorch_on_the_real_vocabulary():
     assert torch.equal(argmax[clear], z.argmax(-1)[clear])
     torch.testing.assert_close(probabilities.float(), z.softmax(-1).bfloat16().float(), rtol=0.02, atol=1e-6)
     assert ((sample >= 0) & (sample < 262_144)).all()
+
+
+@triton.jit
+def _uniform_and_rand(seed_ptr, offset_ptr, ours_ptr, theirs_ptr, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    offset = tl.load(offset_ptr + lanes)
+    seed = tl.load(seed_ptr)
+    tl.store(ours_ptr + lanes, _uniform(seed, offset))
+    tl.store(theirs_ptr + lanes, tl.rand(seed, offset))
+
+
+def test_sampler_uniforms_are_triton_rand():
+    """The finish kernel's Philox (`_uniform`: wide multiplies) gives `tl.rand`'s uniforms bit for bit on this
+    Triton, at offsets past 2^32 and seeds past 2^32 too (the draws before it moved there were tl.rand's)."""
+    offsets = torch.cat([torch.arange(4096), torch.randint(0, 1 << 40, (4096,))]).cuda()
+    for seed in (0, 11, (1 << 62) - 3):
+        ours, theirs = torch.empty(8192, device="cuda"), torch.empty(8192, device="cuda")
+        _uniform_and_rand[(1,)](torch.tensor([seed], device="cuda"), offsets, ours, theirs, BLOCK=8192)
+        assert torch.equal(ours, theirs), (seed, (ours != theirs).sum())
 
 
 def test_fused_draws_follow_softmax():
@@ -100,6 +122,24 @@ def test_triton_experts_against_torch_grouped_gemm():
             outputs[implementation] = experts(x.bfloat16(), index, weights).float()
     torch_error = (outputs["grouped"] - exact).abs().max()
     assert (outputs["triton"] - exact).abs().max() <= 2 * torch_error + 1e-4, torch_error
+
+
+def test_gelu_gate_against_pytorch():
+    """The dense MLP's GELU gate in one kernel (`triton_ops.gated_mul`, "gelu_tanh") on the halves of a bfloat16
+    gate/up product at the 26B-A4B width: its error against float64 within 2x of PyTorch's bfloat16 ops' (same
+    rounding points), and equal to them on most elements."""
+    from hf_dllm import triton_ops
+
+    # Unit-scale gates: far below -3, 1 + tanh cancels in float32 (PyTorch's tanh and this kernel's alike) and the
+    # two roundings part more often.
+    gate_up = torch.randn(256, 2 * 2112, device="cuda", dtype=torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    reference = torch.nn.functional.gelu(gate.double(), approximate="tanh") * up.double()
+    theirs = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    ours = triton_ops.gated_mul(gate, up, "gelu_tanh")
+    assert ours.dtype == torch.bfloat16 and ours.shape == gate.shape
+    assert (ours.double() - reference).abs().max() <= 2 * (theirs.double() - reference).abs().max() + 1e-6
+    assert (ours == theirs).float().mean() > 0.99
 
 
 @pytest.fixture(scope="module")
