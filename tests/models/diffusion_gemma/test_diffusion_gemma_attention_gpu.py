@@ -97,7 +97,8 @@ def test_captured_triton_decoder_step_equals_eager(gemma_cuda_bf16):
     tokens = torch.randint(3, text.vocab_size, (2, 5), device="cuda", generator=generator)
     valid = torch.ones(2, 5, dtype=torch.bool, device="cuda")
     valid[1, :2] = False
-    model.encode(tokens, torch.arange(5, device="cuda"), valid, cache)
+    with torch.no_grad():  # as generate() runs it (the fused path, which writes the canvas slots)
+        model.encode(tokens, torch.arange(5, device="cuda"), valid, cache)
     block = torch.randint(3, text.vocab_size, (2, canvas), device="cuda", generator=generator)
     positions = torch.arange(5, 5 + canvas, device="cuda")
     results = []
