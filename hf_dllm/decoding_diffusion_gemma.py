@@ -62,7 +62,7 @@ class EntropyBoundSampler(UnmaskingPolicy):
     (`forward_inputs`: `capped_logits=False`) and computes the soft cap (`softcap`, the model's
     `final_logit_softcapping`), the temperature, the entropy, the argmax, a sample (Gumbel-max: not
     `torch.multinomial`'s draws) and the next step's self-conditioning input softmax(z) in the model's dtype
-    (`self_conditioning_probabilities`) in two Triton kernels over vocabulary chunks
+    (`self_conditioning_probabilities`) in three Triton launches over vocabulary chunks
     (`triton_diffusion_gemma.fused_sample`), with no float32 `(B, C, vocab)` tensor. The CPU keeps the PyTorch
     path, which reproduces transformers' draws.
     """
