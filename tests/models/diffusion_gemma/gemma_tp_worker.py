@@ -100,7 +100,9 @@ def main() -> None:
     import hf_dllm  # noqa: F401  (registers the model type)
 
     out, device, dtype = Path(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
-    checkpoint = out.parent / "diffusion-gemma-tp"
+    # One checkpoint per launch: the test runs its tp and ep launches at once in the same folder, and a shared
+    # folder let one launch rewrite the files the other's ranks were reading.
+    checkpoint = out.parent / f"{out.stem}-checkpoint"
     backend = "gloo" if device == "cpu" else "nccl"
     dist.init_process_group(backend)
     rank = dist.get_rank()
