@@ -311,11 +311,11 @@ def pytorch_sampler_ms(sampler, block, raw, cap: float, repeats: int, device) ->
 
 
 def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device) -> dict:
-    """ms per encoder pass over the `prompt_len` prompt of `batch` rows (eager, the end column given as generate()
-    gives it: `encoder_prompt_ms`) and over an accepted canvas after it, in generate()'s cache (static on CUDA), with
-    positions `(B, T)` as generate() gives them: eager and with its layers replayed from a CUDA graph (where
-    `CacheGraphs` applies: captured by the first timed call). Every timed pass writes the same columns again (the
-    kernels and their shapes do not depend on what the cache holds)."""
+    """ms per encoder pass over the `prompt_len` prompt of `batch` rows (eager, on an emptied cache with the end column
+    given, as generate() runs it: `encoder_prompt_ms`) and over an accepted canvas after it, in generate()'s cache
+    (static on CUDA), with positions `(B, T)` as generate() gives them: eager and with its layers replayed from a
+    CUDA graph (where `CacheGraphs` applies: captured by the first timed call). Every timed pass writes the same
+    columns again (the kernels and their shapes do not depend on what the cache holds)."""
     text, canvas = model.config.text_config, model.config.canvas_length
     generator = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(3, text.vocab_size, (batch, prompt_len + canvas), device=device, generator=generator)
@@ -327,6 +327,8 @@ def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device
         prompt_columns = torch.arange(prompt_len, device=device)
 
         def encode_prompt():
+            # On an emptied cache, as generate() begins (a pass on a cache holding columns reads them too).
+            cache.set_length(0)
             model.encode(tokens[:, :prompt_len], prompt_columns, valid[:, :prompt_len], cache, end=prompt_len)
 
         timings["encoder_prompt_ms"] = timed_ms(encode_prompt, repeats, device)
