@@ -629,12 +629,9 @@ class DiffusionGemmaEncoderCache:
         self.keys, self.values, self.columns, self.valid = ([None] * layers for _ in range(4))
         self.length = 0
 
-    def prepare(
-        self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor, end: int | None = None
-    ) -> None:
-        """Before an encoder pass of `batch` rows over `columns` `(T,)` (`end`: `columns[-1] + 1` on the host; None:
-        read from `columns`): what may read host values (the static cache's capacity check and allocation), never
-        inside a captured pass."""
+    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, end: int) -> None:
+        """Before an encoder pass of `batch` rows whose last column is `end - 1`: what may read host values (the
+        static cache's capacity check and allocation), never inside a captured pass."""
 
     def begin_write(self, columns: torch.Tensor) -> None:
         """The columns `(T,)` of the encoder pass now starting (where the static cache's `keys_values` writes; a
@@ -726,15 +723,11 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
             and keys.device == device
         )
 
-    def prepare(
-        self, batch: int, dtype: torch.dtype, device: torch.device, columns: torch.Tensor, end: int | None = None
-    ) -> None:
-        if not all(self.sliding):
-            end = int(columns[-1]) + 1 if end is None else end
-            if end > self.capacity:
-                raise ValueError(
-                    f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column {end - 1}."
-                )
+    def prepare(self, batch: int, dtype: torch.dtype, device: torch.device, end: int) -> None:
+        if not all(self.sliding) and end > self.capacity:
+            raise ValueError(
+                f"DiffusionGemmaStaticCache holds {self.capacity} columns, an encoder pass writes column {end - 1}."
+            )
         if self.keys[0] is not None and self.keys[0].shape[0] == batch:
             return
         with torch.inference_mode(False):  # plain tensors: a later call, outside inference mode, reuses them
@@ -1110,7 +1103,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder = self.model.decoder
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
         end = int(columns[-1]) + 1 if end is None else end
-        cache.prepare(input_ids.shape[0], x.dtype, x.device, columns, end)
+        cache.prepare(input_ids.shape[0], x.dtype, x.device, end)
         positions = columns if positions is None else positions
         canvas = x.shape[1] == self.config.canvas_length
         if self.capture_encoder and canvas and CacheGraphs.applies(self, x, cache):

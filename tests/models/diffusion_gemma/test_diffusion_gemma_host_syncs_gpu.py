@@ -57,7 +57,7 @@ def test_encoder_passes_and_steady_steps_do_not_synchronize(model):
     with torch.no_grad():
         model.encode(prompt, columns, valid, DiffusionGemmaStaticCache(text, PROMPT + 2 * CANVAS, CANVAS), end=PROMPT)
         cache = DiffusionGemmaStaticCache(text, PROMPT + 2 * CANVAS, CANVAS)  # (compiled and tuned above)
-        cache.prepare(1, model.dtype, model.device, columns, PROMPT)  # allocated before, as by generate()'s first run
+        cache.prepare(1, model.dtype, model.device, PROMPT)  # allocated before, as by generate()'s first run
         with syncs_raise():
             model.encode(prompt, columns, valid, cache, end=PROMPT)
         assert sampler.uses_fused(torch.device("cuda"))
