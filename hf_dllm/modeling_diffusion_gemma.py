@@ -44,7 +44,7 @@ from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul
 from .kernels import ConcatenatedProjections, kernel_mode, linear, use_fused_kernels
-from .tensor_parallel import local_shape
+from .tensor_parallel import local_shape, whole_tensor
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -1176,8 +1176,15 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         else:
             hidden = self.decoder_layers(x, positions, cache, padded)
         if not capped_logits:
-            return self.lm_head(hidden)
+            return self.head_product(hidden)
         return self.head_logits(hidden)
+
+    def head_product(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's raw output `(..., vocab)` in the weights' dtype. Its weight whole on every rank under a
+        parallel plan (the head has none: the tie to the input embedding wins; a transformers version that
+        distributes it anyway would mix a `DTensor` into a plain product)."""
+        weight = whole_tensor(self.lm_head.weight)
+        return self.lm_head(hidden) if weight is self.lm_head.weight else nn.functional.linear(hidden, weight)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`cap * tanh(lm_head(hidden) / cap)` in float32 `(B, C, vocab)` from `hidden` `(B, C, hidden)`, by chunks
@@ -1187,7 +1194,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         vocab = self.lm_head.weight.shape[0]
         logits = torch.empty(flat.shape[0], vocab, dtype=torch.float32, device=hidden.device)
         for part in row_chunks(flat.shape[0], vocab):
-            logits[part] = self.lm_head(flat[part]).float().div_(cap).tanh_().mul_(cap)
+            logits[part] = self.head_product(flat[part]).float().div_(cap).tanh_().mul_(cap)
         return logits.view(*hidden.shape[:-1], vocab)
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, cache, padded: bool) -> torch.Tensor:

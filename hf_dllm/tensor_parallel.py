@@ -61,6 +61,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of `tensor`: a replicated `DTensor`'s local copy, a sharded one gathered from its ranks, else
+    `tensor` itself."""
+    if DTensor is None or not isinstance(tensor, DTensor):
+        return tensor
+    return tensor.full_tensor() if is_sharded(tensor) else tensor._local_tensor
+
+
 def local_shape(tensor: torch.Tensor) -> torch.Size:
     """Shape of this rank's slice (the full shape when not sharded)."""
     return local_tensor(tensor).shape
@@ -458,6 +466,7 @@ __all__ = [
     "local_head_logits",
     "local_shape",
     "local_tensor",
+    "whole_tensor",
     "row_parallel_linear",
     "shard_range",
     "tensor_parallel_group",

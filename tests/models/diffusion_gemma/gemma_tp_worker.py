@@ -85,6 +85,8 @@ def record(model, device: str) -> dict:
         "generated": generated,
         "q_rows": [local_rows(layer.self_attn.q_proj.weight) for layer in layers],
         "experts": [local_rows(layer.experts.gate_up_proj) for layer in layers],
+        # whether the decoder's passes ran as CUDA graphs (the fast path; never on the CPU)
+        "graphs": bool(model._graphs is not None and model._graphs.entries),
     }
 
 
