@@ -832,7 +832,8 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
 
 class CacheGraphs:
     """CUDA graphs of the passes over one static cache (`DiffusionGemmaStaticCache`): the decoder's layers
-    (`decoder_layers`, every denoising step) and the encoder's pass over an accepted canvas (`encoder_layers`), each
+    (`decoder_layers`, every denoising step) and the encoder's pass (`encoder_layers`) over an accepted canvas and
+    over a prompt whose shape `seen_before` admits, each
     a pure tensor function of its inputs and the cache's buffers, which stay in place between steps, canvases and
     `generate()` calls; a new cache or new buffers (its `version`) drop the graphs. One graph per function and
     input shapes / dtypes (and constants such as `padded`), all in one memory pool: a graph's returned output is
@@ -851,6 +852,8 @@ class CacheGraphs:
         self.cache_key = None
         self.entries: dict = {}
         self.pool = None
+        self.seen_once: set = set()  # `seen_before`'s shapes seen once, and how many it admitted
+        self.admitted = 0
         self.replays: dict[str, int] = {}  # per function name, over the object's life (benchmarks, tests)
 
     @staticmethod
@@ -864,13 +867,39 @@ class CacheGraphs:
             and all(layer.experts.uses_grouped(x) for layer in model.model.decoder.layers)
         )
 
-    def run(self, function, cache, inputs: tuple[torch.Tensor, ...], *constants):
-        """`function(*inputs, cache, *constants)`, replayed from its graph after the first call of its key."""
+    def _follow(self, cache) -> None:
+        """Drop every graph (and what `seen_before` counted) when `cache` is another cache or has new buffers."""
         if self.cache_key != (id(cache), cache.version):
             self.cache_key = (id(cache), cache.version)
             self.entries.clear()
             self.pool = None  # the dropped graphs' pool is released with them: capturing into it again is an error
-        key = (function.__name__, constants, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs))
+            self.seen_once, self.admitted = set(), 0
+
+    @staticmethod
+    def _key(function, inputs: tuple[torch.Tensor, ...], constants: tuple = ()) -> tuple:
+        return (function.__name__, constants, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs))
+
+    def seen_before(self, function, cache, inputs: tuple[torch.Tensor, ...], limit: int) -> bool:
+        """Whether `function`'s pass on inputs of these shapes should go through `run`: its graph exists, or its
+        shape was seen once before and fewer than `limit` shapes were admitted this way (each is then captured by
+        that `run`). A shape's first pass only counts it (the caller runs it eagerly: no capture for a one-off)."""
+        self._follow(cache)
+        key = self._key(function, inputs)
+        if key in self.entries:
+            return True
+        if key in self.seen_once and self.admitted < limit:
+            self.seen_once.discard(key)
+            self.admitted += 1
+            return True
+        if len(self.seen_once) >= 1024:  # many one-off shapes (a server's prompts): forget them, not grow
+            self.seen_once.clear()
+        self.seen_once.add(key)
+        return False
+
+    def run(self, function, cache, inputs: tuple[torch.Tensor, ...], *constants):
+        """`function(*inputs, cache, *constants)`, replayed from its graph after the first call of its key."""
+        self._follow(cache)
+        key = self._key(function, inputs, constants)
         entry = self.entries.get(key)
         if entry is None:
             with torch.inference_mode(False):  # plain tensors: a later call outside inference mode copies into them
@@ -1051,11 +1080,13 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
     # generate()'s encoder cache: static (`DiffusionGemmaStaticCache`) or not; None: static on CUDA (the CPU keeps
     # the dynamic one, whose sums are in transformers' order). `capture_decoder`: the decoder's layers as CUDA
-    # graphs where `CacheGraphs.applies`; `capture_encoder`: the encoder's pass over an accepted canvas too (the
-    # prompt's, of any length, stays eager).
+    # graphs where `CacheGraphs.applies`; `capture_encoder`: the encoder's passes too: over an accepted canvas
+    # always, over a prompt from the second pass of its shape on (a one-off prompt length costs no capture), for at
+    # most `prompt_graphs` prompt shapes per cache (a server's many lengths do not pile up graphs).
     static_cache: bool | None = None
     capture_decoder: bool = True
     capture_encoder: bool = True
+    prompt_graphs: int = 4
     # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column
     # plan, whose gather would then concatenate whole copies: logits of 2 x vocab columns).
     _tp_plan = {}
@@ -1099,15 +1130,21 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         (default: the columns; transformers' positions, left padding shifting a row's), appending every layer's
         K/V to `cache`. `end`: `columns[-1] + 1` where the caller knows it on the host (None: read from the device,
         which waits for the queued work). The layers of a pass over `canvas_length` columns (an accepted canvas)
-        run as a CUDA graph where `CacheGraphs.applies` (`capture_encoder`)."""
+        run as a CUDA graph where `CacheGraphs.applies` (`capture_encoder`), those of a prompt's pass from the
+        second pass of its shape on (`prompt_graphs`)."""
         decoder = self.model.decoder
         x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
         end = int(columns[-1]) + 1 if end is None else end
         cache.prepare(input_ids.shape[0], x.dtype, x.device, end)
         positions = columns if positions is None else positions
         canvas = x.shape[1] == self.config.canvas_length
-        if self.capture_encoder and canvas and CacheGraphs.applies(self, x, cache):
-            self._cache_graphs().run(self.encoder_layers, cache, (x, columns, valid, positions))
+        inputs = (x, columns, valid, positions)
+        if self.capture_encoder and CacheGraphs.applies(self, x, cache):
+            graphs = self._cache_graphs()
+            if canvas or graphs.seen_before(self.encoder_layers, cache, inputs, self.prompt_graphs):
+                graphs.run(self.encoder_layers, cache, inputs)
+            else:
+                self.encoder_layers(x, columns, valid, positions, cache)
         else:
             self.encoder_layers(x, columns, valid, positions, cache)
         cache.length = end

@@ -61,4 +61,4 @@ def test_bench_diffusion_gemma_cpu():
         assert row["tokens_per_s"] > 0
     assert set(summary["goals"]) == {"batch1_speedup_steps2", "batch1_step_over_floor", "batch32_peak_gb"}
     (step,) = summary["steps"]
-    assert step["encoder_prompt_ms"] > 0 and step["generate_host_syncs"] is None  # (syncs: counted on CUDA)
+    assert step["encoder_prompt_eager_ms"] > 0 and step["generate_host_syncs"] is None  # (syncs: counted on CUDA)

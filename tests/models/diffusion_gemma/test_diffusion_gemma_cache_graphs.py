@@ -170,7 +170,8 @@ def test_cuda_encoder_canvas_graph_is_the_eager_pass_bit_for_bit(gemma_cuda_bf16
 @pytest.mark.gpu
 def test_cuda_generate_with_encoder_graph_equals_eager(gemma_cuda_bf16):
     """generate() of 3 canvases on CUDA with the encoder's canvas pass replayed from its graph decodes the eager
-    run's tokens (decoder graphs on in both); a second call reuses the cache and replays the captured graphs."""
+    run's tokens (decoder graphs on in both); a second call reuses the cache and replays the captured graphs, and
+    captures the prompt's pass, which the third replays."""
     model = gemma_cuda_bf16
     model._graphs, model._generate_cache = None, None
     generate_both_ways(model, "cuda")
@@ -178,3 +179,48 @@ def test_cuda_generate_with_encoder_graph_equals_eager(gemma_cuda_bf16):
     assert replays.get("encoder_layers") == 1 and replays.get("decoder_layers", 0) > 0
     generate_both_ways(model, "cuda")
     assert model._graphs.replays["encoder_layers"] == 3  # the same graph: captured once for both calls
+    # The prompt's pass: eager at the first call, captured at the second, replayed at the third (same tokens).
+    widths = sorted(key[2][0][0][1] for key in model._graphs.entries if key[0] == "encoder_layers")
+    assert widths == [21, model.config.canvas_length]
+    generate_both_ways(model, "cuda")
+    assert model._graphs.replays["encoder_layers"] == 6
+
+
+def test_a_shapes_first_pass_is_only_counted_and_at_most_limit_shapes_are_admitted():
+    """`seen_before`: a shape's first sight is counted (False: the caller runs it eagerly), its second admits it
+    (True: `run` captures it) while fewer than `limit` shapes were admitted; a captured shape stays admitted; new
+    cache buffers forget both."""
+    runner, cache = CacheGraphs(), Versioned()
+    first, second = torch.zeros(2, 3), torch.zeros(2, 5)
+    assert not runner.seen_before(scaled, cache, (first,), 1)
+    assert runner.seen_before(scaled, cache, (first,), 1)
+    runner.entries[runner._key(scaled, (first,))] = "captured"
+    assert runner.seen_before(scaled, cache, (first,), 1)
+    assert not runner.seen_before(scaled, cache, (second,), 1)
+    assert not runner.seen_before(scaled, cache, (second,), 1)  # over the limit: stays eager
+    cache.version = 1
+    assert not runner.seen_before(scaled, cache, (second,), 1) and runner.seen_before(scaled, cache, (second,), 1)
+
+
+def test_prompt_passes_are_captured_from_their_shapes_second_call(gemma, rerun_graphs):
+    """generate() three times on one prompt: its encoder pass runs eagerly at the first call, is captured at the
+    second and replayed at the third (the canvas pass captured at the first call, replayed after); every call
+    decodes the eager run's tokens."""
+    gemma.static_cache, gemma._generate_cache, gemma._graphs, gemma.capture_decoder = True, None, None, False
+    prompt = torch.randint(3, 300, (2, 21), generator=torch.Generator().manual_seed(1))
+
+    def generate(captured):
+        gemma.capture_encoder = captured
+        torch.manual_seed(5)
+        return gemma.generate(prompt, max_new_tokens=32, max_denoising_steps=3).sequences
+
+    try:
+        eager = generate(False)
+        for call in range(3):
+            assert torch.equal(generate(True), eager), call
+            widths = [graph.static[0].shape[1] for graph in rerun_graphs]
+            assert widths == [[16], [16, 21], [16, 21]][call]  # the canvas', then the prompt's capture
+        assert gemma._graphs.replays == {"encoder_layers": 3}  # canvas: 2 calls; prompt: the third
+    finally:
+        gemma.static_cache, gemma._generate_cache, gemma._graphs = None, None, None
+        gemma.capture_decoder = gemma.capture_encoder = True
