@@ -197,14 +197,18 @@ if TRITON_AVAILABLE:
                     tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
             if claimed & (picked < 0):
                 # e^(z - row_m) as the partials' terms (exp2, results below 2^-126 flushed to 0), summed within the
-                # block in float32; the first column whose running sum exceeds what is left, of nonzero mass.
+                # block in float32; in the block whose sum exceeds what is left (the running sums only there), the
+                # first column whose running sum does, of nonzero mass. (Rounding may leave none there: what is
+                # left turns negative and the next column of nonzero mass is taken.)
                 e = tl.where(in_row, tl.exp2((z - row_m) * 1.4426950408889634), 0.0)
-                running = tl.cumsum(e, axis=0)
                 nonzero = e > 0
-                hit = tl.min(tl.where((running > left.to(tl.float32)) & nonzero, cols, 2147483647), axis=0)
-                picked = tl.where(hit < 2147483647, hit, picked)
                 nonzero_at = tl.where(nonzero, cols, nonzero_at)
-                left -= tl.sum(e, axis=0).to(tl.float64)
+                block_mass = tl.sum(e, axis=0)
+                if block_mass.to(tl.float64) > left:
+                    running = tl.cumsum(e, axis=0)
+                    hit = tl.min(tl.where((running > left.to(tl.float32)) & nonzero, cols, 2147483647), axis=0)
+                    picked = tl.where(hit < 2147483647, hit, picked)
+                left -= block_mass.to(tl.float64)
         if claimed:
             fallback = tl.max(nonzero_at, axis=0)
             picked = tl.where(picked >= 0, picked, tl.where(fallback >= 0, fallback, start))
