@@ -60,9 +60,9 @@ class EntropyBoundSampler(UnmaskingPolicy):
     The fused path (`fused`; None: where hf_dllm's Triton kernels run, `kernels.kernel_mode()`: CUDA with Triton, or
     `HF_DLLM_KERNELS=triton`) asks the model for the LM head's raw output `(B, C, vocab)` in its dtype
     (`forward_inputs`: `capped_logits=False`) and computes the soft cap (`softcap`, the model's
-    `final_logit_softcapping`), the temperature, the entropy, the argmax, a sample (Gumbel-max: not
-    `torch.multinomial`'s draws) and the next step's self-conditioning input softmax(z) in the model's dtype
-    (`self_conditioning_probabilities`) in three Triton launches over vocabulary chunks
+    `final_logit_softcapping`), the temperature, the entropy, the argmax, a sample (inverse CDF from one uniform per
+    position: not `torch.multinomial`'s draws) and the next step's self-conditioning input softmax(z) in the model's
+    dtype (`self_conditioning_probabilities`) in two Triton launches over vocabulary chunks
     (`triton_diffusion_gemma.fused_sample`), with no float32 `(B, C, vocab)` tensor. The CPU keeps the PyTorch
     path, which reproduces transformers' draws.
     """

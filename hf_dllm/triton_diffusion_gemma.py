@@ -1,36 +1,37 @@
-"""DiffusionGemma's sampler as three Triton kernels over the vocabulary, in chunks: the fast path of
+"""DiffusionGemma's sampler as two Triton kernels over the vocabulary, in chunks: the fast path of
 `EntropyBoundSampler.denoise` on CUDA (`decoding_diffusion_gemma.py` keeps the PyTorch code, the CPU path and the
 reference).
 
 Per position (a row of the LM head's raw output `x` `(rows, vocab)`, in the model's dtype): z = cap * tanh(x / cap) /
 T (the soft cap, arXiv:2408.00118, then the step's temperature); from z the entropy of softmax(z), its argmax, a
-sample of softmax(z) (Gumbel-max: argmax of z + g, g = -log(-log u), u uniform from Philox at (seed, row * vocab +
-column), one `(1,)` int64 seed per step read from the device, so a CUDA-graph replay draws anew), and softmax(z) in
-the model's dtype where the next step's self-conditioning needs it (`softmax(z).to(dtype) @ E`, the rounding point
-of the PyTorch path). Nothing of shape `(rows, vocab)` in float32 is written (the PyTorch path writes several
-float32 passes over rows x 262,144 values: ~270 MB each for a batch-1 canvas of 256 positions).
+sample of softmax(z) by inversion of its cumulative distribution (one uniform u per row: the first word of Philox4x32
+at (seed, row), Salmon et al. 2011, 31 bits; one `(1,)` int64 seed per step read from the device, so a CUDA-graph
+replay draws anew), and softmax(z) in the model's dtype where the next step's self-conditioning needs it
+(`softmax(z).to(dtype) @ E`, the rounding point of the PyTorch path). Nothing of shape `(rows, vocab)` in float32 is
+written (the PyTorch path writes several float32 passes over rows x 262,144 values: ~270 MB each for a batch-1
+canvas of 256 positions).
 
 - `_partials_kernel`, grid (rows, splits): each program reduces a chunk of a row (running max m, a scalar updated
-  per block of `BLOCK_V` columns, the sums rescaled only when a block raises it; sum of e^(z - m); sum of e^(z - m)
-  (z - m), for the entropy without cancellation; the first argmax). No random numbers: a Philox draw and two
-  logarithms per column were most of this pass's instructions when it drew.
+  per block of `BLOCK_V` columns, the sums rescaled only when a block raises it; sum S of e^(z - m); sum of e^(z - m)
+  (z - m), for the entropy without cancellation; the first argmax). No random numbers.
 - `_finish_kernel`, grid (rows, splits): each program combines its row's partials (entropy H = log S - B / S,
   argmax with the lowest index on ties, the log-sum-exp and the row's max z; the first chunk's program stores
-  them), writes its chunk of softmax(z) = e^(z - lse) (unless the row's batch row is frozen: its
-  self-conditioning stays) and draws the Gumbel-max over the chunk, skipping the blocks no column of which can
-  win: g lies in [GUMBEL_LOW, GUMBEL_HIGH] (u is clamped to [1e-20, 1 - 2^-24]) and the row's argmax column has
-  z + g >= max z + GUMBEL_LOW, so a block whose max z + GUMBEL_HIGH is below that is strictly beaten. The draw is
-  the one over every column (the same uniforms, the lowest index on ties): only columns that cannot be it skip
-  their Philox and logarithms, most of a canvas at the schedule's temperatures; flat rows (every column within
-  ~21 of the max z, as a random head's) skip nothing, and their Philox (~48 integer instructions a column on
-  sm_90) and logarithms (~34) bound the kernel.
-- `_sample_kernel`, grid (rows / SAMPLE_ROWS,): the chunks' draws to the row's (the largest z + g, the lowest
-  index on ties).
+  them) and writes its chunk of softmax(z) = e^(z - lse) (unless the row's batch row is frozen: its
+  self-conditioning stays). The draw: chunk k holds the mass M_k = e^(m_k - max z) S_k of e^(z - max z); with t = u
+  sum M, the chunk k with M_0 + ... + M_(k-1) <= t < M_0 + ... + M_k claims it (every program of the row computes
+  these sums from the same loads in float64, so exactly one claims; rows whose t is no number: the last chunk with
+  mass), and only its program scans: the first column where the chunk's running sum of e^(z - max z) (float32
+  within a block of `BLOCK_V` columns, float64 across blocks) exceeds t less the mass before the chunk is the
+  sample, written by that program. Where rounding leaves the chunk's recomputed sum below that, the chunk's last
+  column of nonzero mass is taken: never a column of probability 0 (e^(z - max z) below 2^-126) nor one past the
+  vocabulary. The scan stops at the sample. Per column nothing is random: the Gumbel-max draw this replaces ran a
+  Philox and two logarithms for every column (67M a batch-1 step of 256 x 262,144), which bounded the kernel on
+  flat rows.
 
 Both vocabulary passes run single-warp programs over blocks of `BLOCK_V` columns (8 per lane: a block's max is a
 warp reduction, no barrier), the next block's load issued before a block's arithmetic.
 
-The draw is not `torch.multinomial`'s (the Gumbel-max trick samples softmax(z) exactly, from other uniforms): seeded
+The draw is not `torch.multinomial`'s (it samples softmax(z) up to float32 rounding, from other uniforms): seeded
 parity with transformers is the CPU path's. Exported as Hub remote code: Triton is imported inside `try:`
 (`triton_ops.py`).
 """
@@ -41,20 +42,15 @@ import torch
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
-# Columns a program reads per iteration (one warp's: 8 per lane; a block's max is then a warp reduction, no barrier,
-# and it is the unit of the draw's skipping test), programs aimed for (single-warp programs: at most 32 resident per
-# multiprocessor) and chunks per row at most.
+# Columns a program reads per iteration (one warp's: 8 per lane; a block's max is then a warp reduction, no
+# barrier), programs aimed for (single-warp programs: at most 32 resident per multiprocessor) and chunks per row at
+# most.
 BLOCK_V = 256
 TARGET_PROGRAMS = 8192
 MAX_SPLITS = 64
 # Triton's interpreter (CPU tensors: the tests) runs programs one by one and pays per operation, not per column:
 # there one chunk per row, in blocks of this many columns.
 INTERPRETER_BLOCK_V = 1024
-# Bounds of g = -log(-log u) for u in [1e-20, 1 - 2^-24] (-3.83 and 16.64), with margin for the logarithms' error.
-GUMBEL_LOW = -4.0
-GUMBEL_HIGH = 17.0
-# Rows per program of the draws' reduction.
-SAMPLE_ROWS = 16
 
 if TRITON_AVAILABLE:
 
@@ -69,32 +65,12 @@ if TRITON_AVAILABLE:
         return x / temperature
 
     @triton.jit
-    def _uniform(seed, offset, WIDE: tl.constexpr = True):
-        # `tl.rand(seed, offset)` bit for bit (Philox4x32-10's first word to [0, 1)), each round's two products as
-        # 32 x 32 -> 64-bit multiplies whose halves are the high and low words: one wide multiply on the GPU where
-        # tl.rand's separate mul.hi and mul.lo take two. WIDE False: tl.rand itself (Triton's interpreter runs it
-        # in half the time).
-        if WIDE:
-            c0 = offset.to(tl.uint32)
-            c1 = (offset >> 32).to(tl.uint32)
-            c2 = c0 * 0
-            c3 = c0 * 0
-            seed = seed.to(tl.uint64)
-            k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-            k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            for _ in tl.static_range(10):
-                product_a = c0.to(tl.uint64) * 0xD2511F53
-                product_b = c2.to(tl.uint64) * 0xCD9E8D57
-                c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
-                c2 = (product_a >> 32).to(tl.uint32) ^ c3 ^ k1
-                c1 = product_b.to(tl.uint32)
-                c3 = product_a.to(tl.uint32)
-                k0 = k0 + 0x9E3779B9
-                k1 = k1 + 0xBB67AE85
-            word = c0.to(tl.int32, bitcast=True)
-            return tl.where(word < 0, ~word, word) * 4.6566127342e-10
-        else:
-            return tl.rand(seed, offset)
+    def _uniform(seed, offset):
+        # A uniform in [0, 1) in float64 from the first word of Philox4x32-10 at (seed, offset) (`tl.randint`):
+        # its 31 bits of magnitude (a negative word w as ~w, as `tl.rand` maps it) times 2^-31, exactly (tl.rand's
+        # float32 product rounds to 24 bits and can round up to 1).
+        word = tl.randint(seed, offset).to(tl.int32, bitcast=True)
+        return tl.where(word < 0, ~word, word).to(tl.float64) * 4.656612873077393e-10
 
     @triton.jit
     def _partials_kernel(
@@ -152,13 +128,13 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _finish_kernel(
-        x_ptr, temperature_ptr, seed_ptr, partial_ptr, index_ptr, drawn_ptr, drawn_index_ptr, entropy_ptr,
-        argmax_ptr, frozen_ptr, probabilities_ptr, vocab, chunk, splits, positions, cap, inverse_cap,
+        x_ptr, temperature_ptr, seed_ptr, partial_ptr, index_ptr, sample_ptr, entropy_ptr, argmax_ptr, frozen_ptr,
+        probabilities_ptr, vocab, chunk, splits, positions, cap, inverse_cap,
         HAS_CAP: tl.constexpr, HAS_FROZEN: tl.constexpr, WRITE_PROBABILITIES: tl.constexpr, BLOCK: tl.constexpr,
-        BLOCK_S: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr, WIDE: tl.constexpr,
+        BLOCK_S: tl.constexpr,
     ):  # fmt: skip
-        # Program (row, split): the row's statistics from the partials, then its chunk's probabilities and draw:
-        # drawn[row, split] = the largest z + g, drawn_index its first column.
+        # Program (row, split): the row's statistics from the partials, then its chunk's probabilities and, if the
+        # chunk claims the row's draw, sample[row].
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         parts = tl.arange(0, BLOCK_S)
@@ -180,56 +156,63 @@ if TRITON_AVAILABLE:
             top_at = tl.load(index_ptr + row * splits + parts, mask=used, other=2147483647)
             best = tl.max(top, axis=0)
             tl.store(argmax_ptr + row, tl.min(tl.where(top == best, top_at, 2147483647), axis=0).to(tl.int64))
-        write = True
+        # The draw's chunk: the masses of e^(z - row_m) before and through this chunk, as masked sums of one vector
+        # (every program of the row reduces the same values in the same tree: this program's `through` is the next
+        # one's `before` bit for bit, so exactly one program claims a t below the total). Float64: t resolves a
+        # column's share of a sum of 262,144 terms (float32 would quantize it to 1/32 of a flat row's column).
+        mass = tl.where(weight > 0, weight * s, 0.0).to(tl.float64)
+        before = tl.sum(tl.where(parts < split, mass, 0.0), axis=0)
+        through = tl.sum(tl.where(parts <= split, mass, 0.0), axis=0)
+        total = tl.sum(mass, axis=0)
+        last = tl.max(tl.where(mass > 0, parts, 0), axis=0)
+        t = _uniform(tl.load(seed_ptr), row) * total
+        claimed = ((before <= t) & (t < through)) | ((split == last) & ~(t < total))  # t NaN: the last chunk
+        write = split >= 0
         if HAS_FROZEN:
             write = tl.load(frozen_ptr + row // positions) == 0
+        busy = claimed
+        if WRITE_PROBABILITIES:
+            busy = busy | write
         temperature = tl.load(temperature_ptr)
-        seed = tl.load(seed_ptr)
-        # The argmax column's z + g is at least this: a block whose max z + HIGH is below it cannot win (LOW, HIGH:
-        # `GUMBEL_LOW`, `GUMBEL_HIGH`).
-        floor = row_m + LOW
         offs = tl.arange(0, BLOCK)
         start = split * chunk
         end = tl.minimum(start + chunk, vocab)
+        stop = tl.where(busy, end, start)  # nothing to write and no draw: no pass over the chunk
         out_dtype = probabilities_ptr.dtype.element_ty
-        drawn = tl.full([BLOCK], float("-inf"), tl.float32)
-        drawn_at = tl.zeros([BLOCK], dtype=tl.int32)
+        # The scan: the mass left before the sample (t less the chunk's, less the blocks' scanned), the sample's
+        # column once found (-1 before), and per lane the last column of nonzero mass (the fallback).
+        left = t - before
+        picked = tl.full([], -1, tl.int32)
+        nonzero_at = tl.full([BLOCK], -1, tl.int32)
         x_row = x_ptr + row * vocab  # the next block loaded early, as in the partials kernel
-        following = tl.load(x_row + start + offs, mask=start + offs < end, other=0.0)
-        for first in range(start, end, BLOCK):
+        following = tl.load(x_row + start + offs, mask=start + offs < stop, other=0.0)
+        for first in range(start, stop, BLOCK):
             cols = first + offs
             in_row = cols < end
             raw = following
-            following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < end, other=0.0)
+            following = tl.load(x_row + BLOCK + cols, mask=BLOCK + cols < stop, other=0.0)
             z = _processed(raw, cap, inverse_cap, temperature, HAS_CAP)
             if WRITE_PROBABILITIES:
                 if write:
                     tl.store(probabilities_ptr + row * vocab + cols, tl.exp(z - lse).to(out_dtype), mask=in_row)
-            z = tl.where(in_row, z, float("-inf"))
-            if tl.max(z, axis=0) + HIGH >= floor:
-                # z + g, g = -log(-log u), u from Philox at (seed, row * vocab + column) clamped inside (0, 1).
-                u = tl.minimum(tl.maximum(_uniform(seed, row * vocab + cols, WIDE), 1e-20), 0.99999994)
-                g = tl.where(in_row, z - tl.log(-tl.log(u)), float("-inf"))
-                taken = g > drawn  # strictly: the first column of a lane's maximum stays
-                drawn_at = tl.where(taken, cols, drawn_at)
-                drawn = tl.where(taken, g, drawn)
-        pick = tl.max(drawn, axis=0)
-        pick_at = tl.min(tl.where(drawn == pick, drawn_at, 2147483647), axis=0)
-        tl.store(drawn_ptr + row * splits + split, pick)
-        tl.store(drawn_index_ptr + row * splits + split, pick_at)
-
-    @triton.jit
-    def _sample_kernel(drawn_ptr, drawn_index_ptr, sample_ptr, rows, splits, ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
-        # sample[row] = the column of the largest of the row's chunk draws, the lowest on ties.
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        parts = tl.arange(0, BLOCK_S)
-        used = (row < rows)[:, None] & (parts < splits)[None, :]
-        at = row[:, None].to(tl.int64) * splits + parts[None, :]
-        drawn = tl.load(drawn_ptr + at, mask=used, other=float("-inf"))
-        drawn_at = tl.load(drawn_index_ptr + at, mask=used, other=2147483647)
-        pick = tl.max(drawn, axis=1)
-        pick_at = tl.min(tl.where(drawn == pick[:, None], drawn_at, 2147483647), axis=1)
-        tl.store(sample_ptr + row, pick_at.to(tl.int64), mask=row < rows)
+            if claimed & (picked < 0):
+                # e^(z - row_m) as the partials' terms (exp2, results below 2^-126 flushed to 0), summed within the
+                # block in float32; in the block whose sum exceeds what is left (the running sums only there), the
+                # first column whose running sum does, of nonzero mass. (Rounding may leave none there: what is
+                # left turns negative and the next column of nonzero mass is taken.)
+                e = tl.where(in_row, tl.exp2((z - row_m) * 1.4426950408889634), 0.0)
+                nonzero = e > 0
+                nonzero_at = tl.where(nonzero, cols, nonzero_at)
+                block_mass = tl.sum(e, axis=0)
+                if block_mass.to(tl.float64) > left:
+                    running = tl.cumsum(e, axis=0)
+                    hit = tl.min(tl.where((running > left.to(tl.float32)) & nonzero, cols, 2147483647), axis=0)
+                    picked = tl.where(hit < 2147483647, hit, picked)
+                left -= block_mass.to(tl.float64)
+        if claimed:
+            fallback = tl.max(nonzero_at, axis=0)
+            picked = tl.where(picked >= 0, picked, tl.where(fallback >= 0, fallback, start))
+            tl.store(sample_ptr + row, picked.to(tl.int64))
 
     @triton.jit
     def _weighted_norm(x, weight_ptr, cols, in_row, n_cols, eps, dtype: tl.constexpr, HAS_WEIGHT: tl.constexpr):
@@ -612,11 +595,12 @@ def fused_sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the LM head's raw output `raw_logits` `(B, C, vocab)` (any float dtype; rows contiguous), with z =
     softcap(x) / temperature (`softcap` None: no cap; `temperature` a `(1,)` float32 device tensor): a sample of
-    softmax(z) (Gumbel-max with Philox uniforms from the `(1,)` int64 device tensor `seed`), argmax(z) (first on
-    ties) and the entropy of softmax(z) (float32), each `(B, C)`. With `probabilities` `(B, C, vocab)`: softmax(z)
-    in its dtype written there for the rows of batch rows not `frozen` `(B,)` bool (None: all). `splits`, `block`:
-    the chunking and the columns a program reads per iteration (tests; default `vocabulary_splits` and `BLOCK_V` on
-    CUDA, one chunk per row and `INTERPRETER_BLOCK_V` in Triton's interpreter)."""
+    softmax(z) (inverse CDF from one Philox uniform per position, from the `(1,)` int64 device tensor `seed`: one
+    seed, one sample), argmax(z) (first on ties) and the entropy of softmax(z) (float32), each `(B, C)`. With
+    `probabilities` `(B, C, vocab)`: softmax(z) in its dtype written there for the rows of batch rows not `frozen`
+    `(B,)` bool (None: all). `splits`, `block`: the chunking and the columns a program reads per iteration (tests;
+    default `vocabulary_splits` and `BLOCK_V` on CUDA, one chunk per row and `INTERPRETER_BLOCK_V` in Triton's
+    interpreter)."""
     batch, positions, vocab = raw_logits.shape
     rows = batch * positions
     x = raw_logits.reshape(rows, vocab)
@@ -643,29 +627,23 @@ def fused_sample(
     splits = -(-vocab // chunk)
     partial = torch.empty(rows, splits, 4, dtype=torch.float32, device=device)
     index = torch.empty(rows, splits, dtype=torch.int32, device=device)
-    drawn = torch.empty(rows, splits, dtype=torch.float32, device=device)
-    drawn_index = torch.empty(rows, splits, dtype=torch.int32, device=device)
     entropy = torch.empty(rows, dtype=torch.float32, device=device)
     argmax = torch.empty(rows, dtype=torch.long, device=device)
-    sample = torch.empty(rows, dtype=torch.long, device=device)
+    sample = torch.empty(rows, dtype=torch.long, device=device)  # every row's claiming program writes it
     cap = float(softcap) if softcap else 1.0
     warps = max(1, block // 256)  # 8 columns per lane
     _partials_kernel[(rows, splits)](
         x, temperature, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), BLOCK=block, num_warps=warps,
     )  # fmt: skip
-    block_s = max(2, triton.next_power_of_2(splits))
     _finish_kernel[(rows, splits)](
-        x, temperature, seed, partial, index, drawn, drawn_index, entropy, argmax,
+        x, temperature, seed, partial, index, sample, entropy, argmax,
         frozen.contiguous() if frozen is not None else entropy,  # bool, read as int1
         probabilities if probabilities is not None else entropy,
         vocab, chunk, splits, positions, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
-        BLOCK=block, BLOCK_S=block_s, LOW=GUMBEL_LOW, HIGH=GUMBEL_HIGH, WIDE=x.is_cuda, num_warps=warps,
+        BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=warps,
     )  # fmt: skip
-    _sample_kernel[(triton.cdiv(rows, SAMPLE_ROWS),)](
-        drawn, drawn_index, sample, rows, splits, ROWS=SAMPLE_ROWS, BLOCK_S=block_s, num_warps=1
-    )
     shape = (batch, positions)
     return sample.view(shape), argmax.view(shape), entropy.view(shape)
 

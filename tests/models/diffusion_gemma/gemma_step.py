@@ -171,7 +171,7 @@ def hf_dllm_step(model, inputs: StepInputs, sampler_class=None) -> StepResult:
     sampler = model.diffusion_family.unmasking_policy(config, model.config)
     if sampler_class is not None:
         sampler.__class__ = sampler_class
-    sampler.fused = False  # the injected draws replace torch's; the fused sampler draws by its own Gumbel noise
+    sampler.fused = False  # the injected draws replace torch's; the fused sampler draws from its own uniforms
     batch, width = inputs.prompt.shape
     canvas_length = inputs.canvas.shape[1]
     device = inputs.prompt.device

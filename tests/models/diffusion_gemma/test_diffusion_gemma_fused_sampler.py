@@ -7,8 +7,11 @@ the PyTorch code:
 - `fused_sample` (`triton_diffusion_gemma.py`): argmax exact, entropy and the self-conditioning probabilities within
   float32 rounding of a float64 reference, frozen rows' probabilities left as they were, one chunk or several per row
   (a vocabulary that is not a multiple of the chunk), a sample inside the vocabulary that takes a certain token; the
-  sample exactly the Gumbel-max over every column from a numpy Philox (the kernel skips blocks that cannot win, on
-  peaked rows; flat rows skip none), and the GPU's Philox (wide multiplies) tl.rand's;
+  sample the float64 inverse CDF at the row's Philox uniform (`sampler_reference.py`) but where the uniform lies
+  within float32 rounding of a boundary (rows counted, rare), on rows whose chunks hold no mass first, in the middle
+  or last, of one drawable column, flat or certain, under several chunkings, cap on and off, temperatures; one seed
+  one sample, another seed others; the scan's fallback (a chunk claimed past its columns' recomputed sum takes its
+  last column of probability > 0) with every row written;
 - the experts through hf_dllm's Triton MoE kernels (`implementation="triton"`: GELU-gated grouped products) against
   the loop;
 - one denoising step of the fixture model, fused against the PyTorch sampler from the same canvas: the same argmax,
@@ -16,8 +19,9 @@ the PyTorch code:
   self-conditioning probabilities equal to those from the processed logits; a seeded `generate()` on the fused path
   is reproducible and well formed (its draws are not `torch.multinomial`'s: the tokens are not the fixture's).
 
-The sample's distribution is checked statistically on the GPU (`test_diffusion_gemma_fused_sampler_gpu.py`): the
-interpreter runs a program in tens of milliseconds, too slow for the thousands of draws a chi-square test needs.
+The kernel's draws' distribution is checked statistically on the GPU (`test_diffusion_gemma_fused_sampler_gpu.py`):
+the interpreter runs a program in milliseconds, too slow for the many draws of one distribution a chi-square test
+needs; here the uniforms through the reference inverse CDF are.
 """
 
 from __future__ import annotations
@@ -34,54 +38,85 @@ pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
 KERNEL_SCRIPT = textwrap.dedent(
     """
-    import numpy as np, torch, hf_dllm
-    from hf_dllm.triton_diffusion_gemma import fused_sample
+    import torch, hf_dllm
+    from hf_dllm.triton_diffusion_gemma import _finish_kernel, _partials_kernel, fused_sample
     from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaExperts
-
-    def gumbel_max(x, cap, temperature, seed):
-        # The draw over every column in float32 numpy (the interpreter's arithmetic): z as the kernels compute it,
-        # u = Triton's `tl.rand(seed, row * vocab + column)` (Philox4x32-10, the first word, to [0, 1)).
-        x = x.reshape(-1, x.shape[-1]).numpy().astype(np.float32)
-        y = x * np.float32(1.0 / cap)
-        z = np.float32(cap) * (np.float32(1) - np.float32(2) / (np.exp(np.float32(2) * y) + np.float32(1)))
-        z = z / np.float32(temperature)
-        offset = np.arange(x.size, dtype=np.uint64).reshape(x.shape)
-        mask = np.uint64(0xFFFFFFFF)
-        c0, c1, c2, c3 = offset & mask, offset >> np.uint64(32), np.zeros_like(offset), np.zeros_like(offset)
-        k0, k1 = np.uint64(seed) & mask, (np.uint64(seed) >> np.uint64(32)) & mask
-        for _ in range(10):
-            hi_b, hi_a = np.uint64(0xCD9E8D57) * c2, np.uint64(0xD2511F53) * c0
-            c0, c2 = (hi_b >> np.uint64(32)) ^ c1 ^ k0, (hi_a >> np.uint64(32)) ^ c3 ^ k1
-            c1, c3 = hi_b & mask, hi_a & mask
-            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
-        word = c0.astype(np.uint32).view(np.int32)
-        u = np.where(word < 0, ~word, word).astype(np.float32) * np.float32(4.6566127342e-10)
-        u = np.minimum(np.maximum(u, np.float32(1e-20)), np.float32(0.99999994))
-        return torch.from_numpy((z - np.log(-np.log(u))).argmax(-1))
+    from tests.models.diffusion_gemma.sampler_reference import (
+        inverse_cdf, philox_uniforms, processed, within_its_interval,
+    )
 
     torch.manual_seed(0)
     B, C, V = 2, 3, 300
     x = torch.randn(B, C, V) * 20
     x[0, 1, 7] = x[0, 1, 250] = 500.0  # equal after the cap: the first column is the argmax
-    x[1, 2, 42] = 2000.0  # certain: every draw takes it
+    x[1, 2, 42] = 2000.0  # the likeliest by far (p = 0.78 at T 0.7, 0.999 at T 0.2)
     z = (x.double() / 30).tanh() * 30 / 0.7
     want_entropy = torch.distributions.Categorical(logits=z).entropy()
-    # Peaked rows (the finish kernel skips the blocks that cannot win the draw) and near-flat ones whose draws
-    # mostly come from columns well below their max (blocks that must not be skipped).
-    flat = torch.randn(1, 2, V) * 0.1
-    flat[0, :, 3] = 4.0
-    # The GPU's Philox (`_uniform`, wide multiplies; the interpreter's draws take tl.rand) is tl.rand bit for bit.
-    from tests.models.diffusion_gemma.test_diffusion_gemma_fused_sampler_gpu import _uniform_and_rand
+    # Rows that stress the chunks' claims (chunks of 64 or 128 columns below): chunks of probability 0 first, in the
+    # middle and last; one column of probability > 0 (the first; the last); half the columns of probability 0; the
+    # last column the likeliest; most mass in one chunk; flat; certain.
+    hard = torch.randn(1, 10, V) * 3
+    hard[0, 0, :128] = hard[0, 1, 128:256] = hard[0, 2, 256:] = hard[0, 3, :-1] = hard[0, 4, 1:] = -1e4
+    hard[0, 5, torch.rand(V) < 0.5] = -1e4
+    hard[0, 6, -1] = 12.0
+    hard[0, 7, 130:140] += 8.0
+    hard[0, 8] *= 0.01
+    hard[0, 9, 3] = 3000.0
+    # The draw is the inverse CDF at the row's Philox uniform: the float64 reference's wherever u is not within 1e-6
+    # of a cumulative probability (there float32 rounding may take the next column: such rows are counted, and
+    # none may be outside that), every sample inside its interval widened by 1e-6 and of drawable probability.
+    draws, near_rows = {}, 0
+    for rows, cap, temperature, splits, block, seed in (
+        (x, 30.0, 0.2, None, 64, 123), (x, 30.0, 0.7, 2, 128, 1 << 45), (hard, None, 1.0, 3, 64, 7),
+        (hard, 30.0, 0.5, 5, 32, 8), (hard, None, 1.0, 1, 1024, 7),
+    ):  # fmt: skip
+        sample = fused_sample(rows, torch.tensor([temperature]), torch.tensor([seed]), cap, splits=splits,
+                              block=block)[0].view(-1)
+        z_rows, u = processed(rows, cap, temperature), philox_uniforms(seed, sample.numel())
+        draw, near = inverse_cdf(z_rows, u, 1e-6)
+        assert torch.equal(sample[~near], draw[~near]), (splits, temperature, sample, draw)
+        assert within_its_interval(z_rows, u, sample, 1e-6).all(), (splits, temperature, sample)
+        near_rows += int(near.sum())
+        draws[seed, cap, splits] = sample
+    assert near_rows <= 2, near_rows  # expected well under 1 in these 42 rows (zones 2e-6 wide, 300 at most a row)
+    # One seed, one sample (chunked otherwise too, but for rows within rounding of a boundary); another seed draws
+    # otherwise somewhere.
+    def hard_draw(seed, splits=3, block=64):
+        return fused_sample(hard, torch.tensor([1.0]), torch.tensor([seed]), None, splits=splits, block=block)[0]
 
-    offsets = torch.cat([torch.arange(64), torch.randint(0, 1 << 40, (64,))])
-    ours, theirs = torch.empty(128), torch.empty(128)
-    _uniform_and_rand[(1,)](torch.tensor([(1 << 62) - 3]), offsets, ours, theirs, BLOCK=128)
-    assert torch.equal(ours, theirs), "the wide-multiply Philox"
-    for splits, block, rows, temperature in ((None, 64, x, 0.2), (2, 128, x, 0.7), (None, 64, flat, 0.7)):
-        sample, _, _ = fused_sample(rows, torch.tensor([temperature]), torch.tensor([123]), 30.0, splits=splits,
-                                    block=block)
-        want = gumbel_max(rows, 30.0, temperature, 123)
-        assert torch.equal(sample.view(-1), want), (splits, temperature, sample, want)
+    assert torch.equal(hard_draw(7).view(-1), draws[7, None, 3])
+    assert torch.equal(draws[7, None, 3], draws[7, None, 1]) and not torch.equal(hard_draw(9).view(-1), draws[7, None, 3])
+    # The uniforms through the float64 inverse CDF follow softmax: 200,000 rows of a 16-token distribution,
+    # chi-square with 15 degrees of freedom below 37.70 (p = 0.001). (The kernel's own draws, many per
+    # distribution, are counted on the GPU: the interpreter runs a program in milliseconds.)
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 4.0, 3.5, 1.2, 0.7, 0.2, -2.0, 2.2])
+    draw, _ = inverse_cdf(logits.expand(200_000, 16), philox_uniforms(11, 200_000), 0.0)
+    expected = logits.double().softmax(-1) * 200_000
+    chi_square = float(((torch.bincount(draw, minlength=16) - expected) ** 2 / expected).sum())
+    assert chi_square < 37.70, chi_square
+    # The scan's fallback: chunk 0's sum inflated by 1000 (as if rounding had left its columns' recomputed sum
+    # below t), so a t in [54, 1054) claims it and its columns' running sum never exceeds t: the chunk's last column
+    # of probability > 0 (53: columns 54..63 have none), never one of probability 0. Every row written once (the
+    # buffer starts at -1), by the chunk that claims it.
+    rows, columns = 16, 128
+    flat_zero = torch.zeros(rows, columns)
+    flat_zero[:, 54:64] = -1e4
+    one, seed = torch.tensor([1.0]), torch.tensor([5])  # its 16 uniforms land in all three ranges
+    partial, index = torch.empty(rows, 2, 4), torch.empty(rows, 2, dtype=torch.int32)
+    _partials_kernel[(rows, 2)](flat_zero, one, partial, index, columns, 64, 2, 1.0, 1.0, HAS_CAP=False, BLOCK=32)
+    assert torch.equal(partial[:, :, 1], torch.tensor([[54.0, 64.0]] * rows))
+    partial[:, 0, 1] += 1000.0
+    sample, entropy, argmax = torch.full((rows,), -1), torch.empty(rows), torch.empty(rows, dtype=torch.long)
+    _finish_kernel[(rows, 2)](
+        flat_zero, one, seed, partial, index, sample, entropy, argmax, entropy, entropy, columns, 64, 2, 64, 1.0, 1.0,
+        HAS_CAP=False, HAS_FROZEN=False, WRITE_PROBABILITIES=False, BLOCK=32, BLOCK_S=2,
+    )  # fmt: skip
+    t = philox_uniforms(5, rows) * 1118.0
+    want = torch.where(t < 54, t.floor(), torch.where(t < 1054, 53.0, 64 + (t - 1054).floor())).long()
+    assert (t < 54).any() and ((t >= 54) & (t < 1054)).any() and (t >= 1054).any(), t
+    assert torch.equal(sample, want), (sample, want)
+    x_draw, near = inverse_cdf(processed(x, 30.0, 0.7), philox_uniforms(123, B * C), 1e-6)
+    assert not near.any()
     for splits, block in ((None, 64), (3, 64), (1, 512)):
         probabilities = torch.full((B, C, V), -1.0)
         sample, argmax, entropy = fused_sample(
@@ -92,7 +127,7 @@ KERNEL_SCRIPT = textwrap.dedent(
         assert (entropy.double() - want_entropy).abs().max() < 5e-6, (splits, (entropy.double() - want_entropy).abs().max())
         assert torch.allclose(probabilities[0].double(), z[0].softmax(-1), rtol=2e-5, atol=1e-8), splits
         assert (probabilities[1] == -1).all(), "a frozen row's probabilities are left as they were"
-        assert ((sample >= 0) & (sample < V)).all() and sample[1, 2] == 42, (splits, sample)
+        assert torch.equal(sample.view(-1), x_draw), (splits, sample)  # x's rows: none near a boundary
     # No cap and no schedule: z is x itself.
     _, argmax, entropy = fused_sample(x[:, :1], torch.tensor([1.0]), torch.tensor([5]), None)
     want = torch.distributions.Categorical(logits=x[:, :1].double()).entropy()
