@@ -281,7 +281,6 @@ if TRITON_AVAILABLE:
         ROUTE_T: tl.constexpr,
         ROUTE_E: tl.constexpr,
         LOG2_E: tl.constexpr,
-        BLOCK_K: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
         # `_router_product_kernel`'s programs (one partial tile each), and the last of them to finish routes every
@@ -297,21 +296,21 @@ if TRITON_AVAILABLE:
             tl.debug_barrier()
             _route_align_tokens(
                 partials_ptr, logits_ptr, index_ptr, weight_ptr, sorted_token_ptr, row_ptr, offsets_ptr, tokens,
-                n_experts, SPLITS, TOP_K, ROUTE_T, ROUTE_E, LOG2_E, BLOCK_K, LIBDEVICE,
+                n_experts, SPLITS, TOP_K, ROUTE_T, ROUTE_E, LOG2_E, LIBDEVICE,
             )  # fmt: skip
             tl.atomic_xchg(counter_ptr, 0)
 
     @triton.jit
     def _route_align_tokens(partials_ptr, logits_ptr, index_ptr, weight_ptr, sorted_token_ptr, row_ptr, offsets_ptr,
                             tokens, n_experts, SPLITS: tl.constexpr, TOP_K: tl.constexpr, ROUTE_T: tl.constexpr,
-                            ROUTE_E: tl.constexpr, LOG2_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                            LIBDEVICE: tl.constexpr):  # fmt: skip
+                            ROUTE_E: tl.constexpr, LOG2_E: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
         # `route(partials, None, 1, 1, TOP_K, "softmax", False, 1.0, summed_logits=logits)` then `align_by_expert`
         # for every token at once, on a (token, expert) tile: the same formulas in the same order as `_route_kernel`
         # (partials added in split order, rounded to the logits' dtype; `softmax_rows`; top-k by max, ties to the
         # lowest expert), so the same bits. Alignment: a token picks an expert at most once, so expert e's rows hold
         # its tokens in order and pair (t, e) sits at row (pairs of experts below e) + (tokens before t that picked
-        # e), as `_align_kernel`'s stable order has it. Partials read past L1 (`.cg`): other multiprocessors wrote them.
+        # e), as `_align_kernel`'s stable order has it; every output is a masked store of the (token, expert) tile.
+        # Partials read past L1 (`.cg`): other multiprocessors wrote them.
         t = tl.arange(0, ROUTE_T)[:, None]
         e = tl.arange(0, ROUTE_E)[None, :]
         real_t = t < tokens
@@ -326,35 +325,29 @@ if TRITON_AVAILABLE:
         scores = tl.where(real_e, softmax_rows(tl.where(real_e, x.to(tl.float32), float("-inf")), LOG2_E, LIBDEVICE),
                           float("-inf"))  # fmt: skip
         lanes = tl.where(real_e, e, 2147483647)
-        ks = tl.arange(0, BLOCK_K)[None, :]
-        chosen = tl.zeros([ROUTE_T, BLOCK_K], dtype=tl.int32)
-        weights = tl.zeros([ROUTE_T, BLOCK_K], dtype=tl.float32)
-        picked_any = tl.zeros([ROUTE_T, ROUTE_E], dtype=tl.int32)
+        # Each (token, expert) cell's place in the token's choices (-1: not chosen), found as `store_top_k` finds
+        # them; the cells are then stored where they belong (no reduction per choice to gather them).
+        rank = tl.full([ROUTE_T, ROUTE_E], -1, tl.int32)
         choice = scores
         for k in tl.static_range(TOP_K):
             top_score = tl.max(choice, axis=1)[:, None]
             top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=1)[:, None]
             picked = lanes == top
-            chosen = tl.where(ks == k, top, chosen)
-            weights = tl.where(ks == k, tl.sum(tl.where(picked, scores, 0.0), axis=1)[:, None], weights)
+            rank = tl.where(picked, k, rank)
             choice = tl.where(picked, float("-inf"), choice)
-            picked_any = tl.where(picked, 1, picked_any)
-        in_pairs = real_t & (ks < TOP_K)
-        tl.store(index_ptr + t * TOP_K + ks, chosen.to(tl.int64), mask=in_pairs)
-        # (`route`'s weights are times `routed_scaling_factor` 1.0: exact, left out.)
-        tl.store(weight_ptr + t * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=in_pairs)
-        mine = tl.where(real_t & real_e, picked_any, 0)
-        per_expert = tl.sum(mine, axis=0)
+        mine = real_t & (rank >= 0)
+        pair = t * TOP_K + rank
+        tl.store(index_ptr + pair, e.to(tl.int64), mask=mine)
+        # `route`'s weight: the chosen score (a sum with zeros) times `routed_scaling_factor` 1.0, both exact.
+        tl.store(weight_ptr + pair, scores.to(weight_ptr.dtype.element_ty), mask=mine)
+        chosen = mine.to(tl.int32)
+        per_expert = tl.sum(chosen, axis=0)
         ends = tl.cumsum(per_expert, axis=0)
         experts = tl.arange(0, ROUTE_E)
         tl.store(offsets_ptr + experts, ends, mask=experts < n_experts)
-        row_of = (ends - per_expert)[None, :] + tl.cumsum(mine, axis=0) - mine
-        token = tl.arange(0, ROUTE_T)
-        for k in tl.static_range(TOP_K):
-            expert = tl.sum(tl.where(ks == k, chosen, 0), axis=1)[:, None]
-            row = tl.sum(tl.where(e == expert, row_of, 0), axis=1)
-            tl.store(row_ptr + token * TOP_K + k, row.to(tl.int64), mask=token < tokens)
-            tl.store(sorted_token_ptr + row, token.to(tl.int64), mask=token < tokens)
+        row = (ends - per_expert)[None, :] + tl.cumsum(chosen, axis=0) - chosen
+        tl.store(row_ptr + pair, row.to(tl.int64), mask=mine)
+        tl.store(sorted_token_ptr + row, t.to(tl.int64), mask=mine)
 
     @triton.jit
     def _chunk_histogram_kernel(
@@ -869,7 +862,6 @@ def gate_route_and_align(
         ROUTE_T=max(2, triton.next_power_of_2(tokens)),
         ROUTE_E=route_e,
         LOG2_E=route_e.bit_length() - 1,
-        BLOCK_K=triton.next_power_of_2(top_k),
         LIBDEVICE=x.is_cuda,  # the interpreter (CPU tensors) has no libdevice
         num_warps=4,
         num_stages=launch.stages,
