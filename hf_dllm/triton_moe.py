@@ -318,7 +318,10 @@ if TRITON_AVAILABLE:
         x = tl.zeros([ROUTE_T, ROUTE_E], dtype=tl.float32)
         for split in tl.static_range(SPLITS):
             x += tl.load(
-                partials_ptr + (split * tokens + t) * n_experts + e, mask=real_t & real_e, other=0.0, cache_modifier=".cg"
+                partials_ptr + (split * tokens + t) * n_experts + e,
+                mask=real_t & real_e,
+                other=0.0,
+                cache_modifier=".cg",
             )
         x = x.to(logits_ptr.dtype.element_ty)
         tl.store(logits_ptr + t * n_experts + e, x, mask=real_t & real_e)
@@ -836,7 +839,9 @@ def gate_route_and_align(
     x, gate_weight, launch = _router_product_launch("gate_route_and_align", x, gate_weight, splits)
     tokens, n_experts = launch.sizes[:2]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(f"gate_route_and_align: top_k must be an int from 1 to the {n_experts} experts, got {top_k!r}.")
+        raise ValueError(
+            f"gate_route_and_align: top_k must be an int from 1 to the {n_experts} experts, got {top_k!r}."
+        )
     device = x.device
     logits = torch.empty(tokens, n_experts, dtype=x.dtype, device=device)
     index = torch.empty(tokens, top_k, dtype=torch.long, device=device)

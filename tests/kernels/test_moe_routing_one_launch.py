@@ -144,3 +144,29 @@ def test_gpu_routing_in_one_launch_replays_in_a_cuda_graph():
         want = namespace["three_launches"](x, gate, 8)
         assert all(torch.equal(a, b) for a, b in zip(want, captured, strict=True))
     assert triton_moe._ROUTE_COUNTERS[x.device].tolist() == [0]
+
+
+@pytest.mark.gpu
+def test_gpu_model_logits_equal_with_the_routing_in_one_launch_or_three():
+    """A small bf16 LLaDA-MoE (64 experts top-8, as the 7B) on its fused path over a block's 32 tokens: the same logits
+    with `routing_in_one_launch` on and off."""
+    import hf_dllm
+    from hf_dllm.modeling_llada_moe import LLaDAMoESparseMoeBlock
+    from tests.conftest import random_weights_model
+
+    config = hf_dllm.LLaDAMoEConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, num_experts=64,
+        num_experts_per_tok=8, expert_intermediate_size=128, dense_intermediate_size=256, vocab_size=320,
+        moe_layer_freq=[1, 1], pad_token_id=318, eos_token_id=318,
+    )  # fmt: skip
+    model = random_weights_model(hf_dllm.LLaDAMoEModelLM, config, dtype=torch.bfloat16, device="cuda", noise=0.05)
+    ids, logits = torch.randint(0, 300, (1, 32), device="cuda"), []
+    assert model.model.layers[0].mlp.uses_fused_kernels(torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda"))
+    try:
+        for one_launch in (True, False):
+            LLaDAMoESparseMoeBlock.routing_in_one_launch = one_launch
+            with torch.no_grad():
+                logits.append(model(ids).logits)
+    finally:
+        LLaDAMoESparseMoeBlock.routing_in_one_launch = True
+    assert torch.equal(*logits)
