@@ -87,6 +87,7 @@ from .triton_moe import (
     route,
     router_partials,
     router_product_applies,
+    routes_in_one_launch,
 )
 from .triton_ops import rms_norm
 
@@ -517,13 +518,13 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         x's dtype `triton_moe.router_partials`, whose partial products `route` adds up and rounds to x's dtype, else
         the router's own), `route` (one program per token) and `align_by_expert`; every kernel reads and writes the
         dtypes it is given (no cast kernels). With `routing_in_one_launch`, the first path's three launches are
-        `triton_moe.gate_route_and_align`'s one."""
+        `triton_moe.gate_route_and_align`'s one where it applies (`triton_moe.routes_in_one_launch`)."""
         gate = self.gate
         plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
         plain_gate = plain_gate and not is_sharded(gate.weight) and gate.weight.dtype == x.dtype
         routing = (None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
         if self.router_product_in_routing_kernel and plain_gate and router_product_applies(x.shape[0]):
-            if self.routing_in_one_launch:
+            if self.routing_in_one_launch and routes_in_one_launch(x.shape[0], self.num_experts):
                 router_logits, _, weights, *aligned = gate_route_and_align(x, gate.weight, self.top_k)
                 return router_logits, weights, *aligned
             router_logits = x.new_empty(x.shape[0], self.num_experts)

@@ -735,6 +735,19 @@ def router_product_applies(tokens: int) -> bool:
     return 0 < tokens <= ROUTER_PRODUCT_MAX_TOKENS
 
 
+# The most (token, expert) cells (powers of two) `gate_route_and_align`'s last program routes: LLaDA-MoE-7B at 64
+# tokens (64 x 64: 255 registers a thread at four warps in an sm_90 build, a 12-byte spill); more experts would
+# spill more, so they keep the three launches.
+ONE_LAUNCH_MAX_CELLS = 64 * 64
+
+
+def routes_in_one_launch(tokens: int, n_experts: int) -> bool:
+    """Whether `gate_route_and_align` takes `tokens` tokens over `n_experts` experts."""
+    if not router_product_applies(tokens) or n_experts < 1:
+        return False
+    return max(2, 1 << (tokens - 1).bit_length()) * (1 << (n_experts - 1).bit_length()) <= ONE_LAUNCH_MAX_CELLS
+
+
 def router_splits(tokens: int, n_experts: int, hidden: int, device: torch.device) -> int:
     """The chunks of the hidden size `router_partials` splits the product into by default: the largest power of two
     that keeps the programs (16 x 16 tiles of experts x tokens, times the chunks) within the multiprocessors and each
@@ -825,19 +838,26 @@ def _route_counter(device: torch.device) -> torch.Tensor:
 def gate_route_and_align(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, splits: int | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """LLaDA-MoE's routing for few tokens (`router_product_applies`) in one launch: `router_partials(x, gate_weight,
-    splits)`, `route(partials, None, 1, 1, top_k, "softmax", False, 1.0, x.dtype, summed_logits=logits)` and
-    `align_by_expert(index, E, False)`, bit for bit, the last of the product's programs to finish doing the routing
-    and the alignment for every token (the partials' sum in split order, the same softmax, ties to the lowest
-    expert, the same stable order). x `(tokens, H)` and gate_weight `(E, H)` in one half-precision dtype -> router
-    logits `(tokens, E)` in x's dtype, index `(tokens, top_k)` int64, weights `(tokens, top_k)` in x's dtype,
-    sorted_token `(tokens * top_k,)` int64, offsets `(E,)` int32, row `(tokens, top_k)` int64.
+    """LLaDA-MoE's routing for few tokens over few experts (`routes_in_one_launch`) in one launch:
+    `router_partials(x, gate_weight, splits)`, `route(partials, None, 1, 1, top_k, "softmax", False, 1.0, x.dtype,
+    summed_logits=logits)` and `align_by_expert(index, E, False)`, bit for bit, the last of the product's programs
+    to finish doing the routing and the alignment for every token (the partials' sum in split order, the same
+    softmax, ties to the lowest expert, the same stable order). x `(tokens, H)` and gate_weight `(E, H)` in one
+    half-precision dtype -> router logits `(tokens, E)` in x's dtype, index `(tokens, top_k)` int64, weights
+    `(tokens, top_k)` in x's dtype, sorted_token `(tokens * top_k,)` int64, offsets `(E,)` int32, row `(tokens,
+    top_k)` int64.
 
     The programs count their arrivals in one counter per device (zeroed once, set back to 0 by each launch's last
     program: no memset launch, CUDA-graph capturable): launches of this function on one device must not overlap, as
     launches on one stream never do (kernels on two streams of one device at once would share the counter)."""
     x, gate_weight, launch = _router_product_launch("gate_route_and_align", x, gate_weight, splits)
     tokens, n_experts = launch.sizes[:2]
+    if not routes_in_one_launch(tokens, n_experts):
+        raise ValueError(
+            f"gate_route_and_align: {tokens} tokens over {n_experts} experts exceed one program's "
+            f"{ONE_LAUNCH_MAX_CELLS} (token, expert) cells (powers of two): use `router_partials`, `route` and "
+            f"`align_by_expert` (`routes_in_one_launch` tells which)."
+        )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
         raise ValueError(
             f"gate_route_and_align: top_k must be an int from 1 to the {n_experts} experts, got {top_k!r}."

@@ -63,8 +63,10 @@ INTERPRETER_SCRIPT = COMPARE + textwrap.dedent(
 
     # Bad arguments: a clear ValueError naming the function before any launch.
     x, gate = torch.randn(4, 64).half(), torch.randn(16, 64).half()
+    # (More cells than the last program takes: 64 tokens over 65 experts: 64 x 128 cells, powers of two.)
+    assert triton_moe.routes_in_one_launch(64, 64) and not triton_moe.routes_in_one_launch(64, 65)
     for bad in ((x, gate, 0), (x, gate, 17), (x, gate, True), (x.float(), gate.float(), 2), (x, gate[:, :32], 2),
-                (torch.zeros(65, 64).half(), gate, 2)):
+                (torch.zeros(65, 64).half(), gate, 2), (torch.zeros(64, 64).half(), torch.zeros(65, 64).half(), 2)):
         try:
             triton_moe.gate_route_and_align(*bad)
         except ValueError as error:
