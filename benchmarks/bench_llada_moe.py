@@ -12,7 +12,8 @@ built on the GPU; the Hub model class gets the same weights. Batch 1, prompt 256
 
 Reported: ms per forward, forwards, tokens/s and the speed-up over the reference (goal: dual cache >= 3x), and the
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
-loop queues them; also without the router's product in the routing kernel, without the next norm in the MoE's
+loop queues them; also with the router's product, the routing and the alignment in three launches rather than one,
+without the router's product in the routing kernel, without the next norm in the MoE's
 combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the step's decision in one launch
 (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs where
 `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {}
     if gpu:  # the same step without one of its fusions (each a switch of a class)
         switches = [
+            (LLaDAMoESparseMoeBlock, "routing_in_one_launch"),
             (LLaDAMoESparseMoeBlock, "router_product_in_routing_kernel"),
             (LLaDAMoESparseMoeBlock, "norm_in_combine"),
         ]
