@@ -13,9 +13,11 @@ tiles, Osama et al. arXiv:2301.03598): each split program writes its partial out
 itself in an int32 counter per (row, key/value head, row tile) with an acquire-release atomic; the program that
 counts last reads every split's partials and writes the output, and sets the counter back to zero, so the next
 launch (and every replay of a CUDA graph) finds it at zero. The counters are one zeroed buffer per device, allocated
-once and kept (`merge_counters`): no launch per call. Launches on one device share it, which is safe because a
-stream runs its kernels in order; they must not run on two streams at once. `AttentionTiles.fold_merge=False` merges
-in a second kernel instead, with the same operations (the outputs are equal bit for bit).
+once and kept (`merge_counters`): no launch per call (a first call inside a CUDA graph capture, before any outside
+it, merges in a second kernel: a buffer zeroed inside a capture is zero only once the graph replays). Launches on one
+device share it, which is safe because a stream runs its kernels in order; they must not run on two streams at once.
+`AttentionTiles.fold_merge=False` merges in a second kernel always, with the same operations (the outputs are equal
+bit for bit).
 
 Shapes: q `(B, Hq, Lq, D)`, k/v `(B, Hkv, T, D)`, key padding `(B, T)` bool (True = attend), output
 `(B, Lq, Hq, D)`. Scores, softmax statistics and accumulation in float32; the probabilities are cast to the value
@@ -386,11 +388,15 @@ def plan_splits(
 _MERGE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def merge_counters(device: torch.device, size: int) -> torch.Tensor:
+def merge_counters(device: torch.device, size: int) -> torch.Tensor | None:
     """At least `size` int32 counters on `device`, all zero between launches (`_block_attention_kernel` resets each
-    counter it uses): allocated once (4096, or the next power of two above `size`), not cleared per call."""
+    counter it uses): allocated once (4096, or the next power of two above `size`), not cleared per call. None
+    where they would have to be allocated inside a CUDA graph capture: the zeroing would be captured, not run, and
+    the buffer would hold garbage until the graph's first replay (the caller merges in a second kernel then)."""
     buffers = _MERGE_COUNTERS.setdefault(device, [])
     if not buffers or buffers[-1].numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         buffers.append(torch.zeros(max(4096, triton.next_power_of_2(size)), dtype=torch.int32, device=device))
     return buffers[-1]
 
@@ -475,7 +481,8 @@ def block_attention(
     else:
         mask = out  # never read
     single = n_splits == 1
-    fold = tiles.fold_merge and not single
+    counters = merge_counters(q.device, batch * n_kv_heads * m_tiles) if tiles.fold_merge and not single else None
+    fold = counters is not None
     if single:
         part = lse = out  # never written
     else:
@@ -492,7 +499,7 @@ def block_attention(
         out,
         part,
         lse,
-        merge_counters(q.device, batch * n_kv_heads * m_tiles) if fold else out,  # never touched unfolded
+        counters if fold else out,  # never touched unfolded
         out if kv_end is None else kv_end,
         k_scale if scaled else out,  # never read without HAS_KV_SCALE
         v_scale if scaled else out,

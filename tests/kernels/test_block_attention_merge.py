@@ -122,7 +122,7 @@ def test_folded_merge_equals_two_launches_in_interpreter():
         assert "merge checks passed" in result.stdout
 
 
-def test_merge_counters_grow_and_keep_every_buffer(monkeypatch):
+def test_merge_counters_grow_keep_every_buffer_and_are_never_made_in_a_capture(monkeypatch):
     from hf_dllm import triton_attention
 
     monkeypatch.setattr(triton_attention, "_MERGE_COUNTERS", {})
@@ -135,6 +135,11 @@ def test_merge_counters_grow_and_keep_every_buffer(monkeypatch):
     # A CUDA graph captured on the smaller buffer still points at it: it stays referenced.
     assert triton_attention._MERGE_COUNTERS[device] == [first, larger]
     assert triton_attention.merge_counters(device, 16) is larger
+    # Inside a CUDA graph capture none is allocated (its zeroing would only run at replay): the caller merges in a
+    # second kernel.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert triton_attention.merge_counters(torch.device("cuda", 0), 16) is None
+    assert triton_attention._MERGE_COUNTERS[torch.device("cuda", 0)] == []
 
 
 # The shapes of the GPU tests of `block_attention` (`tests/generation/test_gpu.py`, LLaDA2.0-mini's block step in
@@ -201,3 +206,30 @@ def test_folded_merge_in_a_cuda_graph_equals_eager():
         torch.cuda.synchronize()
         assert all(map(torch.equal, outs, expected))
         assert all(int(buffer.abs().sum()) == 0 for buffer in counters)
+
+
+@pytest.mark.gpu
+def test_first_call_inside_a_capture_merges_in_a_second_kernel(monkeypatch):
+    """No counters yet and the first call inside a CUDA graph capture: that call merges in a second kernel (no
+    buffer allocated, whose zeroing would only run at replay), and the graph's replay equals the eager result."""
+    from hf_dllm import triton_attention
+    from hf_dllm.triton_attention import block_attention
+
+    monkeypatch.setattr(triton_attention, "_MERGE_COUNTERS", {})
+    torch.manual_seed(0)
+    q = torch.randn(1, 16, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 16, 384, 128, device="cuda", dtype=torch.bfloat16).unbind(0)
+    tiles = dataclasses.replace(triton_attention.default_tiles(32), fold_merge=False)
+    block_attention(q, k, v, tiles=tiles)  # compiled outside the capture; no counters made
+    combine = CombineLaunches(triton_attention._combine_splits_kernel)
+    monkeypatch.setattr(triton_attention, "_combine_splits_kernel", combine)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = block_attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert combine.count == 1 and not any(triton_attention._MERGE_COUNTERS.values())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, block_attention(q, k, v, tiles=tiles))
