@@ -329,7 +329,7 @@ class AttentionTiles:
     mask `(B, T)`, test each key tile's mask first and skip the tiles it masks whole (a ring cache's empty slots),
     at the price of a branch in the loop (its K/V loads are not pipelined across it). `fold_merge`: with several
     splits, the last split program of each row tile merges them (one launch); False: a second kernel does (two
-    launches, the same output bits)."""
+    launches, the same output bits; more than `MAX_FOLDED_SPLITS` splits always do)."""
 
     block_m: int
     block_n: int = 64
@@ -382,6 +382,11 @@ def plan_splits(
     max_splits = max(1, kv_len // (2 * block_n))
     return max(1, min(max_splits, math.ceil(2 * n_sms / programs)))
 
+
+# The most key splits the attention kernel merges itself (`AttentionTiles.fold_merge`); more (a batch of few
+# key/value heads over thousands of keys) merge in a second kernel. The merge is unrolled over the splits: at 64,
+# its loads spill registers (ptxas, sm_90, Triton 3.6: ~1 KB a thread at LLaDA-MoE's and LLaDA2.0-mini's tiles).
+MAX_FOLDED_SPLITS = 32
 
 # Counters of the folded merge, per device: zeroed once, kept at zero by the kernel. A buffer outgrown by a larger
 # grid stays referenced, since a captured CUDA graph may still replay on it.
@@ -481,7 +486,8 @@ def block_attention(
     else:
         mask = out  # never read
     single = n_splits == 1
-    counters = merge_counters(q.device, batch * n_kv_heads * m_tiles) if tiles.fold_merge and not single else None
+    folds = tiles.fold_merge and 1 < n_splits <= MAX_FOLDED_SPLITS
+    counters = merge_counters(q.device, batch * n_kv_heads * m_tiles) if folds else None
     fold = counters is not None
     if single:
         part = lse = out  # never written

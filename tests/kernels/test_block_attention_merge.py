@@ -109,6 +109,16 @@ for index, (batch, heads, kv_heads, q_len, kv_len, dim, splits, mask_kind) in en
 q, k, v, mask, kwargs = case_inputs(2, 4, 2, 8, 100, 16, "keys", torch.float16, "cpu", 16)
 (k8, k_scale), (v8, v_scale) = quantize_kv(k.float()), quantize_kv(v.float())
 check_fold_equals_two_launches(q, k8, v8, mask, 3, again=False, k_scale=k_scale, v_scale=v_scale, **kwargs)
+# Past MAX_FOLDED_SPLITS the merge takes the second kernel, `fold_merge` or not: right (a 64-split merge) either way.
+from hf_dllm import triton_attention
+from tests.kernels.test_block_attention_merge import CombineLaunches
+splits = triton_attention.MAX_FOLDED_SPLITS + 1
+q, k, v, mask, kwargs = case_inputs(1, 2, 2, 4, 16 * splits, 16, "keys", torch.float32, "cpu", 16)
+combine = triton_attention._combine_splits_kernel = CombineLaunches(triton_attention._combine_splits_kernel)
+out = triton_attention.block_attention(q, k, v, mask, n_splits=splits, **kwargs)
+assert combine.count == 1, "more splits than MAX_FOLDED_SPLITS folded"
+scores = (q.double() @ k.double().transpose(-1, -2) / 4.0).masked_fill(~mask[:, None, None, :], float("-inf"))
+assert (out.double() - (scores.softmax(-1) @ v.double()).transpose(1, 2)).abs().max() < 1e-5, "64-split merge"
 print("merge checks passed")
 """
 
