@@ -524,7 +524,7 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         plain_gate = plain_gate and not is_sharded(gate.weight) and gate.weight.dtype == x.dtype
         routing = (None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
         if self.router_product_in_routing_kernel and plain_gate and router_product_applies(x.shape[0]):
-            if self.routing_in_one_launch and routes_in_one_launch(x.shape[0], self.num_experts):
+            if self.routing_in_one_launch and routes_in_one_launch(x.shape[0], self.num_experts, x.device):
                 router_logits, _, weights, *aligned = gate_route_and_align(x, gate.weight, self.top_k)
                 return router_logits, weights, *aligned
             router_logits = x.new_empty(x.shape[0], self.num_experts)

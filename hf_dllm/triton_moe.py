@@ -741,9 +741,12 @@ def router_product_applies(tokens: int) -> bool:
 ONE_LAUNCH_MAX_CELLS = 64 * 64
 
 
-def routes_in_one_launch(tokens: int, n_experts: int) -> bool:
-    """Whether `gate_route_and_align` takes `tokens` tokens over `n_experts` experts."""
+def routes_in_one_launch(tokens: int, n_experts: int, device: torch.device | None = None) -> bool:
+    """Whether `gate_route_and_align` takes `tokens` tokens over `n_experts` experts (on `device`: not inside a CUDA
+    graph capture before its counter exists, which would be zeroed only when the graph first replays)."""
     if not router_product_applies(tokens) or n_experts < 1:
+        return False
+    if device is not None and device not in _ROUTE_COUNTERS and _capturing(device):
         return False
     return max(2, 1 << (tokens - 1).bit_length()) * (1 << (n_experts - 1).bit_length()) <= ONE_LAUNCH_MAX_CELLS
 
@@ -827,9 +830,19 @@ def _router_product_launch(name: str, x: torch.Tensor, gate_weight: torch.Tensor
 _ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _route_counter(device: torch.device) -> torch.Tensor:
     counter = _ROUTE_COUNTERS.get(device)
     if counter is None:
+        if _capturing(device):
+            raise ValueError(
+                "gate_route_and_align: its counter would be made inside a CUDA graph capture (zeroed only at the "
+                "graph's first replay); call it once outside the capture first (`routes_in_one_launch(tokens, "
+                "n_experts, device)` says whether it applies)."
+            )
         counter = _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 

@@ -172,3 +172,28 @@ def test_gpu_model_logits_equal_with_the_routing_in_one_launch_or_three():
     finally:
         LLaDAMoESparseMoeBlock.routing_in_one_launch = True
     assert torch.equal(*logits)
+
+
+@pytest.mark.gpu
+def test_gpu_no_routing_counter_is_made_inside_a_capture(monkeypatch):
+    """Inside a CUDA graph capture with no counter yet, the one launch does not apply (its counter's zeroing would
+    only run at the graph's first replay) and the launch itself refuses; outside, it applies again."""
+    from hf_dllm import triton_moe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(triton_moe, "_ROUTE_COUNTERS", {})
+    x = torch.randn(32, 2048, device=device, dtype=torch.bfloat16)
+    gate = torch.randn(64, 2048, device=device, dtype=torch.bfloat16)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            applies = triton_moe.routes_in_one_launch(32, 64, device)
+            with pytest.raises(ValueError, match="capture"):
+                triton_moe._route_counter(device)
+        finally:
+            graph.capture_end()
+    assert not applies and triton_moe._ROUTE_COUNTERS == {}
+    assert triton_moe.routes_in_one_launch(32, 64, device)
+    triton_moe.gate_route_and_align(x, gate, 8)
+    assert device in triton_moe._ROUTE_COUNTERS
