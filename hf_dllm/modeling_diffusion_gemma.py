@@ -1190,7 +1190,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
         experts; `capture_decoder`)."""
         decoder = self.model.decoder
-        weight = decoder.embed_tokens.weight
+        weight = whole_tensor(decoder.embed_tokens.weight)  # (whole on every rank: see `head_product`)
         scale = decoder.embed_scale(weight.dtype)
         x = decoder.embed_tokens(canvas) * scale
         signal = None
