@@ -430,13 +430,25 @@ def moe_parallelism(config, batch_size: int, tokens_per_row: int, choice: str | 
     return "expert" if batch_size * tokens_per_row * top_k >= EXPERT_PARALLEL_MIN_PAIRS * experts else "tensor"
 
 
+def tensor_parallel_load_kwargs() -> dict:
+    """`from_pretrained` keyword arguments of transformers' tensor parallelism over the processes of a `torchrun`
+    launch with the config's own plan: `distributed_config=DistributedConfig(tp_plan="auto")` (its size is the
+    launch's; transformers 5.x deprecates passing `tp_plan` itself), or `tp_plan="auto"` where transformers has no
+    `DistributedConfig`."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
 def parallel_load_kwargs(parallelism: str, ranks: int) -> dict:
     """`from_pretrained` keyword arguments that split a model over the `ranks` processes of `torchrun`:
-    `tp_plan="auto"` (`"tensor"`) or `distributed_config=DistributedConfig(tp_size=ranks, ep_size=ranks,
-    ep_implementation=EP_IMPLEMENTATION)` (`"expert"`: the MoE families' `base_model_ep_plan`; the rest of the
-    tensor-parallel plan still applies)."""
+    `tensor_parallel_load_kwargs()` (`"tensor"`) or `distributed_config=DistributedConfig(tp_size=ranks,
+    ep_size=ranks, ep_implementation=EP_IMPLEMENTATION)` (`"expert"`: the MoE families' `base_model_ep_plan`; the
+    rest of the tensor-parallel plan still applies)."""
     if parallelism == "tensor":
-        return {"tp_plan": "auto"}
+        return tensor_parallel_load_kwargs()
     if parallelism != "expert":
         raise ValueError(f"parallelism must be 'tensor' or 'expert', got {parallelism!r}.")
     if ALL_PARALLEL_STYLES is None:
@@ -455,6 +467,7 @@ __all__ = [
     "LocalHeadCounts",
     "moe_parallelism",
     "parallel_load_kwargs",
+    "tensor_parallel_load_kwargs",
     "VocabShard",
     "agree_across_ranks",
     "all_reduce",

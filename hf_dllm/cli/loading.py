@@ -214,7 +214,9 @@ def load_model(
         kwargs["device_map"] = device_map
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
     elif tp_plan is not None:  # transformers places each rank's shard on its device (LOCAL_RANK)
-        loaded = AutoModelForCausalLM.from_pretrained(path, tp_plan=tp_plan, **kwargs).eval()
+        from ..tensor_parallel import tensor_parallel_load_kwargs
+
+        loaded = AutoModelForCausalLM.from_pretrained(path, **tensor_parallel_load_kwargs(), **kwargs).eval()
     else:
         target = resolve_device(device)
         if target.type == "cuda" and target.index is not None:

@@ -121,7 +121,9 @@ def main() -> None:
 
         parallel = {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
     else:
-        parallel = {"tp_plan": "auto"}
+        from hf_dllm.tensor_parallel import tensor_parallel_load_kwargs
+
+        parallel = tensor_parallel_load_kwargs()
     model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
     result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu")
     gathered = [None] * dist.get_world_size()
