@@ -1139,14 +1139,13 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         positions = columns if positions is None else positions
         canvas = x.shape[1] == self.config.canvas_length
         inputs = (x, columns, valid, positions)
-        if self.capture_encoder and CacheGraphs.applies(self, x, cache):
-            graphs = self._cache_graphs()
-            if canvas or graphs.seen_before(self.encoder_layers, cache, inputs, self.prompt_graphs):
-                graphs.run(self.encoder_layers, cache, inputs)
-            else:
-                self.encoder_layers(x, columns, valid, positions, cache)
+        graphs = self._cache_graphs() if self.capture_encoder and CacheGraphs.applies(self, x, cache) else None
+        if graphs is not None and (
+            canvas or graphs.seen_before(self.encoder_layers, cache, inputs, self.prompt_graphs)
+        ):
+            graphs.run(self.encoder_layers, cache, inputs)
         else:
-            self.encoder_layers(x, columns, valid, positions, cache)
+            self.encoder_layers(*inputs, cache)
         cache.length = end
 
     def encoder_layers(self, x, columns, valid, positions, cache) -> None:
@@ -1217,9 +1216,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         return self.head_logits(hidden)
 
     def head_product(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head's raw output `(..., vocab)` in the weights' dtype. Its weight whole on every rank under a
-        parallel plan (the head has none: the tie to the input embedding wins; a transformers version that
-        distributes it anyway would mix a `DTensor` into a plain product)."""
+        """The LM head's raw output `(..., vocab)` in the weights' dtype, its weight whole on every rank under a
+        parallel plan: the head has none (the tie to the input embedding wins), but transformers 5.17's tensor
+        parallelism makes the tied weight a `DTensor`, which a product with plain activations refuses."""
         weight = whole_tensor(self.lm_head.weight)
         return self.lm_head(hidden) if weight is self.lm_head.weight else nn.functional.linear(hidden, weight)
 
