@@ -20,9 +20,11 @@
 `model_args`: `pretrained` (or LLaDA's `model_path`), `tokenizer`, `dtype` (`auto`, `bfloat16`, ...), `device`,
 `device_map`, `trust_remote_code`, `revision`, `attn_implementation`, `threads`, `quantization` (the loading flags
 of `hf-dllm eval`, through the same `hf_dllm.cli.loading.load_model`), `batch_size`, `mc_num` (128),
-`mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length`, `seed`,
-`gen_length` / `max_new_tokens`, and every other field of `DiffusionGenerationConfig` (`threshold`, `factor`,
-`block_length`, `steps`, `use_cache`, `dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
+`mc_batch_size`, `is_check_greedy` (False), `cfg` / `cfg_scale`, `add_bos_token` (True), `max_length` (the
+model's context: its family's `context_length`, e.g. LLaDA's `max_sequence_length`, LLaDA-MoE's and Dream's
+`max_position_embeddings`; 4096 when the config names none), `seed`, `gen_length` / `max_new_tokens`, and every
+other field of `DiffusionGenerationConfig` (`threshold`, `factor`, `block_length`, `steps`, `use_cache`,
+`dual_cache`, `temperature`, `remasking`, ...; for LLaDA2.x also
 `minimal_topk`, `editing_threshold`, `max_post_steps`, `num_to_transfer`, and `steps` with `threshold`; for Dream
 its sampler's `alg`, `alg_temp`, `top_p`, `top_k`, `eps`, also in a task's generation_kwargs).
 LLaDA2.x (block-causal) models run `generate_until` tasks; the log-likelihood estimator is LLaDA's, for
@@ -200,7 +202,11 @@ class DiffusionEvalLM(LM):
         self.cfg_scale = float(self.base_config.cfg_scale)
         self.add_bos_token = bool(add_bos_token)
         self.seed = int(seed)
-        self.max_length = int(max_length or getattr(self.model.config, "max_sequence_length", None) or 4096)
+        # The family names its config's context field (dense LLaDA's `max_sequence_length`, the others'
+        # `max_position_embeddings`), as generate() and the server read it: prompts are cut to fit what generate()
+        # accepts, and log-likelihood windows span the whole context (lm-eval's HFLM reads the config the same way).
+        context = self.model.diffusion_family.context_length(self.model.config)
+        self.max_length = int(max_length or context or 4096)
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ lm-eval plumbing
