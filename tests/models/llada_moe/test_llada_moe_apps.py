@@ -17,7 +17,7 @@ from hf_dllm.hub.export import export_checkpoint
 from hf_dllm.hub.families import MODEL_FAMILIES
 from hf_dllm.serving.engine import ContinuousBatcher
 from tests.conftest import FIXTURES, generate_cases, run_without_hf_dllm, with_mask_id
-from tests.serving.test_engine import assert_alone, drive, request
+from tests.serving.test_engine import assert_alone, drive, recorded_layouts, request
 
 FIXTURE = FIXTURES / "lladamoe-tiny-ref"
 MASK, EOS = 310, 301
@@ -100,6 +100,21 @@ def test_engine_rows_equal_generate_alone(model, seed):
         for kw in settings
     ]
     drive(ContinuousBatcher(model, max_batch_size=3), requests, [rng.randrange(0, 3) for _ in requests])
+    assert_alone(model, requests)
+
+
+def test_engine_slices_of_bounded_refresh_equal_generate_alone(model, monkeypatch):
+    """`max_refresh_positions` (`hf-dllm serve --max-refresh-positions`) cuts a bidirectional model's layouts into
+    slices: a LLaDA-MoE layout of six canvases over 60 positions is decoded in several, each row `generate()` alone
+    (routing per token: a row's experts do not depend on the rows it shares a forward with)."""
+    layouts = recorded_layouts(monkeypatch)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 20))] for _ in range(6)]
+    settings = dict(max_new_tokens=16, block_length=8, threshold=0.7, mask_token_id=MASK)
+    requests = [request(model, prompt, **settings) for prompt in prompts]
+    engine = ContinuousBatcher(model, max_batch_size=6, join_layout_min_rows=None, max_refresh_positions=60)
+    boundaries = drive(engine, requests, [0, 0, 0, 0, 1, 1])
+    assert len(layouts) > boundaries, "no layout was cut"
     assert_alone(model, requests)
 
 

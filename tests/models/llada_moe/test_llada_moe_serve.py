@@ -137,3 +137,19 @@ def test_invalid_dllm_fields_get_a_400_and_the_server_keeps_serving(server, clie
     out = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=8, extra_body={"threshold": 0.3})
     assert out.choices[0].text == direct(server, prompt_ids(server, "abc"), 8, threshold=0.3)[0]
     assert server.stats["errors"] == 0
+
+
+def test_cli_serves_the_checkpoint_with_sliced_layouts(llada_moe_dir, monkeypatch):
+    """`hf-dllm serve CHECKPOINT --max-refresh-positions N` loads the LLaDA-MoE and hands N to the engine: a
+    bidirectional model's layouts may be cut into slices (refused for a block-causal one)."""
+    import uvicorn
+
+    from hf_dllm.serving import server as server_module
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    argv = [str(llada_moe_dir), "--threads", "1", "--dtype", "float32", "--device", "cpu"]
+    assert server_module.main([*argv, "--max-refresh-positions", "64"]) == 0
+    served = apps[0].state.server
+    assert type(served.model).__name__ == "LLaDAMoEModelLM"
+    assert served.batcher.engine.scheduler.max_refresh_positions == 64
