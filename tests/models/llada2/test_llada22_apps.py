@@ -1,0 +1,243 @@
+"""LLaDA2.2 (Levenshtein editing, `levenshtein_editing.py`) through the applications: `pipeline("text-generation")`
+(chat messages, batches equal single calls), `hf-dllm eval` and the lm-eval model, and FP8 weights on the CPU
+(the family's skip list). Never a DELETE or SPLIT token in what they return. The HTTP server:
+test_llada22_serve.py.
+
+`tiny_llada22` is a tiny random LLaDA2.2 sized for the character tokenizer, its DELETE / SPLIT ids two characters
+the tests never prompt with; their output rows are scaled so that the model proposes them often: each test also
+checks that DELETE and SPLIT were written (the rule consumed them), else "none in the output" would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import pipeline
+
+from hf_dllm import left_pad
+from hf_dllm.evaluation import evaluate
+from hf_dllm.levenshtein_editing import LevenshteinEditing
+from hf_dllm.tiny_model.char_tokenizer import build_char_tokenizer
+from tests.conftest import random_weights_model, save_checkpoint
+from tests.evaluation.eval_helpers import (
+    QUESTIONS,
+    assert_eval_equals_generate,
+    assert_responses_are,
+    chat_prompt_ids,
+    eval_direct,
+    load_checkpoint,
+    run_lm_eval,
+)
+from tests.models.llada2.test_llada2_integration import tiny_llada2
+
+DELETE_TEXT, SPLIT_TEXT = "{", "}"  # characters whose ids are the edit tokens (never in a prompt here)
+_TOKENIZER = build_char_tokenizer()
+DELETE, SPLIT = _TOKENIZER.convert_tokens_to_ids(DELETE_TEXT), _TOKENIZER.convert_tokens_to_ids(SPLIT_TEXT)
+# LLaDA2.2's own fields: Levenshtein editing at SGLang's default editing threshold 0 (edit wherever the prediction
+# differs) with two post-edit steps.
+SETTINGS = dict(max_new_tokens=8, block_length=4, threshold=0.6, editing_threshold=0.0, max_post_steps=2)
+
+
+def tiny_llada22(seed: int = 4) -> torch.nn.Module:
+    """`tiny_llada2(seed)` with `delete_token_id` / `split_token_id` (a LLaDA2.2 checkpoint's config fields): the
+    `llada2.2` family. The DELETE / SPLIT rows of the output head are doubled so that edits happen often."""
+    model = tiny_llada2(seed=seed, delete_token_id=DELETE, split_token_id=SPLIT)
+    with torch.no_grad():
+        model.lm_head.weight[[DELETE, SPLIT]] *= 2.0
+    assert model.diffusion_family.name == "llada2.2"
+    return model
+
+
+def edit_totals(model, prompts: list[list[int]], **settings) -> dict[str, int]:
+    """DELETE / SPLIT tokens the rule consumed decoding `prompts` (one left-padded batch) with `settings`; asserts
+    that none is left in the output."""
+    ids, mask = left_pad(prompts, model.config.pad_token_id)
+    run = model.generate_blocks(ids, attention_mask=mask, **settings)
+    for _ in run:
+        pass
+    assert isinstance(run.unmasking, LevenshteinEditing)
+    assert not torch.isin(run.sequences[:, ids.shape[1] :], torch.tensor([DELETE, SPLIT])).any()
+    return run.unmasking.totals()
+
+
+def assert_edits_made(totals: dict[str, int]) -> None:
+    assert totals["deletes"] > 0 and totals["splits"] > 0, totals
+
+
+def assert_no_edit_text(*texts: str) -> None:
+    for text in texts:
+        assert DELETE_TEXT not in text and SPLIT_TEXT not in text, text
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llada22()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, model) -> Path:
+    return save_checkpoint(model, tmp_path_factory.mktemp("llada22-apps") / "model")
+
+
+# ----- pipeline("text-generation") -----
+
+
+def test_pipeline_chat_and_text_batches_equal_single_calls(model, char_tokenizer):
+    """Chat messages and plain prompts of different lengths, batched and one by one: the same texts, each the
+    direct generate()'s, with no DELETE / SPLIT text although both were written while decoding them."""
+    pipe = pipeline("text-generation", model=model, tokenizer=char_tokenizer)
+    settings = dict(max_new_tokens=12, block_length=4, threshold=0.6)
+    chats = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Good morning, world"}]]
+    texts = ["The cat sat", "abc"]
+    batched = pipe(chats, batch_size=2, **settings) + pipe(texts, batch_size=2, **settings)
+    singles = [pipe(prompt, **settings) for prompt in [*chats, *texts]]
+    assert [b[0]["generated_text"] for b in batched] == [s[0]["generated_text"] for s in singles]
+    replies = [s[0]["generated_text"][-1] for s in singles[:2]]
+    assert [reply["role"] for reply in replies] == ["assistant", "assistant"]
+    prompts = [chat_prompt_ids(char_tokenizer, chat[0]["content"]) for chat in chats]
+    prompts += [char_tokenizer(text)["input_ids"] for text in texts]
+    directs = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), **settings)
+        directs.append(char_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+    assert [reply["content"] for reply in replies] == directs[:2]
+    assert [s[0]["generated_text"] for s in singles[2:]] == [t + d for t, d in zip(texts, directs[2:], strict=True)]
+    assert_no_edit_text(*directs)
+    assert_edits_made(edit_totals(model, prompts, **settings))
+
+
+# ----- hf-dllm eval and lm-eval -----
+
+
+def test_hf_dllm_eval_runs_llada22(checkpoint, tmp_path):
+    """`hf-dllm eval` with LLaDA2.2's fields: each prediction and NFE is a direct generate()'s, the fields reach the
+    summary, and a setting the rule cannot honour (`steps`) is refused before any work (exit 2)."""
+    model, tokenizer = load_checkpoint(checkpoint)
+    options = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
+    args, summary = assert_eval_equals_generate(checkpoint, model, tokenizer, tmp_path, SETTINGS, options)
+    config = summary["generation_config"]
+    assert (config["editing_threshold"], config["max_post_steps"]) == (0.0, 2)
+    predictions = (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()
+    assert_no_edit_text(*(json.loads(line)["prediction"] for line in predictions))
+    assert_edits_made(edit_totals(model, [chat_prompt_ids(tokenizer, q) for q in QUESTIONS], **SETTINGS))
+    refused = [*args, "--output-dir", str(tmp_path / "refused"), *options, "--steps", "8"]
+    assert evaluate.main(refused) == 2 and not (tmp_path / "refused" / "summary.json").exists()
+
+
+def test_lm_eval_runs_llada22(checkpoint):
+    pytest.importorskip("lm_eval")
+    from hf_dllm.evaluation.lm_eval_model import DiffusionEvalLM
+
+    model, tokenizer = load_checkpoint(checkpoint)
+    model_args = ",".join(f"{'gen_length' if k == 'max_new_tokens' else k}={v}" for k, v in SETTINGS.items())
+    results = run_lm_eval(checkpoint, f"dtype=float32,{model_args}", ["hf_dllm_tiny_gen"], batch_size=3, limit=3)
+    samples = results["samples"]["hf_dllm_tiny_gen"]
+    assert len(samples) == 3
+    assert_responses_are(
+        samples,
+        tokenizer,
+        lambda ids, gen_kwargs: eval_direct(model, tokenizer, ids, gen_kwargs["until"], **SETTINGS)[0],
+    )
+    assert_no_edit_text(*(sample["resps"][0][0] for sample in samples))
+    contexts = [tokenizer(s["arguments"][0][0], add_special_tokens=False)["input_ids"] for s in samples]
+    assert_edits_made(edit_totals(model, contexts, **SETTINGS))
+
+    lm = DiffusionEvalLM(pretrained=model, tokenizer=tokenizer, device="cpu", editing_threshold=0.0, max_post_steps=0)
+    assert (lm.base_config.editing_threshold, lm.base_config.max_post_steps) == (0.0, 0)
+    with pytest.raises(ValueError, match="num_to_transfer"):  # LLaDA2.1's pace, which LLaDA2.2's rule has not
+        DiffusionEvalLM(pretrained=model, tokenizer=tokenizer, device="cpu", num_to_transfer=2)
+
+
+# ----- settings: LLaDA2.2 always edits -----
+
+
+def test_max_post_steps_needs_editing_threshold_only_where_editing_is_optional(model):
+    """LLaDA2.2 edits whatever the settings (`editing_threshold` unset: 0.0), so `max_post_steps` alone is its
+    post-edit budget (same run as with `editing_threshold=0.0`); LLaDA2.0 / 2.1 refuse it without editing."""
+    prompt = torch.tensor([[1, 40, 41, 42, 43]])
+    settings = dict(max_new_tokens=8, block_length=4, threshold=0.6, return_dict_in_generate=True)
+    alone = model.generate(prompt, max_post_steps=0, **settings)
+    explicit = model.generate(prompt, max_post_steps=0, editing_threshold=0.0, **settings)
+    assert torch.equal(alone.sequences, explicit.sequences) and alone.nfe == explicit.nfe
+    assert model.generate(prompt, max_post_steps=16, **settings).nfe > alone.nfe  # the budget is used
+    with pytest.raises(ValueError, match="max_post_steps"):
+        tiny_llada2(seed=1).generate(prompt, max_post_steps=0, **settings)
+
+
+# ----- FP8 weights on the CPU -----
+
+
+@pytest.fixture
+def cpu_quantization(monkeypatch):
+    # transformers quantizes on CUDA/XPU only; its quantization math is plain torch, so the CPU tests lift the check.
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+
+
+def test_fp8_weights_generate_without_edit_tokens(cpu_quantization):
+    """A LLaDA2.2 whose projections are whole 128 x 128 FP8 blocks, loaded with `fp8_quantization_config` of its
+    family: attention, dense MLP and every expert in FP8, the family's skips (output head, the `experts` list kept
+    as the Hub's per-expert layers) and the router in bf16; a batch of two prompt lengths decodes with edits, no
+    MASK / DELETE / SPLIT id in the output, each row what it gets alone."""
+    import hf_dllm
+    from hf_dllm import fp8
+
+    mask, eos, delete, split = 310, 301, 314, 315
+    config = hf_dllm.LLaDA2MoeConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        num_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        num_shared_experts=1,
+        moe_intermediate_size=128,
+        first_k_dense_replace=1,
+        mask_token_id=mask,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        max_position_embeddings=256,
+        delete_token_id=delete,
+        split_token_id=split,
+    )
+    source = random_weights_model(hf_dllm.LLaDA2MoeModelLM, config, dtype=torch.bfloat16, device="cpu", noise=0.05)
+    family = source.diffusion_family
+    assert family.name == "llada2.2" and family.fp8_modules_to_not_convert == ("lm_head", r".*\.experts$")
+    quantized = hf_dllm.LLaDA2MoeModelLM.from_pretrained(
+        None,
+        config=source.config,
+        state_dict=source.state_dict(),
+        quantization_config=fp8.fp8_quantization_config(family),
+        dtype=torch.bfloat16,
+        device_map="cpu",
+    ).eval()
+    moe = quantized.model.layers[1].mlp
+    assert isinstance(moe.experts, torch.nn.ModuleList) and fp8.is_fp8_linear(moe.experts[5].down_proj)
+    for layer in (quantized.model.layers[0].attention.query_key_value, quantized.model.layers[0].mlp.up_proj):
+        assert fp8.is_fp8_linear(layer), layer
+    assert moe.gate.weight.dtype == quantized.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        quantized.lm_head.weight[[delete, split]] *= 2.0  # edits happen often
+
+    prompts = [[7, 8, 9, 17, 42], [50, 51, 52, 53, 54, 55, 56, 57, 58]]
+    settings = dict(max_new_tokens=12, block_length=4, threshold=0.7, mask_token_id=mask, eos_token_id=eos)
+    ids, attention = left_pad(prompts, eos)
+    run = quantized.generate_blocks(ids, attention_mask=attention, **settings)
+    for _ in run:
+        pass
+    assert_edits_made(run.unmasking.totals())
+    generated = run.sequences[:, ids.shape[1] :]
+    assert not torch.isin(generated, torch.tensor([mask, delete, split])).any()
+    for row, prompt in enumerate(prompts):
+        alone = quantized.generate(torch.tensor([prompt]), **settings)
+        assert torch.equal(generated[row], alone[0, len(prompt) :]), row
