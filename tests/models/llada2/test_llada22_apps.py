@@ -151,6 +151,26 @@ def test_lm_eval_runs_llada22(checkpoint):
         DiffusionEvalLM(pretrained=model, tokenizer=tokenizer, device="cpu", num_to_transfer=2)
 
 
+# ----- the serving engine: rows of one setting sharing layouts -----
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["exact_cache", "no_cache"])
+def test_engine_rows_joining_running_ones_equal_generate_alone(model, use_cache):
+    """Rows of different prompt lengths with the same settings share the engine's layouts, joining at different
+    block boundaries: a block's first step then decides the joining rows apart from the continuing ones (and packs
+    rows without their padding rows); each row's per-row editing state follows it, so each gets the tokens and
+    forwards of `generate()` alone, edits included."""
+    from hf_dllm.serving.engine import ContinuousBatcher
+    from tests.serving.test_engine import assert_alone, drive, request
+
+    settings = dict(max_new_tokens=12, block_length=4, threshold=0.6, max_post_steps=2, use_cache=use_cache)
+    prompts = [[1, 30, 31], [1, 50, 51, 52, 53, 54], [1, 40], [1, 60, 61, 62, 63, 64, 65, 66, 67]]
+    requests = [request(model, prompt, eos_token_id=0, **settings) for prompt in prompts]
+    drive(ContinuousBatcher(model, max_batch_size=4), requests, [0, 0, 1, 2])
+    assert_alone(model, requests)
+    assert_edits_made(edit_totals(model, prompts, **settings))
+
+
 # ----- settings: LLaDA2.2 always edits -----
 
 
