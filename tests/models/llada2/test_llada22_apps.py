@@ -198,15 +198,15 @@ def cpu_quantization(monkeypatch):
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
 
 
-def test_fp8_weights_generate_without_edit_tokens(cpu_quantization):
-    """A LLaDA2.2 whose projections are whole 128 x 128 FP8 blocks, loaded with `fp8_quantization_config` of its
-    family: attention, dense MLP and every expert in FP8, the family's skips (output head, the `experts` list kept
-    as the Hub's per-expert layers) and the router in bf16; a batch of two prompt lengths decodes with edits, no
-    MASK / DELETE / SPLIT id in the output, each row what it gets alone."""
+FP8_MASK, FP8_EOS, FP8_DELETE, FP8_SPLIT = 310, 301, 314, 315  # the reference fixture's ids
+
+
+def fp8_llada22(device: str):
+    """A LLaDA2.2 whose projections are whole 128 x 128 FP8 blocks (random bf16 weights), loaded on `device` with
+    `fp8_quantization_config` of its family; its DELETE / SPLIT head rows doubled (edits happen often)."""
     import hf_dllm
     from hf_dllm import fp8
 
-    mask, eos, delete, split = 310, 301, 314, 315
     config = hf_dllm.LLaDA2MoeConfig(
         vocab_size=320,
         hidden_size=128,
@@ -223,14 +223,14 @@ def test_fp8_weights_generate_without_edit_tokens(cpu_quantization):
         num_shared_experts=1,
         moe_intermediate_size=128,
         first_k_dense_replace=1,
-        mask_token_id=mask,
-        eos_token_id=eos,
-        pad_token_id=eos,
+        mask_token_id=FP8_MASK,
+        eos_token_id=FP8_EOS,
+        pad_token_id=FP8_EOS,
         max_position_embeddings=256,
-        delete_token_id=delete,
-        split_token_id=split,
+        delete_token_id=FP8_DELETE,
+        split_token_id=FP8_SPLIT,
     )
-    source = random_weights_model(hf_dllm.LLaDA2MoeModelLM, config, dtype=torch.bfloat16, device="cpu", noise=0.05)
+    source = random_weights_model(hf_dllm.LLaDA2MoeModelLM, config, dtype=torch.bfloat16, noise=0.05)
     family = source.diffusion_family
     assert family.name == "llada2.2" and family.fp8_modules_to_not_convert == ("lm_head", r".*\.experts$")
     quantized = hf_dllm.LLaDA2MoeModelLM.from_pretrained(
@@ -239,25 +239,72 @@ def test_fp8_weights_generate_without_edit_tokens(cpu_quantization):
         state_dict=source.state_dict(),
         quantization_config=fp8.fp8_quantization_config(family),
         dtype=torch.bfloat16,
-        device_map="cpu",
+        device_map=device,
     ).eval()
+    with torch.no_grad():
+        quantized.lm_head.weight[[FP8_DELETE, FP8_SPLIT]] *= 2.0
+    return quantized
+
+
+FP8_PROMPTS = [[7, 8, 9, 17, 42], [50, 51, 52, 53, 54, 55, 56, 57, 58]]
+FP8_SETTINGS = dict(max_new_tokens=12, block_length=4, threshold=0.7, mask_token_id=FP8_MASK, eos_token_id=FP8_EOS)
+
+
+def fp8_batch(quantized, **settings) -> torch.Tensor:
+    """`FP8_PROMPTS` decoded in one left-padded batch: the generated part `(2, 12)`, after checking that DELETE and
+    SPLIT were written and that no MASK, DELETE or SPLIT is left."""
+    ids, attention = left_pad(FP8_PROMPTS, FP8_EOS)
+    device = quantized.device
+    run = quantized.generate_blocks(ids.to(device), attention_mask=attention.to(device), **FP8_SETTINGS, **settings)
+    for _ in run:
+        pass
+    assert_edits_made(run.unmasking.totals())
+    generated = run.sequences[:, ids.shape[1] :].cpu()
+    assert not torch.isin(generated, torch.tensor([FP8_MASK, FP8_DELETE, FP8_SPLIT])).any()
+    return generated
+
+
+def test_fp8_weights_generate_without_edit_tokens(cpu_quantization):
+    """Attention, dense MLP and every expert in FP8; the family's skips (output head, the `experts` list kept as
+    the Hub's per-expert layers) and the router in bf16; a batch of two prompt lengths decodes with edits, no
+    MASK / DELETE / SPLIT id in the output, each row what it gets alone."""
+    from hf_dllm import fp8
+
+    quantized = fp8_llada22("cpu")
     moe = quantized.model.layers[1].mlp
     assert isinstance(moe.experts, torch.nn.ModuleList) and fp8.is_fp8_linear(moe.experts[5].down_proj)
     for layer in (quantized.model.layers[0].attention.query_key_value, quantized.model.layers[0].mlp.up_proj):
         assert fp8.is_fp8_linear(layer), layer
     assert moe.gate.weight.dtype == quantized.lm_head.weight.dtype == torch.bfloat16
-    with torch.no_grad():
-        quantized.lm_head.weight[[delete, split]] *= 2.0  # edits happen often
-
-    prompts = [[7, 8, 9, 17, 42], [50, 51, 52, 53, 54, 55, 56, 57, 58]]
-    settings = dict(max_new_tokens=12, block_length=4, threshold=0.7, mask_token_id=mask, eos_token_id=eos)
-    ids, attention = left_pad(prompts, eos)
-    run = quantized.generate_blocks(ids, attention_mask=attention, **settings)
-    for _ in run:
-        pass
-    assert_edits_made(run.unmasking.totals())
-    generated = run.sequences[:, ids.shape[1] :]
-    assert not torch.isin(generated, torch.tensor([mask, delete, split])).any()
-    for row, prompt in enumerate(prompts):
-        alone = quantized.generate(torch.tensor([prompt]), **settings)
+    generated = fp8_batch(quantized)
+    for row, prompt in enumerate(FP8_PROMPTS):
+        alone = quantized.generate(torch.tensor([prompt]), **FP8_SETTINGS)
         assert torch.equal(generated[row], alone[0, len(prompt) :]), row
+
+
+# ----- on CUDA (run by hand on a GPU machine: `-m gpu`) -----
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_weights_generate_without_edit_tokens():
+    """FP8 weights on CUDA (the grouped FP8 expert kernels, the fused Levenshtein step): edits, no MASK / DELETE /
+    SPLIT in the output, and the CUDA-graph run's tokens those of the eager run."""
+    quantized = fp8_llada22("cuda")
+    assert torch.equal(fp8_batch(quantized), fp8_batch(quantized, disable_compile=True))
+
+
+@pytest.mark.gpu
+def test_gpu_engine_graphs_equal_eager_engine_and_generate():
+    """The serving engine on CUDA with LLaDA2.2 rows of one setting joining running ones (the partial first steps
+    whose editing state `rows_only` keeps apart), twice (the second run replays the captured graphs): the tokens and
+    forwards of the eager engine and, in float32, of `generate()` alone."""
+    from tests.serving.test_engine_gpu import assert_equals_eager_engine_and_generate, decode
+
+    model = tiny_llada22().cuda()
+    prompts = [[1, 30, 31], [1, 50, 51, 52, 53, 54], [1, 40], [1, 60, 61, 62, 63, 64, 65, 66, 67], [1, 70, 71, 72]]
+    arrivals = [0, 0, 1, 2, 2]
+    settings = dict(max_new_tokens=16, block_length=4, threshold=0.6, max_post_steps=2, eos_token_id=0)
+    for _ in range(2):
+        graphs, graph_nfe, _ = decode(model, prompts, arrivals, settings)
+    assert_equals_eager_engine_and_generate(model, prompts, arrivals, settings, graphs, graph_nfe, torch.float32)
+    assert_no_edit_text(*(_TOKENIZER.decode(tokens) for tokens in graphs))

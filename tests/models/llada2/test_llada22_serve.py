@@ -20,12 +20,12 @@ httpx = pytest.importorskip("httpx")
 
 from hf_dllm.serving.protocol import parse_generation_params  # noqa: E402
 from tests.conftest import save_checkpoint  # noqa: E402
+from tests.models.llada2.test_llada2_serve import direct  # noqa: E402
 from tests.models.llada2.test_llada22_apps import (  # noqa: E402
     assert_no_edit_text,
     edit_totals,
     tiny_llada22,
 )
-from tests.models.llada2.test_llada2_serve import direct  # noqa: E402
 from tests.serving.test_serve import (  # noqa: E402
     MODEL_NAME,
     assert_chat_and_its_stream_equal,
