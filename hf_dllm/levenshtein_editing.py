@@ -150,9 +150,10 @@ class LevenshteinEditing(UnmaskingPolicy):
 
     @contextlib.contextmanager
     def rows_only(self, rows: slice):
-        """Steps inside decide `rows` of the block's rows only: their state is copied into buffers of their own (fixed
-        per row count, so that a CUDA graph captured for that count reads live memory) and back afterwards; the
-        other rows' state is left as it is."""
+        """Steps inside decide `rows` of the block's rows only: their state is copied into the buffers a block of
+        that many rows uses, and back afterwards; the other rows' state is left as it is. The buffers a step reads
+        thus depend on its row count alone, as the key of its CUDA graph does (a graph captured here and one captured
+        for a whole block of as many rows are one graph, reading the same memory)."""
         full = self._state
         if full is None or (rows.start or 0, rows.stop) == (0, full["finished"].shape[0]):
             yield
@@ -160,7 +161,7 @@ class LevenshteinEditing(UnmaskingPolicy):
         part = {}
         for name, buffer in full.items():
             count = len(range(*rows.indices(buffer.shape[0])))
-            part[name] = self._buffer(f"part.{name}", (count, *buffer.shape[1:]), buffer.dtype, buffer.device)
+            part[name] = self._buffer(name, (count, *buffer.shape[1:]), buffer.dtype, buffer.device)
             part[name].copy_(buffer[rows])
         self._state = part
         try:
