@@ -25,6 +25,7 @@ CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -217,6 +218,12 @@ class UnmaskingPolicy:
         """The step's decision from the block's logits (`denoise_step`: propose, then `commit`); a rule that is not
         mask-based replaces it whole. Returns the new block, the draft and the edit flags."""
         return denoise_step(block, logits, rules, scheduled, generated, active, candidates)
+
+    def rows_only(self, rows: slice):
+        """A context in which the steps decide only `rows` of the block's rows (the serving layouts' partial steps: a
+        block's first step of the rows joining it, apart from the rows continuing; the rows packed without their
+        padding rows). A rule with per-row state across steps (LLaDA2.2's) steps that part of it; here nothing."""
+        return contextlib.nullcontext()
 
     def graph_key(self) -> tuple | None:
         """What identifies this policy's captured step (its class and the constants the step bakes in), or None

@@ -24,7 +24,7 @@ import pkgutil
 import sys
 from typing import TYPE_CHECKING
 
-from .generation_fields import GENERATION_FIELDS
+from .generation_fields import EDITING_FIELDS, GENERATION_FIELDS
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +128,10 @@ class DiffusionFamily:
     # Generation fields of the family's own sampler (`generation_config.register_generation_fields`, which describes
     # them for every application): the family accepts them; every other family refuses them away from their defaults.
     own_generation_fields: tuple[str, ...] = ()
+    # Whether the family's rule edits committed tokens whatever the settings (LLaDA2.2: an unset
+    # `editing_threshold` is 0.0); elsewhere the editing fields (`max_post_steps`, `num_to_transfer`) away from
+    # their defaults need `editing_threshold`.
+    always_edits = False
 
     @property
     def remote_code_files(self) -> tuple[str, ...]:
@@ -210,6 +214,10 @@ class DiffusionFamily:
         """`ValueError` naming the field for any setting of `config` a model of this family cannot honour: the
         model-agnostic checks (`config.validate()`), then the family's own rules."""
         config.validate()
+        if config.editing_threshold is None and not self.always_edits:
+            for name in EDITING_FIELDS[1:]:
+                if getattr(config, name) != GENERATION_FIELDS[name].default:
+                    raise ValueError(f"`{name}` only applies to token editing: set `editing_threshold` too.")
         foreign = [
             field
             for field in GENERATION_FIELDS.values()

@@ -100,6 +100,7 @@ class LLaDA22Family(LLaDA2Family):
     checkpoints = "inclusionAI/LLaDA2.2-mini, LLaDA2.2-flash"
 
     token_id_fields = (*LLaDA2Family.token_id_fields, "delete_token_id", "split_token_id")
+    always_edits = True  # `max_post_steps` applies without `editing_threshold` (unset: 0.0)
 
     def describes(self, config: dict) -> bool:
         return config.get("delete_token_id") is not None and config.get("split_token_id") is not None

@@ -15,7 +15,6 @@ import transformers
 from transformers import GenerationConfig
 
 from .generation_fields import (
-    EDITING_FIELDS,
     FIELD_VALIDATORS,
     GENERATION_FIELDS,
     KV_CACHE_DTYPES,
@@ -81,6 +80,8 @@ class DiffusionGenerationConfig(GenerationConfig):
             must be None.
         max_post_steps (`int`, 16): editing forwards a block may make after its last mask is committed.
         num_to_transfer (`int`, 1): masked positions each step commits at least (with editing).
+        Away from their defaults, these two need editing on: `editing_threshold` set, or a family whose rule always
+        edits (LLaDA2.2; `DiffusionFamily.always_edits`).
 
     Caching (Fast-dLLM Sec. 3.2):
         use_cache (`bool`, True): reuse K/V of positions outside the block within a block. For block-causal
@@ -213,10 +214,6 @@ class DiffusionGenerationConfig(GenerationConfig):
             if not is_int(value) or value < (0 if name == "max_post_steps" else 1):
                 bound = ">= 0" if name == "max_post_steps" else ">= 1"
                 raise ValueError(f"`{name}` must be an integer {bound}, got {value!r}.")
-        if self.editing_threshold is None:
-            for name in EDITING_FIELDS[1:]:
-                if getattr(self, name) != GENERATION_FIELDS[name].default:
-                    raise ValueError(f"`{name}` only applies to token editing: set `editing_threshold` too.")
         if self.factor is not None and self.steps is not None:
             raise ValueError("`steps` must be None with `factor`: confidence decides how many steps a block takes.")
         if self.editing_threshold is not None and self.remasking != "low_confidence":

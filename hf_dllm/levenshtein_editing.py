@@ -30,6 +30,8 @@ This file is exported as Hub remote code (relative imports only).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .decoding import UnmaskingPolicy, rank_by_confidence
@@ -145,6 +147,29 @@ class LevenshteinEditing(UnmaskingPolicy):
             self._totals = self._buffer("totals", (3,), torch.long, device)
             self._totals.zero_()
         self._state = state
+
+    @contextlib.contextmanager
+    def rows_only(self, rows: slice):
+        """Steps inside decide `rows` of the block's rows only: their state is copied into the buffers a block of
+        that many rows uses, and back afterwards; the other rows' state is left as it is. The buffers a step reads
+        thus depend on its row count alone, as the key of its CUDA graph does (a graph captured here and one captured
+        for a whole block of as many rows are one graph, reading the same memory)."""
+        full = self._state
+        if full is None or (rows.start or 0, rows.stop) == (0, full["finished"].shape[0]):
+            yield
+            return
+        part = {}
+        for name, buffer in full.items():
+            count = len(range(*rows.indices(buffer.shape[0])))
+            part[name] = self._buffer(name, (count, *buffer.shape[1:]), buffer.dtype, buffer.device)
+            part[name].copy_(buffer[rows])
+        self._state = part
+        try:
+            yield
+        finally:
+            for name, buffer in full.items():
+                buffer[rows].copy_(part[name])
+            self._state = full
 
     def totals(self) -> dict[str, int]:
         """DELETE and SPLIT tokens consumed and anti-loop re-samples over the call so far, summed over rows (host

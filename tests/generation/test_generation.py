@@ -111,8 +111,6 @@ INVALID_GENERATION_CONFIGS = [
     ("editing_threshold", dict(editing_threshold=1.5)),
     ("max_post_steps", dict(max_post_steps=-1, editing_threshold=0.9)),
     ("num_to_transfer", dict(num_to_transfer=0, editing_threshold=0.9)),
-    ("max_post_steps", dict(max_post_steps=4)),
-    ("num_to_transfer", dict(num_to_transfer=2)),
     ("editing_threshold", dict(editing_threshold=0.9, remasking="random")),
     ("do_sample", dict(do_sample=True, temperature=0.0)),
     ("temperature", dict(do_sample=False, temperature=0.7)),
