@@ -219,10 +219,11 @@ class UnmaskingPolicy:
         mask-based replaces it whole. Returns the new block, the draft and the edit flags."""
         return denoise_step(block, logits, rules, scheduled, generated, active, candidates)
 
-    def rows_only(self, rows: slice):
-        """A context in which the steps decide only `rows` of the block's rows (the serving layouts' partial steps: a
-        block's first step of the rows joining it, apart from the rows continuing; the rows packed without their
-        padding rows). A rule with per-row state across steps (LLaDA2.2's) steps that part of it; here nothing."""
+    def rows_only(self, rows: slice | None):
+        """A context in which the steps decide only `rows` of the block's rows (None: all of them; the serving
+        layouts' partial steps: a block's first step of the rows joining it, apart from the rows continuing; the
+        rows packed without their padding rows). A rule with per-row state across steps (LLaDA2.2's) steps that
+        part of it; here nothing. `StepMachine.step_rows` and `decide` enter it."""
         return contextlib.nullcontext()
 
     def graph_key(self) -> tuple | None:

@@ -149,13 +149,13 @@ class LevenshteinEditing(UnmaskingPolicy):
         self._state = state
 
     @contextlib.contextmanager
-    def rows_only(self, rows: slice):
+    def rows_only(self, rows: slice | None):
         """Steps inside decide `rows` of the block's rows only: their state is copied into the buffers a block of
         that many rows uses, and back afterwards; the other rows' state is left as it is. The buffers a step reads
         thus depend on its row count alone, as the key of its CUDA graph does (a graph captured here and one captured
         for a whole block of as many rows are one graph, reading the same memory)."""
         full = self._state
-        if full is None or (rows.start or 0, rows.stop) == (0, full["finished"].shape[0]):
+        if full is None or rows is None or (rows.start or 0, rows.stop) == (0, full["finished"].shape[0]):
             yield
             return
         part = {}

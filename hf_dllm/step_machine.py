@@ -496,13 +496,15 @@ class StepMachine:
         generated: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
         candidates: torch.Tensor | None = None,
+        rows: slice | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's decision: block `(rows, L)`, logits `(rows, L, vocab)` (or `(rows, U, vocab)` at `candidates`
-        `(rows, U)`), the rest as in `step`; returns what `step` returns."""
+        `(rows, U)`), the rest as in `step`; returns what `step` returns. `rows`: which of the block's rows these
+        are, where they are not all of them (a policy with per-row state steps only theirs: `rows_only`)."""
+        with self.unmasking.rows_only(rows):
+            decided = self.unmasking.denoise(block, logits, self.rules, scheduled, generated, active, candidates)
         # Under tensor parallelism every rank keeps the first rank's tokens (a no-op for unsharded models).
-        return agree_across_ranks(
-            self.model, self.unmasking.denoise(block, logits, self.rules, scheduled, generated, active, candidates)
-        )
+        return agree_across_ranks(self.model, decided)
 
     def step_rows(
         self,
@@ -516,9 +518,11 @@ class StepMachine:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step `step` of the block `[block_start, block_end)` of the canvas' first `rows` rows (default all;
         `active` and `generated` as in `step`, every row's), through the CUDA graph of its shape where there are
-        graphs; counts the forward. Returns what `step` returns; the canvas is not changed."""
+        graphs; counts the forward. Returns what `step` returns; the canvas is not changed. A policy with per-row
+        state steps only those rows' (`rows_only`)."""
         inputs, key = self.step_inputs(canvas, block_start, block_end, step, active, generated, rows)
-        outputs = self.step(**inputs) if self.graphs is None else self.graphs.run(key, self.step, inputs)
+        with self.unmasking.rows_only(None if rows is None else slice(0, rows)):
+            outputs = self.step(**inputs) if self.graphs is None else self.graphs.run(key, self.step, inputs)
         self.nfe += 1
         return outputs
 

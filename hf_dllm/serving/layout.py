@@ -114,14 +114,14 @@ class PackedLayout:
         scheduled = machine.unmasking.scheduled_counts(step, x.shape[0], device)[rows]
         new_block = x[:, block_start:block_end].clone()
         edited = torch.zeros(x.shape[0], dtype=torch.bool, device=device)
-        with machine.unmasking.rows_only(rows):
-            new_block[rows], _, edited[rows] = machine.decide(
-                x[rows, block_start:block_end],
-                logits.view(len(packing.lengths), block_end - block_start, -1),
-                scheduled,
-                None if generated is None else generated[rows],
-                None if active is None else active[rows],
-            )
+        new_block[rows], _, edited[rows] = machine.decide(
+            x[rows, block_start:block_end],
+            logits.view(len(packing.lengths), block_end - block_start, -1),
+            scheduled,
+            None if generated is None else generated[rows],
+            None if active is None else active[rows],
+            rows=rows,
+        )
         machine.nfe += 1
         return new_block, edited
 
@@ -351,8 +351,7 @@ class LayoutRun:
         if continuing:
             # `StoredBlockCache`: the previous block and the block, at the aligned columns, of the continuing rows.
             first = self.first_step_rows
-            with machine.unmasking.rows_only(slice(0, first)):
-                step = machine.step_rows(canvas, block_start, block_end, 0, active, generated, first)
+            step = machine.step_rows(canvas, block_start, block_end, 0, active, generated, first)
             new_block[:first], _, edited[:first] = step
             previous = torch.arange(block_start - length, block_start).expand(continuing, -1)
             self.store.save(machine.cache, self.slots[:continuing], previous, previous - self.shifts[:continuing, None])
