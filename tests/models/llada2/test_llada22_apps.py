@@ -31,7 +31,7 @@ from tests.evaluation.eval_helpers import (
     load_checkpoint,
     run_lm_eval,
 )
-from tests.models.llada2.test_llada2_integration import tiny_llada2
+from tests.models.llada2.test_llada2_integration import tiny_llada2, tiny_llada2_config
 
 DELETE_TEXT, SPLIT_TEXT = "{", "}"  # characters whose ids are the edit tokens (never in a prompt here)
 _TOKENIZER = build_char_tokenizer()
@@ -207,26 +207,16 @@ def fp8_llada22(device: str):
     import hf_dllm
     from hf_dllm import fp8
 
-    config = hf_dllm.LLaDA2MoeConfig(
+    config = tiny_llada2_config(
         vocab_size=320,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        partial_rotary_factor=0.5,
-        num_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        num_shared_experts=1,
         moe_intermediate_size=128,
-        first_k_dense_replace=1,
         mask_token_id=FP8_MASK,
         eos_token_id=FP8_EOS,
         pad_token_id=FP8_EOS,
-        max_position_embeddings=256,
+        bos_token_id=None,
         delete_token_id=FP8_DELETE,
         split_token_id=FP8_SPLIT,
     )

@@ -12,7 +12,8 @@ import hf_dllm
 GEN = dict(max_new_tokens=12, block_length=4, threshold=0.6)
 
 
-def tiny_llada2(seed: int = 0, **overrides) -> hf_dllm.LLaDA2MoeModelLM:
+def tiny_llada2_config(**overrides) -> hf_dllm.LLaDA2MoeConfig:
+    """A small LLaDA2 config (8 experts top-2, a dense first layer) sized for the character tokenizer."""
     fields = dict(
         vocab_size=103,
         hidden_size=48,
@@ -36,8 +37,12 @@ def tiny_llada2(seed: int = 0, **overrides) -> hf_dllm.LLaDA2MoeModelLM:
         max_position_embeddings=256,
     )
     fields.update(overrides)
+    return hf_dllm.LLaDA2MoeConfig(**fields)
+
+
+def tiny_llada2(seed: int = 0, **overrides) -> hf_dllm.LLaDA2MoeModelLM:
     torch.manual_seed(seed)
-    return hf_dllm.LLaDA2MoeModelLM(hf_dllm.LLaDA2MoeConfig(**fields)).eval()
+    return hf_dllm.LLaDA2MoeModelLM(tiny_llada2_config(**overrides)).eval()
 
 
 @pytest.fixture(scope="module")
