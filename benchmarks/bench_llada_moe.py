@@ -12,8 +12,8 @@ built on the GPU; the Hub model class gets the same weights. Batch 1, prompt 256
 
 Reported: ms per forward, forwards, tokens/s and the speed-up over the reference (goal: dual cache >= 3x), and the
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
-loop queues them; timed before the process's first `generate()` call and after the rows: a threshold `generate()`
-leaves the process's later steps slower, with unchanged kernel times; also without the router's product in the routing kernel, without the next norm in the MoE's
+loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
+process captured: it replays faster then, see `first_step` below; also without the router's product in the routing kernel, without the next norm in the MoE's
 combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the step's decision in one launch
 (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs where
 `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight
@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"device": device_name, "dtype": str(dtype), "shape": "LLaDA-MoE-7B-A1B" if gpu else "tiny"}
     rows = []
     config = model.resolve_generation_config(steps=new_tokens, **base, use_cache=True, dual_cache=True)
-    # The step before any generate() call of this process, and again after the rows below: a threshold generate()
-    # leaves later steps of the process ~5 % slower with the same kernel times (GPU idle between the graph's
-    # kernels; cause not found), so both are reported.
+    # The step while its graph is the first CUDA graph this process captured, as a diagnostic: on an H200 it replays
+    # ~5 % faster then than after any other capture (even of a few small kernels, destroyed at once), with the same
+    # kernel times. generate() captures a graph per step shape, so the step after the rows is the one it runs.
     first_step = block_step_ms(model, prompt, config, device) if gpu else None
 
     def add(name: str, call, nfe_of):
@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = copy_bandwidth(device)
         floor_ms = floor_bytes(model, distinct) / bandwidth * 1000
         summary["step"].update(
-            ms_before_generate=round(first_step, 3),
-            over_floor_before_generate=round(first_step / floor_ms, 2),
+            ms_as_first_graph=round(first_step, 3),
+            over_floor_as_first_graph=round(first_step / floor_ms, 2),
             ms=round(step, 3),
             copy_bandwidth_tb_s=round(bandwidth / 1e12, 2),
             floor_ms=round(floor_ms, 3),
@@ -261,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
             **variants,
         )
         summary["goal_step_within_2x_floor"] = step <= 2 * floor_ms
-        summary["goal_step_within_2x_floor_before_generate"] = first_step <= 2 * floor_ms
         with torch.no_grad():
             x = torch.zeros(1, shape["hidden_size"], dtype=dtype, device=device)
             summary["fused_experts"] = model.model.layers[0].mlp.uses_fused_kernels(x)
@@ -280,15 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"block step {step_line['ms']} ms, floor {step_line['floor_ms']} ms ({step_line['weight_gb']} GB at "
             f"{step_line['copy_bandwidth_tb_s']} TB/s, {step_line['distinct_experts_per_layer']} experts per layer): "
-            f"{step_line['over_floor']}x; before any generate() call of the process {step_line['ms_before_generate']} "
-            f"ms: {step_line['over_floor_before_generate']}x"
+            f"{step_line['over_floor']}x; as the process's first captured graph {step_line['ms_as_first_graph']} ms: "
+            f"{step_line['over_floor_as_first_graph']}x"
         )
         print("  without " + ", ".join(f"{name[11:]}: {ms} ms" for name, ms in variants.items()))
-    for goal in (
-        "goal_dual_cache_3x_reference",
-        "goal_step_within_2x_floor",
-        "goal_step_within_2x_floor_before_generate",
-    ):
+    for goal in ("goal_dual_cache_3x_reference", "goal_step_within_2x_floor"):
         if goal in summary:
             print(f"{goal}: {'met' if summary[goal] else 'NOT met'}")
     print(json.dumps(summary))
