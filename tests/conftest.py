@@ -446,10 +446,16 @@ class BackgroundJob:
     needed at all (say, the `triton` extra is installed): when false the job never runs and its test skips or
     fails as it would without the job. A test declares the job with the decorator `@JOB.used_by`; `results()` waits
     for the job (starting it if no collected test had) and returns `run_side_by_side`'s name -> CompletedProcess.
+
+    `preload` (module names): the job's Python commands (`python -c SOURCE ...`, `python SCRIPT ...`) are forked from
+    one process of the job's environment that imported these modules first, instead of each paying the imports
+    (`import hf_dllm`: ~5.5 s of CPU, most of a short check) - see `FORK_RUNNER`; the names in `unforked` still run
+    as processes of their own (a script that sets the environment the preloaded modules read at import).
     """
 
-    def __init__(self, commands, timeout: float, when=lambda: True, **popen_kwargs):
+    def __init__(self, commands, timeout: float, when=lambda: True, preload=(), unforked=(), **popen_kwargs):
         self.commands, self.timeout, self.when, self.popen_kwargs = commands, timeout, when, popen_kwargs
+        self.preload, self.unforked = tuple(preload), frozenset(unforked)
         self.future = self.workdir = None
 
     def used_by(self, test):
@@ -464,7 +470,20 @@ class BackgroundJob:
 
     def _run(self) -> dict[str, subprocess.CompletedProcess]:
         popen_kwargs = {"cwd": self.workdir, **self.popen_kwargs}
-        return run_side_by_side(self.commands(self.workdir), self.timeout, **popen_kwargs)
+        commands = self.commands(self.workdir)
+        forked = {
+            name: argv
+            for name, argv in commands.items()
+            if self.preload and name not in self.unforked and argv[0] == sys.executable and argv[1:2] != ["-m"]
+        }
+        if not forked:
+            return run_side_by_side(commands, self.timeout, **popen_kwargs)
+        spec = self.workdir / "forked.json"
+        spec.write_text(json.dumps({"preload": self.preload, "commands": forked, "folder": str(self.workdir)}))
+        runner = [sys.executable, "-c", FORK_RUNNER, str(spec)]
+        own = {name: argv for name, argv in commands.items() if name not in forked}
+        done = run_side_by_side({**own, FORK_RUNNER_NAME: runner}, self.timeout, **popen_kwargs)
+        return {**forked_results(done.pop(FORK_RUNNER_NAME), forked, self.workdir), **done}
 
     def results(self) -> dict[str, subprocess.CompletedProcess]:
         self.start()
@@ -473,14 +492,84 @@ class BackgroundJob:
         return self.future.result()
 
 
+FORK_RUNNER_NAME = " fork-runner"  # not a name a job's commands can have: results are keyed by name
+# The process a `BackgroundJob` with `preload` forks its Python commands from: it imports the modules, then forks one
+# child per command (all at once, as `run_side_by_side` starts processes), each with its stdout and stderr in files
+# of the job's folder, `sys.argv` and `sys.path[0]` as `python -c` / `python SCRIPT` set them, and `__main__` run
+# as there (an uncaught exception: traceback, exit status 1; `SystemExit` as the interpreter reads it). A child dies
+# with the runner (a job's timeout kills the runner). The children's exit statuses go to `<folder>/forked-rc.json`.
+FORK_RUNNER = textwrap.dedent(
+    r"""
+    import ctypes, importlib, json, os, runpy, signal, sys, traceback
+
+    spec = json.loads(open(sys.argv[1]).read())
+    for module in spec["preload"]:
+        importlib.import_module(module)
+    sys.stdout.flush(), sys.stderr.flush()
+    children = {}
+    for name, argv in spec["commands"].items():
+        pid = os.fork()
+        if pid:
+            children[pid] = name
+            continue
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        for fd, suffix in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(spec["folder"], f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        code = 0
+        try:
+            if argv[1] == "-c":
+                sys.argv = ["-c", *argv[3:]]
+                exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            else:
+                sys.argv, sys.path[0] = argv[1:], os.path.dirname(os.path.abspath(argv[1]))
+                runpy.run_path(argv[1], run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+            if not isinstance(exit.code, (int, type(None))):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    codes = {}
+    while children:
+        pid, status = os.wait()
+        if pid in children:
+            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+    open(os.path.join(spec["folder"], "forked-rc.json"), "w").write(json.dumps(codes))
+    """
+)
+
+
+def forked_results(runner: subprocess.CompletedProcess, commands: dict, folder: Path) -> dict:
+    """name -> CompletedProcess of each command `FORK_RUNNER` ran: its exit status and output; when the runner
+    failed before (a preload that does not import), the runner's status and output for every command."""
+    codes = folder / "forked-rc.json"
+    if runner.returncode != 0 or not codes.exists():
+        return {
+            name: subprocess.CompletedProcess(argv, runner.returncode or 1, runner.stdout, runner.stderr)
+            for name, argv in commands.items()
+        }
+    codes = json.loads(codes.read_text())
+    return {
+        name: subprocess.CompletedProcess(
+            argv, codes[name], (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text()
+        )
+        for name, argv in commands.items()
+    }
+
+
 def interpreter_job(scripts: dict[str, str], timeout: float, when=lambda: True, **env: str) -> BackgroundJob:
     """A `BackgroundJob` running each script (name -> Python source) as `python -c` under Triton's interpreter
     (TRITON_INTERPRET=1) from the repository root, one thread, with `env` added (HF_DLLM_KERNELS="triton": the
-    kernels wherever they run)."""
+    kernels wherever they run); the scripts are forked from one process that imported hf_dllm in that environment
+    (`preload`)."""
     return BackgroundJob(
         lambda _workdir: {name: [sys.executable, "-c", script] for name, script in scripts.items()},
         timeout=timeout,
         when=when,
+        preload=("torch", "hf_dllm"),
         cwd=ROOT,
         env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
     )
