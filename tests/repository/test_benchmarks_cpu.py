@@ -42,9 +42,14 @@ def cpu_commands(workdir: Path) -> dict:
 
 
 # Started at collection, beside the in-process tests (which use one of the two cores): the test waits for them only.
+# Each benchmark runs forked from one process that imported hf_dllm (`preload`: the import is most of a --cpu run);
+# the Triton-interpreter ones set TRITON_INTERPRET before anything imports Triton, so they start processes of their
+# own.
 CPU_RUNS = BackgroundJob(
     cpu_commands,
     timeout=900,
+    preload=("torch", "transformers", "hf_dllm"),
+    unforked=("bench_diffusion_gemma_attention.py", "bench_diffusion_gemma_kernels.py"),
     env={
         **os.environ,
         "PYTHONPATH": str(ROOT),
