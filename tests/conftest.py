@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -449,7 +450,7 @@ class BackgroundJob:
 
     `preload` (module names): the job's Python commands (`python -c SOURCE ...`, `python SCRIPT ...`) are forked from
     one process of the job's environment that imported these modules first, instead of each paying the imports
-    (`import hf_dllm`: ~5.5 s of CPU, most of a short check) - see `FORK_RUNNER`; the names in `unforked` still run
+    (`import hf_dllm`: ~5.5 s of CPU, most of a short check) - see `ForkServer`; the names in `unforked` still run
     as processes of their own (a script that sets the environment the preloaded modules read at import).
     """
 
@@ -464,6 +465,8 @@ class BackgroundJob:
 
     def start(self) -> None:
         if self.future is None and self.when():
+            if self.preload:
+                ForkServer.expect(self.preload, self.popen_kwargs)
             self.workdir = Path(tempfile.mkdtemp(prefix="hf-dllm-test-job-"))
             _JOB_FOLDERS.append(self.workdir)
             self.future = _background_executor().submit(self._run)
@@ -477,13 +480,18 @@ class BackgroundJob:
             if self.preload and name not in self.unforked and argv[0] == sys.executable and argv[1:2] != ["-m"]
         }
         if not forked:
+            if self.preload:
+                ForkServer.done(self.preload, self.popen_kwargs)
             return run_side_by_side(commands, self.timeout, **popen_kwargs)
-        spec = self.workdir / "forked.json"
-        spec.write_text(json.dumps({"preload": self.preload, "commands": forked, "folder": str(self.workdir)}))
-        runner = [sys.executable, "-c", FORK_RUNNER, str(spec)]
-        own = {name: argv for name, argv in commands.items() if name not in forked}
-        done = run_side_by_side({**own, FORK_RUNNER_NAME: runner}, self.timeout, **popen_kwargs)
-        return {**forked_results(done.pop(FORK_RUNNER_NAME), forked, self.workdir), **done}
+        deadline = time.monotonic() + self.timeout
+        try:
+            server = ForkServer.of(self.preload, self.popen_kwargs)
+            server.submit(forked, self.workdir, popen_kwargs["cwd"])  # at once; the job's others run meanwhile
+            own = {name: argv for name, argv in commands.items() if name not in forked}
+            done = run_side_by_side(own, self.timeout, **popen_kwargs) if own else {}
+            return {**server.results(forked, self.workdir, deadline), **done}
+        finally:
+            ForkServer.done(self.preload, self.popen_kwargs)
 
     def results(self) -> dict[str, subprocess.CompletedProcess]:
         self.start()
@@ -492,29 +500,26 @@ class BackgroundJob:
         return self.future.result()
 
 
-FORK_RUNNER_NAME = " fork-runner"  # not a name a job's commands can have: results are keyed by name
-# The process a `BackgroundJob` with `preload` forks its Python commands from: it imports the modules, then forks one
-# child per command (all at once, as `run_side_by_side` starts processes), each with its stdout and stderr in files
-# of the job's folder, `sys.argv` and `sys.path[0]` as `python -c` / `python SCRIPT` set them, and `__main__` run
-# as there (an uncaught exception: traceback, exit status 1; `SystemExit` as the interpreter reads it). A child dies
-# with the runner (a job's timeout kills the runner). The children's exit statuses go to `<folder>/forked-rc.json`.
-FORK_RUNNER = textwrap.dedent(
+# The process `ForkServer` starts: it imports the modules named in its argument, then for each request line on its
+# stdin ({"commands": name -> argv, "folder": ..., "cwd": ...}) forks one child per command (all at once, as `run_side_by_side`
+# starts processes), each in `cwd` with stdin from /dev/null, its stdout and stderr in files of the folder, `sys.argv` and
+# `sys.path[0]` as `python -c` / `python SCRIPT` set them, and `__main__` run as there (an uncaught exception:
+# traceback, exit status 1; `SystemExit` as the interpreter reads it); a child dies with the server (PDEATHSIG).
+# When all have exited it writes their exit statuses to `<folder>/forked-rc.json` and answers one line.
+FORK_SERVER = textwrap.dedent(
     r"""
     import ctypes, importlib, json, os, runpy, signal, sys, traceback
 
-    spec = json.loads(open(sys.argv[1]).read())
-    for module in spec["preload"]:
+    for module in json.loads(sys.argv[1]):
         importlib.import_module(module)
-    sys.stdout.flush(), sys.stderr.flush()
-    children = {}
-    for name, argv in spec["commands"].items():
-        pid = os.fork()
-        if pid:
-            children[pid] = name
-            continue
+
+
+    def child(argv, folder, name, cwd):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        os.chdir(cwd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         for fd, suffix in ((1, "out"), (2, "err")):
-            os.dup2(os.open(os.path.join(spec["folder"], f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            os.dup2(os.open(os.path.join(folder, f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         code = 0
         try:
             if argv[1] == "-c":
@@ -532,32 +537,115 @@ FORK_RUNNER = textwrap.dedent(
             code = 1
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
-    codes = {}
-    while children:
-        pid, status = os.wait()
-        if pid in children:
-            codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-    open(os.path.join(spec["folder"], "forked-rc.json"), "w").write(json.dumps(codes))
+
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush(), sys.stderr.flush()
+        children = {}
+        for name, argv in request["commands"].items():
+            pid = os.fork()
+            if pid == 0:
+                child(argv, request["folder"], name, request["cwd"])
+            children[pid] = name
+        codes = {}
+        while children:
+            pid, status = os.wait()
+            if pid in children:
+                codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        with open(os.path.join(request["folder"], "forked-rc.json"), "w") as file:
+            file.write(json.dumps(codes))
+        print("done", flush=True)
     """
 )
 
 
-def forked_results(runner: subprocess.CompletedProcess, commands: dict, folder: Path) -> dict:
-    """name -> CompletedProcess of each command `FORK_RUNNER` ran: its exit status and output; when the runner
-    failed before (a preload that does not import), the runner's status and output for every command."""
-    codes = folder / "forked-rc.json"
-    if runner.returncode != 0 or not codes.exists():
+class ForkServer:
+    """One `FORK_SERVER` process per preload list and environment (`env`, `cwd`) for the session: jobs of the same
+    kind (the interpreter jobs of several test files) fork from the same imports. Jobs run one at a time, so a
+    server has one request at a time. Ended at the session's end, or killed (with its children) by a job's
+    timeout."""
+
+    _servers: dict = {}
+    _pending: dict = {}  # key -> jobs started and not yet done: the last one done stops the server
+
+    @staticmethod
+    def key(preload: tuple[str, ...], popen_kwargs: dict) -> tuple:
+        env = popen_kwargs.get("env")
+        return preload, str(popen_kwargs.get("cwd")), tuple(sorted(env.items())) if env is not None else None
+
+    @classmethod
+    def expect(cls, preload: tuple[str, ...], popen_kwargs: dict) -> None:
+        key = cls.key(preload, popen_kwargs)
+        cls._pending[key] = cls._pending.get(key, 0) + 1
+
+    @classmethod
+    def of(cls, preload: tuple[str, ...], popen_kwargs: dict) -> ForkServer:
+        key = cls.key(preload, popen_kwargs)
+        if key not in cls._servers or cls._servers[key].process.poll() is not None:
+            cls._servers[key] = cls(preload, popen_kwargs)
+        return cls._servers[key]
+
+    @classmethod
+    def done(cls, preload: tuple[str, ...], popen_kwargs: dict) -> None:
+        key = cls.key(preload, popen_kwargs)
+        cls._pending[key] -= 1
+        if cls._pending[key] <= 0 and key in cls._servers:
+            cls._servers.pop(key).close()
+
+    def __init__(self, preload: tuple[str, ...], popen_kwargs: dict):
+        self.stderr = tempfile.TemporaryFile("w+")
+        command = [sys.executable, "-c", FORK_SERVER, json.dumps(preload)]
+        kwargs = {"cwd": tempfile.gettempdir(), **popen_kwargs}
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, **kwargs
+        )
+        _LIVE_PROCESSES.add(self.process)
+
+    def submit(self, commands: dict, folder: Path, cwd) -> None:
+        (folder / "forked-rc.json").unlink(missing_ok=True)
+        try:
+            self.process.stdin.write(json.dumps({"commands": commands, "folder": str(folder), "cwd": str(cwd)}) + "\n")
+            self.process.stdin.flush()
+        except OSError:  # the server has exited (a preload that does not import): `results` reports it
+            pass
+
+    def results(self, commands: dict, folder: Path, deadline: float) -> dict:
+        """name -> CompletedProcess of each command of the request: its exit status and output; when the server
+        failed (a preload that does not import), its status and output for every command."""
+        ready, _, _ = select.select([self.process.stdout], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            self.stop()
+            raise subprocess.TimeoutExpired(list(commands), deadline)
+        codes = folder / "forked-rc.json"
+        if not self.process.stdout.readline() or not codes.exists():
+            self.stop()
+            self.stderr.seek(0)
+            failed = self.process.returncode or 1
+            stderr = self.stderr.read()
+            return {name: subprocess.CompletedProcess(argv, failed, "", stderr) for name, argv in commands.items()}
+        codes = json.loads(codes.read_text())
         return {
-            name: subprocess.CompletedProcess(argv, runner.returncode or 1, runner.stdout, runner.stderr)
+            name: subprocess.CompletedProcess(
+                argv, codes[name], (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text()
+            )
             for name, argv in commands.items()
         }
-    codes = json.loads(codes.read_text())
-    return {
-        name: subprocess.CompletedProcess(
-            argv, codes[name], (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text()
-        )
-        for name, argv in commands.items()
-    }
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        _LIVE_PROCESSES.discard(self.process)
+
+    def close(self) -> None:
+        """No more requests: the server's loop ends at the end of its stdin."""
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.stop()
 
 
 def interpreter_job(scripts: dict[str, str], timeout: float, when=lambda: True, **env: str) -> BackgroundJob:
