@@ -561,7 +561,7 @@ FORK_SERVER = textwrap.dedent(
 
 
 class ForkServer:
-    """One `FORK_SERVER` process per preload list and environment (`env`, `cwd`) for the session: jobs of the same
+    """One `FORK_SERVER` process per preload list and environment (`env`) for the session: jobs of the same
     kind (the interpreter jobs of several test files) fork from the same imports. Jobs run one at a time, so a
     server has one request at a time. Ended at the session's end, or killed (with its children) by a job's
     timeout."""
@@ -572,7 +572,7 @@ class ForkServer:
     @staticmethod
     def key(preload: tuple[str, ...], popen_kwargs: dict) -> tuple:
         env = popen_kwargs.get("env")
-        return preload, str(popen_kwargs.get("cwd")), tuple(sorted(env.items())) if env is not None else None
+        return preload, tuple(sorted(env.items())) if env is not None else None
 
     @classmethod
     def expect(cls, preload: tuple[str, ...], popen_kwargs: dict) -> None:
@@ -596,7 +596,7 @@ class ForkServer:
     def __init__(self, preload: tuple[str, ...], popen_kwargs: dict):
         self.stderr = tempfile.TemporaryFile("w+")
         command = [sys.executable, "-c", FORK_SERVER, json.dumps(preload)]
-        kwargs = {"cwd": tempfile.gettempdir(), **popen_kwargs}
+        kwargs = {**popen_kwargs, "cwd": tempfile.gettempdir()}  # each child runs in its own job's cwd
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, **kwargs
         )
@@ -662,6 +662,13 @@ def interpreter_job(scripts: dict[str, str], timeout: float, when=lambda: True, 
         env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
     )
 
+
+# The environment and preload of the jobs that run `benchmarks/bench_*.py --cpu` (one thread, no GPU even on a GPU
+# machine): one fork server imports hf_dllm for all of them.
+BENCHMARK_ENV = dict(
+    os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES=""
+)
+BENCHMARK_PRELOAD = ("torch", "transformers", "hf_dllm")
 
 _EXECUTOR = None
 _JOB_FOLDERS: list[Path] = []
