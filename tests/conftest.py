@@ -501,11 +501,12 @@ class BackgroundJob:
 
 
 # The process `ForkServer` starts: it imports the modules named in its argument, then for each request line on its
-# stdin ({"commands": name -> argv, "folder": ..., "cwd": ...}) forks one child per command (all at once, as `run_side_by_side`
-# starts processes), each in `cwd` with stdin from /dev/null, its stdout and stderr in files of the folder, `sys.argv` and
-# `sys.path[0]` as `python -c` / `python SCRIPT` set them, and `__main__` run as there (an uncaught exception:
-# traceback, exit status 1; `SystemExit` as the interpreter reads it); a child dies with the server (PDEATHSIG).
-# When all have exited it writes their exit statuses to `<folder>/forked-rc.json` and answers one line.
+# stdin ({"commands": name -> argv, "folder": ..., "cwd": ...}) forks one child per command (all at once, as
+# `run_side_by_side` starts processes), each in `cwd` with stdin from /dev/null, its stdout and stderr in files of
+# the folder, `sys.argv` and `sys.path[0]` as `python -c` / `python SCRIPT` set them, and `__main__` run as there
+# (an uncaught exception: traceback, exit status 1; `SystemExit` as the interpreter reads it); a child dies with
+# the server (PDEATHSIG). When all have exited it writes their exit statuses to `<folder>/forked-rc.json` and
+# answers one line.
 FORK_SERVER = textwrap.dedent(
     r"""
     import ctypes, importlib, json, os, runpy, signal, sys, traceback
@@ -563,8 +564,8 @@ FORK_SERVER = textwrap.dedent(
 class ForkServer:
     """One `FORK_SERVER` process per preload list and environment (`env`) for the session: jobs of the same
     kind (the interpreter jobs of several test files) fork from the same imports. Jobs run one at a time, so a
-    server has one request at a time. Ended at the session's end, or killed (with its children) by a job's
-    timeout."""
+    server has one request at a time. Closed when the last job of its kind that was started is done (what is left
+    is killed at the session's end); killed, with its children, by a job's timeout."""
 
     _servers: dict = {}
     _pending: dict = {}  # key -> jobs started and not yet done: the last one done stops the server
