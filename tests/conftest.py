@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -446,10 +447,16 @@ class BackgroundJob:
     needed at all (say, the `triton` extra is installed): when false the job never runs and its test skips or
     fails as it would without the job. A test declares the job with the decorator `@JOB.used_by`; `results()` waits
     for the job (starting it if no collected test had) and returns `run_side_by_side`'s name -> CompletedProcess.
+
+    `preload` (module names): the job's Python commands (`python -c SOURCE ...`, `python SCRIPT ...`) are forked from
+    one process of the job's environment that imported these modules first, instead of each paying the imports
+    (`import hf_dllm`: ~5.5 s of CPU, most of a short check) - see `ForkServer`; the names in `unforked` still run
+    as processes of their own (a script that sets the environment the preloaded modules read at import).
     """
 
-    def __init__(self, commands, timeout: float, when=lambda: True, **popen_kwargs):
+    def __init__(self, commands, timeout: float, when=lambda: True, preload=(), unforked=(), **popen_kwargs):
         self.commands, self.timeout, self.when, self.popen_kwargs = commands, timeout, when, popen_kwargs
+        self.preload, self.unforked = tuple(preload), frozenset(unforked)
         self.future = self.workdir = None
 
     def used_by(self, test):
@@ -458,13 +465,33 @@ class BackgroundJob:
 
     def start(self) -> None:
         if self.future is None and self.when():
+            if self.preload:
+                ForkServer.expect(self.preload, self.popen_kwargs)
             self.workdir = Path(tempfile.mkdtemp(prefix="hf-dllm-test-job-"))
             _JOB_FOLDERS.append(self.workdir)
             self.future = _background_executor().submit(self._run)
 
     def _run(self) -> dict[str, subprocess.CompletedProcess]:
         popen_kwargs = {"cwd": self.workdir, **self.popen_kwargs}
-        return run_side_by_side(self.commands(self.workdir), self.timeout, **popen_kwargs)
+        commands = self.commands(self.workdir)
+        forked = {
+            name: argv
+            for name, argv in commands.items()
+            if self.preload and name not in self.unforked and argv[0] == sys.executable and argv[1:2] != ["-m"]
+        }
+        if not forked:
+            if self.preload:
+                ForkServer.done(self.preload, self.popen_kwargs)
+            return run_side_by_side(commands, self.timeout, **popen_kwargs)
+        deadline = time.monotonic() + self.timeout
+        try:
+            server = ForkServer.of(self.preload, self.popen_kwargs)
+            server.submit(forked, self.workdir, popen_kwargs["cwd"])  # at once; the job's others run meanwhile
+            own = {name: argv for name, argv in commands.items() if name not in forked}
+            done = run_side_by_side(own, self.timeout, **popen_kwargs) if own else {}
+            return {**server.results(forked, self.workdir, deadline), **done}
+        finally:
+            ForkServer.done(self.preload, self.popen_kwargs)
 
     def results(self) -> dict[str, subprocess.CompletedProcess]:
         self.start()
@@ -473,18 +500,176 @@ class BackgroundJob:
         return self.future.result()
 
 
+# The process `ForkServer` starts: it imports the modules named in its argument, then for each request line on its
+# stdin ({"commands": name -> argv, "folder": ..., "cwd": ...}) forks one child per command (all at once, as
+# `run_side_by_side` starts processes), each in `cwd` with stdin from /dev/null, its stdout and stderr in files of
+# the folder, `sys.argv` and `sys.path[0]` as `python -c` / `python SCRIPT` set them, and `__main__` run as there
+# (an uncaught exception: traceback, exit status 1; `SystemExit` as the interpreter reads it); a child dies with
+# the server (PDEATHSIG). When all have exited it writes their exit statuses to `<folder>/forked-rc.json` and
+# answers one line.
+FORK_SERVER = textwrap.dedent(
+    r"""
+    import ctypes, importlib, json, os, runpy, signal, sys, traceback
+
+    for module in json.loads(sys.argv[1]):
+        importlib.import_module(module)
+
+
+    def child(argv, folder, name, cwd):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        os.chdir(cwd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, suffix in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(folder, f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        code = 0
+        try:
+            if argv[1] == "-c":
+                sys.argv = ["-c", *argv[3:]]
+                exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            else:
+                sys.argv, sys.path[0] = argv[1:], os.path.dirname(os.path.abspath(argv[1]))
+                runpy.run_path(argv[1], run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+            if not isinstance(exit.code, (int, type(None))):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush(), sys.stderr.flush()
+        children = {}
+        for name, argv in request["commands"].items():
+            pid = os.fork()
+            if pid == 0:
+                child(argv, request["folder"], name, request["cwd"])
+            children[pid] = name
+        codes = {}
+        while children:
+            pid, status = os.wait()
+            if pid in children:
+                codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        with open(os.path.join(request["folder"], "forked-rc.json"), "w") as file:
+            file.write(json.dumps(codes))
+        print("done", flush=True)
+    """
+)
+
+
+class ForkServer:
+    """One `FORK_SERVER` process per preload list and environment (`env`) for the session: jobs of the same
+    kind (the interpreter jobs of several test files) fork from the same imports. Jobs run one at a time, so a
+    server has one request at a time. Closed when the last job of its kind that was started is done (what is left
+    is killed at the session's end); killed, with its children, by a job's timeout."""
+
+    _servers: dict = {}
+    _pending: dict = {}  # key -> jobs started and not yet done: the last one done stops the server
+
+    @staticmethod
+    def key(preload: tuple[str, ...], popen_kwargs: dict) -> tuple:
+        env = popen_kwargs.get("env")
+        return preload, tuple(sorted(env.items())) if env is not None else None
+
+    @classmethod
+    def expect(cls, preload: tuple[str, ...], popen_kwargs: dict) -> None:
+        key = cls.key(preload, popen_kwargs)
+        cls._pending[key] = cls._pending.get(key, 0) + 1
+
+    @classmethod
+    def of(cls, preload: tuple[str, ...], popen_kwargs: dict) -> ForkServer:
+        key = cls.key(preload, popen_kwargs)
+        if key not in cls._servers or cls._servers[key].process.poll() is not None:
+            cls._servers[key] = cls(preload, popen_kwargs)
+        return cls._servers[key]
+
+    @classmethod
+    def done(cls, preload: tuple[str, ...], popen_kwargs: dict) -> None:
+        key = cls.key(preload, popen_kwargs)
+        cls._pending[key] -= 1
+        if cls._pending[key] <= 0 and key in cls._servers:
+            cls._servers.pop(key).close()
+
+    def __init__(self, preload: tuple[str, ...], popen_kwargs: dict):
+        self.stderr = tempfile.TemporaryFile("w+")
+        command = [sys.executable, "-c", FORK_SERVER, json.dumps(preload)]
+        kwargs = {**popen_kwargs, "cwd": tempfile.gettempdir()}  # each child runs in its own job's cwd
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, **kwargs
+        )
+        _LIVE_PROCESSES.add(self.process)
+
+    def submit(self, commands: dict, folder: Path, cwd) -> None:
+        (folder / "forked-rc.json").unlink(missing_ok=True)
+        try:
+            self.process.stdin.write(json.dumps({"commands": commands, "folder": str(folder), "cwd": str(cwd)}) + "\n")
+            self.process.stdin.flush()
+        except OSError:  # the server has exited (a preload that does not import): `results` reports it
+            pass
+
+    def results(self, commands: dict, folder: Path, deadline: float) -> dict:
+        """name -> CompletedProcess of each command of the request: its exit status and output; when the server
+        failed (a preload that does not import), its status and output for every command."""
+        ready, _, _ = select.select([self.process.stdout], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            self.stop()
+            raise subprocess.TimeoutExpired(list(commands), deadline)
+        codes = folder / "forked-rc.json"
+        if not self.process.stdout.readline() or not codes.exists():
+            self.stop()
+            self.stderr.seek(0)
+            failed = self.process.returncode or 1
+            stderr = self.stderr.read()
+            return {name: subprocess.CompletedProcess(argv, failed, "", stderr) for name, argv in commands.items()}
+        codes = json.loads(codes.read_text())
+        return {
+            name: subprocess.CompletedProcess(
+                argv, codes[name], (folder / f"{name}.out").read_text(), (folder / f"{name}.err").read_text()
+            )
+            for name, argv in commands.items()
+        }
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        _LIVE_PROCESSES.discard(self.process)
+
+    def close(self) -> None:
+        """No more requests: the server's loop ends at the end of its stdin."""
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.stop()
+
+
 def interpreter_job(scripts: dict[str, str], timeout: float, when=lambda: True, **env: str) -> BackgroundJob:
     """A `BackgroundJob` running each script (name -> Python source) as `python -c` under Triton's interpreter
     (TRITON_INTERPRET=1) from the repository root, one thread, with `env` added (HF_DLLM_KERNELS="triton": the
-    kernels wherever they run)."""
+    kernels wherever they run); the scripts are forked from one process that imported hf_dllm in that environment
+    (`preload`)."""
     return BackgroundJob(
         lambda _workdir: {name: [sys.executable, "-c", script] for name, script in scripts.items()},
         timeout=timeout,
         when=when,
+        preload=("torch", "hf_dllm"),
         cwd=ROOT,
         env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env),
     )
 
+
+# The environment and preload of the jobs that run `benchmarks/bench_*.py --cpu` (one thread, no GPU even on a GPU
+# machine): one fork server imports hf_dllm for all of them.
+BENCHMARK_ENV = dict(
+    os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES=""
+)
+BENCHMARK_PRELOAD = ("torch", "transformers", "hf_dllm")
 
 _EXECUTOR = None
 _JOB_FOLDERS: list[Path] = []

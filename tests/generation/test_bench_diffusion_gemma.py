@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import BackgroundJob
+from tests.conftest import BENCHMARK_ENV, BENCHMARK_PRELOAD, BackgroundJob
 
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
 
@@ -43,7 +42,8 @@ BENCH_RUN = BackgroundJob(
     },
     timeout=300,
     when=bench_available,
-    env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
+    preload=BENCHMARK_PRELOAD,  # forked from the benchmarks' fork server
+    env=BENCHMARK_ENV,
 )
 
 

@@ -7,18 +7,18 @@ rank holds."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, BackgroundJob
+from tests.conftest import BENCHMARK_ENV, BENCHMARK_PRELOAD, ROOT, BackgroundJob
 
 FLASH = BackgroundJob(
     lambda workdir: {"flash": [sys.executable, str(ROOT / "benchmarks" / "bench_flash.py"), "--cpu"]},
     timeout=300,
     cwd=ROOT,
-    env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+    preload=BENCHMARK_PRELOAD,  # forked from the benchmarks' fork server
+    env=BENCHMARK_ENV,
 )
 
 

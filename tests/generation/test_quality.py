@@ -155,7 +155,7 @@ THRESHOLD_09_DUAL = dict(threshold=0.9, factor=None, use_cache=True, dual_cache=
 
 # Every setting the tests below decode (48 prompts each, batch 1: most of this file's time), decoded in two
 # subprocesses started at collection beside the in-process tests, which use one of the two cores; the tests only
-# wait for the results.
+# wait for the results. Both are forked from one process that imported this module (`preload`).
 SETTINGS = [
     [
         dict(eos_early_stop=False, **ONE_TOKEN_NO_CACHE),
@@ -185,6 +185,7 @@ DECODE_RUN = BackgroundJob(
     lambda _workdir: {str(i): [sys.executable, "-c", DECODE_SCRIPT, str(i)] for i in range(len(SETTINGS))},
     timeout=600,
     when=lambda: (TRAINED_DIR / "model.safetensors").exists(),
+    preload=("torch", "hf_dllm", "tests.generation.test_quality"),
     cwd=ROOT,
     env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
 )

@@ -6,13 +6,12 @@ one); each has its own test."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import BackgroundJob
+from tests.conftest import BENCHMARK_ENV, BENCHMARK_PRELOAD, BackgroundJob
 
 ROOT = next(p for p in Path(__file__).resolve().parents if p.name == "tests").parent
 BENCHMARKS = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
@@ -42,16 +41,15 @@ def cpu_commands(workdir: Path) -> dict:
 
 
 # Started at collection, beside the in-process tests (which use one of the two cores): the test waits for them only.
+# Each benchmark runs forked from one process that imported hf_dllm (`preload`: the import is most of a --cpu run);
+# the Triton-interpreter ones set TRITON_INTERPRET before anything imports Triton, so they start processes of their
+# own.
 CPU_RUNS = BackgroundJob(
     cpu_commands,
     timeout=900,
-    env={
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "CUDA_VISIBLE_DEVICES": "",  # the CPU setting even on a GPU machine
-    },
+    preload=BENCHMARK_PRELOAD,
+    unforked=("bench_diffusion_gemma_attention.py", "bench_diffusion_gemma_kernels.py"),
+    env=BENCHMARK_ENV,
 )
 
 

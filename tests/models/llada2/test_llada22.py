@@ -12,9 +12,9 @@ Also: SGLang's unit test `TestJointThresholdInDel*` (test/registered/.../test_jo
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import re
 from collections import defaultdict
 
 import pytest
@@ -76,11 +76,36 @@ def assert_case(generated: torch.Tensor, nfe: int, case: dict, expected: dict) -
 
 
 # ----- fixture cases, batch 1, through generate() (exact cache, the default) -----
-# The cases run below in left-padded batches without a cache (half the settings by default, every one with
-# HF_DLLM_ALL_CASES=1), where each row must give the fixture's tokens and forwards; alone with the exact cache, a
-# quarter of them (every fourth, plus each case whose EOS lies before `max_new_tokens` in a block SGLang cut at the
-# length): the suite's time budget.
-ALONE = [case for index, case in enumerate(CASES) if index % 4 == 0 or case["eos_after_length"]]
+# The cases run below in left-padded batches without a cache, where each row must give the fixture's tokens and
+# forwards, and here alone with the exact cache: every case of both with HF_DLLM_ALL_CASES=1; by default the suite's
+# time budget runs a pairwise subset of each (`pairwise`), plus here each case whose EOS lies before
+# `max_new_tokens` in a block SGLang cut at the length.
+ALL_CASES = os.environ.get("HF_DLLM_ALL_CASES") == "1"
+
+
+def pairwise(items: list, kinds) -> list:
+    """A subset of `items` in which every pair of values of two of `kinds(item)` (a tuple: the prompt, each
+    setting, each kind of outcome) that some item has is had by a chosen item too: chosen greedily, deterministic."""
+
+    pairs = [{(a, x, b, y) for (a, x), (b, y) in itertools.combinations(enumerate(kinds(item)), 2)} for item in items]
+    missing, chosen = set().union(*pairs), []
+    while missing:
+        best = max(range(len(items)), key=lambda index: len(pairs[index] & missing))
+        chosen.append(items[best])
+        missing -= pairs[best]
+    return chosen
+
+
+def case_kinds(case: dict) -> tuple:
+    """The case's prompt, its five settings, and its outcome: EOS or length, any DELETE, SPLIT, anti-loop."""
+    settings = tuple(case["kwargs"][name] for name in ("max_new_tokens", "block_size", "threshold"))
+    settings += (case["kwargs"]["edit_threshold"], case["kwargs"]["max_post_edit_steps"])
+    outcome = (case["finish"], case["deletes"] > 0, case["splits"] > 0, case["anti_loop"] > 0)
+    return (case["prompt"], *settings, *outcome)
+
+
+_PAIRWISE = {case["name"] for case in pairwise(CASES, case_kinds)}
+ALONE = [case for case in CASES if ALL_CASES or case["name"] in _PAIRWISE or case["eos_after_length"]]
 
 
 @pytest.mark.parametrize("case", ALONE, ids=[case["name"] for case in ALONE])
@@ -115,20 +140,18 @@ def run_group(model, expected, cases, use_cache):
 
 
 def batched_groups() -> list[str]:
-    """Every group with HF_DLLM_ALL_CASES=1; by default half of them (54 of 108), chosen so that every value of each
-    setting (length, block, threshold, edit threshold, post steps) and every pair of values of two settings is run
-    (the parity of the sum of the values' indices), each group with all four prompts: the suite's time budget."""
-    if os.environ.get("HF_DLLM_ALL_CASES") == "1":
+    """Every group with HF_DLLM_ALL_CASES=1; by default a pairwise subset (14 of 108): every pair of values of two
+    settings (length, block, threshold, edit threshold, post steps) or kinds of outcome over the group's rows (an EOS,
+    a DELETE, a SPLIT, an anti-loop re-sample) is run, each group with all four prompts: the suite's time budget."""
+    if ALL_CASES:
         return list(GROUPS)
-    settings = {
-        group: re.fullmatch(r"g(\d+)\.b(\d+)\.t([\d.]+)\.e([\d.]+)\.p(\d+)", group).groups() for group in GROUPS
-    }
-    axes = [sorted({values[axis] for values in settings.values()}) for axis in range(5)]
-    return [
-        group
-        for group, values in settings.items()
-        if sum(axis.index(value) for axis, value in zip(axes, values, strict=True)) % 2 == 0
-    ]
+
+    def kinds(group: str) -> tuple:
+        rows = [case_kinds(case) for case in GROUPS[group]]
+        return (*rows[0][1:6], *(any(row[index] not in ("length", False) for row in rows) for index in range(6, 10)))
+
+    chosen = set(pairwise(list(GROUPS), kinds))
+    return [group for group in GROUPS if group in chosen]
 
 
 BATCHED = batched_groups()
