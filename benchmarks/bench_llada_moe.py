@@ -13,13 +13,12 @@ built on the GPU; the Hub model class gets the same weights. Batch 1, prompt 256
 Reported: ms per forward, forwards, tokens/s and the speed-up over the reference (goal: dual cache >= 3x), and the
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
 loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
-process captured: it replays faster then, see `first_step` below; also without the router's product in the routing kernel, without the next norm in the MoE's
-combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the step's decision in one launch
-(`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs where
-`grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight
-a step reads (attention, norms, routers, output head; the embedding's gathered rows aside) plus the distinct experts
-the step's 32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step within 2x of the
-floor).
+process captured: it replays faster then, see `first_step` below; also without the router's product in the routing
+kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the step's
+decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs
+where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight a step reads
+(attention, norms, routers, output head; the embedding's gathered rows aside) plus the distinct experts the step's
+32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step within 2x of the floor).
 
 The reference code is never committed: `--reference DIR` names a folder holding `modeling_lladamoe.py`,
 `configuration_lladamoe.py` (ZHZisZZ/dllm) and LLaDA's `generate.py` (`benchmarks/lladamoe_reference.py` says how to
