@@ -27,7 +27,8 @@ distinct experts the step's routers selected (counted by hooks), over the measur
 The step's parts, each timed alone at each batch size (`steps[*]` in the JSON line): the sampler on the fused path
 (`triton_diffusion_gemma.fused_sample`, where it runs) and the PyTorch one on the same logits, and one layer's
 experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
-the model runs; the measurement that picks it).
+the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
+backend, and with the experts' weighted sum launched apart against inside the layer's end kernel (the default).
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
@@ -416,6 +417,14 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
                     parts[f"graph_step_{other}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
             model.set_decoder_attention(backend)
+            # The step (graphs) with the experts' weighted sum launched apart (`triton_moe.combine`), not inside the
+            # layer's end kernel; then the default's step again, timed after it (the same state of the process).
+            layer_class = type(model.model.decoder.layers[0])
+            for label, fused in (("combine_apart", False), ("combine_in_end_kernel", True)):
+                layer_class.combine_in_end_kernel = fused
+                model._graphs = None  # captured graphs keep the kernels they were captured with
+                block = step(block)
+                parts[f"graph_step_{label}_ms"] = timed_ms(functools.partial(step, block), repeats, device)
         parts["attention"] = backend or "auto"
         parts["attention_by_layer_kind"] = {
             kind: next(
@@ -614,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({step['encoder_canvas_graph_replays']} replays); host syncs in a generate() call "
                 f"({step_counts[0]} steps): {step['generate_host_syncs']}"
             )
+            if "graph_step_combine_apart_ms" in step:
+                print(
+                    f"      graph step with the experts' combine launched apart: {step['graph_step_combine_apart_ms']:.2f}"
+                    f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms"
+                )
             for name in ("sdpa", "gemm", "triton"):
                 if f"graph_step_{name}_attention_ms" in step:
                     print(

@@ -44,7 +44,7 @@ from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul
 from .kernels import ConcatenatedProjections, kernel_mode, linear, use_fused_kernels
-from .tensor_parallel import local_shape, whole_tensor
+from .tensor_parallel import is_sharded, local_shape, whole_tensor
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
@@ -459,14 +459,28 @@ class DiffusionGemmaExperts(nn.Module):
             return "grouped"
         return "loop"
 
+    def hands_pairs_back(self, hidden_states: torch.Tensor) -> bool:
+        """Whether `forward(..., combine=False)` may replace this call's summed output by the pairs' outputs: the
+        "triton" implementation on unsharded weights, and nothing that reads the output wraps the module (tensor and
+        expert parallelism wrap `forward` to all-reduce it; a forward hook expects the sum)."""
+        wrapped = "forward" in vars(self) or bool(self._forward_hooks) or is_sharded(self.down_proj)
+        return not wrapped and self.chosen_implementation(hidden_states) == "triton"
+
     def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
         """Whether `forward` runs without a host synchronisation for this input (grouped GEMMs, torch's or ours)."""
         return self.chosen_implementation(hidden_states) != "loop"
 
-    def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, combine: bool = True):
         """hidden_states `(N, H)`, index / weights `(N, k)` -> `(N, H)`: each token's experts' outputs, weighted and
-        summed (in expert order by the loop, as transformers' eager experts; in slot order, float32, grouped)."""
+        summed (in expert order by the loop, as transformers' eager experts; in slot order, float32, grouped).
+        `combine=False` (the "triton" implementation only): `triton_pairs`' (pair outputs, rows) instead, for a
+        kernel that sums them itself (`DiffusionGemmaLayer.fused_feedforward`); through this call, so that the
+        module's hooks see every call."""
         implementation = self.chosen_implementation(hidden_states)
+        if not combine:
+            if implementation != "triton":
+                raise ValueError(f"`combine=False` needs the 'triton' implementation, not {implementation!r}.")
+            return self.triton_pairs(hidden_states, index)
         if implementation == "triton":
             return self.triton_forward(hidden_states, index, weights)
         if implementation == "grouped":
@@ -501,18 +515,23 @@ class DiffusionGemmaExperts(nn.Module):
     def triton_forward(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """As `forward`, through hf_dllm's Triton kernels (the class docstring); no host sync. The products round
         as the grouped path (each product and the activation to the activations' dtype)."""
+        expert_rows, rows = self.triton_pairs(hidden_states, index)
+        return triton_moe.combine(expert_rows, rows, weights.float(), False)
+
+    def triton_pairs(self, hidden_states: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`triton_forward` before its combine: each (token, choice) pair's expert output `(N * k, H)` in expert
+        order and, per token, its pairs' rows there `(N, k)` (`triton_moe.combine`'s inputs)."""
         if self.gate_activation is None:
             raise ValueError(
                 f"the Triton experts compute {sorted(TRITON_GATE_ACTIVATIONS)} gates, not {self.act_fn!r}: use "
                 "implementation 'grouped' or 'loop'."
             )
-        x = hidden_states.contiguous()
         sorted_token, offsets, rows = triton_moe.align_by_expert(index, self.num_experts, False)
         gated = grouped_matmul(
-            x, offsets, self.gate_up_proj, rows_of=sorted_token, gated=True, activation=self.gate_activation
-        )
-        expert_rows = grouped_matmul(gated, offsets, self.down_proj)
-        return triton_moe.combine(expert_rows, rows, weights.float(), False)
+            hidden_states.contiguous(), offsets, self.gate_up_proj, rows_of=sorted_token, gated=True,
+            activation=self.gate_activation,
+        )  # fmt: skip
+        return grouped_matmul(gated, offsets, self.down_proj), rows
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -553,6 +572,11 @@ class DiffusionGemmaLayer(nn.Module):
             self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual, scale=scalar
         )
 
+    # The experts' weighted sum inside the layer's end kernel (`post_feedforward_norms`' `experts`) where the experts
+    # run as hf_dllm's Triton kernels: the same bits as `triton_moe.combine`, one launch and one (tokens, hidden) round
+    # trip fewer per layer (`bench_diffusion_gemma.py` times the step without it too).
+    combine_in_end_kernel = True
+
     def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
         return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
@@ -575,34 +599,34 @@ class DiffusionGemmaLayer(nn.Module):
             ),
         )
         weights, index = self.router.route_normed(router_in.view(-1, hidden))
-        moe = self.experts(moe_in.view(-1, hidden), index, weights).view(x.shape)
+        moe_in = moe_in.view(-1, hidden)
+        experts = None
+        if self.combine_in_end_kernel and self.experts.hands_pairs_back(moe_in):
+            moe, rows = self.experts(moe_in, index, weights, combine=False)
+            experts = (rows, weights.float())
+        else:
+            moe = self.experts(moe_in, index, weights).view(x.shape)
         norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
         return triton_diffusion_gemma.post_feedforward_norms(
-            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar
+            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts
         )
 
 
-class DiffusionGemmaSelfConditioning(nn.Module):
-    """`post_norm(inputs_embeds + mlp(pre_norm(signal)))`, `post_norm` without weight (gated GELU MLP, no bias)."""
+class DiffusionGemmaSelfConditioning(DiffusionGemmaMLP):
+    """`post_norm(inputs_embeds + mlp(pre_norm(signal)))`, `post_norm` without weight: the MLP is
+    `DiffusionGemmaMLP`'s (gated GELU, no bias; gate/up one product and the gate one launch where the fused kernels
+    run), its layers named as the Hub's (`gate_proj`, `up_proj`, `down_proj` on this module)."""
 
     def __init__(self, config: DiffusionGemmaTextConfig):
-        super().__init__()
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_activation)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.pre_norm = DiffusionGemmaRMSNorm(hidden, eps=eps)
         self.post_norm = DiffusionGemmaRMSNorm(hidden, eps=eps, with_scale=False)
-        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
-        self.act_fn = ACT2FN[config.hidden_activation]
 
     def forward(self, inputs_embeds: torch.Tensor, signal: torch.Tensor | None) -> torch.Tensor:
         if signal is None:  # a canvas' first step: the zero signal adds exactly zero
             return self.post_norm(inputs_embeds)
-        normed = self.pre_norm(signal)
-        return self.post_norm(
-            inputs_embeds
-            + linear(self.down_proj, self.act_fn(linear(self.gate_proj, normed)) * linear(self.up_proj, normed))
-        )
+        return self.post_norm(inputs_embeds + super().forward(self.pre_norm(signal)))
 
 
 class DiffusionGemmaEncoderCache:

@@ -274,17 +274,37 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _post_feedforward_kernel(
         dense_ptr, moe_ptr, residual_ptr, dense_weight_ptr, moe_weight_ptr, weight_ptr, scale_ptr, out_ptr, n_cols, eps,
-        BLOCK: tl.constexpr,
+        row_index_ptr, expert_weight_ptr,
+        BLOCK: tl.constexpr, TOP_K: tl.constexpr, ON_GPU: tl.constexpr,
     ):  # fmt: skip
         # One program per row: s = norm(dense) * w1 + norm(moe) * w2 (each rounded, the sum rounded), then
         # (residual + norm(s) * w) * scale, rounded after each op (three `_rms_norm_kernel` launches' result).
+        # TOP_K > 0: moe is the row's experts' weighted sum, computed here from the experts' output rows (moe_ptr:
+        # `(pairs, n_cols)`, the row's k-th at row_index[row * TOP_K + k], weighted by the float32
+        # expert_weight[row * TOP_K + k]) as `triton_moe.combine` computes it: each product rounded (never fused
+        # into an add), summed in k order in float32, the sum rounded to the activations' dtype.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         in_row = cols < n_cols
         at = row * n_cols + cols
         dtype = out_ptr.dtype.element_ty
         dense = tl.load(dense_ptr + at, mask=in_row, other=0.0).to(tl.float32)
-        moe = tl.load(moe_ptr + at, mask=in_row, other=0.0).to(tl.float32)
+        if TOP_K > 0:
+            moe = tl.zeros([BLOCK], dtype=tl.float32)
+            for k in tl.static_range(TOP_K):
+                pair = tl.load(row_index_ptr + row * TOP_K + k).to(tl.int64)
+                w = tl.load(expert_weight_ptr + row * TOP_K + k).to(tl.float32)
+                y = tl.load(moe_ptr + pair * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
+                if ON_GPU:  # a rounded multiplication, not contracted into a fused multiply-add
+                    w = tl.full(y.shape, 0.0, tl.float32) + w
+                    moe += tl.inline_asm_elementwise(
+                        "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, w], dtype=tl.float32, is_pure=True, pack=1
+                    )
+                else:
+                    moe += y * w
+            moe = moe.to(dtype).to(tl.float32)
+        else:
+            moe = tl.load(moe_ptr + at, mask=in_row, other=0.0).to(tl.float32)
         dense = _weighted_norm(dense, dense_weight_ptr, cols, in_row, n_cols, eps, dtype, True)
         summed = (dense + _weighted_norm(moe, moe_weight_ptr, cols, in_row, n_cols, eps, dtype, True)).to(dtype)
         residual = tl.load(residual_ptr + at, mask=in_row, other=0.0).to(tl.float32)
@@ -556,12 +576,41 @@ def post_feedforward_norms(
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     eps: float,
     scale: torch.Tensor,
+    experts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A DiffusionGemma layer's end in one launch: `rms_norm(rms_norm(moe, w2, eps, rms_norm(dense, w1, eps)), w,
-    eps, residual, scale)` for `weights` (w1, w2, w). dense, moe, residual `(..., d)` of one shape and dtype; scale
-    `(1,)` in it (the layer scalar) -> dense's shape and dtype."""
-    if not all(t.shape == dense.shape and t.dtype == dense.dtype for t in (moe, residual)):
+    eps, residual, scale)` for `weights` (w1, w2, w). dense, residual `(..., d)` of one shape and dtype; scale `(1,)`
+    in it (the layer scalar) -> dense's shape and dtype. moe: dense's shape and dtype, or with `experts` (row
+    `(tokens, top_k)` integer, weight `(tokens, top_k)` float32) the experts' output rows `(pairs, d)` in dense's
+    dtype, combined in the kernel as `triton_moe.combine(moe, row, weight, False)` combines them (same bits: no
+    launch and no `(tokens, d)` round trip for the experts' sum)."""
+    if residual.shape != dense.shape or residual.dtype != dense.dtype or moe.dtype != dense.dtype:
         raise ValueError("post_feedforward_norms: dense, moe and residual must be of one shape and dtype.")
+    d = dense.shape[-1]
+    if experts is None:
+        if moe.shape != dense.shape:
+            raise ValueError("post_feedforward_norms: dense, moe and residual must be of one shape and dtype.")
+        row, expert_weight, top_k = dense, dense, 0  # (row and weight never read)
+    else:
+        row, expert_weight = experts
+        top_k = row.shape[-1]
+        if (
+            moe.dim() != 2
+            or moe.shape[1] != d
+            or row.shape != expert_weight.shape
+            or row.shape[0] != dense.numel() // d
+        ):
+            raise ValueError(
+                f"post_feedforward_norms: with `experts`, moe must be the experts' rows (pairs, {d}) and row and "
+                f"weight (tokens, top_k) for dense's {dense.numel() // d} tokens, got {tuple(moe.shape)}, "
+                f"{tuple(row.shape)} and {tuple(expert_weight.shape)}."
+            )
+        if expert_weight.dtype != torch.float32 or row.dtype.is_floating_point:
+            raise ValueError(
+                f"post_feedforward_norms: `experts` takes integer rows and float32 weights, got {row.dtype} and "
+                f"{expert_weight.dtype}."
+            )
+        row, expert_weight = row.contiguous(), expert_weight.contiguous()
     dense, moe, residual = dense.contiguous(), moe.contiguous(), residual.contiguous()
     if scale.numel() != 1 or scale.dtype != dense.dtype:
         raise ValueError(f"post_feedforward_norms: scale must be a (1,) {dense.dtype} tensor, got {scale.dtype} "
@@ -570,7 +619,8 @@ def post_feedforward_norms(
     rows, d, options = _norm_launch(dense)
     if rows:
         _post_feedforward_kernel[(rows,)](
-            dense, moe, residual, *weights, scale, out, d, float(eps), **options
+            dense, moe, residual, *weights, scale, out, d, float(eps), row, expert_weight, TOP_K=top_k,
+            ON_GPU=dense.is_cuda, **options
         )  # fmt: skip
     return out
 

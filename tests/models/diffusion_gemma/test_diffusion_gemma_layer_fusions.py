@@ -5,18 +5,21 @@
 - on the fused path (Triton's interpreter, `HF_DLLM_KERNELS=triton`, a subprocess beside the in-process tests),
   float32: q/k/v and gate/up as one product each (the parameters views of the concatenation, `state_dict`
   unchanged), the router's norm with its scales folded in and the per-expert scale inside `triton_moe.route`, the
-  four norms after the attention in one kernel and the three at the end with the layer scalar in another: a tiny
-  model's logits equal the PyTorch path's within float32 rounding, the same experts chosen.
+  four norms after the attention in one kernel and the three at the end with the layer scalar (and the experts'
+  weighted sum: no combine launched apart, bit for bit `triton_moe.combine`'s) in another: a tiny model's logits
+  equal the PyTorch path's within float32 rounding, the same experts chosen.
 """
 
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import pytest
 import torch
 
 import hf_dllm
+from hf_dllm import kernels
 from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache, decoder_key_mask
 from hf_dllm.triton_ops import TRITON_AVAILABLE
 from tests.conftest import interpreter_job
@@ -56,6 +59,43 @@ def test_key_masks_built_once_per_kind_equal_every_layers_mask(gemma, static):
         assert decoder_key_mask(cache, 0, x, False, additive=True) is None
 
 
+def test_experts_pairs_only_from_the_triton_implementation(gemma):
+    """`combine=False` hands back the pairs' outputs for a kernel that sums them: refused, naming the implementation,
+    where the experts run as a loop or torch's grouped GEMM (nothing to hand back)."""
+    experts = gemma.model.decoder.layers[0].experts
+    hidden = torch.randn(3, gemma.config.text_config.hidden_size)
+    index = torch.zeros(3, gemma.config.text_config.top_k_experts, dtype=torch.long)
+    weights = torch.ones(index.shape)
+    with pytest.raises(ValueError, match="combine=False.*'loop'"):
+        experts(hidden, index, weights, combine=False)
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="the `triton` extra is not installed")
+def test_experts_hand_pairs_back_only_when_nothing_wraps_them(gemma):
+    """The layer's end kernel sums the experts' outputs only where nothing else reads the module's summed output:
+    with a forward hook, or `forward` wrapped on the instance (as tensor and expert parallelism wrap it, to
+    all-reduce the sum), the experts sum their outputs themselves; so they do under the PyTorch kernels."""
+    experts = gemma.model.decoder.layers[0].experts
+    hidden = torch.randn(3, gemma.config.text_config.hidden_size)
+    before = kernels.kernel_mode()
+    try:
+        kernels.set_kernel_mode("triton")
+        torch.set_grad_enabled(False)  # (with autograd recording, the experts never take the Triton kernels)
+        assert experts.hands_pairs_back(hidden)
+        handle = experts.register_forward_hook(lambda module, args, output: None)
+        assert not experts.hands_pairs_back(hidden)
+        handle.remove()
+        experts.forward = functools.partial(type(experts).forward, experts)
+        assert not experts.hands_pairs_back(hidden)
+        del experts.forward
+        assert experts.hands_pairs_back(hidden)
+        kernels.set_kernel_mode("torch")
+        assert not experts.hands_pairs_back(hidden)
+    finally:
+        kernels.set_kernel_mode(before)
+        torch.set_grad_enabled(True)
+
+
 FUSED_SCRIPT = textwrap.dedent(
     """
     import torch, hf_dllm
@@ -65,6 +105,10 @@ FUSED_SCRIPT = textwrap.dedent(
     layer_ends = []  # the fused layer's last kernel, once per layer that runs its feed-forward
     post_feedforward_norms = triton_diffusion_gemma.post_feedforward_norms
     triton_diffusion_gemma.post_feedforward_norms = lambda *a, **k: (layer_ends.append(1), post_feedforward_norms(*a, **k))[1]
+    combines = []  # launches of the experts' combine apart from the layer's end kernel
+    combine = triton_moe.combine
+    triton_moe.combine = lambda *a, **k: (combines.append(1), combine(*a, **k))[1]
+    routed_now = []  # each experts call's choices (the fused layer's too call the module: its hooks see them)
 
     torch.manual_seed(0)
     config = hf_dllm.DiffusionGemmaConfig(
@@ -88,14 +132,17 @@ FUSED_SCRIPT = textwrap.dedent(
     chosen, logits = {}, {}
     for mode in ("torch", "triton"):
         kernels.set_kernel_mode(mode)
-        routed = chosen[mode] = []
-        hooks = [layer.experts.register_forward_hook(lambda m, args, out: routed.append(args[1])) for layer in layers]
+        routed_now.clear()
+        hooks = [layer.experts.register_forward_pre_hook(lambda m, args: routed_now.append(args[1])) for layer in layers]
         with torch.no_grad():
             cache = model.new_encoder_cache()
             model.encode(prompt, torch.arange(7), valid, cache)
             logits[mode] = model.decode(block, torch.arange(7, 15), cache, signal, padded=True)
         for hook in hooks:
             hook.remove()
+        chosen[mode] = list(routed_now)
+        assert len(chosen[mode]) == 5, (mode, len(chosen[mode]))  # the encoder's first two layers, the decoder's three
+        assert not combines, ("a combine launched apart", mode)
         concatenated = [len(layer.self_attn._concatenated) + len(layer.mlp._concatenated) for layer in layers]
         assert all(concatenated) == (mode == "triton"), (mode, concatenated)  # the fused path took them
         # The encoder's first two layers and the decoder's three on the two-launch norms.
@@ -143,6 +190,28 @@ FUSED_SCRIPT = textwrap.dedent(
             plain = norm(h, residual=residual, scale=s)
             kernels.set_kernel_mode("triton")
             assert fused.dtype == plain.dtype and (fused - plain).abs().max() < 2e-6, ("norm scale", s.dtype)
+
+    # The experts' weighted sum inside the layer's end kernel: bit for bit `triton_moe.combine`, then the kernel on
+    # its output (float32 and bfloat16 activations, 2 and 3 choices); a mis-shaped or mis-typed `experts` refused.
+    generator = torch.Generator().manual_seed(3)
+    for dtype, top_k in ((torch.float32, 2), (torch.bfloat16, 3)):
+        dense, residual = (torch.randn(5, 32, generator=generator).to(dtype) for _ in range(2))
+        expert_rows = torch.randn(5 * top_k, 32, generator=generator).to(dtype)
+        rows = torch.randperm(5 * top_k, generator=generator).view(5, top_k)
+        expert_weight = torch.rand(5, top_k, generator=generator)
+        norm_weights = tuple(torch.randn(32, generator=generator).to(dtype) for _ in range(3))
+        scale = torch.tensor([0.7]).to(dtype)
+        moe = combine(expert_rows, rows, expert_weight, False)
+        apart = post_feedforward_norms(dense, moe, residual, norm_weights, 1e-6, scale)
+        together = post_feedforward_norms(dense, expert_rows, residual, norm_weights, 1e-6, scale, (rows, expert_weight))
+        assert torch.equal(apart, together), ("combine in the end kernel", dtype)
+    for bad in ((rows[:4], expert_weight[:4]), (rows.float(), expert_weight), (rows, expert_weight.double())):
+        try:
+            post_feedforward_norms(dense, expert_rows, residual, norm_weights, 1e-6, scale, bad)
+        except ValueError as error:
+            assert "post_feedforward_norms" in str(error)
+        else:
+            raise AssertionError(("accepted", [t.dtype for t in bad]))
     print("ok")
     """
 )
