@@ -11,7 +11,11 @@ With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_
 holds half the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce` dispatch masks
 the routes to the other rank's experts).
 
-Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [ep]   (DEVICE cpu -> gloo, cuda -> nccl)
+With a sixth argument `logits`, only the forward's logits (no `generate()` calls): the fused path in Triton's
+interpreter (`HF_DLLM_KERNELS=triton`) pays per operation, and its layers are what a plan wraps.
+
+Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep [logits]]
+(DEVICE cpu -> gloo, cuda -> nccl)
 """
 
 from __future__ import annotations
@@ -69,13 +73,13 @@ def write_checkpoint(path: Path) -> None:
 
 
 @torch.no_grad()
-def record(model, device: str) -> dict:
+def record(model, device: str, logits_only: bool = False) -> dict:
     ids = torch.tensor(PROMPTS, device=device)
     mask = (ids != 0).long()
     canvas = torch.arange(16, device=device).expand(2, -1) * 19 % 320
     logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=canvas).logits.float().cpu()
     generated = {}
-    for name, seed, kwargs in SETTINGS:
+    for name, seed, kwargs in [] if logits_only else SETTINGS:
         torch.manual_seed(seed)
         out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
         generated[name] = (out.sequences.cpu(), out.nfe_per_row.cpu())
@@ -87,7 +91,14 @@ def record(model, device: str) -> dict:
         "experts": [local_rows(layer.experts.gate_up_proj) for layer in layers],
         # whether the decoder's passes ran as CUDA graphs (the fast path; never on the CPU)
         "graphs": bool(model._graphs is not None and model._graphs.entries),
+        "kernel_mode": kernel_mode(),  # "triton": the fused layers (HF_DLLM_KERNELS=triton on the CPU)
     }
+
+
+def kernel_mode() -> str:
+    from hf_dllm.kernels import kernel_mode
+
+    return kernel_mode()
 
 
 def local_rows(tensor) -> int:
@@ -105,6 +116,7 @@ def main() -> None:
     # One checkpoint per launch: the test runs its tp and ep launches at once in the same folder, and a shared
     # folder let one launch rewrite the files the other's ranks were reading.
     checkpoint = out.parent / f"{out.stem}-checkpoint"
+    logits_only = len(sys.argv) > 5 and sys.argv[5] == "logits"
     backend = "gloo" if device == "cpu" else "nccl"
     dist.init_process_group(backend)
     rank = dist.get_rank()
@@ -112,7 +124,7 @@ def main() -> None:
     single = None
     if rank == 0:
         write_checkpoint(checkpoint)
-        single = record(AutoModel.from_pretrained(checkpoint, dtype=dtype).eval().to(device), device)
+        single = record(AutoModel.from_pretrained(checkpoint, dtype=dtype).eval().to(device), device, logits_only)
     dist.barrier()
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -125,7 +137,7 @@ def main() -> None:
 
         parallel = tensor_parallel_load_kwargs()
     model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
-    result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu")
+    result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu", logits_only)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:

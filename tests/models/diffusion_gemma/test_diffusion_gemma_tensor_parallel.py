@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_dllm.triton_ops import TRITON_AVAILABLE
 from tests.conftest import ROOT, BackgroundJob
 
 WORKER = Path(__file__).with_name("gemma_tp_worker.py")
@@ -37,6 +38,32 @@ CPU_RUN = BackgroundJob(
         PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     ),
 )
+
+
+# The tensor plan over the fused layers (Triton's interpreter, `HF_DLLM_KERNELS=triton`): the forward's logits only.
+# (The expert plan is not run there: its ranks crash in the interpreter, a segmentation fault also before the
+# layer's end kernel summed the experts; its plain path above and the GPU test cover it.)
+FUSED_CPU_RUN = BackgroundJob(
+    lambda workdir: {"tp": [*_command(workdir)["tp"], "logits"]},
+    timeout=300,
+    when=lambda: TRITON_AVAILABLE,
+    cwd=ROOT,
+    env=dict(CPU_RUN.popen_kwargs["env"], HF_DLLM_KERNELS="triton", TRITON_INTERPRET="1"),
+)
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="the `triton` extra is not installed")
+@FUSED_CPU_RUN.used_by
+def test_tensor_plan_over_the_fused_layers_equals_one_process():
+    """The plan wraps the experts' forward to all-reduce their sum: the fused layer must let them sum it (the layer's
+    end kernel takes the pairs' outputs only from unwrapped experts), and the sharded logits equal one process's."""
+    done = FUSED_CPU_RUN.results()["tp"]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    results = torch.load(FUSED_CPU_RUN.workdir / "gemma_tp.pt", weights_only=False)
+    assert results["single"]["kernel_mode"] == "triton" and not results["single"]["generated"]
+    for rank in results["ranks"]:
+        assert rank["kernel_mode"] == "triton"
+        torch.testing.assert_close(rank["logits"], results["single"]["logits"], rtol=0, atol=1e-4)
 
 
 @pytest.fixture(scope="module", params=MODES)
