@@ -124,9 +124,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # heads of 512: 8 x 256 rows). A batch takes the largest class not above it. What it rests on (H200,
 # `python benchmarks/bench_diffusion_gemma_attention.py --kinds sliding,full --batch-sizes 1,8 --valid 0.75
 # --stages 2 --splits 1,4`, 3/4 of the ring written, us a layer): sliding, batch 1: Triton 128 x 64 tiles, 8 warps,
-# 4 key splits 36.3 against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184 against the
-# best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and SDPA's math path
-# 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
+# 4 key splits asked 36.3 (`block_attention` rounds a chunk up to a power of two of key tiles: over the 1,279 keys
+# that is 3 chunks of 8 tiles) against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184
+# against the best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and
+# SDPA's math path 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
     (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4)),
