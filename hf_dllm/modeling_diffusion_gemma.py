@@ -126,10 +126,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # --stages 2 --splits 1,4`, 3/4 of the ring written, us a layer): sliding, batch 1: Triton 128 x 64 tiles, 8 warps,
 # 4 key splits 36.3 against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184 against the
 # best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and SDPA's math path
-# 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
+# 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice. `even_splits`
+# (sliding, batch 1): 4 chunks of 5 tiles over generate()'s 1,279 keys, not 3 of 8 (the sweep's "4 splits" were 3).
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
-    (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4)),
+    (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True)),
     (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),

@@ -251,7 +251,9 @@ class AttentionTiles:
     tile) programs per multiprocessor on, the keys are not split (None: always as `plan_splits` plans). `splits`:
     key chunks to ask for (None: `plan_splits`'s, from the multiprocessor count). `skip_masked`: with a key padding
     mask `(B, T)`, test each key tile's mask first and skip the tiles it masks whole (a ring cache's empty slots),
-    at the price of a branch in the loop (its K/V loads are not pipelined across it)."""
+    at the price of a branch in the loop (its K/V loads are not pipelined across it). `even_splits`: the key chunks
+    as even as whole tiles allow (`key_chunks`), each length compiled apart, rather than a power of two of tiles
+    each (few variants compiled, but 1,279 keys asked in 4 chunks of 64-key tiles run as 3 chunks of 8 tiles)."""
 
     block_m: int
     block_n: int = 64
@@ -260,6 +262,7 @@ class AttentionTiles:
     one_split_from: float | None = None
     splits: int | None = None
     skip_masked: bool = False
+    even_splits: bool = False
 
 
 # Grouped-query blocks (more than 32 query rows per key/value head: LLaDA2.0-mini's 4 heads x 32 positions).
@@ -302,6 +305,17 @@ def plan_splits(
         return 1
     max_splits = max(1, kv_len // (2 * block_n))
     return max(1, min(max_splits, math.ceil(2 * n_sms / programs)))
+
+
+def key_chunks(kv_len: int, n_splits: int, block_n: int, even: bool = False) -> tuple[int, int]:
+    """(key tiles per chunk, chunks) for `kv_len` keys asked in `n_splits` chunks of `block_n`-key tiles: the tiles
+    per chunk rounded up to a power of two (few kernel variants; fewer chunks may follow), or with `even` the least
+    whole number of tiles that `n_splits` chunks cover the keys with."""
+    per_chunk = -(-kv_len // n_splits)  # ceil(kv_len / n_splits) keys
+    tiles = -(-per_chunk // block_n)
+    if not even:
+        tiles = 1 << (tiles - 1).bit_length()
+    return tiles, -(-kv_len // (tiles * block_n))
 
 
 @on_tensor_device
@@ -368,8 +382,7 @@ def block_attention(
         raise ValueError(f"`n_splits` (or `tiles.splits`) must be a positive int or None, got {n_splits}.")
     if n_splits is None:
         n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device), tiles.one_split_from)
-    tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))
-    n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
+    tiles_per_split, n_splits = key_chunks(kv_len, n_splits, block_n, tiles.even_splits)
 
     out = torch.empty(batch, q_len, n_heads, dim, dtype=q.dtype, device=q.device)
     per_query = key_padding_mask is not None and key_padding_mask.dim() == 3

@@ -22,6 +22,29 @@ from tests.conftest import FIXTURES, interpreter_job
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
+
+def test_key_chunks_power_of_two_or_even():
+    """The key chunks of `block_attention`: by default tiles per chunk a power of two (1,279 keys asked in 4 chunks of
+    64-key tiles: 3 chunks of 8 tiles); `even_splits`: the asked chunks of the fewest whole tiles (4 of 5). Either
+    way the chunks cover every key and none is empty."""
+    from hf_dllm.triton_attention import key_chunks
+
+    assert key_chunks(1279, 4, 64) == (8, 3) and key_chunks(1279, 4, 64, even=True) == (5, 4)
+    assert key_chunks(1024, 4, 64) == key_chunks(1024, 4, 64, even=True) == (4, 4)
+    for kv_len in (1, 63, 64, 65, 384, 1279, 5000):
+        for n_splits in (1, 2, 3, 4, 7):
+            for block_n in (16, 64):
+                for even in (False, True):
+                    tiles, chunks = key_chunks(kv_len, n_splits, block_n, even)
+                    assert (
+                        1 <= chunks <= n_splits and (chunks - 1) * tiles * block_n < kv_len <= chunks * tiles * block_n
+                    )
+                    if not even:
+                        assert tiles & (tiles - 1) == 0
+                    elif tiles > 1:  # the fewest tiles: one fewer per chunk would not cover the keys in n_splits
+                        assert n_splits * (tiles - 1) * block_n < kv_len
+
+
 KERNELS_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -44,6 +67,7 @@ KERNELS_SCRIPT = textwrap.dedent(
         AttentionTiles(block_m=64, block_n=16, skip_masked=True, splits=1),  # every row of a K/V head in one tile
         AttentionTiles(block_m=32, block_n=8, skip_masked=True, splits=6),  # chunks of 8 keys: 12..39 masked whole
         AttentionTiles(block_m=128, block_n=32, num_warps=8, splits=2),
+        AttentionTiles(block_m=32, block_n=8, splits=2, even_splits=True),  # chunks of 3 tiles (a power of two: 4)
     ]
     for tiles in configs:
         out = block_attention(q, k, v, mask, scale=1.0 / D**0.5, tiles=tiles)
