@@ -238,9 +238,11 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         wide = self.head_dim > FUSED_SDPA_HEAD_DIM
         return "gemm" if wide and hidden_states.is_cuda and hidden_states.dtype != torch.float32 else "sdpa"
 
-    def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
+    def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
         (every key), for the "sdpa" backend also additive (0 / -inf in the query's dtype, `decoder_key_mask`);
+        `key_gap` `(B, 2)` int32 or None: keys masked for every query that the "triton" backend need not read
+        (`decoder_key_gap`);
         `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V (encoder) or only
         read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
@@ -270,12 +272,12 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
-        output = self.attend(hidden_states, query, key, value, mask, write_cache)
+        output = self.attend(hidden_states, query, key, value, mask, write_cache, key_gap)
         if cache is not None and write_cache:
             cache.end_write(self.layer_idx)  # (a ring's oldest slots are overwritten only once they have been read)
         return linear(self.o_proj, output)
 
-    def attend(self, hidden_states, query, key, value, mask, write_cache: bool) -> torch.Tensor:
+    def attend(self, hidden_states, query, key, value, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """Attention of query `(B, H, T, D)` over key, value `(B, Hkv, S, D)` on the chosen backend, as the
         o-projection reads it: `(B, T, H * D)`."""
         batch, length, _ = hidden_states.shape
@@ -292,7 +294,8 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             # o-projection reads (no transpose copy).
             padding = None if mask is None else mask[:, 0, 0, :]
             tiles = decoder_tiles(self.head_dim, batch)
-            return block_attention(query, key, value, padding, scale=1.0, tiles=tiles).reshape(batch, length, -1)
+            output = block_attention(query, key, value, padding, scale=1.0, tiles=tiles, key_gap=key_gap)
+            return output.reshape(batch, length, -1)
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
@@ -557,8 +560,10 @@ class DiffusionGemmaLayer(nn.Module):
             setattr(self, name, DiffusionGemmaRMSNorm(hidden, eps=eps))
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False):
-        attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
+    def forward(
+        self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False, key_gap=None
+    ):
+        attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache, key_gap)
         if attention_only:  # the encoder's last layer: only its K/V are read
             return self.post_attention_layernorm(attention, residual=x)
         scalar = self.layer_scalar if layer_scalar is None else layer_scalar
@@ -1028,6 +1033,26 @@ def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive:
     return storage[..., :keys].masked_fill_(~mask, float("-inf"))
 
 
+# Where the decoder's Triton attention skips a ring's unwritten slots (`decoder_key_gap`); off: it reads them, masked.
+SKIP_RING_GAP = True
+
+
+def decoder_key_gap(cache, layer: int, backend: str) -> torch.Tensor | None:
+    """The keys `(B, 2)` int32 [start, end) of layer `layer`'s cache that every query of the decoder's pass sees
+    masked and the "triton" backend need not read: a static cache's sliding-layer ring's slots after its last
+    written one, per row (none once the ring has wrapped; its canvas keys come after the ring). None elsewhere (other
+    backends, full layers, the dynamic cache) or with `SKIP_RING_GAP` off. A few tensor ops, once per decoder pass
+    and layer kind (the sliding layers share their slots' validity, as `decoder_key_mask`)."""
+    if not SKIP_RING_GAP or backend != "triton" or not isinstance(cache, DiffusionGemmaStaticCache):
+        return None
+    if not cache.sliding[layer] or cache.valid[layer] is None:
+        return None
+    valid = cache.valid[layer]
+    slots = valid.shape[1]
+    after_last = (valid * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)  # 0 where none written
+    return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)
+
+
 def encoder_key_mask(cache, layer: int, columns: torch.Tensor, valid: torch.Tensor, window: int | None) -> torch.Tensor:
     """The encoder's mask `(B, 1, T, cached + T)` bool over layer `layer`'s cache and the pass' own keys at `columns`
     `(T,)` (`valid` `(B, T)`: real tokens): a query sees the valid keys at its column or before, and within `window`
@@ -1264,12 +1289,16 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder, text = self.model.decoder, self.config.text_config
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         masks: dict = {}
+        gaps: dict = {}
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
-            key = (kind, layer.self_attn.chosen_backend(x) == "sdpa")  # (layer kind, additive mask)
+            backend = layer.self_attn.chosen_backend(x)
+            key = (kind, backend == "sdpa")  # (layer kind, additive mask)
             if key not in masks:  # once per kind and mask form, not per layer
                 masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x, padded, additive=key[1])
-            x = layer(x, *rope[kind], cache, masks[key], False)
+            if (kind, backend) not in gaps:
+                gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
+            x = layer(x, *rope[kind], cache, masks[key], False, key_gap=gaps[kind, backend])
         return decoder.norm(x)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:

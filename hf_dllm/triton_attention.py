@@ -99,6 +99,7 @@ if TRITON_AVAILABLE:
         part_ptr,
         lse_ptr,
         kv_end_ptr,
+        gap_ptr,
         k_scale_ptr,
         v_scale_ptr,
         stride_qb,
@@ -126,6 +127,7 @@ if TRITON_AVAILABLE:
         TILES_PER_SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_KV_END: tl.constexpr,
+        HAS_GAP: tl.constexpr,
         HAS_KV_SCALE: tl.constexpr,
         MASK_PER_QUERY: tl.constexpr,
         SKIP_MASKED: tl.constexpr,
@@ -159,6 +161,19 @@ if TRITON_AVAILABLE:
         n_tiles = TILES_PER_SPLIT
         if HAS_KV_END:
             n_tiles = tl.minimum(n_tiles, tl.maximum(tl.cdiv(tl.load(kv_end_ptr + b) - start, BLOCK_N), 0))
+        # A gap (a ring cache's unwritten slots [gap_start, gap_end), masked for every query): the chunks split the
+        # keys outside it, evenly in whole tiles, read through the index k -> k + gap length from gap_start on.
+        gap_start = 0
+        gap_length = 0
+        kv_keys = kv_len
+        if HAS_GAP:
+            gap_start = tl.load(gap_ptr + 2 * b)
+            gap_length = tl.load(gap_ptr + 2 * b + 1) - gap_start
+            kv_keys = kv_len - gap_length
+            key_tiles = tl.cdiv(kv_keys, BLOCK_N)
+            per_split = tl.cdiv(key_tiles, n_splits)
+            start = split * per_split * BLOCK_N
+            n_tiles = tl.minimum(tl.maximum(key_tiles - split * per_split, 0), per_split)
         # An FP8 cache with half-precision queries: the products run in fp16, to which float8 converts in one
         # instruction per two values (to bf16 it takes several: at batch 32 the conversions cost more than the
         # bytes saved). The queries are scaled by a power of two into fp16's range (1 unless |q| > 32768) and
@@ -177,7 +192,9 @@ if TRITON_AVAILABLE:
         scale_base = b * stride_sb + kv_head * stride_sh
         for tile in range(n_tiles):
             cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_valid = cols < kv_len
+            col_valid = cols < kv_keys
+            if HAS_GAP:
+                cols = tl.where(cols >= gap_start, cols + gap_length, cols)
             if SKIP_MASKED:
                 # A key padding mask: a tile whose keys are all masked (a ring cache's empty slots, left padding)
                 # adds nothing (p = 0, m unchanged), so its K/V are not read at all.
@@ -330,13 +347,16 @@ def block_attention(
     tiles: AttentionTiles | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention of `q` `(B, Hq, Lq, D)` over `k`, `v` `(B, Hkv, T, D)`.
 
     `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys; a `(B, Lq, T)` mask gives each query
     position its own keys (LLaDA2's block-causal mask; every query must see at least one key). `kv_end` `(B,)`
     int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
-    those key tiles are skipped. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
+    those key tiles are skipped. `key_gap` `(B, 2)` int32, optional: keys `key_gap[b, 0]` to `key_gap[b, 1] - 1` are
+    masked for every query of row `b` (the mask must say so too: a ring cache's unwritten slots); the chunks split
+    the other keys (evenly, in whole tiles) and never read those. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
     None, `skip_masked` with a `(B, T)` mask). Returns `(B, Lq, Hq, D)` in q's dtype.
 
     An FP8 cache (`cache.FP8DiffusionKVCache`): k/v float8 e4m3 and `k_scale`/`v_scale` `(B, Hkv, T)` float32 with
@@ -349,6 +369,15 @@ def block_attention(
             f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
         )
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    if key_gap is not None:
+        if key_gap.dtype != torch.int32 or key_gap.shape != (batch, 2) or key_gap.device != q.device:
+            raise ValueError(
+                f"`key_gap` must be an int32 tensor of shape ({batch}, 2) on {q.device}, got {key_gap.dtype} "
+                f"{tuple(key_gap.shape)} on {key_gap.device}."
+            )
+        if kv_end is not None:
+            raise ValueError("Pass `key_gap` or `kv_end`, not both.")
+        key_gap = key_gap.contiguous()
     scaled = k_scale is not None
     if scaled and (
         v_scale is None
@@ -411,6 +440,7 @@ def block_attention(
         part,
         lse,
         out if kv_end is None else kv_end,
+        out if key_gap is None else key_gap,
         k_scale if scaled else out,  # never read without HAS_KV_SCALE
         v_scale if scaled else out,
         q.stride(0),
@@ -438,6 +468,7 @@ def block_attention(
         TILES_PER_SPLIT=tiles_per_split,
         HAS_MASK=key_padding_mask is not None,
         HAS_KV_END=kv_end is not None,
+        HAS_GAP=key_gap is not None,
         HAS_KV_SCALE=scaled,
         MASK_PER_QUERY=per_query,
         SKIP_MASKED=tiles.skip_masked and key_padding_mask is not None and not per_query,

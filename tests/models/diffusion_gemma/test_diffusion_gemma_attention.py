@@ -3,13 +3,14 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
 
 - `triton_attention.block_attention` at the decoder's layout in small (grouped-query heads, a ring cache partly
   empty, a left-padded row, a key chunk masked whole) against float64 SDPA, for the tile options the decoder's
-  sweep times (`skip_masked`, fixed `splits`, row tiles of 16 to 128);
+  sweep times (`skip_masked`, fixed or even `splits`, row tiles of 16 to 128) and with key gaps (`key_gap`);
 - `qkv_norm_rope` (an attention's norms and RoPE in one launch) against the PyTorch ops, shared and per-row RoPE
   tables; its keys and values written into a static cache's canvas slots (strided views) bit for bit what it
   writes on its own, refusing an `out` of the wrong shape, dtype or layout;
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
   PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
-  (`canvas_slots`; the encoder's kept in the ring at `end_write`).
+  (`canvas_slots`; the encoder's kept in the ring at `end_write`), the sliding layers skipping the ring's unwritten
+  slots (`key_gap`) with the logits of reading them all.
 """
 
 from __future__ import annotations
@@ -74,6 +75,28 @@ KERNELS_SCRIPT = textwrap.dedent(
         assert out.shape == (B, L, Hq, D) and out.is_contiguous()
         error = (out.double() - want).abs().max().item()
         assert error < 1e-5, (tiles, error)
+    # A key gap (the ring's unwritten tail, masked too): the chunks split the other keys; per-row gaps, an empty one.
+    for gap in ([[12, 40], [12, 40]], [[12, 40], [20, 40]], [[40, 40], [0, 0]]):
+        key_gap = torch.tensor(gap, dtype=torch.int32)
+        for tiles in (
+            AttentionTiles(block_m=16, block_n=8, splits=3),
+            AttentionTiles(block_m=32, block_n=8, splits=1),
+            AttentionTiles(block_m=16, block_n=16, splits=4, skip_masked=True),
+        ):
+            out = block_attention(q, k, v, mask, scale=1.0 / D**0.5, tiles=tiles, key_gap=key_gap)
+            error = (out.double() - want).abs().max().item()
+            assert error < 1e-5, ("gap", gap, tiles, error)
+    for bad, kwargs in (
+        (torch.tensor([[12, 40], [12, 40]]), {}),  # int64
+        (torch.tensor([[12, 40]], dtype=torch.int32), {}),  # one row for two
+        (torch.tensor([[12, 40], [12, 40]], dtype=torch.int32), {"kv_end": torch.full((B,), S + L, dtype=torch.int32)}),
+    ):
+        try:
+            block_attention(q, k, v, mask, key_gap=bad, **kwargs)
+        except ValueError as error:
+            assert "key_gap" in str(error)
+        else:
+            raise AssertionError(("key_gap taken", bad.dtype, tuple(bad.shape), list(kwargs)))
     try:
         block_attention(q, k, v, mask, tiles=AttentionTiles(block_m=16, block_n=16, splits=0))
     except ValueError as error:
@@ -125,8 +148,13 @@ MODEL_SCRIPT = textwrap.dedent(
     from transformers import AutoModel
     import hf_dllm
     from hf_dllm import kernels, triton_diffusion_gemma
+    from hf_dllm import modeling_diffusion_gemma
     from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
 
+    gaps = []  # the decoder's Triton attention calls' key gaps (None: every key read)
+    block_attention = modeling_diffusion_gemma.block_attention
+    modeling_diffusion_gemma.block_attention = lambda *a, key_gap=None, **k: (
+        gaps.append(None if key_gap is None else key_gap.tolist()), block_attention(*a, key_gap=key_gap, **k))[1]
     model = AutoModel.from_pretrained(GEMMA_DIR).eval()
     text = model.config.text_config
     canvas_length = model.config.canvas_length
@@ -155,9 +183,21 @@ MODEL_SCRIPT = textwrap.dedent(
         attention_mask[1, :2] = 0
         canvas = torch.randint(3, text.vocab_size, (2, canvas_length))
         want, want_cache, _ = run("torch", "sdpa", ids, attention_mask, canvas)
+        gaps.clear()
         logits, cache, wrote = run("triton", "triton", ids, attention_mask, canvas)
         error = (logits - want).abs().max().item()
         assert error < 1e-4, (prompt_len, error)
+        # The sliding layers skip the ring's slots after the prompt (none once it wrapped); full layers read all.
+        slots = text.sliding_window - 1
+        written = min(prompt_len, slots)
+        sliding = [kind == "sliding_attention" for kind in text.layer_types]
+        assert gaps == [[[written, slots]] * 2 if kind else None for kind in sliding], (prompt_len, gaps)
+        modeling_diffusion_gemma.SKIP_RING_GAP = False
+        gaps.clear()
+        every_key, _, _ = run("triton", "triton", ids, attention_mask, canvas)
+        modeling_diffusion_gemma.SKIP_RING_GAP = True
+        assert gaps == [None] * text.num_hidden_layers, (prompt_len, gaps)
+        assert (every_key - logits).abs().max() < 1e-4, (prompt_len, (every_key - logits).abs().max().item())
         # Both passes (the encoder's over a prompt no longer than the canvas, the decoder's) wrote their keys and
         # values straight into the canvas slots (each layer's one norm/RoPE launch given them), and the caches
         # hold what the PyTorch path copied there.
