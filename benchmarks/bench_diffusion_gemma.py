@@ -28,8 +28,9 @@ The step's parts, each timed alone at each batch size (`steps[*]` in the JSON li
 (`triton_diffusion_gemma.fused_sample`, where it runs) and the PyTorch one on the same logits, and one layer's
 experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
-backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), and
-with the sliding attention reading the ring's unwritten slots or splitting its keys in power-of-two chunks.
+backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
+each layer's input norm launched apart (not by the previous layer's end kernel), and with the sliding attention
+reading the ring's unwritten slots or splitting its keys in power-of-two chunks.
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
@@ -428,6 +429,11 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 model._graphs = None  # captured graphs keep the kernels they were captured with
                 block = step(block)
                 parts[f"graph_step_{label}_ms"] = timed_ms(functools.partial(step, block), repeats, device)
+            layer_class.norm_in_end_kernel = False  # each layer's input norm launched apart
+            model._graphs = None
+            block = step(block)
+            parts["graph_step_next_norm_apart_ms"] = timed_ms(functools.partial(step, block), repeats, device)
+            layer_class.norm_in_end_kernel = True
             # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, and its key
             # chunks a power of two of tiles instead of even ones; each alone, then the default again.
             table = dict(modeling_diffusion_gemma.DECODER_ATTENTION)
@@ -645,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             if "graph_step_combine_apart_ms" in step:
                 print(
                     f"      graph step with the experts' combine launched apart: {step['graph_step_combine_apart_ms']:.2f}"
-                    f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms"
+                    f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms;"
+                    f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms"
                 )
             if "graph_step_attention_default_ms" in step:
                 print(

@@ -561,33 +561,44 @@ class DiffusionGemmaLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(
-        self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False, key_gap=None
-    ):
-        attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache, key_gap)
+        self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False, key_gap=None,
+        normed_input=None, next_norm=None,
+    ):  # fmt: skip
+        """The layer on `x` `(B, T, hidden)` (`normed_input`: its `input_layernorm`, where the previous layer's end
+        kernel computed it). With `next_norm` (the next layer's `input_layernorm`): (output, its norm by `next_norm`
+        where the end kernel computed it, else None)."""
+        attention = self.self_attn(
+            self.input_layernorm(x) if normed_input is None else normed_input, cos, sin, cache, mask, write_cache,
+            key_gap,
+        )  # fmt: skip
         if attention_only:  # the encoder's last layer: only its K/V are read
             return self.post_attention_layernorm(attention, residual=x)
         scalar = self.layer_scalar if layer_scalar is None else layer_scalar
         if self.norms_fuse(attention, x, scalar):
-            return self.fused_feedforward(attention, x, scalar)
+            return self.fused_feedforward(attention, x, scalar, next_norm)
         residual = self.post_attention_layernorm(attention, residual=x)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        return self.post_feedforward_layernorm(
+        out = self.post_feedforward_layernorm(
             self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual, scale=scalar
         )
+        return out if next_norm is None else (out, None)
 
     # The experts' weighted sum inside the layer's end kernel (`post_feedforward_norms`' `experts`) where the experts
     # run as hf_dllm's Triton kernels: the same bits as `triton_moe.combine`, one launch and one (tokens, hidden) round
     # trip fewer per layer (`bench_diffusion_gemma.py` times the step without it too).
     combine_in_end_kernel = True
+    # The next layer's input norm computed by this layer's end kernel (`forward`'s `next_norm`), where its weight
+    # and eps allow: one launch fewer per layer.
+    norm_in_end_kernel = True
 
     def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
         return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
 
-    def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
+    def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor, next_norm=None):
         """`forward` after the attention, its seven norms (and the layer scalar) in two launches: after the
         attention, the residual and the MLP's, experts' and router's inputs from one kernel; at the end, the three
         post-feed-forward norms and the scalar from one. The same float32 ops and rounding points as the separate
@@ -613,9 +624,21 @@ class DiffusionGemmaLayer(nn.Module):
         else:
             moe = self.experts(moe_in, index, weights).view(x.shape)
         norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
-        return triton_diffusion_gemma.post_feedforward_norms(
-            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts
+        folds_next = (
+            next_norm is not None
+            and self.norm_in_end_kernel
+            and next_norm.with_scale
+            and next_norm.eps == norms[-1].eps
+            and next_norm.weight.device == x.device
+            and not is_sharded(next_norm.weight)
         )
+        out = triton_diffusion_gemma.post_feedforward_norms(
+            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts,
+            next_norm.weight if folds_next else None,
+        )  # fmt: skip
+        if next_norm is None:
+            return out
+        return out if folds_next else (out, None)
 
 
 class DiffusionGemmaSelfConditioning(DiffusionGemmaMLP):
@@ -1290,6 +1313,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         masks: dict = {}
         gaps: dict = {}
+        normed = None  # the next layer's input norm, where its predecessor's end kernel computed it
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
             backend = layer.self_attn.chosen_backend(x)
@@ -1298,7 +1322,13 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x, padded, additive=key[1])
             if (kind, backend) not in gaps:
                 gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
-            x = layer(x, *rope[kind], cache, masks[key], False, key_gap=gaps[kind, backend])
+            # The next layer's input norm from this layer's end kernel where it can (`norm_in_end_kernel`).
+            next_norm = decoder.layers[index + 1].input_layernorm if index + 1 < len(decoder.layers) else None
+            out = layer(
+                x, *rope[kind], cache, masks[key], False, key_gap=gaps[kind, backend], normed_input=normed,
+                next_norm=next_norm,
+            )  # fmt: skip
+            x, normed = out if next_norm is not None else (out, None)
         return decoder.norm(x)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
