@@ -128,14 +128,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and SDPA's math path
 # 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice. `even_splits`
 # (sliding, batch 1): 4 chunks of 5 tiles over generate()'s 1,279 keys, not 3 of 8 (the sweep's "4 splits" were 3).
+# `fold_merge` off: the merge folded into the kernel was measured only at LLaDA's tiles (heads of 128), not at
+# these 128 x 256 tiles (`bench_diffusion_gemma.py` times the step with it on).
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
-    (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True)),
-    (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
-    (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
-    (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
-    (512, 8): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
-    (512, 32): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
+    (256, 1): (
+        "triton",
+        AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True, fold_merge=False),
+    ),
+    (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4, fold_merge=False)),
+    (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4, fold_merge=False)),
+    (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8, fold_merge=False)),
+    (512, 8): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8, fold_merge=False)),
+    (512, 32): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8, fold_merge=False)),
 }
 
 
