@@ -124,12 +124,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # heads of 512: 8 x 256 rows). A batch takes the largest class not above it. What it rests on (H200,
 # `python benchmarks/bench_diffusion_gemma_attention.py --kinds sliding,full --batch-sizes 1,8 --valid 0.75
 # --stages 2 --splits 1,4`, 3/4 of the ring written, us a layer): sliding, batch 1: Triton 128 x 64 tiles, 8 warps,
-# 4 key splits 36.3 against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184 against the
-# best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and SDPA's math path
-# 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice. `even_splits`
-# (sliding, batch 1): 4 chunks of 5 tiles over generate()'s 1,279 keys, not 3 of 8 (the sweep's "4 splits" were 3).
-# `fold_merge` off: the merge folded into the kernel was measured only at LLaDA's tiles (heads of 128), not at
-# these 128 x 256 tiles (`bench_diffusion_gemma.py` times the step with it on).
+# 4 key splits asked 36.3 (`block_attention` rounds a chunk up to a power of two of key tiles: over the 1,279 keys
+# that is 3 chunks of 8 tiles) against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184
+# against the best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and
+# SDPA's math path 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
+# `even_splits` (sliding, batch 1): 4 chunks of 5 tiles over the 1,279 keys, not 3 of 8. `fold_merge` off: the
+# merge folded into the kernel was measured only at LLaDA's tiles (heads of 128), not at these 128 x 256 tiles
+# (`bench_diffusion_gemma.py` times the step with it on).
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
     (256, 1): (
