@@ -589,12 +589,11 @@ def post_feedforward_norms(
     dtype, combined in the kernel as `triton_moe.combine(moe, row, weight, False)` combines them (same bits: no
     launch and no `(tokens, d)` round trip for the experts' sum). With `next_norm_weight` `(d,)`: (out, the norm of
     out with that weight and `eps`), that norm as `rms_norm` computes it (the next layer's input norm: no launch)."""
-    if residual.shape != dense.shape or residual.dtype != dense.dtype or moe.dtype != dense.dtype:
+    shapes = residual.shape == dense.shape and (experts is not None or moe.shape == dense.shape)
+    if not shapes or residual.dtype != dense.dtype or moe.dtype != dense.dtype:
         raise ValueError("post_feedforward_norms: dense, moe and residual must be of one shape and dtype.")
     d = dense.shape[-1]
     if experts is None:
-        if moe.shape != dense.shape:
-            raise ValueError("post_feedforward_norms: dense, moe and residual must be of one shape and dtype.")
         row, expert_weight, top_k = dense, dense, 0  # (row and weight never read)
     else:
         row, expert_weight = experts

@@ -74,6 +74,8 @@ def write_checkpoint(path: Path) -> None:
 
 @torch.no_grad()
 def record(model, device: str, logits_only: bool = False) -> dict:
+    from hf_dllm.kernels import kernel_mode
+
     ids = torch.tensor(PROMPTS, device=device)
     mask = (ids != 0).long()
     canvas = torch.arange(16, device=device).expand(2, -1) * 19 % 320
@@ -93,12 +95,6 @@ def record(model, device: str, logits_only: bool = False) -> dict:
         "graphs": bool(model._graphs is not None and model._graphs.entries),
         "kernel_mode": kernel_mode(),  # "triton": the fused layers (HF_DLLM_KERNELS=triton on the CPU)
     }
-
-
-def kernel_mode() -> str:
-    from hf_dllm.kernels import kernel_mode
-
-    return kernel_mode()
 
 
 def local_rows(tensor) -> int:

@@ -59,41 +59,34 @@ def test_key_masks_built_once_per_kind_equal_every_layers_mask(gemma, static):
         assert decoder_key_mask(cache, 0, x, False, additive=True) is None
 
 
-def test_experts_pairs_only_from_the_triton_implementation(gemma):
-    """`combine=False` hands back the pairs' outputs for a kernel that sums them: refused, naming the implementation,
-    where the experts run as a loop or torch's grouped GEMM (nothing to hand back)."""
+def test_experts_hand_pairs_back_only_unwrapped_on_the_triton_kernels(gemma):
+    """`combine=False` hands back the pairs' outputs for the layer's end kernel to sum: refused, naming the
+    implementation, where the experts run as a loop (nothing to hand back). The layer asks for it only where nothing
+    else reads the module's summed output: not with a forward hook, nor with `forward` wrapped on the instance (as
+    tensor and expert parallelism wrap it, to all-reduce the sum), nor under the PyTorch kernels."""
     experts = gemma.model.decoder.layers[0].experts
     hidden = torch.randn(3, gemma.config.text_config.hidden_size)
     index = torch.zeros(3, gemma.config.text_config.top_k_experts, dtype=torch.long)
-    weights = torch.ones(index.shape)
     with pytest.raises(ValueError, match="combine=False.*'loop'"):
-        experts(hidden, index, weights, combine=False)
-
-
-@pytest.mark.skipif(not TRITON_AVAILABLE, reason="the `triton` extra is not installed")
-def test_experts_hand_pairs_back_only_when_nothing_wraps_them(gemma):
-    """The layer's end kernel sums the experts' outputs only where nothing else reads the module's summed output:
-    with a forward hook, or `forward` wrapped on the instance (as tensor and expert parallelism wrap it, to
-    all-reduce the sum), the experts sum their outputs themselves; so they do under the PyTorch kernels."""
-    experts = gemma.model.decoder.layers[0].experts
-    hidden = torch.randn(3, gemma.config.text_config.hidden_size)
+        experts(hidden, index, torch.ones(index.shape), combine=False)
+    if not TRITON_AVAILABLE:
+        return
     before = kernels.kernel_mode()
     try:
         kernels.set_kernel_mode("triton")
-        torch.set_grad_enabled(False)  # (with autograd recording, the experts never take the Triton kernels)
-        assert experts.hands_pairs_back(hidden)
-        handle = experts.register_forward_hook(lambda module, args, output: None)
-        assert not experts.hands_pairs_back(hidden)
-        handle.remove()
-        experts.forward = functools.partial(type(experts).forward, experts)
-        assert not experts.hands_pairs_back(hidden)
-        del experts.forward
-        assert experts.hands_pairs_back(hidden)
-        kernels.set_kernel_mode("torch")
-        assert not experts.hands_pairs_back(hidden)
+        with torch.no_grad():  # (with autograd recording, the experts never take the Triton kernels)
+            assert experts.hands_pairs_back(hidden)
+            handle = experts.register_forward_hook(lambda module, args, output: None)
+            assert not experts.hands_pairs_back(hidden)
+            handle.remove()
+            experts.forward = functools.partial(type(experts).forward, experts)
+            assert not experts.hands_pairs_back(hidden)
+            del experts.forward
+            assert experts.hands_pairs_back(hidden)
+            kernels.set_kernel_mode("torch")
+            assert not experts.hands_pairs_back(hidden)
     finally:
         kernels.set_kernel_mode(before)
-        torch.set_grad_enabled(True)
 
 
 FUSED_SCRIPT = textwrap.dedent(

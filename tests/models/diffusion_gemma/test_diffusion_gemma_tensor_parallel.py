@@ -27,17 +27,13 @@ def _command(workdir: Path, device: str = "cpu", dtype: str = "float32") -> dict
     return {mode: [*launcher, str(WORKER), str(workdir / f"gemma_{mode}.pt"), device, dtype, mode] for mode in MODES}
 
 
-CPU_RUN = BackgroundJob(
-    _command,
-    timeout=420,
-    cwd=ROOT,
-    env=dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    ),
+CPU_ENV = dict(
+    os.environ,
+    OMP_NUM_THREADS="1",
+    CUDA_VISIBLE_DEVICES="",
+    PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
 )
+CPU_RUN = BackgroundJob(_command, timeout=420, cwd=ROOT, env=CPU_ENV)
 
 
 # The tensor plan over the fused layers (Triton's interpreter, `HF_DLLM_KERNELS=triton`): the forward's logits only.
@@ -48,7 +44,7 @@ FUSED_CPU_RUN = BackgroundJob(
     timeout=300,
     when=lambda: TRITON_AVAILABLE,
     cwd=ROOT,
-    env=dict(CPU_RUN.popen_kwargs["env"], HF_DLLM_KERNELS="triton", TRITON_INTERPRET="1"),
+    env=dict(CPU_ENV, HF_DLLM_KERNELS="triton", TRITON_INTERPRET="1"),
 )
 
 
