@@ -23,8 +23,7 @@ replays with CUDA events. Prints tables and ends with one JSON line.
 
 `--llada-moe-router TOKENS` times only LLaDA-MoE-7B's few-token routing: the router product and `route` together,
 cuBLAS's product against `triton_moe.router_partials` over 1-32 chunks of the hidden size (summed in `route`'s
-kernel), each call on another router weight (none stays in L2): the measurement behind `router_splits`; then the
-product, `route` and `align_by_expert` (three launches) against `triton_moe.gate_route_and_align` (one).
+kernel), each call on another router weight (none stays in L2): the measurement behind `router_splits`.
 
     python benchmarks/bench_llada2_kernels.py --llada-moe-router 1,32,64
 """
@@ -245,19 +244,6 @@ def llada_moe_router_row(tokens: int, copies: int = 256) -> dict:
     )
     for splits in (1, 2, 4, 8, 16, 32):
         row[f"split{splits}_route_us"] = timed_us([functools.partial(split, w, splits) for w in weights], copies)
-
-    # The whole routing (product, route, alignment by expert): three launches against `gate_route_and_align`'s one
-    # (the same bits), at the default splits and (one launch) over 4-32 splits.
-    def three(weight):
-        index, weights = split(weight, None)
-        return (logits, index, weights, *triton_moe.align_by_expert(index, 64, False))
-
-    row["three_launches_us"] = timed_us([functools.partial(three, w) for w in weights], copies)
-    for splits in (None, 4, 8, 16, 32):
-        calls = [functools.partial(triton_moe.gate_route_and_align, x, w, 8, splits) for w in weights]
-        row[f"one_launch{splits or ''}_us"] = timed_us(calls, copies)
-    want, got = three(weights[0]), triton_moe.gate_route_and_align(x, weights[0], 8)
-    row["one_launch_equal"] = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     return row
 
 
@@ -331,10 +317,6 @@ def main(argv: list[str] | None = None) -> int:
         for r in summary["llada_moe_router"]:
             split = "".join(f"{r[f'split{k}_route_us']:>8.1f}" for k in (1, 2, 4, 8, 16, 32))
             print(f"{r['tokens']:>6}{r['cublas_route_us']:>8.1f}{split}{r['default_splits']:>8}")
-        print("\nLLaDA-MoE routing + alignment (us): tokens, three launches, one launch (default / 4-32 splits)")
-        for r in summary["llada_moe_router"]:
-            one = "".join(f"{r[f'one_launch{k}_us']:>8.1f}" for k in ("", 4, 8, 16, 32))
-            print(f"{r['tokens']:>6}{r['three_launches_us']:>8.1f}{one}  equal={r['one_launch_equal']}")
         print(json.dumps(summary))
         return 0
     tokens = [int(t) for t in args.tokens.split(",")]

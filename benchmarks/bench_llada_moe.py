@@ -13,14 +13,14 @@ built on the GPU; the Hub model class gets the same weights. Batch 1, prompt 256
 Reported: ms per forward, forwards, tokens/s and the speed-up over the reference (goal: dual cache >= 3x), and the
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
 loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
-process captured: it replays faster then, see `first_step` below; also with the router's product, the routing and
-the alignment in three launches rather than one, without the router's product in the routing kernel, without the
-next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the attention's key splits
-merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`), without the step's
-decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs
-where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight a step reads
-(attention, norms, routers, output head; the embedding's gathered rows aside) plus the distinct experts the step's
-32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step within 2x of the floor).
+process captured: it replays faster then, see `first_step` below; also without the router's product in the routing
+kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the
+attention's key splits merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`),
+without the step's decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's
+grouped-product configs where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of
+every weight a step reads (attention, norms, routers, output head; the embedding's gathered rows aside) plus the
+distinct experts the step's 32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step
+within 2x of the floor).
 
 Also the step's attention alone (`attention_merge_rows`), at the batch-1 shape over 384 (this run's cache), 1024
 and 2048 keys: the split-KV kernel with the splits' merge folded into it (one launch, the default) against the
@@ -258,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     variants = {}
     if gpu:  # the same step without one of its fusions (each a switch of a class)
         switches = [
-            (LLaDAMoESparseMoeBlock, "routing_in_one_launch"),
             (LLaDAMoESparseMoeBlock, "router_product_in_routing_kernel"),
             (LLaDAMoESparseMoeBlock, "norm_in_combine"),
         ]

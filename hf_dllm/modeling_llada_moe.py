@@ -82,12 +82,10 @@ from .triton_moe import (
     align_by_expert,
     combine,
     combine_and_norm,
-    gate_route_and_align,
     qk_norm_rope_to_cache,
     route,
     router_partials,
     router_product_applies,
-    routes_in_one_launch,
 )
 from .triton_ops import rms_norm
 
@@ -506,10 +504,6 @@ class LLaDAMoESparseMoeBlock(nn.Module):
     # (the experts and the hidden size split across programs, the partial products added up in `route`'s kernel)
     # rather than cuBLAS's.
     router_product_in_routing_kernel = True
-    # With the product there: the product, the routing and the alignment in one launch
-    # (`triton_moe.gate_route_and_align`, the same bits) rather than three (`router_partials`, `route`,
-    # `align_by_expert`); each of the three is latency-bound (~2-3 us on an H200) at a block step's 32 tokens.
-    routing_in_one_launch = True
 
     def _fused_routing(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """For x `(tokens, hidden)`: the router logits `(tokens, num_experts)` in x's dtype, the routing weights
@@ -517,16 +511,12 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         sorted_token, offsets, rows): the router's product (for few tokens where the router is a plain `nn.Linear` in
         x's dtype `triton_moe.router_partials`, whose partial products `route` adds up and rounds to x's dtype, else
         the router's own), `route` (one program per token) and `align_by_expert`; every kernel reads and writes the
-        dtypes it is given (no cast kernels). With `routing_in_one_launch`, the first path's three launches are
-        `triton_moe.gate_route_and_align`'s one where it applies (`triton_moe.routes_in_one_launch`)."""
+        dtypes it is given (no cast kernels)."""
         gate = self.gate
         plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
         plain_gate = plain_gate and not is_sharded(gate.weight) and gate.weight.dtype == x.dtype
         routing = (None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
         if self.router_product_in_routing_kernel and plain_gate and router_product_applies(x.shape[0]):
-            if self.routing_in_one_launch and routes_in_one_launch(x.shape[0], self.num_experts, x.device):
-                router_logits, _, weights, *aligned = gate_route_and_align(x, gate.weight, self.top_k)
-                return router_logits, weights, *aligned
             router_logits = x.new_empty(x.shape[0], self.num_experts)
             experts, weights = route(router_partials(x, gate.weight), *routing, summed_logits=router_logits)
         else:

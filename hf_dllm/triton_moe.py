@@ -13,9 +13,6 @@ gate, arXiv:2412.19437, Sec. 2.1.2, which LLaDA2 / Ling 2.0 use):
 - `router_partials`: the router's logits product for few tokens (a batch-1 block step of LLaDA-MoE), the experts
   and the hidden size split across programs, float32 partial products that `route` adds up and rounds to the
   activations' dtype as it loads them (no cast or reduction kernel);
-- `gate_route_and_align`: `router_partials`, `route` and `align_by_expert` in one launch for LLaDA-MoE's few
-  tokens, bit for bit: the last of the product's programs to finish (a counter of arrivals) routes and aligns every
-  token;
 - `align_by_expert`: the (token, choice) pairs in stable expert order (what `argsort(stable=True)` gives), the
   groups' end offsets for `torch._grouped_mm`, and each pair's row in that order, no host synchronisation
   (CUDA-graph capturable, static shapes): one program per expert for few pairs, a chunked counting sort (three
@@ -32,8 +29,6 @@ is imported inside `try:`.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -74,28 +69,6 @@ if TRITON_AVAILABLE:
         tl.store(weight_ptr + token * TOP_K + ks, weights.to(weight_ptr.dtype.element_ty), mask=ks < TOP_K)
 
     @triton.jit
-    def pairwise_row_sum(x, LOG2_N: tl.constexpr):
-        # Each row's sum of x `(R, 2**LOG2_N)` -> `(R,)`, added in one fixed order whatever the layout: neighbouring
-        # lanes (0 + 1, 2 + 3, ...), then neighbouring pair sums, and so on. `tl.sum`'s order follows the compiler's
-        # layout of the tensor (which lanes a thread holds), so a (1, E) row and a (tokens, E) tile could round their
-        # sums differently; this order keeps `route` and `gate_route_and_align` bit-identical.
-        for _ in tl.static_range(LOG2_N):
-            a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-            x = a + b
-        return tl.reshape(x, [x.shape[0]])
-
-    @triton.jit
-    def softmax_rows(x, LOG2_N: tl.constexpr, LIBDEVICE: tl.constexpr):
-        # The float32 softmax of each row of x `(R, 2**LOG2_N)` (-inf in lanes past the experts: 0 there), its
-        # denominator summed in `pairwise_row_sum`'s order.
-        shifted = x - tl.max(x, axis=1)[:, None]
-        if LIBDEVICE:
-            shifted = tl.extra.libdevice.exp(shifted)
-        else:
-            shifted = tl.exp(shifted)
-        return shifted / pairwise_row_sum(shifted, LOG2_N)[:, None]
-
-    @triton.jit
     def _route_kernel(
         logits_ptr,
         bias_ptr,
@@ -118,7 +91,6 @@ if TRITON_AVAILABLE:
         BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        LOG2_LANES: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
         # One program per token. Experts laid out (group, index in group): expert = g * group_size + s.
@@ -149,9 +121,12 @@ if TRITON_AVAILABLE:
                 e = tl.exp(-x)
             scores = tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + e)
         else:
-            # The experts' lanes as one row (group by group), as `_router_route_align_kernel` lays out its tokens'.
-            flat = tl.reshape(x, [1, BLOCK_G * BLOCK_S])
-            scores = tl.reshape(softmax_rows(flat, LOG2_LANES, LIBDEVICE), [BLOCK_G, BLOCK_S])
+            shifted = x - tl.max(tl.max(x, axis=1), axis=0)
+            if LIBDEVICE:
+                shifted = tl.extra.libdevice.exp(shifted)
+            else:
+                shifted = tl.exp(shifted)
+            scores = shifted / tl.sum(tl.sum(shifted, axis=1), axis=0)
         scores = tl.where(valid, scores, float("-inf"))
         choice = scores
         if HAS_BIAS:
@@ -219,13 +194,22 @@ if TRITON_AVAILABLE:
             seen += tl.sum(mine, axis=0)
 
     @triton.jit
-    def _router_partial_tile(x_ptr, gate_ptr, out_ptr, tokens, n_experts, hidden, chunk, BLOCK_T: tl.constexpr,
-                             BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
-        # This program's (tile of BLOCK_E experts, tile of BLOCK_T tokens, chunk of `chunk` hidden columns) = program
-        # ids (0, 1, 2): that chunk's part of x @ gate.T with float32 accumulation, stored at `out[chunk index]`
-        # `(tokens, n_experts)`. Splitting the experts and the hidden size across programs divides the router weight
-        # each program streams (one program for all 64 experts of LLaDA-MoE read 256 KB alone; eight, one per
-        # 16 x 16 tile, 64 KB each).
+    def _router_product_kernel(
+        x_ptr,
+        gate_ptr,
+        out_ptr,
+        tokens,
+        n_experts,
+        hidden,
+        chunk,
+        BLOCK_T: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per (tile of BLOCK_E experts, tile of BLOCK_T tokens, chunk of `chunk` hidden columns): that
+        # chunk's part of x @ gate.T with float32 accumulation, stored at `out[chunk index]` `(tokens, n_experts)`.
+        # Splitting the experts and the hidden size across programs divides the router weight each program streams
+        # (one program for all 64 experts of LLaDA-MoE read 256 KB alone; eight, one per 16 x 16 tile, 64 KB each).
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
         e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
         split = tl.program_id(2)
@@ -241,116 +225,6 @@ if TRITON_AVAILABLE:
             acc = tl.dot(xs, ws, acc)
         out = out_ptr + split.to(tl.int64) * tokens * n_experts + t * n_experts + e
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=real_t & real_e)
-
-    @triton.jit
-    def _router_product_kernel(
-        x_ptr,
-        gate_ptr,
-        out_ptr,
-        tokens,
-        n_experts,
-        hidden,
-        chunk,
-        BLOCK_T: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-    ):
-        _router_partial_tile(x_ptr, gate_ptr, out_ptr, tokens, n_experts, hidden, chunk, BLOCK_T, BLOCK_E, BLOCK_H)
-
-    @triton.jit
-    def _router_route_align_kernel(
-        x_ptr,
-        gate_ptr,
-        partials_ptr,
-        counter_ptr,
-        logits_ptr,
-        index_ptr,
-        weight_ptr,
-        sorted_token_ptr,
-        row_ptr,
-        offsets_ptr,
-        tokens,
-        n_experts,
-        hidden,
-        chunk,
-        BLOCK_T: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        SPLITS: tl.constexpr,
-        TOP_K: tl.constexpr,
-        ROUTE_T: tl.constexpr,
-        ROUTE_E: tl.constexpr,
-        LOG2_E: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
-    ):
-        # `_router_product_kernel`'s programs (one partial tile each), and the last of them to finish routes every
-        # token and aligns the pairs: the "last block" pattern (CUDA's threadFenceReduction sample). Each program's
-        # threads store their partials, meet at the barrier, then one thread takes a ticket from the counter with
-        # acquire-release semantics (the release publishes the partials; the ticket's last taker acquires every
-        # program's). The last program sets the counter back to 0 for the next launch (it is never zeroed by a
-        # kernel of its own: CUDA-graph safe, no memset launch).
-        _router_partial_tile(x_ptr, gate_ptr, partials_ptr, tokens, n_experts, hidden, chunk, BLOCK_T, BLOCK_E, BLOCK_H)
-        tl.debug_barrier()
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == programs - 1:
-            tl.debug_barrier()
-            _route_align_tokens(
-                partials_ptr, logits_ptr, index_ptr, weight_ptr, sorted_token_ptr, row_ptr, offsets_ptr, tokens,
-                n_experts, SPLITS, TOP_K, ROUTE_T, ROUTE_E, LOG2_E, LIBDEVICE,
-            )  # fmt: skip
-            tl.atomic_xchg(counter_ptr, 0)
-
-    @triton.jit
-    def _route_align_tokens(partials_ptr, logits_ptr, index_ptr, weight_ptr, sorted_token_ptr, row_ptr, offsets_ptr,
-                            tokens, n_experts, SPLITS: tl.constexpr, TOP_K: tl.constexpr, ROUTE_T: tl.constexpr,
-                            ROUTE_E: tl.constexpr, LOG2_E: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-        # `route(partials, None, 1, 1, TOP_K, "softmax", False, 1.0, summed_logits=logits)` then `align_by_expert`
-        # for every token at once, on a (token, expert) tile: the same formulas in the same order as `_route_kernel`
-        # (partials added in split order, rounded to the logits' dtype; `softmax_rows`; top-k by max, ties to the
-        # lowest expert), so the same bits. Alignment: a token picks an expert at most once, so expert e's rows hold
-        # its tokens in order and pair (t, e) sits at row (pairs of experts below e) + (tokens before t that picked
-        # e), as `_align_kernel`'s stable order has it; every output is a masked store of the (token, expert) tile.
-        # Partials read past L1 (`.cg`): other multiprocessors wrote them.
-        t = tl.arange(0, ROUTE_T)[:, None]
-        e = tl.arange(0, ROUTE_E)[None, :]
-        real_t = t < tokens
-        real_e = e < n_experts
-        x = tl.zeros([ROUTE_T, ROUTE_E], dtype=tl.float32)
-        for split in tl.static_range(SPLITS):
-            x += tl.load(
-                partials_ptr + (split * tokens + t) * n_experts + e,
-                mask=real_t & real_e,
-                other=0.0,
-                cache_modifier=".cg",
-            )
-        x = x.to(logits_ptr.dtype.element_ty)
-        tl.store(logits_ptr + t * n_experts + e, x, mask=real_t & real_e)
-        scores = tl.where(real_e, softmax_rows(tl.where(real_e, x.to(tl.float32), float("-inf")), LOG2_E, LIBDEVICE),
-                          float("-inf"))  # fmt: skip
-        lanes = tl.where(real_e, e, 2147483647)
-        # Each (token, expert) cell's place in the token's choices (-1: not chosen), found as `store_top_k` finds
-        # them; the cells are then stored where they belong (no reduction per choice to gather them).
-        rank = tl.full([ROUTE_T, ROUTE_E], -1, tl.int32)
-        choice = scores
-        for k in tl.static_range(TOP_K):
-            top_score = tl.max(choice, axis=1)[:, None]
-            top = tl.min(tl.where(choice == top_score, lanes, 2147483647), axis=1)[:, None]
-            picked = lanes == top
-            rank = tl.where(picked, k, rank)
-            choice = tl.where(picked, float("-inf"), choice)
-        mine = real_t & (rank >= 0)
-        pair = t * TOP_K + rank
-        tl.store(index_ptr + pair, e.to(tl.int64), mask=mine)
-        # `route`'s weight: the chosen score (a sum with zeros) times `routed_scaling_factor` 1.0, both exact.
-        tl.store(weight_ptr + pair, scores.to(weight_ptr.dtype.element_ty), mask=mine)
-        chosen = mine.to(tl.int32)
-        per_expert = tl.sum(chosen, axis=0)
-        ends = tl.cumsum(per_expert, axis=0)
-        experts = tl.arange(0, ROUTE_E)
-        tl.store(offsets_ptr + experts, ends, mask=experts < n_experts)
-        row = (ends - per_expert)[None, :] + tl.cumsum(chosen, axis=0) - chosen
-        tl.store(row_ptr + pair, row.to(tl.int64), mask=mine)
-        tl.store(sorted_token_ptr + row, t.to(tl.int64), mask=mine)
 
     @triton.jit
     def _chunk_histogram_kernel(
@@ -683,7 +557,6 @@ def route(
         BLOCK_G=triton.next_power_of_2(n_group),
         BLOCK_S=triton.next_power_of_2(group_size),
         BLOCK_K=triton.next_power_of_2(top_k),
-        LOG2_LANES=(triton.next_power_of_2(n_group) * triton.next_power_of_2(group_size)).bit_length() - 1,
         LIBDEVICE=logits.is_cuda,  # the interpreter (CPU tensors) has no libdevice
         # One warp: its reductions (about thirty per token) are shuffles without a barrier. On an H100, 32 / 1,024
         # tokens: 3.8 / 4.6 us against 5.3 / 8.4 with four warps, the same experts and weights.
@@ -735,22 +608,6 @@ def router_product_applies(tokens: int) -> bool:
     return 0 < tokens <= ROUTER_PRODUCT_MAX_TOKENS
 
 
-# The most (token, expert) cells (powers of two) `gate_route_and_align`'s last program routes: LLaDA-MoE-7B at 64
-# tokens (64 x 64: 255 registers a thread at four warps in an sm_90 build, a 12-byte spill); more experts would
-# spill more, so they keep the three launches.
-ONE_LAUNCH_MAX_CELLS = 64 * 64
-
-
-def routes_in_one_launch(tokens: int, n_experts: int, device: torch.device | None = None) -> bool:
-    """Whether `gate_route_and_align` takes `tokens` tokens over `n_experts` experts (on `device`: not inside a CUDA
-    graph capture before its counter exists, which would be zeroed only when the graph first replays)."""
-    if not router_product_applies(tokens) or n_experts < 1:
-        return False
-    if device is not None and device not in _ROUTE_COUNTERS and _capturing(device):
-        return False
-    return max(2, 1 << (tokens - 1).bit_length()) * (1 << (n_experts - 1).bit_length()) <= ONE_LAUNCH_MAX_CELLS
-
-
 def router_splits(tokens: int, n_experts: int, hidden: int, device: torch.device) -> int:
     """The chunks of the hidden size `router_partials` splits the product into by default: the largest power of two
     that keeps the programs (16 x 16 tiles of experts x tokens, times the chunks) within the multiprocessors and each
@@ -772,139 +629,48 @@ def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, splits: int | No
     without a second launch, atomics or a zeroed buffer. x `(tokens, H)` and gate_weight `(E, H)` in one
     half-precision dtype; each chunk's product accumulated in float32 (the order of the sums is the kernel's: the
     logits are within float32 rounding of the exact product before their rounding to x's dtype)."""
-    x, gate_weight, launch = _router_product_launch("router_partials", x, gate_weight, splits)
-    _router_product_kernel[launch.grid](
-        x, gate_weight, launch.partials, *launch.sizes, **launch.tiles, num_warps=4, num_stages=launch.stages
-    )
-    return launch.partials
-
-
-class _RouterProductLaunch(NamedTuple):
-    partials: torch.Tensor  # (splits, tokens, E) float32, the kernel's output
-    grid: tuple[int, int, int]  # (expert tiles, token tiles, splits)
-    sizes: tuple[int, int, int, int]  # tokens, experts, hidden, chunk (hidden columns per split)
-    tiles: dict  # BLOCK_T, BLOCK_E, BLOCK_H
-    stages: int
-
-
-def _router_product_launch(name: str, x: torch.Tensor, gate_weight: torch.Tensor, splits: int | None):
-    """The checked inputs (contiguous) and the launch of `router_partials`' product (also `gate_route_and_align`'s)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or gate_weight.dtype != x.dtype:
         raise ValueError(
-            f"{name}: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
+            f"router_partials: x and gate_weight must share a half-precision dtype (bfloat16 or float16), got "
             f"{x.dtype} and {gate_weight.dtype}."
         )
     if gate_weight.dim() != 2 or x.dim() != 2 or gate_weight.shape[1] != x.shape[1]:
         raise ValueError(
-            f"{name}: x must be (tokens, hidden) and gate_weight (experts, hidden), got {tuple(x.shape)} and "
+            f"router_partials: x must be (tokens, hidden) and gate_weight (experts, hidden), got {tuple(x.shape)} and "
             f"{tuple(gate_weight.shape)}."
         )
     (tokens, hidden), n_experts = x.shape, gate_weight.shape[0]
     if not router_product_applies(tokens):
         raise ValueError(
-            f"{name} takes 1 to {ROUTER_PRODUCT_MAX_TOKENS} tokens, got {tokens}: use the router's own "
+            f"router_partials takes 1 to {ROUTER_PRODUCT_MAX_TOKENS} tokens, got {tokens}: use the router's own "
             f"product (`router_product_applies` tells which)."
         )
     if splits is None:
         splits = router_splits(tokens, n_experts, hidden, x.device)
     if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= hidden:
-        raise ValueError(f"{name}: splits must be an int from 1 to the hidden size {hidden}, got {splits!r}.")
+        raise ValueError(f"router_partials: splits must be an int from 1 to the hidden size {hidden}, got {splits!r}.")
+    x, gate_weight = x.contiguous(), gate_weight.contiguous()
     partials = torch.empty(splits, tokens, n_experts, dtype=torch.float32, device=x.device)
     block_t = block_e = ROUTER_PRODUCT_TILE
     block_h, stages = _router_product_tiles(block_t + block_e, x.element_size(), x.device)
     # A chunk in whole steps of at most block_h columns (at least 16: tl.dot's least width).
     block_h = min(block_h, max(16, triton.next_power_of_2(triton.cdiv(hidden, splits))))
     chunk = block_h * triton.cdiv(triton.cdiv(hidden, splits), block_h)
-    launch = _RouterProductLaunch(
-        partials,
-        (triton.cdiv(n_experts, block_e), triton.cdiv(tokens, block_t), splits),
-        (tokens, n_experts, hidden, chunk),
-        dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h),
-        stages,
-    )
-    return x.contiguous(), gate_weight.contiguous(), launch
-
-
-# Per device: the counter `gate_route_and_align`'s programs take tickets from (int32, zeroed once, set back to 0 by
-# each launch's last program).
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _route_counter(device: torch.device) -> torch.Tensor:
-    counter = _ROUTE_COUNTERS.get(device)
-    if counter is None:
-        if _capturing(device):
-            raise ValueError(
-                "gate_route_and_align: its counter would be made inside a CUDA graph capture (zeroed only at the "
-                "graph's first replay); call it once outside the capture first (`routes_in_one_launch(tokens, "
-                "n_experts, device)` says whether it applies)."
-            )
-        counter = _ROUTE_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
-@on_tensor_device
-def gate_route_and_align(
-    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, splits: int | None = None
-) -> tuple[torch.Tensor, ...]:
-    """LLaDA-MoE's routing for few tokens over few experts (`routes_in_one_launch`) in one launch:
-    `router_partials(x, gate_weight, splits)`, `route(partials, None, 1, 1, top_k, "softmax", False, 1.0, x.dtype,
-    summed_logits=logits)` and `align_by_expert(index, E, False)`, bit for bit, the last of the product's programs
-    to finish doing the routing and the alignment for every token (the partials' sum in split order, the same
-    softmax, ties to the lowest expert, the same stable order). x `(tokens, H)` and gate_weight `(E, H)` in one
-    half-precision dtype -> router logits `(tokens, E)` in x's dtype, index `(tokens, top_k)` int64, weights
-    `(tokens, top_k)` in x's dtype, sorted_token `(tokens * top_k,)` int64, offsets `(E,)` int32, row `(tokens,
-    top_k)` int64.
-
-    The programs count their arrivals in one counter per device (zeroed once, set back to 0 by each launch's last
-    program: no memset launch, CUDA-graph capturable): launches of this function on one device must not overlap, as
-    launches on one stream never do (kernels on two streams of one device at once would share the counter)."""
-    x, gate_weight, launch = _router_product_launch("gate_route_and_align", x, gate_weight, splits)
-    tokens, n_experts = launch.sizes[:2]
-    if not routes_in_one_launch(tokens, n_experts):
-        raise ValueError(
-            f"gate_route_and_align: {tokens} tokens over {n_experts} experts exceed one program's "
-            f"{ONE_LAUNCH_MAX_CELLS} (token, expert) cells (powers of two): use `router_partials`, `route` and "
-            f"`align_by_expert` (`routes_in_one_launch` tells which)."
-        )
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise ValueError(
-            f"gate_route_and_align: top_k must be an int from 1 to the {n_experts} experts, got {top_k!r}."
-        )
-    device = x.device
-    logits = torch.empty(tokens, n_experts, dtype=x.dtype, device=device)
-    index = torch.empty(tokens, top_k, dtype=torch.long, device=device)
-    weight = torch.empty(tokens, top_k, dtype=x.dtype, device=device)
-    sorted_token, offsets, row, _ = _align_outputs(index, n_experts, False)
-    route_e = triton.next_power_of_2(n_experts)
-    _router_route_align_kernel[launch.grid](
+    _router_product_kernel[(triton.cdiv(n_experts, block_e), triton.cdiv(tokens, block_t), splits)](
         x,
         gate_weight,
-        launch.partials,
-        _route_counter(device),
-        logits,
-        index,
-        weight,
-        sorted_token,
-        row,
-        offsets,
-        *launch.sizes,
-        **launch.tiles,
-        SPLITS=launch.grid[2],
-        TOP_K=top_k,
-        # (At least 2 tokens: the alignment's scan over tokens.)
-        ROUTE_T=max(2, triton.next_power_of_2(tokens)),
-        ROUTE_E=route_e,
-        LOG2_E=route_e.bit_length() - 1,
-        LIBDEVICE=x.is_cuda,  # the interpreter (CPU tensors) has no libdevice
+        partials,
+        tokens,
+        n_experts,
+        hidden,
+        chunk,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_H=block_h,
         num_warps=4,
-        num_stages=launch.stages,
+        num_stages=stages,
     )
-    return logits, index, weight, sorted_token, offsets, row
+    return partials
 
 
 def _router_product_tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:

@@ -312,8 +312,8 @@ MODELS_SCRIPT = PRELUDE + textwrap.dedent(
         fused, fused_moe = half(ids).logits.float(), moe(x)[0].float()
     assert (fused_moe - plain_moe).abs().max() < 2e-3, (fused_moe - plain_moe).abs().max()
     assert (fused - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3, "llada-moe"
-    # The routing's fused forms: few tokens in one launch (`gate_route_and_align`, above) or PyTorch's product, many
-    # tokens with PyTorch's; then `route` and `align_by_expert`: the same as the PyTorch path.
+    # The routing's fused forms: few tokens with `router_partials` (above) or PyTorch's product, many tokens with
+    # PyTorch's; then `route` and `align_by_expert`: the same as the PyTorch path.
     many = torch.randn(300, 64, dtype=torch.float16)
     assert triton_moe.router_product_applies(40) and not triton_moe.router_product_applies(300)
     for tokens, product_in_kernel in ((x, False), (many, True)):
