@@ -128,20 +128,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # that is 3 chunks of 8 tiles) against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184
 # against the best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and
 # SDPA's math path 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
-# `even_splits` (sliding, batch 1): 4 chunks of 5 tiles over the 1,279 keys, not 3 of 8. `fold_merge` off: the
-# merge folded into the kernel was measured only at LLaDA's tiles (heads of 128), not at these 128 x 256 tiles
-# (`bench_diffusion_gemma.py` times the step with it on).
+# `even_splits` (sliding, batch 1): 4 chunks of 5 tiles over the 1,279 keys, not 3 of 8. With the splits merged in
+# the kernel (`fold_merge`, the default), the batch-1 sliding attention takes 37 us a layer against 67 with a second
+# merge kernel, 30 against 60 with the ring's unwritten slots skipped (512 of 1,023 written; same bits): the captured
+# batch-1 step 16.39 ms against 17.13 (`bench_diffusion_gemma.py` times it with the merge apart).
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
     (256, 1): (
         "triton",
-        AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True, fold_merge=False),
+        AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True),
     ),
-    (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4, fold_merge=False)),
-    (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4, fold_merge=False)),
-    (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8, fold_merge=False)),
-    (512, 8): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8, fold_merge=False)),
-    (512, 32): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8, fold_merge=False)),
+    (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
+    (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
+    (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
+    (512, 8): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
+    (512, 32): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
 }
 
 

@@ -21,7 +21,8 @@ pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
 # (batch, heads, kv_heads, q_len, kv_len, dim, splits, mask): "keys" a (B, T) key padding mask with row 0
 # left-padded, "queries" a block-causal (B, Lq, T) mask with `kv_end`, "skip" a (B, T) mask with skipped tiles,
-# "chunks" the key padding mask with one warp (the folded merge takes a row tile in chunks: 16 rows of 64 here).
+# "chunks" the key padding mask with one warp (the folded merge takes a row tile in chunks: 16 rows of 64 here),
+# "gap" masked keys skipped per row (`key_gap`) in even chunks, "gemma" that with DiffusionGemma's decoder tiles.
 # On the CPU key tiles of 16 (few keys, several splits: interpreted programs are slow).
 CPU_CASES = [
     (2, 4, 2, 5, 37, 16, 2, "keys"),
@@ -29,6 +30,7 @@ CPU_CASES = [
     (3, 4, 2, 8, 64, 16, 3, "queries"),
     (2, 2, 1, 20, 96, 16, 4, "skip"),
     (1, 4, 1, 8, 40, 64, 2, "chunks"),
+    (2, 4, 2, 8, 96, 16, 3, "gap"),
 ]
 
 
@@ -53,6 +55,18 @@ def case_inputs(batch, heads, kv_heads, q_len, kv_len, dim, mask_kind, dtype, de
             kwargs["tiles"] = AttentionTiles(block_m=32, block_n=16, skip_masked=True)
         elif mask_kind == "chunks":
             kwargs["tiles"] = dataclasses.replace(kwargs["tiles"], num_warps=1)
+        elif mask_kind in ("gap", "gemma"):  # a ring's unwritten slots, skipped (`key_gap`), in even chunks
+            start = torch.tensor([kv_len // 2 - 8 * row for row in range(batch)], device=device)
+            end = torch.full_like(start, kv_len * 4 // 5)
+            for row in range(batch):
+                mask[row, start[row] : end[row]] = False
+            kwargs["key_gap"] = torch.stack([start, end], dim=1).to(torch.int32)
+            if mask_kind == "gemma":  # DiffusionGemma's batch-1 sliding tiles
+                from hf_dllm.modeling_diffusion_gemma import decoder_tiles
+
+                kwargs["tiles"] = decoder_tiles(dim, batch)
+            else:
+                kwargs["tiles"] = dataclasses.replace(kwargs["tiles"], even_splits=True)
     mask[-1, ..., :3] = False
     return q, k, v, mask, kwargs
 
@@ -153,7 +167,8 @@ def test_merge_counters_grow_keep_every_buffer_and_are_never_made_in_a_capture(m
 
 
 # The shapes of the GPU tests of `block_attention` (`tests/generation/test_gpu.py`, LLaDA2.0-mini's block step in
-# `test_llada2_kernels_gpu.py`) and LLaDA-MoE-7B's batch-1 step (16 heads of 128, 32 queries, 384 keys).
+# `test_llada2_kernels_gpu.py`), LLaDA-MoE-7B's batch-1 step (16 heads of 128, 32 queries, 384 keys) and
+# DiffusionGemma-26B-A4B's batch-1 sliding layers (16 / 8 heads of 256, a 256-token canvas over a 1,023-slot ring).
 GPU_CASES = [
     (1, 16, 16, 32, 384, 128, None, "keys"),
     (1, 32, 32, 32, 768, 128, None, "keys"),
@@ -162,6 +177,8 @@ GPU_CASES = [
     (3, 4, 1, 5, 1000, 128, None, "keys"),
     (3, 16, 4, 32, 768, 128, 4, "queries"),
     (2, 4, 2, 32, 512, 128, 4, "skip"),
+    (2, 8, 2, 32, 600, 128, 3, "gap"),
+    (1, 16, 8, 256, 1279, 256, None, "gemma"),
 ]
 
 
@@ -173,6 +190,8 @@ def test_folded_merge_equals_two_launches_on_gpu(case, dtype):
     (the counter's acquire-release). The same bits as the two-launch merge (which launches the combine kernel: the
     keys were split), counters at zero, repeated calls equal."""
     batch, heads, kv_heads, q_len, kv_len, dim, splits, mask_kind = case
+    if mask_kind == "gemma" and dtype == torch.float32:  # 295 KB of shared memory, over an H200's 227 KB
+        pytest.skip("DiffusionGemma's decoder tiles are for half precision (float32 passes take SDPA)")
     torch.manual_seed(kv_len)
     q, k, v, mask, kwargs = case_inputs(batch, heads, kv_heads, q_len, kv_len, dim, mask_kind, dtype, "cuda")
     for _ in range(5):  # the programs' order changes from run to run
