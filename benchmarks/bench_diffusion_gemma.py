@@ -28,7 +28,9 @@ The step's parts, each timed alone at each batch size (`steps[*]` in the JSON li
 (`triton_diffusion_gemma.fused_sample`, where it runs) and the PyTorch one on the same logits, and one layer's
 experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
-backend, and with the experts' weighted sum launched apart against inside the layer's end kernel (the default).
+backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
+each layer's input norm launched apart (not by the previous layer's end kernel), and with the sliding attention
+reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a second kernel.
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
@@ -46,6 +48,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -58,6 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_dllm  # noqa: E402
+from hf_dllm import modeling_diffusion_gemma  # noqa: E402
 from hf_dllm.decoding_diffusion_gemma import SAMPLER_DEFAULTS, EntropyBoundSampler  # noqa: E402
 
 # The 26B-A4B text transformer (the shape issue #67 gives; transformers' config defaults are a smaller Gemma).
@@ -425,6 +429,29 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 model._graphs = None  # captured graphs keep the kernels they were captured with
                 block = step(block)
                 parts[f"graph_step_{label}_ms"] = timed_ms(functools.partial(step, block), repeats, device)
+            layer_class.norm_in_end_kernel = False  # each layer's input norm launched apart
+            model._graphs = None
+            block = step(block)
+            parts["graph_step_next_norm_apart_ms"] = timed_ms(functools.partial(step, block), repeats, device)
+            layer_class.norm_in_end_kernel = True
+            # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, and its key
+            # chunks a power of two of tiles instead of even ones; each alone, then the default again.
+            table = dict(modeling_diffusion_gemma.DECODER_ATTENTION)
+            power_of_two = {
+                key: (name, dataclasses.replace(tiles, even_splits=False)) for key, (name, tiles) in table.items()
+            }
+            apart = {key: (name, dataclasses.replace(tiles, fold_merge=False)) for key, (name, tiles) in table.items()}
+            for label, skip, tiles in (
+                ("ring_gap_read", False, table),
+                ("power_of_two_chunks", True, power_of_two),
+                ("merge_apart", True, apart),
+                ("default", True, table),
+            ):
+                modeling_diffusion_gemma.SKIP_RING_GAP = skip
+                modeling_diffusion_gemma.DECODER_ATTENTION.update(tiles)
+                model._graphs = None
+                block = step(block)
+                parts[f"graph_step_attention_{label}_ms"] = timed_ms(functools.partial(step, block), repeats, device)
         parts["attention"] = backend or "auto"
         parts["attention_by_layer_kind"] = {
             kind: next(
@@ -626,7 +653,15 @@ def main(argv: list[str] | None = None) -> int:
             if "graph_step_combine_apart_ms" in step:
                 print(
                     f"      graph step with the experts' combine launched apart: {step['graph_step_combine_apart_ms']:.2f}"
-                    f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms"
+                    f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms;"
+                    f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms"
+                )
+            if "graph_step_attention_default_ms" in step:
+                print(
+                    f"      graph step with the ring's empty slots read: {step['graph_step_attention_ring_gap_read_ms']:.2f}"
+                    f" ms, with power-of-two key chunks: {step['graph_step_attention_power_of_two_chunks_ms']:.2f} ms,"
+                    f" with the splits merged by a second kernel: {step['graph_step_attention_merge_apart_ms']:.2f} ms,"
+                    f" default: {step['graph_step_attention_default_ms']:.2f} ms"
                 )
             for name in ("sdpa", "gemm", "triton"):
                 if f"graph_step_{name}_attention_ms" in step:

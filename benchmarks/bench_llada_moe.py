@@ -14,11 +14,17 @@ Reported: ms per forward, forwards, tokens/s and the speed-up over the reference
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
 loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
 process captured: it replays faster then, see `first_step` below; also without the router's product in the routing
-kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the step's
-decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's grouped-product configs
-where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of every weight a step reads
-(attention, norms, routers, output head; the embedding's gathered rows aside) plus the distinct experts the step's
-32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step within 2x of the floor).
+kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the
+attention's key splits merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`),
+without the step's decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's
+grouped-product configs where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of
+every weight a step reads (attention, norms, routers, output head; the embedding's gathered rows aside) plus the
+distinct experts the step's 32 tokens chose in each layer, over the device's measured copy bandwidth (goal: step
+within 2x of the floor).
+
+Also the step's attention alone (`attention_merge_rows`), at the batch-1 shape over 384 (this run's cache), 1024
+and 2048 keys: the split-KV kernel with the splits' merge folded into it (one launch, the default) against the
+merge as a second kernel (`AttentionTiles.fold_merge=False`), and whether the two give the same bits.
 
 The reference code is never committed: `--reference DIR` names a folder holding `modeling_lladamoe.py`,
 `configuration_lladamoe.py` (ZHZisZZ/dllm) and LLaDA's `generate.py` (`benchmarks/lladamoe_reference.py` says how to
@@ -33,6 +39,8 @@ copy them). Without it only hf_dllm's rows and the floor are measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -44,10 +52,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_fp8_gemm import timed_us  # noqa: E402
 from bench_generate import copy_bandwidth  # noqa: E402
 from bench_llada2 import sync, timed  # noqa: E402
 
-from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM, grouped_gemm  # noqa: E402
+from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM, grouped_gemm, triton_attention  # noqa: E402
 from hf_dllm.block_loop import BlockDiffusionRun  # noqa: E402
 from hf_dllm.decoding import UnmaskingPolicy  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
@@ -154,6 +163,31 @@ def block_step_ms(model, prompt, config, device, repeats: int = 20, in_a_row: in
         StepGraphs.release_to(model)
 
 
+def attention_merge_rows(shape: dict, kv_lengths=(384, 1024, 2048), copies: int = 8) -> list[dict]:
+    """GPU time of the batch-1 block step's attention alone (`shape`'s heads, 32 queries, bidirectional over
+    `kv_lengths` cached keys, no padding mask, bf16), the key splits merged in the attention kernel (one launch) and
+    by a second kernel (two launches); `copies` K/V copies taken in turn (none stays in L2, as in a step)."""
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    dim = shape["hidden_size"] // heads
+    folded = triton_attention.default_tiles(heads // kv_heads * 32)
+    two_launches = dataclasses.replace(folded, fold_merge=False)
+    q = torch.randn(1, heads, 32, dim, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for kv_len in kv_lengths:
+        kv = [
+            torch.randn(2, 1, kv_heads, kv_len, dim, device="cuda", dtype=torch.bfloat16).unbind(0)
+            for _ in range(copies)
+        ]
+        row = dict(kv_len=kv_len)
+        for name, tiles in (("folded", folded), ("two_launches", two_launches)):
+            calls = [functools.partial(triton_attention.block_attention, q, *kv_copy, tiles=tiles) for kv_copy in kv]
+            row[f"{name}_us"] = round(timed_us(calls, 4 * copies), 2)
+        outs = [triton_attention.block_attention(q, *kv[0], tiles=tiles) for tiles in (folded, two_launches)]
+        row["equal"] = torch.equal(*outs)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="a tiny float32 model on the CPU (CI's quick check)")
@@ -243,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             grouped_gemm.PINNED_CONFIGS.update(pinned)
             grouped_gemm._grouped_kernel.cache.clear()
+        # The attention's key splits merged by a second kernel (`AttentionTiles.fold_merge=False`) at every layer.
+        folded_tiles = triton_attention.default_tiles
+        triton_attention.default_tiles = lambda rows: dataclasses.replace(folded_tiles(rows), fold_merge=False)
+        try:
+            variants["ms_without_fold_merge"] = round(block_step_ms(model, prompt, config, device), 3)
+        finally:
+            triton_attention.default_tiles = folded_tiles
     canvas = ours_steps.sequences
     distinct = distinct_experts(model, canvas, slice(prompt_len, prompt_len + block))
     summary["step"] = {"distinct_experts_per_layer": round(statistics.mean(distinct), 1)}
@@ -264,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.zeros(1, shape["hidden_size"], dtype=dtype, device=device)
             summary["fused_experts"] = model.model.layers[0].mlp.uses_fused_kernels(x)
             summary["cuda_graphs"] = model._diffusion_step_capturable()
+        summary["attention_merge"] = attention_merge_rows(shape)
 
     print(f"{device_name}, {dtype}, {summary['shape']} shape, batch 1, prompt {prompt_len}, {new_tokens} new tokens")
     print(f"{'row':42} {'nfe':>5} {'ms/forward':>11} {'tokens/s':>9} {'speed-up':>9} {'peak GiB':>9}")
@@ -282,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{step_line['over_floor_as_first_graph']}x"
         )
         print("  without " + ", ".join(f"{name[11:]}: {ms} ms" for name, ms in variants.items()))
+        print("attention alone (us): keys, splits merged in the kernel, merged by a second kernel, same bits")
+        for r in summary["attention_merge"]:
+            print(f"{r['kv_len']:>6}{r['folded_us']:>10.2f}{r['two_launches_us']:>10.2f}  {r['equal']}")
     for goal in ("goal_dual_cache_3x_reference", "goal_step_within_2x_floor"):
         if goal in summary:
             print(f"{goal}: {'met' if summary[goal] else 'NOT met'}")

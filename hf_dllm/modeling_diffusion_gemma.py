@@ -128,9 +128,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # that is 3 chunks of 8 tiles) against cuDNN SDPA with the additive mask 76.5 (39.5 unmasked); batch 8: SDPA 184
 # against the best Triton tiles' 201; full, batch 1 / 8: "gemm" 68 / 490 against the best Triton tiles' 93 and
 # SDPA's math path 457 (cuDNN has no kernel for heads of 512). Batch 32 was not swept: it keeps the batch-8 choice.
+# `even_splits` (sliding, batch 1): 4 chunks of 5 tiles over the 1,279 keys, not 3 of 8. With the splits merged in
+# the kernel (`fold_merge`, the default), the batch-1 sliding attention takes 37 us a layer against 67 with a second
+# merge kernel, 30 against 60 with the ring's unwritten slots skipped (512 of 1,023 written; same bits): the captured
+# batch-1 step 16.39 ms against 17.13 (`bench_diffusion_gemma.py` times it with the merge apart).
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
-    (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4)),
+    (256, 1): (
+        "triton",
+        AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True),
+    ),
     (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
@@ -238,9 +245,11 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         wide = self.head_dim > FUSED_SDPA_HEAD_DIM
         return "gemm" if wide and hidden_states.is_cuda and hidden_states.dtype != torch.float32 else "sdpa"
 
-    def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool) -> torch.Tensor:
+    def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
         (every key), for the "sdpa" backend also additive (0 / -inf in the query's dtype, `decoder_key_mask`);
+        `key_gap` `(B, 2)` int32 or None: keys masked for every query that the "triton" backend need not read
+        (`decoder_key_gap`);
         `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V (encoder) or only
         read the cache (decoder)."""
         batch, length, _ = hidden_states.shape
@@ -270,12 +279,12 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             value = self.v_norm(value).transpose(1, 2)
         if cache is not None:
             key, value = cache.keys_values(self.layer_idx, key, value, write_cache)
-        output = self.attend(hidden_states, query, key, value, mask, write_cache)
+        output = self.attend(hidden_states, query, key, value, mask, write_cache, key_gap)
         if cache is not None and write_cache:
             cache.end_write(self.layer_idx)  # (a ring's oldest slots are overwritten only once they have been read)
         return linear(self.o_proj, output)
 
-    def attend(self, hidden_states, query, key, value, mask, write_cache: bool) -> torch.Tensor:
+    def attend(self, hidden_states, query, key, value, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """Attention of query `(B, H, T, D)` over key, value `(B, Hkv, S, D)` on the chosen backend, as the
         o-projection reads it: `(B, T, H * D)`."""
         batch, length, _ = hidden_states.shape
@@ -292,7 +301,8 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             # o-projection reads (no transpose copy).
             padding = None if mask is None else mask[:, 0, 0, :]
             tiles = decoder_tiles(self.head_dim, batch)
-            return block_attention(query, key, value, padding, scale=1.0, tiles=tiles).reshape(batch, length, -1)
+            output = block_attention(query, key, value, padding, scale=1.0, tiles=tiles, key_gap=key_gap)
+            return output.reshape(batch, length, -1)
         output = nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=1.0, enable_gqa=self.num_heads != self.num_key_value_heads
         )
@@ -557,32 +567,45 @@ class DiffusionGemmaLayer(nn.Module):
             setattr(self, name, DiffusionGemmaRMSNorm(hidden, eps=eps))
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False):
-        attention = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, write_cache)
+    def forward(
+        self, x, cos, sin, cache, mask, write_cache: bool, layer_scalar=None, attention_only=False, key_gap=None,
+        normed_input=None, next_norm=None,
+    ):  # fmt: skip
+        """The layer on `x` `(B, T, hidden)` (`normed_input`: its `input_layernorm`, where the previous layer's end
+        kernel computed it). With `next_norm` (the next layer's `input_layernorm`): (output, its norm by `next_norm`
+        where the end kernel computed it, else None)."""
+        attention = self.self_attn(
+            self.input_layernorm(x) if normed_input is None else normed_input, cos, sin, cache, mask, write_cache,
+            key_gap,
+        )  # fmt: skip
         if attention_only:  # the encoder's last layer: only its K/V are read
             return self.post_attention_layernorm(attention, residual=x)
         scalar = self.layer_scalar if layer_scalar is None else layer_scalar
         if self.norms_fuse(attention, x, scalar):
-            return self.fused_feedforward(attention, x, scalar)
+            return self.fused_feedforward(attention, x, scalar, next_norm)
         residual = self.post_attention_layernorm(attention, residual=x)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(residual)))
         flat = residual.reshape(-1, residual.shape[-1])
         weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        return self.post_feedforward_layernorm(
+        out = self.post_feedforward_layernorm(
             self.post_feedforward_layernorm_2(moe, residual=dense), residual=residual, scale=scalar
         )
+        return out if next_norm is None else (out, None)
 
     # The experts' weighted sum inside the layer's end kernel (`post_feedforward_norms`' `experts`) where the experts
     # run as hf_dllm's Triton kernels: the same bits as `triton_moe.combine`, one launch and one (tokens, hidden) round
     # trip fewer per layer (`bench_diffusion_gemma.py` times the step without it too).
     combine_in_end_kernel = True
+    # The next layer's input norm computed by this layer's end kernel (`forward`'s `next_norm`), where its weight
+    # and eps allow: one launch fewer per layer.
+    norm_in_end_kernel = True
 
     def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
         return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
 
-    def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
+    def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor, next_norm=None):
         """`forward` after the attention, its seven norms (and the layer scalar) in two launches: after the
         attention, the residual and the MLP's, experts' and router's inputs from one kernel; at the end, the three
         post-feed-forward norms and the scalar from one. The same float32 ops and rounding points as the separate
@@ -608,9 +631,21 @@ class DiffusionGemmaLayer(nn.Module):
         else:
             moe = self.experts(moe_in, index, weights).view(x.shape)
         norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
-        return triton_diffusion_gemma.post_feedforward_norms(
-            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts
+        folds_next = (
+            next_norm is not None
+            and self.norm_in_end_kernel
+            and next_norm.with_scale
+            and next_norm.eps == norms[-1].eps
+            and next_norm.weight.device == x.device
+            and not is_sharded(next_norm.weight)
         )
+        out = triton_diffusion_gemma.post_feedforward_norms(
+            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts,
+            next_norm.weight if folds_next else None,
+        )  # fmt: skip
+        if next_norm is None:
+            return out
+        return out if folds_next else (out, None)
 
 
 class DiffusionGemmaSelfConditioning(DiffusionGemmaMLP):
@@ -1028,6 +1063,26 @@ def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive:
     return storage[..., :keys].masked_fill_(~mask, float("-inf"))
 
 
+# Where the decoder's Triton attention skips a ring's unwritten slots (`decoder_key_gap`); off: it reads them, masked.
+SKIP_RING_GAP = True
+
+
+def decoder_key_gap(cache, layer: int, backend: str) -> torch.Tensor | None:
+    """The keys `(B, 2)` int32 [start, end) of layer `layer`'s cache that every query of the decoder's pass sees
+    masked and the "triton" backend need not read: a static cache's sliding-layer ring's slots after its last
+    written one, per row (none once the ring has wrapped; its canvas keys come after the ring). None elsewhere (other
+    backends, full layers, the dynamic cache) or with `SKIP_RING_GAP` off. A few tensor ops, once per decoder pass
+    and layer kind (the sliding layers share their slots' validity, as `decoder_key_mask`)."""
+    if not SKIP_RING_GAP or backend != "triton" or not isinstance(cache, DiffusionGemmaStaticCache):
+        return None
+    if not cache.sliding[layer] or cache.valid[layer] is None:
+        return None
+    valid = cache.valid[layer]
+    slots = valid.shape[1]
+    after_last = (valid * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)  # 0 where none written
+    return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)
+
+
 def encoder_key_mask(cache, layer: int, columns: torch.Tensor, valid: torch.Tensor, window: int | None) -> torch.Tensor:
     """The encoder's mask `(B, 1, T, cached + T)` bool over layer `layer`'s cache and the pass' own keys at `columns`
     `(T,)` (`valid` `(B, T)`: real tokens): a query sees the valid keys at its column or before, and within `window`
@@ -1264,12 +1319,23 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder, text = self.model.decoder, self.config.text_config
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
         masks: dict = {}
+        gaps: dict = {}
+        normed = None  # the next layer's input norm, where its predecessor's end kernel computed it
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
-            key = (kind, layer.self_attn.chosen_backend(x) == "sdpa")  # (layer kind, additive mask)
+            backend = layer.self_attn.chosen_backend(x)
+            key = (kind, backend == "sdpa")  # (layer kind, additive mask)
             if key not in masks:  # once per kind and mask form, not per layer
                 masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x, padded, additive=key[1])
-            x = layer(x, *rope[kind], cache, masks[key], False)
+            if (kind, backend) not in gaps:
+                gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
+            # The next layer's input norm from this layer's end kernel where it can (`norm_in_end_kernel`).
+            next_norm = decoder.layers[index + 1].input_layernorm if index + 1 < len(decoder.layers) else None
+            out = layer(
+                x, *rope[kind], cache, masks[key], False, key_gap=gaps[kind, backend], normed_input=normed,
+                next_norm=next_norm,
+            )  # fmt: skip
+            x, normed = out if next_norm is not None else (out, None)
         return decoder.norm(x)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:

@@ -5,8 +5,19 @@ head against `T` (prompt + generated, e.g. 768) cached keys, bidirectional, with
 rows. With one program per (row, head), a batch-1 step keeps only `heads` programs busy on a 132-SM GPU, each
 streaming the whole K/V of its head. This kernel splits the keys into chunks (flash-decoding): each program
 computes a partial softmax over one chunk for all queries of a key/value head (grouped-query heads share the
-K/V load), and a second kernel merges the chunks with their log-sum-exp. With enough programs, one split is used
-and the first kernel writes the output directly.
+K/V load), and the chunks are merged with their log-sum-exp. With enough programs, one split is used and the kernel
+writes the output directly.
+
+The merge runs in the attention kernel itself (split-K's "last program merges", as stream-K GEMMs fix up their
+tiles, Osama et al. arXiv:2301.03598): each split program writes its partial output and log-sum-exp, then counts
+itself in an int32 counter per (row, key/value head, row tile) with an acquire-release atomic; the program that
+counts last reads every split's partials and writes the output, and sets the counter back to zero, so the next
+launch (and every replay of a CUDA graph) finds it at zero. The counters are one zeroed buffer per device, allocated
+once and kept (`merge_counters`): no launch per call (a first call inside a CUDA graph capture, before any outside
+it, merges in a second kernel: a buffer zeroed inside a capture is zero only once the graph replays). Launches on one
+device share it, which is safe because a stream runs its kernels in order; they must not run on two streams at once.
+`AttentionTiles.fold_merge=False` merges in a second kernel always, with the same operations (the outputs are equal
+bit for bit).
 
 Shapes: q `(B, Hq, Lq, D)`, k/v `(B, Hkv, T, D)`, key padding `(B, T)` bool (True = attend), output
 `(B, Lq, Hq, D)`. Scores, softmax statistics and accumulation in float32; the probabilities are cast to the value
@@ -90,6 +101,67 @@ if TRITON_AVAILABLE:
         return m_new, l_i, acc
 
     @triton.jit
+    def _split_weight(weights, splits, s):
+        # Column `s` of `weights` (R, BLOCK_S), exactly: every other term of the sum is zero.
+        return tl.sum(tl.where(splits[None, :] == s, weights, 0.0), axis=1)
+
+    @triton.jit
+    def _merge_splits(
+        part_ptr, lse_ptr, rows, row_valid, n_splits, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        # The output of rows `rows` (R,) (`(b * Hq + head) * Lq + q_pos`) from their `n_splits` partial outputs and
+        # log-sum-exps: softmax weights of the log-sum-exps, then the weighted sum of the partials. Both sums run
+        # split by split in order (unrolled): an order that does not depend on the tile's layout or the launch's
+        # warps (`tl.sum`'s does), so the merge in the attention kernel and in `_combine_splits_kernel` give the
+        # same bits. The loads go to L2 (".cg"): partials another multiprocessor wrote in this launch are never
+        # read from a stale L1 line.
+        splits = tl.arange(0, BLOCK_S)
+        split_valid = splits < n_splits
+        lse = tl.load(
+            lse_ptr + rows[:, None] * n_splits + splits[None, :],
+            mask=row_valid[:, None] & split_valid[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        lse = tl.where(row_valid[:, None], lse, 0.0)  # a tile's rows past the last: finite, never stored
+        lse_max = tl.max(lse, axis=1)
+        weights = tl.where(split_valid[None, :], tl.exp(lse - lse_max[:, None]), 0.0)
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for s in tl.static_range(BLOCK_S):
+            total += _split_weight(weights, splits, s)
+        weights = weights / total[:, None]
+        dims = tl.arange(0, HEAD_DIM)
+        out = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+        for s in tl.static_range(BLOCK_S):
+            part = tl.load(
+                part_ptr + (rows[:, None] * n_splits + s) * HEAD_DIM + dims[None, :],
+                mask=row_valid[:, None] & (tl.full([1, 1], s, tl.int32) < n_splits),  # (a tensor: the interpreter)
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            out += part * _split_weight(weights, splits, s)[:, None]
+        return out
+
+    @triton.jit
+    def _merge_row_tile(
+        part_ptr, lse_ptr, out_ptr, b, kv_head, m_tile, n_kv_heads, n_rep, q_len, n_splits, stride_ob, stride_om,
+        stride_oh, BLOCK_M: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        # The output of an attention program's row tile from its splits' partials, MERGE_ROWS rows at a time (the
+        # merge's registers bounded: the tile's loop keeps its own).
+        dims = tl.arange(0, HEAD_DIM)
+        for chunk in range(BLOCK_M // MERGE_ROWS):
+            rows = m_tile * BLOCK_M + chunk * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
+            row_valid = rows < n_rep * q_len
+            head = kv_head * n_rep + rows // q_len
+            q_pos = rows % q_len
+            row_index = (b * (n_kv_heads * n_rep) + head) * q_len + q_pos
+            out = _merge_splits(part_ptr, lse_ptr, row_index, row_valid, n_splits, MERGE_ROWS, BLOCK_S, HEAD_DIM)
+            out_ptrs = out_ptr + b * stride_ob + q_pos[:, None] * stride_om + head[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+    @triton.jit
     def _block_attention_kernel(
         q_ptr,
         k_ptr,
@@ -98,7 +170,9 @@ if TRITON_AVAILABLE:
         out_ptr,
         part_ptr,
         lse_ptr,
+        counter_ptr,
         kv_end_ptr,
+        gap_ptr,
         k_scale_ptr,
         v_scale_ptr,
         stride_qb,
@@ -126,12 +200,16 @@ if TRITON_AVAILABLE:
         TILES_PER_SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_KV_END: tl.constexpr,
+        HAS_GAP: tl.constexpr,
         HAS_KV_SCALE: tl.constexpr,
         MASK_PER_QUERY: tl.constexpr,
         SKIP_MASKED: tl.constexpr,
         SINGLE_SPLIT: tl.constexpr,
+        FOLD_MERGE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        MERGE_ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         IEEE: tl.constexpr,
     ):
@@ -159,6 +237,19 @@ if TRITON_AVAILABLE:
         n_tiles = TILES_PER_SPLIT
         if HAS_KV_END:
             n_tiles = tl.minimum(n_tiles, tl.maximum(tl.cdiv(tl.load(kv_end_ptr + b) - start, BLOCK_N), 0))
+        # A gap (a ring cache's unwritten slots [gap_start, gap_end), masked for every query): the chunks split the
+        # keys outside it, evenly in whole tiles, read through the index k -> k + gap length from gap_start on.
+        gap_start = 0
+        gap_length = 0
+        kv_keys = kv_len
+        if HAS_GAP:
+            gap_start = tl.load(gap_ptr + 2 * b)
+            gap_length = tl.load(gap_ptr + 2 * b + 1) - gap_start
+            kv_keys = kv_len - gap_length
+            key_tiles = tl.cdiv(kv_keys, BLOCK_N)
+            per_split = tl.cdiv(key_tiles, n_splits)
+            start = split * per_split * BLOCK_N
+            n_tiles = tl.minimum(tl.maximum(key_tiles - split * per_split, 0), per_split)
         # An FP8 cache with half-precision queries: the products run in fp16, to which float8 converts in one
         # instruction per two values (to bf16 it takes several: at batch 32 the conversions cost more than the
         # bytes saved). The queries are scaled by a power of two into fp16's range (1 unless |q| > 32768) and
@@ -177,7 +268,9 @@ if TRITON_AVAILABLE:
         scale_base = b * stride_sb + kv_head * stride_sh
         for tile in range(n_tiles):
             cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_valid = cols < kv_len
+            col_valid = cols < kv_keys
+            if HAS_GAP:
+                cols = tl.where(cols >= gap_start, cols + gap_length, cols)
             if SKIP_MASKED:
                 # A key padding mask: a tile whose keys are all masked (a ring cache's empty slots, left padding)
                 # adds nothing (p = 0, m unchanged), so its K/V are not read at all.
@@ -207,6 +300,17 @@ if TRITON_AVAILABLE:
             tl.store(lse_ptr + row_index * n_splits + split, lse, mask=row_valid)
             part_ptrs = part_ptr + (row_index[:, None] * n_splits + split) * HEAD_DIM + dims[None, :]
             tl.store(part_ptrs, part, mask=row_valid[:, None])
+            if FOLD_MERGE:
+                # Every thread's stores issued before one thread counts (the barrier orders them before its
+                # release); the last of the tile's splits to count acquires them all and merges.
+                tl.debug_barrier()
+                counter = counter_ptr + batch_head * tl.num_programs(2) + m_tile
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                    _merge_row_tile(
+                        part_ptr, lse_ptr, out_ptr, b, kv_head, m_tile, n_kv_heads, n_rep, q_len, n_splits,
+                        stride_ob, stride_om, stride_oh, BLOCK_M, MERGE_ROWS, BLOCK_S, HEAD_DIM,
+                    )  # fmt: skip
+                    tl.store(counter, 0)  # every split has counted: nothing else touches it in this launch
 
     @triton.jit
     def _combine_splits_kernel(
@@ -222,26 +326,15 @@ if TRITON_AVAILABLE:
         BLOCK_S: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)  # (b * n_heads + head) * q_len + q_pos
-        q_pos = row % q_len
-        head = (row // q_len) % n_heads
-        b = row // (q_len * n_heads)
-        splits = tl.arange(0, BLOCK_S)
-        split_valid = splits < n_splits
-        lse = tl.load(lse_ptr + row * n_splits + splits, mask=split_valid, other=float("-inf"))
-        lse_max = tl.max(lse, axis=0)
-        weights = tl.where(split_valid, tl.exp(lse - lse_max), 0.0)
-        weights = weights / tl.sum(weights, axis=0)
+        # The merge as a second launch (`AttentionTiles.fold_merge=False`), one program per row.
+        rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (b * n_heads + head) * q_len + q_pos
+        q_pos = rows % q_len
+        head = (rows // q_len) % n_heads
+        b = rows // (q_len * n_heads)
+        out = _merge_splits(part_ptr, lse_ptr, rows, rows >= 0, n_splits, 1, BLOCK_S, HEAD_DIM)
         dims = tl.arange(0, HEAD_DIM)
-        parts = tl.load(
-            part_ptr + (row * n_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
-            mask=split_valid[:, None],
-            other=0.0,
-        )
-        out = tl.sum(parts * weights[:, None], axis=0)
-        tl.store(
-            out_ptr + b * stride_ob + q_pos * stride_om + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty)
-        )
+        out_ptrs = out_ptr + (b * stride_ob + q_pos * stride_om + head * stride_oh)[:, None] + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -251,7 +344,11 @@ class AttentionTiles:
     tile) programs per multiprocessor on, the keys are not split (None: always as `plan_splits` plans). `splits`:
     key chunks to ask for (None: `plan_splits`'s, from the multiprocessor count). `skip_masked`: with a key padding
     mask `(B, T)`, test each key tile's mask first and skip the tiles it masks whole (a ring cache's empty slots),
-    at the price of a branch in the loop (its K/V loads are not pipelined across it)."""
+    at the price of a branch in the loop (its K/V loads are not pipelined across it). `even_splits`: the key chunks
+    as even as whole tiles allow (`key_chunks`), each length compiled apart, rather than a power of two of tiles
+    each (few variants compiled, but 1,279 keys asked in 4 chunks of 64-key tiles run as 3 chunks of 8 tiles).
+    `fold_merge`: with several splits, the last split program of each row tile merges them (one launch); False: a
+    second kernel does (two launches, the same output bits; more than `MAX_FOLDED_SPLITS` splits always do)."""
 
     block_m: int
     block_n: int = 64
@@ -260,6 +357,8 @@ class AttentionTiles:
     one_split_from: float | None = None
     splits: int | None = None
     skip_masked: bool = False
+    even_splits: bool = False
+    fold_merge: bool = True
 
 
 # Grouped-query blocks (more than 32 query rows per key/value head: LLaDA2.0-mini's 4 heads x 32 positions).
@@ -304,6 +403,40 @@ def plan_splits(
     return max(1, min(max_splits, math.ceil(2 * n_sms / programs)))
 
 
+def key_chunks(kv_len: int, n_splits: int, block_n: int, even: bool = False) -> tuple[int, int]:
+    """(key tiles per chunk, chunks) for `kv_len` keys asked in `n_splits` chunks of `block_n`-key tiles: the tiles
+    per chunk rounded up to a power of two (few kernel variants; fewer chunks may follow), or with `even` the least
+    whole number of tiles that `n_splits` chunks cover the keys with."""
+    per_chunk = -(-kv_len // n_splits)  # ceil(kv_len / n_splits) keys
+    tiles = -(-per_chunk // block_n)
+    if not even:
+        tiles = 1 << (tiles - 1).bit_length()
+    return tiles, -(-kv_len // (tiles * block_n))
+
+
+# The most key splits the attention kernel merges itself (`AttentionTiles.fold_merge`); more (a batch of few
+# key/value heads over thousands of keys) merge in a second kernel. The merge is unrolled over the splits: at 64,
+# its loads spill registers (ptxas, sm_90, Triton 3.6: ~1 KB a thread at LLaDA-MoE's and LLaDA2.0-mini's tiles).
+MAX_FOLDED_SPLITS = 32
+
+# Counters of the folded merge, per device: zeroed once, kept at zero by the kernel. A buffer outgrown by a larger
+# grid stays referenced, since a captured CUDA graph may still replay on it.
+_MERGE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def merge_counters(device: torch.device, size: int) -> torch.Tensor | None:
+    """At least `size` int32 counters on `device`, all zero between launches (`_block_attention_kernel` resets each
+    counter it uses): allocated once (4096, or the next power of two above `size`), not cleared per call. None
+    where they would have to be allocated inside a CUDA graph capture: the zeroing would be captured, not run, and
+    the buffer would hold garbage until the graph's first replay (the caller merges in a second kernel then)."""
+    buffers = _MERGE_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buffers.append(torch.zeros(max(4096, triton.next_power_of_2(size)), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @on_tensor_device
 def block_attention(
     q: torch.Tensor,
@@ -316,13 +449,16 @@ def block_attention(
     tiles: AttentionTiles | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_gap: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention of `q` `(B, Hq, Lq, D)` over `k`, `v` `(B, Hkv, T, D)`.
 
     `key_padding_mask` `(B, T)` (True/1 = real key) masks padded keys; a `(B, Lq, T)` mask gives each query
     position its own keys (LLaDA2's block-causal mask; every query must see at least one key). `kv_end` `(B,)`
     int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
-    those key tiles are skipped. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
+    those key tiles are skipped. `key_gap` `(B, 2)` int32, optional: keys `key_gap[b, 0]` to `key_gap[b, 1] - 1` are
+    masked for every query of row `b` (the mask must say so too: a ring cache's unwritten slots); the chunks split
+    the other keys (evenly, in whole tiles) and never read those. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
     None, `skip_masked` with a `(B, T)` mask). Returns `(B, Lq, Hq, D)` in q's dtype.
 
     An FP8 cache (`cache.FP8DiffusionKVCache`): k/v float8 e4m3 and `k_scale`/`v_scale` `(B, Hkv, T)` float32 with
@@ -335,6 +471,15 @@ def block_attention(
             f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
         )
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    if key_gap is not None:
+        if key_gap.dtype != torch.int32 or key_gap.shape != (batch, 2) or key_gap.device != q.device:
+            raise ValueError(
+                f"`key_gap` must be an int32 tensor of shape ({batch}, 2) on {q.device}, got {key_gap.dtype} "
+                f"{tuple(key_gap.shape)} on {key_gap.device}."
+            )
+        if kv_end is not None:
+            raise ValueError("Pass `key_gap` or `kv_end`, not both.")
+        key_gap = key_gap.contiguous()
     scaled = k_scale is not None
     if scaled and (
         v_scale is None
@@ -368,8 +513,7 @@ def block_attention(
         raise ValueError(f"`n_splits` (or `tiles.splits`) must be a positive int or None, got {n_splits}.")
     if n_splits is None:
         n_splits = plan_splits(batch, n_kv_heads, m_tiles, kv_len, block_n, num_sms(q.device), tiles.one_split_from)
-    tiles_per_split = triton.next_power_of_2(triton.cdiv(triton.cdiv(kv_len, n_splits), block_n))
-    n_splits = triton.cdiv(kv_len, tiles_per_split * block_n)
+    tiles_per_split, n_splits = key_chunks(kv_len, n_splits, block_n, tiles.even_splits)
 
     out = torch.empty(batch, q_len, n_heads, dim, dtype=q.dtype, device=q.device)
     per_query = key_padding_mask is not None and key_padding_mask.dim() == 3
@@ -384,11 +528,17 @@ def block_attention(
     else:
         mask = out  # never read
     single = n_splits == 1
+    folds = tiles.fold_merge and 1 < n_splits <= MAX_FOLDED_SPLITS
+    counters = merge_counters(q.device, batch * n_kv_heads * m_tiles) if folds else None
+    fold = counters is not None
     if single:
         part = lse = out  # never written
     else:
         part = torch.empty(batch, n_heads, q_len, n_splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, n_heads, q_len, n_splits, dtype=torch.float32, device=q.device)
+    block_s = max(2, triton.next_power_of_2(n_splits))
+    # The folded merge's rows at a time: 32 float32 values of the output tile per thread.
+    merge_rows = min(block_m, max(1, 32 * 32 * tiles.num_warps // dim))
     _block_attention_kernel[(n_splits, batch * n_kv_heads, m_tiles)](
         q,
         k,
@@ -397,7 +547,9 @@ def block_attention(
         out,
         part,
         lse,
+        counters if fold else out,  # never touched unfolded
         out if kv_end is None else kv_end,
+        out if key_gap is None else key_gap,
         k_scale if scaled else out,  # never read without HAS_KV_SCALE
         v_scale if scaled else out,
         q.stride(0),
@@ -425,18 +577,22 @@ def block_attention(
         TILES_PER_SPLIT=tiles_per_split,
         HAS_MASK=key_padding_mask is not None,
         HAS_KV_END=kv_end is not None,
+        HAS_GAP=key_gap is not None,
         HAS_KV_SCALE=scaled,
         MASK_PER_QUERY=per_query,
         SKIP_MASKED=tiles.skip_masked and key_padding_mask is not None and not per_query,
         SINGLE_SPLIT=single,
+        FOLD_MERGE=fold,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        BLOCK_S=block_s if fold else 2,  # (unfolded: one compiled kernel whatever the splits)
+        MERGE_ROWS=merge_rows,
         HEAD_DIM=dim,
         IEEE=q.dtype == torch.float32,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if not single:
+    if not single and not fold:
         _combine_splits_kernel[(batch * n_heads * q_len,)](
             part,
             lse,
@@ -447,7 +603,7 @@ def block_attention(
             out.stride(0),
             out.stride(1),
             out.stride(2),
-            BLOCK_S=max(2, triton.next_power_of_2(n_splits)),
+            BLOCK_S=block_s,
             HEAD_DIM=dim,
             num_warps=1 if dim <= 64 else 2,
         )

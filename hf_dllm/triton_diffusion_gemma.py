@@ -274,8 +274,8 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _post_feedforward_kernel(
         dense_ptr, moe_ptr, residual_ptr, dense_weight_ptr, moe_weight_ptr, weight_ptr, scale_ptr, out_ptr, n_cols, eps,
-        row_index_ptr, expert_weight_ptr,
-        BLOCK: tl.constexpr, TOP_K: tl.constexpr, ON_GPU: tl.constexpr,
+        row_index_ptr, expert_weight_ptr, next_weight_ptr, normed_ptr,
+        BLOCK: tl.constexpr, TOP_K: tl.constexpr, ON_GPU: tl.constexpr, NEXT_NORM: tl.constexpr,
     ):  # fmt: skip
         # One program per row: s = norm(dense) * w1 + norm(moe) * w2 (each rounded, the sum rounded), then
         # (residual + norm(s) * w) * scale, rounded after each op (three `_rms_norm_kernel` launches' result).
@@ -313,6 +313,9 @@ if TRITON_AVAILABLE:
         )
         y = (y.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
         tl.store(out_ptr + at, y, mask=in_row)
+        if NEXT_NORM:  # the next layer's input norm of y, as `_rms_norm_kernel` computes it (same reduction)
+            normed = _weighted_norm(y.to(tl.float32), next_weight_ptr, cols, in_row, n_cols, eps, dtype, True)
+            tl.store(normed_ptr + at, normed.to(dtype), mask=in_row)
 
     @triton.jit
     def _norm_rope_heads(
@@ -577,13 +580,15 @@ def post_feedforward_norms(
     eps: float,
     scale: torch.Tensor,
     experts: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    next_norm_weight: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A DiffusionGemma layer's end in one launch: `rms_norm(rms_norm(moe, w2, eps, rms_norm(dense, w1, eps)), w,
     eps, residual, scale)` for `weights` (w1, w2, w). dense, residual `(..., d)` of one shape and dtype; scale `(1,)`
     in it (the layer scalar) -> dense's shape and dtype. moe: dense's shape and dtype, or with `experts` (row
     `(tokens, top_k)` integer, weight `(tokens, top_k)` float32) the experts' output rows `(pairs, d)` in dense's
     dtype, combined in the kernel as `triton_moe.combine(moe, row, weight, False)` combines them (same bits: no
-    launch and no `(tokens, d)` round trip for the experts' sum)."""
+    launch and no `(tokens, d)` round trip for the experts' sum). With `next_norm_weight` `(d,)`: (out, the norm of
+    out with that weight and `eps`), that norm as `rms_norm` computes it (the next layer's input norm: no launch)."""
     shapes = residual.shape == dense.shape and (experts is not None or moe.shape == dense.shape)
     if not shapes or residual.dtype != dense.dtype or moe.dtype != dense.dtype:
         raise ValueError("post_feedforward_norms: dense, moe and residual must be of one shape and dtype.")
@@ -614,14 +619,20 @@ def post_feedforward_norms(
     if scale.numel() != 1 or scale.dtype != dense.dtype:
         raise ValueError(f"post_feedforward_norms: scale must be a (1,) {dense.dtype} tensor, got {scale.dtype} "
                          f"{tuple(scale.shape)}.")  # fmt: skip
+    if next_norm_weight is not None and next_norm_weight.shape != (d,):
+        raise ValueError(
+            f"post_feedforward_norms: next_norm_weight must be ({d},), got {tuple(next_norm_weight.shape)}."
+        )
     out = torch.empty_like(dense)
+    normed = torch.empty_like(dense) if next_norm_weight is not None else out
     rows, d, options = _norm_launch(dense)
     if rows:
         _post_feedforward_kernel[(rows,)](
-            dense, moe, residual, *weights, scale, out, d, float(eps), row, expert_weight, TOP_K=top_k,
-            ON_GPU=dense.is_cuda, **options
+            dense, moe, residual, *weights, scale, out, d, float(eps), row, expert_weight,
+            out if next_norm_weight is None else next_norm_weight, normed, TOP_K=top_k, ON_GPU=dense.is_cuda,
+            NEXT_NORM=next_norm_weight is not None, **options
         )  # fmt: skip
-    return out
+    return out if next_norm_weight is None else (out, normed)
 
 
 def vocabulary_splits(rows: int, vocab: int, block: int = BLOCK_V) -> int:

@@ -3,13 +3,14 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
 
 - `triton_attention.block_attention` at the decoder's layout in small (grouped-query heads, a ring cache partly
   empty, a left-padded row, a key chunk masked whole) against float64 SDPA, for the tile options the decoder's
-  sweep times (`skip_masked`, fixed `splits`, row tiles of 16 to 128);
+  sweep times (`skip_masked`, fixed or even `splits`, row tiles of 16 to 128) and with key gaps (`key_gap`);
 - `qkv_norm_rope` (an attention's norms and RoPE in one launch) against the PyTorch ops, shared and per-row RoPE
   tables; its keys and values written into a static cache's canvas slots (strided views) bit for bit what it
   writes on its own, refusing an `out` of the wrong shape, dtype or layout;
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
   PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
-  (`canvas_slots`; the encoder's kept in the ring at `end_write`).
+  (`canvas_slots`; the encoder's kept in the ring at `end_write`), the sliding layers skipping the ring's unwritten
+  slots (`key_gap`) with the logits of reading them all.
 """
 
 from __future__ import annotations
@@ -21,6 +22,29 @@ import pytest
 from tests.conftest import FIXTURES, interpreter_job
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
+
+
+def test_key_chunks_power_of_two_or_even():
+    """The key chunks of `block_attention`: by default tiles per chunk a power of two (1,279 keys asked in 4 chunks of
+    64-key tiles: 3 chunks of 8 tiles); `even_splits`: the asked chunks of the fewest whole tiles (4 of 5). Either
+    way the chunks cover every key and none is empty."""
+    from hf_dllm.triton_attention import key_chunks
+
+    assert key_chunks(1279, 4, 64) == (8, 3) and key_chunks(1279, 4, 64, even=True) == (5, 4)
+    assert key_chunks(1024, 4, 64) == key_chunks(1024, 4, 64, even=True) == (4, 4)
+    for kv_len in (1, 63, 64, 65, 384, 1279, 5000):
+        for n_splits in (1, 2, 3, 4, 7):
+            for block_n in (16, 64):
+                for even in (False, True):
+                    tiles, chunks = key_chunks(kv_len, n_splits, block_n, even)
+                    assert (
+                        1 <= chunks <= n_splits and (chunks - 1) * tiles * block_n < kv_len <= chunks * tiles * block_n
+                    )
+                    if not even:
+                        assert tiles & (tiles - 1) == 0
+                    elif tiles > 1:  # the fewest tiles: one fewer per chunk would not cover the keys in n_splits
+                        assert n_splits * (tiles - 1) * block_n < kv_len
+
 
 KERNELS_SCRIPT = textwrap.dedent(
     """
@@ -44,12 +68,35 @@ KERNELS_SCRIPT = textwrap.dedent(
         AttentionTiles(block_m=64, block_n=16, skip_masked=True, splits=1),  # every row of a K/V head in one tile
         AttentionTiles(block_m=32, block_n=8, skip_masked=True, splits=6),  # chunks of 8 keys: 12..39 masked whole
         AttentionTiles(block_m=128, block_n=32, num_warps=8, splits=2),
+        AttentionTiles(block_m=32, block_n=8, splits=2, even_splits=True),  # chunks of 3 tiles (a power of two: 4)
     ]
     for tiles in configs:
         out = block_attention(q, k, v, mask, scale=1.0 / D**0.5, tiles=tiles)
         assert out.shape == (B, L, Hq, D) and out.is_contiguous()
         error = (out.double() - want).abs().max().item()
         assert error < 1e-5, (tiles, error)
+    # A key gap (the ring's unwritten tail, masked too): the chunks split the other keys; per-row gaps, an empty one.
+    for gap in ([[12, 40], [12, 40]], [[12, 40], [20, 40]], [[40, 40], [0, 0]]):
+        key_gap = torch.tensor(gap, dtype=torch.int32)
+        for tiles in (
+            AttentionTiles(block_m=16, block_n=8, splits=3),
+            AttentionTiles(block_m=32, block_n=8, splits=1),
+            AttentionTiles(block_m=16, block_n=16, splits=4, skip_masked=True),
+        ):
+            out = block_attention(q, k, v, mask, scale=1.0 / D**0.5, tiles=tiles, key_gap=key_gap)
+            error = (out.double() - want).abs().max().item()
+            assert error < 1e-5, ("gap", gap, tiles, error)
+    for bad, kwargs in (
+        (torch.tensor([[12, 40], [12, 40]]), {}),  # int64
+        (torch.tensor([[12, 40]], dtype=torch.int32), {}),  # one row for two
+        (torch.tensor([[12, 40], [12, 40]], dtype=torch.int32), {"kv_end": torch.full((B,), S + L, dtype=torch.int32)}),
+    ):
+        try:
+            block_attention(q, k, v, mask, key_gap=bad, **kwargs)
+        except ValueError as error:
+            assert "key_gap" in str(error)
+        else:
+            raise AssertionError(("key_gap taken", bad.dtype, tuple(bad.shape), list(kwargs)))
     try:
         block_attention(q, k, v, mask, tiles=AttentionTiles(block_m=16, block_n=16, splits=0))
     except ValueError as error:
@@ -101,8 +148,13 @@ MODEL_SCRIPT = textwrap.dedent(
     from transformers import AutoModel
     import hf_dllm
     from hf_dllm import kernels, triton_diffusion_gemma
+    from hf_dllm import modeling_diffusion_gemma
     from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaStaticCache
 
+    gaps = []  # the decoder's Triton attention calls' key gaps (None: every key read)
+    block_attention = modeling_diffusion_gemma.block_attention
+    modeling_diffusion_gemma.block_attention = lambda *a, key_gap=None, **k: (
+        gaps.append(None if key_gap is None else key_gap.tolist()), block_attention(*a, key_gap=key_gap, **k))[1]
     model = AutoModel.from_pretrained(GEMMA_DIR).eval()
     text = model.config.text_config
     canvas_length = model.config.canvas_length
@@ -131,9 +183,21 @@ MODEL_SCRIPT = textwrap.dedent(
         attention_mask[1, :2] = 0
         canvas = torch.randint(3, text.vocab_size, (2, canvas_length))
         want, want_cache, _ = run("torch", "sdpa", ids, attention_mask, canvas)
+        gaps.clear()
         logits, cache, wrote = run("triton", "triton", ids, attention_mask, canvas)
         error = (logits - want).abs().max().item()
         assert error < 1e-4, (prompt_len, error)
+        # The sliding layers skip the ring's slots after the prompt (none once it wrapped); full layers read all.
+        slots = text.sliding_window - 1
+        written = min(prompt_len, slots)
+        sliding = [kind == "sliding_attention" for kind in text.layer_types]
+        assert gaps == [[[written, slots]] * 2 if kind else None for kind in sliding], (prompt_len, gaps)
+        modeling_diffusion_gemma.SKIP_RING_GAP = False
+        gaps.clear()
+        every_key, _, _ = run("triton", "triton", ids, attention_mask, canvas)
+        modeling_diffusion_gemma.SKIP_RING_GAP = True
+        assert gaps == [None] * text.num_hidden_layers, (prompt_len, gaps)
+        assert (every_key - logits).abs().max() < 1e-4, (prompt_len, (every_key - logits).abs().max().item())
         # Both passes (the encoder's over a prompt no longer than the canvas, the decoder's) wrote their keys and
         # values straight into the canvas slots (each layer's one norm/RoPE launch given them), and the caches
         # hold what the PyTorch path copied there.

@@ -99,6 +99,10 @@ FUSED_SCRIPT = textwrap.dedent(
     post_feedforward_norms = triton_diffusion_gemma.post_feedforward_norms
     triton_diffusion_gemma.post_feedforward_norms = lambda *a, **k: (layer_ends.append(1), post_feedforward_norms(*a, **k))[1]
     combines = []  # launches of the experts' combine apart from the layer's end kernel
+    norm_calls = []  # launches of the plain norm kernel
+    rms_norm = triton_diffusion_gemma.rms_norm
+    triton_diffusion_gemma.rms_norm = lambda *a, **k: (norm_calls.append(1), rms_norm(*a, **k))[1]
+    decoder_norms = {}
     combine = triton_moe.combine
     triton_moe.combine = lambda *a, **k: (combines.append(1), combine(*a, **k))[1]
     routed_now = []  # each experts call's choices (the fused layer's too call the module: its hooks see them)
@@ -130,7 +134,9 @@ FUSED_SCRIPT = textwrap.dedent(
         with torch.no_grad():
             cache = model.new_encoder_cache()
             model.encode(prompt, torch.arange(7), valid, cache)
+            norms_before = len(norm_calls)
             logits[mode] = model.decode(block, torch.arange(7, 15), cache, signal, padded=True)
+            decoder_norms[mode] = len(norm_calls) - norms_before
         for hook in hooks:
             hook.remove()
         chosen[mode] = list(routed_now)
@@ -140,6 +146,16 @@ FUSED_SCRIPT = textwrap.dedent(
         assert all(concatenated) == (mode == "triton"), (mode, concatenated)  # the fused path took them
         # The encoder's first two layers and the decoder's three on the two-launch norms.
         assert len(layer_ends) == (5 if mode == "triton" else 0), (mode, len(layer_ends))
+    # The decoder's second and third layers' input norms came from their predecessors' end kernels; with the switch
+    # off, each layer launches its own (the same logits, bit for bit).
+    layer_class = type(layers[0])
+    layer_class.norm_in_end_kernel = False
+    with torch.no_grad():
+        norms_before = len(norm_calls)
+        apart = model.decode(block, torch.arange(7, 15), cache, signal, padded=True)
+        assert len(norm_calls) - norms_before == decoder_norms["triton"] + 2, (len(norm_calls) - norms_before, decoder_norms)
+    layer_class.norm_in_end_kernel = True
+    assert torch.equal(apart, logits["triton"]), "the next layer's norm in the end kernel changed the logits"
     difference = (logits["torch"] - logits["triton"]).abs().max()
     assert 0 < difference < 1e-5, ("logits", difference)
     assert all(torch.equal(a, b) for a, b in zip(chosen["torch"], chosen["triton"], strict=True)), "experts"
@@ -198,6 +214,9 @@ FUSED_SCRIPT = textwrap.dedent(
         apart = post_feedforward_norms(dense, moe, residual, norm_weights, 1e-6, scale)
         together = post_feedforward_norms(dense, expert_rows, residual, norm_weights, 1e-6, scale, (rows, expert_weight))
         assert torch.equal(apart, together), ("combine in the end kernel", dtype)
+        next_weight = torch.randn(32, generator=generator).to(dtype)
+        out, normed = post_feedforward_norms(dense, moe, residual, norm_weights, 1e-6, scale, None, next_weight)
+        assert torch.equal(out, apart) and torch.equal(normed, rms_norm(apart, next_weight, 1e-6)), ("next norm", dtype)
     for bad in ((rows[:4], expert_weight[:4]), (rows.float(), expert_weight), (rows, expert_weight.double())):
         try:
             post_feedforward_norms(dense, expert_rows, residual, norm_weights, 1e-6, scale, bad)
