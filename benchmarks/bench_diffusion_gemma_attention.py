@@ -22,7 +22,9 @@ short prompt whose ring has empty slots, and 1.0); at batch > 1 each row left-pa
 - `triton`: `triton_attention.block_attention` (writes `(B, T, H, D)`: no copy) over the tile configs
   `--block-m` (default 32 / 64 / 128 rows for heads of 256, 16 / 32 / 64 for 512) x `--block-n` x `--warps` x
   `--stages` (splits planned from the SM count, `skip_masked` on; configs that do not fit are listed so), then
-  for the best two configs of each head width the key splits `--splits` with `skip_masked` off and on.
+  for the best two configs of each head width the key splits `--splits` (power-of-two or even chunks of tiles)
+  with `skip_masked` off and on; in sliding layers it skips the ring's unwritten slots (`key_gap`), as the model's
+  decoder pass does, and merges its splits in the kernel (`fold_merge`, the default).
 
 Timing: `--sets` input sets (default enough to spill the L2, at most 16) rotated through, `--calls` calls (default
 max(4, 32 / batch)) captured in one CUDA graph (no launch gaps, as the decoder's captured step), replayed
@@ -114,8 +116,9 @@ def sdpa_context(kernel: str):
     return sdpa_kernel({"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[kernel])
 
 
-def backends(q, valid, tile_configs: list[AttentionTiles], on_cuda: bool) -> dict:
-    """name -> (config dict, function(q, k, v) -> `(B, T, H * D)`) of every backend for this case."""
+def backends(q, valid, tile_configs: list[AttentionTiles], on_cuda: bool, key_gap=None) -> dict:
+    """name -> (config dict, function(q, k, v) -> `(B, T, H * D)`) of every backend for this case; `key_gap` the
+    Triton kernel's (`ring_gap`, sliding layers: the model passes it there)."""
     batch, heads, length, dim = q.shape
     additive = decoder_key_mask(_MaskCache(valid[:, None, None, :]), 0, q.new_empty(batch, length, 1), True, True)
     bool_mask = valid[:, None, None, :]
@@ -146,20 +149,28 @@ def backends(q, valid, tile_configs: list[AttentionTiles], on_cuda: bool) -> dic
     entries["gemm"] = ({}, lambda q, k, v: flat(gemm_attention(q, k, v, bool_mask)))
     for tiles in tile_configs:
         config = {name: getattr(tiles, name) for name in ("block_m", "block_n", "num_warps", "num_stages", "splits",
-                                                           "skip_masked")}  # fmt: skip
+                                                           "skip_masked", "even_splits")}  # fmt: skip
         entries[f"triton {config_label(tiles)}"] = (
             config,
-            lambda q, k, v, tiles=tiles: block_attention(q, k, v, valid, scale=1.0, tiles=tiles).view(
+            lambda q, k, v, tiles=tiles: block_attention(q, k, v, valid, scale=1.0, tiles=tiles, key_gap=key_gap).view(
                 batch, length, heads * dim
             ),
         )
     return entries
 
 
+def ring_gap(valid: torch.Tensor, slots: int) -> torch.Tensor:
+    """`(B, 2)` int32: the ring's slots after each row's last written one, which the model's Triton decoder pass
+    skips (`decoder_key_gap`; keys `slots` on are the canvas')."""
+    after_last = (valid[:, :slots] * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)
+    return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)
+
+
 def config_label(tiles: AttentionTiles) -> str:
     splits = "plan" if tiles.splits is None else tiles.splits
     skip = "skip" if tiles.skip_masked else "noskip"
-    return f"m{tiles.block_m} n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages} x{splits} {skip}"
+    even = " even" if tiles.even_splits else ""
+    return f"m{tiles.block_m} n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages} x{splits}{even} {skip}"
 
 
 def time_us(function, sets: list, calls: int, replays: int, device) -> tuple[float, str]:
@@ -214,7 +225,8 @@ def run_case(kind, batch, valid_fraction, shape, canvas, full_cache, tile_config
     q, k, v = sets[0]
     want = {True: reference(q, k, v, valid), False: reference(q, k, v, None)}
     rows = []
-    for name, (config, function) in backends(q, valid, tile_configs, device.type == "cuda").items():
+    key_gap = ring_gap(valid, slots) if kind == "sliding" else None
+    for name, (config, function) in backends(q, valid, tile_configs, device.type == "cuda", key_gap).items():
         row = dict(kind=kind, batch=batch, valid=valid_fraction, backend=name.split(" ")[0], config=config, name=name)
         try:
             out = function(q, k, v)
@@ -330,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch, fraction in itertools.product(batches, fractions):
             kind_rows += run_case(kind, batch, fraction, shapes[kind], canvas, full_cache, grid, args, device, dtype)
             print(f"# {kind} batch {batch} valid {fraction}: {time.time() - began:.0f} s", file=sys.stderr)
-        # The key splits (planned, or each of --splits), skip_masked off and on, on the two best tile configs.
+        # The key splits (planned, or each of --splits in power-of-two or even chunks of tiles), skip_masked off and
+        # on, on the two best tile configs.
         timed = {}
         for r in kind_rows:
             if r["backend"] == "triton" and "us" in r:
@@ -339,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         splits_grid = []
         for name in best:
             base = next(r["config"] for r in kind_rows if r["name"] == name)
-            for splits, skip in itertools.product([None, *args.splits], (False, True)):
-                tiles = AttentionTiles(**dict(base, splits=splits, skip_masked=skip))
+            for splits, skip, even in itertools.product([None, *args.splits], (False, True), (False, True)):
+                if even and splits is None:
+                    continue
+                tiles = AttentionTiles(**dict(base, splits=splits, skip_masked=skip, even_splits=even))
                 if tiles not in grid and tiles not in splits_grid:
                     splits_grid.append(tiles)
         for batch, fraction in itertools.product(batches, fractions):
