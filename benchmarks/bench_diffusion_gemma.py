@@ -447,7 +447,7 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 ("merge_apart", True, apart),
                 ("default", True, table),
             ):
-                modeling_diffusion_gemma.SKIP_RING_GAP = skip
+                modeling_diffusion_gemma.SKIP_UNWRITTEN_SLOTS = skip
                 modeling_diffusion_gemma.DECODER_ATTENTION.update(tiles)
                 model._graphs = None
                 block = step(block)

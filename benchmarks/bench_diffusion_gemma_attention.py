@@ -23,8 +23,8 @@ short prompt whose ring has empty slots, and 1.0); at batch > 1 each row left-pa
   `--block-m` (default 32 / 64 / 128 rows for heads of 256, 16 / 32 / 64 for 512) x `--block-n` x `--warps` x
   `--stages` (splits planned from the SM count, `skip_masked` on; configs that do not fit are listed so), then
   for the best two configs of each head width the key splits `--splits` (power-of-two or even chunks of tiles)
-  with `skip_masked` off and on; in sliding layers it skips the ring's unwritten slots (`key_gap`), as the model's
-  decoder pass does, and merges its splits in the kernel (`fold_merge`, the default).
+  with `skip_masked` off and on; it skips the cache's unwritten slots (`key_gap`), as the model's decoder pass
+  does, and merges its splits in the kernel (`fold_merge`, the default).
 
 Timing: `--sets` input sets (default enough to spill the L2, at most 16) rotated through, `--calls` calls (default
 max(4, 32 / batch)) captured in one CUDA graph (no launch gaps, as the decoder's captured step), replayed
@@ -118,7 +118,7 @@ def sdpa_context(kernel: str):
 
 def backends(q, valid, tile_configs: list[AttentionTiles], on_cuda: bool, key_gap=None) -> dict:
     """name -> (config dict, function(q, k, v) -> `(B, T, H * D)`) of every backend for this case; `key_gap` the
-    Triton kernel's (`ring_gap`, sliding layers: the model passes it there)."""
+    Triton kernel's (`unwritten_slots`: the model passes it)."""
     batch, heads, length, dim = q.shape
     additive = decoder_key_mask(_MaskCache(valid[:, None, None, :]), 0, q.new_empty(batch, length, 1), True, True)
     bool_mask = valid[:, None, None, :]
@@ -159,8 +159,8 @@ def backends(q, valid, tile_configs: list[AttentionTiles], on_cuda: bool, key_ga
     return entries
 
 
-def ring_gap(valid: torch.Tensor, slots: int) -> torch.Tensor:
-    """`(B, 2)` int32: the ring's slots after each row's last written one, which the model's Triton decoder pass
+def unwritten_slots(valid: torch.Tensor, slots: int) -> torch.Tensor:
+    """`(B, 2)` int32: the cache's slots after each row's last written one, which the model's Triton decoder pass
     skips (`decoder_key_gap`; keys `slots` on are the canvas')."""
     after_last = (valid[:, :slots] * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)
     return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)
@@ -225,7 +225,7 @@ def run_case(kind, batch, valid_fraction, shape, canvas, full_cache, tile_config
     q, k, v = sets[0]
     want = {True: reference(q, k, v, valid), False: reference(q, k, v, None)}
     rows = []
-    key_gap = ring_gap(valid, slots) if kind == "sliding" else None
+    key_gap = unwritten_slots(valid, slots)
     for name, (config, function) in backends(q, valid, tile_configs, device.type == "cuda", key_gap).items():
         row = dict(kind=kind, batch=batch, valid=valid_fraction, backend=name.split(" ")[0], config=config, name=name)
         try:

@@ -1063,19 +1063,21 @@ def decoder_key_mask(cache, layer: int, x: torch.Tensor, padded: bool, additive:
     return storage[..., :keys].masked_fill_(~mask, float("-inf"))
 
 
-# Where the decoder's Triton attention skips a ring's unwritten slots (`decoder_key_gap`); off: it reads them, masked.
-SKIP_RING_GAP = True
+# Where the decoder's Triton attention skips the cache's unwritten slots (`decoder_key_gap`); off: it reads them,
+# masked.
+SKIP_UNWRITTEN_SLOTS = True
 
 
 def decoder_key_gap(cache, layer: int, backend: str) -> torch.Tensor | None:
     """The keys `(B, 2)` int32 [start, end) of layer `layer`'s cache that every query of the decoder's pass sees
-    masked and the "triton" backend need not read: a static cache's sliding-layer ring's slots after its last
-    written one, per row (none once the ring has wrapped; its canvas keys come after the ring). None elsewhere (other
-    backends, full layers, the dynamic cache) or with `SKIP_RING_GAP` off. A few tensor ops, once per decoder pass
-    and layer kind (the sliding layers share their slots' validity, as `decoder_key_mask`)."""
-    if not SKIP_RING_GAP or backend != "triton" or not isinstance(cache, DiffusionGemmaStaticCache):
+    masked and the "triton" backend need not read: a static cache's slots after the last written one, per row (a
+    sliding layer's ring: none once it has wrapped; a full layer's columns not yet reached; the canvas keys come
+    after the slots). None elsewhere (other backends, the dynamic cache) or with `SKIP_UNWRITTEN_SLOTS` off. A few
+    tensor ops, once per decoder pass and layer kind (the layers of a kind share their slots' validity, as
+    `decoder_key_mask`)."""
+    if not SKIP_UNWRITTEN_SLOTS or backend != "triton" or not isinstance(cache, DiffusionGemmaStaticCache):
         return None
-    if not cache.sliding[layer] or cache.valid[layer] is None:
+    if cache.valid[layer] is None:
         return None
     valid = cache.valid[layer]
     slots = valid.shape[1]

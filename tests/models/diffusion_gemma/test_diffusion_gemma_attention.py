@@ -9,8 +9,8 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
   writes on its own, refusing an `out` of the wrong shape, dtype or layout;
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
   PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
-  (`canvas_slots`; the encoder's kept in the ring at `end_write`), the sliding layers skipping the ring's unwritten
-  slots (`key_gap`) with the logits of reading them all.
+  (`canvas_slots`; the encoder's kept in the ring at `end_write`), every layer skipping its unwritten slots
+  (`key_gap`: a sliding layer's ring, a full layer's columns not yet written) with the logits of reading them all.
 """
 
 from __future__ import annotations
@@ -187,15 +187,16 @@ MODEL_SCRIPT = textwrap.dedent(
         logits, cache, wrote = run("triton", "triton", ids, attention_mask, canvas)
         error = (logits - want).abs().max().item()
         assert error < 1e-4, (prompt_len, error)
-        # The sliding layers skip the ring's slots after the prompt (none once it wrapped); full layers read all.
+        # Every layer skips its slots after the prompt: the sliding layers' ring (none once it wrapped), the full
+        # layers' columns up to the capacity (64).
         slots = text.sliding_window - 1
-        written = min(prompt_len, slots)
         sliding = [kind == "sliding_attention" for kind in text.layer_types]
-        assert gaps == [[[written, slots]] * 2 if kind else None for kind in sliding], (prompt_len, gaps)
-        modeling_diffusion_gemma.SKIP_RING_GAP = False
+        want_gaps = [[[min(prompt_len, slots), slots]] * 2 if kind else [[prompt_len, 64]] * 2 for kind in sliding]
+        assert gaps == want_gaps and not all(sliding), (prompt_len, gaps)
+        modeling_diffusion_gemma.SKIP_UNWRITTEN_SLOTS = False
         gaps.clear()
         every_key, _, _ = run("triton", "triton", ids, attention_mask, canvas)
-        modeling_diffusion_gemma.SKIP_RING_GAP = True
+        modeling_diffusion_gemma.SKIP_UNWRITTEN_SLOTS = True
         assert gaps == [None] * text.num_hidden_layers, (prompt_len, gaps)
         assert (every_key - logits).abs().max() < 1e-4, (prompt_len, (every_key - logits).abs().max().item())
         # Both passes (the encoder's over a prompt no longer than the canvas, the decoder's) wrote their keys and
