@@ -237,7 +237,7 @@ if TRITON_AVAILABLE:
         n_tiles = TILES_PER_SPLIT
         if HAS_KV_END:
             n_tiles = tl.minimum(n_tiles, tl.maximum(tl.cdiv(tl.load(kv_end_ptr + b) - start, BLOCK_N), 0))
-        # A gap (a ring cache's unwritten slots [gap_start, gap_end), masked for every query): the chunks split the
+        # A gap (a static cache's unwritten slots [gap_start, gap_end), masked for every query): the chunks split the
         # keys outside it, evenly in whole tiles, read through the index k -> k + gap length from gap_start on.
         gap_start = 0
         gap_length = 0
@@ -457,7 +457,7 @@ def block_attention(
     position its own keys (LLaDA2's block-causal mask; every query must see at least one key). `kv_end` `(B,)`
     int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
     those key tiles are skipped. `key_gap` `(B, 2)` int32, optional: keys `key_gap[b, 0]` to `key_gap[b, 1] - 1` are
-    masked for every query of row `b` (the mask must say so too: a ring cache's unwritten slots); the chunks split
+    masked for every query of row `b` (the mask must say so too: a static cache's unwritten slots); the chunks split
     the other keys (evenly, in whole tiles) and never read those. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
     None, `skip_masked` with a `(B, T)` mask). Returns `(B, Lq, Hq, D)` in q's dtype.
 
