@@ -458,8 +458,9 @@ def block_attention(
     int32, optional: every key from `kv_end[b]` on is masked for every query of row `b` (the mask must say so too);
     those key tiles are skipped. `key_gap` `(B, 2)` int32, optional: keys `key_gap[b, 0]` to `key_gap[b, 1] - 1` are
     masked for every query of row `b` (the mask must say so too: a static cache's unwritten slots); the chunks split
-    the other keys (evenly, in whole tiles) and never read those. `tiles`: the tile shape (default `default_tiles`; its `splits` where `n_splits` is
-    None, `skip_masked` with a `(B, T)` mask). Returns `(B, Lq, Hq, D)` in q's dtype.
+    the other keys (evenly, in whole tiles) and never read those. `tiles`: the tile shape (default `default_tiles`;
+    its `splits` where `n_splits` is None, `skip_masked` with a `(B, T)` mask). Returns `(B, Lq, Hq, D)` in q's
+    dtype.
 
     An FP8 cache (`cache.FP8DiffusionKVCache`): k/v float8 e4m3 and `k_scale`/`v_scale` `(B, Hkv, T)` float32 with
     equal strides, the last dim contiguous: key `j` is `k[..., j, :] * k_scale[..., j]`, and likewise the values,
