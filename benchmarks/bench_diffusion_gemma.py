@@ -29,7 +29,8 @@ The step's parts, each timed alone at each batch size (`steps[*]` in the JSON li
 experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
 backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
-each layer's input norm launched apart (not by the previous layer's end kernel), and with the sliding attention
+each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP on a side
+stream beside the router and experts (`dense_mlp_beside_experts`), and with the sliding attention
 reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a second kernel.
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
@@ -434,6 +435,11 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             block = step(block)
             parts["graph_step_next_norm_apart_ms"] = timed_ms(functools.partial(step, block), repeats, device)
             layer_class.norm_in_end_kernel = True
+            layer_class.dense_mlp_beside_experts = True  # the dense MLP on a side stream, beside the experts
+            model._graphs = None
+            block = step(block)
+            parts["graph_step_dense_mlp_beside_experts_ms"] = timed_ms(functools.partial(step, block), repeats, device)
+            layer_class.dense_mlp_beside_experts = False
             # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, and its key
             # chunks a power of two of tiles instead of even ones; each alone, then the default again.
             table = dict(modeling_diffusion_gemma.DECODER_ATTENTION)
@@ -654,7 +660,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"      graph step with the experts' combine launched apart: {step['graph_step_combine_apart_ms']:.2f}"
                     f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms;"
-                    f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms"
+                    f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms;"
+                    f" the dense MLP beside the experts (side stream): "
+                    f"{step['graph_step_dense_mlp_beside_experts_ms']:.2f} ms"
                 )
             if "graph_step_attention_default_ms" in step:
                 print(

@@ -545,6 +545,19 @@ class DiffusionGemmaExperts(nn.Module):
         return grouped_matmul(gated, offsets, self.down_proj), rows
 
 
+# One high-priority stream per CUDA device for work beside the main stream (`DiffusionGemmaLayer`'s dense MLP).
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The device's side stream (high priority: its kernels are scheduled first as multiprocessors free up), made
+    at the first call outside a CUDA graph capture; None inside a capture before that."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None and not torch.cuda.is_current_stream_capturing():
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return stream
+
+
 class DiffusionGemmaLayer(nn.Module):
     """One layer of the shared text transformer (the decoder's; the encoder passes its own `layer_scalar`)."""
 
@@ -600,6 +613,23 @@ class DiffusionGemmaLayer(nn.Module):
     # The next layer's input norm computed by this layer's end kernel (`forward`'s `next_norm`), where its weight
     # and eps allow: one launch fewer per layer.
     norm_in_end_kernel = True
+    # The dense MLP on a side stream of high priority (`side_stream`), beside the router and the experts: the two
+    # branches meet only at the end kernel, so in a captured step the MLP's small products (latency-bound at a
+    # canvas' 256 rows) run while the experts stream their weights. Off until measured on a GPU
+    # (`bench_diffusion_gemma.py` times the step with it on).
+    dense_mlp_beside_experts = False
+
+    def mlp_on_side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
+        """The stream `fused_feedforward` runs the dense MLP on (None: inline): with `dense_mlp_beside_experts`, on
+        CUDA, for an MLP nothing wraps (tensor parallelism's all-reduce stays on the main stream) once the device has
+        its side stream (made outside a CUDA graph capture)."""
+        mlp = self.mlp
+        wrapped = "forward" in vars(mlp) or bool(mlp._forward_hooks) or bool(mlp._forward_pre_hooks)
+        if not self.dense_mlp_beside_experts or not x.is_cuda or wrapped:
+            return None
+        if any(is_sharded(parameter) for parameter in mlp.parameters()):
+            return None
+        return side_stream(x.device)
 
     def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
@@ -622,6 +652,12 @@ class DiffusionGemmaLayer(nn.Module):
                 self.router.fused_norm_weight(),
             ),
         )
+        side = self.mlp_on_side_stream(x)
+        if side is not None:  # forked here, joined before the end kernel (a captured step: two graph branches)
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                dense = self.mlp(dense_in)
         weights, index = self.router.route_normed(router_in.view(-1, hidden))
         moe_in = moe_in.view(-1, hidden)
         experts = None
@@ -630,6 +666,13 @@ class DiffusionGemmaLayer(nn.Module):
             experts = (rows, weights.float())
         else:
             moe = self.experts(moe_in, index, weights).view(x.shape)
+        if side is None:
+            dense = self.mlp(dense_in)
+        else:
+            # `dense_in` (made on the main stream) stays referenced until the join; `dense` (made on the side
+            # stream) is read on the main one after it, and its memory goes back to the side stream's pool only
+            # after the next fork, which follows this layer's end kernel.
+            main.wait_stream(side)
         norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
         folds_next = (
             next_norm is not None
@@ -640,7 +683,7 @@ class DiffusionGemmaLayer(nn.Module):
             and not is_sharded(next_norm.weight)
         )
         out = triton_diffusion_gemma.post_feedforward_norms(
-            self.mlp(dense_in), moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts,
+            dense, moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts,
             next_norm.weight if folds_next else None,
         )  # fmt: skip
         if next_norm is None:

@@ -7,7 +7,9 @@
   unchanged), the router's norm with its scales folded in and the per-expert scale inside `triton_moe.route`, the
   four norms after the attention in one kernel and the three at the end with the layer scalar (and the experts'
   weighted sum: no combine launched apart, bit for bit `triton_moe.combine`'s) in another: a tiny model's logits
-  equal the PyTorch path's within float32 rounding, the same experts chosen.
+  equal the PyTorch path's within float32 rounding, the same experts chosen;
+- the dense MLP on a side stream beside the router and experts (`dense_mlp_beside_experts`): only on CUDA for an
+  unwrapped MLP, and (GPU) the same logits as inline, eager and replayed.
 """
 
 from __future__ import annotations
@@ -335,3 +337,70 @@ def test_cuda_fused_captured_step_within_bf16_of_the_pytorch_path():
         assert torch.equal(index.sort(-1).values[clear], plain_index.sort(-1).values[clear])
         same = (index == plain_index).all(-1)
         torch.testing.assert_close(weights[same], plain_weights[same], rtol=2e-2, atol=2e-3)
+
+
+def test_dense_mlp_goes_beside_the_experts_only_on_cuda_switched_on_and_unwrapped(gemma, monkeypatch):
+    """`mlp_on_side_stream`: the side stream only with `dense_mlp_beside_experts` on, on CUDA, and for an MLP that
+    nothing wraps (a forward hook, a pre-hook, `forward` replaced on the instance: tensor parallelism's all-reduce
+    must stay on the main stream); inline (None) on the CPU."""
+    from types import SimpleNamespace
+
+    from hf_dllm import modeling_diffusion_gemma
+
+    layer = gemma.model.decoder.layers[0]
+    cpu = torch.zeros(1)
+    cuda = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # what the decision reads of the input
+    monkeypatch.setattr(modeling_diffusion_gemma, "side_stream", lambda device: ("stream", device))
+    monkeypatch.setattr(type(layer), "dense_mlp_beside_experts", False)
+    assert layer.mlp_on_side_stream(cuda) is None
+    monkeypatch.setattr(type(layer), "dense_mlp_beside_experts", True)
+    assert layer.mlp_on_side_stream(cpu) is None
+    assert layer.mlp_on_side_stream(cuda) == ("stream", cuda.device)
+    for register in (layer.mlp.register_forward_hook, layer.mlp.register_forward_pre_hook):
+        handle = register(lambda *args: None)
+        assert layer.mlp_on_side_stream(cuda) is None
+        handle.remove()
+    layer.mlp.forward = functools.partial(type(layer.mlp).forward, layer.mlp)
+    assert layer.mlp_on_side_stream(cuda) is None
+    del layer.mlp.forward
+    assert layer.mlp_on_side_stream(cuda) == ("stream", cuda.device)
+
+
+@pytest.mark.gpu
+def test_cuda_dense_mlp_beside_the_experts_equals_inline():
+    """The dense MLP on the side stream (forked after the attention's norms, joined before the end kernel: two
+    branches of the captured step) gives the inline step's logits, eager and replayed from the CUDA graph."""
+    from hf_dllm import modeling_diffusion_gemma
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _random_model(torch.bfloat16)
+    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    layer_class = type(model.model.decoder.layers[0])
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    prompt = torch.randint(3, vocab, (2, 24), device="cuda", generator=generator)
+    valid = torch.ones(2, 24, dtype=torch.bool, device="cuda")
+    block = torch.randint(3, vocab, (2, canvas), device="cuda", generator=generator)
+    signal = torch.randn(2, canvas, vocab, device="cuda", generator=generator)
+    cache = model._diffusion_new_cache(2, 24 + canvas)
+    positions = torch.arange(24, 24 + canvas, device="cuda")
+    runs = {}
+    try:
+        with torch.no_grad():
+            model.encode(prompt, torch.arange(24, device="cuda"), valid, cache)
+            for beside in (False, True):
+                layer_class.dense_mlp_beside_experts = beside
+                model._graphs = None
+                for captured in (False, True, True):  # eager, capture, replay
+                    model.capture_decoder = captured
+                    runs[beside, len(runs)] = model.decode(block, positions, cache, signal, padded=False).clone()
+                if beside:
+                    assert model.model.decoder.layers[0].mlp_on_side_stream(block.new_zeros(1).bfloat16()) is not None
+        assert model._graphs.replays.get("decoder_layers"), "the step ran from a CUDA graph"
+    finally:
+        layer_class.dense_mlp_beside_experts = False
+        model.capture_decoder = True
+    inline = runs[False, 0]
+    assert torch.device("cuda", torch.cuda.current_device()) in modeling_diffusion_gemma._SIDE_STREAMS
+    for (beside, index), logits in runs.items():
+        torch.testing.assert_close(logits, inline, rtol=0, atol=1e-5, msg=f"beside={beside}, run {index}")
