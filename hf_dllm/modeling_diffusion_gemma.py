@@ -669,9 +669,9 @@ class DiffusionGemmaLayer(nn.Module):
         if side is None:
             dense = self.mlp(dense_in)
         else:
-            # `dense_in` (made on the main stream) stays referenced until the join; `dense` (made on the side
-            # stream) is read on the main one after it, and its memory goes back to the side stream's pool only
-            # after the next fork, which follows this layer's end kernel.
+            # No record_stream: `dense_in` (made on the main stream) stays referenced past the join; `dense` (made
+            # on the side stream) is read on the main one after it, and once freed only side-stream work can reuse
+            # its memory, all of which waits at the next fork for this layer's end kernel.
             main.wait_stream(side)
         norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
         folds_next = (
