@@ -19,6 +19,7 @@ import os
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _global_module_hooks
 from transformers.utils import logging
 
 from .fp8 import QuantizedRows, fp8_block_size, fp8_linear, fp8_scales, is_fp8_linear, quantized_input_group
@@ -80,6 +81,19 @@ def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
             f"hf_dllm: {'Triton' if chosen else 'PyTorch'} kernels for RMSNorm/RoPE/SiLU on {tensor.device.type}"
         )
     return chosen
+
+
+def returns_its_forward(module: nn.Module) -> bool:
+    """Whether calling `module` returns what its class's `forward` computes on whole weights: no forward hook (on it
+    or on every module: one may replace the output; pre-hooks, which see only the inputs, may be set), no
+    accelerate `_hf_hook` wrapper, no `forward` replaced on the instance (tensor and expert parallelism wrap it to
+    all-reduce the output), no sharded parameter. Only then may a caller take the output in another form, or compute
+    it on another stream."""
+    if module._forward_hooks or _global_module_hooks._global_forward_hooks:
+        return False
+    if "_hf_hook" in module.__dict__ or "forward" in vars(module):
+        return False
+    return not any(is_sharded(parameter) for parameter in module.parameters())
 
 
 def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:

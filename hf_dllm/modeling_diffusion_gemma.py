@@ -43,7 +43,7 @@ from .fp8 import QuantizesFromLoadDtype
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul
-from .kernels import ConcatenatedProjections, kernel_mode, linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, kernel_mode, linear, returns_its_forward, use_fused_kernels
 from .tensor_parallel import is_sharded, local_shape, whole_tensor
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -472,10 +472,9 @@ class DiffusionGemmaExperts(nn.Module):
 
     def hands_pairs_back(self, hidden_states: torch.Tensor) -> bool:
         """Whether `forward(..., combine=False)` may replace this call's summed output by the pairs' outputs: the
-        "triton" implementation on unsharded weights, and nothing that reads the output wraps the module (tensor and
-        expert parallelism wrap `forward` to all-reduce it; a forward hook expects the sum)."""
-        wrapped = "forward" in vars(self) or bool(self._forward_hooks) or is_sharded(self.down_proj)
-        return not wrapped and self.chosen_implementation(hidden_states) == "triton"
+        "triton" implementation, and nothing reads the sum in between (`kernels.returns_its_forward`: tensor and
+        expert parallelism wrap `forward` to all-reduce it; a forward hook expects it)."""
+        return returns_its_forward(self) and self.chosen_implementation(hidden_states) == "triton"
 
     def uses_grouped(self, hidden_states: torch.Tensor) -> bool:
         """Whether `forward` runs without a host synchronisation for this input (grouped GEMMs, torch's or ours)."""
@@ -621,13 +620,11 @@ class DiffusionGemmaLayer(nn.Module):
 
     def mlp_on_side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The stream `fused_feedforward` runs the dense MLP on (None: inline): with `dense_mlp_beside_experts`, on
-        CUDA, for an MLP nothing wraps (tensor parallelism's all-reduce stays on the main stream) once the device has
-        its side stream (made outside a CUDA graph capture)."""
+        CUDA, for an MLP that returns its `forward`'s output (`kernels.returns_its_forward`: tensor parallelism's
+        all-reduce stays on the main stream) and has no pre-hook (it would run on the side stream), once the device
+        has its side stream (made outside a CUDA graph capture)."""
         mlp = self.mlp
-        wrapped = "forward" in vars(mlp) or bool(mlp._forward_hooks) or bool(mlp._forward_pre_hooks)
-        if not self.dense_mlp_beside_experts or not x.is_cuda or wrapped:
-            return None
-        if any(is_sharded(parameter) for parameter in mlp.parameters()):
+        if not self.dense_mlp_beside_experts or not x.is_cuda or not returns_its_forward(mlp) or mlp._forward_pre_hooks:
             return None
         return side_stream(x.device)
 

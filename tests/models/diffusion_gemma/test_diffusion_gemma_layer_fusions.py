@@ -91,6 +91,33 @@ def test_experts_hand_pairs_back_only_unwrapped_on_the_triton_kernels(gemma):
         kernels.set_kernel_mode(before)
 
 
+def test_returns_its_forward_only_where_nothing_reads_or_replaces_the_output(monkeypatch):
+    """`kernels.returns_its_forward`, which the experts' pair hand-back and the MLP's side stream ask: False with a
+    forward hook (its own or every module's), accelerate's `_hf_hook`, `forward` replaced on the instance or a
+    sharded parameter; a pre-hook (it sees only the inputs) leaves it True."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    layer = torch.nn.Linear(4, 4)
+    assert kernels.returns_its_forward(layer)
+    handle = layer.register_forward_pre_hook(lambda *args: None)
+    assert kernels.returns_its_forward(layer)
+    handle.remove()
+    for register in (layer.register_forward_hook, register_module_forward_hook):
+        handle = register(lambda *args: None)
+        assert not kernels.returns_its_forward(layer)
+        handle.remove()
+    layer._hf_hook = object()
+    assert not kernels.returns_its_forward(layer)
+    del layer._hf_hook
+    layer.forward = functools.partial(torch.nn.Linear.forward, layer)
+    assert not kernels.returns_its_forward(layer)
+    del layer.forward
+    monkeypatch.setattr(kernels, "is_sharded", lambda tensor: tensor is layer.bias)
+    assert not kernels.returns_its_forward(layer)
+    monkeypatch.undo()
+    assert kernels.returns_its_forward(layer)
+
+
 FUSED_SCRIPT = textwrap.dedent(
     """
     import torch, hf_dllm
