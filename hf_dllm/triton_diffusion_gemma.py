@@ -42,6 +42,9 @@ import torch
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
+if TRITON_AVAILABLE:
+    from .triton_moe import weighted_rows_sum
+
 # Columns a program reads per iteration (one warp's: 8 per lane; a block's max is then a warp reduction, no
 # barrier), programs aimed for (single-warp programs: at most 32 resident per multiprocessor) and chunks per row at
 # most.
@@ -290,18 +293,7 @@ if TRITON_AVAILABLE:
         dtype = out_ptr.dtype.element_ty
         dense = tl.load(dense_ptr + at, mask=in_row, other=0.0).to(tl.float32)
         if TOP_K > 0:
-            moe = tl.zeros([BLOCK], dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                pair = tl.load(row_index_ptr + row * TOP_K + k).to(tl.int64)
-                w = tl.load(expert_weight_ptr + row * TOP_K + k).to(tl.float32)
-                y = tl.load(moe_ptr + pair * n_cols + cols, mask=in_row, other=0.0).to(tl.float32)
-                if ON_GPU:  # a rounded multiplication, not contracted into a fused multiply-add
-                    w = tl.full(y.shape, 0.0, tl.float32) + w
-                    moe += tl.inline_asm_elementwise(
-                        "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, w], dtype=tl.float32, is_pure=True, pack=1
-                    )
-                else:
-                    moe += y * w
+            moe = weighted_rows_sum(moe_ptr, row_index_ptr, expert_weight_ptr, row, cols, in_row, n_cols, TOP_K, ON_GPU)
             moe = moe.to(dtype).to(tl.float32)
         else:
             moe = tl.load(moe_ptr + at, mask=in_row, other=0.0).to(tl.float32)

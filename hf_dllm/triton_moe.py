@@ -344,6 +344,28 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + token * hidden + cols, out, mask=in_row)
 
     @triton.jit
+    def weighted_rows_sum(rows_ptr, row_index_ptr, weight_ptr, token, cols, in_row, hidden, TOP_K: tl.constexpr,
+                          ON_GPU: tl.constexpr):  # fmt: skip
+        # Token `token`'s experts' weighted sum over columns `cols` in float32: sum over k of
+        # rows[row_index[token * TOP_K + k]] * weight[token * TOP_K + k], in k order, each product rounded as
+        # `_combine_kernel` (compiled without fusion) rounds it, also in kernels compiled with fused multiply-adds.
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            row = tl.load(row_index_ptr + token * TOP_K + k).to(tl.int64)
+            w = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
+            y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+            if ON_GPU:
+                # An explicit round-to-nearest multiplication: never contracted into a fused multiply-add, and
+                # without libdevice's flush of subnormals.
+                w = tl.full(y.shape, 0.0, tl.float32) + w
+                acc += tl.inline_asm_elementwise(
+                    "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, w], dtype=tl.float32, is_pure=True, pack=1
+                )
+            else:
+                acc += y * w
+        return acc
+
+    @triton.jit
     def _combine_norm_kernel(
         rows_ptr,
         row_index_ptr,
@@ -366,20 +388,7 @@ if TRITON_AVAILABLE:
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         in_row = cols < hidden
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            row = tl.load(row_index_ptr + token * TOP_K + k).to(tl.int64)
-            w = tl.load(weight_ptr + token * TOP_K + k).to(tl.float32)
-            y = tl.load(rows_ptr + row * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-            if ON_GPU:
-                # An explicit round-to-nearest multiplication: never contracted into a fused multiply-add, and
-                # without libdevice's flush of subnormals.
-                w = tl.full(y.shape, 0.0, tl.float32) + w
-                acc += tl.inline_asm_elementwise(
-                    "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, w], dtype=tl.float32, is_pure=True, pack=1
-                )
-            else:
-                acc += y * w
+        acc = weighted_rows_sum(rows_ptr, row_index_ptr, weight_ptr, token, cols, in_row, hidden, TOP_K, ON_GPU)
         dtype = out_ptr.dtype.element_ty
         residual = tl.load(residual_ptr + token * hidden + cols, mask=in_row, other=0.0)
         out = (residual.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
