@@ -422,26 +422,31 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 except Exception as error:  # noqa: BLE001  (reported: a kernel that does not launch here)
                     parts[f"graph_step_{other}_attention_error"] = f"{type(error).__name__}: {error}"[:300]
             model.set_decoder_attention(backend)
-            # The step (graphs) with the experts' weighted sum launched apart (`triton_moe.combine`), not inside the
-            # layer's end kernel; then the default's step again, timed after it (the same state of the process).
-            layer_class = type(model.model.decoder.layers[0])
-            for label, fused in (("combine_apart", False), ("combine_in_end_kernel", True)):
-                layer_class.combine_in_end_kernel = fused
+
+            def recaptured_ms(block):
+                """(ms of the step captured again with the switches as they are now, the canvas after it)."""
                 model._graphs = None  # captured graphs keep the kernels they were captured with
                 block = step(block)
-                parts[f"graph_step_{label}_ms"] = timed_ms(functools.partial(step, block), repeats, device)
-            layer_class.norm_in_end_kernel = False  # each layer's input norm launched apart
-            model._graphs = None
-            block = step(block)
-            parts["graph_step_next_norm_apart_ms"] = timed_ms(functools.partial(step, block), repeats, device)
-            layer_class.norm_in_end_kernel = True
-            layer_class.dense_mlp_beside_experts = True  # the dense MLP on a side stream, beside the experts
-            model._graphs = None
-            block = step(block)
-            parts["graph_step_dense_mlp_beside_experts_ms"] = timed_ms(functools.partial(step, block), repeats, device)
-            layer_class.dense_mlp_beside_experts = False
-            # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, and its key
-            # chunks a power of two of tiles instead of even ones; each alone, then the default again.
+                return timed_ms(functools.partial(step, block), repeats, device), block
+
+            # The step (graphs) with one layer switch turned: the experts' weighted sum launched apart
+            # (`triton_moe.combine`), not inside the layer's end kernel; each layer's input norm launched apart; the
+            # dense MLP on a side stream beside the experts. Then the default's step again, timed after them (the
+            # same state of the process).
+            layer_class = type(model.model.decoder.layers[0])
+            for label, switch, value in (
+                ("combine_apart", "combine_in_end_kernel", False),
+                ("next_norm_apart", "norm_in_end_kernel", False),
+                ("dense_mlp_beside_experts", "dense_mlp_beside_experts", True),
+            ):
+                default = getattr(layer_class, switch)
+                setattr(layer_class, switch, value)
+                parts[f"graph_step_{label}_ms"], block = recaptured_ms(block)
+                setattr(layer_class, switch, default)
+            parts["graph_step_combine_in_end_kernel_ms"], block = recaptured_ms(block)
+            # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, its key
+            # chunks a power of two of tiles instead of even ones, its splits merged by a second kernel; each alone,
+            # then the default again.
             table = dict(modeling_diffusion_gemma.DECODER_ATTENTION)
             power_of_two = {
                 key: (name, dataclasses.replace(tiles, even_splits=False)) for key, (name, tiles) in table.items()
@@ -455,9 +460,7 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             ):
                 modeling_diffusion_gemma.SKIP_UNWRITTEN_SLOTS = skip
                 modeling_diffusion_gemma.DECODER_ATTENTION.update(tiles)
-                model._graphs = None
-                block = step(block)
-                parts[f"graph_step_attention_{label}_ms"] = timed_ms(functools.partial(step, block), repeats, device)
+                parts[f"graph_step_attention_{label}_ms"], block = recaptured_ms(block)
         parts["attention"] = backend or "auto"
         parts["attention_by_layer_kind"] = {
             kind: next(

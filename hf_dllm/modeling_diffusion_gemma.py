@@ -1117,9 +1117,9 @@ def decoder_key_gap(cache, layer: int, backend: str) -> torch.Tensor | None:
     `decoder_key_mask`)."""
     if not SKIP_UNWRITTEN_SLOTS or backend != "triton" or not isinstance(cache, DiffusionGemmaStaticCache):
         return None
-    if cache.valid[layer] is None:
-        return None
     valid = cache.valid[layer]
+    if valid is None:
+        return None
     slots = valid.shape[1]
     after_last = (valid * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)  # 0 where none written
     return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)

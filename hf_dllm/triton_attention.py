@@ -529,8 +529,9 @@ def block_attention(
     else:
         mask = out  # never read
     single = n_splits == 1
-    folds = tiles.fold_merge and 1 < n_splits <= MAX_FOLDED_SPLITS
-    counters = merge_counters(q.device, batch * n_kv_heads * m_tiles) if folds else None
+    counters = None
+    if tiles.fold_merge and 1 < n_splits <= MAX_FOLDED_SPLITS:
+        counters = merge_counters(q.device, batch * n_kv_heads * m_tiles)
     fold = counters is not None
     if single:
         part = lse = out  # never written

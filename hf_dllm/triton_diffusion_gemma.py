@@ -617,7 +617,7 @@ def post_feedforward_norms(
         )
     out = torch.empty_like(dense)
     normed = torch.empty_like(dense) if next_norm_weight is not None else out
-    rows, d, options = _norm_launch(dense)
+    rows, _, options = _norm_launch(dense)
     if rows:
         _post_feedforward_kernel[(rows,)](
             dense, moe, residual, *weights, scale, out, d, float(eps), row, expert_weight,
