@@ -29,8 +29,8 @@ The step's parts, each timed alone at each batch size (`steps[*]` in the JSON li
 experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton kernels (`experts_default`: the one
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
 backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
-each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP on a side
-stream beside the router and experts (`dense_mlp_beside_experts`), and with the sliding attention
+each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP inline instead
+of on a side stream beside the router and experts (`dense_mlp_beside_experts`), and with the sliding attention
 reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a second kernel.
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
@@ -431,13 +431,13 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
 
             # The step (graphs) with one layer switch turned: the experts' weighted sum launched apart
             # (`triton_moe.combine`), not inside the layer's end kernel; each layer's input norm launched apart; the
-            # dense MLP on a side stream beside the experts. Then the default's step again, timed after them (the
+            # dense MLP inline, not on a side stream beside the experts. Then the default's step again, timed after them (the
             # same state of the process).
             layer_class = type(model.model.decoder.layers[0])
             for label, switch, value in (
                 ("combine_apart", "combine_in_end_kernel", False),
                 ("next_norm_apart", "norm_in_end_kernel", False),
-                ("dense_mlp_beside_experts", "dense_mlp_beside_experts", True),
+                ("dense_mlp_inline", "dense_mlp_beside_experts", False),
             ):
                 default = getattr(layer_class, switch)
                 setattr(layer_class, switch, value)
@@ -664,8 +664,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"      graph step with the experts' combine launched apart: {step['graph_step_combine_apart_ms']:.2f}"
                     f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms;"
                     f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms;"
-                    f" the dense MLP beside the experts (side stream): "
-                    f"{step['graph_step_dense_mlp_beside_experts_ms']:.2f} ms"
+                    f" the dense MLP inline (not on a side stream beside the experts): "
+                    f"{step['graph_step_dense_mlp_inline_ms']:.2f} ms"
                 )
             if "graph_step_attention_default_ms" in step:
                 print(

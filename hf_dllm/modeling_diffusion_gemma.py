@@ -442,7 +442,10 @@ class DiffusionGemmaExperts(nn.Module):
                 "experts `implementation` 'triton' runs on CUDA tensors with Triton installed (or in Triton's "
                 "interpreter with HF_DLLM_KERNELS=triton); use 'loop' or 'grouped' here."
             )
-        partitioned = self.gate_up_proj.shape[0] != self.num_experts  # expert parallelism: this rank's share
+        # Expert parallelism whose routes name this rank's experts by local id and the others' by `num_experts`
+        # (transformers' `_is_expert_parallel`): every implementation takes them (`off_rank_routes`). Any other
+        # partition of the experts (a share of them, ids unknown) only the loop, which skips ids it does not hold.
+        partitioned = not self.off_rank_routes and self.gate_up_proj.shape[0] != self.num_experts
         if partitioned and self.implementation not in (None, "loop"):
             raise ValueError(
                 f"experts `implementation` {self.implementation!r} needs every expert on this rank; under expert "
@@ -469,6 +472,13 @@ class DiffusionGemmaExperts(nn.Module):
         ):
             return "grouped"
         return "loop"
+
+    @property
+    def off_rank_routes(self) -> bool:
+        """Whether routes may name expert `num_experts`: another rank's, with weight 0 (transformers' expert
+        parallelism sets `_is_expert_parallel`, with `num_experts` this rank's count). The grouped paths put those
+        pairs after every expert's rows, compute nothing for them and give them zero outputs."""
+        return bool(getattr(self, "_is_expert_parallel", False))
 
     def hands_pairs_back(self, hidden_states: torch.Tensor) -> bool:
         """Whether `forward(..., combine=False)` may replace this call's summed output by the pairs' outputs: the
@@ -514,11 +524,13 @@ class DiffusionGemmaExperts(nn.Module):
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         rows = hidden_states[order // top_k]
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        groups = self.num_experts + int(self.off_rank_routes)  # (other ranks' routes: a last group, not computed)
+        counts = torch.zeros(groups, dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its size on the host
-        offsets = counts.cumsum(0).to(torch.int32)
+        offsets = counts.cumsum(0).to(torch.int32)[: self.num_experts]
         gate, up = grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         out = grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offsets)
+        out = self._zero_off_rank_rows(out, offsets)
         pairs = out.new_empty(out.shape).index_copy(0, order, out).view(tokens, top_k, -1)
         return (pairs.float() * weights[..., None].float()).sum(dim=1).to(hidden_states.dtype)
 
@@ -536,12 +548,23 @@ class DiffusionGemmaExperts(nn.Module):
                 f"the Triton experts compute {sorted(TRITON_GATE_ACTIVATIONS)} gates, not {self.act_fn!r}: use "
                 "implementation 'grouped' or 'loop'."
             )
-        sorted_token, offsets, rows = triton_moe.align_by_expert(index, self.num_experts, False)
+        groups = self.num_experts + int(self.off_rank_routes)  # (other ranks' routes: a last group, not computed)
+        sorted_token, offsets, rows = triton_moe.align_by_expert(index, groups, False)
+        offsets = offsets[: self.num_experts]
         gated = grouped_matmul(
             hidden_states.contiguous(), offsets, self.gate_up_proj, rows_of=sorted_token, gated=True,
             activation=self.gate_activation,
         )  # fmt: skip
-        return grouped_matmul(gated, offsets, self.down_proj), rows
+        return self._zero_off_rank_rows(grouped_matmul(gated, offsets, self.down_proj), offsets), rows
+
+    def _zero_off_rank_rows(self, out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """out `(pairs, H)` in expert order with its rows past the last expert's end (`offsets[-1]`: the routes to
+        other ranks' experts, `off_rank_routes`) zeroed: the grouped products leave them unwritten, and a weight of
+        0 times an unwritten NaN is NaN. No host synchronisation."""
+        if not self.off_rank_routes:
+            return out
+        past = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
+        return out.masked_fill_(past[:, None], 0)
 
 
 # One high-priority stream per CUDA device for work beside the main stream (`DiffusionGemmaLayer`'s dense MLP).
@@ -614,9 +637,9 @@ class DiffusionGemmaLayer(nn.Module):
     norm_in_end_kernel = True
     # The dense MLP on a side stream of high priority (`side_stream`), beside the router and the experts: the two
     # branches meet only at the end kernel, so in a captured step the MLP's small products (latency-bound at a
-    # canvas' 256 rows) run while the experts stream their weights. Off until measured on a GPU
-    # (`bench_diffusion_gemma.py` times the step with it on).
-    dense_mlp_beside_experts = False
+    # canvas' 256 rows) run while the experts stream their weights (26B-A4B batch-1 step on an H200: 16.18 -> 16.02
+    # ms; `bench_diffusion_gemma.py` times the step with it off too).
+    dense_mlp_beside_experts = True
 
     def mlp_on_side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The stream `fused_feedforward` runs the dense MLP on (None: inline): with `dense_mlp_beside_experts`, on
@@ -796,7 +819,13 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
 
     _versions = iter(range(1 << 62))
 
-    def __init__(self, config: DiffusionGemmaTextConfig, capacity: int, canvas_length: int = 0):
+    def __init__(
+        self,
+        config: DiffusionGemmaTextConfig,
+        capacity: int,
+        canvas_length: int = 0,
+        heads: list[tuple[int, int]] | None = None,
+    ):
         super().__init__(config)
         self.capacity = capacity
         # Slots after each layer's own where a pass of up to `canvas_length` tokens puts its K/V, so that it reads
@@ -806,7 +835,13 @@ class DiffusionGemmaStaticCache(DiffusionGemmaEncoderCache):
         self.canvas_length = canvas_length
         self.storage_keys: list = [None] * len(self.sliding)
         self.storage_values: list = [None] * len(self.sliding)
-        self.head = [config.layer_attention(layer) for layer in range(len(self.sliding))]
+        # (head_dim, key/value heads) per layer: this rank's heads under tensor parallelism (`heads`, from the
+        # model's layers: `DiffusionGemmaForBlockDiffusion.cache_heads`), else the config's.
+        self.head = heads or [config.layer_attention(layer) for layer in range(len(self.sliding))]
+        if len(self.head) != len(self.sliding):
+            raise ValueError(
+                f"`heads` must give one (head_dim, kv_heads) per layer ({len(self.sliding)}), got {heads}."
+            )
         self.version = next(self._versions)
 
     def slots(self, layer: int) -> int:
@@ -1461,10 +1496,21 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         if held is not None and held.fits(batch_size, max_length, self.dtype, self.device):
             held.set_length(0)
             return held
-        cache = DiffusionGemmaStaticCache(self.config.text_config, max_length, self.config.canvas_length)
+        cache = DiffusionGemmaStaticCache(
+            self.config.text_config, max_length, self.config.canvas_length, heads=self.cache_heads()
+        )
         if max_positions is None:
             self._generate_cache = cache
         return cache
+
+    def cache_heads(self) -> list[tuple[int, int]]:
+        """(head_dim, key/value heads) per layer as this rank holds them (`DiffusionGemmaStaticCache`'s `heads`):
+        under tensor parallelism each rank computes and caches its own share of the key/value heads."""
+        heads = []
+        for layer in self.model.decoder.layers:
+            attention = layer.self_attn
+            heads.append((attention.head_dim, local_shape(attention.k_proj.weight)[0] // attention.head_dim))
+        return heads
 
     def _diffusion_attention_mask(self, key_mask: torch.Tensor, q_len: int):
         # The forward reads which columns are real tokens; the masks are built per pass from them.

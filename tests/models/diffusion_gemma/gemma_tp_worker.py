@@ -57,6 +57,9 @@ SETTINGS = [
     ),
 ]
 
+# Settings also run over the static cache on the CPU (on CUDA every run uses it): it holds this rank's heads only.
+STATIC_SETTINGS = ("eos",)
+
 
 def write_checkpoint(path: Path) -> None:
     """The fixture's config with 2 key/value heads in the full layer, random weights (seed 0)."""
@@ -85,10 +88,20 @@ def record(model, device: str, logits_only: bool = False) -> dict:
         torch.manual_seed(seed)
         out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
         generated[name] = (out.sequences.cpu(), out.nfe_per_row.cpu())
+        if name in STATIC_SETTINGS and device == "cpu":  # the static cache, CUDA's default, on the CPU too
+            model.static_cache = True
+            torch.manual_seed(seed)
+            out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+            generated[f"{name}-static"] = (out.sequences.cpu(), out.nfe_per_row.cpu())
+            model.static_cache = None
+    # the static cache's key/value heads per layer (the last generate() call's; None without one)
+    cache = getattr(model, "_generate_cache", None)
+    cache_heads = None if cache is None else [keys.shape[1] for keys in cache.storage_keys]
     layers = model.model.decoder.layers
     return {
         "logits": logits,
         "generated": generated,
+        "cache_heads": cache_heads,
         "q_rows": [local_rows(layer.self_attn.q_proj.weight) for layer in layers],
         "experts": [local_rows(layer.experts.gate_up_proj) for layer in layers],
         # whether the decoder's passes ran as CUDA graphs (the fast path; never on the CPU)

@@ -41,6 +41,34 @@ def test_grouped_experts_match_the_loop(gemma, dtype):
     assert grouped.abs().max() > 0
 
 
+@pytest.mark.parametrize("implementation", ["loop", "grouped"])
+def test_off_rank_routes_give_this_ranks_share(gemma, implementation):
+    """Under transformers' expert parallelism a rank holding experts [E/2, E) gets its routes by local id and the
+    other rank's as id `num_experts` with weight 0 (`_is_expert_parallel`): the grouped path computes nothing for
+    those (torch's grouped GEMM leaves their rows unwritten) and must give exactly the loop's sum over this rank's
+    experts, which equals all experts with the other rank's weights zeroed."""
+    full = copy.deepcopy(gemma.model.decoder.layers[0].experts)
+    half = full.num_experts // 2
+    share = copy.deepcopy(full)
+    share.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[half:].clone())
+    share.down_proj = torch.nn.Parameter(full.down_proj[half:].clone())
+    share.num_experts, share._is_expert_parallel = half, True
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(24, full.gate_up_proj.shape[-1], generator=generator)
+    index = torch.stack([torch.randperm(full.num_experts, generator=generator)[:2] for _ in range(24)])
+    index[:4] = torch.tensor([0, 1])  # tokens with no expert on this rank
+    weights = torch.rand(24, 2, generator=generator)
+    off_rank = index < half
+    local_index = torch.where(off_rank, half, index - half)
+    with torch.no_grad():
+        full.implementation, share.implementation = "loop", implementation
+        expected = full(x, index, weights.masked_fill(off_rank, 0.0))
+        got = share(x, local_index, weights.masked_fill(off_rank, 0.0))
+    assert share.chosen_implementation(x) == implementation
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert bool((got[:4] == 0).all()) and got[4:].abs().max() > 0
+
+
 def test_grouped_experts_model_logits(gemma):
     expected = load_file(GEMMA_DIR / "expected.safetensors")
     inputs = dict(

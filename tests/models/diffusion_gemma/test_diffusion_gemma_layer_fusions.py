@@ -411,7 +411,7 @@ def test_cuda_dense_mlp_beside_the_experts_equals_inline():
     signal = torch.randn(2, canvas, vocab, device="cuda", generator=generator)
     cache = model._diffusion_new_cache(2, 24 + canvas)
     positions = torch.arange(24, 24 + canvas, device="cuda")
-    runs = {}
+    runs, default = {}, layer_class.dense_mlp_beside_experts
     try:
         with torch.no_grad():
             model.encode(prompt, torch.arange(24, device="cuda"), valid, cache)
@@ -425,7 +425,7 @@ def test_cuda_dense_mlp_beside_the_experts_equals_inline():
                     assert model.model.decoder.layers[0].mlp_on_side_stream(block.new_zeros(1).bfloat16()) is not None
         assert model._graphs.replays.get("decoder_layers"), "the step ran from a CUDA graph"
     finally:
-        layer_class.dense_mlp_beside_experts = False
+        layer_class.dense_mlp_beside_experts = default
         model.capture_decoder = True
     inline = runs[False, 0]
     assert torch.device("cuda", torch.cuda.current_device()) in modeling_diffusion_gemma._SIDE_STREAMS

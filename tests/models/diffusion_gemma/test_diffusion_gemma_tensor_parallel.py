@@ -19,6 +19,7 @@ from tests.conftest import ROOT, BackgroundJob
 
 WORKER = Path(__file__).with_name("gemma_tp_worker.py")
 SETTINGS = ("eos", "cold")
+CPU_SETTINGS = (*SETTINGS, "eos-static")  # (on the CPU the worker runs "eos" over the static cache too)
 MODES = ("tp", "ep")
 
 
@@ -36,11 +37,12 @@ CPU_ENV = dict(
 CPU_RUN = BackgroundJob(_command, timeout=420, cwd=ROOT, env=CPU_ENV)
 
 
-# The tensor plan over the fused layers (Triton's interpreter, `HF_DLLM_KERNELS=triton`): the forward's logits only.
-# (The expert plan is not run there: its ranks crash in the interpreter, a segmentation fault also before the
-# layer's end kernel summed the experts; its plain path above and the GPU test cover it.)
+# Both plans over the fused layers (Triton's interpreter, `HF_DLLM_KERNELS=triton`): the forward's logits only. Under
+# the expert plan a rank's routes to the other rank's experts come with id `num_experts` (weight 0), which the
+# grouped kernels must not read as an expert (it was an out-of-bounds read: a segmentation fault here, an illegal
+# memory access on two GPUs).
 FUSED_CPU_RUN = BackgroundJob(
-    lambda workdir: {"tp": [*_command(workdir)["tp"], "logits"]},
+    lambda workdir: {mode: [*command, "logits"] for mode, command in _command(workdir).items()},
     timeout=300,
     when=lambda: TRITON_AVAILABLE,
     cwd=ROOT,
@@ -49,13 +51,18 @@ FUSED_CPU_RUN = BackgroundJob(
 
 
 @pytest.mark.skipif(not TRITON_AVAILABLE, reason="the `triton` extra is not installed")
+@pytest.mark.parametrize("mode", MODES)
 @FUSED_CPU_RUN.used_by
-def test_tensor_plan_over_the_fused_layers_equals_one_process():
-    """The plan wraps the experts' forward to all-reduce their sum: the fused layer must let them sum it (the layer's
+def test_plans_over_the_fused_layers_equal_one_process(mode):
+    """The plans wrap the experts' forward to all-reduce their sum: the fused layer must let them sum it (the layer's
     end kernel takes the pairs' outputs only from unwrapped experts), and the sharded logits equal one process's."""
-    done = FUSED_CPU_RUN.results()["tp"]
+    from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
+
+    if mode == "ep" and ALL_PARALLEL_STYLES is None:
+        pytest.skip("expert parallelism needs transformers >= 5.24")
+    done = FUSED_CPU_RUN.results()[mode]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    results = torch.load(FUSED_CPU_RUN.workdir / "gemma_tp.pt", weights_only=False)
+    results = torch.load(FUSED_CPU_RUN.workdir / f"gemma_{mode}.pt", weights_only=False)
     assert results["single"]["kernel_mode"] == "triton" and not results["single"]["generated"]
     for rank in results["ranks"]:
         assert rank["kernel_mode"] == "triton"
@@ -81,19 +88,29 @@ def test_plans_shard_attention_and_experts(results):
 
 
 @CPU_RUN.used_by
+def test_static_cache_holds_this_ranks_heads(results):
+    """The static cache (CUDA's default) holds each rank's key/value heads, not the config's: a buffer of all of them
+    broadcasts a rank's heads into every slot, which the fused norm/RoPE kernel refuses on the GPU."""
+    single = results["single"]["cache_heads"]
+    assert single and all(heads >= 2 for heads in single)
+    for rank in results["ranks"]:
+        assert rank["cache_heads"] == [heads // 2 for heads in single]
+
+
+@CPU_RUN.used_by
 def test_sharded_logits_equal_one_process(results):
     for rank in results["ranks"]:
         torch.testing.assert_close(rank["logits"], results["single"]["logits"], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", CPU_SETTINGS)
 @CPU_RUN.used_by
 def test_sharded_tokens_equal_one_process(results, setting):
     sequences, steps = results["single"]["generated"][setting]
     for rank in results["ranks"]:
         assert torch.equal(rank["generated"][setting][0], sequences)
         assert torch.equal(rank["generated"][setting][1], steps)
-    if setting == "eos":  # row 0 ended at its EOS in the first canvas: its second canvas is padding, row 1's not
+    if setting.startswith("eos"):  # row 0 ended at its EOS in its first canvas: its second is padding, row 1's not
         assert bool((sequences[0, -16:] == 0).all()) and not bool((sequences[1, -16:] == 0).all())
     if setting == "cold":  # the rows stopped early, after different numbers of steps
         assert steps.max() < 12 and steps[0] != steps[1]
