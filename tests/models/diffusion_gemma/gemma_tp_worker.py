@@ -20,6 +20,7 @@ Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep [l
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ SETTINGS = [
     ),
 ]
 
+HANG_AFTER_S = 300  # on CUDA, a rank still running after this long is taken as hung (stacks dumped, exit)
 # Settings also run over the static cache on the CPU (on CUDA every run uses it): it holds this rank's heads only.
 STATIC_SETTINGS = ("eos",)
 
@@ -122,6 +124,8 @@ def main() -> None:
     import hf_dllm  # noqa: F401  (registers the model type)
 
     out, device, dtype = Path(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
+    if device == "cuda":  # a rank stuck in a collective: every thread's stack on stderr, then exit (the test shows it)
+        faulthandler.dump_traceback_later(HANG_AFTER_S, exit=True)
     # One checkpoint per launch: the test runs its tp and ep launches at once in the same folder, and a shared
     # folder let one launch rewrite the files the other's ranks were reading.
     checkpoint = out.parent / f"{out.stem}-checkpoint"
