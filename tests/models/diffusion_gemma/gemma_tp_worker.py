@@ -58,7 +58,7 @@ SETTINGS = [
     ),
 ]
 
-HANG_AFTER_S = 300  # on CUDA, a rank still running after this long is taken as hung (stacks dumped, exit)
+HANG_AFTER_S = 420  # on CUDA, a rank still running after this long is taken as hung (stacks dumped, exit)
 # Settings also run over the static cache on the CPU (on CUDA every run uses it): it holds this rank's heads only.
 STATIC_SETTINGS = ("eos",)
 

@@ -154,7 +154,7 @@ def test_two_gpus_bfloat16(tmp_path, mode):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", NCCL_NVLS_ENABLE="0")
     try:
         done = subprocess.run(
-            _command(tmp_path, "cuda", "bfloat16")[mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=420
+            _command(tmp_path, "cuda", "bfloat16")[mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=540
         )
     except subprocess.TimeoutExpired as hung:  # the ranks dump their stacks first (`gemma_tp_worker.HANG_AFTER_S`)
         pytest.fail(f"the two ranks did not finish:\n{(hung.stderr or b'').decode(errors='replace')[-12000:]}")
