@@ -553,8 +553,7 @@ class ExpertList(nn.ModuleList):
         gate, up = grouped_mm(sorted_x, stacks.gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         activated = (self.local_experts()[0].act_fn(gate) * up).contiguous()
         out = grouped_mm(activated, stacks.down.transpose(1, 2), offs=offsets)
-        kept = torch.arange(out.shape[0], device=out.device) < offsets[-1]  # rows past the last group: not written
-        return torch.where(kept[:, None], out, 0)
+        return zero_rows_past(out, offsets[-1])
 
     def _loop(self, sorted_x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """As `_grouped`, one kept expert at a time (the counts read on the host)."""
@@ -566,6 +565,14 @@ class ExpertList(nn.ModuleList):
                 out[start : start + count] = expert(sorted_x[start : start + count])
                 start += count
         return out
+
+
+def zero_rows_past(out: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """out `(rows, n)` with its rows from `end` on zeroed (`end` a 0-d device tensor, the last group's end row; no
+    host synchronisation). Grouped products leave the rows past their last group unwritten: under expert
+    parallelism, the pairs routed to other ranks' experts, whose weight 0 times an unwritten NaN would be NaN."""
+    kept = torch.arange(out.shape[0], device=out.device) < end
+    return torch.where(kept[:, None], out, 0)
 
 
 class ExpertDispatch(nn.Module):

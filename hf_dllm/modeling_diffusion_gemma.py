@@ -42,7 +42,7 @@ from .family_diffusion_gemma import DIFFUSION_GEMMA
 from .fp8 import QuantizesFromLoadDtype
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
-from .grouped_gemm import grouped_matmul
+from .grouped_gemm import grouped_matmul, zero_rows_past
 from .kernels import ConcatenatedProjections, kernel_mode, linear, returns_its_forward, use_fused_kernels
 from .tensor_parallel import is_sharded, local_shape, whole_tensor
 from .triton_attention import AttentionTiles, block_attention
@@ -476,9 +476,14 @@ class DiffusionGemmaExperts(nn.Module):
     @property
     def off_rank_routes(self) -> bool:
         """Whether routes may name expert `num_experts`: another rank's, with weight 0 (transformers' expert
-        parallelism sets `_is_expert_parallel`, with `num_experts` this rank's count). The grouped paths put those
-        pairs after every expert's rows, compute nothing for them and give them zero outputs."""
+        parallelism sets `_is_expert_parallel`, with `num_experts` this rank's count). The grouped paths sort those
+        pairs into a last group (`route_groups`), compute nothing for them and give them zero outputs."""
         return bool(getattr(self, "_is_expert_parallel", False))
+
+    @property
+    def route_groups(self) -> int:
+        """The groups the grouped paths sort the pairs into: one per expert, and the other ranks' (`off_rank_routes`)."""
+        return self.num_experts + int(self.off_rank_routes)
 
     def hands_pairs_back(self, hidden_states: torch.Tensor) -> bool:
         """Whether `forward(..., combine=False)` may replace this call's summed output by the pairs' outputs: the
@@ -524,13 +529,12 @@ class DiffusionGemmaExperts(nn.Module):
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
         rows = hidden_states[order // top_k]
-        groups = self.num_experts + int(self.off_rank_routes)  # (other ranks' routes: a last group, not computed)
-        counts = torch.zeros(groups, dtype=torch.long, device=flat.device)
+        counts = torch.zeros(self.route_groups, dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its size on the host
         offsets = counts.cumsum(0).to(torch.int32)[: self.num_experts]
         gate, up = grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         out = grouped_mm((self.act_fn(gate) * up).contiguous(), self.down_proj.transpose(1, 2), offs=offsets)
-        out = self._zero_off_rank_rows(out, offsets)
+        out = zero_rows_past(out, offsets[-1]) if self.off_rank_routes else out
         pairs = out.new_empty(out.shape).index_copy(0, order, out).view(tokens, top_k, -1)
         return (pairs.float() * weights[..., None].float()).sum(dim=1).to(hidden_states.dtype)
 
@@ -548,23 +552,14 @@ class DiffusionGemmaExperts(nn.Module):
                 f"the Triton experts compute {sorted(TRITON_GATE_ACTIVATIONS)} gates, not {self.act_fn!r}: use "
                 "implementation 'grouped' or 'loop'."
             )
-        groups = self.num_experts + int(self.off_rank_routes)  # (other ranks' routes: a last group, not computed)
-        sorted_token, offsets, rows = triton_moe.align_by_expert(index, groups, False)
+        sorted_token, offsets, rows = triton_moe.align_by_expert(index, self.route_groups, False)
         offsets = offsets[: self.num_experts]
         gated = grouped_matmul(
             hidden_states.contiguous(), offsets, self.gate_up_proj, rows_of=sorted_token, gated=True,
             activation=self.gate_activation,
         )  # fmt: skip
-        return self._zero_off_rank_rows(grouped_matmul(gated, offsets, self.down_proj), offsets), rows
-
-    def _zero_off_rank_rows(self, out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """out `(pairs, H)` in expert order with its rows past the last expert's end (`offsets[-1]`: the routes to
-        other ranks' experts, `off_rank_routes`) zeroed: the grouped products leave them unwritten, and a weight of
-        0 times an unwritten NaN is NaN. No host synchronisation."""
-        if not self.off_rank_routes:
-            return out
-        past = torch.arange(out.shape[0], device=out.device) >= offsets[-1]
-        return out.masked_fill_(past[:, None], 0)
+        out = grouped_matmul(gated, offsets, self.down_proj)
+        return (zero_rows_past(out, offsets[-1]) if self.off_rank_routes else out), rows
 
 
 # One high-priority stream per CUDA device for work beside the main stream (`DiffusionGemmaLayer`'s dense MLP).

@@ -87,15 +87,13 @@ def record(model, device: str, logits_only: bool = False) -> dict:
     logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=canvas).logits.float().cpu()
     generated = {}
     for name, seed, kwargs in [] if logits_only else SETTINGS:
-        torch.manual_seed(seed)
-        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
-        generated[name] = (out.sequences.cpu(), out.nfe_per_row.cpu())
-        if name in STATIC_SETTINGS and device == "cpu":  # the static cache, CUDA's default, on the CPU too
-            model.static_cache = True
+        # the static cache, CUDA's default, on the CPU too for STATIC_SETTINGS (as "<name>-static")
+        for static in (None, True) if name in STATIC_SETTINGS and device == "cpu" else (None,):
+            model.static_cache = static
             torch.manual_seed(seed)
             out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
-            generated[f"{name}-static"] = (out.sequences.cpu(), out.nfe_per_row.cpu())
-            model.static_cache = None
+            generated[name + ("-static" if static else "")] = (out.sequences.cpu(), out.nfe_per_row.cpu())
+        model.static_cache = None
     # the static cache's key/value heads per layer (the last generate() call's; None without one)
     cache = getattr(model, "_generate_cache", None)
     cache_heads = None if cache is None else [keys.shape[1] for keys in cache.storage_keys]
