@@ -84,15 +84,16 @@ def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
 
 
 def returns_its_forward(module: nn.Module) -> bool:
-    """Whether calling `module` returns what its class's `forward` computes on whole weights: no forward hook (on it
-    or on every module: one may replace the output; pre-hooks, which see only the inputs, may be set), no
-    accelerate `_hf_hook` wrapper, no `forward` replaced on the instance (tensor and expert parallelism wrap it to
-    all-reduce the output), no sharded parameter. Only then may a caller take the output in another form, or compute
-    it on another stream."""
-    if module._forward_hooks or _global_module_hooks._global_forward_hooks:
+    """Whether calling `module` returns what its class's `forward` computes on whole weights: no forward hook (on it,
+    on a submodule, or on every module: one may replace an output; pre-hooks, which see only the inputs, may be
+    set), no accelerate `_hf_hook` wrapper, no `forward` replaced on it or a submodule (tensor and expert
+    parallelism wrap it to all-reduce the output), no sharded parameter. Only then may a caller take the output in
+    another form, or compute it on another stream."""
+    if _global_module_hooks._global_forward_hooks:
         return False
-    if "_hf_hook" in module.__dict__ or "forward" in vars(module):
-        return False
+    for part in module.modules():
+        if part._forward_hooks or "_hf_hook" in part.__dict__ or "forward" in vars(part):
+            return False
     return not any(is_sharded(parameter) for parameter in module.parameters())
 
 

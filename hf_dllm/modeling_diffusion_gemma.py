@@ -639,10 +639,13 @@ class DiffusionGemmaLayer(nn.Module):
     def mlp_on_side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The stream `fused_feedforward` runs the dense MLP on (None: inline): with `dense_mlp_beside_experts`, on
         CUDA, for an MLP that returns its `forward`'s output (`kernels.returns_its_forward`: tensor parallelism's
-        all-reduce stays on the main stream) and has no pre-hook (it would run on the side stream), once the device
-        has its side stream (made outside a CUDA graph capture)."""
+        all-reduce stays on the main stream, so that two collectives never run on two streams at once) and has no
+        pre-hook, its own or a projection's (it would run on the side stream), once the device has its side stream
+        (made outside a CUDA graph capture)."""
         mlp = self.mlp
-        if not self.dense_mlp_beside_experts or not x.is_cuda or not returns_its_forward(mlp) or mlp._forward_pre_hooks:
+        if not self.dense_mlp_beside_experts or not x.is_cuda or not returns_its_forward(mlp):
+            return None
+        if any(part._forward_pre_hooks for part in mlp.modules()):
             return None
         return side_stream(x.device)
 

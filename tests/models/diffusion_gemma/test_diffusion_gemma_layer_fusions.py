@@ -116,6 +116,16 @@ def test_returns_its_forward_only_where_nothing_reads_or_replaces_the_output(mon
     assert not kernels.returns_its_forward(layer)
     monkeypatch.undo()
     assert kernels.returns_its_forward(layer)
+    # A submodule's output read or replaced (a tensor-parallel hook on a projection whose weight is a plain tensor).
+    block = torch.nn.Sequential(layer, torch.nn.ReLU())
+    assert kernels.returns_its_forward(block)
+    handle = layer.register_forward_hook(lambda *args: None)
+    assert not kernels.returns_its_forward(block)
+    handle.remove()
+    layer.forward = functools.partial(torch.nn.Linear.forward, layer)
+    assert not kernels.returns_its_forward(block)
+    del layer.forward
+    assert kernels.returns_its_forward(block)
 
 
 FUSED_SCRIPT = textwrap.dedent(
@@ -383,10 +393,11 @@ def test_dense_mlp_goes_beside_the_experts_only_on_cuda_switched_on_and_unwrappe
     monkeypatch.setattr(type(layer), "dense_mlp_beside_experts", True)
     assert layer.mlp_on_side_stream(cpu) is None
     assert layer.mlp_on_side_stream(cuda) == ("stream", cuda.device)
-    for register in (layer.mlp.register_forward_hook, layer.mlp.register_forward_pre_hook):
-        handle = register(lambda *args: None)
-        assert layer.mlp_on_side_stream(cuda) is None
-        handle.remove()
+    for module in (layer.mlp, layer.mlp.down_proj):  # the MLP's own hooks or a projection's
+        for register in (module.register_forward_hook, module.register_forward_pre_hook):
+            handle = register(lambda *args: None)
+            assert layer.mlp_on_side_stream(cuda) is None
+            handle.remove()
     layer.mlp.forward = functools.partial(type(layer.mlp).forward, layer.mlp)
     assert layer.mlp_on_side_stream(cuda) is None
     del layer.mlp.forward
