@@ -122,8 +122,18 @@ def main() -> None:
     import hf_dllm  # noqa: F401  (registers the model type)
 
     out, device, dtype = Path(sys.argv[1]), sys.argv[2], getattr(torch, sys.argv[3])
-    if device == "cuda":  # a rank stuck in a collective: every thread's stack on stderr, then exit (the test shows it)
+    if device == "cuda":
+        # A rank stuck in a collective: every thread's stack on stderr, then exit (the test shows them).
         faulthandler.dump_traceback_later(HANG_AFTER_S, exit=True)
+        # One grouped-GEMM config for every product: the autotuner would time each config at every new shape and
+        # row key (one process's shapes, then the shards', on each rank: ~2-4 s a key), most of a run here. Any
+        # config computes the same products (the kernel tests cover the configs).
+        from hf_dllm import grouped_gemm
+
+        def first_config(gated, n, k, groups, bucket, weight_dtype, configs=None):
+            return (configs or grouped_gemm.grouped_configs())[0]
+
+        grouped_gemm.pinned_config = first_config
     # One checkpoint per launch: the test runs its tp and ep launches at once in the same folder, and a shared
     # folder let one launch rewrite the files the other's ranks were reading.
     checkpoint = out.parent / f"{out.stem}-checkpoint"
