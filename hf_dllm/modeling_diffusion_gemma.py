@@ -134,10 +134,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # batch-1 step 16.39 ms against 17.13 (`bench_diffusion_gemma.py` times it with the merge apart).
 DECODER_BATCH_CLASSES = (1, 8, 32)
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
-    (256, 1): (
-        "triton",
-        AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True),
-    ),
+    (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True)),
     (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (256, 32): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
     (512, 1): ("gemm", AttentionTiles(block_m=16, block_n=32, num_warps=8)),
@@ -642,12 +639,9 @@ class DiffusionGemmaLayer(nn.Module):
         all-reduce stays on the main stream, so that two collectives never run on two streams at once) and has no
         pre-hook, its own or a projection's (it would run on the side stream), once the device has its side stream
         (made outside a CUDA graph capture)."""
-        mlp = self.mlp
-        if not self.dense_mlp_beside_experts or not x.is_cuda or not returns_its_forward(mlp):
+        if not self.dense_mlp_beside_experts or not x.is_cuda:
             return None
-        if any(part._forward_pre_hooks for part in mlp.modules()):
-            return None
-        return side_stream(x.device)
+        return side_stream(x.device) if returns_its_forward(self.mlp, allow_pre_hooks=False) else None
 
     def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""

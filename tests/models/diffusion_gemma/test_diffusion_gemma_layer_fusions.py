@@ -101,6 +101,7 @@ def test_returns_its_forward_only_where_nothing_reads_or_replaces_the_output(mon
     assert kernels.returns_its_forward(layer)
     handle = layer.register_forward_pre_hook(lambda *args: None)
     assert kernels.returns_its_forward(layer)
+    assert not kernels.returns_its_forward(layer, allow_pre_hooks=False)
     handle.remove()
     for register in (layer.register_forward_hook, register_module_forward_hook):
         handle = register(lambda *args: None)
