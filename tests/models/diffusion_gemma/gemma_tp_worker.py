@@ -5,7 +5,8 @@ Rank 0 writes a tiny DiffusionGemma checkpoint (the fixture's shape, but 2 key/v
 layer too, so that every attention layer splits over 2 ranks; random float32 weights, seeded) to OUT's folder and
 records what one process gives (no plan): the logits of one forward and the tokens of seeded `generate()` calls.
 Then every rank loads it with `tp_plan="auto"` and records the same, under the same seeds (the draws are identical
-on every rank); rank 0 saves {"single": ..., "ranks": [...]} to OUT (torch.save).
+on every rank); rank 0 saves {"single": ..., "ranks": [...], "reference_logits": ...} to OUT (torch.save), the
+last one (a float32 forward on the CPU, one process) where DTYPE is not float32.
 
 With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=2, ep_size=2)`: each rank
 holds half the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce` dispatch masks
@@ -21,8 +22,12 @@ Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep [l
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -58,9 +63,18 @@ SETTINGS = [
     ),
 ]
 
-HANG_AFTER_S = 420  # on CUDA, a rank still running after this long is taken as hung (stacks dumped, exit)
+# On CUDA, a rank still running after this long is taken as hung (stacks dumped, exit).
+HANG_AFTER_S = int(os.environ.get("GEMMA_TP_HANG_AFTER_S", 420))
+# NCCL's communicator shutdown (`destroy_process_group`) may wait forever on two GPUs once collectives ran inside
+# CUDA graphs: the results are saved by then, so a rank still in it after this long says so and exits.
+SHUTDOWN_S = 30
 # Settings also run over the static cache on the CPU (on CUDA every run uses it): it holds this rank's heads only.
 STATIC_SETTINGS = ("eos",)
+
+
+def say(what: str) -> None:
+    """A progress line on stderr (the test prints it when the ranks fail or do not finish)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def write_checkpoint(path: Path) -> None:
@@ -85,6 +99,7 @@ def record(model, device: str, logits_only: bool = False) -> dict:
     mask = (ids != 0).long()
     canvas = torch.arange(16, device=device).expand(2, -1) * 19 % 320
     logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=canvas).logits.float().cpu()
+    say(f"{device}: forward done")
     generated = {}
     for name, seed, kwargs in [] if logits_only else SETTINGS:
         # the static cache, CUDA's default, on the CPU too for STATIC_SETTINGS (as "<name>-static")
@@ -92,6 +107,7 @@ def record(model, device: str, logits_only: bool = False) -> dict:
             model.static_cache = static
             torch.manual_seed(seed)
             out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+            say(f"{device}: generate {name}{'-static' if static else ''} done")
             generated[name + ("-static" if static else "")] = (out.sequences.cpu(), out.nfe_per_row.cpu())
         model.static_cache = None
     # the static cache's key/value heads per layer (the last generate() call's; None without one)
@@ -143,9 +159,13 @@ def main() -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     single = None
+    reference = None
     if rank == 0:
         write_checkpoint(checkpoint)
         single = record(AutoModel.from_pretrained(checkpoint, dtype=dtype).eval().to(device), device, logits_only)
+        if dtype != torch.float32:  # what both runs' rounding is measured against: one process in float32, the CPU
+            reference = record(AutoModel.from_pretrained(checkpoint, dtype=torch.float32).eval(), "cpu", True)
+    say(f"rank {rank}: at the barrier")
     dist.barrier()
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -158,13 +178,25 @@ def main() -> None:
 
         parallel = tensor_parallel_load_kwargs()
     model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
+    say(f"rank {rank}: sharded model loaded")
     result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu", logits_only)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if rank == 0:
-        torch.save({"single": single, "ranks": gathered}, out)
+        torch.save({"single": single, "ranks": gathered, "reference_logits": reference and reference["logits"]}, out)
     dist.barrier()
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        faulthandler.cancel_dump_traceback_later()
+        watchdog = threading.Timer(
+            SHUTDOWN_S, lambda: (say(f"rank {rank}: destroy_process_group did not return"), os._exit(0))
+        )
+        watchdog.daemon = True
+        watchdog.start()
     dist.destroy_process_group()
+    say(f"rank {rank}: done")
 
 
 if __name__ == "__main__":

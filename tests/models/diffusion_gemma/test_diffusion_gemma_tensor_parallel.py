@@ -141,14 +141,14 @@ def test_plans_are_the_configs_and_name_existing_modules():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("mode", MODES)
 def test_two_gpus_bfloat16(tmp_path, mode):
+    """Both plans on two GPUs (NCCL, bfloat16, the fast path: static cache, CUDA graphs, fused sampler): the sums'
+    rounding differs between one GPU and the shards, so the logits' error against one float32 process is bounded by
+    one GPU's own bfloat16 error (within 2x), and tokens are not compared with one GPU; the two ranks draw the same
+    numbers, so their tokens and steps must be identical, and the passes run as CUDA graphs as on one GPU."""
     from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
 
     if mode == "ep" and ALL_PARALLEL_STYLES is None:
         pytest.skip("expert parallelism needs transformers >= 5.24")
-    """Both plans on two GPUs (NCCL, bfloat16, the fast path: static cache, CUDA graphs, fused sampler): the
-    sums' rounding differs between one GPU and the shards, so the logits are compared with the project's bfloat16
-    tolerance (5% of the largest logit) and tokens are not compared with one GPU; the two ranks draw the same
-    numbers, so their tokens and steps must be identical, and the passes run as CUDA graphs as on one GPU."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", NCCL_NVLS_ENABLE="0")
@@ -162,9 +162,13 @@ def test_two_gpus_bfloat16(tmp_path, mode):
     results = torch.load(tmp_path / f"gemma_{mode}.pt", weights_only=False)
     single, (first, second) = results["single"], results["ranks"]
     assert single["graphs"], "one GPU did not capture the decoder's passes"
-    scale = single["logits"].abs().max()
+    # Each run's error against one float32 process: the shards add a rounding per sum (each rank's bf16 partial),
+    # so a rank's error may exceed one GPU's own bfloat16 error, within 2x of it (a wrong shard is far beyond it).
+    reference = results["reference_logits"]
+    own_error = (single["logits"] - reference).abs().max()
     for rank in (first, second):
-        assert (rank["logits"] - single["logits"]).abs().max() <= 0.05 * scale
+        error = (rank["logits"] - reference).abs().max()
+        assert error <= 2 * own_error, f"sharded error {error:.4f}, one GPU's {own_error:.4f} (float32: 0)"
         assert rank["graphs"], "the sharded model did not capture the decoder's passes"
     for name in SETTINGS:
         assert torch.equal(first["generated"][name][0], second["generated"][name][0]), name
