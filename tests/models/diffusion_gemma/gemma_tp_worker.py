@@ -1,21 +1,22 @@
-"""Worker of test_diffusion_gemma_tensor_parallel.py, started by `torchrun --nproc-per-node 2`: DiffusionGemma under
-transformers' tensor parallelism through its config's own `base_model_tp_plan` (`tp_plan="auto"`).
+"""Worker of test_diffusion_gemma_tensor_parallel.py, started by `torchrun --nproc-per-node N` (2 or 4):
+DiffusionGemma under transformers' tensor parallelism through its config's own `base_model_tp_plan`
+(`tp_plan="auto"`).
 
-Rank 0 writes a tiny DiffusionGemma checkpoint (the fixture's shape, but 2 key/value heads in the full-attention
-layer too, so that every attention layer splits over 2 ranks; random float32 weights, seeded) to OUT's folder and
+Rank 0 writes a tiny DiffusionGemma checkpoint (the fixture's shape, but as many key/value heads as ranks and at
+least 2 in every layer, so that every attention layer splits; random float32 weights, seeded) to OUT's folder and
 records what one process gives (no plan): the logits of one forward and the tokens of seeded `generate()` calls.
 Then every rank loads it with `tp_plan="auto"` and records the same, under the same seeds (the draws are identical
 on every rank); rank 0 saves {"single": ..., "ranks": [...], "reference_logits": ...} to OUT (torch.save), the
 last one (a float32 forward on the CPU, one process) where DTYPE is not float32.
 
-With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=2, ep_size=2)`: each rank
-holds half the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce` dispatch masks
-the routes to the other rank's experts).
+With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=N, ep_size=N)`: each rank
+holds its share of the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce`
+dispatch masks the routes to the other ranks' experts).
 
 With a sixth argument `logits`, only the forward's logits (no `generate()` calls): the fused path in Triton's
 interpreter (`HF_DLLM_KERNELS=triton`) pays per operation, and its layers are what a plan wraps.
 
-Usage: torchrun --nproc-per-node 2 gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep [logits]]
+Usage: torchrun --nproc-per-node N gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep [logits]]
 (DEVICE cpu -> gloo, cuda -> nccl)
 """
 
@@ -77,12 +78,16 @@ def say(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
-def write_checkpoint(path: Path) -> None:
-    """The fixture's config with 2 key/value heads in the full layer, random weights (seed 0)."""
+def write_checkpoint(path: Path, ranks: int) -> None:
+    """The fixture's config with at least 2 key/value heads in every layer and as many as there are `ranks`
+    (every attention layer splits; the fixture's 4 query heads and 4 experts split up to 4 ways), random weights
+    (seed 0)."""
     import hf_dllm
 
     config = json.loads((FIXTURE / "config.json").read_text())
-    config["text_config"]["per_layer_config"]["2"]["num_key_value_heads"] = 2
+    text = config["text_config"]
+    text["num_key_value_heads"] = max(text["num_key_value_heads"], ranks)
+    text["per_layer_config"]["2"]["num_key_value_heads"] = max(2, ranks)
     config = hf_dllm.DiffusionGemmaConfig.from_dict(config)
     torch.manual_seed(0)
     model = hf_dllm.DiffusionGemmaForBlockDiffusion(config)
@@ -156,12 +161,12 @@ def main() -> None:
     logits_only = len(sys.argv) > 5 and sys.argv[5] == "logits"
     backend = "gloo" if device == "cpu" else "nccl"
     dist.init_process_group(backend)
-    rank = dist.get_rank()
+    rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     single = None
     reference = None
     if rank == 0:
-        write_checkpoint(checkpoint)
+        write_checkpoint(checkpoint, ranks)
         single = record(AutoModel.from_pretrained(checkpoint, dtype=dtype).eval().to(device), device, logits_only)
         if dtype != torch.float32:  # what both runs' rounding is measured against: one process in float32, the CPU
             reference = record(AutoModel.from_pretrained(checkpoint, dtype=torch.float32).eval(), "cpu", True)
@@ -169,10 +174,10 @@ def main() -> None:
     dist.barrier()
     if device == "cuda":
         torch.cuda.set_device(rank)
-    if len(sys.argv) > 4 and sys.argv[4] == "ep":  # the expert plan too: each rank holds half the experts
+    if len(sys.argv) > 4 and sys.argv[4] == "ep":  # the expert plan too: each rank holds its share of the experts
         from transformers.distributed import DistributedConfig
 
-        parallel = {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
+        parallel = {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks)}
     else:
         from hf_dllm.tensor_parallel import tensor_parallel_load_kwargs
 
@@ -180,7 +185,7 @@ def main() -> None:
     model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
     say(f"rank {rank}: sharded model loaded")
     result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu", logits_only)
-    gathered = [None] * dist.get_world_size()
+    gathered = [None] * ranks
     dist.all_gather_object(gathered, result)
     if rank == 0:
         torch.save({"single": single, "ranks": gathered, "reference_logits": reference and reference["logits"]}, out)

@@ -1,6 +1,6 @@
 """DiffusionGemma under transformers' tensor parallelism through its config's own `base_model_tp_plan`
-(`tp_plan="auto"`), and with its `base_model_ep_plan` too (`tp_size=2, ep_size=2`): two processes (torchrun, gloo,
-float32) against one process (`gemma_tp_worker.py`), the two runs side by side. The shards
+(`tp_plan="auto"`), and with its `base_model_ep_plan` too (`tp_size=ep_size=ranks`): two and four processes
+(torchrun, gloo, float32) against one process (`gemma_tp_worker.py`), the runs side by side. The shards
 change only the order of float32 sums: logits within 1e-4, and under the same seed on every rank (identical draws)
 the same tokens and the same per-row denoising steps as one process, rows ending at an EOS and stopping early
 included."""
@@ -21,11 +21,21 @@ WORKER = Path(__file__).with_name("gemma_tp_worker.py")
 SETTINGS = ("eos", "cold")
 CPU_SETTINGS = (*SETTINGS, "eos-static")  # (on the CPU the worker runs "eos" over the static cache too)
 MODES = ("tp", "ep")
+RANKS = (2, 4)  # the fixture's 4 query heads and 4 experts split up to 4 ways
+RUNS = [(mode, ranks) for ranks in RANKS for mode in MODES]
 
 
-def _command(workdir: Path, device: str = "cpu", dtype: str = "float32") -> dict:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    return {mode: [*launcher, str(WORKER), str(workdir / f"gemma_{mode}.pt"), device, dtype, mode] for mode in MODES}
+def _command(workdir: Path, device: str = "cpu", dtype: str = "float32", runs=RUNS) -> dict:
+    """(mode, ranks) -> the launch of `gemma_tp_worker.py` over `ranks` processes, saving to `_saved(...)`."""
+    commands = {}
+    for mode, ranks in runs:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
+        commands[mode, ranks] = [*launcher, str(WORKER), str(_saved(workdir, mode, ranks)), device, dtype, mode]
+    return commands
+
+
+def _saved(workdir: Path, mode: str, ranks: int) -> Path:
+    return workdir / f"gemma_{mode}_{ranks}.pt"
 
 
 CPU_ENV = dict(
@@ -42,7 +52,7 @@ CPU_RUN = BackgroundJob(_command, timeout=420, cwd=ROOT, env=CPU_ENV)
 # grouped kernels must not read as an expert (it was an out-of-bounds read: a segmentation fault here, an illegal
 # memory access on two GPUs).
 FUSED_CPU_RUN = BackgroundJob(
-    lambda workdir: {mode: [*command, "logits"] for mode, command in _command(workdir).items()},
+    lambda workdir: {mode: [*command, "logits"] for (mode, _), command in _command(workdir, runs=RUNS[:2]).items()},
     timeout=300,
     when=lambda: TRITON_AVAILABLE,
     cwd=ROOT,
@@ -62,28 +72,31 @@ def test_plans_over_the_fused_layers_equal_one_process(mode):
         pytest.skip("expert parallelism needs transformers >= 5.24")
     done = FUSED_CPU_RUN.results()[mode]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    results = torch.load(FUSED_CPU_RUN.workdir / f"gemma_{mode}.pt", weights_only=False)
+    results = torch.load(_saved(FUSED_CPU_RUN.workdir, mode, 2), weights_only=False)
     assert results["single"]["kernel_mode"] == "triton" and not results["single"]["generated"]
     for rank in results["ranks"]:
         assert rank["kernel_mode"] == "triton"
         torch.testing.assert_close(rank["logits"], results["single"]["logits"], rtol=0, atol=1e-4)
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{mode}-{ranks}" for mode, ranks in RUNS])
 def results(request) -> dict:
-    done = CPU_RUN.results()[request.param]
+    mode, ranks = request.param
+    done = CPU_RUN.results()[mode, ranks]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    return {"mode": request.param, **torch.load(CPU_RUN.workdir / f"gemma_{request.param}.pt", weights_only=False)}
+    saved = torch.load(_saved(CPU_RUN.workdir, mode, ranks), weights_only=False)
+    assert len(saved["ranks"]) == ranks
+    return {"mode": mode, **saved}
 
 
 @CPU_RUN.used_by
 def test_plans_shard_attention_and_experts(results):
-    """Every attention layer holds half its heads; under the expert plan each rank holds half the experts (under
-    the tensor plan all of them, each half as wide)."""
-    single = results["single"]
+    """Every attention layer holds its share of the heads; under the expert plan each rank holds its share of the
+    experts (under the tensor plan all of them, each as much narrower)."""
+    single, ranks = results["single"], len(results["ranks"])
     for rank in results["ranks"]:
-        assert rank["q_rows"] == [rows // 2 for rows in single["q_rows"]]
-        expected = [n // 2 for n in single["experts"]] if results["mode"] == "ep" else single["experts"]
+        assert rank["q_rows"] == [rows // ranks for rows in single["q_rows"]]
+        expected = [n // ranks for n in single["experts"]] if results["mode"] == "ep" else single["experts"]
         assert rank["experts"] == expected
 
 
@@ -91,10 +104,10 @@ def test_plans_shard_attention_and_experts(results):
 def test_static_cache_holds_this_ranks_heads(results):
     """The static cache (CUDA's default) holds each rank's key/value heads, not the config's: a buffer of all of them
     broadcasts a rank's heads into every slot, which the fused norm/RoPE kernel refuses on the GPU."""
-    single = results["single"]["cache_heads"]
-    assert single and all(heads >= 2 for heads in single)
+    single, ranks = results["single"]["cache_heads"], len(results["ranks"])
+    assert single and all(heads >= ranks for heads in single)
     for rank in results["ranks"]:
-        assert rank["cache_heads"] == [heads // 2 for heads in single]
+        assert rank["cache_heads"] == [heads // ranks for heads in single]
 
 
 @CPU_RUN.used_by
@@ -138,38 +151,39 @@ def test_plans_are_the_configs_and_name_existing_modules():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@pytest.mark.parametrize("mode", MODES)
-def test_two_gpus_bfloat16(tmp_path, mode):
-    """Both plans on two GPUs (NCCL, bfloat16, the fast path: static cache, CUDA graphs, fused sampler): the sums'
-    rounding differs between one GPU and the shards, so the logits' error against one float32 process is bounded by
-    one GPU's own bfloat16 error (within 2x), and tokens are not compared with one GPU; the two ranks draw the same
-    numbers, so their tokens and steps must be identical, and the passes run as CUDA graphs as on one GPU."""
+@pytest.mark.parametrize(("mode", "ranks"), RUNS, ids=[f"{mode}-{ranks}" for mode, ranks in RUNS])
+def test_gpus_bfloat16(tmp_path, mode, ranks):
+    """Both plans on two and four GPUs (NCCL, bfloat16, the fast path: static cache, CUDA graphs, fused sampler):
+    the sums' rounding differs between one GPU and the shards, so the logits' error against one float32 process is
+    bounded by one GPU's own bfloat16 error (within 2x), and tokens are not compared with one GPU; the ranks draw the
+    same numbers, so their tokens and steps must be identical, and the passes run as CUDA graphs as on one GPU."""
     from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
 
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} CUDA devices")
     if mode == "ep" and ALL_PARALLEL_STYLES is None:
         pytest.skip("expert parallelism needs transformers >= 5.24")
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", NCCL_NVLS_ENABLE="0")
+    command = _command(tmp_path, "cuda", "bfloat16", [(mode, ranks)])[mode, ranks]
     try:
-        done = subprocess.run(
-            _command(tmp_path, "cuda", "bfloat16")[mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=540
-        )
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=540)
     except subprocess.TimeoutExpired as hung:  # the ranks dump their stacks first (`gemma_tp_worker.HANG_AFTER_S`)
-        pytest.fail(f"the two ranks did not finish:\n{(hung.stderr or b'').decode(errors='replace')[-12000:]}")
+        pytest.fail(f"the ranks did not finish:\n{(hung.stderr or b'').decode(errors='replace')[-12000:]}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    results = torch.load(tmp_path / f"gemma_{mode}.pt", weights_only=False)
-    single, (first, second) = results["single"], results["ranks"]
+    results = torch.load(_saved(tmp_path, mode, ranks), weights_only=False)
+    single, (first, *others) = results["single"], results["ranks"]
     assert single["graphs"], "one GPU did not capture the decoder's passes"
     # Each run's error against one float32 process: the shards add a rounding per sum (each rank's bf16 partial),
     # so a rank's error may exceed one GPU's own bfloat16 error, within 2x of it (a wrong shard is far beyond it).
     reference = results["reference_logits"]
     own_error = (single["logits"] - reference).abs().max()
-    for rank in (first, second):
+    for rank in (first, *others):
         error = (rank["logits"] - reference).abs().max()
         assert error <= 2 * own_error, f"sharded error {error:.4f}, one GPU's {own_error:.4f} (float32: 0)"
         assert rank["graphs"], "the sharded model did not capture the decoder's passes"
     for name in SETTINGS:
-        assert torch.equal(first["generated"][name][0], second["generated"][name][0]), name
-        assert torch.equal(first["generated"][name][1], second["generated"][name][1]), name
+        for other in others:
+            assert torch.equal(first["generated"][name][0], other["generated"][name][0]), name
+            assert torch.equal(first["generated"][name][1], other["generated"][name][1]), name
