@@ -31,7 +31,8 @@ the model runs; the measurement that picks it); on CUDA the captured step with e
 backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
 each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP inline instead
 of on a side stream beside the router and experts (`dense_mlp_beside_experts`), and with the sliding attention
-reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a second kernel.
+reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a second
+kernel.
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
@@ -431,8 +432,8 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
 
             # The step (graphs) with one layer switch turned: the experts' weighted sum launched apart
             # (`triton_moe.combine`), not inside the layer's end kernel; each layer's input norm launched apart; the
-            # dense MLP inline, not on a side stream beside the experts. Then the default's step again, timed after them (the
-            # same state of the process).
+            # dense MLP inline, not on a side stream beside the experts. Then the default's step again, timed after
+            # them (the same state of the process).
             layer_class = type(model.model.decoder.layers[0])
             for label, switch, value in (
                 ("combine_apart", "combine_in_end_kernel", False),

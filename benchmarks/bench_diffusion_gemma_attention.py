@@ -63,7 +63,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dllm.modeling_diffusion_gemma import decoder_key_mask, gemm_attention  # noqa: E402
+from hf_dllm.modeling_diffusion_gemma import decoder_key_mask, gemm_attention, unwritten_slots  # noqa: E402
 from hf_dllm.triton_attention import AttentionTiles, block_attention  # noqa: E402
 
 # (query heads, key/value heads, head_dim, cached slots) of the 26B-A4B's layers (the full layers' slots: --full-cache).
@@ -159,13 +159,6 @@ def backends(q, valid, tile_configs: list[AttentionTiles], on_cuda: bool, key_ga
     return entries
 
 
-def unwritten_slots(valid: torch.Tensor, slots: int) -> torch.Tensor:
-    """`(B, 2)` int32: the cache's slots after each row's last written one, which the model's Triton decoder pass
-    skips (`decoder_key_gap`; keys `slots` on are the canvas')."""
-    after_last = (valid[:, :slots] * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)
-    return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)
-
-
 def config_label(tiles: AttentionTiles) -> str:
     splits = "plan" if tiles.splits is None else tiles.splits
     skip = "skip" if tiles.skip_masked else "noskip"
@@ -225,7 +218,7 @@ def run_case(kind, batch, valid_fraction, shape, canvas, full_cache, tile_config
     q, k, v = sets[0]
     want = {True: reference(q, k, v, valid), False: reference(q, k, v, None)}
     rows = []
-    key_gap = unwritten_slots(valid, slots)
+    key_gap = unwritten_slots(valid[:, :slots])  # what the model's decoder pass skips (keys `slots` on: the canvas')
     for name, (config, function) in backends(q, valid, tile_configs, device.type == "cuda", key_gap).items():
         row = dict(kind=kind, batch=batch, valid=valid_fraction, backend=name.split(" ")[0], config=config, name=name)
         try:

@@ -479,7 +479,8 @@ class DiffusionGemmaExperts(nn.Module):
 
     @property
     def route_groups(self) -> int:
-        """The groups the grouped paths sort the pairs into: one per expert, and the other ranks' (`off_rank_routes`)."""
+        """The groups the grouped paths sort the pairs into: one per expert, and the other ranks'
+        (`off_rank_routes`)."""
         return self.num_experts + int(self.off_rank_routes)
 
     def hands_pairs_back(self, hidden_states: torch.Tensor) -> bool:
@@ -1145,10 +1146,14 @@ def decoder_key_gap(cache, layer: int, backend: str) -> torch.Tensor | None:
     if not SKIP_UNWRITTEN_SLOTS or backend != "triton" or not isinstance(cache, DiffusionGemmaStaticCache):
         return None
     valid = cache.valid[layer]
-    if valid is None:
-        return None
+    return None if valid is None else unwritten_slots(valid)
+
+
+def unwritten_slots(valid: torch.Tensor) -> torch.Tensor:
+    """valid `(B, slots)` bool, a cache's written slots -> `(B, 2)` int32 [start, end): each row's slots after its
+    last written one (start 0 where none is written; empty, start = end, where the last slot is)."""
     slots = valid.shape[1]
-    after_last = (valid * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)  # 0 where none written
+    after_last = (valid * torch.arange(1, slots + 1, device=valid.device)).amax(dim=1)
     return torch.stack([after_last, torch.full_like(after_last, slots)], dim=1).to(torch.int32)
 
 
