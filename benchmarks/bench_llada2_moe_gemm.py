@@ -5,14 +5,17 @@ The two grouped products of a MoE layer take most of a block step. This benchmar
 `tokens` tokens routed top-8 at random plus every token's shared-expert row, in expert order as
 `triton_moe.align_by_expert` gives them; 32 tokens = a batch-1 block step, 1024 = batch 32), or with `--shape
 llada-moe` LLaDA-MoE-7B-A1B's (64 experts of 1024, no shared expert, the tokens routed top-8 among 10 experts, as a
-block step's tokens concentrate), each replayed from a CUDA graph:
+block step's tokens concentrate), or with `--shape diffusion-gemma` DiffusionGemma-26B-A4B's (128 experts of 704
+over 2816, GELU gate, no shared expert, routed among all: 256 tokens = a batch-1 canvas), each replayed from a CUDA
+graph:
 
 - bf16 weights, `torch._grouped_mm` as the fused path calls it: the gather of the rows, gate/up, the SiLU gate
   (`triton_ops.silu_mul`), down;
 - bf16 weights, hf_dllm's `grouped_gemm.grouped_matmul` (the gather and the SiLU gate fused in);
 - FP8 weights with 128 x 128 block scales, `grouped_matmul`: the autotuner's choice, and (`--sweep fp8,bf16`,
-  at the `--sweep-tokens` counts) every config of `grouped_configs()` with tiles of up to 64 rows that fits the
-  shared memory, in FP8 and in bf16, each printed as it is timed;
+  at the `--sweep-tokens` counts) every config of `grouped_configs()` and of `EXTRA_CONFIGS` (deeper pipelines,
+  other warp counts, steps of 64 columns) with tiles of up to 64 rows that fits the shared memory, in FP8 (where the
+  widths are whole 128-column blocks) and in bf16, each printed as it is timed;
 
 against each product's weight-read floor (bytes of the groups that received rows, bf16 or FP8 plus scales, over the
 measured copy bandwidth). Prints a table, the config each bf16 `grouped_matmul` ran (the autotuner's, or
@@ -20,6 +23,7 @@ measured copy bandwidth). Prints a table, the config each bf16 `grouped_matmul` 
 
     python benchmarks/bench_llada2_moe_gemm.py --tokens 32,256,1024
     python benchmarks/bench_llada2_moe_gemm.py --shape llada-moe --tokens 32 --sweep bf16
+    python benchmarks/bench_llada2_moe_gemm.py --shape diffusion-gemma --tokens 256 --sweep bf16
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import triton
 from bench_generate import copy_bandwidth  # the rate every benchmark's weight-read floor divides by
 from bench_llada2_kernels import graph_us  # the same timing as the kernel benchmark
 
@@ -51,13 +56,32 @@ class Shape(NamedTuple):
     top_k: int
     shared: bool
     distinct: int
+    activation: str = "silu"
 
 
 SHAPES = {
     "llada2-mini": Shape(256, 2048, 512, 8, True, 256),
     # LLaDA-MoE-7B-A1B: a batch-1 block step's 32 tokens chose ~9.2 distinct experts per layer (bench_llada_moe.py).
     "llada-moe": Shape(64, 2048, 1024, 8, False, 10),
+    # DiffusionGemma 26B-A4B: 128 experts of width 704 over 2816, GELU gate; a canvas' 256 tokens touch them all.
+    "diffusion-gemma": Shape(128, 2816, 704, 8, False, 128, "gelu_tanh"),
 }
+
+# Configs the `--sweep` times besides `grouped_gemm.grouped_configs()`: deeper pipelines and other warp counts at
+# the few-row tiles, which the autotuner's list leaves out (each would cost every autotuned key its compile).
+# K_DIVISOR 2 (steps of 64 columns, not the launch's 128 for bf16 weights): twice the loop's iterations over the
+# same bytes, e.g. 11 whole ones over DiffusionGemma's down product's 704 columns instead of 5 and a half-masked one.
+EXTRA_CONFIGS = [
+    (dict(BLOCK_M=block_m, BLOCK_N=block_n, SWAP=swap, N_FASTEST=False), warps, stages)
+    for block_m in (16, 32)
+    for block_n, warps, stages in ((32, 4, 6), (64, 4, 5), (64, 8, 4), (128, 4, 4), (128, 8, 3), (256, 8, 3))
+    for swap in (False, True)
+] + [
+    (dict(BLOCK_M=32, BLOCK_N=block_n, SWAP=swap, N_FASTEST=n_fastest, K_DIVISOR=2), warps, stages)
+    for block_n, warps, stages in ((64, 4, 4), (64, 4, 6), (128, 4, 4), (128, 4, 6), (128, 8, 5), (256, 8, 4))
+    for swap in (False, True)
+    for n_fastest in (False, True)
+]
 
 
 def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SHAPES["llada2-mini"]) -> dict:
@@ -78,16 +102,26 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SH
     pairs = sorted_token.shape[0]
     hidden_rows = torch.randn(pairs, inter, device="cuda", dtype=torch.bfloat16)
 
+    activation = shape.activation
+
     def torch_gate_up():
         projected = torch._grouped_mm(x.index_select(0, sorted_token), gate_up.transpose(1, 2), offs=offsets)
-        return triton_ops.silu_mul(*projected.chunk(2, dim=-1))
+        gate, up = projected.chunk(2, dim=-1)
+        if activation == "silu":
+            return triton_ops.silu_mul(gate, up)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+    # FP8 with 128 x 128 blocks where the width is whole blocks (the gate's scale rows must end where the up's start).
+    fp8_fits = inter % BLOCK[0] == 0
 
     candidates = {
         "gate_up": {
             "grouped_mm_bf16": torch_gate_up,
-            "triton_bf16": lambda: grouped_gemm.grouped_matmul(x, offsets, gate_up, rows_of=sorted_token, gated=True),
+            "triton_bf16": lambda: grouped_gemm.grouped_matmul(
+                x, offsets, gate_up, rows_of=sorted_token, gated=True, activation=activation
+            ),
             "triton_fp8": lambda: grouped_gemm.grouped_matmul(
-                x, offsets, gate_up8, gate_up_scale, BLOCK, rows_of=sorted_token, gated=True
+                x, offsets, gate_up8, gate_up_scale, BLOCK, rows_of=sorted_token, gated=True, activation=activation
             ),
         },
         "down": {
@@ -103,6 +137,9 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SH
         row[f"{gemm}_floor_fp8_us"] = 1e6 * used * (n * k + (n // 128) * (k // 128) * 4) / bandwidth
         reference = fns["grouped_mm_bf16"]().float()
         for name, fn in fns.items():
+            if name.endswith("fp8") and not fp8_fits:
+                row[f"{gemm}_{name}_us"] = float("nan")
+                continue
             out = fn()  # autotunes outside the graph
             if name.startswith("triton"):  # the config that ran: the autotuner's, or `grouped_gemm.PINNED_CONFIGS`'
                 row[f"{gemm}_{name}_config"] = str(grouped_gemm._grouped_kernel.best_config)
@@ -117,7 +154,10 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SH
                 ("down", "bf16"): (down, None, None),
             }[gemm, dtype]
             w_bytes = weights[0].element_size()
-            for config in grouped_gemm.grouped_configs():
+            if dtype == "fp8" and not fp8_fits:
+                continue
+            extras = [triton.Config(kwargs, num_warps=w, num_stages=st) for kwargs, w, st in EXTRA_CONFIGS]
+            for config in grouped_gemm.grouped_configs() + extras:
                 name = f"{dtype}_" + "_".join(f"{key}{value}" for key, value in config.kwargs.items())
                 name += f"_w{config.num_warps}s{config.num_stages}"
                 # 128-row tiles are never chosen at a block step's rows; configs that cannot launch are not compiled.
@@ -126,7 +166,7 @@ def shape_row(tokens: int, bandwidth: float, sweep: list[str], shape: Shape = SH
                     continue
                 if gemm == "gate_up":
                     fn = lambda c=config, w=weights: grouped_gemm.grouped_matmul(  # noqa: E731
-                        x, offsets, *w, rows_of=sorted_token, gated=True, config=c
+                        x, offsets, *w, rows_of=sorted_token, gated=True, config=c, activation=activation
                     )
                 else:
                     fn = lambda c=config, w=weights: grouped_gemm.grouped_matmul(  # noqa: E731

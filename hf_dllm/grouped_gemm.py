@@ -76,7 +76,8 @@ def grouped_configs() -> list:
 def footprint_bytes(config, x_bytes: int, w_bytes: int, block_k: int, gated: bool) -> int:
     """Shared memory `config` needs at most: every pipeline stage's row tile of x and one (gated: two) weight tiles
     of `block_k` columns buffered (an upper bound of what Triton allocates)."""
-    stage = block_k * (config.kwargs["BLOCK_M"] * x_bytes + (2 if gated else 1) * config.kwargs["BLOCK_N"] * w_bytes)
+    step = block_k // config.kwargs.get("K_DIVISOR", 1)
+    stage = step * (config.kwargs["BLOCK_M"] * x_bytes + (2 if gated else 1) * config.kwargs["BLOCK_N"] * w_bytes)
     return config.num_stages * stage
 
 
@@ -91,22 +92,53 @@ def fits_shared_memory(config, x_bytes: int, w_bytes: int, block_k: int, gated: 
 # --sweep`) ranked a config above the autotuner's pick. The autotuner times each config launched alone from the
 # host (`triton.testing.do_bench`: per-call events, the L2 cleared before each call); at these 10-30 us products its
 # ranking lands a few microseconds off the graph's (and in a captured step the kernels run between others).
+# A pin may be outside `grouped_configs()`, like `STEP_64` below: such configs are given to the autotuner
+# (`autotuned_configs`) only to be taken where pinned.
+# 32-row tiles of 64 columns whose loop steps 64 of K, not the launch's 128 (`K_DIVISOR` 2): the best of each swept
+# product below, twice the loop's iterations over the same bytes (DiffusionGemma's down product: 11 whole steps over
+# its 704 columns, not 5 and a half-masked one).
+STEP_64 = dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True, K_DIVISOR=2)
 PINNED_CONFIGS = {
     # LLaDA-MoE-7B-A1B's batch-1 block step (32 tokens x top-8: 256 pairs over 64 experts of width 1024, hidden
-    # 2048), bf16 weights, H200 (`benchmarks/results/h200_bench_llada2_moe_gemm_llada_moe.log`): gate/up 26.5 us
-    # against the autotuner's 27.4, down 12.6 us against its 16.8 (its pick measured 14-20 us in a captured step).
-    (True, 1024, 2048, 64, 256, torch.bfloat16): (dict(BLOCK_M=32, BLOCK_N=64, SWAP=False, N_FASTEST=True), 4, 3),
-    (False, 2048, 1024, 64, 256, torch.bfloat16): (dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True), 4, 3),
+    # 2048), bf16 weights, H200 (`benchmarks/results/h200_bench_llada2_moe_gemm_llada_moe.log`): gate/up 25.6 us
+    # and down 11.5 us, against 26.6 and 12.4 for the former pins (steps of 128 columns).
+    (True, 1024, 2048, 64, 256, torch.bfloat16): (STEP_64, 4, 4),
+    (False, 2048, 1024, 64, 256, torch.bfloat16): (STEP_64, 4, 4),
+    # DiffusionGemma-26B-A4B's batch-1 canvas (256 tokens x top-8: 2,048 pairs over 128 experts of width 704,
+    # hidden 2816), bf16, H200 (`benchmarks/results/h200_bench_llada2_moe_gemm_diffusion_gemma.log`): down 130.2 us
+    # against the autotuner's pick's 133.9; the captured batch-1 step 16.13 against 16.22 ms with that pick (medians
+    # of 4 alternated recaptures, one process). Gate/up keeps the autotuner's pick, the sweep's best.
+    (False, 2816, 704, 128, 2048, torch.bfloat16): (STEP_64, 4, 4),
 }
 
 
+def _config_key(config) -> tuple:
+    return (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages)
+
+
+def autotuned_configs() -> list:
+    """The autotuner's configs: `grouped_configs()` and the pins outside it (`PINNED_CONFIGS`), which
+    `_prune_grouped` keeps only where pinned."""
+    configs = grouped_configs()
+    known = {_config_key(config) for config in configs}
+    extra = {}
+    for kwargs, warps, stages in PINNED_CONFIGS.values():
+        config = triton.Config(dict(kwargs), num_warps=warps, num_stages=stages)
+        if _config_key(config) not in known:
+            extra.setdefault(_config_key(config), config)
+    return configs + list(extra.values())
+
+
 def pinned_config(gated: bool, n: int, k: int, groups: int, bucket: int, weight_dtype: torch.dtype, configs=None):
-    """The config of `configs` (default `grouped_configs()`) pinned for a product of `groups` groups with `n` output
-    columns over `k`, rows bucket `bucket` (`rows_bucket(pairs)`), weights in `weight_dtype` (`PINNED_CONFIGS`), or
-    None (the autotuner chooses)."""
+    """The config of `configs` (default `autotuned_configs()`) pinned for a product of `groups` groups with `n`
+    output columns over `k`, rows bucket `bucket` (`rows_bucket(pairs)`), weights in `weight_dtype`
+    (`PINNED_CONFIGS`), or None (the autotuner chooses)."""
     pin = PINNED_CONFIGS.get((gated, n, k, groups, bucket, weight_dtype))
-    for config in grouped_configs() if configs is None else configs:
-        if pin is not None and (config.kwargs, config.num_warps, config.num_stages) == pin:
+    if pin is None:
+        return None
+    wanted = _config_key(triton.Config(dict(pin[0]), num_warps=pin[1], num_stages=pin[2]))
+    for config in autotuned_configs() if configs is None else configs:
+        if _config_key(config) == wanted:
             return config
     return None
 
@@ -125,10 +157,12 @@ def _prune_grouped(configs, named_args, **kwargs):
         )  # fmt: skip
         if pinned is not None and fits_shared_memory(pinned, *sizes, named_args["x_ptr"].device):
             return [pinned]  # one config: nothing to choose between
-    # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding).
+    # BLOCK_M near the rows a used group holds (tiles are per group: a larger tile mostly multiplies padding); the
+    # configs that are there only as pins are left out.
     per_group = named_args["ROWS_BUCKET"] // max(1, named_args["n_groups"])
     allowed = {16, 32} if per_group <= 32 else {32, 64} if per_group <= 128 else {64, 128}
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] in allowed]
+    listed = {_config_key(config) for config in grouped_configs()}
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] in allowed and _config_key(c) in listed]
     # N_FASTEST puts the row tiles on the grid's second axis: not where there may be more than it takes.
     kept = [
         c
@@ -190,7 +224,7 @@ if TRITON_AVAILABLE:
         return group, first_row, end_row
 
     @triton.autotune(
-        configs=grouped_configs(),
+        configs=autotuned_configs(),
         # n_groups too: the pruning depends on it (tiles near the rows per group, `PINNED_CONFIGS`).
         key=["ROWS_BUCKET", "N", "K", "n_groups", "GATED", "HAS_SCALE"],
         prune_configs_by={"early_config_prune": _prune_grouped},
@@ -227,10 +261,12 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         SWAP: tl.constexpr,
         N_FASTEST: tl.constexpr,
+        K_DIVISOR: tl.constexpr = 1,
     ):
         # Program (tile, n): out[rows, n block] for the tile's rows of one group, the tile on the grid's first axis
         # (or, N_FASTEST, its second). GATED: the up product uses the weight's rows `up_rows` further on (and scale
-        # rows `up_scale_rows` further on).
+        # rows `up_scale_rows` further on). Each step of the loop over K takes BLOCK_K // K_DIVISOR columns (BLOCK_K:
+        # the launch's widest step, an FP8 scale block at most).
         tile, pid_n = (tl.program_id(1), tl.program_id(0)) if N_FASTEST else (tl.program_id(0), tl.program_id(1))
         group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
         if group >= n_groups:
@@ -242,7 +278,7 @@ if TRITON_AVAILABLE:
         else:
             source = rows
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = tl.arange(0, BLOCK_K // K_DIVISOR)
         in_n = offs_n < N
         x_ptrs = x_ptr + source[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -252,19 +288,19 @@ if TRITON_AVAILABLE:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros_like(acc)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            in_k = offs_k < K - k * BLOCK_K
+        for k in range(0, tl.cdiv(K, BLOCK_K // K_DIVISOR)):
+            in_k = offs_k < K - k * (BLOCK_K // K_DIVISOR)
             x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            scale_k = (k * BLOCK_K) // SCALE_K
+            scale_k = (k * (BLOCK_K // K_DIVISOR)) // SCALE_K
             acc = tile_product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
             if GATED:
                 w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
                 acc_up = tile_product(
                     x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
                 )
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K // K_DIVISOR
+            w_ptrs += BLOCK_K // K_DIVISOR
         if GATED:
             # The unfused path's rounding: both products and the activation's output rounded to the output dtype.
             out_dtype = out_ptr.dtype.element_ty

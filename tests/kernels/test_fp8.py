@@ -447,10 +447,11 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     # tile, of several, empty ones; gate/up with the SiLU gate (rows gathered) and down.
     from hf_dllm import grouped_gemm
     from tests.kernels.test_fp8 import grouped_errors
-    # N_FASTEST: the grid's axes swapped.
+    # N_FASTEST: the grid's axes swapped; K_DIVISOR 2: steps of 64 columns within a 128-column scale block.
     for tile in ({"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False}, {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True},
                  {"BLOCK_M": 32, "BLOCK_N": 32, "SWAP": False},
-                 {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "N_FASTEST": True}):
+                 {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "N_FASTEST": True},
+                 {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": True, "N_FASTEST": True, "K_DIVISOR": 2}):
         grouped_gemm.INTERPRETER_CONFIG.update(tile)
         for tokens, experts, top_k, k_in, n_out, gated in [
             (7, 6, 2, 256, 128, True), (40, 5, 3, 128, 256, False), (40, 3, 2, 128, 128, True),
@@ -504,7 +505,7 @@ INTERPRETER_MODEL_SCRIPT = textwrap.dedent(
     from hf_dllm.cache import DiffusionKVCache
     from tests.kernels.test_fp8 import llada2_config, llada2_quantized_model
     FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
-    grouped_gemm.INTERPRETER_CONFIG.update(BLOCK_M=16, BLOCK_N=64, SWAP=False, N_FASTEST=False)
+    grouped_gemm.INTERPRETER_CONFIG.update(BLOCK_M=16, BLOCK_N=64, SWAP=False, N_FASTEST=False, K_DIVISOR=1)
     config = llada2_config(num_experts=6, n_group=3, topk_group=2, num_hidden_layers=3)
     _, model = llada2_quantized_model(config, dtype=torch.float32)
     moe = model.model.layers[1].mlp

@@ -406,20 +406,27 @@ def test_grouped_autotuning_keeps_a_config_that_fits_the_shared_memory(monkeypat
     "gated, n, k, groups, pairs, weight_dtype, pinned",
     [
         # LLaDA-MoE-7B's batch-1 block step, bf16: the H200 sweep's best configs alone.
-        (True, 1024, 2048, 64, 256, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=False, N_FASTEST=True)),
-        (False, 2048, 1024, 64, 200, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True)),
-        # Not covered by that sweep: batch 2 (512 pairs), FP8 weights, LLaDA2.0-mini's 257 groups, float16.
+        (True, 1024, 2048, 64, 256, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True, K_DIVISOR=2)),
+        (False, 2048, 1024, 64, 200, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True, K_DIVISOR=2)),
+        # DiffusionGemma-26B-A4B's batch-1 canvas: its down product.
+        (False, 2816, 704, 128, 2048, "bfloat16", dict(BLOCK_M=32, BLOCK_N=64, SWAP=True, N_FASTEST=True, K_DIVISOR=2)),
+        # Not covered by those sweeps: batch 2 (512 pairs), FP8 weights, LLaDA2.0-mini's 257 groups, float16, the
+        # canvas' gate/up (the autotuner's pick was the sweep's best), a batch-8 canvas.
         (True, 1024, 2048, 64, 512, "bfloat16", None),
         (False, 2048, 1024, 64, 256, "float8_e4m3fn", None),
         (True, 512, 2048, 257, 256, "bfloat16", None),
         (True, 1024, 2048, 64, 256, "float16", None),
+        (True, 704, 2816, 128, 2048, "bfloat16", None),
+        (False, 2816, 704, 128, 16384, "bfloat16", None),
     ],
 )
 def test_grouped_products_take_the_pinned_config_only_where_swept(
     monkeypatch, gated, n, k, groups, pairs, weight_dtype, pinned
 ):
     """`grouped_gemm.PINNED_CONFIGS`: a product of the swept shape, dtype and rows bucket gets the swept best config
-    alone (one 4-warp, 3-stage config of `grouped_configs()`); any other keeps the autotuner's pruned candidates."""
+    alone (a 4-warp, 4-stage config stepping 64 columns: outside `grouped_configs()`, in the autotuner's list only
+    as a pin); any other keeps the autotuner's pruned candidates, none of them a config that is there only as a
+    pin."""
     import torch
 
     from hf_dllm import grouped_gemm
@@ -429,12 +436,16 @@ def test_grouped_products_take_the_pinned_config_only_where_swept(
     w = torch.empty(1, dtype=getattr(torch, weight_dtype))
     named = dict(ROWS_BUCKET=grouped_gemm.rows_bucket(pairs), n_groups=groups, N=n, K=k, x_ptr=x, w_ptr=w)
     fp8 = weight_dtype.startswith("float8")
-    kept = grouped_gemm._prune_grouped(grouped_gemm.grouped_configs(), named, BLOCK_K=128, GATED=gated, HAS_SCALE=fp8)
+    configs = grouped_gemm.autotuned_configs()
+    listed = [(c.kwargs, c.num_warps, c.num_stages) for c in grouped_gemm.grouped_configs()]
+    kept = grouped_gemm._prune_grouped(configs, named, BLOCK_K=128, GATED=gated, HAS_SCALE=fp8)
     found = grouped_gemm.pinned_config(gated, n, k, groups, named["ROWS_BUCKET"], w.dtype)
     if pinned is None:
         assert len(kept) > 1 and found is None
+        assert all((c.kwargs, c.num_warps, c.num_stages) in listed for c in kept)
     else:
-        assert [(c.kwargs, c.num_warps, c.num_stages) for c in kept] == [(pinned, 4, 3)] and kept == [found]
+        assert [(c.kwargs, c.num_warps, c.num_stages) for c in kept] == [(pinned, 4, 4)] and kept == [found]
+        assert (pinned, 4, 4) not in listed and found in configs
 
 
 def test_rows_bucket_gives_few_autotuning_keys_that_bound_the_rows():

@@ -270,13 +270,13 @@ def test_no_host_synchronisation_between_blocks_without_eos():
 @pytest.mark.parametrize("tokens", [32, 1024])
 def test_every_grouped_config_in_bf16_within_twice_torch_error(tokens):
     """The experts' grouped bf16 products (`grouped_gemm.grouped_matmul`, every config the autotuner may pick that
-    fits the shared memory in bf16, in both grid orders, and its own choice) at LLaDA2.0-mini's widths (64 experts,
-    top-8; gate/up with the SiLU gate and the rows gathered, down): the error against the float32 product within
-    twice PyTorch's bf16 per-group products' error."""
+    fits the shared memory in bf16, in both grid orders, the pinned ones, and its own choice) at LLaDA2.0-mini's
+    widths (64 experts, top-8; gate/up with the SiLU gate and the rows gathered, down): the error against the
+    float32 product within twice PyTorch's bf16 per-group products' error."""
     from hf_dllm import grouped_gemm
     from tests.kernels.test_fp8 import grouped_errors
 
-    configs = [None, *grouped_gemm.grouped_configs()]
+    configs = [None, *grouped_gemm.autotuned_configs()]  # the pins outside grouped_configs() too
     for gated, k_in, n_out in ((True, 2048, 512), (False, 512, 2048)):
         torch.manual_seed(tokens)
         errors, reference = grouped_errors(
