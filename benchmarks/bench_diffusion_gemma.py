@@ -16,7 +16,8 @@ its second call, `prompt_graphs`); the same for transformers' `generate()`
 
 Also measured, per batch size: one **encoder pass over the prompt** (on an emptied cache, as generate() runs it)
 and one **encoder pass over an accepted canvas** (after the prompt, in generate()'s cache), each eager (host-bound
-at batch 1, so its ms are the host's) and replayed from its CUDA graph (`capture_encoder`), the **host syncs of one generate() call** (torch's
+at batch 1, so its ms are the host's) and replayed from its CUDA graph (`capture_encoder`), on CUDA also with the
+sliding layers' attention on Triton (`ENCODER_ATTENTION`), the **host syncs of one generate() call** (torch's
 sync debug mode; the stop decision's event read is not one), and one
 **isolated denoising step** (decoder forward + `EntropyBoundSampler.denoise`,
 after the encoder wrote the prompt, with self-conditioning; CUDA events around `--step-repeats` steps back to back)
@@ -322,8 +323,9 @@ def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device
     """ms per encoder pass over the `prompt_len` prompt of `batch` rows (on an emptied cache with the end column
     given, as generate() runs it: `encoder_prompt_*_ms`) and over an accepted canvas after it, in generate()'s cache
     (static on CUDA), with positions `(B, T)` as generate() gives them: each eager and with its layers replayed from a
-    CUDA graph (where `CacheGraphs` applies: captured by the warm-up calls). Every timed pass writes the same
-    columns again (the kernels and their shapes do not depend on what the cache holds)."""
+    CUDA graph (where `CacheGraphs` applies: captured by the warm-up calls), and on CUDA replayed with the sliding
+    layers' attention on Triton (`*_graph_triton_sliding_ms`; `ENCODER_ATTENTION`'s default may differ). Every timed
+    pass writes the same columns again (the kernels and their shapes do not depend on what the cache holds)."""
     text, canvas = model.config.text_config, model.config.canvas_length
     generator = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(3, text.vocab_size, (batch, prompt_len + canvas), device=device, generator=generator)
@@ -342,16 +344,30 @@ def encoder_canvas_pass(model, batch: int, prompt_len: int, repeats: int, device
         def encode():
             model.encode(tokens[:, prompt_len:], columns, valid[:, prompt_len:], cache, columns.expand(batch, -1))
 
+        table = dict(modeling_diffusion_gemma.ENCODER_ATTENTION)
+        # Then (CUDA) the captured passes again with the sliding layers' attention on Triton (`ENCODER_ATTENTION`).
+        triton_sliding = {
+            key: ("triton", tiles) for key, (_, tiles) in table.items() if key[0] == GEMMA_26B_A4B["head_dim"]
+        }
+        variants = [("eager", False, {}), ("graph", True, {})]
+        if device.type == "cuda" and modeling_diffusion_gemma.MOE_KERNELS_AVAILABLE:
+            variants.append(("graph_triton_sliding", True, triton_sliding))
         try:
-            for mode, capture in (("eager", False), ("graph", True)):
+            for mode, capture, entries in variants:
                 model.capture_encoder = capture
+                modeling_diffusion_gemma.ENCODER_ATTENTION.update(entries)
+                if entries:
+                    model._graphs = None  # captured graphs keep the kernels they were captured with
                 if capture:  # a prompt shape's first pass is only counted (`prompt_graphs`): the next is captured
                     encode_prompt()
                 timings[f"encoder_prompt_{mode}_ms"] = timed_ms(encode_prompt, repeats, device)
                 timings[f"encoder_canvas_{mode}_ms"] = timed_ms(encode, repeats, device)
+                if mode == "graph":
+                    timings["encoder_canvas_graph_replays"] = graph_replays(model).get("encoder_layers", 0)
         finally:
             model.capture_encoder = captured
-    timings["encoder_canvas_graph_replays"] = graph_replays(model).get("encoder_layers", 0)
+            modeling_diffusion_gemma.ENCODER_ATTENTION.update(table)
+            model._graphs = None
     return timings
 
 
@@ -660,6 +676,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"({step['encoder_canvas_graph_replays']} replays); host syncs in a generate() call "
                 f"({step_counts[0]} steps): {step['generate_host_syncs']}"
             )
+            if "encoder_canvas_graph_triton_sliding_ms" in step:
+                print(
+                    f"      encoder passes with the sliding layers' attention on Triton (graph): prompt "
+                    f"{step['encoder_prompt_graph_triton_sliding_ms']:.2f} ms, canvas "
+                    f"{step['encoder_canvas_graph_triton_sliding_ms']:.2f} ms"
+                )
             if "graph_step_combine_apart_ms" in step:
                 print(
                     f"      graph step with the experts' combine launched apart: {step['graph_step_combine_apart_ms']:.2f}"

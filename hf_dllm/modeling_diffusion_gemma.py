@@ -143,13 +143,30 @@ DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
 }
 
 
-def decoder_attention(head_dim: int, batch: int) -> tuple[str, AttentionTiles]:
-    """(backend, Triton tiles) of `DECODER_ATTENTION` for a decoder pass of `batch` rows with heads of `head_dim`;
-    head widths outside the table (other checkpoints' shapes) take the nearest wider entry's (or the widest's)."""
+# The encoder's passes (over a prompt, over an accepted canvas: a causal, in sliding layers windowed, mask per query),
+# keyed as `DECODER_ATTENTION`: SDPA for heads its fused kernels take (`FUSED_SDPA_HEAD_DIM`), "gemm" for wider ones
+# (its math fallback for heads of 512 took 0.52 ms a layer at batch 1 on an H200). "triton" runs
+# `triton_attention.block_attention` with the mask per query (`bench_diffusion_gemma.py` times the encoder passes
+# with the sliding layers on it: the decoder's sliding attention took 30-36 us there against cuDNN SDPA's 76).
+ENCODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
+    (256, 1): ("sdpa", DECODER_ATTENTION[256, 1][1]),
+    (256, 8): ("sdpa", DECODER_ATTENTION[256, 8][1]),
+    (256, 32): ("sdpa", DECODER_ATTENTION[256, 32][1]),
+    (512, 1): ("gemm", DECODER_ATTENTION[512, 1][1]),
+    (512, 8): ("gemm", DECODER_ATTENTION[512, 8][1]),
+    (512, 32): ("gemm", DECODER_ATTENTION[512, 32][1]),
+}
+
+
+def decoder_attention(head_dim: int, batch: int, table: dict | None = None) -> tuple[str, AttentionTiles]:
+    """(backend, Triton tiles) of `table` (default `DECODER_ATTENTION`; `ENCODER_ATTENTION` is keyed alike) for a
+    pass of `batch` rows with heads of `head_dim`; head widths outside the table (other checkpoints' shapes) take
+    the nearest wider entry's (or the widest's)."""
+    table = DECODER_ATTENTION if table is None else table
     batch_class = max([size for size in DECODER_BATCH_CLASSES if size <= batch], default=DECODER_BATCH_CLASSES[0])
-    widths = sorted({width for width, _ in DECODER_ATTENTION})
+    widths = sorted({width for width, _ in table})
     width = next((w for w in widths if w >= head_dim), widths[-1])
-    return DECODER_ATTENTION[(width, batch_class)]
+    return table[(width, batch_class)]
 
 
 def decoder_tiles(head_dim: int, batch: int = 1) -> AttentionTiles:
@@ -204,8 +221,9 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
     "triton": the decoder's pass through hf_dllm's Triton attention (`triton_attention.block_attention`; CUDA, or
     the interpreter), the encoder's on `encoder_backend`'s (per-query causal masks). None (default): the decoder's
     from `DECODER_ATTENTION` (per head width and batch) on CUDA in half precision, else "sdpa"; the encoder's
-    `encoder_backend` ("gemm" on CUDA for heads wider than SDPA's fused kernels take, `FUSED_SDPA_HEAD_DIM`, else
-    "sdpa"). Set for every layer with `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
+    `encoder_backend` (`ENCODER_ATTENTION`, keyed alike: "gemm" on CUDA for heads wider than SDPA's fused kernels
+    take, `FUSED_SDPA_HEAD_DIM`, else "sdpa"). Set for every layer with
+    `DiffusionGemmaForBlockDiffusion.set_decoder_attention`."""
 
     backends = ("sdpa", "gemm", "triton")
 
@@ -237,10 +255,11 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         return decoder_attention(self.head_dim, hidden_states.shape[0])[0]
 
     def encoder_backend(self, hidden_states: torch.Tensor) -> str:
-        """The backend where "triton" does not apply (an encoder pass, a per-query mask): "gemm" on CUDA in half
-        precision for heads wider than SDPA's fused kernels take (`FUSED_SDPA_HEAD_DIM`), else "sdpa"."""
-        wide = self.head_dim > FUSED_SDPA_HEAD_DIM
-        return "gemm" if wide and hidden_states.is_cuda and hidden_states.dtype != torch.float32 else "sdpa"
+        """The backend of an encoder pass over this input (a mask per query): on CUDA in half precision
+        `ENCODER_ATTENTION`'s for the heads' width and the batch, else "sdpa"."""
+        if not hidden_states.is_cuda or hidden_states.dtype == torch.float32:
+            return "sdpa"
+        return decoder_attention(self.head_dim, hidden_states.shape[0], ENCODER_ATTENTION)[0]
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
@@ -287,17 +306,19 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         batch, length, _ = hidden_states.shape
         backend = self.chosen_backend(hidden_states)
         per_query = mask is not None and mask.shape[2] != 1
-        if (write_cache and self.backend is None) or (backend == "triton" and (write_cache or per_query)):
+        encoder = (write_cache and self.backend is None) or (backend == "triton" and (write_cache or per_query))
+        if encoder:
             backend = self.encoder_backend(hidden_states)
         if backend == "gemm":
             output = gemm_attention(query, key, value, mask)
             return output.transpose(1, 2).reshape(batch, length, -1)
         if backend == "triton":
-            # The decoder's pass (a key padding mask, no per-query mask): hf_dllm's Triton attention (float32
-            # scores and softmax, grouped-query heads sharing their K/V loads); written (B, T, H, D), what the
+            # hf_dllm's Triton attention (float32 scores and softmax, grouped-query heads sharing their K/V loads)
+            # with the decoder's key padding mask or the encoder's mask per query; written (B, T, H, D), what the
             # o-projection reads (no transpose copy).
-            padding = None if mask is None else mask[:, 0, 0, :]
-            tiles = decoder_tiles(self.head_dim, batch)
+            padding = None if mask is None else mask[:, 0] if per_query else mask[:, 0, 0, :]
+            table = ENCODER_ATTENTION if encoder else DECODER_ATTENTION
+            tiles = decoder_attention(self.head_dim, batch, table)[1]
             output = block_attention(query, key, value, padding, scale=1.0, tiles=tiles, key_gap=key_gap)
             return output.reshape(batch, length, -1)
         output = nn.functional.scaled_dot_product_attention(

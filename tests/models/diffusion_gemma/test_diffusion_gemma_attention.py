@@ -10,7 +10,9 @@ before Triton compiles anything, hence subprocesses beside the in-process tests)
 - the fixture model's encode + decode over a static cache on the fused path with the "triton" backend against the
   PyTorch path with SDPA: the same logits and caches, both passes' keys and values written in place
   (`canvas_slots`; the encoder's kept in the ring at `end_write`), every layer skipping its unwritten slots
-  (`key_gap`: a sliding layer's ring, a full layer's columns not yet written) with the logits of reading them all.
+  (`key_gap`: a sliding layer's ring, a full layer's columns not yet written) with the logits of reading them all;
+  and with the encoder's passes (over the prompt, then over the accepted canvas) on the Triton attention as well
+  (`ENCODER_ATTENTION`), its mask per query.
 """
 
 from __future__ import annotations
@@ -44,6 +46,37 @@ def test_key_chunks_power_of_two_or_even():
                         assert tiles & (tiles - 1) == 0
                     elif tiles > 1:  # the fewest tiles: one fewer per chunk would not cover the keys in n_splits
                         assert n_splits * (tiles - 1) * block_n < kv_len
+
+
+def test_encoder_backend_follows_its_table_on_cuda_half_precision(monkeypatch):
+    """`encoder_backend`: on CUDA in half precision `ENCODER_ATTENTION`'s backend for the heads' width (the nearest
+    wider entry) and the batch class; SDPA on the CPU and in float32, whatever the table says."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_dllm import modeling_diffusion_gemma
+    from hf_dllm.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+
+    config = DiffusionGemmaTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    sliding, full = (modeling_diffusion_gemma.DiffusionGemmaAttention(config, layer) for layer in (0, 1))
+
+    def hidden(batch, cuda=True, dtype=torch.bfloat16):
+        return SimpleNamespace(shape=(batch, 8, 64), is_cuda=cuda, dtype=dtype)
+
+    assert [sliding.encoder_backend(hidden(b)) for b in (1, 8, 32)] == ["sdpa"] * 3
+    assert [full.encoder_backend(hidden(b)) for b in (1, 8, 32)] == ["sdpa"] * 3  # 32 wide: the 256 entries
+    table = modeling_diffusion_gemma.ENCODER_ATTENTION
+    monkeypatch.setitem(table, (256, 8), ("triton", table[256, 8][1]))
+    assert [sliding.encoder_backend(hidden(b)) for b in (1, 7, 8, 31, 32)] == ["sdpa"] * 2 + ["triton"] * 2 + ["sdpa"]
+    assert sliding.encoder_backend(hidden(8, cuda=False)) == "sdpa"
+    assert sliding.encoder_backend(hidden(8, dtype=torch.float32)) == "sdpa"
+    monkeypatch.setitem(table, (512, 1), ("triton", table[512, 1][1]))
+    sliding.head_dim = 300  # wider than 256: the 512 entries
+    assert sliding.encoder_backend(hidden(1)) == "triton" and full.encoder_backend(hidden(1)) == "sdpa"
 
 
 KERNELS_SCRIPT = textwrap.dedent(
@@ -203,6 +236,32 @@ MODEL_SCRIPT = textwrap.dedent(
         # values straight into the canvas slots (each layer's one norm/RoPE launch given them), and the caches
         # hold what the PyTorch path copied there.
         assert wrote == [True] * 2 * text.num_hidden_layers, wrote
+        for layer in range(text.num_hidden_layers):
+            for mine, theirs in ((cache.storage_keys, want_cache.storage_keys),
+                                 (cache.storage_values, want_cache.storage_values)):
+                assert (mine[layer] - theirs[layer]).abs().max() < 1e-5, (prompt_len, layer)
+        # The encoder's passes on the Triton attention too (`ENCODER_ATTENTION` "triton": its mask per query,
+        # causal and in sliding layers windowed), over the prompt and then over the accepted canvas (its keys in
+        # the canvas slots, kept in the ring at `end_write`), the next canvas decoded after: the PyTorch path's
+        # logits and caches.
+        attention_class = modeling_diffusion_gemma.DiffusionGemmaAttention
+        encoder_backend = attention_class.encoder_backend
+        columns = torch.arange(prompt_len, prompt_len + canvas_length)
+        following = torch.randint(3, text.vocab_size, (2, canvas_length))
+        after = {}
+        for mode, backend, encoder in (("torch", "sdpa", encoder_backend), ("triton", "triton", "triton")):
+            attention_class.encoder_backend = encoder if callable(encoder) else lambda self, hidden: encoder
+            gaps.clear()
+            first, cache, _ = run(mode, backend, ids, attention_mask, canvas)
+            with torch.no_grad():
+                model.encode(canvas, columns, torch.ones(2, canvas_length, dtype=torch.bool), cache)
+                second = model.decode(following, columns + canvas_length, cache)
+            after[mode] = (first, second, cache, len(gaps))
+        attention_class.encoder_backend = encoder_backend
+        (first, second, want_cache, _), (mine_first, mine_second, cache, calls) = after["torch"], after["triton"]
+        assert calls == 4 * text.num_hidden_layers, calls  # two encoder and two decoder passes, every layer
+        for a, b in ((mine_first, first), (mine_second, second)):
+            assert (a - b).abs().max() < 1e-4, (prompt_len, (a - b).abs().max().item())
         for layer in range(text.num_hidden_layers):
             for mine, theirs in ((cache.storage_keys, want_cache.storage_keys),
                                  (cache.storage_values, want_cache.storage_values)):

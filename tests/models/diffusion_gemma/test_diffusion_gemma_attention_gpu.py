@@ -1,7 +1,8 @@
-"""DiffusionGemma's decoder attention on CUDA (bfloat16): `block_attention` at the 26B-A4B decoder shapes with the
-tile options `DECODER_ATTENTION` may pick, against float32 (its error within 2x of bfloat16 SDPA's); `qkv_norm_rope`
-writing into a cache's canvas slots; the fixture model's captured decoder step on the "triton"
-backend (K/V written in place) equal to its eager step."""
+"""DiffusionGemma's attention on CUDA (bfloat16): `block_attention` at the 26B-A4B decoder shapes with the tile
+options `DECODER_ATTENTION` may pick, and at its encoder's (a mask per query) with `ENCODER_ATTENTION`'s, against
+float32 (its error within 2x of bfloat16 SDPA's); the fixture model's encoder passes on the "triton" backend, captured
+equal to eager; `qkv_norm_rope` writing into a cache's canvas slots; the fixture model's captured decoder step on the
+"triton" backend (K/V written in place) equal to its eager step."""
 
 from __future__ import annotations
 
@@ -52,6 +53,100 @@ def test_block_attention_error_at_the_26b_decoder_shapes(kind, batch):
         out = block_attention(q, k, v, valid, scale=1.0, tiles=tiles)
         error = (out.float() - exact).abs().max().item()
         assert error <= bar, (tiles, error, bar)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("kind", ["sliding", "full"])
+def test_block_attention_error_at_the_26b_encoder_shapes(kind, batch):
+    """The encoder's pass over an accepted 256-token canvas: its mask per query (`encoder_key_mask`: causal, within
+    the 1,024-column window in sliding layers) over the cache's slots (a sliding ring that has wrapped, columns in
+    slot order c mod 1,023; a full layer's first 640 columns; rows left-padded by their own amounts) and its own
+    keys, through `block_attention` with `ENCODER_ATTENTION`'s tiles and the decoder's: the error against float32
+    within 2x of SDPA's (bfloat16, the same mask)."""
+    from types import SimpleNamespace
+
+    from hf_dllm.modeling_diffusion_gemma import ENCODER_ATTENTION, decoder_attention, encoder_key_mask
+
+    heads, kv_heads, dim, slots = SHAPES[kind]
+    written, window = (1100, 1024) if kind == "sliding" else (640, None)
+    generator = torch.Generator(device="cuda").manual_seed(batch)
+    slot_columns = torch.full((slots,), -1, dtype=torch.long, device="cuda")
+    for column in range(max(0, written - slots), written):
+        slot_columns[column % slots if kind == "sliding" else column] = column
+    slot_valid = (slot_columns >= 0).expand(batch, -1).clone()
+    for row in range(batch):
+        slot_valid[row] &= slot_columns >= (37 * row) % 128
+    columns = torch.arange(written, written + 256, device="cuda")
+    cache = SimpleNamespace(columns=[slot_columns], valid=[slot_valid])
+    mask = encoder_key_mask(cache, 0, columns, torch.ones(batch, 256, dtype=torch.bool, device="cuda"), window)
+    q = (torch.randn(batch, heads, 256, dim, device="cuda", generator=generator) * dim**-0.5).bfloat16()
+    k = torch.randn(batch, kv_heads, slots + 256, dim, device="cuda", generator=generator).bfloat16()
+    v = torch.randn(batch, kv_heads, slots + 256, dim, device="cuda", generator=generator).bfloat16()
+    group = heads // kv_heads
+    scores = q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)
+    scores.masked_fill_(~mask, float("-inf"))
+    exact = (scores.softmax(-1) @ v.float().repeat_interleave(group, 1)).transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True
+    ).transpose(1, 2)
+    bar = 2 * (sdpa.float() - exact).abs().max().item() + 1e-4
+    for tiles in (decoder_attention(dim, batch, ENCODER_ATTENTION)[1], decoder_tiles(dim, batch)):
+        out = block_attention(q, k, v, mask[:, 0], scale=1.0, tiles=tiles)
+        error = (out.float() - exact).abs().max().item()
+        assert error <= bar, (tiles, error, bar)
+
+
+@pytest.mark.gpu
+def test_captured_encoder_passes_on_triton_equal_eager(gemma_cuda_bf16, monkeypatch):
+    """With `ENCODER_ATTENTION` on "triton" for every width, the fixture model's encoder passes (a left-padded
+    prompt, then an accepted canvas) run `block_attention` with their masks per query, and the canvas pass captured
+    and replayed from a CUDA graph writes the eager pass's keys and values and leads to its next decoder logits."""
+    from hf_dllm import modeling_diffusion_gemma
+
+    model = gemma_cuda_bf16
+    text, canvas = model.config.text_config, model.config.canvas_length
+    calls = []
+    attention = modeling_diffusion_gemma.block_attention
+
+    def counted(*args, **kwargs):  # the mask's dims: 3 for a mask per query (the encoder's)
+        calls.append(None if args[3] is None else args[3].dim())
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_diffusion_gemma, "block_attention", counted)
+    for key, (_, tiles) in list(modeling_diffusion_gemma.ENCODER_ATTENTION.items()):
+        monkeypatch.setitem(modeling_diffusion_gemma.ENCODER_ATTENTION, key, ("triton", tiles))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(3, text.vocab_size, (2, 5 + canvas), device="cuda", generator=generator)
+    valid = torch.ones(2, 5 + canvas, dtype=torch.bool, device="cuda")
+    valid[1, :2] = False
+    following = torch.randint(3, text.vocab_size, (2, canvas), device="cuda", generator=generator)
+    columns = torch.arange(5, 5 + canvas, device="cuda")
+    cache = model._diffusion_new_cache(2, 5 + 2 * canvas)  # one cache: its graphs live as long as its buffers
+    model._graphs = None
+    results = []
+    try:
+        # Eager; then the canvas pass captured (its first call runs eagerly) and the prompt's counted; then the
+        # canvas pass replayed (and the prompt's captured). Every round writes the same columns from an emptied
+        # cache, as generate() begins.
+        for captured in (False, True, True):
+            model.capture_encoder = captured
+            with torch.no_grad():
+                cache.set_length(0)
+                model.encode(tokens[:, :5], torch.arange(5, device="cuda"), valid[:, :5], cache, end=5)
+                model.encode(tokens[:, 5:], columns, valid[:, 5:], cache)
+                logits = model.decode(following, columns + canvas, cache)
+            results.append((logits.clone(), [key.clone() for key in cache.storage_keys]))
+        replays = dict(model._graphs.replays)
+    finally:
+        model.capture_encoder = True
+        model._graphs = None
+    assert replays.get("encoder_layers"), replays
+    assert 3 in calls, calls  # the encoder's masks per query reached the Triton attention
+    for logits, keys in results[1:]:
+        torch.testing.assert_close(logits, results[0][0], rtol=0, atol=1e-5)
+        for mine, eager in zip(keys, results[0][1], strict=True):
+            assert torch.equal(mine, eager)
 
 
 @pytest.mark.gpu
