@@ -30,9 +30,12 @@ The reference code is never committed: `--reference DIR` names a folder holding 
 `configuration_lladamoe.py` (ZHZisZZ/dllm) and LLaDA's `generate.py` (`benchmarks/lladamoe_reference.py` says how to
 copy them). Without it only hf_dllm's rows and the floor are measured.
 
+`--profile N`: also N block steps under `torch.profiler`, their kernels by name and kind (`kernel_profile.py`).
+
 `--cpu`: a tiny shape in float32 (seconds; checks that the script runs, timings mean nothing).
 
     python benchmarks/bench_llada_moe.py --reference /tmp/lladamoe-ref
+    python benchmarks/bench_llada_moe.py --repeats 1 --profile 5
     python benchmarks/bench_llada_moe.py --cpu --reference /tmp/lladamoe-ref
 """
 
@@ -55,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fp8_gemm import timed_us  # noqa: E402
 from bench_generate import copy_bandwidth  # noqa: E402
 from bench_llada2 import sync, timed  # noqa: E402
+from kernel_profile import print_profile, profile_calls  # noqa: E402
 
 from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM, grouped_gemm, triton_attention  # noqa: E402
 from hf_dllm.block_loop import BlockDiffusionRun  # noqa: E402
@@ -163,6 +167,23 @@ def block_step_ms(model, prompt, config, device, repeats: int = 20, in_a_row: in
         StepGraphs.release_to(model)
 
 
+@torch.no_grad()
+def block_step_profile(model, prompt, config, device, steps: int) -> dict:
+    """`kernel_profile.profile_calls` over `steps` steps of the first block after its first step (as
+    `block_step_ms` runs them: replayed from the step's CUDA graph after its capture)."""
+    run = BlockDiffusionRun(model, config, prompt, None, None)
+    try:
+        start, end = run.plan.blocks[0]
+        run.unmasking.start_block(end - start, run.plan.block_steps[:, 0])
+        run.cache_policy.start_block(start)
+        run.run_step(start, end, 0)
+        for _ in range(3):  # warm-up and capture
+            run.run_step(start, end, 1)
+        return profile_calls(lambda: run.run_step(start, end, 1), steps, device)
+    finally:
+        StepGraphs.release_to(model)
+
+
 def attention_merge_rows(shape: dict, kv_lengths=(384, 1024, 2048), copies: int = 8) -> list[dict]:
     """GPU time of the batch-1 block step's attention alone (`shape`'s heads, 32 queries, bidirectional over
     `kv_lengths` cached keys, no padding mask, bf16), the key splits merged in the attention kernel (one launch) and
@@ -193,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="a tiny float32 model on the CPU (CI's quick check)")
     parser.add_argument("--reference", type=Path, default=None, help="folder of the Hub code and LLaDA's generate.py")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per row after one untimed call")
+    parser.add_argument("--profile", type=int, default=0, help="also profile this many block steps by kernel")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.profile < 0:
+        parser.error("--repeats must be positive and --profile at least 0")
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -306,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["fused_experts"] = model.model.layers[0].mlp.uses_fused_kernels(x)
             summary["cuda_graphs"] = model._diffusion_step_capturable()
         summary["attention_merge"] = attention_merge_rows(shape)
+    if args.profile:
+        summary["step_profile"] = block_step_profile(model, prompt, config, device, args.profile)
 
     print(f"{device_name}, {dtype}, {summary['shape']} shape, batch 1, prompt {prompt_len}, {new_tokens} new tokens")
     print(f"{'row':42} {'nfe':>5} {'ms/forward':>11} {'tokens/s':>9} {'speed-up':>9} {'peak GiB':>9}")
@@ -327,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         print("attention alone (us): keys, splits merged in the kernel, merged by a second kernel, same bits")
         for r in summary["attention_merge"]:
             print(f"{r['kv_len']:>6}{r['folded_us']:>10.2f}{r['two_launches_us']:>10.2f}  {r['equal']}")
+    if args.profile:
+        print_profile(summary["step_profile"])
     for goal in ("goal_dual_cache_3x_reference", "goal_step_within_2x_floor"):
         if goal in summary:
             print(f"{goal}: {'met' if summary[goal] else 'NOT met'}")

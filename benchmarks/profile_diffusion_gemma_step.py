@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -26,39 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_diffusion_gemma import GEMMA_26B_A4B, TINY, build_models, sync, text_fields  # noqa: E402
+from kernel_profile import print_profile, profile_calls  # noqa: E402
 
 from hf_dllm.decoding_diffusion_gemma import SAMPLER_DEFAULTS, EntropyBoundSampler  # noqa: E402
-
-# Kernel-name fragments per kind, first match wins.
-KINDS = (
-    ("experts (grouped products)", ("_grouped_kernel",)),
-    ("attention", ("attention", "attn", "_block_attn", "flash", "softmax_kernel")),
-    ("sampler", ("sample", "entropy")),
-    ("routing, alignment, combine", ("route", "align", "chunk_", "combine", "router")),
-    ("norms", ("norm", "rope")),
-    ("products (cuBLAS)", ("gemm", "nvjet", "sm90", "cutlass", "xmma", "gemv")),
-)
-
-
-def kind_of(name: str) -> str:
-    lowered = name.lower()
-    for kind, fragments in KINDS:
-        if any(fragment in lowered for fragment in fragments):
-            return kind
-    return "other"
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         entropy_bound=0.1,
         softcap=text.final_logit_softcapping,
         **defaults,
-    )  # fmt: skip (as bench_diffusion_gemma's isolated step)
+    )  # as bench_diffusion_gemma's isolated step
     positions = torch.arange(prompt_len, prompt_len + canvas, device=device)
     with torch.no_grad():
         prompt = torch.randint(3, shape["vocab_size"], (args.batch, prompt_len), device=device)
@@ -101,53 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):  # self-conditioned, captured, replayed once
             block = step(block)
         sync(device)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if gpu:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as profiler:
-            for _ in range(args.steps):
-                block = step(block)
-            sync(device)
-    wanted = torch.autograd.DeviceType.CUDA if gpu else torch.autograd.DeviceType.CPU
-    events = [e for e in profiler.events() if e.device_type == wanted and e.time_range.elapsed_us() > 0]
-    if not gpu:  # CPU ops nest: keep the outermost of each thread's (an approximation; timings mean nothing here)
-        events = [e for e in events if e.cpu_parent is None]
-    by_name: dict = defaultdict(lambda: [0.0, 0])
-    by_kind: dict = defaultdict(float)
-    intervals = []
-    for event in events:
-        elapsed = event.time_range.elapsed_us()
-        by_name[event.name][0] += elapsed
-        by_name[event.name][1] += 1
-        by_kind[kind_of(event.name)] += elapsed
-        intervals.append((event.time_range.start, event.time_range.end))
-    span = max(end for _, end in intervals) - min(start for start, _ in intervals) if intervals else 0.0
-    busy = busy_us(intervals)
-    per_step = 1e-3 / args.steps  # us over all steps -> ms per step
-    total = sum(by_kind.values())
-    print(f"\n{'kind':<32}{'ms / step':>10}{'share':>8}")
-    for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]):
-        print(f"{kind:<32}{us * per_step:>10.3f}{us / total:>8.1%}")
-    print(f"{'kernels (sum)':<32}{total * per_step:>10.3f}")
-    print(f"{'busy (union)':<32}{busy * per_step:>10.3f}")
-    print(f"{'span':<32}{span * per_step:>10.3f}")
-    print(f"{'idle in span':<32}{(span - busy) * per_step:>10.3f}")
-    print(f"\n{'kernel':<70}{'calls / step':>13}{'us / call':>10}{'ms / step':>10}")
-    top = sorted(by_name.items(), key=lambda item: -item[1][0])[: args.top]
-    for name, (us, calls) in top:
-        print(f"{name[:69]:<70}{calls / args.steps:>13.1f}{us / calls:>10.1f}{us * per_step:>10.3f}")
+        state = {"block": block}
+
+        def one_step():
+            state["block"] = step(state["block"])
+
+        profile = profile_calls(one_step, args.steps, device, args.top)
+    print_profile(profile)
     summary = dict(
         benchmark="profile_diffusion_gemma_step",
         device=torch.cuda.get_device_name(device) if gpu else "CPU",
         batch=args.batch,
-        steps=args.steps,
         layers=shape["num_hidden_layers"],
         graphs_used=model._graphs is not None and bool(model._graphs.entries),
-        ms_per_step={kind: round(us * per_step, 4) for kind, us in by_kind.items()},
-        kernels_ms=round(total * per_step, 4),
-        busy_ms=round(busy * per_step, 4),
-        span_ms=round(span * per_step, 4),
-        top=[dict(name=name, calls=calls, us=round(us, 1)) for name, (us, calls) in top],
+        **profile,
     )
     print(json.dumps(summary))
     return 0
