@@ -4,7 +4,8 @@ bound, renoises the rest, feeds its processed logits back as self-conditioning, 
 and confident (transformers' `DiffusionGemmaGenerationMixin`: `EntropyBoundSampler`,
 `LinearTemperatureScheduleLogitsProcessor`, `StableAndConfidentStoppingCriteria`; the entropy bound is from
 arXiv:2505.24857). `EncoderPrefixCache` is the cache policy: the columns before a canvas are encoded once, by a
-separate encoder pass, at the canvas' first step.
+separate encoder pass, at the canvas' first step (or in one pass with that step where the model fuses them:
+`DiffusionGemmaForBlockDiffusion.fuse_canvas_passes`).
 
 Random draws follow transformers' order exactly (global generator): per canvas one `randint((B, C))`, then per step
 one `multinomial` over `(B * C, vocab)` and one `randint((B, C))`, every row of the batch included (rows that

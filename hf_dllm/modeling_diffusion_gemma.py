@@ -133,6 +133,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # merge kernel, 30 against 60 with the ring's unwritten slots skipped (512 of 1,023 written; same bits): the captured
 # batch-1 step 16.39 ms against 17.13 (`bench_diffusion_gemma.py` times it with the merge apart).
 DECODER_BATCH_CLASSES = (1, 8, 32)
+# The sampler's per-step inputs of a decoder pass (`decode`'s keywords, `EntropyBoundSampler.forward_inputs`).
+DECODER_INPUTS = ("self_conditioning_logits", "self_conditioning_probabilities", "capped_logits")
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
     (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True)),
     (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
@@ -268,9 +270,38 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         (`decoder_key_gap`);
         `cache` the encoder cache (None: no cached keys); `write_cache`: append this pass's K/V (encoder) or only
         read the cache (decoder)."""
-        batch, length, _ = hidden_states.shape
         fused = use_fused_kernels(hidden_states) and not torch.is_grad_enabled()
-        raw_query, raw_key, value = self.project_qkv(hidden_states, fused)
+        projected = self.project_qkv(hidden_states, fused)
+        output = self.attend_projected(hidden_states, *projected, cos, sin, cache, mask, write_cache, key_gap, fused)
+        return linear(self.o_proj, output)
+
+    def forward_pair(self, encoder_states, decoder_states, encoder_rope, decoder_rope, cache, masks, key_gap=None):
+        """The encoder's pass over an accepted canvas and the decoder's over the next canvas in one: their q/k/v
+        projections and o-projections each one product over both `(B, C, hidden)` inputs stacked on the batch; the
+        encoder's attention (its K/V written into `cache`, then kept in its slots) before the decoder's (which reads
+        them). `encoder_rope`, `decoder_rope`: (cos, sin) each; `masks`: (the encoder's, the decoder's). Returns the
+        two outputs stacked `(2B, C, hidden)`."""
+        rows = encoder_states.shape[0]
+        stacked = torch.cat([encoder_states, decoder_states])
+        fused = use_fused_kernels(stacked) and not torch.is_grad_enabled()
+        projected = self.project_qkv(stacked, fused)
+        outputs = [
+            self.attend_projected(
+                states, *(part[rows_of] for part in projected), *rope, cache, mask, write, gap, fused
+            )  # fmt: skip
+            for states, rows_of, rope, mask, write, gap in (
+                (encoder_states, slice(0, rows), encoder_rope, masks[0], True, None),
+                (decoder_states, slice(rows, None), decoder_rope, masks[1], False, key_gap),
+            )
+        ]
+        return linear(self.o_proj, torch.cat(outputs))
+
+    def attend_projected(
+        self, hidden_states, raw_query, raw_key, value, cos, sin, cache, mask, write_cache: bool, key_gap, fused: bool
+    ) -> torch.Tensor:
+        """`forward` after the q/k/v projection (`project_qkv`), before the o-projection: the heads' norms and RoPE,
+        the cache's keys and values (this pass's written where `write_cache`), the attention `(B, T, H * D)`."""
+        length = hidden_states.shape[1]
         if fused:
             # Every head's norm and RoPE, queries, keys and values, in one launch (the PyTorch ops: ~6 kernels per
             # tensor); keys and values straight into the static cache's canvas slots where it has them
@@ -298,7 +329,7 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         output = self.attend(hidden_states, query, key, value, mask, write_cache, key_gap)
         if cache is not None and write_cache:
             cache.end_write(self.layer_idx)  # (a ring's oldest slots are overwritten only once they have been read)
-        return linear(self.o_proj, output)
+        return output
 
     def attend(self, hidden_states, query, key, value, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """Attention of query `(B, H, T, D)` over key, value `(B, Hkv, S, D)` on the chosen backend, as the
@@ -669,11 +700,39 @@ class DiffusionGemmaLayer(nn.Module):
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
         return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
 
-    def fused_feedforward(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor, next_norm=None):
+    def forward_pair(
+        self, x_encoder, x_decoder, encoder_rope, decoder_rope, cache, masks, encoder_scalar, attention_only,
+        key_gap=None, normed=None, next_norm=None,
+    ):  # fmt: skip
+        """The layer for the encoder's pass over an accepted canvas and the decoder's over the next canvas at once
+        (`DiffusionGemmaForBlockDiffusion.encoder_decoder_layers`), on their inputs `(B, C, hidden)`: the attention
+        by `DiffusionGemmaAttention.forward_pair`, the feed-forward over both stacked on the batch (one read of the
+        weights), each with its own layer scalar (the encoder's `encoder_scalar`). `normed`: both inputs' norms
+        stacked, where the previous layer's end kernel computed them; `attention_only`: the encoder's last layer,
+        whose feed-forward nobody reads (the decoder's alone runs). Returns (encoder output, decoder output, their
+        norms by `next_norm` stacked or None)."""
+        rows = x_encoder.shape[0]
+        if normed is None:
+            normed = torch.cat([self.input_layernorm(x_encoder), self.input_layernorm(x_decoder)])
+        attention = self.self_attn.forward_pair(
+            normed[:rows], normed[rows:], encoder_rope, decoder_rope, cache, masks, key_gap
+        )
+        if attention_only:  # (the last layer: no next norm)
+            return x_encoder, self.fused_feedforward(attention[rows:], x_decoder, self.layer_scalar), None
+        out = self.fused_feedforward(
+            attention, torch.cat([x_encoder, x_decoder]), self.layer_scalar, next_norm, (rows, encoder_scalar)
+        )
+        out, normed = out if next_norm is not None else (out, None)
+        return out[:rows], out[rows:], normed
+
+    def fused_feedforward(
+        self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor, next_norm=None, first_rows=None
+    ):
         """`forward` after the attention, its seven norms (and the layer scalar) in two launches: after the
         attention, the residual and the MLP's, experts' and router's inputs from one kernel; at the end, the three
         post-feed-forward norms and the scalar from one. The same float32 ops and rounding points as the separate
-        norm kernels (all the layer's norms share the config's eps)."""
+        norm kernels (all the layer's norms share the config's eps). `first_rows`: (n, another scalar) for the
+        first n batch rows (the end kernel launched once per scalar: `forward_pair`)."""
         hidden = x.shape[-1]
         residual, dense_in, moe_in, router_in = triton_diffusion_gemma.post_attention_norms(
             attention,
@@ -716,10 +775,32 @@ class DiffusionGemmaLayer(nn.Module):
             and next_norm.weight.device == x.device
             and not is_sharded(next_norm.weight)
         )
-        out = triton_diffusion_gemma.post_feedforward_norms(
-            dense, moe, residual, tuple(norm.weight for norm in norms), norms[-1].eps, scalar, experts,
-            next_norm.weight if folds_next else None,
-        )  # fmt: skip
+        norm_weights = tuple(norm.weight for norm in norms)
+        next_weight = next_norm.weight if folds_next else None
+        if first_rows is None:
+            out = triton_diffusion_gemma.post_feedforward_norms(
+                dense, moe, residual, norm_weights, norms[-1].eps, scalar, experts, next_weight
+            )
+        else:  # per part of the rows, each with its scalar (the experts' output rows shared: their rows index it)
+            first, first_scalar = first_rows
+            tokens = first * x.shape[1]
+            parts = [
+                triton_diffusion_gemma.post_feedforward_norms(
+                    dense[part],
+                    moe if experts is not None else moe[part],
+                    residual[part],
+                    norm_weights,
+                    norms[-1].eps,
+                    part_scalar,
+                    None if experts is None else (experts[0][flat], experts[1][flat]),
+                    next_weight,
+                )
+                for part, flat, part_scalar in (
+                    (slice(0, first), slice(0, tokens), first_scalar),
+                    (slice(first, None), slice(tokens, None), scalar),
+                )
+            ]
+            out = tuple(map(torch.cat, zip(*parts, strict=True))) if folds_next else torch.cat(parts)
         if next_norm is None:
             return out
         return out if folds_next else (out, None)
@@ -1262,6 +1343,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     capture_decoder: bool = True
     capture_encoder: bool = True
     prompt_graphs: int = 4
+    # An accepted canvas' encoder pass and the next canvas' first decoder pass as one pass through the layers
+    # (`encode_and_decode`, where `fuses_canvas_passes`): each layer's weights read once for both instead of twice
+    # (the canvas pass replays at 18 ms beside a 16 ms step at the 26B-A4B's batch 1 on an H200). Off until
+    # `bench_diffusion_gemma.py` has timed it on a GPU.
+    fuse_canvas_passes: bool = False
     # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column
     # plan, whose gather would then concatenate whole copies: logits of 2 x vocab columns).
     _tp_plan = {}
@@ -1363,6 +1449,18 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
         caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
         experts; `capture_decoder`)."""
+        x = self.decoder_input(canvas, self_conditioning_logits, self_conditioning_probabilities)
+        if self.capture_decoder and CacheGraphs.applies(self, x, cache):
+            hidden = self._cache_graphs().run(self.decoder_layers, cache, (x, positions), padded)
+        else:
+            hidden = self.decoder_layers(x, positions, cache, padded)
+        if not capped_logits:
+            return self.head_product(hidden)
+        return self.head_logits(hidden)
+
+    def decoder_input(self, canvas, self_conditioning_logits=None, self_conditioning_probabilities=None):
+        """The decoder's first layer's input `(B, C, hidden)`: the canvas' embeddings with the self-conditioning
+        signal (`decode`'s arguments)."""
         decoder = self.model.decoder
         weight = whole_tensor(decoder.embed_tokens.weight)  # (whole on every rank: see `head_product`)
         scale = decoder.embed_scale(weight.dtype)
@@ -1381,14 +1479,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 soft = flat[part].softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
                 signal[part] = torch.matmul(soft, weight) * scale.to(x.dtype)
             signal = signal.view(x.shape)
-        x = decoder.self_conditioning(x, signal)
-        if self.capture_decoder and CacheGraphs.applies(self, x, cache):
-            hidden = self._cache_graphs().run(self.decoder_layers, cache, (x, positions), padded)
-        else:
-            hidden = self.decoder_layers(x, positions, cache, padded)
-        if not capped_logits:
-            return self.head_product(hidden)
-        return self.head_logits(hidden)
+        return decoder.self_conditioning(x, signal)
 
     def head_product(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's raw output `(..., vocab)` in the weights' dtype, its weight whole on every rank under a
@@ -1432,6 +1523,73 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             )  # fmt: skip
             x, normed = out if next_norm is not None else (out, None)
         return decoder.norm(x)
+
+    def encode_and_decode(
+        self, input_ids, columns, valid, cache, positions, end: int, canvas, canvas_positions, padded: bool,
+        **decoder_kwargs,
+    ) -> torch.Tensor:  # fmt: skip
+        """`encode(input_ids, columns, valid, cache, positions, end)` over an accepted canvas (`canvas_length`
+        columns) and then `decode(canvas, canvas_positions, cache, ...)` over the next, as one pass through the
+        layers (`encoder_decoder_layers`: each layer's weights read once for both); the same result up to the
+        products' rounding. Only where `fuses_canvas_passes` says so."""
+        decoder = self.model.decoder
+        x_encoder = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+        cache.prepare(input_ids.shape[0], x_encoder.dtype, x_encoder.device, end)
+        capped = decoder_kwargs.pop("capped_logits", True)
+        x_decoder = self.decoder_input(canvas, **decoder_kwargs)
+        inputs = (x_encoder, columns, valid, positions, x_decoder, canvas_positions)
+        if self.capture_decoder and self.capture_encoder and CacheGraphs.applies(self, x_decoder, cache):
+            hidden = self._cache_graphs().run(self.encoder_decoder_layers, cache, inputs, padded)
+        else:
+            hidden = self.encoder_decoder_layers(*inputs, cache, padded)
+        cache.length = end
+        return self.head_logits(hidden) if capped else self.head_product(hidden)
+
+    def fuses_canvas_passes(self, input_ids: torch.Tensor, cache) -> bool:
+        """Whether `_diffusion_forward` runs an accepted canvas' encoder pass `input_ids` `(B, C)` and the next
+        canvas' first decoder pass as one (`encode_and_decode`): `fuse_canvas_passes` on, the fused kernels (which
+        the pair's layers run), a static cache (whose canvas slots both passes write in turn), no autograd."""
+        return (
+            self.fuse_canvas_passes
+            and input_ids.shape[1] == self.config.canvas_length
+            and isinstance(cache, DiffusionGemmaStaticCache)
+            and use_fused_kernels(input_ids)
+            and not torch.is_grad_enabled()
+        )
+
+    def encoder_decoder_layers(self, x_encoder, columns, valid, positions, x_decoder, canvas_positions, cache, padded):
+        """`encoder_layers` on `x_encoder` and `decoder_layers` on `x_decoder` (both `(B, C, hidden)`) in one pass
+        through the layers (`DiffusionGemmaLayer.forward_pair`): per layer the encoder's attention writes its K/V
+        before the decoder's reads them. The encoder's masks are built before its columns are recorded, the
+        decoder's after (as the two passes apart see the cache). Returns the decoder's final hidden states."""
+        decoder, text = self.model.decoder, self.config.text_config
+        kinds = sorted(set(text.layer_types))
+        cache.begin_write(columns)
+        encoder_rope = {kind: decoder.rope(positions, kind, x_encoder.dtype) for kind in kinds}
+        decoder_rope = {kind: decoder.rope(canvas_positions, kind, x_decoder.dtype) for kind in kinds}
+        encoder_masks = {}
+        for kind in kinds:
+            window = text.sliding_window if kind == "sliding_attention" else None
+            encoder_masks[kind] = encoder_key_mask(cache, text.layer_types.index(kind), columns, valid, window)
+        cache.record(columns, valid)
+        decoder_masks, gaps, normed = {}, {}, None
+        last = len(decoder.layers) - 1
+        for index, layer in enumerate(decoder.layers):
+            kind = text.layer_types[index]
+            backend = layer.self_attn.chosen_backend(x_decoder)
+            key = (kind, backend == "sdpa")  # as `decoder_layers`
+            if key not in decoder_masks:
+                decoder_masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x_decoder, padded, key[1])
+            if (kind, backend) not in gaps:
+                gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
+            scalar = self.model.encoder.language_model.layers[index].layer_scalar
+            next_norm = decoder.layers[index + 1].input_layernorm if index < last else None
+            x_encoder, x_decoder, normed = layer.forward_pair(
+                x_encoder, x_decoder, encoder_rope[kind], decoder_rope[kind], cache,
+                (encoder_masks[kind], decoder_masks[key]), scalar, index == last, gaps[kind, backend], normed,
+                next_norm,
+            )  # fmt: skip
+        return decoder.norm(x_decoder)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
         return DiffusionGemmaEncoderCache(self.config.text_config)
@@ -1561,7 +1719,14 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 else torch.ones(input_ids.shape[0], len(columns), dtype=torch.bool, device=input_ids.device)
             )
             end = first + input_ids.shape[1] - length
-            self.encode(input_ids[:, start:-length], columns, valid, cache, position_ids[:, start:-length], end)
+            encoded = input_ids[:, start:-length]
+            if self.fuses_canvas_passes(encoded, cache):
+                return self.encode_and_decode(
+                    encoded, columns, valid, cache, position_ids[:, start:-length], end, input_ids[:, -length:],
+                    position_ids[:, -length:], attention_mask is not None,
+                    **{name: forward_kwargs[name] for name in DECODER_INPUTS if name in forward_kwargs},
+                )  # fmt: skip
+            self.encode(encoded, columns, valid, cache, position_ids[:, start:-length], end)
         return self.decode(
             input_ids[:, -length:],
             position_ids[:, -length:],
