@@ -31,9 +31,10 @@ experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton k
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
 backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
 each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP inline instead
-of on a side stream beside the router and experts (`dense_mlp_beside_experts`), and with the sliding attention
-reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a second
-kernel.
+of on a side stream beside the router and experts (`dense_mlp_beside_experts`), with that MLP's products leaving
+16 multiprocessors free (`dense_mlp_sm_carveout`), with the side stream at normal priority (`SIDE_STREAM_PRIORITY`),
+and with the sliding attention reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or
+merging its splits in a second kernel.
 
 On CUDA, `hf_dllm fused` rows: `generate()` again with an accepted canvas' encoder pass and the next canvas' first
 decoder pass as one (`fuse_canvas_passes`, off by default), and their batch-1 speed-ups over transformers
@@ -459,11 +460,19 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 ("combine_apart", "combine_in_end_kernel", False),
                 ("next_norm_apart", "norm_in_end_kernel", False),
                 ("dense_mlp_inline", "dense_mlp_beside_experts", False),
+                ("dense_mlp_sm_carveout_16", "dense_mlp_sm_carveout", 16),
             ):
                 default = getattr(layer_class, switch)
                 setattr(layer_class, switch, value)
                 parts[f"graph_step_{label}_ms"], block = recaptured_ms(block)
                 setattr(layer_class, switch, default)
+            # The side stream at the main stream's priority instead of high.
+            priority = modeling_diffusion_gemma.SIDE_STREAM_PRIORITY
+            modeling_diffusion_gemma.SIDE_STREAM_PRIORITY = 0
+            try:
+                parts["graph_step_side_stream_normal_priority_ms"], block = recaptured_ms(block)
+            finally:
+                modeling_diffusion_gemma.SIDE_STREAM_PRIORITY = priority
             parts["graph_step_combine_in_end_kernel_ms"], block = recaptured_ms(block)
             # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, its key
             # chunks a power of two of tiles instead of even ones, its splits merged by a second kernel; each alone,
@@ -707,7 +716,9 @@ def main(argv: list[str] | None = None) -> int:
                     f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms;"
                     f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms;"
                     f" the dense MLP inline (not on a side stream beside the experts): "
-                    f"{step['graph_step_dense_mlp_inline_ms']:.2f} ms"
+                    f"{step['graph_step_dense_mlp_inline_ms']:.2f} ms; its products leaving 16 SMs free: "
+                    f"{step['graph_step_dense_mlp_sm_carveout_16_ms']:.2f} ms; its stream at normal priority: "
+                    f"{step['graph_step_side_stream_normal_priority_ms']:.2f} ms"
                 )
             if "graph_step_attention_default_ms" in step:
                 print(

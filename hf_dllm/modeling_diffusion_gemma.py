@@ -25,6 +25,7 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -612,17 +613,37 @@ class DiffusionGemmaExperts(nn.Module):
         return (zero_rows_past(out, offsets[-1]) if self.off_rank_routes else out), rows
 
 
-# One high-priority stream per CUDA device for work beside the main stream (`DiffusionGemmaLayer`'s dense MLP).
+# One stream per CUDA device and priority for work beside the main stream (`DiffusionGemmaLayer`'s dense MLP), of
+# `SIDE_STREAM_PRIORITY` (-1, high: its kernels are scheduled first as multiprocessors free up; 0: the main
+# stream's). At a batch-1 step of the 26B-A4B, the high-priority MLP's products take every multiprocessor for ~20 us
+# and hold up the router's product, which the experts wait for (`bench_diffusion_gemma.py` times both priorities).
+SIDE_STREAM_PRIORITY = -1
 _SIDE_STREAMS: dict = {}
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The device's side stream (high priority: its kernels are scheduled first as multiprocessors free up), made
-    at the first call outside a CUDA graph capture; None inside a capture before that."""
-    stream = _SIDE_STREAMS.get(device)
+    """The device's side stream of `SIDE_STREAM_PRIORITY`, made at the first call outside a CUDA graph capture;
+    None inside a capture before that."""
+    key = (device, SIDE_STREAM_PRIORITY)
+    stream = _SIDE_STREAMS.get(key)
     if stream is None and not torch.cuda.is_current_stream_capturing():
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device, priority=SIDE_STREAM_PRIORITY)
     return stream
+
+
+@contextlib.contextmanager
+def sm_carveout(count: int | None):
+    """cuBLAS's products launched inside leave `count` multiprocessors free (torch's experimental SM carveout; None:
+    no change), so that work on another stream finds some."""
+    if count is None or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(count)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 class DiffusionGemmaLayer(nn.Module):
@@ -685,6 +706,9 @@ class DiffusionGemmaLayer(nn.Module):
     # canvas' 256 rows) run while the experts stream their weights (26B-A4B batch-1 step on an H200: 16.18 -> 16.02
     # ms; `bench_diffusion_gemma.py` times the step with it off too).
     dense_mlp_beside_experts = True
+    # Multiprocessors the side stream's MLP products leave to the main stream's router and experts (`sm_carveout`;
+    # None: cuBLAS's own choice, every multiprocessor). `bench_diffusion_gemma.py` times the step with 16.
+    dense_mlp_sm_carveout: int | None = None
 
     def mlp_on_side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The stream `fused_feedforward` runs the dense MLP on (None: inline): with `dense_mlp_beside_experts`, on
@@ -749,7 +773,7 @@ class DiffusionGemmaLayer(nn.Module):
         if side is not None:  # forked here, joined before the end kernel (a captured step: two graph branches)
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), sm_carveout(self.dense_mlp_sm_carveout):
                 dense = self.mlp(dense_in)
         weights, index = self.router.route_normed(router_in.view(-1, hidden))
         moe_in = moe_in.view(-1, hidden)

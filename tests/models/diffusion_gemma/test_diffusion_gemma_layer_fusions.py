@@ -440,6 +440,25 @@ def test_cuda_dense_mlp_beside_the_experts_equals_inline():
         layer_class.dense_mlp_beside_experts = default
         model.capture_decoder = True
     inline = runs[False, 0]
-    assert torch.device("cuda", torch.cuda.current_device()) in modeling_diffusion_gemma._SIDE_STREAMS
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert (device, modeling_diffusion_gemma.SIDE_STREAM_PRIORITY) in modeling_diffusion_gemma._SIDE_STREAMS
     for (beside, index), logits in runs.items():
         torch.testing.assert_close(logits, inline, rtol=0, atol=1e-5, msg=f"beside={beside}, run {index}")
+
+
+def test_sm_carveout_sets_and_restores_torch_setting():
+    """`sm_carveout(n)`: cuBLAS's SM carveout is n inside and what it was after (also after an error); None changes
+    nothing (`DiffusionGemmaLayer.dense_mlp_sm_carveout`'s default)."""
+    from hf_dllm.modeling_diffusion_gemma import sm_carveout
+
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        pytest.skip("this torch has no SM carveout")
+    before = torch._C._get_sm_carveout_experimental()
+    with sm_carveout(16):
+        assert torch._C._get_sm_carveout_experimental() == 16
+    assert torch._C._get_sm_carveout_experimental() == before
+    with pytest.raises(RuntimeError), sm_carveout(8):
+        raise RuntimeError("inside")
+    assert torch._C._get_sm_carveout_experimental() == before
+    with sm_carveout(None):
+        assert torch._C._get_sm_carveout_experimental() == before
