@@ -42,6 +42,7 @@ copy them). Without it only hf_dllm's rows and the floor are measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -141,47 +142,43 @@ def floor_bytes(model, distinct: list[int]) -> int:
     return every + one * sum(distinct)
 
 
-@torch.no_grad()
-def block_step_ms(model, prompt, config, device, repeats: int = 20, in_a_row: int = 10) -> float:
-    """ms of one step of the first block after its first step (the block's 32 positions against the dual cache),
-    the median over `repeats` runs of `in_a_row` steps queued back to back."""
+@contextlib.contextmanager
+def block_steps(model, prompt, config):
+    """A step of the first block after its first step (the block's 32 positions against the dual cache), warmed up
+    and captured: yields the call that runs one more, replayed from its CUDA graph; the graphs released after."""
     run = BlockDiffusionRun(model, config, prompt, None, None)
     try:
-        start, end = run.plan.blocks[0]
-        run.unmasking.start_block(end - start, run.plan.block_steps[:, 0])
-        run.cache_policy.start_block(start)
-        run.run_step(start, end, 0)
-        for _ in range(3):  # warm-up and capture
-            run.run_step(start, end, 1)
+        with torch.no_grad():
+            start, end = run.plan.blocks[0]
+            run.unmasking.start_block(end - start, run.plan.block_steps[:, 0])
+            run.cache_policy.start_block(start)
+            run.run_step(start, end, 0)
+            for _ in range(3):  # warm-up and capture
+                run.run_step(start, end, 1)
+            yield lambda: run.run_step(start, end, 1)
+    finally:
+        StepGraphs.release_to(model)
+
+
+def block_step_ms(model, prompt, config, device, repeats: int = 20, in_a_row: int = 10) -> float:
+    """ms of one of `block_steps`, the median over `repeats` runs of `in_a_row` steps queued back to back."""
+    with block_steps(model, prompt, config) as step:
 
         def steps_ms(count: int) -> float:
             sync(device)
             begin = time.perf_counter()
             for _ in range(count):
-                run.run_step(start, end, 1)
+                step()
             sync(device)
             return 1000 * (time.perf_counter() - begin) / count
 
         return statistics.median(steps_ms(in_a_row) for _ in range(repeats))
-    finally:
-        StepGraphs.release_to(model)
 
 
-@torch.no_grad()
 def block_step_profile(model, prompt, config, device, steps: int) -> dict:
-    """`kernel_profile.profile_calls` over `steps` steps of the first block after its first step (as
-    `block_step_ms` runs them: replayed from the step's CUDA graph after its capture)."""
-    run = BlockDiffusionRun(model, config, prompt, None, None)
-    try:
-        start, end = run.plan.blocks[0]
-        run.unmasking.start_block(end - start, run.plan.block_steps[:, 0])
-        run.cache_policy.start_block(start)
-        run.run_step(start, end, 0)
-        for _ in range(3):  # warm-up and capture
-            run.run_step(start, end, 1)
-        return profile_calls(lambda: run.run_step(start, end, 1), steps, device)
-    finally:
-        StepGraphs.release_to(model)
+    """`kernel_profile.profile_calls` over `steps` of `block_steps`."""
+    with block_steps(model, prompt, config) as step:
+        return profile_calls(step, steps, device)
 
 
 def attention_merge_rows(shape: dict, kv_lengths=(384, 1024, 2048), copies: int = 8) -> list[dict]:

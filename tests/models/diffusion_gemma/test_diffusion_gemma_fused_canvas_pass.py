@@ -134,7 +134,7 @@ def test_pair_pass_equals_the_two_passes_in_the_interpreter():
 
 
 @pytest.mark.gpu
-def test_cuda_pair_pass_within_bf16_of_the_two_passes_and_replayed_equal(gemma_cuda_bf16, monkeypatch):
+def test_cuda_pair_pass_within_bf16_of_the_two_passes_and_replayed_equal(gemma_cuda_bf16):
     """The fixture model in bfloat16 on CUDA (Triton experts, static cache): the pair pass' logits against a float32
     copy's two passes err within 2x the bfloat16 two passes' error; captured and replayed, they equal the eager
     pair pass'."""
