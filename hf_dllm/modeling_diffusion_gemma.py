@@ -134,8 +134,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 # merge kernel, 30 against 60 with the ring's unwritten slots skipped (512 of 1,023 written; same bits): the captured
 # batch-1 step 16.39 ms against 17.13 (`bench_diffusion_gemma.py` times it with the merge apart).
 DECODER_BATCH_CLASSES = (1, 8, 32)
-# The sampler's per-step inputs of a decoder pass (`decode`'s keywords, `EntropyBoundSampler.forward_inputs`).
-DECODER_INPUTS = ("self_conditioning_logits", "self_conditioning_probabilities", "capped_logits")
 DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
     (256, 1): ("triton", AttentionTiles(block_m=128, block_n=64, num_warps=8, splits=4, even_splits=True)),
     (256, 8): ("sdpa", AttentionTiles(block_m=32, block_n=32, num_warps=4)),
@@ -276,23 +274,21 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
         output = self.attend_projected(hidden_states, *projected, cos, sin, cache, mask, write_cache, key_gap, fused)
         return linear(self.o_proj, output)
 
-    def forward_pair(self, encoder_states, decoder_states, encoder_rope, decoder_rope, cache, masks, key_gap=None):
-        """The encoder's pass over an accepted canvas and the decoder's over the next canvas in one: their q/k/v
-        projections and o-projections each one product over both `(B, C, hidden)` inputs stacked on the batch; the
+    def forward_pair(self, states, rows: int, encoder_rope, decoder_rope, cache, masks, key_gap=None):
+        """The encoder's pass over an accepted canvas (the first `rows` rows of `states` `(2B, C, hidden)`) and the
+        decoder's over the next canvas (the others) in one: one q/k/v product and one o-product over both; the
         encoder's attention (its K/V written into `cache`, then kept in its slots) before the decoder's (which reads
-        them). `encoder_rope`, `decoder_rope`: (cos, sin) each; `masks`: (the encoder's, the decoder's). Returns the
-        two outputs stacked `(2B, C, hidden)`."""
-        rows = encoder_states.shape[0]
-        stacked = torch.cat([encoder_states, decoder_states])
-        fused = use_fused_kernels(stacked) and not torch.is_grad_enabled()
-        projected = self.project_qkv(stacked, fused)
+        them). `encoder_rope`, `decoder_rope`: (cos, sin) each; `masks`: (the encoder's, the decoder's). Returns
+        both outputs `(2B, C, hidden)`."""
+        fused = use_fused_kernels(states) and not torch.is_grad_enabled()
+        projected = self.project_qkv(states, fused)
         outputs = [
             self.attend_projected(
-                states, *(part[rows_of] for part in projected), *rope, cache, mask, write, gap, fused
+                states[part], *(tensor[part] for tensor in projected), *rope, cache, mask, write, gap, fused
             )  # fmt: skip
-            for states, rows_of, rope, mask, write, gap in (
-                (encoder_states, slice(0, rows), encoder_rope, masks[0], True, None),
-                (decoder_states, slice(rows, None), decoder_rope, masks[1], False, key_gap),
+            for part, rope, mask, write, gap in (
+                (slice(0, rows), encoder_rope, masks[0], True, None),
+                (slice(rows, None), decoder_rope, masks[1], False, key_gap),
             )
         ]
         return linear(self.o_proj, torch.cat(outputs))
@@ -725,29 +721,22 @@ class DiffusionGemmaLayer(nn.Module):
         return use_fused_kernels(x) and not torch.is_grad_enabled() and attention.dtype == x.dtype == scalar.dtype
 
     def forward_pair(
-        self, x_encoder, x_decoder, encoder_rope, decoder_rope, cache, masks, encoder_scalar, attention_only,
-        key_gap=None, normed=None, next_norm=None,
+        self, x, rows: int, encoder_rope, decoder_rope, cache, masks, encoder_scalar, attention_only, key_gap=None,
+        normed=None, next_norm=None,
     ):  # fmt: skip
         """The layer for the encoder's pass over an accepted canvas and the decoder's over the next canvas at once
-        (`DiffusionGemmaForBlockDiffusion.encoder_decoder_layers`), on their inputs `(B, C, hidden)`: the attention
-        by `DiffusionGemmaAttention.forward_pair`, the feed-forward over both stacked on the batch (one read of the
-        weights), each with its own layer scalar (the encoder's `encoder_scalar`). `normed`: both inputs' norms
-        stacked, where the previous layer's end kernel computed them; `attention_only`: the encoder's last layer,
-        whose feed-forward nobody reads (the decoder's alone runs). Returns (encoder output, decoder output, their
-        norms by `next_norm` stacked or None)."""
-        rows = x_encoder.shape[0]
-        if normed is None:
-            normed = torch.cat([self.input_layernorm(x_encoder), self.input_layernorm(x_decoder)])
-        attention = self.self_attn.forward_pair(
-            normed[:rows], normed[rows:], encoder_rope, decoder_rope, cache, masks, key_gap
-        )
+        (`DiffusionGemmaForBlockDiffusion.encoder_decoder_layers`), on their inputs stacked on the batch `x`
+        `(2B, C, hidden)`, the encoder's the first `rows`: the attention by `DiffusionGemmaAttention.forward_pair`,
+        the feed-forward over both (one read of the weights), each with its own layer scalar (the encoder's
+        `encoder_scalar`). `normed`: `x`'s input norm, where the previous layer's end kernel computed it;
+        `attention_only`: the encoder's last layer, whose feed-forward nobody reads (the decoder's alone runs, its
+        output alone returned). Returns (output, its norm by `next_norm` or None)."""
+        normed = self.input_layernorm(x) if normed is None else normed
+        attention = self.self_attn.forward_pair(normed, rows, encoder_rope, decoder_rope, cache, masks, key_gap)
         if attention_only:  # (the last layer: no next norm)
-            return x_encoder, self.fused_feedforward(attention[rows:], x_decoder, self.layer_scalar), None
-        out = self.fused_feedforward(
-            attention, torch.cat([x_encoder, x_decoder]), self.layer_scalar, next_norm, (rows, encoder_scalar)
-        )
-        out, normed = out if next_norm is not None else (out, None)
-        return out[:rows], out[rows:], normed
+            return self.fused_feedforward(attention[rows:], x[rows:], self.layer_scalar), None
+        out = self.fused_feedforward(attention, x, self.layer_scalar, next_norm, (rows, encoder_scalar))
+        return out if next_norm is not None else (out, None)
 
     def fused_feedforward(
         self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor, next_norm=None, first_rows=None
@@ -1372,6 +1361,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     # (the canvas pass replays at 18 ms beside a 16 ms step at the 26B-A4B's batch 1 on an H200). Off until
     # `bench_diffusion_gemma.py` has timed it on a GPU.
     fuse_canvas_passes: bool = False
+    # The sampler's per-step inputs of a decoder pass (`decode`'s keywords, `EntropyBoundSampler.forward_inputs`).
+    decoder_inputs = ("self_conditioning_logits", "self_conditioning_probabilities", "capped_logits")
     # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column
     # plan, whose gather would then concatenate whole copies: logits of 2 x vocab columns).
     _tp_plan = {}
@@ -1596,7 +1587,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             window = text.sliding_window if kind == "sliding_attention" else None
             encoder_masks[kind] = encoder_key_mask(cache, text.layer_types.index(kind), columns, valid, window)
         cache.record(columns, valid)
-        decoder_masks, gaps, normed = {}, {}, None
+        x, rows, decoder_masks, gaps, normed = torch.cat([x_encoder, x_decoder]), x_encoder.shape[0], {}, {}, None
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
@@ -1608,12 +1599,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
             scalar = self.model.encoder.language_model.layers[index].layer_scalar
             next_norm = decoder.layers[index + 1].input_layernorm if index < last else None
-            x_encoder, x_decoder, normed = layer.forward_pair(
-                x_encoder, x_decoder, encoder_rope[kind], decoder_rope[kind], cache,
-                (encoder_masks[kind], decoder_masks[key]), scalar, index == last, gaps[kind, backend], normed,
-                next_norm,
+            x, normed = layer.forward_pair(
+                x, rows, encoder_rope[kind], decoder_rope[kind], cache, (encoder_masks[kind], decoder_masks[key]),
+                scalar, index == last, gaps[kind, backend], normed, next_norm,
             )  # fmt: skip
-        return decoder.norm(x_decoder)
+        return decoder.norm(x)  # (the last layer returned the decoder's rows alone)
 
     def new_encoder_cache(self) -> DiffusionGemmaEncoderCache:
         return DiffusionGemmaEncoderCache(self.config.text_config)
@@ -1748,7 +1738,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
                 return self.encode_and_decode(
                     encoded, columns, valid, cache, position_ids[:, start:-length], end, input_ids[:, -length:],
                     position_ids[:, -length:], attention_mask is not None,
-                    **{name: forward_kwargs[name] for name in DECODER_INPUTS if name in forward_kwargs},
+                    **{name: forward_kwargs[name] for name in self.decoder_inputs if name in forward_kwargs},
                 )  # fmt: skip
             self.encode(encoded, columns, valid, cache, position_ids[:, start:-length], end)
         return self.decode(
