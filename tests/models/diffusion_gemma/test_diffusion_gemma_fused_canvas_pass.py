@@ -113,7 +113,7 @@ PAIR_SCRIPT = textwrap.dedent(
         DiffusionGemmaForBlockDiffusion.fuse_canvas_passes = fuse
         pairs.clear()
         torch.manual_seed(3)
-        out = model.generate(ids, max_new_tokens=2 * canvas, max_denoising_steps=2, return_dict_in_generate=True)
+        out = model.generate(ids, max_new_tokens=2 * canvas, max_denoising_steps=1, return_dict_in_generate=True)
         runs[fuse] = (out.sequences, int(out.nfe), len(pairs))
     assert runs[False][2] == 0 and runs[True][2] == text.num_hidden_layers, runs
     assert torch.equal(runs[False][0], runs[True][0]) and runs[False][1] == runs[True][1], runs
