@@ -4,10 +4,11 @@ both):
 
 - where it applies (`fuses_canvas_passes`): switched on, a canvas' worth of columns to encode, a static cache, the
   fused kernels, no autograd;
+- `generate()` over a static cache switched on hands it, at every canvas after the first, what the two passes
+  apart take (the same tokens and forwards);
 - in Triton's interpreter (CPU, float32, `HF_DLLM_KERNELS=triton`; a subprocess beside the in-process tests): the
   fixture model's pair pass (a left-padded row, a sliding ring that wraps; the Triton experts summed in the layers'
-  end kernels) gives the two passes' logits and leaves the same cache; `generate()` over a static cache switched on
-  runs it at every canvas after the first and decodes the tokens and forwards of the switch off;
+  end kernels) gives the two passes' logits and leaves the same cache;
 - on CUDA (bfloat16): the pair pass within 2x the two passes' error against float32, and its CUDA graph's replay
   equal to its eager call.
 """
@@ -23,6 +24,47 @@ from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaForBlockDiffusion, Di
 from tests.conftest import FIXTURES, interpreter_job
 
 GEMMA_DIR = FIXTURES / "diffusion-gemma-tiny-ref"
+
+
+def test_generate_hands_the_pair_what_the_two_passes_take(gemma, monkeypatch):
+    """`generate()` over a static cache with the pair pass applying: at every canvas after the first, the loop's
+    step goes through `encode_and_decode` with the arguments that, given to `encode` then `decode`, decode the
+    tokens and forwards of the two passes apart (the pair itself stands in as those two calls here: its kernels
+    run in the interpreter test below)."""
+    canvas = gemma.config.canvas_length
+    calls = []
+
+    def pair(self, ids, columns, valid, cache, positions, end, following, following_positions, padded, **inputs):
+        calls.append((ids.shape, int(columns[0]), end, padded, sorted(inputs)))
+        self.encode(ids, columns, valid, cache, positions, end)
+        return self.decode(following, following_positions, cache, padded=padded, **inputs)
+
+    monkeypatch.setattr(DiffusionGemmaForBlockDiffusion, "static_cache", True)
+    monkeypatch.setattr(DiffusionGemmaForBlockDiffusion, "encode_and_decode", pair)
+    monkeypatch.setattr(
+        DiffusionGemmaForBlockDiffusion,
+        "fuses_canvas_passes",
+        lambda self, ids, cache: (
+            self.fuse_canvas_passes and ids.shape[1] == canvas and isinstance(cache, DiffusionGemmaStaticCache)
+        ),
+    )
+    ids = torch.randint(3, gemma.config.text_config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    runs = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(DiffusionGemmaForBlockDiffusion, "fuse_canvas_passes", fuse)
+        calls.clear()
+        torch.manual_seed(3)
+        out = gemma.generate(
+            ids, attention_mask=mask, max_new_tokens=3 * canvas, max_denoising_steps=2, return_dict_in_generate=True
+        )
+        runs[fuse] = (out.sequences, int(out.nfe), list(calls))
+    assert runs[False][2] == [] and len(runs[True][2]) == 2, runs[True][2]  # canvases 2 and 3
+    for index, (shape, first, end, padded, inputs) in enumerate(runs[True][2]):
+        assert shape == (2, canvas) and first == 5 + index * canvas and end == first + canvas and padded
+        assert inputs == ["self_conditioning_logits"]  # the CPU sampler's (None at a canvas' first step)
+    assert torch.equal(runs[False][0], runs[True][0]) and runs[False][1] == runs[True][1]
 
 
 def test_fused_canvas_passes_only_where_they_apply(gemma, monkeypatch):
@@ -102,21 +144,6 @@ PAIR_SCRIPT = textwrap.dedent(
         assert torch.equal(cache.columns[layer], want_cache.columns[layer])
         assert torch.equal(cache.valid[layer], want_cache.valid[layer])
 
-    # generate() over a static cache: the switch on runs the pair pass at each canvas after the first (the loop's
-    # experts: the combined outputs split between the halves), the same tokens and forwards as off.
-    for layer in model.model.decoder.layers:
-        layer.experts.implementation = "loop"
-    model.static_cache = True
-    ids = torch.randint(3, text.vocab_size, (2, 5))
-    runs = {}
-    for fuse in (False, True):
-        DiffusionGemmaForBlockDiffusion.fuse_canvas_passes = fuse
-        pairs.clear()
-        torch.manual_seed(3)
-        out = model.generate(ids, max_new_tokens=2 * canvas, max_denoising_steps=1, return_dict_in_generate=True)
-        runs[fuse] = (out.sequences, int(out.nfe), len(pairs))
-    assert runs[False][2] == 0 and runs[True][2] == text.num_hidden_layers, runs
-    assert torch.equal(runs[False][0], runs[True][0]) and runs[False][1] == runs[True][1], runs
     print("ok")
     """
 )
