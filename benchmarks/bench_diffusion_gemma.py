@@ -56,6 +56,7 @@ Prints a table and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -212,6 +213,20 @@ def share_concatenations(ours, reference) -> None:
     ]
     if apart:  # the text weights are built once, shared in place (the vision tower is the reference's alone)
         raise RuntimeError(f"the reference's text weights are not all ours: {apart[:5]}")
+
+
+@contextlib.contextmanager
+def canvas_passes_fused(model, on: bool):
+    """`model`'s class with `fuse_canvas_passes` set to `on` inside (hf_dllm's model; nothing for another)."""
+    if not on:
+        yield
+        return
+    default = type(model).fuse_canvas_passes
+    type(model).fuse_canvas_passes = True
+    try:
+        yield
+    finally:
+        type(model).fuse_canvas_passes = default
 
 
 def sync(device) -> None:
@@ -611,20 +626,27 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up (kernels, allocator, our passes' graphs over generate()'s static cache of this shape): every
         # canvas, two steps each.
         run_reference = reference is not None and batch in reference_batches
-        for model, is_reference in ((ours, False), (reference if run_reference else None, True)):
+        # (name, model, canvases' passes fused): on CUDA hf_dllm also with `fuse_canvas_passes` on (off by default).
+        runs = [("hf_dllm", ours, False), ("transformers", reference if run_reference else None, False)]
+        runs += [("hf_dllm fused", ours, True)] if gpu else []
+        for name, model, fused in runs:
             try:
                 if model is not None:
                     # twice for ours: a prompt shape's pass is captured at its second call (`prompt_graphs`)
-                    for _ in range(1 if is_reference else 2):
-                        timed_generate(model, prompt, new_tokens, 2, 0, reference=is_reference)
+                    with canvas_passes_fused(model, fused):
+                        for _ in range(1 if name == "transformers" else 2):
+                            timed_generate(model, prompt, new_tokens, 2, 0, reference=name == "transformers")
             except torch.OutOfMemoryError:  # the timed rows record it
                 torch.cuda.empty_cache()
         for steps in step_counts:
-            for name, model in (("hf_dllm", ours), ("transformers", reference if run_reference else None)):
+            for name, model, fused in runs:
                 if model is None:
                     continue
                 try:
-                    result = timed_generate(model, prompt, new_tokens, steps, 1234, reference=name == "transformers")
+                    with canvas_passes_fused(model, fused):
+                        result = timed_generate(
+                            model, prompt, new_tokens, steps, 1234, reference=name == "transformers"
+                        )
                 except torch.OutOfMemoryError as error:  # recorded; the other rows still run
                     result = dict(oom=str(error).splitlines()[0], sequences=None, tokens_per_s=None)
                     torch.cuda.empty_cache()
@@ -632,21 +654,6 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(result)
             if run_reference and not gpu and rows[-1]["sequences"] is not None:  # on the CPU both draw alike
                 rows[-2]["tokens_equal_reference"] = bool(torch.equal(rows[-2]["sequences"], rows[-1]["sequences"]))
-        if gpu:  # hf_dllm again with the canvases' passes fused (`fuse_canvas_passes`), warmed up the same way
-            default = type(ours).fuse_canvas_passes
-            type(ours).fuse_canvas_passes = True
-            try:
-                timed_generate(ours, prompt, new_tokens, 2, 0, reference=False)
-                for steps in step_counts:
-                    result = timed_generate(ours, prompt, new_tokens, steps, 1234, reference=False)
-                    result.update(model="hf_dllm fused", batch=batch, max_denoising_steps=steps)
-                    rows.append(result)
-            except torch.OutOfMemoryError as error:
-                oom = str(error).splitlines()[0]
-                rows.append(dict(model="hf_dllm fused", batch=batch, max_denoising_steps=0, oom=oom, sequences=None))
-                torch.cuda.empty_cache()
-            finally:
-                type(ours).fuse_canvas_passes = default
         try:
             step = isolated_step(ours, batch, prompt_len, repeats, device)
             step.update(encoder_canvas_pass(ours, batch, prompt_len, repeats, device))

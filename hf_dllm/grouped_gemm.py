@@ -112,8 +112,12 @@ PINNED_CONFIGS = {
 }
 
 
+def _pin_key(kwargs: dict, warps: int, stages: int) -> tuple:
+    return (tuple(sorted(kwargs.items())), warps, stages)
+
+
 def _config_key(config) -> tuple:
-    return (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages)
+    return _pin_key(config.kwargs, config.num_warps, config.num_stages)
 
 
 def autotuned_configs() -> list:
@@ -121,12 +125,8 @@ def autotuned_configs() -> list:
     `_prune_grouped` keeps only where pinned."""
     configs = grouped_configs()
     known = {_config_key(config) for config in configs}
-    extra = {}
-    for kwargs, warps, stages in PINNED_CONFIGS.values():
-        config = triton.Config(dict(kwargs), num_warps=warps, num_stages=stages)
-        if _config_key(config) not in known:
-            extra.setdefault(_config_key(config), config)
-    return configs + list(extra.values())
+    extra = {_pin_key(*pin): pin for pin in PINNED_CONFIGS.values() if _pin_key(*pin) not in known}
+    return configs + [triton.Config(dict(kwargs), num_warps=w, num_stages=st) for kwargs, w, st in extra.values()]
 
 
 def pinned_config(gated: bool, n: int, k: int, groups: int, bucket: int, weight_dtype: torch.dtype, configs=None):
@@ -136,7 +136,7 @@ def pinned_config(gated: bool, n: int, k: int, groups: int, bucket: int, weight_
     pin = PINNED_CONFIGS.get((gated, n, k, groups, bucket, weight_dtype))
     if pin is None:
         return None
-    wanted = _config_key(triton.Config(dict(pin[0]), num_warps=pin[1], num_stages=pin[2]))
+    wanted = _pin_key(*pin)
     for config in autotuned_configs() if configs is None else configs:
         if _config_key(config) == wanted:
             return config

@@ -159,11 +159,10 @@ ENCODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
 }
 
 
-def decoder_attention(head_dim: int, batch: int, table: dict | None = None) -> tuple[str, AttentionTiles]:
-    """(backend, Triton tiles) of `table` (default `DECODER_ATTENTION`; `ENCODER_ATTENTION` is keyed alike) for a
-    pass of `batch` rows with heads of `head_dim`; head widths outside the table (other checkpoints' shapes) take
-    the nearest wider entry's (or the widest's)."""
-    table = DECODER_ATTENTION if table is None else table
+def attention_choice(head_dim: int, batch: int, table: dict = DECODER_ATTENTION) -> tuple[str, AttentionTiles]:
+    """(backend, Triton tiles) of `table` (`DECODER_ATTENTION`, or `ENCODER_ATTENTION`, keyed alike) for a pass of
+    `batch` rows with heads of `head_dim`; head widths outside the table (other checkpoints' shapes) take the
+    nearest wider entry's (or the widest's)."""
     batch_class = max([size for size in DECODER_BATCH_CLASSES if size <= batch], default=DECODER_BATCH_CLASSES[0])
     widths = sorted({width for width, _ in table})
     width = next((w for w in widths if w >= head_dim), widths[-1])
@@ -172,7 +171,7 @@ def decoder_attention(head_dim: int, batch: int, table: dict | None = None) -> t
 
 def decoder_tiles(head_dim: int, batch: int = 1) -> AttentionTiles:
     """`block_attention`'s tiles for a decoder pass (`DECODER_ATTENTION`)."""
-    return decoder_attention(head_dim, batch)[1]
+    return attention_choice(head_dim, batch)[1]
 
 
 # The widest heads torch's fused SDPA kernels (flash, memory-efficient, cuDNN) take on an H100/H200; wider ones
@@ -253,14 +252,14 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             return self.backend
         if not hidden_states.is_cuda or hidden_states.dtype == torch.float32:
             return "sdpa"
-        return decoder_attention(self.head_dim, hidden_states.shape[0])[0]
+        return attention_choice(self.head_dim, hidden_states.shape[0])[0]
 
     def encoder_backend(self, hidden_states: torch.Tensor) -> str:
         """The backend of an encoder pass over this input (a mask per query): on CUDA in half precision
         `ENCODER_ATTENTION`'s for the heads' width and the batch, else "sdpa"."""
         if not hidden_states.is_cuda or hidden_states.dtype == torch.float32:
             return "sdpa"
-        return decoder_attention(self.head_dim, hidden_states.shape[0], ENCODER_ATTENTION)[0]
+        return attention_choice(self.head_dim, hidden_states.shape[0], ENCODER_ATTENTION)[0]
 
     def forward(self, hidden_states, cos, sin, cache, mask, write_cache: bool, key_gap=None) -> torch.Tensor:
         """hidden_states `(B, T, hidden)`; cos, sin `(B, T, head_dim)`; mask `(B, 1, T, cached + T)` bool or None
@@ -346,7 +345,7 @@ class DiffusionGemmaAttention(ConcatenatedProjections):
             # o-projection reads (no transpose copy).
             padding = None if mask is None else mask[:, 0] if per_query else mask[:, 0, 0, :]
             table = ENCODER_ATTENTION if encoder else DECODER_ATTENTION
-            tiles = decoder_attention(self.head_dim, batch, table)[1]
+            tiles = attention_choice(self.head_dim, batch, table)[1]
             output = block_attention(query, key, value, padding, scale=1.0, tiles=tiles, key_gap=key_gap)
             return output.reshape(batch, length, -1)
         output = nn.functional.scaled_dot_product_attention(
@@ -1408,8 +1407,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         which waits for the queued work). The layers of a pass over `canvas_length` columns (an accepted canvas)
         run as a CUDA graph where `CacheGraphs.applies` (`capture_encoder`), those of a prompt's pass from the
         second pass of its shape on (`prompt_graphs`)."""
-        decoder = self.model.decoder
-        x = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+        x = self.encoder_input(input_ids)
         end = int(columns[-1]) + 1 if end is None else end
         cache.prepare(input_ids.shape[0], x.dtype, x.device, end)
         positions = columns if positions is None else positions
@@ -1424,6 +1422,11 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
             self.encoder_layers(*inputs, cache)
         cache.length = end
 
+    def encoder_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The encoder's first layer's input `(B, T, hidden)`: the tokens' scaled embeddings."""
+        decoder = self.model.decoder
+        return decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+
     def encoder_layers(self, x, columns, valid, positions, cache) -> None:
         """The encoder's layers on its input `x` `(B, T, hidden)` (`encode`'s other arguments), writing the K/V and
         the columns' facts into `cache` (after its `prepare`): a pure tensor function of them and the cache's
@@ -1431,16 +1434,39 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         decoder, text = self.model.decoder, self.config.text_config
         cache.begin_write(columns)
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
-        masks = {}  # once per layer kind, not per layer
-        for kind in set(text.layer_types):
-            window = text.sliding_window if kind == "sliding_attention" else None
-            masks[kind] = encoder_key_mask(cache, text.layer_types.index(kind), columns, valid, window)
+        masks = self.encoder_masks(cache, columns, valid)
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
             scalar = self.model.encoder.language_model.layers[index].layer_scalar
             x = layer(x, *rope[kind], cache, masks[kind], True, scalar, attention_only=index == last)
         cache.record(columns, valid)
+
+    def encoder_masks(self, cache, columns: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An encoder pass' masks over `cache` (`encoder_key_mask`), per layer kind (once per kind, not per
+        layer: the layers of a kind keep the same columns)."""
+        text = self.config.text_config
+        return {
+            kind: encoder_key_mask(
+                cache,
+                text.layer_types.index(kind),
+                columns,
+                valid,
+                text.sliding_window if kind == "sliding_attention" else None,
+            )  # fmt: skip
+            for kind in set(text.layer_types)
+        }
+
+    def decoder_mask_and_gap(self, index: int, x: torch.Tensor, cache, padded: bool, seen: dict) -> tuple:
+        """A decoder pass' key mask (`decoder_key_mask`, additive for SDPA) and key gap (`decoder_key_gap`) at layer
+        `index` for its input `x`, built once per layer kind and backend (kept in `seen`, one dict per pass)."""
+        kind = self.config.text_config.layer_types[index]
+        backend = self.model.decoder.layers[index].self_attn.chosen_backend(x)
+        if (kind, backend) not in seen:
+            first = self.config.text_config.layer_types.index(kind)
+            mask = decoder_key_mask(cache, first, x, padded, additive=backend == "sdpa")
+            seen[kind, backend] = (mask, decoder_key_gap(cache, first, backend))
+        return seen[kind, backend]
 
     def _cache_graphs(self) -> CacheGraphs:
         if self._graphs is None:
@@ -1458,10 +1484,10 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         capped_logits=True,
     ):
         """Decoder pass: logits `(B, C, vocab)` (float32, soft-capped) for the canvas `canvas` `(B, C)` at positions
-        `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and its own;
-        `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero signal), or
-        `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype (the fused
-        sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
+        `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and
+        its own; `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero
+        signal), or `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype
+        (the fused sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
         caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
         experts; `capture_decoder`)."""
         x = self.decoder_input(canvas, self_conditioning_logits, self_conditioning_probabilities)
@@ -1519,21 +1545,14 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         `positions` and the cache's tensors: what `CacheGraphs` captures)."""
         decoder, text = self.model.decoder, self.config.text_config
         rope = {kind: decoder.rope(positions, kind, x.dtype) for kind in set(text.layer_types)}
-        masks: dict = {}
-        gaps: dict = {}
+        seen: dict = {}
         normed = None  # the next layer's input norm, where its predecessor's end kernel computed it
         for index, layer in enumerate(decoder.layers):
-            kind = text.layer_types[index]
-            backend = layer.self_attn.chosen_backend(x)
-            key = (kind, backend == "sdpa")  # (layer kind, additive mask)
-            if key not in masks:  # once per kind and mask form, not per layer
-                masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x, padded, additive=key[1])
-            if (kind, backend) not in gaps:
-                gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
+            mask, gap = self.decoder_mask_and_gap(index, x, cache, padded, seen)
             # The next layer's input norm from this layer's end kernel where it can (`norm_in_end_kernel`).
             next_norm = decoder.layers[index + 1].input_layernorm if index + 1 < len(decoder.layers) else None
             out = layer(
-                x, *rope[kind], cache, masks[key], False, key_gap=gaps[kind, backend], normed_input=normed,
+                x, *rope[text.layer_types[index]], cache, mask, False, key_gap=gap, normed_input=normed,
                 next_norm=next_norm,
             )  # fmt: skip
             x, normed = out if next_norm is not None else (out, None)
@@ -1547,8 +1566,7 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         columns) and then `decode(canvas, canvas_positions, cache, ...)` over the next, as one pass through the
         layers (`encoder_decoder_layers`: each layer's weights read once for both); the same result up to the
         products' rounding. Only where `fuses_canvas_passes` says so."""
-        decoder = self.model.decoder
-        x_encoder = decoder.embed_tokens(input_ids) * decoder.embed_scale(decoder.embed_tokens.weight.dtype)
+        x_encoder = self.encoder_input(input_ids)
         cache.prepare(input_ids.shape[0], x_encoder.dtype, x_encoder.device, end)
         capped = decoder_kwargs.pop("capped_logits", True)
         x_decoder = self.decoder_input(canvas, **decoder_kwargs)
@@ -1582,26 +1600,18 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         cache.begin_write(columns)
         encoder_rope = {kind: decoder.rope(positions, kind, x_encoder.dtype) for kind in kinds}
         decoder_rope = {kind: decoder.rope(canvas_positions, kind, x_decoder.dtype) for kind in kinds}
-        encoder_masks = {}
-        for kind in kinds:
-            window = text.sliding_window if kind == "sliding_attention" else None
-            encoder_masks[kind] = encoder_key_mask(cache, text.layer_types.index(kind), columns, valid, window)
+        encoder_masks = self.encoder_masks(cache, columns, valid)
         cache.record(columns, valid)
-        x, rows, decoder_masks, gaps, normed = torch.cat([x_encoder, x_decoder]), x_encoder.shape[0], {}, {}, None
+        x, rows, seen, normed = torch.cat([x_encoder, x_decoder]), x_encoder.shape[0], {}, None
         last = len(decoder.layers) - 1
         for index, layer in enumerate(decoder.layers):
             kind = text.layer_types[index]
-            backend = layer.self_attn.chosen_backend(x_decoder)
-            key = (kind, backend == "sdpa")  # as `decoder_layers`
-            if key not in decoder_masks:
-                decoder_masks[key] = decoder_key_mask(cache, text.layer_types.index(kind), x_decoder, padded, key[1])
-            if (kind, backend) not in gaps:
-                gaps[kind, backend] = decoder_key_gap(cache, text.layer_types.index(kind), backend)
+            mask, gap = self.decoder_mask_and_gap(index, x_decoder, cache, padded, seen)
             scalar = self.model.encoder.language_model.layers[index].layer_scalar
             next_norm = decoder.layers[index + 1].input_layernorm if index < last else None
             x, normed = layer.forward_pair(
-                x, rows, encoder_rope[kind], decoder_rope[kind], cache, (encoder_masks[kind], decoder_masks[key]),
-                scalar, index == last, gaps[kind, backend], normed, next_norm,
+                x, rows, encoder_rope[kind], decoder_rope[kind], cache, (encoder_masks[kind], mask), scalar,
+                index == last, gap, normed, next_norm,
             )  # fmt: skip
         return decoder.norm(x)  # (the last layer returned the decoder's rows alone)
 

@@ -66,7 +66,7 @@ def test_block_attention_error_at_the_26b_encoder_shapes(kind, batch):
     within 2x of SDPA's (bfloat16, the same mask)."""
     from types import SimpleNamespace
 
-    from hf_dllm.modeling_diffusion_gemma import ENCODER_ATTENTION, decoder_attention, encoder_key_mask
+    from hf_dllm.modeling_diffusion_gemma import ENCODER_ATTENTION, attention_choice, encoder_key_mask
 
     heads, kv_heads, dim, slots = SHAPES[kind]
     written, window = (1100, 1024) if kind == "sliding" else (640, None)
@@ -91,7 +91,7 @@ def test_block_attention_error_at_the_26b_encoder_shapes(kind, batch):
         q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True
     ).transpose(1, 2)
     bar = 2 * (sdpa.float() - exact).abs().max().item() + 1e-4
-    for tiles in (decoder_attention(dim, batch, ENCODER_ATTENTION)[1], decoder_tiles(dim, batch)):
+    for tiles in (attention_choice(dim, batch, ENCODER_ATTENTION)[1], decoder_tiles(dim, batch)):
         out = block_attention(q, k, v, mask[:, 0], scale=1.0, tiles=tiles)
         error = (out.float() - exact).abs().max().item()
         assert error <= bar, (tiles, error, bar)
