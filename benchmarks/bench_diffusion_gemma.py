@@ -31,14 +31,15 @@ experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton k
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
 backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
 each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP inline instead
-of on a side stream beside the router and experts (`dense_mlp_beside_experts`), with that MLP's products leaving
-16 multiprocessors free (`dense_mlp_sm_carveout`), with the side stream at normal priority (`SIDE_STREAM_PRIORITY`),
+of on a side stream beside the experts (`dense_mlp_beside_experts`), with that MLP
+forked before the router's product and routing instead of after them (`dense_mlp_after_routing`), with the side stream
+at normal priority (`SIDE_STREAM_PRIORITY`), with the router's product on cuBLAS (`product_in_routing_kernel`),
 and with the sliding attention reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or
 merging its splits in a second kernel.
 
-On CUDA, `hf_dllm fused` rows: `generate()` again with an accepted canvas' encoder pass and the next canvas' first
-decoder pass as one (`fuse_canvas_passes`, off by default), and their batch-1 speed-ups over transformers
-(`fused_canvas_passes` in the JSON line).
+On CUDA, `hf_dllm apart` rows: `generate()` again with an accepted canvas' encoder pass and the next canvas' first
+decoder pass run apart (`fuse_canvas_passes` off; on by default: one pass), and their batch-1 speed-ups over
+transformers (`canvas_passes_apart` in the JSON line).
 
 Goals (in the JSON line, each with its value and `met`): batch 1 >= 5x transformers' tokens/s (at each step
 count); the batch-1 step within 1.3x its floor; batch 32 under 80 GB peak.
@@ -216,13 +217,13 @@ def share_concatenations(ours, reference) -> None:
 
 
 @contextlib.contextmanager
-def canvas_passes_fused(model, on: bool):
-    """`model`'s class with `fuse_canvas_passes` set to `on` inside (hf_dllm's model; nothing for another)."""
-    if not on:
+def canvas_passes_fused(model, on: bool | None):
+    """`model`'s class with `fuse_canvas_passes` set to `on` inside (None: as it is; another model's class)."""
+    if on is None:
         yield
         return
     default = type(model).fuse_canvas_passes
-    type(model).fuse_canvas_passes = True
+    type(model).fuse_canvas_passes = on
     try:
         yield
     finally:
@@ -471,16 +472,20 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
             # dense MLP inline, not on a side stream beside the experts. Then the default's step again, timed after
             # them (the same state of the process).
             layer_class = type(model.model.decoder.layers[0])
-            for label, switch, value in (
-                ("combine_apart", "combine_in_end_kernel", False),
-                ("next_norm_apart", "norm_in_end_kernel", False),
-                ("dense_mlp_inline", "dense_mlp_beside_experts", False),
-                ("dense_mlp_sm_carveout_16", "dense_mlp_sm_carveout", 16),
+            router_class = type(model.model.decoder.layers[0].router)
+            for label, owner, switch, value in (
+                ("combine_apart", layer_class, "combine_in_end_kernel", False),
+                ("next_norm_apart", layer_class, "norm_in_end_kernel", False),
+                ("dense_mlp_inline", layer_class, "dense_mlp_beside_experts", False),
+                ("dense_mlp_forked_before_routing", layer_class, "dense_mlp_after_routing", False),
+                ("router_product_cublas", router_class, "product_in_routing_kernel", False),
             ):
-                default = getattr(layer_class, switch)
-                setattr(layer_class, switch, value)
-                parts[f"graph_step_{label}_ms"], block = recaptured_ms(block)
-                setattr(layer_class, switch, default)
+                default = getattr(owner, switch)
+                setattr(owner, switch, value)
+                try:
+                    parts[f"graph_step_{label}_ms"], block = recaptured_ms(block)
+                finally:
+                    setattr(owner, switch, default)
             # The side stream at the main stream's priority instead of high.
             priority = modeling_diffusion_gemma.SIDE_STREAM_PRIORITY
             modeling_diffusion_gemma.SIDE_STREAM_PRIORITY = 0
@@ -626,9 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up (kernels, allocator, our passes' graphs over generate()'s static cache of this shape): every
         # canvas, two steps each.
         run_reference = reference is not None and batch in reference_batches
-        # (name, model, canvases' passes fused): on CUDA hf_dllm also with `fuse_canvas_passes` on (off by default).
-        runs = [("hf_dllm", ours, False), ("transformers", reference if run_reference else None, False)]
-        runs += [("hf_dllm fused", ours, True)] if gpu else []
+        # (name, model, canvases' passes fused): on CUDA hf_dllm also with `fuse_canvas_passes` off.
+        runs = [("hf_dllm", ours, None), ("transformers", reference if run_reference else None, None)]
+        runs += [("hf_dllm apart", ours, False)] if gpu else []
         for name, model, fused in runs:
             try:
                 if model is not None:
@@ -723,9 +728,10 @@ def main(argv: list[str] | None = None) -> int:
                     f" ms, inside the layer's end kernel (default) {step['graph_step_combine_in_end_kernel_ms']:.2f} ms;"
                     f" each layer's input norm launched apart: {step['graph_step_next_norm_apart_ms']:.2f} ms;"
                     f" the dense MLP inline (not on a side stream beside the experts): "
-                    f"{step['graph_step_dense_mlp_inline_ms']:.2f} ms; its products leaving 16 SMs free: "
-                    f"{step['graph_step_dense_mlp_sm_carveout_16_ms']:.2f} ms; its stream at normal priority: "
-                    f"{step['graph_step_side_stream_normal_priority_ms']:.2f} ms"
+                    f"{step['graph_step_dense_mlp_inline_ms']:.2f} ms; forked before the routing: "
+                    f"{step['graph_step_dense_mlp_forked_before_routing_ms']:.2f} ms; its stream at normal priority: "
+                    f"{step['graph_step_side_stream_normal_priority_ms']:.2f} ms; the router's product on cuBLAS: "
+                    f"{step['graph_step_router_product_cublas_ms']:.2f} ms"
                 )
             if "graph_step_attention_default_ms" in step:
                 print(
@@ -746,19 +752,19 @@ def main(argv: list[str] | None = None) -> int:
             (r for r in rows if (r["model"], r["batch"], r["max_denoising_steps"]) == (model, batch, steps)), None
         )
 
-    goals, fused_speedups = {}, {}
+    goals, apart_speedups = {}, {}
     for steps in step_counts:
         theirs = row_of("transformers", 1, steps)
         for name, mine in (
             ("hf_dllm", row_of("hf_dllm", 1, steps)),
-            ("hf_dllm fused", row_of("hf_dllm fused", 1, steps)),
+            ("hf_dllm apart", row_of("hf_dllm apart", 1, steps)),
         ):
             ok = mine and theirs and mine.get("tokens_per_s") and theirs["tokens_per_s"]
             speedup = mine["tokens_per_s"] / theirs["tokens_per_s"] if ok else None
             if name == "hf_dllm":
                 goals[f"batch1_speedup_steps{steps}"] = goal(speedup, 5.0, "higher")
-            elif speedup is not None:  # the default's goal; the fused passes' figure beside it
-                fused_speedups[f"batch1_speedup_steps{steps}"] = round(speedup, 3)
+            elif speedup is not None:  # the default's goal; the passes apart beside it
+                apart_speedups[f"batch1_speedup_steps{steps}"] = round(speedup, 3)
     one = next((s for s in steps_rows if s["batch"] == 1), None)
     goals["batch1_step_over_floor"] = goal(one.get("over_floor") if one else None, 1.3, "lower")
     rows32 = [r for r in rows if r["model"] == "hf_dllm" and r["batch"] == 32]
@@ -775,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in list(step.items()):
             if isinstance(value, float):
                 step[key] = round(value, 3)
-    summary.update(rows=rows, steps=steps_rows, goals=goals, fused_canvas_passes=fused_speedups)
+    summary.update(rows=rows, steps=steps_rows, goals=goals, canvas_passes_apart=apart_speedups)
     summary["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(summary), flush=True)
     return 0

@@ -25,7 +25,6 @@ This file is exported verbatim as Hub remote code.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,11 +145,12 @@ DECODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
 
 # The encoder's passes (over a prompt, over an accepted canvas: a causal, in sliding layers windowed, mask per query),
 # keyed as `DECODER_ATTENTION`: SDPA for heads its fused kernels take (`FUSED_SDPA_HEAD_DIM`), "gemm" for wider ones
-# (its math fallback for heads of 512 took 0.52 ms a layer at batch 1 on an H200). "triton" runs
-# `triton_attention.block_attention` with the mask per query (`bench_diffusion_gemma.py` times the encoder passes
-# with the sliding layers on it: the decoder's sliding attention took 30-36 us there against cuDNN SDPA's 76).
+# (its math fallback for heads of 512 took 0.52 ms a layer at batch 1 on an H200); "triton" runs
+# `triton_attention.block_attention` with the mask per query: at batch 1 the sliding layers' (the 26B-A4B's captured
+# encoder passes on an H200: over the prompt 21.3 ms against SDPA's 22.5, over a canvas 15.7 against 18.0; at batch 8
+# and 32 slower: 105.5 / 409.2 ms over the prompt against 92.5 / 342.8; `bench_diffusion_gemma.py` times both).
 ENCODER_ATTENTION: dict[tuple[int, int], tuple[str, AttentionTiles]] = {
-    (256, 1): ("sdpa", DECODER_ATTENTION[256, 1][1]),
+    (256, 1): ("triton", DECODER_ATTENTION[256, 1][1]),
     (256, 8): ("sdpa", DECODER_ATTENTION[256, 8][1]),
     (256, 32): ("sdpa", DECODER_ATTENTION[256, 32][1]),
     (512, 1): ("gemm", DECODER_ATTENTION[512, 1][1]),
@@ -435,14 +435,42 @@ class DiffusionGemmaRouter(nn.Module):
         weights /= weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[index], index
 
+    # Up to this many tokens (a batch-1 canvas: 256) the router's product is `triton_moe.router_partials` (16 x 16
+    # tiles of tokens x experts over the programs, summed and rounded to the activations' dtype in `route`'s kernel)
+    # rather than cuBLAS's split-K product and its reduction kernel: one launch fewer on the path to the experts, where
+    # the side stream's MLP holds the multiprocessors (`bench_diffusion_gemma.py` times the step with it off).
+    product_in_routing_kernel = True
+    product_max_tokens = 256
+
     def route_normed(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused path after its norm: `forward`'s result from `normed` `(T, hidden)`, the input normed with
         `fused_norm_weight` (by `forward`, or by the layer's kernel that norms it beside the MLP's and experts'
         inputs)."""
-        index, weights = triton_moe.route(
-            self.proj(normed), None, 1, 1, self.top_k, "softmax", True, 1.0, expert_scale=self.per_expert_scale
-        )
+        routing = (None, 1, 1, self.top_k, "softmax", True, 1.0)
+        if self.product_in_routing_kernel and self.plain_product(normed):
+            logits = normed.new_empty(normed.shape[0], self.proj.out_features)
+            partials = triton_moe.router_partials(normed, self.proj.weight, max_tokens=self.product_max_tokens)
+            index, weights = triton_moe.route(
+                partials, *routing, expert_scale=self.per_expert_scale, summed_logits=logits
+            )
+        else:
+            index, weights = triton_moe.route(self.proj(normed), *routing, expert_scale=self.per_expert_scale)
         return weights, index
+
+    def plain_product(self, normed: torch.Tensor) -> bool:
+        """Whether `route_normed` may take `proj`'s product through `triton_moe.router_partials`: few enough tokens,
+        a plain `nn.Linear` without bias or hooks (not quantized, offloaded or sharded) in `normed`'s half-precision
+        dtype on its device."""
+        proj = self.proj
+        plain = type(proj) is nn.Linear and proj.bias is None and "_hf_hook" not in proj.__dict__
+        plain = plain and not (proj._forward_hooks or proj._forward_pre_hooks) and not is_sharded(proj.weight)
+        return (
+            plain
+            and normed.dtype in (torch.bfloat16, torch.float16)
+            and proj.weight.dtype == normed.dtype
+            and proj.weight.device == normed.device
+            and triton_moe.router_product_applies(normed.shape[0], self.product_max_tokens)
+        )
 
 
 def _grouped_mm_function():
@@ -626,21 +654,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-@contextlib.contextmanager
-def sm_carveout(count: int | None):
-    """cuBLAS's products launched inside leave `count` multiprocessors free (torch's experimental SM carveout; None:
-    no change), so that work on another stream finds some."""
-    if count is None or not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        yield
-        return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(count)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
-
-
 class DiffusionGemmaLayer(nn.Module):
     """One layer of the shared text transformer (the decoder's; the encoder passes its own `layer_scalar`)."""
 
@@ -701,9 +714,10 @@ class DiffusionGemmaLayer(nn.Module):
     # canvas' 256 rows) run while the experts stream their weights (26B-A4B batch-1 step on an H200: 16.18 -> 16.02
     # ms; `bench_diffusion_gemma.py` times the step with it off too).
     dense_mlp_beside_experts = True
-    # Multiprocessors the side stream's MLP products leave to the main stream's router and experts (`sm_carveout`;
-    # None: cuBLAS's own choice, every multiprocessor). `bench_diffusion_gemma.py` times the step with 16.
-    dense_mlp_sm_carveout: int | None = None
+    # The side stream forked after the router's product and routing rather than before them: the router then has
+    # the multiprocessors to itself instead of waiting behind the high-priority MLP's products, and the MLP still
+    # runs beside the experts' alignment and products (`bench_diffusion_gemma.py` times the step forked before).
+    dense_mlp_after_routing = True
 
     def mlp_on_side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The stream `fused_feedforward` runs the dense MLP on (None: inline): with `dense_mlp_beside_experts`, on
@@ -714,6 +728,13 @@ class DiffusionGemmaLayer(nn.Module):
         if not self.dense_mlp_beside_experts or not x.is_cuda:
             return None
         return side_stream(x.device) if returns_its_forward(self.mlp, allow_pre_hooks=False) else None
+
+    def _dense_mlp_forked(self, dense_in: torch.Tensor, main, side) -> torch.Tensor:
+        """The dense MLP launched on the side stream after the main stream's work so far (joined before the end
+        kernel: a captured step holds two graph branches)."""
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            return self.mlp(dense_in)
 
     def norms_fuse(self, attention: torch.Tensor, x: torch.Tensor, scalar: torch.Tensor) -> bool:
         """Whether `fused_feedforward` runs: the fused kernels, no autograd, one dtype."""
@@ -758,12 +779,12 @@ class DiffusionGemmaLayer(nn.Module):
             ),
         )
         side = self.mlp_on_side_stream(x)
-        if side is not None:  # forked here, joined before the end kernel (a captured step: two graph branches)
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side), sm_carveout(self.dense_mlp_sm_carveout):
-                dense = self.mlp(dense_in)
+        main = torch.cuda.current_stream(x.device) if side is not None else None
+        if side is not None and not self.dense_mlp_after_routing:
+            dense = self._dense_mlp_forked(dense_in, main, side)
         weights, index = self.router.route_normed(router_in.view(-1, hidden))
+        if side is not None and self.dense_mlp_after_routing:
+            dense = self._dense_mlp_forked(dense_in, main, side)
         moe_in = moe_in.view(-1, hidden)
         experts = None
         if self.combine_in_end_kernel and self.experts.hands_pairs_back(moe_in):
@@ -1357,9 +1378,9 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
     prompt_graphs: int = 4
     # An accepted canvas' encoder pass and the next canvas' first decoder pass as one pass through the layers
     # (`encode_and_decode`, where `fuses_canvas_passes`): each layer's weights read once for both instead of twice
-    # (the canvas pass replays at 18 ms beside a 16 ms step at the 26B-A4B's batch 1 on an H200). Off until
-    # `bench_diffusion_gemma.py` has timed it on a GPU.
-    fuse_canvas_passes: bool = False
+    # (the canvas pass replays at 18 ms beside a 16 ms step at the 26B-A4B's batch 1 on an H200: 928 tokens/s
+    # against 909 with the passes apart at 16 steps a canvas; `bench_diffusion_gemma.py`'s `hf_dllm apart` rows).
+    fuse_canvas_passes: bool = True
     # The sampler's per-step inputs of a decoder pass (`decode`'s keywords, `EntropyBoundSampler.forward_inputs`).
     decoder_inputs = ("self_conditioning_logits", "self_conditioning_probabilities", "capped_logits")
     # No plan for the head: it is the input embedding, which stays whole on every rank (the tie wins over a column

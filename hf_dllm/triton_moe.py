@@ -612,9 +612,10 @@ ROUTER_PRODUCT_TILE = 16
 ROUTER_PRODUCT_MIN_CHUNK = 128
 
 
-def router_product_applies(tokens: int) -> bool:
-    """Whether `router_partials` takes `tokens` tokens."""
-    return 0 < tokens <= ROUTER_PRODUCT_MAX_TOKENS
+def router_product_applies(tokens: int, max_tokens: int = ROUTER_PRODUCT_MAX_TOKENS) -> bool:
+    """Whether `router_partials` takes `tokens` tokens (a model whose router was measured at more passes its own
+    `max_tokens`)."""
+    return 0 < tokens <= max_tokens
 
 
 def router_splits(tokens: int, n_experts: int, hidden: int, device: torch.device) -> int:
@@ -631,7 +632,9 @@ def router_splits(tokens: int, n_experts: int, hidden: int, device: torch.device
 
 
 @on_tensor_device
-def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def router_partials(
+    x: torch.Tensor, gate_weight: torch.Tensor, splits: int | None = None, max_tokens: int = ROUTER_PRODUCT_MAX_TOKENS
+) -> torch.Tensor:
     """The router logits `x @ gate_weight.T` for few tokens (`router_product_applies`) as float32 partial products
     over `splits` chunks of the hidden size `(splits, tokens, E)` (default `router_splits`), which `route` adds up
     (in chunk order) and rounds as it loads them (its `summed_logits`): the product split over the most programs
@@ -649,9 +652,9 @@ def router_partials(x: torch.Tensor, gate_weight: torch.Tensor, splits: int | No
             f"{tuple(gate_weight.shape)}."
         )
     (tokens, hidden), n_experts = x.shape, gate_weight.shape[0]
-    if not router_product_applies(tokens):
+    if not router_product_applies(tokens, max_tokens):
         raise ValueError(
-            f"router_partials takes 1 to {ROUTER_PRODUCT_MAX_TOKENS} tokens, got {tokens}: use the router's own "
+            f"router_partials takes 1 to {max_tokens} tokens, got {tokens}: use the router's own "
             f"product (`router_product_applies` tells which)."
         )
     if splits is None:

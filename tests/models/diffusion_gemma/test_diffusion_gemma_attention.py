@@ -67,9 +67,10 @@ def test_encoder_backend_follows_its_table_on_cuda_half_precision(monkeypatch):
     def hidden(batch, cuda=True, dtype=torch.bfloat16):
         return SimpleNamespace(shape=(batch, 8, 64), is_cuda=cuda, dtype=dtype)
 
-    assert [sliding.encoder_backend(hidden(b)) for b in (1, 8, 32)] == ["sdpa"] * 3
-    assert [full.encoder_backend(hidden(b)) for b in (1, 8, 32)] == ["sdpa"] * 3  # 32 wide: the 256 entries
+    assert [sliding.encoder_backend(hidden(b)) for b in (1, 8, 32)] == ["triton", "sdpa", "sdpa"]
+    assert [full.encoder_backend(hidden(b)) for b in (1, 8, 32)] == ["triton", "sdpa", "sdpa"]  # the 256 entries
     table = modeling_diffusion_gemma.ENCODER_ATTENTION
+    monkeypatch.setitem(table, (256, 1), ("sdpa", table[256, 1][1]))
     monkeypatch.setitem(table, (256, 8), ("triton", table[256, 8][1]))
     assert [sliding.encoder_backend(hidden(b)) for b in (1, 7, 8, 31, 32)] == ["sdpa"] * 2 + ["triton"] * 2 + ["sdpa"]
     assert sliding.encoder_backend(hidden(8, cuda=False)) == "sdpa"

@@ -136,17 +136,26 @@ def test_captured_encoder_passes_on_triton_equal_eager(gemma_cuda_bf16, monkeypa
                 model.encode(tokens[:, :5], torch.arange(5, device="cuda"), valid[:, :5], cache, end=5)
                 model.encode(tokens[:, 5:], columns, valid[:, 5:], cache)
                 logits = model.decode(following, columns + canvas, cache)
-            results.append((logits.clone(), [key.clone() for key in cache.storage_keys]))
+            results.append(
+                (logits.clone(), [key.clone() for key in cache.storage_keys], [v.clone() for v in cache.valid])
+            )
         replays = dict(model._graphs.replays)
     finally:
         model.capture_encoder = True
         model._graphs = None
     assert replays.get("encoder_layers"), replays
     assert 3 in calls, calls  # the encoder's masks per query reached the Triton attention
-    for logits, keys in results[1:]:
+    # Every key a query may read is the eager pass' bit for bit: the written slots (the cache's `valid`) and the
+    # canvas slots after them. Left padding's slots (row 1's first two columns) hold what their fully masked queries
+    # made of nothing, which no query reads: eager and captured passes may differ there.
+    for logits, keys, valid in results[1:]:
         torch.testing.assert_close(logits, results[0][0], rtol=0, atol=1e-5)
-        for mine, eager in zip(keys, results[0][1], strict=True):
-            assert torch.equal(mine, eager)
+        for layer, (mine, eager) in enumerate(zip(keys, results[0][1], strict=True)):
+            assert torch.equal(valid[layer], results[0][2][layer])
+            canvas_slots = valid[layer].new_ones(valid[layer].shape[0], mine.shape[2] - valid[layer].shape[1])
+            read = torch.cat([valid[layer], canvas_slots], dim=1)
+            assert not read[1].all() and read[0].any(), "row 1's padding is left out, the rest compared"
+            torch.testing.assert_close(mine.transpose(1, 2)[read], eager.transpose(1, 2)[read], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -168,11 +168,13 @@ def test_cuda_encoder_canvas_graph_is_the_eager_pass_bit_for_bit(gemma_cuda_bf16
 
 
 @pytest.mark.gpu
-def test_cuda_generate_with_encoder_graph_equals_eager(gemma_cuda_bf16):
+def test_cuda_generate_with_encoder_graph_equals_eager(gemma_cuda_bf16, monkeypatch):
     """generate() of 3 canvases on CUDA with the encoder's canvas pass replayed from its graph decodes the eager
     run's tokens (decoder graphs on in both); a second call reuses the cache and replays the captured graphs, and
-    captures the prompt's pass, which the third replays."""
+    captures the prompt's pass, which the third replays. (The canvas passes apart: `fuse_canvas_passes` off; the
+    pair pass' own test is in test_diffusion_gemma_fused_canvas_pass.py.)"""
     model = gemma_cuda_bf16
+    monkeypatch.setattr(type(model), "fuse_canvas_passes", False)
     model._graphs, model._generate_cache = None, None
     generate_both_ways(model, "cuda")
     replays = dict(model._graphs.replays)

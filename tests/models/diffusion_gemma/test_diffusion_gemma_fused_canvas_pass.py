@@ -68,8 +68,8 @@ def test_generate_hands_the_pair_what_the_two_passes_take(gemma, monkeypatch):
 
 
 def test_fused_canvas_passes_only_where_they_apply(gemma, monkeypatch):
-    """`fuses_canvas_passes`: off by default; on, only for a canvas' worth of columns over a static cache where the
-    fused kernels run and autograd is off."""
+    """`fuses_canvas_passes`: on by default, only for a canvas' worth of columns over a static cache where the
+    fused kernels run and autograd is off; off with `fuse_canvas_passes` off."""
     from hf_dllm import modeling_diffusion_gemma
 
     text, canvas = gemma.config.text_config, gemma.config.canvas_length
@@ -77,9 +77,10 @@ def test_fused_canvas_passes_only_where_they_apply(gemma, monkeypatch):
     ids = torch.zeros(1, canvas, dtype=torch.long)
     monkeypatch.setattr(modeling_diffusion_gemma, "use_fused_kernels", lambda tensor: True)
     with torch.no_grad():
+        assert gemma.fuses_canvas_passes(ids, static)
+        monkeypatch.setattr(DiffusionGemmaForBlockDiffusion, "fuse_canvas_passes", False)
         assert not gemma.fuses_canvas_passes(ids, static)
         monkeypatch.setattr(DiffusionGemmaForBlockDiffusion, "fuse_canvas_passes", True)
-        assert gemma.fuses_canvas_passes(ids, static)
         assert not gemma.fuses_canvas_passes(ids[:, :-1], static)  # a prompt's columns, not a canvas'
         assert not gemma.fuses_canvas_passes(ids, gemma.new_encoder_cache())
         monkeypatch.setattr(modeling_diffusion_gemma, "use_fused_kernels", lambda tensor: False)

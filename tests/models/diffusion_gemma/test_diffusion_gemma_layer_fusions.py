@@ -228,6 +228,32 @@ FUSED_SCRIPT = textwrap.dedent(
         router.scale.mul_(2.0)
     assert torch.equal(router.fused_norm_weight(), before * 2), "the folded norm weight follows `scale`"
 
+    # In half precision the router's product goes through `router_partials`, summed in float32 and rounded in
+    # `route`'s kernel: the choices and weights of the exact product rounded once; past `product_max_tokens` tokens
+    # (or with a hook on the projection) the projection's own product.
+    from hf_dllm.modeling_diffusion_gemma import DiffusionGemmaRouter
+    calls = []
+    partials = triton_moe.router_partials
+    triton_moe.router_partials = lambda *a, **k: (calls.append(a[0].shape[0]), partials(*a, **k))[1]
+    half = DiffusionGemmaRouter(config.text_config).half()  # (the interpreter has no bfloat16 product)
+    torch.nn.init.normal_(half.proj.weight, std=0.5)
+    half.per_expert_scale.data.uniform_(0.5, 1.5)
+    normed = torch.randn(20, 32).half()
+    with torch.no_grad():
+        exact = (normed.double() @ half.proj.weight.double().T).half()
+        want = triton_moe.route(exact, None, 1, 1, 2, "softmax", True, 1.0, expert_scale=half.per_expert_scale)
+        got_weights, got_index = half.route_normed(normed)
+        assert calls == [20] and torch.equal(got_index, want[0]), ("router_partials' choices", calls)
+        assert (got_weights - want[1]).abs().max() <= 1e-6, "router_partials' weights"
+        half.product_max_tokens = 16
+        half.route_normed(normed)
+        handle = half.proj.register_forward_hook(lambda *args: None)
+        half.product_max_tokens = 256
+        half.route_normed(normed)
+        handle.remove()
+        assert calls == [20], calls
+    triton_moe.router_partials = partials
+
     # The norm with the layer scalar folded in, against the PyTorch ops; a scale of another dtype multiplies apart.
     norm = DiffusionGemmaRMSNorm(32)
     norm.weight.data.normal_()
@@ -444,21 +470,3 @@ def test_cuda_dense_mlp_beside_the_experts_equals_inline():
     assert (device, modeling_diffusion_gemma.SIDE_STREAM_PRIORITY) in modeling_diffusion_gemma._SIDE_STREAMS
     for (beside, index), logits in runs.items():
         torch.testing.assert_close(logits, inline, rtol=0, atol=1e-5, msg=f"beside={beside}, run {index}")
-
-
-def test_sm_carveout_sets_and_restores_torch_setting():
-    """`sm_carveout(n)`: cuBLAS's SM carveout is n inside and what it was after (also after an error); None changes
-    nothing (`DiffusionGemmaLayer.dense_mlp_sm_carveout`'s default)."""
-    from hf_dllm.modeling_diffusion_gemma import sm_carveout
-
-    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        pytest.skip("this torch has no SM carveout")
-    before = torch._C._get_sm_carveout_experimental()
-    with sm_carveout(16):
-        assert torch._C._get_sm_carveout_experimental() == 16
-    assert torch._C._get_sm_carveout_experimental() == before
-    with pytest.raises(RuntimeError), sm_carveout(8):
-        raise RuntimeError("inside")
-    assert torch._C._get_sm_carveout_experimental() == before
-    with sm_carveout(None):
-        assert torch._C._get_sm_carveout_experimental() == before
