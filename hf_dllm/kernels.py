@@ -100,6 +100,21 @@ def returns_its_forward(module: nn.Module, allow_pre_hooks: bool = True) -> bool
     return not any(is_sharded(parameter) for parameter in module.parameters())
 
 
+def plain_half_linear(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer(x)` is a plain product a kernel may compute from `layer.weight` instead (a router's through
+    `triton_moe.router_partials`): an `nn.Linear` (not quantized) without bias, returning its own forward
+    (`returns_its_forward`, pre-hooks excluded too: not offloaded, hooked or sharded), its weight in x's
+    half-precision dtype on x's device."""
+    return (
+        type(layer) is nn.Linear
+        and layer.bias is None
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and layer.weight.dtype == x.dtype
+        and layer.weight.device == x.device
+        and returns_its_forward(layer, allow_pre_hooks=False)
+    )
+
+
 def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     """`layer(x)` for an `nn.Linear`; for transformers' `FP8Linear` (FP8 weights with block or per-tensor scales) the
     product runs through `fp8.fp8_linear`: hf_dllm's kernels where the fused kernels run, the dequantized weight

@@ -43,7 +43,14 @@ from .fp8 import QuantizesFromLoadDtype
 from .generation_config import DiffusionGenerationConfig
 from .generation_utils import DiffusionGenerationMixin
 from .grouped_gemm import grouped_matmul, zero_rows_past
-from .kernels import ConcatenatedProjections, kernel_mode, linear, returns_its_forward, use_fused_kernels
+from .kernels import (
+    ConcatenatedProjections,
+    kernel_mode,
+    linear,
+    plain_half_linear,
+    returns_its_forward,
+    use_fused_kernels,
+)
 from .tensor_parallel import is_sharded, local_shape, whole_tensor
 from .triton_attention import AttentionTiles, block_attention
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -447,8 +454,10 @@ class DiffusionGemmaRouter(nn.Module):
         `fused_norm_weight` (by `forward`, or by the layer's kernel that norms it beside the MLP's and experts'
         inputs)."""
         routing = (None, 1, 1, self.top_k, "softmax", True, 1.0)
-        if self.product_in_routing_kernel and self.plain_product(normed):
-            logits = normed.new_empty(normed.shape[0], self.proj.out_features)
+        tokens = normed.shape[0]
+        few = triton_moe.router_product_applies(tokens, self.product_max_tokens)
+        if self.product_in_routing_kernel and few and plain_half_linear(self.proj, normed):
+            logits = normed.new_empty(tokens, self.proj.out_features)
             partials = triton_moe.router_partials(normed, self.proj.weight, max_tokens=self.product_max_tokens)
             index, weights = triton_moe.route(
                 partials, *routing, expert_scale=self.per_expert_scale, summed_logits=logits
@@ -456,21 +465,6 @@ class DiffusionGemmaRouter(nn.Module):
         else:
             index, weights = triton_moe.route(self.proj(normed), *routing, expert_scale=self.per_expert_scale)
         return weights, index
-
-    def plain_product(self, normed: torch.Tensor) -> bool:
-        """Whether `route_normed` may take `proj`'s product through `triton_moe.router_partials`: few enough tokens,
-        a plain `nn.Linear` without bias or hooks (not quantized, offloaded or sharded) in `normed`'s half-precision
-        dtype on its device."""
-        proj = self.proj
-        plain = type(proj) is nn.Linear and proj.bias is None and "_hf_hook" not in proj.__dict__
-        plain = plain and not (proj._forward_hooks or proj._forward_pre_hooks) and not is_sharded(proj.weight)
-        return (
-            plain
-            and normed.dtype in (torch.bfloat16, torch.float16)
-            and proj.weight.dtype == normed.dtype
-            and proj.weight.device == normed.device
-            and triton_moe.router_product_applies(normed.shape[0], self.product_max_tokens)
-        )
 
 
 def _grouped_mm_function():

@@ -74,7 +74,7 @@ from .grouped_gemm import (
     grouped_matmul,
     other_ranks_expert_keys,
 )
-from .kernels import ConcatenatedProjections, linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, plain_half_linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import is_sharded
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -513,10 +513,8 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         the router's own), `route` (one program per token) and `align_by_expert`; every kernel reads and writes the
         dtypes it is given (no cast kernels)."""
         gate = self.gate
-        plain_gate = type(gate) is nn.Linear and gate.bias is None and "_hf_hook" not in gate.__dict__
-        plain_gate = plain_gate and not is_sharded(gate.weight) and gate.weight.dtype == x.dtype
         routing = (None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
-        if self.router_product_in_routing_kernel and plain_gate and router_product_applies(x.shape[0]):
+        if self.router_product_in_routing_kernel and router_product_applies(x.shape[0]) and plain_half_linear(gate, x):
             router_logits = x.new_empty(x.shape[0], self.num_experts)
             experts, weights = route(router_partials(x, gate.weight), *routing, summed_logits=router_logits)
         else:
