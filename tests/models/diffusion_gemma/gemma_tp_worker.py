@@ -11,12 +11,13 @@ last one (a float32 forward on the CPU, one process) where DTYPE is not float32.
 
 With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=N, ep_size=N)`: each rank
 holds its share of the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce`
-dispatch masks the routes to the other ranks' experts).
+dispatch masks the routes to the other ranks' experts). `tp,ep`: one launch loads and records both in turn (one
+process's record shared), saving each to OUT with `{mode}` replaced by the plan's name.
 
 With a sixth argument `logits`, only the forward's logits (no `generate()` calls): the fused path in Triton's
 interpreter (`HF_DLLM_KERNELS=triton`) pays per operation, and its layers are what a plan wraps.
 
-Usage: torchrun --nproc-per-node N gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep [logits]]
+Usage: torchrun --nproc-per-node N gemma_tp_worker.py OUT DEVICE DTYPE [tp|ep|tp,ep [logits]]
 (DEVICE cpu -> gloo, cuda -> nccl)
 """
 
@@ -137,6 +138,20 @@ def local_rows(tensor) -> int:
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).shape[0]
 
 
+def parallel_kwargs(mode: str, ranks: int) -> dict:
+    """`from_pretrained`'s keywords for the plan `mode`: "tp" (the tensor plan, as the CLI loads it) or "ep" (the
+    expert plan too: each rank holds its share of the experts)."""
+    if mode == "ep":
+        from transformers.distributed import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks)}
+    if mode != "tp":
+        raise ValueError(f"the plan must be 'tp' or 'ep', got {mode!r}")
+    from hf_dllm.tensor_parallel import tensor_parallel_load_kwargs
+
+    return tensor_parallel_load_kwargs()
+
+
 def main() -> None:
     import torch.distributed as dist
     from transformers import AutoModel
@@ -175,25 +190,20 @@ def main() -> None:
     dist.barrier()
     if device == "cuda":
         torch.cuda.set_device(rank)
-    if len(sys.argv) > 4 and sys.argv[4] == "ep":  # the expert plan too: each rank holds its share of the experts
-        from transformers.distributed import DistributedConfig
-
-        parallel = {"distributed_config": DistributedConfig(tp_size=ranks, ep_size=ranks)}
-    else:
-        from hf_dllm.tensor_parallel import tensor_parallel_load_kwargs
-
-        parallel = tensor_parallel_load_kwargs()
-    model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel).eval()
-    say(f"rank {rank}: sharded model loaded")
-    result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu", logits_only)
-    gathered = [None] * ranks
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        reference_logits = None if reference is None else reference["logits"]
-        torch.save({"single": single, "ranks": gathered, "reference_logits": reference_logits}, out)
-    dist.barrier()
-    del model
-    gc.collect()
+    modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["tp"]
+    for mode in modes:
+        model = AutoModel.from_pretrained(checkpoint, dtype=dtype, **parallel_kwargs(mode, ranks)).eval()
+        say(f"rank {rank}: {mode} model loaded")
+        result = record(model, f"cuda:{rank}" if device == "cuda" else "cpu", logits_only)
+        gathered = [None] * ranks
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            reference_logits = None if reference is None else reference["logits"]
+            saved = Path(str(out).format(mode=mode)) if len(modes) > 1 else out
+            torch.save({"single": single, "ranks": gathered, "reference_logits": reference_logits}, saved)
+        dist.barrier()
+        del model
+        gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
         faulthandler.cancel_dump_traceback_later()
