@@ -31,10 +31,9 @@ experts on the canvas' routing under torch's grouped GEMM and hf_dllm's Triton k
 the model runs; the measurement that picks it); on CUDA the captured step with every layer's attention on each
 backend, with the experts' weighted sum launched apart against inside the layer's end kernel (the default), with
 each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP inline instead
-of on a side stream beside the experts (`dense_mlp_beside_experts`), with that MLP
-forked before the router's product and routing instead of after them (`dense_mlp_after_routing`), with the side stream
-at normal priority (`SIDE_STREAM_PRIORITY`), with the router's product on cuBLAS (`product_in_routing_kernel`),
-and with the sliding attention reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or
+of on a side stream beside the experts (`dense_mlp_beside_experts`), with that MLP forked before the router's
+product and routing instead of after them (`dense_mlp_after_routing`), with the side stream at normal priority
+(`SIDE_STREAM_PRIORITY`), with the router's product on cuBLAS (`product_in_routing_kernel`), and with the sliding attention reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or
 merging its splits in a second kernel.
 
 On CUDA, `hf_dllm apart` rows: `generate()` again with an accepted canvas' encoder pass and the next canvas' first
@@ -217,17 +216,19 @@ def share_concatenations(ours, reference) -> None:
 
 
 @contextlib.contextmanager
-def canvas_passes_fused(model, on: bool | None):
-    """`model`'s class with `fuse_canvas_passes` set to `on` inside (None: as it is; another model's class)."""
-    if on is None:
-        yield
-        return
-    default = type(model).fuse_canvas_passes
-    type(model).fuse_canvas_passes = on
+def switched(owner, name: str, value):
+    """`owner.name` (a class's or module's switch) set to `value` inside, restored after."""
+    default = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        type(model).fuse_canvas_passes = default
+        setattr(owner, name, default)
+
+
+def canvas_passes_fused(model, on: bool | None):
+    """`model`'s class with `fuse_canvas_passes` set to `on` inside (None: as it is; another model's class)."""
+    return contextlib.nullcontext() if on is None else switched(type(model), "fuse_canvas_passes", on)
 
 
 def sync(device) -> None:
@@ -467,10 +468,11 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 block = step(block)
                 return timed_ms(functools.partial(step, block), repeats, device), block
 
-            # The step (graphs) with one layer switch turned: the experts' weighted sum launched apart
+            # The step (graphs) with one switch turned: the experts' weighted sum launched apart
             # (`triton_moe.combine`), not inside the layer's end kernel; each layer's input norm launched apart; the
-            # dense MLP inline, not on a side stream beside the experts. Then the default's step again, timed after
-            # them (the same state of the process).
+            # dense MLP inline, not on a side stream beside the experts, or forked before the routing; the router's
+            # product on cuBLAS; the side stream at the main stream's priority instead of high. Then the default's
+            # step again, timed after them (the same state of the process).
             layer_class = type(model.model.decoder.layers[0])
             router_class = type(model.model.decoder.layers[0].router)
             for label, owner, switch, value in (
@@ -479,20 +481,10 @@ def isolated_step(model, batch: int, prompt_len: int, repeats: int, device) -> d
                 ("dense_mlp_inline", layer_class, "dense_mlp_beside_experts", False),
                 ("dense_mlp_forked_before_routing", layer_class, "dense_mlp_after_routing", False),
                 ("router_product_cublas", router_class, "product_in_routing_kernel", False),
+                ("side_stream_normal_priority", modeling_diffusion_gemma, "SIDE_STREAM_PRIORITY", 0),
             ):
-                default = getattr(owner, switch)
-                setattr(owner, switch, value)
-                try:
+                with switched(owner, switch, value):
                     parts[f"graph_step_{label}_ms"], block = recaptured_ms(block)
-                finally:
-                    setattr(owner, switch, default)
-            # The side stream at the main stream's priority instead of high.
-            priority = modeling_diffusion_gemma.SIDE_STREAM_PRIORITY
-            modeling_diffusion_gemma.SIDE_STREAM_PRIORITY = 0
-            try:
-                parts["graph_step_side_stream_normal_priority_ms"], block = recaptured_ms(block)
-            finally:
-                modeling_diffusion_gemma.SIDE_STREAM_PRIORITY = priority
             parts["graph_step_combine_in_end_kernel_ms"], block = recaptured_ms(block)
             # The Triton attention reading the ring's unwritten slots (masked) instead of skipping them, its key
             # chunks a power of two of tiles instead of even ones, its splits merged by a second kernel; each alone,

@@ -723,10 +723,10 @@ class DiffusionGemmaLayer(nn.Module):
             return None
         return side_stream(x.device) if returns_its_forward(self.mlp, allow_pre_hooks=False) else None
 
-    def _dense_mlp_forked(self, dense_in: torch.Tensor, main, side) -> torch.Tensor:
-        """The dense MLP launched on the side stream after the main stream's work so far (joined before the end
+    def _dense_mlp_forked(self, dense_in: torch.Tensor, side: torch.cuda.Stream) -> torch.Tensor:
+        """The dense MLP launched on the side stream after the current stream's work so far (joined before the end
         kernel: a captured step holds two graph branches)."""
-        side.wait_stream(main)
+        side.wait_stream(torch.cuda.current_stream(dense_in.device))
         with torch.cuda.stream(side):
             return self.mlp(dense_in)
 
@@ -773,12 +773,12 @@ class DiffusionGemmaLayer(nn.Module):
             ),
         )
         side = self.mlp_on_side_stream(x)
-        main = torch.cuda.current_stream(x.device) if side is not None else None
-        if side is not None and not self.dense_mlp_after_routing:
-            dense = self._dense_mlp_forked(dense_in, main, side)
+        fork_first = side is not None and not self.dense_mlp_after_routing
+        if fork_first:
+            dense = self._dense_mlp_forked(dense_in, side)
         weights, index = self.router.route_normed(router_in.view(-1, hidden))
-        if side is not None and self.dense_mlp_after_routing:
-            dense = self._dense_mlp_forked(dense_in, main, side)
+        if side is not None and not fork_first:
+            dense = self._dense_mlp_forked(dense_in, side)
         moe_in = moe_in.view(-1, hidden)
         experts = None
         if self.combine_in_end_kernel and self.experts.hands_pairs_back(moe_in):
@@ -792,7 +792,7 @@ class DiffusionGemmaLayer(nn.Module):
             # No record_stream: `dense_in` (made on the main stream) stays referenced past the join; `dense` (made
             # on the side stream) is read on the main one after it, and once freed only side-stream work can reuse
             # its memory, all of which waits at the next fork for this layer's end kernel.
-            main.wait_stream(side)
+            torch.cuda.current_stream(x.device).wait_stream(side)
         norms = (self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2, self.post_feedforward_layernorm)
         folds_next = (
             next_norm is not None
@@ -1502,8 +1502,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         `positions` `(C,)` or `(B, C)`, attending bidirectionally to `cache`'s K/V (padding hidden where `padded`) and
         its own; `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero
         signal), or `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype
-        (the fused sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the fused sampler
-        caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
+        (the fused sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the
+        fused sampler caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
         experts; `capture_decoder`)."""
         x = self.decoder_input(canvas, self_conditioning_logits, self_conditioning_probabilities)
         if self.capture_decoder and CacheGraphs.applies(self, x, cache):

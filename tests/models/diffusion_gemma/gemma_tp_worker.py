@@ -12,7 +12,7 @@ last one (a float32 forward on the CPU, one process) where DTYPE is not float32.
 With a fifth argument `ep`, its `base_model_ep_plan` too (`DistributedConfig(tp_size=N, ep_size=N)`: each rank
 holds its share of the experts, the attention and dense MLP split as under `tp`; transformers' `all_reduce`
 dispatch masks the routes to the other ranks' experts). `tp,ep`: one launch loads and records both in turn (one
-process's record shared), saving each to OUT with `{mode}` replaced by the plan's name.
+process's record shared). Each is saved to OUT with `{mode}` replaced by the plan's name.
 
 With a sixth argument `logits`, only the forward's logits (no `generate()` calls): the fused path in Triton's
 interpreter (`HF_DLLM_KERNELS=triton`) pays per operation, and its layers are what a plan wraps.
@@ -199,7 +199,7 @@ def main() -> None:
         dist.all_gather_object(gathered, result)
         if rank == 0:
             reference_logits = None if reference is None else reference["logits"]
-            saved = Path(str(out).format(mode=mode)) if len(modes) > 1 else out
+            saved = Path(str(out).format(mode=mode))
             torch.save({"single": single, "ranks": gathered, "reference_logits": reference_logits}, saved)
         dist.barrier()
         del model

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
 from hf_dllm.triton_ops import TRITON_AVAILABLE
 from tests.conftest import ROOT, BackgroundJob
 
@@ -23,29 +24,31 @@ CPU_SETTINGS = (*SETTINGS, "eos-static")  # (on the CPU the worker runs "eos" ov
 MODES = ("tp", "ep")
 RANKS = (2, 4)  # the fixture's 4 query heads and 4 experts split up to 4 ways
 RUNS = [(mode, ranks) for ranks in RANKS for mode in MODES]
+EXPERT_PLAN = ALL_PARALLEL_STYLES is not None  # transformers >= 5.24
+
+
+def _launch(ranks: int, saved: Path, device: str, dtype: str, modes, *extra: str) -> list[str]:
+    """The launch of `gemma_tp_worker.py` over `ranks` processes recording the plans `modes` in turn, each saved to
+    `saved` (its `{mode}` replaced by the plan's name)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
+    return [*launcher, str(WORKER), str(saved), device, dtype, ",".join(modes), *extra]
 
 
 def _command(workdir: Path, device: str = "cpu", dtype: str = "float32", runs=RUNS) -> dict:
-    """(mode, ranks) -> the launch of `gemma_tp_worker.py` over `ranks` processes, saving to `_saved(...)`."""
-    commands = {}
-    for mode, ranks in runs:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
-        commands[mode, ranks] = [*launcher, str(WORKER), str(_saved(workdir, mode, ranks)), device, dtype, mode]
-    return commands
+    """(mode, ranks) -> one launch per plan, saving to `_saved(...)`."""
+    return {(mode, ranks): _launch(ranks, _saved(workdir, mode, ranks), device, dtype, (mode,)) for mode, ranks in runs}
 
 
-def _launches_by_ranks(workdir: Path, *extra: str) -> dict:
-    """ranks -> one launch of `gemma_tp_worker.py` over `ranks` processes recording both plans in turn (`tp,ep`:
-    the processes, their imports and one process's record shared), each saved to `_saved(...)`."""
-    from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
+def _launches_by_ranks(workdir: Path, ranks=RANKS, *extra: str) -> dict:
+    """ranks -> one launch on the CPU recording both plans in turn (the processes, their imports and one process's
+    record shared), each saved to `_saved(...)`; the tensor plan alone without the expert plan's transformers."""
+    modes = MODES if EXPERT_PLAN else ("tp",)
+    return {n: _launch(n, _saved(workdir, "{mode}", n), "cpu", "float32", modes, *extra) for n in ranks}
 
-    modes = MODES if ALL_PARALLEL_STYLES is not None else ("tp",)  # (the expert plan: transformers >= 5.24)
-    commands = {}
-    for ranks in RANKS:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"]
-        saved = _saved(workdir, "{mode}", ranks)
-        commands[ranks] = [*launcher, str(WORKER), str(saved), "cpu", "float32", ",".join(modes), *extra]
-    return commands
+
+def _skip_without_expert_plan(mode: str) -> None:
+    if mode == "ep" and not EXPERT_PLAN:
+        pytest.skip("expert parallelism needs transformers >= 5.24")
 
 
 def _saved(workdir: Path, mode: str, ranks: int) -> Path:
@@ -66,7 +69,7 @@ CPU_RUN = BackgroundJob(_launches_by_ranks, timeout=420, cwd=ROOT, env=CPU_ENV)
 # grouped kernels must not read as an expert (it was an out-of-bounds read: a segmentation fault here, an illegal
 # memory access on two GPUs).
 FUSED_CPU_RUN = BackgroundJob(
-    lambda workdir: {2: _launches_by_ranks(workdir, "logits")[2]},
+    lambda workdir: _launches_by_ranks(workdir, (2,), "logits"),
     timeout=300,
     when=lambda: TRITON_AVAILABLE,
     cwd=ROOT,
@@ -80,10 +83,7 @@ FUSED_CPU_RUN = BackgroundJob(
 def test_plans_over_the_fused_layers_equal_one_process(mode):
     """The plans wrap the experts' forward to all-reduce their sum: the fused layer must let them sum it (the layer's
     end kernel takes the pairs' outputs only from unwrapped experts), and the sharded logits equal one process's."""
-    from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
-
-    if mode == "ep" and ALL_PARALLEL_STYLES is None:
-        pytest.skip("expert parallelism needs transformers >= 5.24")
+    _skip_without_expert_plan(mode)
     done = FUSED_CPU_RUN.results()[2]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     results = torch.load(_saved(FUSED_CPU_RUN.workdir, mode, 2), weights_only=False)
@@ -95,11 +95,8 @@ def test_plans_over_the_fused_layers_equal_one_process(mode):
 
 @pytest.fixture(scope="module", params=RUNS, ids=[f"{mode}-{ranks}" for mode, ranks in RUNS])
 def results(request) -> dict:
-    from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
-
     mode, ranks = request.param
-    if mode == "ep" and ALL_PARALLEL_STYLES is None:
-        pytest.skip("expert parallelism needs transformers >= 5.24")
+    _skip_without_expert_plan(mode)
     done = CPU_RUN.results()[ranks]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     saved = torch.load(_saved(CPU_RUN.workdir, mode, ranks), weights_only=False)
@@ -175,12 +172,9 @@ def test_gpus_bfloat16(tmp_path, mode, ranks):
     the sums' rounding differs between one GPU and the shards, so the logits' error against one float32 process is
     bounded by one GPU's own bfloat16 error (within 2x), and tokens are not compared with one GPU; the ranks draw the
     same numbers, so their tokens and steps must be identical, and the passes run as CUDA graphs as on one GPU."""
-    from hf_dllm.tensor_parallel import ALL_PARALLEL_STYLES
-
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"needs {ranks} CUDA devices")
-    if mode == "ep" and ALL_PARALLEL_STYLES is None:
-        pytest.skip("expert parallelism needs transformers >= 5.24")
+    _skip_without_expert_plan(mode)
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", NCCL_NVLS_ENABLE="0")
