@@ -62,7 +62,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import dual_step_ms  # noqa: E402
+from bench_generate import dual_step_ms, forget_graphs  # noqa: E402
 
 import hf_dllm  # noqa: E402
 
@@ -135,16 +135,6 @@ def timed(fn, device: torch.device, repeats: int, warm_up: bool = True):
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
     return statistics.median(times), result, peak
-
-
-def forget_graphs(model) -> None:
-    """Free the model's CUDA-graph runner (its K/V cache and graph memory) before another implementation runs."""
-    runner = getattr(model, "_hf_dllm_step_graphs", None)
-    if runner is not None:
-        runner.release()
-    model._hf_dllm_step_graphs = None
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def default_rope(config, device=None, seq_len=None, **kwargs):

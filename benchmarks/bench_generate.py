@@ -164,6 +164,17 @@ def timed_generate(model, prompts, kwargs, device, repeats):
     return statistics.median(times), out, peak, times
 
 
+def forget_graphs(model) -> None:
+    """Free the model's CUDA-graph runner (its K/V cache and graph memory): before another implementation runs, or
+    before a step is timed after a switch (the runner keeps each shape's graph, captured with the kernels of then)."""
+    runner = getattr(model, "_hf_dllm_step_graphs", None)
+    if runner is not None:
+        runner.release()
+    model._hf_dllm_step_graphs = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @torch.no_grad()
 def dual_step_ms(model, prompts, kwargs, device, repeats: int = 30) -> float:
     """Median time of one dual-cache block step (a replay on CUDA), after the block's full forward."""

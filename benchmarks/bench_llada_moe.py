@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fp8_gemm import timed_us  # noqa: E402
-from bench_generate import copy_bandwidth  # noqa: E402
+from bench_generate import copy_bandwidth, forget_graphs  # noqa: E402
 from bench_llada2 import sync, timed  # noqa: E402
 from kernel_profile import print_profile, profile_calls  # noqa: E402
 
@@ -145,7 +145,10 @@ def floor_bytes(model, distinct: list[int]) -> int:
 @contextlib.contextmanager
 def block_steps(model, prompt, config):
     """A step of the first block after its first step (the block's 32 positions against the dual cache), warmed up
-    and captured: yields the call that runs one more, replayed from its CUDA graph; the graphs released after."""
+    and captured afresh (the model's runner is dropped first: it keeps each shape's graph as captured, so a step timed
+    after a switch would replay the graph of before it): yields the call that runs one more, replayed from its CUDA
+    graph; the graphs released after."""
+    forget_graphs(model)
     run = BlockDiffusionRun(model, config, prompt, None, None)
     try:
         with torch.no_grad():
