@@ -1134,7 +1134,9 @@ class CacheGraphs:
 
     @staticmethod
     def _key(function, inputs: tuple[torch.Tensor, ...], constants: tuple = ()) -> tuple:
-        return (function.__name__, constants, tuple((tuple(t.shape), t.dtype, t.device) for t in inputs))
+        # The kernel mode too: a graph keeps the kernels it was captured with (`set_kernel_mode` must not replay it).
+        shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+        return (function.__name__, constants, kernel_mode(), shapes)
 
     def seen_before(self, function, cache, inputs: tuple[torch.Tensor, ...], limit: int) -> bool:
         """Whether `function`'s pass on inputs of these shapes should go through `run`: its graph exists, or its

@@ -23,7 +23,7 @@ from .cache import CachePolicy
 from .decoding import ScheduledThreshold, StepRules, UnmaskingPolicy
 from .generation_config import DiffusionGenerationConfig
 from .graphs import StepGraphs, spans_devices
-from .kernels import upload
+from .kernels import kernel_mode, upload
 from .tensor_parallel import agree_across_ranks, local_head_logits, vocab_shard
 
 # Steps of at least this many block positions (rows x block length) compute logits only where masks can be left
@@ -427,6 +427,7 @@ class StepMachine:
             None if self.suppressed_ids is None else tuple(self.suppressed_ids.tolist()),
             None if self.deferred_ids is None else tuple(self.deferred_ids.tolist()),
             self.model.config._attn_implementation,
+            kernel_mode(),  # a graph keeps the kernels it was captured with: `set_kernel_mode` must not replay it
             self.model.dtype,
             self.device,
             self.proposal_vocab_shard() is not None,  # the step reduces its logits to the proposal, then gathers

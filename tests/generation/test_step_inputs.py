@@ -10,6 +10,8 @@ the GPU tests compare graph and eager tokens end to end).
   tests compare them with the computed ones in LLaDA and LLaDA2).
 - `graphs.spans_devices` (whether a run may capture graphs: a graph is one device's) reads accelerate's
   `hf_device_map` and the embeddings' devices, without walking every parameter.
+- A graph keeps the kernels it was captured with: the step machine's runner signature and DiffusionGemma's graph
+  keys hold the kernel mode, so a call after `set_kernel_mode` captures its own graphs.
 """
 
 from __future__ import annotations
@@ -239,3 +241,20 @@ def test_spans_devices_reads_the_device_map_and_the_embeddings(monkeypatch):
     model.get_output_embeddings().to("meta")  # the head alone moved (its forward would need hooks of its own)
     assert spans_devices(model)
     assert not spans_devices(torch.nn.Linear(2, 2))
+
+
+def test_graph_signatures_hold_the_kernel_mode():
+    from hf_dllm.modeling_diffusion_gemma import CacheGraphs
+
+    model = tiny_model()
+    config = model.resolve_generation_config(max_new_tokens=16, block_length=8, use_cache=True, dual_cache=True)
+    run = BlockDiffusionRun(model, config, torch.randint(4, 100, (2, 6)), None)
+    signatures, keys = {}, {}
+    try:
+        for mode in ("auto", "torch"):
+            hf_dllm.kernels.set_kernel_mode(mode)
+            signatures[mode] = run.machine._graph_signature()
+            keys[mode] = CacheGraphs._key(test_graph_signatures_hold_the_kernel_mode, (torch.zeros(2, 3),))
+    finally:
+        hf_dllm.kernels.set_kernel_mode("auto")
+    assert signatures["auto"] != signatures["torch"] and keys["auto"] != keys["torch"]
