@@ -121,8 +121,8 @@ class StepGraphs:
     ) -> "StepGraphs | None":
         """The model's runner for `signature` (shapes, dtype, device, decoding rule, kernel mode), replacing any
         other; or None while another `generate()` call on this model holds it (that call's graphs and cache are in
-        use, so this one runs eagerly). Give it back with `release_to(model)`. `max_graphs`: captured shapes kept (the least
-        recently used one is dropped beyond it)."""
+        use, so this one runs eagerly). Give it back with `release_to(model)`. `max_graphs`: captured shapes kept
+        (the least recently used one is dropped beyond it)."""
         with _RUNNER_LOCK:
             if getattr(model, "_hf_dllm_step_graphs_busy", False):
                 return None

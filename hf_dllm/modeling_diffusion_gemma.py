@@ -47,7 +47,6 @@ from .kernels import (
     ConcatenatedProjections,
     kernel_mode,
     linear,
-    plain_half_linear,
     returns_its_forward,
     use_fused_kernels,
 )
@@ -453,17 +452,14 @@ class DiffusionGemmaRouter(nn.Module):
         """The fused path after its norm: `forward`'s result from `normed` `(T, hidden)`, the input normed with
         `fused_norm_weight` (by `forward`, or by the layer's kernel that norms it beside the MLP's and experts'
         inputs)."""
-        routing = (None, 1, 1, self.top_k, "softmax", True, 1.0)
-        tokens = normed.shape[0]
-        few = triton_moe.router_product_applies(tokens, self.product_max_tokens)
-        if self.product_in_routing_kernel and few and plain_half_linear(self.proj, normed):
-            logits = normed.new_empty(tokens, self.proj.out_features)
-            partials = triton_moe.router_partials(normed, self.proj.weight, max_tokens=self.product_max_tokens)
-            index, weights = triton_moe.route(
-                partials, *routing, expert_scale=self.per_expert_scale, summed_logits=logits
-            )
-        else:
-            index, weights = triton_moe.route(self.proj(normed), *routing, expert_scale=self.per_expert_scale)
+        _, index, weights = triton_moe.route_by(
+            self.proj,
+            normed,
+            *(None, 1, 1, self.top_k, "softmax", True, 1.0),
+            product_in_kernel=self.product_in_routing_kernel,
+            max_tokens=self.product_max_tokens,
+            expert_scale=self.per_expert_scale,
+        )
         return weights, index
 
 
@@ -1505,8 +1501,8 @@ class DiffusionGemmaForBlockDiffusion(DiffusionGemmaPreTrainedModel, DiffusionGe
         its own; `self_conditioning_logits` `(B, C, vocab)`: the previous step's processed logits (None: zero
         signal), or `self_conditioning_probabilities` `(B, C, vocab)`: their softmax already in the weights' dtype
         (the fused sampler's). `capped_logits=False`: the LM head's raw output in the weights' dtype instead (the
-        fused sampler caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA, grouped
-        experts; `capture_decoder`)."""
+        fused sampler caps it). The layers run as a CUDA graph where `CacheGraphs.applies` (a static cache on CUDA,
+        grouped experts; `capture_decoder`)."""
         x = self.decoder_input(canvas, self_conditioning_logits, self_conditioning_probabilities)
         if self.capture_decoder and CacheGraphs.applies(self, x, cache):
             hidden = self._cache_graphs().run(self.decoder_layers, cache, (x, positions), padded)

@@ -74,7 +74,7 @@ from .grouped_gemm import (
     grouped_matmul,
     other_ranks_expert_keys,
 )
-from .kernels import ConcatenatedProjections, linear, plain_half_linear, use_fused_kernels
+from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import is_sharded
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
@@ -83,9 +83,7 @@ from .triton_moe import (
     combine,
     combine_and_norm,
     qk_norm_rope_to_cache,
-    route,
-    router_partials,
-    router_product_applies,
+    route_by,
 )
 from .triton_ops import rms_norm
 
@@ -512,14 +510,10 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         x's dtype `triton_moe.router_partials`, whose partial products `route` adds up and rounds to x's dtype, else
         the router's own), `route` (one program per token) and `align_by_expert`; every kernel reads and writes the
         dtypes it is given (no cast kernels)."""
-        gate = self.gate
         routing = (None, 1, 1, self.top_k, "softmax", False, 1.0, x.dtype)
-        if self.router_product_in_routing_kernel and router_product_applies(x.shape[0]) and plain_half_linear(gate, x):
-            router_logits = x.new_empty(x.shape[0], self.num_experts)
-            experts, weights = route(router_partials(x, gate.weight), *routing, summed_logits=router_logits)
-        else:
-            router_logits = gate(x)
-            experts, weights = route(router_logits, *routing)
+        router_logits, experts, weights = route_by(
+            self.gate, x, *routing, product_in_kernel=self.router_product_in_routing_kernel
+        )
         return router_logits, weights, *align_by_expert(experts, self.num_experts, False)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:

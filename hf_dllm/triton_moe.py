@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import plain_half_linear
 from .triton_attention import num_sms
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
@@ -683,6 +684,28 @@ def router_partials(
         num_stages=stages,
     )
     return partials
+
+
+def route_by(
+    router: torch.nn.Module,
+    x: torch.Tensor,
+    *routing,
+    product_in_kernel: bool = True,
+    max_tokens: int = ROUTER_PRODUCT_MAX_TOKENS,
+    **route_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route(router(x), *routing, **route_kwargs)` for x `(tokens, hidden)` -> the router logits `(tokens, E)`,
+    then `route`'s indices and weights. For few tokens (`router_product_applies` with `max_tokens`) where the router
+    is a plain half-precision linear layer (`kernels.plain_half_linear`) and `product_in_kernel`, its product is
+    `router_partials`, added up and rounded to x's dtype in `route`'s kernel (which stores the logits): one launch
+    fewer than cuBLAS's split-K product and its reduction."""
+    tokens = x.shape[0]
+    if product_in_kernel and router_product_applies(tokens, max_tokens) and plain_half_linear(router, x):
+        logits = x.new_empty(tokens, router.out_features)
+        partials = router_partials(x, router.weight, max_tokens=max_tokens)
+        return (logits, *route(partials, *routing, summed_logits=logits, **route_kwargs))
+    logits = router(x)
+    return (logits, *route(logits, *routing, **route_kwargs))
 
 
 def _router_product_tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:
