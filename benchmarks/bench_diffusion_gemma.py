@@ -33,8 +33,9 @@ backend, with the experts' weighted sum launched apart against inside the layer'
 each layer's input norm launched apart (not by the previous layer's end kernel), with the dense MLP inline instead
 of on a side stream beside the experts (`dense_mlp_beside_experts`), with that MLP forked before the router's
 product and routing instead of after them (`dense_mlp_after_routing`), with the side stream at normal priority
-(`SIDE_STREAM_PRIORITY`), with the router's product on cuBLAS (`product_in_routing_kernel`), and with the sliding attention reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or
-merging its splits in a second kernel.
+(`SIDE_STREAM_PRIORITY`), with the router's product on cuBLAS (`product_in_routing_kernel`), and with the sliding
+attention reading the ring's unwritten slots, splitting its keys in power-of-two chunks, or merging its splits in a
+second kernel.
 
 On CUDA, `hf_dllm apart` rows: `generate()` again with an accepted canvas' encoder pass and the next canvas' first
 decoder pass run apart (`fuse_canvas_passes` off; on by default: one pass), and their batch-1 speed-ups over
@@ -67,7 +68,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_generate import switched  # noqa: E402
 
 import hf_dllm  # noqa: E402
 from hf_dllm import modeling_diffusion_gemma  # noqa: E402
@@ -213,17 +217,6 @@ def share_concatenations(ours, reference) -> None:
     ]
     if apart:  # the text weights are built once, shared in place (the vision tower is the reference's alone)
         raise RuntimeError(f"the reference's text weights are not all ours: {apart[:5]}")
-
-
-@contextlib.contextmanager
-def switched(owner, name: str, value):
-    """`owner.name` (a class's or module's switch) set to `value` inside, restored after."""
-    default = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, default)
 
 
 def canvas_passes_fused(model, on: bool | None):

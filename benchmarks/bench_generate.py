@@ -36,6 +36,7 @@ every `--reference-threads` count, checking that every prompt's tokens are ident
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -162,6 +163,18 @@ def timed_generate(model, prompts, kwargs, device, repeats):
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
     return statistics.median(times), out, peak, times
+
+
+@contextlib.contextmanager
+def switched(owner, name: str, value):
+    """`owner.name` (a class's or module's switch) set to `value` inside, restored after. A step timed inside must
+    be captured inside (`forget_graphs`): a graph keeps the kernels it was captured with."""
+    default = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, default)
 
 
 def forget_graphs(model) -> None:

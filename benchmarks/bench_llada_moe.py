@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fp8_gemm import timed_us  # noqa: E402
-from bench_generate import copy_bandwidth, forget_graphs  # noqa: E402
+from bench_generate import copy_bandwidth, forget_graphs, switched  # noqa: E402
 from bench_llada2 import sync, timed  # noqa: E402
 from kernel_profile import print_profile, profile_calls  # noqa: E402
 
@@ -286,11 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             (LLaDAMoESparseMoeBlock, "norm_in_combine"),
         ]
         for owner, switch in [*switches, (UnmaskingPolicy, "commit_in_one_launch")]:
-            setattr(owner, switch, False)
-            try:
+            with switched(owner, switch, False):
                 variants[f"ms_without_{switch}"] = round(block_step_ms(model, prompt, config, device), 3)
-            finally:
-                setattr(owner, switch, True)
         # The grouped products with the autotuner's configs where `grouped_gemm.PINNED_CONFIGS` pins them (the
         # autotuner's picks cleared before and after: each run chooses again).
         pinned = dict(grouped_gemm.PINNED_CONFIGS)
@@ -303,11 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             grouped_gemm._grouped_kernel.cache.clear()
         # The attention's key splits merged by a second kernel (`AttentionTiles.fold_merge=False`) at every layer.
         folded_tiles = triton_attention.default_tiles
-        triton_attention.default_tiles = lambda rows: dataclasses.replace(folded_tiles(rows), fold_merge=False)
-        try:
+        unfolded = lambda rows: dataclasses.replace(folded_tiles(rows), fold_merge=False)  # noqa: E731
+        with switched(triton_attention, "default_tiles", unfolded):
             variants["ms_without_fold_merge"] = round(block_step_ms(model, prompt, config, device), 3)
-        finally:
-            triton_attention.default_tiles = folded_tiles
     canvas = ours_steps.sequences
     distinct = distinct_experts(model, canvas, slice(prompt_len, prompt_len + block))
     summary["step"] = {"distinct_experts_per_layer": round(statistics.mean(distinct), 1)}
