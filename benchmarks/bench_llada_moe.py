@@ -14,8 +14,7 @@ Reported: ms per forward, forwards, tokens/s and the speed-up over the reference
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
 loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
 process captured: it replays faster then, see `first_step` below; also without the router's product in the routing
-kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the q/k
-norms, RoPE and cache write in the attention kernel (`LLaDAMoEAttention.norm_rope_in_attention`), without the
+kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the
 attention's key splits merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`),
 without the step's decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's
 grouped-product configs where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of
@@ -66,7 +65,7 @@ from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM, grouped_gemm, triton_attent
 from hf_dllm.block_loop import BlockDiffusionRun  # noqa: E402
 from hf_dllm.decoding import UnmaskingPolicy  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
-from hf_dllm.modeling_llada_moe import LLaDAMoEAttention, LLaDAMoESparseMoeBlock  # noqa: E402
+from hf_dllm.modeling_llada_moe import LLaDAMoESparseMoeBlock  # noqa: E402
 
 # inclusionAI/LLaDA-MoE-7B-A1B-Base's config.json (fields this model reads).
 LLADA_MOE_7B = dict(
@@ -285,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         switches = [
             (LLaDAMoESparseMoeBlock, "router_product_in_routing_kernel"),
             (LLaDAMoESparseMoeBlock, "norm_in_combine"),
-            (LLaDAMoEAttention, "norm_rope_in_attention"),
         ]
         for owner, switch in [*switches, (UnmaskingPolicy, "commit_in_one_launch")]:
             with switched(owner, switch, False):

@@ -23,8 +23,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .cache import dequantize_kv
 from .kernels import kernel_mode
-from .packed import PackedRows
-from .triton_attention import TRITON_AVAILABLE, ProjectedQK, block_attention, num_sms
+from .triton_attention import TRITON_AVAILABLE, block_attention, num_sms
 
 TRITON_ATTENTION = "llada_triton"
 
@@ -90,30 +89,6 @@ def triton_attention_forward(
         )
     padding = key_padding_from_mask(attention_mask, query.shape[0], key.shape[2])
     return block_attention(query, key, value, padding, scaling, k_scale=key_scale, v_scale=value_scale), None
-
-
-def projected_attention(
-    module: torch.nn.Module,
-    projected: ProjectedQK,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-) -> torch.Tensor | None:
-    """The attention output `(B, L, Hq, D)` of `projected` (the fused q/k/v projection before its q/k norms and
-    RoPE) over the cache's key/value `(B, Hkv, T, D)`, where `module`'s backend is this one and its kernel applies:
-    the kernel makes the queries and writes the block's keys and values into the cache itself (one launch fewer
-    per layer). None elsewhere (another backend, a packed-rows mask, sdpa's shapes): the caller makes the queries
-    and the cache write (`triton_moe.qk_norm_rope_to_cache`) and runs the backend as usual."""
-    if (
-        module.config._attn_implementation != TRITON_ATTENTION
-        or isinstance(attention_mask, PackedRows)
-        or not _kernel_applies(projected, key, attention_mask, dropout)
-    ):
-        return None
-    padding = key_padding_from_mask(attention_mask, projected.shape[0], key.shape[2])
-    return block_attention(projected, key, value, padding, scaling)
 
 
 def fp8_attention_inputs(attn_implementation: str, keys, values, key_scales, value_scales, dtype: torch.dtype):

@@ -74,7 +74,7 @@ from .llada2_moe_layer import (
 )
 from .packed import PackedRows, run_attention
 from .tensor_parallel import is_sharded, local_tensor, shard_range
-from .triton_attention import ProjectedQK, block_attention, num_sms
+from .triton_attention import block_attention, num_sms
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 
 register_attention_backends()
@@ -217,10 +217,6 @@ class LLaDA2MoeAttention(nn.Module):
 
     It is the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`,
     `layer_idx` and `scaling` on it."""
-
-    # Where hf_dllm's split-KV kernel runs the fused path's attention, whether it also makes the queries and writes
-    # the block's keys and values (`triton_attention.ProjectedQK`; else `qk_norm_rope_to_cache` does, a launch before).
-    norm_rope_in_attention = True
 
     def __init__(self, config: LLaDA2MoeConfig, layer_idx: int):
         super().__init__()
@@ -402,7 +398,7 @@ class LLaDA2MoeAttention(nn.Module):
         kv_end: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` with a `DiffusionKVCache` where the fused kernels run: q/k norms, partial RoPE and the cache
-        write in one kernel (`triton_moe.qk_norm_rope_to_cache`, or the split-KV attention's own); with sdpa and a boolean mask, grouped-query
+        write in one kernel (`triton_moe.qk_norm_rope_to_cache`); with sdpa and a boolean mask, grouped-query
         attention as multi-head attention of the `n_rep * q_len` queries of each key/value head, so the cached keys
         and values are read in place (sdpa with a mask would otherwise copy them `n_rep` times)."""
         batch, q_len, _ = hidden_states.shape
@@ -411,7 +407,7 @@ class LLaDA2MoeAttention(nn.Module):
         cos, sin = position_embeddings
         # The kernel reads this rank's query heads and the key/value heads they use out of the projection's heads.
         qkv, projection_heads, first_heads = self.project_qkv(hidden_states)
-        projected = ProjectedQK(
+        query = triton_moe.qk_norm_rope_to_cache(
             qkv,
             self.num_heads,
             self.num_kv_heads,
@@ -420,21 +416,20 @@ class LLaDA2MoeAttention(nn.Module):
             self.config.rms_norm_eps,
             cos,
             sin,
+            keys,
+            values,
             cache_position,
-            projection_heads,
-            first_heads,
+            projection_heads=projection_heads,
+            first_heads=first_heads,
         )
         if self.split_kv_applies(hidden_states, attention_mask):
             # hf_dllm's split-KV kernel (`triton_attention.py`), each query row with its own mask row; it writes
-            # `(B, L, Hq, D)`, the layout the output projection reads. With `norm_rope_in_attention` it also makes
-            # the queries and writes the block's keys and values (one launch fewer).
+            # `(B, L, Hq, D)`, the layout the output projection reads.
             mask = None if attention_mask is None else attention_mask[:, 0].expand(batch, q_len, keys.shape[2])
             if kv_end is None and attention_mask is not None:
                 kv_end = visible_key_end(attention_mask)
-            query = projected if self.norm_rope_in_attention else triton_moe.projected_to_cache(projected, keys, values)
             attn = block_attention(query, keys, values, mask, self.scaling, kv_end=kv_end)
             return linear(self.dense, attn.reshape(batch, q_len, -1))
-        query = triton_moe.projected_to_cache(projected, keys, values)
         if grouped_query_mask is None and self.grouped_query_sdpa_applies(hidden_states, attention_mask):
             grouped_query_mask = grouped_query_mask_for(attention_mask, self.num_key_value_groups)
         if grouped_query_mask is not None:

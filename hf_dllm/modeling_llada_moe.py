@@ -53,7 +53,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import TRITON_ATTENTION, projected_attention, register_attention_backends
+from .attention import TRITON_ATTENTION, register_attention_backends
 from .cache import (
     KV_CACHE_DTYPES,
     DiffusionKVCache,
@@ -77,13 +77,12 @@ from .grouped_gemm import (
 from .kernels import ConcatenatedProjections, linear, use_fused_kernels
 from .packed import run_attention
 from .tensor_parallel import is_sharded
-from .triton_attention import ProjectedQK
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 from .triton_moe import (
     align_by_expert,
     combine,
     combine_and_norm,
-    projected_to_cache,
+    qk_norm_rope_to_cache,
     route_by,
 )
 from .triton_ops import rms_norm
@@ -203,14 +202,10 @@ class LLaDAMoEAttention(ConcatenatedProjections):
     It is the `module` handed to the attention functions, hence `is_causal`, `num_key_value_groups`, `layer_idx`
     and `scaling` on it. With a `DiffusionKVCache` where the fused kernels run (`uses_fused_path`), q/k/v are one
     product (`ConcatenatedProjections`) and the q/k norms, RoPE and the cache write one kernel (LLaDA2's
-    `triton_moe.qk_norm_rope_to_cache`, the same rounding points): two launches instead of about thirty; where
-    hf_dllm's attention kernel runs, that kernel does them itself (`attention.projected_attention`): one launch."""
+    `triton_moe.qk_norm_rope_to_cache`, the same rounding points): two launches instead of about thirty."""
 
     # The layers multiplied as one matrix on the fused path (`ConcatenatedProjections`).
     _QKV = ("q_proj", "k_proj", "v_proj")
-    # Where hf_dllm's attention kernel runs the fused path's attention, whether it also makes the queries and writes
-    # the block's keys and values (else `qk_norm_rope_to_cache` does, a launch before it).
-    norm_rope_in_attention = True
 
     def __init__(self, config: LLaDAMoEConfig, layer_idx: int):
         super().__init__()
@@ -245,14 +240,7 @@ class LLaDAMoEAttention(ConcatenatedProjections):
         """hidden_states `(batch, q_len, hidden)`; position_embeddings: cos, sin `(batch, q_len, rotary_dim)`."""
         batch, q_len, _ = hidden_states.shape
         if self.uses_fused_path(hidden_states, past_key_values, cache_position):
-            projected = self._projected(hidden_states, position_embeddings, cache_position)
-            key, value = past_key_values.layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, hidden_states)
-            dropout = self.attention_dropout if self.training else 0.0
-            if self.norm_rope_in_attention:
-                attn = projected_attention(self, projected, key, value, attention_mask, self.scaling, dropout)
-                if attn is not None:
-                    return linear(self.o_proj, attn.reshape(batch, q_len, -1))
-            query = projected_to_cache(projected, key, value)
+            query, key, value = self._fused_inputs(hidden_states, position_embeddings, past_key_values, cache_position)
         else:
             query = linear(self.q_proj, hidden_states).view(batch, q_len, self.num_heads, self.head_dim)
             key = linear(self.k_proj, hidden_states).view(batch, q_len, self.num_kv_heads, self.head_dim)
@@ -284,7 +272,7 @@ class LLaDAMoEAttention(ConcatenatedProjections):
         return linear(self.o_proj, attn.reshape(batch, q_len, -1))
 
     def uses_fused_path(self, hidden_states: torch.Tensor, past_key_values, cache_position) -> bool:
-        """Whether `forward` makes its attention inputs from `_projected`'s fused product: a (bf16 / fp32) `DiffusionKVCache`
+        """Whether `forward` makes its attention inputs with `_fused_inputs`: a (bf16 / fp32) `DiffusionKVCache`
         written at `cache_position`, the fused kernels (`kernels.use_fused_kernels`), inference, no `clip_qkv` and a
         head size that is a power of two."""
         return (
@@ -298,16 +286,33 @@ class LLaDAMoEAttention(ConcatenatedProjections):
             and self.head_dim & (self.head_dim - 1) == 0
         )
 
-    def _projected(
-        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], cache_position
-    ) -> ProjectedQK:
-        """The attention inputs of the fused path before their q/k norms and RoPE: the q/k/v product (one launch)
-        and what the kernels that finish them read (`triton_attention.ProjectedQK`)."""
+    def _fused_inputs(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        past_key_values: DiffusionKVCache,
+        cache_position: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs as the unfused branch of `forward` makes them, in two launches: query `(batch,
+        heads, q_len, head_dim)` (normed, rotated) and this layer's cache K/V `(batch, kv_heads, length, head_dim)`
+        with the normed, rotated keys and the values written at `cache_position`."""
+        batch = hidden_states.shape[0]
+        keys, values = past_key_values.layer(self.layer_idx, batch, self.num_kv_heads, self.head_dim, hidden_states)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.config.qk_layernorm else (None, None)
         cos, sin = position_embeddings
-        qkv = self.project(hidden_states, self._QKV)
-        eps = self.config.rms_norm_eps
-        return ProjectedQK(qkv, self.num_heads, self.num_kv_heads, *norms, eps, cos, sin, cache_position)
+        query = qk_norm_rope_to_cache(
+            self.project(hidden_states, self._QKV),
+            self.num_heads,
+            self.num_kv_heads,
+            *norms,
+            self.config.rms_norm_eps,
+            cos,
+            sin,
+            keys,
+            values,
+            cache_position,
+        )
+        return query, keys, values
 
 
 class LLaDAMoEMLP(nn.Module):

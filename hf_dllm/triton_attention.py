@@ -19,11 +19,6 @@ device share it, which is safe because a stream runs its kernels in order; they 
 `AttentionTiles.fold_merge=False` merges in a second kernel always, with the same operations (the outputs are equal
 bit for bit).
 
-Projected inputs (`ProjectedQK`: LLaDA2's and LLaDA-MoE's fused q/k/v product before its per-head q/k norms and
-partial RoPE): each program makes its queries in registers and first writes the block's normed, rotated keys and its
-values into the cache at the columns of its own key chunk, the chunks covering the keys once, so the layer needs no
-launch of its own for them (`triton_moe.qk_norm_rope_to_cache`, whose arithmetic it shares).
-
 Shapes: q `(B, Hq, Lq, D)`, k/v `(B, Hkv, T, D)`, key padding `(B, T)` bool (True = attend), output
 `(B, Lq, Hq, D)`. Scores, softmax statistics and accumulation in float32; the probabilities are cast to the value
 dtype for the second product, as FlashAttention does.
@@ -36,14 +31,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
-
-if TRITON_AVAILABLE:
-    from .triton_ops import normed_rotated_heads
 
 if TRITON_AVAILABLE:
 
@@ -171,41 +162,6 @@ if TRITON_AVAILABLE:
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
     @triton.jit
-    def _projected_inputs(
-        qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position_ptr, k_base, v_base, stride_kn, stride_vn, b,
-        kv_head, head, q_pos, row_valid, dims, q_len, row_heads, q_first, k_first, v_shift, rotary_dim, eps, lo, hi,
-        HAS_QK_NORM: tl.constexpr, BLOCK_L: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ):  # fmt: skip
-        # A program's queries `(BLOCK_M, D)` made from the fused projection (`ProjectedQK`: q/k norms and RoPE as
-        # `triton_moe.qk_norm_rope_to_cache` makes them, the same helper), after writing the block's keys (normed,
-        # rotated) and values of its key/value head into the cache at the columns of its own chunk [lo, hi): the
-        # chunks cover the keys once, so no other program reads them, and the barrier makes every thread's writes
-        # visible to the program's own key loads. Programs of the same chunk and other row tiles write the same
-        # bits to the same columns, each before it reads them.
-        dtype = qkv_ptr.dtype.element_ty
-        none = tl.zeros([1, 1], dtype=tl.int1)
-        tokens = tl.arange(0, BLOCK_L)
-        column = tl.load(position_ptr + tokens, mask=tokens < q_len, other=-1).to(tl.int64)
-        mine = ((tokens < q_len) & (column >= lo) & (column < hi))[:, None]
-        key_token = b * q_len + tokens
-        src = qkv_ptr + ((key_token * row_heads + k_first + kv_head) * HEAD_DIM)[:, None]
-        tables = (key_token * rotary_dim)[:, None]
-        keys = normed_rotated_heads(
-            src, k_norm_ptr, k_norm_ptr, none, cos_ptr + tables, sin_ptr + tables, mine, dims, rotary_dim, eps, dtype,
-            HAS_QK_NORM, HEAD_DIM,
-        )  # fmt: skip
-        tl.store(k_base + column[:, None] * stride_kn + dims[None, :], keys, mask=mine)
-        values = tl.load(src + v_shift * HEAD_DIM + dims[None, :], mask=mine, other=0.0)
-        tl.store(v_base + column[:, None] * stride_vn + dims[None, :], values, mask=mine)
-        tl.debug_barrier()
-        token = b * q_len + q_pos
-        tables = (token * rotary_dim)[:, None]
-        return normed_rotated_heads(
-            qkv_ptr + ((token * row_heads + q_first + head) * HEAD_DIM)[:, None], q_norm_ptr, q_norm_ptr, none,
-            cos_ptr + tables, sin_ptr + tables, row_valid[:, None], dims, rotary_dim, eps, dtype, HAS_QK_NORM, HEAD_DIM,
-        )  # fmt: skip
-
-    @triton.jit
     def _block_attention_kernel(
         q_ptr,
         k_ptr,
@@ -219,12 +175,6 @@ if TRITON_AVAILABLE:
         gap_ptr,
         k_scale_ptr,
         v_scale_ptr,
-        qkv_ptr,
-        q_norm_ptr,
-        k_norm_ptr,
-        cos_ptr,
-        sin_ptr,
-        position_ptr,
         stride_qb,
         stride_qh,
         stride_qm,
@@ -247,12 +197,6 @@ if TRITON_AVAILABLE:
         kv_len,
         n_splits,
         scale,
-        row_heads,
-        q_first,
-        k_first,
-        v_shift,
-        rotary_dim,
-        norm_eps,
         TILES_PER_SPLIT: tl.constexpr,
         HAS_MASK: tl.constexpr,
         HAS_KV_END: tl.constexpr,
@@ -268,9 +212,6 @@ if TRITON_AVAILABLE:
         MERGE_ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         IEEE: tl.constexpr,
-        PROJECTED: tl.constexpr = False,
-        HAS_QK_NORM: tl.constexpr = False,
-        BLOCK_L: tl.constexpr = 1,
     ):
         split = tl.program_id(0)
         batch_head = tl.program_id(1)
@@ -284,21 +225,11 @@ if TRITON_AVAILABLE:
         head = kv_head * n_rep + rows // q_len
         q_pos = rows % q_len
         dims = tl.arange(0, HEAD_DIM)
-        k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-        v_base = v_ptr + b * stride_vb + kv_head * stride_vh
-        if PROJECTED:
-            q = _projected_inputs(
-                qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, position_ptr, k_base, v_base, stride_kn, stride_vn,
-                b, kv_head, head, q_pos, row_valid, dims, q_len, row_heads, q_first, k_first, v_shift, rotary_dim,
-                norm_eps, split * (TILES_PER_SPLIT * BLOCK_N), (split + 1) * (TILES_PER_SPLIT * BLOCK_N),
-                HAS_QK_NORM, BLOCK_L, HEAD_DIM,
-            )  # fmt: skip
-        else:
-            q = tl.load(
-                q_ptr + b * stride_qb + head[:, None] * stride_qh + q_pos[:, None] * stride_qm + dims[None, :],
-                mask=row_valid[:, None],
-                other=0.0,
-            )
+        q = tl.load(
+            q_ptr + b * stride_qb + head[:, None] * stride_qh + q_pos[:, None] * stride_qm + dims[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+        )
 
         # A chunk is TILES_PER_SPLIT key tiles (a power of two, so few variants get compiled). Keys from the row's
         # `kv_end` on are masked for every query (a block-causal step's later blocks): their tiles are never read.
@@ -332,6 +263,8 @@ if TRITON_AVAILABLE:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + b * stride_vb + kv_head * stride_vh
         scale_base = b * stride_sb + kv_head * stride_sh
         for tile in range(n_tiles):
             cols = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -504,106 +437,9 @@ def merge_counters(device: torch.device, size: int) -> torch.Tensor | None:
     return buffers[-1]
 
 
-class ProjectedQK(NamedTuple):
-    """A block's attention inputs before their q/k norms and RoPE, for `block_attention` to finish in its own kernel:
-    each program makes its queries, and writes the block's normed, rotated keys and its values into the cache at
-    `cache_position`, as `triton_moe.qk_norm_rope_to_cache` does in a launch of its own (the same helper, the same
-    bits), so a layer's attention is one launch after its q/k/v product.
-
-    qkv `(B, L, (Pq + 2 Pk) * D)`: the fused projection, Pq query heads, Pk key heads, Pk value heads
-    (`projection_heads` = (Pq, Pk), by default (n_q_heads, n_k_heads)), of which the query heads `[q0, q0 +
-    n_q_heads)` and the key/value heads `[k0, k0 + n_k_heads)` are used (`first_heads` = (q0, k0): a tensor-parallel
-    rank's heads of the gathered projection); the per-head RMS norm weights `(D,)` (None: no q/k norm) and their
-    eps; cos/sin `(B, L, R)` (R the rotary dims, rounded to the activation dtype); cache_position `(L,)`."""
-
-    qkv: torch.Tensor
-    n_q_heads: int
-    n_k_heads: int
-    q_norm_weight: torch.Tensor | None
-    k_norm_weight: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    cache_position: torch.Tensor
-    projection_heads: tuple[int, int] | None = None
-    first_heads: tuple[int, int] = (0, 0)
-
-    @property
-    def device(self) -> torch.device:
-        return self.qkv.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.qkv.is_cuda
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.qkv.dtype
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The queries' shape `(B, n_q_heads, L, D)`, as a query tensor's (what the backends' dispatch reads)."""
-        batch, seq_len, width = self.qkv.shape
-        all_q, all_k = (self.n_q_heads, self.n_k_heads) if self.projection_heads is None else self.projection_heads
-        return (batch, self.n_q_heads, seq_len, width // (all_q + 2 * all_k))
-
-    def layout(self, caller: str) -> tuple[int, int, int, int]:
-        """(Pq, Pk, D, R), after checking the heads and sizes (a `ValueError` naming `caller` otherwise)."""
-        batch, seq_len, width = self.qkv.shape
-        all_q, all_k = (self.n_q_heads, self.n_k_heads) if self.projection_heads is None else self.projection_heads
-        q_first, k_first = self.first_heads
-        if not (
-            0 <= q_first and q_first + self.n_q_heads <= all_q and 0 <= k_first and k_first + self.n_k_heads <= all_k
-        ):
-            raise ValueError(
-                f"{caller}: first_heads {tuple(self.first_heads)} with n_q_heads {self.n_q_heads} and n_k_heads "
-                f"{self.n_k_heads} select query heads [{q_first}, {q_first + self.n_q_heads}) and key/value heads "
-                f"[{k_first}, {k_first + self.n_k_heads}), which must lie within projection_heads ({all_q}, {all_k})."
-            )
-        if width % (all_q + 2 * all_k):
-            raise ValueError(
-                f"{caller}: qkv's last dim {width} is not a multiple of its {all_q + 2 * all_k} heads "
-                f"(projection_heads ({all_q}, {all_k}))."
-            )
-        head_dim = width // (all_q + 2 * all_k)
-        rotary_dim = self.cos.shape[-1]
-        if head_dim & (head_dim - 1) or rotary_dim % 2 or rotary_dim > head_dim:
-            raise ValueError(f"{caller}: head_dim {head_dim} must be a power of 2 >= rotary_dim {rotary_dim}.")
-        if self.cache_position.shape != (seq_len,):
-            raise ValueError(
-                f"{caller}: cache_position must have shape ({seq_len},), got {tuple(self.cache_position.shape)}."
-            )
-        return all_q, all_k, head_dim, rotary_dim
-
-    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `(B, L, R)` in the activation dtype, contiguous (what the kernels read)."""
-        batch, seq_len, _ = self.qkv.shape
-        shape = (batch, seq_len, self.cos.shape[-1])
-        return tuple(t.to(self.qkv.dtype).expand(shape).contiguous() for t in (self.cos, self.sin))
-
-    def kernel_args(self, k: torch.Tensor) -> tuple[tuple, tuple, dict]:
-        """The attention kernel's pointers, scalars and constexprs for these inputs, after checking them against
-        the cache's keys `k` `(B, Hkv, T, D)`."""
-        all_q, all_k, head_dim, rotary_dim = self.layout("block_attention")
-        batch, seq_len, _ = self.qkv.shape
-        if k.shape[:2] != (batch, self.n_k_heads) or k.shape[-1] != head_dim or k.dtype != self.qkv.dtype:
-            raise ValueError(
-                f"block_attention: the cache's keys {tuple(k.shape)} {k.dtype} do not hold ({batch}, {self.n_k_heads}, "
-                f"T, {head_dim}) {self.qkv.dtype} keys for the projected inputs."
-            )
-        cos, sin = self.tables()
-        has_norm = self.q_norm_weight is not None
-        qkv = self.qkv.contiguous()
-        q_norm, k_norm = (self.q_norm_weight, self.k_norm_weight) if has_norm else (qkv, qkv)
-        pointers = (qkv, q_norm, k_norm, cos, sin, self.cache_position)
-        q_first, k_first = self.first_heads
-        scalars = (all_q + 2 * all_k, q_first, all_q + k_first, all_k, rotary_dim, float(self.eps))
-        return pointers, scalars, dict(PROJECTED=True, HAS_QK_NORM=has_norm, BLOCK_L=triton.next_power_of_2(seq_len))
-
-
 @on_tensor_device
 def block_attention(
-    q: torch.Tensor | ProjectedQK,
+    q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None,
@@ -629,19 +465,8 @@ def block_attention(
     An FP8 cache (`cache.FP8DiffusionKVCache`): k/v float8 e4m3 and `k_scale`/`v_scale` `(B, Hkv, T)` float32 with
     equal strides, the last dim contiguous: key `j` is `k[..., j, :] * k_scale[..., j]`, and likewise the values,
     read in place (half the bytes of bfloat16 K/V).
-
-    `q` a `ProjectedQK` (the fused projection before its q/k norms and RoPE): the kernel makes the queries and
-    writes the block's keys and values into `k`/`v` (the cache) itself; not with an FP8 cache or `key_gap`.
     """
-    projected = q if isinstance(q, ProjectedQK) else None
-    if projected is not None:
-        if k_scale is not None or key_gap is not None:
-            raise ValueError("block_attention: projected inputs (`ProjectedQK`) take no FP8 cache and no `key_gap`.")
-        projection = projected.kernel_args(k)
-        batch, q_len = projected.qkv.shape[:2]
-        n_heads, dim = projected.n_q_heads, k.shape[-1]
-    else:
-        batch, n_heads, q_len, dim = q.shape
+    batch, n_heads, q_len, dim = q.shape
     if kv_end is not None and (kv_end.dtype != torch.int32 or kv_end.shape != (batch,)):
         raise ValueError(
             f"`kv_end` must be an int32 tensor of shape ({batch},), got {kv_end.dtype} {tuple(kv_end.shape)}."
@@ -674,7 +499,7 @@ def block_attention(
         raise ValueError(f"k and v must have q's dtype {q.dtype} (or be FP8 with scales), got {k.dtype}, {v.dtype}.")
     n_rep = n_heads // n_kv_heads
     scale = dim**-0.5 if scale is None else scale
-    if projected is None and q.stride(-1) != 1:
+    if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
@@ -716,12 +541,6 @@ def block_attention(
     block_s = max(2, triton.next_power_of_2(n_splits))
     # The folded merge's rows at a time: 32 float32 values of the output tile per thread.
     merge_rows = min(block_m, max(1, 32 * 32 * tiles.num_warps // dim))
-    if projected is None:  # (unused pointers and scalars: out and zeros)
-        projection = ((out,) * 6, (0, 0, 0, 0, 0, 0.0), {})
-        q_strides = (q.stride(0), q.stride(1), q.stride(2))
-    else:
-        q, q_strides = out, (0, 0, 0)
-    pointers, scalars, constants = projection
     _block_attention_kernel[(n_splits, batch * n_kv_heads, m_tiles)](
         q,
         k,
@@ -735,8 +554,9 @@ def block_attention(
         out if key_gap is None else key_gap,
         k_scale if scaled else out,  # never read without HAS_KV_SCALE
         v_scale if scaled else out,
-        *pointers,
-        *q_strides,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
         k.stride(0),
         k.stride(1),
         k.stride(2),
@@ -756,7 +576,6 @@ def block_attention(
         kv_len,
         n_splits,
         scale,
-        *scalars,
         TILES_PER_SPLIT=tiles_per_split,
         HAS_MASK=key_padding_mask is not None,
         HAS_KV_END=kv_end is not None,
@@ -774,10 +593,6 @@ def block_attention(
         IEEE=q.dtype == torch.float32,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        # The projected queries and keys without fused multiply-add, as `qk_norm_rope_to_cache` (PyTorch rounds
-        # each product); the attention's own arithmetic may then round differently from the unprojected launch's.
-        enable_fp_fusion=projected is None,
-        **constants,
     )
     if not single and not fold:
         _combine_splits_kernel[(batch * n_heads * q_len,)](

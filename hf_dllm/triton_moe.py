@@ -33,11 +33,11 @@ from __future__ import annotations
 import torch
 
 from .kernels import plain_half_linear
-from .triton_attention import ProjectedQK, num_sms
+from .triton_attention import num_sms
 from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
-    from .triton_ops import _rms_normed, normed_rotated_heads
+    from .triton_ops import _rms_normed
 
 if TRITON_AVAILABLE:
 
@@ -438,17 +438,32 @@ if TRITON_AVAILABLE:
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         is_q = heads < n_q_heads
         is_k = (heads >= n_q_heads) & (heads < n_q_heads + n_k_heads)
+        rows = (is_q | is_k)[:, None]
         b = token // seq_len
         pos = token % seq_len
         dtype = q_out_ptr.dtype.element_ty
         d = tl.arange(0, HEAD_DIM)
+        half = rotary_dim // 2
+        partner = tl.where(d < half, d + half, tl.where(d < rotary_dim, d - half, d))
         source_head = tl.where(is_q, q_first + heads, k_first + heads - n_q_heads)
         src = qkv_ptr + (token * row_heads + source_head[:, None]) * HEAD_DIM
-        table = token * rotary_dim + tl.zeros([BLOCK_H, 1], dtype=tl.int64)
-        y = normed_rotated_heads(
-            src, q_weight_ptr, k_weight_ptr, is_k[:, None], cos_ptr + table, sin_ptr + table, (is_q | is_k)[:, None],
-            d, rotary_dim, eps, dtype, HAS_NORM, HEAD_DIM,
-        )  # fmt: skip
+        x = tl.load(src + d[None, :], mask=rows, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner[None, :], mask=rows, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+            w = tl.where(is_q[:, None], tl.load(q_weight_ptr + d)[None, :], tl.load(k_weight_ptr + d)[None, :])
+            wp = tl.where(
+                is_q[:, None], tl.load(q_weight_ptr + partner)[None, :], tl.load(k_weight_ptr + partner)[None, :]
+            )
+            x = (w.to(tl.float32) * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xp = (wp.to(tl.float32) * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        rotating = d < rotary_dim
+        table = token * rotary_dim + d
+        cos = tl.load(cos_ptr + table, mask=rotating, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + table, mask=rotating, other=0.0).to(tl.float32)[None, :]
+        rotated_half = tl.where((d < half)[None, :], -xp, xp)
+        y = ((x * cos).to(dtype).to(tl.float32) + (rotated_half * sin).to(dtype).to(tl.float32)).to(dtype)
+        y = tl.where(rotating[None, :], y, x.to(dtype))
         q_dst = q_out_ptr + ((b * n_q_heads + heads[:, None]) * seq_len + pos) * HEAD_DIM + d[None, :]
         tl.store(q_dst, y, mask=is_q[:, None])
         kh = tl.where(is_k, heads - n_q_heads, 0)[:, None]
@@ -881,15 +896,27 @@ def qk_norm_rope_to_cache(
     the rotary dims), cache_keys/values `(B, n_k_heads, T, D)` (last dim contiguous, equal strides), cache_position
     `(L,)`. Writes the normed, rotated keys and the values into the cache at those columns and returns the normed,
     rotated queries `(B, n_q_heads, L, D)` contiguous."""
-    projected = ProjectedQK(
-        qkv, n_q_heads, n_k_heads, q_norm_weight, k_norm_weight, eps, cos, sin, cache_position, projection_heads,
-        first_heads,
-    )  # fmt: skip
-    all_q, all_k, head_dim, rotary_dim = projected.layout("qk_norm_rope_to_cache")
+    batch, seq_len, width = qkv.shape
+    all_q, all_k = (n_q_heads, n_k_heads) if projection_heads is None else projection_heads
     q_first, k_first = first_heads
-    batch, seq_len, _ = qkv.shape
+    if not (0 <= q_first and q_first + n_q_heads <= all_q and 0 <= k_first and k_first + n_k_heads <= all_k):
+        raise ValueError(
+            f"qk_norm_rope_to_cache: first_heads {tuple(first_heads)} with n_q_heads {n_q_heads} and n_k_heads "
+            f"{n_k_heads} select query heads [{q_first}, {q_first + n_q_heads}) and key/value heads "
+            f"[{k_first}, {k_first + n_k_heads}), which must lie within projection_heads ({all_q}, {all_k})."
+        )
+    if width % (all_q + 2 * all_k):
+        raise ValueError(
+            f"qk_norm_rope_to_cache: qkv's last dim {width} is not a multiple of its {all_q + 2 * all_k} heads "
+            f"(projection_heads ({all_q}, {all_k}))."
+        )
+    head_dim = width // (all_q + 2 * all_k)
+    rotary_dim = cos.shape[-1]
+    if head_dim & (head_dim - 1) or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"qk_norm_rope_to_cache: head_dim {head_dim} must be a power of 2 >= rotary_dim {rotary_dim}.")
     qkv = qkv.contiguous()
-    cos, sin = projected.tables()
+    cos = cos.to(qkv.dtype).expand(batch, seq_len, rotary_dim).contiguous()
+    sin = sin.to(qkv.dtype).expand(batch, seq_len, rotary_dim).contiguous()
     q_out = torch.empty(batch, n_q_heads, seq_len, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm_weight is not None
     block_h = 4
@@ -923,13 +950,3 @@ def qk_norm_rope_to_cache(
         enable_fp_fusion=False,
     )
     return q_out
-
-
-def projected_to_cache(projected: ProjectedQK, cache_keys: torch.Tensor, cache_values: torch.Tensor) -> torch.Tensor:
-    """`qk_norm_rope_to_cache` of a `triton_attention.ProjectedQK`: the normed, rotated queries `(B, n_q_heads, L,
-    D)`, the keys and values written into the cache."""
-    p = projected
-    return qk_norm_rope_to_cache(
-        p.qkv, p.n_q_heads, p.n_k_heads, p.q_norm_weight, p.k_norm_weight, p.eps, p.cos, p.sin, cache_keys,
-        cache_values, p.cache_position, p.projection_heads, p.first_heads,
-    )  # fmt: skip

@@ -93,36 +93,6 @@ if TRITON_AVAILABLE:
         return normed
 
     @triton.jit
-    def normed_rotated_heads(
-        head_ptrs, weight_ptr, other_weight_ptr, other, cos_ptrs, sin_ptrs, valid, d, rotary_dim, eps,
-        dtype: tl.constexpr, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ):  # fmt: skip
-        # Rows of heads `(R, HEAD_DIM)` (head_ptrs: each row's first element, `(R, 1)`) with LLaDA2's / LLaDA-MoE's
-        # per-head RMS norm (float32, rounded, times the weight `(HEAD_DIM,)`: `other_weight_ptr`'s for the rows
-        # where `other` `(R, 1)` is true, so q and k heads can share a tile; rounded) and partial RoPE on the first
-        # `rotary_dim` dims (cos_ptrs / sin_ptrs: each row's table, `(R, 1)`, in the activation dtype), each product
-        # and the sum rounded: PyTorch's rounding points. Shared by `triton_moe.qk_norm_rope_to_cache` and the
-        # attention kernel's projected queries and keys, so both write the same bits (launched without fused
-        # multiply-add: PyTorch rounds each product).
-        half = rotary_dim // 2
-        partner = tl.where(d < half, d + half, tl.where(d < rotary_dim, d - half, d))
-        x = tl.load(head_ptrs + d[None, :], mask=valid, other=0.0).to(tl.float32)
-        xp = tl.load(head_ptrs + partner[None, :], mask=valid, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-            w = tl.where(other, tl.load(other_weight_ptr + d)[None, :], tl.load(weight_ptr + d)[None, :])
-            wp = tl.where(other, tl.load(other_weight_ptr + partner)[None, :], tl.load(weight_ptr + partner)[None, :])
-            w, wp = w.to(tl.float32), wp.to(tl.float32)
-            x = (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            xp = (wp * (xp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        rotating = (d < rotary_dim)[None, :]
-        cos = tl.load(cos_ptrs + d[None, :], mask=valid & rotating, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptrs + d[None, :], mask=valid & rotating, other=0.0).to(tl.float32)
-        rotated_half = tl.where((d < half)[None, :], -xp, xp)
-        y = ((x * cos).to(dtype).to(tl.float32) + (rotated_half * sin).to(dtype).to(tl.float32)).to(dtype)
-        return tl.where(rotating, y, x.to(dtype))
-
-    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         residual_ptr,
