@@ -262,7 +262,6 @@ if TRITON_AVAILABLE:
         SWAP: tl.constexpr,
         N_FASTEST: tl.constexpr,
         K_DIVISOR: tl.constexpr = 1,
-        WEIGHTS_FIRST: tl.constexpr = True,
     ):
         # Program (tile, n): out[rows, n block] for the tile's rows of one group, the tile on the grid's first axis
         # (or, N_FASTEST, its second). GATED: the up product uses the weight's rows `up_rows` further on (and scale
@@ -291,21 +290,12 @@ if TRITON_AVAILABLE:
         acc_up = tl.zeros_like(acc)
         for k in range(0, tl.cdiv(K, BLOCK_K // K_DIVISOR)):
             in_k = offs_k < K - k * (BLOCK_K // K_DIVISOR)
-            if WEIGHTS_FIRST:
-                # The weight tiles' loads first: their addresses do not wait for the gathered rows' token ids (a
-                # load issued after one that waits, waits too), so the weights start streaming a round trip sooner.
-                w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
-            else:
-                x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                if GATED:
-                    w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
             scale_k = (k * (BLOCK_K // K_DIVISOR)) // SCALE_K
             acc = tile_product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
             if GATED:
+                w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
                 acc_up = tile_product(
                     x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
                 )
@@ -322,10 +312,6 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
-
-# Whether the product's loop issues its weight tiles' loads before the gathered rows' (the rows' addresses wait for
-# their token ids; a switch for benchmarks: both orders compute the same bits).
-WEIGHTS_FIRST = True
 
 # The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "SWAP": False, "N_FASTEST": False}
@@ -423,7 +409,6 @@ def grouped_matmul(
         SCALE_K=block_k,
         BLOCK_K=min(block_k, 128),
         BLOCK_G=max(16, triton.next_power_of_2(groups)),
-        WEIGHTS_FIRST=WEIGHTS_FIRST,
         config=config,
     )
     return out

@@ -209,23 +209,6 @@ KERNELS_SCRIPT = PRELUDE + textwrap.dedent(
         else:
             raise AssertionError(("bad first_heads accepted", bad))
 
-    # The grouped products with the weight tiles' loads issued before the gathered rows' (the default) or after:
-    # the same bits, gated and not, float16 and FP8 weights.
-    from hf_dllm import fp8, grouped_gemm
-    topk = torch.randint(0, 4, (10, 2))
-    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, 4, False)
-    x = torch.randn(10, 128, dtype=torch.float16)
-    for gated, weight in ((True, torch.randn(4, 256, 128) * 0.05), (False, torch.randn(4, 128, 128) * 0.05)):
-        for stored in ((weight.half(),), (*fp8.quantize_blocks(weight, (128, 128)), (128, 128))):
-            outs = []
-            for first in (True, False):
-                grouped_gemm.WEIGHTS_FIRST = first
-                rows = dict(rows_of=sorted_token) if gated else {}
-                source = x if gated else x[sorted_token]
-                outs.append(grouped_gemm.grouped_matmul(source, offsets, *stored, gated=gated, **rows))
-            assert torch.equal(*outs) and outs[0].abs().sum() > 0, ("weights first", gated, len(stored))
-    grouped_gemm.WEIGHTS_FIRST = True
-
     # The split-KV attention with a mask per query row (LLaDA2's block-causal mask), against masked softmax.
     from hf_dllm.triton_attention import AttentionTiles, block_attention
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
