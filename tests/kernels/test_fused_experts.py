@@ -19,19 +19,26 @@ from tests.conftest import interpreter_job
 
 pytest.importorskip("triton", reason="the `triton` extra is not installed")
 
-# (tokens, experts, top-k, hidden, inner, activation)
-CPU_CASES = [(12, 8, 2, 128, 64, "silu"), (32, 16, 4, 64, 128, "gelu_tanh"), (5, 4, 4, 64, 64, "silu")]
+# (tokens, experts, top-k, hidden, inner, activation, shared): `shared` a shared expert stacked as the last group
+# (every token's extra row, LLaDA2's `stack_shared`).
+CPU_CASES = [
+    (12, 8, 2, 128, 64, "silu", False),
+    (32, 16, 4, 64, 128, "gelu_tanh", False),
+    (5, 4, 4, 64, 64, "silu", False),
+    (9, 8, 2, 64, 64, "silu", True),
+]
 
 
-def case(tokens, experts, top_k, hidden, inner, dtype, device):
+def case(tokens, experts, top_k, hidden, inner, dtype, device, shared=False):
     """x, the aligned pairs (rows' tokens, groups' end offsets) and the stacked weights of a random routing."""
     from hf_dllm import triton_moe
 
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     topk = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
-    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, experts, False)
-    gate_up = (torch.randn(experts, 2 * inner, hidden, device=device) * 0.05).to(dtype)
-    down = (torch.randn(experts, hidden, inner, device=device) * 0.05).to(dtype)
+    sorted_token, offsets, _ = triton_moe.align_by_expert(topk, experts, shared)
+    groups = experts + shared
+    gate_up = (torch.randn(groups, 2 * inner, hidden, device=device) * 0.05).to(dtype)
+    down = (torch.randn(groups, hidden, inner, device=device) * 0.05).to(dtype)
     return x, sorted_token, offsets, gate_up, down
 
 
@@ -51,8 +58,9 @@ from tests.kernels.test_fused_experts import CPU_CASES, case, two_launches
 
 torch.manual_seed(0)
 config = triton.Config(dict(grouped_gemm.INTERPRETER_CONFIG), num_warps=4, num_stages=2)
-for tokens, experts, top_k, hidden, inner, activation in CPU_CASES:
-    x, sorted_token, offsets, gate_up, down = case(tokens, experts, top_k, hidden, inner, torch.float16, "cpu")
+for tokens, experts, top_k, hidden, inner, activation, shared in CPU_CASES:
+    x, sorted_token, offsets, gate_up, down = case(
+        tokens, experts, top_k, hidden, inner, torch.float16, "cpu", shared)
     want = two_launches(x, sorted_token, offsets, gate_up, down, activation, config)
     got = grouped_gemm.fused_expert_products(x, offsets, sorted_token, gate_up, down, activation)
     assert torch.equal(got, want), (tokens, (got.float() - want.float()).abs().max())
