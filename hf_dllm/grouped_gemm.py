@@ -495,15 +495,15 @@ FUSED_CONFIG = (STEP_64, 4, 4)
 
 
 def fused_experts_apply(x: torch.Tensor, pairs: int, stacks) -> bool:
-    """Whether `fused_expert_products` runs these experts: bf16/fp16 weights in x's dtype (no FP8 scales), on a GPU
-    or in Triton's interpreter, at most `FUSED_MAX_PAIRS` (token, expert) pairs (a block step's few rows)."""
+    """Whether `fused_expert_products` runs these experts, on a path where the fused kernels run
+    (`kernels.use_fused_kernels`, the caller's check): bf16/fp16 weights in x's dtype (no FP8 scales), at most
+    `FUSED_MAX_PAIRS` (token, expert) pairs (a block step's few rows)."""
     return (
         TRITON_AVAILABLE
         and stacks.gate_up_scale is None
         and stacks.gate_up.dtype == x.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
         and 0 < pairs <= FUSED_MAX_PAIRS
-        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
     )
 
 

@@ -85,10 +85,9 @@ def test_fused_experts_apply_to_few_half_precision_pairs_without_scales():
     from hf_dllm import grouped_gemm
     from hf_dllm.grouped_gemm import ExpertStacks
 
-    x = torch.zeros(4, 8, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
     stacks = ExpertStacks(torch.zeros(2, 8, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 4, dtype=torch.bfloat16))
-    if x.is_cuda and grouped_gemm.TRITON_AVAILABLE:
-        assert grouped_gemm.fused_experts_apply(x, 8, stacks)
+    assert grouped_gemm.fused_experts_apply(x, 8, stacks)
     assert not grouped_gemm.fused_experts_apply(x, grouped_gemm.FUSED_MAX_PAIRS + 1, stacks)
     assert not grouped_gemm.fused_experts_apply(x.float(), 8, stacks)
     scaled = stacks._replace(gate_up_scale=torch.ones(2, 1, 1))
