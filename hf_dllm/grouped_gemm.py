@@ -334,11 +334,21 @@ if TRITON_AVAILABLE:
         )  # fmt: skip
 
     @triton.jit
-    def _wait_for(counter_ptr, target):
+    def _wait_for(counter_ptr, target, SLEEP_NS: tl.constexpr):
         # Spin until the int32 at counter_ptr reaches `target` (acquire: the writes released before each count are
-        # visible after it).
+        # visible after it). SLEEP_NS > 0: each poll after the first sleeps that long first, so waiting programs do
+        # not flood the L2 with atomics while the programs they wait for stream their weights.
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         while seen < target:
+            if SLEEP_NS > 0:
+                seen = tl.inline_asm_elementwise(
+                    "nanosleep.u32 $2; mov.b32 $0, $1;",
+                    "=r,r,r",
+                    [seen, seen * 0 + SLEEP_NS],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=1,
+                )
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
 
     @triton.jit
@@ -346,7 +356,7 @@ if TRITON_AVAILABLE:
         x_ptr, token_ptr, offsets_ptr, gate_up_ptr, down_ptr, hidden_ptr, out_ptr, ready_ptr, done_ptr, n_groups,
         H, INNER, stride_xm, stride_ge, stride_gn, stride_de, stride_dn, stride_hm, stride_om, tiles, GELU: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SWAP: tl.constexpr, K_DIVISOR: tl.constexpr,
+        SWAP: tl.constexpr, K_DIVISOR: tl.constexpr, SLEEP_NS: tl.constexpr,
     ):  # fmt: skip
         # One launch for both expert products (a block step's few rows): programs [0, tiles * gate/up blocks) are
         # the gated gate/up product's (tile-major, n fastest), the rest the down product's. A gate/up program stores
@@ -376,7 +386,7 @@ if TRITON_AVAILABLE:
             tile = down // down_blocks
             group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
             if group < n_groups:
-                _wait_for(ready_ptr + tile, gate_up_blocks)
+                _wait_for(ready_ptr + tile, gate_up_blocks, SLEEP_NS)
                 _group_tile(
                     hidden_ptr, token_ptr, down_ptr, down_ptr, out_ptr, group, first_row, end_row, down % down_blocks,
                     H, INNER, stride_hm, stride_de, stride_dn, 0, 0, stride_om, 0, 0, False, False, GELU, False, 1,
@@ -507,6 +517,9 @@ def fused_experts_apply(x: torch.Tensor, pairs: int, stacks) -> bool:
     )
 
 
+# Nanoseconds a waiting down program sleeps between polls of its tile's counter (0: spin).
+FUSED_SPIN_SLEEP_NS = 200
+
 # Pairs up to which the experts' products take one launch: a batch-1 block step (32 tokens x top-8).
 FUSED_MAX_PAIRS = 512
 
@@ -537,7 +550,8 @@ def fused_expert_products(
             f"{tuple(offsets.shape)} and x {tuple(x.shape)} do not fit ((G, 2I, H), (G, H, I), (G,), (T, H))."
         )
     kwargs, warps, stages = config or FUSED_CONFIG
-    if os.environ.get("TRITON_INTERPRET") == "1" and config is None:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted and config is None:
         kwargs = dict(INTERPRETER_CONFIG, K_DIVISOR=1)
     pairs = rows_of.shape[0]
     tiles = triton.cdiv(pairs, kwargs["BLOCK_M"]) + min(groups, pairs)
@@ -553,7 +567,8 @@ def fused_expert_products(
         x.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1), hidden_rows.stride(0),
         out.stride(0), tiles, GELU=activation == "gelu_tanh", BLOCK_G=max(16, triton.next_power_of_2(groups)),
         BLOCK_M=kwargs["BLOCK_M"], BLOCK_N=kwargs["BLOCK_N"], BLOCK_K=128, SWAP=kwargs["SWAP"],
-        K_DIVISOR=kwargs.get("K_DIVISOR", 1), num_warps=warps, num_stages=stages,
+        K_DIVISOR=kwargs.get("K_DIVISOR", 1), SLEEP_NS=0 if interpreted else FUSED_SPIN_SLEEP_NS, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out
 
