@@ -14,8 +14,8 @@ Reported: ms per forward, forwards, tokens/s and the speed-up over the reference
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
 loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
 process captured: it replays faster then, see `first_step` below; also without the router's product in the routing
-kernel, without the next norm in the MoE's combine kernel, without both expert products in one launch
-(`LLaDAMoESparseMoeBlock`'s switches), without the attention's key splits merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`),
+kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the
+attention's key splits merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`),
 without the step's decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's
 grouped-product configs where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of
 every weight a step reads (attention, norms, routers, output head; the embedding's gathered rows aside) plus the
@@ -285,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
         switches = [
             (LLaDAMoESparseMoeBlock, "router_product_in_routing_kernel"),
             (LLaDAMoESparseMoeBlock, "norm_in_combine"),
-            (LLaDAMoESparseMoeBlock, "experts_in_one_launch"),
         ]
         for owner, switch in [*switches, (UnmaskingPolicy, "commit_in_one_launch")]:
             with switched(owner, switch, False):

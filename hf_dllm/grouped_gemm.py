@@ -28,7 +28,6 @@ Exported as Hub remote code (LLaDA2.x): Triton is imported inside `try:` (`trito
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -224,61 +223,6 @@ if TRITON_AVAILABLE:
         end_row = tl.sum(tl.where(mine, ends, 0), 0)
         return group, first_row, end_row
 
-    @triton.jit
-    def _group_tile(
-        x_ptr, token_ptr, w_ptr, scale_ptr, out_ptr, group, first_row, end_row, pid_n, N, K, stride_xm, stride_we,
-        stride_wn, stride_se, stride_sn, stride_om, up_rows, up_scale_rows, GATHER: tl.constexpr,
-        GATED: tl.constexpr, GELU: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr,
-        SCALE_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SWAP: tl.constexpr, K_DIVISOR: tl.constexpr, X_FROM_L2: tl.constexpr = False,
-    ):  # fmt: skip
-        # out[rows, n block `pid_n`] for the rows [first_row, end_row) of one group (at most BLOCK_M): the product
-        # of `_grouped_kernel`'s programs, shared with `_fused_experts_kernel`'s two phases. X_FROM_L2: x's loads
-        # skip the L1 (rows another multiprocessor wrote in this launch).
-        rows = first_row + tl.arange(0, BLOCK_M)
-        in_m = rows < end_row
-        if GATHER:
-            source = tl.load(token_ptr + rows, mask=in_m, other=0)
-        else:
-            source = rows
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K // K_DIVISOR)
-        in_n = offs_n < N
-        x_ptrs = x_ptr + source[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        scale_ptrs = scale_ptr + group.to(tl.int64) * stride_se + (offs_n // SCALE_N) * stride_sn
-        if SWAP:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros_like(acc)
-        for k in range(0, tl.cdiv(K, BLOCK_K // K_DIVISOR)):
-            in_k = offs_k < K - k * (BLOCK_K // K_DIVISOR)
-            if X_FROM_L2:
-                x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0, cache_modifier=".cg")
-            else:
-                x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            scale_k = (k * (BLOCK_K // K_DIVISOR)) // SCALE_K
-            acc = tile_product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
-            if GATED:
-                w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
-                acc_up = tile_product(
-                    x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
-                )
-            x_ptrs += BLOCK_K // K_DIVISOR
-            w_ptrs += BLOCK_K // K_DIVISOR
-        if GATED:
-            # The unfused path's rounding: both products and the activation's output rounded to the output dtype.
-            out_dtype = out_ptr.dtype.element_ty
-            gate = acc.to(out_dtype).to(tl.float32)
-            activated = gate_activation(gate, GELU)
-            acc = activated.to(out_dtype).to(tl.float32) * acc_up.to(out_dtype).to(tl.float32)
-        if SWAP:
-            acc = tl.trans(acc)
-        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
-
     @triton.autotune(
         configs=autotuned_configs(),
         # n_groups too: the pruning depends on it (tiles near the rows per group, `PINNED_CONFIGS`).
@@ -327,75 +271,46 @@ if TRITON_AVAILABLE:
         group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
         if group >= n_groups:
             return
-        _group_tile(
-            x_ptr, token_ptr, w_ptr, scale_ptr, out_ptr, group, first_row, end_row, pid_n, N, K, stride_xm,
-            stride_we, stride_wn, stride_se, stride_sn, stride_om, up_rows, up_scale_rows, GATHER, GATED, GELU,
-            HAS_SCALE, SCALE_N, SCALE_K, BLOCK_K, BLOCK_M, BLOCK_N, SWAP, K_DIVISOR,
-        )  # fmt: skip
-
-    @triton.jit
-    def _wait_for(counter_ptr, target, SLEEP_NS: tl.constexpr):
-        # Spin until the int32 at counter_ptr reaches `target` (acquire: the writes released before each count are
-        # visible after it). SLEEP_NS > 0: each poll after the first sleeps that long first, so waiting programs do
-        # not flood the L2 with atomics while the programs they wait for stream their weights.
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            if SLEEP_NS > 0:
-                seen = tl.inline_asm_elementwise(
-                    "nanosleep.u32 $2; mov.b32 $0, $1;",
-                    "=r,r,r",
-                    [seen, seen * 0 + SLEEP_NS],
-                    dtype=tl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-
-    @triton.jit
-    def _fused_experts_kernel(
-        x_ptr, token_ptr, offsets_ptr, gate_up_ptr, down_ptr, hidden_ptr, out_ptr, ready_ptr, done_ptr, n_groups,
-        H, INNER, stride_xm, stride_ge, stride_gn, stride_de, stride_dn, stride_hm, stride_om, tiles, GELU: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SWAP: tl.constexpr, K_DIVISOR: tl.constexpr, SLEEP_NS: tl.constexpr,
-    ):  # fmt: skip
-        # One launch for both expert products (a block step's few rows): programs [0, tiles * gate/up blocks) are
-        # the gated gate/up product's (tile-major, n fastest), the rest the down product's. A gate/up program stores
-        # its columns of the tile's activations `hidden` and counts itself in the tile's `ready` counter (release);
-        # a down program waits until every gate/up program of its tile has counted (acquire), so a tile's down
-        # product starts while other tiles' gate/up products still stream (no launch boundary, no wait for the
-        # slowest tile). Programs are dispatched in id order, so every gate/up program is resident or done before a
-        # down program waits: no deadlock. The last down program of a tile sets both counters back to zero for the
-        # next launch (and every graph replay). The products are `_grouped_kernel`'s (`_group_tile`): the same bits.
-        pid = tl.program_id(0)
-        gate_up_blocks = tl.cdiv(INNER, BLOCK_N)
-        down_blocks = tl.cdiv(H, BLOCK_N)
-        if pid < tiles * gate_up_blocks:
-            tile = pid // gate_up_blocks
-            group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
-            if group < n_groups:
-                _group_tile(
-                    x_ptr, token_ptr, gate_up_ptr, gate_up_ptr, hidden_ptr, group, first_row, end_row,
-                    pid % gate_up_blocks, INNER, H, stride_xm, stride_ge, stride_gn, 0, 0, stride_hm, INNER, 0, True, True,
-                    GELU, False, 1, BLOCK_K, BLOCK_K, BLOCK_M, BLOCK_N, SWAP, K_DIVISOR,
-                )  # fmt: skip
-                # Every thread's stores issued before one thread counts (the barrier orders them before its release).
-                tl.debug_barrier()
-                tl.atomic_add(ready_ptr + tile, 1, sem="release", scope="gpu")
+        rows = first_row + tl.arange(0, BLOCK_M)
+        in_m = rows < end_row
+        if GATHER:
+            source = tl.load(token_ptr + rows, mask=in_m, other=0)
         else:
-            down = pid - tiles * gate_up_blocks
-            tile = down // down_blocks
-            group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
-            if group < n_groups:
-                _wait_for(ready_ptr + tile, gate_up_blocks, SLEEP_NS)
-                _group_tile(
-                    hidden_ptr, token_ptr, down_ptr, down_ptr, out_ptr, group, first_row, end_row, down % down_blocks,
-                    H, INNER, stride_hm, stride_de, stride_dn, 0, 0, stride_om, 0, 0, False, False, GELU, False, 1,
-                    BLOCK_K, BLOCK_K, BLOCK_M, BLOCK_N, SWAP, K_DIVISOR, True,
-                )  # fmt: skip
-                if tl.atomic_add(done_ptr + tile, 1, sem="acq_rel", scope="gpu") == down_blocks - 1:
-                    # Every down program of the tile has waited: nothing else reads these counters in this launch.
-                    tl.store(ready_ptr + tile, 0)
-                    tl.store(done_ptr + tile, 0)
+            source = rows
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K // K_DIVISOR)
+        in_n = offs_n < N
+        x_ptrs = x_ptr + source[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + group.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        scale_ptrs = scale_ptr + group.to(tl.int64) * stride_se + (offs_n // SCALE_N) * stride_sn
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros_like(acc)
+        for k in range(0, tl.cdiv(K, BLOCK_K // K_DIVISOR)):
+            in_k = offs_k < K - k * (BLOCK_K // K_DIVISOR)
+            x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            scale_k = (k * (BLOCK_K // K_DIVISOR)) // SCALE_K
+            acc = tile_product(x, w, scale_ptrs + scale_k, in_n, acc, HAS_SCALE, SWAP)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=in_n[:, None] & in_k[None, :], other=0.0)
+                acc_up = tile_product(
+                    x, w_up, scale_ptrs + up_scale_rows * stride_sn + scale_k, in_n, acc_up, HAS_SCALE, SWAP
+                )
+            x_ptrs += BLOCK_K // K_DIVISOR
+            w_ptrs += BLOCK_K // K_DIVISOR
+        if GATED:
+            # The unfused path's rounding: both products and the activation's output rounded to the output dtype.
+            out_dtype = out_ptr.dtype.element_ty
+            gate = acc.to(out_dtype).to(tl.float32)
+            activated = gate_activation(gate, GELU)
+            acc = activated.to(out_dtype).to(tl.float32) * acc_up.to(out_dtype).to(tl.float32)
+        if SWAP:
+            acc = tl.trans(acc)
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
 # The config the kernel runs in Triton's interpreter (CPU tests set others to cover both formulations).
@@ -496,80 +411,6 @@ def grouped_matmul(
         BLOCK_G=max(16, triton.next_power_of_2(groups)),
         config=config,
     )
-    return out
-
-
-# The fused launch's tile shape (`fused_expert_products`): the pinned batch-1 config of both LLaDA-MoE products
-# (`STEP_64`, 4 warps, 4 stages), one shape for both phases (their tiles must hold the same rows).
-FUSED_CONFIG = (STEP_64, 4, 4)
-
-
-def fused_experts_apply(x: torch.Tensor, pairs: int, stacks) -> bool:
-    """Whether `fused_expert_products` runs these experts, on a path where the fused kernels run
-    (`kernels.use_fused_kernels`, the caller's check): bf16/fp16 weights in x's dtype (no FP8 scales), at most
-    `FUSED_MAX_PAIRS` (token, expert) pairs (a block step's few rows)."""
-    return (
-        TRITON_AVAILABLE
-        and stacks.gate_up_scale is None
-        and stacks.gate_up.dtype == x.dtype
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and 0 < pairs <= FUSED_MAX_PAIRS
-    )
-
-
-# Nanoseconds a waiting down program sleeps between polls of its tile's counter (0: spin).
-FUSED_SPIN_SLEEP_NS = 200
-
-# Pairs up to which the experts' products take one launch: a batch-1 block step (32 tokens x top-8).
-FUSED_MAX_PAIRS = 512
-
-
-@on_tensor_device
-def fused_expert_products(
-    x: torch.Tensor,
-    offsets: torch.Tensor,
-    rows_of: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    activation: str = "silu",
-    config: tuple | None = None,
-) -> torch.Tensor | None:
-    """`grouped_matmul(grouped_matmul(x, offsets, gate_up, rows_of=rows_of, gated=True), offsets, down)` in one
-    launch (`_fused_experts_kernel`; the same bits with the same config): x `(tokens, H)`, rows_of `(pairs,)`,
-    offsets `(groups,)` int32, gate_up `(groups, 2 I, H)`, down `(groups, H, I)` in x's dtype -> `(pairs, H)`. None
-    where its counters would have to be made inside a CUDA graph capture (the caller runs the two launches)."""
-    from .triton_attention import merge_counters
-
-    if activation not in GATE_ACTIVATIONS:
-        raise ValueError(f"`activation` must be one of {GATE_ACTIVATIONS}, got {activation!r}.")
-    groups, width, hidden = gate_up.shape
-    inner = width // 2
-    if down.shape != (groups, hidden, inner) or offsets.shape != (groups,) or x.shape[-1] != hidden:
-        raise ValueError(
-            f"fused_expert_products: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, offsets "
-            f"{tuple(offsets.shape)} and x {tuple(x.shape)} do not fit ((G, 2I, H), (G, H, I), (G,), (T, H))."
-        )
-    kwargs, warps, stages = config or FUSED_CONFIG
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpreted and config is None:
-        kwargs = dict(INTERPRETER_CONFIG, K_DIVISOR=1)
-    pairs = rows_of.shape[0]
-    tiles = triton.cdiv(pairs, kwargs["BLOCK_M"]) + min(groups, pairs)
-    counters = merge_counters(x.device, 2 * tiles)
-    if counters is None:
-        return None
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    hidden_rows = torch.empty(pairs, inner, device=x.device, dtype=x.dtype)
-    out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
-    programs = tiles * (triton.cdiv(inner, kwargs["BLOCK_N"]) + triton.cdiv(hidden, kwargs["BLOCK_N"]))
-    _fused_experts_kernel[(programs,)](
-        x, rows_of, offsets, gate_up, down, hidden_rows, out, counters, counters[tiles:], groups, hidden, inner,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1), hidden_rows.stride(0),
-        out.stride(0), tiles, GELU=activation == "gelu_tanh", BLOCK_G=max(16, triton.next_power_of_2(groups)),
-        BLOCK_M=kwargs["BLOCK_M"], BLOCK_N=kwargs["BLOCK_N"], BLOCK_K=128, SWAP=kwargs["SWAP"],
-        K_DIVISOR=kwargs.get("K_DIVISOR", 1), SLEEP_NS=0 if interpreted else FUSED_SPIN_SLEEP_NS, num_warps=warps,
-        num_stages=stages,
-    )  # fmt: skip
     return out
 
 

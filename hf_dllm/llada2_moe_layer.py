@@ -38,8 +38,6 @@ from .grouped_gemm import (
     ExpertList,
     ExpertStacks,
     expert_fp8_block_size,
-    fused_expert_products,
-    fused_experts_apply,
     grouped_matmul,
     stack_experts,
 )
@@ -502,10 +500,6 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
     sums: one all-reduce per layer); the fused path is not taken.
     """
 
-    # A block step's few pairs (`grouped_gemm.fused_experts_apply`): both expert products in one launch
-    # (`grouped_gemm.fused_expert_products`), a tile's down product starting once its gate/up columns are stored.
-    experts_in_one_launch = True
-
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
         self.config = config
@@ -741,14 +735,10 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
         stacks = self.stacked_weights()
         stacked_shared = stacks.gate_up.shape[0] > self.num_experts  # `stack_shared`, as decided with the stacks
         sorted_token, offsets, rows = triton_moe.align_by_expert(topk_idx, self.num_experts, stacked_shared)
-        expert_rows = None
-        if self.experts_in_one_launch and fused_experts_apply(x, sorted_token.shape[0], stacks):
-            expert_rows = fused_expert_products(x, offsets, sorted_token, stacks.gate_up, stacks.down)
-        if expert_rows is None:
-            hidden_rows = grouped_matmul(
-                x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
-            )
-            expert_rows = grouped_matmul(hidden_rows, offsets, stacks.down, stacks.down_scale, stacks.block_size)
+        hidden_rows = grouped_matmul(
+            x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
+        )
+        expert_rows = grouped_matmul(hidden_rows, offsets, stacks.down, stacks.down_scale, stacks.block_size)
         residual = residual.reshape(-1, hidden)
         down_weight = self.experts[0].down_proj.weight  # split by its columns (`rowwise`) under tensor parallelism
         shared_apart = self.shared_experts is not None and not stacked_shared

@@ -71,8 +71,6 @@ from .grouped_gemm import (
     ExpertDispatch,
     ExpertList,
     ExpertStacks,
-    fused_expert_products,
-    fused_experts_apply,
     grouped_matmul,
     other_ranks_expert_keys,
 )
@@ -491,22 +489,14 @@ class LLaDAMoESparseMoeBlock(nn.Module):
         `residual` `(tokens, hidden)` when given; `combine_and_norm` with the norm)."""
         router_logits, weights, sorted_token, offsets, rows = self._fused_routing(x)
         stacks = self.stacks()
-        expert_rows = None
-        if self.experts_in_one_launch and fused_experts_apply(x, sorted_token.shape[0], stacks):
-            expert_rows = fused_expert_products(x, offsets, sorted_token, stacks.gate_up, stacks.down)
-        if expert_rows is None:
-            gated = grouped_matmul(
-                x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
-            )
-            expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
+        gated = grouped_matmul(
+            x, offsets, stacks.gate_up, stacks.gate_up_scale, stacks.block_size, rows_of=sorted_token, gated=True
+        )
+        expert_rows = grouped_matmul(gated, offsets, stacks.down, stacks.down_scale, stacks.block_size)
         if norm_weight is None:
             return combine(expert_rows, rows, weights, False, residual), router_logits, None
         out, normed = combine_and_norm(expert_rows, rows, weights, residual, norm_weight, self.config.rms_norm_eps)
         return out, router_logits, normed
-
-    # A block step's few pairs (`grouped_gemm.fused_experts_apply`): both expert products in one launch
-    # (`grouped_gemm.fused_expert_products`), a tile's down product starting once its gate/up columns are stored.
-    experts_in_one_launch = True
 
     # Few tokens (`triton_moe.router_product_applies`): the router's product through `triton_moe.router_partials`
     # (the experts and the hidden size split across programs, the partial products added up in `route`'s kernel)
