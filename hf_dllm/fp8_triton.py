@@ -23,6 +23,7 @@ import torch
 
 from .triton_ops import (  # None without Triton (CPU-only installs)
     TRITON_AVAILABLE,
+    dependent_launch,
     fp8_group_tiling,
     launch,
     on_tensor_device,
@@ -31,7 +32,7 @@ from .triton_ops import (  # None without Triton (CPU-only installs)
 )
 
 if TRITON_AVAILABLE:
-    from .triton_ops import fp8_row_groups
+    from .triton_ops import fp8_row_groups, wait_for_previous_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -240,6 +241,7 @@ if TRITON_AVAILABLE:
         # out[m, n] = sum over k tiles of x[m, k] @ (w[n, k] * scale[n // SCALE_N, k // SCALE_K])^T (`tile_product`:
         # BLOCK_K <= SCALE_K, so a k tile lies inside one scale block). Program (n, m, s) sums the s-th of SPLIT_K
         # ranges of k tiles (`_split_k_program`, `_store_split_product`).
+        wait_for_previous_kernel()
         offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
             M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
         )
@@ -270,6 +272,7 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         # out (M, N) contiguous = sum of the SPLITS float32 slices (M, N) (+ bias), rounded once.
+        wait_for_previous_kernel()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < M * N
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -297,6 +300,7 @@ if TRITON_AVAILABLE:
         # One program per (ROWS rows, group of GROUP columns), quantized by `fp8_row_groups` (per row: scale =
         # amax / FP8 max, q = x / scale), the helper the fused producers (`rms_norm_to_fp8`, `silu_mul_to_fp8`) call.
         # Rows from M to M_PADDED are written as zero rows, the padding cuBLASLt's product wants.
+        wait_for_previous_kernel()
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         group = tl.program_id(1)
         cols = group * GROUP + tl.arange(0, GROUP)
@@ -344,6 +348,7 @@ if TRITON_AVAILABLE:
         GROUP_M: tl.constexpr,
     ):
         # Block-scaled FP8 GEMM: per k tile, the FP8 tensor-core product times a's row scales and w's column scales.
+        wait_for_previous_kernel()
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -412,6 +417,7 @@ if TRITON_AVAILABLE:
         # w[n, k] a[m, k]) * a_scale[m] * w_scale[n]. The MMA accumulates in place across k tiles (of any width), in
         # the FP8 tensor cores' own precision as `rowwise_matmul`'s fast accumulation does; the scales apply once, to
         # each program's (partial) sums, which `_sum_splits_kernel` adds up.
+        wait_for_previous_kernel()
         offs_m, offs_n, in_m, in_n, pid_k, k_first, k_last = _split_k_program(
             M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K
         )
@@ -544,6 +550,7 @@ def _add_up_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
         splits,
         HAS_BIAS=bias is not None,
         BLOCK=block,
+        **dependent_launch(),
     )
 
 
@@ -610,6 +617,7 @@ def quantize_rows(x: torch.Tensor, group: int = 128, scales_column_major: bool =
         ROWS=tile_rows,
         GROUP=loaded,
         num_warps=warps,
+        **dependent_launch(),
     )
     return q, scales
 

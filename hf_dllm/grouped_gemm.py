@@ -45,7 +45,7 @@ from .triton_ops import (
 )  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
-    from .triton_ops import gate_activation
+    from .triton_ops import gate_activation, wait_for_previous_kernel
 
 
 def grouped_configs() -> list:
@@ -267,6 +267,7 @@ if TRITON_AVAILABLE:
         # (or, N_FASTEST, its second). GATED: the up product uses the weight's rows `up_rows` further on (and scale
         # rows `up_scale_rows` further on). Each step of the loop over K takes BLOCK_K // K_DIVISOR columns (BLOCK_K:
         # the launch's widest step, an FP8 scale block at most).
+        wait_for_previous_kernel()
         tile, pid_n = (tl.program_id(1), tl.program_id(0)) if N_FASTEST else (tl.program_id(0), tl.program_id(1))
         group, first_row, end_row = _tile_of_program(offsets_ptr, n_groups, tile, BLOCK_M, BLOCK_G)
         if group >= n_groups:

@@ -45,7 +45,7 @@ from .kernels import linear, use_fused_kernels
 from .tensor_parallel import all_reduce_partial, is_sharded, local_shape, local_tensor, shard_range
 from .triton_moe import TRITON_AVAILABLE as MOE_KERNELS_AVAILABLE  # (`from .x import`: how the Hub finds the file)
 from .triton_moe import store_top_k  # None without Triton
-from .triton_ops import on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+from .triton_ops import dependent_launch, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
 
 # Experts implementations (`config._experts_implementation`, transformers' `experts_implementation=` argument).
 EXPERTS_EAGER = "eager"
@@ -195,6 +195,7 @@ def block_limited_topk(choice: torch.Tensor, blocks: RoutingBlocks, capacity: in
 
 
 if MOE_KERNELS_AVAILABLE:
+    from .triton_ops import wait_for_previous_kernel
 
     @triton.jit
     def _choice_scores(logits_ptr, bias_ptr, expert, valid, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -224,6 +225,7 @@ if MOE_KERNELS_AVAILABLE:
     def _block_max_kernel(logits_ptr, bias_ptr, ids_ptr, block_ptr, n_experts, SIGMOID: tl.constexpr,
                           HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
         # One program per token: its choice scores into its block's maxima (float atomic max: order-independent).
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)
         expert = tl.arange(0, BLOCK_E)
         valid = expert < n_experts
@@ -240,6 +242,7 @@ if MOE_KERNELS_AVAILABLE:
                             RANK_CHUNK: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
         # One program per token: its block's `capacity` best experts by block maximum (ties: the lowest index), then
         # its top-k of them by choice score and their weights, as `triton_moe.route`'s top-k.
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)
         expert = tl.arange(0, BLOCK_E)
         valid = expert < n_experts
@@ -296,7 +299,9 @@ def fused_block_route(
     ids = blocks.ids.contiguous()
     flags = dict(SIGMOID=score_function == "sigmoid", HAS_BIAS=expert_bias is not None, LIBDEVICE=logits.is_cuda)
     block_e = triton.next_power_of_2(n_experts)
-    _block_max_kernel[(tokens,)](logits, bias, ids, block_scores, n_experts, BLOCK_E=block_e, num_warps=1, **flags)
+    _block_max_kernel[(tokens,)](
+        logits, bias, ids, block_scores, n_experts, BLOCK_E=block_e, num_warps=1, **flags, **dependent_launch()
+    )
     _block_route_kernel[(tokens,)](
         logits,
         bias,
@@ -314,6 +319,7 @@ def fused_block_route(
         RANK_CHUNK=min(16, block_e),
         num_warps=4,
         **flags,
+        **dependent_launch(),
     )
     return index, weight
 

@@ -34,9 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+from .triton_ops import (
+    TRITON_AVAILABLE,
+    dependent_launch,
+    on_tensor_device,
+    tl,
+    triton,
+)  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
+    from .triton_ops import wait_for_previous_kernel
 
     @triton.jit
     def _attend_tile(
@@ -213,6 +220,7 @@ if TRITON_AVAILABLE:
         HEAD_DIM: tl.constexpr,
         IEEE: tl.constexpr,
     ):
+        wait_for_previous_kernel()
         split = tl.program_id(0)
         batch_head = tl.program_id(1)
         m_tile = tl.program_id(2)
@@ -327,6 +335,7 @@ if TRITON_AVAILABLE:
         HEAD_DIM: tl.constexpr,
     ):
         # The merge as a second launch (`AttentionTiles.fold_merge=False`), one program per row.
+        wait_for_previous_kernel()
         rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (b * n_heads + head) * q_len + q_pos
         q_pos = rows % q_len
         head = (rows // q_len) % n_heads
@@ -593,6 +602,7 @@ def block_attention(
         IEEE=q.dtype == torch.float32,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **dependent_launch(),
     )
     if not single and not fold:
         _combine_splits_kernel[(batch * n_heads * q_len,)](
@@ -608,5 +618,6 @@ def block_attention(
             BLOCK_S=block_s,
             HEAD_DIM=dim,
             num_warps=1 if dim <= 64 else 2,
+            **dependent_launch(),
         )
     return out

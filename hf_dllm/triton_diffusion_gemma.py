@@ -40,10 +40,17 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+from .triton_ops import (
+    TRITON_AVAILABLE,
+    dependent_launch,
+    on_tensor_device,
+    tl,
+    triton,
+)  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
     from .triton_moe import weighted_rows_sum
+    from .triton_ops import wait_for_previous_kernel
 
 # Columns a program reads per iteration (one warp's: 8 per lane; a block's max is then a warp reduction, no
 # barrier), programs aimed for (single-warp programs: at most 32 resident per multiprocessor) and chunks per row at
@@ -81,6 +88,7 @@ if TRITON_AVAILABLE:
         HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # partial[row, split, :] = (m, S, B, argmax value); index[row, split] = argmax.
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         temperature = tl.load(temperature_ptr)
@@ -138,6 +146,7 @@ if TRITON_AVAILABLE:
     ):  # fmt: skip
         # Program (row, split): the row's statistics from the partials, then its chunk's probabilities and, if the
         # chunk claims the row's draw, sample[row].
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         parts = tl.arange(0, BLOCK_S)
@@ -234,6 +243,7 @@ if TRITON_AVAILABLE:
     ):  # fmt: skip
         # One program per row: `_weighted_norm`; with a residual, residual + that (the sum in float32, rounded); with
         # a scale, that times the scale (the product in float32, rounded: PyTorch's `x * layer_scalar`).
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         in_row = cols < n_cols
@@ -254,6 +264,7 @@ if TRITON_AVAILABLE:
     ):  # fmt: skip
         # One program per row: h = residual + norm(x) * w (`_rms_norm_kernel` with a residual), then three norms of
         # h with their own weights, each rounded to the output dtype (four `_rms_norm_kernel` launches' results).
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         in_row = cols < n_cols
@@ -286,6 +297,7 @@ if TRITON_AVAILABLE:
         # `(pairs, n_cols)`, the row's k-th at row_index[row * TOP_K + k], weighted by the float32
         # expert_weight[row * TOP_K + k]) as `triton_moe.combine` computes it: each product rounded (never fused
         # into an add), summed in k order in float32, the sum rounded to the activations' dtype.
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         in_row = cols < n_cols
@@ -358,6 +370,7 @@ if TRITON_AVAILABLE:
     ):  # fmt: skip
         # An attention's three `_norm_rope_heads` in one launch: program (token, head block), the blocks of the
         # queries (weighted norm, RoPE), then the keys' (the same), then the values' (norm without scale, no RoPE).
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         q_blocks = tl.cdiv(n_q, BLOCK_H)
@@ -388,6 +401,7 @@ if TRITON_AVAILABLE:
     ):  # fmt: skip
         # One program per score row (batch b, K/V head, query head in group, query t): softmax over the row's keys
         # with the masked ones at -inf, in float32, stored in the output's dtype.
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < keys
@@ -424,6 +438,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, queries: int
         HAS_MASK=mask is not None,
         BLOCK=triton.next_power_of_2(keys),
         num_warps=4 if keys <= 2048 else 8,
+        **dependent_launch(),
     )
     return out
 
@@ -498,6 +513,7 @@ def qkv_norm_rope(
         key_out.stride(0), key_out.stride(1), key_out.stride(2), value_out.stride(0), value_out.stride(1),
         value_out.stride(2), HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4,
         enable_fp_fusion=False,  # PyTorch rounds each product before the sum
+        **dependent_launch(),
     )  # fmt: skip
     return query_out, key_out, value_out
 
@@ -528,6 +544,7 @@ def rms_norm(
         rows, weight if weight is not None else rows, res, scale if scale is not None else rows, out, d, float(eps),
         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
         **_norm_launch(rows)[2],
+        **dependent_launch(),
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -559,6 +576,7 @@ def post_attention_norms(
         _post_attention_kernel[(rows,)](
             x, residual, weight, outputs[0], weights[0], outputs[1], weights[1], outputs[2], weights[2], outputs[3],
             d, float(eps), **options,
+            **dependent_launch(),
         )  # fmt: skip
     return tuple(outputs)
 
@@ -622,7 +640,8 @@ def post_feedforward_norms(
         _post_feedforward_kernel[(rows,)](
             dense, moe, residual, *weights, scale, out, d, float(eps), row, expert_weight,
             out if next_norm_weight is None else next_norm_weight, normed, TOP_K=top_k, ON_GPU=dense.is_cuda,
-            NEXT_NORM=next_norm_weight is not None, **options
+            NEXT_NORM=next_norm_weight is not None, **options,
+            **dependent_launch(),
         )  # fmt: skip
     return out if next_norm_weight is None else (out, normed)
 
@@ -687,6 +706,7 @@ def fused_sample(
     _partials_kernel[(rows, splits)](
         x, temperature, partial, index, vocab, chunk, splits, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), BLOCK=block, num_warps=warps,
+        **dependent_launch(),
     )  # fmt: skip
     _finish_kernel[(rows, splits)](
         x, temperature, seed, partial, index, sample, entropy, argmax,
@@ -695,6 +715,7 @@ def fused_sample(
         vocab, chunk, splits, positions, cap, 1.0 / cap,
         HAS_CAP=bool(softcap), HAS_FROZEN=frozen is not None, WRITE_PROBABILITIES=probabilities is not None,
         BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=warps,
+        **dependent_launch(),
     )  # fmt: skip
     shape = (batch, positions)
     return sample.view(shape), argmax.view(shape), entropy.view(shape)

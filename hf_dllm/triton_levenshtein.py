@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton
+from .triton_ops import TRITON_AVAILABLE, dependent_launch, on_tensor_device, tl, triton
 
 # Columns of the chosen position's logits the anti-loop's argmax reads at once (fewer for a smaller vocabulary).
 LEVENSHTEIN_VOCAB_BLOCK = 4096
 
 if TRITON_AVAILABLE:
+    from .triton_ops import wait_for_previous_kernel
 
     @triton.jit
     def _count(flags):
@@ -125,6 +126,7 @@ if TRITON_AVAILABLE:
         BLOCK_V: tl.constexpr,
     ):
         # One program per row; the numbered steps are `LevenshteinEditing.step`'s.
+        wait_for_previous_kernel()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_B)
         valid = cols < length
@@ -324,5 +326,6 @@ def levenshtein_step(
         BLOCK_D=block_d,
         BLOCK_V=min(LEVENSHTEIN_VOCAB_BLOCK, triton.next_power_of_2(logits.shape[-1])),
         num_warps=4 if block_b * block_d <= 2048 else 8,  # blocks past 32: the (D, B) history tile in more registers
+        **dependent_launch(),
     )
     return new, new_orig, edited

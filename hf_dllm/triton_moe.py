@@ -34,10 +34,16 @@ import torch
 
 from .kernels import plain_half_linear
 from .triton_attention import num_sms
-from .triton_ops import TRITON_AVAILABLE, on_tensor_device, tl, triton  # None without Triton (CPU-only installs)
+from .triton_ops import (
+    TRITON_AVAILABLE,
+    dependent_launch,
+    on_tensor_device,
+    tl,
+    triton,
+)  # None without Triton (CPU-only installs)
 
 if TRITON_AVAILABLE:
-    from .triton_ops import _rms_normed
+    from .triton_ops import _rms_normed, wait_for_previous_kernel
 
 if TRITON_AVAILABLE:
 
@@ -95,6 +101,7 @@ if TRITON_AVAILABLE:
         LIBDEVICE: tl.constexpr,
     ):
         # One program per token. Experts laid out (group, index in group): expert = g * group_size + s.
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)
         g = tl.arange(0, BLOCK_G)[:, None]
         s = tl.arange(0, BLOCK_S)[None, :]
@@ -174,6 +181,7 @@ if TRITON_AVAILABLE:
         # One program per expert e (the shared expert, if any, is the last): its pairs' rows are
         # [start, start + count) with start = pairs of lower experts, in pair order (stable). Pair p belongs to
         # token p // per_token; choice per_token - 1 of each token is the shared expert when shared_expert >= 0.
+        wait_for_previous_kernel()
         e = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         start = tl.zeros([1], dtype=tl.int32)
@@ -211,6 +219,7 @@ if TRITON_AVAILABLE:
         # chunk's part of x @ gate.T with float32 accumulation, stored at `out[chunk index]` `(tokens, n_experts)`.
         # Splitting the experts and the hidden size across programs divides the router weight each program streams
         # (one program for all 64 experts of LLaDA-MoE read 256 KB alone; eight, one per 16 x 16 tile, 64 KB each).
+        wait_for_previous_kernel()
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
         e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
         split = tl.program_id(2)
@@ -240,6 +249,7 @@ if TRITON_AVAILABLE:
     ):
         # One program per chunk of CHUNK pairs: how many of its pairs each expert has, `counts[chunk, expert]`.
         # Pairs past the end count in the last bin, which is no expert (BINS > experts).
+        wait_for_previous_kernel()
         chunk = tl.program_id(0)
         pair = chunk * CHUNK + tl.arange(0, CHUNK)
         ids = _pair_expert(expert_ptr, pair, n_pairs, per_token, shared_expert, HAS_SHARED)
@@ -250,6 +260,7 @@ if TRITON_AVAILABLE:
     def _chunk_scan_kernel(counts_ptr, base_ptr, offsets_ptr, n_chunks, groups, BINS: tl.constexpr, ROWS: tl.constexpr):
         # One program: `base[chunk, e]` = pairs of expert e in earlier chunks; row `n_chunks` of `base` = each
         # expert's first row (pairs of lower experts); `offsets[e]` = its end row.
+        wait_for_previous_kernel()
         bins = tl.arange(0, BINS)
         total = tl.zeros([BINS], dtype=tl.int32)
         for first in range(0, n_chunks, ROWS):
@@ -279,6 +290,7 @@ if TRITON_AVAILABLE:
     ):
         # One program per chunk: a pair's row = its expert's first row + that expert's pairs in earlier chunks +
         # those earlier in this chunk (stable order).
+        wait_for_previous_kernel()
         chunk = tl.program_id(0)
         offs = tl.arange(0, CHUNK)
         pair = chunk * CHUNK + offs
@@ -320,6 +332,7 @@ if TRITON_AVAILABLE:
         BLOCK_H: tl.constexpr,
     ):
         # One program per (token, chunk of hidden). Pair rows of token t: row_index[t * per_token + k].
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         in_row = cols < hidden
@@ -386,6 +399,7 @@ if TRITON_AVAILABLE:
         # rounding points), so the next layer's input norm needs no kernel of its own. Compiled with fused
         # multiply-adds as `rms_norm` is (its sum of squares may use them); the combine's products are explicit
         # rounded multiplications (never fused), as `_combine_kernel`, compiled without fusion, computes them.
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_H)
         in_row = cols < hidden
@@ -434,6 +448,7 @@ if TRITON_AVAILABLE:
         # (float32, rounded, times the weight, rounded), then RoPE on the first `rotary_dim` dims with tables in the
         # activation dtype, each product and the sum rounded (PyTorch's rounding points). q goes to
         # `(B, n_q_heads, L, D)`; k (rotated) and v to the cache `(B, n_k_heads, T, D)` at column `position[l]`.
+        wait_for_previous_kernel()
         token = tl.program_id(0).to(tl.int64)  # b * seq_len + l
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         is_q = heads < n_q_heads
@@ -571,6 +586,7 @@ def route(
         # One warp: its reductions (about thirty per token) are shuffles without a barrier. On an H100, 32 / 1,024
         # tokens: 3.8 / 4.6 us against 5.3 / 8.4 with four warps, the same experts and weights.
         num_warps=1,
+        **dependent_launch(),
     )
     return index, weight
 
@@ -682,6 +698,7 @@ def router_partials(
         BLOCK_H=block_h,
         num_warps=4,
         num_stages=stages,
+        **dependent_launch(),
     )
     return partials
 
@@ -748,6 +765,7 @@ def _align_per_expert(
         HAS_SHARED=shared_expert,
         BLOCK=block,
         num_warps=4,
+        **dependent_launch(),
     )
     return sorted_token, offsets, row
 
@@ -768,9 +786,18 @@ def _align_by_chunks(
     base = torch.empty(n_chunks + 1, bins, dtype=torch.int32, device=topk_index.device)
     args = (n_pairs, per_token, n_experts)
     _chunk_histogram_kernel[(n_chunks,)](
-        topk_index, counts, *args, HAS_SHARED=shared_expert, CHUNK=ALIGN_CHUNK, BINS=bins, num_warps=4
+        topk_index,
+        counts,
+        *args,
+        HAS_SHARED=shared_expert,
+        CHUNK=ALIGN_CHUNK,
+        BINS=bins,
+        num_warps=4,
+        **dependent_launch(),
     )
-    _chunk_scan_kernel[(1,)](counts, base, offsets, n_chunks, offsets.shape[0], BINS=bins, ROWS=scan_rows, num_warps=8)
+    _chunk_scan_kernel[(1,)](
+        counts, base, offsets, n_chunks, offsets.shape[0], BINS=bins, ROWS=scan_rows, num_warps=8, **dependent_launch()
+    )
     _chunk_scatter_kernel[(n_chunks,)](
         topk_index,
         base,
@@ -784,6 +811,7 @@ def _align_by_chunks(
         CHUNK=ALIGN_CHUNK,
         BINS=bins,
         num_warps=4,
+        **dependent_launch(),
     )
     return sorted_token, offsets, row
 
@@ -825,6 +853,7 @@ def combine(
         num_warps=4 if block >= 1024 else 2,
         # No fused multiply-add: PyTorch rounds each product before the sum.
         enable_fp_fusion=False,
+        **dependent_launch(),
     )
     return out
 
@@ -868,6 +897,7 @@ def combine_and_norm(
         BLOCK_H=block,
         ON_GPU=expert_rows.is_cuda,  # the interpreter (CPU tensors) has no inline assembly (nor fused multiply-adds)
         num_warps=8 if block >= 2048 else 4,  # as `triton_ops.rms_norm`: the same reduction
+        **dependent_launch(),
     )
     return out, normed
 
@@ -948,5 +978,6 @@ def qk_norm_rope_to_cache(
         num_warps=4 if head_dim <= 128 else 8,
         # No fused multiply-add: PyTorch rounds each product.
         enable_fp_fusion=False,
+        **dependent_launch(),
     )
     return q_out
