@@ -14,7 +14,9 @@ Reported: ms per forward, forwards, tokens/s and the speed-up over the reference
 batch-1 block step (a step after the block's first, on the block's 32 positions, steps queued back to back as the
 loop queues them; timed after the rows, as `generate()` runs it, and before them, while its graph is the first the
 process captured: it replays faster then, see `first_step` below; also without the router's product in the routing
-kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), without the
+kernel, without the next norm in the MoE's combine kernel (`LLaDAMoESparseMoeBlock`'s switches), with cuBLAS for the
+dense products of the step's few rows (`triton_linear.FEW_ROWS_PRODUCTS`), without programmatic dependent launch
+(`triton_ops.DEPENDENT_LAUNCH`), without the
 attention's key splits merged in its own kernel (a second kernel merges them: `AttentionTiles.fold_merge=False`),
 without the step's decision in one launch (`UnmaskingPolicy.commit_in_one_launch`) and with the autotuner's
 grouped-product configs where `grouped_gemm.PINNED_CONFIGS` pins them) against its weight-read floor: the bytes of
@@ -61,7 +63,14 @@ from bench_generate import copy_bandwidth, forget_graphs, switched  # noqa: E402
 from bench_llada2 import sync, timed  # noqa: E402
 from kernel_profile import print_profile, profile_calls  # noqa: E402
 
-from hf_dllm import LLaDAMoEConfig, LLaDAMoEModelLM, grouped_gemm, triton_attention  # noqa: E402
+from hf_dllm import (  # noqa: E402
+    LLaDAMoEConfig,
+    LLaDAMoEModelLM,
+    grouped_gemm,
+    triton_attention,
+    triton_linear,
+    triton_ops,
+)
 from hf_dllm.block_loop import BlockDiffusionRun  # noqa: E402
 from hf_dllm.decoding import UnmaskingPolicy  # noqa: E402
 from hf_dllm.graphs import StepGraphs  # noqa: E402
@@ -285,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         switches = [
             (LLaDAMoESparseMoeBlock, "router_product_in_routing_kernel"),
             (LLaDAMoESparseMoeBlock, "norm_in_combine"),
+            (triton_linear, "FEW_ROWS_PRODUCTS"),
+            (triton_ops, "DEPENDENT_LAUNCH"),
         ]
         for owner, switch in [*switches, (UnmaskingPolicy, "commit_in_one_launch")]:
             with switched(owner, switch, False):

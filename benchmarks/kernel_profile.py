@@ -15,7 +15,7 @@ KINDS = (
     ("attention", ("attention", "attn", "flash", "softmax_kernel")),
     ("sampler, decision", ("sample", "entropy", "_partials_kernel", "_finish_kernel", "commit")),
     ("routing, alignment, combine", ("route", "align", "chunk_", "combine", "router")),
-    ("products (cuBLAS)", ("gemm", "nvjet", "sm90", "cutlass", "xmma", "gemv", "splitk")),
+    ("dense products", ("gemm", "nvjet", "sm90", "cutlass", "xmma", "gemv", "splitk", "_dense_rows")),
 )
 
 

@@ -58,6 +58,7 @@ SHARED_REMOTE_CODE_FILES = (
     "fp8_schemes.py",
     "fp8_triton.py",
     "triton_ops.py",
+    "triton_linear.py",
     "graphs.py",
     "tensor_parallel.py",
 )

@@ -22,8 +22,10 @@ from torch import nn
 from torch.nn.modules import module as _global_module_hooks
 from transformers.utils import logging
 
+from . import triton_linear
 from .fp8 import QuantizedRows, fp8_block_size, fp8_linear, fp8_scales, is_fp8_linear, quantized_input_group
 from .tensor_parallel import is_sharded, local_head_linear, local_shape, local_tensor, row_parallel_linear
+from .triton_linear import few_rows_applies, few_rows_linear
 from .triton_ops import TRITON_AVAILABLE
 
 logger = logging.get_logger(__name__)
@@ -127,7 +129,18 @@ def linear(layer: nn.Module, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     out = row_parallel_linear(layer, x)
     if out is None:  # a step's head kept as this rank's vocabulary slice (`tensor_parallel.local_head_logits`)
         out = local_head_linear(layer, x)
+    if out is None and x.is_cuda and type(layer) is nn.Linear and returns_its_forward(layer, allow_pre_hooks=False):
+        return dense_linear(x, layer.weight, layer.bias)  # the module's forward, its product maybe hf_dllm's
     return layer(x) if out is None else out
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`nn.functional.linear(x, weight, bias)`; for few rows of a CUDA tensor where the fused kernels run, through
+    `triton_linear.few_rows_linear` (split over the reduction: a block step's products read their weights faster
+    than cuBLAS's tiling of 32 rows, and launch like the other kernels)."""
+    if x.is_cuda and triton_linear.FEW_ROWS_PRODUCTS and use_fused_kernels(x) and few_rows_applies(x, weight, bias):
+        return few_rows_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 def linear_input_group(layer: nn.Module, x: torch.Tensor) -> int | None:
@@ -256,7 +269,7 @@ class ConcatenatedProjections(nn.Module):
         layers = [self._modules[name] for name in names]  # not getattr (slow), as in `concatenated`
         if not any(is_fp8_linear(layer) for layer in layers):
             weight, bias = self.concatenated(names)
-            return nn.functional.linear(x, weight, bias)
+            return dense_linear(x, weight, bias)
         block = self._fp8_block(layers)
         if block is not None:
             weight, bias = self.concatenated(names)

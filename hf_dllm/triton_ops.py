@@ -52,13 +52,24 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (the current one for a bare "cuda"), looked up once per device."""
+    index = torch.device(device).index
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
 def dependent_launch() -> dict:
     """The launch options of a kernel that starts with `wait_for_previous_kernel()`, on the current CUDA device
     (the tensors' one: `on_tensor_device`): `launch_pdl` on Hopper and later GPUs (`DEPENDENT_LAUNCH`), none in
-    Triton's interpreter or before."""
-    if not (DEPENDENT_LAUNCH and DEPENDENT_LAUNCH_AVAILABLE) or os.environ.get("TRITON_INTERPRET") == "1":
+    Triton's interpreter or before. Looked up once per device: it runs at every launch."""
+    if not (DEPENDENT_LAUNCH and DEPENDENT_LAUNCH_AVAILABLE) or not torch.cuda.is_initialized():
         return {}
-    if not torch.cuda.is_available() or _capability(torch.cuda.current_device()) < (9, 0):
+    return _dependent_launch_options(torch.cuda.current_device())
+
+
+@functools.cache
+def _dependent_launch_options(device: int) -> dict:
+    if os.environ.get("TRITON_INTERPRET") == "1" or capability(device) < (9, 0):
         return {}
     return {"launch_pdl": True}
 

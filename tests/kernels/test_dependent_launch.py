@@ -85,7 +85,7 @@ def test_the_launcher_of_autotuned_kernels_passes_the_options_on_gpu_paths():
 
 
 @pytest.mark.parametrize(
-    "interpreted, enabled, available, capability, expected",
+    "interpreted, enabled, initialized, capability, expected",
     [
         (False, True, True, (9, 0), {"launch_pdl": True}),
         (False, True, True, (10, 0), {"launch_pdl": True}),
@@ -96,7 +96,7 @@ def test_the_launcher_of_autotuned_kernels_passes_the_options_on_gpu_paths():
     ],
 )
 def test_dependent_launch_only_where_the_gpu_and_triton_have_it(
-    monkeypatch, interpreted, enabled, available, capability, expected
+    monkeypatch, interpreted, enabled, initialized, capability, expected
 ):
     if not triton_ops.DEPENDENT_LAUNCH_AVAILABLE:
         pytest.skip("this Triton has no grid dependency control")
@@ -105,10 +105,14 @@ def test_dependent_launch_only_where_the_gpu_and_triton_have_it(
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(triton_ops, "DEPENDENT_LAUNCH", enabled)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(triton_ops, "_capability", lambda device: capability)
-    assert triton_ops.dependent_launch() == expected
+    monkeypatch.setattr(triton_ops, "capability", lambda device: capability)
+    triton_ops._dependent_launch_options.cache_clear()
+    try:
+        assert triton_ops.dependent_launch() == expected
+    finally:
+        triton_ops._dependent_launch_options.cache_clear()
 
 
 @pytest.mark.gpu

@@ -31,8 +31,9 @@ def test_kernel_names_fall_under_their_kinds():
     kinds = {
         "_grouped_kernel": "experts (grouped products)",
         "_block_attention_kernel": "attention",
-        "nvjet_sm90_tst_96x64_64x10_2x4_h_bz_TNN": "products (cuBLAS)",
-        "void cublasLt::splitKreduce_kernel<32, 16>": "products (cuBLAS)",
+        "nvjet_sm90_tst_96x64_64x10_2x4_h_bz_TNN": "dense products",
+        "void cublasLt::splitKreduce_kernel<32, 16>": "dense products",
+        "_dense_rows_kernel": "dense products",
         "_route_kernel": "routing, alignment, combine",
         "_post_attention_kernel": "norms (and layer-end kernels)",
         "_qkv_norm_rope_kernel": "norms (and layer-end kernels)",
