@@ -34,13 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .triton_ops import (
-    TRITON_AVAILABLE,
-    dependent_launch,
-    on_tensor_device,
-    tl,
-    triton,
-)  # None without Triton (CPU-only installs)
+from .triton_ops import TRITON_AVAILABLE, dependent_launch, on_tensor_device, tl, triton  # None: CPU-only
 
 if TRITON_AVAILABLE:
     from .triton_ops import wait_for_previous_kernel

@@ -40,13 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ops import (
-    TRITON_AVAILABLE,
-    dependent_launch,
-    on_tensor_device,
-    tl,
-    triton,
-)  # None without Triton (CPU-only installs)
+from .triton_ops import TRITON_AVAILABLE, dependent_launch, on_tensor_device, tl, triton  # None: CPU-only
 
 if TRITON_AVAILABLE:
     from .triton_moe import weighted_rows_sum

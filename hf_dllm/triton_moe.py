@@ -34,13 +34,7 @@ import torch
 
 from .kernels import plain_half_linear
 from .triton_attention import num_sms
-from .triton_ops import (
-    TRITON_AVAILABLE,
-    dependent_launch,
-    on_tensor_device,
-    tl,
-    triton,
-)  # None without Triton (CPU-only installs)
+from .triton_ops import TRITON_AVAILABLE, dependent_launch, on_tensor_device, tl, triton  # None: CPU-only
 
 if TRITON_AVAILABLE:
     from .triton_ops import _rms_normed, wait_for_previous_kernel
