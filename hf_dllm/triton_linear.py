@@ -174,7 +174,7 @@ def few_rows_linear(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     tiles = triton.cdiv(n, BLOCK_N)
-    counters = _counters(weight, tiles) if split > 1 else rows
+    counters = _counters(weight, tiles) if split > 1 else rows  # (one split counts nothing: any pointer)
     if counters is None:
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)
