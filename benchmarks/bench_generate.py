@@ -294,7 +294,7 @@ def measure(model, attn: str, quant: str, settings: dict) -> list[dict]:
                     row["same_tokens"] = (generated == model_dtype_tokens[(batch, mode, per_forward)]).float().mean()
                     row["same_tokens"] = round(row["same_tokens"].item(), 4)
                 if mode == "dual" and per_forward == settings["tokens_per_forward"][0]:
-                    row["dual_step_ms"] = dual_step_ms(model, prompts, kwargs, device)
+                    row["dual_step_ms"] = dual_step_ms(model, prompts, kwargs, device, args.step_repeats)
                     if gpu and batch == 1:
                         # Weight bytes read once per step over the step time (the bandwidth floor's view).
                         row["weight_read_tb_s"] = weight_bytes / (row["dual_step_ms"] / 1000) / 1e12
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--block-length", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 2; --cpu: 1)")
     parser.add_argument("--check-eager", action="store_true", help="also compare tokens with disable_compile=True")
     parser.add_argument("--check-eager-max-batch", type=int, default=8)
     parser.add_argument(
@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if gpu else "cpu")
+    # --cpu checks the script (the test suite runs it): one timed call per row and fewer timed block steps
+    args.repeats = args.repeats or (1 if args.cpu else 2)
+    args.step_repeats = 5 if args.cpu else 30
     shape, dtype = (LLADA_8B, torch.bfloat16) if gpu else (SMALL, torch.float32)
     prompt_len = args.prompt_len or (512 if gpu else 64)
     new_tokens = args.new_tokens or (256 if gpu else 64)
