@@ -33,7 +33,7 @@ except ImportError:  # CPU-only installs: the PyTorch path is used
 
 # Programmatic dependent launch (CUDA's PDL, Hopper and later; Triton >= 3.5 names it): a kernel launched with it
 # may start while the kernel before it on the stream still runs, so a step's ~200 launches stop paying each one's
-# launch latency and ramp in the gap between kernels (0.5-0.8 us a kernel in an H200's captured step). Every kernel
+# launch latency and ramp in the gap between kernels (0.5-0.8 us a kernel in captured chains on an H200). Every kernel
 # of hf_dllm starts with `wait_for_previous_kernel()` and every launch passes `**dependent_launch()`.
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
