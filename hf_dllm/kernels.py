@@ -88,11 +88,14 @@ def use_fused_kernels(tensor: torch.Tensor | QuantizedRows) -> bool:
 def returns_its_forward(module: nn.Module, allow_pre_hooks: bool = True) -> bool:
     """Whether calling `module` returns what its class's `forward` computes on whole weights: no forward hook (on it,
     on a submodule, or on every module: one may replace an output; pre-hooks, which see only the inputs, may be set
-    unless `allow_pre_hooks` is False: a caller that runs the module on another stream runs them there too), no
+    unless `allow_pre_hooks` is False, its own and every module's: a caller that runs the module on another stream
+    runs them there too, and `linear` then calls the module rather than multiply itself), no
     accelerate `_hf_hook` wrapper, no `forward` replaced on it or a submodule (tensor and expert parallelism wrap it
     to all-reduce the output), no sharded parameter. Only then may a caller take the output in another form, or
     compute it on another stream."""
     if _global_module_hooks._global_forward_hooks:
+        return False
+    if not allow_pre_hooks and _global_module_hooks._global_forward_pre_hooks:
         return False
     for part in module.modules():
         if part._forward_hooks or "_hf_hook" in part.__dict__ or "forward" in vars(part):

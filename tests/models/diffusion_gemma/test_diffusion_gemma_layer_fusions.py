@@ -95,13 +95,16 @@ def test_returns_its_forward_only_where_nothing_reads_or_replaces_the_output(mon
     """`kernels.returns_its_forward`, which the experts' pair hand-back and the MLP's side stream ask: False with a
     forward hook (its own or every module's), accelerate's `_hf_hook`, `forward` replaced on the instance or a
     sharded parameter; a pre-hook (it sees only the inputs) leaves it True."""
-    from torch.nn.modules.module import register_module_forward_hook
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     layer = torch.nn.Linear(4, 4)
     assert kernels.returns_its_forward(layer)
     handle = layer.register_forward_pre_hook(lambda *args: None)
     assert kernels.returns_its_forward(layer)
     assert not kernels.returns_its_forward(layer, allow_pre_hooks=False)
+    handle.remove()
+    handle = register_module_forward_pre_hook(lambda *args: None)  # every module's pre-hook
+    assert kernels.returns_its_forward(layer) and not kernels.returns_its_forward(layer, allow_pre_hooks=False)
     handle.remove()
     for register in (layer.register_forward_hook, register_module_forward_hook):
         handle = register(lambda *args: None)
