@@ -422,17 +422,20 @@ def key_chunks(kv_len: int, n_splits: int, block_n: int, even: bool = False) -> 
 # its loads spill registers (ptxas, sm_90, Triton 3.6: ~1 KB a thread at LLaDA-MoE's and LLaDA2.0-mini's tiles).
 MAX_FOLDED_SPLITS = 32
 
-# Counters of the folded merge, per device: zeroed once, kept at zero by the kernel. A buffer outgrown by a larger
-# grid stays referenced, since a captured CUDA graph may still replay on it.
-_MERGE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+# Counters of the kernels whose last program merges (the folded merge, `triton_linear`'s split-K sums), per device
+# and owner: zeroed once, kept at zero by the kernels. A buffer outgrown by a larger grid stays referenced, since a
+# captured CUDA graph may still replay on it.
+_MERGE_COUNTERS: dict[tuple[torch.device, int | None], list[torch.Tensor]] = {}
 
 
-def merge_counters(device: torch.device, size: int) -> torch.Tensor | None:
-    """At least `size` int32 counters on `device`, all zero between launches (`_block_attention_kernel` resets each
-    counter it uses): allocated once (4096, or the next power of two above `size`), not cleared per call. None
-    where they would have to be allocated inside a CUDA graph capture: the zeroing would be captured, not run, and
-    the buffer would hold garbage until the graph's first replay (the caller merges in a second kernel then)."""
-    buffers = _MERGE_COUNTERS.setdefault(device, [])
+def merge_counters(device: torch.device, size: int, owner: int | None = None) -> torch.Tensor | None:
+    """At least `size` int32 counters on `device`, all zero between launches (`_block_attention_kernel` and
+    `triton_linear._dense_rows_kernel` reset each counter they use): allocated once (4096, or the next power of two
+    above `size`), not cleared per call. `owner` (e.g. a weight's address) gives a caller counters of its own: kernels
+    that may run at once on two streams must not share them. None where they would have to be allocated inside a
+    CUDA graph capture: the zeroing would be captured, not run, and the buffer would hold garbage until the graph's
+    first replay (the caller then runs its other path)."""
+    buffers = _MERGE_COUNTERS.setdefault((device, owner), [])
     if not buffers or buffers[-1].numel() < size:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None

@@ -10,7 +10,8 @@ Each of the SPLIT_K programs of a column tile writes its float32 partial product
 in the tile's counter (acquire-release) adds the partials in split order and writes the output, rounded once, with
 the bias added in float32 first. The order of the sums does not depend on which program finishes last, so a row's
 result is the same in every launch and in every batch of up to `FEW_ROWS` rows (the tile's other rows never enter
-it). The counters are the weight's own (`_counters`): two products on two streams never share one.
+it). The counters are the weight's own (`triton_attention.merge_counters`): two products on two streams never share
+one.
 
 `kernels.py` decides where it runs (`few_rows_applies`); `nn.functional.linear` stays the reference. Exported as Hub
 remote code: Triton is imported inside `try:` (`triton_ops`).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_attention import merge_counters
 from .triton_ops import (  # None without Triton (CPU-only installs)
     TRITON_AVAILABLE,
     capability,
@@ -139,22 +141,6 @@ def few_rows_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     )
 
 
-_COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-
-
-def _counters(weight: torch.Tensor, tiles: int) -> torch.Tensor | None:
-    """The int32 counters of `weight`'s column tiles, zero between launches (the kernel resets each one it uses):
-    made at the first product with it, outside any CUDA graph capture (a zeroing captured in a graph would run only
-    at its replays). None inside a capture before that (the caller runs `nn.functional.linear`)."""
-    key = (weight.device, weight.data_ptr(), tiles)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[key] = torch.zeros(tiles, dtype=torch.int32, device=weight.device)
-    return counters
-
-
 @on_tensor_device
 def few_rows_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: tuple[int, int] | None = None
@@ -174,7 +160,9 @@ def few_rows_linear(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     tiles = triton.cdiv(n, BLOCK_N)
-    counters = _counters(weight, tiles) if split > 1 else rows  # (one split counts nothing: any pointer)
+    # The weight's own counters (two streams never share one); one split counts nothing: any pointer. None inside a
+    # CUDA graph capture before the weight's first product: cuBLAS's product then.
+    counters = merge_counters(x.device, tiles, owner=weight.data_ptr()) if split > 1 else rows
     if counters is None:
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)

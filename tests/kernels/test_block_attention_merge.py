@@ -5,7 +5,8 @@ kernel (the last split program of a row tile merges; the default) and as a secon
   `kv_end`, skipped masked tiles, an FP8 cache and batch > 1; the folded call launches no second kernel, leaves its
   counters at zero, and gives the same bits when called again (CPU through Triton's interpreter, where the programs
   run one by one; on the GPU, where they run at once, also replayed in a CUDA graph).
-- `merge_counters` keeps one zeroed buffer per device, grown for a larger grid without dropping the smaller one.
+- `merge_counters` keeps one zeroed buffer per device and owner, grown for a larger grid without dropping the smaller
+  one.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def check_fold_equals_two_launches(q, k, v, mask, splits, tiles, again=True, **k
     finally:
         triton_attention._combine_splits_kernel = combine.kernel
     assert torch.equal(folded, two), ("folded != two launches", (folded.float() - two.float()).abs().max())
-    counters = triton_attention._MERGE_COUNTERS[q.device]
+    counters = triton_attention._MERGE_COUNTERS[(q.device, None)]
     assert all(int(buffer.abs().sum()) == 0 for buffer in counters), "counters not back at zero"
     if again:
         assert torch.equal(block_attention(q, k, v, mask, n_splits=splits, tiles=tiles, **kwargs), folded), "again"
@@ -157,13 +158,16 @@ def test_merge_counters_grow_keep_every_buffer_and_are_never_made_in_a_capture(m
     larger = triton_attention.merge_counters(device, first.numel() + 1)
     assert larger.numel() > first.numel() and not larger.any()
     # A CUDA graph captured on the smaller buffer still points at it: it stays referenced.
-    assert triton_attention._MERGE_COUNTERS[device] == [first, larger]
+    assert triton_attention._MERGE_COUNTERS[(device, None)] == [first, larger]
     assert triton_attention.merge_counters(device, 16) is larger
+    # An owner's counters are its own.
+    owned = triton_attention.merge_counters(device, 16, owner=1234)
+    assert owned is not larger and not owned.any() and triton_attention.merge_counters(device, 16, owner=1234) is owned
     # Inside a CUDA graph capture none is allocated (its zeroing would only run at replay): the caller merges in a
     # second kernel.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert triton_attention.merge_counters(torch.device("cuda", 0), 16) is None
-    assert triton_attention._MERGE_COUNTERS[torch.device("cuda", 0)] == []
+    assert triton_attention._MERGE_COUNTERS[(torch.device("cuda", 0), None)] == []
 
 
 # The shapes of the GPU tests of `block_attention` (`tests/generation/test_gpu.py`, LLaDA2.0-mini's block step in
@@ -225,7 +229,7 @@ def test_folded_merge_in_a_cuda_graph_equals_eager():
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         outs = calls(True)
     torch.cuda.current_stream().wait_stream(stream)
-    counters = triton_attention._MERGE_COUNTERS[torch.device("cuda", torch.cuda.current_device())]
+    counters = triton_attention._MERGE_COUNTERS[(torch.device("cuda", torch.cuda.current_device()), None)]
     for _ in range(3):
         for q, k, v, _tiles in inputs:
             for tensor in (q, k, v):

@@ -35,6 +35,7 @@ INTERPRETER_SCRIPT = f"""
 import torch
 from torch.nn import functional as F
 from hf_dllm import triton_linear as T
+from hf_dllm.triton_attention import _MERGE_COUNTERS
 
 torch.manual_seed(0)
 for shape, split, with_bias in {CPU_CASES!r}:
@@ -52,7 +53,7 @@ for shape, split, with_bias in {CPU_CASES!r}:
     rows, last = x.reshape(-1, k), x.numel() // k - 1
     alone = T.few_rows_linear(rows[last:], w, b, config=(split, 2))
     assert torch.equal(alone, out.reshape(-1, n)[last:]), "a row alone differs from the row among others"
-    counters = [c for key, c in T._COUNTERS.items() if key[1] == w.data_ptr()]
+    counters = [c for key, cs in _MERGE_COUNTERS.items() if key[1] == w.data_ptr() for c in cs]
     assert (split == 1) == (not counters) and all(int(c.abs().sum()) == 0 for c in counters), counters
 print("few rows checks passed")
 """
@@ -115,6 +116,7 @@ def test_few_rows_product_on_gpu(rows, n, k):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from hf_dllm import triton_linear as T
+    from hf_dllm.triton_attention import _MERGE_COUNTERS
 
     torch.manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -127,7 +129,8 @@ def test_few_rows_product_on_gpu(rows, n, k):
     assert err <= 2 * cublas_err + 1e-6, (float(err), float(cublas_err))
     assert torch.equal(T.few_rows_linear(x[:1], w, b), out[:1])
     torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for key, c in T._COUNTERS.items() if key[1] == w.data_ptr())
+    owned = [c for key, cs in _MERGE_COUNTERS.items() if key[1] == w.data_ptr() for c in cs]
+    assert all(int(c.abs().sum()) == 0 for c in owned)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = T.few_rows_linear(x, w, b)
