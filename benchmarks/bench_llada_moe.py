@@ -241,10 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"device": device_name, "dtype": str(dtype), "shape": "LLaDA-MoE-7B-A1B" if gpu else "tiny"}
     rows = []
     config = model.resolve_generation_config(steps=new_tokens, **base, use_cache=True, dual_cache=True)
-    # The step while its graph is the first CUDA graph this process captured, as a diagnostic: on an H200 every graph
-    # replays ~5 % faster while the process has instantiated at most three (even of a single small kernel; destroyed
-    # ones count), the same kernels with narrower gaps. generate() captures a graph per step shape, so the step after
-    # the rows is the one it runs.
+    # The step while its graph is the first CUDA graph this process captured, as a diagnostic of the gaps a process's
+    # fourth graph exec widens (docs/decisions/gpu-step.md). generate() captures a graph per step shape, so the step
+    # after the rows is the one it runs.
     first_step = block_step_ms(model, prompt, config, device) if gpu else None
 
     def add(name: str, call, nfe_of):
