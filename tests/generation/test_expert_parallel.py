@@ -107,7 +107,8 @@ def test_each_rank_holds_its_share_of_the_experts(single_process, ranks, case):
 )
 def test_two_gpus_bfloat16(tmp_path):
     """NCCL (and the symmetric-memory all-reduce where it runs), bfloat16: the ranks' tokens identical, logits within
-    the project's bfloat16 tolerance of one GPU's (5% of the largest logit), CUDA-graph capture as on one GPU."""
+    the project's bfloat16 tolerance of one GPU's (5% of the largest logit), CUDA-graph capture as on one GPU (but
+    for LLaDA-MoE under tensor parallelism)."""
     import subprocess
 
     out = tmp_path / "ep.pt"
@@ -122,9 +123,12 @@ def test_two_gpus_bfloat16(tmp_path):
         reference = worker.record(single, case, "cuda")
         first, second = results[f"ep:{case}"]
         scale = reference["logits"].abs().max()
+        # LLaDA-MoE's tensor-parallel experts run as a loop over the sharded modules, which reads the per-expert
+        # counts on the host (`uses_grouped_mm`): its steps stay eager.
+        graphs = reference["graphs_captured"] and case not in worker.TENSOR_PARALLEL
         for result in (first, second):
             assert (result["logits"] - reference["logits"]).abs().max() <= 0.05 * scale, case
-            assert result["graphs_captured"] == reference["graphs_captured"], case
+            assert result["graphs_captured"] == graphs, case
         for setting in reference["generated"]:
             assert torch.equal(first["generated"][setting][0], second["generated"][setting][0]), (case, setting)
         del single

@@ -182,7 +182,8 @@ def test_cuda_generate_with_encoder_graph_equals_eager(gemma_cuda_bf16, monkeypa
     generate_both_ways(model, "cuda")
     assert model._graphs.replays["encoder_layers"] == 3  # the same graph: captured once for both calls
     # The prompt's pass: eager at the first call, captured at the second, replayed at the third (same tokens).
-    widths = sorted(key[2][0][0][1] for key in model._graphs.entries if key[0] == "encoder_layers")
+    # A key ends with its inputs' (shape, dtype, device); the first input is x (B, C, hidden).
+    widths = sorted(key[-1][0][0][1] for key in model._graphs.entries if key[0] == "encoder_layers")
     assert widths == sorted([21, model.config.canvas_length])
     generate_both_ways(model, "cuda")
     assert model._graphs.replays["encoder_layers"] == 6
