@@ -105,6 +105,10 @@ def collect(paths: list[str]) -> list[str]:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "gpu", *paths],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
+    if done.returncode not in (0, 5):  # 5: none selected. A module failing to import must not drop its tests unseen
+        raise SystemExit(
+            f"gpu_suite: collection failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
     return [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
 
 
@@ -112,8 +116,8 @@ class Runner:
     """`--workers` threads taking jobs in order; each job a pytest process on the least busy GPU (or all)."""
 
     def __init__(self, gpus: int, deadline: float, out: Path):
-        self.gpus, self.deadline, self.out = gpus, deadline, out
-        self.busy = [0] * max(gpus, 1)
+        self.deadline, self.out = deadline, out
+        self.busy = [0] * max(gpus, 1)  # single-GPU jobs running on each GPU
         self.lock = threading.Lock()
 
     def left(self) -> float:

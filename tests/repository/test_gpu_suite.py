@@ -97,3 +97,10 @@ def test_refuses_a_host_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit, match="no CUDA device"):
         gpu_suite.main(["--out", "unused"])
+
+
+def test_a_collection_error_stops_the_run_instead_of_dropping_tests(tmp_path):
+    broken = tmp_path / "test_broken.py"
+    broken.write_text("import a_module_that_does_not_exist\n")
+    with pytest.raises(SystemExit, match="collection failed"):
+        gpu_suite.collect([str(broken)])
