@@ -1,12 +1,11 @@
 """Every GPU test (`-m gpu`) on all of this host's GPUs at once, under a deadline.
 
 A device command gets 10 minutes, far less than the GPU tests take in one pytest process (most of it Triton
-compiling and graph capture on the host). So: one collection, then the tests split into jobs (a file, or
-chunks of `--chunk` tests of a large file), run by `--workers` pytest processes, each job on one GPU (the least
-busy; `CUDA_VISIBLE_DEVICES`), except the tests that read `device_count()`: they start first, with every GPU
-visible. A test that skipped on one GPU all the same (its skip reason names "CUDA devices") runs again in a
-second pass with every GPU visible. Logs, one per job, go to `--out`;
-the summary is printed and written as `summary.txt`, with the failures' tracebacks.
+compiling and graph capture on the host). So: one collection, then the tests split into jobs (a file, or chunks of
+`--chunk` tests of a large file), run by `--workers` pytest processes, each job on the least busy GPU
+(`CUDA_VISIBLE_DEVICES`), except the tests that read `device_count()`: they start first, with every GPU visible.
+(A test that skips for want of GPUs through a helper shows as skipped in its job's line.) Logs, one per job, go
+to `--out` in one archive; the summary is printed and written as `summary.txt`, with the failures' tracebacks.
 
     python -m tests.gpu_suite --workers 8 --deadline 540 --out "$OUT"
 
@@ -29,8 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# pytest's skip line: "SKIPPED [1] tests/x.py:107: needs 2 CUDA devices"
-SKIP_LINE = re.compile(r"^SKIPPED \[\d+\] (?P<path>[^:]+):(?P<line>\d+): (?P<reason>.*)$")
 SUMMARY_LINE = re.compile(r"^=* ?\d+ (passed|failed|skipped|error|deselected).*$|^=* ?no tests ran.*$")
 
 
@@ -81,23 +78,6 @@ def plan(node_ids: list[str], chunk: int, root: Path = ROOT) -> list[Job]:
         for k in range(0, len(rest), chunk):
             single.append(Job(f"{stem}_{k // chunk}", rest[k : k + chunk], len(rest[k : k + chunk])))
     return several + sorted(single, key=lambda job: -job.count)
-
-
-def tests_needing_more_gpus(log: str, root: Path = ROOT) -> list[str]:
-    """The `file::function` of each test that skipped in `log` because it needs more CUDA devices than it saw: the
-    function whose lines (decorators included) hold the skip's reported line."""
-    found = []
-    for line in log.splitlines():
-        match = SKIP_LINE.match(line.strip())
-        if not match or "CUDA devices" not in match["reason"]:
-            continue
-        path, lineno = match["path"], int(match["line"])
-        for node in ast.walk(ast.parse((root / path).read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
-                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                if first <= lineno <= node.end_lineno and f"{path}::{node.name}" not in found:
-                    found.append(f"{path}::{node.name}")
-    return found
 
 
 def collect(paths: list[str]) -> list[str]:
@@ -202,10 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(gpus, time.monotonic() + args.deadline, args.out)
     jobs = plan(collect(args.paths), args.chunk)
     started = runner.run_all(jobs, args.workers)
-    # A test that skipped for want of GPUs though `needs_more_gpus` did not see it (a skip inside the test).
-    more = sorted({test for job in started if not job.all_gpus for test in tests_needing_more_gpus(job.result["log"])})
-    if more and gpus > 1:
-        started += runner.run_all([Job("skipped_for_gpus", more, len(more), all_gpus=True)], 1)
     not_run = [job for job in jobs if job not in started]
     text = report(started, not_run)
     (args.out / "summary.txt").write_text(text)

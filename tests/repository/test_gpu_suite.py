@@ -1,8 +1,6 @@
-"""tests/gpu_suite.py, the runner of the GPU tests over a host's GPUs: its jobs, its second pass, its report."""
+"""tests/gpu_suite.py, the runner of the GPU tests over a host's GPUs: its jobs, its collection, its report."""
 
 from __future__ import annotations
-
-import textwrap
 
 import pytest
 
@@ -63,19 +61,6 @@ def test_plan_puts_multi_gpu_tests_first_and_splits_large_files(tree):
     assert jobs[2].tests == nodes[:8]
     # A file small enough for one job runs whole (one path: its module fixtures built once).
     assert gpu_suite.plan(nodes[:12], chunk=8, root=tree)[0].tests == ["tests/test_big.py"]
-
-
-def test_tests_skipped_for_want_of_gpus_are_found_by_their_reported_line(tree):
-    log = textwrap.dedent("""\
-        ..s
-        SKIPPED [1] tests/test_wide.py:5: needs 2 CUDA devices
-        SKIPPED [2] tests/test_wide.py:10: needs 4 CUDA devices
-        SKIPPED [1] tests/test_wide.py:13: expert parallelism needs transformers >= 5.24
-    """)
-    assert gpu_suite.tests_needing_more_gpus(log, root=tree) == [
-        "tests/test_wide.py::test_two",
-        "tests/test_wide.py::test_inside",
-    ]
 
 
 def test_report_lists_each_job_the_failures_tracebacks_and_what_did_not_run():
